@@ -1,0 +1,164 @@
+//! Command-line definitions (clap derive) and nothing else.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tftf",
+    version,
+    about = "Stream-convert huge safetensors checkpoints with bounded memory",
+    long_about = None
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List tensors, dtypes, shapes and sizes, with totals and a per-layer summary
+    Info(InfoArgs),
+    /// Copy a checkpoint, optionally filtering, renaming, casting and resharding it
+    Passthrough(PassthroughArgs),
+    /// Check a checkpoint's structure (and with --check-values, its numbers)
+    Validate(ValidateArgs),
+    /// Apply a chain of pipe sections, in the order given
+    Run(RunArgs),
+    /// Build a small example checkpoint, convert it, validate the result and print a summary
+    Demo(DemoArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct InputArgs {
+    /// Input: a .safetensors file, a model directory, or an index .json file
+    #[arg(short = 'i', long = "input", short_alias = 'b', alias = "base", value_name = "MODEL")]
+    pub input: Option<PathBuf>,
+    /// Input, as a positional argument
+    #[arg(value_name = "MODEL", conflicts_with = "input")]
+    pub model: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct WriteArgs {
+    /// Output directory, or a file name ending in .safetensors for a single file
+    #[arg(short = 'o', long = "output", value_name = "OUT")]
+    pub output: PathBuf,
+    /// Largest output shard (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its own shard
+    #[arg(long, value_name = "SIZE", default_value = "5GiB")]
+    pub max_shard_size: String,
+    /// Accepted for compatibility; directory output is always sharded by --max-shard-size
+    #[arg(long)]
+    pub sharded: bool,
+    /// Print the plan and create nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Compute threads (default: all cores)
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Bound on tensor data in flight (default: a quarter of available memory, at most 4GiB)
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
+    /// Print nothing but errors
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// No progress bar
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Write a JSON summary of the run to this file
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    /// Replace the model files of a non-empty output directory (or an existing output file)
+    #[arg(long)]
+    pub force: bool,
+    /// Copy untouched tensors through user memory instead of copy_file_range
+    #[arg(long)]
+    pub no_reflink: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Only tensors whose name contains this text
+    #[arg(long, value_name = "SUBSTR")]
+    pub filter: Option<String>,
+    /// Print per-dtype counts and bytes instead of the tensor list
+    #[arg(long)]
+    pub dtype_summary: bool,
+    /// Machine-readable output
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PassthroughArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    /// Cast float tensors (F16/BF16/F32/F64) to bf16, f16 or f32
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// Keep only tensors matching any of these fnmatch globs
+    #[arg(long, value_name = "GLOB")]
+    pub include: Vec<String>,
+    /// Drop tensors matching any of these globs (wins over --include)
+    #[arg(long, value_name = "GLOB")]
+    pub exclude: Vec<String>,
+    /// Rename tensors: regex and replacement (\1 or $1 for groups); repeatable, applied in order
+    #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
+    pub rename: Vec<String>,
+    /// Also cast integer and bool tensors with --dtype
+    #[arg(long)]
+    pub cast_ints: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ValidateArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Also check a conversion plan: dtype:X, filter:GLOB or exclude:GLOB (repeatable, in order)
+    #[arg(long, value_name = "STEP")]
+    pub pipe: Vec<String>,
+    /// Scan float tensors for NaN and Inf
+    #[arg(long)]
+    pub check_values: bool,
+    /// Machine-readable output
+    #[arg(long)]
+    pub json: bool,
+    /// Bound on data in flight while scanning values
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    /// Pipe section: keep tensors matching GLOB
+    #[arg(long, value_name = "GLOB")]
+    pub key_filter: Vec<String>,
+    /// Pipe section: drop tensors matching GLOB
+    #[arg(long, value_name = "GLOB")]
+    pub key_exclude: Vec<String>,
+    /// Pipe section: rename with REGEX -> REPL
+    #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
+    pub key_rename: Vec<String>,
+    /// Pipe section: cast float tensors to DTYPE
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype_cast: Vec<String>,
+    /// Also cast integer and bool tensors in --dtype-cast sections
+    #[arg(long)]
+    pub cast_ints: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Keep the example checkpoint and outputs in this directory instead of a temporary one
+    #[arg(long, value_name = "DIR")]
+    pub keep: Option<PathBuf>,
+}

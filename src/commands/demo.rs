@@ -1,0 +1,247 @@
+//! `tftf demo`: a tiny two-shard checkpoint (BF16, F32 and block-scaled FP8 tensors, an index, a
+//! config and a tokenizer file), converted with every operation available, then validated
+//! byte for byte against what the conversions promise.
+
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::commands::convert::{convert, WriteOptions};
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::format::write_small;
+use crate::ops::cast::f32_to_bf16;
+use crate::pipeline::Cancel;
+use crate::plan::Step;
+use crate::transform::{Glob, Rename};
+
+const HIDDEN: u64 = 64;
+const LAYERS: usize = 2;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    fn normal_ish(&mut self) -> f32 {
+        (0..4).map(|_| self.next() as f32 / (1u64 << 31) as f32 - 0.5).sum::<f32>() * 0.05
+    }
+}
+
+type Tensor = (String, DType, Vec<u64>, Vec<u8>);
+
+fn bf16_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
+    let n: u64 = shape.iter().product();
+    let data = (0..n).flat_map(|_| f32_to_bf16(rng.normal_ish()).to_le_bytes()).collect();
+    (name.into(), DType::BF16, shape, data)
+}
+
+fn f32_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
+    let n: u64 = shape.iter().product();
+    let data = (0..n).flat_map(|_| (1.0 + rng.normal_ish()).to_le_bytes()).collect();
+    (name.into(), DType::F32, shape, data)
+}
+
+fn fp8_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
+    let n: u64 = shape.iter().product();
+    // Finite E4M3 codes only: 0x7F/0xFF are NaN.
+    let data = (0..n).map(|_| (rng.next() % 0x7F) as u8 | (rng.next() as u8 & 0x80)).collect();
+    (name.into(), DType::F8_E4M3, shape, data)
+}
+
+/// Writes the example checkpoint into `dir`.
+pub fn make_example(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut rng = Rng(42);
+    let h = HIDDEN;
+    let mut shard1 = vec![bf16_tensor("model.embed_tokens.weight", vec![256, h], &mut rng)];
+    let mut shard2 = Vec::new();
+    for l in 0..LAYERS {
+        let target = if l == 0 { &mut shard1 } else { &mut shard2 };
+        let p = format!("model.layers.{l}");
+        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            target.push(fp8_tensor(&format!("{p}.self_attn.{proj}.weight"), vec![h, h], &mut rng));
+            let scale: Vec<u8> = (0..1).flat_map(|_| 0.01f32.to_le_bytes()).collect();
+            target.push((format!("{p}.self_attn.{proj}.weight_scale_inv"), DType::F32, vec![1, 1], scale));
+        }
+        for (proj, shape) in [("gate_proj", [2 * h, h]), ("up_proj", [2 * h, h]), ("down_proj", [h, 2 * h])] {
+            target.push(bf16_tensor(&format!("{p}.mlp.{proj}.weight"), shape.to_vec(), &mut rng));
+        }
+        target.push(f32_tensor(&format!("{p}.input_layernorm.weight"), vec![h], &mut rng));
+        target.push(f32_tensor(&format!("{p}.post_attention_layernorm.weight"), vec![h], &mut rng));
+    }
+    shard2.push(f32_tensor("model.norm.weight", vec![h], &mut rng));
+    shard2.push(bf16_tensor("lm_head.weight", vec![256, h], &mut rng));
+    let names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0u64;
+    for (name, tensors) in names.iter().zip([&shard1, &shard2]) {
+        write_small(&dir.join(name), tensors)?;
+        for t in tensors.iter() {
+            weight_map.insert(t.0.clone(), json!(name));
+            total += t.3.len() as u64;
+        }
+    }
+    let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": h,
+        "num_hidden_layers": LAYERS,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    });
+    let write = |name: &str, v: &serde_json::Value| {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(v).expect("JSON")).map_err(|e| Error::io(&p, e))
+    };
+    write("model.safetensors.index.json", &index)?;
+    write("config.json", &config)?;
+    write("tokenizer_config.json", &json!({"model_max_length": 4096}))?;
+    Ok(())
+}
+
+fn quiet_opts(output: &Path, max_shard_bytes: u64) -> WriteOptions {
+    WriteOptions {
+        output: output.into(),
+        max_shard_bytes,
+        dry_run: false,
+        threads: 2,
+        memory_budget: 16 << 20,
+        quiet: true,
+        progress: false,
+        report: None,
+        force: false,
+        kernel_copy: true,
+    }
+}
+
+fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let t = ckpt
+        .get(name)
+        .ok_or_else(|| Error::Other(format!("demo: `{name}` missing from {}", ckpt.input.display())))?;
+    let mut buf = vec![0u8; t.info.nbytes() as usize];
+    ckpt.shards[t.shard]
+        .file
+        .read_exact_at(&mut buf, ckpt.file_offset(t))
+        .map_err(|e| Error::io(&ckpt.shards[t.shard].path, e))?;
+    Ok(buf)
+}
+
+fn check(cond: bool, what: &str) -> Result<()> {
+    if cond {
+        println!("  ok  {what}");
+        Ok(())
+    } else {
+        Err(Error::Other(format!("demo check failed: {what}")))
+    }
+}
+
+pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
+    let tmp;
+    let root = match keep {
+        Some(dir) => dir.to_path_buf(),
+        None => {
+            tmp = TempDir::new()?;
+            tmp.0.clone()
+        }
+    };
+    let src = root.join("example");
+    make_example(&src)?;
+    let input = Checkpoint::open(&src)?;
+    println!(
+        "example checkpoint: {} tensors in {} shards, {} bytes ({})",
+        input.tensors.len(),
+        input.shards.len(),
+        input.total_bytes(),
+        src.display()
+    );
+
+    let bf16_dir = root.join("bf16-resharded");
+    println!("\n1. passthrough --dtype bf16 --max-shard-size 40KB");
+    convert(
+        "passthrough",
+        &src,
+        &[Step::Cast { dtype: DType::BF16, cast_ints: false }],
+        &quiet_opts(&bf16_dir, 40_000),
+        cancel,
+    )?;
+    let out = Checkpoint::open(&bf16_dir)?;
+    check(out.tensors.len() == input.tensors.len(), "every tensor present")?;
+    check(out.shards.len() > 2, &format!("resharded into {} shards with an index", out.shards.len()))?;
+    let norm_in = tensor_bytes(&input, "model.norm.weight")?;
+    let norm_out = tensor_bytes(&out, "model.norm.weight")?;
+    let expected: Vec<u8> = norm_in
+        .chunks_exact(4)
+        .flat_map(|c| f32_to_bf16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
+        .collect();
+    check(norm_out == expected, "F32 norms cast to BF16, rounded to nearest even")?;
+    let q = "model.layers.1.self_attn.q_proj.weight";
+    check(tensor_bytes(&out, q)? == tensor_bytes(&input, q)?, "FP8 weights copied byte for byte")?;
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(bf16_dir.join("config.json")).map_err(|e| Error::io(&bf16_dir, e))?,
+    )
+    .map_err(|e| Error::Other(e.to_string()))?;
+    check(cfg["torch_dtype"] == "bfloat16", "config.json torch_dtype says bfloat16")?;
+    check(bf16_dir.join("tokenizer_config.json").is_file(), "tokenizer files copied")?;
+
+    let renamed = root.join("renamed.safetensors");
+    println!("\n2. run --key-exclude '*.weight_scale_inv' --key-rename '^model\\.' '' -o renamed.safetensors");
+    convert(
+        "run",
+        &src,
+        &[
+            Step::Exclude(vec![Glob::new("*.weight_scale_inv")?]),
+            Step::Rename(Rename::new(r"^model\.", "")?),
+        ],
+        &quiet_opts(&renamed, u64::MAX),
+        cancel,
+    )?;
+    let out2 = Checkpoint::open(&renamed)?;
+    check(out2.get("layers.0.mlp.up_proj.weight").is_some(), "`model.` prefix stripped")?;
+    check(out2.tensors.iter().all(|t| !t.info.name.ends_with("weight_scale_inv")), "scales excluded")?;
+    check(
+        tensor_bytes(&out2, "embed_tokens.weight")? == tensor_bytes(&input, "model.embed_tokens.weight")?,
+        "renamed tensors keep their bytes",
+    )?;
+
+    println!("\n3. validate --check-values on both outputs");
+    for dir in [&bf16_dir, &renamed] {
+        let c = Checkpoint::open(dir)?;
+        let mut bad = 0;
+        for t in &c.tensors {
+            let mut acc = crate::commands::validate::NonFinite::default();
+            crate::commands::validate::scan_nonfinite(t.info.dtype, &tensor_bytes(&c, &t.info.name)?, 0, &mut acc);
+            bad += acc.count;
+        }
+        check(bad == 0, &format!("{}: structure valid, all values finite", dir.display()))?;
+    }
+    println!("\ndemo finished: every check passed{}", match keep {
+        Some(d) => format!("; files kept in {}", d.display()),
+        None => String::new(),
+    });
+    Ok(())
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let base = std::env::temp_dir();
+        for i in 0..100u32 {
+            let p = base.join(format!("tftf-demo-{}-{i}", std::process::id()));
+            if std::fs::create_dir(&p).is_ok() {
+                return Ok(TempDir(p));
+            }
+        }
+        Err(Error::Other(format!("cannot create a temporary directory in {}", base.display())))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

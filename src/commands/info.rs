@@ -1,0 +1,132 @@
+//! `tftf info`: what a checkpoint holds, from headers only.
+
+use std::collections::BTreeMap;
+
+use regex::Regex;
+use serde_json::json;
+
+use crate::cli::InfoArgs;
+use crate::error::Result;
+use crate::format::checkpoint::Checkpoint;
+use crate::size::human;
+
+/// The layer a tensor belongs to: `model.layers.12`, `transformer.h.3`, `mtp.0`, …
+pub fn layer_of(name: &str) -> Option<String> {
+    static RE: std::sync::OnceLock<Regex> = std::sync::OnceLock::new();
+    let re = RE.get_or_init(|| {
+        Regex::new(r"^((?:[^.]+\.)*?(?:layers|layer|h|blocks|block|mtp)\.\d+)\.")
+            .expect("valid regex")
+    });
+    re.captures(name).map(|c| c[1].to_string())
+}
+
+pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
+    let ckpt = Checkpoint::open(input)?;
+    for w in &ckpt.warnings {
+        eprintln!("warning: {w}");
+    }
+    let tensors: Vec<_> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| args.filter.as_ref().is_none_or(|f| t.info.name.contains(f.as_str())))
+        .collect();
+    let total: u64 = tensors.iter().map(|t| t.info.nbytes()).sum();
+    let total_params: u64 = tensors.iter().map(|t| t.info.elements()).sum();
+    let mut by_dtype: BTreeMap<&str, (usize, u64, u64)> = BTreeMap::new();
+    let mut layers: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    let mut outside = 0u64;
+    for t in &tensors {
+        let e = by_dtype.entry(t.info.dtype.name()).or_default();
+        e.0 += 1;
+        e.1 += t.info.nbytes();
+        e.2 += t.info.elements();
+        match layer_of(&t.info.name) {
+            Some(l) => {
+                let e = layers.entry(l).or_default();
+                e.0 += 1;
+                e.1 += t.info.nbytes();
+            }
+            None => outside += t.info.nbytes(),
+        }
+    }
+    let widest = layers
+        .iter()
+        .max_by(|a, b| a.1 .1.cmp(&b.1 .1).then(b.0.cmp(a.0)))
+        .map(|(name, (n, bytes))| (name.clone(), *n, *bytes));
+
+    if args.json {
+        let v = json!({
+            "path": ckpt.input,
+            "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
+            "tensors": tensors.iter().map(|t| json!({
+                "name": t.info.name,
+                "dtype": t.info.dtype.name(),
+                "shape": t.info.shape,
+                "bytes": t.info.nbytes(),
+                "shard": ckpt.shards[t.shard].path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            })).collect::<Vec<_>>(),
+            "total_tensors": tensors.len(),
+            "total_bytes": total,
+            "total_elements": total_params,
+            "dtypes": by_dtype.iter().map(|(d, (n, b, e))| (d.to_string(), json!({"tensors": n, "bytes": b, "elements": e}))).collect::<serde_json::Map<_, _>>(),
+            "layers": layers.len(),
+            "widest_layer": widest.as_ref().map(|(n, c, b)| json!({"name": n, "tensors": c, "bytes": b})),
+            "bytes_outside_layers": outside,
+            "warnings": ckpt.warnings,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+        return Ok(());
+    }
+    if !args.dtype_summary {
+        let w = tensors.iter().map(|t| t.info.name.len()).max().unwrap_or(4).max(4);
+        println!("{:<w$}  {:<11}  {:<22}  {:>12}", "NAME", "DTYPE", "SHAPE", "BYTES");
+        for t in &tensors {
+            println!(
+                "{:<w$}  {:<11}  {:<22}  {:>12}",
+                t.info.name,
+                t.info.dtype.name(),
+                format!("{:?}", t.info.shape),
+                t.info.nbytes()
+            );
+        }
+        println!();
+    }
+    println!(
+        "{}: {} tensors in {} shard(s), {} elements, {} ({} bytes)",
+        ckpt.input.display(),
+        tensors.len(),
+        ckpt.shards.len(),
+        total_params,
+        human(total),
+        total
+    );
+    println!("dtypes:");
+    for (d, (n, b, _)) in &by_dtype {
+        println!("  {d:<11} {n:>7} tensors  {:>12}", human(*b));
+    }
+    match widest {
+        Some((name, n, bytes)) => println!(
+            "layers: {}; widest: {name} ({}, {n} tensors); outside layers: {}",
+            layers.len(),
+            human(bytes),
+            human(outside)
+        ),
+        None => println!("layers: none recognised; {} outside layers", human(outside)),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layer_of;
+
+    #[test]
+    fn layer_names() {
+        assert_eq!(layer_of("model.layers.12.mlp.up_proj.weight").as_deref(), Some("model.layers.12"));
+        assert_eq!(layer_of("layers.3.ffn.experts.5.w1.weight").as_deref(), Some("layers.3"));
+        assert_eq!(layer_of("transformer.h.0.attn.c_attn.weight").as_deref(), Some("transformer.h.0"));
+        assert_eq!(layer_of("mtp.0.ffn.experts.1.w2.scale").as_deref(), Some("mtp.0"));
+        assert_eq!(layer_of("model.embed_tokens.weight"), None);
+        assert_eq!(layer_of("lm_head.weight"), None);
+    }
+}

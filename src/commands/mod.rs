@@ -1,0 +1,119 @@
+//! Command implementations; `dispatch` turns parsed flags into validated requests once.
+
+pub mod convert;
+pub mod demo;
+pub mod info;
+pub mod validate;
+
+use std::path::PathBuf;
+
+use clap::{ArgMatches, FromArgMatches};
+
+use crate::cli::{Cli, Command, InputArgs, PassthroughArgs, RunArgs};
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+use crate::pipeline::Cancel;
+use crate::plan::Step;
+use crate::transform::{Glob, Rename};
+use convert::{convert, WriteOptions};
+
+fn input_path(a: &InputArgs) -> Result<PathBuf> {
+    a.input
+        .clone()
+        .or_else(|| a.model.clone())
+        .ok_or_else(|| Error::Usage("no input: give -i MODEL or MODEL".into()))
+}
+
+fn cast_target(s: &str) -> Result<DType> {
+    DType::parse_cast_target(s).ok_or_else(|| {
+        Error::Usage(format!(
+            "unknown dtype `{s}`: use bf16, f16 or f32 (or bfloat16, float16, float32)"
+        ))
+    })
+}
+
+fn renames(flat: &[String]) -> Result<Vec<Rename>> {
+    flat.chunks(2).map(|p| Rename::new(&p[0], &p[1])).collect()
+}
+
+fn globs(list: &[String]) -> Result<Vec<Glob>> {
+    list.iter().map(|g| Glob::new(g)).collect()
+}
+
+/// passthrough: include, then exclude (so exclude wins), then renames in order, then the cast.
+pub fn passthrough_steps(a: &PassthroughArgs) -> Result<Vec<Step>> {
+    let mut steps = Vec::new();
+    if !a.include.is_empty() {
+        steps.push(Step::Include(globs(&a.include)?));
+    }
+    if !a.exclude.is_empty() {
+        steps.push(Step::Exclude(globs(&a.exclude)?));
+    }
+    steps.extend(renames(&a.rename)?.into_iter().map(Step::Rename));
+    if let Some(d) = &a.dtype {
+        steps.push(Step::Cast {
+            dtype: cast_target(d)?,
+            cast_ints: a.cast_ints,
+        });
+    }
+    Ok(steps)
+}
+
+/// run: sections apply in the order they appear on the command line.
+pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
+    let idx = |id: &str| -> Vec<usize> { m.indices_of(id).map(|i| i.collect()).unwrap_or_default() };
+    let mut steps: Vec<(usize, Step)> = Vec::new();
+    for (i, g) in idx("key_filter").into_iter().zip(&a.key_filter) {
+        steps.push((i, Step::Include(vec![Glob::new(g)?])));
+    }
+    for (i, g) in idx("key_exclude").into_iter().zip(&a.key_exclude) {
+        steps.push((i, Step::Exclude(vec![Glob::new(g)?])));
+    }
+    for (i, r) in idx("key_rename").into_iter().step_by(2).zip(renames(&a.key_rename)?) {
+        steps.push((i, Step::Rename(r)));
+    }
+    for (i, d) in idx("dtype_cast").into_iter().zip(&a.dtype_cast) {
+        steps.push((
+            i,
+            Step::Cast {
+                dtype: cast_target(d)?,
+                cast_ints: a.cast_ints,
+            },
+        ));
+    }
+    steps.sort_by_key(|(i, _)| *i);
+    Ok(steps.into_iter().map(|(_, s)| s).collect())
+}
+
+/// Runs the command; returns the process exit code.
+pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
+    let cli = Cli::from_arg_matches(matches).map_err(|e| Error::Usage(e.to_string()))?;
+    match &cli.command {
+        Command::Info(a) => {
+            info::run(a, &input_path(&a.input)?)?;
+            Ok(0)
+        }
+        Command::Passthrough(a) => {
+            let steps = passthrough_steps(a)?;
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("passthrough", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::Run(a) => {
+            let sub = matches.subcommand_matches("run").expect("run subcommand");
+            let steps = run_steps(a, sub)?;
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::Validate(a) => {
+            let budget = convert::parse_budget(a.memory_budget.as_deref())?;
+            let ok = validate::run(a, &input_path(&a.input)?, budget)?;
+            Ok(if ok { 0 } else { 1 })
+        }
+        Command::Demo(a) => {
+            demo::run(a.keep.as_deref(), cancel)?;
+            Ok(0)
+        }
+    }
+}

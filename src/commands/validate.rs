@@ -1,0 +1,195 @@
+//! `tftf validate`: every structural check of the input (all broken shards, not just the
+//! first), an optional dry plan of a pipe, and with `--check-values` a streamed NaN/Inf scan.
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::cli::ValidateArgs;
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::plan::{OutputKind, Plan, Step, DEFAULT_MAX_SHARD_BYTES};
+use crate::size::human;
+use crate::sys;
+use crate::transform::Glob;
+
+pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
+    specs
+        .iter()
+        .map(|s| {
+            let (kind, arg) = s.split_once(':').ok_or_else(|| {
+                Error::Usage(format!("--pipe `{s}`: expected dtype:X, filter:GLOB or exclude:GLOB"))
+            })?;
+            Ok(match kind {
+                "dtype" => Step::Cast {
+                    dtype: DType::parse_cast_target(arg)
+                        .ok_or_else(|| Error::Usage(format!("--pipe `{s}`: unknown dtype `{arg}`")))?,
+                    cast_ints: false,
+                },
+                "filter" => Step::Include(vec![Glob::new(arg)?]),
+                "exclude" => Step::Exclude(vec![Glob::new(arg)?]),
+                _ => {
+                    return Err(Error::Usage(format!(
+                        "--pipe `{s}`: unknown step `{kind}` (dtype, filter, exclude)"
+                    )))
+                }
+            })
+        })
+        .collect()
+}
+
+/// Non-finite values of one tensor: count and first element index.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NonFinite {
+    pub count: u64,
+    pub first: Option<u64>,
+}
+
+/// Counts NaN/Inf elements (and FP8 NaN codes) in `bytes` of `dtype`.
+pub fn scan_nonfinite(dtype: DType, bytes: &[u8], base: u64, acc: &mut NonFinite) {
+    let mut note = |i: usize| {
+        acc.count += 1;
+        acc.first.get_or_insert(base + i as u64);
+    };
+    match dtype {
+        DType::F32 => bytes.chunks_exact(4).enumerate().for_each(|(i, c)| {
+            if u32::from_le_bytes(c.try_into().unwrap()) & 0x7F80_0000 == 0x7F80_0000 {
+                note(i)
+            }
+        }),
+        DType::F64 => bytes.chunks_exact(8).enumerate().for_each(|(i, c)| {
+            let b = u64::from_le_bytes(c.try_into().unwrap());
+            if b & 0x7FF0_0000_0000_0000 == 0x7FF0_0000_0000_0000 {
+                note(i)
+            }
+        }),
+        DType::BF16 => bytes.chunks_exact(2).enumerate().for_each(|(i, c)| {
+            if u16::from_le_bytes([c[0], c[1]]) & 0x7F80 == 0x7F80 {
+                note(i)
+            }
+        }),
+        DType::F16 => bytes.chunks_exact(2).enumerate().for_each(|(i, c)| {
+            if u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00 {
+                note(i)
+            }
+        }),
+        DType::F8_E4M3 => bytes.iter().enumerate().for_each(|(i, &b)| {
+            if b & 0x7F == 0x7F {
+                note(i)
+            }
+        }),
+        DType::F8_E5M2 => bytes.iter().enumerate().for_each(|(i, &b)| {
+            if b & 0x7C == 0x7C {
+                note(i)
+            }
+        }),
+        _ => {}
+    }
+}
+
+fn scannable(d: DType) -> bool {
+    matches!(
+        d,
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 | DType::F8_E4M3 | DType::F8_E5M2
+    )
+}
+
+pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
+    let steps = parse_pipe(&args.pipe)?;
+    let mut problems: Vec<String> = Vec::new();
+    let ckpt = match Checkpoint::open_all_errors(input) {
+        Ok(c) => Some(c),
+        Err(errs) => {
+            problems.extend(errs.iter().map(|e| e.to_string()));
+            None
+        }
+    };
+    let mut scanned = 0u64;
+    let mut scanned_tensors = 0usize;
+    if let Some(ckpt) = &ckpt {
+        if !steps.is_empty() {
+            if let Err(e) = Plan::build(ckpt, &steps, OutputKind::Dir, DEFAULT_MAX_SHARD_BYTES) {
+                problems.push(format!("pipe: {e}"));
+            }
+        }
+        if args.check_values {
+            let chunk = (budget / 2).clamp(1 << 20, 64 << 20) as usize;
+            let mut buf = vec![0u8; chunk];
+            for t in &ckpt.tensors {
+                if !scannable(t.info.dtype) {
+                    continue;
+                }
+                let shard = &ckpt.shards[t.shard];
+                let size = t.info.dtype.size().expect("scannable dtypes are whole bytes");
+                let step = chunk / size * size;
+                let start = ckpt.file_offset(t);
+                let mut acc = NonFinite::default();
+                let mut done = 0u64;
+                while done < t.info.nbytes() {
+                    let n = (t.info.nbytes() - done).min(step as u64) as usize;
+                    shard
+                        .file
+                        .read_exact_at(&mut buf[..n], start + done)
+                        .map_err(|e| Error::io(&shard.path, e))?;
+                    sys::drop_cache(&shard.file, start + done, n as u64);
+                    scan_nonfinite(t.info.dtype, &buf[..n], done / size as u64, &mut acc);
+                    done += n as u64;
+                }
+                scanned += t.info.nbytes();
+                scanned_tensors += 1;
+                if acc.count > 0 {
+                    problems.push(format!(
+                        "{}: tensor `{}`: {} non-finite value(s), first at element {}",
+                        shard.path.display(),
+                        t.info.name,
+                        acc.count,
+                        acc.first.unwrap_or(0)
+                    ));
+                }
+            }
+        }
+    }
+    let ok = problems.is_empty();
+    if args.json {
+        let v = json!({
+            "path": input,
+            "ok": ok,
+            "tensors": ckpt.as_ref().map(|c| c.tensors.len()),
+            "shards": ckpt.as_ref().map(|c| c.shards.len()),
+            "bytes": ckpt.as_ref().map(|c| c.total_bytes()),
+            "values_checked": args.check_values,
+            "tensors_scanned": scanned_tensors,
+            "bytes_scanned": scanned,
+            "problems": problems,
+            "warnings": ckpt.as_ref().map(|c| c.warnings.clone()).unwrap_or_default(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+    } else {
+        if let Some(c) = &ckpt {
+            for w in &c.warnings {
+                println!("warning: {w}");
+            }
+        }
+        for p in &problems {
+            println!("problem: {p}");
+        }
+        match (&ckpt, ok) {
+            (Some(c), true) => println!(
+                "ok: {} — {} tensors in {} shard(s), {}{}",
+                input.display(),
+                c.tensors.len(),
+                c.shards.len(),
+                human(c.total_bytes()),
+                if args.check_values {
+                    format!("; {scanned_tensors} float tensors ({}) scanned, all finite", human(scanned))
+                } else {
+                    String::new()
+                }
+            ),
+            _ => println!("invalid: {} — {} problem(s)", input.display(), problems.len()),
+        }
+    }
+    Ok(ok)
+}

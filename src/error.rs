@@ -1,0 +1,150 @@
+//! One error type for the whole crate: a variant per kind of hostile input or failed action,
+//! each carrying the file and, where there is one, the tensor, so every message tells the user
+//! what to fix. `main` maps `Usage` to exit code 2 and everything else to 1.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix", path.display())]
+    FileTooShort { path: PathBuf, len: u64 },
+
+    #[error("{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)", path.display())]
+    HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
+
+    #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", path.display())]
+    HeaderTruncated {
+        path: PathBuf,
+        needed: u64,
+        available: u64,
+    },
+
+    #[error("{}: header is not valid JSON: {msg}", path.display())]
+    InvalidHeader { path: PathBuf, msg: String },
+
+    #[error("{}: tensor `{tensor}`: {msg}", path.display())]
+    InvalidTensor {
+        path: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+
+    #[error("{}: tensor `{tensor}` has unknown dtype `{dtype}`", path.display())]
+    UnknownDtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
+
+    #[error("{}: tensor `{tensor}`: shape {shape:?} of {dtype} needs {expected} bytes but its data_offsets span {actual}", path.display())]
+    TensorSizeMismatch {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+        shape: Vec<u64>,
+        expected: String,
+        actual: u64,
+    },
+
+    #[error("{}: tensor `{tensor}` starts at data offset {begin} but the previous tensor ends at {expected}: tensors must tile the data buffer without holes or overlaps", path.display())]
+    TensorOffsetGap {
+        path: PathBuf,
+        tensor: String,
+        begin: u64,
+        expected: u64,
+    },
+
+    #[error("{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)", path.display())]
+    DataTruncated {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+
+    #[error("{}: {extra} trailing bytes after the last tensor (file padded or corrupt)", path.display())]
+    TrailingBytes { path: PathBuf, extra: u64 },
+
+    #[error("tensor `{tensor}` is defined twice: in {} and in {}", first.display(), second.display())]
+    DuplicateTensor {
+        tensor: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
+
+    #[error("{}: invalid index: {msg}", path.display())]
+    InvalidIndex { path: PathBuf, msg: String },
+
+    #[error("{}: shard `{shard}` (holding `{tensor}`) is missing", index.display())]
+    MissingShard {
+        index: PathBuf,
+        shard: String,
+        tensor: String,
+    },
+
+    #[error("{}: index maps tensor `{tensor}` to this shard, but the shard does not contain it", shard.display())]
+    TensorNotInShard { shard: PathBuf, tensor: String },
+
+    #[error("{}: {msg}", path.display())]
+    NoModel { path: PathBuf, msg: String },
+
+    #[error("output {} is the input or inside it; write to a directory outside {}", output.display(), input.display())]
+    OutputInsideInput { output: PathBuf, input: PathBuf },
+
+    #[error("output directory {} is not empty; pass --force to replace its model files", .0.display())]
+    OutputNotEmpty(PathBuf),
+
+    #[error("renaming `{first}` and `{second}` both give `{target}`; change the --rename rules")]
+    NameCollision {
+        first: String,
+        second: String,
+        target: String,
+    },
+
+    #[error("not enough space in {}: the output needs {needed} bytes, {available} are free", path.display())]
+    NoSpace {
+        path: PathBuf,
+        needed: u64,
+        available: u64,
+    },
+
+    #[error("{}: tensor `{tensor}`: {msg}", path.display())]
+    TensorData {
+        path: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+
+    #[error("{0}")]
+    Usage(String),
+
+    #[error("interrupted; temporary output removed")]
+    Cancelled,
+
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Usage(_) => 2,
+            _ => 1,
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Opening a checkpoint: one `.safetensors` file, a directory with an index, a directory of
+//! shards without one, or an index file. Only headers are read; every structural check that can
+//! fail later is done here, so a bad input fails before any output exists.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use super::header::{read_header, Header, TensorInfo};
+use crate::error::{Error, Result};
+
+#[derive(Debug)]
+pub struct Shard {
+    pub path: PathBuf,
+    pub file: File,
+    pub header: Header,
+}
+
+/// A tensor of the checkpoint: which shard holds it and where.
+#[derive(Clone, Debug)]
+pub struct TensorRef {
+    pub shard: usize,
+    pub info: TensorInfo,
+}
+
+impl TensorRef {
+    pub fn name(&self) -> &str {
+        &self.info.name
+    }
+}
+
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The path the user gave.
+    pub input: PathBuf,
+    /// The directory the model lives in (the input itself, or its parent).
+    pub dir: PathBuf,
+    pub index_path: Option<PathBuf>,
+    pub shards: Vec<Shard>,
+    /// Every tensor, in shard order then offset order.
+    pub tensors: Vec<TensorRef>,
+    by_name: HashMap<String, usize>,
+    /// Problems that do not stop a conversion (tensors a shard holds but the index omits).
+    pub warnings: Vec<String>,
+}
+
+impl Checkpoint {
+    pub fn open(input: &Path) -> Result<Checkpoint> {
+        Self::open_all_errors(input).map_err(|mut errs| errs.swap_remove(0))
+    }
+
+    /// Like [`Checkpoint::open`] but reports every broken shard, not only the first.
+    pub fn open_all_errors(input: &Path) -> Result<Checkpoint, Vec<Error>> {
+        let layout = Layout::discover(input).map_err(|e| vec![e])?;
+        let mut errors = Vec::new();
+        let mut shards = Vec::new();
+        for path in &layout.shard_paths {
+            match open_shard(path) {
+                Ok(s) => shards.push(s),
+                Err(e) => errors.push(e),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        let mut warnings = Vec::new();
+        let mut tensors = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        for (si, shard) in shards.iter().enumerate() {
+            for t in &shard.header.tensors {
+                if let Some(&prev) = by_name.get(&t.name) {
+                    errors.push(Error::DuplicateTensor {
+                        tensor: t.name.clone(),
+                        first: shards[tensors_shard(&tensors, prev)].path.clone(),
+                        second: shard.path.clone(),
+                    });
+                    continue;
+                }
+                by_name.insert(t.name.clone(), tensors.len());
+                tensors.push(TensorRef {
+                    shard: si,
+                    info: t.clone(),
+                });
+            }
+        }
+        if let Some(map) = &layout.weight_map {
+            for (tensor, shard_name) in map {
+                let shard_name = shard_name.as_str().expect("checked when the index was read");
+                let found = by_name
+                    .get(tensor)
+                    .is_some_and(|&i| shards[tensors[i].shard].path.ends_with(shard_name));
+                if !found {
+                    errors.push(Error::TensorNotInShard {
+                        shard: layout.dir.join(shard_name),
+                        tensor: tensor.clone(),
+                    });
+                }
+            }
+            let before = tensors.len();
+            tensors.retain(|t| map.contains_key(&t.info.name));
+            if tensors.len() != before {
+                warnings.push(format!(
+                    "{} tensor(s) present in shards but not listed in the index are ignored, as loaders ignore them",
+                    before - tensors.len()
+                ));
+            }
+            by_name = tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.info.name.clone(), i))
+                .collect();
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Checkpoint {
+            input: input.to_path_buf(),
+            dir: layout.dir,
+            index_path: layout.index_path,
+            shards,
+            tensors,
+            by_name,
+            warnings,
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorRef> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.info.nbytes()).sum()
+    }
+
+    /// Absolute file offset of a tensor's first byte.
+    pub fn file_offset(&self, t: &TensorRef) -> u64 {
+        self.shards[t.shard].header.data_start + t.info.begin
+    }
+
+    /// `__metadata__` of the first shard, if any.
+    pub fn metadata(&self) -> Option<&Map<String, Value>> {
+        self.shards.first().and_then(|s| s.header.metadata.as_ref())
+    }
+
+    /// `config.json` beside the weights, parsed, if present.
+    pub fn config(&self) -> Result<Option<Map<String, Value>>> {
+        let path = self.dir.join("config.json");
+        if !path.is_file() || !self.has_model_dir() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        match serde_json::from_str(&text) {
+            Ok(Value::Object(m)) => Ok(Some(m)),
+            Ok(_) => Err(Error::Other(format!("{}: not a JSON object", path.display()))),
+            Err(e) => Err(Error::Other(format!("{}: invalid JSON: {e}", path.display()))),
+        }
+    }
+
+    /// A single-file input counts as a model directory only when `config.json` sits beside it;
+    /// otherwise its neighbours are unrelated files.
+    pub fn has_model_dir(&self) -> bool {
+        self.input.is_dir() || self.index_path.is_some() || self.dir.join("config.json").is_file()
+    }
+}
+
+fn tensors_shard(tensors: &[TensorRef], i: usize) -> usize {
+    tensors[i].shard
+}
+
+fn open_shard(path: &Path) -> Result<Shard> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let header = read_header(path, &file)?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        file,
+        header,
+    })
+}
+
+struct Layout {
+    dir: PathBuf,
+    index_path: Option<PathBuf>,
+    shard_paths: Vec<PathBuf>,
+    weight_map: Option<Map<String, Value>>,
+}
+
+impl Layout {
+    fn discover(input: &Path) -> Result<Layout> {
+        let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
+        if meta.is_file() {
+            let dir = parent_dir(input);
+            if input.to_string_lossy().ends_with(".json") {
+                return Self::from_index(dir, input);
+            }
+            return Ok(Layout {
+                dir,
+                index_path: None,
+                shard_paths: vec![input.to_path_buf()],
+                weight_map: None,
+            });
+        }
+        let mut indexes = Vec::new();
+        let mut shards = Vec::new();
+        for entry in std::fs::read_dir(input).map_err(|e| Error::io(input, e))? {
+            let entry = entry.map_err(|e| Error::io(input, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !entry.path().is_file() {
+                continue;
+            }
+            if name.ends_with(".safetensors.index.json") {
+                indexes.push(name);
+            } else if name.ends_with(".safetensors") && !name.starts_with("adapter_model") {
+                shards.push(input.join(&name));
+            }
+        }
+        indexes.sort();
+        shards.sort();
+        match indexes.len() {
+            0 if shards.is_empty() => Err(Error::NoModel {
+                path: input.into(),
+                msg: "no *.safetensors files or index found".into(),
+            }),
+            0 => Ok(Layout {
+                dir: input.into(),
+                index_path: None,
+                shard_paths: shards,
+                weight_map: None,
+            }),
+            1 => Self::from_index(input.into(), &input.join(&indexes[0])),
+            _ if indexes.iter().any(|n| n == "model.safetensors.index.json") => {
+                Self::from_index(input.into(), &input.join("model.safetensors.index.json"))
+            }
+            _ => Err(Error::NoModel {
+                path: input.into(),
+                msg: format!(
+                    "several indexes ({}); pass the one to use as the input path",
+                    indexes.join(", ")
+                ),
+            }),
+        }
+    }
+
+    fn from_index(dir: PathBuf, index: &Path) -> Result<Layout> {
+        let invalid = |msg: String| Error::InvalidIndex {
+            path: index.into(),
+            msg,
+        };
+        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let map = value
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid("no `weight_map` object".into()))?
+            .clone();
+        let mut names: Vec<String> = Vec::new();
+        for (tensor, shard) in &map {
+            let shard = shard
+                .as_str()
+                .ok_or_else(|| invalid(format!("weight_map entry for `{tensor}` is not a string")))?;
+            if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
+                return Err(invalid(format!(
+                    "weight_map entry for `{tensor}` names `{shard}`, which is not a file in this directory"
+                )));
+            }
+            if !names.iter().any(|n| n == shard) {
+                if !dir.join(shard).is_file() {
+                    return Err(Error::MissingShard {
+                        index: index.into(),
+                        shard: shard.into(),
+                        tensor: tensor.clone(),
+                    });
+                }
+                names.push(shard.to_string());
+            }
+        }
+        names.sort();
+        Ok(Layout {
+            shard_paths: names.iter().map(|n| dir.join(n)).collect(),
+            dir,
+            index_path: Some(index.into()),
+            weight_map: Some(map),
+        })
+    }
+}
+
+fn parent_dir(p: &Path) -> PathBuf {
+    match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}

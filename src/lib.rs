@@ -1,0 +1,20 @@
+//! tftf: stream-convert huge safetensors checkpoints with bounded memory.
+//!
+//! `plan` reads headers only and fixes the output layout; `pipeline` then streams data through
+//! a reader, compute workers and a writer. See `shared/DESIGN.md` for the architecture.
+
+pub mod cli;
+pub mod commands;
+pub mod error;
+pub mod format;
+pub mod ops;
+pub mod output;
+pub mod pipeline;
+pub mod plan;
+pub mod size;
+pub mod sys;
+pub mod transform;
+
+pub use error::{Error, Result};
+pub use format::checkpoint::Checkpoint;
+pub use plan::{Plan, Recipe, Step};

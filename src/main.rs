@@ -1,0 +1,23 @@
+use clap::CommandFactory;
+
+fn main() {
+    let matches = tftf::cli::Cli::command().get_matches();
+    let cancel = tftf::pipeline::Cancel::default();
+    let on_signal = cancel.clone();
+    // The first Ctrl-C cancels the run, which then removes its temporary files; a second one
+    // exits at once.
+    let _ = ctrlc::set_handler(move || {
+        if on_signal.is_raised() {
+            std::process::exit(130);
+        }
+        eprintln!("interrupt: stopping and removing temporary output…");
+        on_signal.raise();
+    });
+    match tftf::commands::dispatch(&matches, &cancel) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(e.exit_code());
+        }
+    }
+}

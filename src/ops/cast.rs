@@ -1,0 +1,276 @@
+//! Dtype casts between F64/F32/F16/BF16 (and integers with `--cast-ints`).
+//!
+//! Every conversion rounds once, to nearest even, like `torch.Tensor.to`. Wider sources reach
+//! the 16-bit formats through an f32 rounded *to odd*, which makes the second rounding exact
+//! (24 ≥ 11 + 2 bits), so F64→BF16 equals a direct correctly rounded conversion. NaN becomes
+//! the canonical quiet NaN of the target (`0x7FC0` for BF16 as in c10's `round_to_nearest_even`,
+//! sign-preserving `0x7E00` for F16 as in c10's `fp16_ieee_from_fp32_value`).
+
+use std::ops::Range;
+
+use super::Op;
+use crate::format::dtype::DType;
+
+#[derive(Debug)]
+pub struct Cast {
+    pub src: DType,
+    pub dst: DType,
+    pub elements: u64,
+}
+
+impl Cast {
+    pub fn supports(src: DType, dst: DType) -> bool {
+        (src.is_castable_float() || src.is_castable_int()) && dst.is_castable_float() && src != dst
+    }
+}
+
+impl Op for Cast {
+    fn name(&self) -> &'static str {
+        "cast"
+    }
+    fn units(&self) -> u64 {
+        self.elements
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.dst.bits() / 8
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.src.bits() / 8
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let s = self.in_unit_bytes();
+        vec![units.start * s..units.end * s]
+    }
+    fn compute(&self, _units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        cast_slice(self.src, self.dst, inputs[0], out);
+        Ok(())
+    }
+}
+
+/// Round to nearest even, NaN → `0x7FC0`.
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return 0x7FC0;
+    }
+    let lsb = (b >> 16) & 1;
+    (b.wrapping_add(0x7FFF + lsb) >> 16) as u16
+}
+
+/// Round to nearest even; port of c10's `fp16_ieee_from_fp32_value`.
+#[inline(always)]
+pub fn f32_to_f16(f: f32) -> u16 {
+    let scale_to_inf = f32::from_bits(0x7780_0000); // 2^112
+    let scale_to_zero = f32::from_bits(0x0880_0000); // 2^-110
+    let mut base = (f.abs() * scale_to_inf) * scale_to_zero;
+    let w = f.to_bits();
+    let shl1_w = w.wrapping_add(w);
+    let sign = w & 0x8000_0000;
+    let mut bias = shl1_w & 0xFF00_0000;
+    if bias < 0x7100_0000 {
+        bias = 0x7100_0000;
+    }
+    base += f32::from_bits((bias >> 1) + 0x0780_0000);
+    let bits = base.to_bits();
+    let exp_bits = (bits >> 13) & 0x0000_7C00;
+    let mantissa_bits = bits & 0x0000_0FFF;
+    let nonsign = exp_bits + mantissa_bits;
+    ((sign >> 16) | if shl1_w > 0xFF00_0000 { 0x7E00 } else { nonsign }) as u16
+}
+
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+#[inline(always)]
+pub fn f16_to_f32(b: u16) -> f32 {
+    half::f16::from_bits(b).to_f32()
+}
+
+/// f64 → f32 rounded to odd: an inexact result gets an odd last bit, so rounding it again to a
+/// format with at most 22 significant bits gives the correctly rounded value.
+#[inline(always)]
+fn f64_to_f32_odd(x: f64) -> f32 {
+    let f = x as f32;
+    if f.is_finite() && f as f64 != x && f.to_bits() & 1 == 0 {
+        let away = x.abs() > (f as f64).abs();
+        let b = f.to_bits();
+        return f32::from_bits(if away { b + 1 } else { b - 1 });
+    }
+    f
+}
+
+#[inline(always)]
+fn i64_to_f32_odd(x: i128) -> f32 {
+    let f = x as f32;
+    if f as i128 != x && f.to_bits() & 1 == 0 {
+        let away = x.unsigned_abs() > (f as i128).unsigned_abs();
+        let b = f.to_bits();
+        return f32::from_bits(if away { b + 1 } else { b - 1 });
+    }
+    f
+}
+
+fn write_as(dst: DType, vals: impl Iterator<Item = f32>, out: &mut [u8]) {
+    match dst {
+        DType::BF16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(vals) {
+                o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(vals) {
+                o.copy_from_slice(&f32_to_f16(v).to_le_bytes());
+            }
+        }
+        DType::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(vals) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        _ => unreachable!("cast target {dst} is not a float"),
+    }
+}
+
+/// Converts little-endian `src`-typed elements into `dst`-typed ones.
+pub fn cast_slice(src: DType, dst: DType, input: &[u8], out: &mut [u8]) {
+    macro_rules! le {
+        ($t:ty, $n:expr) => {
+            input
+                .chunks_exact($n)
+                .map(|c| <$t>::from_le_bytes(c.try_into().unwrap()))
+        };
+    }
+    // The destination decides whether the f32 step must be rounded to odd: only a 16-bit
+    // target rounds a second time.
+    let narrow = dst != DType::F32;
+    match src {
+        DType::F32 => write_as(dst, le!(f32, 4), out),
+        DType::BF16 => write_as(dst, le!(u16, 2).map(bf16_to_f32), out),
+        DType::F16 => write_as(dst, le!(u16, 2).map(f16_to_f32), out),
+        DType::F64 if narrow => write_as(dst, le!(f64, 8).map(f64_to_f32_odd), out),
+        DType::F64 => write_as(dst, le!(f64, 8).map(|v| v as f32), out),
+        DType::BOOL | DType::U8 => write_as(dst, input.iter().map(|&v| v as f32), out),
+        DType::I8 => write_as(dst, input.iter().map(|&v| v as i8 as f32), out),
+        DType::I16 => write_as(dst, le!(i16, 2).map(|v| v as f32), out),
+        DType::U16 => write_as(dst, le!(u16, 2).map(|v| v as f32), out),
+        DType::I32 if narrow => write_as(dst, le!(i32, 4).map(|v| i64_to_f32_odd(v as i128)), out),
+        DType::I32 => write_as(dst, le!(i32, 4).map(|v| v as f32), out),
+        DType::U32 if narrow => write_as(dst, le!(u32, 4).map(|v| i64_to_f32_odd(v as i128)), out),
+        DType::U32 => write_as(dst, le!(u32, 4).map(|v| v as f32), out),
+        DType::I64 if narrow => write_as(dst, le!(i64, 8).map(|v| i64_to_f32_odd(v as i128)), out),
+        DType::I64 => write_as(dst, le!(i64, 8).map(|v| v as f32), out),
+        DType::U64 if narrow => write_as(dst, le!(u64, 8).map(|v| i64_to_f32_odd(v as i128)), out),
+        DType::U64 => write_as(dst, le!(u64, 8).map(|v| v as f32), out),
+        _ => unreachable!("cast source {src} is not castable"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (*seed >> 32) as u32
+    }
+
+    #[test]
+    fn f32_to_16_bit_matches_half_on_random_and_edge_bits() {
+        let mut seed = 7;
+        let edges = [
+            0u32, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7F7F_FFFF, 0x0000_0001, 0x3F80_8000,
+            0x3F81_8000, 0x477F_F000, 0x477F_EFFF, 0x3380_0000, 0x3300_0001, 0x3300_0000,
+        ];
+        for bits in edges.into_iter().chain((0..2_000_000).map(|_| lcg(&mut seed))) {
+            let x = f32::from_bits(bits);
+            if x.is_nan() {
+                assert_eq!(f32_to_bf16(x), 0x7FC0);
+                assert_eq!(f32_to_f16(x) & 0x7FFF, 0x7E00);
+                continue;
+            }
+            assert_eq!(f32_to_bf16(x), bf16::from_f32(x).to_bits(), "bf16 {bits:#x}");
+            assert_eq!(f32_to_f16(x), f16::from_f32(x).to_bits(), "f16 {bits:#x}");
+        }
+    }
+
+    /// Independent oracle: the nearest of all finite values of a 16-bit format (ties to the
+    /// even code), with values past the largest finite one plus half an ulp becoming infinity.
+    fn nearest_16(x: f64, table: &[f64], inf_code: u16) -> u16 {
+        let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
+        let a = x.abs();
+        let max_code = table.len() - 1;
+        let next_after_max = 2.0 * table[max_code] - table[max_code - 1];
+        let i = table.partition_point(|&v| v <= a);
+        let (lo, hi) = if i == 0 { (0, 0) } else { (i - 1, i) };
+        let code = if hi > max_code {
+            let d_lo = a - table[lo];
+            let d_hi = next_after_max - a;
+            if d_hi < d_lo || (d_hi == d_lo && lo % 2 == 1) { inf_code as usize } else { lo }
+        } else if table[lo] == a {
+            lo
+        } else {
+            let (d_lo, d_hi) = (a - table[lo], table[hi] - a);
+            if d_lo < d_hi || (d_lo == d_hi && lo % 2 == 0) { lo } else { hi }
+        };
+        code as u16 | sign
+    }
+
+    #[test]
+    fn f64_to_16_bit_rounds_once() {
+        // 1 + 2^-8 + 2^-40: just above the bf16 tie. Rounding through a plain f32 loses the
+        // 2^-40, makes an exact tie and rounds down to 1.0; the right answer is 1 + 2^-7
+        // (`half::bf16::from_f64` gets this wrong, so it is not used as the oracle).
+        let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        let mut out = [0u8; 2];
+        cast_slice(DType::F64, DType::BF16, &x.to_le_bytes(), &mut out);
+        assert_eq!(u16::from_le_bytes(out), 0x3F81);
+        let bf16_table: Vec<f64> = (0..=0x7F7F).map(|c| bf16_to_f32(c) as f64).collect();
+        let f16_table: Vec<f64> = (0..=0x7BFF).map(|c| f16_to_f32(c) as f64).collect();
+        let mut seed = 11;
+        for k in 0..100_000 {
+            let mant = ((lcg(&mut seed) as u64) << 20) ^ lcg(&mut seed) as u64;
+            let exp = (lcg(&mut seed) % 60) as i32 - 40 + if k % 4 == 0 { 100 } else { 0 };
+            let mut x = (1.0 + (mant & ((1 << 52) - 1)) as f64 / 2f64.powi(52)) * 2f64.powi(exp);
+            if k % 2 == 1 {
+                x = -x;
+            }
+            let mut o = [0u8; 2];
+            cast_slice(DType::F64, DType::BF16, &x.to_le_bytes(), &mut o);
+            assert_eq!(u16::from_le_bytes(o), nearest_16(x, &bf16_table, 0x7F80), "bf16 {x:e}");
+            cast_slice(DType::F64, DType::F16, &x.to_le_bytes(), &mut o);
+            assert_eq!(u16::from_le_bytes(o), nearest_16(x, &f16_table, 0x7C00), "f16 {x:e}");
+        }
+    }
+
+    #[test]
+    fn large_ints_round_once() {
+        // 2^60 + 2^36 + 1 is just above a bf16 tie; via f32 (or f64) it would become a tie.
+        let x: i64 = (1 << 60) + (1 << 52) + 1;
+        let mut out = [0u8; 2];
+        cast_slice(DType::I64, DType::BF16, &x.to_le_bytes(), &mut out);
+        let got = bf16_to_f32(u16::from_le_bytes(out)) as f64;
+        assert_eq!(got, 2f64.powi(60) + 2f64.powi(53));
+        let mut out4 = [0u8; 4];
+        cast_slice(DType::I64, DType::F32, &x.to_le_bytes(), &mut out4);
+        assert_eq!(f32::from_le_bytes(out4), x as f32);
+    }
+
+    #[test]
+    fn widening_is_exact() {
+        let vals: Vec<u8> = [0x3F80u16, 0x0001, 0x8000, 0x7F80, 0xC2F7]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mut out = vec![0u8; 20];
+        cast_slice(DType::BF16, DType::F32, &vals, &mut out);
+        let back: Vec<u16> = out
+            .chunks_exact(4)
+            .map(|c| f32_to_bf16(f32::from_le_bytes(c.try_into().unwrap())))
+            .collect();
+        assert_eq!(back, vec![0x3F80, 0x0001, 0x8000, 0x7F80, 0xC2F7]);
+    }
+}

@@ -1,0 +1,33 @@
+//! Tensor operations. An op owns everything specific to it — which inputs it reads, how its
+//! output splits into independent units, and its CPU implementation — so adding one never
+//! touches the reader or the writer.
+//!
+//! Units are the op's natural rows: elements for a cast, 128-row blocks for block-scaled FP8,
+//! and so on. The reader hands an op any contiguous run of whole units (a multiple of
+//! [`Op::granularity`], except at the end) and the op must produce the same bytes however the
+//! tensor is cut, which is what keeps output independent of chunk size and thread count.
+
+pub mod cast;
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+pub trait Op: Send + Sync + Debug {
+    /// Short name for plans and reports (`cast`, `dequant-fp8`, …).
+    fn name(&self) -> &'static str;
+    /// Number of output units.
+    fn units(&self) -> u64;
+    /// Output bytes per unit.
+    fn out_unit_bytes(&self) -> u64;
+    /// Upper bound on input bytes read per unit, summed over inputs (for chunk sizing).
+    fn in_unit_bytes(&self) -> u64;
+    /// Chunks start at multiples of this many units.
+    fn granularity(&self) -> u64 {
+        1
+    }
+    /// Byte ranges of each input tensor (relative to its first byte) needed for `units`.
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>>;
+    /// Fills `out` (exactly `units.len() * out_unit_bytes()` bytes) from `inputs`, laid out as
+    /// `input_ranges` asked. Errors describe the bad value; the caller adds file and tensor.
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String>;
+}

@@ -1,0 +1,534 @@
+//! The stream: a reader thread, compute workers and a writer thread joined by bounded
+//! channels, with every data buffer drawn from one [`BufferPool`] sized by the memory budget.
+//!
+//! The reader `pread`s input ranges into pooled buffers rather than touching an mmap: the pool
+//! then bounds resident memory exactly (mapped pages would count until `madvise`), and it drops
+//! the pages it read from the page cache so neither grows with the checkpoint. Untouched tensors
+//! never enter user memory: the writer moves them with `copy_file_range`. Written ranges are
+//! pushed to disk and dropped from the cache behind a sliding window.
+//!
+//! Any stage that fails raises the shared [`Cancel`] flag and records the first error; every
+//! blocking call waits in short slices and checks the flag, so no thread stays stuck on a full
+//! channel or an empty pool.
+
+pub mod pool;
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::plan::{Plan, Recipe};
+use crate::sys;
+pub use pool::BufferPool;
+
+/// Copies are handed to the writer in pieces of this size, so progress and write-back advance
+/// smoothly on huge tensors.
+const COPY_PIECE_BYTES: u64 = 64 << 20;
+/// Largest compute chunk; bigger chunks only add latency.
+const MAX_CHUNK_BYTES: u64 = 64 << 20;
+const MIN_CHUNK_BYTES: u64 = 1 << 20;
+const POLL: Duration = Duration::from_millis(50);
+
+#[derive(Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    pub fn raise(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_raised(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+pub struct PipelineConfig {
+    pub threads: usize,
+    pub memory_budget: u64,
+    pub cancel: Cancel,
+    pub progress: Option<indicatif::ProgressBar>,
+    /// `false` forces user-space copies (for tests and filesystems that misbehave).
+    pub kernel_copy: bool,
+}
+
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct RunStats {
+    /// Tensor bytes produced by ops and written with `pwrite`.
+    pub bytes_computed: u64,
+    /// Untouched tensor bytes moved inside the kernel (`copy_file_range`).
+    pub bytes_copied_in_kernel: u64,
+    /// Untouched tensor bytes copied through user memory (fallback).
+    pub bytes_copied_user: u64,
+    pub chunks: u64,
+    pub chunk_bytes: u64,
+    pub pool_bytes: u64,
+    pub pool_peak_bytes: u64,
+}
+
+/// Budget split: the pool gets all but a reserve for the writer's fallback buffer, channel
+/// slots and the process itself.
+pub fn pool_bytes_for_budget(budget: u64) -> u64 {
+    budget - (budget / 8).min(32 << 20)
+}
+
+pub fn chunk_bytes_for_pool(pool: u64) -> u64 {
+    (pool / 8).clamp(MIN_CHUNK_BYTES.min(pool / 2).max(1), MAX_CHUNK_BYTES)
+}
+
+enum Work {
+    Compute {
+        tensor: usize,
+        shard: usize,
+        offset: u64,
+        units: std::ops::Range<u64>,
+        inputs: Vec<Vec<u8>>,
+        out: Vec<u8>,
+    },
+    Copy {
+        src_shard: usize,
+        src_offset: u64,
+        shard: usize,
+        offset: u64,
+        len: u64,
+    },
+}
+
+enum Done {
+    Data {
+        shard: usize,
+        offset: u64,
+        buf: Vec<u8>,
+    },
+    Copy {
+        src_shard: usize,
+        src_offset: u64,
+        shard: usize,
+        offset: u64,
+        len: u64,
+    },
+}
+
+struct Shared<'a> {
+    ckpt: &'a Checkpoint,
+    plan: &'a Plan,
+    outputs: &'a [File],
+    output_names: &'a [std::path::PathBuf],
+    pool: BufferPool,
+    cancel: Cancel,
+    first_error: Mutex<Option<Error>>,
+    stats: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    computed: AtomicU64,
+    copied_kernel: AtomicU64,
+    copied_user: AtomicU64,
+    chunks: AtomicU64,
+}
+
+impl Shared<'_> {
+    fn fail(&self, e: Error) {
+        let mut slot = self.first_error.lock().unwrap();
+        if slot.is_none() && !matches!(e, Error::Cancelled) {
+            *slot = Some(e);
+        }
+        self.cancel.raise();
+    }
+}
+
+fn send<T>(tx: &Sender<T>, mut item: T, cancel: &Cancel) -> Result<()> {
+    loop {
+        match tx.send_timeout(item, POLL) {
+            Ok(()) => return Ok(()),
+            Err(SendTimeoutError::Timeout(back)) => {
+                if cancel.is_raised() {
+                    return Err(Error::Cancelled);
+                }
+                item = back;
+            }
+            Err(SendTimeoutError::Disconnected(_)) => return Err(Error::Cancelled),
+        }
+    }
+}
+
+fn recv<T>(rx: &Receiver<T>, cancel: &Cancel) -> Result<Option<T>> {
+    loop {
+        match rx.recv_timeout(POLL) {
+            Ok(v) => return Ok(Some(v)),
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(RecvTimeoutError::Timeout) => {
+                if cancel.is_raised() {
+                    return Err(Error::Cancelled);
+                }
+            }
+        }
+    }
+}
+
+/// Streams every planned tensor into `outputs` (one open file per plan shard, already sized and
+/// holding its header).
+pub fn execute(
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    outputs: &[File],
+    output_names: &[std::path::PathBuf],
+    cfg: &PipelineConfig,
+) -> Result<RunStats> {
+    let pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
+    let chunk_bytes = chunk_bytes_for_pool(pool_bytes);
+    let shared = Shared {
+        ckpt,
+        plan,
+        outputs,
+        output_names,
+        pool: BufferPool::new(pool_bytes),
+        cancel: cfg.cancel.clone(),
+        first_error: Mutex::new(None),
+        stats: Counters::default(),
+    };
+    for s in &ckpt.shards {
+        sys::advise_sequential(&s.file);
+    }
+    let threads = cfg.threads.max(1);
+    let (work_tx, work_rx) = bounded::<Work>(threads * 2);
+    let (done_tx, done_rx) = bounded::<Done>(threads * 2);
+    let writeback_window = (cfg.memory_budget / 4).max(8 << 20);
+    std::thread::scope(|scope| {
+        let sh = &shared;
+        scope.spawn(move || {
+            if let Err(e) = read_stage(sh, chunk_bytes, work_tx) {
+                sh.fail(e);
+            }
+        });
+        for _ in 0..threads {
+            let rx = work_rx.clone();
+            let tx = done_tx.clone();
+            scope.spawn(move || {
+                if let Err(e) = compute_stage(sh, rx, tx) {
+                    sh.fail(e);
+                }
+            });
+        }
+        drop(work_rx);
+        drop(done_tx);
+        let progress = cfg.progress.clone();
+        let kernel_copy = cfg.kernel_copy;
+        scope.spawn(move || {
+            if let Err(e) = write_stage(sh, done_rx, writeback_window, progress, kernel_copy) {
+                sh.fail(e);
+            }
+        });
+    });
+    if let Some(e) = shared.first_error.lock().unwrap().take() {
+        return Err(e);
+    }
+    if shared.cancel.is_raised() {
+        return Err(Error::Cancelled);
+    }
+    let c = &shared.stats;
+    Ok(RunStats {
+        bytes_computed: c.computed.load(Ordering::Relaxed),
+        bytes_copied_in_kernel: c.copied_kernel.load(Ordering::Relaxed),
+        bytes_copied_user: c.copied_user.load(Ordering::Relaxed),
+        chunks: c.chunks.load(Ordering::Relaxed),
+        chunk_bytes,
+        pool_bytes,
+        pool_peak_bytes: shared.pool.peak(),
+    })
+}
+
+fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
+    for (si, shard) in sh.plan.shards.iter().enumerate() {
+        // Consecutive copies that are contiguous in both files become one run.
+        let mut run: Option<(usize, u64, u64, u64)> = None; // (src shard, src off, dst off, len)
+        for (k, &ti) in shard.tensors.iter().enumerate() {
+            let t = &sh.plan.tensors[ti];
+            let offset = shard.offsets[k];
+            match &t.recipe {
+                Recipe::Copy { src } => {
+                    let r = &sh.ckpt.tensors[*src];
+                    let src_off = sh.ckpt.file_offset(r);
+                    match &mut run {
+                        Some((s, so, d, len)) if *s == r.shard && *so + *len == src_off && *d + *len == offset => {
+                            *len += t.nbytes;
+                        }
+                        _ => {
+                            if let Some(prev) = run.take() {
+                                emit_copy(sh, si, prev, &tx)?;
+                            }
+                            run = Some((r.shard, src_off, offset, t.nbytes));
+                        }
+                    }
+                }
+                Recipe::Compute { op, inputs } => {
+                    if let Some(prev) = run.take() {
+                        emit_copy(sh, si, prev, &tx)?;
+                    }
+                    emit_compute(sh, si, ti, offset, op.as_ref(), inputs, chunk_bytes, &tx)?;
+                }
+            }
+        }
+        if let Some(prev) = run.take() {
+            emit_copy(sh, si, prev, &tx)?;
+        }
+    }
+    Ok(())
+}
+
+fn emit_copy(sh: &Shared, shard: usize, run: (usize, u64, u64, u64), tx: &Sender<Work>) -> Result<()> {
+    let (src_shard, src_off, dst_off, len) = run;
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(COPY_PIECE_BYTES);
+        send(
+            tx,
+            Work::Copy {
+                src_shard,
+                src_offset: src_off + done,
+                shard,
+                offset: dst_off + done,
+                len: piece,
+            },
+            &sh.cancel,
+        )?;
+        done += piece;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn emit_compute(
+    sh: &Shared,
+    shard: usize,
+    tensor: usize,
+    offset: u64,
+    op: &dyn crate::ops::Op,
+    inputs: &[usize],
+    chunk_bytes: u64,
+    tx: &Sender<Work>,
+) -> Result<()> {
+    let units = op.units();
+    let per_unit = op.out_unit_bytes().max(op.in_unit_bytes()).max(1);
+    let g = op.granularity().max(1);
+    let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
+    let out_unit = op.out_unit_bytes();
+    let mut u = 0;
+    while u < units {
+        let end = (u + per_chunk).min(units);
+        let ranges = op.input_ranges(u..end);
+        let mut lens: Vec<usize> = ranges.iter().map(|r| (r.end - r.start) as usize).collect();
+        lens.push(((end - u) * out_unit) as usize);
+        let mut bufs = sh.pool.acquire(&lens, &sh.cancel)?;
+        let out = bufs.pop().expect("output buffer");
+        for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
+            let r = &sh.ckpt.tensors[src];
+            let file = &sh.ckpt.shards[r.shard].file;
+            let at = sh.ckpt.file_offset(r) + range.start;
+            file.read_exact_at(buf, at)
+                .map_err(|e| Error::io(&sh.ckpt.shards[r.shard].path, e))?;
+            sys::drop_cache(file, at, buf.len() as u64);
+        }
+        send(
+            tx,
+            Work::Compute {
+                tensor,
+                shard,
+                offset: offset + u * out_unit,
+                units: u..end,
+                inputs: bufs,
+                out,
+            },
+            &sh.cancel,
+        )?;
+        u = end;
+    }
+    Ok(())
+}
+
+fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()> {
+    while let Some(work) = recv(&rx, &sh.cancel)? {
+        let done = match work {
+            Work::Compute {
+                tensor,
+                shard,
+                offset,
+                units,
+                inputs,
+                mut out,
+            } => {
+                let t = &sh.plan.tensors[tensor];
+                let Recipe::Compute { op, inputs: srcs } = &t.recipe else {
+                    unreachable!("compute work for a copy recipe")
+                };
+                let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                op.compute(units, &views, &mut out).map_err(|msg| {
+                    let src = &sh.ckpt.tensors[srcs[0]];
+                    Error::TensorData {
+                        path: sh.ckpt.shards[src.shard].path.clone(),
+                        tensor: t.source.clone(),
+                        msg,
+                    }
+                })?;
+                for b in inputs {
+                    sh.pool.release(b);
+                }
+                sh.stats.chunks.fetch_add(1, Ordering::Relaxed);
+                Done::Data {
+                    shard,
+                    offset,
+                    buf: out,
+                }
+            }
+            Work::Copy {
+                src_shard,
+                src_offset,
+                shard,
+                offset,
+                len,
+            } => Done::Copy {
+                src_shard,
+                src_offset,
+                shard,
+                offset,
+                len,
+            },
+        };
+        send(&tx, done, &sh.cancel)?;
+    }
+    Ok(())
+}
+
+struct Writeback {
+    pending: VecDeque<(usize, u64, u64)>,
+    bytes: u64,
+    window: u64,
+}
+
+impl Writeback {
+    fn push(&mut self, sh: &Shared, shard: usize, off: u64, len: u64) -> Result<()> {
+        let f = &sh.outputs[shard];
+        sys::start_writeback(f, off, len);
+        self.pending.push_back((shard, off, len));
+        self.bytes += len;
+        while self.bytes > self.window {
+            self.pop(sh)?;
+        }
+        Ok(())
+    }
+
+    fn pop(&mut self, sh: &Shared) -> Result<()> {
+        if let Some((shard, off, len)) = self.pending.pop_front() {
+            self.bytes -= len;
+            sys::finish_writeback(&sh.outputs[shard], off, len)
+                .map_err(|e| Error::io(&sh.output_names[shard], e))?;
+        }
+        Ok(())
+    }
+}
+
+fn write_stage(
+    sh: &Shared,
+    rx: Receiver<Done>,
+    window: u64,
+    progress: Option<indicatif::ProgressBar>,
+    kernel_copy: bool,
+) -> Result<()> {
+    let mut wb = Writeback {
+        pending: VecDeque::new(),
+        bytes: 0,
+        window,
+    };
+    let mut kernel_copy = kernel_copy;
+    let mut scratch: Vec<u8> = Vec::new();
+    while let Some(done) = recv(&rx, &sh.cancel)? {
+        let (shard, offset, len) = match done {
+            Done::Data { shard, offset, buf } => {
+                sh.outputs[shard]
+                    .write_all_at(&buf, offset)
+                    .map_err(|e| Error::io(&sh.output_names[shard], e))?;
+                let len = buf.len() as u64;
+                sh.pool.release(buf);
+                sh.stats.computed.fetch_add(len, Ordering::Relaxed);
+                (shard, offset, len)
+            }
+            Done::Copy {
+                src_shard,
+                src_offset,
+                shard,
+                offset,
+                len,
+            } => {
+                copy_range(sh, src_shard, src_offset, shard, offset, len, &mut kernel_copy, &mut scratch)?;
+                (shard, offset, len)
+            }
+        };
+        wb.push(sh, shard, offset, len)?;
+        if let Some(p) = &progress {
+            p.inc(len);
+        }
+    }
+    while !wb.pending.is_empty() {
+        wb.pop(sh)?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn copy_range(
+    sh: &Shared,
+    src_shard: usize,
+    src_offset: u64,
+    shard: usize,
+    offset: u64,
+    len: u64,
+    kernel_copy: &mut bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let src = &sh.ckpt.shards[src_shard];
+    let dst = &sh.outputs[shard];
+    let mut done = 0u64;
+    while done < len && *kernel_copy {
+        match sys::copy_file_range(&src.file, src_offset + done, dst, offset + done, len - done) {
+            Ok(0) => {
+                return Err(Error::io(
+                    &src.path,
+                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file shrank while being read"),
+                ))
+            }
+            Ok(n) => {
+                done += n;
+                sh.stats.copied_kernel.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) if matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::EBADF)
+            ) => {
+                *kernel_copy = false;
+            }
+            Err(e) => return Err(Error::io(&sh.output_names[shard], e)),
+        }
+    }
+    if done < len {
+        let piece = (len - done).min(8 << 20) as usize;
+        scratch.resize(piece, 0);
+        while done < len {
+            let n = ((len - done) as usize).min(piece);
+            src.file
+                .read_exact_at(&mut scratch[..n], src_offset + done)
+                .map_err(|e| Error::io(&src.path, e))?;
+            dst.write_all_at(&scratch[..n], offset + done)
+                .map_err(|e| Error::io(&sh.output_names[shard], e))?;
+            done += n as u64;
+            sh.stats.copied_user.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+    sys::drop_cache(&src.file, src_offset, len);
+    Ok(())
+}

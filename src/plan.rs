@@ -1,0 +1,361 @@
+//! The plan: every output tensor bound to a recipe, assigned to a shard and an offset, from
+//! headers alone. Everything that can be known before data moves is checked here — name
+//! collisions, sizes, free space — so a bad request fails before an output file exists.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::{element_count, DType};
+use crate::format::header::{serialize_header, TensorInfo};
+use crate::ops::cast::Cast;
+use crate::ops::Op;
+use crate::transform::{Glob, Rename};
+
+/// Reference writers start the data buffer at a multiple of 8.
+pub const HEADER_ALIGN_BYTES: u64 = 8;
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
+
+/// How an output tensor is produced.
+#[derive(Clone, Debug)]
+pub enum Recipe {
+    /// Bytes unchanged from an input tensor (index into `Checkpoint::tensors`), perhaps under a
+    /// new name.
+    Copy { src: usize },
+    /// Bytes computed by an op from input tensors.
+    Compute { op: Arc<dyn Op>, inputs: Vec<usize> },
+}
+
+#[derive(Clone, Debug)]
+pub struct PlannedTensor {
+    pub name: String,
+    /// The input name it came from (the first input for computed tensors).
+    pub source: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub nbytes: u64,
+    pub recipe: Recipe,
+}
+
+#[derive(Clone, Debug)]
+pub struct OutShard {
+    pub file_name: String,
+    /// Serialised header including the 8-byte length prefix.
+    pub header: Vec<u8>,
+    /// Indices into `Plan::tensors`, in file order.
+    pub tensors: Vec<usize>,
+    /// Absolute file offset of each tensor in `tensors`.
+    pub offsets: Vec<u64>,
+    pub len: u64,
+}
+
+/// A name-level or dtype step of a conversion, applied in order.
+#[derive(Clone, Debug)]
+pub enum Step {
+    Include(Vec<Glob>),
+    Exclude(Vec<Glob>),
+    Rename(Rename),
+    Cast { dtype: DType, cast_ints: bool },
+}
+
+#[derive(Clone, Debug)]
+pub enum OutputKind {
+    Dir,
+    File,
+}
+
+#[derive(Debug)]
+pub struct Plan {
+    pub tensors: Vec<PlannedTensor>,
+    pub shards: Vec<OutShard>,
+    pub kind: OutputKind,
+    /// Input tensors not in the output, by name.
+    pub dropped: Vec<String>,
+    pub renamed: usize,
+    /// `config.json` as it will be written, when it changes.
+    pub config: Option<Map<String, Value>>,
+    pub config_changes: Vec<String>,
+}
+
+struct Entry {
+    name: String,
+    source: usize,
+    dtype: DType,
+}
+
+impl Plan {
+    pub fn build(
+        ckpt: &Checkpoint,
+        steps: &[Step],
+        kind: OutputKind,
+        max_shard_bytes: u64,
+    ) -> Result<Plan> {
+        let mut entries: Vec<Entry> = ckpt
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Entry {
+                name: t.info.name.clone(),
+                source: i,
+                dtype: t.info.dtype,
+            })
+            .collect();
+        let mut cast_target = None;
+        for step in steps {
+            match step {
+                Step::Include(globs) => {
+                    entries.retain(|e| globs.iter().any(|g| g.matches(&e.name)));
+                }
+                Step::Exclude(globs) => {
+                    entries.retain(|e| !globs.iter().any(|g| g.matches(&e.name)));
+                }
+                Step::Rename(rule) => {
+                    for e in &mut entries {
+                        e.name = rule.apply(&e.name);
+                    }
+                }
+                Step::Cast { dtype, cast_ints } => {
+                    cast_target = Some(*dtype);
+                    for e in &mut entries {
+                        let castable = e.dtype.is_castable_float()
+                            || (*cast_ints && e.dtype.is_castable_int());
+                        if castable {
+                            e.dtype = *dtype;
+                        }
+                    }
+                }
+            }
+        }
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for e in &entries {
+            if e.name.is_empty() || e.name == "__metadata__" {
+                return Err(Error::Usage(format!(
+                    "renaming `{}` gives the reserved or empty name `{}`",
+                    ckpt.tensors[e.source].info.name, e.name
+                )));
+            }
+            if let Some(&prev) = seen.get(e.name.as_str()) {
+                return Err(Error::NameCollision {
+                    first: ckpt.tensors[prev].info.name.clone(),
+                    second: ckpt.tensors[e.source].info.name.clone(),
+                    target: e.name.clone(),
+                });
+            }
+            seen.insert(&e.name, e.source);
+        }
+        let kept: std::collections::HashSet<usize> = entries.iter().map(|e| e.source).collect();
+        let dropped = ckpt
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !kept.contains(i))
+            .map(|(_, t)| t.info.name.clone())
+            .collect();
+        let mut renamed = 0;
+        let mut tensors = Vec::with_capacity(entries.len());
+        for e in entries {
+            let src = &ckpt.tensors[e.source].info;
+            if e.name != src.name {
+                renamed += 1;
+            }
+            let elements = element_count(&src.shape).expect("checked when the header was read");
+            let nbytes = e.dtype.byte_len(elements).ok_or_else(|| {
+                Error::Other(format!("tensor `{}` is too large for {}", src.name, e.dtype))
+            })?;
+            let recipe = if e.dtype == src.dtype {
+                Recipe::Copy { src: e.source }
+            } else {
+                Recipe::Compute {
+                    op: Arc::new(Cast {
+                        src: src.dtype,
+                        dst: e.dtype,
+                        elements,
+                    }),
+                    inputs: vec![e.source],
+                }
+            };
+            tensors.push(PlannedTensor {
+                name: e.name,
+                source: src.name.clone(),
+                dtype: e.dtype,
+                shape: src.shape.clone(),
+                nbytes,
+                recipe,
+            });
+        }
+        let (config, config_changes) = match (ckpt.config()?, cast_target) {
+            (Some(cfg), Some(dtype)) => edit_config_dtype(cfg, dtype),
+            _ => (None, Vec::new()),
+        };
+        let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
+        metadata.remove("total_size");
+        metadata.insert("format".into(), Value::from("pt"));
+        let shards = assign_shards(&tensors, &kind, max_shard_bytes, &metadata);
+        Ok(Plan {
+            tensors,
+            shards,
+            kind,
+            dropped,
+            renamed,
+            config,
+            config_changes,
+        })
+    }
+
+    pub fn total_tensor_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.nbytes).sum()
+    }
+
+    pub fn total_file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.len).sum()
+    }
+
+    pub fn copied_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|t| matches!(t.recipe, Recipe::Copy { .. }))
+            .map(|t| t.nbytes)
+            .sum()
+    }
+
+    pub fn computed_count(&self) -> usize {
+        self.tensors
+            .iter()
+            .filter(|t| matches!(t.recipe, Recipe::Compute { .. }))
+            .count()
+    }
+
+    /// `model.safetensors.index.json` content, for directory outputs with several shards.
+    pub fn index_json(&self) -> Option<String> {
+        if self.shards.len() < 2 || matches!(self.kind, OutputKind::File) {
+            return None;
+        }
+        let mut names: Vec<(&str, &str)> = self
+            .shards
+            .iter()
+            .flat_map(|s| {
+                s.tensors
+                    .iter()
+                    .map(move |&t| (self.tensors[t].name.as_str(), s.file_name.as_str()))
+            })
+            .collect();
+        names.sort();
+        let mut map = Map::new();
+        for (t, f) in names {
+            map.insert(t.into(), Value::from(f));
+        }
+        let mut meta = Map::new();
+        meta.insert("total_size".into(), Value::from(self.total_tensor_bytes()));
+        let mut root = Map::new();
+        root.insert("metadata".into(), Value::Object(meta));
+        root.insert("weight_map".into(), Value::Object(map));
+        let mut s = serde_json::to_string_pretty(&Value::Object(root)).expect("plain JSON");
+        s.push('\n');
+        Some(s)
+    }
+}
+
+fn assign_shards(
+    tensors: &[PlannedTensor],
+    kind: &OutputKind,
+    max_shard_bytes: u64,
+    metadata: &Map<String, Value>,
+) -> Vec<OutShard> {
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut current = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let last = groups.last_mut().expect("never empty");
+        let split = matches!(kind, OutputKind::Dir)
+            && !last.is_empty()
+            && current + t.nbytes > max_shard_bytes;
+        if split {
+            groups.push(vec![i]);
+            current = t.nbytes;
+        } else {
+            last.push(i);
+            current += t.nbytes;
+        }
+    }
+    let n = groups.len();
+    groups
+        .into_iter()
+        .enumerate()
+        .map(|(k, members)| {
+            let mut infos = Vec::with_capacity(members.len());
+            let mut begin = 0;
+            for &i in &members {
+                let t = &tensors[i];
+                infos.push(TensorInfo {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    begin,
+                    end: begin + t.nbytes,
+                });
+                begin += t.nbytes;
+            }
+            let header = serialize_header(metadata, &infos, HEADER_ALIGN_BYTES);
+            let data_start = header.len() as u64;
+            OutShard {
+                file_name: if n == 1 {
+                    "model.safetensors".into()
+                } else {
+                    format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
+                },
+                offsets: infos.iter().map(|t| data_start + t.begin).collect(),
+                len: data_start + begin,
+                header,
+                tensors: members,
+            }
+        })
+        .collect()
+}
+
+/// Sets `torch_dtype` (and `dtype`, when present) to the cast target, keeping key order.
+fn edit_config_dtype(
+    mut cfg: Map<String, Value>,
+    dtype: DType,
+) -> (Option<Map<String, Value>>, Vec<String>) {
+    let mut changes = Vec::new();
+    let target = Value::from(dtype.torch_name());
+    for key in ["torch_dtype", "dtype"] {
+        let present = cfg.contains_key(key);
+        if (present || key == "torch_dtype") && cfg.get(key) != Some(&target) {
+            changes.push(format!(
+                "config.json: {key} {} -> {}",
+                cfg.get(key).map_or("(unset)".into(), |v| v.to_string()),
+                target
+            ));
+            cfg.insert(key.into(), target.clone());
+        }
+    }
+    if changes.is_empty() {
+        (None, changes)
+    } else {
+        (Some(cfg), changes)
+    }
+}
+
+/// Where the output goes, as the user wrote it.
+pub fn output_kind_for(path: &std::path::Path) -> OutputKind {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        OutputKind::File
+    } else {
+        OutputKind::Dir
+    }
+}
+
+/// Directory that will hold the output files.
+pub fn output_dir(path: &std::path::Path, kind: &OutputKind) -> PathBuf {
+    match kind {
+        OutputKind::Dir => path.to_path_buf(),
+        OutputKind::File => match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        },
+    }
+}
