@@ -33,7 +33,13 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct InputArgs {
     /// Input: a .safetensors file, a model directory, or an index .json file
-    #[arg(short = 'i', long = "input", short_alias = 'b', alias = "base", value_name = "MODEL")]
+    #[arg(
+        short = 'i',
+        long = "input",
+        short_alias = 'b',
+        alias = "base",
+        value_name = "MODEL"
+    )]
     pub input: Option<PathBuf>,
     /// Input, as a positional argument
     #[arg(value_name = "MODEL", conflicts_with = "input")]

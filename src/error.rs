@@ -45,12 +45,12 @@ pub enum Error {
         dtype: String,
     },
 
-    #[error("{}: tensor `{tensor}`: shape {shape:?} of {dtype} needs {expected} bytes but its data_offsets span {actual}", path.display())]
+    #[error("{}: tensor `{tensor}`: {layout} needs {expected} bytes but its data_offsets span {actual}", path.display())]
     TensorSizeMismatch {
         path: PathBuf,
         tensor: String,
-        dtype: String,
-        shape: Vec<u64>,
+        /// `shape [2, 3] of BF16`
+        layout: String,
         expected: String,
         actual: u64,
     },

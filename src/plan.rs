@@ -164,7 +164,10 @@ impl Plan {
             }
             let elements = element_count(&src.shape).expect("checked when the header was read");
             let nbytes = e.dtype.byte_len(elements).ok_or_else(|| {
-                Error::Other(format!("tensor `{}` is too large for {}", src.name, e.dtype))
+                Error::Other(format!(
+                    "tensor `{}` is too large for {}",
+                    src.name, e.dtype
+                ))
             })?;
             let recipe = if e.dtype == src.dtype {
                 Recipe::Copy { src: e.source }

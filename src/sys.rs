@@ -64,7 +64,13 @@ pub fn finish_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
 }
 
 /// One `copy_file_range` call; returns the bytes copied (possibly short, 0 at end of input).
-pub fn copy_file_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: u64) -> io::Result<u64> {
+pub fn copy_file_range(
+    src: &File,
+    src_off: u64,
+    dst: &File,
+    dst_off: u64,
+    len: u64,
+) -> io::Result<u64> {
     let mut s = src_off as libc::loff_t;
     let mut d = dst_off as libc::loff_t;
     // SAFETY: the offset pointers point to live locals; fds are valid for the borrows.
@@ -98,6 +104,8 @@ pub fn free_space(path: &Path) -> io::Result<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled `st`.
     let st = unsafe { st.assume_init() };
+    // The field types differ between targets (u32 on some 32-bit ones).
+    #[allow(clippy::unnecessary_cast)]
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 

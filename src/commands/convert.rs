@@ -112,7 +112,11 @@ fn convert_inner(
     let is_file = matches!(kind, OutputKind::File);
     check_output(&ckpt, &opts.output, is_file, opts.force)?;
     let plan = Plan::build(&ckpt, steps, kind.clone(), opts.max_shard_bytes)?;
-    let sides = if is_file { Vec::new() } else { side_files(&ckpt) };
+    let sides = if is_file {
+        Vec::new()
+    } else {
+        side_files(&ckpt)
+    };
     let side_bytes: u64 = sides
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
@@ -166,7 +170,9 @@ fn convert_inner(
         files.push(file);
         names.push(tmp);
     }
-    let progress = opts.progress.then(|| progress_bar(plan.total_tensor_bytes()));
+    let progress = opts
+        .progress
+        .then(|| progress_bar(plan.total_tensor_bytes()));
     let cfg = PipelineConfig {
         threads: opts.threads,
         memory_budget: opts.memory_budget,
@@ -183,7 +189,10 @@ fn convert_inner(
         out.add_bytes("model.safetensors.index.json", index.as_bytes())?;
     }
     for side in &sides {
-        let name = side.file_name().expect("listed files have names").to_string_lossy();
+        let name = side
+            .file_name()
+            .expect("listed files have names")
+            .to_string_lossy();
         if name == "config.json" {
             if let Some(cfg) = &plan.config {
                 let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
@@ -214,7 +223,16 @@ fn convert_inner(
         );
     }
     if let Some(path) = &opts.report {
-        let report = report_json(command, &ckpt, &plan, &sides, opts, Some(&stats), started, false);
+        let report = report_json(
+            command,
+            &ckpt,
+            &plan,
+            &sides,
+            opts,
+            Some(&stats),
+            started,
+            false,
+        );
         write_report(path, &report)?;
     }
     Ok(())
@@ -288,7 +306,11 @@ fn print_plan(
         println!(
             "  {:<40} {:>12}  {} tensors",
             if matches!(plan.kind, OutputKind::File) {
-                opts.output.file_name().unwrap_or_default().to_string_lossy().into_owned()
+                opts.output
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
             } else {
                 s.file_name.clone()
             },
@@ -302,11 +324,7 @@ fn print_plan(
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
         println!("  {k}: {n} tensors, {} -> {}", human(a), human(b));
     }
-    println!(
-        "  renamed {}, dropped {}",
-        plan.renamed,
-        plan.dropped.len()
-    );
+    println!("  renamed {}, dropped {}", plan.renamed, plan.dropped.len());
     println!(
         "  bytes: {} copied unchanged, {} computed",
         human(plan.copied_bytes()),
@@ -315,7 +333,12 @@ fn print_plan(
     if !sides.is_empty() {
         let names: Vec<String> = sides
             .iter()
-            .map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
+            .map(|p| {
+                p.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .collect();
         println!("  side files: {}", names.join(", "));
     }

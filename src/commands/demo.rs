@@ -22,11 +22,17 @@ const LAYERS: usize = 2;
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) as u32
     }
     fn normal_ish(&mut self) -> f32 {
-        (0..4).map(|_| self.next() as f32 / (1u64 << 31) as f32 - 0.5).sum::<f32>() * 0.05
+        (0..4)
+            .map(|_| self.next() as f32 / (1u64 << 31) as f32 - 0.5)
+            .sum::<f32>()
+            * 0.05
     }
 }
 
@@ -34,20 +40,26 @@ type Tensor = (String, DType, Vec<u64>, Vec<u8>);
 
 fn bf16_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
     let n: u64 = shape.iter().product();
-    let data = (0..n).flat_map(|_| f32_to_bf16(rng.normal_ish()).to_le_bytes()).collect();
+    let data = (0..n)
+        .flat_map(|_| f32_to_bf16(rng.normal_ish()).to_le_bytes())
+        .collect();
     (name.into(), DType::BF16, shape, data)
 }
 
 fn f32_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
     let n: u64 = shape.iter().product();
-    let data = (0..n).flat_map(|_| (1.0 + rng.normal_ish()).to_le_bytes()).collect();
+    let data = (0..n)
+        .flat_map(|_| (1.0 + rng.normal_ish()).to_le_bytes())
+        .collect();
     (name.into(), DType::F32, shape, data)
 }
 
 fn fp8_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
     let n: u64 = shape.iter().product();
     // Finite E4M3 codes only: 0x7F/0xFF are NaN.
-    let data = (0..n).map(|_| (rng.next() % 0x7F) as u8 | (rng.next() as u8 & 0x80)).collect();
+    let data = (0..n)
+        .map(|_| (rng.next() % 0x7F) as u8 | (rng.next() as u8 & 0x80))
+        .collect();
     (name.into(), DType::F8_E4M3, shape, data)
 }
 
@@ -56,25 +68,57 @@ pub fn make_example(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut rng = Rng(42);
     let h = HIDDEN;
-    let mut shard1 = vec![bf16_tensor("model.embed_tokens.weight", vec![256, h], &mut rng)];
+    let mut shard1 = vec![bf16_tensor(
+        "model.embed_tokens.weight",
+        vec![256, h],
+        &mut rng,
+    )];
     let mut shard2 = Vec::new();
     for l in 0..LAYERS {
         let target = if l == 0 { &mut shard1 } else { &mut shard2 };
         let p = format!("model.layers.{l}");
         for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            target.push(fp8_tensor(&format!("{p}.self_attn.{proj}.weight"), vec![h, h], &mut rng));
+            target.push(fp8_tensor(
+                &format!("{p}.self_attn.{proj}.weight"),
+                vec![h, h],
+                &mut rng,
+            ));
             let scale: Vec<u8> = (0..1).flat_map(|_| 0.01f32.to_le_bytes()).collect();
-            target.push((format!("{p}.self_attn.{proj}.weight_scale_inv"), DType::F32, vec![1, 1], scale));
+            target.push((
+                format!("{p}.self_attn.{proj}.weight_scale_inv"),
+                DType::F32,
+                vec![1, 1],
+                scale,
+            ));
         }
-        for (proj, shape) in [("gate_proj", [2 * h, h]), ("up_proj", [2 * h, h]), ("down_proj", [h, 2 * h])] {
-            target.push(bf16_tensor(&format!("{p}.mlp.{proj}.weight"), shape.to_vec(), &mut rng));
+        for (proj, shape) in [
+            ("gate_proj", [2 * h, h]),
+            ("up_proj", [2 * h, h]),
+            ("down_proj", [h, 2 * h]),
+        ] {
+            target.push(bf16_tensor(
+                &format!("{p}.mlp.{proj}.weight"),
+                shape.to_vec(),
+                &mut rng,
+            ));
         }
-        target.push(f32_tensor(&format!("{p}.input_layernorm.weight"), vec![h], &mut rng));
-        target.push(f32_tensor(&format!("{p}.post_attention_layernorm.weight"), vec![h], &mut rng));
+        target.push(f32_tensor(
+            &format!("{p}.input_layernorm.weight"),
+            vec![h],
+            &mut rng,
+        ));
+        target.push(f32_tensor(
+            &format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            &mut rng,
+        ));
     }
     shard2.push(f32_tensor("model.norm.weight", vec![h], &mut rng));
     shard2.push(bf16_tensor("lm_head.weight", vec![256, h], &mut rng));
-    let names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let names = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
     let mut weight_map = serde_json::Map::new();
     let mut total = 0u64;
     for (name, tensors) in names.iter().zip([&shard1, &shard2]) {
@@ -94,7 +138,8 @@ pub fn make_example(dir: &Path) -> Result<()> {
     });
     let write = |name: &str, v: &serde_json::Value| {
         let p = dir.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v).expect("JSON")).map_err(|e| Error::io(&p, e))
+        std::fs::write(&p, serde_json::to_string_pretty(v).expect("JSON"))
+            .map_err(|e| Error::io(&p, e))
     };
     write("model.safetensors.index.json", &index)?;
     write("config.json", &config)?;
@@ -119,9 +164,12 @@ fn quiet_opts(output: &Path, max_shard_bytes: u64) -> WriteOptions {
 
 fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
     use std::os::unix::fs::FileExt;
-    let t = ckpt
-        .get(name)
-        .ok_or_else(|| Error::Other(format!("demo: `{name}` missing from {}", ckpt.input.display())))?;
+    let t = ckpt.get(name).ok_or_else(|| {
+        Error::Other(format!(
+            "demo: `{name}` missing from {}",
+            ckpt.input.display()
+        ))
+    })?;
     let mut buf = vec![0u8; t.info.nbytes() as usize];
     ckpt.shards[t.shard]
         .file
@@ -164,28 +212,50 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     convert(
         "passthrough",
         &src,
-        &[Step::Cast { dtype: DType::BF16, cast_ints: false }],
+        &[Step::Cast {
+            dtype: DType::BF16,
+            cast_ints: false,
+        }],
         &quiet_opts(&bf16_dir, 40_000),
         cancel,
     )?;
     let out = Checkpoint::open(&bf16_dir)?;
-    check(out.tensors.len() == input.tensors.len(), "every tensor present")?;
-    check(out.shards.len() > 2, &format!("resharded into {} shards with an index", out.shards.len()))?;
+    check(
+        out.tensors.len() == input.tensors.len(),
+        "every tensor present",
+    )?;
+    check(
+        out.shards.len() > 2,
+        &format!("resharded into {} shards with an index", out.shards.len()),
+    )?;
     let norm_in = tensor_bytes(&input, "model.norm.weight")?;
     let norm_out = tensor_bytes(&out, "model.norm.weight")?;
     let expected: Vec<u8> = norm_in
         .chunks_exact(4)
         .flat_map(|c| f32_to_bf16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
         .collect();
-    check(norm_out == expected, "F32 norms cast to BF16, rounded to nearest even")?;
+    check(
+        norm_out == expected,
+        "F32 norms cast to BF16, rounded to nearest even",
+    )?;
     let q = "model.layers.1.self_attn.q_proj.weight";
-    check(tensor_bytes(&out, q)? == tensor_bytes(&input, q)?, "FP8 weights copied byte for byte")?;
+    check(
+        tensor_bytes(&out, q)? == tensor_bytes(&input, q)?,
+        "FP8 weights copied byte for byte",
+    )?;
     let cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(bf16_dir.join("config.json")).map_err(|e| Error::io(&bf16_dir, e))?,
+        &std::fs::read_to_string(bf16_dir.join("config.json"))
+            .map_err(|e| Error::io(&bf16_dir, e))?,
     )
     .map_err(|e| Error::Other(e.to_string()))?;
-    check(cfg["torch_dtype"] == "bfloat16", "config.json torch_dtype says bfloat16")?;
-    check(bf16_dir.join("tokenizer_config.json").is_file(), "tokenizer files copied")?;
+    check(
+        cfg["torch_dtype"] == "bfloat16",
+        "config.json torch_dtype says bfloat16",
+    )?;
+    check(
+        bf16_dir.join("tokenizer_config.json").is_file(),
+        "tokenizer files copied",
+    )?;
 
     let renamed = root.join("renamed.safetensors");
     println!("\n2. run --key-exclude '*.weight_scale_inv' --key-rename '^model\\.' '' -o renamed.safetensors");
@@ -200,10 +270,19 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
         cancel,
     )?;
     let out2 = Checkpoint::open(&renamed)?;
-    check(out2.get("layers.0.mlp.up_proj.weight").is_some(), "`model.` prefix stripped")?;
-    check(out2.tensors.iter().all(|t| !t.info.name.ends_with("weight_scale_inv")), "scales excluded")?;
     check(
-        tensor_bytes(&out2, "embed_tokens.weight")? == tensor_bytes(&input, "model.embed_tokens.weight")?,
+        out2.get("layers.0.mlp.up_proj.weight").is_some(),
+        "`model.` prefix stripped",
+    )?;
+    check(
+        out2.tensors
+            .iter()
+            .all(|t| !t.info.name.ends_with("weight_scale_inv")),
+        "scales excluded",
+    )?;
+    check(
+        tensor_bytes(&out2, "embed_tokens.weight")?
+            == tensor_bytes(&input, "model.embed_tokens.weight")?,
         "renamed tensors keep their bytes",
     )?;
 
@@ -213,15 +292,26 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
         let mut bad = 0;
         for t in &c.tensors {
             let mut acc = crate::commands::validate::NonFinite::default();
-            crate::commands::validate::scan_nonfinite(t.info.dtype, &tensor_bytes(&c, &t.info.name)?, 0, &mut acc);
+            crate::commands::validate::scan_nonfinite(
+                t.info.dtype,
+                &tensor_bytes(&c, &t.info.name)?,
+                0,
+                &mut acc,
+            );
             bad += acc.count;
         }
-        check(bad == 0, &format!("{}: structure valid, all values finite", dir.display()))?;
+        check(
+            bad == 0,
+            &format!("{}: structure valid, all values finite", dir.display()),
+        )?;
     }
-    println!("\ndemo finished: every check passed{}", match keep {
-        Some(d) => format!("; files kept in {}", d.display()),
-        None => String::new(),
-    });
+    println!(
+        "\ndemo finished: every check passed{}",
+        match keep {
+            Some(d) => format!("; files kept in {}", d.display()),
+            None => String::new(),
+        }
+    );
     Ok(())
 }
 
@@ -236,7 +326,10 @@ impl TempDir {
                 return Ok(TempDir(p));
             }
         }
-        Err(Error::Other(format!("cannot create a temporary directory in {}", base.display())))
+        Err(Error::Other(format!(
+            "cannot create a temporary directory in {}",
+            base.display()
+        )))
     }
 }
 

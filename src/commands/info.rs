@@ -28,7 +28,11 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
     let tensors: Vec<_> = ckpt
         .tensors
         .iter()
-        .filter(|t| args.filter.as_ref().is_none_or(|f| t.info.name.contains(f.as_str())))
+        .filter(|t| {
+            args.filter
+                .as_ref()
+                .is_none_or(|f| t.info.name.contains(f.as_str()))
+        })
         .collect();
     let total: u64 = tensors.iter().map(|t| t.info.nbytes()).sum();
     let total_params: u64 = tensors.iter().map(|t| t.info.elements()).sum();
@@ -78,8 +82,16 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
         return Ok(());
     }
     if !args.dtype_summary {
-        let w = tensors.iter().map(|t| t.info.name.len()).max().unwrap_or(4).max(4);
-        println!("{:<w$}  {:<11}  {:<22}  {:>12}", "NAME", "DTYPE", "SHAPE", "BYTES");
+        let w = tensors
+            .iter()
+            .map(|t| t.info.name.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        println!(
+            "{:<w$}  {:<11}  {:<22}  {:>12}",
+            "NAME", "DTYPE", "SHAPE", "BYTES"
+        );
         for t in &tensors {
             println!(
                 "{:<w$}  {:<11}  {:<22}  {:>12}",
@@ -122,10 +134,22 @@ mod tests {
 
     #[test]
     fn layer_names() {
-        assert_eq!(layer_of("model.layers.12.mlp.up_proj.weight").as_deref(), Some("model.layers.12"));
-        assert_eq!(layer_of("layers.3.ffn.experts.5.w1.weight").as_deref(), Some("layers.3"));
-        assert_eq!(layer_of("transformer.h.0.attn.c_attn.weight").as_deref(), Some("transformer.h.0"));
-        assert_eq!(layer_of("mtp.0.ffn.experts.1.w2.scale").as_deref(), Some("mtp.0"));
+        assert_eq!(
+            layer_of("model.layers.12.mlp.up_proj.weight").as_deref(),
+            Some("model.layers.12")
+        );
+        assert_eq!(
+            layer_of("layers.3.ffn.experts.5.w1.weight").as_deref(),
+            Some("layers.3")
+        );
+        assert_eq!(
+            layer_of("transformer.h.0.attn.c_attn.weight").as_deref(),
+            Some("transformer.h.0")
+        );
+        assert_eq!(
+            layer_of("mtp.0.ffn.experts.1.w2.scale").as_deref(),
+            Some("mtp.0")
+        );
         assert_eq!(layer_of("model.embed_tokens.weight"), None);
         assert_eq!(layer_of("lm_head.weight"), None);
     }

@@ -61,7 +61,8 @@ pub fn passthrough_steps(a: &PassthroughArgs) -> Result<Vec<Step>> {
 
 /// run: sections apply in the order they appear on the command line.
 pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
-    let idx = |id: &str| -> Vec<usize> { m.indices_of(id).map(|i| i.collect()).unwrap_or_default() };
+    let idx =
+        |id: &str| -> Vec<usize> { m.indices_of(id).map(|i| i.collect()).unwrap_or_default() };
     let mut steps: Vec<(usize, Step)> = Vec::new();
     for (i, g) in idx("key_filter").into_iter().zip(&a.key_filter) {
         steps.push((i, Step::Include(vec![Glob::new(g)?])));
@@ -69,7 +70,11 @@ pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
     for (i, g) in idx("key_exclude").into_iter().zip(&a.key_exclude) {
         steps.push((i, Step::Exclude(vec![Glob::new(g)?])));
     }
-    for (i, r) in idx("key_rename").into_iter().step_by(2).zip(renames(&a.key_rename)?) {
+    for (i, r) in idx("key_rename")
+        .into_iter()
+        .step_by(2)
+        .zip(renames(&a.key_rename)?)
+    {
         steps.push((i, Step::Rename(r)));
     }
     for (i, d) in idx("dtype_cast").into_iter().zip(&a.dtype_cast) {

@@ -20,12 +20,15 @@ pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
         .iter()
         .map(|s| {
             let (kind, arg) = s.split_once(':').ok_or_else(|| {
-                Error::Usage(format!("--pipe `{s}`: expected dtype:X, filter:GLOB or exclude:GLOB"))
+                Error::Usage(format!(
+                    "--pipe `{s}`: expected dtype:X, filter:GLOB or exclude:GLOB"
+                ))
             })?;
             Ok(match kind {
                 "dtype" => Step::Cast {
-                    dtype: DType::parse_cast_target(arg)
-                        .ok_or_else(|| Error::Usage(format!("--pipe `{s}`: unknown dtype `{arg}`")))?,
+                    dtype: DType::parse_cast_target(arg).ok_or_else(|| {
+                        Error::Usage(format!("--pipe `{s}`: unknown dtype `{arg}`"))
+                    })?,
                     cast_ints: false,
                 },
                 "filter" => Step::Include(vec![Glob::new(arg)?]),
@@ -122,7 +125,11 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
                     continue;
                 }
                 let shard = &ckpt.shards[t.shard];
-                let size = t.info.dtype.size().expect("scannable dtypes are whole bytes");
+                let size = t
+                    .info
+                    .dtype
+                    .size()
+                    .expect("scannable dtypes are whole bytes");
                 let step = chunk / size * size;
                 let start = ckpt.file_offset(t);
                 let mut acc = NonFinite::default();
@@ -183,12 +190,19 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
                 c.shards.len(),
                 human(c.total_bytes()),
                 if args.check_values {
-                    format!("; {scanned_tensors} float tensors ({}) scanned, all finite", human(scanned))
+                    format!(
+                        "; {scanned_tensors} float tensors ({}) scanned, all finite",
+                        human(scanned)
+                    )
                 } else {
                     String::new()
                 }
             ),
-            _ => println!("invalid: {} — {} problem(s)", input.display(), problems.len()),
+            _ => println!(
+                "invalid: {} — {} problem(s)",
+                input.display(),
+                problems.len()
+            ),
         }
     }
     Ok(ok)

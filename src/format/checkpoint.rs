@@ -87,7 +87,9 @@ impl Checkpoint {
         }
         if let Some(map) = &layout.weight_map {
             for (tensor, shard_name) in map {
-                let shard_name = shard_name.as_str().expect("checked when the index was read");
+                let shard_name = shard_name
+                    .as_str()
+                    .expect("checked when the index was read");
                 let found = by_name
                     .get(tensor)
                     .is_some_and(|&i| shards[tensors[i].shard].path.ends_with(shard_name));
@@ -153,8 +155,14 @@ impl Checkpoint {
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         match serde_json::from_str(&text) {
             Ok(Value::Object(m)) => Ok(Some(m)),
-            Ok(_) => Err(Error::Other(format!("{}: not a JSON object", path.display()))),
-            Err(e) => Err(Error::Other(format!("{}: invalid JSON: {e}", path.display()))),
+            Ok(_) => Err(Error::Other(format!(
+                "{}: not a JSON object",
+                path.display()
+            ))),
+            Err(e) => Err(Error::Other(format!(
+                "{}: invalid JSON: {e}",
+                path.display()
+            ))),
         }
     }
 
@@ -256,9 +264,9 @@ impl Layout {
             .clone();
         let mut names: Vec<String> = Vec::new();
         for (tensor, shard) in &map {
-            let shard = shard
-                .as_str()
-                .ok_or_else(|| invalid(format!("weight_map entry for `{tensor}` is not a string")))?;
+            let shard = shard.as_str().ok_or_else(|| {
+                invalid(format!("weight_map entry for `{tensor}` is not a string"))
+            })?;
             if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." {
                 return Err(invalid(format!(
                     "weight_map entry for `{tensor}` names `{shard}`, which is not a file in this directory"

@@ -105,7 +105,7 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
         }
         tensors.push(parse_tensor(path, name, entry)?);
     }
-    tensors.sort_by(|a, b| (a.begin, a.end).cmp(&(b.begin, b.end)));
+    tensors.sort_by_key(|t| (t.begin, t.end));
     let data_start = 8 + json.len() as u64;
     let mut expected = 0u64;
     for t in &tensors {
@@ -179,15 +179,16 @@ fn parse_tensor(path: &Path, name: String, entry: Value) -> Result<TensorInfo> {
         return Err(bad("`data_offsets` must hold exactly two numbers"));
     };
     if end < begin {
-        return Err(bad(&format!("data_offsets [{begin}, {end}] end before they begin")));
+        return Err(bad(&format!(
+            "data_offsets [{begin}, {end}] end before they begin"
+        )));
     }
     let expected = element_count(&shape).and_then(|n| dtype.byte_len(n));
     if expected != Some(end - begin) {
         return Err(Error::TensorSizeMismatch {
             path: path.into(),
             tensor: name,
-            dtype: dtype.name().into(),
-            shape,
+            layout: format!("shape {shape:?} of {dtype}"),
             expected: expected.map_or_else(|| "an impossible number of".into(), |e| e.to_string()),
             actual: end - begin,
         });
@@ -258,16 +259,40 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[5,9]}}"#,
             9,
         );
-        assert!(matches!(gap, Err(Error::TensorOffsetGap { ref tensor, begin: 5, expected: 4, .. }) if tensor == "b"));
-        let size = parse(r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#, 4);
+        assert!(
+            matches!(gap, Err(Error::TensorOffsetGap { ref tensor, begin: 5, expected: 4, .. }) if tensor == "b")
+        );
+        let size = parse(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#,
+            4,
+        );
         assert!(matches!(size, Err(Error::TensorSizeMismatch { ref tensor, .. }) if tensor == "a"));
-        let trunc = parse(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 3);
-        assert!(matches!(trunc, Err(Error::DataTruncated { expected: 4, actual: 3, .. })));
-        let pad = parse(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 6);
+        let trunc = parse(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+            3,
+        );
+        assert!(matches!(
+            trunc,
+            Err(Error::DataTruncated {
+                expected: 4,
+                actual: 3,
+                ..
+            })
+        ));
+        let pad = parse(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+            6,
+        );
         assert!(matches!(pad, Err(Error::TrailingBytes { extra: 2, .. })));
-        let dtype = parse(r#"{"a":{"dtype":"Q4","shape":[4],"data_offsets":[0,4]}}"#, 4);
+        let dtype = parse(
+            r#"{"a":{"dtype":"Q4","shape":[4],"data_offsets":[0,4]}}"#,
+            4,
+        );
         assert!(matches!(dtype, Err(Error::UnknownDtype { ref dtype, .. }) if dtype == "Q4"));
-        let odd_f4 = parse(r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2);
+        let odd_f4 = parse(
+            r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
+            2,
+        );
         assert!(matches!(odd_f4, Err(Error::TensorSizeMismatch { .. })));
         let meta = parse(r#"{"__metadata__":{"x":1}}"#, 0);
         assert!(matches!(meta, Err(Error::InvalidHeader { .. })));

@@ -31,7 +31,8 @@ pub fn write_small(path: &Path, tensors: &[(String, DType, Vec<u64>, Vec<u8>)]) 
     let mut meta = Map::new();
     meta.insert("format".into(), Value::from("pt"));
     let header = serialize_header(&meta, &infos, 8);
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| Error::io(path, e))?);
+    let mut f =
+        std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| Error::io(path, e))?);
     f.write_all(&header).map_err(|e| Error::io(path, e))?;
     for (_, _, _, data) in tensors {
         f.write_all(data).map_err(|e| Error::io(path, e))?;

@@ -39,7 +39,7 @@ impl Op for Cast {
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let s = self.in_unit_bytes();
-        vec![units.start * s..units.end * s]
+        std::iter::once(units.start * s..units.end * s).collect()
     }
     fn compute(&self, _units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         cast_slice(self.src, self.dst, inputs[0], out);
@@ -76,7 +76,12 @@ pub fn f32_to_f16(f: f32) -> u16 {
     let exp_bits = (bits >> 13) & 0x0000_7C00;
     let mantissa_bits = bits & 0x0000_0FFF;
     let nonsign = exp_bits + mantissa_bits;
-    ((sign >> 16) | if shl1_w > 0xFF00_0000 { 0x7E00 } else { nonsign }) as u16
+    ((sign >> 16)
+        | if shl1_w > 0xFF00_0000 {
+            0x7E00
+        } else {
+            nonsign
+        }) as u16
 }
 
 #[inline(always)]
@@ -174,7 +179,9 @@ mod tests {
     use half::{bf16, f16};
 
     fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (*seed >> 32) as u32
     }
 
@@ -182,17 +189,35 @@ mod tests {
     fn f32_to_16_bit_matches_half_on_random_and_edge_bits() {
         let mut seed = 7;
         let edges = [
-            0u32, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7F7F_FFFF, 0x0000_0001, 0x3F80_8000,
-            0x3F81_8000, 0x477F_F000, 0x477F_EFFF, 0x3380_0000, 0x3300_0001, 0x3300_0000,
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F7F_FFFF,
+            0x0000_0001,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x477F_F000,
+            0x477F_EFFF,
+            0x3380_0000,
+            0x3300_0001,
+            0x3300_0000,
         ];
-        for bits in edges.into_iter().chain((0..2_000_000).map(|_| lcg(&mut seed))) {
+        for bits in edges
+            .into_iter()
+            .chain((0..2_000_000).map(|_| lcg(&mut seed)))
+        {
             let x = f32::from_bits(bits);
             if x.is_nan() {
                 assert_eq!(f32_to_bf16(x), 0x7FC0);
                 assert_eq!(f32_to_f16(x) & 0x7FFF, 0x7E00);
                 continue;
             }
-            assert_eq!(f32_to_bf16(x), bf16::from_f32(x).to_bits(), "bf16 {bits:#x}");
+            assert_eq!(
+                f32_to_bf16(x),
+                bf16::from_f32(x).to_bits(),
+                "bf16 {bits:#x}"
+            );
             assert_eq!(f32_to_f16(x), f16::from_f32(x).to_bits(), "f16 {bits:#x}");
         }
     }
@@ -209,12 +234,20 @@ mod tests {
         let code = if hi > max_code {
             let d_lo = a - table[lo];
             let d_hi = next_after_max - a;
-            if d_hi < d_lo || (d_hi == d_lo && lo % 2 == 1) { inf_code as usize } else { lo }
+            if d_hi < d_lo || (d_hi == d_lo && lo % 2 == 1) {
+                inf_code as usize
+            } else {
+                lo
+            }
         } else if table[lo] == a {
             lo
         } else {
             let (d_lo, d_hi) = (a - table[lo], table[hi] - a);
-            if d_lo < d_hi || (d_lo == d_hi && lo % 2 == 0) { lo } else { hi }
+            if d_lo < d_hi || (d_lo == d_hi && lo % 2 == 0) {
+                lo
+            } else {
+                hi
+            }
         };
         code as u16 | sign
     }
@@ -240,9 +273,17 @@ mod tests {
             }
             let mut o = [0u8; 2];
             cast_slice(DType::F64, DType::BF16, &x.to_le_bytes(), &mut o);
-            assert_eq!(u16::from_le_bytes(o), nearest_16(x, &bf16_table, 0x7F80), "bf16 {x:e}");
+            assert_eq!(
+                u16::from_le_bytes(o),
+                nearest_16(x, &bf16_table, 0x7F80),
+                "bf16 {x:e}"
+            );
             cast_slice(DType::F64, DType::F16, &x.to_le_bytes(), &mut o);
-            assert_eq!(u16::from_le_bytes(o), nearest_16(x, &f16_table, 0x7C00), "f16 {x:e}");
+            assert_eq!(
+                u16::from_le_bytes(o),
+                nearest_16(x, &f16_table, 0x7C00),
+                "f16 {x:e}"
+            );
         }
     }
 

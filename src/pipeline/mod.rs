@@ -256,7 +256,9 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
                     let r = &sh.ckpt.tensors[*src];
                     let src_off = sh.ckpt.file_offset(r);
                     match &mut run {
-                        Some((s, so, d, len)) if *s == r.shard && *so + *len == src_off && *d + *len == offset => {
+                        Some((s, so, d, len))
+                            if *s == r.shard && *so + *len == src_off && *d + *len == offset =>
+                        {
                             *len += t.nbytes;
                         }
                         _ => {
@@ -282,7 +284,12 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
     Ok(())
 }
 
-fn emit_copy(sh: &Shared, shard: usize, run: (usize, u64, u64, u64), tx: &Sender<Work>) -> Result<()> {
+fn emit_copy(
+    sh: &Shared,
+    shard: usize,
+    run: (usize, u64, u64, u64),
+    tx: &Sender<Work>,
+) -> Result<()> {
     let (src_shard, src_off, dst_off, len) = run;
     let mut done = 0;
     while done < len {
@@ -465,7 +472,16 @@ fn write_stage(
                 offset,
                 len,
             } => {
-                copy_range(sh, src_shard, src_offset, shard, offset, len, &mut kernel_copy, &mut scratch)?;
+                copy_range(
+                    sh,
+                    src_shard,
+                    src_offset,
+                    shard,
+                    offset,
+                    len,
+                    &mut kernel_copy,
+                    &mut scratch,
+                )?;
                 (shard, offset, len)
             }
         };
@@ -499,17 +515,24 @@ fn copy_range(
             Ok(0) => {
                 return Err(Error::io(
                     &src.path,
-                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file shrank while being read"),
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "file shrank while being read",
+                    ),
                 ))
             }
             Ok(n) => {
                 done += n;
                 sh.stats.copied_kernel.fetch_add(n, Ordering::Relaxed);
             }
-            Err(e) if matches!(
-                e.raw_os_error(),
-                Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::EBADF)
-            ) => {
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(
+                        libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::EBADF
+                    )
+                ) =>
+            {
                 *kernel_copy = false;
             }
             Err(e) => return Err(Error::io(&sh.output_names[shard], e)),

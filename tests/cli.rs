@@ -1,0 +1,873 @@
+//! End-to-end tests of the `tftf` binary on synthetic checkpoints built in each test.
+
+mod common;
+
+use common::*;
+use tftf::format::dtype::DType;
+use tftf::ops::cast::{f32_to_bf16, f32_to_f16};
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(4)
+        .flat_map(|c| f32_to_bf16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
+        .collect()
+}
+
+#[test]
+fn passthrough_round_trip_keeps_every_byte_and_side_files() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = small_model(&src);
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--quiet",
+    ]));
+    let got = load_all(&out);
+    assert_eq!(got.len(), tensors.len());
+    for (name, dtype, shape, data) in &tensors {
+        let (gd, gs, gdata) = &got[name];
+        assert_eq!(gd, dtype.name(), "{name}");
+        assert_eq!(gs.iter().map(|&x| x as u64).collect::<Vec<_>>(), *shape);
+        assert_eq!(gdata, data, "{name} bytes");
+    }
+    // Everything fits one shard: model.safetensors alone, no index.
+    assert_eq!(
+        listing(&out),
+        [
+            "config.json",
+            "model.safetensors",
+            "modeling_x.py",
+            "tokenizer.json"
+        ]
+    );
+    // Unchanged config is copied verbatim.
+    assert_eq!(
+        std::fs::read(out.join("config.json")).unwrap(),
+        std::fs::read(src.join("config.json")).unwrap()
+    );
+}
+
+#[test]
+fn input_forms_file_dir_without_index_and_index_path() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = small_model(&src);
+    let want = tensors.len();
+    // Index file path.
+    let o1 = d.path().join("o1");
+    ok(&tftf(&[
+        "passthrough",
+        s(&src.join("model.safetensors.index.json")),
+        "-o",
+        s(&o1),
+        "-q",
+    ]));
+    assert_eq!(load_all(&o1).len(), want);
+    // Directory of shards without an index.
+    std::fs::remove_file(src.join("model.safetensors.index.json")).unwrap();
+    let o2 = d.path().join("o2");
+    ok(&tftf(&["passthrough", "-b", s(&src), "-o", s(&o2), "-q"]));
+    assert_eq!(load_all(&o2).len(), want);
+    // A single file, to a single file.
+    let one = src.join("model-00001-of-00002.safetensors");
+    let o3 = d.path().join("single.safetensors");
+    ok(&tftf(&["passthrough", "-i", s(&one), "-o", s(&o3), "-q"]));
+    assert_eq!(load_all(&o3).len(), 5);
+}
+
+#[test]
+fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut rng = Rng(3);
+    let tensors = vec![
+        rand_t(&mut rng, "a", DType::U8, &[3000]),
+        rand_t(&mut rng, "b", DType::U8, &[3000]),
+        rand_t(&mut rng, "big", DType::U8, &[20000]),
+        rand_t(&mut rng, "c", DType::U8, &[1000]),
+        rand_t(&mut rng, "d", DType::U8, &[1000]),
+    ];
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(&src.join("model.safetensors"), &tensors);
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--max-shard-size",
+        "6KB",
+        "-q",
+    ]));
+    let names = listing(&out);
+    assert_eq!(
+        names,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors",
+            "model.safetensors.index.json"
+        ]
+    );
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(index["metadata"]["total_size"], 28000);
+    assert_eq!(
+        index["weight_map"]["big"],
+        "model-00002-of-00003.safetensors"
+    );
+    assert_eq!(index["weight_map"]["a"], "model-00001-of-00003.safetensors");
+    assert_eq!(index["weight_map"]["d"], "model-00003-of-00003.safetensors");
+    let got = load_all(&out);
+    for (name, _, _, data) in &tensors {
+        assert_eq!(&got[name].2, data);
+    }
+    // The output reads back as a checkpoint through its index.
+    let again = d.path().join("again.safetensors");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&out),
+        "-o",
+        s(&again),
+        "-q",
+    ]));
+    assert_eq!(load_all(&again).len(), 5);
+}
+
+#[test]
+fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = small_model(&src);
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--dtype",
+        "bfloat16",
+        "-q",
+    ]));
+    let got = load_all(&out);
+    for (name, dtype, _, data) in &tensors {
+        let (gd, _, gdata) = &got[name];
+        match dtype {
+            DType::F32 => {
+                assert_eq!(gd, "BF16");
+                assert_eq!(gdata, &bf16_of_f32(data), "{name}");
+            }
+            DType::F16 => {
+                assert_eq!(gd, "BF16");
+                let want: Vec<u8> = data
+                    .chunks_exact(2)
+                    .flat_map(|c| {
+                        f32_to_bf16(half::f16::from_le_bytes([c[0], c[1]]).to_f32()).to_le_bytes()
+                    })
+                    .collect();
+                assert_eq!(gdata, &want, "{name}");
+            }
+            _ => {
+                assert_eq!(gd, dtype.name(), "{name} must keep its dtype");
+                assert_eq!(gdata, data, "{name} must keep its bytes");
+            }
+        }
+    }
+    let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(cfg.contains("\"torch_dtype\": \"bfloat16\""), "{cfg}");
+    // Key order is preserved.
+    assert!(cfg.find("architectures").unwrap() < cfg.find("torch_dtype").unwrap());
+    assert!(cfg.find("torch_dtype").unwrap() < cfg.find("hidden_size").unwrap());
+
+    // f16 target, and --cast-ints converting the I64 tensor.
+    let out2 = d.path().join("out2");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out2),
+        "--dtype",
+        "f16",
+        "--cast-ints",
+        "-q",
+    ]));
+    let got2 = load_all(&out2);
+    let (_, _, _, f32_data) = tensors.iter().find(|t| t.0 == "model.norm.weight").unwrap();
+    let want: Vec<u8> = f32_data
+        .chunks_exact(4)
+        .flat_map(|c| f32_to_f16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
+        .collect();
+    assert_eq!(got2["model.norm.weight"].2, want);
+    let (_, _, _, ints) = tensors
+        .iter()
+        .find(|t| t.0 == "model.layers.1.step")
+        .unwrap();
+    let want_ints: Vec<u8> = ints
+        .chunks_exact(8)
+        .flat_map(|c| {
+            let v = i64::from_le_bytes(c.try_into().unwrap());
+            half::f16::from_f64(v as f64).to_bits().to_le_bytes()
+        })
+        .collect();
+    assert_eq!(got2["model.layers.1.step"].0, "F16");
+    assert_eq!(got2["model.layers.1.step"].2, want_ints);
+    assert_eq!(got2["model.layers.1.experts.packed"].0, "F4");
+}
+
+#[test]
+fn filters_and_renames_follow_fnmatch_and_python_groups() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let out = d.path().join("out.safetensors");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--include",
+        "model.layers.*",
+        "--include",
+        "lm_head.*",
+        "--exclude",
+        "*.weight_scale_inv",
+        "--exclude",
+        "*layernorm*",
+        "--rename",
+        r"^model\.layers\.(\d+)\.",
+        r"blk.\1.",
+    ]));
+    let names: Vec<String> = load_all(&out).into_keys().collect();
+    assert_eq!(
+        names,
+        [
+            "blk.0.mlp.up_proj.weight",
+            "blk.0.self_attn.q_proj.weight",
+            "blk.1.experts.packed",
+            "blk.1.mlp.up_proj.weight",
+            "blk.1.step",
+            "lm_head.weight"
+        ]
+    );
+}
+
+#[test]
+fn rename_collision_names_both_sources_and_writes_nothing() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let out = d.path().join("out");
+    let err = fails(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--rename",
+        r"layers\.\d+\.",
+        "L.",
+    ]);
+    assert!(err.contains("`model.layers.0.mlp.up_proj.weight`"), "{err}");
+    assert!(err.contains("`model.layers.1.mlp.up_proj.weight`"), "{err}");
+    assert!(err.contains("`model.L.mlp.up_proj.weight`"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn run_applies_sections_in_command_line_order() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    // Rename first, then the filter sees the new names.
+    let o1 = d.path().join("o1.safetensors");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&src),
+        "-o",
+        s(&o1),
+        "-q",
+        "--key-rename",
+        r"^model\.",
+        "",
+        "--key-filter",
+        "layers.1.*",
+        "--dtype-cast",
+        "bf16",
+    ]));
+    let got = load_all(&o1);
+    assert_eq!(got.len(), 4);
+    assert_eq!(got["layers.1.input_layernorm.weight"].0, "BF16");
+    // Filter first on the old names: nothing would match `layers.1.*`, an empty output.
+    let o2 = d.path().join("o2.safetensors");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&src),
+        "-o",
+        s(&o2),
+        "-q",
+        "--key-filter",
+        "layers.1.*",
+        "--key-rename",
+        r"^model\.",
+        "",
+    ]));
+    assert_eq!(load_all(&o2).len(), 0);
+}
+
+#[test]
+fn output_is_identical_across_threads_budgets_and_copy_modes() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut rng = Rng(9);
+    // 24 MiB of f32 in one tensor: many chunks under a 16 MiB budget.
+    let big = rand_t(&mut rng, "big", DType::F32, &[3 << 10, 2 << 10]);
+    let small = rand_t(&mut rng, "small", DType::BF16, &[100, 3]);
+    let odd = rand_t(&mut rng, "odd", DType::F64, &[7, 13]);
+    write_sharded(&src, &[vec![big.clone(), small], vec![odd]]);
+    let mut outputs = Vec::new();
+    for (i, extra) in [
+        vec!["--threads", "1", "--memory-budget", "16MiB"],
+        vec!["--threads", "2", "--memory-budget", "1GiB"],
+        vec!["--threads", "3", "--memory-budget", "20MiB", "--no-reflink"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = d.path().join(format!("out{i}"));
+        let mut args = vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--dtype",
+            "bf16",
+            "-q",
+            "--max-shard-size",
+            "10MiB",
+        ];
+        args.extend(extra);
+        ok(&tftf(&args));
+        let files: Vec<Vec<u8>> = listing(&out)
+            .iter()
+            .map(|n| std::fs::read(out.join(n)).unwrap())
+            .collect();
+        outputs.push((listing(&out), files));
+    }
+    assert_eq!(outputs[0], outputs[1]);
+    assert_eq!(outputs[0], outputs[2]);
+    let got = load_all(&d.path().join("out0"));
+    assert_eq!(got["big"].2, bf16_of_f32(&big.3));
+}
+
+#[test]
+fn report_and_dry_run() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let out = d.path().join("out");
+    let report = d.path().join("plan.json");
+    let o = tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--dtype",
+        "bf16",
+        "--dry-run",
+        "--report",
+        s(&report),
+    ]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(text.contains("dry run: nothing written"), "{text}");
+    assert!(text.contains("cast F32 -> BF16: 4 tensors"), "{text}");
+    assert!(
+        text.contains("config.json: torch_dtype \"float32\" -> \"bfloat16\""),
+        "{text}"
+    );
+    assert!(text.contains("disk: needs"), "{text}");
+    assert!(!out.exists(), "dry run created the output");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["dry_run"], true);
+
+    let report2 = d.path().join("run.json");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--dtype",
+        "bf16",
+        "-q",
+        "--report",
+        s(&report2),
+    ]));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report2).unwrap()).unwrap();
+    assert_eq!(r["status"], "ok");
+    assert_eq!(r["tensors"]["written"], 11);
+    assert_eq!(r["tensors"]["computed"], 5);
+    let copied = r["bytes"]["copied_in_kernel"].as_u64().unwrap()
+        + r["bytes"]["copied_through_memory"].as_u64().unwrap();
+    let computed = r["bytes"]["computed"].as_u64().unwrap();
+    assert_eq!(copied + computed, r["bytes"]["tensors"].as_u64().unwrap());
+    assert!(r["peak_rss_bytes"].as_u64().unwrap() > 0);
+    assert!(r["wall_seconds"].as_f64().unwrap() > 0.0);
+
+    // A failing run still writes a report saying why.
+    let report3 = d.path().join("fail.json");
+    fails(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--report",
+        s(&report3),
+    ]);
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report3).unwrap()).unwrap();
+    assert_eq!(r["status"], "error");
+    assert!(r["error"].as_str().unwrap().contains("not empty"));
+}
+
+#[test]
+fn refuses_output_inside_input_and_non_empty_output_without_force() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&src.join("sub"))]);
+    assert!(err.contains("is the input or inside it"), "{err}");
+    assert!(!src.join("sub").exists());
+    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&src)]);
+    assert!(err.contains("is the input or inside it"), "{err}");
+
+    let out = d.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("model-00001-of-00009.safetensors"), "stale").unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    assert!(
+        err.contains("not empty") && err.contains("--force"),
+        "{err}"
+    );
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--force",
+        "-q",
+    ]));
+    // Stale shards are replaced; unrelated files stay.
+    assert_eq!(
+        listing(&out),
+        [
+            "config.json",
+            "model.safetensors",
+            "modeling_x.py",
+            "notes.txt",
+            "tokenizer.json"
+        ]
+    );
+    assert_eq!(load_all(&out).len(), 11);
+}
+
+/// Writes a model whose single shard has the given raw bytes and expects `passthrough` to fail
+/// with a message containing every `needle`, leaving no output behind.
+fn bad_input(raw: Vec<u8>, needles: &[&str]) {
+    let d = tmp();
+    let src = d.path().join("in");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("model.safetensors"), raw).unwrap();
+    let out = d.path().join("out");
+    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    assert!(err.contains("model.safetensors"), "no file name in: {err}");
+    for n in needles {
+        assert!(err.contains(n), "`{n}` not in: {err}");
+    }
+    assert!(!out.exists(), "output left behind");
+    let v = tftf(&["validate", s(&src)]);
+    assert_eq!(v.status.code(), Some(1));
+    assert!(stdout(&v).contains("problem:"), "{}", stdout(&v));
+}
+
+fn raw(header: &str, data_len: usize) -> Vec<u8> {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend(std::iter::repeat_n(7u8, data_len));
+    v
+}
+
+#[test]
+fn bad_headers_are_distinct_errors_naming_file_and_tensor() {
+    let good = r#"{"w":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]}}"#;
+    let mut truncated = raw(good, 8);
+    truncated.truncate(truncated.len() - 3);
+    bad_input(truncated, &["data buffer is 5 bytes", "truncated"]);
+    bad_input(raw(good, 10), &["2 trailing bytes"]);
+    bad_input(
+        raw(
+            r#"{"w":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]"#,
+            8,
+        ),
+        &["not valid JSON"],
+    );
+    bad_input(
+        raw(
+            r#"{"w":{"dtype":"Q4_K","shape":[2,2],"data_offsets":[0,8]}}"#,
+            8,
+        ),
+        &["`w`", "unknown dtype `Q4_K`"],
+    );
+    bad_input(
+        raw(
+            r#"{"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,8]}}"#,
+            8,
+        ),
+        &["`w`", "needs 12 bytes"],
+    );
+    bad_input(
+        raw(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+            6,
+        ),
+        &[
+            "`b`",
+            "starts at data offset 2",
+            "previous tensor ends at 4",
+        ],
+    );
+    let mut huge = (200_000_000u64).to_le_bytes().to_vec();
+    huge.extend_from_slice(b"{}");
+    bad_input(huge, &["exceeds the limit"]);
+    bad_input(vec![1, 2, 3], &["shorter than the 8-byte"]);
+    let mut short_header = (1000u64).to_le_bytes().to_vec();
+    short_header.extend_from_slice(b"{}");
+    bad_input(short_header, &["header needs 1000 bytes"]);
+}
+
+#[test]
+fn cross_shard_faults_are_caught_before_output() {
+    let d = tmp();
+    let mut rng = Rng(5);
+    let a = rand_t(&mut rng, "a", DType::U8, &[4]);
+    let b = rand_t(&mut rng, "b", DType::U8, &[4]);
+    let out = d.path().join("out");
+
+    // Duplicate tensor across shards (no index).
+    let dup = d.path().join("dup");
+    std::fs::create_dir_all(&dup).unwrap();
+    write_file(&dup.join("x-1.safetensors"), &[a.clone()]);
+    write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
+    let err = fails(&["passthrough", "-i", s(&dup), "-o", s(&out)]);
+    assert!(
+        err.contains("`a` is defined twice")
+            && err.contains("x-1.safetensors")
+            && err.contains("x-2.safetensors"),
+        "{err}"
+    );
+
+    // Missing shard.
+    let miss = d.path().join("miss");
+    write_sharded(&miss, &[vec![a.clone()], vec![b.clone()]]);
+    std::fs::remove_file(miss.join("model-00002-of-00002.safetensors")).unwrap();
+    let err = fails(&["passthrough", "-i", s(&miss), "-o", s(&out)]);
+    assert!(
+        err.contains("shard `model-00002-of-00002.safetensors`")
+            && err.contains("`b`")
+            && err.contains("missing"),
+        "{err}"
+    );
+
+    // Index entry whose tensor is not in its shard.
+    let wrong = d.path().join("wrong");
+    write_sharded(&wrong, &[vec![a.clone()], vec![b.clone()]]);
+    let idx = wrong.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&idx).unwrap().replace(
+        r#""b":"model-00002-of-00002.safetensors""#,
+        r#""b":"model-00001-of-00002.safetensors""#,
+    );
+    std::fs::write(&idx, text).unwrap();
+    let err = fails(&["passthrough", "-i", s(&wrong), "-o", s(&out)]);
+    assert!(
+        err.contains("model-00001-of-00002.safetensors")
+            && err.contains("`b`")
+            && err.contains("does not contain"),
+        "{err}"
+    );
+
+    // Index pointing outside the directory.
+    let esc = d.path().join("esc");
+    write_sharded(&esc, &[vec![a.clone()]]);
+    std::fs::write(
+        esc.join("model.safetensors.index.json"),
+        r#"{"weight_map":{"a":"../x.safetensors"}}"#,
+    )
+    .unwrap();
+    let err = fails(&["passthrough", "-i", s(&esc), "-o", s(&out)]);
+    assert!(err.contains("not a file in this directory"), "{err}");
+
+    // Nothing to read.
+    let empty = d.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let err = fails(&["passthrough", "-i", s(&empty), "-o", s(&out)]);
+    assert!(err.contains("no *.safetensors files"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let out = d.path().join("out");
+    for args in [
+        vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--dtype",
+            "int4",
+        ],
+        vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--max-shard-size",
+            "5XB",
+        ],
+        vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--memory-budget",
+            "1KB",
+        ],
+        vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--rename",
+            "(",
+            "x",
+        ],
+        vec!["passthrough", "-o", s(&out)],
+        vec!["frobnicate"],
+    ] {
+        let o = tftf(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn info_reports_sizes_totals_and_widest_layer() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let o = tftf(&["info", s(&src), "--json"]);
+    ok(&o);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let find = |n: &str| {
+        v["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == n)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(find("model.layers.1.experts.packed")["bytes"], 256); // F4: half a byte each
+    assert_eq!(
+        find("model.layers.0.self_attn.q_proj.weight")["bytes"],
+        1024
+    ); // FP8: one byte
+    assert_eq!(v["total_tensors"], 11);
+    assert_eq!(v["dtypes"]["F4"]["tensors"], 1);
+    // Layer 0: 1024 + 4 + 4096 + 128 = 5252; layer 1: 4096 + 128 + 256 + 24 = 4504.
+    assert_eq!(v["widest_layer"]["name"], "model.layers.0");
+    assert_eq!(v["widest_layer"]["bytes"], 5252);
+    let text = stdout(&tftf(&["info", s(&src), "--filter", "mlp"]));
+    assert!(
+        text.contains("model.layers.1.mlp.up_proj.weight  F16"),
+        "{text}"
+    );
+    assert!(text.contains(": 2 tensors in 2 shard(s)"), "{text}");
+    let summary = stdout(&tftf(&["info", s(&src), "--dtype-summary"]));
+    assert!(!summary.contains("NAME"), "{summary}");
+    assert!(summary.contains("F8_E4M3"), "{summary}");
+    assert!(summary.contains("widest: model.layers.0"), "{summary}");
+}
+
+#[test]
+fn validate_reports_non_finite_values_and_pipe_collisions() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut vals: Vec<u8> = [1.0f32, 2.0, f32::NAN, 4.0, f32::INFINITY]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let fp8 = vec![0x10u8, 0x7F, 0x20];
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(
+        &src.join("model.safetensors"),
+        &[
+            t("x", DType::F32, &[5], vals.clone()),
+            t("q", DType::F8_E4M3, &[3], fp8),
+            t("ok", DType::BF16, &[1], vec![0x80, 0x3F]),
+        ],
+    );
+    let o = tftf(&["validate", s(&src)]);
+    ok(&o);
+    assert!(stdout(&o).starts_with("ok:"), "{}", stdout(&o));
+    let o = tftf(&["validate", s(&src), "--check-values"]);
+    assert_eq!(o.status.code(), Some(1));
+    let text = stdout(&o);
+    assert!(
+        text.contains("tensor `x`: 2 non-finite value(s), first at element 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tensor `q`: 1 non-finite value(s), first at element 1"),
+        "{text}"
+    );
+    assert!(!text.contains("`ok`"), "{text}");
+
+    vals.truncate(8);
+    write_file(
+        &src.join("model.safetensors"),
+        &[t("x", DType::F32, &[2], vals)],
+    );
+    ok(&tftf(&[
+        "validate",
+        s(&src),
+        "--check-values",
+        "--pipe",
+        "dtype:bf16",
+        "--pipe",
+        "exclude:y*",
+    ]));
+    let o = tftf(&["validate", s(&src), "--json", "--pipe", "nonsense"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn validate_lists_every_broken_shard() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut rng = Rng(8);
+    write_sharded(
+        &src,
+        &[
+            vec![rand_t(&mut rng, "a", DType::U8, &[4])],
+            vec![rand_t(&mut rng, "b", DType::U8, &[4])],
+        ],
+    );
+    for n in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        let p = src.join(n);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes.pop();
+        std::fs::write(&p, bytes).unwrap();
+    }
+    let o = tftf(&["validate", s(&src)]);
+    assert_eq!(o.status.code(), Some(1));
+    let text = stdout(&o);
+    assert!(
+        text.contains("model-00001-of-00002.safetensors: data buffer"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model-00002-of-00002.safetensors: data buffer"),
+        "{text}"
+    );
+    assert!(text.contains("2 problem(s)"), "{text}");
+}
+
+#[test]
+fn ctrl_c_removes_temporary_output() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut rng = Rng(2);
+    std::fs::create_dir_all(&src).unwrap();
+    // 96 MiB of f32 cast on one thread under a small budget takes well over the poll below.
+    let big: Vec<u8> = (0..96 << 18)
+        .flat_map(|_| (rng.next() as f32).to_le_bytes())
+        .collect();
+    write_file(
+        &src.join("model.safetensors"),
+        &[t("big", DType::F32, &[96 << 18], big)],
+    );
+    let out = d.path().join("out");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+        .args([
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "--dtype",
+            "bf16",
+            "--threads",
+            "1",
+            "--memory-budget",
+            "16MiB",
+            "-q",
+        ])
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !out.exists() || listing(&out).is_empty() {
+        assert!(started.elapsed().as_secs() < 20, "no output appeared");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "interrupted run must fail");
+    assert!(!out.exists(), "left behind: {:?}", listing(&out));
+}
+
+#[test]
+fn demo_runs_and_checks_itself() {
+    let o = tftf(&["demo"]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(text.contains("demo finished: every check passed"), "{text}");
+    assert!(!text.contains("failed"), "{text}");
+}

@@ -1,0 +1,242 @@
+//! Helpers shared by the integration tests: synthetic checkpoints and running the binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use tftf::format::dtype::DType;
+use tftf::format::write_small;
+
+pub type T = (String, DType, Vec<u64>, Vec<u8>);
+
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 32) as u32
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+    /// Finite f32 values with a wide spread of exponents, plus exact bf16 ties.
+    pub fn f32s(&mut self, n: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| {
+                let v = match i % 7 {
+                    0 => f32::from_bits(0x3F80_8000 + ((self.next() % 4) << 16)), // ties
+                    1 => f32::from_bits(self.next() & 0x007F_FFFF),               // subnormals
+                    _ => {
+                        let e = (self.next() % 40) as i32 - 20;
+                        (self.next() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
+                    }
+                };
+                v.to_le_bytes()
+            })
+            .collect()
+    }
+}
+
+pub fn t(name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> T {
+    (name.to_string(), dtype, shape.to_vec(), data)
+}
+
+/// A tensor of `dtype` with random bytes (floats made finite).
+pub fn rand_t(rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> T {
+    let n: u64 = shape.iter().product();
+    let data = match dtype {
+        DType::F32 => rng.f32s(n as usize),
+        DType::BF16 | DType::F16 => (0..n)
+            .flat_map(|_| ((rng.next() as u16) & 0x3BFF).to_le_bytes())
+            .collect(),
+        _ => rng.bytes(dtype.byte_len(n).unwrap() as usize),
+    };
+    t(name, dtype, shape, data)
+}
+
+pub fn write_file(path: &Path, tensors: &[T]) {
+    write_small(path, tensors).unwrap();
+}
+
+/// Writes shards plus `model.safetensors.index.json` into `dir`.
+pub fn write_sharded(dir: &Path, shards: &[Vec<T>]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let n = shards.len();
+    let mut map = serde_json::Map::new();
+    let mut total = 0;
+    for (i, tensors) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        write_file(&dir.join(&name), tensors);
+        for t in tensors {
+            map.insert(t.0.clone(), name.clone().into());
+            total += t.3.len();
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+/// A small llama-like model of two shards with config and tokenizer files.
+pub fn small_model(dir: &Path) -> Vec<T> {
+    let mut rng = Rng(1);
+    let s1 = vec![
+        rand_t(
+            &mut rng,
+            "model.embed_tokens.weight",
+            DType::BF16,
+            &[64, 32],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.0.self_attn.q_proj.weight",
+            DType::F8_E4M3,
+            &[32, 32],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.0.self_attn.q_proj.weight_scale_inv",
+            DType::F32,
+            &[1, 1],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.0.mlp.up_proj.weight",
+            DType::BF16,
+            &[64, 32],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.0.input_layernorm.weight",
+            DType::F32,
+            &[32],
+        ),
+    ];
+    let s2 = vec![
+        rand_t(
+            &mut rng,
+            "model.layers.1.mlp.up_proj.weight",
+            DType::F16,
+            &[64, 32],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.1.input_layernorm.weight",
+            DType::F32,
+            &[32],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.1.experts.packed",
+            DType::F4,
+            &[16, 32],
+        ),
+        rand_t(&mut rng, "model.layers.1.step", DType::I64, &[3]),
+        rand_t(&mut rng, "model.norm.weight", DType::F32, &[32]),
+        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[64, 32]),
+    ];
+    write_sharded(dir, &[s1.clone(), s2.clone()]);
+    std::fs::write(dir.join("config.json"), "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"torch_dtype\": \"float32\",\n  \"hidden_size\": 32\n}\n").unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    std::fs::write(dir.join("modeling_x.py"), "# remote code\n").unwrap();
+    std::fs::write(dir.join("pytorch_model.bin"), "stale").unwrap();
+    std::fs::write(dir.join("adapter_config.json"), "{}").unwrap();
+    s1.into_iter().chain(s2).collect()
+}
+
+pub fn tftf(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tftf"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run tftf")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "tftf failed: {}\n{}",
+        stderr(o),
+        stdout(o)
+    );
+}
+
+/// Runs tftf, expects exit code 1 and returns stderr.
+pub fn fails(args: &[&str]) -> String {
+    let o = tftf(args);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "expected failure: {}\n{}",
+        stderr(&o),
+        stdout(&o)
+    );
+    stderr(&o)
+}
+
+/// All tensors of an output, read through the `safetensors` crate's strict loader.
+pub fn load_all(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut out = std::collections::BTreeMap::new();
+    for f in files {
+        let bytes = std::fs::read(&f).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(
+            meta.metadata()
+                .as_ref()
+                .and_then(|m| m.get("format"))
+                .map(String::as_str),
+            Some("pt"),
+            "{} lacks format=pt",
+            f.display()
+        );
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
+        for (name, view) in st.tensors() {
+            let prev = out.insert(
+                name.clone(),
+                (
+                    format!("{:?}", view.dtype()),
+                    view.shape().to_vec(),
+                    view.data().to_vec(),
+                ),
+            );
+            assert!(prev.is_none(), "{name} twice");
+        }
+    }
+    out
+}
+
+/// Files (recursively) under `dir`, relative names, sorted.
+pub fn listing(dir: &Path) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            v.push(e.file_name().to_string_lossy().into_owned());
+        }
+    }
+    v.sort();
+    v
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
