@@ -582,7 +582,7 @@ fn cross_shard_faults_are_caught_before_output() {
     // Duplicate tensor across shards (no index).
     let dup = d.path().join("dup");
     std::fs::create_dir_all(&dup).unwrap();
-    write_file(&dup.join("x-1.safetensors"), &[a.clone()]);
+    write_file(&dup.join("x-1.safetensors"), std::slice::from_ref(&a));
     write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
     let err = fails(&["passthrough", "-i", s(&dup), "-o", s(&out)]);
     assert!(
@@ -827,7 +827,7 @@ fn ctrl_c_removes_temporary_output() {
     std::fs::create_dir_all(&src).unwrap();
     // 96 MiB of f32 cast on one thread under a small budget takes well over the poll below.
     let big: Vec<u8> = (0..96 << 18)
-        .flat_map(|_| (rng.next() as f32).to_le_bytes())
+        .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
         .collect();
     write_file(
         &src.join("model.safetensors"),

@@ -11,7 +11,7 @@ pub type T = (String, DType, Vec<u64>, Vec<u8>);
 
 pub struct Rng(pub u64);
 impl Rng {
-    pub fn next(&mut self) -> u32 {
+    pub fn next_u32(&mut self) -> u32 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
@@ -19,18 +19,18 @@ impl Rng {
         (self.0 >> 32) as u32
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        (0..n).map(|_| self.next_u32() as u8).collect()
     }
     /// Finite f32 values with a wide spread of exponents, plus exact bf16 ties.
     pub fn f32s(&mut self, n: usize) -> Vec<u8> {
         (0..n)
             .flat_map(|i| {
                 let v = match i % 7 {
-                    0 => f32::from_bits(0x3F80_8000 + ((self.next() % 4) << 16)), // ties
-                    1 => f32::from_bits(self.next() & 0x007F_FFFF),               // subnormals
+                    0 => f32::from_bits(0x3F80_8000 + ((self.next_u32() % 4) << 16)), // ties
+                    1 => f32::from_bits(self.next_u32() & 0x007F_FFFF),               // subnormals
                     _ => {
-                        let e = (self.next() % 40) as i32 - 20;
-                        (self.next() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
+                        let e = (self.next_u32() % 40) as i32 - 20;
+                        (self.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
                     }
                 };
                 v.to_le_bytes()
@@ -49,7 +49,7 @@ pub fn rand_t(rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> T {
     let data = match dtype {
         DType::F32 => rng.f32s(n as usize),
         DType::BF16 | DType::F16 => (0..n)
-            .flat_map(|_| ((rng.next() as u16) & 0x3BFF).to_le_bytes())
+            .flat_map(|_| ((rng.next_u32() as u16) & 0x3BFF).to_le_bytes())
             .collect(),
         _ => rng.bytes(dtype.byte_len(n).unwrap() as usize),
     };
