@@ -3,6 +3,7 @@
 //! collisions, sizes, free space — so a bad request fails before an output file exists.
 
 use std::collections::HashMap;
+use std::fmt::Debug;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -60,6 +61,8 @@ pub enum Step {
     Exclude(Vec<Glob>),
     Rename(Rename),
     Cast { dtype: DType, cast_ints: bool },
+    /// An op's own planning step (dequantisation, merging, …).
+    Op(Arc<dyn PlanStep>),
 }
 
 #[derive(Clone, Debug)]
@@ -79,12 +82,44 @@ pub struct Plan {
     /// `config.json` as it will be written, when it changes.
     pub config: Option<Map<String, Value>>,
     pub config_changes: Vec<String>,
+    /// Facts the steps found worth reporting (inferred layouts, …).
+    pub notes: Vec<String>,
 }
 
-struct Entry {
-    name: String,
-    source: usize,
-    dtype: DType,
+/// An output tensor while steps are still being applied.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub name: String,
+    /// The input tensor it comes from (the primary one for derived tensors).
+    pub source: usize,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    /// Set when an op computes the tensor; `None` means the source's bytes, cast if `dtype`
+    /// differs.
+    pub derive: Option<Arc<dyn Derive>>,
+}
+
+/// A tensor computed by an op. The op is built only when the plan is final, because a later
+/// cast step may still change the output dtype.
+pub trait Derive: Send + Sync + Debug {
+    /// Input tensors (indices into `Checkpoint::tensors`), in the order the op reads them.
+    fn inputs(&self) -> Vec<usize>;
+    fn build(&self, dst: DType) -> Arc<dyn Op>;
+}
+
+/// A step contributed by an op module: rewrites the entry list from headers alone.
+pub trait PlanStep: Send + Sync + Debug {
+    /// Rewrites `entries`; returns whether anything changed (then `edit_config` runs). `notes`
+    /// collects facts worth reporting, such as inferred layouts.
+    fn apply(
+        &self,
+        ckpt: &Checkpoint,
+        config: Option<&Map<String, Value>>,
+        entries: &mut Vec<Entry>,
+        notes: &mut Vec<String>,
+    ) -> Result<bool>;
+    /// Updates `config.json` for the new format; returns human-readable changes.
+    fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
 }
 
 impl Plan {
@@ -102,9 +137,14 @@ impl Plan {
                 name: t.info.name.clone(),
                 source: i,
                 dtype: t.info.dtype,
+                shape: t.info.shape.clone(),
+                derive: None,
             })
             .collect();
-        let mut cast_target = None;
+        let original_config = ckpt.config()?;
+        let mut config = original_config.clone();
+        let mut config_changes = Vec::new();
+        let mut notes = Vec::new();
         for step in steps {
             match step {
                 Step::Include(globs) => {
@@ -119,13 +159,22 @@ impl Plan {
                     }
                 }
                 Step::Cast { dtype, cast_ints } => {
-                    cast_target = Some(*dtype);
                     for e in &mut entries {
                         let castable = e.dtype.is_castable_float()
-                            || (*cast_ints && e.dtype.is_castable_int());
+                            || (*cast_ints && e.derive.is_none() && e.dtype.is_castable_int());
                         if castable {
                             e.dtype = *dtype;
                         }
+                    }
+                    if let Some(cfg) = &mut config {
+                        config_changes.extend(edit_config_dtype(cfg, *dtype));
+                    }
+                }
+                Step::Op(op_step) => {
+                    let changed =
+                        op_step.apply(ckpt, original_config.as_ref(), &mut entries, &mut notes)?;
+                    if let (true, Some(cfg)) = (changed, &mut config) {
+                        config_changes.extend(op_step.edit_config(cfg));
                     }
                 }
             }
@@ -147,13 +196,19 @@ impl Plan {
             }
             seen.insert(&e.name, e.source);
         }
-        let kept: std::collections::HashSet<usize> = entries.iter().map(|e| e.source).collect();
+        let mut used = vec![false; ckpt.tensors.len()];
+        for e in &entries {
+            match &e.derive {
+                Some(d) => d.inputs().into_iter().for_each(|i| used[i] = true),
+                None => used[e.source] = true,
+            }
+        }
         let dropped = ckpt
             .tensors
             .iter()
-            .enumerate()
-            .filter(|(i, _)| !kept.contains(i))
-            .map(|(_, t)| t.info.name.clone())
+            .zip(&used)
+            .filter(|(_, u)| !**u)
+            .map(|(t, _)| t.info.name.clone())
             .collect();
         let mut renamed = 0;
         let mut tensors = Vec::with_capacity(entries.len());
@@ -162,38 +217,37 @@ impl Plan {
             if e.name != src.name {
                 renamed += 1;
             }
-            let elements = element_count(&src.shape).expect("checked when the header was read");
-            let nbytes = e.dtype.byte_len(elements).ok_or_else(|| {
-                Error::Other(format!(
-                    "tensor `{}` is too large for {}",
-                    src.name, e.dtype
-                ))
+            let elements = element_count(&e.shape).ok_or_else(|| {
+                Error::Other(format!("tensor `{}`: shape {:?} overflows", src.name, e.shape))
             })?;
-            let recipe = if e.dtype == src.dtype {
-                Recipe::Copy { src: e.source }
-            } else {
-                Recipe::Compute {
+            let nbytes = e.dtype.byte_len(elements).ok_or_else(|| {
+                Error::Other(format!("tensor `{}` is too large for {}", src.name, e.dtype))
+            })?;
+            let recipe = match &e.derive {
+                Some(d) => Recipe::Compute {
+                    op: d.build(e.dtype),
+                    inputs: d.inputs(),
+                },
+                None if e.dtype == src.dtype => Recipe::Copy { src: e.source },
+                None => Recipe::Compute {
                     op: Arc::new(Cast {
                         src: src.dtype,
                         dst: e.dtype,
                         elements,
                     }),
                     inputs: vec![e.source],
-                }
+                },
             };
             tensors.push(PlannedTensor {
                 name: e.name,
                 source: src.name.clone(),
                 dtype: e.dtype,
-                shape: src.shape.clone(),
+                shape: e.shape,
                 nbytes,
                 recipe,
             });
         }
-        let (config, config_changes) = match (ckpt.config()?, cast_target) {
-            (Some(cfg), Some(dtype)) => edit_config_dtype(cfg, dtype),
-            _ => (None, Vec::new()),
-        };
+        let config = if config != original_config { config } else { None };
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));
@@ -206,6 +260,7 @@ impl Plan {
             renamed,
             config,
             config_changes,
+            notes,
         })
     }
 
@@ -318,11 +373,8 @@ fn assign_shards(
         .collect()
 }
 
-/// Sets `torch_dtype` (and `dtype`, when present) to the cast target, keeping key order.
-fn edit_config_dtype(
-    mut cfg: Map<String, Value>,
-    dtype: DType,
-) -> (Option<Map<String, Value>>, Vec<String>) {
+/// Sets `torch_dtype` (and `dtype`, when present) to `dtype`, keeping key order.
+pub fn edit_config_dtype(cfg: &mut Map<String, Value>, dtype: DType) -> Vec<String> {
     let mut changes = Vec::new();
     let target = Value::from(dtype.torch_name());
     for key in ["torch_dtype", "dtype"] {
@@ -336,11 +388,7 @@ fn edit_config_dtype(
             cfg.insert(key.into(), target.clone());
         }
     }
-    if changes.is_empty() {
-        (None, changes)
-    } else {
-        (Some(cfg), changes)
-    }
+    changes
 }
 
 /// Where the output goes, as the user wrote it.

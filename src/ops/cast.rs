@@ -314,4 +314,18 @@ mod tests {
             .collect();
         assert_eq!(back, vec![0x3F80, 0x0001, 0x8000, 0x7F80, 0xC2F7]);
     }
+
+    #[test]
+    fn bf16_and_f16_match_ml_dtypes_fixture() {
+        let text = std::fs::read_to_string("../shared/fixtures/scalars/scalars.json").unwrap();
+        let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let inputs = fx["inputs_f32_bits"].as_array().unwrap();
+        let bf = fx["encode_BF16_bits"].as_array().unwrap();
+        let hf = fx["encode_F16_bits"].as_array().unwrap();
+        for ((x, b), h) in inputs.iter().zip(bf).zip(hf) {
+            let x = f32::from_bits(x.as_u64().unwrap() as u32);
+            assert_eq!(f32_to_bf16(x) as u64, b.as_u64().unwrap(), "bf16 of {x:e}");
+            assert_eq!(f32_to_f16(x) as u64, h.as_u64().unwrap(), "f16 of {x:e}");
+        }
+    }
 }

@@ -8,6 +8,7 @@
 //! tensor is cut, which is what keeps output independent of chunk size and thread count.
 
 pub mod cast;
+pub mod codec;
 
 use std::fmt::Debug;
 use std::ops::Range;

@@ -1,0 +1,101 @@
+//! Writes a large synthetic sharded checkpoint for the benchmarks in `bench/`, streaming it to
+//! disk (never held in memory).
+//!
+//! `cargo run --release --example gen_checkpoint -- OUT_DIR LAYOUT GIB`
+//! Layouts: `core` — BF16 and F32 tensors, one F32 tensor of at least 2 GiB;
+//!          `core-bf16` — the same shapes, every tensor BF16.
+
+use std::io::Write;
+use std::path::Path;
+
+use tftf::format::dtype::DType;
+use tftf::format::header::{serialize_header, TensorInfo};
+use tftf::ops::cast::f32_to_bf16;
+
+struct Gen(u64);
+impl Gen {
+    fn value(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let u = (self.0 >> 40) as u32; // 24 random bits
+        (u as f32 / (1u32 << 24) as f32 - 0.5) * 0.1
+    }
+}
+
+fn write_shard(path: &Path, tensors: &[(String, DType, Vec<u64>)], gen: &mut Gen) {
+    let mut infos = Vec::new();
+    let mut begin = 0;
+    for (name, dtype, shape) in tensors {
+        let n: u64 = shape.iter().product::<u64>() * dtype.size().unwrap() as u64;
+        infos.push(TensorInfo { name: name.clone(), dtype: *dtype, shape: shape.clone(), begin, end: begin + n });
+        begin += n;
+    }
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".into(), "pt".into());
+    let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(path).unwrap());
+    f.write_all(&serialize_header(&meta, &infos, 8)).unwrap();
+    let mut buf = Vec::with_capacity(8 << 20);
+    for t in &infos {
+        let mut left = t.end - t.begin;
+        while left > 0 {
+            buf.clear();
+            let n = left.min(8 << 20);
+            match t.dtype {
+                DType::F32 => (0..n / 4).for_each(|_| buf.extend_from_slice(&gen.value().to_le_bytes())),
+                DType::BF16 => (0..n / 2).for_each(|_| buf.extend_from_slice(&f32_to_bf16(gen.value()).to_le_bytes())),
+                _ => unreachable!(),
+            }
+            f.write_all(&buf).unwrap();
+            left -= n;
+        }
+    }
+    f.flush().unwrap();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, out, layout, gib] = &args[..] else {
+        eprintln!("usage: gen_checkpoint OUT_DIR core|core-bf16 GIB");
+        std::process::exit(2);
+    };
+    let gib: u64 = gib.parse().unwrap();
+    let out = Path::new(out);
+    std::fs::create_dir_all(out).unwrap();
+    let float = |d: DType| if layout == "core-bf16" { DType::BF16 } else { d };
+    // One big F32 tensor of 2 GiB + 128 MiB (an embedding-like [32768+2048, 16384]), then
+    // layers of BF16 matrices and F32 norms until the size is reached.
+    let mut shards: Vec<Vec<(String, DType, Vec<u64>)>> = vec![vec![(
+        "model.embed_tokens.weight".into(),
+        float(DType::F32),
+        vec![34816, 16384],
+    )]];
+    let mut total = 34816u64 * 16384 * 4;
+    let mut layer = 0;
+    while total < gib << 30 {
+        let p = format!("model.layers.{layer}");
+        let mut s = Vec::new();
+        for name in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            s.push((format!("{p}.self_attn.{name}.weight"), float(DType::BF16), vec![4096, 4096]));
+        }
+        for name in ["gate_proj", "up_proj"] {
+            s.push((format!("{p}.mlp.{name}.weight"), float(DType::F32), vec![4096, 4096]));
+        }
+        s.push((format!("{p}.input_layernorm.weight"), float(DType::F32), vec![4096]));
+        total += s.iter().map(|(_, d, sh)| sh.iter().product::<u64>() * d.size().unwrap() as u64).sum::<u64>();
+        shards.push(s);
+        layer += 1;
+    }
+    let n = shards.len();
+    let mut map = serde_json::Map::new();
+    let mut gen = Gen(12345);
+    for (i, s) in shards.iter().enumerate() {
+        let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        write_shard(&out.join(&name), s, &mut gen);
+        for (t, _, _) in s {
+            map.insert(t.clone(), name.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
+    std::fs::write(out.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(out.join("config.json"), r#"{"torch_dtype": "float32"}"#).unwrap();
+    println!("{}: {} shards, {} bytes", out.display(), n, total);
+}
