@@ -22,6 +22,9 @@ pub enum Command {
     Info(InfoArgs),
     /// Copy a checkpoint, optionally filtering, renaming, casting and resharding it
     Passthrough(PassthroughArgs),
+    /// Dequantise FP8 weights (block, per-row or per-tensor scales) to bf16, f16 or f32
+    #[command(name = "dequant-fp8")]
+    DequantFp8(DequantArgs),
     /// Check a checkpoint's structure (and with --check-values, its numbers)
     Validate(ValidateArgs),
     /// Apply a chain of pipe sections, in the order given
@@ -121,6 +124,38 @@ pub struct PassthroughArgs {
     pub cast_ints: bool,
 }
 
+/// Options of the FP8 dequantisation, shared by `dequant-fp8` and `run --dequant-fp8`.
+#[derive(Args, Debug, Clone)]
+pub struct Fp8Args {
+    /// Scale block size R or RxC when config.json does not give weight_block_size (default:
+    /// inferred from the weight and scale shapes)
+    #[arg(long, value_name = "R[xC]")]
+    pub block_size: Option<String>,
+    /// How `X.weight_scale` applies: multiply (compressed-tensors) or divide (old Python tftf);
+    /// `weight_scale_inv` and `.scale` always multiply
+    #[arg(long, value_name = "MODE", default_value = "multiply", value_parser = ["multiply", "divide"])]
+    pub scale_mode: String,
+    /// Decode FP8 weights that have no scale as plain casts instead of failing
+    #[arg(long)]
+    pub allow_unscaled_fp8: bool,
+    /// Keep NaN/Inf FP8 codes (as NaN) instead of failing
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DequantArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    /// Output dtype of the dequantised weights (and torch_dtype in config.json)
+    #[arg(long, value_name = "DTYPE", default_value = "bf16")]
+    pub dtype: String,
+    #[command(flatten)]
+    pub fp8: Fp8Args,
+}
+
 #[derive(Args, Debug)]
 pub struct ValidateArgs {
     #[command(flatten)]
@@ -160,6 +195,11 @@ pub struct RunArgs {
     /// Also cast integer and bool tensors in --dtype-cast sections
     #[arg(long)]
     pub cast_ints: bool,
+    /// Pipe section: dequantise FP8 weights to DTYPE (default bf16)
+    #[arg(long, value_name = "DTYPE", num_args = 0..=1, default_missing_value = "bf16")]
+    pub dequant_fp8: Vec<String>,
+    #[command(flatten)]
+    pub fp8: Fp8Args,
 }
 
 #[derive(Args, Debug)]

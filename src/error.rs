@@ -123,6 +123,30 @@ pub enum Error {
         msg: String,
     },
 
+    #[error("{}: FP8 weight `{tensor}` has no scale (looked for {looked}){more}; pass --allow-unscaled-fp8 to decode such weights without one", path.display())]
+    MissingScale {
+        path: PathBuf,
+        tensor: String,
+        looked: String,
+        /// `" (and N more weights)"` or empty.
+        more: String,
+    },
+
+    #[error("{}: scale `{tensor}` has no FP8 weight to apply to (expected `{weight}`)", path.display())]
+    OrphanScale {
+        path: PathBuf,
+        tensor: String,
+        weight: String,
+    },
+
+    #[error("{}: scale `{tensor}` of `{weight}`: {msg}", path.display())]
+    BadScale {
+        path: PathBuf,
+        tensor: String,
+        weight: String,
+        msg: String,
+    },
+
     #[error("{0}")]
     Usage(String),
 

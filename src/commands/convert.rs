@@ -345,6 +345,9 @@ fn print_plan(
     for c in &plan.config_changes {
         println!("  {c}");
     }
+    for n in &plan.notes {
+        println!("  note: {n}");
+    }
     println!(
         "  memory: budget {} ({} threads); peak stays near the budget",
         human(opts.memory_budget),
@@ -417,6 +420,7 @@ fn report_json(
             "dropped": plan.dropped.len(),
         },
         "ops": ops,
+        "notes": plan.notes,
         "bytes": {
             "files": plan.total_file_bytes(),
             "tensors": plan.total_tensor_bytes(),

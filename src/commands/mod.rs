@@ -9,7 +9,10 @@ use std::path::PathBuf;
 
 use clap::{ArgMatches, FromArgMatches};
 
-use crate::cli::{Cli, Command, InputArgs, PassthroughArgs, RunArgs};
+use std::sync::Arc;
+
+use crate::cli::{Cli, Command, Fp8Args, InputArgs, PassthroughArgs, RunArgs};
+use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::pipeline::Cancel;
@@ -59,6 +62,22 @@ pub fn passthrough_steps(a: &PassthroughArgs) -> Result<Vec<Step>> {
     Ok(steps)
 }
 
+fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
+    Ok(Step::Op(Arc::new(DequantFp8Step {
+        opts: DequantOptions {
+            dtype: cast_target(dtype)?,
+            block: a.block_size.as_deref().map(parse_block_size).transpose()?,
+            weight_scale_mode: if a.scale_mode == "divide" {
+                ScaleMode::Divide
+            } else {
+                ScaleMode::Multiply
+            },
+            allow_unscaled: a.allow_unscaled_fp8,
+            allow_nonfinite: a.allow_nonfinite,
+        },
+    })))
+}
+
 /// run: sections apply in the order they appear on the command line.
 pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
     let idx =
@@ -86,6 +105,9 @@ pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
             },
         ));
     }
+    for (i, d) in idx("dequant_fp8").into_iter().zip(&a.dequant_fp8) {
+        steps.push((i, dequant_step(d, &a.fp8)?));
+    }
     steps.sort_by_key(|(i, _)| *i);
     Ok(steps.into_iter().map(|(_, s)| s).collect())
 }
@@ -109,6 +131,12 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             let steps = run_steps(a, sub)?;
             let opts = WriteOptions::from_args(&a.write)?;
             convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::DequantFp8(a) => {
+            let steps = vec![dequant_step(&a.dtype, &a.fp8)?];
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("dequant-fp8", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {

@@ -9,6 +9,7 @@
 
 pub mod cast;
 pub mod codec;
+pub mod dequant_fp8;
 
 use std::fmt::Debug;
 use std::ops::Range;

@@ -1,0 +1,745 @@
+//! FP8 dequantisation: `y = f32(w) · f32(s)` (or `/ s`), rounded once to the output dtype.
+//!
+//! Layouts:
+//! - weight `F8_E4M3` or `F8_E5M2`, `[out, in]`, `[E, out, in]` (experts) or `[n]`;
+//! - scale `F32`, `BF16`, `F16` or `F8_E8M0` (`2^(e-127)`), named `X.weight_scale_inv`
+//!   (multiply; DeepSeek-V3), `X.weight_scale` (multiply, compressed-tensors; `--scale-mode
+//!   divide` for the old Python tool's convention) or `X.scale` (DeepSeek-V4), in any shard;
+//! - scale shapes: a block grid `[ceil(out/br), ceil(in/bc)]` with ragged edge blocks,
+//!   per-tensor `[]`/`[1]`, per-row `[out]`/`[out, 1]`, each optionally led by `E` for experts.
+//!
+//! The element for weight row `r` (rows of all experts counted together) and column `j` takes
+//! scale `s[e·stride + (r mod out)/br · gc + j/bc]`, `e = r / out`. Any run of rows can be
+//! computed alone, so chunking never changes a byte.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use super::cast::{f32_to_bf16, f32_to_f16};
+use super::codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
+use super::Op;
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::plan::{edit_config_dtype, Derive, Entry, PlanStep};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleMode {
+    Multiply,
+    Divide,
+}
+
+#[derive(Clone, Debug)]
+pub struct DequantOptions {
+    pub dtype: DType,
+    /// `--block-size`, rows × columns.
+    pub block: Option<(u64, u64)>,
+    /// How `X.weight_scale` applies (`weight_scale_inv` and `.scale` always multiply).
+    pub weight_scale_mode: ScaleMode,
+    pub allow_unscaled: bool,
+    pub allow_nonfinite: bool,
+}
+
+/// Where each weight element finds its scale.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScaleLayout {
+    /// Experts (1 for a plain matrix), rows per expert (`out`), columns (`in`).
+    pub experts: u64,
+    pub rows: u64,
+    pub cols: u64,
+    /// Scale elements per expert; 0 when one scale serves the whole tensor.
+    pub expert_stride: u64,
+    pub grid_cols: u64,
+    pub block_rows: u64,
+    pub block_cols: u64,
+}
+
+impl ScaleLayout {
+    fn row_start(&self, r: u64) -> u64 {
+        let (e, lr) = (r / self.rows, r % self.rows);
+        e * self.expert_stride + lr / self.block_rows * self.grid_cols
+    }
+
+    pub fn describe(&self) -> String {
+        let all_cols = self.block_cols >= self.cols;
+        if self.block_rows >= self.rows && all_cols {
+            if self.expert_stride == 0 {
+                "per-tensor scale".into()
+            } else {
+                "one scale per expert".into()
+            }
+        } else if self.block_rows == 1 && all_cols {
+            "per-row scales".into()
+        } else {
+            format!("{}x{} blocks", self.block_rows, self.block_cols)
+        }
+    }
+}
+
+/// Parses `--block-size R[xC]`.
+pub fn parse_block_size(s: &str) -> Result<(u64, u64)> {
+    let bad = || Error::Usage(format!("invalid --block-size `{s}`: use R or RxC, e.g. 128 or 128x128"));
+    let (r, c) = match s.split_once(['x', 'X']) {
+        Some((r, c)) => (r.trim().parse().map_err(|_| bad())?, c.trim().parse().map_err(|_| bad())?),
+        None => {
+            let v: u64 = s.trim().parse().map_err(|_| bad())?;
+            (v, v)
+        }
+    };
+    if r == 0 || c == 0 {
+        return Err(bad());
+    }
+    Ok((r, c))
+}
+
+/// Block size from `config.json`: `quantization_config.weight_block_size`, or the
+/// compressed-tensors `config_groups.*.weights.block_structure`.
+pub fn config_block_size(cfg: &Map<String, Value>) -> Option<(u64, u64)> {
+    let q = cfg.get("quantization_config")?;
+    let pair = |v: &Value| -> Option<(u64, u64)> {
+        let a = v.as_array()?;
+        Some((a.first()?.as_u64()?, a.get(1)?.as_u64()?))
+    };
+    if let Some(b) = q.get("weight_block_size").and_then(pair) {
+        return Some(b);
+    }
+    q.get("config_groups")?
+        .as_object()?
+        .values()
+        .find_map(|g| g.get("weights")?.get("block_structure").and_then(pair))
+}
+
+fn smallest_pow2_block(dim: u64, grid: u64) -> Option<u64> {
+    (0..48).map(|k| 1u64 << k).find(|&p| dim.div_ceil(p) == grid)
+}
+
+/// Binds a scale tensor's shape to a weight's. Returns the layout and whether the block size
+/// was inferred from the shapes.
+pub fn resolve_layout(
+    weight: &[u64],
+    scale: &[u64],
+    block: Option<(u64, u64)>,
+) -> Result<(ScaleLayout, bool), String> {
+    let (experts, rows, cols) = match *weight {
+        [n] => (1, 1, n),
+        [o, i] => (1, o, i),
+        [e, o, i] => (e, o, i),
+        _ => return Err(format!("FP8 weights of rank {} are not supported", weight.len())),
+    };
+    let numel: u64 = scale.iter().product();
+    let whole = ScaleLayout {
+        experts,
+        rows,
+        cols,
+        expert_stride: 0,
+        grid_cols: 1,
+        block_rows: rows.max(1),
+        block_cols: cols.max(1),
+    };
+    if numel == 1 {
+        return Ok((whole, false));
+    }
+    let (grid_rows, grid_cols) = match (weight.len(), scale) {
+        (3, [e]) | (3, [e, 1]) | (3, [e, 1, 1]) if *e == experts => {
+            return Ok((
+                ScaleLayout {
+                    expert_stride: 1,
+                    ..whole
+                },
+                false,
+            ))
+        }
+        (3, [e, a]) if *e == experts => (*a, 1),
+        (3, [e, a, b]) if *e == experts => (*a, *b),
+        (1 | 2, [a]) => (*a, 1),
+        (1 | 2, [a, b]) => (*a, *b),
+        _ => {
+            return Err(format!(
+                "shape {scale:?} does not fit weight {weight:?} (expected a block grid, [], [1] or per-row scales{})",
+                if weight.len() == 3 { ", each led by the expert count" } else { "" }
+            ))
+        }
+    };
+    let stride = if weight.len() == 3 { grid_rows * grid_cols } else { 0 };
+    let fits = |br: u64, bc: u64| rows.div_ceil(br) == grid_rows && cols.div_ceil(bc) == grid_cols;
+    let layout = |br: u64, bc: u64| ScaleLayout {
+        experts,
+        rows,
+        cols,
+        expert_stride: stride,
+        grid_cols,
+        block_rows: br,
+        block_cols: bc,
+    };
+    if let Some((br, bc)) = block {
+        if fits(br, bc) {
+            return Ok((layout(br, bc), false));
+        }
+        if grid_rows == rows && grid_cols == 1 {
+            return Ok((layout(1, cols.max(1)), false));
+        }
+        return Err(format!(
+            "shape {scale:?} does not fit weight {weight:?} with {br}x{bc} blocks (expected [{}, {}])",
+            rows.div_ceil(br),
+            cols.div_ceil(bc)
+        ));
+    }
+    match (smallest_pow2_block(rows, grid_rows), smallest_pow2_block(cols, grid_cols)) {
+        (Some(br), Some(bc)) => Ok((layout(br, bc), true)),
+        _ => Err(format!(
+            "cannot infer the block size from weight {weight:?} and scale {scale:?}; pass --block-size RxC"
+        )),
+    }
+}
+
+#[derive(Debug)]
+pub struct DequantFp8Step {
+    pub opts: DequantOptions,
+}
+
+/// Scale names tried for weight `w`, with how each applies.
+fn scale_candidates(w: &str, weight_scale_mode: ScaleMode) -> Vec<(String, ScaleMode)> {
+    let mut v = vec![
+        (format!("{w}_scale_inv"), ScaleMode::Multiply),
+        (format!("{w}_scale"), weight_scale_mode),
+    ];
+    if let Some(base) = w.strip_suffix(".weight") {
+        v.push((format!("{base}.scale"), ScaleMode::Multiply));
+    }
+    v
+}
+
+fn is_scale_dtype(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::BF16 | DType::F16 | DType::F8_E8M0)
+}
+
+impl PlanStep for DequantFp8Step {
+    fn apply(
+        &self,
+        ckpt: &Checkpoint,
+        config: Option<&Map<String, Value>>,
+        entries: &mut Vec<Entry>,
+        notes: &mut Vec<String>,
+    ) -> Result<bool> {
+        let from_config = config.and_then(config_block_size);
+        let block = match (from_config, self.opts.block) {
+            (Some(c), Some(b)) if c != b => {
+                return Err(Error::Usage(format!(
+                    "--block-size {}x{} disagrees with config.json's weight_block_size {}x{}",
+                    b.0, b.1, c.0, c.1
+                )))
+            }
+            (c, b) => c.or(b),
+        };
+        let index: std::collections::HashMap<String, usize> =
+            entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard].path.clone();
+        let mut consumed = vec![false; entries.len()];
+        let mut derived: Vec<(usize, Arc<dyn Derive>)> = Vec::new();
+        let mut missing: Vec<(usize, String)> = Vec::new();
+        for (wi, w) in entries.iter().enumerate() {
+            if w.derive.is_some() || !matches!(w.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
+                continue;
+            }
+            let candidates = scale_candidates(&w.name, self.opts.weight_scale_mode);
+            let found = candidates.iter().find_map(|(name, mode)| {
+                index
+                    .get(name)
+                    .filter(|&&si| entries[si].derive.is_none())
+                    .map(|&si| (si, *mode))
+            });
+            let Some((si, mode)) = found else {
+                if self.opts.allow_unscaled {
+                    derived.push((wi, Arc::new(DequantDerive::unscaled(w, ckpt, &self.opts))));
+                } else {
+                    let looked: Vec<String> = candidates.iter().map(|(n, _)| format!("`{n}`")).collect();
+                    missing.push((wi, looked.join(", ")));
+                }
+                continue;
+            };
+            let s = &entries[si];
+            let bad = |msg: String| Error::BadScale {
+                path: path_of(s),
+                tensor: s.name.clone(),
+                weight: w.name.clone(),
+                msg,
+            };
+            if !is_scale_dtype(s.dtype) {
+                return Err(bad(format!("dtype {} is not a scale dtype (F32, BF16, F16, F8_E8M0)", s.dtype)));
+            }
+            let (layout, inferred) = resolve_layout(&w.shape, &s.shape, block).map_err(bad)?;
+            if inferred {
+                notes.push(format!(
+                    "`{}`: inferred {} from weight {:?} and scale {:?}",
+                    w.name,
+                    layout.describe(),
+                    w.shape,
+                    s.shape
+                ));
+            }
+            consumed[si] = true;
+            derived.push((
+                wi,
+                Arc::new(DequantDerive {
+                    weight: w.source,
+                    weight_dtype: ckpt.tensors[w.source].info.dtype,
+                    scale: Some((s.source, s.dtype)),
+                    layout,
+                    mode,
+                    allow_nonfinite: self.opts.allow_nonfinite,
+                }),
+            ));
+        }
+        if let Some((wi, looked)) = missing.first() {
+            let more = match missing.len() {
+                1 => String::new(),
+                n => format!(" (and {} more weights)", n - 1),
+            };
+            return Err(Error::MissingScale {
+                path: path_of(&entries[*wi]),
+                tensor: entries[*wi].name.clone(),
+                looked: looked.clone(),
+                more,
+            });
+        }
+        for (i, e) in entries.iter().enumerate() {
+            if consumed[i] || e.derive.is_some() {
+                continue;
+            }
+            let weight = if let Some(w) = e.name.strip_suffix("_scale_inv") {
+                Some(w.to_string())
+            } else if let Some(w) = e.name.strip_suffix("_scale").filter(|w| w.ends_with(".weight")) {
+                Some(w.to_string()).filter(|w| !index.contains_key(w))
+            } else if let Some(b) = e.name.strip_suffix(".scale").filter(|_| e.dtype == DType::F8_E8M0) {
+                Some(format!("{b}.weight")).filter(|w| !index.contains_key(w))
+            } else {
+                None
+            };
+            if let Some(weight) = weight {
+                return Err(Error::OrphanScale {
+                    path: path_of(e),
+                    tensor: e.name.clone(),
+                    weight,
+                });
+            }
+        }
+        let changed = !derived.is_empty();
+        for (wi, d) in derived {
+            entries[wi].dtype = self.opts.dtype;
+            entries[wi].derive = Some(d);
+        }
+        let mut i = 0;
+        entries.retain(|_| {
+            i += 1;
+            !consumed[i - 1]
+        });
+        Ok(changed)
+    }
+
+    fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
+        let mut changes = Vec::new();
+        if cfg.shift_remove("quantization_config").is_some() {
+            changes.push("config.json: quantization_config removed".to_string());
+        }
+        changes.extend(edit_config_dtype(cfg, self.opts.dtype));
+        changes
+    }
+}
+
+#[derive(Debug)]
+struct DequantDerive {
+    weight: usize,
+    weight_dtype: DType,
+    scale: Option<(usize, DType)>,
+    layout: ScaleLayout,
+    mode: ScaleMode,
+    allow_nonfinite: bool,
+}
+
+impl DequantDerive {
+    fn unscaled(w: &Entry, ckpt: &Checkpoint, opts: &DequantOptions) -> DequantDerive {
+        let (layout, _) = resolve_layout(&w.shape, &[], None)
+            .or_else(|_| resolve_layout(&[w.shape.iter().product()], &[], None))
+            .expect("a single scale fits any weight");
+        DequantDerive {
+            weight: w.source,
+            weight_dtype: ckpt.tensors[w.source].info.dtype,
+            scale: None,
+            layout,
+            mode: ScaleMode::Multiply,
+            allow_nonfinite: opts.allow_nonfinite,
+        }
+    }
+}
+
+impl Derive for DequantDerive {
+    fn inputs(&self) -> Vec<usize> {
+        let mut v = vec![self.weight];
+        v.extend(self.scale.map(|(s, _)| s));
+        v
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(DequantFp8 {
+            weight_dtype: self.weight_dtype,
+            scale_dtype: self.scale.map(|(_, d)| d),
+            layout: self.layout.clone(),
+            mode: self.mode,
+            dst,
+            allow_nonfinite: self.allow_nonfinite,
+        })
+    }
+}
+
+/// The op: one unit is one weight row (rows of all experts counted together).
+#[derive(Debug)]
+pub struct DequantFp8 {
+    pub weight_dtype: DType,
+    pub scale_dtype: Option<DType>,
+    pub layout: ScaleLayout,
+    pub mode: ScaleMode,
+    pub dst: DType,
+    pub allow_nonfinite: bool,
+}
+
+impl DequantFp8 {
+    fn scale_range(&self, rows: &Range<u64>) -> Range<u64> {
+        if rows.is_empty() {
+            return 0..0;
+        }
+        let lo = self.layout.row_start(rows.start);
+        let hi = self.layout.row_start(rows.end - 1) + self.layout.grid_cols;
+        lo..hi
+    }
+
+    fn decode_scales(&self, bytes: &[u8]) -> Vec<f32> {
+        match self.scale_dtype {
+            None => vec![1.0],
+            Some(DType::F32) => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            Some(DType::BF16) => bytes.chunks_exact(2).map(|c| super::cast::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Some(DType::F16) => bytes.chunks_exact(2).map(|c| super::cast::f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Some(DType::F8_E8M0) => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
+            Some(d) => unreachable!("{d} is not a scale dtype"),
+        }
+    }
+}
+
+/// Writes `vals` converted to `dst` into `out`.
+#[inline(always)]
+fn store(dst: DType, out: &mut [u8], j: usize, v: f32) {
+    match dst {
+        DType::BF16 => out[2 * j..2 * j + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
+        DType::F16 => out[2 * j..2 * j + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
+        _ => out[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()),
+    }
+}
+
+fn dequant_row<const DIVIDE: bool>(
+    dst: DType,
+    lut: &[f32; 256],
+    codes: &[u8],
+    scales: &[f32],
+    block_cols: usize,
+    out: &mut [u8],
+) {
+    for (cb, block) in codes.chunks(block_cols).enumerate() {
+        let s = scales[cb];
+        let base = cb * block_cols;
+        match dst {
+            DType::BF16 => {
+                let o = &mut out[2 * base..2 * (base + block.len())];
+                for (o, &c) in o.chunks_exact_mut(2).zip(block) {
+                    let v = if DIVIDE { lut[c as usize] / s } else { lut[c as usize] * s };
+                    o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+                }
+            }
+            _ => {
+                for (k, &c) in block.iter().enumerate() {
+                    let v = if DIVIDE { lut[c as usize] / s } else { lut[c as usize] * s };
+                    store(dst, out, base + k, v);
+                }
+            }
+        }
+    }
+}
+
+impl Op for DequantFp8 {
+    fn name(&self) -> &'static str {
+        "dequant-fp8"
+    }
+    fn units(&self) -> u64 {
+        self.layout.experts * self.layout.rows
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.layout.cols * (self.dst.bits() / 8)
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.layout.cols + 4 * self.layout.grid_cols
+    }
+    fn granularity(&self) -> u64 {
+        if self.layout.block_rows <= 1024 {
+            self.layout.block_rows
+        } else {
+            1
+        }
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let mut v = vec![units.start * self.layout.cols..units.end * self.layout.cols];
+        if let Some(d) = self.scale_dtype {
+            let size = d.bits() / 8;
+            let r = self.scale_range(&units);
+            v.push(r.start * size..r.end * size);
+        }
+        v
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let cols = self.layout.cols as usize;
+        let scales = self.decode_scales(inputs.get(1).copied().unwrap_or(&[]));
+        if !self.allow_nonfinite {
+            if let Some(k) = scales.iter().position(|s| !s.is_finite()) {
+                let at = self.scale_range(&units).start + k as u64;
+                return Err(format!("scale element {at} is not finite ({})", scales[k]));
+            }
+        }
+        let lut = match self.weight_dtype {
+            DType::F8_E4M3 => e4m3_table(),
+            _ => e5m2_table(),
+        };
+        let scale_base = if self.scale_dtype.is_some() { self.scale_range(&units).start } else { 0 };
+        let out_row = cols * (self.dst.bits() / 8) as usize;
+        let bc = self.layout.block_cols as usize;
+        for (k, r) in units.clone().enumerate() {
+            let codes = &inputs[0][k * cols..(k + 1) * cols];
+            if !self.allow_nonfinite {
+                let bad = match self.weight_dtype {
+                    DType::F8_E4M3 => codes.iter().position(|&c| e4m3_is_nan(c)),
+                    _ => codes.iter().position(|&c| e5m2_is_nonfinite(c)),
+                };
+                if let Some(j) = bad {
+                    let (e, lr) = (r / self.layout.rows, r % self.layout.rows);
+                    let pos = if self.layout.experts > 1 { format!("[{e}, {lr}, {j}]") } else { format!("[{lr}, {j}]") };
+                    return Err(format!(
+                        "non-finite {} code {:#04x} at {pos}; pass --allow-nonfinite to keep it as NaN",
+                        self.weight_dtype, codes[j]
+                    ));
+                }
+            }
+            let srow = if self.scale_dtype.is_some() {
+                (self.layout.row_start(r) - scale_base) as usize
+            } else {
+                0
+            };
+            let row_scales = &scales[srow..srow + self.layout.grid_cols as usize];
+            let o = &mut out[k * out_row..(k + 1) * out_row];
+            match self.mode {
+                ScaleMode::Multiply => dequant_row::<false>(self.dst, lut, codes, row_scales, bc, o),
+                ScaleMode::Divide => dequant_row::<true>(self.dst, lut, codes, row_scales, bc, o),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::codec::{e4m3_to_f32, e5m2_to_f32};
+
+    struct Lcg(u64);
+    impl Lcg {
+        fn next_u32(&mut self) -> u32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 32) as u32
+        }
+    }
+
+    #[test]
+    fn layouts() {
+        let (l, inferred) = resolve_layout(&[300, 260], &[3, 3], None).unwrap();
+        assert!(inferred);
+        assert_eq!((l.block_rows, l.block_cols, l.grid_cols), (128, 128, 3));
+        let (l, inferred) = resolve_layout(&[300, 260], &[3, 3], Some((128, 128))).unwrap();
+        assert!(!inferred);
+        assert_eq!(l.describe(), "128x128 blocks");
+        assert_eq!(resolve_layout(&[300, 260], &[], None).unwrap().0.describe(), "per-tensor scale");
+        assert_eq!(resolve_layout(&[300, 260], &[1], None).unwrap().0.describe(), "per-tensor scale");
+        assert_eq!(resolve_layout(&[300, 260], &[300], None).unwrap().0.describe(), "per-row scales");
+        assert_eq!(resolve_layout(&[300, 260], &[300, 1], Some((128, 128))).unwrap().0.describe(), "per-row scales");
+        let (l, _) = resolve_layout(&[256, 1024], &[256, 8], None).unwrap();
+        assert_eq!(l.describe(), "1x128 blocks");
+        let (l, _) = resolve_layout(&[4, 64, 96], &[4, 2, 3], None).unwrap();
+        assert_eq!((l.experts, l.expert_stride, l.block_rows, l.block_cols), (4, 6, 32, 32));
+        assert_eq!(resolve_layout(&[4, 64, 96], &[4], None).unwrap().0.describe(), "one scale per expert");
+        assert_eq!(resolve_layout(&[4, 64, 96], &[4, 64], None).unwrap().0.describe(), "per-row scales");
+        let err = resolve_layout(&[300, 260], &[5, 3], None).unwrap_err();
+        assert!(err.contains("pass --block-size"), "{err}");
+        let err = resolve_layout(&[300, 260], &[2, 2], Some((128, 128))).unwrap_err();
+        assert!(err.contains("expected [3, 3]"), "{err}");
+        assert!(resolve_layout(&[2, 3, 4, 5], &[2], None).is_err());
+    }
+
+    #[test]
+    fn block_size_parsing() {
+        assert_eq!(parse_block_size("128").unwrap(), (128, 128));
+        assert_eq!(parse_block_size("1x128").unwrap(), (1, 128));
+        assert!(parse_block_size("0x4").is_err());
+        assert!(parse_block_size("big").is_err());
+    }
+
+    fn encode_scales(dtype: DType, vals: &[f32]) -> Vec<u8> {
+        vals.iter()
+            .flat_map(|&v| match dtype {
+                DType::F32 => v.to_le_bytes().to_vec(),
+                DType::BF16 => half::bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                DType::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                _ => vec![(v.log2() as i32 + 127) as u8],
+            })
+            .collect()
+    }
+
+    /// Independent scalar reference: direct 2-D indexing, `half` for the final rounding.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        wdtype: DType,
+        codes: &[u8],
+        shape: (u64, u64, u64),
+        scales: &[f32],
+        grid: (u64, u64),
+        block: (u64, u64),
+        divide: bool,
+        dst: DType,
+    ) -> Vec<u8> {
+        let (e, rows, cols) = shape;
+        let mut out = Vec::new();
+        for x in 0..e {
+            for i in 0..rows {
+                for j in 0..cols {
+                    let c = codes[((x * rows + i) * cols + j) as usize];
+                    let w = if wdtype == DType::F8_E4M3 { e4m3_to_f32(c) } else { e5m2_to_f32(c) };
+                    let per_expert = if scales.len() as u64 == grid.0 * grid.1 { 0 } else { grid.0 * grid.1 };
+                    let s = scales[(x * per_expert + (i / block.0) * grid.1 + j / block.1) as usize];
+                    let y = if divide { w / s } else { w * s };
+                    match dst {
+                        DType::BF16 => out.extend(half::bf16::from_f32(y).to_bits().to_le_bytes()),
+                        DType::F16 => out.extend(half::f16::from_f32(y).to_bits().to_le_bytes()),
+                        _ => out.extend(y.to_le_bytes()),
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn run_op(op: &DequantFp8, codes: &[u8], scale_bytes: &[u8], cuts: &[u64]) -> Result<Vec<u8>, String> {
+        let mut out = vec![0u8; (op.units() * op.out_unit_bytes()) as usize];
+        let mut bounds = vec![0];
+        bounds.extend(cuts.iter().copied().filter(|&c| c > 0 && c < op.units()));
+        bounds.push(op.units());
+        bounds.sort();
+        bounds.dedup();
+        for w in bounds.windows(2) {
+            let units = w[0]..w[1];
+            let ranges = op.input_ranges(units.clone());
+            let inputs: Vec<&[u8]> = if ranges.len() == 2 {
+                vec![&codes[ranges[0].start as usize..ranges[0].end as usize], &scale_bytes[ranges[1].start as usize..ranges[1].end as usize]]
+            } else {
+                vec![&codes[ranges[0].start as usize..ranges[0].end as usize]]
+            };
+            let ob = op.out_unit_bytes();
+            op.compute(units.clone(), &inputs, &mut out[(units.start * ob) as usize..(units.end * ob) as usize])?;
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn bit_exact_against_scalar_reference_for_every_layout_dtype_and_cut() {
+        let mut rng = Lcg(99);
+        let cases: &[(&[u64], &[u64])] = &[
+            (&[300, 260], &[3, 3]),
+            (&[129, 257], &[2, 3]),
+            (&[64, 64], &[]),
+            (&[50, 33], &[50, 1]),
+            (&[3, 40, 70], &[3, 2, 3]),
+            (&[3, 40, 70], &[3]),
+            (&[16, 256], &[16, 2]),
+        ];
+        for &(wshape, sshape) in cases {
+            let (layout, _) = resolve_layout(wshape, sshape, None).unwrap();
+            let n: u64 = wshape.iter().product();
+            for wdtype in [DType::F8_E4M3, DType::F8_E5M2] {
+                // Every finite code appears: cycle through them, then random ones.
+                let finite: Vec<u8> = (0..=255u8)
+                    .filter(|&c| if wdtype == DType::F8_E4M3 { !e4m3_is_nan(c) } else { !e5m2_is_nonfinite(c) })
+                    .collect();
+                let codes: Vec<u8> = (0..n as usize)
+                    .map(|i| if i < finite.len() { finite[i] } else { finite[rng.next_u32() as usize % finite.len()] })
+                    .collect();
+                let nscales = sshape.iter().product::<u64>() as usize;
+                for sdtype in [DType::F32, DType::BF16, DType::F16, DType::F8_E8M0] {
+                    let vals: Vec<f32> = (0..nscales)
+                        .map(|_| {
+                            let e = (rng.next_u32() % 24) as i32 - 14;
+                            if sdtype == DType::F8_E8M0 {
+                                2f32.powi(e)
+                            } else {
+                                (1.0 + (rng.next_u32() % 1000) as f32 / 1000.0) * 2f32.powi(e)
+                            }
+                        })
+                        .collect();
+                    let sbytes = encode_scales(sdtype, &vals);
+                    let decoded: Vec<f32> = DequantFp8 {
+                        weight_dtype: wdtype,
+                        scale_dtype: Some(sdtype),
+                        layout: layout.clone(),
+                        mode: ScaleMode::Multiply,
+                        dst: DType::F32,
+                        allow_nonfinite: false,
+                    }
+                    .decode_scales(&sbytes);
+                    for dst in [DType::BF16, DType::F16, DType::F32] {
+                        for mode in [ScaleMode::Multiply, ScaleMode::Divide] {
+                            let op = DequantFp8 {
+                                weight_dtype: wdtype,
+                                scale_dtype: Some(sdtype),
+                                layout: layout.clone(),
+                                mode,
+                                dst,
+                                allow_nonfinite: false,
+                            };
+                            let (e, rows, cols) = (layout.experts, layout.rows, layout.cols);
+                            let grid = (rows.div_ceil(layout.block_rows), layout.grid_cols);
+                            let want = reference(wdtype, &codes, (e, rows, cols), &decoded, grid, (layout.block_rows, layout.block_cols), mode == ScaleMode::Divide, dst);
+                            let whole = run_op(&op, &codes, &sbytes, &[]).unwrap();
+                            assert_eq!(whole, want, "{wshape:?} {sshape:?} {wdtype} {sdtype} {dst} {mode:?}");
+                            let cuts: Vec<u64> = (0..4).map(|_| rng.next_u32() as u64 % op.units().max(1)).collect();
+                            assert_eq!(run_op(&op, &codes, &sbytes, &cuts).unwrap(), want, "cut at {cuts:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nonfinite_codes_and_scales_are_errors_unless_allowed() {
+        let (layout, _) = resolve_layout(&[2, 4], &[], None).unwrap();
+        let mut op = DequantFp8 {
+            weight_dtype: DType::F8_E4M3,
+            scale_dtype: Some(DType::F8_E8M0),
+            layout,
+            mode: ScaleMode::Multiply,
+            dst: DType::BF16,
+            allow_nonfinite: false,
+        };
+        let codes = [0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0xFF, 0x38];
+        let err = run_op(&op, &codes, &[127], &[]).unwrap_err();
+        assert!(err.contains("0xff at [1, 2]"), "{err}");
+        let err = run_op(&op, &[0x38; 8], &[0xFF], &[]).unwrap_err();
+        assert!(err.contains("scale element 0 is not finite"), "{err}");
+        op.allow_nonfinite = true;
+        let out = run_op(&op, &codes, &[127], &[]).unwrap();
+        assert_eq!(&out[12..14], &0x7FC0u16.to_le_bytes());
+        assert_eq!(&out[0..2], &0x3F80u16.to_le_bytes()); // 0x38 = 1.0
+    }
+}
