@@ -572,7 +572,7 @@ mod tests {
         assert_eq!((l.experts, l.expert_stride, l.block_rows, l.block_cols), (4, 6, 32, 32));
         assert_eq!(resolve_layout(&[4, 64, 96], &[4], None).unwrap().0.describe(), "one scale per expert");
         assert_eq!(resolve_layout(&[4, 64, 96], &[4, 64], None).unwrap().0.describe(), "per-row scales");
-        let err = resolve_layout(&[300, 260], &[5, 3], None).unwrap_err();
+        let err = resolve_layout(&[300, 260], &[7, 3], None).unwrap_err();
         assert!(err.contains("pass --block-size"), "{err}");
         let err = resolve_layout(&[300, 260], &[2, 2], Some((128, 128))).unwrap_err();
         assert!(err.contains("expected [3, 3]"), "{err}");
