@@ -3,7 +3,10 @@
 //!
 //! `cargo run --release --example gen_checkpoint -- OUT_DIR LAYOUT GIB`
 //! Layouts: `core` — BF16 and F32 tensors, one F32 tensor of at least 2 GiB;
-//!          `core-bf16` — the same shapes, every tensor BF16.
+//!          `core-bf16` — the same shapes, every tensor BF16;
+//!          `fp8` — DeepSeek-V3-style E4M3 [4096, 4096] weights with F32 128x128 block scales;
+//!          `fp8-e8m0` — the same with F8_E8M0 scales;
+//!          `fp8-as-bf16` — the same weights' shapes as BF16, no scales (the baseline).
 
 use std::io::Write;
 use std::path::Path;
@@ -14,6 +17,10 @@ use tftf::ops::cast::f32_to_bf16;
 
 struct Gen(u64);
 impl Gen {
+    fn byte(&mut self) -> u8 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 56) as u8
+    }
     fn value(&mut self) -> f32 {
         self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let u = (self.0 >> 40) as u32; // 24 random bits
@@ -42,6 +49,9 @@ fn write_shard(path: &Path, tensors: &[(String, DType, Vec<u64>)], gen: &mut Gen
             match t.dtype {
                 DType::F32 => (0..n / 4).for_each(|_| buf.extend_from_slice(&gen.value().to_le_bytes())),
                 DType::BF16 => (0..n / 2).for_each(|_| buf.extend_from_slice(&f32_to_bf16(gen.value()).to_le_bytes())),
+                // Finite E4M3 codes; E8M0 scales around 2^-8.
+                DType::F8_E4M3 => (0..n).for_each(|_| buf.push(gen.byte() & 0xFE)),
+                DType::F8_E8M0 => (0..n).for_each(|_| buf.push(115 + gen.byte() % 8)),
                 _ => unreachable!(),
             }
             f.write_all(&buf).unwrap();
@@ -60,6 +70,9 @@ fn main() {
     let gib: u64 = gib.parse().unwrap();
     let out = Path::new(out);
     std::fs::create_dir_all(out).unwrap();
+    if layout.starts_with("fp8") {
+        return fp8_layout(out, layout, gib);
+    }
     let float = |d: DType| if layout == "core-bf16" { DType::BF16 } else { d };
     // One big F32 tensor of 2 GiB + 128 MiB (an embedding-like [32768+2048, 16384]), then
     // layers of BF16 matrices and F32 norms until the size is reached.
@@ -84,6 +97,41 @@ fn main() {
         shards.push(s);
         layer += 1;
     }
+    finish(out, shards, total, r#"{"torch_dtype": "float32"}"#);
+}
+
+/// 64 layers' worth of [4096, 4096] weights per GiB of FP8, 16 per shard.
+fn fp8_layout(out: &Path, layout: &str, gib: u64) {
+    let mut shards = Vec::new();
+    let mut total = 0;
+    for k in 0..gib * 64 {
+        if k % 16 == 0 {
+            shards.push(Vec::new());
+        }
+        let name = format!("model.layers.{}.mlp.experts.{}.weight", k / 16, k % 16);
+        let s = shards.last_mut().unwrap();
+        match layout {
+            "fp8-as-bf16" => {
+                s.push((name, DType::BF16, vec![4096, 4096]));
+                total += 4096 * 4096 * 2;
+            }
+            _ => {
+                let sd = if layout == "fp8-e8m0" { DType::F8_E8M0 } else { DType::F32 };
+                s.push((format!("{name}_scale_inv"), sd, vec![32, 32]));
+                s.push((name, DType::F8_E4M3, vec![4096, 4096]));
+                total += 4096 * 4096 + 1024 * sd.size().unwrap() as u64;
+            }
+        }
+    }
+    let config = if layout == "fp8-as-bf16" {
+        r#"{"torch_dtype": "bfloat16"}"#
+    } else {
+        r#"{"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}"#
+    };
+    finish(out, shards, total, config);
+}
+
+fn finish(out: &Path, shards: Vec<Vec<(String, DType, Vec<u64>)>>, total: u64, config: &str) {
     let n = shards.len();
     let mut map = serde_json::Map::new();
     let mut gen = Gen(12345);
@@ -96,6 +144,6 @@ fn main() {
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
     std::fs::write(out.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    std::fs::write(out.join("config.json"), r#"{"torch_dtype": "float32"}"#).unwrap();
+    std::fs::write(out.join("config.json"), config).unwrap();
     println!("{}: {} shards, {} bytes", out.display(), n, total);
 }

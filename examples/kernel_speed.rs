@@ -1,22 +1,80 @@
-//! In-memory throughput of the CPU kernels, for `bench/RESULTS.md`.
+//! In-memory throughput of the CPU kernels (no I/O), for `bench/RESULTS.md`.
 //! `cargo run --release --example kernel_speed`
 
+use std::ops::Range;
 use std::time::Instant;
 
 use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
+use tftf::ops::dequant_fp8::{resolve_layout, DequantFp8, ScaleMode};
+use tftf::ops::Op;
+
+fn best_of<F: FnMut()>(mut f: F) -> f64 {
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// Runs `op` over all its units, split between `threads` threads by row blocks.
+fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) {
+    let units = op.units();
+    let per = units.div_ceil(threads).div_ceil(128) * 128;
+    let ob = op.out_unit_bytes() as usize;
+    std::thread::scope(|s| {
+        let mut rest = out;
+        let mut u = 0;
+        while u < units {
+            let end = (u + per).min(units);
+            let (mine, tail) = rest.split_at_mut((end - u) as usize * ob);
+            rest = tail;
+            let r: Range<u64> = u..end;
+            let ranges = op.input_ranges(r.clone());
+            let ins: Vec<&[u8]> = inputs
+                .iter()
+                .zip(&ranges)
+                .map(|(i, r)| &i[r.start as usize..r.end as usize])
+                .collect();
+            s.spawn(move || op.compute(r, &ins, mine).unwrap());
+            u = end;
+        }
+    });
+}
 
 fn main() {
     let n = 64 << 20; // elements
     let input: Vec<u8> = (0..n as u32).flat_map(|i| ((i % 1000) as f32 * 0.001).to_le_bytes()).collect();
-    let mut out = vec![0u8; n * 2];
-    for (src, dst, label) in [(DType::F32, DType::BF16, "f32->bf16"), (DType::F32, DType::F16, "f32->f16")] {
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            cast_slice(src, dst, &input, &mut out);
-            best = best.min(t.elapsed().as_secs_f64());
+    let mut out = vec![0u8; n * 4];
+    for (src, dst, label) in [(DType::F32, DType::BF16, "cast f32->bf16"), (DType::F32, DType::F16, "cast f32->f16")] {
+        let t = best_of(|| cast_slice(src, dst, &input, &mut out[..n * 2]));
+        println!("{label:<34} 1 thread : {:6.2} Gelem/s", n as f64 / t / 1e9);
+    }
+    let (rows, cols) = (8192u64, 8192u64);
+    let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % 251) as u8 & 0xFE).collect();
+    for (sd, sbytes) in [(DType::F32, 4usize), (DType::F8_E8M0, 1)] {
+        let scales: Vec<u8> = (0..64 * 64 * sbytes).map(|i| if sbytes == 1 { 120 } else { [0, 0, 0x80, 0x3B][i % 4] }).collect();
+        let (layout, _) = resolve_layout(&[rows, cols], &[64, 64], None).unwrap();
+        let op = DequantFp8 {
+            weight_dtype: DType::F8_E4M3,
+            scale_dtype: Some(sd),
+            layout,
+            mode: ScaleMode::Multiply,
+            dst: DType::BF16,
+            allow_nonfinite: false,
+        };
+        let mut out = vec![0u8; (rows * cols * 2) as usize];
+        for threads in [1, 2] {
+            let t = best_of(|| run_threads(&op, &[&codes, &scales], &mut out, threads));
+            println!(
+                "dequant-fp8 e4m3->bf16, {:<7} {} thread{}: {:6.2} Gelem/s",
+                format!("{sd}"),
+                threads,
+                if threads == 1 { " " } else { "s" },
+                (rows * cols) as f64 / t / 1e9
+            );
         }
-        println!("{label}: {:.2} Gelem/s, {:.2} GB/s of input (1 thread)", n as f64 / best / 1e9, input.len() as f64 / best / 1e9);
     }
 }
