@@ -18,11 +18,17 @@ use tftf::ops::cast::f32_to_bf16;
 struct Gen(u64);
 impl Gen {
     fn byte(&mut self) -> u8 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 56) as u8
     }
     fn value(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let u = (self.0 >> 40) as u32; // 24 random bits
         (u as f32 / (1u32 << 24) as f32 - 0.5) * 0.1
     }
@@ -33,7 +39,13 @@ fn write_shard(path: &Path, tensors: &[(String, DType, Vec<u64>)], gen: &mut Gen
     let mut begin = 0;
     for (name, dtype, shape) in tensors {
         let n: u64 = shape.iter().product::<u64>() * dtype.size().unwrap() as u64;
-        infos.push(TensorInfo { name: name.clone(), dtype: *dtype, shape: shape.clone(), begin, end: begin + n });
+        infos.push(TensorInfo {
+            name: name.clone(),
+            dtype: *dtype,
+            shape: shape.clone(),
+            begin,
+            end: begin + n,
+        });
         begin += n;
     }
     let mut meta = serde_json::Map::new();
@@ -47,8 +59,11 @@ fn write_shard(path: &Path, tensors: &[(String, DType, Vec<u64>)], gen: &mut Gen
             buf.clear();
             let n = left.min(8 << 20);
             match t.dtype {
-                DType::F32 => (0..n / 4).for_each(|_| buf.extend_from_slice(&gen.value().to_le_bytes())),
-                DType::BF16 => (0..n / 2).for_each(|_| buf.extend_from_slice(&f32_to_bf16(gen.value()).to_le_bytes())),
+                DType::F32 => {
+                    (0..n / 4).for_each(|_| buf.extend_from_slice(&gen.value().to_le_bytes()))
+                }
+                DType::BF16 => (0..n / 2)
+                    .for_each(|_| buf.extend_from_slice(&f32_to_bf16(gen.value()).to_le_bytes())),
                 // Finite E4M3 codes; E8M0 scales around 2^-8.
                 DType::F8_E4M3 => (0..n).for_each(|_| buf.push(gen.byte() & 0xFE)),
                 DType::F8_E8M0 => (0..n).for_each(|_| buf.push(115 + gen.byte() % 8)),
@@ -73,7 +88,13 @@ fn main() {
     if layout.starts_with("fp8") {
         return fp8_layout(out, layout, gib);
     }
-    let float = |d: DType| if layout == "core-bf16" { DType::BF16 } else { d };
+    let float = |d: DType| {
+        if layout == "core-bf16" {
+            DType::BF16
+        } else {
+            d
+        }
+    };
     // One big F32 tensor of 2 GiB + 128 MiB (an embedding-like [32768+2048, 16384]), then
     // layers of BF16 matrices and F32 norms until the size is reached.
     let mut shards: Vec<Vec<(String, DType, Vec<u64>)>> = vec![vec![(
@@ -87,13 +108,28 @@ fn main() {
         let p = format!("model.layers.{layer}");
         let mut s = Vec::new();
         for name in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            s.push((format!("{p}.self_attn.{name}.weight"), float(DType::BF16), vec![4096, 4096]));
+            s.push((
+                format!("{p}.self_attn.{name}.weight"),
+                float(DType::BF16),
+                vec![4096, 4096],
+            ));
         }
         for name in ["gate_proj", "up_proj"] {
-            s.push((format!("{p}.mlp.{name}.weight"), float(DType::F32), vec![4096, 4096]));
+            s.push((
+                format!("{p}.mlp.{name}.weight"),
+                float(DType::F32),
+                vec![4096, 4096],
+            ));
         }
-        s.push((format!("{p}.input_layernorm.weight"), float(DType::F32), vec![4096]));
-        total += s.iter().map(|(_, d, sh)| sh.iter().product::<u64>() * d.size().unwrap() as u64).sum::<u64>();
+        s.push((
+            format!("{p}.input_layernorm.weight"),
+            float(DType::F32),
+            vec![4096],
+        ));
+        total += s
+            .iter()
+            .map(|(_, d, sh)| sh.iter().product::<u64>() * d.size().unwrap() as u64)
+            .sum::<u64>();
         shards.push(s);
         layer += 1;
     }
@@ -116,7 +152,11 @@ fn fp8_layout(out: &Path, layout: &str, gib: u64) {
                 total += 4096 * 4096 * 2;
             }
             _ => {
-                let sd = if layout == "fp8-e8m0" { DType::F8_E8M0 } else { DType::F32 };
+                let sd = if layout == "fp8-e8m0" {
+                    DType::F8_E8M0
+                } else {
+                    DType::F32
+                };
                 s.push((format!("{name}_scale_inv"), sd, vec![32, 32]));
                 s.push((name, DType::F8_E4M3, vec![4096, 4096]));
                 total += 4096 * 4096 + 1024 * sd.size().unwrap() as u64;

@@ -46,16 +46,31 @@ fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) 
 
 fn main() {
     let n = 64 << 20; // elements
-    let input: Vec<u8> = (0..n as u32).flat_map(|i| ((i % 1000) as f32 * 0.001).to_le_bytes()).collect();
+    let input: Vec<u8> = (0..n as u32)
+        .flat_map(|i| ((i % 1000) as f32 * 0.001).to_le_bytes())
+        .collect();
     let mut out = vec![0u8; n * 4];
-    for (src, dst, label) in [(DType::F32, DType::BF16, "cast f32->bf16"), (DType::F32, DType::F16, "cast f32->f16")] {
+    for (src, dst, label) in [
+        (DType::F32, DType::BF16, "cast f32->bf16"),
+        (DType::F32, DType::F16, "cast f32->f16"),
+    ] {
         let t = best_of(|| cast_slice(src, dst, &input, &mut out[..n * 2]));
         println!("{label:<34} 1 thread : {:6.2} Gelem/s", n as f64 / t / 1e9);
     }
     let (rows, cols) = (8192u64, 8192u64);
-    let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 7 % 251) as u8 & 0xFE).collect();
+    let codes: Vec<u8> = (0..rows * cols)
+        .map(|i| (i * 7 % 251) as u8 & 0xFE)
+        .collect();
     for (sd, sbytes) in [(DType::F32, 4usize), (DType::F8_E8M0, 1)] {
-        let scales: Vec<u8> = (0..64 * 64 * sbytes).map(|i| if sbytes == 1 { 120 } else { [0, 0, 0x80, 0x3B][i % 4] }).collect();
+        let scales: Vec<u8> = (0..64 * 64 * sbytes)
+            .map(|i| {
+                if sbytes == 1 {
+                    120
+                } else {
+                    [0, 0, 0x80, 0x3B][i % 4]
+                }
+            })
+            .collect();
         let (layout, _) = resolve_layout(&[rows, cols], &[64, 64], None).unwrap();
         let op = DequantFp8 {
             weight_dtype: DType::F8_E4M3,

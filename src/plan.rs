@@ -60,7 +60,10 @@ pub enum Step {
     Include(Vec<Glob>),
     Exclude(Vec<Glob>),
     Rename(Rename),
-    Cast { dtype: DType, cast_ints: bool },
+    Cast {
+        dtype: DType,
+        cast_ints: bool,
+    },
     /// An op's own planning step (dequantisation, merging, …).
     Op(Arc<dyn PlanStep>),
 }
@@ -218,10 +221,16 @@ impl Plan {
                 renamed += 1;
             }
             let elements = element_count(&e.shape).ok_or_else(|| {
-                Error::Other(format!("tensor `{}`: shape {:?} overflows", src.name, e.shape))
+                Error::Other(format!(
+                    "tensor `{}`: shape {:?} overflows",
+                    src.name, e.shape
+                ))
             })?;
             let nbytes = e.dtype.byte_len(elements).ok_or_else(|| {
-                Error::Other(format!("tensor `{}` is too large for {}", src.name, e.dtype))
+                Error::Other(format!(
+                    "tensor `{}` is too large for {}",
+                    src.name, e.dtype
+                ))
             })?;
             let recipe = match &e.derive {
                 Some(d) => Recipe::Compute {
@@ -247,7 +256,11 @@ impl Plan {
                 recipe,
             });
         }
-        let config = if config != original_config { config } else { None };
+        let config = if config != original_config {
+            config
+        } else {
+            None
+        };
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));

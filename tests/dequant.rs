@@ -28,7 +28,15 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// `bf16(f32(w) * s[i/128][j/128])` written directly from the formula.
-fn expected_bf16(codes: &[u8], rows: usize, cols: usize, scales: &[f32], gc: usize, br: usize, bc: usize) -> Vec<u8> {
+fn expected_bf16(
+    codes: &[u8],
+    rows: usize,
+    cols: usize,
+    scales: &[f32],
+    gc: usize,
+    br: usize,
+    bc: usize,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(rows * cols * 2);
     for i in 0..rows {
         for j in 0..cols {
@@ -57,10 +65,25 @@ fn v3_model(dir: &std::path::Path) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
         dir,
         &[
             vec![
-                t("model.layers.0.mlp.down_proj.weight", DType::F8_E4M3, &[300, 260], codes.clone()),
-                t("model.layers.0.input_layernorm.weight", DType::F32, &[260], norm.clone()),
+                t(
+                    "model.layers.0.mlp.down_proj.weight",
+                    DType::F8_E4M3,
+                    &[300, 260],
+                    codes.clone(),
+                ),
+                t(
+                    "model.layers.0.input_layernorm.weight",
+                    DType::F32,
+                    &[260],
+                    norm.clone(),
+                ),
             ],
-            vec![t("model.layers.0.mlp.down_proj.weight_scale_inv", DType::F32, &[3, 3], f32_bytes(&scales))],
+            vec![t(
+                "model.layers.0.mlp.down_proj.weight_scale_inv",
+                DType::F32,
+                &[3, 3],
+                f32_bytes(&scales),
+            )],
         ],
     );
     std::fs::write(dir.join("config.json"), CONFIG).unwrap();
@@ -74,31 +97,61 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q", "--report", s(&report)]));
+    ok(&tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--report",
+        s(&report),
+    ]));
     let got = load_all(&out);
     assert_eq!(got.len(), 2, "the scale is dropped");
     let w = &got["model.layers.0.mlp.down_proj.weight"];
     assert_eq!(w.0, "BF16");
     assert_eq!(w.1, vec![300, 260]);
     assert_eq!(w.2, expected_bf16(&codes, 300, 260, &scales, 3, 128, 128));
-    assert_eq!(got["model.layers.0.input_layernorm.weight"].2, norm, "untouched tensors are copied");
+    assert_eq!(
+        got["model.layers.0.input_layernorm.weight"].2, norm,
+        "untouched tensors are copied"
+    );
     let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     assert!(v.get("quantization_config").is_none(), "{cfg}");
     assert_eq!(v["torch_dtype"], "bfloat16");
     let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["architectures", "torch_dtype", "vocab_size"]);
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(r["ops"][0]["op"], "dequant-fp8 F8_E4M3 -> BF16");
     assert_eq!(r["ops"][0]["tensors"], 1);
     assert_eq!(r["ops"][0]["bytes_in"], 300 * 260);
     assert_eq!(r["ops"][0]["bytes_out"], 300 * 260 * 2);
 
     // f32 output; dry-run shows the config edit.
-    let o = tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&d.path().join("f32")), "--dtype", "f32", "--dry-run"]);
+    let o = tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&d.path().join("f32")),
+        "--dtype",
+        "f32",
+        "--dry-run",
+    ]);
     ok(&o);
-    assert!(stdout(&o).contains("quantization_config removed"), "{}", stdout(&o));
-    assert!(stdout(&o).contains("torch_dtype \"bfloat16\" -> \"float32\""), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("quantization_config removed"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(
+        stdout(&o).contains("torch_dtype \"bfloat16\" -> \"float32\""),
+        "{}",
+        stdout(&o)
+    );
 }
 
 #[test]
@@ -113,20 +166,48 @@ fn output_is_identical_across_threads_and_budgets() {
     write_sharded(
         &src,
         &[vec![
-            t("w.weight", DType::F8_E4M3, &[rows as u64, cols as u64], codes.clone()),
-            t("w.weight_scale_inv", DType::F32, &[16, 32], f32_bytes(&scales)),
+            t(
+                "w.weight",
+                DType::F8_E4M3,
+                &[rows as u64, cols as u64],
+                codes.clone(),
+            ),
+            t(
+                "w.weight_scale_inv",
+                DType::F32,
+                &[16, 32],
+                f32_bytes(&scales),
+            ),
         ]],
     );
     let mut outs = Vec::new();
-    for (i, extra) in [["--threads", "1", "--memory-budget", "16MiB"], ["--threads", "2", "--memory-budget", "2GiB"]].iter().enumerate() {
+    for (i, extra) in [
+        ["--threads", "1", "--memory-budget", "16MiB"],
+        ["--threads", "2", "--memory-budget", "2GiB"],
+    ]
+    .iter()
+    .enumerate()
+    {
         let out = d.path().join(format!("o{i}"));
-        let mut args = vec!["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q", "--block-size", "128"];
+        let mut args = vec![
+            "dequant-fp8",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "-q",
+            "--block-size",
+            "128",
+        ];
         args.extend(extra.iter());
         ok(&tftf(&args));
         outs.push(std::fs::read(out.join("model.safetensors")).unwrap());
     }
     assert_eq!(outs[0], outs[1]);
-    assert_eq!(load_all(&d.path().join("o0"))["w.weight"].2, expected_bf16(&codes, rows, cols, &scales, 32, 128, 128));
+    assert_eq!(
+        load_all(&d.path().join("o0"))["w.weight"].2,
+        expected_bf16(&codes, rows, cols, &scales, 32, 128, 128)
+    );
 }
 
 #[test]
@@ -139,16 +220,43 @@ fn missing_and_orphan_scales_fail_before_output() {
     write_file(
         &src.join("model.safetensors"),
         &[
-            t("a.weight", DType::F8_E4M3, &[4, 4], e4m3_codes(&mut rng, 16)),
-            t("b.weight", DType::F8_E4M3, &[4, 4], e4m3_codes(&mut rng, 16)),
+            t(
+                "a.weight",
+                DType::F8_E4M3,
+                &[4, 4],
+                e4m3_codes(&mut rng, 16),
+            ),
+            t(
+                "b.weight",
+                DType::F8_E4M3,
+                &[4, 4],
+                e4m3_codes(&mut rng, 16),
+            ),
         ],
     );
     let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
-    assert!(err.contains("model.safetensors: FP8 weight `a.weight` has no scale"), "{err}");
-    assert!(err.contains("`a.weight_scale_inv`") && err.contains("`a.scale`"), "{err}");
-    assert!(err.contains("(and 1 more weights)") && err.contains("--allow-unscaled-fp8"), "{err}");
+    assert!(
+        err.contains("model.safetensors: FP8 weight `a.weight` has no scale"),
+        "{err}"
+    );
+    assert!(
+        err.contains("`a.weight_scale_inv`") && err.contains("`a.scale`"),
+        "{err}"
+    );
+    assert!(
+        err.contains("(and 1 more weights)") && err.contains("--allow-unscaled-fp8"),
+        "{err}"
+    );
     assert!(!out.exists());
-    ok(&tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q", "--allow-unscaled-fp8"]));
+    ok(&tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--allow-unscaled-fp8",
+    ]));
     let got = load_all(&out);
     assert_eq!(got["a.weight"].0, "BF16");
 
@@ -163,7 +271,12 @@ fn missing_and_orphan_scales_fail_before_output() {
     );
     let out2 = d.path().join("out2");
     let err = fails(&["dequant-fp8", "-i", s(&src2), "-o", s(&out2)]);
-    assert!(err.contains("scale `a.weight_scale_inv` has no FP8 weight to apply to (expected `a.weight`)"), "{err}");
+    assert!(
+        err.contains(
+            "scale `a.weight_scale_inv` has no FP8 weight to apply to (expected `a.weight`)"
+        ),
+        "{err}"
+    );
     assert!(!out2.exists());
 }
 
@@ -173,7 +286,12 @@ fn bad_scales_fail_with_the_tensor_named() {
     let mut rng = Rng(7);
     let out = d.path().join("out");
     for (i, (sdtype, sshape, sbytes, needle)) in [
-        (DType::I32, vec![1u64], vec![0u8; 4], "dtype I32 is not a scale dtype"),
+        (
+            DType::I32,
+            vec![1u64],
+            vec![0u8; 4],
+            "dtype I32 is not a scale dtype",
+        ),
         (DType::F32, vec![7, 3], vec![0u8; 84], "pass --block-size"),
     ]
     .into_iter()
@@ -184,18 +302,34 @@ fn bad_scales_fail_with_the_tensor_named() {
         write_file(
             &src.join("model.safetensors"),
             &[
-                t("w.weight", DType::F8_E4M3, &[300, 260], e4m3_codes(&mut rng, 300 * 260)),
+                t(
+                    "w.weight",
+                    DType::F8_E4M3,
+                    &[300, 260],
+                    e4m3_codes(&mut rng, 300 * 260),
+                ),
                 t("w.weight_scale_inv", sdtype, &sshape, sbytes),
             ],
         );
         let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
-        assert!(err.contains("scale `w.weight_scale_inv` of `w.weight`") && err.contains(needle), "{err}");
+        assert!(
+            err.contains("scale `w.weight_scale_inv` of `w.weight`") && err.contains(needle),
+            "{err}"
+        );
         assert!(!out.exists());
     }
     // A block size that contradicts config.json is a usage error.
     let src = d.path().join("cfg");
     v3_model(&src);
-    let o = tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--block-size", "64"]);
+    let o = tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--block-size",
+        "64",
+    ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("disagrees with config.json"));
 }
@@ -211,14 +345,40 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
         &src.join("model.safetensors"),
         &[
             t("w.weight", DType::F8_E4M3, &[2048, 64], codes),
-            t("w.weight_scale_inv", DType::F32, &[16, 1], f32_bytes(&[1.0; 16])),
+            t(
+                "w.weight_scale_inv",
+                DType::F32,
+                &[16, 1],
+                f32_bytes(&[1.0; 16]),
+            ),
         ],
     );
     let out = d.path().join("out");
-    let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--memory-budget", "16MiB"]);
-    assert!(err.contains("model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"), "{err}");
+    let err = fails(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--memory-budget",
+        "16MiB",
+    ]);
+    assert!(
+        err.contains(
+            "model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"
+        ),
+        "{err}"
+    );
     assert!(!out.exists(), "left behind: {:?}", listing(&out));
-    ok(&tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q", "--allow-nonfinite"]));
+    ok(&tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--allow-nonfinite",
+    ]));
     let w = &load_all(&out)["w.weight"].2;
     let at = (1500 * 64 + 17) * 2;
     assert_eq!(&w[at..at + 2], &0x7FC0u16.to_le_bytes());
@@ -241,12 +401,30 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
     );
     for (mode, divide) in [("multiply", false), ("divide", true)] {
         let out = d.path().join(mode);
-        ok(&tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q", "--dtype", "f32", "--scale-mode", mode]));
+        ok(&tftf(&[
+            "dequant-fp8",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "-q",
+            "--dtype",
+            "f32",
+            "--scale-mode",
+            mode,
+        ]));
         let got = &load_all(&out)["x.weight"].2;
         let want: Vec<u8> = codes
             .iter()
             .zip(&scales)
-            .flat_map(|(&c, &s)| (if divide { e4m3_to_f32(c) / s } else { e4m3_to_f32(c) * s }).to_le_bytes())
+            .flat_map(|(&c, &s)| {
+                (if divide {
+                    e4m3_to_f32(c) / s
+                } else {
+                    e4m3_to_f32(c) * s
+                })
+                .to_le_bytes()
+            })
             .collect();
         assert_eq!(got, &want, "{mode}");
     }
@@ -259,24 +437,69 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
     std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(11);
     // Dense E5M2 weight with 32x32 E8M0 blocks, and a 3-D expert stack with per-expert grids.
-    let dense: Vec<u8> = (0..64 * 96).map(|_| loop { let c = rng.next_u32() as u8; if c & 0x7C != 0x7C { break c; } }).collect();
+    let dense: Vec<u8> = (0..64 * 96)
+        .map(|_| loop {
+            let c = rng.next_u32() as u8;
+            if c & 0x7C != 0x7C {
+                break c;
+            }
+        })
+        .collect();
     let dense_scale: Vec<u8> = (0..6).map(|i| 120 + i as u8).collect();
     let experts = e4m3_codes(&mut rng, 3 * 40 * 70);
     let expert_scale: Vec<u8> = (0..3 * 2 * 3).map(|i| 118 + (i % 13) as u8).collect();
     write_file(
         &src.join("model.safetensors"),
         &[
-            t("layers.0.attn.wq.weight", DType::F8_E5M2, &[64, 96], dense.clone()),
-            t("layers.0.attn.wq.scale", DType::F8_E8M0, &[2, 3], dense_scale.clone()),
-            t("layers.0.ffn.experts.w1.weight", DType::F8_E4M3, &[3, 40, 70], experts.clone()),
-            t("layers.0.ffn.experts.w1.scale", DType::F8_E8M0, &[3, 2, 3], expert_scale.clone()),
+            t(
+                "layers.0.attn.wq.weight",
+                DType::F8_E5M2,
+                &[64, 96],
+                dense.clone(),
+            ),
+            t(
+                "layers.0.attn.wq.scale",
+                DType::F8_E8M0,
+                &[2, 3],
+                dense_scale.clone(),
+            ),
+            t(
+                "layers.0.ffn.experts.w1.weight",
+                DType::F8_E4M3,
+                &[3, 40, 70],
+                experts.clone(),
+            ),
+            t(
+                "layers.0.ffn.experts.w1.scale",
+                DType::F8_E8M0,
+                &[3, 2, 3],
+                expert_scale.clone(),
+            ),
             // MXFP4 experts (I8 codes with E8M0 scales) are not FP8: both pass through.
-            t("layers.0.ffn.experts.0.w2.weight", DType::I8, &[4, 16], vec![0x21; 64]),
-            t("layers.0.ffn.experts.0.w2.scale", DType::F8_E8M0, &[4, 1], vec![127; 4]),
+            t(
+                "layers.0.ffn.experts.0.w2.weight",
+                DType::I8,
+                &[4, 16],
+                vec![0x21; 64],
+            ),
+            t(
+                "layers.0.ffn.experts.0.w2.scale",
+                DType::F8_E8M0,
+                &[4, 1],
+                vec![127; 4],
+            ),
         ],
     );
     let out = d.path().join("out");
-    let o = tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--report", s(&d.path().join("r.json"))]);
+    let o = tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--report",
+        s(&d.path().join("r.json")),
+    ]);
     ok(&o);
     let got = load_all(&out);
     let e8m0 = |b: u8| 2f32.powi(b as i32 - 127);
@@ -309,12 +532,27 @@ fn run_section_order_dequant_then_cast() {
     let src = d.path().join("in");
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&tftf(&["run", "-i", s(&src), "-o", s(&out), "-q", "--dequant-fp8", "--dtype-cast", "f32", "--key-rename", r"^model\.", ""]));
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--dequant-fp8",
+        "--dtype-cast",
+        "f32",
+        "--key-rename",
+        r"^model\.",
+        "",
+    ]));
     let got = load_all(&out);
     let w = &got["layers.0.mlp.down_proj.weight"];
     assert_eq!(w.0, "F32");
     let want: Vec<u8> = (0..300 * 260)
-        .flat_map(|k| (e4m3_to_f32(codes[k]) * scales[(k / 260 / 128) * 3 + (k % 260) / 128]).to_le_bytes())
+        .flat_map(|k| {
+            (e4m3_to_f32(codes[k]) * scales[(k / 260 / 128) * 3 + (k % 260) / 128]).to_le_bytes()
+        })
         .collect();
     assert_eq!(w.2, want);
     assert_eq!(got["layers.0.input_layernorm.weight"].2, norm);

@@ -12,8 +12,8 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::format::write_small;
 use crate::ops::cast::f32_to_bf16;
-use crate::pipeline::Cancel;
 use crate::ops::dequant_fp8::{DequantFp8Step, DequantOptions, ScaleMode};
+use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};
 
@@ -306,15 +306,31 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     )?;
     let out3 = Checkpoint::open(&deq_dir)?;
     let codes = tensor_bytes(&input, q)?;
-    let scale = f32::from_le_bytes(tensor_bytes(&input, &format!("{q}_scale_inv"))?[..4].try_into().unwrap());
+    let scale = f32::from_le_bytes(
+        tensor_bytes(&input, &format!("{q}_scale_inv"))?[..4]
+            .try_into()
+            .unwrap(),
+    );
     let want: Vec<u8> = codes
         .iter()
         .flat_map(|&c| f32_to_bf16(crate::ops::codec::e4m3_to_f32(c) * scale).to_le_bytes())
         .collect();
-    check(tensor_bytes(&out3, q)? == want, "every FP8 weight equals bf16(f32(w) * scale), bit for bit")?;
-    check(out3.tensors.iter().all(|t| !t.info.name.ends_with("_scale_inv")), "scale tensors dropped")?;
-    let cfg3 = std::fs::read_to_string(deq_dir.join("config.json")).map_err(|e| Error::io(&deq_dir, e))?;
-    check(!cfg3.contains("quantization_config"), "config.json no longer claims FP8 quantisation")?;
+    check(
+        tensor_bytes(&out3, q)? == want,
+        "every FP8 weight equals bf16(f32(w) * scale), bit for bit",
+    )?;
+    check(
+        out3.tensors
+            .iter()
+            .all(|t| !t.info.name.ends_with("_scale_inv")),
+        "scale tensors dropped",
+    )?;
+    let cfg3 =
+        std::fs::read_to_string(deq_dir.join("config.json")).map_err(|e| Error::io(&deq_dir, e))?;
+    check(
+        !cfg3.contains("quantization_config"),
+        "config.json no longer claims FP8 quantisation",
+    )?;
 
     println!("\n4. validate --check-values on every output");
     for dir in [&bf16_dir, &renamed, &deq_dir] {

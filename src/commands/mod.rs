@@ -12,9 +12,9 @@ use clap::{ArgMatches, FromArgMatches};
 use std::sync::Arc;
 
 use crate::cli::{Cli, Command, Fp8Args, InputArgs, PassthroughArgs, RunArgs};
-use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
 use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};

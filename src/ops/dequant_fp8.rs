@@ -80,9 +80,16 @@ impl ScaleLayout {
 
 /// Parses `--block-size R[xC]`.
 pub fn parse_block_size(s: &str) -> Result<(u64, u64)> {
-    let bad = || Error::Usage(format!("invalid --block-size `{s}`: use R or RxC, e.g. 128 or 128x128"));
+    let bad = || {
+        Error::Usage(format!(
+            "invalid --block-size `{s}`: use R or RxC, e.g. 128 or 128x128"
+        ))
+    };
     let (r, c) = match s.split_once(['x', 'X']) {
-        Some((r, c)) => (r.trim().parse().map_err(|_| bad())?, c.trim().parse().map_err(|_| bad())?),
+        Some((r, c)) => (
+            r.trim().parse().map_err(|_| bad())?,
+            c.trim().parse().map_err(|_| bad())?,
+        ),
         None => {
             let v: u64 = s.trim().parse().map_err(|_| bad())?;
             (v, v)
@@ -112,7 +119,9 @@ pub fn config_block_size(cfg: &Map<String, Value>) -> Option<(u64, u64)> {
 }
 
 fn smallest_pow2_block(dim: u64, grid: u64) -> Option<u64> {
-    (0..48).map(|k| 1u64 << k).find(|&p| dim.div_ceil(p) == grid)
+    (0..48)
+        .map(|k| 1u64 << k)
+        .find(|&p| dim.div_ceil(p) == grid)
 }
 
 /// Binds a scale tensor's shape to a weight's. Returns the layout and whether the block size
@@ -126,7 +135,12 @@ pub fn resolve_layout(
         [n] => (1, 1, n),
         [o, i] => (1, o, i),
         [e, o, i] => (e, o, i),
-        _ => return Err(format!("FP8 weights of rank {} are not supported", weight.len())),
+        _ => {
+            return Err(format!(
+                "FP8 weights of rank {} are not supported",
+                weight.len()
+            ))
+        }
     };
     let numel: u64 = scale.iter().product();
     let whole = ScaleLayout {
@@ -162,7 +176,11 @@ pub fn resolve_layout(
             ))
         }
     };
-    let stride = if weight.len() == 3 { grid_rows * grid_cols } else { 0 };
+    let stride = if weight.len() == 3 {
+        grid_rows * grid_cols
+    } else {
+        0
+    };
     let fits = |br: u64, bc: u64| rows.div_ceil(br) == grid_rows && cols.div_ceil(bc) == grid_cols;
     let layout = |br: u64, bc: u64| ScaleLayout {
         experts,
@@ -233,8 +251,11 @@ impl PlanStep for DequantFp8Step {
             }
             (c, b) => c.or(b),
         };
-        let index: std::collections::HashMap<String, usize> =
-            entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        let index: std::collections::HashMap<String, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
         let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard].path.clone();
         let mut consumed = vec![false; entries.len()];
         let mut derived: Vec<(usize, Arc<dyn Derive>)> = Vec::new();
@@ -254,7 +275,8 @@ impl PlanStep for DequantFp8Step {
                 if self.opts.allow_unscaled {
                     derived.push((wi, Arc::new(DequantDerive::unscaled(w, ckpt, &self.opts))));
                 } else {
-                    let looked: Vec<String> = candidates.iter().map(|(n, _)| format!("`{n}`")).collect();
+                    let looked: Vec<String> =
+                        candidates.iter().map(|(n, _)| format!("`{n}`")).collect();
                     missing.push((wi, looked.join(", ")));
                 }
                 continue;
@@ -267,7 +289,10 @@ impl PlanStep for DequantFp8Step {
                 msg,
             };
             if !is_scale_dtype(s.dtype) {
-                return Err(bad(format!("dtype {} is not a scale dtype (F32, BF16, F16, F8_E8M0)", s.dtype)));
+                return Err(bad(format!(
+                    "dtype {} is not a scale dtype (F32, BF16, F16, F8_E8M0)",
+                    s.dtype
+                )));
             }
             let (layout, inferred) = resolve_layout(&w.shape, &s.shape, block).map_err(bad)?;
             if inferred {
@@ -310,9 +335,17 @@ impl PlanStep for DequantFp8Step {
             }
             let weight = if let Some(w) = e.name.strip_suffix("_scale_inv") {
                 Some(w.to_string())
-            } else if let Some(w) = e.name.strip_suffix("_scale").filter(|w| w.ends_with(".weight")) {
+            } else if let Some(w) = e
+                .name
+                .strip_suffix("_scale")
+                .filter(|w| w.ends_with(".weight"))
+            {
                 Some(w.to_string()).filter(|w| !index.contains_key(w))
-            } else if let Some(b) = e.name.strip_suffix(".scale").filter(|_| e.dtype == DType::F8_E8M0) {
+            } else if let Some(b) = e
+                .name
+                .strip_suffix(".scale")
+                .filter(|_| e.dtype == DType::F8_E8M0)
+            {
                 Some(format!("{b}.weight")).filter(|w| !index.contains_key(w))
             } else {
                 None
@@ -416,9 +449,18 @@ impl DequantFp8 {
     fn decode_scales(&self, bytes: &[u8]) -> Vec<f32> {
         match self.scale_dtype {
             None => vec![1.0],
-            Some(DType::F32) => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            Some(DType::BF16) => bytes.chunks_exact(2).map(|c| super::cast::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            Some(DType::F16) => bytes.chunks_exact(2).map(|c| super::cast::f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Some(DType::F32) => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Some(DType::BF16) => bytes
+                .chunks_exact(2)
+                .map(|c| super::cast::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            Some(DType::F16) => bytes
+                .chunks_exact(2)
+                .map(|c| super::cast::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
             Some(DType::F8_E8M0) => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
             Some(d) => unreachable!("{d} is not a scale dtype"),
         }
@@ -510,7 +552,11 @@ fn dequant_row<const DIVIDE: bool, const E5M2: bool>(
             // Only reached with --allow-nonfinite: redo the special codes with the exact
             // decoder so NaN and Inf keep their meaning.
             let lut = if E5M2 { e5m2_table() } else { e4m3_table() };
-            for (k, &c) in block.iter().enumerate().filter(|(_, &c)| fp8_special::<E5M2>(c)) {
+            for (k, &c) in block
+                .iter()
+                .enumerate()
+                .filter(|(_, &c)| fp8_special::<E5M2>(c))
+            {
                 let w = lut[c as usize];
                 store(dst, out, base + k, if DIVIDE { w / s } else { w * s });
             }
@@ -539,7 +585,8 @@ impl Op for DequantFp8 {
         }
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let mut v = vec![units.start * self.layout.cols..units.end * self.layout.cols];
+        let mut v = Vec::with_capacity(2);
+        v.push(units.start * self.layout.cols..units.end * self.layout.cols);
         if let Some(d) = self.scale_dtype {
             let size = d.bits() / 8;
             let r = self.scale_range(&units);
@@ -557,21 +604,37 @@ impl Op for DequantFp8 {
             }
         }
         let e5m2 = self.weight_dtype == DType::F8_E5M2;
-        let scale_base = if self.scale_dtype.is_some() { self.scale_range(&units).start } else { 0 };
+        let scale_base = if self.scale_dtype.is_some() {
+            self.scale_range(&units).start
+        } else {
+            0
+        };
         let out_row = cols * (self.dst.bits() / 8) as usize;
         let bc = self.layout.block_cols as usize;
         for (k, r) in units.clone().enumerate() {
             let codes = &inputs[0][k * cols..(k + 1) * cols];
             let specials = if e5m2 {
-                codes.iter().fold(false, |acc, &c| acc | e5m2_is_nonfinite(c))
+                codes
+                    .iter()
+                    .fold(false, |acc, &c| acc | e5m2_is_nonfinite(c))
             } else {
                 codes.iter().fold(false, |acc, &c| acc | e4m3_is_nan(c))
             };
             if specials && !self.allow_nonfinite {
-                let bad = codes.iter().position(|&c| if e5m2 { e5m2_is_nonfinite(c) } else { e4m3_is_nan(c) });
+                let bad = codes.iter().position(|&c| {
+                    if e5m2 {
+                        e5m2_is_nonfinite(c)
+                    } else {
+                        e4m3_is_nan(c)
+                    }
+                });
                 if let Some(j) = bad {
                     let (e, lr) = (r / self.layout.rows, r % self.layout.rows);
-                    let pos = if self.layout.experts > 1 { format!("[{e}, {lr}, {j}]") } else { format!("[{lr}, {j}]") };
+                    let pos = if self.layout.experts > 1 {
+                        format!("[{e}, {lr}, {j}]")
+                    } else {
+                        format!("[{lr}, {j}]")
+                    };
                     return Err(format!(
                         "non-finite {} code {:#04x} at {pos}; pass --allow-nonfinite to keep it as NaN",
                         self.weight_dtype, codes[j]
@@ -586,10 +649,18 @@ impl Op for DequantFp8 {
             let row_scales = &scales[srow..srow + self.layout.grid_cols as usize];
             let o = &mut out[k * out_row..(k + 1) * out_row];
             match (self.mode, e5m2) {
-                (ScaleMode::Multiply, false) => dequant_row::<false, false>(self.dst, codes, row_scales, bc, specials, o),
-                (ScaleMode::Multiply, true) => dequant_row::<false, true>(self.dst, codes, row_scales, bc, specials, o),
-                (ScaleMode::Divide, false) => dequant_row::<true, false>(self.dst, codes, row_scales, bc, specials, o),
-                (ScaleMode::Divide, true) => dequant_row::<true, true>(self.dst, codes, row_scales, bc, specials, o),
+                (ScaleMode::Multiply, false) => {
+                    dequant_row::<false, false>(self.dst, codes, row_scales, bc, specials, o)
+                }
+                (ScaleMode::Multiply, true) => {
+                    dequant_row::<false, true>(self.dst, codes, row_scales, bc, specials, o)
+                }
+                (ScaleMode::Divide, false) => {
+                    dequant_row::<true, false>(self.dst, codes, row_scales, bc, specials, o)
+                }
+                (ScaleMode::Divide, true) => {
+                    dequant_row::<true, true>(self.dst, codes, row_scales, bc, specials, o)
+                }
             }
         }
         Ok(())
@@ -604,7 +675,10 @@ mod tests {
     struct Lcg(u64);
     impl Lcg {
         fn next_u32(&mut self) -> u32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (self.0 >> 32) as u32
         }
     }
@@ -617,16 +691,52 @@ mod tests {
         let (l, inferred) = resolve_layout(&[300, 260], &[3, 3], Some((128, 128))).unwrap();
         assert!(!inferred);
         assert_eq!(l.describe(), "128x128 blocks");
-        assert_eq!(resolve_layout(&[300, 260], &[], None).unwrap().0.describe(), "per-tensor scale");
-        assert_eq!(resolve_layout(&[300, 260], &[1], None).unwrap().0.describe(), "per-tensor scale");
-        assert_eq!(resolve_layout(&[300, 260], &[300], None).unwrap().0.describe(), "per-row scales");
-        assert_eq!(resolve_layout(&[300, 260], &[300, 1], Some((128, 128))).unwrap().0.describe(), "per-row scales");
+        assert_eq!(
+            resolve_layout(&[300, 260], &[], None).unwrap().0.describe(),
+            "per-tensor scale"
+        );
+        assert_eq!(
+            resolve_layout(&[300, 260], &[1], None)
+                .unwrap()
+                .0
+                .describe(),
+            "per-tensor scale"
+        );
+        assert_eq!(
+            resolve_layout(&[300, 260], &[300], None)
+                .unwrap()
+                .0
+                .describe(),
+            "per-row scales"
+        );
+        assert_eq!(
+            resolve_layout(&[300, 260], &[300, 1], Some((128, 128)))
+                .unwrap()
+                .0
+                .describe(),
+            "per-row scales"
+        );
         let (l, _) = resolve_layout(&[256, 1024], &[256, 8], None).unwrap();
         assert_eq!(l.describe(), "1x128 blocks");
         let (l, _) = resolve_layout(&[4, 64, 96], &[4, 2, 3], None).unwrap();
-        assert_eq!((l.experts, l.expert_stride, l.block_rows, l.block_cols), (4, 6, 32, 32));
-        assert_eq!(resolve_layout(&[4, 64, 96], &[4], None).unwrap().0.describe(), "one scale per expert");
-        assert_eq!(resolve_layout(&[4, 64, 96], &[4, 64], None).unwrap().0.describe(), "per-row scales");
+        assert_eq!(
+            (l.experts, l.expert_stride, l.block_rows, l.block_cols),
+            (4, 6, 32, 32)
+        );
+        assert_eq!(
+            resolve_layout(&[4, 64, 96], &[4], None)
+                .unwrap()
+                .0
+                .describe(),
+            "one scale per expert"
+        );
+        assert_eq!(
+            resolve_layout(&[4, 64, 96], &[4, 64], None)
+                .unwrap()
+                .0
+                .describe(),
+            "per-row scales"
+        );
         let err = resolve_layout(&[300, 260], &[7, 3], None).unwrap_err();
         assert!(err.contains("pass --block-size"), "{err}");
         let err = resolve_layout(&[300, 260], &[2, 2], Some((128, 128))).unwrap_err();
@@ -638,10 +748,18 @@ mod tests {
     fn arithmetic_decode_matches_the_tables_on_every_finite_code() {
         for c in 0..=255u8 {
             if !e4m3_is_nan(c) {
-                assert_eq!(decode_fp8::<false>(c).to_bits(), e4m3_to_f32(c).to_bits(), "e4m3 {c:#04x}");
+                assert_eq!(
+                    decode_fp8::<false>(c).to_bits(),
+                    e4m3_to_f32(c).to_bits(),
+                    "e4m3 {c:#04x}"
+                );
             }
             if !e5m2_is_nonfinite(c) {
-                assert_eq!(decode_fp8::<true>(c).to_bits(), e5m2_to_f32(c).to_bits(), "e5m2 {c:#04x}");
+                assert_eq!(
+                    decode_fp8::<true>(c).to_bits(),
+                    e5m2_to_f32(c).to_bits(),
+                    "e5m2 {c:#04x}"
+                );
             }
         }
     }
@@ -683,9 +801,18 @@ mod tests {
             for i in 0..rows {
                 for j in 0..cols {
                     let c = codes[((x * rows + i) * cols + j) as usize];
-                    let w = if wdtype == DType::F8_E4M3 { e4m3_to_f32(c) } else { e5m2_to_f32(c) };
-                    let per_expert = if scales.len() as u64 == grid.0 * grid.1 { 0 } else { grid.0 * grid.1 };
-                    let s = scales[(x * per_expert + (i / block.0) * grid.1 + j / block.1) as usize];
+                    let w = if wdtype == DType::F8_E4M3 {
+                        e4m3_to_f32(c)
+                    } else {
+                        e5m2_to_f32(c)
+                    };
+                    let per_expert = if scales.len() as u64 == grid.0 * grid.1 {
+                        0
+                    } else {
+                        grid.0 * grid.1
+                    };
+                    let s =
+                        scales[(x * per_expert + (i / block.0) * grid.1 + j / block.1) as usize];
                     let y = if divide { w / s } else { w * s };
                     match dst {
                         DType::BF16 => out.extend(half::bf16::from_f32(y).to_bits().to_le_bytes()),
@@ -698,7 +825,12 @@ mod tests {
         out
     }
 
-    fn run_op(op: &DequantFp8, codes: &[u8], scale_bytes: &[u8], cuts: &[u64]) -> Result<Vec<u8>, String> {
+    fn run_op(
+        op: &DequantFp8,
+        codes: &[u8],
+        scale_bytes: &[u8],
+        cuts: &[u64],
+    ) -> Result<Vec<u8>, String> {
         let mut out = vec![0u8; (op.units() * op.out_unit_bytes()) as usize];
         let mut bounds = vec![0];
         bounds.extend(cuts.iter().copied().filter(|&c| c > 0 && c < op.units()));
@@ -709,12 +841,19 @@ mod tests {
             let units = w[0]..w[1];
             let ranges = op.input_ranges(units.clone());
             let inputs: Vec<&[u8]> = if ranges.len() == 2 {
-                vec![&codes[ranges[0].start as usize..ranges[0].end as usize], &scale_bytes[ranges[1].start as usize..ranges[1].end as usize]]
+                vec![
+                    &codes[ranges[0].start as usize..ranges[0].end as usize],
+                    &scale_bytes[ranges[1].start as usize..ranges[1].end as usize],
+                ]
             } else {
                 vec![&codes[ranges[0].start as usize..ranges[0].end as usize]]
             };
             let ob = op.out_unit_bytes();
-            op.compute(units.clone(), &inputs, &mut out[(units.start * ob) as usize..(units.end * ob) as usize])?;
+            op.compute(
+                units.clone(),
+                &inputs,
+                &mut out[(units.start * ob) as usize..(units.end * ob) as usize],
+            )?;
         }
         Ok(out)
     }
@@ -737,10 +876,22 @@ mod tests {
             for wdtype in [DType::F8_E4M3, DType::F8_E5M2] {
                 // Every finite code appears: cycle through them, then random ones.
                 let finite: Vec<u8> = (0..=255u8)
-                    .filter(|&c| if wdtype == DType::F8_E4M3 { !e4m3_is_nan(c) } else { !e5m2_is_nonfinite(c) })
+                    .filter(|&c| {
+                        if wdtype == DType::F8_E4M3 {
+                            !e4m3_is_nan(c)
+                        } else {
+                            !e5m2_is_nonfinite(c)
+                        }
+                    })
                     .collect();
                 let codes: Vec<u8> = (0..n as usize)
-                    .map(|i| if i < finite.len() { finite[i] } else { finite[rng.next_u32() as usize % finite.len()] })
+                    .map(|i| {
+                        if i < finite.len() {
+                            finite[i]
+                        } else {
+                            finite[rng.next_u32() as usize % finite.len()]
+                        }
+                    })
                     .collect();
                 let nscales = sshape.iter().product::<u64>() as usize;
                 for sdtype in [DType::F32, DType::BF16, DType::F16, DType::F8_E8M0] {
@@ -776,11 +927,29 @@ mod tests {
                             };
                             let (e, rows, cols) = (layout.experts, layout.rows, layout.cols);
                             let grid = (rows.div_ceil(layout.block_rows), layout.grid_cols);
-                            let want = reference(wdtype, &codes, (e, rows, cols), &decoded, grid, (layout.block_rows, layout.block_cols), mode == ScaleMode::Divide, dst);
+                            let want = reference(
+                                wdtype,
+                                &codes,
+                                (e, rows, cols),
+                                &decoded,
+                                grid,
+                                (layout.block_rows, layout.block_cols),
+                                mode == ScaleMode::Divide,
+                                dst,
+                            );
                             let whole = run_op(&op, &codes, &sbytes, &[]).unwrap();
-                            assert_eq!(whole, want, "{wshape:?} {sshape:?} {wdtype} {sdtype} {dst} {mode:?}");
-                            let cuts: Vec<u64> = (0..4).map(|_| rng.next_u32() as u64 % op.units().max(1)).collect();
-                            assert_eq!(run_op(&op, &codes, &sbytes, &cuts).unwrap(), want, "cut at {cuts:?}");
+                            assert_eq!(
+                                whole, want,
+                                "{wshape:?} {sshape:?} {wdtype} {sdtype} {dst} {mode:?}"
+                            );
+                            let cuts: Vec<u64> = (0..4)
+                                .map(|_| rng.next_u32() as u64 % op.units().max(1))
+                                .collect();
+                            assert_eq!(
+                                run_op(&op, &codes, &sbytes, &cuts).unwrap(),
+                                want,
+                                "cut at {cuts:?}"
+                            );
                         }
                     }
                 }

@@ -16,6 +16,7 @@ pub struct BufferPool {
 }
 
 struct State {
+    /// Capacity of the buffers handed out.
     in_use: u64,
     free: Vec<Vec<u8>>,
     peak: u64,
@@ -45,10 +46,82 @@ impl BufferPool {
 
     /// Takes buffers of the given lengths all at once (so a reader never holds part of an item
     /// while waiting for the rest), blocking until the budget allows or `cancel` is raised.
+    /// Memory is counted by capacity: a cached buffer is reused only when it is at most 25 %
+    /// larger than asked, so small requests never pin big buffers.
     pub fn acquire(&self, lens: &[usize], cancel: &Cancel) -> Result<Vec<Vec<u8>>> {
-        let total: u64 = lens.iter().map(|&l| l as u64).sum();
         let mut st = self.state.lock().unwrap();
-        while st.in_use != 0 && st.in_use + total > self.capacity {
+        loop {
+            // Pick a cached buffer (best fit) or a fresh allocation for each length.
+            let mut taken: Vec<Option<usize>> = Vec::with_capacity(lens.len());
+            let mut used = vec![false; st.free.len()];
+            for &len in lens {
+                let best = st
+                    .free
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, b)| {
+                        !used[*i] && b.capacity() >= len && b.capacity() <= len + len / 4
+                    })
+                    .min_by_key(|(_, b)| b.capacity())
+                    .map(|(i, _)| i);
+                if let Some(i) = best {
+                    used[i] = true;
+                }
+                taken.push(best);
+            }
+            let need: u64 = lens
+                .iter()
+                .zip(&taken)
+                .map(|(&len, t)| t.map_or(len, |i| st.free[i].capacity()) as u64)
+                .sum();
+            let reused: u64 = taken
+                .iter()
+                .flatten()
+                .map(|&i| st.free[i].capacity() as u64)
+                .sum();
+            let cached: u64 = st.free.iter().map(|b| b.capacity() as u64).sum();
+            // Evict cached buffers that are not being reused until the total fits.
+            let mut other_cached = cached - reused;
+            while st.in_use + need + other_cached > self.capacity && other_cached > 0 {
+                let victim = (0..st.free.len())
+                    .rev()
+                    .find(|&i| !used[i])
+                    .expect("an unused cached buffer");
+                other_cached -= st.free[victim].capacity() as u64;
+                st.free.remove(victim);
+                used.remove(victim);
+                for t in taken.iter_mut().flatten() {
+                    if *t > victim {
+                        *t -= 1;
+                    }
+                }
+            }
+            if st.in_use == 0 || st.in_use + need <= self.capacity {
+                st.in_use += need;
+                st.peak = st.peak.max(st.in_use);
+                // Remove reused buffers from the free list, highest index first.
+                let mut picks: Vec<(usize, usize)> = taken
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(k, t)| t.map(|i| (i, k)))
+                    .collect();
+                picks.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
+                let mut out: Vec<Option<Vec<u8>>> = vec![None; lens.len()];
+                for (i, k) in picks {
+                    out[k] = Some(st.free.swap_remove(i));
+                }
+                return Ok(out
+                    .into_iter()
+                    .zip(lens)
+                    .map(|(b, &len)| {
+                        let mut buf = b.unwrap_or_else(|| Vec::with_capacity(len));
+                        // A reused buffer keeps its old length, so only growth is zero-filled;
+                        // every byte stays initialised without an unsafe `set_len`.
+                        buf.resize(len, 0);
+                        buf
+                    })
+                    .collect());
+            }
             if cancel.is_raised() {
                 return Err(Error::Cancelled);
             }
@@ -58,34 +131,11 @@ impl BufferPool {
                 .unwrap()
                 .0;
         }
-        st.in_use += total;
-        st.peak = st.peak.max(st.in_use);
-        let mut out = Vec::with_capacity(lens.len());
-        for &len in lens {
-            let buf = match st.free.iter().position(|b| b.capacity() >= len) {
-                Some(i) => st.free.swap_remove(i),
-                None => {
-                    // Drop cached buffers until a fresh allocation keeps the total in budget.
-                    let mut cached: u64 = st.free.iter().map(|b| b.capacity() as u64).sum();
-                    while cached + st.in_use > self.capacity && !st.free.is_empty() {
-                        let b = st.free.pop().expect("non-empty");
-                        cached -= b.capacity() as u64;
-                    }
-                    Vec::with_capacity(len)
-                }
-            };
-            let mut buf = buf;
-            // A reused buffer keeps its old length, so only growth is zero-filled; every byte
-            // stays initialised without an unsafe `set_len`.
-            buf.resize(len, 0);
-            out.push(buf);
-        }
-        Ok(out)
     }
 
     pub fn release(&self, buf: Vec<u8>) {
         let mut st = self.state.lock().unwrap();
-        st.in_use -= buf.len() as u64;
+        st.in_use -= buf.capacity() as u64;
         let cached: u64 = st.free.iter().map(|b| b.capacity() as u64).sum();
         if cached + st.in_use + buf.capacity() as u64 <= self.capacity {
             st.free.push(buf);
