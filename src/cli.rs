@@ -54,9 +54,10 @@ pub struct WriteArgs {
     /// Output directory, or a file name ending in .safetensors for a single file
     #[arg(short = 'o', long = "output", value_name = "OUT")]
     pub output: PathBuf,
-    /// Largest output shard (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its own shard
-    #[arg(long, value_name = "SIZE", default_value = "5GiB")]
-    pub max_shard_size: String,
+    /// Repack into shards of at most SIZE (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its
+    /// own shard. Default: keep the input's shard boundaries, splitting shards above 5GiB
+    #[arg(long, value_name = "SIZE")]
+    pub max_shard_size: Option<String>,
     /// Accepted for compatibility; directory output is always sharded by --max-shard-size
     #[arg(long)]
     pub sharded: bool,

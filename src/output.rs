@@ -65,11 +65,15 @@ impl OutputSet {
             .map_err(|e| Error::io(&tmp, e))
     }
 
-    /// Copies a side file (in the kernel where the filesystem allows).
+    /// Copies a side file: shared with the input where the filesystem can, else copied in the
+    /// kernel.
     pub fn add_copy(&mut self, name: &str, src: &Path) -> Result<()> {
-        let tmp = self.temp_path(name);
-        self.files.push((tmp.clone(), self.dir.join(name)));
-        std::fs::copy(src, &tmp).map_err(|e| Error::io(src, e))?;
+        let (dst, tmp) = self.add(name)?;
+        let from = File::open(src).map_err(|e| Error::io(src, e))?;
+        if crate::sys::clone_file(&from, &dst).is_err() {
+            drop(dst);
+            std::fs::copy(src, &tmp).map_err(|e| Error::io(src, e))?;
+        }
         Ok(())
     }
 

@@ -12,13 +12,10 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::{element_count, DType};
-use crate::format::header::{serialize_header, TensorInfo};
 use crate::ops::cast::Cast;
 use crate::ops::Op;
 use crate::transform::{Glob, Rename};
 
-/// Reference writers start the data buffer at a multiple of 8.
-pub const HEADER_ALIGN_BYTES: u64 = 8;
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
 
 /// How an output tensor is produced.
@@ -52,6 +49,9 @@ pub struct OutShard {
     /// Absolute file offset of each tensor in `tensors`.
     pub offsets: Vec<u64>,
     pub len: u64,
+    /// Set when the shard is byte for byte a whole input shard (same header, same data), which
+    /// is then cloned or copied as one range.
+    pub clone_from: Option<usize>,
 }
 
 /// A name-level or dtype step of a conversion, applied in order.
@@ -130,7 +130,7 @@ impl Plan {
         ckpt: &Checkpoint,
         steps: &[Step],
         kind: OutputKind,
-        max_shard_bytes: u64,
+        max_shard_bytes: Option<u64>,
     ) -> Result<Plan> {
         let mut entries: Vec<Entry> = ckpt
             .tensors
@@ -264,7 +264,7 @@ impl Plan {
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));
-        let shards = assign_shards(&tensors, &kind, max_shard_bytes, &metadata);
+        let shards = crate::layout::assign_shards(ckpt, &tensors, &kind, max_shard_bytes, &metadata)?;
         Ok(Plan {
             tensors,
             shards,
@@ -291,6 +291,32 @@ impl Plan {
             .filter(|t| matches!(t.recipe, Recipe::Copy { .. }))
             .map(|t| t.nbytes)
             .sum()
+    }
+
+    /// Untouched bytes whose input and output offsets are congruent modulo the clone alignment,
+    /// block-aligned part only: what a reflink-capable filesystem can share.
+    pub fn shareable_bytes(&self, ckpt: &Checkpoint) -> u64 {
+        let a = crate::layout::CLONE_ALIGN_BYTES;
+        let aligned_middle = |src: u64, len: u64| {
+            let head = (a - src % a) % a;
+            len.saturating_sub(head) / a * a
+        };
+        let mut total = 0;
+        for shard in &self.shards {
+            if shard.clone_from.is_some() {
+                total += aligned_middle(0, shard.len);
+                continue;
+            }
+            for (&t, &dst) in shard.tensors.iter().zip(&shard.offsets) {
+                if let Recipe::Copy { src } = self.tensors[t].recipe {
+                    let src_off = ckpt.file_offset(&ckpt.tensors[src]);
+                    if src_off % a == dst % a {
+                        total += aligned_middle(src_off, self.tensors[t].nbytes);
+                    }
+                }
+            }
+        }
+        total
     }
 
     pub fn computed_count(&self) -> usize {
@@ -328,62 +354,6 @@ impl Plan {
         s.push('\n');
         Some(s)
     }
-}
-
-fn assign_shards(
-    tensors: &[PlannedTensor],
-    kind: &OutputKind,
-    max_shard_bytes: u64,
-    metadata: &Map<String, Value>,
-) -> Vec<OutShard> {
-    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut current = 0u64;
-    for (i, t) in tensors.iter().enumerate() {
-        let last = groups.last_mut().expect("never empty");
-        let split = matches!(kind, OutputKind::Dir)
-            && !last.is_empty()
-            && current + t.nbytes > max_shard_bytes;
-        if split {
-            groups.push(vec![i]);
-            current = t.nbytes;
-        } else {
-            last.push(i);
-            current += t.nbytes;
-        }
-    }
-    let n = groups.len();
-    groups
-        .into_iter()
-        .enumerate()
-        .map(|(k, members)| {
-            let mut infos = Vec::with_capacity(members.len());
-            let mut begin = 0;
-            for &i in &members {
-                let t = &tensors[i];
-                infos.push(TensorInfo {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    begin,
-                    end: begin + t.nbytes,
-                });
-                begin += t.nbytes;
-            }
-            let header = serialize_header(metadata, &infos, HEADER_ALIGN_BYTES);
-            let data_start = header.len() as u64;
-            OutShard {
-                file_name: if n == 1 {
-                    "model.safetensors".into()
-                } else {
-                    format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
-                },
-                offsets: infos.iter().map(|t| data_start + t.begin).collect(),
-                len: data_start + begin,
-                header,
-                tensors: members,
-            }
-        })
-        .collect()
 }
 
 /// Sets `torch_dtype` (and `dtype`, when present) to `dtype`, keeping key order.

@@ -153,3 +153,77 @@ pub fn return_freed_buffers_to_the_os() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }
+
+/// Shares `len` bytes of `src` at `src_off` into `dst` at `dst_off` (`FICLONERANGE`). Offsets
+/// and length must be multiples of the filesystem block size (or the range must end at the end
+/// of `src`). Fails instead of copying, so a caller knows whether extents are shared.
+pub fn clone_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: u64) -> io::Result<()> {
+    let arg = libc::file_clone_range {
+        src_fd: src.as_raw_fd() as i64,
+        src_offset: src_off,
+        src_length: len,
+        dest_offset: dst_off,
+    };
+    // SAFETY: FICLONERANGE takes a pointer to a `file_clone_range`, which `arg` is and which
+    // outlives the call; both fds are valid for the borrows.
+    let rc = unsafe { libc::ioctl(dst.as_raw_fd(), libc::FICLONERANGE, &arg) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Shares all of `src` into the empty file `dst` (`FICLONE`).
+pub fn clone_file(src: &File, dst: &File) -> io::Result<()> {
+    // SAFETY: FICLONE takes the source fd as its integer argument.
+    let rc = unsafe { libc::ioctl(dst.as_raw_fd(), libc::FICLONE, src.as_raw_fd()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether an error from a clone or in-kernel copy means "not possible here" (fall back to the
+/// next method) rather than a real I/O failure.
+pub fn is_unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::ENOTTY | libc::EBADF | libc::EPERM)
+    )
+}
+
+/// Preferred I/O block size of the file's filesystem (`st_blksize`).
+pub fn block_size(file: &File) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata().map_or(4096, |m| m.blksize().max(1))
+}
+
+/// Filesystem name of a path, for messages about extent sharing.
+pub fn filesystem_name(path: &Path) -> &'static str {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return "unknown";
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `c` is a valid C string and `st` writable storage of the right type.
+    if unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return "unknown";
+    }
+    // SAFETY: statfs returned 0, so it filled `st`.
+    let magic = unsafe { st.assume_init() }.f_type as i64;
+    match magic {
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0xCA45_1A4E => "bcachefs",
+        0x2FC1_2FC1 => "zfs",
+        0xEF53 => "ext4",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlayfs",
+        _ => "other",
+    }
+}
+
+/// Whether a filesystem of this name can share extents at all.
+pub fn can_reflink(fs: &str) -> bool {
+    matches!(fs, "xfs" | "btrfs" | "bcachefs" | "zfs")
+}

@@ -39,16 +39,27 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
         assert_eq!(gs.iter().map(|&x| x as u64).collect::<Vec<_>>(), *shape);
         assert_eq!(gdata, data, "{name} bytes");
     }
-    // Everything fits one shard: model.safetensors alone, no index.
+    // The input's shard boundaries are kept, and an unchanged shard is the input file byte for
+    // byte (same header, so a reflink-capable filesystem shares all of it).
     assert_eq!(
         listing(&out),
         [
             "config.json",
-            "model.safetensors",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
             "modeling_x.py",
             "tokenizer.json"
         ]
     );
+    for shard in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+        assert_eq!(std::fs::read(out.join(shard)).unwrap(), std::fs::read(src.join(shard)).unwrap());
+    }
+    // An explicit --max-shard-size repacks: everything fits one file, no index.
+    let packed = d.path().join("packed");
+    ok(&tftf(&["passthrough", "-i", s(&src), "-o", s(&packed), "--max-shard-size", "1GB", "-q"]));
+    assert_eq!(listing(&packed), ["config.json", "model.safetensors", "modeling_x.py", "tokenizer.json"]);
+    assert_eq!(load_all(&packed).len(), tensors.len());
     // Unchanged config is copied verbatim.
     assert_eq!(
         std::fs::read(out.join("config.json")).unwrap(),
@@ -482,6 +493,8 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
         s(&out),
         "--force",
         "-q",
+        "--max-shard-size",
+        "1GB",
     ]));
     // Stale shards are replaced; unrelated files stay.
     assert_eq!(

@@ -18,7 +18,7 @@ use crate::sys;
 /// Resolved common options of every writing command.
 pub struct WriteOptions {
     pub output: PathBuf,
-    pub max_shard_bytes: u64,
+    pub max_shard_bytes: Option<u64>,
     pub dry_run: bool,
     pub threads: usize,
     pub memory_budget: u64,
@@ -61,7 +61,7 @@ impl WriteOptions {
         };
         Ok(WriteOptions {
             output: w.output.clone(),
-            max_shard_bytes: parse_size(&w.max_shard_size)?,
+            max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
             dry_run: w.dry_run,
             threads,
             memory_budget: parse_budget(w.memory_budget.as_deref())?,
@@ -164,9 +164,11 @@ fn convert_inner(
         };
         let (file, tmp) = out.add(&name)?;
         file.set_len(shard.len).map_err(|e| Error::io(&tmp, e))?;
-        use std::os::unix::fs::FileExt;
-        file.write_all_at(&shard.header, 0)
-            .map_err(|e| Error::io(&tmp, e))?;
+        if shard.clone_from.is_none() {
+            use std::os::unix::fs::FileExt;
+            file.write_all_at(&shard.header, 0)
+                .map_err(|e| Error::io(&tmp, e))?;
+        }
         files.push(file);
         names.push(tmp);
     }
@@ -210,17 +212,21 @@ fn convert_inner(
     if !opts.quiet {
         let secs = started.elapsed().as_secs_f64();
         println!(
-            "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} copied in the kernel, {} through memory, {} computed",
+            "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} shared with the input (reflink), {} copied in the kernel, {} through memory, {} computed",
             plan.shards.len(),
             plan.tensors.len(),
             human(plan.total_file_bytes()),
             opts.output.display(),
             secs,
             human((plan.total_tensor_bytes() as f64 / secs.max(1e-9)) as u64),
+            human(stats.bytes_reflinked),
             human(stats.bytes_copied_in_kernel),
             human(stats.bytes_copied_user),
             human(stats.bytes_computed),
         );
+    }
+    if let (false, Some(why)) = (opts.quiet, &stats.reflink_unavailable) {
+        eprintln!("note: untouched tensors were copied, not shared: {why}");
     }
     if let Some(path) = &opts.report {
         let report = report_json(
@@ -236,6 +242,12 @@ fn convert_inner(
         write_report(path, &report)?;
     }
     Ok(())
+}
+
+fn same_filesystem(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(nearest_existing(&resolve(p))).map(|m| m.dev()).ok();
+    dev(a).is_some() && dev(a) == dev(b)
 }
 
 fn nearest_existing(p: &Path) -> PathBuf {
@@ -330,6 +342,24 @@ fn print_plan(
         human(plan.copied_bytes()),
         human(plan.total_tensor_bytes() - plan.copied_bytes())
     );
+    let fs = sys::filesystem_name(&nearest_existing(&resolve(out_dir)));
+    let shareable = plan.shareable_bytes(ckpt);
+    if !opts.kernel_copy {
+        println!("  reflink: off (--no-reflink): untouched bytes are copied through memory");
+    } else if !sys::can_reflink(fs) {
+        println!(
+            "  reflink: the output filesystem ({fs}) cannot share extents; {} will be copied in the kernel",
+            human(plan.copied_bytes())
+        );
+    } else if !same_filesystem(&ckpt.dir, out_dir) {
+        println!("  reflink: input and output are on different filesystems; untouched bytes will be copied");
+    } else {
+        println!(
+            "  reflink: {} of {} untouched bytes can share extents ({fs})",
+            human(shareable),
+            human(plan.copied_bytes())
+        );
+    }
     if !sides.is_empty() {
         let names: Vec<String> = sides
             .iter()
@@ -425,9 +455,12 @@ fn report_json(
             "files": plan.total_file_bytes(),
             "tensors": plan.total_tensor_bytes(),
             "computed": stats.map(|s| s.bytes_computed),
+            "reflinked": stats.map(|s| s.bytes_reflinked),
+            "shareable_by_layout": plan.shareable_bytes(ckpt),
             "copied_in_kernel": stats.map(|s| s.bytes_copied_in_kernel),
             "copied_through_memory": stats.map(|s| s.bytes_copied_user),
         },
+        "reflink_unavailable": stats.and_then(|s| s.reflink_unavailable.clone()),
         "threads": opts.threads,
         "memory_budget_bytes": opts.memory_budget,
         "chunk_bytes": stats.map(|s| s.chunk_bytes),

@@ -148,7 +148,7 @@ pub fn make_example(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn quiet_opts(output: &Path, max_shard_bytes: u64) -> WriteOptions {
+fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
     WriteOptions {
         output: output.into(),
         max_shard_bytes,
@@ -217,7 +217,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             dtype: DType::BF16,
             cast_ints: false,
         }],
-        &quiet_opts(&bf16_dir, 40_000),
+        &quiet_opts(&bf16_dir, Some(40_000)),
         cancel,
     )?;
     let out = Checkpoint::open(&bf16_dir)?;
@@ -267,7 +267,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             Step::Exclude(vec![Glob::new("*.weight_scale_inv")?]),
             Step::Rename(Rename::new(r"^model\.", "")?),
         ],
-        &quiet_opts(&renamed, u64::MAX),
+        &quiet_opts(&renamed, None),
         cancel,
     )?;
     let out2 = Checkpoint::open(&renamed)?;
@@ -301,7 +301,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
                 allow_nonfinite: false,
             },
         }))],
-        &quiet_opts(&deq_dir, u64::MAX),
+        &quiet_opts(&deq_dir, None),
         cancel,
     )?;
     let out3 = Checkpoint::open(&deq_dir)?;

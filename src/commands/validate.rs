@@ -10,7 +10,7 @@ use crate::cli::ValidateArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::plan::{OutputKind, Plan, Step, DEFAULT_MAX_SHARD_BYTES};
+use crate::plan::{OutputKind, Plan, Step};
 use crate::size::human;
 use crate::sys;
 use crate::transform::Glob;
@@ -113,7 +113,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
     let mut scanned_tensors = 0usize;
     if let Some(ckpt) = &ckpt {
         if !steps.is_empty() {
-            if let Err(e) = Plan::build(ckpt, &steps, OutputKind::Dir, DEFAULT_MAX_SHARD_BYTES) {
+            if let Err(e) = Plan::build(ckpt, &steps, OutputKind::Dir, None) {
                 problems.push(format!("pipe: {e}"));
             }
         }

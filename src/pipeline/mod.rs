@@ -61,10 +61,14 @@ pub struct PipelineConfig {
 pub struct RunStats {
     /// Tensor bytes produced by ops and written with `pwrite`.
     pub bytes_computed: u64,
-    /// Untouched tensor bytes moved inside the kernel (`copy_file_range`).
+    /// Untouched bytes shared with the input (`FICLONERANGE`): no data written at all.
+    pub bytes_reflinked: u64,
+    /// Untouched bytes moved inside the kernel (`copy_file_range`).
     pub bytes_copied_in_kernel: u64,
-    /// Untouched tensor bytes copied through user memory (fallback).
+    /// Untouched bytes copied through user memory (fallback).
     pub bytes_copied_user: u64,
+    /// Why extents could not be shared, when a clone was refused.
+    pub reflink_unavailable: Option<String>,
     pub chunks: u64,
     pub chunk_bytes: u64,
     pub pool_bytes: u64,
@@ -127,6 +131,8 @@ struct Shared<'a> {
 
 #[derive(Default)]
 struct Counters {
+    reflinked: AtomicU64,
+    reflink_refused: Mutex<Option<String>>,
     computed: AtomicU64,
     copied_kernel: AtomicU64,
     copied_user: AtomicU64,
@@ -233,8 +239,11 @@ pub fn execute(
         return Err(Error::Cancelled);
     }
     let c = &shared.stats;
+    let reflink_unavailable = c.reflink_refused.lock().unwrap().clone();
     Ok(RunStats {
         bytes_computed: c.computed.load(Ordering::Relaxed),
+        bytes_reflinked: c.reflinked.load(Ordering::Relaxed),
+        reflink_unavailable,
         bytes_copied_in_kernel: c.copied_kernel.load(Ordering::Relaxed),
         bytes_copied_user: c.copied_user.load(Ordering::Relaxed),
         chunks: c.chunks.load(Ordering::Relaxed),
@@ -246,6 +255,10 @@ pub fn execute(
 
 fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
     for (si, shard) in sh.plan.shards.iter().enumerate() {
+        if let Some(src) = shard.clone_from {
+            emit_copy(sh, si, (src, 0, 0, shard.len), &tx)?;
+            continue;
+        }
         // Consecutive copies that are contiguous in both files become one run.
         let mut run: Option<(usize, u64, u64, u64)> = None; // (src shard, src off, dst off, len)
         for (k, &ti) in shard.tensors.iter().enumerate() {
@@ -452,8 +465,11 @@ fn write_stage(
         bytes: 0,
         window,
     };
-    let mut kernel_copy = kernel_copy;
-    let mut scratch: Vec<u8> = Vec::new();
+    let mut copy = CopyState {
+        kernel_copy,
+        reflink: kernel_copy,
+        scratch: Vec::new(),
+    };
     while let Some(done) = recv(&rx, &sh.cancel)? {
         let (shard, offset, len) = match done {
             Done::Data { shard, offset, buf } => {
@@ -472,16 +488,7 @@ fn write_stage(
                 offset,
                 len,
             } => {
-                copy_range(
-                    sh,
-                    src_shard,
-                    src_offset,
-                    shard,
-                    offset,
-                    len,
-                    &mut kernel_copy,
-                    &mut scratch,
-                )?;
+                copy_range(sh, src_shard, src_offset, shard, offset, len, &mut copy)?;
                 (shard, offset, len)
             }
         };
@@ -496,7 +503,17 @@ fn write_stage(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// How the writer moves untouched bytes; each method is dropped for the rest of the run at its
+/// first "not supported here" error.
+struct CopyState {
+    kernel_copy: bool,
+    reflink: bool,
+    scratch: Vec<u8>,
+}
+
+/// Copies an untouched range: the block-aligned middle is cloned when source and destination
+/// offsets are congruent modulo the block size, everything else goes through
+/// `copy_file_range`, or through a user-space buffer where that is unavailable.
 fn copy_range(
     sh: &Shared,
     src_shard: usize,
@@ -504,54 +521,82 @@ fn copy_range(
     shard: usize,
     offset: u64,
     len: u64,
-    kernel_copy: &mut bool,
-    scratch: &mut Vec<u8>,
+    st: &mut CopyState,
+) -> Result<()> {
+    let src = &sh.ckpt.shards[src_shard];
+    let dst = &sh.outputs[shard];
+    let block = sys::block_size(dst);
+    let mut done = 0u64;
+    if st.reflink && src_offset % block == offset % block {
+        let head = (block - src_offset % block) % block;
+        let middle = (len.saturating_sub(head)) / block * block;
+        if middle > 0 {
+            copy_plain(sh, src_shard, src_offset, shard, offset, head.min(len), st)?;
+            match sys::clone_range(&src.file, src_offset + head, dst, offset + head, middle) {
+                Ok(()) => {
+                    sh.stats.reflinked.fetch_add(middle, Ordering::Relaxed);
+                    done = head + middle;
+                }
+                Err(e) if sys::is_unsupported(&e) => {
+                    st.reflink = false;
+                    *sh.stats.reflink_refused.lock().unwrap() = Some(format!(
+                        "{} ({} on {})",
+                        e,
+                        sys::filesystem_name(&sh.output_names[shard]),
+                        sh.output_names[shard].parent().map_or("?".into(), |p| p.display().to_string())
+                    ));
+                    done = head.min(len);
+                }
+                Err(e) => return Err(Error::io(&sh.output_names[shard], e)),
+            }
+        }
+    }
+    copy_plain(sh, src_shard, src_offset + done, shard, offset + done, len - done, st)?;
+    sys::drop_cache(&src.file, src_offset, len);
+    Ok(())
+}
+
+fn copy_plain(
+    sh: &Shared,
+    src_shard: usize,
+    src_offset: u64,
+    shard: usize,
+    offset: u64,
+    len: u64,
+    st: &mut CopyState,
 ) -> Result<()> {
     let src = &sh.ckpt.shards[src_shard];
     let dst = &sh.outputs[shard];
     let mut done = 0u64;
-    while done < len && *kernel_copy {
+    while done < len && st.kernel_copy {
         match sys::copy_file_range(&src.file, src_offset + done, dst, offset + done, len - done) {
             Ok(0) => {
                 return Err(Error::io(
                     &src.path,
-                    std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "file shrank while being read",
-                    ),
+                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file shrank while being read"),
                 ))
             }
             Ok(n) => {
                 done += n;
                 sh.stats.copied_kernel.fetch_add(n, Ordering::Relaxed);
             }
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(
-                        libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::EBADF
-                    )
-                ) =>
-            {
-                *kernel_copy = false;
-            }
+            Err(e) if sys::is_unsupported(&e) => st.kernel_copy = false,
             Err(e) => return Err(Error::io(&sh.output_names[shard], e)),
         }
     }
     if done < len {
         let piece = (len - done).min(8 << 20) as usize;
-        scratch.resize(piece, 0);
+        st.scratch.resize(piece, 0);
         while done < len {
             let n = ((len - done) as usize).min(piece);
             src.file
-                .read_exact_at(&mut scratch[..n], src_offset + done)
+                .read_exact_at(&mut st.scratch[..n], src_offset + done)
                 .map_err(|e| Error::io(&src.path, e))?;
-            dst.write_all_at(&scratch[..n], offset + done)
+            dst.write_all_at(&st.scratch[..n], offset + done)
                 .map_err(|e| Error::io(&sh.output_names[shard], e))?;
             done += n as u64;
             sh.stats.copied_user.fetch_add(n as u64, Ordering::Relaxed);
         }
     }
-    sys::drop_cache(&src.file, src_offset, len);
     Ok(())
 }

@@ -1,0 +1,190 @@
+//! Shard assignment and byte layout of the output, planned so untouched tensors can share
+//! extents with the input.
+//!
+//! A filesystem can clone (reflink) a range only between offsets that are congruent modulo its
+//! block size, and safetensors allows no holes between tensors. So: output shards follow the
+//! input's shard boundaries unless `--max-shard-size` asks for repacking; within a shard the
+//! untouched tensors come first, in input order, and the header is padded with spaces so the
+//! first one starts at the same offset modulo [`CLONE_ALIGN_BYTES`] as in its input file; a
+//! computed tensor whose size restores the congruence is slotted in where a gap in the input
+//! would break it, the rest follow the untouched ones. A shard identical to an input shard
+//! (same tensors, names, order and metadata) reuses the input header verbatim and is cloned
+//! whole. The layout depends only on the inputs and arguments, never on the filesystem.
+
+use std::os::unix::fs::FileExt;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::header::{serialize_header, TensorInfo};
+use crate::plan::{OutShard, OutputKind, PlannedTensor, Recipe, DEFAULT_MAX_SHARD_BYTES};
+
+/// 4 KiB: the block size of XFS, ext4 and btrfs.
+pub const CLONE_ALIGN_BYTES: u64 = 4096;
+/// Reference writers start the data buffer at a multiple of 8.
+pub const HEADER_ALIGN_BYTES: u64 = 8;
+
+/// Absolute input offset of a copied tensor, `None` for computed ones.
+fn copy_source(ckpt: &Checkpoint, t: &PlannedTensor) -> Option<(usize, u64)> {
+    match t.recipe {
+        Recipe::Copy { src } => {
+            let r = &ckpt.tensors[src];
+            Some((r.shard, ckpt.file_offset(r)))
+        }
+        Recipe::Compute { .. } => None,
+    }
+}
+
+fn primary_shard(ckpt: &Checkpoint, t: &PlannedTensor) -> usize {
+    match &t.recipe {
+        Recipe::Copy { src } => ckpt.tensors[*src].shard,
+        Recipe::Compute { inputs, .. } => ckpt.tensors[inputs[0]].shard,
+    }
+}
+
+fn group_tensors(
+    ckpt: &Checkpoint,
+    tensors: &[PlannedTensor],
+    kind: &OutputKind,
+    max_shard_bytes: Option<u64>,
+) -> Vec<Vec<usize>> {
+    if matches!(kind, OutputKind::File) {
+        return vec![(0..tensors.len()).collect()];
+    }
+    let limit = max_shard_bytes.unwrap_or(DEFAULT_MAX_SHARD_BYTES);
+    let keep_boundaries = max_shard_bytes.is_none();
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut current = 0u64;
+    let mut last_shard = None;
+    for (i, t) in tensors.iter().enumerate() {
+        let shard = primary_shard(ckpt, t);
+        let group = groups.last_mut().expect("never empty");
+        let full = current + t.nbytes > limit;
+        let boundary = keep_boundaries && last_shard.is_some_and(|s| s != shard);
+        if !group.is_empty() && (full || boundary) {
+            groups.push(vec![i]);
+            current = t.nbytes;
+        } else {
+            group.push(i);
+            current += t.nbytes;
+        }
+        last_shard = Some(shard);
+    }
+    groups
+}
+
+/// Orders a group: untouched tensors first in input order, computed tensors slotted in where
+/// they restore the congruence, the rest at the end. Returns the order and the header length
+/// residue (mod `CLONE_ALIGN_BYTES`) that aligns the first untouched tensor.
+fn arrange(ckpt: &Checkpoint, tensors: &[PlannedTensor], group: &[usize]) -> (Vec<usize>, Option<u64>) {
+    let a = CLONE_ALIGN_BYTES;
+    let copies: Vec<usize> = group.iter().copied().filter(|&i| copy_source(ckpt, &tensors[i]).is_some()).collect();
+    let mut computed: Vec<usize> = group.iter().copied().filter(|&i| copy_source(ckpt, &tensors[i]).is_none()).collect();
+    let Some(&first) = copies.first() else {
+        return (computed, None);
+    };
+    let residue = copy_source(ckpt, &tensors[first]).expect("a copy").1 % a;
+    let mut order = Vec::with_capacity(group.len());
+    // Position of the next byte, modulo the clone alignment, with the header included.
+    let mut phase = residue;
+    for &c in &copies {
+        let want = copy_source(ckpt, &tensors[c]).expect("a copy").1 % a;
+        if phase != want {
+            let gap = (want + a - phase) % a;
+            if let Some(k) = computed.iter().position(|&i| tensors[i].nbytes % a == gap) {
+                let filler = computed.remove(k);
+                phase = (phase + tensors[filler].nbytes) % a;
+                order.push(filler);
+            }
+        }
+        order.push(c);
+        phase = (phase + tensors[c].nbytes) % a;
+    }
+    order.extend(computed);
+    (order, Some(residue))
+}
+
+/// The input shard this group reproduces exactly, if any, with its header bytes.
+fn identical_input_shard(
+    ckpt: &Checkpoint,
+    tensors: &[PlannedTensor],
+    order: &[usize],
+    metadata: &Map<String, Value>,
+) -> Result<Option<(usize, Vec<u8>)>> {
+    let Some(&first) = order.first() else {
+        return Ok(None);
+    };
+    let Some((shard, _)) = copy_source(ckpt, &tensors[first]) else {
+        return Ok(None);
+    };
+    let src = &ckpt.shards[shard];
+    if src.header.tensors.len() != order.len() || src.header.metadata.as_ref() != Some(metadata) {
+        return Ok(None);
+    }
+    for (&i, info) in order.iter().zip(&src.header.tensors) {
+        let t = &tensors[i];
+        let same = matches!(t.recipe, Recipe::Copy { src: s } if ckpt.tensors[s].info == *info && ckpt.tensors[s].shard == shard)
+            && t.name == info.name
+            && t.dtype == info.dtype;
+        if !same {
+            return Ok(None);
+        }
+    }
+    let mut header = vec![0u8; src.header.data_start as usize];
+    src.file.read_exact_at(&mut header, 0).map_err(|e| Error::io(&src.path, e))?;
+    Ok(Some((shard, header)))
+}
+
+pub fn assign_shards(
+    ckpt: &Checkpoint,
+    tensors: &[PlannedTensor],
+    kind: &OutputKind,
+    max_shard_bytes: Option<u64>,
+    metadata: &Map<String, Value>,
+) -> Result<Vec<OutShard>> {
+    let groups = group_tensors(ckpt, tensors, kind, max_shard_bytes);
+    let n = groups.len();
+    let mut shards = Vec::with_capacity(n);
+    for (k, group) in groups.into_iter().enumerate() {
+        let (order, residue) = arrange(ckpt, tensors, &group);
+        let mut infos = Vec::with_capacity(order.len());
+        let mut begin = 0;
+        for &i in &order {
+            let t = &tensors[i];
+            infos.push(TensorInfo {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                begin,
+                end: begin + t.nbytes,
+            });
+            begin += t.nbytes;
+        }
+        let (header, clone_from) = match identical_input_shard(ckpt, tensors, &order, metadata)? {
+            Some((s, bytes)) => (bytes, Some(s)),
+            None => {
+                let minimal = serialize_header(metadata, &infos, 1).len() as u64;
+                let len = match residue {
+                    Some(r) => minimal + (r + CLONE_ALIGN_BYTES - minimal % CLONE_ALIGN_BYTES) % CLONE_ALIGN_BYTES,
+                    None => minimal.div_ceil(HEADER_ALIGN_BYTES) * HEADER_ALIGN_BYTES,
+                };
+                (serialize_header(metadata, &infos, len), None)
+            }
+        };
+        let data_start = header.len() as u64;
+        shards.push(OutShard {
+            file_name: if n == 1 {
+                "model.safetensors".into()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
+            },
+            offsets: infos.iter().map(|t| data_start + t.begin).collect(),
+            len: data_start + begin,
+            header,
+            tensors: order,
+            clone_from,
+        });
+    }
+    Ok(shards)
+}
