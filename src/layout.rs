@@ -74,16 +74,33 @@ fn group_tensors(
     groups
 }
 
+/// A misaligned untouched tensor at least this large starts a shard of its own (directory
+/// output only), whose header padding aligns it again: one more shard is cheap, copying it is not.
+pub const REALIGN_MIN_BYTES: u64 = 1 << 20;
+
 /// Orders a group: untouched tensors first in input order, computed tensors slotted in where
-/// they restore the congruence, the rest at the end. Returns the order and the header length
-/// residue (mod `CLONE_ALIGN_BYTES`) that aligns the first untouched tensor.
-fn arrange(ckpt: &Checkpoint, tensors: &[PlannedTensor], group: &[usize]) -> (Vec<usize>, Option<u64>) {
+/// they restore the congruence, the rest at the end. Returns the order and the positions in it
+/// where a large untouched tensor is still misaligned.
+fn arrange(
+    ckpt: &Checkpoint,
+    tensors: &[PlannedTensor],
+    group: &[usize],
+) -> (Vec<usize>, Vec<usize>) {
     let a = CLONE_ALIGN_BYTES;
-    let copies: Vec<usize> = group.iter().copied().filter(|&i| copy_source(ckpt, &tensors[i]).is_some()).collect();
-    let mut computed: Vec<usize> = group.iter().copied().filter(|&i| copy_source(ckpt, &tensors[i]).is_none()).collect();
+    let copies: Vec<usize> = group
+        .iter()
+        .copied()
+        .filter(|&i| copy_source(ckpt, &tensors[i]).is_some())
+        .collect();
+    let mut computed: Vec<usize> = group
+        .iter()
+        .copied()
+        .filter(|&i| copy_source(ckpt, &tensors[i]).is_none())
+        .collect();
     let Some(&first) = copies.first() else {
-        return (computed, None);
+        return (computed, Vec::new());
     };
+    let mut breaks = Vec::new();
     let residue = copy_source(ckpt, &tensors[first]).expect("a copy").1 % a;
     let mut order = Vec::with_capacity(group.len());
     // Position of the next byte, modulo the clone alignment, with the header included.
@@ -97,12 +114,24 @@ fn arrange(ckpt: &Checkpoint, tensors: &[PlannedTensor], group: &[usize]) -> (Ve
                 phase = (phase + tensors[filler].nbytes) % a;
                 order.push(filler);
             }
+            if phase != want && tensors[c].nbytes >= REALIGN_MIN_BYTES {
+                breaks.push(order.len());
+                phase = want;
+            }
         }
         order.push(c);
         phase = (phase + tensors[c].nbytes) % a;
     }
     order.extend(computed);
-    (order, Some(residue))
+    (order, breaks)
+}
+
+/// Header length residue that aligns the first untouched tensor of a shard, if it has one.
+fn header_residue(ckpt: &Checkpoint, tensors: &[PlannedTensor], order: &[usize]) -> Option<u64> {
+    order
+        .iter()
+        .find_map(|&i| copy_source(ckpt, &tensors[i]))
+        .map(|(_, off)| off % CLONE_ALIGN_BYTES)
 }
 
 /// The input shard this group reproduces exactly, if any, with its header bytes.
@@ -132,7 +161,9 @@ fn identical_input_shard(
         }
     }
     let mut header = vec![0u8; src.header.data_start as usize];
-    src.file.read_exact_at(&mut header, 0).map_err(|e| Error::io(&src.path, e))?;
+    src.file
+        .read_exact_at(&mut header, 0)
+        .map_err(|e| Error::io(&src.path, e))?;
     Ok(Some((shard, header)))
 }
 
@@ -143,11 +174,25 @@ pub fn assign_shards(
     max_shard_bytes: Option<u64>,
     metadata: &Map<String, Value>,
 ) -> Result<Vec<OutShard>> {
-    let groups = group_tensors(ckpt, tensors, kind, max_shard_bytes);
-    let n = groups.len();
+    let mut orders = Vec::new();
+    for group in group_tensors(ckpt, tensors, kind, max_shard_bytes) {
+        let (order, breaks) = arrange(ckpt, tensors, &group);
+        if matches!(kind, OutputKind::File) {
+            orders.push(order);
+            continue;
+        }
+        let mut start = 0;
+        for b in breaks.into_iter().chain([order.len()]) {
+            if b > start {
+                orders.push(order[start..b].to_vec());
+            }
+            start = b;
+        }
+    }
+    let n = orders.len();
     let mut shards = Vec::with_capacity(n);
-    for (k, group) in groups.into_iter().enumerate() {
-        let (order, residue) = arrange(ckpt, tensors, &group);
+    for (k, order) in orders.into_iter().enumerate() {
+        let residue = header_residue(ckpt, tensors, &order);
         let mut infos = Vec::with_capacity(order.len());
         let mut begin = 0;
         for &i in &order {
@@ -166,7 +211,11 @@ pub fn assign_shards(
             None => {
                 let minimal = serialize_header(metadata, &infos, 1).len() as u64;
                 let len = match residue {
-                    Some(r) => minimal + (r + CLONE_ALIGN_BYTES - minimal % CLONE_ALIGN_BYTES) % CLONE_ALIGN_BYTES,
+                    Some(r) => {
+                        minimal
+                            + (r + CLONE_ALIGN_BYTES - minimal % CLONE_ALIGN_BYTES)
+                                % CLONE_ALIGN_BYTES
+                    }
                     None => minimal.div_ceil(HEADER_ALIGN_BYTES) * HEADER_ALIGN_BYTES,
                 };
                 (serialize_header(metadata, &infos, len), None)

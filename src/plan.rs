@@ -264,7 +264,8 @@ impl Plan {
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));
-        let shards = crate::layout::assign_shards(ckpt, &tensors, &kind, max_shard_bytes, &metadata)?;
+        let shards =
+            crate::layout::assign_shards(ckpt, &tensors, &kind, max_shard_bytes, &metadata)?;
         Ok(Plan {
             tensors,
             shards,

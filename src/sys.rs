@@ -188,7 +188,15 @@ pub fn clone_file(src: &File, dst: &File) -> io::Result<()> {
 pub fn is_unsupported(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
-        Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL | libc::ENOTTY | libc::EBADF | libc::EPERM)
+        Some(
+            libc::EXDEV
+                | libc::EOPNOTSUPP
+                | libc::ENOSYS
+                | libc::EINVAL
+                | libc::ENOTTY
+                | libc::EBADF
+                | libc::EPERM
+        )
     )
 }
 

@@ -52,13 +52,36 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
             "tokenizer.json"
         ]
     );
-    for shard in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
-        assert_eq!(std::fs::read(out.join(shard)).unwrap(), std::fs::read(src.join(shard)).unwrap());
+    for shard in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        assert_eq!(
+            std::fs::read(out.join(shard)).unwrap(),
+            std::fs::read(src.join(shard)).unwrap()
+        );
     }
     // An explicit --max-shard-size repacks: everything fits one file, no index.
     let packed = d.path().join("packed");
-    ok(&tftf(&["passthrough", "-i", s(&src), "-o", s(&packed), "--max-shard-size", "1GB", "-q"]));
-    assert_eq!(listing(&packed), ["config.json", "model.safetensors", "modeling_x.py", "tokenizer.json"]);
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&packed),
+        "--max-shard-size",
+        "1GB",
+        "-q",
+    ]));
+    assert_eq!(
+        listing(&packed),
+        [
+            "config.json",
+            "model.safetensors",
+            "modeling_x.py",
+            "tokenizer.json"
+        ]
+    );
     assert_eq!(load_all(&packed).len(), tensors.len());
     // Unchanged config is copied verbatim.
     assert_eq!(

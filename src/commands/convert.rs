@@ -246,7 +246,11 @@ fn convert_inner(
 
 fn same_filesystem(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let dev = |p: &Path| std::fs::metadata(nearest_existing(&resolve(p))).map(|m| m.dev()).ok();
+    let dev = |p: &Path| {
+        std::fs::metadata(nearest_existing(&resolve(p)))
+            .map(|m| m.dev())
+            .ok()
+    };
     dev(a).is_some() && dev(a) == dev(b)
 }
 

@@ -543,7 +543,9 @@ fn copy_range(
                         "{} ({} on {})",
                         e,
                         sys::filesystem_name(&sh.output_names[shard]),
-                        sh.output_names[shard].parent().map_or("?".into(), |p| p.display().to_string())
+                        sh.output_names[shard]
+                            .parent()
+                            .map_or("?".into(), |p| p.display().to_string())
                     ));
                     done = head.min(len);
                 }
@@ -551,7 +553,15 @@ fn copy_range(
             }
         }
     }
-    copy_plain(sh, src_shard, src_offset + done, shard, offset + done, len - done, st)?;
+    copy_plain(
+        sh,
+        src_shard,
+        src_offset + done,
+        shard,
+        offset + done,
+        len - done,
+        st,
+    )?;
     sys::drop_cache(&src.file, src_offset, len);
     Ok(())
 }
@@ -573,7 +583,10 @@ fn copy_plain(
             Ok(0) => {
                 return Err(Error::io(
                     &src.path,
-                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "file shrank while being read"),
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "file shrank while being read",
+                    ),
                 ))
             }
             Ok(n) => {

@@ -1,0 +1,282 @@
+//! Extent sharing on a reflink-capable filesystem (an XFS image made with `mkfs.xfs -m
+//! reflink=1` and loop-mounted, which needs root and xfsprogs) and the fallback elsewhere.
+//! Where the mount is impossible the XFS tests print why they were skipped.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+use tftf::format::dtype::DType;
+
+struct Xfs {
+    mnt: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Xfs {
+    fn mount() -> Result<Xfs, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let img = dir.path().join("xfs.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(1 << 30))
+            .map_err(|e| e.to_string())?;
+        let run = |cmd: &str, args: &[&str]| -> Result<(), String> {
+            let o = Command::new(cmd)
+                .args(args)
+                .output()
+                .map_err(|e| format!("{cmd}: {e}"))?;
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{cmd} {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ))
+            }
+        };
+        run(
+            "mkfs.xfs",
+            &["-q", "-m", "reflink=1", img.to_str().unwrap()],
+        )?;
+        run(
+            "mount",
+            &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
+        )?;
+        run("filefrag", &["-V"]).map_err(|e| format!("filefrag missing: {e}"))?;
+        Ok(Xfs { mnt, _dir: dir })
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+    }
+}
+
+fn xfs_or_skip(test: &str) -> Option<Xfs> {
+    match Xfs::mount() {
+        Ok(x) => Some(x),
+        Err(why) => {
+            eprintln!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
+            println!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
+            None
+        }
+    }
+}
+
+/// Bytes of `file` in extents flagged shared (`filefrag -v`, FIEMAP underneath).
+fn shared_bytes(file: &Path) -> u64 {
+    let o = Command::new("filefrag")
+        .arg("-v")
+        .arg("-b4096")
+        .arg(file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    text.lines()
+        .filter(|l| l.contains("shared"))
+        .filter_map(|l| l.split(':').nth(3)?.trim().parse::<u64>().ok())
+        .sum::<u64>()
+        * 4096
+}
+
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Two shards of 1-4 MiB tensors, some with sizes that are not multiples of 4 KiB.
+fn model(dir: &Path) -> Vec<T> {
+    let mut rng = Rng(31);
+    let s1 = vec![
+        rand_t(&mut rng, "model.embed.weight", DType::BF16, &[1024, 1024]),
+        rand_t(&mut rng, "model.layers.0.norm.weight", DType::F32, &[1000]),
+        rand_t(
+            &mut rng,
+            "model.layers.0.mlp.weight",
+            DType::BF16,
+            &[2048, 1024],
+        ),
+        rand_t(
+            &mut rng,
+            "model.layers.0.attn.weight",
+            DType::F32,
+            &[512, 1024],
+        ),
+    ];
+    let s2 = vec![
+        rand_t(
+            &mut rng,
+            "model.layers.1.mlp.weight",
+            DType::BF16,
+            &[2048, 1024],
+        ),
+        rand_t(&mut rng, "model.layers.1.norm.weight", DType::F32, &[1024]),
+        rand_t(
+            &mut rng,
+            "model.layers.1.attn.weight",
+            DType::F32,
+            &[512, 1024],
+        ),
+        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[1024, 1024]),
+    ];
+    write_sharded(dir, &[s1.clone(), s2.clone()]);
+    std::fs::write(dir.join("config.json"), "{}").unwrap();
+    s1.into_iter().chain(s2).collect()
+}
+
+fn untouched_shared_fraction(out: &Path, r: &serde_json::Value) -> f64 {
+    let shared: u64 = listing(out)
+        .iter()
+        .filter(|n| n.ends_with(".safetensors"))
+        .map(|n| shared_bytes(&out.join(n)))
+        .sum();
+    let copied = r["bytes"]["tensors"].as_u64().unwrap() - r["bytes"]["computed"].as_u64().unwrap();
+    shared.min(copied) as f64 / copied as f64
+}
+
+#[test]
+fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
+    let Some(xfs) = xfs_or_skip("passthrough_rename_and_cast_share_untouched_extents_on_xfs")
+    else {
+        return;
+    };
+    let src = xfs.mnt.join("in");
+    let tensors = model(&src);
+    for (name, extra) in [
+        ("plain", vec![]),
+        ("renamed", vec!["--rename", r"^model\.", ""]),
+        ("cast", vec!["--dtype", "bf16"]),
+        (
+            "repacked",
+            vec!["--max-shard-size", "6MiB", "--exclude", "*.norm.weight"],
+        ),
+    ] {
+        let out = xfs.mnt.join(name);
+        let rep = xfs.mnt.join(format!("{name}.json"));
+        let mut args = vec![
+            "passthrough",
+            "-i",
+            s(&src),
+            "-o",
+            s(&out),
+            "-q",
+            "--report",
+            s(&rep),
+        ];
+        args.extend(extra);
+        ok(&tftf(&args));
+        let r = report(&rep);
+        let frac = untouched_shared_fraction(&out, &r);
+        assert!(
+            frac >= 0.99,
+            "{name}: only {:.2}% of untouched bytes share extents: {r}",
+            frac * 100.0
+        );
+        assert!(r["bytes"]["reflinked"].as_u64().unwrap() > 0, "{name}: {r}");
+        assert!(r["reflink_unavailable"].is_null(), "{name}: {r}");
+        // Sharing never changes content.
+        let got = load_all(&out);
+        for (tname, dtype, _, data) in &tensors {
+            let key = if name == "renamed" {
+                tname.trim_start_matches("model.").to_string()
+            } else {
+                tname.clone()
+            };
+            if let Some((gd, _, gdata)) = got.get(&key) {
+                if gd == dtype.name() {
+                    assert_eq!(gdata, data, "{name}: {key}");
+                }
+            }
+        }
+    }
+    // Side files are shared too.
+    assert_eq!(
+        std::fs::read(xfs.mnt.join("plain/config.json")).unwrap(),
+        b"{}"
+    );
+}
+
+#[test]
+fn no_reflink_copies_on_xfs() {
+    let Some(xfs) = xfs_or_skip("no_reflink_copies_on_xfs") else {
+        return;
+    };
+    let src = xfs.mnt.join("in");
+    model(&src);
+    let out = xfs.mnt.join("out");
+    let rep = xfs.mnt.join("r.json");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--no-reflink",
+        "--report",
+        s(&rep),
+    ]));
+    let r = report(&rep);
+    assert_eq!(r["bytes"]["reflinked"], 0);
+    assert_eq!(r["bytes"]["copied_in_kernel"], 0);
+    // Both shards are whole copies of the input's, headers included.
+    assert_eq!(r["bytes"]["copied_through_memory"], r["bytes"]["files"]);
+    assert!(untouched_shared_fraction(&out, &r) < 0.01);
+}
+
+#[test]
+fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
+    let d = tempfile::tempdir().unwrap();
+    let fs = tftf::sys::filesystem_name(d.path());
+    if tftf::sys::can_reflink(fs) {
+        println!(
+            "SKIPPED fallback test: the temporary directory is on {fs}, which can share extents"
+        );
+        return;
+    }
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let out = d.path().join("out");
+    let rep = d.path().join("r.json");
+    let o = tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--report",
+        s(&rep),
+        "--rename",
+        "^model",
+        "m",
+    ]);
+    ok(&o);
+    let r = report(&rep);
+    assert_eq!(r["bytes"]["reflinked"], 0);
+    assert_eq!(r["bytes"]["copied_in_kernel"], r["bytes"]["tensors"]);
+    assert!(
+        r["reflink_unavailable"].as_str().unwrap().contains(fs),
+        "{r}"
+    );
+    assert!(stderr(&o).contains("copied, not shared"), "{}", stderr(&o));
+    let dry = stdout(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&d.path().join("x")),
+        "--dry-run",
+    ]));
+    assert!(
+        dry.contains(&format!(
+            "the output filesystem ({fs}) cannot share extents"
+        )),
+        "{dry}"
+    );
+    assert_eq!(load_all(&out).len(), tensors.len());
+}
