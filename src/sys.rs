@@ -218,6 +218,8 @@ pub fn filesystem_name(path: &Path) -> &'static str {
         return "unknown";
     }
     // SAFETY: statfs returned 0, so it filled `st`.
+    // f_type is i64 on x86-64 but a narrower type on some targets.
+    #[allow(clippy::unnecessary_cast)]
     let magic = unsafe { st.assume_init() }.f_type as i64;
     match magic {
         0x5846_5342 => "xfs",
