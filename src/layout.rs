@@ -32,14 +32,15 @@ fn copy_source(ckpt: &Checkpoint, t: &PlannedTensor) -> Option<(usize, u64)> {
             let r = &ckpt.tensors[src];
             Some((r.shard, ckpt.file_offset(r)))
         }
-        Recipe::Compute { .. } => None,
+        Recipe::Compute { .. } | Recipe::Produced { .. } => None,
     }
 }
 
-fn primary_shard(ckpt: &Checkpoint, t: &PlannedTensor) -> usize {
-    match &t.recipe {
+fn primary_shard(ckpt: &Checkpoint, tensors: &[PlannedTensor], i: usize) -> usize {
+    match &tensors[i].recipe {
         Recipe::Copy { src } => ckpt.tensors[*src].shard,
         Recipe::Compute { inputs, .. } => ckpt.tensors[inputs[0]].shard,
+        Recipe::Produced { by } => primary_shard(ckpt, tensors, *by),
     }
 }
 
@@ -58,7 +59,7 @@ fn group_tensors(
     let mut current = 0u64;
     let mut last_shard = None;
     for (i, t) in tensors.iter().enumerate() {
-        let shard = primary_shard(ckpt, t);
+        let shard = primary_shard(ckpt, tensors, i);
         let group = groups.last_mut().expect("never empty");
         let full = current + t.nbytes > limit;
         let boundary = keep_boundaries && last_shard.is_some_and(|s| s != shard);

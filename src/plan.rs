@@ -24,8 +24,15 @@ pub enum Recipe {
     /// Bytes unchanged from an input tensor (index into `Checkpoint::tensors`), perhaps under a
     /// new name.
     Copy { src: usize },
-    /// Bytes computed by an op from input tensors.
-    Compute { op: Arc<dyn Op>, inputs: Vec<usize> },
+    /// Bytes computed by an op from input tensors. `extra[k]` is the planned tensor receiving
+    /// the op's output `k + 1` (`None` when that output was filtered away).
+    Compute {
+        op: Arc<dyn Op>,
+        inputs: Vec<usize>,
+        extra: Vec<Option<usize>>,
+    },
+    /// Written by the items of planned tensor `by`, as one of its op's extra outputs.
+    Produced { by: usize },
 }
 
 #[derive(Clone, Debug)]
@@ -92,6 +99,8 @@ pub struct Plan {
 /// An output tensor while steps are still being applied.
 #[derive(Clone, Debug)]
 pub struct Entry {
+    /// Stable identity while names change.
+    pub id: usize,
     pub name: String,
     /// The input tensor it comes from (the primary one for derived tensors).
     pub source: usize,
@@ -100,6 +109,8 @@ pub struct Entry {
     /// Set when an op computes the tensor; `None` means the source's bytes, cast if `dtype`
     /// differs.
     pub derive: Option<Arc<dyn Derive>>,
+    /// The source's bytes under another dtype label of the same width (`I8` → `U8`).
+    pub relabel: bool,
 }
 
 /// A tensor computed by an op. The op is built only when the plan is final, because a later
@@ -108,6 +119,11 @@ pub trait Derive: Send + Sync + Debug {
     /// Input tensors (indices into `Checkpoint::tensors`), in the order the op reads them.
     fn inputs(&self) -> Vec<usize>;
     fn build(&self, dst: DType) -> Arc<dyn Op>;
+    /// For a tensor that another entry's op writes as its extra output: that entry's id and the
+    /// output number (1-based). `build` is never called for such entries.
+    fn secondary_of(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// A step contributed by an op module: rewrites the entry list from headers alone.
@@ -137,11 +153,13 @@ impl Plan {
             .iter()
             .enumerate()
             .map(|(i, t)| Entry {
+                id: i,
                 name: t.info.name.clone(),
                 source: i,
                 dtype: t.info.dtype,
                 shape: t.info.shape.clone(),
                 derive: None,
+                relabel: false,
             })
             .collect();
         let original_config = ckpt.config()?;
@@ -215,6 +233,8 @@ impl Plan {
             .collect();
         let mut renamed = 0;
         let mut tensors = Vec::with_capacity(entries.len());
+        let index_of_id: HashMap<usize, usize> = entries.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+        let mut secondaries: Vec<(usize, usize, usize)> = Vec::new(); // (tensor, primary tensor, output k)
         for e in entries {
             let src = &ckpt.tensors[e.source].info;
             if e.name != src.name {
@@ -233,11 +253,27 @@ impl Plan {
                 ))
             })?;
             let recipe = match &e.derive {
-                Some(d) => Recipe::Compute {
-                    op: d.build(e.dtype),
-                    inputs: d.inputs(),
-                },
-                None if e.dtype == src.dtype => Recipe::Copy { src: e.source },
+                Some(d) if d.secondary_of().is_some() => {
+                    let (primary, k) = d.secondary_of().expect("checked");
+                    let by = *index_of_id.get(&primary).ok_or_else(|| {
+                        Error::Usage(format!(
+                            "`{}` is computed together with another tensor that a filter removed; keep both or neither",
+                            e.name
+                        ))
+                    })?;
+                    secondaries.push((tensors.len(), by, k));
+                    Recipe::Produced { by }
+                }
+                Some(d) => {
+                    let op = d.build(e.dtype);
+                    let extra = vec![None; op.extra_outputs()];
+                    Recipe::Compute {
+                        op,
+                        inputs: d.inputs(),
+                        extra,
+                    }
+                }
+                None if e.dtype == src.dtype || e.relabel => Recipe::Copy { src: e.source },
                 None => Recipe::Compute {
                     op: Arc::new(Cast {
                         src: src.dtype,
@@ -245,6 +281,7 @@ impl Plan {
                         elements,
                     }),
                     inputs: vec![e.source],
+                    extra: Vec::new(),
                 },
             };
             tensors.push(PlannedTensor {
@@ -255,6 +292,11 @@ impl Plan {
                 nbytes,
                 recipe,
             });
+        }
+        for (t, by, k) in secondaries {
+            if let Recipe::Compute { extra, .. } = &mut tensors[by].recipe {
+                extra[k - 1] = Some(t);
+            }
         }
         let config = if config != original_config {
             config
@@ -323,7 +365,7 @@ impl Plan {
     pub fn computed_count(&self) -> usize {
         self.tensors
             .iter()
-            .filter(|t| matches!(t.recipe, Recipe::Compute { .. }))
+            .filter(|t| !matches!(t.recipe, Recipe::Copy { .. }))
             .count()
     }
 

@@ -290,7 +290,14 @@ fn write_report(path: &Path, report: &Value) -> Result<()> {
 fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64)> {
     let mut map: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
     for t in &plan.tensors {
-        if let Recipe::Compute { inputs, op } = &t.recipe {
+        if let Recipe::Produced { by } = &t.recipe {
+            if let Recipe::Compute { op, .. } = &plan.tensors[*by].recipe {
+                let e = map.entry(format!("{} (extra output) -> {}", op.name(), t.dtype)).or_default();
+                e.0 += 1;
+                e.2 += t.nbytes;
+            }
+        }
+        if let Recipe::Compute { inputs, op, .. } = &t.recipe {
             let src = &ckpt.tensors[inputs[0]].info;
             let key = format!("{} {} -> {}", op.name(), src.dtype, t.dtype);
             let e = map.entry(key).or_default();

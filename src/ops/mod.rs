@@ -32,4 +32,22 @@ pub trait Op: Send + Sync + Debug {
     /// Fills `out` (exactly `units.len() * out_unit_bytes()` bytes) from `inputs`, laid out as
     /// `input_ranges` asked. Errors describe the bad value; the caller adds file and tensor.
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String>;
+
+    /// Further output tensors written by the same pass (a requantised table and its new scales,
+    /// say), so an input is read once however many tensors it yields.
+    fn extra_outputs(&self) -> usize {
+        0
+    }
+    /// Bytes per unit of extra output `k` (1-based: output 0 is the main one).
+    fn extra_unit_bytes(&self, _k: usize) -> u64 {
+        unreachable!("op has no extra outputs")
+    }
+    /// Fills every output; ops with extra outputs override this.
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: &mut [&mut [u8]]) -> Result<(), String> {
+        self.compute(units, inputs, outs[0])
+    }
+    /// Per-tensor figures for the report, gathered while computing.
+    fn report(&self) -> Option<serde_json::Value> {
+        None
+    }
 }

@@ -88,11 +88,10 @@ pub fn chunk_bytes_for_pool(pool: u64) -> u64 {
 enum Work {
     Compute {
         tensor: usize,
-        shard: usize,
-        offset: u64,
         units: std::ops::Range<u64>,
         inputs: Vec<Vec<u8>>,
-        out: Vec<u8>,
+        /// Destination (shard, offset) and buffer of each op output.
+        outs: Vec<(Option<(usize, u64)>, Vec<u8>)>,
     },
     Copy {
         src_shard: usize,
@@ -124,6 +123,8 @@ struct Shared<'a> {
     outputs: &'a [File],
     output_names: &'a [std::path::PathBuf],
     pool: BufferPool,
+    /// (shard, absolute offset) of every planned tensor.
+    locations: Vec<(usize, u64)>,
     cancel: Cancel,
     first_error: Mutex<Option<Error>>,
     stats: Counters,
@@ -195,6 +196,15 @@ pub fn execute(
         outputs,
         output_names,
         pool: BufferPool::new(pool_bytes),
+        locations: {
+            let mut loc = vec![(0, 0); plan.tensors.len()];
+            for (si, s) in plan.shards.iter().enumerate() {
+                for (&t, &off) in s.tensors.iter().zip(&s.offsets) {
+                    loc[t] = (si, off);
+                }
+            }
+            loc
+        },
         cancel: cfg.cancel.clone(),
         first_error: Mutex::new(None),
         stats: Counters::default(),
@@ -282,12 +292,16 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
                         }
                     }
                 }
-                Recipe::Compute { op, inputs } => {
+                Recipe::Compute { op, inputs, extra } => {
                     if let Some(prev) = run.take() {
                         emit_copy(sh, si, prev, &tx)?;
                     }
-                    emit_compute(sh, si, ti, offset, op.as_ref(), inputs, chunk_bytes, &tx)?;
+                    let mut dests = vec![Some((si, offset))];
+                    dests.extend(extra.iter().map(|e| e.map(|t| sh.locations[t])));
+                    emit_compute(sh, ti, &dests, op.as_ref(), inputs, chunk_bytes, &tx)?;
                 }
+                // Written by the items of the tensor whose op produces it.
+                Recipe::Produced { .. } => {}
             }
         }
         if let Some(prev) = run.take() {
@@ -323,30 +337,38 @@ fn emit_copy(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Splits a computed tensor into chunks of whole units and reads each chunk's inputs. `dests`
+/// holds where each of the op's outputs goes (`None`: computed but not written).
 fn emit_compute(
     sh: &Shared,
-    shard: usize,
     tensor: usize,
-    offset: u64,
+    dests: &[Option<(usize, u64)>],
     op: &dyn crate::ops::Op,
     inputs: &[usize],
     chunk_bytes: u64,
     tx: &Sender<Work>,
 ) -> Result<()> {
     let units = op.units();
-    let per_unit = op.out_unit_bytes().max(op.in_unit_bytes()).max(1);
+    let out_units: Vec<u64> = std::iter::once(op.out_unit_bytes())
+        .chain((1..dests.len()).map(|k| op.extra_unit_bytes(k)))
+        .collect();
+    let per_unit = out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1);
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
-    let out_unit = op.out_unit_bytes();
     let mut u = 0;
     while u < units {
         let end = (u + per_chunk).min(units);
         let ranges = op.input_ranges(u..end);
         let mut lens: Vec<usize> = ranges.iter().map(|r| (r.end - r.start) as usize).collect();
-        lens.push(((end - u) * out_unit) as usize);
+        lens.extend(out_units.iter().map(|&b| ((end - u) * b) as usize));
         let mut bufs = sh.pool.acquire(&lens, &sh.cancel)?;
-        let out = bufs.pop().expect("output buffer");
+        let out_bufs = bufs.split_off(ranges.len());
+        let outs = out_bufs
+            .into_iter()
+            .zip(dests)
+            .zip(&out_units)
+            .map(|((buf, dest), &b)| (dest.map(|(shard, off)| (shard, off + u * b)), buf))
+            .collect();
         for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
             let r = &sh.ckpt.tensors[src];
             let file = &sh.ckpt.shards[r.shard].file;
@@ -359,11 +381,9 @@ fn emit_compute(
             tx,
             Work::Compute {
                 tensor,
-                shard,
-                offset: offset + u * out_unit,
                 units: u..end,
                 inputs: bufs,
-                out,
+                outs,
             },
             &sh.cancel,
         )?;
@@ -377,18 +397,17 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
         let done = match work {
             Work::Compute {
                 tensor,
-                shard,
-                offset,
                 units,
                 inputs,
-                mut out,
+                mut outs,
             } => {
                 let t = &sh.plan.tensors[tensor];
-                let Recipe::Compute { op, inputs: srcs } = &t.recipe else {
+                let Recipe::Compute { op, inputs: srcs, .. } = &t.recipe else {
                     unreachable!("compute work for a copy recipe")
                 };
                 let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
-                op.compute(units, &views, &mut out).map_err(|msg| {
+                let mut out_views: Vec<&mut [u8]> = outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
+                op.compute_all(units, &views, &mut out_views).map_err(|msg| {
                     let src = &sh.ckpt.tensors[srcs[0]];
                     Error::TensorData {
                         path: sh.ckpt.shards[src.shard].path.clone(),
@@ -400,11 +419,15 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                     sh.pool.release(b);
                 }
                 sh.stats.chunks.fetch_add(1, Ordering::Relaxed);
-                Done::Data {
-                    shard,
-                    offset,
-                    buf: out,
+                let mut main = None;
+                for (dest, buf) in outs {
+                    match (dest, main.is_none()) {
+                        (Some((shard, offset)), true) => main = Some(Done::Data { shard, offset, buf }),
+                        (Some((shard, offset)), false) => send(&tx, Done::Data { shard, offset, buf }, &sh.cancel)?,
+                        (None, _) => sh.pool.release(buf),
+                    }
                 }
+                main.expect("the main output always has a destination")
             }
             Work::Copy {
                 src_shard,
