@@ -29,7 +29,7 @@ shared_pct() { # percent of the output's safetensors bytes in shared extents
     local total=0 shared=0 f
     for f in "$1"/*.safetensors; do
         total=$((total + $(stat -c %s "$f")))
-        shared=$((shared + $(filefrag -v -b4096 "$f" | awk -F: '/shared/ {s += $4} END {printf "%d\n", s * 4096}')))
+        shared=$((shared + $(filefrag -v -b4096 "$f" | awk -F: '/shared/ {s += $4} END {printf "%.0f\n", s * 4096}')))
     done
     echo "scale=2; 100 * $shared / $total" | bc
 }

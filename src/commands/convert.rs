@@ -123,7 +123,10 @@ fn convert_inner(
         .map(|m| m.len())
         .sum();
     let out_dir = output_dir(&opts.output, &kind);
-    let needed = plan.total_file_bytes() + side_bytes;
+    // Bytes that will share extents with the input take no new space.
+    let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
+    let sharing = opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
+    let needed = plan.total_file_bytes() + side_bytes - if sharing { plan.shareable_bytes(&ckpt) } else { 0 };
     let free = sys::free_space(&nearest_existing(&resolve(&out_dir))).ok();
 
     if opts.dry_run {
