@@ -39,7 +39,7 @@ fn copy_source(ckpt: &Checkpoint, t: &PlannedTensor) -> Option<(usize, u64)> {
 fn primary_shard(ckpt: &Checkpoint, tensors: &[PlannedTensor], i: usize) -> usize {
     match &tensors[i].recipe {
         Recipe::Copy { src } => ckpt.tensors[*src].shard,
-        Recipe::Compute { inputs, .. } => ckpt.tensors[inputs[0]].shard,
+        Recipe::Compute { .. } => ckpt.tensors[tensors[i].source_index].shard,
         Recipe::Produced { by } => primary_shard(ckpt, tensors, *by),
     }
 }

@@ -40,6 +40,8 @@ pub struct PlannedTensor {
     pub name: String,
     /// The input name it came from (the first input for computed tensors).
     pub source: String,
+    /// Index of that input in `Checkpoint::tensors`.
+    pub source_index: usize,
     pub dtype: DType,
     pub shape: Vec<u64>,
     pub nbytes: u64,
@@ -92,8 +94,8 @@ pub struct Plan {
     /// `config.json` as it will be written, when it changes.
     pub config: Option<Map<String, Value>>,
     pub config_changes: Vec<String>,
-    /// Facts the steps found worth reporting (inferred layouts, …).
-    pub notes: Vec<String>,
+    /// Facts the steps found worth reporting (inferred layouts, per-tensor figures).
+    pub notes: PlanNotes,
 }
 
 /// An output tensor while steps are still being applied.
@@ -126,6 +128,15 @@ pub trait Derive: Send + Sync + Debug {
     }
 }
 
+/// What planning found worth reporting.
+#[derive(Debug, Default)]
+pub struct PlanNotes {
+    /// One line each: inferred layouts, skipped shards, …
+    pub lines: Vec<String>,
+    /// Per-tensor figures known at plan time (FP4 window choices, block counts).
+    pub tensors: Vec<Value>,
+}
+
 /// A step contributed by an op module: rewrites the entry list from headers alone.
 pub trait PlanStep: Send + Sync + Debug {
     /// Rewrites `entries`; returns whether anything changed (then `edit_config` runs). `notes`
@@ -135,7 +146,7 @@ pub trait PlanStep: Send + Sync + Debug {
         ckpt: &Checkpoint,
         config: Option<&Map<String, Value>>,
         entries: &mut Vec<Entry>,
-        notes: &mut Vec<String>,
+        notes: &mut PlanNotes,
     ) -> Result<bool>;
     /// Updates `config.json` for the new format; returns human-readable changes.
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
@@ -165,7 +176,7 @@ impl Plan {
         let original_config = ckpt.config()?;
         let mut config = original_config.clone();
         let mut config_changes = Vec::new();
-        let mut notes = Vec::new();
+        let mut notes = PlanNotes::default();
         for step in steps {
             match step {
                 Step::Include(globs) => {
@@ -287,6 +298,7 @@ impl Plan {
             tensors.push(PlannedTensor {
                 name: e.name,
                 source: src.name.clone(),
+                source_index: e.source,
                 dtype: e.dtype,
                 shape: e.shape,
                 nbytes,

@@ -257,6 +257,22 @@ fn same_filesystem(a: &Path, b: &Path) -> bool {
     dev(a).is_some() && dev(a) == dev(b)
 }
 
+/// Per-tensor figures: those known at plan time, then those the ops gathered while running.
+fn tensor_reports(plan: &Plan) -> Vec<Value> {
+    let mut v = plan.notes.tensors.clone();
+    for t in &plan.tensors {
+        if let Recipe::Compute { op, .. } = &t.recipe {
+            if let Some(mut r) = op.report() {
+                if let Value::Object(m) = &mut r {
+                    m.insert("tensor".into(), Value::from(t.name.clone()));
+                }
+                v.push(r);
+            }
+        }
+    }
+    v
+}
+
 fn nearest_existing(p: &Path) -> PathBuf {
     let mut cur = p;
     loop {
@@ -300,8 +316,8 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
                 e.2 += t.nbytes;
             }
         }
-        if let Recipe::Compute { inputs, op, .. } = &t.recipe {
-            let src = &ckpt.tensors[inputs[0]].info;
+        if let Recipe::Compute { op, .. } = &t.recipe {
+            let src = &ckpt.tensors[t.source_index].info;
             let key = format!("{} {} -> {}", op.name(), src.dtype, t.dtype);
             let e = map.entry(key).or_default();
             e.0 += 1;
@@ -389,7 +405,7 @@ fn print_plan(
     for c in &plan.config_changes {
         println!("  {c}");
     }
-    for n in &plan.notes {
+    for n in &plan.notes.lines {
         println!("  note: {n}");
     }
     println!(
@@ -464,7 +480,8 @@ fn report_json(
             "dropped": plan.dropped.len(),
         },
         "ops": ops,
-        "notes": plan.notes,
+        "notes": plan.notes.lines,
+        "tensor_reports": tensor_reports(plan),
         "bytes": {
             "files": plan.total_file_bytes(),
             "tensors": plan.total_tensor_bytes(),

@@ -23,7 +23,7 @@ use super::Op;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::plan::{edit_config_dtype, Derive, Entry, PlanStep};
+use crate::plan::{edit_config_dtype, Derive, Entry, PlanNotes, PlanStep};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScaleMode {
@@ -239,7 +239,7 @@ impl PlanStep for DequantFp8Step {
         ckpt: &Checkpoint,
         config: Option<&Map<String, Value>>,
         entries: &mut Vec<Entry>,
-        notes: &mut Vec<String>,
+        notes: &mut PlanNotes,
     ) -> Result<bool> {
         let from_config = config.and_then(config_block_size);
         let block = match (from_config, self.opts.block) {
@@ -296,7 +296,7 @@ impl PlanStep for DequantFp8Step {
             }
             let (layout, inferred) = resolve_layout(&w.shape, &s.shape, block).map_err(bad)?;
             if inferred {
-                notes.push(format!(
+                notes.lines.push(format!(
                     "`{}`: inferred {} from weight {:?} and scale {:?}",
                     w.name,
                     layout.describe(),

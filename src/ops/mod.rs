@@ -10,6 +10,7 @@
 pub mod cast;
 pub mod codec;
 pub mod dequant_fp8;
+pub mod fp4;
 
 use std::fmt::Debug;
 use std::ops::Range;

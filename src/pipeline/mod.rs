@@ -402,13 +402,13 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 mut outs,
             } => {
                 let t = &sh.plan.tensors[tensor];
-                let Recipe::Compute { op, inputs: srcs, .. } = &t.recipe else {
+                let Recipe::Compute { op, .. } = &t.recipe else {
                     unreachable!("compute work for a copy recipe")
                 };
                 let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
                 let mut out_views: Vec<&mut [u8]> = outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
                 op.compute_all(units, &views, &mut out_views).map_err(|msg| {
-                    let src = &sh.ckpt.tensors[srcs[0]];
+                    let src = &sh.ckpt.tensors[t.source_index];
                     Error::TensorData {
                         path: sh.ckpt.shards[src.shard].path.clone(),
                         tensor: t.source.clone(),

@@ -1,0 +1,301 @@
+//! E2M1 (FP4) and the Engram requantisation E4M3 → E2M1.
+//!
+//! E2M1 code = `sign << 3 | idx`, idx 0..7 ↦ {0, 0.5, 1, 1.5, 2, 3, 4, 6}; packed two per byte,
+//! element `2k` in the **low** nibble of byte `k`, `2k+1` in the high one (as MXFP4/NVFP4
+//! checkpoints store them). Rounding is to nearest with ties to the even code, saturating at
+//! ±6, as FP4 hardware and ml_dtypes do.
+//!
+//! Engram layout: `X.weight` `F8_E4M3` `[rows, cols]` with `X.scale` `F8_E8M0` `[rows, cols/32]`
+//! becomes `X.weight` `U8` `[rows, cols/2]` (packed E2M1) and `X.scale` `F8_E8M0`
+//! `[rows, cols/32]`. Per 32-element block: `v = e4m3 · 2^(e-127)`; the new scale is the smallest
+//! power of two `s` with `6·s ≥ max|v|` (exact in f64: every `v` is a small integer times a power
+//! of two); an all-zero block gets `2^-127`. One unit is one row, so any run of rows is
+//! independent and the table streams through the budget.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use super::codec::{e4m3_is_nan, e4m3_table};
+use super::Op;
+
+pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+pub const BLOCK: usize = 32;
+
+pub fn e2m1_to_f32(code: u8) -> f32 {
+    let v = E2M1_VALUES[(code & 7) as usize];
+    if code & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Nearest E2M1 code, ties to even, saturating at ±6; `x` must not be NaN.
+pub fn f64_to_e2m1(x: f64) -> u8 {
+    let sign = if x.is_sign_negative() { 8 } else { 0 };
+    let a = x.abs();
+    let idx = if a <= 0.25 {
+        0
+    } else if a < 0.75 {
+        1
+    } else if a <= 1.25 {
+        2
+    } else if a < 1.75 {
+        3
+    } else if a <= 2.5 {
+        4
+    } else if a < 3.5 {
+        5
+    } else if a <= 5.0 {
+        6
+    } else {
+        7
+    };
+    sign | idx
+}
+
+/// Smallest `p` with `6 · 2^p ≥ amax` (`amax > 0`, finite).
+pub fn fp4_scale_exponent(amax: f64) -> i32 {
+    let mut p = amax.log2().floor() as i32 - 2;
+    while 6.0 * 2f64.powi(p) < amax {
+        p += 1;
+    }
+    while 6.0 * 2f64.powi(p - 1) >= amax {
+        p -= 1;
+    }
+    p
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct QualityStats {
+    pub rows: u64,
+    pub sum_cosine: f64,
+    pub min_cosine: f64,
+    pub sum_sq_err: f64,
+    pub sum_sq_ref: f64,
+    pub blocks: u64,
+    /// Blocks whose exponent was raised to the smallest E8M0 scale (2^-127).
+    pub clamped_low: u64,
+}
+
+#[derive(Debug)]
+pub struct EngramRequant {
+    pub rows: u64,
+    pub cols: u64,
+    pub stats: Mutex<QualityStats>,
+}
+
+impl EngramRequant {
+    pub fn new(rows: u64, cols: u64) -> EngramRequant {
+        EngramRequant {
+            rows,
+            cols,
+            stats: Mutex::new(QualityStats {
+                min_cosine: f64::INFINITY,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+impl Op for EngramRequant {
+    fn name(&self) -> &'static str {
+        "requant-e2m1"
+    }
+    fn units(&self) -> u64 {
+        self.rows
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.cols / 2
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.cols + self.cols / 32
+    }
+    fn extra_outputs(&self) -> usize {
+        1
+    }
+    fn extra_unit_bytes(&self, _k: usize) -> u64 {
+        self.cols / 32
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let (c, s) = (self.cols, self.cols / 32);
+        vec![units.start * c..units.end * c, units.start * s..units.end * s]
+    }
+    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], _out: &mut [u8]) -> Result<(), String> {
+        unreachable!("requant-e2m1 always writes its scale output too")
+    }
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: &mut [&mut [u8]]) -> Result<(), String> {
+        let cols = self.cols as usize;
+        let nblocks = cols / BLOCK;
+        let lut = e4m3_table();
+        let (codes_out, scales_out) = match outs {
+            [a, b] => (a, b),
+            _ => unreachable!("two outputs"),
+        };
+        let mut local = QualityStats {
+            min_cosine: f64::INFINITY,
+            ..Default::default()
+        };
+        for (k, r) in units.enumerate() {
+            let codes = &inputs[0][k * cols..(k + 1) * cols];
+            let scales = &inputs[1][k * nblocks..(k + 1) * nblocks];
+            let out = &mut codes_out[k * cols / 2..(k + 1) * cols / 2];
+            let new_scales = &mut scales_out[k * nblocks..(k + 1) * nblocks];
+            let (mut dot, mut xx, mut yy) = (0f64, 0f64, 0f64);
+            for b in 0..nblocks {
+                let e = scales[b];
+                if e == 0xFF {
+                    return Err(format!("scale at [{r}, {b}] is NaN (E8M0 0xff)"));
+                }
+                let block = &codes[b * BLOCK..(b + 1) * BLOCK];
+                if let Some(j) = block.iter().position(|&c| e4m3_is_nan(c)) {
+                    return Err(format!("non-finite F8_E4M3 code {:#04x} at [{r}, {}]", block[j], b * BLOCK + j));
+                }
+                let scale = 2f64.powi(e as i32 - 127);
+                let amax = block.iter().map(|&c| lut[c as usize].abs()).fold(0f32, f32::max) as f64 * scale;
+                let p = if amax == 0.0 { -127 } else { fp4_scale_exponent(amax) };
+                if p > 127 {
+                    return Err(format!("block [{r}, {b}] needs scale 2^{p}, beyond F8_E8M0's 2^127"));
+                }
+                let p = if p < -127 {
+                    local.clamped_low += 1;
+                    -127
+                } else {
+                    p
+                };
+                new_scales[b] = (p + 127) as u8;
+                let inv = 2f64.powi(-p);
+                let s = 2f64.powi(p);
+                for (i, pair) in block.chunks_exact(2).enumerate() {
+                    let x0 = lut[pair[0] as usize] as f64 * scale;
+                    let x1 = lut[pair[1] as usize] as f64 * scale;
+                    let q0 = f64_to_e2m1(x0 * inv);
+                    let q1 = f64_to_e2m1(x1 * inv);
+                    out[b * BLOCK / 2 + i] = q0 | (q1 << 4);
+                    let y0 = e2m1_to_f32(q0) as f64 * s;
+                    let y1 = e2m1_to_f32(q1) as f64 * s;
+                    dot += x0 * y0 + x1 * y1;
+                    xx += x0 * x0 + x1 * x1;
+                    yy += y0 * y0 + y1 * y1;
+                    local.sum_sq_err += (x0 - y0) * (x0 - y0) + (x1 - y1) * (x1 - y1);
+                }
+            }
+            local.blocks += nblocks as u64;
+            let cos = match (xx == 0.0, yy == 0.0) {
+                (true, true) => 1.0,
+                (true, false) | (false, true) => 0.0,
+                _ => dot / (xx.sqrt() * yy.sqrt()),
+            };
+            local.rows += 1;
+            local.sum_cosine += cos;
+            local.min_cosine = local.min_cosine.min(cos);
+            local.sum_sq_ref += xx;
+        }
+        let mut st = self.stats.lock().unwrap();
+        st.rows += local.rows;
+        st.blocks += local.blocks;
+        st.clamped_low += local.clamped_low;
+        st.sum_cosine += local.sum_cosine;
+        st.min_cosine = st.min_cosine.min(local.min_cosine);
+        st.sum_sq_err += local.sum_sq_err;
+        st.sum_sq_ref += local.sum_sq_ref;
+        Ok(())
+    }
+    fn report(&self) -> Option<serde_json::Value> {
+        let st = self.stats.lock().unwrap();
+        Some(serde_json::json!({
+            "op": "requant-e2m1",
+            "rows": st.rows,
+            "blocks": st.blocks,
+            "mean_row_cosine": if st.rows > 0 { st.sum_cosine / st.rows as f64 } else { 1.0 },
+            "min_row_cosine": if st.rows > 0 { st.min_cosine } else { 1.0 },
+            "relative_mse": if st.sum_sq_ref > 0.0 { st.sum_sq_err / st.sum_sq_ref } else { 0.0 },
+            "blocks_at_min_scale": st.clamped_low,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2m1_encoding_matches_ml_dtypes() {
+        let text = std::fs::read_to_string("../shared/fixtures/scalars/scalars.json").unwrap();
+        let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let inputs = fx["inputs_f32_bits"].as_array().unwrap();
+        let want = fx["encode_E2M1"].as_array().unwrap();
+        let mut checked = 0;
+        for (x, w) in inputs.iter().zip(want) {
+            let x = f32::from_bits(x.as_u64().unwrap() as u32);
+            if !x.is_finite() {
+                continue;
+            }
+            assert_eq!(f64_to_e2m1(x as f64) as u64, w.as_u64().unwrap(), "E2M1 of {x:e}");
+            checked += 1;
+        }
+        assert!(checked > 3000);
+        let decode: Vec<u32> = (0..16u8).map(|c| e2m1_to_f32(c).to_bits()).collect();
+        let want: Vec<u32> = fx["decode"]["E2M1"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(decode, want);
+    }
+
+    #[test]
+    fn all_16_codes_round_trip_and_ties_go_to_even() {
+        for c in 0..16u8 {
+            let back = f64_to_e2m1(e2m1_to_f32(c) as f64);
+            assert_eq!(back, c, "code {c}");
+        }
+        for (x, idx) in [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (7.0, 7), (1e9, 7)] {
+            assert_eq!(f64_to_e2m1(x), idx, "{x}");
+            assert_eq!(f64_to_e2m1(-x), idx | 8, "-{x}");
+        }
+    }
+
+    #[test]
+    fn scale_exponent_is_the_smallest_that_covers_amax() {
+        for (amax, p) in [(6.0, 0), (6.000001, 1), (3.0, -1), (448.0, 7), (0.75, -3), (2f64.powi(-136), -138)] {
+            assert_eq!(fp4_scale_exponent(amax), p, "{amax}");
+        }
+    }
+
+    fn run(op: &EngramRequant, codes: &[u8], scales: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
+        let (r, c) = (op.rows as usize, op.cols as usize);
+        let mut a = vec![0u8; r * c / 2];
+        let mut b = vec![0u8; r * c / 32];
+        op.compute_all(0..op.rows, &[codes, scales], &mut [&mut a, &mut b])?;
+        Ok((a, b))
+    }
+
+    #[test]
+    fn requant_blocks_exactly() {
+        let op = EngramRequant::new(2, 64);
+        let mut codes = vec![0u8; 128];
+        // Row 0, block 0: 1.0 (0x38) everywhere with scale 2^0 → amax 1 → p = -2 (6/4 ≥ 1).
+        codes[..32].fill(0x38);
+        // Row 0, block 1: zeros → scale 2^-127, codes 0.
+        // Row 1, block 0: 448 (0x7E) and -448 with scale 2^-3 → amax 56 → p = 4 (96 ≥ 56).
+        codes[64] = 0x7E;
+        codes[65] = 0xFE;
+        let scales = [127, 127, 124, 127];
+        let (q, s) = run(&op, &codes, &scales).unwrap();
+        assert_eq!(s, vec![125, 0, 131, 0]);
+        // 1.0 / 2^-2 = 4 → idx 6, packed low and high.
+        assert!(q[..16].iter().all(|&b| b == 0x66));
+        assert!(q[16..32].iter().all(|&b| b == 0));
+        // 56 / 16 = 3.5 → tie between 3 and 4 → 4 (idx 6); -3.5 → idx 14.
+        assert_eq!(q[32], 0xE6);
+        let st = op.stats.lock().unwrap();
+        assert_eq!(st.rows, 2);
+        assert!(st.min_cosine > 0.9 && st.min_cosine <= 1.0);
+    }
+
+    #[test]
+    fn nan_inputs_are_errors() {
+        let op = EngramRequant::new(1, 32);
+        let mut codes = vec![0u8; 32];
+        codes[5] = 0x7F;
+        assert!(run(&op, &codes, &[127]).unwrap_err().contains("0x7f at [0, 5]"));
+        assert!(run(&op, &[0u8; 32], &[0xFF]).unwrap_err().contains("NaN"));
+    }
+}
