@@ -19,16 +19,20 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// List tensors, dtypes, shapes and sizes, with totals and a per-layer summary
-    Info(InfoArgs),
+    Info(Box<InfoArgs>),
     /// Copy a checkpoint, optionally filtering, renaming, casting and resharding it
-    Passthrough(PassthroughArgs),
+    Passthrough(Box<PassthroughArgs>),
     /// Dequantise FP8 weights (block, per-row or per-tensor scales) to bf16, f16 or f32
     #[command(name = "dequant-fp8")]
-    DequantFp8(DequantArgs),
+    DequantFp8(Box<DequantArgs>),
+    /// Transcode MXFP4 experts to NVFP4 (lossless where possible) and requantise E4M3 Engram
+    /// tables to E2M1
+    #[command(name = "repack-fp4")]
+    RepackFp4(Box<RepackArgs>),
     /// Check a checkpoint's structure (and with --check-values, its numbers)
-    Validate(ValidateArgs),
+    Validate(Box<ValidateArgs>),
     /// Apply a chain of pipe sections, in the order given
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Build a small example checkpoint, convert it, validate the result and print a summary
     Demo(DemoArgs),
 }
@@ -52,7 +56,7 @@ pub struct InputArgs {
 #[derive(Args, Debug, Clone)]
 pub struct WriteArgs {
     /// Output directory, or a file name ending in .safetensors for a single file
-    #[arg(short = 'o', long = "output", value_name = "OUT")]
+    #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT")]
     pub output: PathBuf,
     /// Repack into shards of at most SIZE (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its
     /// own shard. Default: keep the input's shard boundaries, splitting shards above 5GiB
@@ -157,6 +161,55 @@ pub struct DequantArgs {
     pub fp8: Fp8Args,
 }
 
+/// Options of the FP4 repack, shared by `repack-fp4` and `run --repack-fp4`.
+#[derive(Args, Debug, Clone)]
+pub struct Fp4RepackArgs {
+    /// MXFP4 routed experts: transcode to NVFP4, or keep them as they are
+    #[arg(long, value_name = "MODE", default_value = "nvfp4", value_parser = ["nvfp4", "keep"])]
+    pub experts: String,
+    /// E4M3 Engram tables: requantise to FP4 (E2M1), or keep them
+    #[arg(long, value_name = "MODE", default_value = "fp4", value_parser = ["fp4", "keep"])]
+    pub engram: String,
+    /// Only the first N input shards (in name order)
+    #[arg(long, value_name = "N")]
+    pub only_shards: Option<usize>,
+    /// Only these input shards (file names, comma-separated)
+    #[arg(
+        long,
+        value_name = "A,B,...",
+        value_delimiter = ',',
+        conflicts_with = "only_shards"
+    )]
+    pub shard_list: Vec<String>,
+    /// Fail if any expert block cannot be transcoded exactly
+    #[arg(long)]
+    pub require_lossless: bool,
+    /// Regex for expert weights, with named groups `prefix` and `proj`; the scale is
+    /// `<prefix>.<proj>.scale`
+    #[arg(long, value_name = "REGEX")]
+    pub expert_pattern: Option<String>,
+    /// Regex for Engram tables, with a named group `prefix`; the scale is `<prefix>.scale`
+    #[arg(long, value_name = "REGEX")]
+    pub engram_pattern: Option<String>,
+    /// Leave config.json as it is
+    #[arg(long)]
+    pub no_config_update: bool,
+    /// Compute device: auto or cpu (the CUDA backend is not part of this build)
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
+}
+
+#[derive(Args, Debug)]
+pub struct RepackArgs {
+    /// Input model directory (or file)
+    #[arg(long = "src", short = 'i', alias = "input", value_name = "DIR")]
+    pub src: PathBuf,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    #[command(flatten)]
+    pub fp4: Fp4RepackArgs,
+}
+
 #[derive(Args, Debug)]
 pub struct ValidateArgs {
     #[command(flatten)]
@@ -201,6 +254,11 @@ pub struct RunArgs {
     pub dequant_fp8: Vec<String>,
     #[command(flatten)]
     pub fp8: Fp8Args,
+    /// Pipe section: transcode MXFP4 experts to NVFP4 and requantise Engram tables to FP4
+    #[arg(long)]
+    pub repack_fp4: bool,
+    #[command(flatten)]
+    pub fp4: Fp4RepackArgs,
 }
 
 #[derive(Args, Debug)]

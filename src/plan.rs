@@ -244,7 +244,8 @@ impl Plan {
             .collect();
         let mut renamed = 0;
         let mut tensors = Vec::with_capacity(entries.len());
-        let index_of_id: HashMap<usize, usize> = entries.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+        let index_of_id: HashMap<usize, usize> =
+            entries.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
         let mut secondaries: Vec<(usize, usize, usize)> = Vec::new(); // (tensor, primary tensor, output k)
         for e in entries {
             let src = &ckpt.tensors[e.source].info;

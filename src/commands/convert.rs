@@ -125,8 +125,14 @@ fn convert_inner(
     let out_dir = output_dir(&opts.output, &kind);
     // Bytes that will share extents with the input take no new space.
     let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
-    let sharing = opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
-    let needed = plan.total_file_bytes() + side_bytes - if sharing { plan.shareable_bytes(&ckpt) } else { 0 };
+    let sharing =
+        opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
+    let needed = plan.total_file_bytes() + side_bytes
+        - if sharing {
+            plan.shareable_bytes(&ckpt)
+        } else {
+            0
+        };
     let free = sys::free_space(&nearest_existing(&resolve(&out_dir))).ok();
 
     if opts.dry_run {
@@ -311,7 +317,9 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
     for t in &plan.tensors {
         if let Recipe::Produced { by } = &t.recipe {
             if let Recipe::Compute { op, .. } = &plan.tensors[*by].recipe {
-                let e = map.entry(format!("{} (extra output) -> {}", op.name(), t.dtype)).or_default();
+                let e = map
+                    .entry(format!("{} (extra output) -> {}", op.name(), t.dtype))
+                    .or_default();
                 e.0 += 1;
                 e.2 += t.nbytes;
             }

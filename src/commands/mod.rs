@@ -11,10 +11,13 @@ use clap::{ArgMatches, FromArgMatches};
 
 use std::sync::Arc;
 
-use crate::cli::{Cli, Command, Fp8Args, InputArgs, PassthroughArgs, RunArgs};
+use crate::cli::{Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs, RunArgs};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
+use crate::ops::repack_fp4::{
+    RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
+};
 use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};
@@ -78,6 +81,62 @@ fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
     })))
 }
 
+fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
+    if a.device == "cuda" || a.device.starts_with("cuda:") {
+        return Err(Error::Other(format!(
+            "--device {}: this build has no CUDA backend; use --device cpu (or auto)",
+            a.device
+        )));
+    }
+    if a.device != "auto" && a.device != "cpu" {
+        return Err(Error::Usage(format!(
+            "--device {}: use auto, cpu or cuda[:N]",
+            a.device
+        )));
+    }
+    let regex = |flag: &str,
+                 given: &Option<String>,
+                 default: &str,
+                 groups: &[&str]|
+     -> Result<regex::Regex> {
+        let text = given.as_deref().unwrap_or(default);
+        let re =
+            regex::Regex::new(text).map_err(|e| Error::Usage(format!("{flag} `{text}`: {e}")))?;
+        if let Some(g) = groups
+            .iter()
+            .find(|g| !re.capture_names().flatten().any(|n| n == **g))
+        {
+            return Err(Error::Usage(format!(
+                "{flag} `{text}` needs a named group `(?P<{g}>...)`"
+            )));
+        }
+        Ok(re)
+    };
+    Ok(Step::Op(Arc::new(RepackFp4Step::new(RepackOptions {
+        experts: a.experts == "nvfp4",
+        engram: a.engram == "fp4",
+        require_lossless: a.require_lossless,
+        expert_pattern: regex(
+            "--expert-pattern",
+            &a.expert_pattern,
+            DEFAULT_EXPERT_PATTERN,
+            &["prefix", "proj"],
+        )?,
+        engram_pattern: regex(
+            "--engram-pattern",
+            &a.engram_pattern,
+            DEFAULT_ENGRAM_PATTERN,
+            &["prefix"],
+        )?,
+        shards: match (a.only_shards, a.shard_list.is_empty()) {
+            (Some(n), _) => Some(ShardSelection::First(n)),
+            (None, false) => Some(ShardSelection::Names(a.shard_list.clone())),
+            (None, true) => None,
+        },
+        config_update: !a.no_config_update,
+    }))))
+}
+
 /// run: sections apply in the order they appear on the command line.
 pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
     let idx =
@@ -104,6 +163,9 @@ pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
                 cast_ints: a.cast_ints,
             },
         ));
+    }
+    if let Some(i) = idx("repack_fp4").first() {
+        steps.push((*i, repack_step(&a.fp4)?));
     }
     for (i, d) in idx("dequant_fp8").into_iter().zip(&a.dequant_fp8) {
         steps.push((i, dequant_step(d, &a.fp8)?));
@@ -137,6 +199,12 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             let steps = vec![dequant_step(&a.dtype, &a.fp8)?];
             let opts = WriteOptions::from_args(&a.write)?;
             convert("dequant-fp8", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::RepackFp4(a) => {
+            let steps = vec![repack_step(&a.fp4)?];
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("repack-fp4", &a.src, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {

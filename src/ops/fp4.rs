@@ -119,12 +119,25 @@ impl Op for EngramRequant {
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let (c, s) = (self.cols, self.cols / 32);
-        vec![units.start * c..units.end * c, units.start * s..units.end * s]
+        vec![
+            units.start * c..units.end * c,
+            units.start * s..units.end * s,
+        ]
     }
-    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], _out: &mut [u8]) -> Result<(), String> {
+    fn compute(
+        &self,
+        _units: Range<u64>,
+        _inputs: &[&[u8]],
+        _out: &mut [u8],
+    ) -> Result<(), String> {
         unreachable!("requant-e2m1 always writes its scale output too")
     }
-    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: &mut [&mut [u8]]) -> Result<(), String> {
+    fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
         let cols = self.cols as usize;
         let nblocks = cols / BLOCK;
         let lut = e4m3_table();
@@ -149,13 +162,27 @@ impl Op for EngramRequant {
                 }
                 let block = &codes[b * BLOCK..(b + 1) * BLOCK];
                 if let Some(j) = block.iter().position(|&c| e4m3_is_nan(c)) {
-                    return Err(format!("non-finite F8_E4M3 code {:#04x} at [{r}, {}]", block[j], b * BLOCK + j));
+                    return Err(format!(
+                        "non-finite F8_E4M3 code {:#04x} at [{r}, {}]",
+                        block[j],
+                        b * BLOCK + j
+                    ));
                 }
                 let scale = 2f64.powi(e as i32 - 127);
-                let amax = block.iter().map(|&c| lut[c as usize].abs()).fold(0f32, f32::max) as f64 * scale;
-                let p = if amax == 0.0 { -127 } else { fp4_scale_exponent(amax) };
+                let amax = block
+                    .iter()
+                    .map(|&c| lut[c as usize].abs())
+                    .fold(0f32, f32::max) as f64
+                    * scale;
+                let p = if amax == 0.0 {
+                    -127
+                } else {
+                    fp4_scale_exponent(amax)
+                };
                 if p > 127 {
-                    return Err(format!("block [{r}, {b}] needs scale 2^{p}, beyond F8_E8M0's 2^127"));
+                    return Err(format!(
+                        "block [{r}, {b}] needs scale 2^{p}, beyond F8_E8M0's 2^127"
+                    ));
                 }
                 let p = if p < -127 {
                     local.clamped_low += 1;
@@ -231,12 +258,21 @@ mod tests {
             if !x.is_finite() {
                 continue;
             }
-            assert_eq!(f64_to_e2m1(x as f64) as u64, w.as_u64().unwrap(), "E2M1 of {x:e}");
+            assert_eq!(
+                f64_to_e2m1(x as f64) as u64,
+                w.as_u64().unwrap(),
+                "E2M1 of {x:e}"
+            );
             checked += 1;
         }
         assert!(checked > 3000);
         let decode: Vec<u32> = (0..16u8).map(|c| e2m1_to_f32(c).to_bits()).collect();
-        let want: Vec<u32> = fx["decode"]["E2M1"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> = fx["decode"]["E2M1"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(decode, want);
     }
 
@@ -246,7 +282,17 @@ mod tests {
             let back = f64_to_e2m1(e2m1_to_f32(c) as f64);
             assert_eq!(back, c, "code {c}");
         }
-        for (x, idx) in [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (7.0, 7), (1e9, 7)] {
+        for (x, idx) in [
+            (0.25, 0),
+            (0.75, 2),
+            (1.25, 2),
+            (1.75, 4),
+            (2.5, 4),
+            (3.5, 6),
+            (5.0, 6),
+            (7.0, 7),
+            (1e9, 7),
+        ] {
             assert_eq!(f64_to_e2m1(x), idx, "{x}");
             assert_eq!(f64_to_e2m1(-x), idx | 8, "-{x}");
         }
@@ -254,7 +300,14 @@ mod tests {
 
     #[test]
     fn scale_exponent_is_the_smallest_that_covers_amax() {
-        for (amax, p) in [(6.0, 0), (6.000001, 1), (3.0, -1), (448.0, 7), (0.75, -3), (2f64.powi(-136), -138)] {
+        for (amax, p) in [
+            (6.0, 0),
+            (6.000001, 1),
+            (3.0, -1),
+            (448.0, 7),
+            (0.75, -3),
+            (2f64.powi(-136), -138),
+        ] {
             assert_eq!(fp4_scale_exponent(amax), p, "{amax}");
         }
     }
@@ -295,7 +348,9 @@ mod tests {
         let op = EngramRequant::new(1, 32);
         let mut codes = vec![0u8; 32];
         codes[5] = 0x7F;
-        assert!(run(&op, &codes, &[127]).unwrap_err().contains("0x7f at [0, 5]"));
+        assert!(run(&op, &codes, &[127])
+            .unwrap_err()
+            .contains("0x7f at [0, 5]"));
         assert!(run(&op, &[0u8; 32], &[0xFF]).unwrap_err().contains("NaN"));
     }
 }

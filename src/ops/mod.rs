@@ -11,6 +11,8 @@ pub mod cast;
 pub mod codec;
 pub mod dequant_fp8;
 pub mod fp4;
+pub mod nvfp4;
+pub mod repack_fp4;
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -44,7 +46,12 @@ pub trait Op: Send + Sync + Debug {
         unreachable!("op has no extra outputs")
     }
     /// Fills every output; ops with extra outputs override this.
-    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: &mut [&mut [u8]]) -> Result<(), String> {
+    fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
         self.compute(units, inputs, outs[0])
     }
     /// Per-tensor figures for the report, gathered while computing.

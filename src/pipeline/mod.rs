@@ -85,13 +85,16 @@ pub fn chunk_bytes_for_pool(pool: u64) -> u64 {
     (pool / 8).clamp(MIN_CHUNK_BYTES.min(pool / 2).max(1), MAX_CHUNK_BYTES)
 }
 
+/// Where an op output goes: (shard, absolute offset), or nowhere when filtered away.
+type Destination = Option<(usize, u64)>;
+
 enum Work {
     Compute {
         tensor: usize,
         units: std::ops::Range<u64>,
         inputs: Vec<Vec<u8>>,
         /// Destination (shard, offset) and buffer of each op output.
-        outs: Vec<(Option<(usize, u64)>, Vec<u8>)>,
+        outs: Vec<(Destination, Vec<u8>)>,
     },
     Copy {
         src_shard: usize,
@@ -406,15 +409,17 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                     unreachable!("compute work for a copy recipe")
                 };
                 let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
-                let mut out_views: Vec<&mut [u8]> = outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
-                op.compute_all(units, &views, &mut out_views).map_err(|msg| {
-                    let src = &sh.ckpt.tensors[t.source_index];
-                    Error::TensorData {
-                        path: sh.ckpt.shards[src.shard].path.clone(),
-                        tensor: t.source.clone(),
-                        msg,
-                    }
-                })?;
+                let mut out_views: Vec<&mut [u8]> =
+                    outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
+                op.compute_all(units, &views, &mut out_views)
+                    .map_err(|msg| {
+                        let src = &sh.ckpt.tensors[t.source_index];
+                        Error::TensorData {
+                            path: sh.ckpt.shards[src.shard].path.clone(),
+                            tensor: t.source.clone(),
+                            msg,
+                        }
+                    })?;
                 for b in inputs {
                     sh.pool.release(b);
                 }
@@ -422,8 +427,12 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 let mut main = None;
                 for (dest, buf) in outs {
                     match (dest, main.is_none()) {
-                        (Some((shard, offset)), true) => main = Some(Done::Data { shard, offset, buf }),
-                        (Some((shard, offset)), false) => send(&tx, Done::Data { shard, offset, buf }, &sh.cancel)?,
+                        (Some((shard, offset)), true) => {
+                            main = Some(Done::Data { shard, offset, buf })
+                        }
+                        (Some((shard, offset)), false) => {
+                            send(&tx, Done::Data { shard, offset, buf }, &sh.cancel)?
+                        }
                         (None, _) => sh.pool.release(buf),
                     }
                 }
