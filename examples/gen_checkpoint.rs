@@ -6,7 +6,9 @@
 //!          `core-bf16` — the same shapes, every tensor BF16;
 //!          `fp8` — DeepSeek-V3-style E4M3 [4096, 4096] weights with F32 128x128 block scales;
 //!          `fp8-e8m0` — the same with F8_E8M0 scales;
-//!          `fp8-as-bf16` — the same weights' shapes as BF16, no scales (the baseline).
+//!          `fp8-as-bf16` — the same weights' shapes as BF16, no scales (the baseline);
+//!          `v4` — DeepSeek-V4-style: MXFP4 routed experts (I8 + E8M0 scales), one E4M3 Engram
+//!          table of 2 GiB with E8M0 scales, FP8 attention, BF16 embeddings.
 
 use std::io::Write;
 use std::path::Path;
@@ -67,6 +69,7 @@ fn write_shard(path: &Path, tensors: &[(String, DType, Vec<u64>)], gen: &mut Gen
                 // Finite E4M3 codes; E8M0 scales around 2^-8.
                 DType::F8_E4M3 => (0..n).for_each(|_| buf.push(gen.byte() & 0xFE)),
                 DType::F8_E8M0 => (0..n).for_each(|_| buf.push(115 + gen.byte() % 8)),
+                DType::I8 | DType::U8 => (0..n).for_each(|_| buf.push(gen.byte())),
                 _ => unreachable!(),
             }
             f.write_all(&buf).unwrap();
@@ -87,6 +90,9 @@ fn main() {
     std::fs::create_dir_all(out).unwrap();
     if layout.starts_with("fp8") {
         return fp8_layout(out, layout, gib);
+    }
+    if layout == "v4" {
+        return v4_layout(out, gib);
     }
     let float = |d: DType| {
         if layout == "core-bf16" {
@@ -169,6 +175,100 @@ fn fp8_layout(out: &Path, layout: &str, gib: u64) {
         r#"{"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}"#
     };
     finish(out, shards, total, config);
+}
+
+/// Experts [2048, 7168] (w1, w3) and [7168, 2048] (w2) with 32-element E8M0 scales, 8 per
+/// layer; layer 0 also holds the Engram table; shards of about 1 GiB.
+fn v4_layout(out: &Path, gib: u64) {
+    let mut shards: Vec<Vec<(String, DType, Vec<u64>)>> = Vec::new();
+    let mut total = 0u64;
+    let size =
+        |t: &(String, DType, Vec<u64>)| t.2.iter().product::<u64>() * t.1.size().unwrap() as u64;
+    let push = |shards: &mut Vec<Vec<(String, DType, Vec<u64>)>>,
+                t: (String, DType, Vec<u64>),
+                total: &mut u64| {
+        *total += size(&t);
+        let cur: u64 = shards.last().map_or(u64::MAX, |s| s.iter().map(size).sum());
+        if cur.saturating_add(size(&t)) > 1 << 30 {
+            shards.push(Vec::new());
+        }
+        shards.last_mut().unwrap().push(t);
+    };
+    push(
+        &mut shards,
+        ("embed.weight".into(), DType::BF16, vec![65536, 4096]),
+        &mut total,
+    );
+    push(
+        &mut shards,
+        (
+            "layers.0.engram.embed.weight".into(),
+            DType::F8_E4M3,
+            vec![524288, 4096],
+        ),
+        &mut total,
+    );
+    push(
+        &mut shards,
+        (
+            "layers.0.engram.embed.scale".into(),
+            DType::F8_E8M0,
+            vec![524288, 128],
+        ),
+        &mut total,
+    );
+    let mut layer = 0;
+    while total < gib << 30 {
+        let p = format!("layers.{layer}");
+        push(
+            &mut shards,
+            (
+                format!("{p}.attn.wq.weight"),
+                DType::F8_E4M3,
+                vec![4096, 4096],
+            ),
+            &mut total,
+        );
+        push(
+            &mut shards,
+            (format!("{p}.attn.wq.scale"), DType::F8_E8M0, vec![32, 32]),
+            &mut total,
+        );
+        for e in 0..8 {
+            for (w, shape) in [
+                ("w1", [2048u64, 7168u64]),
+                ("w2", [7168, 2048]),
+                ("w3", [2048, 7168]),
+            ] {
+                let name = format!("{p}.ffn.experts.{e}.{w}");
+                push(
+                    &mut shards,
+                    (
+                        format!("{name}.weight"),
+                        DType::I8,
+                        vec![shape[0], shape[1] / 2],
+                    ),
+                    &mut total,
+                );
+                push(
+                    &mut shards,
+                    (
+                        format!("{name}.scale"),
+                        DType::F8_E8M0,
+                        vec![shape[0], shape[1] / 32],
+                    ),
+                    &mut total,
+                );
+            }
+        }
+        layer += 1;
+    }
+    finish(
+        out,
+        shards,
+        total,
+        r#"{"model_type": "deepseek_v4", "expert_dtype": "fp4"}"#,
+    );
 }
 
 fn finish(out: &Path, shards: Vec<Vec<(String, DType, Vec<u64>)>>, total: u64, config: &str) {

@@ -324,12 +324,12 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
                 e.2 += t.nbytes;
             }
         }
-        if let Recipe::Compute { op, .. } = &t.recipe {
+        if let Recipe::Compute { op, inputs, .. } = &t.recipe {
             let src = &ckpt.tensors[t.source_index].info;
             let key = format!("{} {} -> {}", op.name(), src.dtype, t.dtype);
             let e = map.entry(key).or_default();
             e.0 += 1;
-            e.1 += src.nbytes();
+            e.1 += if inputs.is_empty() { 0 } else { src.nbytes() };
             e.2 += t.nbytes;
         }
     }
