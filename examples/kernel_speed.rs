@@ -95,8 +95,12 @@ fn main() {
     }
     // Engram requant, 2 threads over halves of a [8192, 4096] table.
     let (rows, cols) = (8192u64, 4096u64);
-    let table: Vec<u8> = (0..rows * cols).map(|i| (i * 13 % 251) as u8 & 0xFE).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 110 + (i % 20) as u8).collect();
+    let table: Vec<u8> = (0..rows * cols)
+        .map(|i| (i * 13 % 251) as u8 & 0xFE)
+        .collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|i| 110 + (i % 20) as u8)
+        .collect();
     let op = EngramRequant::new(rows, cols);
     let mut codes = vec![0u8; (rows * cols / 2) as usize];
     let mut new_scales = vec![0u8; (rows * cols / 32) as usize];
@@ -106,9 +110,32 @@ fn main() {
             let (c0, c1) = codes.split_at_mut((half * cols / 2) as usize);
             let (s0, s1) = new_scales.split_at_mut((half * cols / 32) as usize);
             let (op, table, scales) = (&op, &table, &scales);
-            s.spawn(move || op.compute_all(0..half, &[&table[..(half * cols) as usize], &scales[..(half * cols / 32) as usize]], &mut [c0, s0]).unwrap());
-            s.spawn(move || op.compute_all(half..rows, &[&table[(half * cols) as usize..], &scales[(half * cols / 32) as usize..]], &mut [c1, s1]).unwrap());
+            s.spawn(move || {
+                op.compute_all(
+                    0..half,
+                    &[
+                        &table[..(half * cols) as usize],
+                        &scales[..(half * cols / 32) as usize],
+                    ],
+                    &mut [c0, s0],
+                )
+                .unwrap()
+            });
+            s.spawn(move || {
+                op.compute_all(
+                    half..rows,
+                    &[
+                        &table[(half * cols) as usize..],
+                        &scales[(half * cols / 32) as usize..],
+                    ],
+                    &mut [c1, s1],
+                )
+                .unwrap()
+            });
         })
     });
-    println!("engram requant e4m3->e2m1       2 threads: {:6.2} GB/s of E4M3 input", (rows * cols) as f64 / t / 1e9);
+    println!(
+        "engram requant e4m3->e2m1       2 threads: {:6.2} GB/s of E4M3 input",
+        (rows * cols) as f64 / t / 1e9
+    );
 }

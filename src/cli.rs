@@ -29,6 +29,9 @@ pub enum Command {
     /// tables to E2M1
     #[command(name = "repack-fp4")]
     RepackFp4(Box<RepackArgs>),
+    /// Merge a PEFT LoRA/DoRA adapter into a base model, streaming
+    #[command(name = "merge-lora")]
+    MergeLora(Box<MergeArgs>),
     /// Check a checkpoint's structure (and with --check-values, its numbers)
     Validate(Box<ValidateArgs>),
     /// Apply a chain of pipe sections, in the order given
@@ -159,6 +162,11 @@ pub struct DequantArgs {
     pub dtype: String,
     #[command(flatten)]
     pub fp8: Fp8Args,
+    /// Merge this adapter after dequantising (never into FP8 codes)
+    #[arg(long, value_name = "ADAPTER")]
+    pub merge_lora: Option<PathBuf>,
+    #[command(flatten)]
+    pub lora: AdapterOpts,
 }
 
 /// Options of the FP4 repack, shared by `repack-fp4` and `run --repack-fp4`.
@@ -210,6 +218,43 @@ pub struct RepackArgs {
     pub fp4: Fp4RepackArgs,
 }
 
+/// Adapter options, shared by `merge-lora`, `dequant-fp8 --merge-lora` and `run --merge-lora`.
+#[derive(Args, Debug, Clone)]
+pub struct AdapterOpts {
+    /// Multiply every module's alpha/r by F
+    #[arg(long, value_name = "F", alias = "alpha", default_value_t = 1.0)]
+    pub scale: f64,
+    /// adapter_config.json to use (default: the one beside the adapter weights)
+    #[arg(long, value_name = "FILE")]
+    pub adapter_config: Option<PathBuf>,
+    /// Adapter name segment in the keys
+    #[arg(long, value_name = "NAME", default_value = "default")]
+    pub adapter_name: String,
+    /// Merge what matches and report the rest instead of failing
+    #[arg(long)]
+    pub allow_unmatched: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Adapter: a .safetensors file, a directory with adapter_model.safetensors, or a training
+    /// output directory (the highest checkpoint-N is used)
+    #[arg(short = 'a', long = "adapter", value_name = "ADAPTER")]
+    pub adapter: PathBuf,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    #[command(flatten)]
+    pub lora: AdapterOpts,
+    /// Cast float tensors (the merged ones included) to bf16, f16 or f32
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// Rename tensors: regex and replacement, as in passthrough
+    #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
+    pub rename: Vec<String>,
+}
+
 #[derive(Args, Debug)]
 pub struct ValidateArgs {
     #[command(flatten)]
@@ -254,6 +299,11 @@ pub struct RunArgs {
     pub dequant_fp8: Vec<String>,
     #[command(flatten)]
     pub fp8: Fp8Args,
+    /// Pipe section: merge this LoRA/DoRA adapter
+    #[arg(long, value_name = "ADAPTER")]
+    pub merge_lora: Vec<PathBuf>,
+    #[command(flatten)]
+    pub lora: AdapterOpts,
     /// Pipe section: transcode MXFP4 experts to NVFP4 and requantise Engram tables to FP4
     #[arg(long)]
     pub repack_fp4: bool,

@@ -147,6 +147,17 @@ pub enum Error {
         msg: String,
     },
 
+    #[error("{}: {msg}", path.display())]
+    Adapter { path: PathBuf, msg: String },
+
+    #[error("{}: {count} adapter tensor(s) match nothing in the base model: {list}; pass --allow-unmatched to merge the rest anyway", path.display())]
+    UnmatchedAdapter {
+        path: PathBuf,
+        count: usize,
+        /// Up to ten names, backticked.
+        list: String,
+    },
+
     #[error("{0}")]
     Usage(String),
 

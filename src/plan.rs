@@ -150,6 +150,10 @@ pub trait PlanStep: Send + Sync + Debug {
     ) -> Result<bool>;
     /// Updates `config.json` for the new format; returns human-readable changes.
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
+    /// Opens extra inputs (an adapter) and attaches them to the checkpoint before planning.
+    fn attach(&self, _ckpt: &mut Checkpoint) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl Plan {
@@ -159,8 +163,7 @@ impl Plan {
         kind: OutputKind,
         max_shard_bytes: Option<u64>,
     ) -> Result<Plan> {
-        let mut entries: Vec<Entry> = ckpt
-            .tensors
+        let mut entries: Vec<Entry> = ckpt.tensors[..ckpt.base_count]
             .iter()
             .enumerate()
             .map(|(i, t)| Entry {
@@ -235,8 +238,7 @@ impl Plan {
                 None => used[e.source] = true,
             }
         }
-        let dropped = ckpt
-            .tensors
+        let dropped = ckpt.tensors[..ckpt.base_count]
             .iter()
             .zip(&used)
             .filter(|(_, u)| !**u)

@@ -104,7 +104,12 @@ fn convert_inner(
     cancel: &Cancel,
     started: Instant,
 ) -> Result<()> {
-    let ckpt = Checkpoint::open(input)?;
+    let mut ckpt = Checkpoint::open(input)?;
+    for step in steps {
+        if let Step::Op(op_step) = step {
+            op_step.attach(&mut ckpt)?;
+        }
+    }
     for w in &ckpt.warnings {
         eprintln!("warning: {}: {w}", input.display());
     }
@@ -348,7 +353,7 @@ fn print_plan(
     println!(
         "plan: {} of {} input tensors -> {} file(s) in {} (dry run: nothing written)",
         plan.tensors.len(),
-        ckpt.tensors.len(),
+        ckpt.base_count,
         plan.shards.len(),
         out_dir.display()
     );
@@ -470,7 +475,7 @@ fn report_json(
         "input": {
             "path": ckpt.input,
             "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
-            "tensors": ckpt.tensors.len(),
+            "tensors": ckpt.base_count,
             "tensor_bytes": ckpt.total_bytes(),
         },
         "output": {

@@ -149,17 +149,21 @@ pub fn make_example(dir: &Path) -> Result<()> {
 }
 
 fn repack_step() -> Result<Step> {
-    use crate::ops::repack_fp4::{RepackFp4Step, RepackOptions, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN};
+    use crate::ops::repack_fp4::{
+        RepackFp4Step, RepackOptions, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
+    };
     let re = |p: &str| regex::Regex::new(p).map_err(|e| Error::Other(e.to_string()));
-    Ok(Step::Op(std::sync::Arc::new(RepackFp4Step::new(RepackOptions {
-        experts: true,
-        engram: true,
-        require_lossless: true,
-        expert_pattern: re(DEFAULT_EXPERT_PATTERN)?,
-        engram_pattern: re(DEFAULT_ENGRAM_PATTERN)?,
-        shards: None,
-        config_update: true,
-    }))))
+    Ok(Step::Op(std::sync::Arc::new(RepackFp4Step::new(
+        RepackOptions {
+            experts: true,
+            engram: true,
+            require_lossless: true,
+            expert_pattern: re(DEFAULT_EXPERT_PATTERN)?,
+            engram_pattern: re(DEFAULT_ENGRAM_PATTERN)?,
+            shards: None,
+            config_update: true,
+        },
+    ))))
 }
 
 /// Two MXFP4 experts (w1, w2, w3 of [32, 64]) and a [64, 64] E4M3 Engram table.
@@ -176,14 +180,30 @@ fn make_v4_example(dir: &Path) -> Result<()> {
             tensors.push((format!("{p}.scale"), DType::F8_E8M0, vec![32, 2], scales));
         }
     }
-    let table: Vec<u8> = (0..64 * 64).map(|_| (rng.next() % 0x7F) as u8 | (rng.next() as u8 & 0x80)).collect();
+    let table: Vec<u8> = (0..64 * 64)
+        .map(|_| (rng.next() % 0x7F) as u8 | (rng.next() as u8 & 0x80))
+        .collect();
     let tscale: Vec<u8> = (0..64 * 2).map(|_| 120 + (rng.next() % 8) as u8).collect();
-    tensors.push(("layers.0.engram.embed.weight".into(), DType::F8_E4M3, vec![64, 64], table));
-    tensors.push(("layers.0.engram.embed.scale".into(), DType::F8_E8M0, vec![64, 2], tscale));
+    tensors.push((
+        "layers.0.engram.embed.weight".into(),
+        DType::F8_E4M3,
+        vec![64, 64],
+        table,
+    ));
+    tensors.push((
+        "layers.0.engram.embed.scale".into(),
+        DType::F8_E8M0,
+        vec![64, 2],
+        tscale,
+    ));
     tensors.push(bf16_tensor("embed.weight", vec![64, 16], &mut rng));
     write_small(&dir.join("model.safetensors"), &tensors)?;
     let cfg = dir.join("config.json");
-    std::fs::write(&cfg, "{\"model_type\": \"deepseek_v4\", \"expert_dtype\": \"fp4\"}\n").map_err(|e| Error::io(&cfg, e))
+    std::fs::write(
+        &cfg,
+        "{\"model_type\": \"deepseek_v4\", \"expert_dtype\": \"fp4\"}\n",
+    )
+    .map_err(|e| Error::io(&cfg, e))
 }
 
 fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
@@ -374,7 +394,13 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     make_v4_example(&v4)?;
     let fp4_dir = root.join("fp4-repacked");
     println!("\n4. repack-fp4 of a tiny DeepSeek-V4-style checkpoint (MXFP4 experts -> NVFP4, E4M3 Engram -> E2M1)");
-    convert("repack-fp4", &v4, &[repack_step()?], &quiet_opts(&fp4_dir, None), cancel)?;
+    convert(
+        "repack-fp4",
+        &v4,
+        &[repack_step()?],
+        &quiet_opts(&fp4_dir, None),
+        cancel,
+    )?;
     let v4_in = Checkpoint::open(&v4)?;
     let out4 = Checkpoint::open(&fp4_dir)?;
     let mut exact = true;
@@ -385,7 +411,11 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             exact &= tensor_bytes(&out4, &format!("{p}.weight"))? == codes;
             let k = tensor_bytes(&v4_in, &format!("{p}.scale"))?;
             let bs = tensor_bytes(&out4, &format!("{p}.weight_scale"))?;
-            let t2 = f32::from_le_bytes(tensor_bytes(&out4, &format!("{p}.weight_scale_2"))?[..4].try_into().unwrap());
+            let t2 = f32::from_le_bytes(
+                tensor_bytes(&out4, &format!("{p}.weight_scale_2"))?[..4]
+                    .try_into()
+                    .unwrap(),
+            );
             for (i, &c) in k.iter().enumerate() {
                 for h in 0..2 {
                     let got = crate::ops::codec::e4m3_to_f32(bs[2 * i + h]) as f64 * t2 as f64;
@@ -394,11 +424,23 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             }
         }
     }
-    check(exact, "every expert keeps its nibbles and decodes to the same values under NVFP4 scales")?;
-    let table = out4.get("layers.0.engram.embed.weight").map(|t| (t.info.dtype, t.info.shape.clone()));
-    check(table == Some((DType::U8, vec![64, 32])), "the Engram table is packed E2M1, half the bytes")?;
-    let cfg4 = std::fs::read_to_string(fp4_dir.join("config.json")).map_err(|e| Error::io(&fp4_dir, e))?;
-    check(cfg4.contains("\"expert_dtype\": \"nvfp4\"") && cfg4.contains("\"engram_dtype\": \"fp4\""), "config.json records the new formats")?;
+    check(
+        exact,
+        "every expert keeps its nibbles and decodes to the same values under NVFP4 scales",
+    )?;
+    let table = out4
+        .get("layers.0.engram.embed.weight")
+        .map(|t| (t.info.dtype, t.info.shape.clone()));
+    check(
+        table == Some((DType::U8, vec![64, 32])),
+        "the Engram table is packed E2M1, half the bytes",
+    )?;
+    let cfg4 =
+        std::fs::read_to_string(fp4_dir.join("config.json")).map_err(|e| Error::io(&fp4_dir, e))?;
+    check(
+        cfg4.contains("\"expert_dtype\": \"nvfp4\"") && cfg4.contains("\"engram_dtype\": \"fp4\""),
+        "config.json records the new formats",
+    )?;
 
     println!("\n5. validate --check-values on every output");
     for dir in [&bf16_dir, &renamed, &deq_dir, &fp4_dir] {

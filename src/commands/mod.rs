@@ -11,10 +11,13 @@ use clap::{ArgMatches, FromArgMatches};
 
 use std::sync::Arc;
 
-use crate::cli::{Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs, RunArgs};
+use crate::cli::{
+    AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs, RunArgs,
+};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
+use crate::ops::lora::{LoraMergeStep, LoraOptions};
 use crate::ops::repack_fp4::{
     RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
 };
@@ -137,6 +140,16 @@ fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
     }))))
 }
 
+fn lora_step(adapter: &std::path::Path, a: &AdapterOpts) -> Step {
+    Step::Op(Arc::new(LoraMergeStep::new(LoraOptions {
+        adapter: adapter.to_path_buf(),
+        config: a.adapter_config.clone(),
+        adapter_name: a.adapter_name.clone(),
+        scale: a.scale,
+        allow_unmatched: a.allow_unmatched,
+    })))
+}
+
 /// run: sections apply in the order they appear on the command line.
 pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
     let idx =
@@ -163,6 +176,9 @@ pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
                 cast_ints: a.cast_ints,
             },
         ));
+    }
+    for (i, adapter) in idx("merge_lora").into_iter().zip(&a.merge_lora) {
+        steps.push((i, lora_step(adapter, &a.lora)));
     }
     if let Some(i) = idx("repack_fp4").first() {
         steps.push((*i, repack_step(&a.fp4)?));
@@ -196,9 +212,25 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             Ok(0)
         }
         Command::DequantFp8(a) => {
-            let steps = vec![dequant_step(&a.dtype, &a.fp8)?];
+            let mut steps = vec![dequant_step(&a.dtype, &a.fp8)?];
+            if let Some(adapter) = &a.merge_lora {
+                steps.push(lora_step(adapter, &a.lora));
+            }
             let opts = WriteOptions::from_args(&a.write)?;
             convert("dequant-fp8", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::MergeLora(a) => {
+            let mut steps = vec![lora_step(&a.adapter, &a.lora)];
+            steps.extend(renames(&a.rename)?.into_iter().map(Step::Rename));
+            if let Some(d) = &a.dtype {
+                steps.push(Step::Cast {
+                    dtype: cast_target(d)?,
+                    cast_ints: false,
+                });
+            }
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::RepackFp4(a) => {

@@ -39,8 +39,10 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     pub index_path: Option<PathBuf>,
     pub shards: Vec<Shard>,
-    /// Every tensor, in shard order then offset order.
+    /// Every tensor, in shard order then offset order; the first `base_count` are the model's,
+    /// the rest belong to attached inputs (adapters).
     pub tensors: Vec<TensorRef>,
+    pub base_count: usize,
     by_name: HashMap<String, usize>,
     /// Problems that do not stop a conversion (tensors a shard holds but the index omits).
     pub warnings: Vec<String>,
@@ -122,18 +124,38 @@ impl Checkpoint {
             dir: layout.dir,
             index_path: layout.index_path,
             shards,
+            base_count: tensors.len(),
             tensors,
             by_name,
             warnings,
         })
     }
 
+    /// Adds another checkpoint's shards and tensors as extra inputs (an adapter). They are not
+    /// part of the output unless a step uses them, and are not found by [`Checkpoint::get`].
+    /// Returns the index of the first attached tensor.
+    pub fn attach(&mut self, other: Checkpoint) -> usize {
+        let shard_base = self.shards.len();
+        let first = self.tensors.len();
+        self.tensors
+            .extend(other.tensors.into_iter().map(|t| TensorRef {
+                shard: t.shard + shard_base,
+                info: t.info,
+            }));
+        self.shards.extend(other.shards);
+        first
+    }
+
     pub fn get(&self, name: &str) -> Option<&TensorRef> {
         self.by_name.get(name).map(|&i| &self.tensors[i])
     }
 
+    /// Bytes of the model's own tensors.
     pub fn total_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.info.nbytes()).sum()
+        self.tensors[..self.base_count]
+            .iter()
+            .map(|t| t.info.nbytes())
+            .sum()
     }
 
     /// Absolute file offset of a tensor's first byte.

@@ -11,6 +11,8 @@ pub mod cast;
 pub mod codec;
 pub mod dequant_fp8;
 pub mod fp4;
+pub mod lora;
+pub mod lora_merge;
 pub mod nvfp4;
 pub mod repack_fp4;
 

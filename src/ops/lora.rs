@@ -1,0 +1,610 @@
+//! LoRA/DoRA adapters (PEFT layout) and the planning step that binds them to base tensors.
+//!
+//! Adapter keys, after stripping `base_model.model.` (or `base_model.`) and the adapter-name
+//! segment (`.default`): `<module>.lora_A.weight` `[r, in]`, `<module>.lora_B.weight` `[out, r]`,
+//! `<module>.lora_embedding_A` `[r, num]` / `lora_embedding_B` `[dim, r]`,
+//! `<module>.lora_magnitude_vector` `[out]` (DoRA), `<module>.base_layer.weight` (PEFT's copy of
+//! an unchanged base tensor: ignored), and full replacement tensors for `modules_to_save`
+//! (`<module>.modules_to_save.<name>.weight`, or already un-prefixed). Every adapter tensor is
+//! accounted for at plan time — merged, used as a replacement, skipped as a base copy — and the
+//! rest is an error listing them, before any output exists.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use regex::Regex;
+use serde_json::{Map, Value};
+
+use super::lora_merge::{LoraFactors, LoraMerge};
+use super::Op;
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+
+#[derive(Debug, Clone)]
+pub struct LoraOptions {
+    pub adapter: PathBuf,
+    pub config: Option<PathBuf>,
+    pub adapter_name: String,
+    /// Multiplies every module's `alpha / r`.
+    pub scale: f64,
+    pub allow_unmatched: bool,
+}
+
+/// What `adapter_config.json` says, as far as merging needs it.
+#[derive(Debug, Clone)]
+pub struct LoraConfig {
+    pub r: u64,
+    pub alpha: f64,
+    pub use_rslora: bool,
+    pub rank_pattern: Vec<(String, u64)>,
+    pub alpha_pattern: Vec<(String, f64)>,
+    pub fan_in_fan_out: bool,
+    pub use_dora: bool,
+    pub modules_to_save: Vec<String>,
+}
+
+impl LoraConfig {
+    pub fn parse(path: &Path) -> Result<LoraConfig> {
+        let bad = |msg: String| Error::Adapter {
+            path: path.into(),
+            msg,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        let r = v
+            .get("r")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("no integer `r`".into()))?;
+        let alpha = v.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
+        let map = |key: &str| -> Vec<(String, f64)> {
+            v.get(key)
+                .and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, x)| Some((k.clone(), x.as_f64()?)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let list = |key: &str| -> Vec<String> {
+            match v.get(key) {
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|x| x.as_str().map(String::from))
+                    .collect(),
+                Some(Value::String(s)) => vec![s.clone()],
+                _ => Vec::new(),
+            }
+        };
+        if v.get("target_parameters")
+            .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
+        {
+            return Err(bad(
+                "`target_parameters` (grouped expert weights) is not supported by this build"
+                    .into(),
+            ));
+        }
+        Ok(LoraConfig {
+            r,
+            alpha,
+            use_rslora: v
+                .get("use_rslora")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            rank_pattern: map("rank_pattern")
+                .into_iter()
+                .map(|(k, x)| (k, x as u64))
+                .collect(),
+            alpha_pattern: map("alpha_pattern"),
+            fan_in_fan_out: v
+                .get("fan_in_fan_out")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            use_dora: v.get("use_dora").and_then(Value::as_bool).unwrap_or(false),
+            modules_to_save: list("modules_to_save"),
+        })
+    }
+
+    /// PEFT's rule: the first pattern key `K` with `re.match(r"(.*\.)?(K)$", module)`.
+    fn pattern<T: Copy>(pattern: &[(String, T)], module: &str) -> Option<T> {
+        pattern.iter().find_map(|(k, v)| {
+            Regex::new(&format!(r"^(.*\.)?({k})$"))
+                .ok()
+                .filter(|re| re.is_match(module))
+                .map(|_| *v)
+        })
+    }
+
+    /// `(r, scale)` of a module.
+    pub fn rank_and_scale(&self, module: &str) -> (u64, f64) {
+        let r = Self::pattern(&self.rank_pattern, module).unwrap_or(self.r);
+        let alpha = Self::pattern(&self.alpha_pattern, module).unwrap_or(self.alpha);
+        let scale = if self.use_rslora {
+            alpha / (r as f64).sqrt()
+        } else {
+            alpha / r as f64
+        };
+        (r, scale)
+    }
+}
+
+/// Finds the adapter weights: a `.safetensors` file, a directory with
+/// `adapter_model.safetensors`, or a training output with `checkpoint-N` folders (the highest).
+pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
+    if path.is_file() {
+        return Ok((path.to_path_buf(), None));
+    }
+    let direct = path.join("adapter_model.safetensors");
+    if direct.is_file() {
+        return Ok((direct, None));
+    }
+    let mut best: Option<(u64, PathBuf)> = None;
+    if let Ok(rd) = std::fs::read_dir(path) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(n) = name
+                .strip_prefix("checkpoint-")
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            let f = e.path().join("adapter_model.safetensors");
+            if f.is_file() && best.as_ref().is_none_or(|(b, _)| n > *b) {
+                best = Some((n, f));
+            }
+        }
+    }
+    match best {
+        Some((n, f)) => Ok((f, Some(format!("using the latest training checkpoint, checkpoint-{n}")))),
+        None => Err(Error::NoModel {
+            path: path.into(),
+            msg: "no adapter: expected a .safetensors file, adapter_model.safetensors, or checkpoint-N folders holding one".into(),
+        }),
+    }
+}
+
+#[derive(Debug)]
+struct Attached {
+    file: PathBuf,
+    first: usize,
+    config: LoraConfig,
+    note: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct LoraMergeStep {
+    pub opts: LoraOptions,
+    attached: Mutex<Option<Attached>>,
+}
+
+impl LoraMergeStep {
+    pub fn new(opts: LoraOptions) -> LoraMergeStep {
+        LoraMergeStep {
+            opts,
+            attached: Mutex::new(None),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Module {
+    a: Option<usize>,
+    b: Option<usize>,
+    embedding: bool,
+    magnitude: Option<usize>,
+}
+
+enum Kind {
+    A(String, bool),
+    B(String, bool),
+    Magnitude(String),
+    BaseCopy,
+    Replacement(String),
+    Unknown,
+}
+
+fn normalise(name: &str, adapter_name: &str) -> String {
+    let n = name
+        .strip_prefix("base_model.model.")
+        .or_else(|| name.strip_prefix("base_model."))
+        .unwrap_or(name);
+    let seg = format!(".{adapter_name}");
+    let mut out = String::with_capacity(n.len());
+    let mut rest = n;
+    while let Some(i) = rest.find(&seg) {
+        let after = &rest[i + seg.len()..];
+        out.push_str(&rest[..i]);
+        if !(after.is_empty() || after.starts_with('.')) {
+            out.push_str(&seg);
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+fn classify(name: &str, modules_to_save: &[String]) -> Kind {
+    let strip = |suffix: &str| name.strip_suffix(suffix).map(String::from);
+    if let Some(m) = strip(".lora_A.weight") {
+        return Kind::A(m, false);
+    }
+    if let Some(m) = strip(".lora_B.weight") {
+        return Kind::B(m, false);
+    }
+    if let Some(m) = strip(".lora_embedding_A") {
+        return Kind::A(m, true);
+    }
+    if let Some(m) = strip(".lora_embedding_B") {
+        return Kind::B(m, true);
+    }
+    if let Some(m) =
+        strip(".lora_magnitude_vector").or_else(|| strip(".lora_magnitude_vector.weight"))
+    {
+        return Kind::Magnitude(m);
+    }
+    if name.contains(".base_layer.") {
+        return Kind::BaseCopy;
+    }
+    if let Some(i) = name.find(".modules_to_save.") {
+        let after = &name[i + ".modules_to_save.".len()..];
+        let param = after.split_once('.').map_or("", |(_, p)| p);
+        return Kind::Replacement(format!("{}.{param}", &name[..i]));
+    }
+    let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+    if modules_to_save
+        .iter()
+        .any(|k| module == k || module.ends_with(&format!(".{k}")))
+    {
+        return Kind::Replacement(name.to_string());
+    }
+    Kind::Unknown
+}
+
+#[derive(Debug)]
+struct LoraDerive {
+    prev: Option<Arc<dyn Derive>>,
+    base: usize,
+    base_dtype: DType,
+    rows: u64,
+    cols: u64,
+    a: usize,
+    b: usize,
+    m: Option<usize>,
+    f: LoraFactors,
+}
+
+impl Derive for LoraDerive {
+    fn inputs(&self) -> Vec<usize> {
+        let mut v = self
+            .prev
+            .as_ref()
+            .map_or_else(|| vec![self.base], |p| p.inputs());
+        v.push(self.a);
+        v.push(self.b);
+        v.extend(self.m);
+        v
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        let base_op = self.prev.as_ref().map(|p| p.build(DType::F32));
+        Arc::new(LoraMerge {
+            rows: self.rows,
+            cols: self.cols,
+            base_inputs: self.prev.as_ref().map_or(1, |p| p.inputs().len()),
+            base_op,
+            base_dtype: self.base_dtype,
+            f: self.f.clone(),
+            dst,
+        })
+    }
+}
+
+impl PlanStep for LoraMergeStep {
+    fn attach(&self, ckpt: &mut Checkpoint) -> Result<()> {
+        let (file, note) = locate_adapter(&self.opts.adapter)?;
+        let config_path = match &self.opts.config {
+            Some(p) => p.clone(),
+            None => file.with_file_name("adapter_config.json"),
+        };
+        if !config_path.is_file() {
+            return Err(Error::Adapter {
+                path: config_path,
+                msg: "adapter_config.json not found (it gives r, lora_alpha and the other settings); pass --adapter-config FILE".into(),
+            });
+        }
+        let config = LoraConfig::parse(&config_path)?;
+        let adapter = Checkpoint::open(&file)?;
+        let first = ckpt.attach(adapter);
+        *self.attached.lock().unwrap() = Some(Attached {
+            file,
+            first,
+            config,
+            note,
+        });
+        Ok(())
+    }
+
+    fn apply(
+        &self,
+        ckpt: &Checkpoint,
+        _config: Option<&Map<String, Value>>,
+        entries: &mut Vec<Entry>,
+        notes: &mut PlanNotes,
+    ) -> Result<bool> {
+        let guard = self.attached.lock().unwrap();
+        let att = guard.as_ref().expect("attach runs before apply");
+        let cfg = &att.config;
+        let path = &att.file;
+        let bad = |msg: String| Error::Adapter {
+            path: path.clone(),
+            msg,
+        };
+        if let Some(n) = &att.note {
+            notes.lines.push(format!("adapter {}: {n}", path.display()));
+        }
+        let mut modules: BTreeMap<String, Module> = BTreeMap::new();
+        let mut replacements: Vec<(String, usize)> = Vec::new();
+        let mut unmatched: Vec<String> = Vec::new();
+        let mut skipped = 0;
+        for i in att.first..ckpt.tensors.len() {
+            let raw = &ckpt.tensors[i].info.name;
+            let name = normalise(raw, &self.opts.adapter_name);
+            match classify(&name, &cfg.modules_to_save) {
+                Kind::A(m, emb) => {
+                    let e = modules.entry(m).or_default();
+                    e.a = Some(i);
+                    e.embedding |= emb;
+                }
+                Kind::B(m, emb) => {
+                    let e = modules.entry(m).or_default();
+                    e.b = Some(i);
+                    e.embedding |= emb;
+                }
+                Kind::Magnitude(m) => modules.entry(m).or_default().magnitude = Some(i),
+                Kind::BaseCopy => skipped += 1,
+                Kind::Replacement(target) => replacements.push((target, i)),
+                Kind::Unknown => unmatched.push(raw.clone()),
+            }
+        }
+        let index: std::collections::HashMap<String, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
+        let info = |i: usize| &ckpt.tensors[i].info;
+        let (mut merged, mut dora) = (0, 0);
+        for (module, m) in &modules {
+            let (Some(a), Some(b)) = (m.a, m.b) else {
+                unmatched.extend(
+                    [m.a, m.b, m.magnitude]
+                        .into_iter()
+                        .flatten()
+                        .map(|i| info(i).name.clone()),
+                );
+                continue;
+            };
+            let Some(&wi) = index.get(&format!("{module}.weight")) else {
+                unmatched.extend(
+                    [Some(a), Some(b), m.magnitude]
+                        .into_iter()
+                        .flatten()
+                        .map(|i| info(i).name.clone()),
+                );
+                continue;
+            };
+            let w = &entries[wi];
+            let (ai, bi) = (info(a), info(b));
+            let [ra, a_cols] = ai.shape[..] else {
+                return Err(bad(format!(
+                    "`{}` should be 2-D, is {:?}",
+                    ai.name, ai.shape
+                )));
+            };
+            let [b_rows, rb] = bi.shape[..] else {
+                return Err(bad(format!(
+                    "`{}` should be 2-D, is {:?}",
+                    bi.name, bi.shape
+                )));
+            };
+            let (r, scale) = cfg.rank_and_scale(module);
+            if ra != rb || ra != r {
+                return Err(bad(format!(
+                    "`{module}`: lora_A has rank {ra}, lora_B {rb}, adapter_config.json says {r}"
+                )));
+            }
+            let [w_rows, w_cols] = w.shape[..] else {
+                return Err(bad(format!(
+                    "`{module}`: base weight `{}` is {:?}, not a matrix",
+                    w.name, w.shape
+                )));
+            };
+            let transposed = m.embedding || cfg.fan_in_fan_out;
+            let expected = if transposed {
+                (a_cols, b_rows)
+            } else {
+                (b_rows, a_cols)
+            };
+            if (w_rows, w_cols) != expected {
+                return Err(bad(format!(
+                    "`{module}`: lora_A {:?} and lora_B {:?} give a {}x{} delta but base `{}` is {:?}",
+                    ai.shape, bi.shape, expected.0, expected.1, w.name, w.shape
+                )));
+            }
+            let m_dtype = match m.magnitude {
+                Some(mi) if transposed => {
+                    return Err(bad(format!(
+                        "`{}`: DoRA on transposed (Conv1D or embedding) weights is not supported",
+                        info(mi).name
+                    )))
+                }
+                Some(mi) if info(mi).shape != [w_rows] => {
+                    return Err(bad(format!(
+                        "`{}` is {:?}, expected [{w_rows}]",
+                        info(mi).name,
+                        info(mi).shape
+                    )))
+                }
+                Some(mi) => Some(info(mi).dtype),
+                None => None,
+            };
+            let base_dtype = ckpt.tensors[w.source].info.dtype;
+            let float_base = w.derive.is_some()
+                || matches!(
+                    base_dtype,
+                    DType::F32 | DType::BF16 | DType::F16 | DType::F64
+                );
+            if !float_base {
+                return Err(bad(format!(
+                    "`{module}`: base `{}` is {base_dtype}; dequantise it first (dequant-fp8 --merge-lora)",
+                    w.name
+                )));
+            }
+            for d in [ai.dtype, bi.dtype].into_iter().chain(m_dtype) {
+                if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
+                    return Err(bad(format!("`{module}`: adapter dtype {d} is not a float")));
+                }
+            }
+            let derive = LoraDerive {
+                prev: w.derive.clone(),
+                base: w.source,
+                base_dtype,
+                rows: w_rows,
+                cols: w_cols,
+                a,
+                b,
+                m: m.magnitude,
+                f: LoraFactors {
+                    rank: r,
+                    a_dtype: ai.dtype,
+                    b_dtype: bi.dtype,
+                    m_dtype,
+                    scale: (scale * self.opts.scale) as f32,
+                    transposed,
+                },
+            };
+            entries[wi].derive = Some(Arc::new(derive));
+            merged += 1;
+            dora += m.magnitude.is_some() as usize;
+        }
+        let mut replaced = 0;
+        for (target, i) in replacements {
+            let Some(&wi) = index.get(&target) else {
+                unmatched.push(info(i).name.clone());
+                continue;
+            };
+            if entries[wi].shape != info(i).shape {
+                return Err(bad(format!(
+                    "`{}` {:?} cannot replace `{target}` {:?}",
+                    info(i).name,
+                    info(i).shape,
+                    entries[wi].shape
+                )));
+            }
+            entries[wi].source = i;
+            entries[wi].derive = None;
+            replaced += 1;
+        }
+        if !unmatched.is_empty() {
+            if !self.opts.allow_unmatched {
+                let list: Vec<String> = unmatched
+                    .iter()
+                    .take(10)
+                    .map(|n| format!("`{n}`"))
+                    .collect();
+                return Err(Error::UnmatchedAdapter {
+                    path: path.clone(),
+                    count: unmatched.len(),
+                    list: list.join(", ") + if unmatched.len() > 10 { ", …" } else { "" },
+                });
+            }
+            notes.lines.push(format!(
+                "{} unmatched adapter tensor(s) left out (--allow-unmatched)",
+                unmatched.len()
+            ));
+        }
+        notes.lines.push(format!(
+            "adapter {}: {merged} module(s) merged ({dora} DoRA), {replaced} replaced (modules_to_save), {skipped} base copies skipped, {} unmatched",
+            path.display(),
+            unmatched.len()
+        ));
+        notes.tensors.push(serde_json::json!({
+            "op": "merge-lora",
+            "adapter": path,
+            "merged": merged,
+            "dora": dora,
+            "replaced": replaced,
+            "skipped": skipped,
+            "unmatched": unmatched,
+        }));
+        Ok(merged + replaced > 0)
+    }
+
+    fn edit_config(&self, _cfg: &mut Map<String, Value>) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_normalisation_and_classes() {
+        assert_eq!(
+            normalise(
+                "base_model.model.model.layers.0.q_proj.lora_A.default.weight",
+                "default"
+            ),
+            "model.layers.0.q_proj.lora_A.weight"
+        );
+        assert_eq!(
+            normalise("base_model.model.x.lora_embedding_A.default", "default"),
+            "x.lora_embedding_A"
+        );
+        assert_eq!(
+            normalise("base_model.model.default_head.weight", "default"),
+            "default_head.weight"
+        );
+        assert!(matches!(classify("m.q.lora_A.weight", &[]), Kind::A(ref m, false) if m == "m.q"));
+        assert!(matches!(classify("e.lora_embedding_B", &[]), Kind::B(ref m, true) if m == "e"));
+        assert!(matches!(
+            classify("m.q.lora_magnitude_vector", &[]),
+            Kind::Magnitude(_)
+        ));
+        assert!(matches!(
+            classify("lm_head.base_layer.weight", &[]),
+            Kind::BaseCopy
+        ));
+        assert!(
+            matches!(classify("lm_head.modules_to_save.default.weight", &[]), Kind::Replacement(ref t) if t == "lm_head.weight")
+        );
+        assert!(matches!(
+            classify("lm_head.weight", &["lm_head".into()]),
+            Kind::Replacement(_)
+        ));
+        assert!(matches!(classify("lm_head.weight", &[]), Kind::Unknown));
+    }
+
+    #[test]
+    fn rank_and_alpha_patterns_follow_peft() {
+        let cfg = LoraConfig {
+            r: 16,
+            alpha: 32.0,
+            use_rslora: true,
+            rank_pattern: vec![("down_proj".into(), 4)],
+            alpha_pattern: vec![("down_proj".into(), 8.0)],
+            fan_in_fan_out: false,
+            use_dora: false,
+            modules_to_save: vec![],
+        };
+        assert_eq!(cfg.rank_and_scale("model.layers.0.mlp.down_proj"), (4, 4.0));
+        assert_eq!(cfg.rank_and_scale("model.layers.0.mlp.up_proj"), (16, 8.0));
+        assert_eq!(
+            cfg.rank_and_scale("model.layers.0.mlp.xdown_proj"),
+            (16, 8.0)
+        );
+    }
+}

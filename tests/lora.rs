@@ -1,0 +1,419 @@
+//! `merge-lora` against PEFT's own merges in `../shared/fixtures/peft/`, plus synthetic cases:
+//! bad adapters fail before output, FP8 base + adapter in one pass, training-output folders.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use tftf::format::dtype::DType;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/peft")
+}
+
+fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        "BF16" => bytes
+            .chunks_exact(2)
+            .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+            .collect(),
+        d => panic!("unexpected dtype {d}"),
+    }
+}
+
+/// Merges one fixture case and compares with PEFT's result: f32 within 1e-6 (relative to the
+/// value, absolute below 1), bf16 within one unit in the last place; everything PEFT left
+/// alone must be bit-identical.
+fn check_case(case: &str) {
+    let dir = fixtures().join(case);
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let rep = d.path().join("r.json");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&dir.join("base")),
+        "-a",
+        s(&dir.join("adapter")),
+        "-o",
+        s(&out),
+        "-q",
+        "--report",
+        s(&rep),
+    ]));
+    let got = load_all(&out);
+    let want = load_all(&dir.join("merged/model.safetensors"));
+    let base = load_all(&dir.join("base/model.safetensors"));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{case}: tensor names"
+    );
+    let mut changed = 0;
+    for (name, (dt, shape, bytes)) in &want {
+        let (gdt, gshape, gbytes) = &got[name];
+        assert_eq!((gdt, gshape), (dt, shape), "{case}: {name}");
+        if bytes == &base[name].2 {
+            assert_eq!(
+                gbytes, bytes,
+                "{case}: untouched `{name}` must be bit-identical"
+            );
+            continue;
+        }
+        changed += 1;
+        let (g, w) = (floats(dt, gbytes), floats(dt, bytes));
+        for (i, (x, y)) in g.iter().zip(&w).enumerate() {
+            if dt == "BF16" {
+                let ulps = (x.to_bits() as i64 - y.to_bits() as i64).abs();
+                assert!(ulps <= 1 << 16, "{case}: `{name}`[{i}] {x} vs PEFT {y}");
+            } else {
+                assert!(
+                    (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                    "{case}: `{name}`[{i}] {x} vs PEFT {y}"
+                );
+            }
+        }
+    }
+    assert!(changed > 0, "{case}: nothing merged");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+    let lora = r["tensor_reports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["op"] == "merge-lora")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        lora["unmatched"].as_array().unwrap().len(),
+        0,
+        "{case}: {lora}"
+    );
+}
+
+#[test]
+fn peft_llama_lora_f32() {
+    check_case("llama-lora-f32");
+}
+
+#[test]
+fn peft_llama_lora_bf16() {
+    check_case("llama-lora-bf16");
+}
+
+#[test]
+fn peft_rslora_with_rank_and_alpha_patterns() {
+    check_case("llama-rslora");
+}
+
+#[test]
+fn peft_dora() {
+    check_case("llama-dora");
+}
+
+#[test]
+fn peft_embeddings_and_lm_head() {
+    check_case("llama-embed-lora");
+}
+
+#[test]
+fn peft_gpt2_fan_in_fan_out() {
+    check_case("gpt2-fan-in-fan-out");
+}
+
+#[test]
+fn peft_modules_to_save() {
+    check_case("modules-to-save");
+    // The replacement is PEFT's copy, bit for bit.
+    let dir = fixtures().join("modules-to-save");
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&dir.join("base")),
+        "-a",
+        s(&dir.join("adapter")),
+        "-o",
+        s(&out),
+        "-q",
+    ]));
+    assert_eq!(
+        load_all(&out)["lm_head.weight"],
+        load_all(&dir.join("merged/model.safetensors"))["lm_head.weight"]
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn bad_adapters_fail_before_any_output() {
+    let case = fixtures().join("llama-lora-f32");
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let base = case.join("base");
+
+    // Missing adapter_config.json.
+    let no_cfg = d.path().join("no-cfg");
+    std::fs::create_dir_all(&no_cfg).unwrap();
+    std::fs::copy(
+        case.join("adapter/adapter_model.safetensors"),
+        no_cfg.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let err = fails(&[
+        "merge-lora",
+        "-b",
+        s(&base),
+        "-a",
+        s(&no_cfg),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("adapter_config.json not found") && err.contains("--adapter-config"),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    // Unmatched keys: a LoRA pair for a module the base does not have, and a lone lora_A.
+    let extra = d.path().join("extra");
+    copy_dir(&case.join("adapter"), &extra);
+    let mut rng = Rng(3);
+    write_file(
+        &extra.join("more.safetensors"),
+        &[
+            rand_t(
+                &mut rng,
+                "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+                DType::F32,
+                &[8, 64],
+            ),
+            rand_t(
+                &mut rng,
+                "base_model.model.model.layers.9.mlp.up_proj.lora_B.weight",
+                DType::F32,
+                &[128, 8],
+            ),
+            rand_t(
+                &mut rng,
+                "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+                DType::F32,
+                &[8, 64],
+            ),
+        ],
+    );
+    std::fs::copy(
+        case.join("adapter/adapter_config.json"),
+        extra.join("adapter_config.json"),
+    )
+    .unwrap();
+    let err = fails(&[
+        "merge-lora",
+        "-b",
+        s(&base),
+        "-a",
+        s(&extra.join("more.safetensors")),
+        "-o",
+        s(&out),
+    ]);
+    assert!(err.contains("3 adapter tensor(s) match nothing"), "{err}");
+    assert!(
+        err.contains("layers.9.mlp.up_proj.lora_A.weight") && err.contains("--allow-unmatched"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    // With --allow-unmatched the rest merges (here: nothing else, so the model passes through).
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&base),
+        "-a",
+        s(&extra.join("more.safetensors")),
+        "-o",
+        s(&out),
+        "-q",
+        "--allow-unmatched",
+    ]));
+    std::fs::remove_dir_all(&out).unwrap();
+
+    // Wrong shapes: a rank that disagrees with the config.
+    let wrong = d.path().join("wrong");
+    std::fs::create_dir_all(&wrong).unwrap();
+    write_file(
+        &wrong.join("adapter_model.safetensors"),
+        &[
+            rand_t(
+                &mut rng,
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                DType::F32,
+                &[4, 64],
+            ),
+            rand_t(
+                &mut rng,
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+                DType::F32,
+                &[64, 4],
+            ),
+        ],
+    );
+    std::fs::copy(
+        case.join("adapter/adapter_config.json"),
+        wrong.join("adapter_config.json"),
+    )
+    .unwrap();
+    let err = fails(&["merge-lora", "-b", s(&base), "-a", s(&wrong), "-o", s(&out)]);
+    assert!(
+        err.contains("lora_A has rank 4") && err.contains("says 8"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
+    let case = fixtures().join("llama-lora-f32");
+    let d = tempfile::tempdir().unwrap();
+    let train = d.path().join("run");
+    copy_dir(&case.join("adapter"), &train.join("checkpoint-500"));
+    // An older checkpoint with a broken adapter must not be picked.
+    std::fs::create_dir_all(train.join("checkpoint-90")).unwrap();
+    std::fs::write(
+        train.join("checkpoint-90/adapter_model.safetensors"),
+        b"junk",
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    let rep = d.path().join("r.json");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&case.join("base")),
+        "-a",
+        s(&train),
+        "-o",
+        s(&out),
+        "-q",
+        "--report",
+        s(&rep),
+    ]));
+    assert!(std::fs::read_to_string(&rep)
+        .unwrap()
+        .contains("checkpoint-500"));
+    // --scale 0 merges nothing: every tensor equals the base.
+    let zero = d.path().join("zero");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&case.join("base")),
+        "-a",
+        s(&train),
+        "-o",
+        s(&zero),
+        "-q",
+        "--scale",
+        "0",
+    ]));
+    assert_eq!(
+        load_all(&zero),
+        load_all(&case.join("base/model.safetensors"))
+    );
+}
+
+#[test]
+fn fp8_base_is_dequantised_then_merged_in_one_pass() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("base");
+    std::fs::create_dir_all(&src).unwrap();
+    let (out_f, in_f, r) = (256u64, 128u64, 4u64);
+    let codes: Vec<u8> = (0..out_f * in_f).map(|i| (i * 7 % 120) as u8).collect();
+    let scales: Vec<u8> = [0.5f32, 0.25]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    write_file(
+        &src.join("model.safetensors"),
+        &[
+            t(
+                "m.proj.weight",
+                DType::F8_E4M3,
+                &[out_f, in_f],
+                codes.clone(),
+            ),
+            t("m.proj.weight_scale_inv", DType::F32, &[2, 1], scales),
+        ],
+    );
+    let adapter = d.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let mut rng = Rng(9);
+    let a: Vec<f32> = (0..r * in_f)
+        .map(|_| (rng.next_u32() % 200) as f32 / 1000.0 - 0.1)
+        .collect();
+    let b: Vec<f32> = (0..out_f * r)
+        .map(|_| (rng.next_u32() % 200) as f32 / 1000.0 - 0.1)
+        .collect();
+    let fb = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    write_file(
+        &adapter.join("adapter_model.safetensors"),
+        &[
+            t(
+                "base_model.model.m.proj.lora_A.weight",
+                DType::F32,
+                &[r, in_f],
+                fb(&a),
+            ),
+            t(
+                "base_model.model.m.proj.lora_B.weight",
+                DType::F32,
+                &[out_f, r],
+                fb(&b),
+            ),
+        ],
+    );
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"r": 4, "lora_alpha": 8}"#,
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "dequant-fp8",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--dtype",
+        "f32",
+        "--merge-lora",
+        s(&adapter),
+        "--block-size",
+        "128",
+    ]));
+    let got = floats("F32", &load_all(&out)["m.proj.weight"].2);
+    for i in 0..out_f as usize {
+        for j in 0..in_f as usize {
+            let w = tftf::ops::codec::e4m3_to_f32(codes[i * in_f as usize + j]) as f64
+                * [0.5, 0.25][i / 128];
+            let delta: f64 = (0..r as usize)
+                .map(|k| b[i * r as usize + k] as f64 * a[k * in_f as usize + j] as f64)
+                .sum();
+            let want = w + 2.0 * delta;
+            let g = got[i * in_f as usize + j] as f64;
+            assert!(
+                (g - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "[{i},{j}] {g} vs {want}"
+            );
+        }
+    }
+}
