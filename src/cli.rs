@@ -32,6 +32,9 @@ pub enum Command {
     /// Merge a PEFT LoRA/DoRA adapter into a base model, streaming
     #[command(name = "merge-lora")]
     MergeLora(Box<MergeArgs>),
+    /// Merge a LoRA adapter saved as FSDP rank shards (dim-0 slices) into a base model
+    #[command(name = "merge-fsdp-lora")]
+    MergeFsdpLora(Box<MergeFsdpArgs>),
     /// Check a checkpoint's structure (and with --check-values, its numbers)
     Validate(Box<ValidateArgs>),
     /// Apply a chain of pipe sections, in the order given
@@ -253,6 +256,30 @@ pub struct MergeArgs {
     /// Rename tensors: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
     pub rename: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeFsdpArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// A rank file (repeat in rank order)
+    #[arg(
+        short = 's',
+        long = "shard",
+        value_name = "RANK_FILE",
+        required_unless_present = "shard_dir"
+    )]
+    pub shards: Vec<PathBuf>,
+    /// Directory of rank files, taken in name order
+    #[arg(long, value_name = "DIR", conflicts_with = "shards")]
+    pub shard_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    #[command(flatten)]
+    pub lora: AdapterOpts,
+    /// Cast float tensors (the merged ones included) to bf16, f16 or f32
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
 }
 
 #[derive(Args, Debug)]

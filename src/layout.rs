@@ -28,10 +28,11 @@ pub const HEADER_ALIGN_BYTES: u64 = 8;
 /// Absolute input offset of a copied tensor, `None` for computed ones.
 fn copy_source(ckpt: &Checkpoint, t: &PlannedTensor) -> Option<(usize, u64)> {
     match t.recipe {
-        Recipe::Copy { src } => {
+        Recipe::Copy { src } if ckpt.tensors[src].parts.is_empty() => {
             let r = &ckpt.tensors[src];
             Some((r.shard, ckpt.file_offset(r)))
         }
+        Recipe::Copy { .. } => None,
         Recipe::Compute { .. } | Recipe::Produced { .. } => None,
     }
 }

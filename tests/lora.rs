@@ -417,3 +417,137 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
         }
     }
 }
+
+/// Splits every tensor of an adapter into dim-0 slices, one file per rank.
+fn split_ranks(adapter: &Path, dir: &Path, ranks: usize) -> Vec<PathBuf> {
+    let bytes = std::fs::read(adapter).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    let mut files = Vec::new();
+    for k in 0..ranks {
+        let mut tensors = Vec::new();
+        for n in &names {
+            let v = st.tensor(n).unwrap();
+            let shape: Vec<u64> = v.shape().iter().map(|&x| x as u64).collect();
+            let rows = shape[0] as usize;
+            let per = rows / ranks;
+            let row_bytes = v.data().len() / rows;
+            let mut sshape = shape.clone();
+            sshape[0] = per as u64;
+            let dtype: DType = format!("{:?}", v.dtype()).parse().unwrap();
+            tensors.push(t(
+                n,
+                dtype,
+                &sshape,
+                v.data()[k * per * row_bytes..(k + 1) * per * row_bytes].to_vec(),
+            ));
+        }
+        let f = dir.join(format!("rank-{k}.safetensors"));
+        write_file(&f, &tensors);
+        files.push(f);
+    }
+    files
+}
+
+#[test]
+fn fsdp_rank_shards_merge_like_the_whole_adapter() {
+    let case = fixtures().join("llama-lora-f32");
+    let d = tempfile::tempdir().unwrap();
+    let ranks = d.path().join("ranks");
+    std::fs::create_dir_all(&ranks).unwrap();
+    let files = split_ranks(&case.join("adapter/adapter_model.safetensors"), &ranks, 2);
+    std::fs::copy(
+        case.join("adapter/adapter_config.json"),
+        ranks.join("adapter_config.json"),
+    )
+    .unwrap();
+    let whole = d.path().join("whole");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&case.join("base")),
+        "-a",
+        s(&case.join("adapter")),
+        "-o",
+        s(&whole),
+        "-q",
+    ]));
+    let by_dir = d.path().join("by-dir");
+    ok(&tftf(&[
+        "merge-fsdp-lora",
+        "-b",
+        s(&case.join("base")),
+        "--shard-dir",
+        s(&ranks),
+        "-o",
+        s(&by_dir),
+        "-q",
+    ]));
+    assert_eq!(load_all(&by_dir), load_all(&whole));
+    let by_files = d.path().join("by-files");
+    ok(&tftf(&[
+        "merge-fsdp-lora",
+        "-b",
+        s(&case.join("base")),
+        "-s",
+        s(&files[0]),
+        "-s",
+        s(&files[1]),
+        "-o",
+        s(&by_files),
+        "-q",
+    ]));
+    assert_eq!(load_all(&by_files), load_all(&whole));
+    // Wrong rank order changes the assembled tensors: the result must differ.
+    let swapped = d.path().join("swapped");
+    ok(&tftf(&[
+        "merge-fsdp-lora",
+        "-b",
+        s(&case.join("base")),
+        "-s",
+        s(&files[1]),
+        "-s",
+        s(&files[0]),
+        "-o",
+        s(&swapped),
+        "-q",
+        "--adapter-config",
+        s(&ranks.join("adapter_config.json")),
+    ]));
+    assert_ne!(load_all(&swapped), load_all(&whole));
+    // A rank missing a slice is an error before output.
+    let bad = d.path().join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(&files[0], bad.join("rank-0.safetensors")).unwrap();
+    let mut rng = Rng(1);
+    write_file(
+        &bad.join("rank-1.safetensors"),
+        &[rand_t(
+            &mut rng,
+            "base_model.model.x.lora_A.weight",
+            DType::F32,
+            &[4, 64],
+        )],
+    );
+    std::fs::copy(
+        ranks.join("adapter_config.json"),
+        bad.join("adapter_config.json"),
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    let err = fails(&[
+        "merge-fsdp-lora",
+        "-b",
+        s(&case.join("base")),
+        "--shard-dir",
+        s(&bad),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("rank-1.safetensors") && err.contains("mismatched rank slices"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

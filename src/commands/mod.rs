@@ -17,7 +17,7 @@ use crate::cli::{
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
-use crate::ops::lora::{LoraMergeStep, LoraOptions};
+use crate::ops::lora::{AdapterSource, LoraMergeStep, LoraOptions};
 use crate::ops::repack_fp4::{
     RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
 };
@@ -141,8 +141,12 @@ fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
 }
 
 fn lora_step(adapter: &std::path::Path, a: &AdapterOpts) -> Step {
+    lora_step_from(AdapterSource::Path(adapter.to_path_buf()), a)
+}
+
+fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Step {
     Step::Op(Arc::new(LoraMergeStep::new(LoraOptions {
-        adapter: adapter.to_path_buf(),
+        adapter: source,
         config: a.adapter_config.clone(),
         adapter_name: a.adapter_name.clone(),
         scale: a.scale,
@@ -231,6 +235,43 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             }
             let opts = WriteOptions::from_args(&a.write)?;
             convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::MergeFsdpLora(a) => {
+            let files = match &a.shard_dir {
+                Some(dir) => {
+                    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+                        .map_err(|e| Error::io(dir, e))?
+                        .flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                        .collect();
+                    v.sort();
+                    if v.is_empty() {
+                        return Err(Error::NoModel {
+                            path: dir.clone(),
+                            msg: "no *.safetensors rank files".into(),
+                        });
+                    }
+                    v
+                }
+                None => a.shards.clone(),
+            };
+            let mut steps = vec![lora_step_from(AdapterSource::Ranks(files), &a.lora)];
+            if let Some(d) = &a.dtype {
+                steps.push(Step::Cast {
+                    dtype: cast_target(d)?,
+                    cast_ints: false,
+                });
+            }
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert(
+                "merge-fsdp-lora",
+                &input_path(&a.input)?,
+                &steps,
+                &opts,
+                cancel,
+            )?;
             Ok(0)
         }
         Command::RepackFp4(a) => {

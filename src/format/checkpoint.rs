@@ -23,6 +23,9 @@ pub struct Shard {
 pub struct TensorRef {
     pub shard: usize,
     pub info: TensorInfo,
+    /// For a tensor assembled from slices in several files (FSDP rank shards): the
+    /// (shard, absolute file offset, length) of each piece, in order. Empty for ordinary tensors.
+    pub parts: Vec<(usize, u64, u64)>,
 }
 
 impl TensorRef {
@@ -84,6 +87,7 @@ impl Checkpoint {
                 tensors.push(TensorRef {
                     shard: si,
                     info: t.clone(),
+                    parts: Vec::new(),
                 });
             }
         }
@@ -141,9 +145,61 @@ impl Checkpoint {
             .extend(other.tensors.into_iter().map(|t| TensorRef {
                 shard: t.shard + shard_base,
                 info: t.info,
+                parts: Vec::new(),
             }));
         self.shards.extend(other.shards);
         first
+    }
+
+    /// Adds a tensor made of byte ranges of attached files, concatenated (dim-0 slices).
+    /// Returns its index.
+    pub fn push_assembled(&mut self, info: TensorInfo, parts: Vec<(usize, u64, u64)>) -> usize {
+        self.tensors.push(TensorRef {
+            shard: parts.first().map_or(0, |p| p.0),
+            info,
+            parts,
+        });
+        self.tensors.len() - 1
+    }
+
+    /// Reads `buf.len()` bytes of tensor `t` from byte `at` of the tensor, across pieces if it
+    /// is assembled, and drops the pages read from the cache.
+    pub fn read_tensor_at(&self, t: &TensorRef, at: u64, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let pieces: Vec<(usize, u64, u64)> = if t.parts.is_empty() {
+            vec![(t.shard, self.file_offset(t), t.info.nbytes())]
+        } else {
+            t.parts.clone()
+        };
+        let (mut pos, mut done) = (0u64, 0usize);
+        for (shard, off, len) in pieces {
+            let want_start = at + done as u64;
+            if done == buf.len() {
+                break;
+            }
+            if want_start >= pos + len {
+                pos += len;
+                continue;
+            }
+            let from = want_start - pos;
+            let n = ((len - from) as usize).min(buf.len() - done);
+            let s = &self.shards[shard];
+            s.file
+                .read_exact_at(&mut buf[done..done + n], off + from)
+                .map_err(|e| Error::io(&s.path, e))?;
+            crate::sys::drop_cache(&s.file, off + from, n as u64);
+            done += n;
+            pos += len;
+        }
+        if done != buf.len() {
+            return Err(Error::Other(format!(
+                "tensor `{}`: read past its end ({} of {} bytes)",
+                t.info.name,
+                done,
+                buf.len()
+            )));
+        }
+        Ok(())
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorRef> {

@@ -23,9 +23,18 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
 
+/// Where the adapter weights are.
+#[derive(Debug, Clone)]
+pub enum AdapterSource {
+    /// A file, an adapter directory or a training output directory.
+    Path(PathBuf),
+    /// FSDP rank files, in rank order: each holds a dim-0 slice of every tensor.
+    Ranks(Vec<PathBuf>),
+}
+
 #[derive(Debug, Clone)]
 pub struct LoraOptions {
-    pub adapter: PathBuf,
+    pub adapter: AdapterSource,
     pub config: Option<PathBuf>,
     pub adapter_name: String,
     /// Multiplies every module's `alpha / r`.
@@ -190,6 +199,75 @@ impl LoraMergeStep {
     }
 }
 
+/// Attaches every rank file and adds one assembled tensor per name, its dim-0 slices
+/// concatenated in rank order. Returns the index of the first assembled tensor.
+fn assemble_ranks(ckpt: &mut Checkpoint, files: &[PathBuf]) -> Result<usize> {
+    let mut ranges = Vec::with_capacity(files.len());
+    for f in files {
+        let start = ckpt.tensors.len();
+        ckpt.attach(Checkpoint::open(f)?);
+        ranges.push(start..ckpt.tensors.len());
+    }
+    let first = ckpt.tensors.len();
+    let names: Vec<String> = ranges[0]
+        .clone()
+        .map(|i| ckpt.tensors[i].info.name.clone())
+        .collect();
+    for k in 1..files.len() {
+        if ranges[k].len() != names.len() {
+            return Err(Error::Adapter {
+                path: files[k].clone(),
+                msg: format!(
+                    "holds {} tensors but {} holds {}: mismatched rank slices",
+                    ranges[k].len(),
+                    files[0].display(),
+                    names.len()
+                ),
+            });
+        }
+    }
+    for name in names {
+        let mut parts = Vec::new();
+        let mut rows = 0u64;
+        let mut template: Option<crate::format::header::TensorInfo> = None;
+        for (k, range) in ranges.iter().enumerate() {
+            let Some(i) = range.clone().find(|&i| ckpt.tensors[i].info.name == name) else {
+                return Err(Error::Adapter {
+                    path: files[k].clone(),
+                    msg: format!("has no slice of `{name}`: mismatched rank slices"),
+                });
+            };
+            let t = &ckpt.tensors[i];
+            if let Some(tp) = &template {
+                if tp.dtype != t.info.dtype
+                    || tp.shape.get(1..) != t.info.shape.get(1..)
+                    || t.info.shape.is_empty()
+                {
+                    return Err(Error::Adapter {
+                        path: files[k].clone(),
+                        msg: format!(
+                            "slice of `{name}` is {} {:?}, rank 0's is {} {:?}: mismatched rank slices",
+                            t.info.dtype, t.info.shape, tp.dtype, tp.shape
+                        ),
+                    });
+                }
+            } else {
+                template = Some(t.info.clone());
+            }
+            rows += t.info.shape.first().copied().unwrap_or(1);
+            parts.push((t.shard, ckpt.file_offset(t), t.info.nbytes()));
+        }
+        let mut info = template.expect("at least one rank");
+        if let Some(d0) = info.shape.first_mut() {
+            *d0 = rows;
+        }
+        info.begin = 0;
+        info.end = parts.iter().map(|p| p.2).sum();
+        ckpt.push_assembled(info, parts);
+    }
+    Ok(first)
+}
+
 #[derive(Default)]
 struct Module {
     a: Option<usize>,
@@ -304,7 +382,19 @@ impl Derive for LoraDerive {
 
 impl PlanStep for LoraMergeStep {
     fn attach(&self, ckpt: &mut Checkpoint) -> Result<()> {
-        let (file, note) = locate_adapter(&self.opts.adapter)?;
+        let (file, note) = match &self.opts.adapter {
+            AdapterSource::Path(p) => locate_adapter(p)?,
+            AdapterSource::Ranks(files) => match files.first() {
+                Some(f) => (
+                    f.clone(),
+                    Some(format!(
+                        "{} FSDP rank files concatenated in rank order",
+                        files.len()
+                    )),
+                ),
+                None => return Err(Error::Usage("no rank files given".into())),
+            },
+        };
         let config_path = match &self.opts.config {
             Some(p) => p.clone(),
             None => file.with_file_name("adapter_config.json"),
@@ -316,8 +406,10 @@ impl PlanStep for LoraMergeStep {
             });
         }
         let config = LoraConfig::parse(&config_path)?;
-        let adapter = Checkpoint::open(&file)?;
-        let first = ckpt.attach(adapter);
+        let first = match &self.opts.adapter {
+            AdapterSource::Path(_) => ckpt.attach(Checkpoint::open(&file)?),
+            AdapterSource::Ranks(files) => assemble_ranks(ckpt, files)?,
+        };
         *self.attached.lock().unwrap() = Some(Attached {
             file,
             first,

@@ -9,7 +9,6 @@
 //! `--require-lossless` fails before writing.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -23,7 +22,6 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
-use crate::sys;
 
 pub const DEFAULT_EXPERT_PATTERN: &str =
     r"^(?P<prefix>(?:.*\.)?(?:layers|mtp)\.\d+\.ffn\.experts\.\d+)\.(?P<proj>w[123])\.weight$";
@@ -102,15 +100,8 @@ impl Derive for Secondary {
 }
 
 fn read_tensor(ckpt: &Checkpoint, src: usize, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
-    let t = &ckpt.tensors[src];
-    let shard = &ckpt.shards[t.shard];
     let mut buf = vec![0u8; (range.end - range.start) as usize];
-    let at = ckpt.file_offset(t) + range.start;
-    shard
-        .file
-        .read_exact_at(&mut buf, at)
-        .map_err(|e| Error::io(&shard.path, e))?;
-    sys::drop_cache(&shard.file, at, buf.len() as u64);
+    ckpt.read_tensor_at(&ckpt.tensors[src], range.start, &mut buf)?;
     Ok(buf)
 }
 

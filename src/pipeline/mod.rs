@@ -278,6 +278,16 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
             let t = &sh.plan.tensors[ti];
             let offset = shard.offsets[k];
             match &t.recipe {
+                Recipe::Copy { src } if !sh.ckpt.tensors[*src].parts.is_empty() => {
+                    if let Some(prev) = run.take() {
+                        emit_copy(sh, si, prev, &tx)?;
+                    }
+                    let mut at = offset;
+                    for &(shard, off, len) in &sh.ckpt.tensors[*src].parts {
+                        emit_copy(sh, si, (shard, off, at, len), &tx)?;
+                        at += len;
+                    }
+                }
                 Recipe::Copy { src } => {
                     let r = &sh.ckpt.tensors[*src];
                     let src_off = sh.ckpt.file_offset(r);
@@ -373,12 +383,8 @@ fn emit_compute(
             .map(|((buf, dest), &b)| (dest.map(|(shard, off)| (shard, off + u * b)), buf))
             .collect();
         for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
-            let r = &sh.ckpt.tensors[src];
-            let file = &sh.ckpt.shards[r.shard].file;
-            let at = sh.ckpt.file_offset(r) + range.start;
-            file.read_exact_at(buf, at)
-                .map_err(|e| Error::io(&sh.ckpt.shards[r.shard].path, e))?;
-            sys::drop_cache(file, at, buf.len() as u64);
+            sh.ckpt
+                .read_tensor_at(&sh.ckpt.tensors[src], range.start, buf)?;
         }
         send(
             tx,
