@@ -551,3 +551,159 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn moe_experts_per_module_and_grouped_through_target_parameters() {
+    let d = tempfile::tempdir().unwrap();
+    let base = d.path().join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    let (e, r) = (3usize, 2usize);
+    let mut rng = Rng(17);
+    let vals = |rng: &mut Rng, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_u32() % 2000) as f32 / 10000.0 - 0.1)
+            .collect()
+    };
+    let fb = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // PEFT's layout [E, in, out] (gpt-oss gate_up_proj), an [E, out, in] stack, and a plain
+    // per-expert linear module.
+    let (gin, gout) = (16usize, 24usize);
+    let gate_up = vals(&mut rng, e * gin * gout);
+    let (sout, sin) = (10usize, 12usize);
+    let stack = vals(&mut rng, e * sout * sin);
+    let w1 = vals(&mut rng, 8 * 6);
+    write_file(
+        &base.join("model.safetensors"),
+        &[
+            t(
+                "model.layers.0.mlp.experts.gate_up_proj",
+                DType::F32,
+                &[e as u64, gin as u64, gout as u64],
+                fb(&gate_up),
+            ),
+            t(
+                "model.layers.1.mlp.experts.w13",
+                DType::F32,
+                &[e as u64, sout as u64, sin as u64],
+                fb(&stack),
+            ),
+            t(
+                "model.layers.2.ffn.experts.5.w1.weight",
+                DType::F32,
+                &[8, 6],
+                fb(&w1),
+            ),
+        ],
+    );
+    let adapter = d.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let ga = vals(&mut rng, e * r * gin);
+    let gb = vals(&mut rng, gout * e * r);
+    let sa = vals(&mut rng, e * r * sin);
+    let sb = vals(&mut rng, sout * e * r);
+    let la = vals(&mut rng, r * 6);
+    let lb = vals(&mut rng, 8 * r);
+    let p = "base_model.model.model.layers";
+    write_file(
+        &adapter.join("adapter_model.safetensors"),
+        &[
+            t(
+                &format!("{p}.0.mlp.experts.lora_A.weight"),
+                DType::F32,
+                &[(e * r) as u64, gin as u64],
+                fb(&ga),
+            ),
+            t(
+                &format!("{p}.0.mlp.experts.lora_B.weight"),
+                DType::F32,
+                &[gout as u64, (e * r) as u64],
+                fb(&gb),
+            ),
+            t(
+                &format!("{p}.1.mlp.experts.lora_A.weight"),
+                DType::F32,
+                &[(e * r) as u64, sin as u64],
+                fb(&sa),
+            ),
+            t(
+                &format!("{p}.1.mlp.experts.lora_B.weight"),
+                DType::F32,
+                &[sout as u64, (e * r) as u64],
+                fb(&sb),
+            ),
+            t(
+                &format!("{p}.2.ffn.experts.5.w1.lora_A.weight"),
+                DType::F32,
+                &[r as u64, 6],
+                fb(&la),
+            ),
+            t(
+                &format!("{p}.2.ffn.experts.5.w1.lora_B.weight"),
+                DType::F32,
+                &[8, r as u64],
+                fb(&lb),
+            ),
+        ],
+    );
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "merge-lora",
+        "-b",
+        s(&base),
+        "-a",
+        s(&adapter),
+        "-o",
+        s(&out),
+        "-q",
+        "--memory-budget",
+        "16MiB",
+    ]));
+    let got = load_all(&out);
+    let close =
+        |g: f32, w: f64, what: &str| assert!((g as f64 - w).abs() < 1e-6, "{what}: {g} vs {w}");
+    let g = floats("F32", &got["model.layers.0.mlp.experts.gate_up_proj"].2);
+    for x in 0..e {
+        for i in 0..gin {
+            for o in 0..gout {
+                let delta: f64 = (0..r)
+                    .map(|k| ga[(x * r + k) * gin + i] as f64 * gb[o * e * r + k * e + x] as f64)
+                    .sum();
+                let want = gate_up[(x * gin + i) * gout + o] as f64 + 2.0 * delta;
+                close(g[(x * gin + i) * gout + o], want, "gate_up_proj");
+            }
+        }
+    }
+    let g = floats("F32", &got["model.layers.1.mlp.experts.w13"].2);
+    for x in 0..e {
+        for o in 0..sout {
+            for i in 0..sin {
+                let delta: f64 = (0..r)
+                    .map(|k| sa[(x * r + k) * sin + i] as f64 * sb[o * e * r + k * e + x] as f64)
+                    .sum();
+                close(
+                    g[(x * sout + o) * sin + i],
+                    stack[(x * sout + o) * sin + i] as f64 + 2.0 * delta,
+                    "w13",
+                );
+            }
+        }
+    }
+    let g = floats("F32", &got["model.layers.2.ffn.experts.5.w1.weight"].2);
+    for o in 0..8 {
+        for i in 0..6 {
+            let delta: f64 = (0..r)
+                .map(|k| lb[o * r + k] as f64 * la[k * 6 + i] as f64)
+                .sum();
+            close(
+                g[o * 6 + i],
+                w1[o * 6 + i] as f64 + 2.0 * delta,
+                "experts.5.w1",
+            );
+        }
+    }
+}

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::lora_merge::{LoraFactors, LoraMerge};
+use super::lora_merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 use super::Op;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
@@ -53,6 +53,8 @@ pub struct LoraConfig {
     pub fan_in_fan_out: bool,
     pub use_dora: bool,
     pub modules_to_save: Vec<String>,
+    /// Parameters targeted directly (`mlp.experts.gate_up_proj`): grouped expert weights.
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraConfig {
@@ -89,14 +91,6 @@ impl LoraConfig {
                 _ => Vec::new(),
             }
         };
-        if v.get("target_parameters")
-            .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
-        {
-            return Err(bad(
-                "`target_parameters` (grouped expert weights) is not supported by this build"
-                    .into(),
-            ));
-        }
         Ok(LoraConfig {
             r,
             alpha,
@@ -115,6 +109,7 @@ impl LoraConfig {
                 .unwrap_or(false),
             use_dora: v.get("use_dora").and_then(Value::as_bool).unwrap_or(false),
             modules_to_save: list("modules_to_save"),
+            target_parameters: list("target_parameters"),
         })
     }
 
@@ -342,6 +337,118 @@ fn classify(name: &str, modules_to_save: &[String]) -> Kind {
     Kind::Unknown
 }
 
+/// Binds PEFT's grouped expert factors to a 3-D base `[E, X, Y]`, the orientation read from
+/// both operand shapes.
+fn grouped_derive(
+    w: &Entry,
+    ckpt: &Checkpoint,
+    module: &str,
+    cfg: &LoraConfig,
+    a: usize,
+    b: usize,
+    user_scale: f64,
+) -> std::result::Result<GroupedDerive, String> {
+    let (ai, bi) = (&ckpt.tensors[a].info, &ckpt.tensors[b].info);
+    let [experts, x, y] = w.shape[..] else {
+        unreachable!("3-D checked")
+    };
+    let ([ar, a_in], [b_out, br]) = (
+        ai.shape[..]
+            .try_into()
+            .map_err(|_| format!("`{}` is not 2-D", ai.name))?,
+        bi.shape[..]
+            .try_into()
+            .map_err(|_| format!("`{}` is not 2-D", bi.name))?,
+    );
+    let (r, scale) = cfg.rank_and_scale(module);
+    if ar != experts * r || br != experts * r {
+        return Err(format!(
+            "`{module}`: grouped factors {:?} and {:?} do not hold {experts} experts of rank {r}",
+            ai.shape, bi.shape
+        ));
+    }
+    let in_out = if (x, y) == (a_in, b_out) {
+        true
+    } else if (x, y) == (b_out, a_in) {
+        false
+    } else {
+        return Err(format!(
+            "`{module}`: factors for in={a_in}, out={b_out} do not fit base `{}` {:?}",
+            w.name, w.shape
+        ));
+    };
+    let base_dtype = ckpt.tensors[w.source].info.dtype;
+    if w.derive.is_none()
+        && !matches!(
+            base_dtype,
+            DType::F32 | DType::BF16 | DType::F16 | DType::F64
+        )
+    {
+        return Err(format!(
+            "`{module}`: base `{}` is {base_dtype}; dequantise it first",
+            w.name
+        ));
+    }
+    Ok(GroupedDerive {
+        prev: w.derive.clone(),
+        base: w.source,
+        base_dtype,
+        experts,
+        x,
+        y,
+        in_out,
+        a,
+        b,
+        f: LoraFactors {
+            rank: r,
+            a_dtype: ai.dtype,
+            b_dtype: bi.dtype,
+            m_dtype: None,
+            scale: (scale * user_scale) as f32,
+            transposed: false,
+        },
+    })
+}
+
+#[derive(Debug)]
+struct GroupedDerive {
+    prev: Option<Arc<dyn Derive>>,
+    base: usize,
+    base_dtype: DType,
+    experts: u64,
+    x: u64,
+    y: u64,
+    in_out: bool,
+    a: usize,
+    b: usize,
+    f: LoraFactors,
+}
+
+impl Derive for GroupedDerive {
+    fn inputs(&self) -> Vec<usize> {
+        let mut v = self
+            .prev
+            .as_ref()
+            .map_or_else(|| vec![self.base], |p| p.inputs());
+        v.push(self.a);
+        v.push(self.b);
+        v
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(GroupedLoraMerge {
+            experts: self.experts,
+            x: self.x,
+            y: self.y,
+            in_out: self.in_out,
+            base_inputs: self.prev.as_ref().map_or(1, |p| p.inputs().len()),
+            base_op: self.prev.as_ref().map(|p| p.build(DType::F32)),
+            base_dtype: self.base_dtype,
+            f: self.f.clone(),
+            dst,
+        })
+    }
+}
+
 #[derive(Debug)]
 struct LoraDerive {
     prev: Option<Arc<dyn Derive>>,
@@ -478,7 +585,17 @@ impl PlanStep for LoraMergeStep {
                 );
                 continue;
             };
-            let Some(&wi) = index.get(&format!("{module}.weight")) else {
+            let target = index.get(&format!("{module}.weight")).copied().or_else(|| {
+                cfg.target_parameters.iter().find_map(|t| {
+                    let (suffix, param) = t.rsplit_once('.').unwrap_or(("", t));
+                    let fits = suffix.is_empty()
+                        || module == suffix
+                        || module.ends_with(&format!(".{suffix}"));
+                    fits.then(|| index.get(&format!("{module}.{param}")).copied())
+                        .flatten()
+                })
+            });
+            let Some(wi) = target else {
                 unmatched.extend(
                     [Some(a), Some(b), m.magnitude]
                         .into_iter()
@@ -487,6 +604,13 @@ impl PlanStep for LoraMergeStep {
                 );
                 continue;
             };
+            if entries[wi].shape.len() == 3 {
+                let derive = grouped_derive(&entries[wi], ckpt, module, cfg, a, b, self.opts.scale)
+                    .map_err(bad)?;
+                entries[wi].derive = Some(Arc::new(derive));
+                merged += 1;
+                continue;
+            }
             let w = &entries[wi];
             let (ai, bi) = (info(a), info(b));
             let [ra, a_cols] = ai.shape[..] else {
@@ -691,6 +815,7 @@ mod tests {
             fan_in_fan_out: false,
             use_dora: false,
             modules_to_save: vec![],
+            target_parameters: vec![],
         };
         assert_eq!(cfg.rank_and_scale("model.layers.0.mlp.down_proj"), (4, 4.0));
         assert_eq!(cfg.rank_and_scale("model.layers.0.mlp.up_proj"), (16, 8.0));

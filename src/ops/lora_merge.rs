@@ -312,3 +312,120 @@ mod tests {
         }
     }
 }
+
+/// Grouped expert weights targeted through PEFT's `target_parameters`: base `[E, X, Y]`,
+/// `A` `[E·r, in]` expert-outer (expert `e` owns rows `e·r..(e+1)·r`), `B` `[out, E·r]`
+/// expert-inner (column `k·E + e`). PEFT's own layout is `[E, in, out]`
+/// (`delta[e, i, o] = s Σ_k A[e·r+k, i] B[o, k·E+e]`); `[E, out, in]` gets the transpose.
+/// One unit is one `Y`-long row of the flattened `[E·X, Y]` base.
+#[derive(Debug)]
+pub struct GroupedLoraMerge {
+    pub experts: u64,
+    pub x: u64,
+    pub y: u64,
+    /// `true`: base is `[E, in, out]` (PEFT's); `false`: `[E, out, in]`.
+    pub in_out: bool,
+    pub base_op: Option<Arc<dyn Op>>,
+    pub base_inputs: usize,
+    pub base_dtype: DType,
+    pub f: LoraFactors,
+    pub dst: DType,
+}
+
+impl Op for GroupedLoraMerge {
+    fn name(&self) -> &'static str {
+        "merge-lora-experts"
+    }
+    fn units(&self) -> u64 {
+        self.experts * self.x
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.y * size(self.dst)
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.y * (size(self.base_dtype) + 8)
+    }
+    fn granularity(&self) -> u64 {
+        self.base_op.as_ref().map_or(1, |op| op.granularity())
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let mut v = match &self.base_op {
+            Some(op) => op.input_ranges(units.clone()),
+            None => {
+                let rb = self.y * size(self.base_dtype);
+                std::iter::once(units.start * rb..units.end * rb).collect()
+            }
+        };
+        let er = self.experts * self.f.rank;
+        let (inn, out) = if self.in_out {
+            (self.x, self.y)
+        } else {
+            (self.y, self.x)
+        };
+        v.push(0..er * inn * size(self.f.a_dtype));
+        v.push(0..out * er * size(self.f.b_dtype));
+        v
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let rows = (units.end - units.start) as usize;
+        let (y, r, e_n) = (self.y as usize, self.f.rank as usize, self.experts as usize);
+        let n = self.base_inputs;
+        let mut w: Vec<f32> = match &self.base_op {
+            Some(op) => {
+                let mut bytes = vec![0u8; rows * y * 4];
+                op.compute(units.clone(), &inputs[..n], &mut bytes)?;
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            }
+            None => to_f32(self.base_dtype, inputs[0]),
+        };
+        let a = to_f32(self.f.a_dtype, inputs[n]);
+        let b = to_f32(self.f.b_dtype, inputs[n + 1]);
+        let in_dim = if self.in_out { self.x as usize } else { y };
+        let mut acc = vec![0f32; y];
+        let mut cached: Option<(usize, Vec<f32>)> = None;
+        for (k_row, g) in units.enumerate() {
+            let (e, xi) = ((g / self.x) as usize, (g % self.x) as usize);
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            if self.in_out {
+                // Row i of expert e: Σ_k A[e·r+k, i] · B[:, k·E+e].
+                if cached.as_ref().is_none_or(|(ce, _)| *ce != e) {
+                    let mut bt = vec![0f32; r * y];
+                    for k in 0..r {
+                        for o in 0..y {
+                            bt[k * y + o] = b[o * e_n * r + k * e_n + e];
+                        }
+                    }
+                    cached = Some((e, bt));
+                }
+                let bt = &cached.as_ref().expect("just set").1;
+                for k in 0..r {
+                    let coef = a[(e * r + k) * in_dim + xi];
+                    for (v, &bv) in acc.iter_mut().zip(&bt[k * y..(k + 1) * y]) {
+                        *v += coef * bv;
+                    }
+                }
+            } else {
+                // Row o of expert e: Σ_k B[o, k·E+e] · A[e·r+k, :].
+                for k in 0..r {
+                    let coef = b[xi * e_n * r + k * e_n + e];
+                    for (v, &av) in acc
+                        .iter_mut()
+                        .zip(&a[(e * r + k) * in_dim..(e * r + k + 1) * in_dim])
+                    {
+                        *v += coef * av;
+                    }
+                }
+            }
+            let s = self.f.scale;
+            for (wv, d) in w[k_row * y..(k_row + 1) * y].iter_mut().zip(&acc) {
+                *wv += d * s;
+            }
+        }
+        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+        cast_or_copy(&bytes, self.dst, out);
+        Ok(())
+    }
+}
