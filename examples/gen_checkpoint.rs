@@ -94,6 +94,50 @@ fn main() {
     if layout == "v4" {
         return v4_layout(out, gib);
     }
+    if layout == "lora" {
+        let names = core_layout(&out.join("base"), "core-bf16", gib);
+        return lora_adapter(&out.join("adapter"), &names);
+    }
+    core_layout(out, layout, gib);
+}
+
+/// An r=16 F32 adapter on every `*_proj` matrix: A [16, 4096], B [4096, 16].
+fn lora_adapter(out: &Path, names: &[String]) {
+    std::fs::create_dir_all(out).unwrap();
+    let mut tensors = Vec::new();
+    for n in names.iter().filter(|n| n.ends_with("_proj.weight")) {
+        let m = n.trim_end_matches(".weight");
+        tensors.push((
+            format!("base_model.model.{m}.lora_A.weight"),
+            DType::F32,
+            vec![16, 4096],
+        ));
+        tensors.push((
+            format!("base_model.model.{m}.lora_B.weight"),
+            DType::F32,
+            vec![4096, 16],
+        ));
+    }
+    write_shard(
+        &out.join("adapter_model.safetensors"),
+        &tensors,
+        &mut Gen(99),
+    );
+    std::fs::write(
+        out.join("adapter_config.json"),
+        r#"{"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]}"#,
+    )
+    .unwrap();
+    println!(
+        "{}: adapter for {} modules",
+        out.display(),
+        tensors.len() / 2
+    );
+}
+
+/// Returns the tensor names written.
+fn core_layout(out: &Path, layout: &str, gib: u64) -> Vec<String> {
+    std::fs::create_dir_all(out).unwrap();
     let float = |d: DType| {
         if layout == "core-bf16" {
             DType::BF16
@@ -139,7 +183,9 @@ fn main() {
         shards.push(s);
         layer += 1;
     }
+    let names = shards.iter().flatten().map(|t| t.0.clone()).collect();
     finish(out, shards, total, r#"{"torch_dtype": "float32"}"#);
+    names
 }
 
 /// 64 layers' worth of [4096, 4096] weights per GiB of FP8, 16 per shard.

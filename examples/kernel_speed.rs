@@ -8,6 +8,7 @@ use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
 use tftf::ops::dequant_fp8::{resolve_layout, DequantFp8, ScaleMode};
 use tftf::ops::fp4::EngramRequant;
+use tftf::ops::lora_merge::{LoraFactors, LoraMerge};
 use tftf::ops::Op;
 
 fn best_of<F: FnMut()>(mut f: F) -> f64 {
@@ -137,5 +138,70 @@ fn main() {
     println!(
         "engram requant e4m3->e2m1       2 threads: {:6.2} GB/s of E4M3 input",
         (rows * cols) as f64 / t / 1e9
+    );
+    // LoRA merge of a [4096, 4096] BF16 weight with r = 16 F32 factors (the product and the
+    // epilogue), 2 threads over halves.
+    let (n, r) = (4096u64, 16u64);
+    let w: Vec<u8> = (0..n * n)
+        .flat_map(|i| tftf::ops::cast::f32_to_bf16((i % 97) as f32 * 0.01).to_le_bytes())
+        .collect();
+    let a: Vec<u8> = (0..r * n)
+        .flat_map(|i| ((i % 13) as f32 * 0.001).to_le_bytes())
+        .collect();
+    let b: Vec<u8> = (0..n * r)
+        .flat_map(|i| ((i % 7) as f32 * 0.001).to_le_bytes())
+        .collect();
+    let op = LoraMerge {
+        rows: n,
+        cols: n,
+        base_op: None,
+        base_inputs: 1,
+        base_dtype: DType::BF16,
+        f: LoraFactors {
+            rank: r,
+            a_dtype: DType::F32,
+            b_dtype: DType::F32,
+            m_dtype: None,
+            scale: 2.0,
+            transposed: false,
+        },
+        dst: DType::BF16,
+    };
+    let mut out = vec![0u8; (n * n * 2) as usize];
+    let t = best_of(|| {
+        std::thread::scope(|s| {
+            let half = n / 2;
+            let (o0, o1) = out.split_at_mut((half * n * 2) as usize);
+            let (op, w, a, b) = (&op, &w, &a, &b);
+            s.spawn(move || {
+                op.compute(
+                    0..half,
+                    &[
+                        &w[..(half * n * 2) as usize],
+                        a,
+                        &b[..(half * r * 4) as usize],
+                    ],
+                    o0,
+                )
+                .unwrap()
+            });
+            s.spawn(move || {
+                op.compute(
+                    half..n,
+                    &[
+                        &w[(half * n * 2) as usize..],
+                        a,
+                        &b[(half * r * 4) as usize..],
+                    ],
+                    o1,
+                )
+                .unwrap()
+            });
+        })
+    });
+    println!(
+        "lora merge bf16 4096x4096 r=16     2 threads: {:6.2} GFLOP/s, {:6.2} GB/s of base",
+        (2 * r * n * n) as f64 / t / 1e9,
+        (n * n * 2) as f64 / t / 1e9
     );
 }

@@ -12,7 +12,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::cast::cast_slice;
+use super::cast::{cast_slice, f32_to_bf16, f32_to_f16};
 use super::Op;
 use crate::format::dtype::DType;
 
@@ -107,81 +107,146 @@ impl Op for LoraMerge {
         let cols = self.cols as usize;
         let r = self.f.rank as usize;
         let n = self.base_inputs;
-        let mut w: Vec<f32> = match &self.base_op {
+        // A computed base (FP8) is produced for the whole chunk; a stored one is decoded per tile.
+        let computed_base: Option<Vec<f32>> = match &self.base_op {
             Some(op) => {
                 let mut bytes = vec![0u8; rows * cols * 4];
                 op.compute(units.clone(), &inputs[..n], &mut bytes)?;
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect()
+                Some(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect(),
+                )
             }
-            None => to_f32(self.base_dtype, inputs[0]),
+            None => None,
         };
         let a = to_f32(self.f.a_dtype, inputs[n]);
         let b = to_f32(self.f.b_dtype, inputs[n + 1]);
-        let mut delta = vec![0f32; rows * cols];
-        // SAFETY: every pointer is valid for the extent its strides describe: dst is
-        // rows×cols row-major; lhs is rows×r (B's chunk rows, or a column band of A read with
-        // row stride 1 and column stride `self.rows`); rhs is r×cols (A row-major, or B read
-        // transposed with column stride r). No buffers overlap.
-        unsafe {
-            let (lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs) = if self.f.transposed {
-                (
-                    a.as_ptr().add(units.start as usize),
-                    self.rows as isize,
-                    1isize,
-                    b.as_ptr(),
-                    r as isize,
-                    1isize,
-                )
-            } else {
-                (
-                    b.as_ptr(),
-                    1isize,
-                    r as isize,
-                    a.as_ptr(),
-                    1isize,
+        let m = self.f.m_dtype.map(|md| to_f32(md, inputs[n + 2]));
+        // Row tiles keep the f32 working set in cache and out of the memory budget.
+        let tile = (TILE_ELEMENTS / cols.max(1)).clamp(1, rows.max(1));
+        let mut w = vec![0f32; tile * cols];
+        let mut delta = vec![0f32; tile * cols];
+        let (base_size, dst_size) = (size(self.base_dtype) as usize, size(self.dst) as usize);
+        for t0 in (0..rows).step_by(tile) {
+            let tr = tile.min(rows - t0);
+            let (w, delta) = (&mut w[..tr * cols], &mut delta[..tr * cols]);
+            match &computed_base {
+                Some(all) => w.copy_from_slice(&all[t0 * cols..(t0 + tr) * cols]),
+                None => decode_into(
+                    self.base_dtype,
+                    &inputs[0][t0 * cols * base_size..(t0 + tr) * cols * base_size],
+                    w,
+                ),
+            }
+            // SAFETY: every pointer is valid for the extent its strides describe: dst is
+            // tr×cols row-major; lhs is tr×r (the tile's rows of B, or a column band of A read
+            // with row stride 1 and column stride `self.rows`); rhs is r×cols (A row-major, or B
+            // read transposed with column stride r). No buffers overlap.
+            unsafe {
+                let (lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs) = if self.f.transposed {
+                    (
+                        a.as_ptr().add(units.start as usize + t0),
+                        self.rows as isize,
+                        1isize,
+                        b.as_ptr(),
+                        r as isize,
+                        1isize,
+                    )
+                } else {
+                    (
+                        b.as_ptr().add(t0 * r),
+                        1isize,
+                        r as isize,
+                        a.as_ptr(),
+                        1isize,
+                        cols as isize,
+                    )
+                };
+                gemm::gemm(
+                    tr,
+                    cols,
+                    r,
+                    delta.as_mut_ptr(),
+                    1,
                     cols as isize,
-                )
-            };
-            gemm::gemm(
-                rows,
-                cols,
-                r,
-                delta.as_mut_ptr(),
-                1,
-                cols as isize,
-                false,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
+                    false,
+                    lhs,
+                    lhs_cs,
+                    lhs_rs,
+                    rhs,
+                    rhs_cs,
+                    rhs_rs,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            let s = self.f.scale;
+            for (x, d) in w.iter_mut().zip(delta.iter()) {
+                *x += d * s;
+            }
+            if let Some(m) = &m {
+                for (row, &mag) in w.chunks_exact_mut(cols).zip(&m[t0..t0 + tr]) {
+                    let norm = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32;
+                    let k = mag / norm;
+                    row.iter_mut().for_each(|x| *x *= k);
+                }
+            }
+            store_f32(
+                w,
+                self.dst,
+                &mut out[t0 * cols * dst_size..(t0 + tr) * cols * dst_size],
             );
         }
-        let s = self.f.scale;
-        for (x, d) in w.iter_mut().zip(&delta) {
-            *x += d * s;
-        }
-        if let Some(md) = self.f.m_dtype {
-            let m = to_f32(md, inputs[n + 2]);
-            for (row, &mag) in w.chunks_exact_mut(cols).zip(&m) {
-                let norm = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32;
-                let k = mag / norm;
-                row.iter_mut().for_each(|x| *x *= k);
-            }
-        }
-        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
-        cast_or_copy(&bytes, self.dst, out);
         Ok(())
+    }
+}
+
+/// f32 elements per row tile: 256 KiB of working set per buffer.
+const TILE_ELEMENTS: usize = 64 << 10;
+
+fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(4))
+            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap())),
+        DType::BF16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, c)| {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+            }),
+        DType::F16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        _ => {
+            let v = to_f32(dtype, bytes);
+            out.copy_from_slice(&v);
+        }
+    }
+}
+
+fn store_f32(vals: &[f32], dst: DType, out: &mut [u8]) {
+    match dst {
+        DType::BF16 => out
+            .chunks_exact_mut(2)
+            .zip(vals)
+            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_bf16(v).to_le_bytes())),
+        DType::F16 => out
+            .chunks_exact_mut(2)
+            .zip(vals)
+            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_f16(v).to_le_bytes())),
+        _ => out
+            .chunks_exact_mut(4)
+            .zip(vals)
+            .for_each(|(o, &v)| o.copy_from_slice(&v.to_le_bytes())),
     }
 }
 
