@@ -442,8 +442,82 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
         "config.json records the new formats",
     )?;
 
-    println!("\n5. validate --check-values on every output");
-    for dir in [&bf16_dir, &renamed, &deq_dir, &fp4_dir] {
+    println!("\n5. merge-lora: an r=4 adapter on both layers' up_proj");
+    let adapter = root.join("adapter");
+    std::fs::create_dir_all(&adapter).map_err(|e| Error::io(&adapter, e))?;
+    let mut rng = Rng(11);
+    let mut factors = Vec::new();
+    for l in 0..LAYERS {
+        let m = format!("base_model.model.model.layers.{l}.mlp.up_proj");
+        let a: Vec<f32> = (0..4 * HIDDEN).map(|_| rng.normal_ish()).collect();
+        let b: Vec<f32> = (0..2 * HIDDEN * 4).map(|_| rng.normal_ish()).collect();
+        factors.push((
+            format!("{m}.lora_A.weight"),
+            DType::F32,
+            vec![4, HIDDEN],
+            a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+        factors.push((
+            format!("{m}.lora_B.weight"),
+            DType::F32,
+            vec![2 * HIDDEN, 4],
+            b.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    write_small(&adapter.join("adapter_model.safetensors"), &factors)?;
+    let cfg_path = adapter.join("adapter_config.json");
+    std::fs::write(
+        &cfg_path,
+        r#"{"r": 4, "lora_alpha": 8, "target_modules": ["up_proj"]}"#,
+    )
+    .map_err(|e| Error::io(&cfg_path, e))?;
+    let merged_dir = root.join("merged");
+    let lora = Step::Op(std::sync::Arc::new(crate::ops::lora::LoraMergeStep::new(
+        crate::ops::lora::LoraOptions {
+            adapter: crate::ops::lora::AdapterSource::Path(adapter.clone()),
+            config: None,
+            adapter_name: "default".into(),
+            scale: 1.0,
+            allow_unmatched: false,
+        },
+    )));
+    convert(
+        "merge-lora",
+        &src,
+        &[lora],
+        &quiet_opts(&merged_dir, None),
+        cancel,
+    )?;
+    let out5 = Checkpoint::open(&merged_dir)?;
+    let up = "model.layers.1.mlp.up_proj.weight";
+    let (w0, w1) = (tensor_bytes(&input, up)?, tensor_bytes(&out5, up)?);
+    let f = |b: &[u8], k: usize| {
+        crate::ops::cast::bf16_to_f32(u16::from_le_bytes([b[2 * k], b[2 * k + 1]])) as f64
+    };
+    let (a, b) = (&factors[2].3, &factors[3].3);
+    let g = |v: &[u8], k: usize| f32::from_le_bytes(v[4 * k..4 * k + 4].try_into().unwrap()) as f64;
+    let mut worst = 0f64;
+    for i in 0..(2 * HIDDEN) as usize {
+        for j in 0..HIDDEN as usize {
+            let delta: f64 = (0..4)
+                .map(|k| g(b, i * 4 + k) * g(a, k * HIDDEN as usize + j))
+                .sum();
+            let want = f(&w0, i * HIDDEN as usize + j) + 2.0 * delta;
+            let ulp = want.abs().max(1e-30) * 2f64.powi(-7);
+            worst = worst.max((f(&w1, i * HIDDEN as usize + j) - want).abs() / ulp);
+        }
+    }
+    check(
+        worst <= 1.0,
+        &format!("merged weights equal bf16(W + 2·B@A) within {worst:.2} ulp"),
+    )?;
+    check(
+        tensor_bytes(&out5, "lm_head.weight")? == tensor_bytes(&input, "lm_head.weight")?,
+        "untargeted tensors unchanged",
+    )?;
+
+    println!("\n6. validate --check-values on every output");
+    for dir in [&bf16_dir, &renamed, &deq_dir, &fp4_dir, &merged_dir] {
         let c = Checkpoint::open(dir)?;
         let mut bad = 0;
         for t in &c.tensors {
