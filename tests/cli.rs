@@ -907,3 +907,35 @@ fn demo_runs_and_checks_itself() {
     assert!(text.contains("demo finished: every check passed"), "{text}");
     assert!(!text.contains("failed"), "{text}");
 }
+
+#[test]
+fn full_disk_is_refused_before_writing() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let mut rng = Rng(12);
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(
+        &src.join("model.safetensors"),
+        &[rand_t(&mut rng, "w", DType::U8, &[4 << 20])],
+    );
+    let small = d.path().join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs", s(&small)])
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        println!(
+            "SKIPPED full_disk_is_refused_before_writing: cannot mount a 1 MiB tmpfs (needs root)"
+        );
+        return;
+    }
+    let out = small.join("out");
+    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let _ = std::process::Command::new("umount").arg(&small).status();
+    assert!(
+        err.contains("not enough space") && err.contains("out"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

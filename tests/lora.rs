@@ -707,3 +707,32 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
         }
     }
 }
+
+#[test]
+fn run_section_merges_then_renames() {
+    let case = fixtures().join("llama-lora-f32");
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out.safetensors");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&case.join("base")),
+        "-o",
+        s(&out),
+        "-q",
+        "--merge-lora",
+        s(&case.join("adapter")),
+        "--key-rename",
+        r"^model\.",
+        "",
+    ]));
+    let got = load_all(&out);
+    let want = load_all(&case.join("merged/model.safetensors"));
+    for (name, (_, _, bytes)) in &want {
+        let key = name.strip_prefix("model.").unwrap_or(name);
+        let g = floats("F32", &got[key].2);
+        for (x, y) in g.iter().zip(floats("F32", bytes)) {
+            assert!((x - y).abs() <= 1e-6 * y.abs().max(1.0), "{name}");
+        }
+    }
+}

@@ -464,3 +464,26 @@ fn engram_table_larger_than_the_budget_streams_with_identical_output() {
     }
     assert_eq!(files[0], files[1]);
 }
+
+#[test]
+fn run_section_repacks() {
+    let d = tmp();
+    let src = d.path().join("in");
+    v4_model(&src);
+    let out = d.path().join("out.safetensors");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--repack-fp4",
+        "--key-exclude",
+        "embed.weight",
+    ]));
+    let got = load_all(&out);
+    assert_eq!(got["layers.0.ffn.experts.0.w1.weight_scale"].0, "F8_E4M3");
+    assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
+    assert!(!got.contains_key("embed.weight"));
+}
