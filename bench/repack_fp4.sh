@@ -15,7 +15,7 @@ cargo build --release -q
 BIN=target/release/tftf
 target/release/examples/gen_checkpoint "$D/in" v4 "$GIB" >/dev/null
 BYTES=$(du -sb "$D/in" | cut -f1)
-ENGRAM_SHARD=$(python3 -c "import json;print(json.load(open('$D/in/model.safetensors.index.json'))['weight_map']['layers.0.engram.embed.weight'])")
+ENGRAM_SHARD=$(python3 -c "import json;m=json.load(open('$D/in/model.safetensors.index.json'))['weight_map'];print(','.join(sorted({m['layers.0.engram.embed.weight'], m['layers.0.engram.embed.scale']})))")
 ENGRAM_BYTES=$((524288 * 4096 + 524288 * 128))
 now() { date +%s.%N; }
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
@@ -36,7 +36,7 @@ ENG=$(printf '%s\n' "${t_eng[@]}" | median); ALL=$(printf '%s\n' "${t_all[@]}" |
 echo "input: $BYTES bytes (v4 layout); runs: $RUNS; $(nproc) cores"
 echo "passthrough (baseline)                 median ${PT}s (${t_pt[*]})"
 echo "repack-fp4 --engram keep (experts)     median ${EXP}s (${t_exp[*]})  ratio: $(echo "scale=2; $EXP/$PT" | bc)"
-echo "repack-fp4 --experts keep, Engram shard median ${ENG}s (${t_eng[*]})  $(echo "scale=3; $ENGRAM_BYTES/$ENG/1000000000" | bc) GB/s of E4M3 input"
+echo "repack-fp4 --experts keep, Engram shards median ${ENG}s (${t_eng[*]})  $(echo "scale=3; $ENGRAM_BYTES/$ENG/1000000000" | bc) GB/s of E4M3 input"
 echo "repack-fp4 (both)                      median ${ALL}s (${t_all[*]})"
 echo "peak RSS, --memory-budget 256MiB: $((RSS >> 20)) MiB; Engram quality: $Q"
 target/release/examples/kernel_speed | grep -i engram || true

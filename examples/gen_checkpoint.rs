@@ -152,7 +152,7 @@ fn core_layout(out: &Path, layout: &str, gib: u64) -> Vec<String> {
         float(DType::F32),
         vec![34816, 16384],
     )]];
-    let mut total = 34816u64 * 16384 * 4;
+    let mut total = 34816u64 * 16384 * float(DType::F32).size().unwrap() as u64;
     let mut layer = 0;
     while total < gib << 30 {
         let p = format!("model.layers.{layer}");

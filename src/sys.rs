@@ -23,6 +23,19 @@ pub fn drop_cache(file: &File, offset: u64, len: u64) {
     }
 }
 
+/// Starts reading a range into the cache in the background, so a later copy finds it there.
+pub fn prefetch(file: &File, offset: u64, len: u64) {
+    // SAFETY: as in `drop_cache`.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_WILLNEED,
+        );
+    }
+}
+
 pub fn advise_sequential(file: &File) {
     // SAFETY: as in `drop_cache`.
     unsafe {

@@ -195,6 +195,7 @@ fn convert_inner(
         cancel: cancel.clone(),
         progress: progress.clone(),
         kernel_copy: opts.kernel_copy,
+        expect_reflink: sharing,
     };
     let stats = pipeline::execute(&ckpt, &plan, &files, &names, &cfg)?;
     if let Some(p) = &progress {

@@ -55,6 +55,8 @@ pub struct PipelineConfig {
     pub progress: Option<indicatif::ProgressBar>,
     /// `false` forces user-space copies (for tests and filesystems that misbehave).
     pub kernel_copy: bool,
+    /// Whether untouched ranges will probably be cloned; if not, the reader prefetches them.
+    pub expect_reflink: bool,
 }
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -126,6 +128,7 @@ struct Shared<'a> {
     outputs: &'a [File],
     output_names: &'a [std::path::PathBuf],
     pool: BufferPool,
+    expect_reflink: bool,
     /// (shard, absolute offset) of every planned tensor.
     locations: Vec<(usize, u64)>,
     cancel: Cancel,
@@ -199,6 +202,7 @@ pub fn execute(
         outputs,
         output_names,
         pool: BufferPool::new(pool_bytes),
+        expect_reflink: cfg.expect_reflink,
         locations: {
             let mut loc = vec![(0, 0); plan.tensors.len()];
             for (si, s) in plan.shards.iter().enumerate() {
@@ -266,15 +270,69 @@ pub fn execute(
     })
 }
 
+/// Asks the kernel to read the inputs of upcoming computed tensors while earlier ones are being
+/// read and computed, so many small inputs (scale tensors scattered through a shard) do not
+/// cost one disk round trip each. At most `window` bytes are requested ahead.
+struct Prefetcher {
+    /// (position in the shard's tensor list, input shard, file offset, bytes)
+    items: Vec<(usize, usize, u64, u64)>,
+    next: usize,
+    window: u64,
+}
+
+impl Prefetcher {
+    fn new(sh: &Shared, tensors: &[usize], window: u64) -> Prefetcher {
+        let mut items = Vec::new();
+        for (k, &ti) in tensors.iter().enumerate() {
+            if let Recipe::Compute { inputs, .. } = &sh.plan.tensors[ti].recipe {
+                for &i in inputs {
+                    let r = &sh.ckpt.tensors[i];
+                    if r.parts.is_empty() {
+                        items.push((
+                            k,
+                            r.shard,
+                            sh.ckpt.file_offset(r),
+                            r.info.nbytes().min(window),
+                        ));
+                    }
+                }
+            }
+        }
+        Prefetcher {
+            items,
+            next: 0,
+            window,
+        }
+    }
+
+    fn advance(&mut self, sh: &Shared, k: usize) {
+        let first = self.items.partition_point(|it| it.0 < k);
+        let mut ahead: u64 = self.items[first..self.next.max(first)]
+            .iter()
+            .map(|it| it.3)
+            .sum();
+        self.next = self.next.max(first);
+        while self.next < self.items.len() && ahead < self.window {
+            let (_, shard, off, len) = self.items[self.next];
+            sys::prefetch(&sh.ckpt.shards[shard].file, off, len);
+            ahead += len;
+            self.next += 1;
+        }
+    }
+}
+
 fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
+    let window = (sh.pool.capacity() / 4).clamp(8 << 20, 256 << 20);
     for (si, shard) in sh.plan.shards.iter().enumerate() {
         if let Some(src) = shard.clone_from {
             emit_copy(sh, si, (src, 0, 0, shard.len), &tx)?;
             continue;
         }
+        let mut prefetch = Prefetcher::new(sh, &shard.tensors, window);
         // Consecutive copies that are contiguous in both files become one run.
         let mut run: Option<(usize, u64, u64, u64)> = None; // (src shard, src off, dst off, len)
         for (k, &ti) in shard.tensors.iter().enumerate() {
+            prefetch.advance(sh, k);
             let t = &sh.plan.tensors[ti];
             let offset = shard.offsets[k];
             match &t.recipe {
@@ -334,6 +392,11 @@ fn emit_copy(
     let mut done = 0;
     while done < len {
         let piece = (len - done).min(COPY_PIECE_BYTES);
+        // The writer copies in order; reading ahead here overlaps the next copy's reads with
+        // the current one's writes (bounded by the channel). Clones read nothing.
+        if !sh.expect_reflink {
+            sys::prefetch(&sh.ckpt.shards[src_shard].file, src_off + done, piece);
+        }
         send(
             tx,
             Work::Copy {
