@@ -4,6 +4,7 @@
 # Usage: bench/core.sh [GIB] [RUNS]   (data under bench/data, removed at the end)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 GIB=${1:-5}
 RUNS=${2:-3}
 D=bench/data
@@ -14,10 +15,6 @@ BIN=target/release/tftf
 target/release/examples/gen_checkpoint "$D/in" core "$GIB" >/dev/null
 BYTES=$(du -sb "$D/in" | cut -f1)
 
-now() { date +%s.%N; }
-# Cold cache before every timed command (root only), so no run profits from the previous one.
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 t_cp=(); t_pt=(); t_cast=()
 for r in $(seq "$RUNS"); do
     cold

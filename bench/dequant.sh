@@ -5,6 +5,7 @@
 # Usage: bench/dequant.sh [GIB_OF_FP8] [RUNS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 GIB=${1:-4}
 RUNS=${2:-3}
 D=bench/data
@@ -13,10 +14,6 @@ cargo build --release -q --example gen_checkpoint --example kernel_speed
 cargo build --release -q
 BIN=target/release/tftf
 for l in fp8 fp8-e8m0 fp8-as-bf16; do target/release/examples/gen_checkpoint "$D/$l" "$l" "$GIB" >/dev/null; done
-now() { date +%s.%N; }
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-timed() { cold; local s; s=$(now); "$@"; echo "$(now) - $s" | bc; }
 t_f32=(); t_e8=(); t_base=()
 for r in $(seq "$RUNS"); do
     t_f32+=("$(timed $BIN dequant-fp8 -i "$D/fp8" -o "$D/out" -q)"); rm -rf "$D/out"

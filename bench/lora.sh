@@ -4,6 +4,7 @@
 # Usage: bench/lora.sh [GIB] [RUNS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 GIB=${1:-4}
 RUNS=${2:-3}
 D=bench/data
@@ -13,10 +14,6 @@ cargo build --release -q --example gen_checkpoint --example kernel_speed
 cargo build --release -q
 BIN=target/release/tftf
 target/release/examples/gen_checkpoint "$D/m" lora "$GIB" >/dev/null
-now() { date +%s.%N; }
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-timed() { cold; local s; s=$(now); "$@"; echo "$(now) - $s" | bc; }
 t_pt=(); t_m=()
 for r in $(seq "$RUNS"); do
     t_pt+=("$(timed $BIN passthrough -i "$D/m/base" -o "$D/out" -q)"); rm -rf "$D/out"

@@ -6,6 +6,7 @@
 # converted with `repack-fp4` too, when that command exists)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 GIB=${1:-5}
 RUNS=${2:-3}
 D=bench/data
@@ -21,9 +22,6 @@ cargo build --release -q
 BIN=target/release/tftf
 target/release/examples/gen_checkpoint "$M/in" core "$GIB" >/dev/null
 BYTES=$(du -sb "$M/in" | cut -f1)
-now() { date +%s.%N; }
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 used() { sync; df -B1 --output=used "$M" | tail -1; }
 shared_pct() { # percent of the output's safetensors bytes in shared extents
     local total=0 shared=0 f

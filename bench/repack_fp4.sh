@@ -5,6 +5,7 @@
 # Usage: bench/repack_fp4.sh [GIB] [RUNS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 GIB=${1:-4}
 RUNS=${2:-3}
 D=bench/data
@@ -17,10 +18,6 @@ target/release/examples/gen_checkpoint "$D/in" v4 "$GIB" >/dev/null
 BYTES=$(du -sb "$D/in" | cut -f1)
 ENGRAM_SHARD=$(python3 -c "import json;m=json.load(open('$D/in/model.safetensors.index.json'))['weight_map'];print(','.join(sorted({m['layers.0.engram.embed.weight'], m['layers.0.engram.embed.scale']})))")
 ENGRAM_BYTES=$((524288 * 4096 + 524288 * 128))
-now() { date +%s.%N; }
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-timed() { cold; local s; s=$(now); "$@"; echo "$(now) - $s" | bc; }
 t_pt=(); t_exp=(); t_eng=(); t_all=()
 for r in $(seq "$RUNS"); do
     t_pt+=("$(timed $BIN passthrough -i "$D/in" -o "$D/out" -q)"); rm -rf "$D/out"

@@ -53,6 +53,37 @@ fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// Input ranges of the base rows: the computing op's (FP8 dequantisation), or the stored rows.
+fn base_input_ranges(
+    op: &Option<Arc<dyn Op>>,
+    dtype: DType,
+    row_elems: u64,
+    units: &Range<u64>,
+) -> Vec<Range<u64>> {
+    match op {
+        Some(op) => op.input_ranges(units.clone()),
+        None => {
+            let rb = row_elems * size(dtype);
+            std::iter::once(units.start * rb..units.end * rb).collect()
+        }
+    }
+}
+
+/// Base rows produced by a computing op (built for F32 output).
+fn computed_rows(
+    op: &dyn Op,
+    units: &Range<u64>,
+    inputs: &[&[u8]],
+    elems: usize,
+) -> Result<Vec<f32>, String> {
+    let mut bytes = vec![0u8; elems * 4];
+    op.compute(units.clone(), inputs, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect())
+}
+
 fn size(d: DType) -> u64 {
     d.bits() / 8
 }
@@ -79,13 +110,7 @@ impl Op for LoraMerge {
         self.base_op.as_ref().map_or(1, |op| op.granularity())
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let mut v = match &self.base_op {
-            Some(op) => op.input_ranges(units.clone()),
-            None => {
-                let rb = self.cols * size(self.base_dtype);
-                std::iter::once(units.start * rb..units.end * rb).collect()
-            }
-        };
+        let mut v = base_input_ranges(&self.base_op, self.base_dtype, self.cols, &units);
         let r = self.f.rank;
         let (a, b) = (size(self.f.a_dtype), size(self.f.b_dtype));
         if self.f.transposed {
@@ -108,17 +133,13 @@ impl Op for LoraMerge {
         let r = self.f.rank as usize;
         let n = self.base_inputs;
         // A computed base (FP8) is produced for the whole chunk; a stored one is decoded per tile.
-        let computed_base: Option<Vec<f32>> = match &self.base_op {
-            Some(op) => {
-                let mut bytes = vec![0u8; rows * cols * 4];
-                op.compute(units.clone(), &inputs[..n], &mut bytes)?;
-                Some(
-                    bytes
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                        .collect(),
-                )
-            }
+        let computed_base = match &self.base_op {
+            Some(op) => Some(computed_rows(
+                op.as_ref(),
+                &units,
+                &inputs[..n],
+                rows * cols,
+            )?),
             None => None,
         };
         let a = to_f32(self.f.a_dtype, inputs[n]);
@@ -267,14 +288,6 @@ fn store_f32(vals: &[f32], dst: DType, out: &mut [u8]) {
             .chunks_exact_mut(4)
             .zip(vals)
             .for_each(|(o, &v)| o.copy_from_slice(&v.to_le_bytes())),
-    }
-}
-
-fn cast_or_copy(f32_bytes: &[u8], dst: DType, out: &mut [u8]) {
-    if dst == DType::F32 {
-        out.copy_from_slice(f32_bytes);
-    } else {
-        cast_slice(DType::F32, dst, f32_bytes, out);
     }
 }
 
@@ -434,13 +447,7 @@ impl Op for GroupedLoraMerge {
         self.base_op.as_ref().map_or(1, |op| op.granularity())
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let mut v = match &self.base_op {
-            Some(op) => op.input_ranges(units.clone()),
-            None => {
-                let rb = self.y * size(self.base_dtype);
-                std::iter::once(units.start * rb..units.end * rb).collect()
-            }
-        };
+        let mut v = base_input_ranges(&self.base_op, self.base_dtype, self.y, &units);
         let er = self.experts * self.f.rank;
         let (inn, out) = if self.in_out {
             (self.x, self.y)
@@ -456,14 +463,7 @@ impl Op for GroupedLoraMerge {
         let (y, r, e_n) = (self.y as usize, self.f.rank as usize, self.experts as usize);
         let n = self.base_inputs;
         let mut w: Vec<f32> = match &self.base_op {
-            Some(op) => {
-                let mut bytes = vec![0u8; rows * y * 4];
-                op.compute(units.clone(), &inputs[..n], &mut bytes)?;
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect()
-            }
+            Some(op) => computed_rows(op.as_ref(), &units, &inputs[..n], rows * y)?,
             None => to_f32(self.base_dtype, inputs[0]),
         };
         let a = to_f32(self.f.a_dtype, inputs[n]);
@@ -509,8 +509,7 @@ impl Op for GroupedLoraMerge {
                 *wv += d * s;
             }
         }
-        let bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
-        cast_or_copy(&bytes, self.dst, out);
+        store_f32(&w, self.dst, out);
         Ok(())
     }
 }
