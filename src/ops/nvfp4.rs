@@ -93,15 +93,11 @@ impl Op for NvBlockScales {
         std::iter::once(units.start * self.groups..units.end * self.groups).collect()
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        // The new code depends only on the source code, so the 255 possible ones are mapped —
+        // and checked — once, and the loop is a table lookup.
         let tensor_scale = 2f64.powi(self.g);
-        for (i, &c) in inputs[0].iter().enumerate() {
-            if c == 0xFF {
-                let row = units.start + i as u64 / self.groups;
-                return Err(format!(
-                    "scale at [{row}, {}] is NaN (E8M0 0xff)",
-                    i as u64 % self.groups
-                ));
-            }
+        let mut table = [0u8; 256];
+        for c in 0..=254u8 {
             let k = c as i32 - 127;
             let (code, exact) = block_scale_code(k, self.g);
             // Checked, not assumed: an exact block must decode to the very same scale.
@@ -111,8 +107,19 @@ impl Op for NvBlockScales {
                     self.g
                 ));
             }
-            out[2 * i] = code;
-            out[2 * i + 1] = code;
+            table[c as usize] = code;
+        }
+        if let Some(i) = inputs[0].iter().position(|&c| c == 0xFF) {
+            let row = units.start + i as u64 / self.groups;
+            return Err(format!(
+                "scale at [{row}, {}] is NaN (E8M0 0xff)",
+                i as u64 % self.groups
+            ));
+        }
+        for (o, &c) in out.chunks_exact_mut(2).zip(inputs[0]) {
+            let code = table[c as usize];
+            o[0] = code;
+            o[1] = code;
         }
         Ok(())
     }
