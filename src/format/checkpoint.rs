@@ -165,6 +165,18 @@ impl Checkpoint {
     /// Reads `buf.len()` bytes of tensor `t` from byte `at` of the tensor, across pieces if it
     /// is assembled, and drops the pages read from the cache.
     pub fn read_tensor_at(&self, t: &TensorRef, at: u64, buf: &mut [u8]) -> Result<()> {
+        self.read_tensor_at_cached(t, at, buf, false)
+    }
+
+    /// [`Checkpoint::read_tensor_at`], leaving the pages cached when `keep_cached` (for data
+    /// read twice in short order, such as the scales `repack-fp4` inspects before writing).
+    pub fn read_tensor_at_cached(
+        &self,
+        t: &TensorRef,
+        at: u64,
+        buf: &mut [u8],
+        keep_cached: bool,
+    ) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let pieces: Vec<(usize, u64, u64)> = if t.parts.is_empty() {
             vec![(t.shard, self.file_offset(t), t.info.nbytes())]
@@ -187,7 +199,9 @@ impl Checkpoint {
             s.file
                 .read_exact_at(&mut buf[done..done + n], off + from)
                 .map_err(|e| Error::io(&s.path, e))?;
-            crate::sys::drop_cache(&s.file, off + from, n as u64);
+            if !keep_cached {
+                crate::sys::drop_cache(&s.file, off + from, n as u64);
+            }
             done += n;
             pos += len;
         }
