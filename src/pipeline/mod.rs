@@ -34,6 +34,10 @@ const COPY_PIECE_BYTES: u64 = 64 << 20;
 /// Largest compute chunk; bigger chunks only add latency.
 const MAX_CHUNK_BYTES: u64 = 64 << 20;
 const MIN_CHUNK_BYTES: u64 = 1 << 20;
+/// Written bytes allowed in flight to the disk before the writer waits for the oldest. Larger
+/// windows let dirty pages pile up and the disk alternate between bursts of reads and writes
+/// (measured: merge-lora 1.45× passthrough with a 1 GiB window, 1.25× with 64 MiB).
+const WRITEBACK_WINDOW_MAX_BYTES: u64 = 64 << 20;
 const POLL: Duration = Duration::from_millis(50);
 
 #[derive(Clone, Default)]
@@ -222,7 +226,7 @@ pub fn execute(
     let threads = cfg.threads.max(1);
     let (work_tx, work_rx) = bounded::<Work>(threads * 2);
     let (done_tx, done_rx) = bounded::<Done>(threads * 2);
-    let writeback_window = (cfg.memory_budget / 4).max(8 << 20);
+    let writeback_window = (cfg.memory_budget / 4).clamp(8 << 20, WRITEBACK_WINDOW_MAX_BYTES);
     std::thread::scope(|scope| {
         let sh = &shared;
         scope.spawn(move || {
