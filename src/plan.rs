@@ -238,10 +238,14 @@ impl Plan {
                 None => used[e.source] = true,
             }
         }
+        // A base tensor replaced by another source under its own name (LoRA modules_to_save)
+        // is not dropped.
+        let output_names: std::collections::HashSet<&str> =
+            entries.iter().map(|e| e.name.as_str()).collect();
         let dropped = ckpt.tensors[..ckpt.base_count]
             .iter()
             .zip(&used)
-            .filter(|(_, u)| !**u)
+            .filter(|(t, u)| !**u && !output_names.contains(t.info.name.as_str()))
             .map(|(t, _)| t.info.name.clone())
             .collect();
         let mut renamed = 0;
@@ -251,7 +255,8 @@ impl Plan {
         let mut secondaries: Vec<(usize, usize, usize)> = Vec::new(); // (tensor, primary tensor, output k)
         for e in entries {
             let src = &ckpt.tensors[e.source].info;
-            if e.name != src.name {
+            // Renames by the user's rules; ops that name their outputs (`weight_scale`) don't count.
+            if e.name != src.name && e.derive.is_none() && e.source < ckpt.base_count {
                 renamed += 1;
             }
             let elements = element_count(&e.shape).ok_or_else(|| {
