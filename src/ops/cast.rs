@@ -118,7 +118,8 @@ fn i64_to_f32_odd(x: i128) -> f32 {
     f
 }
 
-fn write_as(dst: DType, vals: impl Iterator<Item = f32>, out: &mut [u8]) {
+/// Writes f32 values as `dst` (BF16, F16 or F32), rounding once to nearest even.
+pub fn write_as(dst: DType, vals: impl Iterator<Item = f32>, out: &mut [u8]) {
     match dst {
         DType::BF16 => {
             for (o, v) in out.chunks_exact_mut(2).zip(vals) {

@@ -12,7 +12,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::cast::{cast_slice, f32_to_bf16, f32_to_f16};
+use super::cast::{cast_slice, f32_to_bf16, write_as};
 use super::Op;
 use crate::format::dtype::DType;
 
@@ -40,17 +40,9 @@ pub struct LoraMerge {
 }
 
 fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
-    if dtype == DType::F32 {
-        return bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-    }
-    let mut out = vec![0u8; bytes.len() / (dtype.bits() / 8) as usize * 4];
-    cast_slice(dtype, DType::F32, bytes, &mut out);
-    out.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    let mut v = vec![0f32; bytes.len() / size(dtype) as usize];
+    decode_into(dtype, bytes, &mut v);
+    v
 }
 
 /// Input ranges of the base rows: the computing op's (FP8 dequantisation), or the stored rows.
@@ -238,9 +230,9 @@ impl Op for LoraMerge {
                     row.iter_mut().for_each(|x| *x *= k);
                 }
             }
-            store_f32(
-                w,
+            write_as(
                 self.dst,
+                w.iter().copied(),
                 &mut out[t0 * cols * dst_size..(t0 + tr) * cols * dst_size],
             );
         }
@@ -268,26 +260,10 @@ fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             .zip(bytes.chunks_exact(2))
             .for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
         _ => {
-            let v = to_f32(dtype, bytes);
-            out.copy_from_slice(&v);
+            let mut f32_bytes = vec![0u8; out.len() * 4];
+            cast_slice(dtype, DType::F32, bytes, &mut f32_bytes);
+            decode_into(DType::F32, &f32_bytes, out);
         }
-    }
-}
-
-fn store_f32(vals: &[f32], dst: DType, out: &mut [u8]) {
-    match dst {
-        DType::BF16 => out
-            .chunks_exact_mut(2)
-            .zip(vals)
-            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_bf16(v).to_le_bytes())),
-        DType::F16 => out
-            .chunks_exact_mut(2)
-            .zip(vals)
-            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_f16(v).to_le_bytes())),
-        _ => out
-            .chunks_exact_mut(4)
-            .zip(vals)
-            .for_each(|(o, &v)| o.copy_from_slice(&v.to_le_bytes())),
     }
 }
 
@@ -509,7 +485,7 @@ impl Op for GroupedLoraMerge {
                 *wv += d * s;
             }
         }
-        store_f32(&w, self.dst, out);
+        write_as(self.dst, w.iter().copied(), out);
         Ok(())
     }
 }

@@ -228,9 +228,7 @@ impl RepackFp4Step {
                     s.shape
                 )));
             }
-            groups_push(
-                &mut found,
-                prefix,
+            found.entry(prefix).or_default().push((
                 proj,
                 Expert {
                     weight: wi,
@@ -238,7 +236,7 @@ impl RepackFp4Step {
                     rows,
                     groups,
                 },
-            );
+            ));
         }
         Ok(found)
     }
@@ -529,15 +527,6 @@ impl RepackFp4Step {
         }
         Ok(changed)
     }
-}
-
-fn groups_push(
-    groups: &mut BTreeMap<String, Vec<(String, Expert)>>,
-    prefix: String,
-    proj: String,
-    x: Expert,
-) {
-    groups.entry(prefix).or_default().push((proj, x));
 }
 
 impl PlanStep for RepackFp4Step {
