@@ -7,6 +7,7 @@ pub mod cli;
 pub mod commands;
 pub mod error;
 pub mod format;
+pub mod gpu;
 pub mod layout;
 pub mod ops;
 pub mod output;

@@ -123,6 +123,119 @@ impl EngramRequant {
     }
 }
 
+impl EngramRequant {
+    /// Folds the sums of a run of rows (from the CPU or a GPU kernel) into the statistics.
+    pub fn add_rows(&self, rows: &[RowSums], clamped_low: u64) {
+        let mut local = QualityStats {
+            min_cosine: f64::INFINITY,
+            ..Default::default()
+        };
+        for r in rows {
+            let cos = match (r.xx == 0.0, r.yy == 0.0) {
+                (true, true) => 1.0,
+                (true, false) | (false, true) => 0.0,
+                _ => r.dot / (r.xx.sqrt() * r.yy.sqrt()),
+            };
+            local.rows += 1;
+            local.sum_cosine += cos;
+            local.min_cosine = local.min_cosine.min(cos);
+            local.sum_sq_ref += r.xx;
+            local.sum_sq_err += r.sq_err;
+        }
+        let mut st = self.stats.lock().unwrap();
+        st.rows += local.rows;
+        st.blocks += local.rows * (self.cols / BLOCK as u64);
+        st.clamped_low += clamped_low;
+        st.sum_cosine += local.sum_cosine;
+        st.min_cosine = st.min_cosine.min(local.min_cosine);
+        st.sum_sq_err += local.sum_sq_err;
+        st.sum_sq_ref += local.sum_sq_ref;
+    }
+}
+
+/// One row's quality sums in f64, scaled back to the tensor's values: `Σ x·y`, `Σ x²`, `Σ y²`
+/// and `Σ (x-y)²`, the blocks taken in order. Same layout as `RowSums` in kernels/fp4.cuh.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct RowSums {
+    pub dot: f64,
+    pub xx: f64,
+    pub yy: f64,
+    pub sq_err: f64,
+}
+
+/// Requantises row `r` (`codes`: E4M3, `scales`: E8M0 per 32) into packed E2M1 and new scales;
+/// returns its sums and the number of blocks raised to the smallest scale.
+pub fn requant_row(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+) -> Result<(RowSums, u64), String> {
+    let lut = e4m3_table();
+    let mut row = RowSums::default();
+    let mut clamped = 0;
+    for (b, &e) in scales.iter().enumerate() {
+        if e == 0xFF {
+            return Err(format!("scale at [{r}, {b}] is NaN (E8M0 0xff)"));
+        }
+        let block = &codes[b * BLOCK..(b + 1) * BLOCK];
+        if let Some(j) = block.iter().position(|&c| e4m3_is_nan(c)) {
+            return Err(format!(
+                "non-finite F8_E4M3 code {:#04x} at [{r}, {}]",
+                block[j],
+                b * BLOCK + j
+            ));
+        }
+        let m = block
+            .iter()
+            .map(|&c| lut[c as usize].abs())
+            .fold(0f32, f32::max);
+        let amax = m as f64 * pow2(e as i32 - 127);
+        let p = if amax == 0.0 {
+            -127
+        } else {
+            fp4_scale_exponent(amax)
+        };
+        if p > 127 {
+            return Err(format!(
+                "block [{r}, {b}] needs scale 2^{p}, beyond F8_E8M0's 2^127"
+            ));
+        }
+        let p = if p < -127 {
+            clamped += 1;
+            -127
+        } else {
+            p
+        };
+        new_scales[b] = (p + 127) as u8;
+        // Values relative to the new scale: e4m3 · 2^(e-127-p), exact in f32 because the
+        // product is at most 6 and at least 2^-9 · 2^-7.
+        let rel = pow2(e as i32 - 127 - p) as f32;
+        let (mut bdot, mut bxx, mut byy) = (0f32, 0f32, 0f32);
+        for (o, pair) in out[b * BLOCK / 2..(b + 1) * BLOCK / 2]
+            .iter_mut()
+            .zip(block.chunks_exact(2))
+        {
+            let x0 = lut[pair[0] as usize] * rel;
+            let x1 = lut[pair[1] as usize] * rel;
+            let (q0, q1) = (f32_to_e2m1(x0), f32_to_e2m1(x1));
+            *o = q0 | (q1 << 4);
+            let (y0, y1) = (e2m1_to_f32(q0), e2m1_to_f32(q1));
+            bdot += x0 * y0 + x1 * y1;
+            bxx += x0 * x0 + x1 * x1;
+            byy += y0 * y0 + y1 * y1;
+        }
+        let s2 = pow2(2 * p);
+        row.dot += bdot as f64 * s2;
+        row.xx += bxx as f64 * s2;
+        row.yy += byy as f64 * s2;
+        row.sq_err += (bxx as f64 - 2.0 * bdot as f64 + byy as f64).max(0.0) * s2;
+    }
+    Ok((row, clamped))
+}
+
 impl Op for EngramRequant {
     fn name(&self) -> &'static str {
         "requant-e2m1"
@@ -165,98 +278,24 @@ impl Op for EngramRequant {
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let nblocks = cols / BLOCK;
-        let lut = e4m3_table();
         let (codes_out, scales_out) = match outs {
             [a, b] => (a, b),
             _ => unreachable!("two outputs"),
         };
-        let mut local = QualityStats {
-            min_cosine: f64::INFINITY,
-            ..Default::default()
-        };
+        let mut rows = Vec::with_capacity((units.end - units.start) as usize);
+        let mut clamped = 0;
         for (k, r) in units.enumerate() {
-            let codes = &inputs[0][k * cols..(k + 1) * cols];
-            let scales = &inputs[1][k * nblocks..(k + 1) * nblocks];
-            let out = &mut codes_out[k * cols / 2..(k + 1) * cols / 2];
-            let new_scales = &mut scales_out[k * nblocks..(k + 1) * nblocks];
-            let (mut dot, mut xx, mut yy) = (0f64, 0f64, 0f64);
-            for b in 0..nblocks {
-                let e = scales[b];
-                if e == 0xFF {
-                    return Err(format!("scale at [{r}, {b}] is NaN (E8M0 0xff)"));
-                }
-                let block = &codes[b * BLOCK..(b + 1) * BLOCK];
-                if let Some(j) = block.iter().position(|&c| e4m3_is_nan(c)) {
-                    return Err(format!(
-                        "non-finite F8_E4M3 code {:#04x} at [{r}, {}]",
-                        block[j],
-                        b * BLOCK + j
-                    ));
-                }
-                let m = block
-                    .iter()
-                    .map(|&c| lut[c as usize].abs())
-                    .fold(0f32, f32::max);
-                let amax = m as f64 * pow2(e as i32 - 127);
-                let p = if amax == 0.0 {
-                    -127
-                } else {
-                    fp4_scale_exponent(amax)
-                };
-                if p > 127 {
-                    return Err(format!(
-                        "block [{r}, {b}] needs scale 2^{p}, beyond F8_E8M0's 2^127"
-                    ));
-                }
-                let p = if p < -127 {
-                    local.clamped_low += 1;
-                    -127
-                } else {
-                    p
-                };
-                new_scales[b] = (p + 127) as u8;
-                // Values relative to the new scale: e4m3 · 2^(e-127-p), exact in f32 because
-                // the product is at most 6 and at least 2^-9 · 2^-7.
-                let rel = pow2(e as i32 - 127 - p) as f32;
-                let (mut bdot, mut bxx, mut byy) = (0f32, 0f32, 0f32);
-                for (o, pair) in out[b * BLOCK / 2..(b + 1) * BLOCK / 2]
-                    .iter_mut()
-                    .zip(block.chunks_exact(2))
-                {
-                    let x0 = lut[pair[0] as usize] * rel;
-                    let x1 = lut[pair[1] as usize] * rel;
-                    let (q0, q1) = (f32_to_e2m1(x0), f32_to_e2m1(x1));
-                    *o = q0 | (q1 << 4);
-                    let (y0, y1) = (e2m1_to_f32(q0), e2m1_to_f32(q1));
-                    bdot += x0 * y0 + x1 * y1;
-                    bxx += x0 * x0 + x1 * x1;
-                    byy += y0 * y0 + y1 * y1;
-                }
-                let s2 = pow2(2 * p);
-                dot += bdot as f64 * s2;
-                xx += bxx as f64 * s2;
-                yy += byy as f64 * s2;
-                local.sum_sq_err += (bxx as f64 - 2.0 * bdot as f64 + byy as f64).max(0.0) * s2;
-            }
-            local.blocks += nblocks as u64;
-            let cos = match (xx == 0.0, yy == 0.0) {
-                (true, true) => 1.0,
-                (true, false) | (false, true) => 0.0,
-                _ => dot / (xx.sqrt() * yy.sqrt()),
-            };
-            local.rows += 1;
-            local.sum_cosine += cos;
-            local.min_cosine = local.min_cosine.min(cos);
-            local.sum_sq_ref += xx;
+            let (sums, c) = requant_row(
+                r,
+                &inputs[0][k * cols..(k + 1) * cols],
+                &inputs[1][k * nblocks..(k + 1) * nblocks],
+                &mut codes_out[k * cols / 2..(k + 1) * cols / 2],
+                &mut scales_out[k * nblocks..(k + 1) * nblocks],
+            )?;
+            rows.push(sums);
+            clamped += c;
         }
-        let mut st = self.stats.lock().unwrap();
-        st.rows += local.rows;
-        st.blocks += local.blocks;
-        st.clamped_low += local.clamped_low;
-        st.sum_cosine += local.sum_cosine;
-        st.min_cosine = st.min_cosine.min(local.min_cosine);
-        st.sum_sq_err += local.sum_sq_err;
-        st.sum_sq_ref += local.sum_sq_ref;
+        self.add_rows(&rows, clamped);
         Ok(())
     }
     fn report(&self) -> Option<serde_json::Value> {

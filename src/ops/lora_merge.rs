@@ -39,7 +39,7 @@ pub struct LoraMerge {
     pub dst: DType,
 }
 
-fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+pub fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     let mut v = vec![0f32; bytes.len() / size(dtype) as usize];
     decode_into(dtype, bytes, &mut v);
     v
@@ -220,19 +220,12 @@ impl Op for LoraMerge {
                 }
                 continue;
             }
-            for (x, d) in w.iter_mut().zip(delta.iter()) {
-                *x += d * s;
-            }
-            if let Some(m) = &m {
-                for (row, &mag) in w.chunks_exact_mut(cols).zip(&m[t0..t0 + tr]) {
-                    let norm = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32;
-                    let k = mag / norm;
-                    row.iter_mut().for_each(|x| *x *= k);
-                }
-            }
-            write_as(
+            merge_epilogue(
+                w,
+                delta,
+                s,
+                m.as_ref().map(|m| &m[t0..t0 + tr]),
                 self.dst,
-                w.iter().copied(),
                 &mut out[t0 * cols * dst_size..(t0 + tr) * cols * dst_size],
             );
         }
@@ -240,10 +233,37 @@ impl Op for LoraMerge {
     }
 }
 
+/// The merge after the matrix product, for whole rows: `w` (the base rows as f32) becomes
+/// `w + s·delta`, DoRA rows are scaled by `magnitude / ‖row‖₂` (norm summed in f64 in column
+/// order), and the result is rounded once into `out` as `dst`. The CUDA epilogue
+/// (kernels/lora.cuh) is checked against this function bit for bit.
+pub fn merge_epilogue(
+    w: &mut [f32],
+    delta: &[f32],
+    s: f32,
+    magnitude: Option<&[f32]>,
+    dst: DType,
+    out: &mut [u8],
+) {
+    for (x, d) in w.iter_mut().zip(delta.iter()) {
+        *x += d * s;
+    }
+    if let Some(m) = magnitude {
+        let cols = w.len() / m.len().max(1);
+        for (row, &mag) in w.chunks_exact_mut(cols).zip(m) {
+            let norm = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32;
+            let k = mag / norm;
+            row.iter_mut().for_each(|x| *x *= k);
+        }
+    }
+    write_as(dst, w.iter().copied(), out);
+}
+
 /// f32 elements per row tile: 256 KiB of working set per buffer.
 const TILE_ELEMENTS: usize = 64 << 10;
 
-fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+/// Any castable dtype as f32, rounding as `cast` does for an F32 target.
+pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     match dtype {
         DType::F32 => out
             .iter_mut()

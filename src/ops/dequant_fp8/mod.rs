@@ -23,6 +23,7 @@ use super::Op;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::gpu::params::{kernel_dtype, DequantParams, KERNEL_DTYPE_NONE};
 use crate::plan::{edit_config_dtype, Derive, Entry, PlanNotes, PlanStep};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,6 +447,31 @@ impl DequantFp8 {
         lo..hi
     }
 
+    /// The CUDA kernel's description of a chunk of rows (kernels/fp8.cuh).
+    pub fn kernel_params(&self, units: &Range<u64>) -> DequantParams {
+        let l = &self.layout;
+        DequantParams {
+            cols: l.cols,
+            rows: l.rows,
+            block_rows: l.block_rows,
+            block_cols: l.block_cols,
+            grid_cols: l.grid_cols,
+            expert_stride: l.expert_stride,
+            first_row: units.start,
+            scale_base: if self.scale_dtype.is_some() {
+                self.scale_range(units).start
+            } else {
+                0
+            },
+            scale_dtype: self.scale_dtype.map_or(KERNEL_DTYPE_NONE, kernel_dtype),
+            dst: kernel_dtype(self.dst),
+            e5m2: (self.weight_dtype == DType::F8_E5M2) as i32,
+            divide: (self.mode == ScaleMode::Divide) as i32,
+            allow_nonfinite: self.allow_nonfinite as i32,
+            pad: 0,
+        }
+    }
+
     fn decode_scales(&self, bytes: &[u8]) -> Vec<f32> {
         match self.scale_dtype {
             None => vec![1.0],
@@ -564,6 +590,25 @@ fn dequant_row<const DIVIDE: bool, const E5M2: bool>(
     }
 }
 
+/// NaN results (kept with --allow-nonfinite) as one positive quiet NaN per dtype, whatever NaN
+/// the hardware produced (x86, Arm and GPUs differ in sign and payload), so output bytes do not
+/// depend on the device.
+fn canonical_nans(dst: DType, out: &mut [u8]) {
+    match dst {
+        DType::F32 => out.chunks_exact_mut(4).for_each(|o| {
+            if f32::from_le_bytes(o.try_into().unwrap()).is_nan() {
+                o.copy_from_slice(&0x7FC0_0000u32.to_le_bytes());
+            }
+        }),
+        DType::F16 => out.chunks_exact_mut(2).for_each(|o| {
+            if u16::from_le_bytes([o[0], o[1]]) & 0x7FFF > 0x7C00 {
+                o.copy_from_slice(&0x7E00u16.to_le_bytes());
+            }
+        }),
+        _ => {} // BF16 rounding already gives 0x7FC0
+    }
+}
+
 impl Op for DequantFp8 {
     fn name(&self) -> &'static str {
         "dequant-fp8"
@@ -661,6 +706,10 @@ impl Op for DequantFp8 {
                 (ScaleMode::Divide, true) => {
                     dequant_row::<true, true>(self.dst, codes, row_scales, bc, specials, o)
                 }
+            }
+            // Only these can make NaN: a kept non-finite value, or 0/0 when dividing.
+            if self.allow_nonfinite || self.mode == ScaleMode::Divide {
+                canonical_nans(self.dst, o);
             }
         }
         Ok(())

@@ -1,0 +1,64 @@
+// Host build of the kernels' arithmetic for the test suite (tests/kernels.rs): the same .cuh
+// functions the CUDA kernels call, looped over the same indices, behind a C ABI.
+#include "fp4.cuh"
+#include "lora.cuh"
+
+extern "C" {
+
+void tftf_host_cast(const u8* in, u8* out, u64 n, int src, int dst) {
+    for (u64 i = 0; i < n; i++) cast_element(src, dst, in, out, i);
+}
+
+int tftf_host_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,
+                          const DequantParams* p) {
+    int ok = 1;
+    for (u64 i = 0; i < n; i++) ok &= dequant_element(*p, codes, scales, out, i) ? 1 : 0;
+    return ok;
+}
+
+int tftf_host_nv_block_scales(const u8* in, u8* out, u64 n, int g) {
+    int ok = 1;
+    for (u64 i = 0; i < n; i++) {
+        if (in[i] == 0xFF) ok = 0;
+        bool exact;
+        u8 code = nv_block_scale_code((int)in[i] - 127, g, &exact);
+        out[2 * i] = code;
+        out[2 * i + 1] = code;
+    }
+    return ok;
+}
+
+void tftf_host_nv_reencode(const u8* packed, const u8* scales, u8* out, u64 blocks, int g) {
+    for (u64 b = 0; b < blocks; b++)
+        nv_reencode_block(packed + 16 * b, scales[b], g, out + 16 * b);
+}
+
+// Returns 0 on a refused value; fills per-row sums and the count of clamped blocks.
+int tftf_host_engram(const u8* codes, const u8* scales, u8* packed, u8* new_scales, u64 rows,
+                     u64 cols, RowSums* row_sums, u64* clamped) {
+    u64 per_row = cols / 32;
+    *clamped = 0;
+    for (u64 r = 0; r < rows; r++) {
+        RowSums acc = {0.0, 0.0, 0.0, 0.0};
+        for (u64 b = r * per_row; b < (r + 1) * per_row; b++) {
+            BlockSums s;
+            int status =
+                engram_block(codes + 32 * b, scales[b], packed + 16 * b, new_scales + b, &s);
+            if (status == ENGRAM_ERROR) return 0;
+            if (status == ENGRAM_CLAMPED) *clamped += 1;
+            engram_row_add(&acc, s);
+        }
+        row_sums[r] = acc;
+    }
+    return 1;
+}
+
+void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, u8* out, u64 rows,
+                    const LoraParams* p) {
+    float* factors = new float[rows];
+    for (u64 r = 0; r < rows && p->dora; r++)
+        factors[r] = dora_row_factor(*p, base, delta, magnitude, r);
+    for (u64 i = 0; i < rows * p->cols; i++) lora_element(*p, base, delta, factors, out, i);
+    delete[] factors;
+}
+}

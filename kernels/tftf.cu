@@ -1,0 +1,70 @@
+// The CUDA kernels of tftf. Each is a grid-stride loop over the elements (or blocks, or rows)
+// of one chunk, calling the per-element arithmetic in the .cuh headers, which the test suite
+// also compiles for the host and compares bit for bit with the Rust ops. These ops are
+// memory-bound, so there is no shared-memory tiling; a kernel that meets a value its op refuses
+// raises `bad` and the host lets the CPU op produce the error message.
+#include "fp4.cuh"
+#include "lora.cuh"
+
+#define GRID_STRIDE(i, n)                                                             \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                 \
+         i += (u64)blockDim.x * gridDim.x)
+
+extern "C" __global__ void tftf_cast(const u8* in, u8* out, u64 n, int src, int dst) {
+    GRID_STRIDE(i, n) { cast_element(src, dst, in, out, i); }
+}
+
+extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,
+                                            DequantParams p, int* bad) {
+    GRID_STRIDE(i, n) {
+        if (!dequant_element(p, codes, scales, out, i)) *bad = 1;
+    }
+}
+
+extern "C" __global__ void tftf_nv_block_scales(const u8* in, u8* out, u64 n, int g, int* bad) {
+    GRID_STRIDE(i, n) {
+        u8 c = in[i];
+        if (c == 0xFF) *bad = 1;
+        bool exact;
+        u8 code = nv_block_scale_code((int)c - 127, g, &exact);
+        out[2 * i] = code;
+        out[2 * i + 1] = code;
+    }
+}
+
+extern "C" __global__ void tftf_nv_reencode(const u8* packed, const u8* scales, u8* out,
+                                            u64 blocks, int g) {
+    GRID_STRIDE(b, blocks) { nv_reencode_block(packed + 16 * b, scales[b], g, out + 16 * b); }
+}
+
+extern "C" __global__ void tftf_engram_blocks(const u8* codes, const u8* scales, u8* packed,
+                                              u8* new_scales, BlockSums* sums, u64 blocks,
+                                              int* bad, unsigned long long* clamped) {
+    GRID_STRIDE(b, blocks) {
+        int status = engram_block(codes + 32 * b, scales[b], packed + 16 * b, new_scales + b,
+                                  sums + b);
+        if (status == ENGRAM_ERROR) *bad = 1;
+        if (status == ENGRAM_CLAMPED) atomicAdd(clamped, 1ull);
+    }
+}
+
+extern "C" __global__ void tftf_engram_rows(const BlockSums* sums, RowSums* rows, u64 n,
+                                            u64 blocks_per_row) {
+    GRID_STRIDE(r, n) {
+        RowSums acc = {0.0, 0.0, 0.0, 0.0};
+        for (u64 b = r * blocks_per_row; b < (r + 1) * blocks_per_row; b++)
+            engram_row_add(&acc, sums[b]);
+        rows[r] = acc;
+    }
+}
+
+extern "C" __global__ void tftf_dora_factors(const u8* base, const float* delta,
+                                             const float* magnitude, float* factors, u64 rows,
+                                             LoraParams p) {
+    GRID_STRIDE(r, rows) { factors[r] = dora_row_factor(p, base, delta, magnitude, r); }
+}
+
+extern "C" __global__ void tftf_lora(const u8* base, const float* delta, const float* factors,
+                                     u8* out, u64 n, LoraParams p) {
+    GRID_STRIDE(i, n) { lora_element(p, base, delta, factors, out, i); }
+}

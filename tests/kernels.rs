@@ -1,0 +1,761 @@
+//! The CUDA kernels' arithmetic, compiled for the host from the very `kernels/*.cuh` sources the
+//! GPU build uses, checked bit for bit against the Rust CPU ops on random inputs and every edge
+//! code; and the committed PTX checked against those sources. CI has no GPU: this is how it
+//! verifies what the GPU computes.
+
+mod common;
+
+use std::ffi::{c_int, c_void, CString};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use common::Rng;
+use tftf::format::dtype::DType;
+use tftf::gpu::params::{kernel_dtype, DequantParams, LoraParams};
+use tftf::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use tftf::ops::fp4::{requant_row, RowSums};
+use tftf::ops::nvfp4::{NvBlockScales, NvReencode};
+use tftf::ops::Op;
+
+/// Must match OPTIONS in scripts/gen-ptx.py.
+const PTX_OPTIONS: &str = "--gpu-architecture=compute_80 --fmad=false --std=c++17";
+
+struct HostKernels(*mut c_void);
+unsafe impl Send for HostKernels {}
+unsafe impl Sync for HostKernels {}
+
+/// Builds kernels/host.cpp with g++ (no contraction, as the PTX is built with --fmad=false) once
+/// per test run and loads it.
+fn kernels() -> &'static HostKernels {
+    static LIB: OnceLock<HostKernels> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libtftf_host_kernels.so");
+        let status = std::process::Command::new("g++")
+            .args([
+                "-O2",
+                "-std=c++17",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-ffp-contract=off",
+            ])
+            .args([
+                "-fno-fast-math",
+                "-shared",
+                "-fPIC",
+                "kernels/host.cpp",
+                "-o",
+            ])
+            .arg(&out)
+            .status()
+            .expect("g++ runs (the kernel tests compile kernels/host.cpp for the host)");
+        assert!(status.success(), "g++ failed on kernels/host.cpp");
+        let path = CString::new(out.to_str().unwrap()).unwrap();
+        // SAFETY: loading a library we just built; its functions are looked up by name below.
+        let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        assert!(!h.is_null(), "dlopen {}", out.display());
+        HostKernels(h)
+    })
+}
+
+fn sym(name: &str) -> *mut c_void {
+    let c = CString::new(name).unwrap();
+    // SAFETY: the handle is a live library from `kernels()`.
+    let p = unsafe { libc::dlsym(kernels().0, c.as_ptr()) };
+    assert!(!p.is_null(), "symbol {name}");
+    p
+}
+
+macro_rules! host_fn {
+    ($name:literal, fn($($t:ty),*) -> $r:ty) => {{
+        // SAFETY: the symbol has this C signature in kernels/host.cpp.
+        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($t),*) -> $r>(sym($name)) }
+    }};
+}
+
+fn host_cast(src: DType, dst: DType, input: &[u8]) -> Vec<u8> {
+    let n = input.len() as u64 / (src.bits() / 8);
+    let mut out = vec![0u8; (n * dst.bits() / 8) as usize];
+    let f = host_fn!(
+        "tftf_host_cast",
+        fn(*const u8, *mut u8, u64, c_int, c_int) -> ()
+    );
+    unsafe {
+        f(
+            input.as_ptr(),
+            out.as_mut_ptr(),
+            n,
+            kernel_dtype(src),
+            kernel_dtype(dst),
+        )
+    };
+    out
+}
+
+fn hex_diff(what: &str, got: &[u8], want: &[u8], elem: usize) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) =
+        (0..got.len() / elem).find(|&i| got[i * elem..][..elem] != want[i * elem..][..elem])
+    {
+        panic!(
+            "{what}: element {i} differs: kernel {:02x?}, CPU {:02x?}",
+            &got[i * elem..][..elem],
+            &want[i * elem..][..elem]
+        );
+    }
+}
+
+/// Bit patterns that stress a float format: zeros, subnormal edges, infinities, NaNs with
+/// payloads and signs, rounding ties of the 16-bit targets, overflow edges.
+fn f32_edges() -> Vec<u32> {
+    let mut v = vec![
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_0001,
+        0x8000_0001,
+        0x007F_FFFF,
+        0x0080_0000,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0000,
+        0xFFC0_0000,
+        0x7F80_0001,
+        0xFF80_0001,
+        0x7FBF_FFFF,
+        0x7FFF_FFFF,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_7FFF,
+        0x3F80_8001,
+        0x477F_E000,
+        0x477F_F000,
+        0x477F_EFFF,
+        0x4780_0000,
+        0x3300_0000,
+        0x3300_0001,
+        0x32FF_FFFF,
+        0x3380_0000,
+        0x387F_C000,
+        0x3880_0000,
+        0x7F7F_8000,
+        0x7F7F_7FFF,
+    ];
+    for e in 0..256u32 {
+        for m in [
+            0u32, 1, 0x1000, 0x1FFF, 0x2000, 0x6000, 0x8000, 0x7FFF, 0x18000, 0x400000,
+        ] {
+            v.push(e << 23 | m);
+            v.push(0x8000_0000 | e << 23 | m);
+        }
+    }
+    v
+}
+
+fn f64_edges() -> Vec<u64> {
+    let mut v = vec![
+        0,
+        0x8000_0000_0000_0000,
+        1,
+        0x7FF0_0000_0000_0000,
+        0xFFF0_0000_0000_0000,
+        0x7FF8_0000_0000_0000,
+        0xFFF8_0000_0000_0001,
+        0x7FF0_0000_0000_0001,
+        0x7FF4_5678_9ABC_DEF0,
+        0x47EF_FFFF_E000_0000,
+        0x47EF_FFFF_F000_0000,
+        0x47EF_FFFF_EFFF_FFFF,
+        0x47F0_0000_0000_0000,
+        0x3690_0000_0000_0000,
+        0x36A0_0000_0000_0000,
+        0x3FF0_1000_0000_0000,
+        0x3FF0_1000_0000_0001,
+        0x3FF0_0FFF_FFFF_FFFF,
+        0x3FF0_0000_1000_0000,
+        0x3FF0_0000_1000_0001,
+    ];
+    for e in (0..2048u64).step_by(7) {
+        for m in [
+            0u64,
+            1,
+            0x1000_0000,
+            0x1000_0001,
+            0x0FFF_FFFF,
+            0x8_0000_0000_0000,
+        ] {
+            v.push(e << 52 | m);
+            v.push(1 << 63 | e << 52 | m);
+        }
+    }
+    v
+}
+
+fn edge_inputs(src: DType, rng: &mut Rng) -> Vec<u8> {
+    let mut v: Vec<u8> = match src {
+        DType::F32 => f32_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F64 => f64_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 | DType::BF16 | DType::I16 | DType::U16 => {
+            (0..=u16::MAX).flat_map(|x| x.to_le_bytes()).collect()
+        }
+        DType::BOOL => vec![0, 1],
+        DType::U8 | DType::I8 => (0..=255).collect(),
+        DType::I32 | DType::U32 => [
+            0u32,
+            1,
+            0x7FFF_FFFF,
+            0x8000_0000,
+            0xFFFF_FFFF,
+            0x0100_0001,
+            0x0100_0003,
+            0x0300_0002,
+            0xFFFF_FF7F,
+            0x00FF_FFFF,
+            0x0200_0003,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect(),
+        _ => [
+            0u64,
+            1,
+            u64::MAX,
+            1 << 63,
+            (1 << 63) - 1,
+            0x0100_0000_0000_0001,
+            0x0000_0000_0100_0001,
+            0xFFFF_FFFF_FEFF_FFFF,
+            0x8000_0080_0000_0000,
+            0x8000_0080_0000_0001,
+            0x00FF_FFFF_8000_0000,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect(),
+    };
+    if src != DType::BOOL {
+        v.extend(rng.bytes(64 << 10));
+        if src == DType::F32 {
+            v.extend(rng.f32s(16 << 10));
+        }
+    }
+    v
+}
+
+#[test]
+fn casts_match_the_cpu_op_bit_for_bit() {
+    let mut rng = Rng(1);
+    let sources = [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::BOOL,
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+    ];
+    for src in sources {
+        let input = edge_inputs(src, &mut rng);
+        let input = &input[..input.len() / (src.bits() / 8) as usize * (src.bits() / 8) as usize];
+        for dst in [DType::BF16, DType::F16, DType::F32] {
+            if src == dst {
+                continue;
+            }
+            let n = input.len() / (src.bits() / 8) as usize;
+            let mut want = vec![0u8; n * (dst.bits() / 8) as usize];
+            tftf::ops::cast::cast_slice(src, dst, input, &mut want);
+            let got = host_cast(src, dst, input);
+            hex_diff(
+                &format!("{src}->{dst}"),
+                &got,
+                &want,
+                (dst.bits() / 8) as usize,
+            );
+        }
+    }
+}
+
+fn host_dequant(
+    op: &DequantFp8,
+    units: Range<u64>,
+    codes: &[u8],
+    scales: &[u8],
+) -> Option<Vec<u8>> {
+    let p = op.kernel_params(&units);
+    let n = codes.len() as u64;
+    let mut out = vec![0u8; (n * op.dst.bits() / 8) as usize];
+    let f = host_fn!(
+        "tftf_host_dequant_fp8",
+        fn(*const u8, *const u8, *mut u8, u64, *const DequantParams) -> c_int
+    );
+    let ok = unsafe { f(codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr(), n, &p) };
+    (ok != 0).then_some(out)
+}
+
+fn cpu_compute(op: &dyn Op, units: Range<u64>, inputs: &[&[u8]]) -> Result<Vec<u8>, String> {
+    let mut out = vec![0u8; ((units.end - units.start) * op.out_unit_bytes()) as usize];
+    op.compute(units, inputs, &mut out).map(|_| out)
+}
+
+fn scale_bytes(d: DType, n: usize, rng: &mut Rng, nonfinite: bool) -> Vec<u8> {
+    match d {
+        DType::F8_E8M0 => (0..n)
+            .map(|i| {
+                if nonfinite && i == 3 {
+                    0xFF
+                } else {
+                    (rng.next_u32() % 60) as u8 + 97
+                }
+            })
+            .collect(),
+        _ => {
+            let vals: Vec<f32> = (0..n)
+                .map(|i| match i % 5 {
+                    _ if nonfinite && i == 2 => f32::from_bits(0xFFC0_0001),
+                    0 => 2f32.powi((rng.next_u32() % 40) as i32 - 30),
+                    1 => 1e-5 * (1.0 + (rng.next_u32() % 1000) as f32),
+                    _ => (rng.next_u32() as f32 / u32::MAX as f32) * 8.0 + 1e-3,
+                })
+                .collect();
+            let mut out = vec![0u8; n * (d.bits() / 8) as usize];
+            let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if d == DType::F32 {
+                out.copy_from_slice(&bytes);
+            } else {
+                tftf::ops::cast::cast_slice(DType::F32, d, &bytes, &mut out);
+            }
+            out
+        }
+    }
+}
+
+#[test]
+fn fp8_dequant_matches_the_cpu_op_bit_for_bit() {
+    let mut rng = Rng(2);
+    // (experts, rows, cols, block rows, block cols): ragged block grids, per-row, per-tensor.
+    let layouts = [
+        (1u64, 37u64, 300u64, 16u64, 128u64),
+        (3, 20, 64, 8, 32),
+        (1, 9, 256, 1, 256),
+        (2, 6, 40, 6, 40),
+    ];
+    for (experts, rows, cols, br, bc) in layouts {
+        let gr = rows.div_ceil(br);
+        let gc = cols.div_ceil(bc);
+        for weight in [DType::F8_E4M3, DType::F8_E5M2] {
+            for scale in [
+                None,
+                Some(DType::F32),
+                Some(DType::BF16),
+                Some(DType::F16),
+                Some(DType::F8_E8M0),
+            ] {
+                for dst in [DType::BF16, DType::F16, DType::F32] {
+                    for (mode, allow) in [
+                        (ScaleMode::Multiply, false),
+                        (ScaleMode::Divide, false),
+                        (ScaleMode::Multiply, true),
+                        (ScaleMode::Divide, true),
+                    ] {
+                        // Without a scale tensor the op sees one implicit scale for all.
+                        let whole = scale.is_none();
+                        let per_tensor = whole || (br == rows && bc == cols && experts == 2);
+                        let op = DequantFp8 {
+                            weight_dtype: weight,
+                            scale_dtype: scale,
+                            layout: ScaleLayout {
+                                experts,
+                                rows,
+                                cols,
+                                expert_stride: if per_tensor { 0 } else { gr * gc },
+                                grid_cols: if whole { 1 } else { gc },
+                                block_rows: if whole { rows } else { br },
+                                block_cols: if whole { cols } else { bc },
+                            },
+                            mode,
+                            dst,
+                            allow_nonfinite: allow,
+                        };
+                        let total = (experts * rows * cols) as usize;
+                        let mut codes = rng.bytes(total);
+                        // Every code, specials included, appears when allowed.
+                        for (i, c) in codes.iter_mut().take(256).enumerate() {
+                            *c = i as u8;
+                        }
+                        if !allow {
+                            let nonfinite = |c: u8| {
+                                if weight == DType::F8_E5M2 {
+                                    c & 0x7C == 0x7C
+                                } else {
+                                    c & 0x7F == 0x7F
+                                }
+                            };
+                            codes
+                                .iter_mut()
+                                .filter(|c| nonfinite(**c))
+                                .for_each(|c| *c &= 0x3F);
+                        }
+                        let nscales = if per_tensor {
+                            1
+                        } else {
+                            (experts * gr * gc) as usize
+                        };
+                        let sbytes = scale
+                            .map(|d| scale_bytes(d, nscales, &mut rng, allow))
+                            .unwrap_or_default();
+                        let units_all = experts * rows;
+                        let g = op.granularity();
+                        for units in [
+                            0..units_all,
+                            g..units_all.min(3 * g),
+                            (units_all - g)..units_all,
+                        ] {
+                            let inputs_r = op.input_ranges(units.clone());
+                            let c = &codes[inputs_r[0].start as usize..inputs_r[0].end as usize];
+                            let s = inputs_r
+                                .get(1)
+                                .map_or(&[][..], |r| &sbytes[r.start as usize..r.end as usize]);
+                            let mut ins: Vec<&[u8]> = vec![c];
+                            if scale.is_some() {
+                                ins.push(s);
+                            }
+                            let what = format!("{weight}/{scale:?}->{dst} {mode:?} allow={allow} {experts}x{rows}x{cols} {br}x{bc} units {units:?}");
+                            let want = cpu_compute(&op, units.clone(), &ins);
+                            let got = host_dequant(&op, units.clone(), c, s);
+                            match (got, want) {
+                                (Some(g), Ok(w)) => {
+                                    hex_diff(&what, &g, &w, (dst.bits() / 8) as usize)
+                                }
+                                (None, Err(_)) => {}
+                                (g, w) => {
+                                    panic!("{what}: kernel ok={}, CPU {:?}", g.is_some(), w.err())
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn refused_values_are_refused_by_the_kernel_too() {
+    let op = DequantFp8 {
+        weight_dtype: DType::F8_E4M3,
+        scale_dtype: Some(DType::F32),
+        layout: ScaleLayout {
+            experts: 1,
+            rows: 2,
+            cols: 4,
+            expert_stride: 1,
+            grid_cols: 1,
+            block_rows: 2,
+            block_cols: 4,
+        },
+        mode: ScaleMode::Multiply,
+        dst: DType::BF16,
+        allow_nonfinite: false,
+    };
+    let one = 1f32.to_le_bytes();
+    let codes = [0x38u8, 0x7F, 0, 0, 0, 0, 0, 0];
+    assert!(host_dequant(&op, 0..2, &codes, &one).is_none());
+    assert!(cpu_compute(&op, 0..2, &[&codes, &one])
+        .unwrap_err()
+        .contains("non-finite F8_E4M3 code 0x7f at [0, 1]"));
+    let inf = f32::INFINITY.to_le_bytes();
+    assert!(host_dequant(&op, 0..2, &[0; 8], &inf).is_none());
+    assert!(host_dequant(&op, 0..2, &[0; 8], &one).is_some());
+}
+
+#[test]
+fn nvfp4_scale_transcode_matches_the_cpu_op() {
+    let f = host_fn!(
+        "tftf_host_nv_block_scales",
+        fn(*const u8, *mut u8, u64, c_int) -> c_int
+    );
+    let all: Vec<u8> = (0..=254).collect();
+    for g in -140..=140 {
+        let op = NvBlockScales {
+            rows: 1,
+            groups: all.len() as u64,
+            g,
+        };
+        let want = cpu_compute(&op, 0..1, &[&all]).unwrap();
+        let mut got = vec![0u8; want.len()];
+        assert_eq!(
+            unsafe { f(all.as_ptr(), got.as_mut_ptr(), all.len() as u64, g) },
+            1
+        );
+        hex_diff(&format!("g={g}"), &got, &want, 2);
+    }
+    let nan = [127u8, 0xFF];
+    let mut got = [0u8; 4];
+    assert_eq!(unsafe { f(nan.as_ptr(), got.as_mut_ptr(), 2, 0) }, 0);
+    assert!(cpu_compute(
+        &NvBlockScales {
+            rows: 1,
+            groups: 2,
+            g: 0
+        },
+        0..1,
+        &[&nan]
+    )
+    .is_err());
+}
+
+#[test]
+fn nvfp4_reencode_matches_the_cpu_op() {
+    let f = host_fn!(
+        "tftf_host_nv_reencode",
+        fn(*const u8, *const u8, *mut u8, u64, c_int) -> ()
+    );
+    let mut rng = Rng(3);
+    let scales: Vec<u8> = (0..=254).collect();
+    let mut packed = rng.bytes(16 * scales.len());
+    packed[16..32].fill(0x88); // an all-±0 block
+    for g in [-127, -20, -3, 0, 5, 30, 120] {
+        let op = NvReencode {
+            rows: 1,
+            groups: scales.len() as u64,
+            g,
+        };
+        let want = cpu_compute(&op, 0..1, &[&packed, &scales]).unwrap();
+        let mut got = vec![0u8; want.len()];
+        unsafe {
+            f(
+                packed.as_ptr(),
+                scales.as_ptr(),
+                got.as_mut_ptr(),
+                scales.len() as u64,
+                g,
+            )
+        };
+        hex_diff(&format!("g={g}"), &got, &want, 16);
+    }
+}
+
+fn host_engram(
+    codes: &[u8],
+    scales: &[u8],
+    rows: u64,
+    cols: u64,
+) -> Option<(Vec<u8>, Vec<u8>, Vec<RowSums>, u64)> {
+    let f = host_fn!(
+        "tftf_host_engram",
+        fn(*const u8, *const u8, *mut u8, *mut u8, u64, u64, *mut RowSums, *mut u64) -> c_int
+    );
+    let mut packed = vec![0u8; codes.len() / 2];
+    let mut new_scales = vec![0u8; scales.len()];
+    let mut sums = vec![RowSums::default(); rows as usize];
+    let mut clamped = 0u64;
+    let ok = unsafe {
+        f(
+            codes.as_ptr(),
+            scales.as_ptr(),
+            packed.as_mut_ptr(),
+            new_scales.as_mut_ptr(),
+            rows,
+            cols,
+            sums.as_mut_ptr(),
+            &mut clamped,
+        )
+    };
+    (ok != 0).then_some((packed, new_scales, sums, clamped))
+}
+
+#[test]
+fn engram_requant_and_its_quality_sums_match_the_cpu_op() {
+    let mut rng = Rng(4);
+    let (rows, cols) = (64u64, 256u64);
+    let nb = (cols / 32) as usize;
+    let mut codes = rng.bytes((rows * cols) as usize);
+    codes
+        .iter_mut()
+        .filter(|c| **c & 0x7F == 0x7F)
+        .for_each(|c| *c = 0x7E);
+    for (i, c) in codes.iter_mut().take(254).enumerate() {
+        *c = if i as u8 & 0x7F == 0x7F { 0 } else { i as u8 };
+    }
+    codes[256..288].fill(0); // all-zero block
+    codes[288..320].fill(0x80); // all -0
+    let mut scales: Vec<u8> = (0..rows as usize * nb)
+        .map(|_| (rng.next_u32() % 200) as u8)
+        .collect();
+    scales[20] = 0; // 2^-127 with tiny codes: clamped
+    codes[20 * 32..21 * 32].fill(0x01);
+    scales[21] = 254; // near the top
+    codes[21 * 32..22 * 32].fill(0x30);
+    let (packed, new_scales, sums, clamped) =
+        host_engram(&codes, &scales, rows, cols).expect("kernel accepts");
+    let mut want_packed = vec![0u8; packed.len()];
+    let mut want_scales = vec![0u8; new_scales.len()];
+    let mut want_clamped = 0;
+    for r in 0..rows as usize {
+        let (s, c) = requant_row(
+            r as u64,
+            &codes[r * cols as usize..(r + 1) * cols as usize],
+            &scales[r * nb..(r + 1) * nb],
+            &mut want_packed[r * cols as usize / 2..(r + 1) * cols as usize / 2],
+            &mut want_scales[r * nb..(r + 1) * nb],
+        )
+        .unwrap();
+        want_clamped += c;
+        for (name, g, w) in [
+            ("dot", sums[r].dot, s.dot),
+            ("xx", sums[r].xx, s.xx),
+            ("yy", sums[r].yy, s.yy),
+            ("sq_err", sums[r].sq_err, s.sq_err),
+        ] {
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "row {r} {name}: kernel {g}, CPU {w}"
+            );
+        }
+    }
+    assert!(want_clamped > 0);
+    assert_eq!(clamped, want_clamped);
+    hex_diff("packed", &packed, &want_packed, 1);
+    hex_diff("scales", &new_scales, &want_scales, 1);
+    // Refused inputs: NaN scale, NaN code, scale beyond 2^127.
+    let mut bad = scales.clone();
+    bad[5] = 0xFF;
+    assert!(host_engram(&codes, &bad, rows, cols).is_none());
+    let mut bad = codes.clone();
+    bad[1000] = 0xFF;
+    assert!(host_engram(&bad, &scales, rows, cols).is_none());
+    let (big_c, big_s) = ([0x7Eu8; 32], [254u8]);
+    assert!(host_engram(&big_c, &big_s, 1, 32).is_none());
+    let (mut o, mut s) = ([0u8; 16], [0u8; 1]);
+    assert!(requant_row(0, &big_c, &big_s, &mut o, &mut s)
+        .unwrap_err()
+        .contains("beyond F8_E8M0"));
+}
+
+#[test]
+fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_lora",
+        fn(*const u8, *const f32, *const f32, *mut u8, u64, *const LoraParams) -> ()
+    );
+    let mut rng = Rng(5);
+    let (rows, cols) = (24usize, 100usize);
+    for base_dtype in [DType::BF16, DType::F16, DType::F32] {
+        for dst in [DType::BF16, DType::F16, DType::F32] {
+            for dora in [false, true] {
+                let w32 = rng.f32s(rows * cols);
+                let mut base = vec![0u8; rows * cols * (base_dtype.bits() / 8) as usize];
+                if base_dtype == DType::F32 {
+                    base.copy_from_slice(&w32);
+                } else {
+                    tftf::ops::cast::cast_slice(DType::F32, base_dtype, &w32, &mut base);
+                }
+                let delta: Vec<f32> = rng
+                    .f32s(rows * cols)
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                let mag: Vec<f32> = (0..rows)
+                    .map(|_| rng.next_u32() as f32 / u32::MAX as f32 + 0.01)
+                    .collect();
+                let s = 0.37f32;
+                let mut w = tftf::ops::lora_merge::to_f32(base_dtype, &base);
+                let mut want = vec![0u8; rows * cols * (dst.bits() / 8) as usize];
+                tftf::ops::lora_merge::merge_epilogue(
+                    &mut w,
+                    &delta,
+                    s,
+                    dora.then_some(&mag[..]),
+                    dst,
+                    &mut want,
+                );
+                let p = LoraParams {
+                    cols: cols as u64,
+                    scale: s,
+                    base_dtype: kernel_dtype(base_dtype),
+                    dst: kernel_dtype(dst),
+                    dora: dora as i32,
+                    pad: 0,
+                };
+                let mut got = vec![0u8; want.len()];
+                unsafe {
+                    f(
+                        base.as_ptr(),
+                        delta.as_ptr(),
+                        mag.as_ptr(),
+                        got.as_mut_ptr(),
+                        rows as u64,
+                        &p,
+                    )
+                };
+                hex_diff(
+                    &format!("{base_dtype}->{dst} dora={dora}"),
+                    &got,
+                    &want,
+                    (dst.bits() / 8) as usize,
+                );
+            }
+        }
+    }
+}
+
+/// kernels/tftf.ptx records a hash of the sources it was built from (scripts/gen-ptx.py).
+#[test]
+fn committed_ptx_is_built_from_the_current_sources() {
+    use sha2::{Digest, Sha256};
+    let mut names: Vec<String> = std::fs::read_dir("kernels")
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".cu") || n.ends_with(".cuh"))
+        .collect();
+    names.sort();
+    let mut h = Sha256::new();
+    h.update(PTX_OPTIONS.as_bytes());
+    h.update([0]);
+    for n in &names {
+        h.update(n.as_bytes());
+        h.update([0]);
+        h.update(std::fs::read(Path::new("kernels").join(n)).unwrap());
+        h.update([0]);
+    }
+    let want: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let ptx = std::fs::read_to_string("kernels/tftf.ptx").unwrap();
+    let first = ptx.lines().next().unwrap();
+    assert_eq!(
+        first,
+        format!("// tftf-kernels-sha256: {want}"),
+        "kernels/tftf.ptx is stale: run python3 scripts/gen-ptx.py and commit the result"
+    );
+    for entry in [
+        "tftf_cast",
+        "tftf_dequant_fp8",
+        "tftf_nv_block_scales",
+        "tftf_nv_reencode",
+        "tftf_engram_blocks",
+        "tftf_engram_rows",
+        "tftf_dora_factors",
+        "tftf_lora",
+    ] {
+        assert!(
+            ptx.contains(&format!(".entry {entry}(")),
+            "PTX lacks {entry}"
+        );
+    }
+    assert!(
+        ptx.contains(".version 8.2"),
+        "PTX ISA must stay at 8.2 for R535 drivers"
+    );
+    assert!(
+        !ptx.contains("fma.rn.f32") && !ptx.contains("fma.rn.f64"),
+        "contracted multiply-adds would break bit-exactness"
+    );
+}
