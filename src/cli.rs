@@ -41,6 +41,19 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Build a small example checkpoint, convert it, validate the result and print a summary
     Demo(DemoArgs),
+    /// Check every GPU kernel against the CPU ops on random and edge inputs (exit 1 on any
+    /// mismatch); without a GPU, check the CPU ops give the same bytes in one chunk or two
+    Selftest(SelftestArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SelftestArgs {
+    /// auto (a CUDA GPU when one is usable, else the CPU), cpu, cuda or cuda:N
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
+    /// Print only the summary line (and failures)
+    #[arg(short, long)]
+    pub quiet: bool,
 }
 
 #[derive(Args, Debug)]
@@ -95,6 +108,10 @@ pub struct WriteArgs {
     /// Copy untouched tensors through user memory instead of copy_file_range
     #[arg(long)]
     pub no_reflink: bool,
+    /// Where ops compute: auto (a CUDA GPU when a driver and device exist, else the CPU), cpu,
+    /// cuda or cuda:N
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
 }
 
 #[derive(Args, Debug)]
@@ -205,9 +222,6 @@ pub struct Fp4RepackArgs {
     /// Leave config.json as it is
     #[arg(long)]
     pub no_config_update: bool,
-    /// Compute device: auto or cpu (the CUDA backend is not part of this build)
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
 }
 
 #[derive(Args, Debug)]

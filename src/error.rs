@@ -161,6 +161,10 @@ pub enum Error {
     #[error("{0}")]
     Usage(String),
 
+    /// A requested GPU that cannot be used, or a CUDA call that failed.
+    #[error("{0}")]
+    Device(String),
+
     #[error("interrupted; temporary output removed")]
     Cancelled,
 

@@ -2,6 +2,7 @@ use clap::CommandFactory;
 
 fn main() {
     tftf::sys::return_freed_buffers_to_the_os();
+    tftf::sys::default_sigpipe();
     let matches = tftf::cli::Cli::command().get_matches();
     let cancel = tftf::pipeline::Cancel::default();
     let on_signal = cancel.clone();

@@ -389,6 +389,13 @@ impl Plan {
             .count()
     }
 
+    /// Whether any computed tensor has a GPU kernel (so a device is worth opening).
+    pub fn has_gpu_ops(&self) -> bool {
+        self.tensors
+            .iter()
+            .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.gpu().is_some()))
+    }
+
     /// `model.safetensors.index.json` content, for directory outputs with several shards.
     pub fn index_json(&self) -> Option<String> {
         if self.shards.len() < 2 || matches!(self.kind, OutputKind::File) {

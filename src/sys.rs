@@ -250,3 +250,13 @@ pub fn filesystem_name(path: &Path) -> &'static str {
 pub fn can_reflink(fs: &str) -> bool {
     matches!(fs, "xfs" | "btrfs" | "bcachefs" | "zfs")
 }
+
+/// Lets a closed stdout (`tftf info … | head`) end the process quietly, as it does for other
+/// command-line tools, instead of a panic in `println!`. Stdout is written only after outputs
+/// are committed, so no temporary file can be left by it.
+pub fn default_sigpipe() {
+    // SAFETY: restoring the default disposition of one signal.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

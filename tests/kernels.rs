@@ -3,16 +3,15 @@
 //! code; and the committed PTX checked against those sources. CI has no GPU: this is how it
 //! verifies what the GPU computes.
 
-mod common;
-
 use std::ffi::{c_int, c_void, CString};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use common::Rng;
 use tftf::format::dtype::DType;
 use tftf::gpu::params::{kernel_dtype, DequantParams, LoraParams};
+use tftf::gpu::selftest::{self, Lcg as Rng};
+use tftf::gpu::GpuKernel;
 use tftf::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use tftf::ops::fp4::{requant_row, RowSums};
 use tftf::ops::nvfp4::{NvBlockScales, NvReencode};
@@ -106,181 +105,24 @@ fn hex_diff(what: &str, got: &[u8], want: &[u8], elem: usize) {
     }
 }
 
-/// Bit patterns that stress a float format: zeros, subnormal edges, infinities, NaNs with
-/// payloads and signs, rounding ties of the 16-bit targets, overflow edges.
-fn f32_edges() -> Vec<u32> {
-    let mut v = vec![
-        0x0000_0000,
-        0x8000_0000,
-        0x0000_0001,
-        0x8000_0001,
-        0x007F_FFFF,
-        0x0080_0000,
-        0x7F7F_FFFF,
-        0xFF7F_FFFF,
-        0x7F80_0000,
-        0xFF80_0000,
-        0x7FC0_0000,
-        0xFFC0_0000,
-        0x7F80_0001,
-        0xFF80_0001,
-        0x7FBF_FFFF,
-        0x7FFF_FFFF,
-        0x3F80_8000,
-        0x3F81_8000,
-        0x3F80_7FFF,
-        0x3F80_8001,
-        0x477F_E000,
-        0x477F_F000,
-        0x477F_EFFF,
-        0x4780_0000,
-        0x3300_0000,
-        0x3300_0001,
-        0x32FF_FFFF,
-        0x3380_0000,
-        0x387F_C000,
-        0x3880_0000,
-        0x7F7F_8000,
-        0x7F7F_7FFF,
-    ];
-    for e in 0..256u32 {
-        for m in [
-            0u32, 1, 0x1000, 0x1FFF, 0x2000, 0x6000, 0x8000, 0x7FFF, 0x18000, 0x400000,
-        ] {
-            v.push(e << 23 | m);
-            v.push(0x8000_0000 | e << 23 | m);
-        }
-    }
-    v
-}
-
-fn f64_edges() -> Vec<u64> {
-    let mut v = vec![
-        0,
-        0x8000_0000_0000_0000,
-        1,
-        0x7FF0_0000_0000_0000,
-        0xFFF0_0000_0000_0000,
-        0x7FF8_0000_0000_0000,
-        0xFFF8_0000_0000_0001,
-        0x7FF0_0000_0000_0001,
-        0x7FF4_5678_9ABC_DEF0,
-        0x47EF_FFFF_E000_0000,
-        0x47EF_FFFF_F000_0000,
-        0x47EF_FFFF_EFFF_FFFF,
-        0x47F0_0000_0000_0000,
-        0x3690_0000_0000_0000,
-        0x36A0_0000_0000_0000,
-        0x3FF0_1000_0000_0000,
-        0x3FF0_1000_0000_0001,
-        0x3FF0_0FFF_FFFF_FFFF,
-        0x3FF0_0000_1000_0000,
-        0x3FF0_0000_1000_0001,
-    ];
-    for e in (0..2048u64).step_by(7) {
-        for m in [
-            0u64,
-            1,
-            0x1000_0000,
-            0x1000_0001,
-            0x0FFF_FFFF,
-            0x8_0000_0000_0000,
-        ] {
-            v.push(e << 52 | m);
-            v.push(1 << 63 | e << 52 | m);
-        }
-    }
-    v
-}
-
-fn edge_inputs(src: DType, rng: &mut Rng) -> Vec<u8> {
-    let mut v: Vec<u8> = match src {
-        DType::F32 => f32_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::F64 => f64_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::F16 | DType::BF16 | DType::I16 | DType::U16 => {
-            (0..=u16::MAX).flat_map(|x| x.to_le_bytes()).collect()
-        }
-        DType::BOOL => vec![0, 1],
-        DType::U8 | DType::I8 => (0..=255).collect(),
-        DType::I32 | DType::U32 => [
-            0u32,
-            1,
-            0x7FFF_FFFF,
-            0x8000_0000,
-            0xFFFF_FFFF,
-            0x0100_0001,
-            0x0100_0003,
-            0x0300_0002,
-            0xFFFF_FF7F,
-            0x00FF_FFFF,
-            0x0200_0003,
-        ]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect(),
-        _ => [
-            0u64,
-            1,
-            u64::MAX,
-            1 << 63,
-            (1 << 63) - 1,
-            0x0100_0000_0000_0001,
-            0x0000_0000_0100_0001,
-            0xFFFF_FFFF_FEFF_FFFF,
-            0x8000_0080_0000_0000,
-            0x8000_0080_0000_0001,
-            0x00FF_FFFF_8000_0000,
-        ]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect(),
-    };
-    if src != DType::BOOL {
-        v.extend(rng.bytes(64 << 10));
-        if src == DType::F32 {
-            v.extend(rng.f32s(16 << 10));
-        }
-    }
-    v
-}
-
+/// The selftest's cast cases (every 16-bit code, float edges, integer rounding edges, random
+/// bytes), on the host build.
 #[test]
 fn casts_match_the_cpu_op_bit_for_bit() {
-    let mut rng = Rng(1);
-    let sources = [
-        DType::F64,
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::BOOL,
-        DType::U8,
-        DType::I8,
-        DType::I16,
-        DType::U16,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-    ];
-    for src in sources {
-        let input = edge_inputs(src, &mut rng);
-        let input = &input[..input.len() / (src.bits() / 8) as usize * (src.bits() / 8) as usize];
-        for dst in [DType::BF16, DType::F16, DType::F32] {
-            if src == dst {
-                continue;
-            }
-            let n = input.len() / (src.bits() / 8) as usize;
-            let mut want = vec![0u8; n * (dst.bits() / 8) as usize];
-            tftf::ops::cast::cast_slice(src, dst, input, &mut want);
-            let got = host_cast(src, dst, input);
-            hex_diff(
-                &format!("{src}->{dst}"),
-                &got,
-                &want,
-                (dst.bits() / 8) as usize,
-            );
-        }
+    let mut n = 0;
+    for case in selftest::cases() {
+        let Some(GpuKernel::Cast { src, dst }) = case.op.gpu() else {
+            continue;
+        };
+        let mut want = vec![0u8; (case.op.units() * case.op.out_unit_bytes()) as usize];
+        case.op
+            .compute(0..case.op.units(), &[&case.inputs[0]], &mut want)
+            .unwrap();
+        let got = host_cast(src, dst, &case.inputs[0]);
+        hex_diff(&case.what, &got, &want, (dst.bits() / 8) as usize);
+        n += 1;
     }
+    assert_eq!(n, 13 * 3 - 3, "every source × target pair");
 }
 
 fn host_dequant(
@@ -303,38 +145,6 @@ fn host_dequant(
 fn cpu_compute(op: &dyn Op, units: Range<u64>, inputs: &[&[u8]]) -> Result<Vec<u8>, String> {
     let mut out = vec![0u8; ((units.end - units.start) * op.out_unit_bytes()) as usize];
     op.compute(units, inputs, &mut out).map(|_| out)
-}
-
-fn scale_bytes(d: DType, n: usize, rng: &mut Rng, nonfinite: bool) -> Vec<u8> {
-    match d {
-        DType::F8_E8M0 => (0..n)
-            .map(|i| {
-                if nonfinite && i == 3 {
-                    0xFF
-                } else {
-                    (rng.next_u32() % 60) as u8 + 97
-                }
-            })
-            .collect(),
-        _ => {
-            let vals: Vec<f32> = (0..n)
-                .map(|i| match i % 5 {
-                    _ if nonfinite && i == 2 => f32::from_bits(0xFFC0_0001),
-                    0 => 2f32.powi((rng.next_u32() % 40) as i32 - 30),
-                    1 => 1e-5 * (1.0 + (rng.next_u32() % 1000) as f32),
-                    _ => (rng.next_u32() as f32 / u32::MAX as f32) * 8.0 + 1e-3,
-                })
-                .collect();
-            let mut out = vec![0u8; n * (d.bits() / 8) as usize];
-            let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-            if d == DType::F32 {
-                out.copy_from_slice(&bytes);
-            } else {
-                tftf::ops::cast::cast_slice(DType::F32, d, &bytes, &mut out);
-            }
-            out
-        }
-    }
 }
 
 #[test]
@@ -409,7 +219,7 @@ fn fp8_dequant_matches_the_cpu_op_bit_for_bit() {
                             (experts * gr * gc) as usize
                         };
                         let sbytes = scale
-                            .map(|d| scale_bytes(d, nscales, &mut rng, allow))
+                            .map(|d| selftest::scale_values(d, nscales, &mut rng, allow))
                             .unwrap_or_default();
                         let units_all = experts * rows;
                         let g = op.granularity();
@@ -543,12 +353,10 @@ fn nvfp4_reencode_matches_the_cpu_op() {
     }
 }
 
-fn host_engram(
-    codes: &[u8],
-    scales: &[u8],
-    rows: u64,
-    cols: u64,
-) -> Option<(Vec<u8>, Vec<u8>, Vec<RowSums>, u64)> {
+/// Packed codes, new scales, per-row sums, clamped blocks.
+type EngramResult = (Vec<u8>, Vec<u8>, Vec<RowSums>, u64);
+
+fn host_engram(codes: &[u8], scales: &[u8], rows: u64, cols: u64) -> Option<EngramResult> {
     let f = host_fn!(
         "tftf_host_engram",
         fn(*const u8, *const u8, *mut u8, *mut u8, u64, u64, *mut RowSums, *mut u64) -> c_int
@@ -641,6 +449,23 @@ fn engram_requant_and_its_quality_sums_match_the_cpu_op() {
         .contains("beyond F8_E8M0"));
 }
 
+/// Finite f32s over a wide range of exponents, with BF16 ties and subnormals among them.
+fn f32s(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| {
+            let v = match i % 7 {
+                0 => f32::from_bits(0x3F80_8000 + ((rng.next_u32() % 4) << 16)),
+                1 => f32::from_bits(rng.next_u32() & 0x007F_FFFF),
+                _ => {
+                    let e = (rng.next_u32() % 40) as i32 - 20;
+                    (rng.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
+                }
+            };
+            v.to_le_bytes()
+        })
+        .collect()
+}
+
 #[test]
 fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
     let f = host_fn!(
@@ -652,15 +477,14 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
     for base_dtype in [DType::BF16, DType::F16, DType::F32] {
         for dst in [DType::BF16, DType::F16, DType::F32] {
             for dora in [false, true] {
-                let w32 = rng.f32s(rows * cols);
+                let w32 = f32s(&mut rng, rows * cols);
                 let mut base = vec![0u8; rows * cols * (base_dtype.bits() / 8) as usize];
                 if base_dtype == DType::F32 {
                     base.copy_from_slice(&w32);
                 } else {
                     tftf::ops::cast::cast_slice(DType::F32, base_dtype, &w32, &mut base);
                 }
-                let delta: Vec<f32> = rng
-                    .f32s(rows * cols)
+                let delta: Vec<f32> = f32s(&mut rng, rows * cols)
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                     .collect();

@@ -397,16 +397,19 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     assert!(load_all(&o3)
         .keys()
         .all(|k| !k.contains("engram") && !k.contains("attn")));
-    let err = fails(&[
+    let o4 = d.path().join("o4");
+    let r = tftf(&[
         "repack-fp4",
         "-i",
         s(&src),
         "-o",
-        s(&d.path().join("o4")),
+        s(&o4),
         "--device",
-        "cuda",
+        "bogus",
     ]);
-    assert!(err.contains("no CUDA backend"), "{err}");
+    assert_eq!(r.status.code(), Some(2), "a usage error");
+    assert!(stderr(&r).contains("--device bogus: use auto, cpu, cuda or cuda:N"));
+    assert!(!o4.exists());
 }
 
 #[test]

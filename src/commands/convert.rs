@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use crate::cli::WriteArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
+use crate::gpu::{Device, DeviceRequest};
 use crate::output::{check_output, resolve, side_files, OutputSet};
 use crate::pipeline::{self, Cancel, PipelineConfig};
 use crate::plan::{output_dir, output_kind_for, OutputKind, Plan, Recipe, Step};
@@ -27,6 +28,7 @@ pub struct WriteOptions {
     pub report: Option<PathBuf>,
     pub force: bool,
     pub kernel_copy: bool,
+    pub device: DeviceRequest,
 }
 
 pub const MAX_DEFAULT_BUDGET_BYTES: u64 = 4 << 30;
@@ -70,6 +72,7 @@ impl WriteOptions {
             report: w.report.clone(),
             force: w.force,
             kernel_copy: !w.no_reflink,
+            device: DeviceRequest::parse(&w.device)?,
         })
     }
 }
@@ -139,13 +142,26 @@ fn convert_inner(
             0
         };
     let free = sys::free_space(&nearest_existing(&resolve(&out_dir))).ok();
+    // A GPU is opened only when asked for by name or when some op can use one.
+    let device = if opts.device == DeviceRequest::Cpu
+        || (opts.device == DeviceRequest::Auto && !plan.has_gpu_ops())
+    {
+        Device::cpu(None)
+    } else {
+        Device::open(&opts.device)?
+    };
 
     if opts.dry_run {
         if !opts.quiet {
             print_plan(&ckpt, &plan, &out_dir, &sides, opts, needed, free);
+            if plan.computed_count() > 0 {
+                println!("{}", device_line(&device));
+            }
         }
         if let Some(path) = &opts.report {
-            let report = report_json(command, &ckpt, &plan, &sides, opts, None, started, true);
+            let report = report_json(
+                command, &ckpt, &plan, &sides, opts, &device, None, started, true,
+            );
             write_report(path, &report)?;
         }
         return Ok(());
@@ -196,6 +212,7 @@ fn convert_inner(
         progress: progress.clone(),
         kernel_copy: opts.kernel_copy,
         expect_reflink: sharing,
+        gpu: device.gpu.clone(),
     };
     let stats = pipeline::execute(&ckpt, &plan, &files, &names, &cfg)?;
     if let Some(p) = &progress {
@@ -239,6 +256,9 @@ fn convert_inner(
             human(stats.bytes_copied_user),
             human(stats.bytes_computed),
         );
+        if plan.computed_count() > 0 {
+            println!("{}", device_line(&device));
+        }
     }
     if let (false, Some(why)) = (opts.quiet, &stats.reflink_unavailable) {
         eprintln!("note: untouched tensors were copied, not shared: {why}");
@@ -250,6 +270,7 @@ fn convert_inner(
             &plan,
             &sides,
             opts,
+            &device,
             Some(&stats),
             started,
             false,
@@ -438,6 +459,15 @@ fn print_plan(
     }
 }
 
+/// Where computed tensors were (or will be) computed, for the summary line.
+fn device_line(device: &Device) -> String {
+    match (&device.gpu, &device.note) {
+        (Some(_), _) => format!("computed on {}", device.name),
+        (None, Some(why)) => format!("computed on the CPU (--device auto: {why})"),
+        (None, None) => "computed on the CPU".into(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn report_json(
     command: &str,
@@ -445,10 +475,24 @@ fn report_json(
     plan: &Plan,
     sides: &[PathBuf],
     opts: &WriteOptions,
+    device: &Device,
     stats: Option<&pipeline::RunStats>,
     started: Instant,
     dry_run: bool,
 ) -> Value {
+    let gpu = device.gpu.as_ref().map(|g| {
+        let c = &g.counters;
+        let busy = c.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9;
+        json!({
+            "chunks": c.chunks.load(std::sync::atomic::Ordering::Relaxed),
+            "bytes_in": c.bytes_in.load(std::sync::atomic::Ordering::Relaxed),
+            "bytes_out": c.bytes_out.load(std::sync::atomic::Ordering::Relaxed),
+            "lane_busy_seconds": busy,
+            "staging_bytes": stats.map(|s| s.gpu_staging_bytes),
+            "unified_memory": g.integrated,
+            "ptx": g.ptx,
+        })
+    });
     let ops: Vec<Value> = dtype_changes(ckpt, plan)
         .into_iter()
         .map(|(k, n, a, b)| json!({"op": k, "tensors": n, "bytes_in": a, "bytes_out": b}))
@@ -506,6 +550,9 @@ fn report_json(
             "copied_through_memory": stats.map(|s| s.bytes_copied_user),
         },
         "reflink_unavailable": stats.and_then(|s| s.reflink_unavailable.clone()),
+        "device": device.name,
+        "device_note": device.note,
+        "gpu": gpu,
         "threads": opts.threads,
         "memory_budget_bytes": opts.memory_budget,
         "chunk_bytes": stats.map(|s| s.chunk_bytes),

@@ -218,6 +218,7 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         report: None,
         force: false,
         kernel_copy: true,
+        device: crate::gpu::DeviceRequest::Auto,
     }
 }
 

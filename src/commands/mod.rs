@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod demo;
 pub mod info;
+pub mod selftest;
 pub mod validate;
 
 use std::path::PathBuf;
@@ -85,18 +86,6 @@ fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
 }
 
 fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
-    if a.device == "cuda" || a.device.starts_with("cuda:") {
-        return Err(Error::Other(format!(
-            "--device {}: this build has no CUDA backend; use --device cpu (or auto)",
-            a.device
-        )));
-    }
-    if a.device != "auto" && a.device != "cpu" {
-        return Err(Error::Usage(format!(
-            "--device {}: use auto, cpu or cuda[:N]",
-            a.device
-        )));
-    }
     let regex = |flag: &str,
                  given: &Option<String>,
                  default: &str,
@@ -285,6 +274,7 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             let ok = validate::run(a, &input_path(&a.input)?, budget)?;
             Ok(if ok { 0 } else { 1 })
         }
+        Command::Selftest(a) => selftest::run(a),
         Command::Demo(a) => {
             demo::run(a.keep.as_deref(), cancel)?;
             Ok(0)

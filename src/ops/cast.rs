@@ -25,6 +25,12 @@ impl Cast {
 }
 
 impl Op for Cast {
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        Some(crate::gpu::GpuKernel::Cast {
+            src: self.src,
+            dst: self.dst,
+        })
+    }
     fn name(&self) -> &'static str {
         "cast"
     }

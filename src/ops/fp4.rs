@@ -237,6 +237,9 @@ pub fn requant_row(
 }
 
 impl Op for EngramRequant {
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        Some(crate::gpu::GpuKernel::Engram(self))
+    }
     fn name(&self) -> &'static str {
         "requant-e2m1"
     }

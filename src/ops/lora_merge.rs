@@ -81,6 +81,12 @@ fn size(d: DType) -> u64 {
 }
 
 impl Op for LoraMerge {
+    /// A base computed by another op (FP8 dequantisation) merges on the CPU.
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        self.base_op
+            .is_none()
+            .then_some(crate::gpu::GpuKernel::Lora(self))
+    }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
             "merge-dora"

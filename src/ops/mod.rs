@@ -56,6 +56,10 @@ pub trait Op: Send + Sync + Debug {
     ) -> Result<(), String> {
         self.compute(units, inputs, outs[0])
     }
+    /// The CUDA kernel that computes this op's chunks; ops without one run on the CPU.
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        None
+    }
     /// Per-tensor figures for the report, gathered while computing.
     fn report(&self) -> Option<serde_json::Value> {
         None

@@ -77,6 +77,9 @@ pub struct NvBlockScales {
 }
 
 impl Op for NvBlockScales {
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        Some(crate::gpu::GpuKernel::NvBlockScales { g: self.g })
+    }
     fn name(&self) -> &'static str {
         "mxfp4-to-nvfp4 scales"
     }
@@ -163,6 +166,9 @@ pub struct NvReencode {
 }
 
 impl Op for NvReencode {
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        Some(crate::gpu::GpuKernel::NvReencode { g: self.g })
+    }
     fn name(&self) -> &'static str {
         "mxfp4-to-nvfp4 re-encode"
     }

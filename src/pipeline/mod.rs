@@ -61,6 +61,8 @@ pub struct PipelineConfig {
     pub kernel_copy: bool,
     /// Whether untouched ranges will probably be cloned; if not, the reader prefetches them.
     pub expect_reflink: bool,
+    /// Ops with a CUDA kernel run there; the rest (and refused values) on the CPU.
+    pub gpu: Option<Arc<crate::gpu::Gpu>>,
 }
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -79,6 +81,8 @@ pub struct RunStats {
     pub chunk_bytes: u64,
     pub pool_bytes: u64,
     pub pool_peak_bytes: u64,
+    /// Pinned staging set aside for the GPU lanes (inside the memory budget).
+    pub gpu_staging_bytes: u64,
 }
 
 /// Budget split: the pool gets all but a reserve for the writer's fallback buffer, channel
@@ -132,6 +136,7 @@ struct Shared<'a> {
     outputs: &'a [File],
     output_names: &'a [std::path::PathBuf],
     pool: BufferPool,
+    gpu: Option<Arc<crate::gpu::Gpu>>,
     expect_reflink: bool,
     /// (shard, absolute offset) of every planned tensor.
     locations: Vec<(usize, u64)>,
@@ -198,14 +203,23 @@ pub fn execute(
     output_names: &[std::path::PathBuf],
     cfg: &PipelineConfig,
 ) -> Result<RunStats> {
-    let pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
-    let chunk_bytes = chunk_bytes_for_pool(pool_bytes);
+    let mut pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
+    let mut chunk_bytes = chunk_bytes_for_pool(pool_bytes);
+    let mut gpu_staging_bytes = 0;
+    if cfg.gpu.is_some() {
+        // Each GPU lane stages a chunk's inputs and outputs in pinned memory; that comes out of
+        // the same budget, and chunks shrink so the pool still holds several in flight.
+        chunk_bytes = chunk_bytes_for_pool(pool_bytes / 2);
+        gpu_staging_bytes = crate::gpu::cuda::LANES as u64 * 2 * chunk_bytes;
+        pool_bytes -= gpu_staging_bytes;
+    }
     let shared = Shared {
         ckpt,
         plan,
         outputs,
         output_names,
         pool: BufferPool::new(pool_bytes),
+        gpu: cfg.gpu.clone(),
         expect_reflink: cfg.expect_reflink,
         locations: {
             let mut loc = vec![(0, 0); plan.tensors.len()];
@@ -271,6 +285,7 @@ pub fn execute(
         chunk_bytes,
         pool_bytes,
         pool_peak_bytes: shared.pool.peak(),
+        gpu_staging_bytes,
     })
 }
 
@@ -484,15 +499,27 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
                 let mut out_views: Vec<&mut [u8]> =
                     outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
-                op.compute_all(units, &views, &mut out_views)
-                    .map_err(|msg| {
-                        let src = &sh.ckpt.tensors[t.source_index];
-                        Error::TensorData {
-                            path: sh.ckpt.shards[src.shard].path.clone(),
-                            tensor: t.source.clone(),
-                            msg,
-                        }
-                    })?;
+                // A GPU kernel that meets a value the op refuses leaves it to the CPU op,
+                // which names it.
+                let on_gpu = match (&sh.gpu, op.gpu()) {
+                    (Some(gpu), Some(k)) if gpu.supports(&k) => gpu
+                        .run(&k, op.as_ref(), units.clone(), &views, &mut out_views)
+                        .map_err(Error::Device)?,
+                    _ => false,
+                };
+                if !on_gpu {
+                    op.compute_all(units, &views, &mut out_views)
+                } else {
+                    Ok(())
+                }
+                .map_err(|msg| {
+                    let src = &sh.ckpt.tensors[t.source_index];
+                    Error::TensorData {
+                        path: sh.ckpt.shards[src.shard].path.clone(),
+                        tensor: t.source.clone(),
+                        msg,
+                    }
+                })?;
                 for b in inputs {
                     sh.pool.release(b);
                 }

@@ -610,6 +610,9 @@ fn canonical_nans(dst: DType, out: &mut [u8]) {
 }
 
 impl Op for DequantFp8 {
+    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+        Some(crate::gpu::GpuKernel::DequantFp8(self))
+    }
     fn name(&self) -> &'static str {
         "dequant-fp8"
     }

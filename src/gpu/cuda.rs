@@ -1,0 +1,698 @@
+//! Running ops' chunks on an NVIDIA GPU through the driver API (cudarc, loaded at run time).
+//!
+//! A [`Gpu`] owns a small set of lanes; a lane is one CUDA stream with its own pinned staging
+//! buffers and device buffers. A compute worker borrows a lane for one chunk: it copies the
+//! chunk's inputs into pinned memory, queues host→device copies, the kernels and device→host
+//! copies on the lane's stream, waits, and copies the results out. With two lanes, one lane's
+//! copies overlap the other's kernels. Staging is allocated with `cuMemHostAlloc` flags 0
+//! (never write-combined: the CPU reads the results back) and counted in the memory budget. On
+//! an integrated GPU with unified memory (GB10) the kernels read and write the mapped staging
+//! buffers directly and no copies are queued at all.
+
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::driver::sys::{self, CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::{
+    result, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::params::{kernel_dtype, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
+use super::GpuKernel;
+use crate::format::dtype::DType;
+use crate::ops::fp4::RowSums;
+use crate::ops::Op;
+
+/// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
+static PTX_NVCC: &str = include_str!(concat!(env!("OUT_DIR"), "/tftf-nvcc.ptx"));
+static PTX_COMMITTED: &str = include_str!("../../kernels/tftf.ptx");
+
+/// Streams (and staging sets) per GPU: two let copies and kernels of different chunks overlap.
+pub const LANES: usize = 2;
+
+// SAFETY: plain-old-data structs laid out as their C twins (repr(C), no pointers).
+unsafe impl DeviceRepr for DequantParams {}
+unsafe impl DeviceRepr for LoraParams {}
+
+struct Kernels {
+    cast: CudaFunction,
+    dequant: CudaFunction,
+    nv_scales: CudaFunction,
+    nv_reencode: CudaFunction,
+    engram_blocks: CudaFunction,
+    engram_rows: CudaFunction,
+    dora: CudaFunction,
+    lora: CudaFunction,
+}
+
+/// Counters for reports and benchmarks.
+#[derive(Default)]
+pub struct GpuCounters {
+    pub chunks: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    /// Time lanes were busy (staging, copies, kernels), summed over lanes.
+    pub busy_ns: AtomicU64,
+}
+
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    kernels: Kernels,
+    name: String,
+    capability: (i32, i32),
+    /// Unified memory: kernels use mapped host memory, no copies.
+    pub integrated: bool,
+    /// Why the LoRA merge cannot use cuBLAS here, if it cannot.
+    cublas_missing: Option<String>,
+    /// Which PTX the module was loaded from.
+    pub ptx: &'static str,
+    lanes: Mutex<Vec<Lane>>,
+    lane_freed: Condvar,
+    pub counters: GpuCounters,
+}
+
+fn driver_err(what: &str, e: impl std::fmt::Debug) -> String {
+    format!("{what}: {e:?}")
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, or says why it cannot.
+    pub fn open(ordinal: usize) -> Result<Gpu, String> {
+        // SAFETY: only tries to dlopen the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("no CUDA driver (libcuda.so.1 not found)".into());
+        }
+        result::init().map_err(|e| driver_err("CUDA driver present but cuInit failed", e))?;
+        let count = CudaContext::device_count().map_err(|e| driver_err("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(format!("no CUDA device {ordinal} ({count} found)"));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("creating a context", e))?;
+        // Each lane uses its own buffers on its own stream: cudarc's cross-stream event
+        // tracking would only add synchronisation.
+        // SAFETY: no buffer is shared between streams.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let capability = ctx.compute_capability().unwrap_or((0, 0));
+        let attr = |a| ctx.attribute(a).unwrap_or(0);
+        let integrated = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED) == 1
+            && attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY) == 1;
+        let (module, ptx) = load_module(&ctx)?;
+        let f = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(|e| driver_err(&format!("kernel {n}"), e))
+        };
+        let kernels = Kernels {
+            cast: f("tftf_cast")?,
+            dequant: f("tftf_dequant_fp8")?,
+            nv_scales: f("tftf_nv_block_scales")?,
+            nv_reencode: f("tftf_nv_reencode")?,
+            engram_blocks: f("tftf_engram_blocks")?,
+            engram_rows: f("tftf_engram_rows")?,
+            dora: f("tftf_dora_factors")?,
+            lora: f("tftf_lora")?,
+        };
+        // SAFETY: only tries to dlopen the library.
+        let cublas_missing = (!unsafe { cublas_sys::is_culib_present() })
+            .then(|| "cuBLAS (libcublas.so) not found".to_string());
+        let mut lanes = Vec::with_capacity(LANES);
+        for _ in 0..LANES {
+            lanes.push(Lane::new(&ctx, integrated, cublas_missing.is_none())?);
+        }
+        Ok(Gpu {
+            ctx,
+            kernels,
+            name,
+            capability,
+            integrated,
+            cublas_missing,
+            ptx,
+            lanes: Mutex::new(lanes),
+            lane_freed: Condvar::new(),
+            counters: GpuCounters::default(),
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{}{})",
+            self.ctx.ordinal(),
+            self.name,
+            self.capability.0,
+            self.capability.1,
+            if self.integrated {
+                ", unified memory"
+            } else {
+                ""
+            }
+        )
+    }
+
+    /// Whether `kernel` can run here (the LoRA merge needs cuBLAS).
+    pub fn supports(&self, kernel: &GpuKernel) -> bool {
+        !matches!(kernel, GpuKernel::Lora(_)) || self.cublas_missing.is_none()
+    }
+
+    /// Runs one chunk of `op` on the GPU. `Ok(false)`: the kernel met a value the op refuses,
+    /// and the caller runs the CPU op to report it by name.
+    pub fn run(
+        &self,
+        kernel: &GpuKernel,
+        op: &dyn Op,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<bool, String> {
+        let mut lane = {
+            let mut lanes = self.lanes.lock().unwrap();
+            loop {
+                if let Some(l) = lanes.pop() {
+                    break l;
+                }
+                lanes = self.lane_freed.wait(lanes).unwrap();
+            }
+        };
+        let t0 = Instant::now();
+        let r = self
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))
+            .and_then(|_| lane.run(&self.kernels, kernel, op, units, inputs, outs));
+        let c = &self.counters;
+        c.busy_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        c.chunks.fetch_add(1, Ordering::Relaxed);
+        c.bytes_in.fetch_add(
+            inputs.iter().map(|i| i.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        c.bytes_out
+            .fetch_add(outs.iter().map(|o| o.len() as u64).sum(), Ordering::Relaxed);
+        self.lanes.lock().unwrap().push(lane);
+        self.lane_freed.notify_one();
+        r.map_err(|e| format!("GPU {}: {e}", self.describe()))
+    }
+
+    /// Measures host→device and device→host copy bandwidth from pinned memory (bytes/s), for
+    /// `selftest` and the benchmark's reference figure.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<(f64, f64), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))?;
+        let stream = self
+            .ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating a stream", e))?;
+        let host = Pinned::alloc(bytes, false)?;
+        let dev = DevBuf::alloc(bytes)?;
+        let time = |h2d: bool| -> Result<f64, String> {
+            let t = Instant::now();
+            for _ in 0..4 {
+                // SAFETY: both buffers hold `bytes` bytes and live until the sync below.
+                unsafe {
+                    if h2d {
+                        result::memcpy_htod_async(dev.ptr, host.slice(bytes), stream.cu_stream())
+                    } else {
+                        result::memcpy_dtoh_async(
+                            host.slice_mut(bytes),
+                            dev.ptr,
+                            stream.cu_stream(),
+                        )
+                    }
+                }
+                .map_err(|e| driver_err("copy", e))?;
+            }
+            stream
+                .synchronize()
+                .map_err(|e| driver_err("synchronize", e))?;
+            Ok(4.0 * bytes as f64 / t.elapsed().as_secs_f64())
+        };
+        time(true)?; // warm-up
+        Ok((time(true)?, time(false)?))
+    }
+}
+
+fn load_module(
+    ctx: &Arc<CudaContext>,
+) -> Result<(Arc<cudarc::driver::CudaModule>, &'static str), String> {
+    let mut last = String::new();
+    for (ptx, what) in [(PTX_NVCC, "nvcc"), (PTX_COMMITTED, "committed")] {
+        if ptx.is_empty() {
+            continue;
+        }
+        match ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)) {
+            Ok(m) => return Ok((m, what)),
+            // A driver older than the build's nvcc rejects its PTX ISA: try the committed one.
+            Err(e) => last = driver_err(&format!("loading the {what} PTX"), e),
+        }
+    }
+    Err(last)
+}
+
+/// Page-locked host memory, never write-combined; mapped into the device's address space on
+/// unified-memory devices.
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    /// Device address of the same memory (mapped staging), when mapped.
+    dev: Option<CUdeviceptr>,
+}
+
+// SAFETY: the buffer is owned by one lane, which one thread uses at a time.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn alloc(len: usize, mapped: bool) -> Result<Pinned, String> {
+        let len = len.max(256);
+        let flags = if mapped {
+            sys::CU_MEMHOSTALLOC_DEVICEMAP
+        } else {
+            0
+        };
+        // SAFETY: a plain allocation; freed in Drop.
+        let ptr = unsafe { result::malloc_host(len, flags) }
+            .map_err(|e| driver_err(&format!("allocating {len} bytes of pinned memory"), e))?
+            as *mut u8;
+        let dev = if mapped {
+            let mut d: CUdeviceptr = 0;
+            // SAFETY: ptr was allocated with DEVICEMAP.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, ptr as *mut c_void, 0) }
+                .result()
+                .map_err(|e| driver_err("mapping pinned memory", e))?;
+            Some(d)
+        } else {
+            None
+        };
+        Ok(Pinned { ptr, len, dev })
+    }
+
+    /// # Safety
+    /// `n <= self.len`, and no device work is writing the buffer.
+    unsafe fn slice(&self, n: usize) -> &[u8] {
+        std::slice::from_raw_parts(self.ptr, n)
+    }
+
+    /// # Safety
+    /// `n <= self.len`, and no device work is using the buffer.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self, n: usize) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, n)
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc; every use was synchronised.
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+struct DevBuf {
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+impl DevBuf {
+    fn alloc(len: usize) -> Result<DevBuf, String> {
+        let len = len.max(256);
+        // SAFETY: a plain allocation; freed in Drop.
+        let ptr = unsafe { result::malloc_sync(len) }
+            .map_err(|e| driver_err(&format!("allocating {len} bytes on the GPU"), e))?;
+        Ok(DevBuf { ptr, len })
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc; every use was synchronised.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// Input slots 0..4, output slots 4..6, device-only scratch after.
+const IN: usize = 0;
+const OUT: usize = 4;
+const SCRATCH: usize = 6;
+const SLOTS: usize = 14;
+
+struct Lane {
+    stream: Arc<CudaStream>,
+    blas: Option<cudarc::cublas::CudaBlas>,
+    mapped: bool,
+    host: Vec<Option<Pinned>>,
+    dev: Vec<Option<DevBuf>>,
+}
+
+fn launch_config(n: u64) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Lane {
+    fn new(ctx: &Arc<CudaContext>, mapped: bool, cublas: bool) -> Result<Lane, String> {
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating a stream", e))?;
+        let blas = if cublas {
+            let b = cudarc::cublas::CudaBlas::new(stream.clone())
+                .map_err(|e| driver_err("creating a cuBLAS handle", e))?;
+            // Full f32 products: no TF32 or other reduced-precision shortcuts, whatever the
+            // environment asks (NVIDIA_TF32_OVERRIDE).
+            // SAFETY: a live handle.
+            unsafe {
+                cublas_sys::cublasSetMathMode(
+                    *b.handle(),
+                    cublas_sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+                )
+            }
+            .result()
+            .map_err(|e| driver_err("cublasSetMathMode", e))?;
+            Some(b)
+        } else {
+            None
+        };
+        Ok(Lane {
+            stream,
+            blas,
+            mapped,
+            host: (0..SLOTS).map(|_| None).collect(),
+            dev: (0..SLOTS).map(|_| None).collect(),
+        })
+    }
+
+    fn pinned(&mut self, slot: usize, len: usize) -> Result<&Pinned, String> {
+        if self.host[slot].as_ref().is_none_or(|p| p.len < len) {
+            self.host[slot] = None;
+            self.host[slot] = Some(Pinned::alloc(len + len / 8, self.mapped)?);
+        }
+        Ok(self.host[slot].as_ref().expect("just allocated"))
+    }
+
+    /// A device buffer of at least `len` bytes in `slot`.
+    fn device(&mut self, slot: usize, len: usize) -> Result<CUdeviceptr, String> {
+        if self.mapped && slot < SCRATCH {
+            return Ok(self.pinned(slot, len)?.dev.expect("mapped"));
+        }
+        if self.dev[slot].as_ref().is_none_or(|d| d.len < len) {
+            self.dev[slot] = None;
+            self.dev[slot] = Some(DevBuf::alloc(len + len / 8)?);
+        }
+        Ok(self.dev[slot].as_ref().expect("just allocated").ptr)
+    }
+
+    /// Stages input `data` into slot `slot` and queues its copy; returns its device address.
+    fn upload(&mut self, slot: usize, data: &[u8]) -> Result<CUdeviceptr, String> {
+        let p = self.pinned(slot, data.len())?;
+        // SAFETY: the previous chunk's copies finished (each chunk ends synchronised).
+        unsafe { p.slice_mut(data.len()) }.copy_from_slice(data);
+        let dptr = self.device(slot, data.len())?;
+        if !self.mapped {
+            let p = self.host[slot].as_ref().expect("staged");
+            // SAFETY: the pinned source stays untouched until the chunk's final sync.
+            unsafe {
+                result::memcpy_htod_async(dptr, p.slice(data.len()), self.stream.cu_stream())
+            }
+            .map_err(|e| driver_err("host-to-device copy", e))?;
+        }
+        Ok(dptr)
+    }
+
+    /// Queues the copy of `len` bytes of device slot `slot` back to its pinned staging.
+    fn download(&mut self, slot: usize, len: usize) -> Result<(), String> {
+        if self.mapped && slot < SCRATCH {
+            return Ok(());
+        }
+        let src = self.device(slot, len)?;
+        let stream = self.stream.cu_stream();
+        let p = self.pinned(slot, len)?;
+        // SAFETY: the destination is read only after the chunk's final sync.
+        unsafe { result::memcpy_dtoh_async(p.slice_mut(len), src, stream) }
+            .map_err(|e| driver_err("device-to-host copy", e))
+    }
+
+    /// The downloaded bytes of `slot` (after `finish`).
+    fn result(&self, slot: usize, len: usize) -> &[u8] {
+        // SAFETY: the stream has been synchronised.
+        unsafe { self.host[slot].as_ref().expect("downloaded").slice(len) }
+    }
+
+    fn zero(&mut self, slot: usize, len: usize) -> Result<CUdeviceptr, String> {
+        let d = self.device(slot, len)?;
+        // SAFETY: a live device buffer of at least len bytes.
+        unsafe { result::memset_d8_async(d, 0, len, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("memset", e))?;
+        Ok(d)
+    }
+
+    fn finish(&self) -> Result<(), String> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("running the kernels", e))
+    }
+
+    /// `f32` copy of the `dtype` elements at device address `src` (in scratch slot `slot`).
+    fn as_f32(
+        &mut self,
+        k: &Kernels,
+        slot: usize,
+        src: CUdeviceptr,
+        dtype: DType,
+        n: u64,
+    ) -> Result<CUdeviceptr, String> {
+        if dtype == DType::F32 {
+            return Ok(src);
+        }
+        let dst = self.device(slot, 4 * n as usize)?;
+        let (s, d) = (kernel_dtype(dtype), kernel_dtype(DType::F32));
+        let mut b = self.stream.launch_builder(&k.cast);
+        b.arg(&src).arg(&dst).arg(&n).arg(&s).arg(&d);
+        // SAFETY: argument types match tftf_cast's signature; buffers hold n elements.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_cast", e))?;
+        Ok(dst)
+    }
+
+    fn run(
+        &mut self,
+        k: &Kernels,
+        kernel: &GpuKernel,
+        op: &dyn Op,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<bool, String> {
+        let nunits = units.end - units.start;
+        let flag_slot = SCRATCH;
+        let mut flag = None;
+        match kernel {
+            GpuKernel::Cast { src, dst } => {
+                let i = self.upload(IN, inputs[0])?;
+                let o = self.device(OUT, outs[0].len())?;
+                let (s, d) = (kernel_dtype(*src), kernel_dtype(*dst));
+                let mut b = self.stream.launch_builder(&k.cast);
+                b.arg(&i).arg(&o).arg(&nunits).arg(&s).arg(&d);
+                // SAFETY: argument types match tftf_cast; buffers hold nunits elements.
+                unsafe { b.launch(launch_config(nunits)) }
+                    .map_err(|e| driver_err("tftf_cast", e))?;
+            }
+            GpuKernel::DequantFp8(dq) => {
+                let p = dq.kernel_params(&units);
+                let c = self.upload(IN, inputs[0])?;
+                let s = match inputs.get(1) {
+                    Some(s) => self.upload(IN + 1, s)?,
+                    None => 0,
+                };
+                let o = self.device(OUT, outs[0].len())?;
+                let f = self.zero(flag_slot, 4)?;
+                flag = Some(f);
+                let n = inputs[0].len() as u64;
+                let mut b = self.stream.launch_builder(&k.dequant);
+                b.arg(&c).arg(&s).arg(&o).arg(&n).arg(&p).arg(&f);
+                // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_fp8", e))?;
+            }
+            GpuKernel::NvBlockScales { g } => {
+                let i = self.upload(IN, inputs[0])?;
+                let o = self.device(OUT, outs[0].len())?;
+                let f = self.zero(flag_slot, 4)?;
+                flag = Some(f);
+                let n = inputs[0].len() as u64;
+                let mut b = self.stream.launch_builder(&k.nv_scales);
+                b.arg(&i).arg(&o).arg(&n).arg(g).arg(&f);
+                // SAFETY: argument types match tftf_nv_block_scales.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_nv_block_scales", e))?;
+            }
+            GpuKernel::NvReencode { g } => {
+                let w = self.upload(IN, inputs[0])?;
+                let s = self.upload(IN + 1, inputs[1])?;
+                let o = self.device(OUT, outs[0].len())?;
+                let blocks = inputs[1].len() as u64;
+                let mut b = self.stream.launch_builder(&k.nv_reencode);
+                b.arg(&w).arg(&s).arg(&o).arg(&blocks).arg(g);
+                // SAFETY: argument types match tftf_nv_reencode; 16 bytes per block.
+                unsafe { b.launch(launch_config(blocks)) }
+                    .map_err(|e| driver_err("tftf_nv_reencode", e))?;
+            }
+            GpuKernel::Engram(eg) => {
+                let codes = self.upload(IN, inputs[0])?;
+                let scales = self.upload(IN + 1, inputs[1])?;
+                let blocks = inputs[1].len() as u64;
+                let per_row = eg.cols / 32;
+                let o_codes = self.device(OUT, outs[0].len())?;
+                let o_scales = self.device(OUT + 1, outs[1].len())?;
+                let sums = self.device(SCRATCH + 1, blocks as usize * BLOCK_SUMS_BYTES)?;
+                let rows_slot = SCRATCH + 2;
+                let rows = self.device(rows_slot, nunits as usize * 32)?;
+                let f = self.zero(flag_slot, 4)?;
+                let clamped = self.zero(SCRATCH + 3, 8)?;
+                flag = Some(f);
+                let mut b = self.stream.launch_builder(&k.engram_blocks);
+                b.arg(&codes).arg(&scales).arg(&o_codes).arg(&o_scales);
+                b.arg(&sums).arg(&blocks).arg(&f).arg(&clamped);
+                // SAFETY: argument types match tftf_engram_blocks; 32 codes per block.
+                unsafe { b.launch(launch_config(blocks)) }
+                    .map_err(|e| driver_err("tftf_engram_blocks", e))?;
+                let mut b = self.stream.launch_builder(&k.engram_rows);
+                b.arg(&sums).arg(&rows).arg(&nunits).arg(&per_row);
+                // SAFETY: argument types match tftf_engram_rows.
+                unsafe { b.launch(launch_config(nunits)) }
+                    .map_err(|e| driver_err("tftf_engram_rows", e))?;
+                self.download(rows_slot, nunits as usize * 32)?;
+                self.download(SCRATCH + 3, 8)?;
+            }
+            GpuKernel::Lora(m) => self.lora(k, m, &units, inputs, outs[0].len())?,
+        }
+        for (j, o) in outs.iter().enumerate() {
+            self.download(OUT + j, o.len())?;
+        }
+        if flag.is_some() {
+            self.download(flag_slot, 4)?;
+        }
+        self.finish()?;
+        if flag.is_some() && self.result(flag_slot, 4) != [0, 0, 0, 0] {
+            return Ok(false);
+        }
+        for (j, o) in outs.iter_mut().enumerate() {
+            o.copy_from_slice(self.result(OUT + j, o.len()));
+        }
+        if let GpuKernel::Engram(eg) = kernel {
+            let bytes = self.result(SCRATCH + 2, nunits as usize * 32);
+            let rows: Vec<RowSums> = bytes
+                .chunks_exact(32)
+                .map(|c| {
+                    let f = |i: usize| f64::from_le_bytes(c[8 * i..8 * i + 8].try_into().unwrap());
+                    RowSums {
+                        dot: f(0),
+                        xx: f(1),
+                        yy: f(2),
+                        sq_err: f(3),
+                    }
+                })
+                .collect();
+            let clamped = u64::from_le_bytes(self.result(SCRATCH + 3, 8).try_into().unwrap());
+            eg.add_rows(&rows, clamped);
+        }
+        let _ = op;
+        Ok(true)
+    }
+
+    /// LoRA/DoRA: factors to f32, Δ = B@A through cuBLAS (f32, pedantic math), then the fused
+    /// add / DoRA-normalise / round kernels.
+    fn lora(
+        &mut self,
+        k: &Kernels,
+        m: &crate::ops::lora_merge::LoraMerge,
+        units: &Range<u64>,
+        inputs: &[&[u8]],
+        out_len: usize,
+    ) -> Result<(), String> {
+        let f = &m.f;
+        let tr = units.end - units.start;
+        let (rows, cols, r) = (m.rows, m.cols, f.rank);
+        let base = self.upload(IN, inputs[0])?;
+        let a_raw = self.upload(IN + 1, inputs[1])?;
+        let b_raw = self.upload(IN + 2, inputs[2])?;
+        let a_len = inputs[1].len() as u64 / (f.a_dtype.bits() / 8);
+        let b_len = inputs[2].len() as u64 / (f.b_dtype.bits() / 8);
+        let a = self.as_f32(k, SCRATCH + 1, a_raw, f.a_dtype, a_len)?;
+        let b = self.as_f32(k, SCRATCH + 2, b_raw, f.b_dtype, b_len)?;
+        let delta = self.device(SCRATCH + 3, (tr * cols * 4) as usize)?;
+        let (alpha, beta) = (1f32, 0f32);
+        let blas = self.blas.as_ref().ok_or("cuBLAS is not available")?;
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        // Row-major Δ (tr × cols) is column-major cols × tr. Plain: Δᵀ = Aᵀ·B_rowsᵀ with A
+        // [r, cols] read as cols × r (ld cols) and B's rows [tr, r] as r × tr (ld r).
+        // Transposed (Conv1D / embedding): Δ[i][o] = Σ B[o][k]·A[k][i]: B [cols, r] read
+        // transposed (ld r), A [r, rows] from column `start`, transposed (ld rows).
+        let (ta, tb, pa, lda, pb, ldb) = if f.transposed {
+            (CUBLAS_OP_T, CUBLAS_OP_T, b, r, a + 4 * units.start, rows)
+        } else {
+            (CUBLAS_OP_N, CUBLAS_OP_N, a, cols, b, r)
+        };
+        // SAFETY: the pointers are device buffers sized for these extents (input_ranges).
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                *blas.handle(),
+                ta,
+                tb,
+                cols as i32,
+                tr as i32,
+                r as i32,
+                &alpha,
+                pa as *const f32,
+                lda as i32,
+                pb as *const f32,
+                ldb as i32,
+                &beta,
+                delta as *mut f32,
+                cols as i32,
+            )
+        }
+        .map_err(|e| driver_err("cublasSgemm", e))?;
+        let p = LoraParams {
+            cols,
+            scale: f.scale,
+            base_dtype: kernel_dtype(m.base_dtype),
+            dst: kernel_dtype(m.dst),
+            dora: f.m_dtype.is_some() as i32,
+            pad: 0,
+        };
+        let factors = self.device(SCRATCH + 4, (tr * 4) as usize)?;
+        if let Some(md) = f.m_dtype {
+            let mag_raw = self.upload(IN + 3, inputs[3])?;
+            let mag = self.as_f32(k, SCRATCH + 5, mag_raw, md, tr)?;
+            let mut b = self.stream.launch_builder(&k.dora);
+            b.arg(&base)
+                .arg(&delta)
+                .arg(&mag)
+                .arg(&factors)
+                .arg(&tr)
+                .arg(&p);
+            // SAFETY: argument types match tftf_dora_factors.
+            unsafe { b.launch(launch_config(tr)) }
+                .map_err(|e| driver_err("tftf_dora_factors", e))?;
+        }
+        let o = self.device(OUT, out_len)?;
+        let n = tr * cols;
+        let mut b = self.stream.launch_builder(&k.lora);
+        b.arg(&base)
+            .arg(&delta)
+            .arg(&factors)
+            .arg(&o)
+            .arg(&n)
+            .arg(&p);
+        // SAFETY: argument types match tftf_lora.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_lora", e))?;
+        Ok(())
+    }
+}

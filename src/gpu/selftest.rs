@@ -1,0 +1,633 @@
+//! `tftf selftest`: every GPU kernel against the CPU op, on random inputs and every edge code.
+//!
+//! Each case is a real op (the same structs the pipeline runs) with inputs chosen to reach
+//! rounding ties, subnormals, NaN payloads, saturation and refused values. The GPU result must
+//! equal the CPU bytes exactly, except the LoRA merge, whose matrix product (cuBLAS vs the
+//! `gemm` crate) may differ in the last place: it must stay within one unit of the output dtype.
+//! Without a GPU (`--device cpu`) each case instead compares the CPU op run whole with the same
+//! op run in two chunks, which is what keeps output independent of chunk size.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Device, GpuKernel};
+use crate::format::dtype::DType;
+use crate::ops::cast::Cast;
+use crate::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use crate::ops::fp4::EngramRequant;
+use crate::ops::lora_merge::{LoraFactors, LoraMerge};
+use crate::ops::nvfp4::{NvBlockScales, NvReencode};
+use crate::ops::Op;
+
+/// Deterministic generator (the vectors are the same on every run and machine).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn next_u32(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 32) as u32
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next_u32() as u8).collect()
+    }
+}
+
+/// f32 bit patterns that stress conversions: zeros, subnormal edges, infinities, NaNs with
+/// payloads and both signs, BF16/F16 rounding ties and overflow edges, every exponent.
+pub fn f32_edges() -> Vec<u32> {
+    let mut v = vec![
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_0001,
+        0x8000_0001,
+        0x007F_FFFF,
+        0x0080_0000,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0000,
+        0xFFC0_0000,
+        0x7F80_0001,
+        0xFF80_0001,
+        0x7FBF_FFFF,
+        0x7FFF_FFFF,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_7FFF,
+        0x3F80_8001,
+        0x477F_E000,
+        0x477F_F000,
+        0x477F_EFFF,
+        0x4780_0000,
+        0x3300_0000,
+        0x3300_0001,
+        0x32FF_FFFF,
+        0x3380_0000,
+        0x387F_C000,
+        0x3880_0000,
+        0x7F7F_8000,
+        0x7F7F_7FFF,
+    ];
+    for e in 0..256u32 {
+        for m in [
+            0u32, 1, 0x1000, 0x1FFF, 0x2000, 0x6000, 0x8000, 0x7FFF, 0x18000, 0x400000,
+        ] {
+            v.push(e << 23 | m);
+            v.push(0x8000_0000 | e << 23 | m);
+        }
+    }
+    v
+}
+
+/// f64 patterns around the f32 and 16-bit rounding boundaries, NaN payloads, every 7th exponent.
+pub fn f64_edges() -> Vec<u64> {
+    let mut v = vec![
+        0,
+        0x8000_0000_0000_0000,
+        1,
+        0x7FF0_0000_0000_0000,
+        0xFFF0_0000_0000_0000,
+        0x7FF8_0000_0000_0000,
+        0xFFF8_0000_0000_0001,
+        0x7FF0_0000_0000_0001,
+        0x7FF4_5678_9ABC_DEF0,
+        0x47EF_FFFF_E000_0000,
+        0x47EF_FFFF_F000_0000,
+        0x47EF_FFFF_EFFF_FFFF,
+        0x47F0_0000_0000_0000,
+        0x3690_0000_0000_0000,
+        0x36A0_0000_0000_0000,
+        0x3FF0_1000_0000_0000,
+        0x3FF0_1000_0000_0001,
+        0x3FF0_0FFF_FFFF_FFFF,
+        0x3FF0_0000_1000_0000,
+        0x3FF0_0000_1000_0001,
+    ];
+    for e in (0..2048u64).step_by(7) {
+        for m in [
+            0u64,
+            1,
+            0x1000_0000,
+            0x1000_0001,
+            0x0FFF_FFFF,
+            0x8_0000_0000_0000,
+        ] {
+            v.push(e << 52 | m);
+            v.push(1 << 63 | e << 52 | m);
+        }
+    }
+    v
+}
+
+/// Inputs for a cast from `src`: every 8- and 16-bit code, the float edges, integer extremes
+/// around 2^24 rounding, and random bytes.
+pub fn cast_inputs(src: DType, rng: &mut Lcg) -> Vec<u8> {
+    let mut v: Vec<u8> = match src {
+        DType::F32 => f32_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F64 => f64_edges().iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 | DType::BF16 | DType::I16 | DType::U16 => {
+            (0..=u16::MAX).flat_map(|x| x.to_le_bytes()).collect()
+        }
+        DType::BOOL => return vec![0, 1],
+        DType::U8 | DType::I8 => (0..=255).collect(),
+        DType::I32 | DType::U32 => [
+            0u32,
+            1,
+            0x7FFF_FFFF,
+            0x8000_0000,
+            0xFFFF_FFFF,
+            0x0100_0001,
+            0x0100_0003,
+            0x0300_0002,
+            0xFFFF_FF7F,
+            0x00FF_FFFF,
+            0x0200_0003,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect(),
+        _ => [
+            0u64,
+            1,
+            u64::MAX,
+            1 << 63,
+            (1 << 63) - 1,
+            0x0100_0000_0000_0001,
+            0x0000_0000_0100_0001,
+            0xFFFF_FFFF_FEFF_FFFF,
+            0x8000_0080_0000_0000,
+            0x8000_0080_0000_0001,
+            0x00FF_FFFF_8000_0000,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect(),
+    };
+    v.extend(rng.bytes(64 << 10));
+    let size = (src.bits() / 8) as usize;
+    v.truncate(v.len() / size * size);
+    v
+}
+
+pub struct Case {
+    pub kernel: &'static str,
+    pub what: String,
+    pub op: Arc<dyn Op>,
+    /// Whole inputs for units `0..op.units()`.
+    pub inputs: Vec<Vec<u8>>,
+    /// Allowed difference in units in the last place of the output (LoRA: 1).
+    pub ulps: u32,
+    pub out_dtype: DType,
+}
+
+fn dequant_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    // 3 experts of 20 × 300, 8 × 128 blocks: ragged in both directions.
+    let (experts, rows, cols, br, bc) = (3u64, 20u64, 300u64, 8u64, 128u64);
+    let (gr, gc) = (rows.div_ceil(br), cols.div_ceil(bc));
+    for weight in [DType::F8_E4M3, DType::F8_E5M2] {
+        for scale in [
+            None,
+            Some(DType::F32),
+            Some(DType::BF16),
+            Some(DType::F16),
+            Some(DType::F8_E8M0),
+        ] {
+            for dst in [DType::BF16, DType::F16, DType::F32] {
+                for (mode, allow) in [
+                    (ScaleMode::Multiply, false),
+                    (ScaleMode::Multiply, true),
+                    (ScaleMode::Divide, true),
+                ] {
+                    let whole = scale.is_none();
+                    let layout = ScaleLayout {
+                        experts,
+                        rows,
+                        cols,
+                        expert_stride: if whole { 0 } else { gr * gc },
+                        grid_cols: if whole { 1 } else { gc },
+                        block_rows: if whole { rows } else { br },
+                        block_cols: if whole { cols } else { bc },
+                    };
+                    let total = (experts * rows * cols) as usize;
+                    let mut codes = rng.bytes(total);
+                    for (i, c) in codes.iter_mut().take(256).enumerate() {
+                        *c = i as u8;
+                    }
+                    if !allow {
+                        let special = |c: u8| match weight {
+                            DType::F8_E5M2 => c & 0x7C == 0x7C,
+                            _ => c & 0x7F == 0x7F,
+                        };
+                        codes
+                            .iter_mut()
+                            .filter(|c| special(**c))
+                            .for_each(|c| *c &= 0x3F);
+                    }
+                    let mut inputs = vec![codes];
+                    if let Some(d) = scale {
+                        let n = (experts * gr * gc) as usize;
+                        inputs.push(scale_values(d, n, rng, allow));
+                    }
+                    out.push(Case {
+                        kernel: "dequant-fp8",
+                        what: format!(
+                            "{weight} × {} → {dst}{}{}",
+                            scale.map_or("none".into(), |d| d.to_string()),
+                            if mode == ScaleMode::Divide { " ÷" } else { "" },
+                            if allow { " nonfinite" } else { "" }
+                        ),
+                        op: Arc::new(DequantFp8 {
+                            weight_dtype: weight,
+                            scale_dtype: scale,
+                            layout,
+                            mode,
+                            dst,
+                            allow_nonfinite: allow,
+                        }),
+                        inputs,
+                        ulps: 0,
+                        out_dtype: dst,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Scales across a wide range (and, when allowed, a NaN and an infinity), stored as `d`.
+pub fn scale_values(d: DType, n: usize, rng: &mut Lcg, nonfinite: bool) -> Vec<u8> {
+    if d == DType::F8_E8M0 {
+        return (0..n)
+            .map(|i| match i {
+                3 if nonfinite => 0xFF,
+                5 => 0,
+                _ => (rng.next_u32() % 60) as u8 + 97,
+            })
+            .collect();
+    }
+    let vals: Vec<u8> = (0..n)
+        .flat_map(|i| {
+            let v = match i % 5 {
+                _ if nonfinite && i == 2 => f32::from_bits(0xFFC0_0001),
+                _ if nonfinite && i == 4 => f32::INFINITY,
+                0 => 2f32.powi((rng.next_u32() % 40) as i32 - 30),
+                1 => 1e-5 * (1.0 + (rng.next_u32() % 1000) as f32),
+                _ => (rng.next_u32() as f32 / u32::MAX as f32) * 8.0 + 1e-3,
+            };
+            v.to_le_bytes()
+        })
+        .collect();
+    let mut out = vec![0u8; n * (d.bits() / 8) as usize];
+    crate::ops::cast::cast_slice(DType::F32, d, &vals, &mut out);
+    if d == DType::F32 {
+        out = vals;
+    }
+    out
+}
+
+fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (rows, cols, rank) = (96u64, 160u64, 16u64);
+    for base in [DType::BF16, DType::F16, DType::F32] {
+        for (dst, transposed, dora) in [
+            (base, false, false),
+            (base, true, false),
+            (base, false, true),
+            (
+                if base == DType::F32 {
+                    DType::BF16
+                } else {
+                    DType::F32
+                },
+                false,
+                false,
+            ),
+        ] {
+            let f = LoraFactors {
+                rank,
+                a_dtype: DType::F32,
+                b_dtype: base,
+                m_dtype: dora.then_some(DType::F32),
+                scale: 2.0,
+                transposed,
+            };
+            let floats = |n: u64, dtype: DType, rng: &mut Lcg, spread: f32| {
+                let v: Vec<u8> = (0..n)
+                    .flat_map(|_| {
+                        ((rng.next_u32() as f32 / u32::MAX as f32 - 0.5) * spread).to_le_bytes()
+                    })
+                    .collect();
+                let mut o = vec![0u8; (n * dtype.bits() / 8) as usize];
+                crate::ops::cast::cast_slice(DType::F32, dtype, &v, &mut o);
+                if dtype == DType::F32 {
+                    o = v;
+                }
+                o
+            };
+            let a_len = rank * if transposed { rows } else { cols };
+            let b_len = rank * if transposed { cols } else { rows };
+            let mut inputs = vec![
+                floats(rows * cols, base, rng, 0.2),
+                floats(a_len, DType::F32, rng, 0.1),
+                floats(b_len, base, rng, 0.1),
+            ];
+            if dora {
+                inputs.push(floats(rows, DType::F32, rng, 4.0));
+            }
+            out.push(Case {
+                kernel: "merge-lora",
+                what: format!(
+                    "{base} → {dst}, r={rank}{}{}",
+                    if transposed { ", transposed" } else { "" },
+                    if dora { ", DoRA" } else { "" }
+                ),
+                op: Arc::new(LoraMerge {
+                    rows,
+                    cols,
+                    base_op: None,
+                    base_inputs: 1,
+                    base_dtype: base,
+                    f,
+                    dst,
+                }),
+                inputs,
+                ulps: 1,
+                out_dtype: dst,
+            });
+        }
+    }
+}
+
+/// Every case the selftest runs.
+pub fn cases() -> Vec<Case> {
+    let mut rng = Lcg(0x7f7f);
+    let mut out = Vec::new();
+    for src in [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::BOOL,
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+    ] {
+        let input = cast_inputs(src, &mut rng);
+        for dst in [DType::BF16, DType::F16, DType::F32] {
+            if src == dst {
+                continue;
+            }
+            let elements = input.len() as u64 / (src.bits() / 8);
+            out.push(Case {
+                kernel: "cast",
+                what: format!("{src} → {dst}"),
+                op: Arc::new(Cast { src, dst, elements }),
+                inputs: vec![input.clone()],
+                ulps: 0,
+                out_dtype: dst,
+            });
+        }
+    }
+    dequant_cases(&mut rng, &mut out);
+    let all_scales: Vec<u8> = (0..=254).collect();
+    for g in [-140, -127, -30, -9, 0, 8, 40, 127] {
+        out.push(Case {
+            kernel: "mxfp4→nvfp4 scales",
+            what: format!("all 255 scales, g={g}"),
+            op: Arc::new(NvBlockScales {
+                rows: 5,
+                groups: 51,
+                g,
+            }),
+            inputs: vec![all_scales.clone()],
+            ulps: 0,
+            out_dtype: DType::U8,
+        });
+        let mut packed = rng.bytes(16 * 255);
+        packed[16..32].fill(0x88);
+        out.push(Case {
+            kernel: "mxfp4→nvfp4 re-encode",
+            what: format!("all 255 scales, g={g}"),
+            op: Arc::new(NvReencode {
+                rows: 5,
+                groups: 51,
+                g,
+            }),
+            inputs: vec![packed, all_scales.clone()],
+            ulps: 0,
+            out_dtype: DType::U8,
+        });
+    }
+    for (rows, cols) in [(64u64, 256u64), (7, 7168)] {
+        let mut codes = rng.bytes((rows * cols) as usize);
+        codes
+            .iter_mut()
+            .filter(|c| **c & 0x7F == 0x7F)
+            .for_each(|c| *c = 0x7E);
+        codes[256..288].fill(0);
+        let mut scales: Vec<u8> = (0..rows * cols / 32)
+            .map(|_| (rng.next_u32() % 200) as u8)
+            .collect();
+        scales[20] = 0;
+        codes[20 * 32..21 * 32].fill(0x01);
+        out.push(Case {
+            kernel: "requant-e2m1",
+            what: format!("{rows} × {cols} E4M3, quality sums"),
+            op: Arc::new(EngramRequant::new(rows, cols)),
+            inputs: vec![codes, scales],
+            ulps: 0,
+            out_dtype: DType::U8,
+        });
+    }
+    lora_cases(&mut rng, &mut out);
+    out
+}
+
+/// Input slices of `op` for `units`, cut from whole inputs.
+fn slices<'a>(op: &dyn Op, units: Range<u64>, inputs: &'a [Vec<u8>]) -> Vec<&'a [u8]> {
+    op.input_ranges(units)
+        .iter()
+        .zip(inputs)
+        .map(|(r, i)| &i[r.start as usize..r.end as usize])
+        .collect()
+}
+
+fn out_sizes(op: &dyn Op, units: u64) -> Vec<usize> {
+    std::iter::once(op.out_unit_bytes())
+        .chain((1..=op.extra_outputs()).map(|k| op.extra_unit_bytes(k)))
+        .map(|b| (b * units) as usize)
+        .collect()
+}
+
+/// A way to compute a chunk of an op: the CPU op itself, or a GPU lane.
+type Compute<'a> =
+    dyn FnMut(&dyn Op, Range<u64>, &[&[u8]], &mut [&mut [u8]]) -> Result<(), String> + 'a;
+
+/// Runs `units` of `op` with `f` into fresh output buffers.
+fn compute_with(
+    op: &dyn Op,
+    units: Range<u64>,
+    inputs: &[Vec<u8>],
+    f: &mut Compute,
+) -> Result<Vec<Vec<u8>>, String> {
+    let mut outs: Vec<Vec<u8>> = out_sizes(op, units.end - units.start)
+        .into_iter()
+        .map(|n| vec![0u8; n])
+        .collect();
+    let ins = slices(op, units.clone(), inputs);
+    let mut views: Vec<&mut [u8]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+    f(op, units, &ins, &mut views)?;
+    Ok(outs)
+}
+
+/// Largest difference in units in the last place between two outputs of `dtype`.
+fn ulp_distance(dtype: DType, a: &[u8], b: &[u8]) -> u64 {
+    let ordered = |bits: u64, width: u32| -> i64 {
+        let sign = 1u64 << (width - 1);
+        if bits & sign != 0 {
+            -((bits & (sign - 1)) as i64)
+        } else {
+            bits as i64
+        }
+    };
+    let w = (dtype.bits() / 8) as usize;
+    a.chunks_exact(w)
+        .zip(b.chunks_exact(w))
+        .map(|(x, y)| {
+            let (x, y) = if w == 2 {
+                (
+                    u16::from_le_bytes([x[0], x[1]]) as u64,
+                    u16::from_le_bytes([y[0], y[1]]) as u64,
+                )
+            } else if w == 4 {
+                (
+                    u32::from_le_bytes(x.try_into().unwrap()) as u64,
+                    u32::from_le_bytes(y.try_into().unwrap()) as u64,
+                )
+            } else {
+                (x[0] as u64, y[0] as u64)
+            };
+            ordered(x, 8 * w as u32).abs_diff(ordered(y, 8 * w as u32))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+pub struct Row {
+    pub kernel: &'static str,
+    pub what: String,
+    pub bytes: u64,
+    pub max_ulps: u64,
+    pub seconds: f64,
+    pub ok: bool,
+    pub detail: String,
+}
+
+/// Runs every case on `device` (or, on the CPU, whole vs chunked) and returns the table rows.
+pub fn run(device: &Device) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for case in cases() {
+        let op = case.op.as_ref();
+        let n = op.units();
+        let mut cpu =
+            |op: &dyn Op, u: Range<u64>, i: &[&[u8]], o: &mut [&mut [u8]]| op.compute_all(u, i, o);
+        let want = compute_with(op, 0..n, &case.inputs, &mut cpu);
+        let t = Instant::now();
+        let got = match &device.gpu {
+            Some(gpu) => {
+                // A fresh op for the GPU run, so per-op statistics are gathered separately.
+                let gop = case_twin(&case);
+                let r = compute_with(
+                    gop.as_ref(),
+                    0..n,
+                    &case.inputs,
+                    &mut |op, u, i, o| match gpu.run(&kernel_of(op), op, u, i, o) {
+                        Ok(true) => Ok(()),
+                        Ok(false) => Err("refused".into()),
+                        Err(e) => Err(e),
+                    },
+                );
+                r.map(|o| (o, gop.report()))
+            }
+            None => {
+                // Two chunks at a granularity boundary.
+                let g = op.granularity().max(1);
+                let cut = (n / 2 / g * g).clamp(g.min(n), n);
+                let gop = case_twin(&case);
+                let a = compute_with(gop.as_ref(), 0..cut, &case.inputs, &mut cpu);
+                let b = compute_with(gop.as_ref(), cut..n, &case.inputs, &mut cpu);
+                a.and_then(|a| {
+                    b.map(|b| {
+                        let joined = a
+                            .into_iter()
+                            .zip(b)
+                            .map(|(mut x, y)| {
+                                x.extend(y);
+                                x
+                            })
+                            .collect();
+                        (joined, None)
+                    })
+                })
+            }
+        };
+        let seconds = t.elapsed().as_secs_f64();
+        let bytes = case.inputs.iter().map(|i| i.len() as u64).sum();
+        let (ok, max_ulps, detail) = match (&want, &got) {
+            (Ok(w), Ok((g, report))) => {
+                let d: u64 = w
+                    .iter()
+                    .zip(g)
+                    .map(|(w, g)| ulp_distance(case.out_dtype, w, g))
+                    .max()
+                    .unwrap_or(0);
+                // Quality sums (Engram) must agree exactly too.
+                let same_report = report.is_none() || *report == op.report();
+                let ok = d <= case.ulps as u64 && same_report;
+                let detail = if !same_report {
+                    "statistics differ".to_string()
+                } else if ok {
+                    String::new()
+                } else {
+                    format!("{d} ulp apart")
+                };
+                (ok, d, detail)
+            }
+            (Err(_), Err(_)) => (true, 0, "refused by both".into()),
+            (Ok(_), Err(e)) => (false, 0, format!("device: {e}")),
+            (Err(e), Ok(_)) => (false, 0, format!("CPU refused ({e}), device did not")),
+        };
+        rows.push(Row {
+            kernel: case.kernel,
+            what: case.what,
+            bytes,
+            max_ulps,
+            seconds,
+            ok,
+            detail,
+        });
+    }
+    rows
+}
+
+/// The op's kernel description (borrowing the op itself).
+fn kernel_of(op: &dyn Op) -> GpuKernel<'_> {
+    op.gpu().expect("selftest ops have kernels")
+}
+
+/// A second op like the case's, with its own statistics. Only the Engram op keeps state.
+fn case_twin(case: &Case) -> Arc<dyn Op> {
+    match case.op.gpu() {
+        Some(GpuKernel::Engram(e)) => Arc::new(EngramRequant::new(e.rows, e.cols)),
+        _ => case.op.clone(),
+    }
+}
