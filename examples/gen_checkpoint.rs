@@ -8,7 +8,9 @@
 //!          `fp8-e8m0` — the same with F8_E8M0 scales;
 //!          `fp8-as-bf16` — the same weights' shapes as BF16, no scales (the baseline);
 //!          `v4` — DeepSeek-V4-style: MXFP4 routed experts (I8 + E8M0 scales), one E4M3 Engram
-//!          table of 2 GiB with E8M0 scales, FP8 attention, BF16 embeddings.
+//!          table of 2 GiB with E8M0 scales, FP8 attention, BF16 embeddings;
+//!          `lora` / `lora-rN` — a `core-bf16` base in `base/` and an F32 adapter of rank 16
+//!          (or N) on every `*_proj` matrix in `adapter/`.
 
 use std::io::Write;
 use std::path::Path;
@@ -94,15 +96,16 @@ fn main() {
     if layout == "v4" {
         return v4_layout(out, gib);
     }
-    if layout == "lora" {
+    if let Some(rank) = layout.strip_prefix("lora") {
+        let rank = rank.strip_prefix("-r").map_or(16, |r| r.parse().unwrap());
         let names = core_layout(&out.join("base"), "core-bf16", gib);
-        return lora_adapter(&out.join("adapter"), &names);
+        return lora_adapter(&out.join("adapter"), &names, rank);
     }
     core_layout(out, layout, gib);
 }
 
-/// An r=16 F32 adapter on every `*_proj` matrix: A [16, 4096], B [4096, 16].
-fn lora_adapter(out: &Path, names: &[String]) {
+/// An F32 adapter of rank `r` on every `*_proj` matrix: A [r, 4096], B [4096, r].
+fn lora_adapter(out: &Path, names: &[String], r: u64) {
     std::fs::create_dir_all(out).unwrap();
     let mut tensors = Vec::new();
     for n in names.iter().filter(|n| n.ends_with("_proj.weight")) {
@@ -110,12 +113,12 @@ fn lora_adapter(out: &Path, names: &[String]) {
         tensors.push((
             format!("base_model.model.{m}.lora_A.weight"),
             DType::F32,
-            vec![16, 4096],
+            vec![r, 4096],
         ));
         tensors.push((
             format!("base_model.model.{m}.lora_B.weight"),
             DType::F32,
-            vec![4096, 16],
+            vec![4096, r],
         ));
     }
     write_shard(
@@ -125,7 +128,10 @@ fn lora_adapter(out: &Path, names: &[String]) {
     );
     std::fs::write(
         out.join("adapter_config.json"),
-        r#"{"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]}"#,
+        format!(
+            r#"{{"r": {r}, "lora_alpha": {}, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]}}"#,
+            2 * r
+        ),
     )
     .unwrap();
     println!(
