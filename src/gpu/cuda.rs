@@ -25,7 +25,6 @@ use super::params::{kernel_dtype, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
 use super::GpuKernel;
 use crate::format::dtype::DType;
 use crate::ops::fp4::RowSums;
-use crate::ops::Op;
 
 /// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
 static PTX_NVCC: &str = include_str!(concat!(env!("OUT_DIR"), "/tftf-nvcc.ptx"));
@@ -140,7 +139,7 @@ impl Gpu {
 
     pub fn describe(&self) -> String {
         format!(
-            "cuda:{} ({}, sm_{}{}{})",
+            "cuda:{} ({}, sm_{}{}{}{})",
             self.ctx.ordinal(),
             self.name,
             self.capability.0,
@@ -149,6 +148,10 @@ impl Gpu {
                 ", unified memory"
             } else {
                 ""
+            },
+            match &self.cublas_missing {
+                Some(why) => format!("; {why}: LoRA merges on the CPU"),
+                None => String::new(),
             }
         )
     }
@@ -163,7 +166,6 @@ impl Gpu {
     pub fn run(
         &self,
         kernel: &GpuKernel,
-        op: &dyn Op,
         units: Range<u64>,
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
@@ -182,7 +184,7 @@ impl Gpu {
             .ctx
             .bind_to_thread()
             .map_err(|e| driver_err("binding the context", e))
-            .and_then(|_| lane.run(&self.kernels, kernel, op, units, inputs, outs));
+            .and_then(|_| lane.run(&self.kernels, kernel, units, inputs, outs));
         let c = &self.counters;
         c.busy_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -234,6 +236,15 @@ impl Gpu {
         };
         time(true)?; // warm-up
         Ok((time(true)?, time(false)?))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Staging and device buffers are freed with the context current on this thread.
+        if self.ctx.bind_to_thread().is_ok() {
+            self.lanes.get_mut().unwrap().clear();
+        }
     }
 }
 
@@ -484,7 +495,6 @@ impl Lane {
         &mut self,
         k: &Kernels,
         kernel: &GpuKernel,
-        op: &dyn Op,
         units: Range<u64>,
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
@@ -602,7 +612,6 @@ impl Lane {
             let clamped = u64::from_le_bytes(self.result(SCRATCH + 3, 8).try_into().unwrap());
             eg.add_rows(&rows, clamped);
         }
-        let _ = op;
         Ok(true)
     }
 

@@ -550,7 +550,7 @@ pub fn run(device: &Device) -> Vec<Row> {
                     gop.as_ref(),
                     0..n,
                     &case.inputs,
-                    &mut |op, u, i, o| match gpu.run(&kernel_of(op), op, u, i, o) {
+                    &mut |op, u, i, o| match gpu.run(&kernel_of(op), u, i, o) {
                         Ok(true) => Ok(()),
                         Ok(false) => Err("refused".into()),
                         Err(e) => Err(e),

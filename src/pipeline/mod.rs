@@ -237,7 +237,11 @@ pub fn execute(
     for s in &ckpt.shards {
         sys::advise_sequential(&s.file);
     }
-    let threads = cfg.threads.max(1);
+    // With a GPU, at least one worker per lane keeps both streams busy.
+    let threads = match cfg.gpu {
+        Some(_) => cfg.threads.max(crate::gpu::cuda::LANES),
+        None => cfg.threads.max(1),
+    };
     let (work_tx, work_rx) = bounded::<Work>(threads * 2);
     let (done_tx, done_rx) = bounded::<Done>(threads * 2);
     let writeback_window = (cfg.memory_budget / 4).clamp(8 << 20, WRITEBACK_WINDOW_MAX_BYTES);
@@ -503,7 +507,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 // which names it.
                 let on_gpu = match (&sh.gpu, op.gpu()) {
                     (Some(gpu), Some(k)) if gpu.supports(&k) => gpu
-                        .run(&k, op.as_ref(), units.clone(), &views, &mut out_views)
+                        .run(&k, units.clone(), &views, &mut out_views)
                         .map_err(Error::Device)?,
                     _ => false,
                 };
