@@ -53,6 +53,12 @@ int tftf_host_engram(const u8* codes, const u8* scales, u8* packed, u8* new_scal
     return 1;
 }
 
+void tftf_host_lora_delta(const float* coef, const float* vecs, float* delta, u64 rows,
+                          const DeltaParams* d) {
+    for (u64 e = 0; e < rows * d->cols; e++)
+        delta[e] = lora_delta_element(*d, coef, vecs, e / d->cols, e % d->cols);
+}
+
 void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, u8* out, u64 rows,
                     const LoraParams* p) {
     float* factors = new float[rows];

@@ -1,5 +1,9 @@
-// LoRA/DoRA merge epilogue (src/ops/lora_merge.rs): W' = W + s·Δ with Δ = B@A from the matrix
-// product, and for DoRA W'' = (m / ‖W'‖₂ per row) · W', rounded once to the output dtype.
+// LoRA/DoRA merge (src/ops/lora_merge.rs): Δ = B@A, W' = W + s·Δ, and for DoRA
+// W'' = (m / ‖W'‖₂ per row) · W', rounded once to the output dtype.
+//
+// Δ is summed in a fixed order, rank index k = 0, 1, …, in f32, a multiply then an add per term
+// (no fused multiply-add), on the CPU and the GPU alike: a library GEMM sums in an order of its
+// own, and the same inputs would then give different bytes on different devices.
 #pragma once
 #include "cast.cuh"
 
@@ -9,6 +13,21 @@ TFTF_HD double sqrt_f64(double x) {
 #else
     return __builtin_sqrt(x);
 #endif
+}
+
+// Δ[i][j] = Σ_k coef(i, k) · vec(k, j), coef(i, k) = coef[i·ci + k·ck], vec(k, j) =
+// vecs[k·vk + j·vj]: B's rows times A (plain), or A's columns times Bᵀ (Conv1D, embeddings).
+struct DeltaParams {
+    u64 rank, cols;
+    u64 ci, ck, vk, vj;
+};
+
+TFTF_HD float lora_delta_element(const DeltaParams& d, const float* coef, const float* vecs,
+                                 u64 i, u64 j) {
+    float acc = 0.0f;
+    for (u64 k = 0; k < d.rank; k++)
+        acc = acc + coef[i * d.ci + k * d.ck] * vecs[k * d.vk + j * d.vj];
+    return acc;
 }
 
 struct LoraParams {

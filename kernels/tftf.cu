@@ -58,6 +58,14 @@ extern "C" __global__ void tftf_engram_rows(const BlockSums* sums, RowSums* rows
     }
 }
 
+extern "C" __global__ void tftf_lora_delta(const float* coef, const float* vecs, float* delta,
+                                           u64 n, DeltaParams d) {
+    GRID_STRIDE(e, n) {
+        u64 i = e / d.cols, j = e - i * d.cols;
+        delta[e] = lora_delta_element(d, coef, vecs, i, j);
+    }
+}
+
 extern "C" __global__ void tftf_dora_factors(const u8* base, const float* delta,
                                              const float* magnitude, float* factors, u64 rows,
                                              LoraParams p) {

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use tftf::format::dtype::DType;
-use tftf::gpu::params::{kernel_dtype, DequantParams, LoraParams};
+use tftf::gpu::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams};
 use tftf::gpu::selftest::{self, Lcg as Rng};
 use tftf::gpu::GpuKernel;
 use tftf::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
@@ -466,6 +466,81 @@ fn f32s(rng: &mut Rng, n: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The selftest's LoRA/DoRA cases (both orientations, every base and output dtype): Δ from the
+/// host build of the product kernel, then the epilogue kernel, against the CPU op, on a chunk
+/// that starts mid-tensor.
+#[test]
+fn lora_merge_matches_the_cpu_op_bit_for_bit() {
+    let delta_fn = host_fn!(
+        "tftf_host_lora_delta",
+        fn(*const f32, *const f32, *mut f32, u64, *const DeltaParams) -> ()
+    );
+    let merge_fn = host_fn!(
+        "tftf_host_lora",
+        fn(*const u8, *const f32, *const f32, *mut u8, u64, *const LoraParams) -> ()
+    );
+    let mut n = 0;
+    for case in selftest::cases() {
+        let Some(GpuKernel::Lora(m)) = case.op.gpu() else {
+            continue;
+        };
+        let units = 5..m.rows - 3;
+        let tr = units.end - units.start;
+        let ins: Vec<&[u8]> = m
+            .input_ranges(units.clone())
+            .iter()
+            .zip(&case.inputs)
+            .map(|(r, i)| &i[r.start as usize..r.end as usize])
+            .collect();
+        let mut want = vec![0u8; (tr * m.out_unit_bytes()) as usize];
+        m.compute(units.clone(), &ins, &mut want).unwrap();
+        let a = tftf::ops::lora_merge::to_f32(m.f.a_dtype, ins[1]);
+        let b = tftf::ops::lora_merge::to_f32(m.f.b_dtype, ins[2]);
+        let ops = m.delta_operands(&units);
+        let (coef, vecs) = if ops.coef_is_a {
+            (&a[ops.coef_offset as usize..], &b[..])
+        } else {
+            (&b[..], &a[..])
+        };
+        let mut delta = vec![0f32; (tr * m.cols) as usize];
+        unsafe {
+            delta_fn(
+                coef.as_ptr(),
+                vecs.as_ptr(),
+                delta.as_mut_ptr(),
+                tr,
+                &ops.params,
+            )
+        };
+        let mag =
+            m.f.m_dtype
+                .map(|d| tftf::ops::lora_merge::to_f32(d, ins[3]))
+                .unwrap_or_default();
+        let p = LoraParams {
+            cols: m.cols,
+            scale: m.f.scale,
+            base_dtype: kernel_dtype(m.base_dtype),
+            dst: kernel_dtype(m.dst),
+            dora: m.f.m_dtype.is_some() as i32,
+            pad: 0,
+        };
+        let mut got = vec![0u8; want.len()];
+        unsafe {
+            merge_fn(
+                ins[0].as_ptr(),
+                delta.as_ptr(),
+                mag.as_ptr(),
+                got.as_mut_ptr(),
+                tr,
+                &p,
+            )
+        };
+        hex_diff(&case.what, &got, &want, (m.dst.bits() / 8) as usize);
+        n += 1;
+    }
+    assert_eq!(n, 12, "every LoRA case");
+}
+
 #[test]
 fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
     let f = host_fn!(
@@ -566,6 +641,7 @@ fn committed_ptx_is_built_from_the_current_sources() {
         "tftf_nv_reencode",
         "tftf_engram_blocks",
         "tftf_engram_rows",
+        "tftf_lora_delta",
         "tftf_dora_factors",
         "tftf_lora",
     ] {

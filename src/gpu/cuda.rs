@@ -15,13 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use cudarc::cublas::sys as cublas_sys;
 use cudarc::driver::sys::{self, CUdevice_attribute, CUdeviceptr};
 use cudarc::driver::{
     result, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::params::{kernel_dtype, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
+use super::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
 use super::GpuKernel;
 use crate::format::dtype::DType;
 use crate::ops::fp4::RowSums;
@@ -36,6 +35,7 @@ pub const LANES: usize = 2;
 // SAFETY: plain-old-data structs laid out as their C twins (repr(C), no pointers).
 unsafe impl DeviceRepr for DequantParams {}
 unsafe impl DeviceRepr for LoraParams {}
+unsafe impl DeviceRepr for DeltaParams {}
 
 struct Kernels {
     cast: CudaFunction,
@@ -44,6 +44,7 @@ struct Kernels {
     nv_reencode: CudaFunction,
     engram_blocks: CudaFunction,
     engram_rows: CudaFunction,
+    lora_delta: CudaFunction,
     dora: CudaFunction,
     lora: CudaFunction,
 }
@@ -65,13 +66,22 @@ pub struct Gpu {
     capability: (i32, i32),
     /// Unified memory: kernels use mapped host memory, no copies.
     pub integrated: bool,
-    /// Why the LoRA merge cannot use cuBLAS here, if it cannot.
-    cublas_missing: Option<String>,
     /// Which PTX the module was loaded from.
     pub ptx: &'static str,
     lanes: Mutex<Vec<Lane>>,
     lane_freed: Condvar,
     pub counters: GpuCounters,
+}
+
+/// Whether the driver library loads. cudarc resolves every CUDA 12.2 entry point when it loads
+/// the library and panics if one is missing (an older driver), so that panic is caught, quietly.
+fn probe_driver() -> Result<bool, ()> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    // SAFETY: only tries to dlopen the driver library and resolve its symbols.
+    let r = std::panic::catch_unwind(|| unsafe { sys::is_culib_present() });
+    std::panic::set_hook(hook);
+    r.map_err(|_| ())
 }
 
 fn driver_err(what: &str, e: impl std::fmt::Debug) -> String {
@@ -81,9 +91,15 @@ fn driver_err(what: &str, e: impl std::fmt::Debug) -> String {
 impl Gpu {
     /// Opens device `ordinal`, or says why it cannot.
     pub fn open(ordinal: usize) -> Result<Gpu, String> {
-        // SAFETY: only tries to dlopen the driver library.
-        if !unsafe { sys::is_culib_present() } {
-            return Err("no CUDA driver (libcuda.so.1 not found)".into());
+        match probe_driver() {
+            Ok(true) => {}
+            Ok(false) => return Err("no CUDA driver (libcuda.so.1 not found)".into()),
+            Err(()) => {
+                return Err(
+                    "the CUDA driver lacks functions of CUDA 12.2; update it to R535 or newer"
+                        .into(),
+                )
+            }
         }
         result::init().map_err(|e| driver_err("CUDA driver present but cuInit failed", e))?;
         let count = CudaContext::device_count().map_err(|e| driver_err("cuDeviceGetCount", e))?;
@@ -113,15 +129,13 @@ impl Gpu {
             nv_reencode: f("tftf_nv_reencode")?,
             engram_blocks: f("tftf_engram_blocks")?,
             engram_rows: f("tftf_engram_rows")?,
+            lora_delta: f("tftf_lora_delta")?,
             dora: f("tftf_dora_factors")?,
             lora: f("tftf_lora")?,
         };
-        // SAFETY: only tries to dlopen the library.
-        let cublas_missing = (!unsafe { cublas_sys::is_culib_present() })
-            .then(|| "cuBLAS (libcublas.so) not found".to_string());
         let mut lanes = Vec::with_capacity(LANES);
         for _ in 0..LANES {
-            lanes.push(Lane::new(&ctx, integrated, cublas_missing.is_none())?);
+            lanes.push(Lane::new(&ctx, integrated)?);
         }
         Ok(Gpu {
             ctx,
@@ -129,7 +143,6 @@ impl Gpu {
             name,
             capability,
             integrated,
-            cublas_missing,
             ptx,
             lanes: Mutex::new(lanes),
             lane_freed: Condvar::new(),
@@ -139,7 +152,7 @@ impl Gpu {
 
     pub fn describe(&self) -> String {
         format!(
-            "cuda:{} ({}, sm_{}{}{}{})",
+            "cuda:{} ({}, sm_{}{}{})",
             self.ctx.ordinal(),
             self.name,
             self.capability.0,
@@ -148,17 +161,8 @@ impl Gpu {
                 ", unified memory"
             } else {
                 ""
-            },
-            match &self.cublas_missing {
-                Some(why) => format!("; {why}: LoRA merges on the CPU"),
-                None => String::new(),
             }
         )
-    }
-
-    /// Whether `kernel` can run here (the LoRA merge needs cuBLAS).
-    pub fn supports(&self, kernel: &GpuKernel) -> bool {
-        !matches!(kernel, GpuKernel::Lora(_)) || self.cublas_missing.is_none()
     }
 
     /// Runs one chunk of `op` on the GPU. `Ok(false)`: the kernel met a value the op refuses,
@@ -353,7 +357,6 @@ const SLOTS: usize = 14;
 
 struct Lane {
     stream: Arc<CudaStream>,
-    blas: Option<cudarc::cublas::CudaBlas>,
     mapped: bool,
     host: Vec<Option<Pinned>>,
     dev: Vec<Option<DevBuf>>,
@@ -369,31 +372,12 @@ fn launch_config(n: u64) -> LaunchConfig {
 }
 
 impl Lane {
-    fn new(ctx: &Arc<CudaContext>, mapped: bool, cublas: bool) -> Result<Lane, String> {
+    fn new(ctx: &Arc<CudaContext>, mapped: bool) -> Result<Lane, String> {
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_err("creating a stream", e))?;
-        let blas = if cublas {
-            let b = cudarc::cublas::CudaBlas::new(stream.clone())
-                .map_err(|e| driver_err("creating a cuBLAS handle", e))?;
-            // Full f32 products: no TF32 or other reduced-precision shortcuts, whatever the
-            // environment asks (NVIDIA_TF32_OVERRIDE).
-            // SAFETY: a live handle.
-            unsafe {
-                cublas_sys::cublasSetMathMode(
-                    *b.handle(),
-                    cublas_sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
-                )
-            }
-            .result()
-            .map_err(|e| driver_err("cublasSetMathMode", e))?;
-            Some(b)
-        } else {
-            None
-        };
         Ok(Lane {
             stream,
-            blas,
             mapped,
             host: (0..SLOTS).map(|_| None).collect(),
             dev: (0..SLOTS).map(|_| None).collect(),
@@ -615,8 +599,8 @@ impl Lane {
         Ok(true)
     }
 
-    /// LoRA/DoRA: factors to f32, Δ = B@A through cuBLAS (f32, pedantic math), then the fused
-    /// add / DoRA-normalise / round kernels.
+    /// LoRA/DoRA: factors to f32, Δ = B@A in the fixed summation order the CPU uses, then the
+    /// fused add / DoRA-normalise / round kernels.
     fn lora(
         &mut self,
         k: &Kernels,
@@ -627,7 +611,7 @@ impl Lane {
     ) -> Result<(), String> {
         let f = &m.f;
         let tr = units.end - units.start;
-        let (rows, cols, r) = (m.rows, m.cols, f.rank);
+        let cols = m.cols;
         let base = self.upload(IN, inputs[0])?;
         let a_raw = self.upload(IN + 1, inputs[1])?;
         let b_raw = self.upload(IN + 2, inputs[2])?;
@@ -636,38 +620,18 @@ impl Lane {
         let a = self.as_f32(k, SCRATCH + 1, a_raw, f.a_dtype, a_len)?;
         let b = self.as_f32(k, SCRATCH + 2, b_raw, f.b_dtype, b_len)?;
         let delta = self.device(SCRATCH + 3, (tr * cols * 4) as usize)?;
-        let (alpha, beta) = (1f32, 0f32);
-        let blas = self.blas.as_ref().ok_or("cuBLAS is not available")?;
-        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        // Row-major Δ (tr × cols) is column-major cols × tr. Plain: Δᵀ = Aᵀ·B_rowsᵀ with A
-        // [r, cols] read as cols × r (ld cols) and B's rows [tr, r] as r × tr (ld r).
-        // Transposed (Conv1D / embedding): Δ[i][o] = Σ B[o][k]·A[k][i]: B [cols, r] read
-        // transposed (ld r), A [r, rows] from column `start`, transposed (ld rows).
-        let (ta, tb, pa, lda, pb, ldb) = if f.transposed {
-            (CUBLAS_OP_T, CUBLAS_OP_T, b, r, a + 4 * units.start, rows)
+        let ops = m.delta_operands(units);
+        let (coef, vecs) = if ops.coef_is_a {
+            (a + 4 * ops.coef_offset, b)
         } else {
-            (CUBLAS_OP_N, CUBLAS_OP_N, a, cols, b, r)
+            (b, a)
         };
-        // SAFETY: the pointers are device buffers sized for these extents (input_ranges).
-        unsafe {
-            cudarc::cublas::result::sgemm(
-                *blas.handle(),
-                ta,
-                tb,
-                cols as i32,
-                tr as i32,
-                r as i32,
-                &alpha,
-                pa as *const f32,
-                lda as i32,
-                pb as *const f32,
-                ldb as i32,
-                &beta,
-                delta as *mut f32,
-                cols as i32,
-            )
-        }
-        .map_err(|e| driver_err("cublasSgemm", e))?;
+        let d = ops.params;
+        let n = tr * cols;
+        let mut l = self.stream.launch_builder(&k.lora_delta);
+        l.arg(&coef).arg(&vecs).arg(&delta).arg(&n).arg(&d);
+        // SAFETY: argument types match tftf_lora_delta; the strides stay inside A and B.
+        unsafe { l.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_lora_delta", e))?;
         let p = LoraParams {
             cols,
             scale: f.scale,
@@ -692,7 +656,6 @@ impl Lane {
                 .map_err(|e| driver_err("tftf_dora_factors", e))?;
         }
         let o = self.device(OUT, out_len)?;
-        let n = tr * cols;
         let mut b = self.stream.launch_builder(&k.lora);
         b.arg(&base)
             .arg(&delta)

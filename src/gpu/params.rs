@@ -61,5 +61,17 @@ pub struct LoraParams {
     pub pad: i32,
 }
 
+/// `DeltaParams` of kernels/lora.cuh.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeltaParams {
+    pub rank: u64,
+    pub cols: u64,
+    pub ci: u64,
+    pub ck: u64,
+    pub vk: u64,
+    pub vj: u64,
+}
+
 /// `BlockSums` of kernels/fp4.cuh (device scratch only).
 pub const BLOCK_SUMS_BYTES: usize = 16;

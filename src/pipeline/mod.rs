@@ -506,7 +506,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 // A GPU kernel that meets a value the op refuses leaves it to the CPU op,
                 // which names it.
                 let on_gpu = match (&sh.gpu, op.gpu()) {
-                    (Some(gpu), Some(k)) if gpu.supports(&k) => gpu
+                    (Some(gpu), Some(k)) => gpu
                         .run(&k, units.clone(), &views, &mut out_views)
                         .map_err(Error::Device)?,
                     _ => false,

@@ -224,6 +224,11 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_engram_rows(arg<const BlockSums*>(p, 0), arg<RowSums*>(p, 1), arg<u64>(p, 2),
                              arg<u64>(p, 3));
         });
+    else if (n == "tftf_lora_delta")
+        walk(gx, bx, [&] {
+            tftf_lora_delta(arg<const float*>(p, 0), arg<const float*>(p, 1), arg<float*>(p, 2),
+                            arg<u64>(p, 3), arg<DeltaParams>(p, 4));
+        });
     else if (n == "tftf_dora_factors")
         walk(gx, bx, [&] {
             tftf_dora_factors(arg<in>(p, 0), arg<const float*>(p, 1), arg<const float*>(p, 2),
