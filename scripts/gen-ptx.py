@@ -45,8 +45,9 @@ def source_hash(srcs):
 def install_wheels():
     marker = os.path.join(WHEELS, ".installed-12.2.140")
     if not os.path.exists(marker):
+        env = dict(os.environ, PIP_ROOT_USER_ACTION="ignore", PIP_DISABLE_PIP_VERSION_CHECK="1")
         subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                               "--target", WHEELS, NVRTC_WHEEL, NVCC_WHEEL])
+                               "--target", WHEELS, NVRTC_WHEEL, NVCC_WHEEL], env=env)
         open(marker, "w").close()
     return os.path.join(WHEELS, "nvidia")
 
