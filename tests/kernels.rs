@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use tftf::format::dtype::DType;
 use tftf::gpu::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams};
-use tftf::gpu::selftest::{self, Lcg as Rng};
+use tftf::gpu::selftest::{self, DequantShape, Lcg as Rng};
 use tftf::gpu::GpuKernel;
 use tftf::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use tftf::ops::fp4::{requant_row, RowSums};
@@ -147,111 +147,57 @@ fn cpu_compute(op: &dyn Op, units: Range<u64>, inputs: &[&[u8]]) -> Result<Vec<u
     op.compute(units, inputs, &mut out).map(|_| out)
 }
 
+/// Every weight, scale and output dtype and mode on four shapes (block grids ragged both ways,
+/// experts, per-row scales, one scale shared by experts), on chunks that start mid-tensor.
 #[test]
 fn fp8_dequant_matches_the_cpu_op_bit_for_bit() {
-    let mut rng = Rng(2);
-    // (experts, rows, cols, block rows, block cols): ragged block grids, per-row, per-tensor.
-    let layouts = [
-        (1u64, 37u64, 300u64, 16u64, 128u64),
-        (3, 20, 64, 8, 32),
-        (1, 9, 256, 1, 256),
-        (2, 6, 40, 6, 40),
+    let shape = |experts, rows, cols, br, bc, shared| DequantShape {
+        experts,
+        rows,
+        cols,
+        br,
+        bc,
+        shared,
+    };
+    let shapes = [
+        shape(1, 37, 300, 16, 128, false),
+        shape(3, 20, 64, 8, 32, false),
+        shape(1, 9, 256, 1, 256, false),
+        shape(2, 6, 40, 6, 40, true),
     ];
-    for (experts, rows, cols, br, bc) in layouts {
-        let gr = rows.div_ceil(br);
-        let gc = cols.div_ceil(bc);
-        for weight in [DType::F8_E4M3, DType::F8_E5M2] {
-            for scale in [
-                None,
-                Some(DType::F32),
-                Some(DType::BF16),
-                Some(DType::F16),
-                Some(DType::F8_E8M0),
-            ] {
-                for dst in [DType::BF16, DType::F16, DType::F32] {
-                    for (mode, allow) in [
-                        (ScaleMode::Multiply, false),
-                        (ScaleMode::Divide, false),
-                        (ScaleMode::Multiply, true),
-                        (ScaleMode::Divide, true),
-                    ] {
-                        // Without a scale tensor the op sees one implicit scale for all.
-                        let whole = scale.is_none();
-                        let per_tensor = whole || (br == rows && bc == cols && experts == 2);
-                        let op = DequantFp8 {
-                            weight_dtype: weight,
-                            scale_dtype: scale,
-                            layout: ScaleLayout {
-                                experts,
-                                rows,
-                                cols,
-                                expert_stride: if per_tensor { 0 } else { gr * gc },
-                                grid_cols: if whole { 1 } else { gc },
-                                block_rows: if whole { rows } else { br },
-                                block_cols: if whole { cols } else { bc },
-                            },
-                            mode,
-                            dst,
-                            allow_nonfinite: allow,
-                        };
-                        let total = (experts * rows * cols) as usize;
-                        let mut codes = rng.bytes(total);
-                        // Every code, specials included, appears when allowed.
-                        for (i, c) in codes.iter_mut().take(256).enumerate() {
-                            *c = i as u8;
-                        }
-                        if !allow {
-                            let nonfinite = |c: u8| {
-                                if weight == DType::F8_E5M2 {
-                                    c & 0x7C == 0x7C
-                                } else {
-                                    c & 0x7F == 0x7F
-                                }
-                            };
-                            codes
-                                .iter_mut()
-                                .filter(|c| nonfinite(**c))
-                                .for_each(|c| *c &= 0x3F);
-                        }
-                        let nscales = if per_tensor {
-                            1
-                        } else {
-                            (experts * gr * gc) as usize
-                        };
-                        let sbytes = scale
-                            .map(|d| selftest::scale_values(d, nscales, &mut rng, allow))
-                            .unwrap_or_default();
-                        let units_all = experts * rows;
-                        let g = op.granularity();
-                        for units in [
-                            0..units_all,
-                            g..units_all.min(3 * g),
-                            (units_all - g)..units_all,
-                        ] {
-                            let inputs_r = op.input_ranges(units.clone());
-                            let c = &codes[inputs_r[0].start as usize..inputs_r[0].end as usize];
-                            let s = inputs_r
-                                .get(1)
-                                .map_or(&[][..], |r| &sbytes[r.start as usize..r.end as usize]);
-                            let mut ins: Vec<&[u8]> = vec![c];
-                            if scale.is_some() {
-                                ins.push(s);
-                            }
-                            let what = format!("{weight}/{scale:?}->{dst} {mode:?} allow={allow} {experts}x{rows}x{cols} {br}x{bc} units {units:?}");
-                            let want = cpu_compute(&op, units.clone(), &ins);
-                            let got = host_dequant(&op, units.clone(), c, s);
-                            match (got, want) {
-                                (Some(g), Ok(w)) => {
-                                    hex_diff(&what, &g, &w, (dst.bits() / 8) as usize)
-                                }
-                                (None, Err(_)) => {}
-                                (g, w) => {
-                                    panic!("{what}: kernel ok={}, CPU {:?}", g.is_some(), w.err())
-                                }
-                            }
-                        }
-                    }
-                }
+    let modes = [
+        (ScaleMode::Multiply, false),
+        (ScaleMode::Divide, false),
+        (ScaleMode::Multiply, true),
+        (ScaleMode::Divide, true),
+    ];
+    let cases = selftest::dequant_cases(&mut Rng(2), &shapes, &modes);
+    assert_eq!(cases.len(), 4 * 2 * 5 * 3 * 4);
+    for case in cases {
+        let Some(GpuKernel::DequantFp8(op)) = case.op.gpu() else {
+            unreachable!()
+        };
+        let all = op.units();
+        let g = op.granularity();
+        for units in [0..all, g..all.min(3 * g), (all - g)..all] {
+            let ranges = op.input_ranges(units.clone());
+            let ins: Vec<&[u8]> = ranges
+                .iter()
+                .zip(&case.inputs)
+                .map(|(r, i)| &i[r.start as usize..r.end as usize])
+                .collect();
+            let what = format!("{} units {units:?}", case.what);
+            let want = cpu_compute(op, units.clone(), &ins);
+            let got = host_dequant(
+                op,
+                units.clone(),
+                ins[0],
+                ins.get(1).copied().unwrap_or(&[]),
+            );
+            match (got, want) {
+                (Some(g), Ok(w)) => hex_diff(&what, &g, &w, (op.dst.bits() / 8) as usize),
+                (None, Err(_)) => {}
+                (g, w) => panic!("{what}: kernel ok={}, CPU {:?}", g.is_some(), w.err()),
             }
         }
     }
@@ -449,26 +395,6 @@ fn engram_requant_and_its_quality_sums_match_the_cpu_op() {
         .contains("beyond F8_E8M0"));
 }
 
-/// Finite f32s over a wide range of exponents, with BF16 ties and subnormals among them.
-fn f32s(rng: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n)
-        .flat_map(|i| {
-            let v = match i % 7 {
-                0 => f32::from_bits(0x3F80_8000 + ((rng.next_u32() % 4) << 16)),
-                1 => f32::from_bits(rng.next_u32() & 0x007F_FFFF),
-                _ => {
-                    let e = (rng.next_u32() % 40) as i32 - 20;
-                    (rng.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
-                }
-            };
-            v.to_le_bytes()
-        })
-        .collect()
-}
-
-/// The selftest's LoRA/DoRA cases (both orientations, every base and output dtype): Δ from the
-/// host build of the product kernel, then the epilogue kernel, against the CPU op, on a chunk
-/// that starts mid-tensor.
 #[test]
 fn lora_merge_matches_the_cpu_op_bit_for_bit() {
     let delta_fn = host_fn!(
@@ -552,14 +478,15 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
     for base_dtype in [DType::BF16, DType::F16, DType::F32] {
         for dst in [DType::BF16, DType::F16, DType::F32] {
             for dora in [false, true] {
-                let w32 = f32s(&mut rng, rows * cols);
+                let w32 = rng.f32s(rows * cols);
                 let mut base = vec![0u8; rows * cols * (base_dtype.bits() / 8) as usize];
                 if base_dtype == DType::F32 {
                     base.copy_from_slice(&w32);
                 } else {
                     tftf::ops::cast::cast_slice(DType::F32, base_dtype, &w32, &mut base);
                 }
-                let delta: Vec<f32> = f32s(&mut rng, rows * cols)
+                let delta: Vec<f32> = rng
+                    .f32s(rows * cols)
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                     .collect();

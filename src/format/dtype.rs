@@ -161,6 +161,13 @@ impl DType {
     }
 }
 
+impl DType {
+    /// Every dtype safetensors defines.
+    pub fn all() -> impl Iterator<Item = DType> {
+        ALL.into_iter()
+    }
+}
+
 impl FromStr for DType {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {

@@ -34,6 +34,23 @@ impl Lcg {
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.next_u32() as u8).collect()
     }
+    /// `n` finite f32s (little-endian bytes) over a wide spread of exponents, with exact BF16
+    /// ties and subnormals among them.
+    pub fn f32s(&mut self, n: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| {
+                let v = match i % 7 {
+                    0 => f32::from_bits(0x3F80_8000 + ((self.next_u32() % 4) << 16)),
+                    1 => f32::from_bits(self.next_u32() & 0x007F_FFFF),
+                    _ => {
+                        let e = (self.next_u32() % 40) as i32 - 20;
+                        (self.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
+                    }
+                };
+                v.to_le_bytes()
+            })
+            .collect()
+    }
 }
 
 /// f32 bit patterns that stress conversions: zeros, subnormal edges, infinities, NaNs with
@@ -185,78 +202,123 @@ pub struct Case {
     pub out_dtype: DType,
 }
 
-fn dequant_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
-    // 3 experts of 20 × 300, 8 × 128 blocks: ragged in both directions.
-    let (experts, rows, cols, br, bc) = (3u64, 20u64, 300u64, 8u64, 128u64);
-    let (gr, gc) = (rows.div_ceil(br), cols.div_ceil(bc));
-    for weight in [DType::F8_E4M3, DType::F8_E5M2] {
-        for scale in [
-            None,
-            Some(DType::F32),
-            Some(DType::BF16),
-            Some(DType::F16),
-            Some(DType::F8_E8M0),
-        ] {
-            for dst in [DType::BF16, DType::F16, DType::F32] {
-                for (mode, allow) in [
-                    (ScaleMode::Multiply, false),
-                    (ScaleMode::Multiply, true),
-                    (ScaleMode::Divide, true),
-                ] {
-                    let whole = scale.is_none();
-                    let layout = ScaleLayout {
-                        experts,
-                        rows,
-                        cols,
-                        expert_stride: if whole { 0 } else { gr * gc },
-                        grid_cols: if whole { 1 } else { gc },
-                        block_rows: if whole { rows } else { br },
-                        block_cols: if whole { cols } else { bc },
-                    };
-                    let total = (experts * rows * cols) as usize;
-                    let mut codes = rng.bytes(total);
-                    for (i, c) in codes.iter_mut().take(256).enumerate() {
-                        *c = i as u8;
-                    }
-                    if !allow {
-                        let special = |c: u8| match weight {
-                            DType::F8_E5M2 => c & 0x7C == 0x7C,
-                            _ => c & 0x7F == 0x7F,
+/// A dequantisation test shape: experts × rows × cols with `br` × `bc` blocks (ragged edges
+/// allowed); `shared`: one scale for every expert.
+#[derive(Clone, Copy)]
+pub struct DequantShape {
+    pub experts: u64,
+    pub rows: u64,
+    pub cols: u64,
+    pub br: u64,
+    pub bc: u64,
+    pub shared: bool,
+}
+
+/// The selftest's shapes: 3 experts of 20 × 300 in 8 × 128 blocks (ragged both ways), and two
+/// experts under one shared scale.
+pub const DEQUANT_SHAPES: [DequantShape; 2] = [
+    DequantShape {
+        experts: 3,
+        rows: 20,
+        cols: 300,
+        br: 8,
+        bc: 128,
+        shared: false,
+    },
+    DequantShape {
+        experts: 2,
+        rows: 6,
+        cols: 40,
+        br: 6,
+        bc: 40,
+        shared: true,
+    },
+];
+
+/// Every weight dtype × scale dtype (or none) × output dtype × (mode, --allow-nonfinite) on each
+/// shape; all 256 codes appear (the non-finite ones only where allowed).
+pub fn dequant_cases(
+    rng: &mut Lcg,
+    shapes: &[DequantShape],
+    modes: &[(ScaleMode, bool)],
+) -> Vec<Case> {
+    let mut out = Vec::new();
+    for sh in shapes {
+        let (gr, gc) = (sh.rows.div_ceil(sh.br), sh.cols.div_ceil(sh.bc));
+        for weight in [DType::F8_E4M3, DType::F8_E5M2] {
+            for scale in [
+                None,
+                Some(DType::F32),
+                Some(DType::BF16),
+                Some(DType::F16),
+                Some(DType::F8_E8M0),
+            ] {
+                for dst in [DType::BF16, DType::F16, DType::F32] {
+                    for &(mode, allow) in modes {
+                        // Without a scale tensor the op sees one implicit scale for everything.
+                        let whole = scale.is_none();
+                        let one = whole || sh.shared;
+                        let layout = ScaleLayout {
+                            experts: sh.experts,
+                            rows: sh.rows,
+                            cols: sh.cols,
+                            expert_stride: if one { 0 } else { gr * gc },
+                            grid_cols: if whole { 1 } else { gc },
+                            block_rows: if whole { sh.rows } else { sh.br },
+                            block_cols: if whole { sh.cols } else { sh.bc },
                         };
-                        codes
-                            .iter_mut()
-                            .filter(|c| special(**c))
-                            .for_each(|c| *c &= 0x3F);
+                        let mut codes = rng.bytes((sh.experts * sh.rows * sh.cols) as usize);
+                        for (i, c) in codes.iter_mut().take(256).enumerate() {
+                            *c = i as u8;
+                        }
+                        if !allow {
+                            let special = |c: u8| match weight {
+                                DType::F8_E5M2 => c & 0x7C == 0x7C,
+                                _ => c & 0x7F == 0x7F,
+                            };
+                            codes
+                                .iter_mut()
+                                .filter(|c| special(**c))
+                                .for_each(|c| *c &= 0x3F);
+                        }
+                        let mut inputs = vec![codes];
+                        if let Some(d) = scale {
+                            let n = if one {
+                                1
+                            } else {
+                                (sh.experts * gr * gc) as usize
+                            };
+                            inputs.push(scale_values(d, n, rng, allow));
+                        }
+                        out.push(Case {
+                            kernel: "dequant-fp8",
+                            what: format!(
+                                "{weight} × {} → {dst}{}{}, {}×{}×{}",
+                                scale.map_or("none".into(), |d| d.to_string()),
+                                if mode == ScaleMode::Divide { " ÷" } else { "" },
+                                if allow { " nonfinite" } else { "" },
+                                sh.experts,
+                                sh.rows,
+                                sh.cols
+                            ),
+                            op: Arc::new(DequantFp8 {
+                                weight_dtype: weight,
+                                scale_dtype: scale,
+                                layout,
+                                mode,
+                                dst,
+                                allow_nonfinite: allow,
+                            }),
+                            inputs,
+                            ulps: 0,
+                            out_dtype: dst,
+                        });
                     }
-                    let mut inputs = vec![codes];
-                    if let Some(d) = scale {
-                        let n = (experts * gr * gc) as usize;
-                        inputs.push(scale_values(d, n, rng, allow));
-                    }
-                    out.push(Case {
-                        kernel: "dequant-fp8",
-                        what: format!(
-                            "{weight} × {} → {dst}{}{}",
-                            scale.map_or("none".into(), |d| d.to_string()),
-                            if mode == ScaleMode::Divide { " ÷" } else { "" },
-                            if allow { " nonfinite" } else { "" }
-                        ),
-                        op: Arc::new(DequantFp8 {
-                            weight_dtype: weight,
-                            scale_dtype: scale,
-                            layout,
-                            mode,
-                            dst,
-                            allow_nonfinite: allow,
-                        }),
-                        inputs,
-                        ulps: 0,
-                        out_dtype: dst,
-                    });
                 }
             }
         }
     }
+    out
 }
 
 /// Scales across a wide range (and, when allowed, a NaN and an infinity), stored as `d`.
@@ -366,21 +428,8 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
 pub fn cases() -> Vec<Case> {
     let mut rng = Lcg(0x7f7f);
     let mut out = Vec::new();
-    for src in [
-        DType::F64,
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::BOOL,
-        DType::U8,
-        DType::I8,
-        DType::I16,
-        DType::U16,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-    ] {
+    let sources = DType::all().filter(|d| d.is_castable_float() || d.is_castable_int());
+    for src in sources {
         let input = cast_inputs(src, &mut rng);
         for dst in [DType::BF16, DType::F16, DType::F32] {
             if src == dst {
@@ -397,7 +446,15 @@ pub fn cases() -> Vec<Case> {
             });
         }
     }
-    dequant_cases(&mut rng, &mut out);
+    out.extend(dequant_cases(
+        &mut rng,
+        &DEQUANT_SHAPES,
+        &[
+            (ScaleMode::Multiply, false),
+            (ScaleMode::Multiply, true),
+            (ScaleMode::Divide, true),
+        ],
+    ));
     let all_scales: Vec<u8> = (0..=254).collect();
     for g in [-140, -127, -30, -9, 0, 8, 40, 127] {
         out.push(Case {

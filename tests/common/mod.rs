@@ -9,35 +9,8 @@ use tftf::format::write_small;
 
 pub type T = (String, DType, Vec<u64>, Vec<u8>);
 
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 32) as u32
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next_u32() as u8).collect()
-    }
-    /// Finite f32 values with a wide spread of exponents, plus exact bf16 ties.
-    pub fn f32s(&mut self, n: usize) -> Vec<u8> {
-        (0..n)
-            .flat_map(|i| {
-                let v = match i % 7 {
-                    0 => f32::from_bits(0x3F80_8000 + ((self.next_u32() % 4) << 16)), // ties
-                    1 => f32::from_bits(self.next_u32() & 0x007F_FFFF),               // subnormals
-                    _ => {
-                        let e = (self.next_u32() % 40) as i32 - 20;
-                        (self.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
-                    }
-                };
-                v.to_le_bytes()
-            })
-            .collect()
-    }
-}
+/// The library's deterministic generator (also behind `tftf selftest`'s vectors).
+pub use tftf::gpu::selftest::Lcg as Rng;
 
 pub fn t(name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> T {
     (name.to_string(), dtype, shape.to_vec(), data)
