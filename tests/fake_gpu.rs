@@ -81,8 +81,16 @@ fn tftf_with(fake: bool, integrated: bool, args: &[&str]) -> Output {
 }
 
 fn tftf_in(libs: Option<&Path>, integrated: bool, args: &[&str]) -> Output {
+    tftf_logged(libs, integrated, None, args)
+}
+
+/// Runs tftf, the fake driver appending each kernel it launches to `log`.
+fn tftf_logged(libs: Option<&Path>, integrated: bool, log: Option<&Path>, args: &[&str]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
     c.args(args);
+    if let Some(log) = log {
+        c.env("TFTF_FAKE_CUDA_LOG", log);
+    }
     c.env_remove("LD_LIBRARY_PATH");
     if let Some(libs) = libs {
         c.env("LD_LIBRARY_PATH", libs);
@@ -116,8 +124,13 @@ fn examples() -> &'static Path {
 }
 
 /// Runs `args` with `-o OUT --device DEV` on the CPU and on the fake GPU (copying and unified
-/// memory); returns the CPU and GPU outputs' tensors after checking the report's device.
-fn cpu_vs_gpu(name: &str, args: &[&str]) -> Vec<(String, String, Vec<u8>, Vec<u8>)> {
+/// memory); returns the CPU and GPU outputs' tensors after checking the report's device and that
+/// every kernel in `kernels` was launched.
+fn cpu_vs_gpu(
+    name: &str,
+    args: &[&str],
+    kernels: &[&str],
+) -> Vec<(String, String, Vec<u8>, Vec<u8>)> {
     let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("fake-gpu-{name}"));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).unwrap();
@@ -135,7 +148,20 @@ fn cpu_vs_gpu(name: &str, args: &[&str]) -> Vec<(String, String, Vec<u8>, Vec<u8
             "--threads",
             "3",
         ]);
-        ok(&tftf_with(fake, integrated, &a));
+        let log = work.join(format!("{dev}-{integrated}.log"));
+        ok(&tftf_logged(
+            fake.then(fake_libs),
+            integrated,
+            Some(&log),
+            &a,
+        ));
+        let launched = std::fs::read_to_string(&log).unwrap_or_default();
+        for k in kernels.iter().filter(|_| dev == "cuda") {
+            assert!(
+                launched.lines().any(|l| l == *k),
+                "{name}: {k} was not launched"
+            );
+        }
         let rep: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
         (load_all(&out), rep)
@@ -199,14 +225,24 @@ fn cast_dequant_and_fp4_repack_are_byte_identical_on_the_gpu_path() {
             "--memory-budget",
             "16MiB",
         ],
+        &["tftf_cast"],
     );
     assert_identical("cast", &pairs);
     let pairs = cpu_vs_gpu(
         "dequant",
         &["dequant-fp8", s(&ex.join("example")), "--dtype", "f32"],
+        &["tftf_dequant_fp8"],
     );
     assert_identical("dequant", &pairs);
-    let pairs = cpu_vs_gpu("repack", &["repack-fp4", "-i", s(&ex.join("v4-example"))]);
+    let pairs = cpu_vs_gpu(
+        "repack",
+        &["repack-fp4", "-i", s(&ex.join("v4-example"))],
+        &[
+            "tftf_nv_block_scales",
+            "tftf_engram_blocks",
+            "tftf_engram_rows",
+        ],
+    );
     assert_identical("repack", &pairs);
 }
 
@@ -222,8 +258,21 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
             "-a",
             s(&ex.join("adapter")),
         ],
+        &["tftf_lora_delta", "tftf_lora"],
     );
     assert_identical("lora", &pairs);
+    // FP8 base: dequantised and merged in one pass, both on the GPU.
+    let pairs = cpu_vs_gpu(
+        "fp8-lora",
+        &[
+            "dequant-fp8",
+            s(&ex.join("example")),
+            "--merge-lora",
+            s(&ex.join("adapter")),
+        ],
+        &["tftf_dequant_fp8", "tftf_lora_delta", "tftf_lora"],
+    );
+    assert_identical("fp8-lora", &pairs);
 }
 
 #[test]
@@ -237,6 +286,24 @@ fn selftest_passes_on_the_fake_device_and_refused_values_are_named() {
     assert!(out.contains(" 0 failed (cuda:0"), "{out}");
     let out = ok(&tftf_with(true, true, &["selftest", "-q"]));
     assert!(out.contains(" 0 failed (cuda:0"), "{out}");
+
+    // A device that computes one wrong bit fails the selftest.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
+    let r = c
+        .args(["selftest", "-q"])
+        .env("LD_LIBRARY_PATH", fake_libs())
+        .env("TFTF_FAKE_CUDA_CORRUPT", "1")
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("cast ") && l.contains("MISMATCH")),
+        "{out}"
+    );
+    // Every cast case, and the merges whose factors pass through the cast kernel.
+    assert!(out.contains(" 38 failed (cuda:0"), "{out}");
 
     // An FP8 NaN code: the kernel raises its flag, the CPU op names the element, no output.
     let dir = tempfile::tempdir().unwrap();

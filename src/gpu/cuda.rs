@@ -349,11 +349,11 @@ impl Drop for DevBuf {
     }
 }
 
-/// Input slots 0..4, output slots 4..6, device-only scratch after.
+/// Input slots 0..5, output slots 5..7, device-only scratch after.
 const IN: usize = 0;
-const OUT: usize = 4;
-const SCRATCH: usize = 6;
-const SLOTS: usize = 14;
+const OUT: usize = 5;
+const SCRATCH: usize = 7;
+const SLOTS: usize = 16;
 
 struct Lane {
     stream: Arc<CudaStream>,
@@ -564,7 +564,7 @@ impl Lane {
                 self.download(rows_slot, nunits as usize * 32)?;
                 self.download(SCRATCH + 3, 8)?;
             }
-            GpuKernel::Lora(m) => self.lora(k, m, &units, inputs, outs[0].len())?,
+            GpuKernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
         }
         for (j, o) in outs.iter().enumerate() {
             self.download(OUT + j, o.len())?;
@@ -600,7 +600,7 @@ impl Lane {
     }
 
     /// LoRA/DoRA: factors to f32, Δ = B@A in the fixed summation order the CPU uses, then the
-    /// fused add / DoRA-normalise / round kernels.
+    /// fused add / DoRA-normalise / round kernels. Returns the refusal flag of an FP8 base.
     fn lora(
         &mut self,
         k: &Kernels,
@@ -608,15 +608,38 @@ impl Lane {
         units: &Range<u64>,
         inputs: &[&[u8]],
         out_len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<Option<CUdeviceptr>, String> {
         let f = &m.f;
         let tr = units.end - units.start;
         let cols = m.cols;
-        let base = self.upload(IN, inputs[0])?;
-        let a_raw = self.upload(IN + 1, inputs[1])?;
-        let b_raw = self.upload(IN + 2, inputs[2])?;
-        let a_len = inputs[1].len() as u64 / (f.a_dtype.bits() / 8);
-        let b_len = inputs[2].len() as u64 / (f.b_dtype.bits() / 8);
+        let nb = m.base_inputs;
+        // A computed base (FP8) is dequantised to f32 on the device first; its kernel may
+        // refuse a value, which the caller then hands to the CPU op.
+        let (base, base_dtype, flag) = match m.base_op.as_ref().and_then(|op| op.gpu()) {
+            None => (self.upload(IN, inputs[0])?, m.base_dtype, None),
+            Some(GpuKernel::DequantFp8(dq)) => {
+                let p = dq.kernel_params(units);
+                let c = self.upload(IN, inputs[0])?;
+                let s = match nb {
+                    2 => self.upload(IN + 1, inputs[1])?,
+                    _ => 0,
+                };
+                let o = self.device(SCRATCH + 6, (tr * cols * 4) as usize)?;
+                let fl = self.zero(SCRATCH, 4)?;
+                let n = inputs[0].len() as u64;
+                let mut b = self.stream.launch_builder(&k.dequant);
+                b.arg(&c).arg(&s).arg(&o).arg(&n).arg(&p).arg(&fl);
+                // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_fp8", e))?;
+                (o, DType::F32, Some(fl))
+            }
+            Some(_) => return Err("no GPU kernel for this merge's base".into()),
+        };
+        let a_raw = self.upload(IN + nb, inputs[nb])?;
+        let b_raw = self.upload(IN + nb + 1, inputs[nb + 1])?;
+        let a_len = inputs[nb].len() as u64 / (f.a_dtype.bits() / 8);
+        let b_len = inputs[nb + 1].len() as u64 / (f.b_dtype.bits() / 8);
         let a = self.as_f32(k, SCRATCH + 1, a_raw, f.a_dtype, a_len)?;
         let b = self.as_f32(k, SCRATCH + 2, b_raw, f.b_dtype, b_len)?;
         let delta = self.device(SCRATCH + 3, (tr * cols * 4) as usize)?;
@@ -635,14 +658,14 @@ impl Lane {
         let p = LoraParams {
             cols,
             scale: f.scale,
-            base_dtype: kernel_dtype(m.base_dtype),
+            base_dtype: kernel_dtype(base_dtype),
             dst: kernel_dtype(m.dst),
             dora: f.m_dtype.is_some() as i32,
             pad: 0,
         };
         let factors = self.device(SCRATCH + 4, (tr * 4) as usize)?;
         if let Some(md) = f.m_dtype {
-            let mag_raw = self.upload(IN + 3, inputs[3])?;
+            let mag_raw = self.upload(IN + nb + 2, inputs[nb + 2])?;
             let mag = self.as_f32(k, SCRATCH + 5, mag_raw, md, tr)?;
             let mut b = self.stream.launch_builder(&k.dora);
             b.arg(&base)
@@ -665,6 +688,6 @@ impl Lane {
             .arg(&p);
         // SAFETY: argument types match tftf_lora.
         unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_lora", e))?;
-        Ok(())
+        Ok(flag)
     }
 }

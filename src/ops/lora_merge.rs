@@ -127,11 +127,14 @@ impl LoraMerge {
 }
 
 impl Op for LoraMerge {
-    /// A base computed by another op (FP8 dequantisation) merges on the CPU.
+    /// The GPU also dequantises an FP8 base (to f32, as `base_op` is built) before merging.
     fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        self.base_op
-            .is_none()
-            .then_some(crate::gpu::GpuKernel::Lora(self))
+        let base_on_gpu = match self.base_op.as_ref().map(|op| op.gpu()) {
+            None => true,
+            Some(Some(crate::gpu::GpuKernel::DequantFp8(dq))) => dq.dst == DType::F32,
+            Some(_) => false,
+        };
+        base_on_gpu.then_some(crate::gpu::GpuKernel::Lora(self))
     }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {

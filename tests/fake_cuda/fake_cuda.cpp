@@ -3,7 +3,9 @@
 // host, walking the grid block by block and thread by thread. It lets CI run tftf's whole GPU
 // path (cudarc calls, lanes, pinned staging, launch arguments, flags, downloads) without a GPU.
 // It also enforces two rules of the real backend: pinned staging is never write-combined, and
-// asynchronous copies only ever use pinned host memory.
+// asynchronous copies only ever use pinned host memory. TFTF_FAKE_CUDA_LOG=FILE appends the name
+// of every kernel launched; TFTF_FAKE_CUDA_INTEGRATED=1 makes it a unified-memory device;
+// TFTF_FAKE_CUDA_CORRUPT=1 makes it a broken one.
 #include "prelude.h"
 #include "../../kernels/tftf.cu"
 
@@ -192,6 +194,13 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned bz, unsigned, void*, void** p, void**) {
     if (gy != 1 || gz != 1 || by != 1 || bz != 1 || gx == 0 || bx == 0) return 1;
     const std::string& n = ((Function*)f)->name;
+    if (const char* log = getenv("TFTF_FAKE_CUDA_LOG")) {
+        std::lock_guard<std::mutex> g(lock);
+        if (FILE* l = fopen(log, "a")) {
+            fprintf(l, "%s\n", n.c_str());
+            fclose(l);
+        }
+    }
     typedef const u8* in;
     if (n == "tftf_cast")
         walk(gx, bx, [&] {
@@ -241,6 +250,8 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
         });
     else
         return 500;
+    // A broken device, for the selftest's own test: one flipped bit in a cast's output.
+    if (n == "tftf_cast" && getenv("TFTF_FAKE_CUDA_CORRUPT")) arg<u8*>(p, 1)[0] ^= 1;
     return 0;
 }
 int cuGetErrorString(int, const char** s) {
