@@ -15,18 +15,26 @@ TFTF_HD double sqrt_f64(double x) {
 #endif
 }
 
-// Δ[i][j] = Σ_k coef(i, k) · vec(k, j), coef(i, k) = coef[i·ci + k·ck], vec(k, j) =
-// vecs[k·vk + j·vj]: B's rows times A (plain), or A's columns times Bᵀ (Conv1D, embeddings).
+// Δ[i][j] = Σ_k coef(g, k) · vec(g, k, j) for chunk row i, global row g = first_row + i, in
+// group e = g / group_rows (an expert of a grouped merge; one group otherwise) at x = g mod
+// group_rows: coef(g, k) = coef[x·ci + k·ck + e·cg], vec(g, k, j) = vecs[k·vk + j·vj + e·vg].
+// Plain: B's rows times A. Conv1D / embeddings: A's columns times Bᵀ. Grouped experts: the
+// expert's slices of A and B.
 struct DeltaParams {
     u64 rank, cols;
-    u64 ci, ck, vk, vj;
+    u64 ci, ck, cg;
+    u64 vk, vj, vg;
+    u64 first_row, group_rows;
 };
 
 TFTF_HD float lora_delta_element(const DeltaParams& d, const float* coef, const float* vecs,
                                  u64 i, u64 j) {
+    u64 g = d.first_row + i;
+    u64 e = g / d.group_rows, x = g - e * d.group_rows;
+    const float* c = coef + x * d.ci + e * d.cg;
+    const float* v = vecs + j * d.vj + e * d.vg;
     float acc = 0.0f;
-    for (u64 k = 0; k < d.rank; k++)
-        acc = acc + coef[i * d.ci + k * d.ck] * vecs[k * d.vk + j * d.vj];
+    for (u64 k = 0; k < d.rank; k++) acc = acc + c[k * d.ck] * v[k * d.vk];
     return acc;
 }
 

@@ -410,61 +410,49 @@ fn lora_merge_matches_the_cpu_op_bit_for_bit() {
         let Some(GpuKernel::Lora(m)) = case.op.gpu() else {
             continue;
         };
-        let units = 5..m.rows - 3;
+        let op = case.op.as_ref();
+        let units = 5..op.units() - 3;
         let tr = units.end - units.start;
-        let ins: Vec<&[u8]> = m
+        let ins: Vec<&[u8]> = op
             .input_ranges(units.clone())
             .iter()
             .zip(&case.inputs)
             .map(|(r, i)| &i[r.start as usize..r.end as usize])
             .collect();
-        let mut want = vec![0u8; (tr * m.out_unit_bytes()) as usize];
-        m.compute(units.clone(), &ins, &mut want).unwrap();
-        let a = tftf::ops::lora_merge::to_f32(m.f.a_dtype, ins[1]);
-        let b = tftf::ops::lora_merge::to_f32(m.f.b_dtype, ins[2]);
-        let ops = m.delta_operands(&units);
-        let (coef, vecs) = if ops.coef_is_a {
-            (&a[ops.coef_offset as usize..], &b[..])
-        } else {
-            (&b[..], &a[..])
-        };
-        let mut delta = vec![0f32; (tr * m.cols) as usize];
-        unsafe {
-            delta_fn(
-                coef.as_ptr(),
-                vecs.as_ptr(),
-                delta.as_mut_ptr(),
-                tr,
-                &ops.params,
-            )
-        };
-        let mag =
-            m.f.m_dtype
-                .map(|d| tftf::ops::lora_merge::to_f32(d, ins[3]))
-                .unwrap_or_default();
+        let mut want = vec![0u8; (tr * op.out_unit_bytes()) as usize];
+        op.compute(units.clone(), &ins, &mut want).unwrap();
+        let f = m.plan(&units);
+        assert!(f.base_op.is_none() && f.base_inputs == 1);
+        let a = tftf::ops::lora_merge::to_f32(f.a_dtype, ins[1]);
+        let b = tftf::ops::lora_merge::to_f32(f.b_dtype, ins[2]);
+        let (coef, vecs) = if f.coef_is_a { (&a, &b) } else { (&b, &a) };
+        let mut delta = vec![0f32; (tr * f.delta.cols) as usize];
+        let (c, v, d) = (coef.as_ptr(), vecs.as_ptr(), delta.as_mut_ptr());
+        unsafe { delta_fn(c, v, d, tr, &f.delta) };
+        let mag = f
+            .m_dtype
+            .map(|d| tftf::ops::lora_merge::to_f32(d, ins[3]))
+            .unwrap_or_default();
         let p = LoraParams {
-            cols: m.cols,
-            scale: m.f.scale,
-            base_dtype: kernel_dtype(m.base_dtype),
-            dst: kernel_dtype(m.dst),
-            dora: m.f.m_dtype.is_some() as i32,
+            cols: f.delta.cols,
+            scale: f.scale,
+            base_dtype: kernel_dtype(f.base_dtype),
+            dst: kernel_dtype(f.dst),
+            dora: f.m_dtype.is_some() as i32,
             pad: 0,
         };
         let mut got = vec![0u8; want.len()];
-        unsafe {
-            merge_fn(
-                ins[0].as_ptr(),
-                delta.as_ptr(),
-                mag.as_ptr(),
-                got.as_mut_ptr(),
-                tr,
-                &p,
-            )
-        };
-        hex_diff(&case.what, &got, &want, (m.dst.bits() / 8) as usize);
+        let (w, dl, mg, o) = (
+            ins[0].as_ptr(),
+            delta.as_ptr(),
+            mag.as_ptr(),
+            got.as_mut_ptr(),
+        );
+        unsafe { merge_fn(w, dl, mg, o, tr, &p) };
+        hex_diff(&case.what, &got, &want, (f.dst.bits() / 8) as usize);
         n += 1;
     }
-    assert_eq!(n, 12, "every LoRA case");
+    assert_eq!(n, 14, "every LoRA and grouped-expert case");
 }
 
 #[test]

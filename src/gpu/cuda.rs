@@ -21,7 +21,7 @@ use cudarc::driver::{
 };
 
 use super::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
-use super::GpuKernel;
+use super::{GpuKernel, LoraKernel};
 use crate::format::dtype::DType;
 use crate::ops::fp4::RowSums;
 
@@ -564,7 +564,7 @@ impl Lane {
                 self.download(rows_slot, nunits as usize * 32)?;
                 self.download(SCRATCH + 3, 8)?;
             }
-            GpuKernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
+            GpuKernel::Lora(m) => flag = self.lora(k, *m, &units, inputs, outs[0].len())?,
         }
         for (j, o) in outs.iter().enumerate() {
             self.download(OUT + j, o.len())?;
@@ -604,19 +604,19 @@ impl Lane {
     fn lora(
         &mut self,
         k: &Kernels,
-        m: &crate::ops::lora_merge::LoraMerge,
+        m: &dyn LoraKernel,
         units: &Range<u64>,
         inputs: &[&[u8]],
         out_len: usize,
     ) -> Result<Option<CUdeviceptr>, String> {
-        let f = &m.f;
+        let f = m.plan(units);
         let tr = units.end - units.start;
-        let cols = m.cols;
-        let nb = m.base_inputs;
+        let cols = f.delta.cols;
+        let nb = f.base_inputs;
         // A computed base (FP8) is dequantised to f32 on the device first; its kernel may
         // refuse a value, which the caller then hands to the CPU op.
-        let (base, base_dtype, flag) = match m.base_op.as_ref().and_then(|op| op.gpu()) {
-            None => (self.upload(IN, inputs[0])?, m.base_dtype, None),
+        let (base, base_dtype, flag) = match f.base_op.and_then(|op| op.gpu()) {
+            None => (self.upload(IN, inputs[0])?, f.base_dtype, None),
             Some(GpuKernel::DequantFp8(dq)) => {
                 let p = dq.kernel_params(units);
                 let c = self.upload(IN, inputs[0])?;
@@ -643,13 +643,8 @@ impl Lane {
         let a = self.as_f32(k, SCRATCH + 1, a_raw, f.a_dtype, a_len)?;
         let b = self.as_f32(k, SCRATCH + 2, b_raw, f.b_dtype, b_len)?;
         let delta = self.device(SCRATCH + 3, (tr * cols * 4) as usize)?;
-        let ops = m.delta_operands(units);
-        let (coef, vecs) = if ops.coef_is_a {
-            (a + 4 * ops.coef_offset, b)
-        } else {
-            (b, a)
-        };
-        let d = ops.params;
+        let (coef, vecs) = if f.coef_is_a { (a, b) } else { (b, a) };
+        let d = f.delta;
         let n = tr * cols;
         let mut l = self.stream.launch_builder(&k.lora_delta);
         l.arg(&coef).arg(&vecs).arg(&delta).arg(&n).arg(&d);
@@ -659,7 +654,7 @@ impl Lane {
             cols,
             scale: f.scale,
             base_dtype: kernel_dtype(base_dtype),
-            dst: kernel_dtype(m.dst),
+            dst: kernel_dtype(f.dst),
             dora: f.m_dtype.is_some() as i32,
             pad: 0,
         };

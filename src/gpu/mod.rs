@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::dequant_fp8::DequantFp8;
 use crate::ops::fp4::EngramRequant;
-use crate::ops::lora_merge::LoraMerge;
+use crate::ops::Op;
+use params::DeltaParams;
 
 pub use cuda::Gpu;
 
@@ -26,7 +27,31 @@ pub enum GpuKernel<'a> {
     NvBlockScales { g: i32 },
     NvReencode { g: i32 },
     Engram(&'a EngramRequant),
-    Lora(&'a LoraMerge),
+    Lora(&'a dyn LoraKernel),
+}
+
+/// A LoRA-style merge as the GPU runs it: `base (+ computed by base_op) + scale · Δ`, Δ summed
+/// in rank order from the operands `delta` describes, optionally DoRA-normalised.
+pub struct LoraPlan<'a> {
+    /// Inputs: `base_inputs` of the base, then A, B and (DoRA) the magnitude.
+    pub base_inputs: usize,
+    /// FP8 dequantisation producing the base as f32, when the base is computed.
+    pub base_op: Option<&'a dyn Op>,
+    pub base_dtype: DType,
+    pub a_dtype: DType,
+    pub b_dtype: DType,
+    pub m_dtype: Option<DType>,
+    pub scale: f32,
+    pub dst: DType,
+    pub delta: DeltaParams,
+    /// Δ's coefficients come from A (else from B); the vectors from the other factor.
+    pub coef_is_a: bool,
+}
+
+/// Merge ops that run on the GPU (LoRA/DoRA, grouped expert LoRA).
+pub trait LoraKernel: Sync {
+    /// The plan for the chunk `units`.
+    fn plan(&self, units: &std::ops::Range<u64>) -> LoraPlan<'_>;
 }
 
 /// `--device` as given.

@@ -69,8 +69,12 @@ pub struct DeltaParams {
     pub cols: u64,
     pub ci: u64,
     pub ck: u64,
+    pub cg: u64,
     pub vk: u64,
     pub vj: u64,
+    pub vg: u64,
+    pub first_row: u64,
+    pub group_rows: u64,
 }
 
 /// `BlockSums` of kernels/fp4.cuh (device scratch only).

@@ -16,7 +16,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::Cast;
 use crate::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use crate::ops::fp4::EngramRequant;
-use crate::ops::lora_merge::{LoraFactors, LoraMerge};
+use crate::ops::lora_merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::nvfp4::{NvBlockScales, NvReencode};
 use crate::ops::Op;
 
@@ -424,6 +424,62 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// Grouped expert merges (PEFT `target_parameters`): 3 experts, both base orientations.
+fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (experts, x, y, rank) = (3u64, 12u64, 40u64, 4u64);
+    for (in_out, base) in [(true, DType::BF16), (false, DType::F32)] {
+        let (inn, outd) = if in_out { (x, y) } else { (y, x) };
+        let f = LoraFactors {
+            rank,
+            a_dtype: DType::F32,
+            b_dtype: DType::F32,
+            m_dtype: None,
+            scale: 0.5,
+            transposed: false,
+        };
+        let mut w = vec![0u8; (experts * x * y * base.bits() / 8) as usize];
+        crate::ops::cast::cast_slice(
+            DType::F32,
+            base,
+            &rng.f32s((experts * x * y) as usize),
+            &mut w,
+        );
+        if base == DType::F32 {
+            w = rng.f32s((experts * x * y) as usize);
+        }
+        let inputs = vec![
+            w,
+            rng.f32s((experts * rank * inn) as usize),
+            rng.f32s((outd * experts * rank) as usize),
+        ];
+        out.push(Case {
+            kernel: "merge-lora-experts",
+            what: format!(
+                "{base}, 3 experts, {}",
+                if in_out {
+                    "[E, in, out]"
+                } else {
+                    "[E, out, in]"
+                }
+            ),
+            op: Arc::new(GroupedLoraMerge {
+                experts,
+                x,
+                y,
+                in_out,
+                base_op: None,
+                base_inputs: 1,
+                base_dtype: base,
+                f,
+                dst: base,
+            }),
+            inputs,
+            ulps: 0,
+            out_dtype: base,
+        });
+    }
+}
+
 /// Every case the selftest runs.
 pub fn cases() -> Vec<Case> {
     let mut rng = Lcg(0x7f7f);
@@ -506,6 +562,7 @@ pub fn cases() -> Vec<Case> {
         });
     }
     lora_cases(&mut rng, &mut out);
+    grouped_lora_cases(&mut rng, &mut out);
     out
 }
 

@@ -16,6 +16,7 @@ use super::cast::{cast_slice, f32_to_bf16, write_as};
 use super::Op;
 use crate::format::dtype::DType;
 use crate::gpu::params::DeltaParams;
+use crate::gpu::{GpuKernel, LoraKernel, LoraPlan};
 
 #[derive(Debug, Clone)]
 pub struct LoraFactors {
@@ -81,60 +82,81 @@ fn size(d: DType) -> u64 {
     d.bits() / 8
 }
 
-/// Where the kernels find Δ's operands for a chunk: the `DeltaParams` strides, the coefficient
-/// source (`true`: A, from element `coef_offset`; `false`: B's chunk rows) and the vectors (the
-/// other factor).
-pub struct DeltaOperands {
-    pub params: DeltaParams,
-    pub coef_is_a: bool,
-    pub coef_offset: u64,
+/// Whether a computed base can be produced on the GPU too (FP8 dequantisation to f32).
+fn base_on_gpu(base_op: &Option<Arc<dyn Op>>) -> bool {
+    match base_op.as_ref().map(|op| op.gpu()) {
+        None => true,
+        Some(Some(GpuKernel::DequantFp8(dq))) => dq.dst == DType::F32,
+        Some(_) => false,
+    }
 }
 
-impl LoraMerge {
-    /// Plain: Δ = B's rows (tr × r) times A (r × cols). Transposed (Conv1D, embeddings): row
-    /// i's coefficients are A's column `start + i` (stride `rows`), the vectors Bᵀ (B is
-    /// cols × r) — the operands `compute` gathers, read in place.
-    pub fn delta_operands(&self, units: &Range<u64>) -> DeltaOperands {
+/// The GPU plan shared by both merges; `delta` holds Δ's operand layout.
+#[allow(clippy::too_many_arguments)]
+fn lora_plan<'a>(
+    base_op: &'a Option<Arc<dyn Op>>,
+    base_inputs: usize,
+    base_dtype: DType,
+    f: &LoraFactors,
+    dst: DType,
+    delta: DeltaParams,
+    coef_is_a: bool,
+) -> LoraPlan<'a> {
+    LoraPlan {
+        base_inputs,
+        base_op: base_op.as_deref(),
+        base_dtype,
+        a_dtype: f.a_dtype,
+        b_dtype: f.b_dtype,
+        m_dtype: f.m_dtype,
+        scale: f.scale,
+        dst,
+        delta,
+        coef_is_a,
+    }
+}
+
+/// Plain: Δ = B's rows (tr × r) times A (r × cols). Transposed (Conv1D, embeddings): row g's
+/// coefficients are A's column g (stride `rows`), the vectors Bᵀ (B is cols × r) — the operands
+/// `compute` gathers, read in place.
+impl LoraKernel for LoraMerge {
+    fn plan(&self, units: &Range<u64>) -> LoraPlan<'_> {
         let (r, cols) = (self.f.rank, self.cols);
-        if self.f.transposed {
-            DeltaOperands {
-                params: DeltaParams {
-                    rank: r,
-                    cols,
-                    ci: 1,
-                    ck: self.rows,
-                    vk: 1,
-                    vj: r,
-                },
-                coef_is_a: true,
-                coef_offset: units.start,
-            }
+        let one_group = DeltaParams {
+            rank: r,
+            cols,
+            group_rows: u64::MAX,
+            ..Default::default()
+        };
+        let (delta, coef_is_a) = if self.f.transposed {
+            let d = DeltaParams {
+                ci: 1,
+                ck: self.rows,
+                vk: 1,
+                vj: r,
+                first_row: units.start,
+                ..one_group
+            };
+            (d, true)
         } else {
-            DeltaOperands {
-                params: DeltaParams {
-                    rank: r,
-                    cols,
-                    ci: r,
-                    ck: 1,
-                    vk: cols,
-                    vj: 1,
-                },
-                coef_is_a: false,
-                coef_offset: 0,
-            }
-        }
+            let d = DeltaParams {
+                ci: r,
+                ck: 1,
+                vk: cols,
+                vj: 1,
+                ..one_group
+            };
+            (d, false)
+        };
+        let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
+        lora_plan(b, n, bd, f, self.dst, delta, coef_is_a)
     }
 }
 
 impl Op for LoraMerge {
     /// The GPU also dequantises an FP8 base (to f32, as `base_op` is built) before merging.
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        let base_on_gpu = match self.base_op.as_ref().map(|op| op.gpu()) {
-            None => true,
-            Some(Some(crate::gpu::GpuKernel::DequantFp8(dq))) => dq.dst == DType::F32,
-            Some(_) => false,
-        };
-        base_on_gpu.then_some(crate::gpu::GpuKernel::Lora(self))
+    fn gpu(&self) -> Option<GpuKernel<'_>> {
+        base_on_gpu(&self.base_op).then_some(GpuKernel::Lora(self))
     }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
@@ -508,7 +530,52 @@ pub struct GroupedLoraMerge {
     pub dst: DType,
 }
 
+/// Row g = (expert e, x) of the output. `[E, in, out]` bases (x indexes `in`): coefficients
+/// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
+/// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
+impl LoraKernel for GroupedLoraMerge {
+    fn plan(&self, units: &Range<u64>) -> LoraPlan<'_> {
+        let (r, e_n) = (self.f.rank, self.experts);
+        let in_dim = if self.in_out { self.x } else { self.y };
+        let common = DeltaParams {
+            rank: r,
+            cols: self.y,
+            first_row: units.start,
+            group_rows: self.x,
+            ..Default::default()
+        };
+        let (delta, coef_is_a) = if self.in_out {
+            let d = DeltaParams {
+                ci: 1,
+                ck: in_dim,
+                cg: r * in_dim,
+                vk: e_n,
+                vj: e_n * r,
+                vg: 1,
+                ..common
+            };
+            (d, true)
+        } else {
+            let d = DeltaParams {
+                ci: e_n * r,
+                ck: e_n,
+                cg: 1,
+                vk: in_dim,
+                vj: 1,
+                vg: r * in_dim,
+                ..common
+            };
+            (d, false)
+        };
+        let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
+        lora_plan(b, n, bd, f, self.dst, delta, coef_is_a)
+    }
+}
+
 impl Op for GroupedLoraMerge {
+    fn gpu(&self) -> Option<GpuKernel<'_>> {
+        base_on_gpu(&self.base_op).then_some(GpuKernel::Lora(self))
+    }
     fn name(&self) -> &'static str {
         "merge-lora-experts"
     }
