@@ -123,9 +123,10 @@ pub enum Error {
         msg: String,
     },
 
-    #[error("{}: FP8 weight `{tensor}` has no scale (looked for {looked}){more}; pass --allow-unscaled-fp8 to decode such weights without one", path.display())]
+    #[error("{}: {} `{tensor}` has no scale (looked for {looked}){more}; {}", path.display(), of.kind(), of.hint())]
     MissingScale {
         path: PathBuf,
+        of: ScaleOf,
         tensor: String,
         looked: String,
         /// `" (and N more weights)"` or empty.
@@ -184,6 +185,31 @@ impl Error {
         match self {
             Error::Usage(_) => 2,
             _ => 1,
+        }
+    }
+}
+
+/// What kind of tensor lacks its scale, for the message and its advice.
+#[derive(Debug, Clone, Copy)]
+pub enum ScaleOf {
+    Fp8Weight,
+    Mxfp4Expert,
+    EngramTable,
+}
+
+impl ScaleOf {
+    fn kind(self) -> &'static str {
+        match self {
+            ScaleOf::Fp8Weight => "FP8 weight",
+            ScaleOf::Mxfp4Expert => "MXFP4 expert weight",
+            ScaleOf::EngramTable => "Engram table",
+        }
+    }
+    fn hint(self) -> &'static str {
+        match self {
+            ScaleOf::Fp8Weight => "pass --allow-unscaled-fp8 to decode such weights without one",
+            ScaleOf::Mxfp4Expert => "pass --experts keep to leave the experts as they are",
+            ScaleOf::EngramTable => "pass --engram keep to leave the tables as they are",
         }
     }
 }

@@ -736,3 +736,110 @@ fn run_section_merges_then_renames() {
         }
     }
 }
+
+/// Adapters whose shapes cannot be merged: DoRA on a Conv1D weight, grouped expert factors that
+/// fit neither base layout. Named errors, no output.
+#[test]
+fn unmergeable_dora_and_grouped_factors_fail_before_output() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+
+    // GPT-2 (Conv1D, fan_in_fan_out) adapter plus a DoRA magnitude on c_attn.
+    let case = fixtures().join("gpt2-fan-in-fan-out");
+    let dora = d.path().join("gpt2-dora");
+    copy_dir(&case.join("adapter"), &dora);
+    let file = dora.join("adapter_model.safetensors");
+    let mut tensors: Vec<T> = load_all(&file)
+        .into_iter()
+        .map(|(name, (dt, shape, bytes))| {
+            let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+            t(&name, dt.parse().unwrap(), &shape, bytes)
+        })
+        .collect();
+    let mag = "base_model.model.transformer.h.0.attn.c_attn.lora_magnitude_vector";
+    tensors.push(t(mag, DType::F32, &[192], vec![0; 192 * 4]));
+    write_file(&file, &tensors);
+    let err = fails(&[
+        "merge-lora",
+        "-b",
+        s(&case.join("base")),
+        "-a",
+        s(&dora),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains(&format!(
+            "`{mag}`: DoRA on transposed (Conv1D or embedding) weights is not supported"
+        )),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    // An adapter file without tensors.
+    let empty = d.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    write_file(&empty.join("adapter_model.safetensors"), &[]);
+    std::fs::copy(
+        case.join("adapter/adapter_config.json"),
+        empty.join("adapter_config.json"),
+    )
+    .unwrap();
+    let err = fails(&[
+        "merge-lora",
+        "-b",
+        s(&case.join("base")),
+        "-a",
+        s(&empty),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("adapter_model.safetensors: holds no tensors, so there is nothing to merge"),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    // Grouped factors for in=5, out=7 against an [3, 16, 24] expert stack.
+    let base = d.path().join("moe");
+    std::fs::create_dir_all(&base).unwrap();
+    let mut rng = Rng(4);
+    write_file(
+        &base.join("model.safetensors"),
+        &[rand_t(
+            &mut rng,
+            "model.layers.0.mlp.experts.gate_up_proj",
+            DType::F32,
+            &[3, 16, 24],
+        )],
+    );
+    let adapter = d.path().join("moe-adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let p = "base_model.model.model.layers.0.mlp.experts";
+    write_file(
+        &adapter.join("adapter_model.safetensors"),
+        &[
+            rand_t(&mut rng, &format!("{p}.lora_A.weight"), DType::F32, &[6, 5]),
+            rand_t(&mut rng, &format!("{p}.lora_B.weight"), DType::F32, &[7, 6]),
+        ],
+    );
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]}"#,
+    )
+    .unwrap();
+    let err = fails(&[
+        "merge-lora",
+        "-b",
+        s(&base),
+        "-a",
+        s(&adapter),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

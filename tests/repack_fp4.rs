@@ -490,3 +490,102 @@ fn run_section_repacks() {
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     assert!(!got.contains_key("embed.weight"));
 }
+
+/// Bad inputs found from headers: named errors before any output exists.
+#[test]
+fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
+    let d = tmp();
+    let mut rng = Rng(5);
+    let expert = |rng: &mut Rng, scale: bool| {
+        let mut v = vec![t(
+            "layers.0.ffn.experts.0.w1.weight",
+            DType::I8,
+            &[4, 32],
+            rng.bytes(128),
+        )];
+        if scale {
+            v.push(t(
+                "layers.0.ffn.experts.0.w1.scale",
+                DType::F8_E8M0,
+                &[4, 2],
+                vec![127; 8],
+            ));
+        }
+        v
+    };
+    let engram = |rng: &mut Rng, scale_shape: &[u64]| {
+        let n: u64 = scale_shape.iter().product();
+        vec![
+            t(
+                "layers.0.engram.embed.weight",
+                DType::F8_E4M3,
+                &[4, 64],
+                rng.bytes(256).iter().map(|b| b & 0x3F).collect(),
+            ),
+            t(
+                "layers.0.engram.embed.scale",
+                DType::F8_E8M0,
+                scale_shape,
+                vec![120; n as usize],
+            ),
+        ]
+    };
+    let cases: [(&str, Vec<T>, &str); 3] = [
+        (
+            "no-expert-scale",
+            expert(&mut rng, false),
+            "MXFP4 expert weight `layers.0.ffn.experts.0.w1.weight` has no scale (looked for `layers.0.ffn.experts.0.w1.scale`); pass --experts keep",
+        ),
+        (
+            "engram-scale-shape",
+            engram(&mut rng, &[4, 3]),
+            "scale `layers.0.engram.embed.scale` of `layers.0.engram.embed.weight`: expected F8_E8M0 [4, 2] for a table of 64 columns, got F8_E8M0 [4, 3]",
+        ),
+        (
+            "engram-no-scale",
+            engram(&mut rng, &[4, 2])[..1].to_vec(),
+            "Engram table `layers.0.engram.embed.weight` has no scale (looked for `layers.0.engram.embed.scale`); pass --engram keep",
+        ),
+    ];
+    for (name, tensors, want) in cases {
+        let src = d.path().join(name);
+        write_sharded(&src, &[tensors]);
+        let out = d.path().join(format!("{name}-out"));
+        let err = fails(&["repack-fp4", "-i", s(&src), "-o", s(&out)]);
+        assert!(err.contains(want), "{name}: {err}");
+        assert!(
+            err.contains("model-00001-of-00001.safetensors"),
+            "{name} names the file: {err}"
+        );
+        assert!(!out.exists(), "{name}: no output");
+    }
+    // The keep switches let the same inputs through untouched.
+    let src = d.path().join("no-expert-scale");
+    let out = d.path().join("kept");
+    ok(&tftf(&[
+        "repack-fp4",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--experts",
+        "keep",
+    ]));
+
+    let src = d.path().join("engram-no-scale");
+    let out = d.path().join("list-out");
+    let r = tftf(&[
+        "repack-fp4",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--shard-list",
+        "model-00009-of-00009.safetensors",
+    ]);
+    assert_eq!(r.status.code(), Some(2), "a usage error");
+    assert!(stderr(&r).contains(
+        "--shard-list names `model-00009-of-00009.safetensors`, which is not a shard of"
+    ));
+    assert!(!out.exists());
+}

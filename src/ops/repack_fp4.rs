@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use super::fp4::{EngramRequant, BLOCK};
 use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode, NvTensorScale};
 use super::Op;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
@@ -201,6 +201,7 @@ impl RepackFp4Step {
             let Some(&si) = index.get(scale_name.as_str()) else {
                 return Err(Error::MissingScale {
                     path,
+                    of: ScaleOf::Mxfp4Expert,
                     tensor: w.name.clone(),
                     looked: format!("`{scale_name}`"),
                     more: String::new(),
@@ -484,6 +485,7 @@ impl RepackFp4Step {
             let Some(&si) = index.get(&scale_name) else {
                 return Err(Error::MissingScale {
                     path,
+                    of: ScaleOf::EngramTable,
                     tensor: w.name.clone(),
                     looked: format!("`{scale_name}`"),
                     more: String::new(),

@@ -20,7 +20,7 @@ use serde_json::{Map, Value};
 use super::cast::{f32_to_bf16, f32_to_f16};
 use super::codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use super::Op;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::gpu::params::{kernel_dtype, DequantParams, KERNEL_DTYPE_NONE};
@@ -325,6 +325,7 @@ impl PlanStep for DequantFp8Step {
             };
             return Err(Error::MissingScale {
                 path: path_of(&entries[*wi]),
+                of: ScaleOf::Fp8Weight,
                 tensor: entries[*wi].name.clone(),
                 looked: looked.clone(),
                 more,

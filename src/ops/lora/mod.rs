@@ -517,6 +517,13 @@ impl PlanStep for LoraMergeStep {
             AdapterSource::Path(_) => ckpt.attach(Checkpoint::open(&file)?),
             AdapterSource::Ranks(files) => assemble_ranks(ckpt, files)?,
         };
+        // An adapter without a single tensor merges nothing: almost surely the wrong file.
+        if first == ckpt.tensors.len() {
+            return Err(Error::Adapter {
+                path: file,
+                msg: "holds no tensors, so there is nothing to merge".into(),
+            });
+        }
         *self.attached.lock().unwrap() = Some(Attached {
             file,
             first,
