@@ -181,17 +181,18 @@ pub fn requant_row(
             return Err(format!("scale at [{r}, {b}] is NaN (E8M0 0xff)"));
         }
         let block = &codes[b * BLOCK..(b + 1) * BLOCK];
-        if let Some(j) = block.iter().position(|&c| e4m3_is_nan(c)) {
+        // E4M3 is sign-magnitude with magnitudes ordered like their codes, and 0x7F is the
+        // only NaN magnitude: one byte-wise max gives both the NaN check and max|v|.
+        let top = block.iter().fold(0u8, |m, &c| m.max(c & 0x7F));
+        if top == 0x7F {
+            let j = block.iter().position(|&c| e4m3_is_nan(c)).expect("a NaN");
             return Err(format!(
                 "non-finite F8_E4M3 code {:#04x} at [{r}, {}]",
                 block[j],
                 b * BLOCK + j
             ));
         }
-        let m = block
-            .iter()
-            .map(|&c| lut[c as usize].abs())
-            .fold(0f32, f32::max);
+        let m = lut[top as usize];
         let amax = m as f64 * pow2(e as i32 - 127);
         let p = if amax == 0.0 {
             -127
