@@ -48,12 +48,15 @@ enum EngramStatus { ENGRAM_OK = 0, ENGRAM_CLAMPED = 1, ENGRAM_ERROR = 2 };
 // op then names it), ENGRAM_CLAMPED when the scale was raised to 2^-127.
 TFTF_HD int engram_block(const u8* codes, u8 e, u8* packed, u8* new_scale, BlockSums* sums) {
     if (e == 0xFF) return ENGRAM_ERROR;
-    float m = 0.0f;
+    // E4M3 magnitudes order like their codes and 0x7F is the only NaN magnitude: one byte max
+    // gives the NaN check and max|v| (as the CPU op does).
+    u8 top = 0;
     for (int i = 0; i < 32; i++) {
-        if (e4m3_is_nan(codes[i])) return ENGRAM_ERROR;
-        float a = u2f(f2u(e4m3_to_f32(codes[i])) & 0x7FFFFFFFu);
-        m = a > m ? a : m;
+        u8 a = codes[i] & 0x7F;
+        top = a > top ? a : top;
     }
+    if (top == 0x7F) return ENGRAM_ERROR;
+    float m = e4m3_to_f32(top);
     double amax = (double)m * pow2_f64((int)e - 127);
     int p = amax == 0.0 ? -127 : fp4_scale_exponent(amax);
     if (p > 127) return ENGRAM_ERROR;
