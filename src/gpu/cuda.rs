@@ -354,6 +354,8 @@ const IN: usize = 0;
 const OUT: usize = 5;
 const SCRATCH: usize = 7;
 const SLOTS: usize = 16;
+/// The scratch slot of the refusal flag kernels raise.
+const FLAG: usize = SCRATCH;
 
 struct Lane {
     stream: Arc<CudaStream>,
@@ -484,7 +486,6 @@ impl Lane {
         outs: &mut [&mut [u8]],
     ) -> Result<bool, String> {
         let nunits = units.end - units.start;
-        let flag_slot = SCRATCH;
         let mut flag = None;
         match kernel {
             GpuKernel::Cast { src, dst } => {
@@ -498,26 +499,13 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
             GpuKernel::DequantFp8(dq) => {
-                let p = dq.kernel_params(&units);
-                let c = self.upload(IN, inputs[0])?;
-                let s = match inputs.get(1) {
-                    Some(s) => self.upload(IN + 1, s)?,
-                    None => 0,
-                };
                 let o = self.device(OUT, outs[0].len())?;
-                let f = self.zero(flag_slot, 4)?;
-                flag = Some(f);
-                let n = inputs[0].len() as u64;
-                let mut b = self.stream.launch_builder(&k.dequant);
-                b.arg(&c).arg(&s).arg(&o).arg(&n).arg(&p).arg(&f);
-                // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
-                unsafe { b.launch(launch_config(n)) }
-                    .map_err(|e| driver_err("tftf_dequant_fp8", e))?;
+                flag = Some(self.dequant(k, dq, &units, inputs, o)?);
             }
             GpuKernel::NvBlockScales { g } => {
                 let i = self.upload(IN, inputs[0])?;
                 let o = self.device(OUT, outs[0].len())?;
-                let f = self.zero(flag_slot, 4)?;
+                let f = self.zero(FLAG, 4)?;
                 flag = Some(f);
                 let n = inputs[0].len() as u64;
                 let mut b = self.stream.launch_builder(&k.nv_scales);
@@ -547,7 +535,7 @@ impl Lane {
                 let sums = self.device(SCRATCH + 1, blocks as usize * BLOCK_SUMS_BYTES)?;
                 let rows_slot = SCRATCH + 2;
                 let rows = self.device(rows_slot, nunits as usize * 32)?;
-                let f = self.zero(flag_slot, 4)?;
+                let f = self.zero(FLAG, 4)?;
                 let clamped = self.zero(SCRATCH + 3, 8)?;
                 flag = Some(f);
                 let mut b = self.stream.launch_builder(&k.engram_blocks);
@@ -570,10 +558,10 @@ impl Lane {
             self.download(OUT + j, o.len())?;
         }
         if flag.is_some() {
-            self.download(flag_slot, 4)?;
+            self.download(FLAG, 4)?;
         }
         self.finish()?;
-        if flag.is_some() && self.result(flag_slot, 4) != [0, 0, 0, 0] {
+        if flag.is_some() && self.result(FLAG, 4) != [0, 0, 0, 0] {
             return Ok(false);
         }
         for (j, o) in outs.iter_mut().enumerate() {
@@ -599,6 +587,31 @@ impl Lane {
         Ok(true)
     }
 
+    /// Queues FP8 dequantisation of a chunk (`inputs`: codes, then the scales if any) into
+    /// device buffer `out`; returns the refusal flag's address.
+    fn dequant(
+        &mut self,
+        k: &Kernels,
+        dq: &crate::ops::dequant_fp8::DequantFp8,
+        units: &Range<u64>,
+        inputs: &[&[u8]],
+        out: CUdeviceptr,
+    ) -> Result<CUdeviceptr, String> {
+        let p = dq.kernel_params(units);
+        let c = self.upload(IN, inputs[0])?;
+        let s = match inputs.get(1) {
+            Some(s) => self.upload(IN + 1, s)?,
+            None => 0,
+        };
+        let flag = self.zero(FLAG, 4)?;
+        let n = inputs[0].len() as u64;
+        let mut b = self.stream.launch_builder(&k.dequant);
+        b.arg(&c).arg(&s).arg(&out).arg(&n).arg(&p).arg(&flag);
+        // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_dequant_fp8", e))?;
+        Ok(flag)
+    }
+
     /// LoRA/DoRA: factors to f32, Δ = B@A in the fixed summation order the CPU uses, then the
     /// fused add / DoRA-normalise / round kernels. Returns the refusal flag of an FP8 base.
     fn lora(
@@ -618,20 +631,8 @@ impl Lane {
         let (base, base_dtype, flag) = match f.base_op.and_then(|op| op.gpu()) {
             None => (self.upload(IN, inputs[0])?, f.base_dtype, None),
             Some(GpuKernel::DequantFp8(dq)) => {
-                let p = dq.kernel_params(units);
-                let c = self.upload(IN, inputs[0])?;
-                let s = match nb {
-                    2 => self.upload(IN + 1, inputs[1])?,
-                    _ => 0,
-                };
                 let o = self.device(SCRATCH + 6, (tr * cols * 4) as usize)?;
-                let fl = self.zero(SCRATCH, 4)?;
-                let n = inputs[0].len() as u64;
-                let mut b = self.stream.launch_builder(&k.dequant);
-                b.arg(&c).arg(&s).arg(&o).arg(&n).arg(&p).arg(&fl);
-                // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
-                unsafe { b.launch(launch_config(n)) }
-                    .map_err(|e| driver_err("tftf_dequant_fp8", e))?;
+                let fl = self.dequant(k, dq, units, &inputs[..nb], o)?;
                 (o, DType::F32, Some(fl))
             }
             Some(_) => return Err("no GPU kernel for this merge's base".into()),
