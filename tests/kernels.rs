@@ -467,12 +467,7 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
         for dst in [DType::BF16, DType::F16, DType::F32] {
             for dora in [false, true] {
                 let w32 = rng.f32s(rows * cols);
-                let mut base = vec![0u8; rows * cols * (base_dtype.bits() / 8) as usize];
-                if base_dtype == DType::F32 {
-                    base.copy_from_slice(&w32);
-                } else {
-                    tftf::ops::cast::cast_slice(DType::F32, base_dtype, &w32, &mut base);
-                }
+                let base = selftest::f32_bytes_as(base_dtype, &w32);
                 let delta: Vec<f32> = rng
                     .f32s(rows * cols)
                     .chunks_exact(4)
