@@ -180,12 +180,7 @@ fn fp8_dequant_matches_the_cpu_op_bit_for_bit() {
         let all = op.units();
         let g = op.granularity();
         for units in [0..all, g..all.min(3 * g), (all - g)..all] {
-            let ranges = op.input_ranges(units.clone());
-            let ins: Vec<&[u8]> = ranges
-                .iter()
-                .zip(&case.inputs)
-                .map(|(r, i)| &i[r.start as usize..r.end as usize])
-                .collect();
+            let ins = selftest::slices(op, units.clone(), &case.inputs);
             let what = format!("{} units {units:?}", case.what);
             let want = cpu_compute(op, units.clone(), &ins);
             let got = host_dequant(
@@ -413,12 +408,7 @@ fn lora_merge_matches_the_cpu_op_bit_for_bit() {
         let op = case.op.as_ref();
         let units = 5..op.units() - 3;
         let tr = units.end - units.start;
-        let ins: Vec<&[u8]> = op
-            .input_ranges(units.clone())
-            .iter()
-            .zip(&case.inputs)
-            .map(|(r, i)| &i[r.start as usize..r.end as usize])
-            .collect();
+        let ins = selftest::slices(op, units.clone(), &case.inputs);
         let mut want = vec![0u8; (tr * op.out_unit_bytes()) as usize];
         op.compute(units.clone(), &ins, &mut want).unwrap();
         let f = m.plan(&units);

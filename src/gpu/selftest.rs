@@ -544,19 +544,12 @@ pub fn cases() -> Vec<Case> {
     out
 }
 
-/// Input slices of `op` for `units`, cut from whole inputs.
-fn slices<'a>(op: &dyn Op, units: Range<u64>, inputs: &'a [Vec<u8>]) -> Vec<&'a [u8]> {
+/// Input slices of `op` for `units`, cut from whole inputs (as the reader would read them).
+pub fn slices<'a>(op: &dyn Op, units: Range<u64>, inputs: &'a [Vec<u8>]) -> Vec<&'a [u8]> {
     op.input_ranges(units)
         .iter()
         .zip(inputs)
         .map(|(r, i)| &i[r.start as usize..r.end as usize])
-        .collect()
-}
-
-fn out_sizes(op: &dyn Op, units: u64) -> Vec<usize> {
-    std::iter::once(op.out_unit_bytes())
-        .chain((1..=op.extra_outputs()).map(|k| op.extra_unit_bytes(k)))
-        .map(|b| (b * units) as usize)
         .collect()
 }
 
@@ -571,9 +564,10 @@ fn compute_with(
     inputs: &[Vec<u8>],
     f: &mut Compute,
 ) -> Result<Vec<Vec<u8>>, String> {
-    let mut outs: Vec<Vec<u8>> = out_sizes(op, units.end - units.start)
+    let mut outs: Vec<Vec<u8>> = op
+        .all_unit_bytes()
         .into_iter()
-        .map(|n| vec![0u8; n])
+        .map(|b| vec![0u8; (b * (units.end - units.start)) as usize])
         .collect();
     let ins = slices(op, units.clone(), inputs);
     let mut views: Vec<&mut [u8]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();

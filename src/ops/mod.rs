@@ -47,6 +47,12 @@ pub trait Op: Send + Sync + Debug {
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
         unreachable!("op has no extra outputs")
     }
+    /// Bytes per unit of every output, the main one first.
+    fn all_unit_bytes(&self) -> Vec<u64> {
+        std::iter::once(self.out_unit_bytes())
+            .chain((1..=self.extra_outputs()).map(|k| self.extra_unit_bytes(k)))
+            .collect()
+    }
     /// Fills every output; ops with extra outputs override this.
     fn compute_all(
         &self,

@@ -448,9 +448,8 @@ fn emit_compute(
     tx: &Sender<Work>,
 ) -> Result<()> {
     let units = op.units();
-    let out_units: Vec<u64> = std::iter::once(op.out_unit_bytes())
-        .chain((1..dests.len()).map(|k| op.extra_unit_bytes(k)))
-        .collect();
+    let out_units = op.all_unit_bytes();
+    debug_assert_eq!(out_units.len(), dests.len());
     let per_unit = out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1);
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
