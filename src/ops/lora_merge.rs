@@ -214,23 +214,9 @@ impl Op for LoraMerge {
         let a = to_f32(self.f.a_dtype, inputs[n]);
         let b = to_f32(self.f.b_dtype, inputs[n + 1]);
         let m = self.f.m_dtype.map(|md| to_f32(md, inputs[n + 2]));
-        // Δ rows = coefficient rows (tr × r) times vectors (r × cols). Plain: B's rows times A.
-        // Transposed: A's columns (gathered, tr × r) times Bᵀ (transposed once per chunk).
-        let (a_cols, b_t) = if self.f.transposed {
-            let start = units.start as usize;
-            let ac: Vec<f32> = (0..rows)
-                .flat_map(|i| (0..r).map(move |k| (i, k)))
-                .map(|(i, k)| a[k * self.rows as usize + start + i])
-                .collect();
-            let bt: Vec<f32> = (0..r)
-                .flat_map(|k| (0..cols).map(move |j| (k, j)))
-                .map(|(k, j)| b[j * r + k])
-                .collect();
-            (Some(ac), Some(bt))
-        } else {
-            (None, None)
-        };
-        let vecs: &[f32] = b_t.as_deref().unwrap_or(&a);
+        // Δ rows = coefficient rows (tr × r) times vectors (r × cols), laid out contiguously
+        // from the operand description the GPU kernel reads in place (`plan`).
+        let (coefs, vecs) = gather_operands(&self.plan(&units), &a, &b, rows);
         // Row tiles keep the f32 working set in cache and out of the memory budget.
         let tile = (TILE_ELEMENTS / cols.max(1)).clamp(1, rows.max(1));
         let mut w = vec![0f32; tile * cols];
@@ -254,12 +240,8 @@ impl Op for LoraMerge {
                     w,
                 ),
             }
-            let coef = match &a_cols {
-                // Transposed: row i's coefficients are A's column (start + t0 + i).
-                Some(ac) => &ac[t0 * r..(t0 + tr) * r],
-                None => &b[t0 * r..(t0 + tr) * r],
-            };
-            delta_rows(coef, vecs, r, cols, delta);
+            let coef = &coefs[t0 * r..(t0 + tr) * r];
+            delta_rows(coef, &vecs, r, cols, delta);
             let s = self.f.scale;
             if fused {
                 let base = &inputs[0][t0 * cols * 2..(t0 + tr) * cols * 2];
@@ -311,6 +293,35 @@ pub fn merge_epilogue(
         }
     }
     write_as(dst, w.iter().copied(), out);
+}
+
+/// Δ's operands for `rows` chunk rows as contiguous matrices: coefficients (rows × r) and
+/// vectors (r × cols), read through `plan`'s strides (one group: plain or transposed LoRA).
+/// Plain LoRA's vectors are A itself and are borrowed.
+fn gather_operands<'a>(
+    plan: &LoraPlan,
+    a: &'a [f32],
+    b: &'a [f32],
+    rows: usize,
+) -> (Vec<f32>, std::borrow::Cow<'a, [f32]>) {
+    let d = &plan.delta;
+    let (r, cols) = (d.rank as usize, d.cols as usize);
+    debug_assert_eq!(d.group_rows, u64::MAX, "one group");
+    let (csrc, vsrc) = if plan.coef_is_a { (a, b) } else { (b, a) };
+    let at = |i: usize, k: usize| (d.first_row as usize + i) * d.ci as usize + k * d.ck as usize;
+    let coefs = (0..rows)
+        .flat_map(|i| (0..r).map(move |k| (i, k)))
+        .map(|(i, k)| csrc[at(i, k)])
+        .collect();
+    let vecs = if d.vj == 1 && d.vk == d.cols {
+        std::borrow::Cow::Borrowed(&vsrc[..r * cols])
+    } else {
+        (0..r)
+            .flat_map(|k| (0..cols).map(move |j| (k, j)))
+            .map(|(k, j)| vsrc[k * d.vk as usize + j * d.vj as usize])
+            .collect()
+    };
+    (coefs, vecs)
 }
 
 /// Δ for whole rows: `delta[i][j] = Σ_k coef[i][k] · vecs[k][j]` (`coef` rows × r, `vecs`
