@@ -44,6 +44,16 @@ pub enum Command {
     /// Check every GPU kernel against the CPU ops on random and edge inputs (exit 1 on any
     /// mismatch); without a GPU, check the CPU ops give the same bytes in one chunk or two
     Selftest(SelftestArgs),
+    /// Finish a commit that a killed run left half done in an output directory and remove
+    /// killed runs' temporary files (writing commands do this by themselves)
+    Recover(RecoverArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RecoverArgs {
+    /// The output directory
+    #[arg(value_name = "DIR")]
+    pub dir: std::path::PathBuf,
 }
 
 #[derive(Args, Debug)]

@@ -99,8 +99,18 @@ pub enum Error {
     #[error("output {} is the input or inside it; write to a directory outside {}", output.display(), input.display())]
     OutputInsideInput { output: PathBuf, input: PathBuf },
 
-    #[error("output directory {} is not empty; pass --force to replace its model files", .0.display())]
-    OutputNotEmpty(PathBuf),
+    #[error("output directory {} is not empty (it holds {entries}); pass --force to replace its model files", dir.display())]
+    OutputNotEmpty { dir: PathBuf, entries: String },
+
+    #[error("refusing to {action} {}: it is (or is a hard link to) the input file {}; choose another path", path.display(), input.display())]
+    WouldTouchInput {
+        path: PathBuf,
+        input: PathBuf,
+        action: &'static str,
+    },
+
+    #[error("output {} is being written by another tftf run ({holder}); wait for it to finish, or stop it", dir.display())]
+    OutputLocked { dir: PathBuf, holder: String },
 
     #[error("renaming `{first}` and `{second}` both give `{target}`; change the --rename rules")]
     NameCollision {
@@ -183,7 +193,7 @@ impl Error {
 
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Usage(_) => 2,
+            Error::Usage(_) | Error::WouldTouchInput { .. } => 2,
             _ => 1,
         }
     }

@@ -10,9 +10,12 @@ use crate::cli::WriteArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
-use crate::output::{check_output, resolve, side_files, OutputSet};
+use crate::output::{
+    check_report_path, resolve, side_files, write_report, Claim, InputFiles, OutputTarget,
+    INDEX_NAME,
+};
 use crate::pipeline::{self, Cancel, PipelineConfig};
-use crate::plan::{output_dir, output_kind_for, OutputKind, Plan, Recipe, Step};
+use crate::plan::{output_kind_for, OutputKind, Plan, Recipe, Step};
 use crate::size::{human, parse_size};
 use crate::sys;
 
@@ -85,7 +88,8 @@ pub fn convert(
     cancel: &Cancel,
 ) -> Result<()> {
     let started = Instant::now();
-    let result = convert_inner(command, input, steps, opts, cancel, started);
+    let mut inputs = None;
+    let result = convert_inner(command, input, steps, opts, cancel, started, &mut inputs);
     if let (Err(e), Some(path)) = (&result, &opts.report) {
         let report = json!({
             "tftf_version": env!("CARGO_PKG_VERSION"),
@@ -94,7 +98,11 @@ pub fn convert(
             "error": e.to_string(),
             "wall_seconds": started.elapsed().as_secs_f64(),
         });
-        let _ = write_report(path, &report);
+        // Never onto an input or over a file that is not an earlier report, even to say why
+        // the run was refused.
+        if check_report_path(path, inputs.as_ref()).is_ok() {
+            let _ = write_report(path, &report);
+        }
     }
     result
 }
@@ -106,6 +114,7 @@ fn convert_inner(
     opts: &WriteOptions,
     cancel: &Cancel,
     started: Instant,
+    inputs_seen: &mut Option<InputFiles>,
 ) -> Result<()> {
     let mut ckpt = Checkpoint::open(input)?;
     for step in steps {
@@ -116,21 +125,26 @@ fn convert_inner(
     for w in &ckpt.warnings {
         eprintln!("warning: {}: {w}", input.display());
     }
-    let kind = output_kind_for(&opts.output);
-    let is_file = matches!(kind, OutputKind::File);
-    check_output(&ckpt, &opts.output, is_file, opts.force)?;
-    let plan = Plan::build(&ckpt, steps, kind.clone(), opts.max_shard_bytes)?;
+    let is_file = matches!(output_kind_for(&opts.output), OutputKind::File);
     let sides = if is_file {
         Vec::new()
     } else {
         side_files(&ckpt)
     };
+    *inputs_seen = Some(InputFiles::of(&ckpt, &sides));
+    let target = OutputTarget::resolve(&opts.output, &ckpt, &sides)?;
+    let plan = Plan::build(&ckpt, steps, target.kind.clone(), opts.max_shard_bytes)?;
+    let names = target.names(&plan, &sides);
+    if let Some(report) = &opts.report {
+        target.check_report(report, &names)?;
+    }
+    let claim = target.claim(&names, opts.force)?;
     let side_bytes: u64 = sides
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
         .map(|m| m.len())
         .sum();
-    let out_dir = output_dir(&opts.output, &kind);
+    let out_dir = target.dir.clone();
     // Bytes that will share extents with the input take no new space.
     let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
     let sharing =
@@ -153,14 +167,15 @@ fn convert_inner(
 
     if opts.dry_run {
         if !opts.quiet {
-            print_plan(&ckpt, &plan, &out_dir, &sides, opts, needed, free);
+            print_plan(&ckpt, &plan, &target, &sides, opts, needed, free);
+            print_claim(&claim);
             if plan.computed_count() > 0 {
                 println!("{}", device_line(&device));
             }
         }
         if let Some(path) = &opts.report {
             let report = report_json(
-                command, &ckpt, &plan, &sides, opts, &device, None, started, true,
+                command, &ckpt, &plan, &target, &sides, opts, &device, None, started, true,
             );
             write_report(path, &report)?;
         }
@@ -179,20 +194,18 @@ fn convert_inner(
         return Err(Error::Cancelled);
     }
 
-    let mut out = OutputSet::create(&out_dir)?;
+    let (mut out, cleanup_notes) = target.begin()?;
+    for n in &cleanup_notes {
+        if !opts.quiet {
+            eprintln!("note: {}: {n}", out_dir.display());
+        }
+    }
+    // Checked again under the lock: another run may have written here since.
+    let claim = target.claim(&names, opts.force)?;
     let mut files = Vec::with_capacity(plan.shards.len());
-    let mut names = Vec::with_capacity(plan.shards.len());
-    for shard in &plan.shards {
-        let name = if is_file {
-            opts.output
-                .file_name()
-                .expect("a .safetensors path has a file name")
-                .to_string_lossy()
-                .into_owned()
-        } else {
-            shard.file_name.clone()
-        };
-        let (file, tmp) = out.add(&name)?;
+    let mut tmp_names = Vec::with_capacity(plan.shards.len());
+    for (shard, name) in plan.shards.iter().zip(&names) {
+        let (file, tmp) = out.add(name)?;
         file.set_len(shard.len).map_err(|e| Error::io(&tmp, e))?;
         if shard.clone_from.is_none() {
             use std::os::unix::fs::FileExt;
@@ -200,7 +213,7 @@ fn convert_inner(
                 .map_err(|e| Error::io(&tmp, e))?;
         }
         files.push(file);
-        names.push(tmp);
+        tmp_names.push(tmp);
     }
     let progress = opts
         .progress
@@ -214,13 +227,13 @@ fn convert_inner(
         expect_reflink: sharing,
         gpu: device.gpu.clone(),
     };
-    let stats = pipeline::execute(&ckpt, &plan, &files, &names, &cfg)?;
+    let stats = pipeline::execute(&ckpt, &plan, &files, &tmp_names, &cfg)?;
     if let Some(p) = &progress {
         p.finish_and_clear();
     }
     drop(files);
     if let Some(index) = plan.index_json() {
-        out.add_bytes("model.safetensors.index.json", index.as_bytes())?;
+        out.add_bytes(INDEX_NAME, index.as_bytes())?;
     }
     for side in &sides {
         let name = side
@@ -240,7 +253,7 @@ fn convert_inner(
     if cancel.is_raised() {
         return Err(Error::Cancelled);
     }
-    out.commit(opts.force)?;
+    out.commit(&claim.deleted)?;
     if !opts.quiet {
         let secs = started.elapsed().as_secs_f64();
         println!(
@@ -256,6 +269,13 @@ fn convert_inner(
             human(stats.bytes_copied_user),
             human(stats.bytes_computed),
         );
+        if !claim.deleted.is_empty() {
+            println!(
+                "removed {} model file(s) of the earlier output: {}",
+                claim.deleted.len(),
+                claim.deleted.join(", ")
+            );
+        }
         if plan.computed_count() > 0 {
             println!("{}", device_line(&device));
         }
@@ -268,6 +288,7 @@ fn convert_inner(
             command,
             &ckpt,
             &plan,
+            &target,
             &sides,
             opts,
             &device,
@@ -278,6 +299,29 @@ fn convert_inner(
         write_report(path, &report)?;
     }
     Ok(())
+}
+
+/// What `--force` will do to the existing output, for `--dry-run`.
+fn print_claim(claim: &Claim) {
+    if claim.interrupted_commit {
+        println!("  first finishes the commit a killed run left half done in the output");
+    }
+    if !claim.orphans.is_empty() {
+        println!(
+            "  first removes {} temporary file(s) of killed runs: {}",
+            claim.orphans.len(),
+            claim.orphans.join(", ")
+        );
+    }
+    if !claim.replaced.is_empty() {
+        println!("  replaces: {}", claim.replaced.join(", "));
+    }
+    if !claim.deleted.is_empty() {
+        println!(
+            "  deletes (model files of the earlier output): {}",
+            claim.deleted.join(", ")
+        );
+    }
 }
 
 fn same_filesystem(a: &Path, b: &Path) -> bool {
@@ -333,12 +377,6 @@ fn progress_bar(total: u64) -> indicatif::ProgressBar {
     pb
 }
 
-fn write_report(path: &Path, report: &Value) -> Result<()> {
-    let mut text = serde_json::to_string_pretty(report).expect("JSON value");
-    text.push('\n');
-    std::fs::write(path, text).map_err(|e| Error::io(path, e))
-}
-
 fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64)> {
     let mut map: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
     for t in &plan.tensors {
@@ -366,7 +404,7 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
 fn print_plan(
     ckpt: &Checkpoint,
     plan: &Plan,
-    out_dir: &Path,
+    target: &OutputTarget,
     sides: &[PathBuf],
     opts: &WriteOptions,
     needed: u64,
@@ -377,20 +415,13 @@ fn print_plan(
         plan.tensors.len(),
         ckpt.base_count,
         plan.shards.len(),
-        out_dir.display()
+        target.dir.display()
     );
+    let out_dir = target.dir.as_path();
     for s in &plan.shards {
         println!(
             "  {:<40} {:>12}  {} tensors",
-            if matches!(plan.kind, OutputKind::File) {
-                opts.output
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            } else {
-                s.file_name.clone()
-            },
+            target.file_name().unwrap_or_else(|| s.file_name.clone()),
             human(s.len),
             s.tensors.len()
         );
@@ -473,6 +504,7 @@ fn report_json(
     command: &str,
     ckpt: &Checkpoint,
     plan: &Plan,
+    target: &OutputTarget,
     sides: &[PathBuf],
     opts: &WriteOptions,
     device: &Device,
@@ -502,11 +534,7 @@ fn report_json(
         .iter()
         .map(|s| {
             json!({
-                "name": if matches!(plan.kind, OutputKind::File) {
-                    opts.output.file_name().unwrap_or_default().to_string_lossy().into_owned()
-                } else {
-                    s.file_name.clone()
-                },
+                "name": target.file_name().unwrap_or_else(|| s.file_name.clone()),
                 "tensors": s.tensors.len(),
                 "bytes": s.len,
             })

@@ -275,6 +275,16 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             Ok(if ok { 0 } else { 1 })
         }
         Command::Selftest(a) => selftest::run(a),
+        Command::Recover(a) => {
+            let notes = crate::output::recover(&a.dir)?;
+            if notes.is_empty() {
+                println!("{}: nothing to recover", a.dir.display());
+            }
+            for n in notes {
+                println!("{}: {n}", a.dir.display());
+            }
+            Ok(0)
+        }
         Command::Demo(a) => {
             demo::run(a.keep.as_deref(), cancel)?;
             Ok(0)

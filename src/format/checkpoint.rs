@@ -47,6 +47,9 @@ pub struct Checkpoint {
     pub tensors: Vec<TensorRef>,
     pub base_count: usize,
     by_name: HashMap<String, usize>,
+    /// Files read besides the shards and the index (an adapter's config), which no output
+    /// may replace.
+    pub extra_inputs: Vec<PathBuf>,
     /// Problems that do not stop a conversion (tensors a shard holds but the index omits).
     pub warnings: Vec<String>,
 }
@@ -131,6 +134,7 @@ impl Checkpoint {
             base_count: tensors.len(),
             tensors,
             by_name,
+            extra_inputs: Vec::new(),
             warnings,
         })
     }
@@ -289,6 +293,20 @@ struct Layout {
 impl Layout {
     fn discover(input: &Path) -> Result<Layout> {
         let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
+        let dir = if meta.is_dir() {
+            input.to_path_buf()
+        } else {
+            parent_dir(input)
+        };
+        if dir.join(crate::output::commit::JOURNAL_NAME).exists() {
+            return Err(Error::NoModel {
+                path: dir.clone(),
+                msg: format!(
+                    "a tftf run was killed while committing its output here, so the files are a mix of two runs; run `tftf recover {}` to finish the commit",
+                    dir.display()
+                ),
+            });
+        }
         if meta.is_file() {
             let dir = parent_dir(input);
             if input.to_string_lossy().ends_with(".json") {

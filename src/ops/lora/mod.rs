@@ -513,6 +513,7 @@ impl PlanStep for LoraMergeStep {
             });
         }
         let config = LoraConfig::parse(&config_path)?;
+        ckpt.extra_inputs.push(config_path.clone());
         let first = match &self.opts.adapter {
             AdapterSource::Path(_) => ckpt.attach(Checkpoint::open(&file)?),
             AdapterSource::Ranks(files) => assemble_ranks(ckpt, files)?,

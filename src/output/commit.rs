@@ -1,0 +1,359 @@
+//! Atomic output as a set: files are written under hidden temporary names beside their final
+//! ones; the commit first makes a journal durable (`.tftf-commit.json`: every rename and
+//! deletion it is about to make), then renames (the index last) and deletes, then removes the
+//! journal. A crash before the journal is durable leaves the old output plus temporaries, which
+//! the next run on the directory removes; a crash after it leaves a journal, which the next run
+//! (or `tftf recover`) rolls forward. So after a crash at any instant the output is the old one
+//! or, once finished, the new one — never a mix that a loader would take for a checkpoint.
+//!
+//! Dropping an uncommitted `OutputSet` (an error, a panic unwinding, Ctrl-C) removes every
+//! temporary, then the output directory if this run created it and it is empty.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use super::lock::OutputLock;
+use crate::error::{Error, Result};
+
+pub const JOURNAL_NAME: &str = ".tftf-commit.json";
+
+/// Temporary name of a file that becomes `name` on commit: hidden, marked with the pid.
+pub fn temp_name(name: &str) -> String {
+    format!(".{name}.tftf-{}.tmp", std::process::id())
+}
+
+/// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
+pub fn is_temp_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    match rest.rfind(".tftf-") {
+        Some(at) => {
+            let pid = &rest[at + 6..];
+            at > 0 && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+        }
+        None => false,
+    }
+}
+
+pub struct OutputSet {
+    dir: PathBuf,
+    created_dir: bool,
+    /// (temporary path, final name), in the order added.
+    files: Vec<(PathBuf, String)>,
+    committed: bool,
+    lock: Option<OutputLock>,
+}
+
+impl OutputSet {
+    /// An output set in `dir`, which exists and whose lock `lock` is.
+    pub fn new(dir: PathBuf, created_dir: bool, lock: OutputLock) -> OutputSet {
+        OutputSet {
+            dir,
+            created_dir,
+            files: Vec::new(),
+            committed: false,
+            lock: Some(lock),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Opens a new temporary file that becomes `name` on commit.
+    pub fn add(&mut self, name: &str) -> Result<(File, PathBuf)> {
+        let tmp = self.dir.join(temp_name(name));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(&tmp, e))?;
+        self.files.push((tmp.clone(), name.to_string()));
+        crash_point("tmp");
+        Ok((file, tmp))
+    }
+
+    /// Writes a whole small file (index, config).
+    pub fn add_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let (file, tmp) = self.add(name)?;
+        use std::io::Write;
+        let mut w = std::io::BufWriter::new(file);
+        w.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
+        w.into_inner()
+            .map_err(|e| Error::io(&tmp, e.into_error()))?
+            .sync_all()
+            .map_err(|e| Error::io(&tmp, e))
+    }
+
+    /// Copies a side file: shared with the input where the filesystem can, else copied in the
+    /// kernel.
+    pub fn add_copy(&mut self, name: &str, src: &Path) -> Result<()> {
+        let (dst, tmp) = self.add(name)?;
+        let from = File::open(src).map_err(|e| Error::io(src, e))?;
+        if crate::sys::clone_file(&from, &dst).is_err() {
+            drop(dst);
+            std::fs::copy(src, &tmp).map_err(|e| Error::io(src, e))?;
+        }
+        Ok(())
+    }
+
+    /// Flushes everything, then journals, renames into place (indexes last) and deletes the
+    /// stale files `delete` (names in the directory). Returns the final paths.
+    pub fn commit(mut self, delete: &[String]) -> Result<Vec<PathBuf>> {
+        crash_point("written");
+        for (tmp, _) in &self.files {
+            let f = File::open(tmp).map_err(|e| Error::io(tmp, e))?;
+            f.sync_all().map_err(|e| Error::io(tmp, e))?;
+        }
+        // Loaders find a checkpoint through its index: it appears only after its shards.
+        self.files
+            .sort_by_key(|(_, name)| name.ends_with(".index.json"));
+        let journal = Journal {
+            pid: std::process::id(),
+            renames: self
+                .files
+                .iter()
+                .map(|(tmp, name)| (file_name(tmp), name.clone()))
+                .collect(),
+            deletes: delete.to_vec(),
+        };
+        journal.write(&self.dir)?;
+        crash_point("journal");
+        journal.apply(&self.dir)?;
+        self.committed = true;
+        remove_journal(&self.dir)?;
+        Ok(self
+            .files
+            .iter()
+            .map(|(_, name)| self.dir.join(name))
+            .collect())
+    }
+}
+
+impl Drop for OutputSet {
+    fn drop(&mut self) {
+        if !self.committed {
+            for (tmp, _) in &self.files {
+                let _ = std::fs::remove_file(tmp);
+            }
+        }
+        drop(self.lock.take());
+        if !self.committed && self.created_dir {
+            let _ = std::fs::remove_dir(&self.dir);
+        }
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .expect("temporaries have names")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The renames and deletions a commit makes, written down before it makes them.
+struct Journal {
+    pid: u32,
+    /// (temporary name, final name)
+    renames: Vec<(String, String)>,
+    deletes: Vec<String>,
+}
+
+impl Journal {
+    fn write(&self, dir: &Path) -> Result<()> {
+        let value = json!({
+            "tftf_commit": 1,
+            "pid": self.pid,
+            "renames": self.renames,
+            "deletes": self.deletes,
+        });
+        let path = dir.join(JOURNAL_NAME);
+        let tmp = dir.join(temp_name(JOURNAL_NAME));
+        let text = serde_json::to_string_pretty(&value).expect("JSON value");
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| Error::io(&tmp, e))?;
+        use std::io::Write;
+        (&file)
+            .write_all(text.as_bytes())
+            .and_then(|_| file.sync_all())
+            .map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        sync_dir(dir)
+    }
+
+    fn read(dir: &Path) -> Result<Journal> {
+        let path = dir.join(JOURNAL_NAME);
+        let bad = |msg: &str| {
+            Error::Other(format!(
+                "{}: interrupted-commit journal is damaged ({msg}); compare the directory with the run's report and remove the journal by hand",
+                path.display()
+            ))
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let v: Value = serde_json::from_str(&text).map_err(|_| bad("not JSON"))?;
+        let names = |key: &str| -> Result<Vec<Value>> {
+            v.get(key)
+                .and_then(Value::as_array)
+                .cloned()
+                .ok_or_else(|| bad(&format!("no `{key}` list")))
+        };
+        let plain = |n: &Value| -> Result<String> {
+            match n.as_str() {
+                Some(s) if !s.is_empty() && !s.contains('/') && s != "." && s != ".." => {
+                    Ok(s.to_string())
+                }
+                _ => Err(bad("an entry is not a file name in this directory")),
+            }
+        };
+        let mut renames = Vec::new();
+        for pair in names("renames")? {
+            match pair.as_array().map(Vec::as_slice) {
+                Some([tmp, fin]) => {
+                    let tmp = plain(tmp)?;
+                    if !is_temp_name(&tmp) {
+                        return Err(bad("a rename source is not a tftf temporary"));
+                    }
+                    renames.push((tmp, plain(fin)?));
+                }
+                _ => return Err(bad("a rename is not a pair")),
+            }
+        }
+        let deletes = names("deletes")?
+            .iter()
+            .map(plain)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Journal {
+            pid: v.get("pid").and_then(Value::as_u64).unwrap_or(0) as u32,
+            renames,
+            deletes,
+        })
+    }
+
+    /// Makes every rename and deletion; idempotent, so a rerun after a crash finishes the job.
+    fn apply(&self, dir: &Path) -> Result<()> {
+        for (tmp, fin) in &self.renames {
+            let (from, to) = (dir.join(tmp), dir.join(fin));
+            match std::fs::rename(&from, &to) {
+                Ok(()) => crash_point("rename"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && to.exists() => {}
+                Err(e) => return Err(Error::io(&to, e)),
+            }
+        }
+        for name in &self.deletes {
+            let p = dir.join(name);
+            match std::fs::remove_file(&p) {
+                Ok(()) => crash_point("delete"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&p, e)),
+            }
+        }
+        sync_dir(dir)?;
+        crash_point("applied");
+        Ok(())
+    }
+}
+
+fn remove_journal(dir: &Path) -> Result<()> {
+    let path = dir.join(JOURNAL_NAME);
+    std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, e))
+}
+
+/// Finishes the commit a killed run left journalled in `dir` (call with the lock held).
+/// Returns a note saying what was done, or `None` when there was nothing to finish.
+pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
+    if !dir.join(JOURNAL_NAME).exists() {
+        return Ok(None);
+    }
+    let journal = Journal::read(dir)?;
+    journal.apply(dir)?;
+    remove_journal(dir)?;
+    Ok(Some(format!(
+        "finished the commit that tftf pid {} was making when it stopped ({} file(s) renamed into place, {} removed)",
+        journal.pid,
+        journal.renames.len(),
+        journal.deletes.len()
+    )))
+}
+
+/// tftf temporaries in `dir` (names, sorted). With the directory's lock held they are orphans
+/// of killed runs.
+pub fn temporaries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_temp_name(n))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Test hooks: `TFTF_TEST_CRASH_AT=POINT[:N]` kills the process with SIGKILL (no destructors,
+/// no cleanup, as the OOM killer or a power cut would) the N-th time (default 1st) it reaches
+/// `POINT`: `tmp` (a temporary created), `written` (all data written, nothing committed),
+/// `journal` (journal durable), `rename`, `delete`, `applied` (all renamed and deleted, journal
+/// still there). `TFTF_TEST_STOP_AT=POINT[:N]` stops it (SIGSTOP) there instead, holding the
+/// output's lock, so a test can start a second run against a live one.
+pub fn crash_point(point: &str) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static HITS: [AtomicU32; 2] = [AtomicU32::new(0), AtomicU32::new(0)];
+    for (k, (var, signal)) in [
+        ("TFTF_TEST_CRASH_AT", libc::SIGKILL),
+        ("TFTF_TEST_STOP_AT", libc::SIGSTOP),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let Ok(spec) = std::env::var(var) else {
+            continue;
+        };
+        let (name, nth) = match spec.split_once(':') {
+            Some((n, k)) => (n, k.parse().unwrap_or(1)),
+            None => (spec.as_str(), 1),
+        };
+        if name == point && HITS[k].fetch_add(1, Ordering::SeqCst) + 1 == nth {
+            // SAFETY: sending a signal to our own pid.
+            unsafe {
+                libc::kill(libc::getpid(), signal);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names() {
+        assert!(is_temp_name(&temp_name("model.safetensors")));
+        assert!(is_temp_name(".x.tftf-12.tmp"));
+        for not in [
+            "x.tftf-12.tmp",
+            ".tftf-12.tmp",
+            ".x.tftf-.tmp",
+            ".x.tftf-1a.tmp",
+            ".x.tmp",
+            ".tftf.lock",
+            JOURNAL_NAME,
+        ] {
+            assert!(!is_temp_name(not), "{not}");
+        }
+    }
+}

@@ -1,0 +1,561 @@
+//! The output of a run, resolved once: which directory and files it writes, what the commit
+//! replaces and deletes, and the input files none of that may touch.
+//!
+//! A run owns only what it writes. Every input file (shards, index, side files, adapter files)
+//! is identified by device and inode, so a symlink, a `..`, a bind mount or a hard link cannot
+//! disguise one; every path the run renames over, deletes or writes in place (shards, index,
+//! side files, stale model files under `--force`, the report) is checked against them before
+//! anything is created. `--force` replaces one file for a `.safetensors` output, and in a
+//! directory only the model files of a checkpoint layout: shards named as tftf names them or
+//! as the old index lists them, the index, and the side files the run writes.
+
+pub mod commit;
+pub mod lock;
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::plan::{output_dir, output_kind_for, OutputKind, Plan};
+pub use commit::OutputSet;
+use commit::{finish_interrupted_commit, is_temp_name, temporaries, JOURNAL_NAME};
+use lock::{OutputLock, LOCK_FILE_NAME};
+
+pub const INDEX_NAME: &str = "model.safetensors.index.json";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileId {
+    /// The file a path leads to, through symlinks.
+    fn of(path: &Path) -> Option<FileId> {
+        std::fs::metadata(path).ok().map(|m| FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+}
+
+/// Every file a run reads, by identity.
+#[derive(Debug, Default)]
+pub struct InputFiles {
+    ids: HashMap<FileId, PathBuf>,
+}
+
+impl InputFiles {
+    pub fn of(ckpt: &Checkpoint, sides: &[PathBuf]) -> InputFiles {
+        let mut ids = HashMap::new();
+        let paths = ckpt
+            .shards
+            .iter()
+            .map(|s| &s.path)
+            .chain(&ckpt.index_path)
+            .chain(&ckpt.extra_inputs)
+            .chain(sides);
+        for p in paths {
+            if let Some(id) = FileId::of(p) {
+                ids.entry(id).or_insert_with(|| p.clone());
+            }
+        }
+        InputFiles { ids }
+    }
+
+    /// The input that `path` is (or is a hard link to), if any. A symlink at `path` is not
+    /// followed: renaming over or deleting it leaves its target alone.
+    fn input_at(&self, path: &Path) -> Option<&PathBuf> {
+        let m = std::fs::symlink_metadata(path).ok()?;
+        if m.file_type().is_symlink() {
+            return None;
+        }
+        self.ids.get(&FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Refuses to `action` at `path` when it holds an input.
+    fn refuse_input(&self, path: &Path, action: &'static str) -> Result<()> {
+        match self.input_at(path) {
+            Some(input) => Err(Error::WouldTouchInput {
+                path: path.to_path_buf(),
+                input: input.clone(),
+                action,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What the commit does to files already in the output directory.
+#[derive(Debug, Default)]
+pub struct Claim {
+    /// Existing files the new output's files replace.
+    pub replaced: Vec<String>,
+    /// Model files of an earlier output that the new one does not include (`--force`).
+    pub deleted: Vec<String>,
+    /// Temporaries of killed runs, removed before writing.
+    pub orphans: Vec<String>,
+    /// A commit a killed run journalled but did not finish; finished before writing.
+    pub interrupted_commit: bool,
+}
+
+pub struct OutputTarget {
+    /// As the user gave it.
+    pub path: PathBuf,
+    pub kind: OutputKind,
+    /// The directory holding the output files.
+    pub dir: PathBuf,
+    pub inputs: InputFiles,
+}
+
+impl OutputTarget {
+    /// Resolves the output of a run reading `ckpt` (and side files `sides`) and refuses an
+    /// output equal to or inside the input's directory.
+    pub fn resolve(path: &Path, ckpt: &Checkpoint, sides: &[PathBuf]) -> Result<OutputTarget> {
+        let kind = output_kind_for(path);
+        let dir = output_dir(path, &kind);
+        let inputs = InputFiles::of(ckpt, sides);
+        let inside = |input_dir: &Path| {
+            let Some(input) = FileId::of(input_dir) else {
+                return false;
+            };
+            let abs = resolve(&dir);
+            abs.ancestors().any(|a| FileId::of(a) == Some(input))
+        };
+        let clash = if ckpt.has_model_dir() {
+            inside(&ckpt.dir)
+        } else {
+            matches!(kind, OutputKind::File) && inputs.input_at(path).is_some()
+        };
+        if clash {
+            return Err(Error::OutputInsideInput {
+                output: path.into(),
+                input: if ckpt.has_model_dir() {
+                    ckpt.dir.clone()
+                } else {
+                    ckpt.input.clone()
+                },
+            });
+        }
+        if matches!(kind, OutputKind::File) && path.is_dir() {
+            return Err(Error::Other(format!(
+                "output {} is a directory; name a .safetensors file or drop the extension",
+                path.display()
+            )));
+        }
+        if matches!(kind, OutputKind::Dir) && path.exists() && !path.is_dir() {
+            return Err(Error::Other(format!(
+                "output {} exists and is not a directory",
+                path.display()
+            )));
+        }
+        Ok(OutputTarget {
+            path: path.to_path_buf(),
+            kind,
+            dir,
+            inputs,
+        })
+    }
+
+    fn is_file(&self) -> bool {
+        matches!(self.kind, OutputKind::File)
+    }
+
+    /// Name of the output file of a single-file output.
+    pub fn file_name(&self) -> Option<String> {
+        self.is_file().then(|| {
+            self.path
+                .file_name()
+                .expect("a .safetensors path has a file name")
+                .to_string_lossy()
+                .into_owned()
+        })
+    }
+
+    /// Names of the files a plan writes into the directory, shard `i` first.
+    pub fn names(&self, plan: &Plan, sides: &[PathBuf]) -> Vec<String> {
+        if let Some(f) = self.file_name() {
+            return vec![f];
+        }
+        let mut v: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
+        if plan.index_json().is_some() {
+            v.push(INDEX_NAME.into());
+        }
+        v.extend(sides.iter().map(|p| {
+            p.file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        }));
+        v
+    }
+
+    /// What committing files `names` does to the directory's current contents, refusing when
+    /// that would replace or delete an input, or when the output is not empty and `force` is
+    /// not given. Read-only.
+    pub fn claim(&self, names: &[String], force: bool) -> Result<Claim> {
+        let mut claim = Claim::default();
+        if !self.dir.is_dir() {
+            return Ok(claim);
+        }
+        claim.orphans = temporaries(&self.dir);
+        claim.interrupted_commit = self.dir.join(JOURNAL_NAME).exists();
+        if let Some(f) = self.file_name() {
+            if self.path.exists() {
+                if !force {
+                    return Err(Error::Other(format!(
+                        "output file {} exists; pass --force to replace it",
+                        self.path.display()
+                    )));
+                }
+                self.inputs.refuse_input(&self.path, "replace")?;
+                claim.replaced.push(f);
+            }
+            return Ok(claim);
+        }
+        let mut present: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(&self.dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != LOCK_FILE_NAME && n != JOURNAL_NAME && !is_temp_name(n))
+            .collect();
+        present.sort();
+        if present.is_empty() {
+            return Ok(claim);
+        }
+        if !force {
+            return Err(Error::OutputNotEmpty {
+                dir: self.dir.clone(),
+                entries: listing_excerpt(&present),
+            });
+        }
+        for name in names {
+            let p = self.dir.join(name);
+            if std::fs::symlink_metadata(&p).is_ok() {
+                if p.is_dir() && !p.is_symlink() {
+                    return Err(Error::Other(format!(
+                        "{} is a directory, where the output needs to write a file; move it away",
+                        p.display()
+                    )));
+                }
+                self.inputs.refuse_input(&p, "replace")?;
+                claim.replaced.push(name.clone());
+            }
+        }
+        let old_index = old_index_shards(&self.dir.join(INDEX_NAME));
+        for name in present {
+            let ours = is_model_file_name(&name) || old_index.contains(&name);
+            let p = self.dir.join(&name);
+            let is_file = std::fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir());
+            if ours && is_file && !names.contains(&name) {
+                self.inputs.refuse_input(&p, "delete")?;
+                claim.deleted.push(name);
+            }
+        }
+        Ok(claim)
+    }
+
+    /// Starts writing: creates the directory if needed, takes its lock, finishes a commit a
+    /// killed run left half done and removes killed runs' temporaries. Returns the empty output
+    /// set and notes on what was cleaned up.
+    pub fn begin(&self) -> Result<(OutputSet, Vec<String>)> {
+        let created_dir = create_dir_reporting(&self.dir)?;
+        let lock = match OutputLock::acquire(&self.dir) {
+            Ok(l) => l,
+            Err(e) => {
+                if created_dir {
+                    let _ = std::fs::remove_dir(&self.dir);
+                }
+                return Err(e);
+            }
+        };
+        let set = OutputSet::new(self.dir.clone(), created_dir, lock);
+        let mut notes = Vec::new();
+        if let Some(note) = finish_interrupted_commit(&self.dir)? {
+            notes.push(note);
+        }
+        let orphans = temporaries(&self.dir);
+        for name in &orphans {
+            let p = self.dir.join(name);
+            std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+        }
+        if !orphans.is_empty() {
+            notes.push(format!(
+                "removed {} temporary file(s) left by a killed run: {}",
+                orphans.len(),
+                listing_excerpt(&orphans)
+            ));
+        }
+        Ok((set, notes))
+    }
+
+    /// Refuses a report path that is an input, one of the output's files, or an existing file
+    /// that is not an earlier tftf report.
+    pub fn check_report(&self, report: &Path, names: &[String]) -> Result<()> {
+        check_report_path(report, Some(&self.inputs))?;
+        let parent = resolve(report)
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let same_dir = match (FileId::of(&parent), FileId::of(&self.dir)) {
+            (Some(a), Some(b)) => a == b,
+            _ => parent == resolve(&self.dir),
+        };
+        let name = report
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        if same_dir && names.contains(&name) {
+            return Err(Error::Usage(format!(
+                "--report {} is one of the output's own files; write the report elsewhere",
+                report.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a report path that holds an input or an existing file other than a tftf report.
+pub fn check_report_path(report: &Path, inputs: Option<&InputFiles>) -> Result<()> {
+    if let Some(input) = inputs.and_then(|i| i.input_at(report)) {
+        return Err(Error::WouldTouchInput {
+            path: report.to_path_buf(),
+            input: input.clone(),
+            action: "write the report over",
+        });
+    }
+    if report.is_dir() {
+        return Err(Error::Usage(format!(
+            "--report {} is a directory; name a file",
+            report.display()
+        )));
+    }
+    if report.exists() && !is_tftf_report(report) {
+        return Err(Error::Usage(format!(
+            "--report {} exists and is not a tftf report; remove it or choose another path",
+            report.display()
+        )));
+    }
+    Ok(())
+}
+
+fn is_tftf_report(path: &Path) -> bool {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .is_some_and(|v| v.get("tftf_version").is_some() && v.get("status").is_some())
+}
+
+/// Writes a report atomically (a temporary beside it, then a rename).
+pub fn write_report(path: &Path, report: &Value) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(report).expect("JSON value");
+    text.push('\n');
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Usage(format!("--report {} names no file", path.display())))?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = path.with_file_name(commit::temp_name(&name));
+    std::fs::write(&tmp, text).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
+/// Finishes an interrupted commit in `dir` and removes killed runs' temporaries, under the
+/// directory's lock (`tftf recover`). Returns what was done.
+pub fn recover(dir: &Path) -> Result<Vec<String>> {
+    if !dir.is_dir() {
+        return Err(Error::Usage(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
+    }
+    let target = OutputTarget {
+        path: dir.to_path_buf(),
+        kind: OutputKind::Dir,
+        dir: dir.to_path_buf(),
+        inputs: InputFiles::default(),
+    };
+    let (set, notes) = target.begin()?;
+    drop(set);
+    Ok(notes)
+}
+
+/// Names tftf gives shards and indexes: `model.safetensors`, `model-0000i-of-0000N.safetensors`,
+/// `model.safetensors.index.json`.
+fn is_model_file_name(name: &str) -> bool {
+    if name == "model.safetensors" || name == INDEX_NAME {
+        return true;
+    }
+    let Some(mid) = name
+        .strip_prefix("model-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    match mid.split_once("-of-") {
+        Some((i, n)) => [i, n]
+            .iter()
+            .all(|p| p.len() >= 5 && p.bytes().all(|b| b.is_ascii_digit())),
+        None => false,
+    }
+}
+
+/// Shard names an existing index lists (plain names only).
+fn old_index_shards(index: &Path) -> Vec<String> {
+    let Some(v) = std::fs::read(index)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+    else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.values()
+                .filter_map(Value::as_str)
+                .filter(|s| !s.is_empty() && !s.contains('/') && *s != "." && *s != "..")
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Up to five names, then how many more.
+fn listing_excerpt(names: &[String]) -> String {
+    let mut s: Vec<String> = names.iter().take(5).map(|n| format!("`{n}`")).collect();
+    if names.len() > 5 {
+        s.push(format!("and {} more", names.len() - 5));
+    }
+    s.join(", ")
+}
+
+/// Creates `dir` (and its parents); returns whether this call created `dir` itself.
+fn create_dir_reporting(dir: &Path) -> Result<bool> {
+    if dir.is_dir() {
+        return Ok(false);
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(false),
+        Err(e) => Err(Error::io(dir, e)),
+    }
+}
+
+/// Files next to the weights that belong in the output: configs, tokenizer, chat templates,
+/// remote code, README. Weights of any format, indexes and adapter files are left out, as are
+/// hidden files and subdirectories.
+pub fn side_files(ckpt: &Checkpoint) -> Vec<PathBuf> {
+    if !ckpt.has_model_dir() {
+        return Vec::new();
+    }
+    let Ok(rd) = std::fs::read_dir(&ckpt.dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = rd
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .filter(|e| is_side_file(&e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+pub fn is_side_file(name: &str) -> bool {
+    const WEIGHT_SUFFIXES: [&str; 12] = [
+        ".safetensors",
+        ".index.json",
+        ".gguf",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".msgpack",
+        ".onnx",
+        ".npz",
+        ".tmp",
+    ];
+    !(name.starts_with('.')
+        || name.starts_with("adapter_")
+        || WEIGHT_SUFFIXES.iter().any(|s| name.ends_with(s)))
+}
+
+/// Absolute form of a path that may not exist yet: its deepest existing ancestor resolved,
+/// the rest appended.
+pub fn resolve(path: &Path) -> PathBuf {
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(path)
+    };
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(c) = existing.canonicalize() {
+            let mut out = c;
+            for part in rest.iter().rev() {
+                out.push(part);
+            }
+            return out;
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(p), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = p;
+            }
+            _ => return abs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn side_file_rules() {
+        for keep in [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer.model",
+            "generation_config.json",
+            "chat_template.jinja",
+            "modeling_deepseek.py",
+            "README.md",
+            "merges.txt",
+        ] {
+            assert!(is_side_file(keep), "{keep}");
+        }
+        for skip in [
+            "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "model.gguf",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "consolidated.00.pth",
+            ".gitattributes",
+        ] {
+            assert!(!is_side_file(skip), "{skip}");
+        }
+    }
+}
