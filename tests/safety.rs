@@ -524,3 +524,29 @@ fn not_empty_error_names_what_is_there() {
         "{err}"
     );
 }
+
+#[test]
+fn output_through_a_bind_mount_of_the_input_is_refused() {
+    let d = tmp();
+    let src = d.path().join("in");
+    small_model(&src);
+    let alias = d.path().join("alias");
+    std::fs::create_dir_all(&alias).unwrap();
+    let mounted = Command::new("mount")
+        .args(["--bind", s(&src), s(&alias)])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        eprintln!("SKIPPED: bind mounts need root (mount --bind failed)");
+        return;
+    }
+    let before = snapshot(&src);
+    let inside = fails(&["passthrough", "-i", s(&src), "-o", s(&alias.join("sub"))]);
+    let same = fails(&["passthrough", "-i", s(&src), "-o", s(&alias), "--force"]);
+    let _ = Command::new("umount").arg(&alias).status();
+    assert!(inside.contains("is the input or inside it"), "{inside}");
+    assert!(same.contains("is the input or inside it"), "{same}");
+    assert_eq!(snapshot(&src), before);
+    assert!(!src.join("sub").exists());
+}
