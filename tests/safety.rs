@@ -550,3 +550,35 @@ fn output_through_a_bind_mount_of_the_input_is_refused() {
     assert_eq!(snapshot(&src), before);
     assert!(!src.join("sub").exists());
 }
+
+#[test]
+fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
+    use tftf::format::dtype::DType;
+    let d = tmp();
+    let src = d.path().join("in");
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(
+        &src.join("model.safetensors"),
+        &[
+            t("w.weight", DType::F8_E4M3, &[2, 2], vec![0x38, 0x7F, 0, 0]),
+            t(
+                "w.weight_scale_inv",
+                DType::F32,
+                &[1, 1],
+                1f32.to_le_bytes().to_vec(),
+            ),
+        ],
+    );
+    let out = d.path().join("a/b/out");
+    let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
+    assert!(err.contains("w.weight") && err.contains("NaN"), "{err}");
+    assert!(
+        !d.path().join("a").exists(),
+        "created directories left behind"
+    );
+    // In an existing directory, only the run's own files go.
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--force"]);
+    assert_eq!(listing(&out), ["notes.txt"]);
+}

@@ -7,7 +7,7 @@
 //! or, once finished, the new one — never a mix that a loader would take for a checkpoint.
 //!
 //! Dropping an uncommitted `OutputSet` (an error, a panic unwinding, Ctrl-C) removes every
-//! temporary, then the output directory if this run created it and it is empty.
+//! temporary, then the directories this run created for the output, where empty.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -40,7 +40,8 @@ pub fn is_temp_name(name: &str) -> bool {
 
 pub struct OutputSet {
     dir: PathBuf,
-    created_dir: bool,
+    /// Directories this run created for the output, deepest first.
+    created_dirs: Vec<PathBuf>,
     /// (temporary path, final name), in the order added.
     files: Vec<(PathBuf, String)>,
     committed: bool,
@@ -49,10 +50,10 @@ pub struct OutputSet {
 
 impl OutputSet {
     /// An output set in `dir`, which exists and whose lock `lock` is.
-    pub fn new(dir: PathBuf, created_dir: bool, lock: OutputLock) -> OutputSet {
+    pub fn new(dir: PathBuf, created_dirs: Vec<PathBuf>, lock: OutputLock) -> OutputSet {
         OutputSet {
             dir,
-            created_dir,
+            created_dirs,
             files: Vec::new(),
             committed: false,
             lock: Some(lock),
@@ -142,8 +143,8 @@ impl Drop for OutputSet {
             }
         }
         drop(self.lock.take());
-        if !self.committed && self.created_dir {
-            let _ = std::fs::remove_dir(&self.dir);
+        if !self.committed {
+            super::remove_dirs(&self.created_dirs);
         }
     }
 }

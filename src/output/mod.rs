@@ -266,17 +266,15 @@ impl OutputTarget {
     /// killed run left half done and removes killed runs' temporaries. Returns the empty output
     /// set and notes on what was cleaned up.
     pub fn begin(&self) -> Result<(OutputSet, Vec<String>)> {
-        let created_dir = create_dir_reporting(&self.dir)?;
+        let created_dirs = create_dirs(&self.dir)?;
         let lock = match OutputLock::acquire(&self.dir) {
             Ok(l) => l,
             Err(e) => {
-                if created_dir {
-                    let _ = std::fs::remove_dir(&self.dir);
-                }
+                remove_dirs(&created_dirs);
                 return Err(e);
             }
         };
-        let set = OutputSet::new(self.dir.clone(), created_dir, lock);
+        let set = OutputSet::new(self.dir.clone(), created_dirs, lock);
         let mut notes = Vec::new();
         if let Some(note) = finish_interrupted_commit(&self.dir)? {
             notes.push(note);
@@ -444,18 +442,34 @@ fn listing_excerpt(names: &[String]) -> String {
     s.join(", ")
 }
 
-/// Creates `dir` (and its parents); returns whether this call created `dir` itself.
-fn create_dir_reporting(dir: &Path) -> Result<bool> {
-    if dir.is_dir() {
-        return Ok(false);
+/// Creates `dir` and any missing parents; returns the directories this call created, deepest
+/// first, so a failed run can remove exactly those.
+fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
+    let missing: Vec<PathBuf> = dir
+        .ancestors()
+        .filter(|a| !a.as_os_str().is_empty())
+        .take_while(|a| !a.exists())
+        .map(Path::to_path_buf)
+        .collect();
+    let mut created = Vec::new();
+    for d in missing.iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => created.push(d.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && d.is_dir() => {}
+            Err(e) => {
+                remove_dirs(&created);
+                return Err(Error::io(d, e));
+            }
+        }
     }
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-    }
-    match std::fs::create_dir(dir) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(false),
-        Err(e) => Err(Error::io(dir, e)),
+    created.reverse();
+    Ok(created)
+}
+
+/// Removes directories a run created, deepest first, where they are still empty.
+pub(crate) fn remove_dirs(created: &[PathBuf]) {
+    for d in created {
+        let _ = std::fs::remove_dir(d);
     }
 }
 
