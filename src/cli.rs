@@ -236,9 +236,18 @@ pub struct Fp4RepackArgs {
 
 #[derive(Args, Debug)]
 pub struct RepackArgs {
-    /// Input model directory (or file)
-    #[arg(long = "src", short = 'i', alias = "input", value_name = "DIR")]
-    pub src: PathBuf,
+    /// Input: a .safetensors file, a model directory, or an index .json file
+    #[arg(
+        long = "src",
+        short = 'i',
+        aliases = ["input", "base"],
+        short_alias = 'b',
+        value_name = "MODEL"
+    )]
+    pub src: Option<PathBuf>,
+    /// Input, as a positional argument
+    #[arg(value_name = "MODEL", conflicts_with = "src")]
+    pub model: Option<PathBuf>,
     #[command(flatten)]
     pub write: WriteArgs,
     #[command(flatten)]
@@ -310,7 +319,8 @@ pub struct MergeFsdpArgs {
 pub struct ValidateArgs {
     #[command(flatten)]
     pub input: InputArgs,
-    /// Also check a conversion plan: dtype:X, filter:GLOB or exclude:GLOB (repeatable, in order)
+    /// Also check a conversion plan: dtype:X, filter:GLOB, exclude:GLOB or rename:REGEX=REPL
+    /// (repeatable, in order)
     #[arg(long, value_name = "STEP")]
     pub pipe: Vec<String>,
     /// Scan float tensors for NaN and Inf

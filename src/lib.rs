@@ -15,6 +15,8 @@ pub mod pipeline;
 pub mod plan;
 pub mod size;
 pub mod sys;
+#[cfg(test)]
+mod test_fixtures;
 pub mod transform;
 
 pub use error::{Error, Result};

@@ -1,4 +1,4 @@
-//! `merge-lora` against PEFT's own merges in `../shared/fixtures/peft/`, plus synthetic cases:
+//! `merge-lora` against PEFT's own merges in `tests/fixtures/peft/`, plus synthetic cases:
 //! bad adapters fail before output, FP8 base + adapter in one pass, training-output folders.
 
 mod common;
@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use common::*;
 use tftf::format::dtype::DType;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/peft")
+/// One case of PEFT's merges in `tests/fixtures/peft/`.
+fn peft_case(case: &str) -> PathBuf {
+    fixture(&format!("peft/{case}"))
 }
 
 fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
@@ -30,7 +31,7 @@ fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
 /// value, absolute below 1), bf16 within one unit in the last place; everything PEFT left
 /// alone must be bit-identical.
 fn check_case(case: &str) {
-    let dir = fixtures().join(case);
+    let dir = peft_case(case);
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
@@ -130,7 +131,7 @@ fn peft_gpt2_fan_in_fan_out() {
 fn peft_modules_to_save() {
     check_case("modules-to-save");
     // The replacement is PEFT's copy, bit for bit.
-    let dir = fixtures().join("modules-to-save");
+    let dir = peft_case("modules-to-save");
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out");
     ok(&tftf(&[
@@ -158,7 +159,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn bad_adapters_fail_before_any_output() {
-    let case = fixtures().join("llama-lora-f32");
+    let case = peft_case("llama-lora-f32");
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out");
     let base = case.join("base");
@@ -282,7 +283,7 @@ fn bad_adapters_fail_before_any_output() {
 
 #[test]
 fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
-    let case = fixtures().join("llama-lora-f32");
+    let case = peft_case("llama-lora-f32");
     let d = tempfile::tempdir().unwrap();
     let train = d.path().join("run");
     copy_dir(&case.join("adapter"), &train.join("checkpoint-500"));
@@ -452,7 +453,7 @@ fn split_ranks(adapter: &Path, dir: &Path, ranks: usize) -> Vec<PathBuf> {
 
 #[test]
 fn fsdp_rank_shards_merge_like_the_whole_adapter() {
-    let case = fixtures().join("llama-lora-f32");
+    let case = peft_case("llama-lora-f32");
     let d = tempfile::tempdir().unwrap();
     let ranks = d.path().join("ranks");
     std::fs::create_dir_all(&ranks).unwrap();
@@ -710,7 +711,7 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
 
 #[test]
 fn run_section_merges_then_renames() {
-    let case = fixtures().join("llama-lora-f32");
+    let case = peft_case("llama-lora-f32");
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("out.safetensors");
     ok(&tftf(&[
@@ -745,7 +746,7 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     let out = d.path().join("out");
 
     // GPT-2 (Conv1D, fan_in_fan_out) adapter plus a DoRA magnitude on c_attn.
-    let case = fixtures().join("gpt2-fan-in-fan-out");
+    let case = peft_case("gpt2-fan-in-fan-out");
     let dora = d.path().join("gpt2-dora");
     copy_dir(&case.join("adapter"), &dora);
     let file = dora.join("adapter_model.safetensors");

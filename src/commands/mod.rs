@@ -28,9 +28,13 @@ use crate::transform::{Glob, Rename};
 use convert::{convert, WriteOptions};
 
 fn input_path(a: &InputArgs) -> Result<PathBuf> {
-    a.input
-        .clone()
-        .or_else(|| a.model.clone())
+    flag_or_positional(&a.input, &a.model)
+}
+
+/// The input given as a flag (`-i`, `-b`, `--src`) or as the positional `MODEL`.
+fn flag_or_positional(flag: &Option<PathBuf>, positional: &Option<PathBuf>) -> Result<PathBuf> {
+    flag.clone()
+        .or_else(|| positional.clone())
         .ok_or_else(|| Error::Usage("no input: give -i MODEL or MODEL".into()))
 }
 
@@ -266,7 +270,8 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
         Command::RepackFp4(a) => {
             let steps = vec![repack_step(&a.fp4)?];
             let opts = WriteOptions::from_args(&a.write)?;
-            convert("repack-fp4", &a.src, &steps, &opts, cancel)?;
+            let input = flag_or_positional(&a.src, &a.model)?;
+            convert("repack-fp4", &input, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {

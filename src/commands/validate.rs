@@ -13,7 +13,7 @@ use crate::format::dtype::DType;
 use crate::plan::{OutputKind, Plan, Step};
 use crate::size::human;
 use crate::sys;
-use crate::transform::Glob;
+use crate::transform::{Glob, Rename};
 
 pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
     specs
@@ -21,7 +21,7 @@ pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
         .map(|s| {
             let (kind, arg) = s.split_once(':').ok_or_else(|| {
                 Error::Usage(format!(
-                    "--pipe `{s}`: expected dtype:X, filter:GLOB or exclude:GLOB"
+                    "--pipe `{s}`: expected dtype:X, filter:GLOB, exclude:GLOB or rename:REGEX=REPL"
                 ))
             })?;
             Ok(match kind {
@@ -33,9 +33,19 @@ pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
                 },
                 "filter" => Step::Include(vec![Glob::new(arg)?]),
                 "exclude" => Step::Exclude(vec![Glob::new(arg)?]),
+                // Tensor names hold no `=`, so the first one ends the pattern.
+                "rename" => {
+                    let (regex, repl) = arg.split_once('=').ok_or_else(|| {
+                        Error::Usage(format!("--pipe `{s}`: expected rename:REGEX=REPL"))
+                    })?;
+                    Step::Rename(
+                        Rename::new(regex, repl)
+                            .map_err(|e| Error::Usage(format!("--pipe `{s}`: {e}")))?,
+                    )
+                }
                 _ => {
                     return Err(Error::Usage(format!(
-                        "--pipe `{s}`: unknown step `{kind}` (dtype, filter, exclude)"
+                        "--pipe `{s}`: unknown step `{kind}` (dtype, filter, exclude, rename)"
                     )))
                 }
             })

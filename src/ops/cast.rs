@@ -324,8 +324,7 @@ mod tests {
 
     #[test]
     fn bf16_and_f16_match_ml_dtypes_fixture() {
-        let text = std::fs::read_to_string("../shared/fixtures/scalars/scalars.json").unwrap();
-        let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let fx = crate::test_fixtures::scalars();
         let inputs = fx["inputs_f32_bits"].as_array().unwrap();
         let bf = fx["encode_BF16_bits"].as_array().unwrap();
         let hf = fx["encode_F16_bits"].as_array().unwrap();

@@ -9,7 +9,7 @@
 //!   and `0xFF` is NaN.
 //!
 //! Decoding is exact in f32, so a 256-entry table is the whole decoder; the tables are built
-//! from these formulas and tested against ml_dtypes' values in `shared/fixtures/scalars`.
+//! from these formulas and tested against ml_dtypes' values in `tests/fixtures/scalars`.
 
 use std::sync::OnceLock;
 
@@ -83,14 +83,8 @@ pub fn e5m2_table() -> &'static [f32; 256] {
 mod tests {
     use super::*;
 
-    fn fixture() -> serde_json::Value {
-        let text = std::fs::read_to_string("../shared/fixtures/scalars/scalars.json")
-            .expect("shared/fixtures/scalars/scalars.json beside the repository");
-        serde_json::from_str(&text).unwrap()
-    }
-
     fn check_all_codes(name: &str, f: fn(u8) -> f32) {
-        let fx = fixture();
+        let fx = crate::test_fixtures::scalars();
         let want = fx["decode"][name].as_array().unwrap();
         assert_eq!(want.len(), 256);
         for (code, w) in want.iter().enumerate() {

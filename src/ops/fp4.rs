@@ -322,8 +322,7 @@ mod tests {
 
     #[test]
     fn e2m1_encoding_matches_ml_dtypes() {
-        let text = std::fs::read_to_string("../shared/fixtures/scalars/scalars.json").unwrap();
-        let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let fx = crate::test_fixtures::scalars();
         let inputs = fx["inputs_f32_bits"].as_array().unwrap();
         let want = fx["encode_E2M1"].as_array().unwrap();
         let mut checked = 0;

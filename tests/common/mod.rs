@@ -9,6 +9,20 @@ use tftf::format::write_small;
 
 pub type T = (String, DType, Vec<u64>, Vec<u8>);
 
+/// `tests/fixtures/<rel>`, the golden data kept in the repository (its README says what made
+/// it); panics naming the path when it is missing.
+pub fn fixture(rel: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel);
+    assert!(
+        path.exists(),
+        "test fixture `{}` is missing (it is part of the repository: restore it with git)",
+        path.display()
+    );
+    path
+}
+
 /// The library's deterministic generator (also behind `tftf selftest`'s vectors).
 pub use tftf::gpu::selftest::Lcg as Rng;
 
