@@ -12,6 +12,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
 use crate::output::{check_output, resolve, side_files, OutputSet};
 use crate::pipeline::{self, Cancel, PipelineConfig};
+use crate::progress::Progress;
 use crate::plan::{output_dir, output_kind_for, OutputKind, Plan, Recipe, Step};
 use crate::size::{human, parse_size};
 use crate::sys;
@@ -25,6 +26,12 @@ pub struct WriteOptions {
     pub memory_budget: u64,
     pub quiet: bool,
     pub progress: bool,
+    /// Seconds between progress lines when stderr is not a terminal.
+    pub progress_interval: std::time::Duration,
+    /// Informational notes on stderr (`-v`).
+    pub verbose: bool,
+    /// Write even when filters keep nothing or an op finds nothing to do.
+    pub allow_empty: bool,
     pub report: Option<PathBuf>,
     pub force: bool,
     pub kernel_copy: bool,
@@ -69,6 +76,9 @@ impl WriteOptions {
             memory_budget: parse_budget(w.memory_budget.as_deref())?,
             quiet: w.quiet,
             progress: !w.quiet && !w.no_progress,
+            progress_interval: crate::progress::parse_interval(w.progress_interval.as_deref())?,
+            verbose: w.verbose,
+            allow_empty: w.allow_empty,
             report: w.report.clone(),
             force: w.force,
             kernel_copy: !w.no_reflink,
@@ -120,6 +130,9 @@ fn convert_inner(
     let is_file = matches!(kind, OutputKind::File);
     check_output(&ckpt, &opts.output, is_file, opts.force)?;
     let plan = Plan::build(&ckpt, steps, kind.clone(), opts.max_shard_bytes)?;
+    if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
+        return Err(Error::NothingToDo(why.clone()));
+    }
     let sides = if is_file {
         Vec::new()
     } else {
@@ -202,9 +215,22 @@ fn convert_inner(
         files.push(file);
         names.push(tmp);
     }
-    let progress = opts
-        .progress
-        .then(|| progress_bar(plan.total_tensor_bytes()));
+    let progress = opts.progress.then(|| {
+        let shard_names = plan
+            .shards
+            .iter()
+            .map(|shard| match (is_file, opts.output.file_name()) {
+                (true, Some(f)) => f.to_string_lossy().into_owned(),
+                _ => shard.file_name.clone(),
+            })
+            .collect();
+        Progress::new(
+            command,
+            shard_names,
+            plan.total_tensor_bytes(),
+            opts.progress_interval,
+        )
+    });
     let cfg = PipelineConfig {
         threads: opts.threads,
         memory_budget: opts.memory_budget,
@@ -216,7 +242,7 @@ fn convert_inner(
     };
     let stats = pipeline::execute(&ckpt, &plan, &files, &names, &cfg)?;
     if let Some(p) = &progress {
-        p.finish_and_clear();
+        p.finish();
     }
     drop(files);
     if let Some(index) = plan.index_json() {
@@ -260,8 +286,8 @@ fn convert_inner(
             println!("{}", device_line(&device));
         }
     }
-    if let (false, Some(why)) = (opts.quiet, &stats.reflink_unavailable) {
-        eprintln!("note: untouched tensors were copied, not shared: {why}");
+    if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_unavailable) {
+        eprintln!("info: untouched tensors were copied in the kernel (this filesystem cannot share extents: {why})");
     }
     if let Some(path) = &opts.report {
         let report = report_json(
@@ -275,7 +301,13 @@ fn convert_inner(
             started,
             false,
         );
-        write_report(path, &report)?;
+        // The output is committed: a report that cannot be written does not undo it.
+        if let Err(e) = write_report(path, &report) {
+            eprintln!(
+                "warning: the output was written, but not the report: {}",
+                crate::escape::name(&e.to_string())
+            );
+        }
     }
     Ok(())
 }
@@ -319,19 +351,6 @@ fn nearest_existing(p: &Path) -> PathBuf {
     }
 }
 
-fn progress_bar(total: u64) -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::with_draw_target(
-        Some(total),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
-        )
-        .expect("valid template"),
-    );
-    pb
-}
 
 fn write_report(path: &Path, report: &Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(report).expect("JSON value");

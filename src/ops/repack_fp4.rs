@@ -547,6 +547,10 @@ impl PlanStep for RepackFp4Step {
         Ok(experts || engram)
     }
 
+    fn nothing_done(&self) -> String {
+        "repack-fp4 found no MXFP4 expert weight (--expert-pattern) or E4M3 Engram table (--engram-pattern) to convert".into()
+    }
+
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
         let mut changes = Vec::new();
         if !self.opts.config_update {

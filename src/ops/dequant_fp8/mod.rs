@@ -373,6 +373,10 @@ impl PlanStep for DequantFp8Step {
         Ok(changed)
     }
 
+    fn nothing_done(&self) -> String {
+        "dequant-fp8 found no F8_E4M3 or F8_E5M2 tensor, so there is nothing to dequantise".into()
+    }
+
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
         let mut changes = Vec::new();
         if cfg.shift_remove("quantization_config").is_some() {
