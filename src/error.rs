@@ -20,10 +20,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix", crate::escape::path(path))]
+    #[error(
+        "{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix",
+        crate::escape::path(path)
+    )]
     FileTooShort { path: PathBuf, len: u64 },
 
-    #[error("{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)", crate::escape::path(path))]
+    #[error(
+        "{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)",
+        crate::escape::path(path)
+    )]
     HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
 
     #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", crate::escape::path(path))]
@@ -36,21 +42,34 @@ pub enum Error {
     #[error("{}: invalid header: {msg}", crate::escape::path(path))]
     InvalidHeader { path: PathBuf, msg: String },
 
-    #[error("{}: tensor `{}`: {msg}", crate::escape::path(path), crate::escape::name(tensor))]
+    #[error(
+        "{}: tensor `{}`: {msg}",
+        crate::escape::path(path),
+        crate::escape::name(tensor)
+    )]
     InvalidTensor {
         path: PathBuf,
         tensor: String,
         msg: String,
     },
 
-    #[error("{}: tensor `{}` has unknown dtype `{}`", crate::escape::path(path), crate::escape::name(tensor), crate::escape::name(dtype))]
+    #[error(
+        "{}: tensor `{}` has unknown dtype `{}`",
+        crate::escape::path(path),
+        crate::escape::name(tensor),
+        crate::escape::name(dtype)
+    )]
     UnknownDtype {
         path: PathBuf,
         tensor: String,
         dtype: String,
     },
 
-    #[error("{}: tensor `{}`: {layout} needs {expected} bytes but its data_offsets span {actual}", crate::escape::path(path), crate::escape::name(tensor))]
+    #[error(
+        "{}: tensor `{}`: {layout} needs {expected} bytes but its data_offsets span {actual}",
+        crate::escape::path(path),
+        crate::escape::name(tensor)
+    )]
     TensorSizeMismatch {
         path: PathBuf,
         tensor: String,
@@ -68,17 +87,28 @@ pub enum Error {
         expected: u64,
     },
 
-    #[error("{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)", crate::escape::path(path))]
+    #[error(
+        "{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)",
+        crate::escape::path(path)
+    )]
     DataTruncated {
         path: PathBuf,
         expected: u64,
         actual: u64,
     },
 
-    #[error("{}: {extra} trailing bytes after the last tensor (file padded or corrupt)", crate::escape::path(path))]
+    #[error(
+        "{}: {extra} trailing bytes after the last tensor (file padded or corrupt)",
+        crate::escape::path(path)
+    )]
     TrailingBytes { path: PathBuf, extra: u64 },
 
-    #[error("tensor `{}` is defined twice: in {} and in {}", crate::escape::name(tensor), crate::escape::path(first), crate::escape::path(second))]
+    #[error(
+        "tensor `{}` is defined twice: in {} and in {}",
+        crate::escape::name(tensor),
+        crate::escape::path(first),
+        crate::escape::path(second)
+    )]
     DuplicateTensor {
         tensor: String,
         first: PathBuf,
@@ -88,40 +118,65 @@ pub enum Error {
     #[error("{}: invalid index: {msg}", crate::escape::path(path))]
     InvalidIndex { path: PathBuf, msg: String },
 
-    #[error("{}: shard `{}` (holding `{}`) is missing", crate::escape::path(index), crate::escape::name(shard), crate::escape::name(tensor))]
+    #[error(
+        "{}: shard `{}` (holding `{}`) is missing",
+        crate::escape::path(index),
+        crate::escape::name(shard),
+        crate::escape::name(tensor)
+    )]
     MissingShard {
         index: PathBuf,
         shard: String,
         tensor: String,
     },
 
-    #[error("{}: index maps tensor `{}` to this shard, but the shard does not contain it", crate::escape::path(shard), crate::escape::name(tensor))]
+    #[error(
+        "{}: index maps tensor `{}` to this shard, but the shard does not contain it",
+        crate::escape::path(shard),
+        crate::escape::name(tensor)
+    )]
     TensorNotInShard { shard: PathBuf, tensor: String },
 
     #[error("{}: {msg}", crate::escape::path(path))]
     NoModel { path: PathBuf, msg: String },
 
-    #[error("output {} is the input or inside it; write to a directory outside {}", crate::escape::path(output), crate::escape::path(input))]
+    #[error(
+        "output {} is the input or inside it; write to a directory outside {}",
+        crate::escape::path(output),
+        crate::escape::path(input)
+    )]
     OutputInsideInput { output: PathBuf, input: PathBuf },
 
     #[error("output directory {} is not empty; pass --force to replace its model files", crate::escape::path(.0))]
     OutputNotEmpty(PathBuf),
 
-    #[error("renaming `{}` and `{}` both give `{}`; change the --rename rules", crate::escape::name(first), crate::escape::name(second), crate::escape::name(target))]
+    #[error(
+        "renaming `{}` and `{}` both give `{}`; change the --rename rules",
+        crate::escape::name(first),
+        crate::escape::name(second),
+        crate::escape::name(target)
+    )]
     NameCollision {
         first: String,
         second: String,
         target: String,
     },
 
-    #[error("not enough space in {}: the output needs {needed} bytes, {available} are free", crate::escape::path(path))]
+    #[error(
+        "not enough space in {}: the output needs {needed} bytes, {available} are free",
+        crate::escape::path(path)
+    )]
     NoSpace {
         path: PathBuf,
         needed: u64,
         available: u64,
     },
 
-    #[error("{}: tensor `{}`: {msg}", crate::escape::path(path), crate::escape::name(tensor))]
+    #[error(
+        "{}: tensor `{}`: {msg}",
+        crate::escape::path(path),
+        crate::escape::name(tensor)
+    )]
     TensorData {
         path: PathBuf,
         tensor: String,
@@ -138,14 +193,24 @@ pub enum Error {
         more: String,
     },
 
-    #[error("{}: scale `{}` has no FP8 weight to apply to (expected `{}`)", crate::escape::path(path), crate::escape::name(tensor), crate::escape::name(weight))]
+    #[error(
+        "{}: scale `{}` has no FP8 weight to apply to (expected `{}`)",
+        crate::escape::path(path),
+        crate::escape::name(tensor),
+        crate::escape::name(weight)
+    )]
     OrphanScale {
         path: PathBuf,
         tensor: String,
         weight: String,
     },
 
-    #[error("{}: scale `{}` of `{}`: {msg}", crate::escape::path(path), crate::escape::name(tensor), crate::escape::name(weight))]
+    #[error(
+        "{}: scale `{}` of `{}`: {msg}",
+        crate::escape::path(path),
+        crate::escape::name(tensor),
+        crate::escape::name(weight)
+    )]
     BadScale {
         path: PathBuf,
         tensor: String,

@@ -153,7 +153,11 @@ impl Progress {
     }
 
     fn bar_message(&self) -> String {
-        bar_message(&self.0.op, self.shard_name(), BAR_COLUMNS - BAR_FIXED_COLUMNS)
+        bar_message(
+            &self.0.op,
+            self.shard_name(),
+            BAR_COLUMNS - BAR_FIXED_COLUMNS,
+        )
     }
 }
 
@@ -252,7 +256,10 @@ mod tests {
         );
         assert_eq!(parse_interval(None).unwrap(), Duration::from_secs(30));
         for bad in ["0", "-1", "soon", "inf", "NaN"] {
-            assert!(matches!(parse_interval(Some(bad)), Err(Error::Usage(_))), "{bad}");
+            assert!(
+                matches!(parse_interval(Some(bad)), Err(Error::Usage(_))),
+                "{bad}"
+            );
         }
     }
 }

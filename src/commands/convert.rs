@@ -12,8 +12,8 @@ use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
 use crate::output::{check_output, resolve, side_files, OutputSet};
 use crate::pipeline::{self, Cancel, PipelineConfig};
-use crate::progress::Progress;
 use crate::plan::{output_dir, output_kind_for, OutputKind, Plan, Recipe, Step};
+use crate::progress::Progress;
 use crate::size::{human, parse_size};
 use crate::sys;
 
@@ -350,7 +350,6 @@ fn nearest_existing(p: &Path) -> PathBuf {
         }
     }
 }
-
 
 fn write_report(path: &Path, report: &Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(report).expect("JSON value");

@@ -83,7 +83,8 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
         path: path.into(),
         msg,
     };
-    let text = std::str::from_utf8(json).map_err(|e| invalid(format!("the JSON is not UTF-8: {e}")))?;
+    let text =
+        std::str::from_utf8(json).map_err(|e| invalid(format!("the JSON is not UTF-8: {e}")))?;
     let value: Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
     let Value::Object(map) = value else {

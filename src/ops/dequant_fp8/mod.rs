@@ -218,8 +218,8 @@ pub struct DequantFp8Step {
     pub opts: DequantOptions,
 }
 
-/// Scale names tried for weight `w`, with how each applies.
-fn scale_candidates(w: &str, weight_scale_mode: ScaleMode) -> Vec<(String, ScaleMode)> {
+/// Scale names tried for weight `w`, with how each applies (also what `validate` looks for).
+pub fn scale_candidates(w: &str, weight_scale_mode: ScaleMode) -> Vec<(String, ScaleMode)> {
     let mut v = vec![
         (format!("{w}_scale_inv"), ScaleMode::Multiply),
         (format!("{w}_scale"), weight_scale_mode),

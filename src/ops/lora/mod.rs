@@ -775,9 +775,9 @@ impl PlanStep for LoraMergeStep {
 
     fn nothing_done(&self) -> String {
         let guard = self.attached.lock().unwrap();
-        let adapter = guard
-            .as_ref()
-            .map_or_else(String::new, |a| format!(" {}", crate::escape::path(&a.file)));
+        let adapter = guard.as_ref().map_or_else(String::new, |a| {
+            format!(" {}", crate::escape::path(&a.file))
+        });
         format!(
             "merge-lora: the adapter{adapter} matches no tensor of this base model (is -b the model it was trained on? is --adapter-name right?)"
         )
