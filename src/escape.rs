@@ -59,6 +59,18 @@ fn push_escaped(out: &mut String, s: &str) {
     }
 }
 
+/// The input's warnings and notes on stderr (notes only without `quiet`), escaped.
+pub fn print_input_notes(ckpt: &crate::Checkpoint, quiet: bool) {
+    for w in &ckpt.warnings {
+        eprintln!("warning: {}: {}", path(&ckpt.input), name(w));
+    }
+    if !quiet {
+        for n in &ckpt.notes {
+            eprintln!("note: {}: {}", path(&ckpt.input), name(n));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -123,9 +123,7 @@ fn convert_inner(
             op_step.attach(&mut ckpt)?;
         }
     }
-    for w in &ckpt.warnings {
-        eprintln!("warning: {}: {w}", input.display());
-    }
+    crate::escape::print_input_notes(&ckpt, opts.quiet);
     let kind = output_kind_for(&opts.output);
     let is_file = matches!(kind, OutputKind::File);
     check_output(&ckpt, &opts.output, is_file, opts.force)?;
@@ -459,7 +457,7 @@ fn print_plan(
         println!("  {c}");
     }
     for n in &plan.notes.lines {
-        println!("  note: {n}");
+        println!("  note: {}", crate::escape::name(n));
     }
     println!(
         "  memory: budget {} ({} threads); peak stays near the budget",

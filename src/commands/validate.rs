@@ -209,12 +209,16 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
             "problems": problems,
             "findings": findings,
             "warnings": ckpt.as_ref().map(|c| c.warnings.clone()).unwrap_or_default(),
+            "notes": ckpt.as_ref().map(|c| c.notes.clone()).unwrap_or_default(),
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
     } else {
         if let Some(c) = &ckpt {
             for w in &c.warnings {
                 println!("warning: {}", crate::escape::name(w));
+            }
+            for n in &c.notes {
+                println!("note: {}", crate::escape::name(n));
             }
         }
         for p in &problems {
