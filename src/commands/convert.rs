@@ -285,7 +285,11 @@ fn convert_inner(
         }
     }
     if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_unavailable) {
-        eprintln!("info: untouched tensors were copied in the kernel (this filesystem cannot share extents: {why})");
+        if sys::can_reflink(out_fs) {
+            eprintln!("info: untouched tensors were copied, not shared with the input: {why}");
+        } else {
+            eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
+        }
     }
     if let Some(path) = &opts.report {
         let report = report_json(

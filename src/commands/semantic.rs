@@ -77,7 +77,9 @@ fn missing_scales(ckpt: &Checkpoint, out: &mut Vec<Finding>) {
                 fp8.push(name);
             }
         } else if let Some(scale) = mxfp4_expert_scale(name, t.info.dtype) {
-            if ckpt.get(&scale).is_none() {
+            // After `repack-fp4` the same bytes are NVFP4 codes with `X.weight_scale`.
+            let nvfp4_scale = format!("{name}_scale");
+            if ckpt.get(&scale).is_none() && ckpt.get(&nvfp4_scale).is_none() {
                 fp4.push(name);
             }
         }
@@ -96,7 +98,7 @@ fn missing_scales(ckpt: &Checkpoint, out: &mut Vec<Finding>) {
         out.push(Finding {
             check: "missing-scale",
             message: format!(
-                "{} MXFP4 expert weight(s) without their E8M0 scale (`<expert>.<proj>.scale`): {}; the weights cannot be decoded",
+                "{} MXFP4 expert weight(s) without their E8M0 scale (`<expert>.<proj>.scale`, or `X.weight_scale` for NVFP4): {}; the weights cannot be decoded",
                 fp4.len(),
                 names(&fp4)
             ),
