@@ -538,13 +538,13 @@ fn report_json(
         "status": "ok",
         "dry_run": dry_run,
         "input": {
-            "path": ckpt.input,
-            "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
+            "path": ckpt.input.to_string_lossy(),
+            "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": ckpt.base_count,
             "tensor_bytes": ckpt.total_bytes(),
         },
         "output": {
-            "path": opts.output,
+            "path": opts.output.to_string_lossy(),
             "files": files,
             "index": plan.index_json().is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),

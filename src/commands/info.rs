@@ -58,8 +58,8 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
 
     if args.json {
         let v = json!({
-            "path": ckpt.input,
-            "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
+            "path": ckpt.input.to_string_lossy(),
+            "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": tensors.iter().map(|t| json!({
                 "name": t.info.name,
                 "dtype": t.info.dtype.name(),

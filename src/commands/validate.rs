@@ -198,7 +198,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
     let ok = problems.is_empty();
     if args.json {
         let v = json!({
-            "path": input,
+            "path": input.to_string_lossy(),
             "ok": ok,
             "tensors": ckpt.as_ref().map(|c| c.tensors.len()),
             "shards": ckpt.as_ref().map(|c| c.shards.len()),

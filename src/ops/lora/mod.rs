@@ -763,7 +763,7 @@ impl PlanStep for LoraMergeStep {
         ));
         notes.tensors.push(serde_json::json!({
             "op": "merge-lora",
-            "adapter": path,
+            "adapter": path.to_string_lossy(),
             "merged": merged,
             "dora": dora,
             "replaced": replaced,
