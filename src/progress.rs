@@ -2,8 +2,9 @@
 //!
 //! On a terminal: an indicatif bar naming the op and the shard being written, laid out to fit
 //! 80 columns. Anywhere else (Slurm and CI logs, `nohup`): a bar would be one endless line of
-//! carriage returns, so a ticker thread prints one plain line every `--progress-interval`
-//! seconds (default 30) — op, shard, bytes done of total, rate and ETA:
+//! carriage returns, so one plain line is printed at the start and then a ticker thread prints
+//! one every `--progress-interval` seconds (default 30) — op, shard, bytes done of total, rate
+//! and ETA:
 //!
 //! ```text
 //! progress: dequant-fp8 model-00002-of-00005.safetensors: 1.50 GiB of 6.00 GiB (25%), 312.40 MiB/s, ETA 15s
@@ -103,6 +104,8 @@ impl Progress {
             bar: None,
             _stop: Some(stop),
         });
+        // A first line at once: the log shows the run started and how much it has to do.
+        eprintln!("{}", Progress(inner.clone()).line());
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         std::thread::spawn(move || {
             while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {

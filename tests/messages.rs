@@ -200,7 +200,12 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
     ]);
     ok(&o);
     let err = stderr(&o);
-    assert!(!err.is_empty(), "no progress line");
+    assert!(
+        err.starts_with(
+            "progress: passthrough model.safetensors: 0 B of 12.00 MiB (0%), 0 B/s, ETA unknown\n"
+        ),
+        "the first line comes at once: {err}"
+    );
     for l in err.lines() {
         assert!(line.is_match(l), "unexpected line: {l:?}");
         assert!(l.starts_with("progress: passthrough "), "{l}");
@@ -496,8 +501,27 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
-    ok(&tftf(&["passthrough", "-i", s(&src), "-o", s(&out), "-q"]));
+    let report = d.path().join("r.json");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "-q",
+        "--report",
+        s(&report),
+    ]));
     assert_eq!(load_all(&out).len(), 1);
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert!(
+        r["input"]["shards"][0]
+            .as_str()
+            .unwrap()
+            .ends_with("gewichte-\u{fffd}\u{1}.safetensors"),
+        "{r}"
+    );
     // A broken shard beside it is named escaped.
     std::fs::write(
         src.join(std::ffi::OsStr::from_bytes(b"b\xff\n.safetensors")),
