@@ -167,7 +167,7 @@ impl Progress {
 /// `progress: OP SHARD: DONE of TOTAL (P%), RATE/s, ETA T`.
 pub fn format_line(op: &str, shard: &str, done: u64, total: u64, secs: f64) -> String {
     let rate = if secs > 0.0 { done as f64 / secs } else { 0.0 };
-    let pct = if total == 0 { 100 } else { done * 100 / total };
+    let pct = (done * 100).checked_div(total).unwrap_or(100);
     let eta = if done >= total {
         "0s".to_string()
     } else if rate >= 1.0 {

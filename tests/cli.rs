@@ -878,7 +878,7 @@ fn ctrl_c_removes_temporary_output() {
         &[t("big", DType::F32, &[96 << 18], big)],
     );
     let out = d.path().join("out");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args([
             "passthrough",
             "-i",

@@ -273,7 +273,7 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
         }
         Command::Validate(a) => {
             let budget = convert::parse_budget(a.memory_budget.as_deref())?;
-            let ok = validate::run(a, &input_path(&a.input)?, budget)?;
+            let ok = validate::run(a, &input_path(&a.input)?, budget, cancel)?;
             Ok(if ok { 0 } else { 1 })
         }
         Command::Selftest(a) => selftest::run(a),

@@ -11,6 +11,7 @@ use crate::cli::ValidateArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::pipeline::Cancel;
 use crate::plan::{OutputKind, Plan, Step};
 use crate::progress::Progress;
 use crate::size::human;
@@ -101,7 +102,8 @@ fn scannable(d: DType) -> bool {
     )
 }
 
-pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
+/// Returns whether the checkpoint is clean; a raised `cancel` (Ctrl-C) stops the value scan.
+pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> Result<bool> {
     let steps = parse_pipe(&args.pipe)?;
     let interval = crate::progress::parse_interval(args.progress_interval.as_deref())?;
     let mut problems: Vec<String> = Vec::new();
@@ -166,6 +168,9 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
                 let mut acc = NonFinite::default();
                 let mut done = 0u64;
                 while done < t.info.nbytes() {
+                    if cancel.is_raised() {
+                        return Err(Error::Cancelled);
+                    }
                     let n = (t.info.nbytes() - done).min(step as u64) as usize;
                     shard
                         .file
