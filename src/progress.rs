@@ -67,7 +67,8 @@ struct Inner {
 impl Progress {
     /// A bar when stderr is a terminal, else plain lines every `interval`.
     pub fn new(op: &str, shards: Vec<String>, total: u64, interval: Duration) -> Progress {
-        if std::io::stderr().is_terminal() {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
             let bar = indicatif::ProgressBar::with_draw_target(
                 Some(total),
                 indicatif::ProgressDrawTarget::stderr(),
@@ -75,25 +76,10 @@ impl Progress {
             bar.set_style(
                 indicatif::ProgressStyle::with_template(BAR_TEMPLATE).expect("valid template"),
             );
-            let p = Progress(Arc::new(Inner {
-                op: op.into(),
-                shards,
-                total,
-                done: AtomicU64::new(0),
-                shard: AtomicUsize::new(0),
-                started: Instant::now(),
-                finished: AtomicBool::new(false),
-                bar: Some(bar),
-                _stop: None,
-            }));
-            p.0.bar
-                .as_ref()
-                .expect("just set")
-                .set_message(p.bar_message());
-            return p;
-        }
+            bar
+        });
         let (stop, stopped) = bounded::<()>(0);
-        let inner = Arc::new(Inner {
+        let p = Progress(Arc::new(Inner {
             op: op.into(),
             shards,
             total,
@@ -101,12 +87,16 @@ impl Progress {
             shard: AtomicUsize::new(0),
             started: Instant::now(),
             finished: AtomicBool::new(false),
-            bar: None,
-            _stop: Some(stop),
-        });
+            bar,
+            _stop: (!terminal).then_some(stop),
+        }));
+        if let Some(bar) = &p.0.bar {
+            bar.set_message(p.bar_message());
+            return p;
+        }
         // A first line at once: the log shows the run started and how much it has to do.
-        eprintln!("{}", Progress(inner.clone()).line());
-        let weak: Weak<Inner> = Arc::downgrade(&inner);
+        eprintln!("{}", p.line());
+        let weak: Weak<Inner> = Arc::downgrade(&p.0);
         std::thread::spawn(move || {
             while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let Some(inner) = weak.upgrade() else { break };
@@ -116,7 +106,7 @@ impl Progress {
                 eprintln!("{}", Progress(inner).line());
             }
         });
-        Progress(inner)
+        p
     }
 
     /// `n` more bytes done, in shard `shard`.

@@ -55,6 +55,13 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
         "error: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 2 input tensors: nothing to write; pass --allow-empty to write the output anyway\n"
     );
     assert!(!out.exists());
+    // validate's dry plan of a pipe says the same.
+    let (code, text, _) = exit_code(&["validate", s(&src), "--pipe", "filter:model.*"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        text.starts_with("problem: pipe: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 2 input tensors: nothing to write\n"),
+        "{text}"
+    );
     // Allowed, the output is one loadable shard without tensors.
     ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
     assert_eq!(listing(&out), ["model.safetensors"]);
