@@ -6,6 +6,8 @@
 
 use std::path::PathBuf;
 
+use crate::escape;
+
 /// Exit code of an interrupted run: 128 + SIGINT.
 pub const EXIT_INTERRUPTED: i32 = 130;
 
@@ -13,7 +15,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{}: {source}", crate::escape::path(path))]
+    #[error("{}: {source}", escape::path(path))]
     Io {
         path: PathBuf,
         #[source]
@@ -22,31 +24,27 @@ pub enum Error {
 
     #[error(
         "{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix",
-        crate::escape::path(path)
+        escape::path(path)
     )]
     FileTooShort { path: PathBuf, len: u64 },
 
     #[error(
         "{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)",
-        crate::escape::path(path)
+        escape::path(path)
     )]
     HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
 
-    #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", crate::escape::path(path))]
+    #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", escape::path(path))]
     HeaderTruncated {
         path: PathBuf,
         needed: u64,
         available: u64,
     },
 
-    #[error("{}: invalid header: {msg}", crate::escape::path(path))]
+    #[error("{}: invalid header: {msg}", escape::path(path))]
     InvalidHeader { path: PathBuf, msg: String },
 
-    #[error(
-        "{}: tensor `{}`: {msg}",
-        crate::escape::path(path),
-        crate::escape::name(tensor)
-    )]
+    #[error("{}: tensor `{}`: {msg}", escape::path(path), escape::name(tensor))]
     InvalidTensor {
         path: PathBuf,
         tensor: String,
@@ -55,9 +53,9 @@ pub enum Error {
 
     #[error(
         "{}: tensor `{}` has unknown dtype `{}`",
-        crate::escape::path(path),
-        crate::escape::name(tensor),
-        crate::escape::name(dtype)
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(dtype)
     )]
     UnknownDtype {
         path: PathBuf,
@@ -67,8 +65,8 @@ pub enum Error {
 
     #[error(
         "{}: tensor `{}`: {layout} needs {expected} bytes but its data_offsets span {actual}",
-        crate::escape::path(path),
-        crate::escape::name(tensor)
+        escape::path(path),
+        escape::name(tensor)
     )]
     TensorSizeMismatch {
         path: PathBuf,
@@ -79,7 +77,7 @@ pub enum Error {
         actual: u64,
     },
 
-    #[error("{}: tensor `{}` starts at data offset {begin} but the previous tensor ends at {expected}: tensors must tile the data buffer without holes or overlaps", crate::escape::path(path), crate::escape::name(tensor))]
+    #[error("{}: tensor `{}` starts at data offset {begin} but the previous tensor ends at {expected}: tensors must tile the data buffer without holes or overlaps", escape::path(path), escape::name(tensor))]
     TensorOffsetGap {
         path: PathBuf,
         tensor: String,
@@ -89,7 +87,7 @@ pub enum Error {
 
     #[error(
         "{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)",
-        crate::escape::path(path)
+        escape::path(path)
     )]
     DataTruncated {
         path: PathBuf,
@@ -99,15 +97,15 @@ pub enum Error {
 
     #[error(
         "{}: {extra} trailing bytes after the last tensor (file padded or corrupt)",
-        crate::escape::path(path)
+        escape::path(path)
     )]
     TrailingBytes { path: PathBuf, extra: u64 },
 
     #[error(
         "tensor `{}` is defined twice: in {} and in {}",
-        crate::escape::name(tensor),
-        crate::escape::path(first),
-        crate::escape::path(second)
+        escape::name(tensor),
+        escape::path(first),
+        escape::path(second)
     )]
     DuplicateTensor {
         tensor: String,
@@ -115,14 +113,14 @@ pub enum Error {
         second: PathBuf,
     },
 
-    #[error("{}: invalid index: {msg}", crate::escape::path(path))]
+    #[error("{}: invalid index: {msg}", escape::path(path))]
     InvalidIndex { path: PathBuf, msg: String },
 
     #[error(
         "{}: shard `{}` (holding `{}`) is missing",
-        crate::escape::path(index),
-        crate::escape::name(shard),
-        crate::escape::name(tensor)
+        escape::path(index),
+        escape::name(shard),
+        escape::name(tensor)
     )]
     MissingShard {
         index: PathBuf,
@@ -132,29 +130,29 @@ pub enum Error {
 
     #[error(
         "{}: index maps tensor `{}` to this shard, but the shard does not contain it",
-        crate::escape::path(shard),
-        crate::escape::name(tensor)
+        escape::path(shard),
+        escape::name(tensor)
     )]
     TensorNotInShard { shard: PathBuf, tensor: String },
 
-    #[error("{}: {msg}", crate::escape::path(path))]
+    #[error("{}: {msg}", escape::path(path))]
     NoModel { path: PathBuf, msg: String },
 
     #[error(
         "output {} is the input or inside it; write to a directory outside {}",
-        crate::escape::path(output),
-        crate::escape::path(input)
+        escape::path(output),
+        escape::path(input)
     )]
     OutputInsideInput { output: PathBuf, input: PathBuf },
 
-    #[error("output directory {} is not empty; pass --force to replace its model files", crate::escape::path(.0))]
+    #[error("output directory {} is not empty; pass --force to replace its model files", escape::path(.0))]
     OutputNotEmpty(PathBuf),
 
     #[error(
         "renaming `{}` and `{}` both give `{}`; change the --rename rules",
-        crate::escape::name(first),
-        crate::escape::name(second),
-        crate::escape::name(target)
+        escape::name(first),
+        escape::name(second),
+        escape::name(target)
     )]
     NameCollision {
         first: String,
@@ -164,7 +162,7 @@ pub enum Error {
 
     #[error(
         "not enough space in {}: the output needs {needed} bytes, {available} are free",
-        crate::escape::path(path)
+        escape::path(path)
     )]
     NoSpace {
         path: PathBuf,
@@ -172,18 +170,14 @@ pub enum Error {
         available: u64,
     },
 
-    #[error(
-        "{}: tensor `{}`: {msg}",
-        crate::escape::path(path),
-        crate::escape::name(tensor)
-    )]
+    #[error("{}: tensor `{}`: {msg}", escape::path(path), escape::name(tensor))]
     TensorData {
         path: PathBuf,
         tensor: String,
         msg: String,
     },
 
-    #[error("{}: {} `{}` has no scale (looked for {looked}){more}; {}", crate::escape::path(path), of.kind(), crate::escape::name(tensor), of.hint())]
+    #[error("{}: {} `{}` has no scale (looked for {looked}){more}; {}", escape::path(path), of.kind(), escape::name(tensor), of.hint())]
     MissingScale {
         path: PathBuf,
         of: ScaleOf,
@@ -195,9 +189,9 @@ pub enum Error {
 
     #[error(
         "{}: scale `{}` has no FP8 weight to apply to (expected `{}`)",
-        crate::escape::path(path),
-        crate::escape::name(tensor),
-        crate::escape::name(weight)
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(weight)
     )]
     OrphanScale {
         path: PathBuf,
@@ -207,9 +201,9 @@ pub enum Error {
 
     #[error(
         "{}: scale `{}` of `{}`: {msg}",
-        crate::escape::path(path),
-        crate::escape::name(tensor),
-        crate::escape::name(weight)
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(weight)
     )]
     BadScale {
         path: PathBuf,
@@ -218,10 +212,10 @@ pub enum Error {
         msg: String,
     },
 
-    #[error("{}: {msg}", crate::escape::path(path))]
+    #[error("{}: {msg}", escape::path(path))]
     Adapter { path: PathBuf, msg: String },
 
-    #[error("{}: {count} adapter tensor(s) match nothing in the base model: {list}; pass --allow-unmatched to merge the rest anyway", crate::escape::path(path))]
+    #[error("{}: {count} adapter tensor(s) match nothing in the base model: {list}; pass --allow-unmatched to merge the rest anyway", escape::path(path))]
     UnmatchedAdapter {
         path: PathBuf,
         count: usize,
