@@ -106,9 +106,18 @@ pub struct WriteArgs {
     /// Print nothing but errors
     #[arg(short, long)]
     pub quiet: bool,
-    /// No progress bar
+    /// No progress bar or progress lines
     #[arg(long)]
     pub no_progress: bool,
+    /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
+    #[arg(long, value_name = "SECS")]
+    pub progress_interval: Option<String>,
+    /// Also print informational notes (e.g. why untouched tensors were copied, not shared)
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// Write the output even when filters keep no tensor or an op finds nothing to do
+    #[arg(long)]
+    pub allow_empty: bool,
     /// Write a JSON summary of the run to this file
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
@@ -332,6 +341,12 @@ pub struct ValidateArgs {
     /// Bound on data in flight while scanning values
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,
+    /// No progress while scanning values
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
+    #[arg(long, value_name = "SECS")]
+    pub progress_interval: Option<String>,
 }
 
 #[derive(Args, Debug)]

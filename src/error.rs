@@ -1,51 +1,73 @@
 //! One error type for the whole crate: a variant per kind of hostile input or failed action,
 //! each carrying the file and, where there is one, the tensor, so every message tells the user
-//! what to fix. `main` maps `Usage` to exit code 2 and everything else to 1.
+//! what to fix. `main` exits with [`Error::exit_code`]: 2 for usage errors, 130 for an interrupt
+//! (128 + SIGINT, what shells report for a process killed by Ctrl-C), 1 for everything else.
+//! Names and paths from the input are printed through [`crate::escape`].
 
 use std::path::PathBuf;
+
+use crate::escape;
+
+/// Exit code of an interrupted run: 128 + SIGINT.
+pub const EXIT_INTERRUPTED: i32 = 130;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {source}", escape::path(path))]
     Io {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
 
-    #[error("{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix", path.display())]
+    #[error(
+        "{}: file is {len} bytes, shorter than the 8-byte safetensors length prefix",
+        escape::path(path)
+    )]
     FileTooShort { path: PathBuf, len: u64 },
 
-    #[error("{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)", path.display())]
+    #[error(
+        "{}: header length {len} exceeds the limit of {max} bytes (not a safetensors file?)",
+        escape::path(path)
+    )]
     HeaderTooLarge { path: PathBuf, len: u64, max: u64 },
 
-    #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", path.display())]
+    #[error("{}: header needs {needed} bytes but only {available} follow the length prefix (file truncated?)", escape::path(path))]
     HeaderTruncated {
         path: PathBuf,
         needed: u64,
         available: u64,
     },
 
-    #[error("{}: header is not valid JSON: {msg}", path.display())]
+    #[error("{}: invalid header: {msg}", escape::path(path))]
     InvalidHeader { path: PathBuf, msg: String },
 
-    #[error("{}: tensor `{tensor}`: {msg}", path.display())]
+    #[error("{}: tensor `{}`: {msg}", escape::path(path), escape::name(tensor))]
     InvalidTensor {
         path: PathBuf,
         tensor: String,
         msg: String,
     },
 
-    #[error("{}: tensor `{tensor}` has unknown dtype `{dtype}`", path.display())]
+    #[error(
+        "{}: tensor `{}` has unknown dtype `{}`",
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(dtype)
+    )]
     UnknownDtype {
         path: PathBuf,
         tensor: String,
         dtype: String,
     },
 
-    #[error("{}: tensor `{tensor}`: {layout} needs {expected} bytes but its data_offsets span {actual}", path.display())]
+    #[error(
+        "{}: tensor `{}`: {layout} needs {expected} bytes but its data_offsets span {actual}",
+        escape::path(path),
+        escape::name(tensor)
+    )]
     TensorSizeMismatch {
         path: PathBuf,
         tensor: String,
@@ -55,7 +77,7 @@ pub enum Error {
         actual: u64,
     },
 
-    #[error("{}: tensor `{tensor}` starts at data offset {begin} but the previous tensor ends at {expected}: tensors must tile the data buffer without holes or overlaps", path.display())]
+    #[error("{}: tensor `{}` starts at data offset {begin} but the previous tensor ends at {expected}: tensors must tile the data buffer without holes or overlaps", escape::path(path), escape::name(tensor))]
     TensorOffsetGap {
         path: PathBuf,
         tensor: String,
@@ -63,77 +85,113 @@ pub enum Error {
         expected: u64,
     },
 
-    #[error("{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)", path.display())]
+    #[error(
+        "{}: data buffer is {actual} bytes but the tensors need {expected} (file truncated)",
+        escape::path(path)
+    )]
     DataTruncated {
         path: PathBuf,
         expected: u64,
         actual: u64,
     },
 
-    #[error("{}: {extra} trailing bytes after the last tensor (file padded or corrupt)", path.display())]
+    #[error(
+        "{}: {extra} trailing bytes after the last tensor (file padded or corrupt)",
+        escape::path(path)
+    )]
     TrailingBytes { path: PathBuf, extra: u64 },
 
-    #[error("tensor `{tensor}` is defined twice: in {} and in {}", first.display(), second.display())]
+    #[error(
+        "tensor `{}` is defined twice: in {} and in {}",
+        escape::name(tensor),
+        escape::path(first),
+        escape::path(second)
+    )]
     DuplicateTensor {
         tensor: String,
         first: PathBuf,
         second: PathBuf,
     },
 
-    #[error("{}: invalid index: {msg}", path.display())]
+    #[error("{}: invalid index: {msg}", escape::path(path))]
     InvalidIndex { path: PathBuf, msg: String },
 
-    #[error("{}: shard `{shard}` (holding `{tensor}`) is missing", index.display())]
+    #[error(
+        "{}: shard `{}` (holding `{}`) is missing",
+        escape::path(index),
+        escape::name(shard),
+        escape::name(tensor)
+    )]
     MissingShard {
         index: PathBuf,
         shard: String,
         tensor: String,
     },
 
-    #[error("{}: index maps tensor `{tensor}` to this shard, but the shard does not contain it", shard.display())]
+    #[error(
+        "{}: index maps tensor `{}` to this shard, but the shard does not contain it",
+        escape::path(shard),
+        escape::name(tensor)
+    )]
     TensorNotInShard { shard: PathBuf, tensor: String },
 
-    #[error("{}: {msg}", path.display())]
+    #[error("{}: {msg}", escape::path(path))]
     NoModel { path: PathBuf, msg: String },
 
-    #[error("output {} is the input or inside it; write to a directory outside {}", output.display(), input.display())]
+    #[error(
+        "output {} is the input or inside it; write to a directory outside {}",
+        escape::path(output),
+        escape::path(input)
+    )]
     OutputInsideInput { output: PathBuf, input: PathBuf },
 
-    #[error("output directory {} is not empty (it holds {entries}); pass --force to replace its model files", dir.display())]
+    #[error("output directory {} is not empty (it holds {entries}); pass --force to replace its model files", escape::path(dir))]
     OutputNotEmpty { dir: PathBuf, entries: String },
 
-    #[error("refusing to {action} {}: it is (or is a hard link to) the input file {}; choose another path", path.display(), input.display())]
+    #[error(
+        "refusing to {action} {}: it is (or is a hard link to) the input file {}; choose another path",
+        escape::path(path),
+        escape::path(input)
+    )]
     WouldTouchInput {
         path: PathBuf,
         input: PathBuf,
         action: &'static str,
     },
 
-    #[error("output {} is being written by another tftf run ({holder}); wait for it to finish, or stop it", dir.display())]
+    #[error("output {} is being written by another tftf run ({holder}); wait for it to finish, or stop it", escape::path(dir))]
     OutputLocked { dir: PathBuf, holder: String },
 
-    #[error("renaming `{first}` and `{second}` both give `{target}`; change the --rename rules")]
+    #[error(
+        "renaming `{}` and `{}` both give `{}`; change the --rename rules",
+        escape::name(first),
+        escape::name(second),
+        escape::name(target)
+    )]
     NameCollision {
         first: String,
         second: String,
         target: String,
     },
 
-    #[error("not enough space in {}: the output needs {needed} bytes, {available} are free", path.display())]
+    #[error(
+        "not enough space in {}: the output needs {needed} bytes, {available} are free",
+        escape::path(path)
+    )]
     NoSpace {
         path: PathBuf,
         needed: u64,
         available: u64,
     },
 
-    #[error("{}: tensor `{tensor}`: {msg}", path.display())]
+    #[error("{}: tensor `{}`: {msg}", escape::path(path), escape::name(tensor))]
     TensorData {
         path: PathBuf,
         tensor: String,
         msg: String,
     },
 
-    #[error("{}: {} `{tensor}` has no scale (looked for {looked}){more}; {}", path.display(), of.kind(), of.hint())]
+    #[error("{}: {} `{}` has no scale (looked for {looked}){more}; {}", escape::path(path), of.kind(), escape::name(tensor), of.hint())]
     MissingScale {
         path: PathBuf,
         of: ScaleOf,
@@ -143,14 +201,24 @@ pub enum Error {
         more: String,
     },
 
-    #[error("{}: scale `{tensor}` has no FP8 weight to apply to (expected `{weight}`)", path.display())]
+    #[error(
+        "{}: scale `{}` has no FP8 weight to apply to (expected `{}`)",
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(weight)
+    )]
     OrphanScale {
         path: PathBuf,
         tensor: String,
         weight: String,
     },
 
-    #[error("{}: scale `{tensor}` of `{weight}`: {msg}", path.display())]
+    #[error(
+        "{}: scale `{}` of `{}`: {msg}",
+        escape::path(path),
+        escape::name(tensor),
+        escape::name(weight)
+    )]
     BadScale {
         path: PathBuf,
         tensor: String,
@@ -158,10 +226,10 @@ pub enum Error {
         msg: String,
     },
 
-    #[error("{}: {msg}", path.display())]
+    #[error("{}: {msg}", escape::path(path))]
     Adapter { path: PathBuf, msg: String },
 
-    #[error("{}: {count} adapter tensor(s) match nothing in the base model: {list}; pass --allow-unmatched to merge the rest anyway", path.display())]
+    #[error("{}: {count} adapter tensor(s) match nothing in the base model: {list}; pass --allow-unmatched to merge the rest anyway", escape::path(path))]
     UnmatchedAdapter {
         path: PathBuf,
         count: usize,
@@ -179,6 +247,11 @@ pub enum Error {
     #[error("interrupted; temporary output removed")]
     Cancelled,
 
+    /// A filter that keeps no tensor, or an op that finds nothing to do: almost surely the
+    /// wrong input or pattern (`--allow-empty` accepts it).
+    #[error("{0}; pass --allow-empty to write the output anyway")]
+    NothingToDo(String),
+
     #[error("{0}")]
     Other(String),
 }
@@ -194,6 +267,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Usage(_) | Error::WouldTouchInput { .. } => 2,
+            Error::Cancelled => EXIT_INTERRUPTED,
             _ => 1,
         }
     }

@@ -191,6 +191,10 @@ pub fn assign_shards(
             start = b;
         }
     }
+    // An empty output (`--allow-empty`) is still a loadable checkpoint: one shard, no tensors.
+    if orders.is_empty() {
+        orders.push(Vec::new());
+    }
     let n = orders.len();
     let mut shards = Vec::with_capacity(n);
     for (k, order) in orders.into_iter().enumerate() {

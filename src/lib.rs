@@ -6,6 +6,7 @@
 pub mod cli;
 pub mod commands;
 pub mod error;
+pub mod escape;
 pub mod format;
 pub mod gpu;
 pub mod layout;
@@ -13,6 +14,7 @@ pub mod ops;
 pub mod output;
 pub mod pipeline;
 pub mod plan;
+pub mod progress;
 pub mod size;
 pub mod sys;
 #[cfg(test)]

@@ -10,7 +10,7 @@ fn main() {
     // exits at once.
     let _ = ctrlc::set_handler(move || {
         if on_signal.is_raised() {
-            std::process::exit(130);
+            std::process::exit(tftf::error::EXIT_INTERRUPTED);
         }
         eprintln!("interrupt: stopping and removing temporary output…");
         on_signal.raise();
@@ -18,7 +18,7 @@ fn main() {
     match tftf::commands::dispatch(&matches, &cancel) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", tftf::escape::name(&e.to_string()));
             std::process::exit(e.exit_code());
         }
     }

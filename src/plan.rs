@@ -96,6 +96,9 @@ pub struct Plan {
     pub config_changes: Vec<String>,
     /// Facts the steps found worth reporting (inferred layouts, per-tensor figures).
     pub notes: PlanNotes,
+    /// Why the request looks like a mistake: every tensor filtered away, or an op that found
+    /// nothing to do. Refused unless `--allow-empty`.
+    pub nothing_to_do: Option<String>,
 }
 
 /// An output tensor while steps are still being applied.
@@ -150,6 +153,9 @@ pub trait PlanStep: Send + Sync + Debug {
     ) -> Result<bool>;
     /// Updates `config.json` for the new format; returns human-readable changes.
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
+    /// Why the step changed nothing when `apply` returned `false` ("no FP8 weight to
+    /// dequantise"), for the error a run without `--allow-empty` stops with.
+    fn nothing_done(&self) -> String;
     /// Opens extra inputs (an adapter) and attaches them to the checkpoint before planning.
     fn attach(&self, _ckpt: &mut Checkpoint) -> Result<()> {
         Ok(())
@@ -180,6 +186,7 @@ impl Plan {
         let mut config = original_config.clone();
         let mut config_changes = Vec::new();
         let mut notes = PlanNotes::default();
+        let mut idle_op: Option<String> = None;
         for step in steps {
             match step {
                 Step::Include(globs) => {
@@ -208,12 +215,29 @@ impl Plan {
                 Step::Op(op_step) => {
                     let changed =
                         op_step.apply(ckpt, original_config.as_ref(), &mut entries, &mut notes)?;
+                    if !changed && idle_op.is_none() {
+                        idle_op = Some(op_step.nothing_done());
+                    }
                     if let (true, Some(cfg)) = (changed, &mut config) {
                         config_changes.extend(op_step.edit_config(cfg));
                     }
                 }
             }
         }
+        let filters = steps
+            .iter()
+            .any(|s| matches!(s, Step::Include(_) | Step::Exclude(_)));
+        let nothing_to_do = match (entries.is_empty(), ckpt.base_count, idle_op) {
+            (true, 0, _) => Some(format!(
+                "{}: the input holds no tensors",
+                crate::escape::path(&ckpt.input)
+            )),
+            (true, n, _) if filters => Some(format!(
+                "the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the {n} input tensors: nothing to write"
+            )),
+            (_, _, Some(why)) => Some(format!("{}: {why}", crate::escape::path(&ckpt.input))),
+            _ => None,
+        };
         let mut seen: HashMap<&str, usize> = HashMap::new();
         for e in &entries {
             if e.name.is_empty() || e.name == "__metadata__" {
@@ -337,6 +361,7 @@ impl Plan {
             config,
             config_changes,
             notes,
+            nothing_to_do,
         })
     }
 

@@ -349,9 +349,10 @@ fn run_applies_sections_in_command_line_order() {
     let got = load_all(&o1);
     assert_eq!(got.len(), 4);
     assert_eq!(got["layers.1.input_layernorm.weight"].0, "BF16");
-    // Filter first on the old names: nothing would match `layers.1.*`, an empty output.
+    // Filter first on the old names: nothing matches `layers.1.*`, which is refused unless
+    // --allow-empty, and then gives an empty output.
     let o2 = d.path().join("o2.safetensors");
-    ok(&tftf(&[
+    let args = [
         "run",
         "-i",
         s(&src),
@@ -363,7 +364,14 @@ fn run_applies_sections_in_command_line_order() {
         "--key-rename",
         r"^model\.",
         "",
-    ]));
+    ];
+    let err = fails(&args);
+    assert_eq!(
+        err,
+        "error: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 11 input tensors: nothing to write; pass --allow-empty to write the output anyway\n"
+    );
+    assert!(!o2.exists());
+    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
     assert_eq!(load_all(&o2).len(), 0);
 }
 
@@ -870,7 +878,7 @@ fn ctrl_c_removes_temporary_output() {
         &[t("big", DType::F32, &[96 << 18], big)],
     );
     let out = d.path().join("out");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args([
             "passthrough",
             "-i",
@@ -885,6 +893,7 @@ fn ctrl_c_removes_temporary_output() {
             "16MiB",
             "-q",
         ])
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let started = std::time::Instant::now();
@@ -894,8 +903,12 @@ fn ctrl_c_removes_temporary_output() {
     }
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(1), "interrupted run must fail");
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "interrupted: 128 + SIGINT");
+    assert_eq!(
+        stderr(&o),
+        "interrupt: stopping and removing temporary output…\nerror: interrupted; temporary output removed\n"
+    );
     assert!(!out.exists(), "left behind: {:?}", listing(&out));
 }
 

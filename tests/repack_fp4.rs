@@ -559,10 +559,11 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
         );
         assert!(!out.exists(), "{name}: no output");
     }
-    // The keep switches let the same inputs through untouched.
+    // The keep switches let the same inputs through untouched; with nothing else to convert
+    // that takes --allow-empty.
     let src = d.path().join("no-expert-scale");
     let out = d.path().join("kept");
-    ok(&tftf(&[
+    let keep = [
         "repack-fp4",
         "-i",
         s(&src),
@@ -570,7 +571,13 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
         s(&out),
         "--experts",
         "keep",
-    ]));
+    ];
+    let err = fails(&keep);
+    assert!(
+        err.contains("repack-fp4 found no MXFP4 expert weight (--expert-pattern) or E4M3 Engram table (--engram-pattern) to convert; pass --allow-empty"),
+        "{err}"
+    );
+    ok(&tftf(&[&keep[..], &["--allow-empty"]].concat()));
 
     let src = d.path().join("engram-no-scale");
     let out = d.path().join("list-out");

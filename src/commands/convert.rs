@@ -16,6 +16,7 @@ use crate::output::{
 };
 use crate::pipeline::{self, Cancel, PipelineConfig};
 use crate::plan::{output_kind_for, OutputKind, Plan, Recipe, Step};
+use crate::progress::Progress;
 use crate::size::{human, parse_size};
 use crate::sys;
 
@@ -28,6 +29,12 @@ pub struct WriteOptions {
     pub memory_budget: u64,
     pub quiet: bool,
     pub progress: bool,
+    /// Seconds between progress lines when stderr is not a terminal.
+    pub progress_interval: std::time::Duration,
+    /// Informational notes on stderr (`-v`).
+    pub verbose: bool,
+    /// Write even when filters keep nothing or an op finds nothing to do.
+    pub allow_empty: bool,
     pub report: Option<PathBuf>,
     pub force: bool,
     pub kernel_copy: bool,
@@ -72,6 +79,9 @@ impl WriteOptions {
             memory_budget: parse_budget(w.memory_budget.as_deref())?,
             quiet: w.quiet,
             progress: !w.quiet && !w.no_progress,
+            progress_interval: crate::progress::parse_interval(w.progress_interval.as_deref())?,
+            verbose: w.verbose,
+            allow_empty: w.allow_empty,
             report: w.report.clone(),
             force: w.force,
             kernel_copy: !w.no_reflink,
@@ -122,9 +132,7 @@ fn convert_inner(
             op_step.attach(&mut ckpt)?;
         }
     }
-    for w in &ckpt.warnings {
-        eprintln!("warning: {}: {w}", input.display());
-    }
+    crate::escape::print_input_notes(&ckpt, opts.quiet);
     let is_file = matches!(output_kind_for(&opts.output), OutputKind::File);
     let sides = if is_file {
         Vec::new()
@@ -134,6 +142,9 @@ fn convert_inner(
     *inputs_seen = Some(InputFiles::of(&ckpt, &sides));
     let target = OutputTarget::resolve(&opts.output, &ckpt, &sides)?;
     let plan = Plan::build(&ckpt, steps, target.kind.clone(), opts.max_shard_bytes)?;
+    if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
+        return Err(Error::NothingToDo(why.clone()));
+    }
     let names = target.names(&plan, &sides);
     if let Some(report) = &opts.report {
         target.check_report(report, &names)?;
@@ -215,9 +226,23 @@ fn convert_inner(
         files.push(file);
         tmp_names.push(tmp);
     }
-    let progress = opts
-        .progress
-        .then(|| progress_bar(plan.total_tensor_bytes()));
+    let progress = opts.progress.then(|| {
+        let shard_names = plan
+            .shards
+            .iter()
+            .map(|shard| {
+                target
+                    .file_name()
+                    .unwrap_or_else(|| shard.file_name.clone())
+            })
+            .collect();
+        Progress::new(
+            command,
+            shard_names,
+            plan.total_tensor_bytes(),
+            opts.progress_interval,
+        )
+    });
     let cfg = PipelineConfig {
         threads: opts.threads,
         memory_budget: opts.memory_budget,
@@ -229,7 +254,7 @@ fn convert_inner(
     };
     let stats = pipeline::execute(&ckpt, &plan, &files, &tmp_names, &cfg)?;
     if let Some(p) = &progress {
-        p.finish_and_clear();
+        p.finish();
     }
     drop(files);
     if let Some(index) = plan.index_json() {
@@ -280,8 +305,12 @@ fn convert_inner(
             println!("{}", device_line(&device));
         }
     }
-    if let (false, Some(why)) = (opts.quiet, &stats.reflink_unavailable) {
-        eprintln!("note: untouched tensors were copied, not shared: {why}");
+    if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_unavailable) {
+        if sys::can_reflink(out_fs) {
+            eprintln!("info: untouched tensors were copied, not shared with the input: {why}");
+        } else {
+            eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
+        }
     }
     if let Some(path) = &opts.report {
         let report = report_json(
@@ -296,7 +325,13 @@ fn convert_inner(
             started,
             false,
         );
-        write_report(path, &report)?;
+        // The output is committed: a report that cannot be written does not undo it.
+        if let Err(e) = write_report(path, &report) {
+            eprintln!(
+                "warning: the output was written, but not the report: {}",
+                crate::escape::name(&e.to_string())
+            );
+        }
     }
     Ok(())
 }
@@ -361,20 +396,6 @@ fn nearest_existing(p: &Path) -> PathBuf {
             None => return PathBuf::from("/"),
         }
     }
-}
-
-fn progress_bar(total: u64) -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::with_draw_target(
-        Some(total),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
-        )
-        .expect("valid template"),
-    );
-    pb
 }
 
 fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64)> {
@@ -472,7 +493,7 @@ fn print_plan(
         println!("  {c}");
     }
     for n in &plan.notes.lines {
-        println!("  note: {n}");
+        println!("  note: {}", crate::escape::name(n));
     }
     println!(
         "  memory: budget {} ({} threads); peak stays near the budget",
@@ -546,13 +567,13 @@ fn report_json(
         "status": "ok",
         "dry_run": dry_run,
         "input": {
-            "path": ckpt.input,
-            "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
+            "path": ckpt.input.to_string_lossy(),
+            "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": ckpt.base_count,
             "tensor_bytes": ckpt.total_bytes(),
         },
         "output": {
-            "path": opts.output,
+            "path": opts.output.to_string_lossy(),
             "files": files,
             "index": plan.index_json().is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),

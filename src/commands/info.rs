@@ -22,9 +22,7 @@ pub fn layer_of(name: &str) -> Option<String> {
 
 pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
     let ckpt = Checkpoint::open(input)?;
-    for w in &ckpt.warnings {
-        eprintln!("warning: {w}");
-    }
+    crate::escape::print_input_notes(&ckpt, false);
     let tensors: Vec<_> = ckpt
         .tensors
         .iter()
@@ -60,8 +58,8 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
 
     if args.json {
         let v = json!({
-            "path": ckpt.input,
-            "shards": ckpt.shards.iter().map(|s| s.path.clone()).collect::<Vec<_>>(),
+            "path": ckpt.input.to_string_lossy(),
+            "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": tensors.iter().map(|t| json!({
                 "name": t.info.name,
                 "dtype": t.info.dtype.name(),
@@ -77,14 +75,19 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
             "widest_layer": widest.as_ref().map(|(n, c, b)| json!({"name": n, "tensors": c, "bytes": b})),
             "bytes_outside_layers": outside,
             "warnings": ckpt.warnings,
+            "notes": ckpt.notes,
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
         return Ok(());
     }
     if !args.dtype_summary {
-        let w = tensors
+        let names: Vec<_> = tensors
             .iter()
-            .map(|t| t.info.name.len())
+            .map(|t| crate::escape::name(&t.info.name))
+            .collect();
+        let w = names
+            .iter()
+            .map(|n| n.chars().count())
             .max()
             .unwrap_or(4)
             .max(4);
@@ -92,10 +95,10 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
             "{:<w$}  {:<11}  {:<22}  {:>12}",
             "NAME", "DTYPE", "SHAPE", "BYTES"
         );
-        for t in &tensors {
+        for (t, name) in tensors.iter().zip(&names) {
             println!(
                 "{:<w$}  {:<11}  {:<22}  {:>12}",
-                t.info.name,
+                name,
                 t.info.dtype.name(),
                 format!("{:?}", t.info.shape),
                 t.info.nbytes()
@@ -105,7 +108,7 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
     }
     println!(
         "{}: {} tensors in {} shard(s), {} elements, {} ({} bytes)",
-        ckpt.input.display(),
+        crate::escape::path(&ckpt.input),
         tensors.len(),
         ckpt.shards.len(),
         total_params,
@@ -118,8 +121,9 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
     }
     match widest {
         Some((name, n, bytes)) => println!(
-            "layers: {}; widest: {name} ({}, {n} tensors); outside layers: {}",
+            "layers: {}; widest: {} ({}, {n} tensors); outside layers: {}",
             layers.len(),
+            crate::escape::name(&name),
             human(bytes),
             human(outside)
         ),

@@ -4,6 +4,7 @@ pub mod convert;
 pub mod demo;
 pub mod info;
 pub mod selftest;
+pub mod semantic;
 pub mod validate;
 
 use std::path::PathBuf;
@@ -177,7 +178,8 @@ pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
     for (i, adapter) in idx("merge_lora").into_iter().zip(&a.merge_lora) {
         steps.push((i, lora_step(adapter, &a.lora)));
     }
-    if let Some(i) = idx("repack_fp4").first() {
+    // A flag has an index (its default's) even when absent: only a given one is a section.
+    if let (true, Some(i)) = (a.repack_fp4, idx("repack_fp4").first()) {
         steps.push((*i, repack_step(&a.fp4)?));
     }
     for (i, d) in idx("dequant_fp8").into_iter().zip(&a.dequant_fp8) {
@@ -276,7 +278,7 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
         }
         Command::Validate(a) => {
             let budget = convert::parse_budget(a.memory_budget.as_deref())?;
-            let ok = validate::run(a, &input_path(&a.input)?, budget)?;
+            let ok = validate::run(a, &input_path(&a.input)?, budget, cancel)?;
             Ok(if ok { 0 } else { 1 })
         }
         Command::Selftest(a) => selftest::run(a),

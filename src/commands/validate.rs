@@ -1,5 +1,6 @@
 //! `tftf validate`: every structural check of the input (all broken shards, not just the
-//! first), an optional dry plan of a pipe, and with `--check-values` a streamed NaN/Inf scan.
+//! first), the semantic checks of [`super::semantic`], an optional dry plan of a pipe, and with
+//! `--check-values` a streamed NaN/Inf scan (with progress on stderr).
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -10,7 +11,9 @@ use crate::cli::ValidateArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::pipeline::Cancel;
 use crate::plan::{OutputKind, Plan, Step};
+use crate::progress::Progress;
 use crate::size::human;
 use crate::sys;
 use crate::transform::{Glob, Rename};
@@ -109,8 +112,10 @@ fn scannable(d: DType) -> bool {
     )
 }
 
-pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
+/// Returns whether the checkpoint is clean; a raised `cancel` (Ctrl-C) stops the value scan.
+pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> Result<bool> {
     let steps = parse_pipe(&args.pipe)?;
+    let interval = crate::progress::parse_interval(args.progress_interval.as_deref())?;
     let mut problems: Vec<String> = Vec::new();
     let ckpt = match Checkpoint::open_all_errors(input) {
         Ok(c) => Some(c),
@@ -121,13 +126,41 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
     };
     let mut scanned = 0u64;
     let mut scanned_tensors = 0usize;
+    let mut findings = Vec::new();
     if let Some(ckpt) = &ckpt {
+        findings = super::semantic::check(ckpt);
+        problems.extend(findings.iter().map(|f| f.message.clone()));
         if !steps.is_empty() {
-            if let Err(e) = Plan::build(ckpt, &steps, OutputKind::Dir, None) {
-                problems.push(format!("pipe: {e}"));
+            match Plan::build(ckpt, &steps, OutputKind::Dir, None) {
+                Err(e) => problems.push(format!("pipe: {e}")),
+                Ok(plan) => {
+                    if let Some(why) = plan.nothing_to_do {
+                        problems.push(format!("pipe: {why}"));
+                    }
+                }
             }
         }
         if args.check_values {
+            let total: u64 = ckpt
+                .tensors
+                .iter()
+                .filter(|t| scannable(t.info.dtype))
+                .map(|t| t.info.nbytes())
+                .sum();
+            let progress = (!args.no_progress).then(|| {
+                let shards = ckpt
+                    .shards
+                    .iter()
+                    .map(|s| {
+                        s.path
+                            .file_name()
+                            .unwrap_or_default()
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .collect();
+                Progress::new("validate", shards, total, interval)
+            });
             let chunk = (budget / 2).clamp(1 << 20, 64 << 20) as usize;
             let mut buf = vec![0u8; chunk];
             for t in &ckpt.tensors {
@@ -145,6 +178,9 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
                 let mut acc = NonFinite::default();
                 let mut done = 0u64;
                 while done < t.info.nbytes() {
+                    if cancel.is_raised() {
+                        return Err(Error::Cancelled);
+                    }
                     let n = (t.info.nbytes() - done).min(step as u64) as usize;
                     shard
                         .file
@@ -153,25 +189,31 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
                     sys::drop_cache(&shard.file, start + done, n as u64);
                     scan_nonfinite(t.info.dtype, &buf[..n], done / size as u64, &mut acc);
                     done += n as u64;
+                    if let Some(p) = &progress {
+                        p.advance(t.shard, n as u64);
+                    }
                 }
                 scanned += t.info.nbytes();
                 scanned_tensors += 1;
                 if acc.count > 0 {
                     problems.push(format!(
                         "{}: tensor `{}`: {} non-finite value(s), first at element {}",
-                        shard.path.display(),
-                        t.info.name,
+                        crate::escape::path(&shard.path),
+                        crate::escape::name(&t.info.name),
                         acc.count,
                         acc.first.unwrap_or(0)
                     ));
                 }
+            }
+            if let Some(p) = &progress {
+                p.finish();
             }
         }
     }
     let ok = problems.is_empty();
     if args.json {
         let v = json!({
-            "path": input,
+            "path": input.to_string_lossy(),
             "ok": ok,
             "tensors": ckpt.as_ref().map(|c| c.tensors.len()),
             "shards": ckpt.as_ref().map(|c| c.shards.len()),
@@ -180,22 +222,27 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
             "tensors_scanned": scanned_tensors,
             "bytes_scanned": scanned,
             "problems": problems,
+            "findings": findings,
             "warnings": ckpt.as_ref().map(|c| c.warnings.clone()).unwrap_or_default(),
+            "notes": ckpt.as_ref().map(|c| c.notes.clone()).unwrap_or_default(),
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
     } else {
         if let Some(c) = &ckpt {
             for w in &c.warnings {
-                println!("warning: {w}");
+                println!("warning: {}", crate::escape::name(w));
+            }
+            for n in &c.notes {
+                println!("note: {}", crate::escape::name(n));
             }
         }
         for p in &problems {
-            println!("problem: {p}");
+            println!("problem: {}", crate::escape::name(p));
         }
         match (&ckpt, ok) {
             (Some(c), true) => println!(
                 "ok: {} — {} tensors in {} shard(s), {}{}",
-                input.display(),
+                crate::escape::path(input),
                 c.tensors.len(),
                 c.shards.len(),
                 human(c.total_bytes()),
@@ -210,7 +257,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64) -> Result<bool> {
             ),
             _ => println!(
                 "invalid: {} — {} problem(s)",
-                input.display(),
+                crate::escape::path(input),
                 problems.len()
             ),
         }

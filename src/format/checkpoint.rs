@@ -52,6 +52,8 @@ pub struct Checkpoint {
     pub extra_inputs: Vec<PathBuf>,
     /// Problems that do not stop a conversion (tensors a shard holds but the index omits).
     pub warnings: Vec<String>,
+    /// Facts worth a line that are not problems (files that look like shards but are not).
+    pub notes: Vec<String>,
 }
 
 impl Checkpoint {
@@ -136,6 +138,7 @@ impl Checkpoint {
             by_name,
             extra_inputs: Vec::new(),
             warnings,
+            notes: layout.notes,
         })
     }
 
@@ -288,11 +291,45 @@ struct Layout {
     index_path: Option<PathBuf>,
     shard_paths: Vec<PathBuf>,
     weight_map: Option<Map<String, Value>>,
+    notes: Vec<String>,
+}
+
+/// What a path is when it is neither a regular file nor a directory, for the error.
+fn special_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_fifo() {
+        Some("FIFO (named pipe)")
+    } else if t.is_char_device() {
+        Some("character device")
+    } else if t.is_block_device() {
+        Some("block device")
+    } else if t.is_socket() {
+        Some("socket")
+    } else {
+        None
+    }
+}
+
+/// Refuses a FIFO, device or socket where a shard or model is expected: tensors are read at
+/// header offsets, which a stream cannot serve (and opening a FIFO would block).
+fn refuse_special(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
+    match special_kind(meta) {
+        Some(kind) => Err(Error::NoModel {
+            path: path.into(),
+            msg: format!(
+                "is a {kind}, not a regular file: tftf reads tensors at the offsets its header gives, so it needs a .safetensors file on disk (save the stream to a file first)"
+            ),
+        }),
+        None => Ok(()),
+    }
 }
 
 impl Layout {
     fn discover(input: &Path) -> Result<Layout> {
+        use std::os::unix::ffi::OsStrExt;
         let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
+        refuse_special(input, &meta)?;
         let dir = if meta.is_dir() {
             input.to_path_buf()
         } else {
@@ -309,7 +346,7 @@ impl Layout {
         }
         if meta.is_file() {
             let dir = parent_dir(input);
-            if input.to_string_lossy().ends_with(".json") {
+            if input.as_os_str().as_bytes().ends_with(b".json") {
                 return Self::from_index(dir, input);
             }
             return Ok(Layout {
@@ -317,25 +354,46 @@ impl Layout {
                 index_path: None,
                 shard_paths: vec![input.to_path_buf()],
                 weight_map: None,
+                notes: Vec::new(),
             });
         }
         let mut indexes = Vec::new();
         let mut shards = Vec::new();
+        let mut notes = Vec::new();
+        // Names are bytes: a shard whose name is not UTF-8 is still a shard.
         for entry in std::fs::read_dir(input).map_err(|e| Error::io(input, e))? {
             let entry = entry.map_err(|e| Error::io(input, e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !entry.path().is_file() {
+            let name = entry.file_name();
+            let bytes = name.as_bytes();
+            let is_index = bytes.ends_with(b".safetensors.index.json");
+            let is_shard = bytes.ends_with(b".safetensors") && !bytes.starts_with(b"adapter_model");
+            if !is_index && !is_shard {
                 continue;
             }
-            if name.ends_with(".safetensors.index.json") {
+            let path = entry.path();
+            // macOS writes `._NAME` AppleDouble files beside every file it copies to a
+            // foreign filesystem: metadata, not safetensors.
+            if bytes.starts_with(b"._") {
+                notes.push(format!(
+                    "ignored `{}`: a hidden `._*` file (macOS metadata), not a shard",
+                    crate::escape::bytes(bytes)
+                ));
+                continue;
+            }
+            let meta = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?;
+            refuse_special(&path, &meta)?;
+            if !meta.is_file() {
+                continue;
+            }
+            if is_index {
                 indexes.push(name);
-            } else if name.ends_with(".safetensors") && !name.starts_with("adapter_model") {
-                shards.push(input.join(&name));
+            } else {
+                shards.push(path);
             }
         }
         indexes.sort();
         shards.sort();
-        match indexes.len() {
+        let mut layout = match indexes.len() {
             0 if shards.is_empty() => Err(Error::NoModel {
                 path: input.into(),
                 msg: "no *.safetensors files or index found".into(),
@@ -345,6 +403,7 @@ impl Layout {
                 index_path: None,
                 shard_paths: shards,
                 weight_map: None,
+                notes: Vec::new(),
             }),
             1 => Self::from_index(input.into(), &input.join(&indexes[0])),
             _ if indexes.iter().any(|n| n == "model.safetensors.index.json") => {
@@ -354,10 +413,16 @@ impl Layout {
                 path: input.into(),
                 msg: format!(
                     "several indexes ({}); pass the one to use as the input path",
-                    indexes.join(", ")
+                    indexes
+                        .iter()
+                        .map(|n| crate::escape::bytes(n.as_bytes()).into_owned())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             }),
-        }
+        }?;
+        layout.notes.extend(notes);
+        Ok(layout)
     }
 
     fn from_index(dir: PathBuf, index: &Path) -> Result<Layout> {
@@ -383,6 +448,9 @@ impl Layout {
                 )));
             }
             if !names.iter().any(|n| n == shard) {
+                if let Ok(meta) = std::fs::metadata(dir.join(shard)) {
+                    refuse_special(&dir.join(shard), &meta)?;
+                }
                 if !dir.join(shard).is_file() {
                     return Err(Error::MissingShard {
                         index: index.into(),
@@ -399,6 +467,7 @@ impl Layout {
             dir,
             index_path: Some(index.into()),
             weight_map: Some(map),
+            notes: Vec::new(),
         })
     }
 }

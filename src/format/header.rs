@@ -83,21 +83,27 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
         path: path.into(),
         msg,
     };
-    let text = std::str::from_utf8(json).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
-    let value: Value = serde_json::from_str(text).map_err(|e| invalid(e.to_string()))?;
+    let text =
+        std::str::from_utf8(json).map_err(|e| invalid(format!("the JSON is not UTF-8: {e}")))?;
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
     let Value::Object(map) = value else {
-        return Err(invalid("top level is not an object".into()));
+        return Err(invalid(
+            "the JSON must be an object of tensor entries, not a list or a value".into(),
+        ));
     };
     let mut metadata = None;
     let mut tensors = Vec::with_capacity(map.len());
     for (name, entry) in map {
         if name == "__metadata__" {
             let Value::Object(meta) = entry else {
-                return Err(invalid("`__metadata__` is not an object".into()));
+                return Err(invalid(
+                    "`__metadata__` must be an object of string values".into(),
+                ));
             };
-            if let Some((k, _)) = meta.iter().find(|(_, v)| !v.is_string()) {
+            if let Some((k, v)) = meta.iter().find(|(_, v)| !v.is_string()) {
                 return Err(invalid(format!(
-                    "`__metadata__` value for `{k}` is not a string"
+                    "`__metadata__` values must be strings (`{k}` is {v})"
                 )));
             }
             metadata = Some(meta);

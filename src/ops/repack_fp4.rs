@@ -66,6 +66,26 @@ impl RepackFp4Step {
     }
 }
 
+/// An MXFP4 expert weight's fused-group prefix, projection and E8M0 scale name
+/// (`<prefix>.<proj>.scale`), from the expert pattern's captures.
+fn expert_parts(c: &regex::Captures) -> (String, String, String) {
+    let prefix = c.name("prefix").map_or("", |m| m.as_str()).to_string();
+    let proj = c.name("proj").map_or("", |m| m.as_str()).to_string();
+    let scale = format!("{prefix}.{proj}.scale");
+    (prefix, proj, scale)
+}
+
+/// The scale an `I8`/`U8` tensor named like an MXFP4 expert weight (the default
+/// `--expert-pattern`) needs, or `None` for any other tensor. `validate` checks it exists.
+pub fn mxfp4_expert_scale(name: &str, dtype: DType) -> Option<String> {
+    static RE: std::sync::OnceLock<Regex> = std::sync::OnceLock::new();
+    let re = RE.get_or_init(|| Regex::new(DEFAULT_EXPERT_PATTERN).expect("valid regex"));
+    if !matches!(dtype, DType::I8 | DType::U8) {
+        return None;
+    }
+    re.captures(name).map(|c| expert_parts(&c).2)
+}
+
 /// Simple derived tensors: an op and its inputs, fixed at plan time.
 #[derive(Debug)]
 struct Fixed {
@@ -194,10 +214,8 @@ impl RepackFp4Step {
             if w.derive.is_some() || !matches!(w.dtype, DType::I8 | DType::U8) {
                 continue;
             }
-            let prefix = c.name("prefix").map_or("", |m| m.as_str()).to_string();
-            let proj = c.name("proj").map_or("", |m| m.as_str()).to_string();
+            let (prefix, proj, scale_name) = expert_parts(&c);
             let path = ckpt.shards[ckpt.tensors[w.source].shard].path.clone();
-            let scale_name = format!("{prefix}.{proj}.scale");
             let Some(&si) = index.get(scale_name.as_str()) else {
                 return Err(Error::MissingScale {
                     path,
@@ -545,6 +563,10 @@ impl PlanStep for RepackFp4Step {
         self.did_experts.store(experts, Ordering::Relaxed);
         self.did_engram.store(engram, Ordering::Relaxed);
         Ok(experts || engram)
+    }
+
+    fn nothing_done(&self) -> String {
+        "repack-fp4 found no MXFP4 expert weight (--expert-pattern) or E4M3 Engram table (--engram-pattern) to convert".into()
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {

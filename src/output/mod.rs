@@ -362,7 +362,10 @@ pub fn write_report(path: &Path, report: &Value) -> Result<()> {
         .to_string_lossy()
         .into_owned();
     let tmp = path.with_file_name(commit::temp_name(&name));
-    std::fs::write(&tmp, text).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::write(&tmp, text).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         Error::io(path, e)

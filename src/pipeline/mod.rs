@@ -56,7 +56,7 @@ pub struct PipelineConfig {
     pub threads: usize,
     pub memory_budget: u64,
     pub cancel: Cancel,
-    pub progress: Option<indicatif::ProgressBar>,
+    pub progress: Option<crate::progress::Progress>,
     /// `false` forces user-space copies (for tests and filesystems that misbehave).
     pub kernel_copy: bool,
     /// Whether untouched ranges will probably be cloned; if not, the reader prefetches them.
@@ -592,7 +592,7 @@ fn write_stage(
     sh: &Shared,
     rx: Receiver<Done>,
     window: u64,
-    progress: Option<indicatif::ProgressBar>,
+    progress: Option<crate::progress::Progress>,
     kernel_copy: bool,
 ) -> Result<()> {
     let mut wb = Writeback {
@@ -629,7 +629,7 @@ fn write_stage(
         };
         wb.push(sh, shard, offset, len)?;
         if let Some(p) = &progress {
-            p.inc(len);
+            p.advance(shard, len);
         }
     }
     while !wb.pending.is_empty() {

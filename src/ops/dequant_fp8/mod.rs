@@ -218,8 +218,8 @@ pub struct DequantFp8Step {
     pub opts: DequantOptions,
 }
 
-/// Scale names tried for weight `w`, with how each applies.
-fn scale_candidates(w: &str, weight_scale_mode: ScaleMode) -> Vec<(String, ScaleMode)> {
+/// Scale names tried for weight `w`, with how each applies (also what `validate` looks for).
+pub fn scale_candidates(w: &str, weight_scale_mode: ScaleMode) -> Vec<(String, ScaleMode)> {
     let mut v = vec![
         (format!("{w}_scale_inv"), ScaleMode::Multiply),
         (format!("{w}_scale"), weight_scale_mode),
@@ -371,6 +371,10 @@ impl PlanStep for DequantFp8Step {
             !consumed[i - 1]
         });
         Ok(changed)
+    }
+
+    fn nothing_done(&self) -> String {
+        "dequant-fp8 found no F8_E4M3 or F8_E5M2 tensor, so there is nothing to dequantise".into()
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {

@@ -731,8 +731,11 @@ impl PlanStep for LoraMergeStep {
             entries[wi].derive = None;
             replaced += 1;
         }
+        // An adapter that matches nothing at all is refused as a whole (the wrong base model,
+        // most likely), by the plan's `nothing_done` check rather than per tensor.
+        let nothing_matched = merged + replaced == 0;
         if !unmatched.is_empty() {
-            if !self.opts.allow_unmatched {
+            if !self.opts.allow_unmatched && !nothing_matched {
                 let list: Vec<String> = unmatched
                     .iter()
                     .take(10)
@@ -745,8 +748,13 @@ impl PlanStep for LoraMergeStep {
                 });
             }
             notes.lines.push(format!(
-                "{} unmatched adapter tensor(s) left out (--allow-unmatched)",
-                unmatched.len()
+                "{} unmatched adapter tensor(s) left out ({})",
+                unmatched.len(),
+                if nothing_matched {
+                    "nothing matched"
+                } else {
+                    "--allow-unmatched"
+                }
             ));
         }
         notes.lines.push(format!(
@@ -756,7 +764,7 @@ impl PlanStep for LoraMergeStep {
         ));
         notes.tensors.push(serde_json::json!({
             "op": "merge-lora",
-            "adapter": path,
+            "adapter": path.to_string_lossy(),
             "merged": merged,
             "dora": dora,
             "replaced": replaced,
@@ -764,6 +772,16 @@ impl PlanStep for LoraMergeStep {
             "unmatched": unmatched,
         }));
         Ok(merged + replaced > 0)
+    }
+
+    fn nothing_done(&self) -> String {
+        let guard = self.attached.lock().unwrap();
+        let adapter = guard.as_ref().map_or_else(String::new, |a| {
+            format!(" {}", crate::escape::path(&a.file))
+        });
+        format!(
+            "merge-lora: the adapter{adapter} matches no tensor of this base model (is -b the model it was trained on? is --adapter-name right?)"
+        )
     }
 
     fn edit_config(&self, _cfg: &mut Map<String, Value>) -> Vec<String> {

@@ -1,0 +1,258 @@
+//! Progress on stderr, in the form the place it goes can use.
+//!
+//! On a terminal: an indicatif bar naming the op and the shard being written, laid out to fit
+//! 80 columns. Anywhere else (Slurm and CI logs, `nohup`): a bar would be one endless line of
+//! carriage returns, so one plain line is printed at the start and then a ticker thread prints
+//! one every `--progress-interval` seconds (default 30) — op, shard, bytes done of total, rate
+//! and ETA:
+//!
+//! ```text
+//! progress: dequant-fp8 model-00002-of-00005.safetensors: 1.50 GiB of 6.00 GiB (25%), 312.40 MiB/s, ETA 15s
+//! ```
+//!
+//! Lines stop when the run finishes or when the last handle is dropped (a failed run), so no
+//! line follows the error message.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
+
+use crate::error::{Error, Result};
+use crate::size::human;
+
+/// Seconds between plain progress lines when stderr is not a terminal.
+pub const DEFAULT_INTERVAL_SECS: f64 = 30.0;
+/// The width the bar is laid out for.
+const BAR_COLUMNS: usize = 80;
+/// Columns of the bar line besides its message at their widest: bar, percentage, bytes done
+/// (`1023.99 MiB`), rate (`1023.99 MiB/s`) and ETA (`HH:MM:SS`), with spaces.
+const BAR_FIXED_COLUMNS: usize = 1 + 9 + 1 + 4 + 1 + 11 + 1 + 13 + 5 + 8;
+const BAR_TEMPLATE: &str =
+    "{msg} {bar:9} {percent:>3}% {bytes:>11} {binary_bytes_per_sec:>13} ETA {eta_precise}";
+
+/// Parses `--progress-interval SECS`: a positive number of seconds, fractions allowed.
+pub fn parse_interval(arg: Option<&str>) -> Result<Duration> {
+    let Some(s) = arg else {
+        return Ok(Duration::from_secs_f64(DEFAULT_INTERVAL_SECS));
+    };
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(Error::Usage(format!(
+            "--progress-interval `{s}`: give a positive number of seconds, e.g. 30 or 0.5"
+        ))),
+    }
+}
+
+/// A handle on one run's progress; clones share it.
+#[derive(Clone)]
+pub struct Progress(Arc<Inner>);
+
+struct Inner {
+    op: String,
+    /// Names of the files being written (or read), by index.
+    shards: Vec<String>,
+    total: u64,
+    done: AtomicU64,
+    shard: AtomicUsize,
+    started: Instant,
+    finished: AtomicBool,
+    bar: Option<indicatif::ProgressBar>,
+    /// Dropping it (with the last handle) stops the ticker.
+    _stop: Option<Sender<()>>,
+}
+
+impl Progress {
+    /// A bar when stderr is a terminal, else plain lines every `interval`.
+    pub fn new(op: &str, shards: Vec<String>, total: u64, interval: Duration) -> Progress {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(total),
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(BAR_TEMPLATE).expect("valid template"),
+            );
+            bar
+        });
+        let (stop, stopped) = bounded::<()>(0);
+        let p = Progress(Arc::new(Inner {
+            op: op.into(),
+            shards,
+            total,
+            done: AtomicU64::new(0),
+            shard: AtomicUsize::new(0),
+            started: Instant::now(),
+            finished: AtomicBool::new(false),
+            bar,
+            _stop: (!terminal).then_some(stop),
+        }));
+        if let Some(bar) = &p.0.bar {
+            bar.set_message(p.bar_message());
+            return p;
+        }
+        // A first line at once: the log shows the run started and how much it has to do.
+        eprintln!("{}", p.line());
+        let weak: Weak<Inner> = Arc::downgrade(&p.0);
+        std::thread::spawn(move || {
+            while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
+                let Some(inner) = weak.upgrade() else { break };
+                if inner.finished.load(Ordering::Relaxed) {
+                    break;
+                }
+                eprintln!("{}", Progress(inner).line());
+            }
+        });
+        p
+    }
+
+    /// `n` more bytes done, in shard `shard`.
+    pub fn advance(&self, shard: usize, n: u64) {
+        let i = &self.0;
+        i.done.fetch_add(n, Ordering::Relaxed);
+        let previous = i.shard.swap(shard, Ordering::Relaxed);
+        if let Some(bar) = &i.bar {
+            if previous != shard {
+                bar.set_message(self.bar_message());
+            }
+            bar.inc(n);
+        }
+    }
+
+    /// Stops the lines and clears the bar.
+    pub fn finish(&self) {
+        self.0.finished.store(true, Ordering::Relaxed);
+        if let Some(bar) = &self.0.bar {
+            bar.finish_and_clear();
+        }
+    }
+
+    fn shard_name(&self) -> &str {
+        let i = &self.0;
+        i.shards
+            .get(i.shard.load(Ordering::Relaxed))
+            .map_or("", String::as_str)
+    }
+
+    /// The plain line printed when stderr is not a terminal.
+    pub fn line(&self) -> String {
+        let i = &self.0;
+        let done = i.done.load(Ordering::Relaxed).min(i.total);
+        let secs = i.started.elapsed().as_secs_f64();
+        format_line(&i.op, self.shard_name(), done, i.total, secs)
+    }
+
+    fn bar_message(&self) -> String {
+        bar_message(
+            &self.0.op,
+            self.shard_name(),
+            BAR_COLUMNS - BAR_FIXED_COLUMNS,
+        )
+    }
+}
+
+/// `progress: OP SHARD: DONE of TOTAL (P%), RATE/s, ETA T`.
+pub fn format_line(op: &str, shard: &str, done: u64, total: u64, secs: f64) -> String {
+    let rate = if secs > 0.0 { done as f64 / secs } else { 0.0 };
+    let pct = (done * 100).checked_div(total).unwrap_or(100);
+    let eta = if done >= total {
+        "0s".to_string()
+    } else if rate >= 1.0 {
+        duration_text(((total - done) as f64 / rate).ceil() as u64)
+    } else {
+        "unknown".to_string()
+    };
+    let place = if shard.is_empty() {
+        String::new()
+    } else {
+        format!(" {}", crate::escape::name(shard))
+    };
+    format!(
+        "progress: {op}{place}: {} of {} ({pct}%), {}/s, ETA {eta}",
+        human(done),
+        human(total),
+        human(rate as u64)
+    )
+}
+
+/// `45s`, `3m05s`, `2h07m`.
+fn duration_text(secs: u64) -> String {
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
+        _ => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
+    }
+}
+
+/// `OP SHARD` in exactly `width` columns: the shard loses `.safetensors`, then if need be a
+/// leading `model-`, then its head.
+fn bar_message(op: &str, shard: &str, width: usize) -> String {
+    let shard = crate::escape::name(shard);
+    let mut shard = shard.strip_suffix(".safetensors").unwrap_or(&shard);
+    let room = width.saturating_sub(op.chars().count() + 1);
+    if shard.chars().count() > room {
+        shard = shard.strip_prefix("model-").unwrap_or(shard);
+    }
+    let n = shard.chars().count();
+    let shown: String = if n <= room {
+        shard.to_string()
+    } else if room == 0 {
+        String::new()
+    } else {
+        let tail: String = shard.chars().skip(n - (room - 1)).collect();
+        format!("…{tail}")
+    };
+    let msg = format!("{op} {shown}");
+    format!("{:<width$}", msg.chars().take(width).collect::<String>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_line_names_op_shard_bytes_rate_and_eta() {
+        assert_eq!(
+            format_line("passthrough", "model-00001-of-00002.safetensors", 1 << 30, 4 << 30, 2.0),
+            "progress: passthrough model-00001-of-00002.safetensors: 1.00 GiB of 4.00 GiB (25%), 512.00 MiB/s, ETA 6s"
+        );
+        assert_eq!(
+            format_line("validate", "", 0, 100, 0.0),
+            "progress: validate: 0 B of 100 B (0%), 0 B/s, ETA unknown"
+        );
+        assert_eq!(duration_text(185), "3m05s");
+        assert_eq!(duration_text(7620), "2h07m");
+    }
+
+    #[test]
+    fn bar_fits_eighty_columns() {
+        let width = BAR_COLUMNS - BAR_FIXED_COLUMNS;
+        let m = bar_message("dequant-fp8", "model-00001-of-00005.safetensors", width);
+        assert_eq!(m, "dequant-fp8 00001-of-00005");
+        assert_eq!(m.chars().count(), width);
+        let m = bar_message("passthrough", "model.safetensors", width);
+        assert_eq!(m.trim_end(), "passthrough model");
+        assert_eq!(m.chars().count(), width);
+        assert_eq!(width, 26);
+        let m = bar_message("merge-fsdp-lora", "model-00001-of-00005.safetensors", width);
+        assert_eq!(m, "merge-fsdp-lora …-of-00005");
+    }
+
+    #[test]
+    fn interval_takes_fractions_and_refuses_nonsense() {
+        assert_eq!(
+            parse_interval(Some("0.05")).unwrap(),
+            Duration::from_millis(50)
+        );
+        assert_eq!(parse_interval(None).unwrap(), Duration::from_secs(30));
+        for bad in ["0", "-1", "soon", "inf", "NaN"] {
+            assert!(
+                matches!(parse_interval(Some(bad)), Err(Error::Usage(_))),
+                "{bad}"
+            );
+        }
+    }
+}
