@@ -44,8 +44,13 @@ pub enum ConfigDefault {
     Bool(bool),
     /// `hidden_size / num_attention_heads`.
     HiddenPerHead,
+    /// A number, unless the file sets the key to null: then `hidden_size / num_attention_heads`.
+    HiddenPerHeadOr(u64),
     /// The value of `num_attention_heads`.
     SameAsHeads,
+    /// Always the value of another key, whatever the file says (DeepSeek-V3's `head_dim` is
+    /// its `qk_rope_head_dim`).
+    Always(&'static str),
 }
 
 /// One supported architecture.
@@ -87,11 +92,7 @@ use ConfigDefault::*;
 
 pub static ARCHS: &[ArchSpec] = &[
     ArchSpec {
-        hf_classes: &[
-            "LlamaForCausalLM",
-            "MistralForCausalLM",
-            "MixtralForCausalLM",
-        ],
+        hf_classes: &["LlamaForCausalLM"],
         gguf_arch: "llama",
         family: Family::Llama,
         defaults: &[
@@ -101,6 +102,33 @@ pub static ARCHS: &[ArchSpec] = &[
             ("head_dim", HiddenPerHead),
         ],
         rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["MistralForCausalLM"],
+        gguf_arch: "llama",
+        family: Family::Llama,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(8)),
+            ("head_dim", HiddenPerHead),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["MixtralForCausalLM"],
+        gguf_arch: "llama",
+        family: Family::Llama,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", Int(8)),
+            ("num_local_experts", Int(8)),
+            ("num_experts_per_tok", Int(2)),
+        ],
+        rope_theta_default: 1e6,
         layer_tensors: &[
             ("block_sparse_moe.gate", "ffn_gate_inp"),
             ("block_sparse_moe.experts.w1", "ffn_gate_exps"),
@@ -115,7 +143,7 @@ pub static ARCHS: &[ArchSpec] = &[
         defaults: &[
             ("max_position_embeddings", Int(32768)),
             ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
+            ("num_key_value_heads", Int(32)),
         ],
         rope_theta_default: 10000.0,
         layer_tensors: &[],
@@ -127,8 +155,8 @@ pub static ARCHS: &[ArchSpec] = &[
         defaults: &[
             ("max_position_embeddings", Int(32768)),
             ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
-            ("head_dim", HiddenPerHead),
+            ("num_key_value_heads", Int(32)),
+            ("head_dim", Int(128)),
         ],
         rope_theta_default: 10000.0,
         layer_tensors: &[
@@ -143,7 +171,7 @@ pub static ARCHS: &[ArchSpec] = &[
         defaults: &[
             ("max_position_embeddings", Int(32768)),
             ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
+            ("num_key_value_heads", Int(4)),
             ("num_experts_per_tok", Int(8)),
             ("moe_intermediate_size", Int(768)),
             ("num_local_experts", Int(128)),
@@ -166,8 +194,8 @@ pub static ARCHS: &[ArchSpec] = &[
         defaults: &[
             ("max_position_embeddings", Int(131072)),
             ("rms_norm_eps", Float(1e-5)),
-            ("num_key_value_heads", SameAsHeads),
-            ("head_dim", Int(64)),
+            ("num_key_value_heads", Int(8)),
+            ("head_dim", HiddenPerHeadOr(64)),
             ("num_experts_per_tok", Int(4)),
             ("num_local_experts", Int(128)),
             ("sliding_window", Int(128)),
@@ -190,7 +218,6 @@ pub static ARCHS: &[ArchSpec] = &[
             ("max_position_embeddings", Int(4096)),
             ("rms_norm_eps", Float(1e-6)),
             ("num_key_value_heads", SameAsHeads),
-            ("head_dim", Int(64)),
             ("num_experts_per_tok", Int(8)),
             ("moe_intermediate_size", Int(2048)),
             ("norm_topk_prob", Bool(true)),
@@ -205,6 +232,8 @@ pub static ARCHS: &[ArchSpec] = &[
             ("qk_rope_head_dim", Int(64)),
             ("qk_nope_head_dim", Int(128)),
             ("v_head_dim", Int(128)),
+            // After the key it copies.
+            ("head_dim", Always("qk_rope_head_dim")),
         ],
         rope_theta_default: 10000.0,
         layer_tensors: &[
@@ -276,11 +305,23 @@ impl Config {
             .ok_or_else(|| bad("no `architectures` list".into()))?;
         let spec = lookup(class)?;
         for (key, default) in spec.defaults {
-            if map.get(*key).is_some_and(|v| !v.is_null()) {
+            let present = map.get(*key);
+            if present.is_some_and(|v| !v.is_null()) && !matches!(default, Always(_)) {
                 continue;
             }
+            let explicit_null = present.is_some_and(Json::is_null);
             let heads = map.get("num_attention_heads").and_then(Json::as_u64);
+            let hidden = map.get("hidden_size").and_then(Json::as_u64);
             let v = match default {
+                Always(other) => match map.get(*other) {
+                    Some(v) => v.clone(),
+                    None => continue,
+                },
+                HiddenPerHeadOr(n) if !explicit_null => Json::from(*n),
+                HiddenPerHeadOr(_) => match (hidden, heads) {
+                    (Some(d), Some(h)) if h > 0 => Json::from(d / h),
+                    _ => continue,
+                },
                 Int(n) => Json::from(*n),
                 Float(f) => Json::from(*f),
                 Bool(b) => Json::from(*b),
@@ -288,7 +329,7 @@ impl Config {
                     Some(h) => Json::from(h),
                     None => continue,
                 },
-                HiddenPerHead => match (map.get("hidden_size").and_then(Json::as_u64), heads) {
+                HiddenPerHead => match (hidden, heads) {
                     (Some(d), Some(h)) if h > 0 => Json::from(d / h),
                     _ => continue,
                 },
