@@ -2,11 +2,12 @@
 """Generates tests/fixtures/gguf/ from the reference implementations.
 
     pip install gguf numpy tokenizers transformers
-    scripts/gen-gguf-fixtures.py [LLAMA_CPP_DIR]
+    scripts/gen-gguf-fixtures.py LLAMA_CPP_DIR
 
 Uses gguf-py's quantiser and GGUFWriter, numpy ports of convert_hf_to_gguf.py's tensor
 transforms, Hugging Face `tokenizers`, and transformers' AutoConfig. `cargo test` reads only
-the committed outputs. With LLAMA_CPP_DIR (a llama.cpp checkout) it also rebuilds GPT-2's
+the committed outputs. LLAMA_CPP_DIR (a llama.cpp checkout) provides gguf-py; the script also
+rebuilds GPT-2's
 tokenizer from `models/ggml-vocab-gpt-2.gguf` and checks that its chkhsh is the converter's
 `gpt-2` entry (a check of the hashing procedure against the real table; nothing is written).
 """
@@ -17,8 +18,11 @@ import struct
 import sys
 
 import numpy as np
-import gguf
-from gguf import GGUFWriter, GGMLQuantizationType as QT
+
+if len(sys.argv) > 1:  # the reference's own gguf-py, not whatever `pip install gguf` brought
+    sys.path.insert(0, str(pathlib.Path(sys.argv[1]) / "gguf-py"))
+import gguf  # noqa: E402
+from gguf import GGUFWriter, GGMLQuantizationType as QT  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gguf"
 OUT.mkdir(parents=True, exist_ok=True)

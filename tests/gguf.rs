@@ -15,7 +15,9 @@ use tftf::format::gguf::layout::{
 use tftf::format::gguf::{quant, tokenizer, transform, FileType, GgmlType};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name)
 }
 
 fn read(name: &str) -> Vec<u8> {
@@ -294,10 +296,10 @@ fn computed(name: &str, len: u64) -> TensorSpec {
 
 #[test]
 fn planner_puts_copied_tensors_congruent_to_their_source_within_the_loader_rules() {
-    // Two shards whose data start 8 + 4064 and 8 + 1976 bytes in (both multiples of 32), each
+    // Two shards whose data start 4064 and 1984 bytes in (both multiples of 32), each
     // holding a contiguous run; computed tensors of assorted sizes to phase the second run.
     let mut tensors = Vec::new();
-    let mut off = 4072;
+    let mut off = 4064;
     for i in 0..6 {
         tensors.push(copied(&format!("s0.{i}"), 8192 + 64 * i, 0, off));
         off += 8192 + 64 * i;
@@ -424,7 +426,14 @@ fn deepseek_kv_b_split_matches_the_converter() {
         v: v as u64,
     };
     let mut out = vec![0u8; h * v * l * 2];
-    transform::gather_rows(&src, l * 2, 0, (h * v) as u64, |x| map.source_row(x), &mut out);
+    transform::gather_rows(
+        &src,
+        l * 2,
+        0,
+        (h * v) as u64,
+        |x| map.source_row(x),
+        &mut out,
+    );
     assert_eq!(out, read("kv_b_v.out"));
 }
 
@@ -510,7 +519,8 @@ fn config_defaults_match_transformers_to_dict() {
         "deepseekv3",
     ] {
         let cfg = config(name);
-        let td: Json = serde_json::from_slice(&read(&format!("configs/{name}.to_dict.json"))).unwrap();
+        let td: Json =
+            serde_json::from_slice(&read(&format!("configs/{name}.to_dict.json"))).unwrap();
         let mut keys: Vec<&str> = common.to_vec();
         if cfg.spec.family == arch::Family::GptOss {
             keys.push("sliding_window");
@@ -580,11 +590,27 @@ fn llama3_hparams_and_tensors() {
     };
     let inputs = vec![
         t("model.embed_tokens.weight", DType::BF16, &[128256, 64]),
-        t("model.layers.0.self_attn.q_proj.weight", DType::BF16, &[64, 64]),
-        t("model.layers.0.self_attn.k_proj.weight", DType::BF16, &[32, 64]),
+        t(
+            "model.layers.0.self_attn.q_proj.weight",
+            DType::BF16,
+            &[64, 64],
+        ),
+        t(
+            "model.layers.0.self_attn.k_proj.weight",
+            DType::BF16,
+            &[32, 64],
+        ),
         t("model.layers.0.input_layernorm.weight", DType::BF16, &[64]),
-        t("model.layers.0.mlp.down_proj.weight", DType::BF16, &[64, 100]),
-        t("model.layers.0.self_attn.rotary_emb.inv_freq", DType::F32, &[8]),
+        t(
+            "model.layers.0.mlp.down_proj.weight",
+            DType::BF16,
+            &[64, 100],
+        ),
+        t(
+            "model.layers.0.self_attn.rotary_emb.inv_freq",
+            DType::F32,
+            &[8],
+        ),
         t("lm_head.weight", DType::BF16, &[128256, 64]),
     ];
     assert_eq!(arch::resolve_auto_file_type(&inputs), FileType::MostlyBf16);
@@ -606,7 +632,10 @@ fn llama3_hparams_and_tensors() {
         out[3].recipe,
         Recipe::Rows {
             src: "model.layers.0.self_attn.k_proj.weight".into(),
-            map: RowMap::QkPermute { rows: 32, n_head: 2 },
+            map: RowMap::QkPermute {
+                rows: 32,
+                n_head: 2
+            },
             row_elems: 64,
         }
     );
@@ -638,9 +667,15 @@ fn deepseek_v3_hparams_and_tensors() {
         ("deepseek2.attention.head_count_kv", Value::U32(1)),
         ("deepseek2.rope.scaling.type", Value::String("yarn".into())),
         ("deepseek2.rope.scaling.factor", Value::F32(40.0)),
-        ("deepseek2.rope.scaling.original_context_length", Value::U32(4096)),
+        (
+            "deepseek2.rope.scaling.original_context_length",
+            Value::U32(4096),
+        ),
         ("deepseek2.rope.scaling.yarn_beta_fast", Value::F32(32.0)),
-        ("deepseek2.rope.scaling.yarn_log_multiplier", Value::F32(0.1)),
+        (
+            "deepseek2.rope.scaling.yarn_log_multiplier",
+            Value::F32(0.1),
+        ),
         ("deepseek2.expert_gating_func", Value::U32(2)),
         ("deepseek2.expert_count", Value::U32(4)),
         ("deepseek2.expert_used_count", Value::U32(2)),
@@ -726,18 +761,37 @@ fn gpt_oss_and_qwen3_moe_tensors() {
     assert_eq!(kv(&m, "gpt-oss.attention.sliding_window"), Value::U32(128));
     assert_eq!(kv(&m, "gpt-oss.expert_feed_forward_length"), Value::U32(64));
     assert_eq!(kv(&m, "gpt-oss.expert_used_count"), Value::U32(4));
-    assert_eq!(kv(&m, "gpt-oss.rope.scaling.type"), Value::String("yarn".into()));
+    assert_eq!(
+        kv(&m, "gpt-oss.rope.scaling.type"),
+        Value::String("yarn".into())
+    );
     let t = |name: &str, dtype, shape: &[u64]| InputTensor {
         name: name.into(),
         dtype,
         shape: shape.to_vec(),
     };
     let inputs = vec![
-        t("model.layers.0.mlp.experts.gate_up_proj_blocks", DType::U8, &[4, 128, 2, 16]),
-        t("model.layers.0.mlp.experts.gate_up_proj_scales", DType::U8, &[4, 128, 2]),
-        t("model.layers.0.mlp.experts.gate_up_proj_bias", DType::BF16, &[4, 128]),
+        t(
+            "model.layers.0.mlp.experts.gate_up_proj_blocks",
+            DType::U8,
+            &[4, 128, 2, 16],
+        ),
+        t(
+            "model.layers.0.mlp.experts.gate_up_proj_scales",
+            DType::U8,
+            &[4, 128, 2],
+        ),
+        t(
+            "model.layers.0.mlp.experts.gate_up_proj_bias",
+            DType::BF16,
+            &[4, 128],
+        ),
         t("model.layers.0.self_attn.sinks", DType::BF16, &[4]),
-        t("model.layers.0.post_attention_layernorm.weight", DType::BF16, &[64]),
+        t(
+            "model.layers.0.post_attention_layernorm.weight",
+            DType::BF16,
+            &[64],
+        ),
         t("model.layers.0.mlp.router.weight", DType::BF16, &[4, 64]),
     ];
     let out = arch::plan_tensors(&cfg, &inputs, FileType::MostlyBf16).unwrap();
@@ -748,7 +802,11 @@ fn gpt_oss_and_qwen3_moe_tensors() {
     assert_eq!(
         summary,
         [
-            ("blk.0.ffn_gate_exps.weight", GgmlType::Mxfp4, vec![4, 64, 64]),
+            (
+                "blk.0.ffn_gate_exps.weight",
+                GgmlType::Mxfp4,
+                vec![4, 64, 64]
+            ),
             ("blk.0.ffn_up_exps.weight", GgmlType::Mxfp4, vec![4, 64, 64]),
             ("blk.0.ffn_gate_exps.bias", GgmlType::F32, vec![4, 64]),
             ("blk.0.ffn_up_exps.bias", GgmlType::F32, vec![4, 64]),
@@ -761,7 +819,11 @@ fn gpt_oss_and_qwen3_moe_tensors() {
 
     let cfg = config("qwen3moe");
     let inputs = vec![
-        t("model.layers.1.mlp.experts.gate_up_proj", DType::BF16, &[4, 64, 64]),
+        t(
+            "model.layers.1.mlp.experts.gate_up_proj",
+            DType::BF16,
+            &[4, 64, 64],
+        ),
         t("model.layers.1.self_attn.q_norm.weight", DType::BF16, &[16]),
     ];
     let out = arch::plan_tensors(&cfg, &inputs, FileType::MostlyF16).unwrap();
@@ -771,7 +833,10 @@ fn gpt_oss_and_qwen3_moe_tensors() {
     assert_eq!(out[2].name, "blk.1.attn_q_norm.weight");
     let m = arch::model_kvs(&cfg, FileType::MostlyF16, "q").unwrap();
     assert_eq!(kv(&m, "qwen3moe.expert_count"), Value::U32(4));
-    assert_eq!(kv(&m, "qwen3moe.expert_feed_forward_length"), Value::U32(32));
+    assert_eq!(
+        kv(&m, "qwen3moe.expert_feed_forward_length"),
+        Value::U32(32)
+    );
 }
 
 #[test]
@@ -780,18 +845,27 @@ fn an_unsupported_architecture_names_the_supported_ones() {
     let err = Config::from_json(Path::new("config.json"), json).unwrap_err();
     assert!(matches!(err, Error::GgufUnsupportedArch { .. }));
     let msg = err.to_string();
-    assert!(msg.contains("FalconForCausalLM") && msg.contains("DeepseekV3ForCausalLM"), "{msg}");
+    assert!(
+        msg.contains("FalconForCausalLM") && msg.contains("DeepseekV3ForCausalLM"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn pre_tokenizer_hash_matches_python_tokenizers() {
     let dir = fixture("tokenizer");
     let want = String::from_utf8(read("tokenizer/chkhsh.txt")).unwrap();
-    assert_eq!(tokenizer::chkhsh(&dir.join("tokenizer.json")).unwrap(), want.trim());
+    assert_eq!(
+        tokenizer::chkhsh(&dir.join("tokenizer.json")).unwrap(),
+        want.trim()
+    );
     let err = tokenizer::vocab_kvs(&dir, Some(410), None).unwrap_err();
     assert!(matches!(err, Error::GgufUnknownPreTokenizer { .. }));
     let msg = err.to_string();
-    assert!(msg.contains(want.trim()) && msg.contains("--vocab-pre"), "{msg}");
+    assert!(
+        msg.contains(want.trim()) && msg.contains("--vocab-pre"),
+        "{msg}"
+    );
 }
 
 #[test]

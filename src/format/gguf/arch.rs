@@ -174,7 +174,8 @@ pub static ARCHS: &[ArchSpec] = &[
             ("num_key_value_heads", Int(4)),
             ("num_experts_per_tok", Int(8)),
             ("moe_intermediate_size", Int(768)),
-            ("num_local_experts", Int(128)),
+            // config.json spells it `num_experts`; transformers maps it to `num_local_experts`.
+            ("num_experts", Int(128)),
             ("norm_topk_prob", Bool(false)),
         ],
         rope_theta_default: 10000.0,

@@ -219,27 +219,15 @@ fn special_vocab(dir: &Path, tj_path: &Path, n_vocab: u64, m: &mut Metadata) -> 
                     set_add(&mut add, "sep", true, false);
                 }
                 Some("TemplateProcessing") => {
-                    let single = p
-                        .get("single")
-                        .and_then(Json::as_array)
-                        .cloned()
-                        .unwrap_or_default();
-                    if single.len() > 1 {
-                        let special = |e: &Json| {
-                            e.pointer("/SpecialToken/id")
-                                .and_then(Json::as_str)
-                                .map(str::to_string)
-                        };
-                        if let Some(first) = special(&single[0]) {
-                            let is_bos = tc_obj.is_none()
-                                || bos.as_deref() == Some(&first)
-                                || content("cls").as_deref() == Some(&first);
-                            set_add(&mut add, "bos", is_bos, false);
-                        }
-                        if let Some(last) = special(single.last().unwrap()) {
-                            let is_eos = tc_obj.is_none() || eos.as_deref() == Some(&last);
-                            set_add(&mut add, "eos", is_eos, false);
-                        }
+                    let known = SpecialContents {
+                        has_config: tc_obj.is_some(),
+                        bos: bos.clone(),
+                        cls: content("cls"),
+                        eos: eos.clone(),
+                        sep: content("sep"),
+                    };
+                    for (typ, v) in template_processing(p, &known) {
+                        set_add(&mut add, typ, v, false);
                     }
                 }
                 _ => {}
@@ -302,6 +290,78 @@ fn special_vocab(dir: &Path, tj_path: &Path, n_vocab: u64, m: &mut Metadata) -> 
         m.set("tokenizer.chat_template", Value::String(t));
     }
     Ok(())
+}
+
+/// Special token contents from `tokenizer_config.json`.
+struct SpecialContents {
+    has_config: bool,
+    bos: Option<String>,
+    cls: Option<String>,
+    eos: Option<String>,
+    sep: Option<String>,
+}
+
+/// `add_{bos,eos,sep}_token` from a `TemplateProcessing` post-processor, as `SpecialVocab`
+/// reads it: the single template's first and last special tokens, and the pair template's
+/// middle (`A [sep] [eos] B`).
+fn template_processing(p: &Json, known: &SpecialContents) -> Vec<(&'static str, bool)> {
+    let special = |e: &Json| {
+        e.pointer("/SpecialToken/id")
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let sequence = |e: &Json| {
+        e.pointer("/Sequence/id")
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let list = |k: &str| {
+        p.get(k)
+            .and_then(Json::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (single, pair) = (list("single"), list("pair"));
+    let mut out = Vec::new();
+    let (mut first, mut last) = (None, None);
+    if single.len() > 1 {
+        first = special(&single[0]);
+        if let Some(f) = &first {
+            let is_bos =
+                !known.has_config || known.bos.as_ref() == Some(f) || known.cls.as_ref() == Some(f);
+            out.push(("bos", is_bos));
+        }
+        last = special(single.last().unwrap());
+        if let Some(l) = &last {
+            out.push(("eos", !known.has_config || known.eos.as_ref() == Some(l)));
+        }
+    }
+    if pair.is_empty() {
+        return out;
+    }
+    let start = usize::from(first.is_some() && special(&pair[0]) == first);
+    let stop = if last.is_some() && special(pair.last().unwrap()) == last {
+        pair.len() - 1
+    } else {
+        pair.len()
+    };
+    let middle = pair.get(start..stop).unwrap_or_default();
+    if middle.len() < 3
+        || sequence(&middle[0]).as_deref() != Some("A")
+        || sequence(middle.last().unwrap()).as_deref() != Some("B")
+    {
+        return out;
+    }
+    let between = &middle[1..middle.len() - 1];
+    let is_sep = |e: &Json| {
+        special(e).is_some_and(|s| Some(&s) == known.sep.as_ref() || Some(&s) == known.eos.as_ref())
+    };
+    let mut add_sep = is_sep(&between[0]) && last.is_none();
+    if between.len() == 2 && is_sep(&between[1]) {
+        add_sep = true;
+    }
+    out.push(("sep", add_sep));
+    out
 }
 
 fn chat_template(dir: &Path, tc: Option<&Map<String, Json>>) -> Result<Option<String>> {
