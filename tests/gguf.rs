@@ -12,7 +12,7 @@ use tftf::format::gguf::kv::{Array, Metadata, Value};
 use tftf::format::gguf::layout::{
     self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec, PAD_KEY,
 };
-use tftf::format::gguf::{quant, tokenizer, transform, FileType, GgmlType};
+use tftf::format::gguf::{produce, quant, tokenizer, transform, FileType, GgmlType};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -884,4 +884,92 @@ fn tokenizer_kvs_match_gguf_py_special_vocab() {
     for ((k, g), (_, w)) in got.iter().zip(&want) {
         assert!(g == w, "{k} differs");
     }
+}
+
+fn produce_all(t: &OutputTensor, sources: &[(&str, &[u8])], chunk: u64) -> Vec<u8> {
+    let (_, rows, row_bytes) = produce::row_geometry(t);
+    let lookup = |n: &str| sources.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
+    let mut out = vec![0u8; (rows * row_bytes) as usize];
+    let mut first = 0;
+    while first < rows {
+        let count = chunk.min(rows - first);
+        let dst = &mut out[(first * row_bytes) as usize..((first + count) * row_bytes) as usize];
+        produce::write_rows(t, &lookup, first, count, dst).unwrap();
+        first += count;
+    }
+    out
+}
+
+#[test]
+fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
+    // DeepSeek attn_k_b, copied BF16 bit patterns, in chunks of 2 rows.
+    let kv_b = read("kv_b.in");
+    let k_b = OutputTensor {
+        name: "blk.0.attn_k_b.weight".into(),
+        shape: vec![3, 5, 4],
+        ty: GgmlType::Bf16,
+        recipe: Recipe::KvBK {
+            src: "kv_b".into(),
+            n_head: 3,
+            nope: 4,
+            v: 2,
+            lora: 5,
+        },
+        src_dtype: Some(DType::BF16),
+    };
+    assert_eq!(produce_all(&k_b, &[("kv_b", &kv_b)], 2), read("kv_b_k.out"));
+
+    // gpt-oss up experts (odd rows), repacked to ggml MXFP4, one row at a time.
+    let (blocks, scales) = (read("mxfp4_blocks.in"), read("mxfp4_scales.in"));
+    let up = OutputTensor {
+        name: "blk.0.ffn_up_exps.weight".into(),
+        shape: vec![2, 3, 96],
+        ty: GgmlType::Mxfp4,
+        recipe: Recipe::Mxfp4 {
+            blocks: "b".into(),
+            scales: "s".into(),
+            map: Some(RowMap::Interleaved {
+                rows_out_per_expert: 3,
+                half: 1,
+            }),
+        },
+        src_dtype: None,
+    };
+    assert_eq!(
+        produce_all(&up, &[("b", &blocks), ("s", &scales)], 1),
+        read("mxfp4_up.out")
+    );
+
+    // Llama q_proj: permuted, then Q8_0, in chunks of 3 rows = gather then quantise.
+    let cfg = config("llama3");
+    let vals: Vec<f32> = (0..64 * 64)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    let bf16: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+        .collect();
+    let inputs = vec![InputTensor {
+        name: "model.layers.0.self_attn.q_proj.weight".into(),
+        dtype: DType::BF16,
+        shape: vec![64, 64],
+    }];
+    let q = arch::plan_tensors(&cfg, &inputs, FileType::MostlyQ8_0)
+        .unwrap()
+        .remove(1);
+    let got = produce_all(&q, &[(inputs[0].name.as_str(), &bf16)], 3);
+    let mut permuted = vec![0u8; bf16.len()];
+    let map = RowMap::QkPermute {
+        rows: 64,
+        n_head: 4,
+    };
+    transform::gather_rows(&bf16, 128, 0, 64, |r| map.source_row(r), &mut permuted);
+    let f: Vec<f32> = permuted
+        .chunks_exact(2)
+        .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+        .collect();
+    let mut want = vec![0u8; 64 * 2 * 34];
+    quant::quantize_q8_0(&f, &mut want);
+    assert_eq!(got, want);
+    assert_eq!(q.byte_len(), want.len() as u64);
 }

@@ -11,6 +11,7 @@ pub mod arch;
 pub mod kv;
 pub mod layout;
 mod pre_hashes;
+pub mod produce;
 pub mod quant;
 pub mod recipe;
 pub mod tokenizer;
