@@ -973,3 +973,16 @@ fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
     assert_eq!(got, want);
     assert_eq!(q.byte_len(), want.len() as u64);
 }
+
+#[test]
+fn bad_config_and_tokenizer_files_are_named_in_the_error() {
+    let json = serde_json::json!({"hidden_size": 64});
+    let err = Config::from_json(Path::new("/m/config.json"), json).unwrap_err();
+    assert!(matches!(err, Error::GgufConfig { .. }));
+    assert!(err.to_string().contains("/m/config.json"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let err = tokenizer::vocab_kvs(dir.path(), None, Some("gpt-2")).unwrap_err();
+    assert!(matches!(err, Error::GgufTokenizer { .. }), "{err}");
+}

@@ -3,9 +3,18 @@
 //! quantisations, and the tokenizer metadata.
 //!
 //! The ground truth is llama.cpp's `convert_hf_to_gguf.py` and `gguf-py`: a file written from
-//! this module must load in mainline llama.cpp and read back in gguf-py unchanged. Everything
-//! here is pure (no I/O on tensor data): the pipeline plans with [`layout::plan`], streams row
-//! chunks through [`transform`] and [`quant`], and writes at the offsets the plan returns.
+//! this module must load in mainline llama.cpp and read back in gguf-py unchanged. Nothing
+//! here reads tensor data from disk; a conversion goes:
+//!
+//! 1. [`arch::Config::load`] (`config.json` → architecture entry, transformers' defaults);
+//!    [`arch::resolve_auto_file_type`] for `--outtype auto`.
+//! 2. [`arch::model_kvs`] + [`tokenizer::vocab_kvs`] → one [`kv::Metadata`].
+//! 3. [`arch::plan_tensors`] (headers only) → [`recipe::OutputTensor`]s: GGUF name, shape, ggml
+//!    type, and the recipe; [`recipe::OutputTensor::copy_source`] marks byte-identical copies.
+//! 4. [`layout::plan`] with a [`layout::TensorSpec`] per output (source offset set for copies)
+//!    → per file: header bytes, tensor order, absolute offsets, congruence with the source.
+//! 5. Per tensor and row chunk: [`produce::write_rows`] (the CPU oracle), or a copy/reflink of
+//!    the source range for copies; zero padding to the alignment after each tensor.
 
 pub mod arch;
 pub mod kv;
