@@ -221,6 +221,45 @@ for src in sorted(cfg_dir.glob("*.config.json")):
     (cfg_dir / src.name.replace(".config.json", ".to_dict.json")).write_text(
         json.dumps(d, indent=1, sort_keys=True, default=str) + "\n")
 
+# The reference's own set_gguf_parameters on each config: the model classes are built without
+# __init__ (which would index tensors), torch is stubbed (these methods never touch it), and
+# TextModel.__init__'s rope_parameters lines are repeated here.
+if len(sys.argv) > 1:
+    from unittest import mock
+
+    sys.path.insert(0, sys.argv[1])
+    sys.modules.setdefault("torch", mock.MagicMock())  # after transformers saw no torch
+    from conversion.base import ModelBase  # noqa: E402
+    from conversion import llama, qwen, deepseek, gpt_oss  # noqa: E402
+
+    classes = {"LlamaForCausalLM": llama.LlamaModel, "MistralForCausalLM": llama.LlamaModel,
+               "MixtralForCausalLM": llama.LlamaModel, "Qwen2ForCausalLM": qwen.Qwen2Model,
+               "Qwen3ForCausalLM": qwen.Qwen3Model, "Qwen3MoeForCausalLM": qwen.Qwen3MoeModel,
+               "GptOssForCausalLM": gpt_oss.GptOssModel, "DeepseekV3ForCausalLM": deepseek.DeepseekV2Model}
+    for src in sorted(cfg_dir.glob("*.config.json")):
+        d = pathlib.Path("/tmp/gguf-cfg") / src.name.removesuffix(".config.json")
+        hp = ModelBase.load_hparams(d, False)
+        cls = classes[hp["architectures"][0]]
+        m = object.__new__(cls)
+        m.hparams, m.dir_model, m.is_mistral_format = hp, d, False
+        m.hf_arch = m.origin_hf_arch = hp["architectures"][0]
+        m.ftype, m.model_arch = gguf.LlamaFileType.MOSTLY_BF16, cls.model_arch
+        m.block_count = m.find_hparam(["n_layers", "num_hidden_layers", "n_layer", "num_layers"])
+        m.rope_parameters = m.hparams.get("rope_parameters", m.hparams.get("rope_scaling")) or {}
+        theta = m.find_hparam(["global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta",
+                               "rotary_emb_base"], optional=True)
+        if "full_attention" not in m.rope_parameters and "sliding_attention" not in m.rope_parameters:
+            if "rope_theta" not in m.rope_parameters and theta is not None:
+                m.rope_parameters["rope_theta"] = theta
+            if "rope_type" not in m.rope_parameters and (rt := m.rope_parameters.get("type")) is not None:
+                m.rope_parameters["rope_type"] = rt
+        m.gguf_writer = GGUFWriter(None, gguf.MODEL_ARCH_NAMES[cls.model_arch])
+        m._try_set_pooling_type = lambda: None
+        m.set_gguf_parameters()
+        kvs = [[k, v.type.name, float(np.float32(v.value)) if v.type.name == "FLOAT32" else v.value]
+               for k, v in m.gguf_writer.kv_data[0].items()]
+        (cfg_dir / src.name.replace(".config.json", ".kvs.json")).write_text(json.dumps(kvs, indent=1) + "\n")
+
 # --- tokenizer -------------------------------------------------------------------------------
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers  # noqa: E402
 

@@ -986,3 +986,44 @@ fn bad_config_and_tokenizer_files_are_named_in_the_error() {
     let err = tokenizer::vocab_kvs(dir.path(), None, Some("gpt-2")).unwrap_err();
     assert!(matches!(err, Error::GgufTokenizer { .. }), "{err}");
 }
+
+/// `set_gguf_parameters` of the reference's own model classes, run on each config by the
+/// generator: same keys, order, types and values. (gpt-oss: the reference switches the file
+/// type to MOSTLY_MXFP4_MOE later, in `prepare_metadata`, once it has seen MXFP4 tensors.)
+#[test]
+fn hparam_kvs_equal_the_reference_set_gguf_parameters() {
+    for name in [
+        "llama3",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3moe",
+        "gptoss",
+        "deepseekv3",
+    ] {
+        let cfg = config(name);
+        let m = arch::model_kvs(&cfg, FileType::MostlyBf16, "x").unwrap();
+        let want: Vec<Json> =
+            serde_json::from_slice(&read(&format!("configs/{name}.kvs.json"))).unwrap();
+        let skip = ["general.type", "general.name", "general.quantization_version"];
+        let got: Vec<(&str, &Value)> = m.iter().filter(|(k, _)| !skip.contains(k)).collect();
+        let keys = |v: &[(&str, &Value)]| v.iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>();
+        let want_keys: Vec<String> = want.iter().map(|e| e[0].as_str().unwrap().into()).collect();
+        assert_eq!(keys(&got), want_keys, "{name}");
+        for ((k, v), w) in got.iter().zip(&want) {
+            let (ty, wv) = (w[1].as_str().unwrap(), &w[2]);
+            let ok = match (v, ty) {
+                (Value::U32(38), "UINT32") if *k == "general.file_type" && name == "gptoss" => {
+                    wv.as_u64() == Some(32)
+                }
+                (Value::U32(x), "UINT32") => wv.as_u64() == Some(*x as u64),
+                (Value::F32(x), "FLOAT32") => wv.as_f64() == Some(*x as f64),
+                (Value::Bool(x), "BOOL") => wv.as_bool() == Some(*x),
+                (Value::String(x), "STRING") => wv.as_str() == Some(x.as_str()),
+                _ => false,
+            };
+            assert!(ok, "{name}: {k} = {v:?}, reference {ty} {wv}");
+        }
+    }
+}
