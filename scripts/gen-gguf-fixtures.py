@@ -260,6 +260,37 @@ if len(sys.argv) > 1:
                for k, v in m.gguf_writer.kv_data[0].items()]
         (cfg_dir / src.name.replace(".config.json", ".kvs.json")).write_text(json.dumps(kvs, indent=1) + "\n")
 
+# The reference's tensor-name map (tensor_mapping.py filtered by each architecture's tensor list)
+# for the plain per-layer and global names of each configuration.
+if len(sys.argv) > 1:
+    attn = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    dense = ["post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    qk_norm = ["self_attn.q_norm", "self_attn.k_norm"]
+    # The module names each transformers class emits (per layer, without .weight/.bias).
+    plain_by_class = {
+        "LlamaForCausalLM": attn + dense, "MistralForCausalLM": attn + dense,
+        "MixtralForCausalLM": attn + ["post_attention_layernorm", "block_sparse_moe.gate"],
+        "Qwen2ForCausalLM": attn + dense, "Qwen3ForCausalLM": attn + dense + qk_norm,
+        "Qwen3MoeForCausalLM": attn + qk_norm + ["post_attention_layernorm", "mlp.gate"],
+        "GptOssForCausalLM": attn + ["post_attention_layernorm", "mlp.router"],
+        "DeepseekV3ForCausalLM": ["input_layernorm", "self_attn.q_a_proj", "self_attn.q_a_layernorm",
+                                  "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm",
+                                  "self_attn.o_proj", "mlp.gate", "mlp.shared_experts.gate_proj",
+                                  "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"] + dense,
+    }
+    names = {}
+    for src in sorted(cfg_dir.glob("*.config.json")):
+        hp = json.loads(src.read_text())
+        tm = gguf.get_tensor_name_map(classes[hp["architectures"][0]].model_arch, hp["num_hidden_layers"])
+        pairs = []
+        for hf in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+                f"model.layers.1.{b}.{s}" for b in plain_by_class[hp["architectures"][0]] for s in ("weight", "bias")]:
+            g = tm.get_name(hf, try_suffixes=(".weight", ".bias"))
+            if g is not None:
+                pairs.append([hf, g])
+        names[src.name.removesuffix(".config.json")] = pairs
+    (cfg_dir / "tensor_names.json").write_text(json.dumps(names, indent=1) + "\n")
+
 # --- tokenizer -------------------------------------------------------------------------------
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers  # noqa: E402
 

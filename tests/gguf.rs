@@ -1006,7 +1006,11 @@ fn hparam_kvs_equal_the_reference_set_gguf_parameters() {
         let m = arch::model_kvs(&cfg, FileType::MostlyBf16, "x").unwrap();
         let want: Vec<Json> =
             serde_json::from_slice(&read(&format!("configs/{name}.kvs.json"))).unwrap();
-        let skip = ["general.type", "general.name", "general.quantization_version"];
+        let skip = [
+            "general.type",
+            "general.name",
+            "general.quantization_version",
+        ];
         let got: Vec<(&str, &Value)> = m.iter().filter(|(k, _)| !skip.contains(k)).collect();
         let keys = |v: &[(&str, &Value)]| v.iter().map(|(k, _)| k.to_string()).collect::<Vec<_>>();
         let want_keys: Vec<String> = want.iter().map(|e| e[0].as_str().unwrap().into()).collect();
@@ -1024,6 +1028,37 @@ fn hparam_kvs_equal_the_reference_set_gguf_parameters() {
                 _ => false,
             };
             assert!(ok, "{name}: {k} = {v:?}, reference {ty} {wv}");
+        }
+    }
+}
+
+/// Plain names map as the reference's `tensor_mapping.py` (filtered by each architecture's
+/// tensor list) maps them.
+#[test]
+fn tensor_names_equal_the_reference_map() {
+    let all: Json = serde_json::from_slice(&read("configs/tensor_names.json")).unwrap();
+    for (name, pairs) in all.as_object().unwrap() {
+        let cfg = config(name);
+        for pair in pairs.as_array().unwrap() {
+            let (hf, want) = (pair[0].as_str().unwrap(), pair[1].as_str().unwrap());
+            let shape = if hf.ends_with(".bias") {
+                vec![128]
+            } else {
+                vec![128, 8]
+            };
+            let input = InputTensor {
+                name: hf.into(),
+                dtype: DType::BF16,
+                shape,
+            };
+            let out = arch::plan_tensors(&cfg, &[input], FileType::MostlyBf16)
+                .unwrap_or_else(|e| panic!("{name}: {hf}: {e}"));
+            let names: Vec<&str> = out
+                .iter()
+                .map(|o| o.name.as_str())
+                .filter(|n| *n != "rope_freqs.weight")
+                .collect();
+            assert_eq!(names, [want], "{name}: {hf}");
         }
     }
 }
