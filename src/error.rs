@@ -254,6 +254,24 @@ pub enum Error {
 
     #[error("{0}")]
     Other(String),
+
+    /// A GGUF output that cannot be laid out (name too long, too many dimensions, a size that
+    /// is not a whole number of ggml blocks, a bad alignment).
+    #[error("gguf: tensor `{tensor}`: {msg}")]
+    GgufTensor { tensor: String, msg: String },
+
+    #[error("gguf: architecture `{arch}` is not supported; supported: {supported}")]
+    GgufUnsupportedArch { arch: String, supported: String },
+
+    /// `config.json` lacks a value the architecture needs, or has one of the wrong type.
+    #[error("{}: {msg}", path.display())]
+    GgufConfig { path: PathBuf, msg: String },
+
+    #[error("{}: the pre-tokenizer is not one llama.cpp knows (chkhsh {hash}); if you know which one it is (e.g. `llama-bpe`, `qwen2`), pass --vocab-pre NAME", path.display())]
+    GgufUnknownPreTokenizer { path: PathBuf, hash: String },
+
+    #[error("{}: tokenizer: {msg}", path.display())]
+    GgufTokenizer { path: PathBuf, msg: String },
 }
 
 impl Error {

@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod dtype;
+pub mod gguf;
 pub mod header;
 
 use std::io::Write;

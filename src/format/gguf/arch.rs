@@ -1,0 +1,721 @@
+//! Architecture table: which Hugging Face model classes we convert, how their tensors are
+//! named and transformed in GGUF, and which hyperparameter KVs they get.
+//!
+//! Adding an architecture is one [`ArchSpec`] entry (its HF class names, GGUF name, the
+//! transformers config defaults the reference sees, and its tensor-name table) plus, where its
+//! tensors need more than a rename, one arm in [`plan_tensors`]'s special cases. Names and
+//! rules come from `gguf-py/gguf/{constants,tensor_mapping}.py` and `conversion/{base,llama,
+//! qwen,gpt_oss,deepseek}.py`.
+//!
+//! The reference reads `config.json` through transformers' `AutoConfig(...).to_dict()`, so class
+//! defaults absent from the file are written too (Llama's derived `head_dim` becomes
+//! `attention.key_length`, for example); each entry carries the defaults of its class as of
+//! transformers 5, checked against `to_dict()` by the test fixtures.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value as Json};
+
+use super::kv::{Metadata, Value};
+use super::FileType;
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+
+/// `GGML_QUANT_VERSION`, written as `general.quantization_version`.
+pub const GGML_QUANT_VERSION: u32 = 2;
+
+/// Which code paths an architecture takes beyond renaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Q/K rotary permutation, Mixtral expert stacking, Llama-3 `rope_freqs`.
+    Llama,
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+    GptOss,
+    DeepseekV3,
+}
+
+/// A config default: a number, or derived from other keys.
+#[derive(Debug, Clone, Copy)]
+pub enum ConfigDefault {
+    Int(u64),
+    Float(f64),
+    Bool(bool),
+    /// `hidden_size / num_attention_heads`.
+    HiddenPerHead,
+    /// A number, unless the file sets the key to null: then `hidden_size / num_attention_heads`.
+    HiddenPerHeadOr(u64),
+    /// The value of `num_attention_heads`.
+    SameAsHeads,
+    /// Always the value of another key, whatever the file says (DeepSeek-V3's `head_dim` is
+    /// its `qk_rope_head_dim`).
+    Always(&'static str),
+}
+
+/// One supported architecture.
+#[derive(Debug)]
+pub struct ArchSpec {
+    /// `architectures[0]` values in `config.json`.
+    pub hf_classes: &'static [&'static str],
+    /// `general.architecture`.
+    pub gguf_arch: &'static str,
+    pub family: Family,
+    /// transformers config class defaults the reference sees (keys it reads only).
+    pub defaults: &'static [(&'static str, ConfigDefault)],
+    /// `rope_parameters` when the config has neither it nor `rope_scaling`.
+    pub rope_theta_default: f64,
+    /// Per-layer names: HF name after `model.layers.{bid}.` without `.weight`/`.bias` → GGUF
+    /// name after `blk.{bid}.`.
+    pub layer_tensors: &'static [(&'static str, &'static str)],
+}
+
+pub(super) const COMMON_LAYER_TABLE: &[(&str, &str)] = &[
+    ("input_layernorm", "attn_norm"),
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_output"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+];
+
+pub(super) const GLOBAL_TABLE: &[(&str, &str)] = &[
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+use ConfigDefault::*;
+
+pub static ARCHS: &[ArchSpec] = &[
+    ArchSpec {
+        hf_classes: &["LlamaForCausalLM"],
+        gguf_arch: "llama",
+        family: Family::Llama,
+        defaults: &[
+            ("max_position_embeddings", Int(2048)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", SameAsHeads),
+            ("head_dim", HiddenPerHead),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["MistralForCausalLM"],
+        gguf_arch: "llama",
+        family: Family::Llama,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(8)),
+            ("head_dim", HiddenPerHead),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["MixtralForCausalLM"],
+        gguf_arch: "llama",
+        family: Family::Llama,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", Int(8)),
+            ("num_local_experts", Int(8)),
+            ("num_experts_per_tok", Int(2)),
+        ],
+        rope_theta_default: 1e6,
+        layer_tensors: &[
+            ("block_sparse_moe.gate", "ffn_gate_inp"),
+            ("block_sparse_moe.experts.w1", "ffn_gate_exps"),
+            ("block_sparse_moe.experts.w2", "ffn_down_exps"),
+            ("block_sparse_moe.experts.w3", "ffn_up_exps"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["Qwen2ForCausalLM"],
+        gguf_arch: "qwen2",
+        family: Family::Qwen2,
+        defaults: &[
+            ("max_position_embeddings", Int(32768)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(32)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["Qwen3ForCausalLM"],
+        gguf_arch: "qwen3",
+        family: Family::Qwen3,
+        defaults: &[
+            ("max_position_embeddings", Int(32768)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(32)),
+            ("head_dim", Int(128)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["Qwen3MoeForCausalLM"],
+        gguf_arch: "qwen3moe",
+        family: Family::Qwen3Moe,
+        defaults: &[
+            ("max_position_embeddings", Int(32768)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(4)),
+            ("num_experts_per_tok", Int(8)),
+            ("moe_intermediate_size", Int(768)),
+            // config.json spells it `num_experts`; transformers maps it to `num_local_experts`.
+            ("num_experts", Int(128)),
+            ("norm_topk_prob", Bool(false)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+            ("mlp.gate", "ffn_gate_inp"),
+            ("mlp.experts.gate_proj", "ffn_gate_exps"),
+            ("mlp.experts.up_proj", "ffn_up_exps"),
+            ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["GptOssForCausalLM"],
+        gguf_arch: "gpt-oss",
+        family: Family::GptOss,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", Int(8)),
+            ("head_dim", HiddenPerHeadOr(64)),
+            ("num_experts_per_tok", Int(4)),
+            ("num_local_experts", Int(128)),
+            ("sliding_window", Int(128)),
+        ],
+        rope_theta_default: 150000.0,
+        layer_tensors: &[
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("self_attn.sinks", "attn_sinks"),
+            ("mlp.router", "ffn_gate_inp"),
+            ("mlp.experts.gate_proj", "ffn_gate_exps"),
+            ("mlp.experts.up_proj", "ffn_up_exps"),
+            ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["DeepseekV3ForCausalLM"],
+        gguf_arch: "deepseek2",
+        family: Family::DeepseekV3,
+        defaults: &[
+            ("max_position_embeddings", Int(4096)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", SameAsHeads),
+            ("num_experts_per_tok", Int(8)),
+            ("moe_intermediate_size", Int(2048)),
+            ("norm_topk_prob", Bool(true)),
+            ("n_group", Int(8)),
+            ("topk_group", Int(4)),
+            ("n_routed_experts", Int(256)),
+            ("n_shared_experts", Int(1)),
+            ("routed_scaling_factor", Float(2.5)),
+            ("first_k_dense_replace", Int(3)),
+            ("kv_lora_rank", Int(512)),
+            ("q_lora_rank", Int(1536)),
+            ("qk_rope_head_dim", Int(64)),
+            ("qk_nope_head_dim", Int(128)),
+            ("v_head_dim", Int(128)),
+            // After the key it copies.
+            ("head_dim", Always("qk_rope_head_dim")),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("self_attn.q_a_proj", "attn_q_a"),
+            ("self_attn.q_a_layernorm", "attn_q_a_norm"),
+            ("self_attn.q_b_proj", "attn_q_b"),
+            ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+            ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
+            ("mlp.gate", "ffn_gate_inp"),
+            ("mlp.gate.e_score_correction", "exp_probs_b"),
+            ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
+            ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
+            ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
+            ("mlp.experts.gate_proj", "ffn_gate_exps"),
+            ("mlp.experts.up_proj", "ffn_up_exps"),
+            ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+];
+
+/// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
+pub fn lookup(hf_class: &str) -> Result<&'static ArchSpec> {
+    ARCHS
+        .iter()
+        .find(|a| a.hf_classes.contains(&hf_class))
+        .ok_or_else(|| Error::GgufUnsupportedArch {
+            arch: hf_class.to_string(),
+            supported: ARCHS
+                .iter()
+                .flat_map(|a| a.hf_classes.iter().copied())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// `config.json` as the reference sees it: the file over the class defaults, with transformers
+/// 5's `rope_parameters` (from `rope_parameters`, else `rope_scaling` with `type` renamed
+/// `rope_type`, with `rope_theta` folded in).
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub path: PathBuf,
+    pub spec: &'static ArchSpec,
+    pub map: Map<String, Json>,
+    pub rope: Map<String, Json>,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let json: Json = serde_json::from_str(&text).map_err(|e| Error::GgufConfig {
+            path: path.into(),
+            msg: format!("not valid JSON: {e}"),
+        })?;
+        Config::from_json(path, json)
+    }
+
+    pub fn from_json(path: &Path, json: Json) -> Result<Config> {
+        let bad = |msg: String| Error::GgufConfig {
+            path: path.into(),
+            msg,
+        };
+        let Json::Object(mut map) = json else {
+            return Err(bad("not a JSON object".into()));
+        };
+        let class = map
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Json::as_str)
+            .ok_or_else(|| bad("no `architectures` list".into()))?;
+        let spec = lookup(class)?;
+        for (key, default) in spec.defaults {
+            let present = map.get(*key);
+            if present.is_some_and(|v| !v.is_null()) && !matches!(default, Always(_)) {
+                continue;
+            }
+            let explicit_null = present.is_some_and(Json::is_null);
+            let heads = map.get("num_attention_heads").and_then(Json::as_u64);
+            let hidden = map.get("hidden_size").and_then(Json::as_u64);
+            let v = match default {
+                Always(other) => match map.get(*other) {
+                    Some(v) => v.clone(),
+                    None => continue,
+                },
+                HiddenPerHeadOr(n) if !explicit_null => Json::from(*n),
+                HiddenPerHeadOr(_) => match (hidden, heads) {
+                    (Some(d), Some(h)) if h > 0 => Json::from(d / h),
+                    _ => continue,
+                },
+                Int(n) => Json::from(*n),
+                Float(f) => Json::from(*f),
+                Bool(b) => Json::from(*b),
+                SameAsHeads => match heads {
+                    Some(h) => Json::from(h),
+                    None => continue,
+                },
+                HiddenPerHead => match (hidden, heads) {
+                    (Some(d), Some(h)) if h > 0 => Json::from(d / h),
+                    _ => continue,
+                },
+            };
+            map.insert(key.to_string(), v);
+        }
+        let mut rope = match map
+            .get("rope_parameters")
+            .or_else(|| map.get("rope_scaling"))
+        {
+            Some(Json::Object(r)) => r.clone(),
+            _ => Map::new(),
+        };
+        if !rope.contains_key("rope_type") {
+            let t = rope.get("type").cloned().unwrap_or(Json::from("default"));
+            rope.insert("rope_type".into(), t);
+        }
+        if !rope.contains_key("rope_theta") {
+            let theta = map
+                .get("rope_theta")
+                .cloned()
+                .unwrap_or(Json::from(spec.rope_theta_default));
+            rope.insert("rope_theta".into(), theta);
+        }
+        Ok(Config {
+            path: path.into(),
+            spec,
+            map,
+            rope,
+        })
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::GgufConfig {
+            path: self.path.clone(),
+            msg,
+        }
+    }
+
+    /// The first of `keys` present and not null.
+    pub fn find(&self, keys: &[&str]) -> Option<&Json> {
+        keys.iter()
+            .find_map(|k| self.map.get(*k).filter(|v| !v.is_null()))
+    }
+
+    pub fn u64(&self, keys: &[&str]) -> Option<u64> {
+        self.find(keys).and_then(Json::as_u64)
+    }
+
+    pub fn f64(&self, keys: &[&str]) -> Option<f64> {
+        self.find(keys).and_then(Json::as_f64)
+    }
+
+    pub fn need_u64(&self, key: &str) -> Result<u64> {
+        self.u64(&[key])
+            .ok_or_else(|| self.err(format!("`{key}` is missing or not an unsigned integer")))
+    }
+
+    fn u32_kv(&self, key: &str, v: u64) -> Result<Value> {
+        u32::try_from(v)
+            .map(Value::U32)
+            .map_err(|_| self.err(format!("`{key}` = {v} does not fit a u32")))
+    }
+
+    pub fn block_count(&self) -> Result<u64> {
+        self.u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])
+            .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))
+    }
+
+    fn rope_f64(&self, key: &str) -> Option<f64> {
+        self.rope.get(key).and_then(Json::as_f64)
+    }
+}
+
+/// `general.*` and `{arch}.*` KVs, in the order the reference writes them.
+pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metadata> {
+    let arch = cfg.spec.gguf_arch;
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut m = Metadata::new();
+    m.set("general.architecture", Value::String(arch.into()));
+    m.set("general.type", Value::String("model".into()));
+    m.set("general.name", Value::String(name.into()));
+    let fam = cfg.spec.family;
+    let mut n_kv_override = None;
+    if fam == Family::DeepseekV3 {
+        n_kv_override = Some(1); // MLA is written as MQA
+    }
+
+    // TextModel.set_gguf_parameters
+    m.set(
+        k("block_count"),
+        cfg.u32_kv("block_count", cfg.block_count()?)?,
+    );
+    let u32s: &[(&[&str], &str)] = &[
+        (
+            &[
+                "max_position_embeddings",
+                "n_ctx",
+                "n_positions",
+                "max_length",
+                "max_sequence_length",
+                "model_max_length",
+            ],
+            "context_length",
+        ),
+        (&["hidden_size", "n_embd", "dim"], "embedding_length"),
+        (
+            &[
+                "prefix_dense_intermediate_size",
+                "dense_intermediate_size",
+                "intermediate_size",
+                "n_inner",
+                "hidden_dim",
+            ],
+            "feed_forward_length",
+        ),
+        (
+            &["num_attention_heads", "n_head", "n_heads"],
+            "attention.head_count",
+        ),
+    ];
+    for (keys, gguf) in u32s {
+        if let Some(v) = cfg.u64(keys) {
+            m.set(k(gguf), cfg.u32_kv(keys[0], v)?);
+        }
+    }
+    if let Some(v) = n_kv_override.or(cfg.u64(&["num_key_value_heads", "n_kv_heads"])) {
+        m.set(
+            k("attention.head_count_kv"),
+            cfg.u32_kv("num_key_value_heads", v)?,
+        );
+    }
+    let rope_type = cfg
+        .rope
+        .get("rope_type")
+        .and_then(Json::as_str)
+        .unwrap_or("");
+    let factor = cfg.rope_f64("factor");
+    match (rope_type, factor) {
+        ("linear", Some(f)) => {
+            m.set(k("rope.scaling.type"), Value::String("linear".into()));
+            m.set(k("rope.scaling.factor"), Value::F32(f as f32));
+        }
+        ("yarn", Some(f)) => {
+            m.set(k("rope.scaling.type"), Value::String("yarn".into()));
+            m.set(k("rope.scaling.factor"), Value::F32(f as f32));
+            let orig = cfg
+                .rope
+                .get("original_max_position_embeddings")
+                .and_then(Json::as_u64)
+                .ok_or_else(|| {
+                    cfg.err("yarn rope scaling lacks `original_max_position_embeddings`".into())
+                })?;
+            m.set(
+                k("rope.scaling.original_context_length"),
+                cfg.u32_kv("original_max_position_embeddings", orig)?,
+            );
+            for (hf, gguf) in [
+                ("extrapolation_factor", "rope.scaling.yarn_ext_factor"),
+                ("attention_factor", "rope.scaling.yarn_attn_factor"),
+                ("beta_fast", "rope.scaling.yarn_beta_fast"),
+                ("beta_slow", "rope.scaling.yarn_beta_slow"),
+            ] {
+                let v = cfg.rope_f64(hf).or_else(|| {
+                    (hf == "attention_factor")
+                        .then(|| cfg.rope_f64("attn_factor"))
+                        .flatten()
+                });
+                if let Some(v) = v {
+                    m.set(k(gguf), Value::F32(v as f32));
+                }
+            }
+        }
+        ("su" | "longrope", _) => m.set(k("rope.scaling.type"), Value::String("longrope".into())),
+        _ => {}
+    }
+    if let Some(theta) = cfg.rope_f64("rope_theta") {
+        m.set(k("rope.freq_base"), Value::F32(theta as f32));
+    }
+    if let Some(eps) = cfg.f64(&["rms_norm_eps", "norm_eps"]) {
+        m.set(
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(eps as f32),
+        );
+    }
+    let counts: &[(&[&str], &str)] = &[
+        (
+            &["num_local_experts", "num_experts", "n_routed_experts"],
+            "expert_count",
+        ),
+        (
+            &[
+                "num_experts_per_tok",
+                "num_experts_per_token",
+                "top_k_experts",
+            ],
+            "expert_used_count",
+        ),
+        (&["n_group"], "expert_group_count"),
+        (&["topk_group"], "expert_group_used_count"),
+    ];
+    for (keys, gguf) in counts {
+        if let Some(v) = cfg.u64(keys) {
+            m.set(k(gguf), cfg.u32_kv(keys[0], v)?);
+        }
+    }
+    if let Some(f) = cfg.find(&["score_function", "scoring_func", "score_func"]) {
+        let id = match f.as_str() {
+            Some("softmax") => 1,
+            Some("sigmoid") => 2,
+            Some("sqrtsoftplus") => 4,
+            _ => return Err(cfg.err(format!("unsupported expert scoring function {f}"))),
+        };
+        m.set(k("expert_gating_func"), Value::U32(id));
+    }
+    if let Some(hd) = cfg.u64(&["head_dim"]) {
+        m.set(k("attention.key_length"), cfg.u32_kv("head_dim", hd)?);
+        m.set(k("attention.value_length"), cfg.u32_kv("head_dim", hd)?);
+    }
+    let ftype = match (fam, file_type) {
+        (Family::GptOss, FileType::AllF32 | FileType::MostlyF16 | FileType::MostlyBf16) => {
+            MXFP4_MOE_FILE_TYPE
+        }
+        _ => file_type.id(),
+    };
+    m.set("general.file_type", Value::U32(ftype));
+
+    // Per-architecture additions.
+    match fam {
+        Family::Llama => {
+            m.set(
+                k("vocab_size"),
+                cfg.u32_kv("vocab_size", cfg.need_u64("vocab_size")?)?,
+            );
+            m.set(
+                k("rope.dimension_count"),
+                cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
+            );
+        }
+        Family::Qwen2 | Family::Qwen3 => {}
+        Family::Qwen3Moe => {
+            if let Some(v) = cfg.u64(&["moe_intermediate_size"]) {
+                m.set(
+                    k("expert_feed_forward_length"),
+                    cfg.u32_kv("moe_intermediate_size", v)?,
+                );
+            }
+            if let Some(v) = cfg.u64(&["shared_expert_intermediate_size"]) {
+                m.set(
+                    k("expert_shared_feed_forward_length"),
+                    cfg.u32_kv("shared_expert_intermediate_size", v)?,
+                );
+            }
+        }
+        Family::GptOss => {
+            m.set(
+                k("attention.sliding_window"),
+                cfg.u32_kv("sliding_window", cfg.need_u64("sliding_window")?)?,
+            );
+            m.set(
+                k("expert_feed_forward_length"),
+                cfg.u32_kv("intermediate_size", cfg.need_u64("intermediate_size")?)?,
+            );
+        }
+        Family::DeepseekV3 => deepseek_kvs(cfg, &mut m, &k)?,
+    }
+    m.set(
+        "general.quantization_version",
+        Value::U32(GGML_QUANT_VERSION),
+    );
+    Ok(m)
+}
+
+/// `LlamaFileType.MOSTLY_MXFP4_MOE`: what the reference writes for gpt-oss whenever the other
+/// tensors are F32/F16/BF16.
+pub const MXFP4_MOE_FILE_TYPE: u32 = 38;
+
+fn rope_dim(cfg: &Config) -> Result<u64> {
+    match cfg.u64(&["head_dim"]) {
+        Some(d) => Ok(d),
+        None => Ok(cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1)),
+    }
+}
+
+fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> Result<()> {
+    let has_moe = cfg.u64(&["n_routed_experts"]).is_some();
+    let dense = match cfg.u64(&["first_k_dense_replace"]) {
+        Some(v) => v,
+        None if has_moe => 0,
+        None => cfg.need_u64("num_hidden_layers")?,
+    };
+    m.set(
+        k("leading_dense_block_count"),
+        cfg.u32_kv("first_k_dense_replace", dense)?,
+    );
+    let kv_lora = cfg.u64(&["kv_lora_rank"]).unwrap_or(512);
+    m.set(
+        k("vocab_size"),
+        cfg.u32_kv("vocab_size", cfg.need_u64("vocab_size")?)?,
+    );
+    if let Some(q) = cfg.u64(&["q_lora_rank"]) {
+        m.set(k("attention.q_lora_rank"), cfg.u32_kv("q_lora_rank", q)?);
+    }
+    let rope = cfg.need_u64("qk_rope_head_dim")?;
+    let nope = cfg.need_u64("qk_nope_head_dim")?;
+    let v = cfg.need_u64("v_head_dim")?;
+    m.set(
+        k("attention.kv_lora_rank"),
+        cfg.u32_kv("kv_lora_rank", kv_lora)?,
+    );
+    m.set(
+        k("attention.key_length"),
+        cfg.u32_kv("kv_lora_rank", kv_lora + rope)?,
+    );
+    m.set(
+        k("attention.value_length"),
+        cfg.u32_kv("kv_lora_rank", kv_lora)?,
+    );
+    m.set(
+        k("attention.key_length_mla"),
+        cfg.u32_kv("qk_nope_head_dim", nope + rope)?,
+    );
+    m.set(
+        k("attention.value_length_mla"),
+        cfg.u32_kv("v_head_dim", v)?,
+    );
+    let moe_ff = cfg
+        .u64(&["moe_intermediate_size", "intermediate_size"])
+        .ok_or_else(|| cfg.err("`moe_intermediate_size` is missing".into()))?;
+    m.set(
+        k("expert_feed_forward_length"),
+        cfg.u32_kv("moe_intermediate_size", moe_ff)?,
+    );
+    if let Some(n) = cfg.u64(&["n_routed_experts"]) {
+        m.set(k("expert_count"), cfg.u32_kv("n_routed_experts", n)?);
+    }
+    m.set(
+        k("expert_shared_count"),
+        cfg.u32_kv(
+            "n_shared_experts",
+            cfg.u64(&["n_shared_experts"]).unwrap_or(0),
+        )?,
+    );
+    if let Some(s) = cfg.f64(&["routed_scaling_factor"]) {
+        m.set(k("expert_weights_scale"), Value::F32(s as f32));
+    }
+    if cfg.find(&["norm_topk_prob"]).and_then(Json::as_bool) == Some(true) {
+        m.set(k("expert_weights_norm"), Value::Bool(true));
+    }
+    m.set(
+        k("rope.dimension_count"),
+        cfg.u32_kv("qk_rope_head_dim", rope)?,
+    );
+    if let Some(ms) = cfg.rope_f64("mscale_all_dim") {
+        m.set(
+            k("rope.scaling.yarn_log_multiplier"),
+            Value::F32((0.1 * ms) as f32),
+        );
+    }
+    Ok(())
+}
+
+/// `--outtype auto`: BF16 if the first tensor with two or more dimensions that is BF16 or F16
+/// is BF16, F16 otherwise (the reference skips F32 and integer tensors while looking).
+pub fn resolve_auto_file_type<'a>(inputs: impl IntoIterator<Item = &'a InputTensor>) -> FileType {
+    for t in inputs {
+        if t.shape.len() < 2 {
+            continue;
+        }
+        match t.dtype {
+            DType::BF16 => return FileType::MostlyBf16,
+            DType::F16 => return FileType::MostlyF16,
+            _ => {}
+        }
+    }
+    FileType::MostlyF16
+}
+
+/// A checkpoint tensor as the planner sees it (FP8 weights already counted as dequantised by
+/// the pipeline's FP8 op, with its output dtype).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+pub use super::recipe::{plan_tensors, OutputTensor, Recipe, RowMap};

@@ -1,0 +1,132 @@
+//! GGUF output: the container (v3, little-endian), the architecture table that maps a Hugging
+//! Face checkpoint onto llama.cpp's names and hyperparameters, the tensor transforms, the ggml
+//! quantisations, and the tokenizer metadata.
+//!
+//! The ground truth is llama.cpp's `convert_hf_to_gguf.py` and `gguf-py`: a file written from
+//! this module must load in mainline llama.cpp and read back in gguf-py unchanged. Nothing
+//! here reads tensor data from disk; a conversion goes:
+//!
+//! 1. [`arch::Config::load`] (`config.json` → architecture entry, transformers' defaults);
+//!    [`arch::resolve_auto_file_type`] for `--outtype auto`.
+//! 2. [`arch::model_kvs`] + [`tokenizer::vocab_kvs`] → one [`kv::Metadata`].
+//! 3. [`arch::plan_tensors`] (headers only) → [`recipe::OutputTensor`]s: GGUF name, shape, ggml
+//!    type, and the recipe; [`recipe::OutputTensor::copy_source`] marks byte-identical copies.
+//! 4. [`layout::plan`] with a [`layout::TensorSpec`] per output (source offset set for copies)
+//!    → per file: header bytes, tensor order, absolute offsets, congruence with the source.
+//! 5. Per tensor and row chunk: [`produce::write_rows`] (the CPU oracle), or a copy/reflink of
+//!    the source range for copies; zero padding to the alignment after each tensor.
+
+pub mod arch;
+pub mod kv;
+pub mod layout;
+mod pre_hashes;
+pub mod produce;
+pub mod quant;
+pub mod recipe;
+pub mod tokenizer;
+pub mod transform;
+
+/// ggml tensor types this converter writes (`GGMLQuantizationType` in gguf-py).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q8_0,
+    Bf16,
+    Mxfp4,
+}
+
+impl GgmlType {
+    /// The type id stored in a tensor info.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Bf16 => 30,
+            GgmlType::Mxfp4 => 39,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Bf16 => "BF16",
+            GgmlType::Mxfp4 => "MXFP4",
+        }
+    }
+
+    /// `(elements per block, bytes per block)`, as `GGML_QUANT_SIZES`.
+    pub fn block(self) -> (u64, u64) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::Bf16 => (1, 2),
+            GgmlType::Q8_0 => (
+                quant::Q8_0_BLOCK_ELEMS as u64,
+                quant::Q8_0_BLOCK_BYTES as u64,
+            ),
+            GgmlType::Mxfp4 => (
+                quant::MXFP4_BLOCK_ELEMS as u64,
+                quant::MXFP4_BLOCK_BYTES as u64,
+            ),
+        }
+    }
+
+    /// Bytes of a tensor of this type with `shape` (outermost first, as PyTorch), or `None` when
+    /// the innermost dimension is not a whole number of blocks or the size overflows.
+    pub fn byte_len(self, shape: &[u64]) -> Option<u64> {
+        let (elems, bytes) = self.block();
+        let inner = shape.last().copied().unwrap_or(1);
+        if inner % elems != 0 {
+            return None;
+        }
+        let rows = shape[..shape.len().saturating_sub(1)]
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))?;
+        rows.checked_mul(inner / elems)?.checked_mul(bytes)
+    }
+}
+
+/// `general.file_type` values (`LlamaFileType` in gguf-py) for the output types we offer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileType {
+    AllF32,
+    MostlyF16,
+    MostlyQ8_0,
+    MostlyBf16,
+}
+
+impl FileType {
+    pub fn id(self) -> u32 {
+        match self {
+            FileType::AllF32 => 0,
+            FileType::MostlyF16 => 1,
+            FileType::MostlyQ8_0 => 7,
+            FileType::MostlyBf16 => 32,
+        }
+    }
+
+    /// The ggml type a quantisable 2-D+ tensor gets under this file type.
+    pub fn tensor_type(self) -> GgmlType {
+        match self {
+            FileType::AllF32 => GgmlType::F32,
+            FileType::MostlyF16 => GgmlType::F16,
+            FileType::MostlyQ8_0 => GgmlType::Q8_0,
+            FileType::MostlyBf16 => GgmlType::Bf16,
+        }
+    }
+
+    /// `--outtype` spelling: `f32`, `f16`, `bf16`, `q8_0`; `auto` is resolved by
+    /// [`arch::resolve_auto_file_type`].
+    pub fn parse(s: &str) -> Option<FileType> {
+        match s {
+            "f32" => Some(FileType::AllF32),
+            "f16" => Some(FileType::MostlyF16),
+            "bf16" => Some(FileType::MostlyBf16),
+            "q8_0" => Some(FileType::MostlyQ8_0),
+            _ => None,
+        }
+    }
+}

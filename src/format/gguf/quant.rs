@@ -1,0 +1,122 @@
+//! ggml block formats written by the converter.
+//!
+//! **Q8_0** (`block_q8_0`, 34 bytes per 32 elements): `d: f16` then `qs: [i8; 32]`, value
+//! `qs[j] * d`. Quantisation is gguf-py's `Q8_0.quantize_blocks`, itself bit-exact with
+//! `quantize_row_q8_0_ref`: in f32, `d = max|x| / 127`, `id = d == 0 ? 0 : 1 / d` (a reciprocal,
+//! then a multiply, not a division per element), `qs = round(x * id)` with ties away from zero,
+//! and `d` rounded to f16 to nearest even only when stored.
+//!
+//! **MXFP4** (`block_mxfp4`, 17 bytes per 32 elements): `e: u8` (E8M0, bias 127, the byte of
+//! the checkpoint's scale unchanged) then `qs: [u8; 16]` where element `j` is the low nibble
+//! of `qs[j]` and element `j + 16` the high nibble. The safetensors MXFP4 layout (gpt-oss
+//! `*_blocks [.., 16]` with `*_scales` alongside) packs element `2k` in the low and `2k + 1`
+//! in the high nibble of byte `k`: the repack is a nibble permutation, exact by construction
+//! (gpt_oss.py's `transform_nibble_layout` + `repack_mxfp4`).
+
+use crate::ops::cast::f32_to_f16;
+
+pub const Q8_0_BLOCK_ELEMS: usize = 32;
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+pub const MXFP4_BLOCK_ELEMS: usize = 32;
+pub const MXFP4_BLOCK_BYTES: usize = 17;
+/// Packed nibble bytes of one MXFP4 block in a safetensors checkpoint.
+pub const MXFP4_SRC_BLOCK_BYTES: usize = 16;
+
+/// Whether a row of `row_len` elements can be Q8_0 (gguf-py falls back to F16 otherwise).
+pub fn q8_0_fits(row_len: u64) -> bool {
+    row_len > 0 && row_len % Q8_0_BLOCK_ELEMS as u64 == 0
+}
+
+/// Quantises one block of 32 values into `out` (34 bytes).
+#[inline]
+pub fn quantize_q8_0_block(x: &[f32], out: &mut [u8]) {
+    debug_assert_eq!(x.len(), Q8_0_BLOCK_ELEMS);
+    debug_assert_eq!(out.len(), Q8_0_BLOCK_BYTES);
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    out[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
+    for (q, &v) in out[2..].iter_mut().zip(x) {
+        // f32::round rounds half away from zero, like gguf-py's np_roundf.
+        *q = ((v * id).round() as i8) as u8;
+    }
+}
+
+/// Quantises whole rows: `x.len()` must be a multiple of 32, `out` 34 bytes per 32 values.
+pub fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+    assert_eq!(x.len() % Q8_0_BLOCK_ELEMS, 0, "Q8_0 needs whole 32-blocks");
+    assert_eq!(
+        out.len(),
+        x.len() / Q8_0_BLOCK_ELEMS * Q8_0_BLOCK_BYTES,
+        "Q8_0 output size"
+    );
+    for (xb, ob) in x
+        .chunks_exact(Q8_0_BLOCK_ELEMS)
+        .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
+    {
+        quantize_q8_0_block(xb, ob);
+    }
+}
+
+/// Repacks safetensors MXFP4 into ggml blocks: `blocks` holds 16 bytes per block and `scales`
+/// one E8M0 byte per block (same block order), `out` 17 bytes per block.
+pub fn repack_mxfp4(blocks: &[u8], scales: &[u8], out: &mut [u8]) {
+    assert_eq!(
+        blocks.len(),
+        scales.len() * MXFP4_SRC_BLOCK_BYTES,
+        "MXFP4 blocks/scales"
+    );
+    assert_eq!(
+        out.len(),
+        scales.len() * MXFP4_BLOCK_BYTES,
+        "MXFP4 output size"
+    );
+    for ((src, &e), dst) in blocks
+        .chunks_exact(MXFP4_SRC_BLOCK_BYTES)
+        .zip(scales)
+        .zip(out.chunks_exact_mut(MXFP4_BLOCK_BYTES))
+    {
+        dst[0] = e;
+        let code = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0x0F;
+        for j in 0..16 {
+            dst[1 + j] = code(j) | (code(j + 16) << 4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0_rounds_half_away_from_zero_and_zero_blocks_stay_zero() {
+        let mut x = [0.0f32; 32];
+        x[0] = 127.0;
+        x[1] = 0.5;
+        x[2] = -0.5;
+        x[3] = 1.5;
+        let mut out = [0u8; 34];
+        quantize_q8_0_block(&x, &mut out);
+        assert_eq!(u16::from_le_bytes([out[0], out[1]]), 0x3C00); // d = 1.0
+        assert_eq!(&out[2..6], &[127, 1, 0xFF, 2]);
+        let mut z = [0xAAu8; 34];
+        quantize_q8_0_block(&[0.0; 32], &mut z);
+        assert!(z.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn mxfp4_repack_puts_element_j_low_and_j_plus_16_high() {
+        // Codes 0..32 mod 16 in safetensors order: byte k = code(2k) | code(2k+1) << 4.
+        let codes: Vec<u8> = (0..32u8).map(|i| (i * 7) % 16).collect();
+        let src: Vec<u8> = (0..16)
+            .map(|k| codes[2 * k] | (codes[2 * k + 1] << 4))
+            .collect();
+        let mut out = [0u8; 17];
+        repack_mxfp4(&src, &[0x7F], &mut out);
+        assert_eq!(out[0], 0x7F);
+        for j in 0..16 {
+            assert_eq!(out[1 + j] & 0x0F, codes[j]);
+            assert_eq!(out[1 + j] >> 4, codes[j + 16]);
+        }
+    }
+}

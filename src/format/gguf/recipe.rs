@@ -1,0 +1,566 @@
+//! From checkpoint tensor headers to GGUF output tensors: name, shape, ggml type, and the
+//! recipe that produces the bytes (what `ModelBase.prepare_tensors` and the architectures'
+//! `modify_tensors` do, as a plan the pipeline can stream).
+
+use std::collections::BTreeMap;
+
+use serde_json::Value as Json;
+
+use super::arch::{Config, Family, InputTensor, COMMON_LAYER_TABLE, GLOBAL_TABLE};
+use super::quant::{q8_0_fits, MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
+use super::transform;
+use super::{FileType, GgmlType};
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+
+/// Which source row an output row comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowMap {
+    /// Llama Q/K rotary permutation over `rows` rows in `n_head` heads.
+    QkPermute { rows: u64, n_head: u64 },
+    /// gpt-oss gate (`half` 0, even rows) / up (1, odd rows), per expert.
+    Interleaved { rows_out_per_expert: u64, half: u64 },
+    /// Packed `gate_up_proj` halves (gate first), per expert.
+    Halves { rows_out_per_expert: u64, half: u64 },
+    /// DeepSeek `attn_v_b` rows out of `kv_b_proj`.
+    KvBV { nope: u64, v: u64 },
+}
+
+impl RowMap {
+    pub fn source_row(&self, out_row: u64) -> u64 {
+        match *self {
+            RowMap::QkPermute { rows, n_head } => {
+                transform::qk_permute_source_row(out_row, rows, n_head)
+            }
+            RowMap::Interleaved {
+                rows_out_per_expert,
+                half,
+            } => transform::interleaved_source_row(out_row, rows_out_per_expert, half),
+            RowMap::Halves {
+                rows_out_per_expert,
+                half,
+            } => transform::halves_source_row(out_row, rows_out_per_expert, half),
+            RowMap::KvBV { nope, v } => transform::kv_b_v_source_row(out_row, nope, v),
+        }
+    }
+}
+
+/// How an output tensor's bytes are made. Every recipe moves source elements, then converts
+/// each element (or 32-block, for Q8_0) to the output type; when source dtype and output type
+/// agree and the recipe is [`Recipe::Direct`], the bytes are a plain copy.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Recipe {
+    /// One source tensor, elements in order.
+    Direct { src: String },
+    /// Output row `r` (of `row_elems` elements) is source row `map.source_row(r)`.
+    Rows {
+        src: String,
+        map: RowMap,
+        row_elems: u64,
+    },
+    /// Sources concatenated in order (MoE experts `0..E` stacked on a new first axis).
+    Stack { srcs: Vec<String> },
+    /// DeepSeek `attn_k_b`: per head, the first `nope` rows of the head's `nope + v` rows of
+    /// `kv_b_proj`, transposed to `[lora, nope]` ([`transform::kv_b_k_transpose_head`]).
+    KvBK {
+        src: String,
+        n_head: u64,
+        nope: u64,
+        v: u64,
+        lora: u64,
+    },
+    /// Safetensors MXFP4 `*_blocks` + `*_scales` → ggml MXFP4 ([`super::quant::repack_mxfp4`]);
+    /// with a map, output row `r` (one output channel of one expert) is source row
+    /// `map.source_row(r)` of both.
+    Mxfp4 {
+        blocks: String,
+        scales: String,
+        map: Option<RowMap>,
+    },
+    /// Values computed from the config (Llama-3 `rope_freqs`), written as F32.
+    Values(Vec<f32>),
+}
+
+/// One GGUF tensor to write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutputTensor {
+    pub name: String,
+    /// Outermost first.
+    pub shape: Vec<u64>,
+    pub ty: GgmlType,
+    pub recipe: Recipe,
+    /// Source element type (`None` for MXFP4 and computed values).
+    pub src_dtype: Option<DType>,
+}
+
+impl OutputTensor {
+    pub fn byte_len(&self) -> u64 {
+        self.ty.byte_len(&self.shape).unwrap_or(0)
+    }
+
+    /// The source tensor whose bytes this tensor is, unchanged (a copy/reflink candidate).
+    pub fn copy_source(&self) -> Option<&str> {
+        let same = matches!(
+            (self.src_dtype, self.ty),
+            (Some(DType::F32), GgmlType::F32)
+                | (Some(DType::F16), GgmlType::F16)
+                | (Some(DType::BF16), GgmlType::Bf16)
+        );
+        match &self.recipe {
+            Recipe::Direct { src } if same => Some(src),
+            _ => None,
+        }
+    }
+}
+
+/// The ggml type `prepare_tensors` picks: F32 for 1-D tensors, `*_norm.weight`, routers
+/// (`ffn_gate_inp`) and any name not ending in `.weight`; otherwise the file type's, with Q8_0
+/// falling back to F16 when the innermost dimension is not a multiple of 32.
+pub fn tensor_type(name: &str, shape: &[u64], file_type: FileType) -> GgmlType {
+    let router = name.contains(".ffn_gate_inp.") || name.contains(".ffn_gate_inp_shexp.");
+    if shape.len() <= 1 || name.ends_with("_norm.weight") || router || !name.ends_with(".weight") {
+        return GgmlType::F32;
+    }
+    match file_type.tensor_type() {
+        GgmlType::Q8_0 if !q8_0_fits(*shape.last().unwrap_or(&0)) => GgmlType::F16,
+        t => t,
+    }
+}
+
+const SKIPPED_SUFFIXES: [&str; 3] = [
+    ".attention.masked_bias",
+    ".attention.bias",
+    ".rotary_emb.inv_freq",
+];
+
+/// Maps every checkpoint tensor to GGUF output tensors, in input order (stacked experts where
+/// their last expert appears, `rope_freqs` first, as the reference emits them).
+pub fn plan_tensors(
+    cfg: &Config,
+    inputs: &[InputTensor],
+    file_type: FileType,
+) -> Result<Vec<OutputTensor>> {
+    let fam = cfg.spec.family;
+    let blocks = cfg.block_count()?;
+    let by_name: BTreeMap<&str, &InputTensor> =
+        inputs.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut out = Vec::new();
+    let bad = |tensor: &str, msg: String| Error::GgufTensor {
+        tensor: tensor.to_string(),
+        msg,
+    };
+    let mut push = |out: &mut Vec<OutputTensor>,
+                    name: String,
+                    shape: Vec<u64>,
+                    recipe: Recipe,
+                    src_dtype: Option<DType>| {
+        let ty = match &recipe {
+            Recipe::Mxfp4 { .. } => GgmlType::Mxfp4,
+            Recipe::Values(_) => GgmlType::F32,
+            _ => tensor_type(&name, &shape, file_type),
+        };
+        out.push(OutputTensor {
+            name,
+            shape,
+            ty,
+            recipe,
+            src_dtype,
+        });
+    };
+
+    if let Some(freqs) = llama3_rope_freqs(cfg)? {
+        let n = freqs.len() as u64;
+        push(
+            &mut out,
+            "rope_freqs.weight".into(),
+            vec![n],
+            Recipe::Values(freqs),
+            None,
+        );
+    }
+
+    // (bid, gguf base) → expert id → source name
+    let mut experts: BTreeMap<(u64, &'static str), BTreeMap<u64, String>> = BTreeMap::new();
+    let n_experts = cfg.u64(&["num_local_experts", "num_experts", "n_routed_experts"]);
+    let tied = cfg.find(&["tie_word_embeddings"]).and_then(Json::as_bool) == Some(true);
+
+    for t in inputs {
+        let src = t.name.as_str();
+        if SKIPPED_SUFFIXES.iter().any(|s| src.ends_with(s)) {
+            continue;
+        }
+        if t.name.ends_with("_scale_inv") || t.name.ends_with(".weight_scale") {
+            return Err(bad(
+                src,
+                "FP8 scales must be applied (dequantised) before GGUF planning".into(),
+            ));
+        }
+        let mut name = src.replace("language_model.", "");
+        if name.ends_with("e_score_correction_bias") {
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias");
+        }
+        if fam == Family::GptOss && name.contains("sinks") {
+            name.push_str(".weight");
+        }
+        if let Some((_, g)) = GLOBAL_TABLE.iter().find(|(h, _)| *h == name) {
+            if fam == Family::DeepseekV3 && tied && *g == "output.weight" {
+                continue;
+            }
+            push(
+                &mut out,
+                g.to_string(),
+                t.shape.clone(),
+                Recipe::Direct { src: src.into() },
+                Some(t.dtype),
+            );
+            continue;
+        }
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            return Err(bad(
+                src,
+                format!("cannot map tensor to a {} GGUF name", cfg.spec.gguf_arch),
+            ));
+        };
+        let (bid, rest) = rest
+            .split_once('.')
+            .and_then(|(b, r)| Some((b.parse::<u64>().ok()?, r)))
+            .ok_or_else(|| bad(src, "no layer number".into()))?;
+        if bid >= blocks {
+            if fam == Family::DeepseekV3 {
+                continue; // multi-token-prediction layers, skipped by the reference
+            }
+            return Err(bad(src, format!("layer {bid} but the config has {blocks}")));
+        }
+        let blk = |base: &str, suffix: &str| format!("blk.{bid}.{base}{suffix}");
+
+        // Per-expert tensors, stacked later.
+        if let Some((x, w)) = expert_id(fam, rest) {
+            let base = map_layer(cfg, w).ok_or_else(|| bad(src, "unknown expert weight".into()))?;
+            experts
+                .entry((bid, base))
+                .or_default()
+                .insert(x, src.to_string());
+            continue;
+        }
+
+        match (fam, rest) {
+            (Family::GptOss, r) if r.starts_with("mlp.experts.") => {
+                gpt_oss_experts(cfg, t, r, bid, &by_name, &mut out, &mut push)?;
+                continue;
+            }
+            (Family::Qwen3Moe, "mlp.experts.gate_up_proj" | "mlp.experts.gate_up_proj.weight") => {
+                let [e, rows2, n] = three(t, src)?;
+                for (half, base) in [(0, "ffn_gate_exps"), (1, "ffn_up_exps")] {
+                    let map = RowMap::Halves {
+                        rows_out_per_expert: rows2 / 2,
+                        half,
+                    };
+                    push(
+                        &mut out,
+                        blk(base, ".weight"),
+                        vec![e, rows2 / 2, n],
+                        Recipe::Rows {
+                            src: src.into(),
+                            map,
+                            row_elems: n,
+                        },
+                        Some(t.dtype),
+                    );
+                }
+                continue;
+            }
+            (Family::Qwen3Moe, "mlp.experts.down_proj" | "mlp.experts.down_proj.weight") => {
+                push(
+                    &mut out,
+                    blk("ffn_down_exps", ".weight"),
+                    t.shape.clone(),
+                    Recipe::Direct { src: src.into() },
+                    Some(t.dtype),
+                );
+                continue;
+            }
+            (Family::DeepseekV3, "self_attn.kv_b_proj.weight") => {
+                deepseek_kv_b(cfg, t, bid, &mut out, &mut push)?;
+                continue;
+            }
+            _ => {}
+        }
+
+        let (base, suffix) = match rest.rsplit_once('.') {
+            Some((b, s @ ("weight" | "bias"))) => {
+                (b, if s == "weight" { ".weight" } else { ".bias" })
+            }
+            _ => (rest, ""),
+        };
+        let g = map_layer(cfg, base).ok_or_else(|| {
+            bad(
+                src,
+                format!("cannot map tensor to a {} GGUF name", cfg.spec.gguf_arch),
+            )
+        })?;
+        let recipe = match (fam, base) {
+            (Family::Llama, "self_attn.q_proj" | "self_attn.k_proj") => {
+                let heads = cfg.need_u64("num_attention_heads")?;
+                let n_head = if base == "self_attn.k_proj" {
+                    cfg.u64(&["num_key_value_heads"]).unwrap_or(heads)
+                } else {
+                    heads
+                };
+                let rows = t.shape[0];
+                if !transform::qk_permute_fits(rows, n_head) {
+                    return Err(bad(
+                        src,
+                        format!("{rows} rows do not split into {n_head} heads of even size"),
+                    ));
+                }
+                let row_elems = t.shape[1..].iter().product();
+                Recipe::Rows {
+                    src: src.into(),
+                    map: RowMap::QkPermute { rows, n_head },
+                    row_elems,
+                }
+            }
+            _ => Recipe::Direct { src: src.into() },
+        };
+        push(
+            &mut out,
+            blk(g, suffix),
+            t.shape.clone(),
+            recipe,
+            Some(t.dtype),
+        );
+    }
+
+    for ((bid, base), group) in experts {
+        let n = n_experts.unwrap_or(group.len() as u64);
+        let missing: Vec<u64> = (0..n).filter(|x| !group.contains_key(x)).collect();
+        let name = format!("blk.{bid}.{base}.weight");
+        if !missing.is_empty() || group.len() as u64 != n {
+            return Err(bad(
+                &name,
+                format!("expected {n} experts; missing ids {missing:?}"),
+            ));
+        }
+        let first = by_name[group[&0].as_str()];
+        for s in group.values() {
+            let t = by_name[s.as_str()];
+            if t.shape != first.shape || t.dtype != first.dtype {
+                return Err(bad(s, "experts differ in shape or dtype".into()));
+            }
+        }
+        let mut shape = vec![n];
+        shape.extend_from_slice(&first.shape);
+        push(
+            &mut out,
+            name,
+            shape,
+            Recipe::Stack {
+                srcs: group.into_values().collect(),
+            },
+            Some(first.dtype),
+        );
+    }
+    Ok(out)
+}
+
+fn three(t: &InputTensor, src: &str) -> Result<[u64; 3]> {
+    match t.shape[..] {
+        [a, b, c] if b % 2 == 0 => Ok([a, b, c]),
+        _ => Err(Error::GgufTensor {
+            tensor: src.into(),
+            msg: format!("expected [experts, 2 * ff, n], got {:?}", t.shape),
+        }),
+    }
+}
+
+/// `(expert id, HF base name without the id)` for per-expert tensors.
+fn expert_id(fam: Family, rest: &str) -> Option<(u64, &'static str)> {
+    let (prefix, bases): (&str, &[(&str, &'static str)]) = match fam {
+        Family::Llama => (
+            "block_sparse_moe.experts.",
+            &[
+                ("w1", "block_sparse_moe.experts.w1"),
+                ("w2", "block_sparse_moe.experts.w2"),
+                ("w3", "block_sparse_moe.experts.w3"),
+            ],
+        ),
+        Family::Qwen3Moe | Family::DeepseekV3 => (
+            "mlp.experts.",
+            &[
+                ("gate_proj", "mlp.experts.gate_proj"),
+                ("up_proj", "mlp.experts.up_proj"),
+                ("down_proj", "mlp.experts.down_proj"),
+            ],
+        ),
+        _ => return None,
+    };
+    let r = rest.strip_prefix(prefix)?.strip_suffix(".weight")?;
+    let (x, w) = r.split_once('.')?;
+    let x = x.parse().ok()?;
+    bases
+        .iter()
+        .find(|(b, _)| *b == w)
+        .map(|(_, full)| (x, *full))
+}
+
+fn map_layer(cfg: &Config, base: &str) -> Option<&'static str> {
+    cfg.spec
+        .layer_tensors
+        .iter()
+        .chain(COMMON_LAYER_TABLE)
+        .find(|(h, _)| *h == base)
+        .map(|(_, g)| *g)
+}
+
+type Push<'a> = dyn FnMut(&mut Vec<OutputTensor>, String, Vec<u64>, Recipe, Option<DType>) + 'a;
+
+fn gpt_oss_experts(
+    cfg: &Config,
+    t: &InputTensor,
+    rest: &str,
+    bid: u64,
+    by_name: &BTreeMap<&str, &InputTensor>,
+    out: &mut Vec<OutputTensor>,
+    push: &mut Push,
+) -> Result<()> {
+    let src = t.name.as_str();
+    let bad = |msg: String| Error::GgufTensor {
+        tensor: src.into(),
+        msg,
+    };
+    let blk = |base: &str, suffix: &str| format!("blk.{bid}.{base}{suffix}");
+    match rest.strip_prefix("mlp.experts.").unwrap() {
+        "gate_up_proj_scales" | "down_proj_scales" => Ok(()), // consumed with the blocks
+        w @ ("gate_up_proj_blocks" | "down_proj_blocks") => {
+            let scales_name = src.replace("_blocks", "_scales");
+            let scales = by_name
+                .get(scales_name.as_str())
+                .ok_or_else(|| bad(format!("MXFP4 blocks without `{scales_name}`")))?;
+            let [e, rows, g, b] = match t.shape[..] {
+                [e, r, g, b] => [e, r, g, b],
+                _ => return Err(bad(format!("expected [E, rows, groups, 16], got {:?}", t.shape))),
+            };
+            if b != MXFP4_SRC_BLOCK_BYTES as u64 || scales.shape != [e, rows, g] {
+                return Err(bad(format!("blocks {:?} and scales {:?} do not match", t.shape, scales.shape)));
+            }
+            let cols = g * MXFP4_BLOCK_ELEMS as u64;
+            if w == "down_proj_blocks" {
+                push(out, blk("ffn_down_exps", ".weight"), vec![e, rows, cols], Recipe::Mxfp4 { blocks: src.into(), scales: scales_name, map: None }, None);
+            } else {
+                if rows % 2 != 0 {
+                    return Err(bad(format!("gate_up has an odd row count {rows}")));
+                }
+                for (half, base) in [(0, "ffn_gate_exps"), (1, "ffn_up_exps")] {
+                    let map = Some(RowMap::Interleaved { rows_out_per_expert: rows / 2, half });
+                    push(out, blk(base, ".weight"), vec![e, rows / 2, cols], Recipe::Mxfp4 { blocks: src.into(), scales: scales_name.clone(), map }, None);
+                }
+            }
+            Ok(())
+        }
+        "gate_up_proj_bias" => {
+            let [e, n2] = match t.shape[..] {
+                [e, n] if n % 2 == 0 => [e, n],
+                _ => return Err(bad(format!("expected [E, 2 * ff], got {:?}", t.shape))),
+            };
+            for (half, base) in [(0, "ffn_gate_exps"), (1, "ffn_up_exps")] {
+                // Even/odd *columns*: each element is a row of one.
+                let map = RowMap::Interleaved { rows_out_per_expert: n2 / 2, half };
+                push(out, blk(base, ".bias"), vec![e, n2 / 2], Recipe::Rows { src: src.into(), map, row_elems: 1 }, Some(t.dtype));
+            }
+            Ok(())
+        }
+        "down_proj_bias" => {
+            push(out, blk("ffn_down_exps", ".bias"), t.shape.clone(), Recipe::Direct { src: src.into() }, Some(t.dtype));
+            Ok(())
+        }
+        other => Err(bad(format!(
+            "gpt-oss expert tensor `{other}` is not MXFP4 blocks/scales or a bias; only MXFP4 checkpoints are supported (cfg {})",
+            cfg.path.display()
+        ))),
+    }
+}
+
+fn deepseek_kv_b(
+    cfg: &Config,
+    t: &InputTensor,
+    bid: u64,
+    out: &mut Vec<OutputTensor>,
+    push: &mut Push,
+) -> Result<()> {
+    // The reference splits with the config's num_key_value_heads (before it writes 1).
+    let n_head = cfg.need_u64("num_key_value_heads")?;
+    let nope = cfg.need_u64("qk_nope_head_dim")?;
+    let v = cfg.need_u64("v_head_dim")?;
+    let src = t.name.as_str();
+    let [rows, lora] = match t.shape[..] {
+        [r, l] => [r, l],
+        _ => {
+            return Err(Error::GgufTensor {
+                tensor: src.into(),
+                msg: format!("expected 2-D, got {:?}", t.shape),
+            })
+        }
+    };
+    if rows != n_head * (nope + v) {
+        return Err(Error::GgufTensor {
+            tensor: src.into(),
+            msg: format!(
+                "{rows} rows, expected num_key_value_heads × (qk_nope_head_dim + v_head_dim) = {}",
+                n_head * (nope + v)
+            ),
+        });
+    }
+    push(
+        out,
+        format!("blk.{bid}.attn_k_b.weight"),
+        vec![n_head, lora, nope],
+        Recipe::KvBK {
+            src: src.into(),
+            n_head,
+            nope,
+            v,
+            lora,
+        },
+        Some(t.dtype),
+    );
+    push(
+        out,
+        format!("blk.{bid}.attn_v_b.weight"),
+        vec![n_head, v, lora],
+        Recipe::Rows {
+            src: src.into(),
+            map: RowMap::KvBV { nope, v },
+            row_elems: lora,
+        },
+        Some(t.dtype),
+    );
+    Ok(())
+}
+
+/// Llama-3 `rope_freqs` values when `rope_type` is `llama3` (Llama family only).
+fn llama3_rope_freqs(cfg: &Config) -> Result<Option<Vec<f32>>> {
+    if cfg.spec.family != Family::Llama {
+        return Ok(None);
+    }
+    let ty = cfg
+        .rope
+        .get("rope_type")
+        .and_then(Json::as_str)
+        .unwrap_or("");
+    if !ty.eq_ignore_ascii_case("llama3") {
+        return Ok(None);
+    }
+    let get = |k: &str, d: f64| cfg.rope.get(k).and_then(Json::as_f64).unwrap_or(d);
+    let dim = match cfg.u64(&["head_dim"]) {
+        Some(d) => d,
+        None => cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1),
+    };
+    Ok(Some(transform::llama3_rope_freqs(
+        get("rope_theta", 10000.0),
+        dim,
+        get("factor", 8.0),
+        get("low_freq_factor", 1.0),
+        get("high_freq_factor", 4.0),
+        get("original_max_position_embeddings", 8192.0),
+    )))
+}

@@ -1,0 +1,406 @@
+//! Tokenizer metadata for BPE (gpt2-style, `tokenizer.json`) vocabularies, as the converter's
+//! `_set_vocab_gpt2` + `gguf.SpecialVocab` write it.
+//!
+//! llama.cpp reimplements each pre-tokenizer by hand and picks one by `tokenizer.ggml.pre`. The
+//! converter finds that name by encoding a fixed text ([`CHKTXT`], with special tokens, as
+//! `AutoTokenizer.encode` does) and looking up the SHA-256 of the Python `str()` of the id
+//! list in a table generated from known models ([`PRE_HASHES`]). We encode with the
+//! `tokenizers` crate (the library transformers' fast tokenizers wrap), so the ids, and the
+//! hash, are the same.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value as Json};
+use sha2::{Digest, Sha256};
+
+use super::kv::{Array, Metadata, Value};
+pub use super::pre_hashes::{CHKTXT, PRE_HASHES};
+use crate::error::{Error, Result};
+
+/// `gguf.TokenType`.
+pub mod token_type {
+    pub const NORMAL: i32 = 1;
+    pub const CONTROL: i32 = 3;
+    pub const USER_DEFINED: i32 = 4;
+    pub const UNUSED: i32 = 5;
+}
+
+/// Special token kinds `SpecialVocab` looks up, and the GGUF key each id goes to (`cls` has no
+/// writer method in gguf-py and is skipped, as there).
+const SPECIAL_TYPES: [(&str, Option<&str>); 7] = [
+    ("bos", Some("tokenizer.ggml.bos_token_id")),
+    ("eos", Some("tokenizer.ggml.eos_token_id")),
+    ("unk", Some("tokenizer.ggml.unknown_token_id")),
+    ("sep", Some("tokenizer.ggml.seperator_token_id")),
+    ("pad", Some("tokenizer.ggml.padding_token_id")),
+    ("cls", None),
+    ("mask", Some("tokenizer.ggml.mask_token_id")),
+];
+
+fn tok_err(path: &Path, msg: impl Into<String>) -> Error {
+    Error::GgufTokenizer {
+        path: path.into(),
+        msg: msg.into(),
+    }
+}
+
+fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
+    tokenizers::Tokenizer::from_file(path).map_err(|e| tok_err(path, e.to_string()))
+}
+
+/// The converter's `chkhsh` for a `tokenizer.json`.
+pub fn chkhsh(tokenizer_json: &Path) -> Result<String> {
+    let tok = load_tokenizer(tokenizer_json)?;
+    chkhsh_of(&tok, tokenizer_json)
+}
+
+fn chkhsh_of(tok: &tokenizers::Tokenizer, path: &Path) -> Result<String> {
+    let enc = tok
+        .encode(CHKTXT, true)
+        .map_err(|e| tok_err(path, format!("encoding the check text: {e}")))?;
+    let ids: Vec<String> = enc.get_ids().iter().map(u32::to_string).collect();
+    let text = format!("[{}]", ids.join(", "));
+    Ok(format!("{:x}", Sha256::digest(text.as_bytes())))
+}
+
+/// `tokenizer.ggml.pre` for a hash: the last matching entry, as the converter's chain of `if`s.
+pub fn pre_for_hash(hash: &str) -> Option<&'static str> {
+    PRE_HASHES
+        .iter()
+        .rev()
+        .find(|(h, _)| *h == hash)
+        .map(|(_, n)| *n)
+}
+
+/// `does_token_look_special`.
+fn looks_special(t: &str) -> bool {
+    matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
+        || (t.starts_with("<|") && t.ends_with("|>"))
+        || (t.starts_with("<｜") && t.ends_with("｜>"))
+        || (t.starts_with("<unused") && t.ends_with('>'))
+}
+
+fn read_json(path: &Path) -> Result<Option<Json>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => serde_json::from_str(&s)
+            .map(Some)
+            .map_err(|e| tok_err(path, format!("not valid JSON: {e}"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// Tokenizer KVs for the model directory `dir` (`tokenizer.json`, `tokenizer_config.json`,
+/// `config.json`, `chat_template.jinja`/`.json`). `vocab_size` is `config.json`'s, when it has
+/// one; `pre_override` replaces the hash lookup (`--vocab-pre`).
+pub fn vocab_kvs(
+    dir: &Path,
+    vocab_size: Option<u64>,
+    pre_override: Option<&str>,
+) -> Result<Metadata> {
+    let tj_path = dir.join("tokenizer.json");
+    let tok = load_tokenizer(&tj_path)?;
+    let pre = match pre_override {
+        Some(p) => p.to_string(),
+        None => {
+            let hash = chkhsh_of(&tok, &tj_path)?;
+            pre_for_hash(&hash)
+                .ok_or(Error::GgufUnknownPreTokenizer {
+                    path: tj_path.clone(),
+                    hash,
+                })?
+                .to_string()
+        }
+    };
+
+    // get_vocab_base
+    let vocab = tok.get_vocab(true);
+    let max_id = vocab.values().copied().max().unwrap_or(0) as u64;
+    let n_vocab = vocab_size.unwrap_or(vocab.len() as u64);
+    if max_id >= n_vocab {
+        return Err(tok_err(
+            &tj_path,
+            format!("token id {max_id} is not below vocab_size {n_vocab}"),
+        ));
+    }
+    let reverse: HashMap<u32, &str> = vocab.iter().map(|(t, &i)| (i, t.as_str())).collect();
+    let added = tok.get_added_tokens_decoder();
+    let mut tokens = Vec::with_capacity(n_vocab as usize);
+    let mut types = Vec::with_capacity(n_vocab as usize);
+    for i in 0..n_vocab as u32 {
+        match (reverse.get(&i), added.get(&i)) {
+            (None, _) => {
+                tokens.push(format!("[PAD{i}]"));
+                types.push(token_type::UNUSED);
+            }
+            (Some(t), Some(a)) => {
+                if a.special || looks_special(t) {
+                    tokens.push(t.to_string());
+                    types.push(token_type::CONTROL);
+                } else {
+                    tokens.push(t.replace('\u{2581}', " "));
+                    types.push(token_type::USER_DEFINED);
+                }
+            }
+            (Some(t), None) => {
+                tokens.push(t.to_string());
+                types.push(token_type::NORMAL);
+            }
+        }
+    }
+
+    let mut m = Metadata::new();
+    m.set("tokenizer.ggml.model", Value::String("gpt2".into()));
+    m.set("tokenizer.ggml.pre", Value::String(pre));
+    m.set("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)));
+    m.set("tokenizer.ggml.token_type", Value::Array(Array::I32(types)));
+    special_vocab(dir, &tj_path, n_vocab, &mut m)?;
+    Ok(m)
+}
+
+/// `gguf.SpecialVocab(dir, load_merges=True).add_to_gguf`.
+fn special_vocab(dir: &Path, tj_path: &Path, n_vocab: u64, m: &mut Metadata) -> Result<()> {
+    let tj = read_json(tj_path)?.unwrap_or(Json::Null);
+    let merges = match tj.pointer("/model/merges").and_then(Json::as_array) {
+        Some(list) if !list.is_empty() => list
+            .iter()
+            .map(|e| match e {
+                Json::String(s) => Ok(s.clone()),
+                Json::Array(pair) if pair.len() == 2 => {
+                    let part = |p: &Json| {
+                        p.as_str()
+                            .map(|s| s.replace(' ', "\u{120}"))
+                            .ok_or_else(|| tok_err(tj_path, "merge pair is not two strings"))
+                    };
+                    Ok(format!("{} {}", part(&pair[0])?, part(&pair[1])?))
+                }
+                _ => Err(tok_err(tj_path, "unknown merges format")),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
+    let tc_path = dir.join("tokenizer_config.json");
+    let tc = read_json(&tc_path)?;
+    let tc_obj = tc.as_ref().and_then(Json::as_object);
+    let content = |typ: &str| -> Option<String> {
+        match tc_obj?.get(&format!("{typ}_token"))? {
+            Json::String(s) => Some(s.clone()),
+            Json::Object(o) => o.get("content")?.as_str().map(str::to_string),
+            _ => None,
+        }
+    };
+
+    let mut add: Vec<(&str, bool)> = Vec::new();
+    let set_add =
+        |add: &mut Vec<(&'static str, bool)>, typ: &'static str, v: bool, only_default: bool| {
+            match add.iter_mut().find(|(t, _)| *t == typ) {
+                Some(slot) if !only_default => slot.1 = v,
+                Some(_) => {}
+                None => add.push((typ, v)),
+            }
+        };
+    if let Some(pp) = tj.get("post_processor").filter(|p| !p.is_null()) {
+        let list = match pp.get("processors").and_then(Json::as_array) {
+            Some(l) => l.clone(),
+            None => vec![pp.clone()],
+        };
+        let bos = content("bos");
+        let eos = content("eos");
+        for p in &list {
+            match p.get("type").and_then(Json::as_str) {
+                Some("ByteLevel") => {
+                    set_add(&mut add, "bos", false, true);
+                    set_add(&mut add, "eos", false, true);
+                }
+                Some("RobertaProcessing") => {
+                    set_add(&mut add, "bos", true, false);
+                    set_add(&mut add, "eos", true, false);
+                    set_add(&mut add, "sep", true, false);
+                }
+                Some("TemplateProcessing") => {
+                    let known = SpecialContents {
+                        has_config: tc_obj.is_some(),
+                        bos: bos.clone(),
+                        cls: content("cls"),
+                        eos: eos.clone(),
+                        sep: content("sep"),
+                    };
+                    for (typ, v) in template_processing(p, &known) {
+                        set_add(&mut add, typ, v, false);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    let added_tokens = tj
+        .get("added_tokens")
+        .and_then(Json::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut ids: Vec<(&str, u64)> = Vec::new();
+    let set_id = |ids: &mut Vec<(&'static str, u64)>, typ: &'static str, id: u64| {
+        if id < n_vocab && !ids.iter().any(|(t, _)| *t == typ) {
+            ids.push((typ, id));
+        }
+    };
+    if let Some(tc) = tc_obj {
+        for (typ, _) in SPECIAL_TYPES {
+            if let Some(b) = tc.get(&format!("add_{typ}_token")).and_then(Json::as_bool) {
+                set_add(&mut add, typ, b, true);
+            }
+            if let Some(c) = content(typ) {
+                let id = added_tokens
+                    .iter()
+                    .find(|a| a.get("content").and_then(Json::as_str) == Some(&c))
+                    .and_then(|a| a.get("id")?.as_u64());
+                if let Some(id) = id {
+                    set_id(&mut ids, typ, id);
+                }
+            }
+        }
+    }
+    if let Some(Json::Object(cfg)) = read_json(&dir.join("config.json"))? {
+        for (typ, _) in SPECIAL_TYPES {
+            let id = cfg
+                .get(&format!("{typ}_token_id"))
+                .or_else(|| cfg.get("text_config")?.get(format!("{typ}_token_id")));
+            if let Some(id) = id.and_then(Json::as_u64) {
+                set_id(&mut ids, typ, id);
+            }
+        }
+    }
+
+    if !merges.is_empty() {
+        m.set("tokenizer.ggml.merges", Value::Array(Array::String(merges)));
+    }
+    for (typ, id) in ids {
+        if let Some((_, Some(key))) = SPECIAL_TYPES.iter().find(|(t, _)| *t == typ) {
+            m.set(*key, Value::U32(id as u32));
+        }
+    }
+    for (typ, v) in add {
+        if matches!(typ, "bos" | "eos" | "sep") {
+            m.set(format!("tokenizer.ggml.add_{typ}_token"), Value::Bool(v));
+        }
+    }
+    if let Some(t) = chat_template(dir, tc_obj)? {
+        m.set("tokenizer.chat_template", Value::String(t));
+    }
+    Ok(())
+}
+
+/// Special token contents from `tokenizer_config.json`.
+struct SpecialContents {
+    has_config: bool,
+    bos: Option<String>,
+    cls: Option<String>,
+    eos: Option<String>,
+    sep: Option<String>,
+}
+
+/// `add_{bos,eos,sep}_token` from a `TemplateProcessing` post-processor, as `SpecialVocab`
+/// reads it: the single template's first and last special tokens, and the pair template's
+/// middle (`A [sep] [eos] B`).
+fn template_processing(p: &Json, known: &SpecialContents) -> Vec<(&'static str, bool)> {
+    let special = |e: &Json| {
+        e.pointer("/SpecialToken/id")
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let sequence = |e: &Json| {
+        e.pointer("/Sequence/id")
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let list = |k: &str| {
+        p.get(k)
+            .and_then(Json::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (single, pair) = (list("single"), list("pair"));
+    let mut out = Vec::new();
+    let (mut first, mut last) = (None, None);
+    if single.len() > 1 {
+        first = special(&single[0]);
+        if let Some(f) = &first {
+            let is_bos =
+                !known.has_config || known.bos.as_ref() == Some(f) || known.cls.as_ref() == Some(f);
+            out.push(("bos", is_bos));
+        }
+        last = special(single.last().unwrap());
+        if let Some(l) = &last {
+            out.push(("eos", !known.has_config || known.eos.as_ref() == Some(l)));
+        }
+    }
+    if pair.is_empty() {
+        return out;
+    }
+    let start = usize::from(first.is_some() && special(&pair[0]) == first);
+    let stop = if last.is_some() && special(pair.last().unwrap()) == last {
+        pair.len() - 1
+    } else {
+        pair.len()
+    };
+    let middle = pair.get(start..stop).unwrap_or_default();
+    if middle.len() < 3
+        || sequence(&middle[0]).as_deref() != Some("A")
+        || sequence(middle.last().unwrap()).as_deref() != Some("B")
+    {
+        return out;
+    }
+    let between = &middle[1..middle.len() - 1];
+    let is_sep = |e: &Json| {
+        special(e).is_some_and(|s| Some(&s) == known.sep.as_ref() || Some(&s) == known.eos.as_ref())
+    };
+    let mut add_sep = is_sep(&between[0]) && last.is_none();
+    if between.len() == 2 && is_sep(&between[1]) {
+        add_sep = true;
+    }
+    out.push(("sep", add_sep));
+    out
+}
+
+fn chat_template(dir: &Path, tc: Option<&Map<String, Json>>) -> Result<Option<String>> {
+    if let Some(t) = tc
+        .and_then(|tc| tc.get("chat_template"))
+        .and_then(Json::as_str)
+    {
+        return Ok(Some(t.to_string()));
+    }
+    if tc.is_none() {
+        return Ok(None);
+    }
+    let jinja: PathBuf = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(s) => return Ok(Some(s)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&jinja, e)),
+        Err(_) => {}
+    }
+    Ok(read_json(&dir.join("chat_template.json"))?
+        .and_then(|j| j.get("chat_template")?.as_str().map(str::to_string)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicate_hashes_resolve_to_the_last_entry_like_the_converter() {
+        assert_eq!(
+            pre_for_hash("0876d13b50744004aa9aeae05e7b0647eac9d801b5ba4668afc01e709c15e19f"),
+            Some("jina-v2-en")
+        );
+        assert_eq!(pre_for_hash("00"), None);
+    }
+
+    #[test]
+    fn special_looking_tokens() {
+        assert!(looks_special("<|im_start|>"));
+        assert!(looks_special("<｜begin▁of▁sentence｜>"));
+        assert!(!looks_special("hello"));
+    }
+}
