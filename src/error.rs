@@ -93,6 +93,10 @@ pub enum Error {
     #[error("{}: index maps tensor `{tensor}` to this shard, but the shard does not contain it", shard.display())]
     TensorNotInShard { shard: PathBuf, tensor: String },
 
+    /// A `config.json` (or other side file) whose content cannot be used.
+    #[error("{}: {msg}", path.display())]
+    InvalidConfig { path: PathBuf, msg: String },
+
     #[error("{}: {msg}", path.display())]
     NoModel { path: PathBuf, msg: String },
 

@@ -361,6 +361,12 @@ fn grouped_derive(
             .map_err(|_| format!("`{}` is not 2-D", bi.name))?,
     );
     let (r, scale) = cfg.rank_and_scale(module);
+    if w.shape.contains(&0) || r == 0 {
+        return Err(format!(
+            "`{module}`: base weight `{}` is {:?} with rank {r}: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
+            w.name, w.shape
+        ));
+    }
     if ar != experts * r || br != experts * r {
         return Err(format!(
             "`{module}`: grouped factors {:?} and {:?} do not hold {experts} experts of rank {r}",
@@ -644,6 +650,12 @@ impl PlanStep for LoraMergeStep {
                     w.name, w.shape
                 )));
             };
+            if w_rows == 0 || w_cols == 0 || r == 0 {
+                return Err(bad(format!(
+                    "`{module}`: base weight `{}` is {:?} with rank {r}: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
+                    w.name, w.shape
+                )));
+            }
             let transposed = m.embedding || cfg.fan_in_fan_out;
             let expected = if transposed {
                 (a_cols, b_rows)
