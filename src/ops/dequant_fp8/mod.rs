@@ -515,7 +515,7 @@ impl DequantFp8 {
 
     /// Whether finite codes under these scales can give a value the output dtype cannot hold
     /// (the exact check, [`first_nonfinite`], then runs on the row). Half the limit leaves room
-    /// for rounding; a zero or subnormal divisor always qualifies.
+    /// for rounding; a zero or subnormal divisor always qualifies (scales are finite here).
     fn may_overflow(&self, scales: &[f32]) -> bool {
         let largest_code = if self.weight_dtype == DType::F8_E5M2 {
             57344.0
@@ -532,7 +532,7 @@ impl DequantFp8 {
                 ScaleMode::Multiply => s.abs(),
                 ScaleMode::Divide => 1.0 / s.abs(),
             };
-            !(factor < limit / 2.0 / largest_code)
+            factor >= limit / 2.0 / largest_code
         })
     }
 
