@@ -293,6 +293,12 @@ impl Plan {
                     }
                 }
                 None if e.dtype == src.dtype || e.relabel => Recipe::Copy { src: e.source },
+                None if !Cast::supports(src.dtype, e.dtype) => {
+                    return Err(Error::Other(format!(
+                        "tensor `{}` is {} and cannot be converted to {}",
+                        src.name, src.dtype, e.dtype
+                    )))
+                }
                 None => Recipe::Compute {
                     op: Arc::new(Cast {
                         src: src.dtype,

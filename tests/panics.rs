@@ -281,3 +281,45 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
     ]));
     assert_eq!(load_all(&out)["w.weight"].2, [0x00, 0x7C].repeat(4));
 }
+
+#[test]
+fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
+    let d = tmp();
+    let src = d.path().join("in");
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(
+        &src.join("model.safetensors"),
+        &[t("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])],
+    );
+    let adapter = d.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let replacement = vec![1, 2, 3, 4, 5, 6, 7, 8];
+    write_file(
+        &adapter.join("adapter_model.safetensors"),
+        &[t(
+            "base_model.model.lm_head.weight",
+            DType::BF16,
+            &[2, 2],
+            replacement.clone(),
+        )],
+    );
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "merge-lora",
+        "-i",
+        s(&src),
+        "--adapter",
+        s(&adapter),
+        "-o",
+        s(&out),
+        "-q",
+    ]));
+    let got = load_all(&out);
+    assert_eq!(got["lm_head.weight"].0, "BF16");
+    assert_eq!(got["lm_head.weight"].2, replacement);
+}

@@ -738,6 +738,12 @@ impl PlanStep for LoraMergeStep {
                     entries[wi].shape
                 )));
             }
+            // A float replacement takes the base's float dtype (PEFT saves F32 copies of BF16
+            // modules); any other keeps its own.
+            let floats = info(i).dtype.is_castable_float() && entries[wi].dtype.is_castable_float();
+            if !floats {
+                entries[wi].dtype = info(i).dtype;
+            }
             entries[wi].source = i;
             entries[wi].derive = None;
             replaced += 1;
