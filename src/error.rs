@@ -120,6 +120,13 @@ pub enum Error {
         available: u64,
     },
 
+    #[error("the plan of {tensors} tensors holds about {} in memory (names, shapes, headers), more than half of --memory-budget {}; raise --memory-budget to at least {}", crate::size::human(*.needed), crate::size::human(*.budget), crate::size::human(2 * *.needed))]
+    PlanOverBudget {
+        tensors: usize,
+        needed: u64,
+        budget: u64,
+    },
+
     #[error("{}: tensor `{tensor}`: {msg}", path.display())]
     TensorData {
         path: PathBuf,

@@ -150,12 +150,16 @@ fn identical_input_shard(
         return Ok(None);
     };
     let src = &ckpt.shards[shard];
-    if src.header.tensors.len() != order.len() || src.header.metadata.as_ref() != Some(metadata) {
+    let Some(span) = src.span.clone() else {
+        return Ok(None);
+    };
+    if span.len() != order.len() || src.header.metadata.as_ref() != Some(metadata) {
         return Ok(None);
     }
-    for (&i, info) in order.iter().zip(&src.header.tensors) {
+    for (&i, k) in order.iter().zip(span) {
         let t = &tensors[i];
-        let same = matches!(t.recipe, Recipe::Copy { src: s } if ckpt.tensors[s].info == *info && ckpt.tensors[s].shard == shard)
+        let info = &ckpt.tensors[k].info;
+        let same = matches!(t.recipe, Recipe::Copy { src: s } if s == k)
             && t.name == info.name
             && t.dtype == info.dtype;
         if !same {

@@ -323,3 +323,85 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
     assert_eq!(got["lm_head.weight"].0, "BF16");
     assert_eq!(got["lm_head.weight"].2, replacement);
 }
+
+/// One shard holding `n` one-byte tensors; returns its path and header length.
+fn many_tiny_tensors(dir: &Path, n: usize) -> (std::path::PathBuf, u64) {
+    let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
+    for i in 0..n {
+        json.push_str(&format!(
+            r#","model.layers.{}.experts.{}.w":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#,
+            i / 10_000,
+            i % 10_000,
+            i + 1
+        ));
+    }
+    json.push('}');
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    bytes.resize(bytes.len() + n, 0);
+    let path = dir.join("model.safetensors");
+    std::fs::write(&path, bytes).unwrap();
+    (path, json.len() as u64)
+}
+
+#[test]
+fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
+    let d = tmp();
+    let (src, _) = many_tiny_tensors(d.path(), 30_000);
+    let ckpt = tftf::Checkpoint::open(&src).unwrap();
+    let plan = tftf::Plan::build(&ckpt, &[], tftf::plan::OutputKind::Dir, None).unwrap();
+    let needed = plan.state_bytes(&ckpt);
+    assert!(needed > 8 << 20 && needed < 16 << 20, "{needed}");
+    let out = d.path().join("out");
+    let human = tftf::size::human;
+    refused(
+        &["passthrough", "-i", s(&src), "-o", s(&out), "--memory-budget", "16MiB"],
+        &out,
+        &format!(
+            "the plan of 30000 tensors holds about {} in memory (names, shapes, headers), more than half of --memory-budget 16.00 MiB; raise --memory-budget to at least {}",
+            human(needed),
+            human(2 * needed)
+        ),
+    );
+    let budget = format!("{}", 2 * needed);
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--memory-budget",
+        &budget,
+        "-q",
+    ]));
+    assert_eq!(load_all(&out).len(), 30_000);
+}
+
+#[test]
+fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
+    let d = tmp();
+    let (src, header) = many_tiny_tensors(d.path(), 200_000);
+    let report = d.path().join("report.json");
+    let out = d.path().join("out");
+    ok(&tftf(&[
+        "passthrough",
+        "-i",
+        s(&src),
+        "-o",
+        s(&out),
+        "--dry-run",
+        "-q",
+        "--memory-budget",
+        "1GiB",
+        "--report",
+        s(&report),
+    ]));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let peak = r["peak_rss_bytes"].as_u64().unwrap();
+    // A JSON value tree of the header, two copies of every name and a per-tensor map took
+    // 20x the header (1.84 GB for a 91 MB header of a million tensors).
+    assert!(
+        peak < 10 * header,
+        "peak RSS {peak} for a header of {header} bytes"
+    );
+}

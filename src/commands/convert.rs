@@ -120,6 +120,7 @@ fn convert_inner(
     let is_file = matches!(kind, OutputKind::File);
     check_output(&ckpt, &opts.output, is_file, opts.force)?;
     let plan = Plan::build(&ckpt, steps, kind.clone(), opts.max_shard_bytes)?;
+    let data_budget = plan.data_budget(&ckpt, opts.memory_budget)?;
     let sides = if is_file {
         Vec::new()
     } else {
@@ -207,7 +208,7 @@ fn convert_inner(
         .then(|| progress_bar(plan.total_tensor_bytes()));
     let cfg = PipelineConfig {
         threads: opts.threads,
-        memory_budget: opts.memory_budget,
+        memory_budget: data_budget,
         cancel: cancel.clone(),
         progress: progress.clone(),
         kernel_copy: opts.kernel_copy,

@@ -536,7 +536,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                     let src = &sh.ckpt.tensors[t.source_index];
                     Error::TensorData {
                         path: sh.ckpt.shards[src.shard].path.clone(),
-                        tensor: t.source.clone(),
+                        tensor: src.info.name.clone(),
                         msg,
                     }
                 })?;
