@@ -405,3 +405,47 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
         "peak RSS {peak} for a header of {header} bytes"
     );
 }
+
+#[test]
+fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
+    let d = tmp();
+    let src = d.path().join("in");
+    std::fs::create_dir_all(&src).unwrap();
+    write_file(
+        &src.join("model.safetensors"),
+        &[t("model.q.weight", DType::F32, &[2, 2], vec![0; 16])],
+    );
+    let adapter = d.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    write_file(
+        &adapter.join("adapter_model.safetensors"),
+        &[
+            t(
+                "base_model.model.model.q.lora_A.weight",
+                DType::F32,
+                &[1, 2],
+                vec![0; 8],
+            ),
+            t(
+                "base_model.model.model.q.lora_B.weight",
+                DType::F32,
+                &[2, 1],
+                vec![0; 8],
+            ),
+        ],
+    );
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"r": 1, "lora_alpha": 1e300}"#,
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    refused(
+        &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
+        &out,
+        &format!(
+            "{}: `model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json",
+            adapter.join("adapter_model.safetensors").display()
+        ),
+    );
+}

@@ -367,6 +367,7 @@ fn grouped_derive(
             w.name, w.shape
         ));
     }
+    let scale = merge_scale(module, scale, user_scale)?;
     if ar != experts * r || br != experts * r {
         return Err(format!(
             "`{module}`: grouped factors {:?} and {:?} do not hold {experts} experts of rank {r}",
@@ -410,10 +411,22 @@ fn grouped_derive(
             a_dtype: ai.dtype,
             b_dtype: bi.dtype,
             m_dtype: None,
-            scale: (scale * user_scale) as f32,
+            scale,
             transposed: false,
         },
     })
+}
+
+/// `alpha / r` (or `/ sqrt(r)`) times `--scale`, as the f32 the merge multiplies by; one that
+/// is not finite would turn every merged element into infinity or NaN.
+fn merge_scale(module: &str, scale: f64, user_scale: f64) -> std::result::Result<f32, String> {
+    let s = (scale * user_scale) as f32;
+    if !s.is_finite() {
+        return Err(format!(
+            "`{module}`: the merge scale (lora_alpha / r, times --scale) is {scale:?} x {user_scale:?}, which is not a finite f32; fix adapter_config.json"
+        ));
+    }
+    Ok(s)
 }
 
 #[derive(Debug)]
@@ -656,6 +669,7 @@ impl PlanStep for LoraMergeStep {
                     w.name, w.shape
                 )));
             }
+            let scale = merge_scale(module, scale, self.opts.scale).map_err(bad)?;
             let transposed = m.embedding || cfg.fan_in_fan_out;
             let expected = if transposed {
                 (a_cols, b_rows)
@@ -716,7 +730,7 @@ impl PlanStep for LoraMergeStep {
                     a_dtype: ai.dtype,
                     b_dtype: bi.dtype,
                     m_dtype,
-                    scale: (scale * self.opts.scale) as f32,
+                    scale,
                     transposed,
                 },
             };
