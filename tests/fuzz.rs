@@ -33,30 +33,40 @@ fn bound(var: &str, default: u32) -> u32 {
         .unwrap_or(default)
 }
 
-/// Runs one command in-process as `main` would; returns the exit code or the panic message.
+/// A command that runs longer than this on inputs of a few KiB is hung.
+const COMMAND_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Runs one command in-process as `main` would, on a thread of its own so a hang is reported
+/// too; returns the exit code, or the panic (or hang) as a message.
 fn exit_code(args: &[String]) -> Result<i32, String> {
-    let argv = std::iter::once("tftf".to_string()).chain(args.iter().cloned());
+    let argv: Vec<String> = std::iter::once("tftf".to_string())
+        .chain(args.iter().cloned())
+        .collect();
     let matches = match tftf::cli::Cli::command().try_get_matches_from(argv) {
         Ok(m) => m,
         Err(e) => return Ok(if e.use_stderr() { 2 } else { 0 }),
     };
-    let cancel = tftf::pipeline::Cancel::default();
-    match catch_unwind(AssertUnwindSafe(|| {
-        tftf::commands::dispatch(&matches, &cancel)
-    })) {
-        Ok(Ok(code)) => Ok(code),
-        Ok(Err(e)) => {
-            if e.to_string().trim().is_empty() {
-                return Err(format!("error without a message: {e:?}"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let cancel = tftf::pipeline::Cancel::default();
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            tftf::commands::dispatch(&matches, &cancel)
+        }));
+        let _ = tx.send(match result {
+            Ok(Ok(code)) => Ok(code),
+            Ok(Err(e)) if e.to_string().trim().is_empty() => {
+                Err(format!("error without a message: {e:?}"))
             }
-            Ok(e.exit_code())
-        }
-        Err(p) => Err(p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic".into())),
-    }
+            Ok(Err(e)) => Ok(e.exit_code()),
+            Err(p) => Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into())),
+        });
+    });
+    rx.recv_timeout(COMMAND_LIMIT)
+        .unwrap_or_else(|_| Err(format!("no result within {COMMAND_LIMIT:?}")))
 }
 
 /// Every `.safetensors` file under `out` loads with the reference implementation.
@@ -149,7 +159,7 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
             args.extend(write.iter().map(|s| s.to_string()));
         }
         let code =
-            exit_code(&args).map_err(|p| format!("`tftf {}` panicked: {p}", args.join(" ")))?;
+            exit_code(&args).map_err(|p| format!("`tftf {}` failed: {p}", args.join(" ")))?;
         if !(0..=2).contains(&code) {
             return Err(format!("`tftf {}` exited {code}", args.join(" ")));
         }

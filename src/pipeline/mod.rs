@@ -467,6 +467,11 @@ fn emit_compute(
     let units = op.units();
     let out_units = op.all_unit_bytes();
     debug_assert_eq!(out_units.len(), dests.len());
+    if out_units.iter().all(|&b| b == 0) {
+        // Nothing to write, however many units: a tensor such as [2^40, 0] would otherwise be
+        // walked chunk by chunk for hours.
+        return Ok(());
+    }
     let per_unit = out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1);
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
