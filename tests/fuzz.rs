@@ -1,4 +1,4 @@
-//! Fuzzing on stable Rust, bounded so it runs with `cargo test --release` in CI (about 30 s on
+//! Fuzzing on stable Rust, bounded so it runs with `cargo test --release` in CI (about 20 s on
 //! two cores).
 //!
 //! - `generated_checkpoints_never_panic`: proptest builds whole inputs — headers with odd
@@ -11,7 +11,8 @@
 //! Every command must end with exit 0, 1 or 2 and an error message; a panic fails the test with
 //! the input that caused it (`catch_unwind` only detects the panic here, it fixes nothing). Every
 //! output written with exit 0 must load with the `safetensors` crate. `TFTF_FUZZ_CASES` and
-//! `TFTF_FUZZ_MUTATIONS` raise the bounds for a longer local run. Each panic found becomes a
+//! `TFTF_FUZZ_MUTATIONS` raise the bounds (300 and 600) and `TFTF_FUZZ_SEED` changes the fixed
+//! seed for a longer local run. Each panic found becomes a
 //! named test in `tests/panics.rs`; proptest keeps its failing seeds in
 //! `tests/fuzz.proptest-regressions`.
 
@@ -25,6 +26,15 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 use common::Rng;
+
+/// The seed of both tests: fixed, so CI explores the same inputs every run; `TFTF_FUZZ_SEED`
+/// explores others.
+fn seed() -> u64 {
+    std::env::var("TFTF_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x7f7f_2026)
+}
 
 fn bound(var: &str, default: u32) -> u32 {
     std::env::var(var)
@@ -450,7 +460,8 @@ fn write_model(g: &GenModel, dir: &Path) -> (PathBuf, Option<PathBuf>) {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: bound("TFTF_FUZZ_CASES", 200),
+        cases: bound("TFTF_FUZZ_CASES", 300),
+        rng_seed: proptest::test_runner::RngSeed::Fixed(seed()),
         failure_persistence: Some(Box::new(
             proptest::test_runner::FileFailurePersistence::SourceParallel("proptest-regressions"),
         )),
@@ -580,8 +591,8 @@ fn mutated_corpus_never_panics() {
         .collect();
     cases.sort();
     assert!(cases.len() >= 5, "corpus has {} cases", cases.len());
-    let mut rng = Rng(0x7f7f_2026);
-    let iterations = bound("TFTF_FUZZ_MUTATIONS", 300);
+    let mut rng = Rng(seed());
+    let iterations = bound("TFTF_FUZZ_MUTATIONS", 600);
     for it in 0..iterations {
         let case = &cases[it as usize % cases.len()];
         let d = tempfile::tempdir().unwrap();
