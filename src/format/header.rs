@@ -263,23 +263,39 @@ pub fn serialize_header(
     tensors: &[TensorInfo],
     align: u64,
 ) -> Vec<u8> {
+    serialize_entries(
+        metadata,
+        tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.begin, t.end)),
+        align,
+    )
+}
+
+/// [`serialize_header`] of `(name, dtype, shape, begin, end)` entries borrowed from elsewhere
+/// (the plan), so no per-tensor copy is made for the header.
+pub fn serialize_entries<'a>(
+    metadata: &Map<String, Value>,
+    entries: impl Iterator<Item = (&'a str, DType, &'a [u64], u64, u64)>,
+    align: u64,
+) -> Vec<u8> {
     use std::io::Write;
-    let mut json = Vec::with_capacity(64 + tensors.len() * 80);
+    let mut json = Vec::with_capacity(64 + entries.size_hint().0 * 80);
     json.push(b'{');
     if !metadata.is_empty() {
         json.extend_from_slice(b"\"__metadata__\":");
         serde_json::to_writer(&mut json, metadata).expect("JSON of strings");
     }
-    for (i, t) in tensors.iter().enumerate() {
+    for (i, (name, dtype, shape, begin, end)) in entries.enumerate() {
         if i > 0 || !metadata.is_empty() {
             json.push(b',');
         }
-        serde_json::to_writer(&mut json, &t.name).expect("a string");
-        write!(json, ":{{\"dtype\":\"{}\",\"shape\":[", t.dtype.name()).expect("in memory");
-        for (k, d) in t.shape.iter().enumerate() {
+        serde_json::to_writer(&mut json, name).expect("a string");
+        write!(json, ":{{\"dtype\":\"{}\",\"shape\":[", dtype.name()).expect("in memory");
+        for (k, d) in shape.iter().enumerate() {
             write!(json, "{}{d}", if k > 0 { "," } else { "" }).expect("in memory");
         }
-        write!(json, "],\"data_offsets\":[{},{}]}}", t.begin, t.end).expect("in memory");
+        write!(json, "],\"data_offsets\":[{begin},{end}]}}").expect("in memory");
     }
     json.push(b'}');
     let total = 8 + json.len() as u64;
