@@ -139,6 +139,16 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
             "--allow-unscaled-fp8",
         ],
         vec!["repack-fp4", "--src", m],
+        vec![
+            "run",
+            "-i",
+            m,
+            "--dtype-cast",
+            "f16",
+            "--repack-fp4",
+            "--dequant-fp8",
+            "f32",
+        ],
     ];
     if let Some(a) = adapter.and_then(Path::to_str) {
         commands.push(vec![
@@ -158,6 +168,23 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
             "f32",
             "--merge-lora",
             a,
+        ]);
+    }
+    // The adapter file twice, as the two FSDP rank slices of one adapter.
+    let ranks = adapter.map(|a| a.join("adapter_model.safetensors"));
+    let config = adapter.map(|a| a.join("adapter_config.json"));
+    if let (Some(r), Some(c)) = (&ranks, &config) {
+        let (r, c) = (r.to_str().unwrap(), c.to_str().unwrap());
+        commands.push(vec![
+            "merge-fsdp-lora",
+            "-i",
+            m,
+            "-s",
+            r,
+            "-s",
+            r,
+            "--adapter-config",
+            c,
         ]);
     }
     for (k, cmd) in commands.iter().enumerate() {
