@@ -443,7 +443,9 @@ impl Plan {
             .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.gpu().is_some()))
     }
 
-    /// `model.safetensors.index.json` content, for directory outputs with several shards.
+    /// `model.safetensors.index.json` content, for directory outputs with several shards:
+    /// names sorted, pretty-printed as `serde_json` would, written straight to text (a value
+    /// tree of a million entries would cost ~150 MB).
     pub fn index_json(&self) -> Option<String> {
         if self.shards.len() < 2 || matches!(self.kind, OutputKind::File) {
             return None;
@@ -458,18 +460,21 @@ impl Plan {
             })
             .collect();
         names.sort();
-        let mut map = Map::new();
-        for (t, f) in names {
-            map.insert(t.into(), Value::from(f));
+        let quoted = |s: &str| serde_json::to_string(s).expect("a string");
+        let mut out = format!(
+            "{{\n  \"metadata\": {{\n    \"total_size\": {}\n  }},\n  \"weight_map\": {{",
+            self.total_tensor_bytes()
+        );
+        for (k, (t, f)) in names.iter().enumerate() {
+            let sep = if k == 0 { "" } else { "," };
+            out.push_str(&format!("{sep}\n    {}: {}", quoted(t), quoted(f)));
         }
-        let mut meta = Map::new();
-        meta.insert("total_size".into(), Value::from(self.total_tensor_bytes()));
-        let mut root = Map::new();
-        root.insert("metadata".into(), Value::Object(meta));
-        root.insert("weight_map".into(), Value::Object(map));
-        let mut s = serde_json::to_string_pretty(&Value::Object(root)).expect("plain JSON");
-        s.push('\n');
-        Some(s)
+        out.push_str(if names.is_empty() {
+            "}\n}\n"
+        } else {
+            "\n  }\n}\n"
+        });
+        Some(out)
     }
 }
 
@@ -508,5 +513,65 @@ pub fn output_dir(path: &std::path::Path, kind: &OutputKind) -> PathBuf {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The index as `serde_json` pretty-prints the equivalent object, the reference for
+    /// [`Plan::index_json`].
+    fn index_json_via_value(names: &[(&str, &str)], total: u64) -> String {
+        let mut names = names.to_vec();
+        names.sort();
+        let mut map = Map::new();
+        for (t, f) in names {
+            map.insert(t.into(), Value::from(f));
+        }
+        let mut meta = Map::new();
+        meta.insert("total_size".into(), Value::from(total));
+        let mut root = Map::new();
+        root.insert("metadata".into(), Value::Object(meta));
+        root.insert("weight_map".into(), Value::Object(map));
+        let mut s = serde_json::to_string_pretty(&Value::Object(root)).expect("plain JSON");
+        s.push('\n');
+        s
+    }
+
+    fn planned(name: &str) -> PlannedTensor {
+        PlannedTensor {
+            name: name.into(),
+            source_index: 0,
+            dtype: DType::U8,
+            shape: vec![3],
+            nbytes: 3,
+            recipe: Recipe::Copy { src: 0 },
+        }
+    }
+
+    #[test]
+    fn index_json_is_what_serde_json_pretty_prints() {
+        let names = ["b", "a \"q\" \\ \u{1}é", "c"];
+        let shard = |file: &str, tensors: Vec<usize>| OutShard {
+            file_name: file.into(),
+            header: Vec::new(),
+            offsets: vec![0; tensors.len()],
+            tensors,
+            len: 0,
+            clone_from: None,
+        };
+        let plan = Plan {
+            tensors: names.iter().map(|n| planned(n)).collect(),
+            shards: vec![shard("s1", vec![0, 2]), shard("s\"2", vec![1])],
+            kind: OutputKind::Dir,
+            dropped: Vec::new(),
+            renamed: 0,
+            config: None,
+            config_changes: Vec::new(),
+            notes: PlanNotes::default(),
+        };
+        let want = index_json_via_value(&[("b", "s1"), ("c", "s1"), (names[1], "s\"2")], 9);
+        assert_eq!(plan.index_json().unwrap(), want);
     }
 }
