@@ -1,4 +1,4 @@
-//! Fuzzing on stable Rust, bounded so it runs with `cargo test --release` in CI (about 20 s on
+//! Fuzzing on stable Rust, bounded so it runs with `cargo test --release` in CI (about 35 s on
 //! two cores).
 //!
 //! - `generated_checkpoints_never_panic`: proptest builds whole inputs — headers with odd
