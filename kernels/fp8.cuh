@@ -55,8 +55,17 @@ struct DequantParams {
     int pad_;
 };
 
+// Whether element `i` of `out`, stored as `dst`, is finite (an overflow to infinity in the
+// output dtype, a division by zero or 0/0 is not).
+TFTF_HD bool stored_finite(int dst, const u8* out, u64 i) {
+    if (dst == DT_F32) return is_finite_f32(u2f(TFTF_LOAD(u32, out, i)));
+    u16 h = TFTF_LOAD(u16, out, i);
+    return dst == DT_F16 ? (h & 0x7C00) != 0x7C00 : (h & 0x7F80) != 0x7F80;
+}
+
 // Element `i` of the chunk: writes it and returns false when it meets a value the op refuses
-// (non-finite code or scale without --allow-nonfinite); the caller then lets the CPU op name it.
+// without --allow-nonfinite (non-finite code or scale, or a result the output dtype cannot hold);
+// the caller then lets the CPU op name it.
 TFTF_HD bool dequant_element(const DequantParams& p, const u8* codes, const u8* scales, u8* out,
                              u64 i) {
     u64 k = i / p.cols, j = i - k * p.cols;
@@ -75,5 +84,5 @@ TFTF_HD bool dequant_element(const DequantParams& p, const u8* codes, const u8* 
     float v = p.divide ? w / s : w * s;
     if (is_nan_f32(v)) v = u2f(TFTF_NAN_F32);
     store_as(p.dst, out, i, v);
-    return true;
+    return p.allow_nonfinite || stored_finite(p.dst, out, i);
 }

@@ -135,6 +135,10 @@ pub enum Error {
     )]
     TensorNotInShard { shard: PathBuf, tensor: String },
 
+    /// A `config.json` (or other side file) whose content cannot be used.
+    #[error("{}: {msg}", escape::path(path))]
+    InvalidConfig { path: PathBuf, msg: String },
+
     #[error("{}: {msg}", escape::path(path))]
     NoModel { path: PathBuf, msg: String },
 
@@ -182,6 +186,13 @@ pub enum Error {
         path: PathBuf,
         needed: u64,
         available: u64,
+    },
+
+    #[error("the plan of {tensors} tensors holds about {} in memory (names, shapes, headers), more than half of --memory-budget {}; raise --memory-budget to at least {}", crate::size::human(*.needed), crate::size::human(*.budget), crate::size::human(2 * *.needed))]
+    PlanOverBudget {
+        tensors: usize,
+        needed: u64,
+        budget: u64,
     },
 
     #[error("{}: tensor `{}`: {msg}", escape::path(path), escape::name(tensor))]

@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
-use crate::format::header::{serialize_header, TensorInfo};
+use crate::format::header::serialize_entries;
 use crate::plan::{OutShard, OutputKind, PlannedTensor, Recipe, DEFAULT_MAX_SHARD_BYTES};
 
 /// 4 KiB: the block size of XFS, ext4 and btrfs.
@@ -150,12 +150,16 @@ fn identical_input_shard(
         return Ok(None);
     };
     let src = &ckpt.shards[shard];
-    if src.header.tensors.len() != order.len() || src.header.metadata.as_ref() != Some(metadata) {
+    let Some(span) = src.span.clone() else {
+        return Ok(None);
+    };
+    if span.len() != order.len() || src.header.metadata.as_ref() != Some(metadata) {
         return Ok(None);
     }
-    for (&i, info) in order.iter().zip(&src.header.tensors) {
+    for (&i, k) in order.iter().zip(span) {
         let t = &tensors[i];
-        let same = matches!(t.recipe, Recipe::Copy { src: s } if ckpt.tensors[s].info == *info && ckpt.tensors[s].shard == shard)
+        let info = &ckpt.tensors[k].info;
+        let same = matches!(t.recipe, Recipe::Copy { src: s } if s == k)
             && t.name == info.name
             && t.dtype == info.dtype;
         if !same {
@@ -199,23 +203,29 @@ pub fn assign_shards(
     let mut shards = Vec::with_capacity(n);
     for (k, order) in orders.into_iter().enumerate() {
         let residue = header_residue(ckpt, tensors, &order);
-        let mut infos = Vec::with_capacity(order.len());
+        // Data offsets relative to the data buffer; the header borrows names and shapes.
+        let mut begins = Vec::with_capacity(order.len() + 1);
         let mut begin = 0;
         for &i in &order {
-            let t = &tensors[i];
-            infos.push(TensorInfo {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                begin,
-                end: begin + t.nbytes,
-            });
-            begin += t.nbytes;
+            begins.push(begin);
+            begin += tensors[i].nbytes;
         }
+        let entries = || {
+            order.iter().zip(&begins).map(|(&i, &b)| {
+                let t = &tensors[i];
+                (
+                    t.name.as_str(),
+                    t.dtype,
+                    t.shape.as_slice(),
+                    b,
+                    b + t.nbytes,
+                )
+            })
+        };
         let (header, clone_from) = match identical_input_shard(ckpt, tensors, &order, metadata)? {
             Some((s, bytes)) => (bytes, Some(s)),
             None => {
-                let minimal = serialize_header(metadata, &infos, 1).len() as u64;
+                let minimal = serialize_entries(metadata, entries(), 1).len() as u64;
                 let len = match residue {
                     Some(r) => {
                         minimal
@@ -224,7 +234,7 @@ pub fn assign_shards(
                     }
                     None => minimal.div_ceil(HEADER_ALIGN_BYTES) * HEADER_ALIGN_BYTES,
                 };
-                (serialize_header(metadata, &infos, len), None)
+                (serialize_entries(metadata, entries(), len), None)
             }
         };
         let data_start = header.len() as u64;
@@ -234,7 +244,7 @@ pub fn assign_shards(
             } else {
                 format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
             },
-            offsets: infos.iter().map(|t| data_start + t.begin).collect(),
+            offsets: begins.iter().map(|b| data_start + b).collect(),
             len: data_start + begin,
             header,
             tensors: order,

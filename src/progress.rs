@@ -97,7 +97,9 @@ impl Progress {
         // A first line at once: the log shows the run started and how much it has to do.
         eprintln!("{}", p.line());
         let weak: Weak<Inner> = Arc::downgrade(&p.0);
-        std::thread::spawn(move || {
+        // Progress is advisory: a ticker thread that cannot start leaves only the first line,
+        // and the run itself reports the shortage when its own threads cannot start.
+        let _ = std::thread::Builder::new().spawn(move || {
             while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let Some(inner) = weak.upgrade() else { break };
                 if inner.finished.load(Ordering::Relaxed) {

@@ -225,6 +225,33 @@ fn refused_values_are_refused_by_the_kernel_too() {
     let inf = f32::INFINITY.to_le_bytes();
     assert!(host_dequant(&op, 0..2, &[0; 8], &inf).is_none());
     assert!(host_dequant(&op, 0..2, &[0; 8], &one).is_some());
+    // Results the output dtype cannot hold: 448 × 1e38 (f32 overflow), 448 × 1000 in F16,
+    // 1 / 0 and 0 / 0; each allowed with --allow-nonfinite, bit for bit as the CPU op.
+    let cases = [
+        (ScaleMode::Multiply, DType::BF16, 1e38f32),
+        (ScaleMode::Multiply, DType::F16, 1000.0),
+        (ScaleMode::Divide, DType::F32, 0.0),
+    ];
+    let codes = [0x38u8, 0x7E, 0, 0, 0, 0, 0, 0];
+    for (mode, dst, scale) in cases {
+        let mut op = DequantFp8 {
+            mode,
+            dst,
+            layout: op.layout.clone(),
+            ..op
+        };
+        let s = scale.to_le_bytes();
+        assert!(
+            host_dequant(&op, 0..2, &codes, &s).is_none(),
+            "{mode:?} {dst}"
+        );
+        assert!(cpu_compute(&op, 0..2, &[&codes, &s])
+            .unwrap_err()
+            .contains("is not finite"));
+        op.allow_nonfinite = true;
+        let want = cpu_compute(&op, 0..2, &[&codes, &s]).unwrap();
+        assert_eq!(host_dequant(&op, 0..2, &codes, &s).unwrap(), want);
+    }
 }
 
 #[test]

@@ -145,6 +145,7 @@ fn convert_inner(
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
+    let data_budget = plan.data_budget(&ckpt, opts.memory_budget)?;
     let names = target.names(&plan, &sides);
     if let Some(report) = &opts.report {
         target.check_report(report, &names)?;
@@ -245,7 +246,7 @@ fn convert_inner(
     });
     let cfg = PipelineConfig {
         threads: opts.threads,
-        memory_budget: opts.memory_budget,
+        memory_budget: data_budget,
         cancel: cancel.clone(),
         progress: progress.clone(),
         kernel_copy: opts.kernel_copy,

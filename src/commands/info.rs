@@ -10,6 +10,10 @@ use crate::error::Result;
 use crate::format::checkpoint::Checkpoint;
 use crate::size::human;
 
+/// The name column grows to the longest name up to this width; longer names push the other
+/// columns right (a padding width must also fit in a `u16`, or formatting panics).
+const NAME_COLUMN_MAX_CHARS: usize = 120;
+
 /// The layer a tensor belongs to: `model.layers.12`, `transformer.h.3`, `mtp.0`, …
 pub fn layer_of(name: &str) -> Option<String> {
     static RE: std::sync::OnceLock<Regex> = std::sync::OnceLock::new();
@@ -90,7 +94,7 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
             .map(|n| n.chars().count())
             .max()
             .unwrap_or(4)
-            .max(4);
+            .clamp(4, NAME_COLUMN_MAX_CHARS);
         println!(
             "{:<w$}  {:<11}  {:<22}  {:>12}",
             "NAME", "DTYPE", "SHAPE", "BYTES"

@@ -174,8 +174,16 @@ fn quantization_config(ckpt: &Checkpoint, cfg: &Map<String, Value>, out: &mut Ve
     if promise != Promise::Fp8 {
         return;
     }
-    let Some(block) = config_block_size(cfg) else {
-        return;
+    let block = match config_block_size(cfg) {
+        Ok(Some(block)) => block,
+        Ok(None) => return,
+        Err(msg) => {
+            out.push(Finding {
+                check: "quantization-config",
+                message: format!("config.json: {msg}"),
+            });
+            return;
+        }
     };
     let mut misfits = Vec::new();
     for t in tensors.iter().filter(|t| is_fp8(t.info.dtype)) {

@@ -2,7 +2,6 @@
 //! shards without one, or an index file. Only headers are read; every structural check that can
 //! fail later is done here, so a bad input fails before any output exists.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -15,7 +14,14 @@ use crate::error::{Error, Result};
 pub struct Shard {
     pub path: PathBuf,
     pub file: File,
+    /// The parsed header; its tensors move to [`Checkpoint::tensors`] once the checkpoint is
+    /// open (one copy of each name and shape, not two).
     pub header: Header,
+    /// How many tensors the header held.
+    pub tensor_count: usize,
+    /// Where this shard's tensors sit in [`Checkpoint::tensors`], in file order, when all of
+    /// them are there (none left out by the index).
+    pub span: Option<std::ops::Range<usize>>,
 }
 
 /// A tensor of the checkpoint: which shard holds it and where.
@@ -46,7 +52,9 @@ pub struct Checkpoint {
     /// the rest belong to attached inputs (adapters).
     pub tensors: Vec<TensorRef>,
     pub base_count: usize,
-    by_name: HashMap<String, usize>,
+    /// Indices of the model's tensors sorted by name, for [`Checkpoint::get`]: 4 bytes a tensor
+    /// where a map of owned names took ~80.
+    by_name: Vec<u32>,
     /// Files read besides the shards and the index (an adapter's config), which no output
     /// may replace.
     pub extra_inputs: Vec<PathBuf>,
@@ -76,23 +84,37 @@ impl Checkpoint {
             return Err(errors);
         }
         let mut warnings = Vec::new();
-        let mut tensors = Vec::new();
-        let mut by_name: HashMap<String, usize> = HashMap::new();
-        for (si, shard) in shards.iter().enumerate() {
-            for t in &shard.header.tensors {
-                if let Some(&prev) = by_name.get(&t.name) {
-                    errors.push(Error::DuplicateTensor {
-                        tensor: t.name.clone(),
-                        first: shards[tensors_shard(&tensors, prev)].path.clone(),
-                        second: shard.path.clone(),
-                    });
-                    continue;
-                }
-                by_name.insert(t.name.clone(), tensors.len());
-                tensors.push(TensorRef {
-                    shard: si,
-                    info: t.clone(),
-                    parts: Vec::new(),
+        let total: usize = shards.iter().map(|s| s.header.tensors.len()).sum();
+        if u32::try_from(total).is_err() {
+            return Err(vec![Error::NoModel {
+                path: input.into(),
+                msg: format!(
+                    "{total} tensors are more than this tool supports ({})",
+                    u32::MAX
+                ),
+            }]);
+        }
+        let mut tensors = Vec::with_capacity(total);
+        for (si, shard) in shards.iter_mut().enumerate() {
+            tensors.extend(
+                std::mem::take(&mut shard.header.tensors)
+                    .into_iter()
+                    .map(|info| TensorRef {
+                        shard: si,
+                        info,
+                        parts: Vec::new(),
+                    }),
+            );
+        }
+        let mut by_name = sorted_by_name(&tensors);
+        // Equal names sit next to each other, in the order they were read.
+        for pair in by_name.windows(2) {
+            let (first, second) = (pair[0] as usize, pair[1] as usize);
+            if tensors[first].info.name == tensors[second].info.name {
+                errors.push(Error::DuplicateTensor {
+                    tensor: tensors[second].info.name.clone(),
+                    first: shards[tensors[first].shard].path.clone(),
+                    second: shards[tensors[second].shard].path.clone(),
                 });
             }
         }
@@ -101,9 +123,8 @@ impl Checkpoint {
                 let shard_name = shard_name
                     .as_str()
                     .expect("checked when the index was read");
-                let found = by_name
-                    .get(tensor)
-                    .is_some_and(|&i| shards[tensors[i].shard].path.ends_with(shard_name));
+                let found = find(&tensors, &by_name, tensor)
+                    .is_some_and(|i| shards[tensors[i].shard].path.ends_with(shard_name));
                 if !found {
                     errors.push(Error::TensorNotInShard {
                         shard: layout.dir.join(shard_name),
@@ -118,15 +139,22 @@ impl Checkpoint {
                     "{} tensor(s) present in shards but not listed in the index are ignored, as loaders ignore them",
                     before - tensors.len()
                 ));
+                by_name = sorted_by_name(&tensors);
             }
-            by_name = tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.info.name.clone(), i))
-                .collect();
         }
         if !errors.is_empty() {
             return Err(errors);
+        }
+        let mut counts = vec![0usize; shards.len()];
+        for (i, t) in tensors.iter().enumerate() {
+            let shard = &mut shards[t.shard];
+            shard.span = Some(shard.span.as_ref().map_or(i..i + 1, |r| r.start..i + 1));
+            counts[t.shard] += 1;
+        }
+        for (shard, n) in shards.iter_mut().zip(counts) {
+            if n != shard.tensor_count {
+                shard.span = None;
+            }
         }
         Ok(Checkpoint {
             input: input.to_path_buf(),
@@ -154,7 +182,10 @@ impl Checkpoint {
                 info: t.info,
                 parts: Vec::new(),
             }));
-        self.shards.extend(other.shards);
+        self.shards.extend(other.shards.into_iter().map(|mut s| {
+            s.span = s.span.map(|r| r.start + first..r.end + first);
+            s
+        }));
         first
     }
 
@@ -224,7 +255,7 @@ impl Checkpoint {
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorRef> {
-        self.by_name.get(name).map(|&i| &self.tensors[i])
+        find(&self.tensors, &self.by_name, name).map(|i| &self.tensors[i])
     }
 
     /// Bytes of the model's own tensors.
@@ -272,8 +303,24 @@ impl Checkpoint {
     }
 }
 
-fn tensors_shard(tensors: &[TensorRef], i: usize) -> usize {
-    tensors[i].shard
+/// Indices of `tensors` sorted by name (equal names in index order: the sort is stable).
+fn sorted_by_name(tensors: &[TensorRef]) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..tensors.len() as u32).collect();
+    v.sort_by(|&a, &b| {
+        tensors[a as usize]
+            .info
+            .name
+            .cmp(&tensors[b as usize].info.name)
+    });
+    v
+}
+
+/// The index of the tensor named `name`, through `by_name` from [`sorted_by_name`].
+fn find(tensors: &[TensorRef], by_name: &[u32], name: &str) -> Option<usize> {
+    by_name
+        .binary_search_by(|&i| tensors[i as usize].info.name.as_str().cmp(name))
+        .ok()
+        .map(|k| by_name[k] as usize)
 }
 
 fn open_shard(path: &Path) -> Result<Shard> {
@@ -282,7 +329,9 @@ fn open_shard(path: &Path) -> Result<Shard> {
     Ok(Shard {
         path: path.to_path_buf(),
         file,
+        tensor_count: header.tensors.len(),
         header,
+        span: None,
     })
 }
 

@@ -85,32 +85,19 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
     };
     let text =
         std::str::from_utf8(json).map_err(|e| invalid(format!("the JSON is not UTF-8: {e}")))?;
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
-    let Value::Object(map) = value else {
+    if !text.trim_start().starts_with('{') {
+        serde_json::from_str::<Value>(text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
         return Err(invalid(
             "the JSON must be an object of tensor entries, not a list or a value".into(),
         ));
-    };
-    let mut metadata = None;
-    let mut tensors = Vec::with_capacity(map.len());
-    for (name, entry) in map {
-        if name == "__metadata__" {
-            let Value::Object(meta) = entry else {
-                return Err(invalid(
-                    "`__metadata__` must be an object of string values".into(),
-                ));
-            };
-            if let Some((k, v)) = meta.iter().find(|(_, v)| !v.is_string()) {
-                return Err(invalid(format!(
-                    "`__metadata__` values must be strings (`{k}` is {v})"
-                )));
-            }
-            metadata = Some(meta);
-            continue;
-        }
-        tensors.push(parse_tensor(path, name, entry)?);
     }
+    // Entries are read one at a time and turned into `TensorInfo` at once: a header of a million
+    // tensors held as one JSON value tree took ~700 bytes a tensor; this keeps ~100.
+    let mut de = serde_json::Deserializer::from_str(text);
+    let entries = serde::Deserializer::deserialize_map(&mut de, EntriesVisitor { path })
+        .and_then(|v| de.end().map(|()| v))
+        .map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+    let (metadata, mut tensors) = entries?;
     tensors.sort_by_key(|t| (t.begin, t.end));
     let data_start = 8 + json.len() as u64;
     let mut expected = 0u64;
@@ -145,6 +132,69 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
         data_start,
         file_len,
     })
+}
+
+/// Reads the top-level object entry by entry. The first bad entry is kept while the rest of the
+/// JSON is still read, so invalid JSON anywhere is reported as such, as a full parse would.
+struct EntriesVisitor<'a> {
+    path: &'a Path,
+}
+
+type Entries = Result<(Option<Map<String, Value>>, Vec<TensorInfo>)>;
+
+impl<'de> serde::de::Visitor<'de> for EntriesVisitor<'_> {
+    type Value = Entries;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Entries, A::Error> {
+        let path = self.path;
+        let mut metadata = None;
+        let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        let mut first_error = None;
+        while let Some(name) = map.next_key::<String>()? {
+            if first_error.is_some() {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let entry: Value = map.next_value()?;
+            if name == "__metadata__" {
+                match parse_metadata(path, entry) {
+                    Ok(m) => metadata = Some(m),
+                    Err(e) => first_error = Some(e),
+                }
+                continue;
+            }
+            match parse_tensor(path, name, entry) {
+                Ok(t) => tensors.push(t),
+                Err(e) => first_error = Some(e),
+            }
+        }
+        Ok(match first_error {
+            Some(e) => Err(e),
+            None => Ok((metadata, tensors)),
+        })
+    }
+}
+
+fn parse_metadata(path: &Path, entry: Value) -> Result<Map<String, Value>> {
+    let invalid = |msg: String| Error::InvalidHeader {
+        path: path.into(),
+        msg,
+    };
+    let Value::Object(meta) = entry else {
+        return Err(invalid(
+            "`__metadata__` must be an object of string values".into(),
+        ));
+    };
+    if let Some((k, v)) = meta.iter().find(|(_, v)| !v.is_string()) {
+        return Err(invalid(format!(
+            "`__metadata__` values must be strings (`{k}` is {v})"
+        )));
+    }
+    Ok(meta)
 }
 
 fn parse_tensor(path: &Path, name: String, entry: Value) -> Result<TensorInfo> {
@@ -210,23 +260,48 @@ fn parse_tensor(path: &Path, name: String, entry: Value) -> Result<TensorInfo> {
 
 /// Serialises a header for tensors already laid out back to back (`tensors` in offset order).
 /// The JSON is padded with spaces so that the data buffer starts at a multiple of `align`.
+/// Written straight into bytes (the same bytes `serde_json` makes of the equivalent object): a
+/// value tree of a million entries would cost ~700 MB.
 pub fn serialize_header(
     metadata: &Map<String, Value>,
     tensors: &[TensorInfo],
     align: u64,
 ) -> Vec<u8> {
-    let mut map = Map::new();
+    serialize_entries(
+        metadata,
+        tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.begin, t.end)),
+        align,
+    )
+}
+
+/// [`serialize_header`] of `(name, dtype, shape, begin, end)` entries borrowed from elsewhere
+/// (the plan), so no per-tensor copy is made for the header.
+pub fn serialize_entries<'a>(
+    metadata: &Map<String, Value>,
+    entries: impl Iterator<Item = (&'a str, DType, &'a [u64], u64, u64)>,
+    align: u64,
+) -> Vec<u8> {
+    use std::io::Write;
+    let mut json = Vec::with_capacity(64 + entries.size_hint().0 * 80);
+    json.push(b'{');
     if !metadata.is_empty() {
-        map.insert("__metadata__".into(), Value::Object(metadata.clone()));
+        json.extend_from_slice(b"\"__metadata__\":");
+        serde_json::to_writer(&mut json, metadata).expect("JSON of strings");
     }
-    for t in tensors {
-        let mut entry = Map::new();
-        entry.insert("dtype".into(), Value::from(t.dtype.name()));
-        entry.insert("shape".into(), Value::from(t.shape.clone()));
-        entry.insert("data_offsets".into(), Value::from(vec![t.begin, t.end]));
-        map.insert(t.name.clone(), Value::Object(entry));
+    for (i, (name, dtype, shape, begin, end)) in entries.enumerate() {
+        if i > 0 || !metadata.is_empty() {
+            json.push(b',');
+        }
+        serde_json::to_writer(&mut json, name).expect("a string");
+        write!(json, ":{{\"dtype\":\"{}\",\"shape\":[", dtype.name()).expect("in memory");
+        for (k, d) in shape.iter().enumerate() {
+            write!(json, "{}{d}", if k > 0 { "," } else { "" }).expect("in memory");
+        }
+        write!(json, "],\"data_offsets\":[{begin},{end}]}}").expect("in memory");
     }
-    let mut json = serde_json::to_vec(&Value::Object(map)).expect("JSON of strings and numbers");
+    json.push(b'}');
     let total = 8 + json.len() as u64;
     let padded = total.div_ceil(align) * align;
     json.resize(json.len() + (padded - total) as usize, b' ');
@@ -304,6 +379,46 @@ mod tests {
         assert!(matches!(meta, Err(Error::InvalidHeader { .. })));
         let json = parse(r#"{"a":"#, 0);
         assert!(matches!(json, Err(Error::InvalidHeader { .. })));
+    }
+
+    #[test]
+    fn serialized_header_is_what_serde_json_makes_of_the_object() {
+        let tensors = vec![
+            TensorInfo {
+                name: "a \"quoted\" \\ name\u{1}é".into(),
+                dtype: DType::F8_E4M3,
+                shape: vec![],
+                begin: 0,
+                end: 1,
+            },
+            TensorInfo {
+                name: "b".into(),
+                dtype: DType::BF16,
+                shape: vec![2, 3],
+                begin: 1,
+                end: 13,
+            },
+        ];
+        for meta in [Map::new(), {
+            let mut m = Map::new();
+            m.insert("format".into(), "pt".into());
+            m.insert("x\ny".into(), "\"".into());
+            m
+        }] {
+            let mut map = Map::new();
+            if !meta.is_empty() {
+                map.insert("__metadata__".into(), Value::Object(meta.clone()));
+            }
+            for t in &tensors {
+                map.insert(
+                    t.name.clone(),
+                    serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [t.begin, t.end]}),
+                );
+            }
+            let want = serde_json::to_vec(&Value::Object(map)).unwrap();
+            let got = serialize_header(&meta, &tensors, 1);
+            assert_eq!(&got[8..], &want[..]);
+        }
     }
 
     #[test]

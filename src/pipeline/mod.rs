@@ -194,6 +194,31 @@ fn recv<T>(rx: &Receiver<T>, cancel: &Cancel) -> Result<Option<T>> {
     }
 }
 
+/// Starts one stage in `scope`. A thread that cannot start (no memory for its stack, a process
+/// limit) fails the run like any stage error: the closure is dropped with its channel ends, so
+/// the stages already running see a disconnect or the cancel flag and stop.
+fn start<'scope, F>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    sh: &'scope Shared<'_>,
+    name: &str,
+    body: F,
+) where
+    F: FnOnce() -> Result<()> + Send + 'scope,
+{
+    let spawned = std::thread::Builder::new()
+        .name(format!("tftf-{name}"))
+        .spawn_scoped(scope, move || {
+            if let Err(e) = body() {
+                sh.fail(e);
+            }
+        });
+    if let Err(e) = spawned {
+        sh.fail(Error::Other(format!(
+            "cannot start the {name} thread: {e}; lower --threads or free memory"
+        )));
+    }
+}
+
 /// Streams every planned tensor into `outputs` (one open file per plan shard, already sized and
 /// holding its header).
 pub fn execute(
@@ -247,28 +272,20 @@ pub fn execute(
     let writeback_window = (cfg.memory_budget / 4).clamp(8 << 20, WRITEBACK_WINDOW_MAX_BYTES);
     std::thread::scope(|scope| {
         let sh = &shared;
-        scope.spawn(move || {
-            if let Err(e) = read_stage(sh, chunk_bytes, work_tx) {
-                sh.fail(e);
-            }
+        start(scope, sh, "reader", move || {
+            read_stage(sh, chunk_bytes, work_tx)
         });
         for _ in 0..threads {
             let rx = work_rx.clone();
             let tx = done_tx.clone();
-            scope.spawn(move || {
-                if let Err(e) = compute_stage(sh, rx, tx) {
-                    sh.fail(e);
-                }
-            });
+            start(scope, sh, "compute", move || compute_stage(sh, rx, tx));
         }
         drop(work_rx);
         drop(done_tx);
         let progress = cfg.progress.clone();
         let kernel_copy = cfg.kernel_copy;
-        scope.spawn(move || {
-            if let Err(e) = write_stage(sh, done_rx, writeback_window, progress, kernel_copy) {
-                sh.fail(e);
-            }
+        start(scope, sh, "writer", move || {
+            write_stage(sh, done_rx, writeback_window, progress, kernel_copy)
         });
     });
     if let Some(e) = shared.first_error.lock().unwrap().take() {
@@ -450,6 +467,11 @@ fn emit_compute(
     let units = op.units();
     let out_units = op.all_unit_bytes();
     debug_assert_eq!(out_units.len(), dests.len());
+    if out_units.iter().all(|&b| b == 0) {
+        // Nothing to write, however many units: a tensor such as [2^40, 0] would otherwise be
+        // walked chunk by chunk for hours.
+        return Ok(());
+    }
     let per_unit = out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1);
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
@@ -519,7 +541,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                     let src = &sh.ckpt.tensors[t.source_index];
                     Error::TensorData {
                         path: sh.ckpt.shards[src.shard].path.clone(),
-                        tensor: t.source.clone(),
+                        tensor: src.info.name.clone(),
                         msg,
                     }
                 })?;

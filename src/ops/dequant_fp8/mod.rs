@@ -103,20 +103,40 @@ pub fn parse_block_size(s: &str) -> Result<(u64, u64)> {
 }
 
 /// Block size from `config.json`: `quantization_config.weight_block_size`, or the
-/// compressed-tensors `config_groups.*.weights.block_structure`.
-pub fn config_block_size(cfg: &Map<String, Value>) -> Option<(u64, u64)> {
-    let q = cfg.get("quantization_config")?;
+/// compressed-tensors `config_groups.*.weights.block_structure`. A block with a zero side is an
+/// error naming the key.
+pub fn config_block_size(cfg: &Map<String, Value>) -> Result<Option<(u64, u64)>, String> {
+    let Some(q) = cfg.get("quantization_config") else {
+        return Ok(None);
+    };
     let pair = |v: &Value| -> Option<(u64, u64)> {
         let a = v.as_array()?;
         Some((a.first()?.as_u64()?, a.get(1)?.as_u64()?))
     };
-    if let Some(b) = q.get("weight_block_size").and_then(pair) {
-        return Some(b);
+    let found = match q.get("weight_block_size").and_then(pair) {
+        Some(b) => Some(("quantization_config.weight_block_size", b)),
+        None => q
+            .get("config_groups")
+            .and_then(Value::as_object)
+            .and_then(|groups| {
+                groups
+                    .values()
+                    .find_map(|g| g.get("weights")?.get("block_structure").and_then(pair))
+            })
+            .map(|b| {
+                (
+                    "quantization_config.config_groups.*.weights.block_structure",
+                    b,
+                )
+            }),
+    };
+    match found {
+        Some((key, (r, c))) if r == 0 || c == 0 => Err(format!(
+            "`{key}` is [{r}, {c}]: a block side cannot be 0; fix config.json or pass --block-size RxC"
+        )),
+        Some((_, b)) => Ok(Some(b)),
+        None => Ok(None),
     }
-    q.get("config_groups")?
-        .as_object()?
-        .values()
-        .find_map(|g| g.get("weights")?.get("block_structure").and_then(pair))
 }
 
 fn smallest_pow2_block(dim: u64, grid: u64) -> Option<u64> {
@@ -242,7 +262,17 @@ impl PlanStep for DequantFp8Step {
         entries: &mut Vec<Entry>,
         notes: &mut PlanNotes,
     ) -> Result<bool> {
-        let from_config = config.and_then(config_block_size);
+        // A broken config value is an error unless --block-size replaces it.
+        let from_config = match config.map(config_block_size).transpose() {
+            Ok(b) => b.flatten(),
+            Err(_) if self.opts.block.is_some() => None,
+            Err(msg) => {
+                return Err(Error::InvalidConfig {
+                    path: ckpt.dir.join("config.json"),
+                    msg,
+                })
+            }
+        };
         let block = match (from_config, self.opts.block) {
             (Some(c), Some(b)) if c != b => {
                 return Err(Error::Usage(format!(
@@ -477,6 +507,39 @@ impl DequantFp8 {
         }
     }
 
+    /// Element `j` of global row `r`, as the user indexes the weight.
+    fn position(&self, r: u64, j: usize) -> String {
+        let (e, lr) = (r / self.layout.rows, r % self.layout.rows);
+        if self.layout.experts > 1 {
+            format!("[{e}, {lr}, {j}]")
+        } else {
+            format!("[{lr}, {j}]")
+        }
+    }
+
+    /// Whether finite codes under these scales can give a value the output dtype cannot hold
+    /// (the exact check, [`first_nonfinite`], then runs on the row). Half the limit leaves room
+    /// for rounding; a zero or subnormal divisor always qualifies (scales are finite here).
+    fn may_overflow(&self, scales: &[f32]) -> bool {
+        let largest_code = if self.weight_dtype == DType::F8_E5M2 {
+            57344.0
+        } else {
+            448.0
+        };
+        let limit = if self.dst == DType::F16 {
+            65504.0
+        } else {
+            f32::MAX
+        };
+        scales.iter().any(|&s| {
+            let factor = match self.mode {
+                ScaleMode::Multiply => s.abs(),
+                ScaleMode::Divide => 1.0 / s.abs(),
+            };
+            factor >= limit / 2.0 / largest_code
+        })
+    }
+
     fn decode_scales(&self, bytes: &[u8]) -> Vec<f32> {
         match self.scale_dtype {
             None => vec![1.0],
@@ -595,6 +658,21 @@ fn dequant_row<const DIVIDE: bool, const E5M2: bool>(
     }
 }
 
+/// The first element of `out` (encoded as `dst`) that is infinite or NaN.
+fn first_nonfinite(dst: DType, out: &[u8]) -> Option<usize> {
+    match dst {
+        DType::F32 => out
+            .chunks_exact(4)
+            .position(|o| !f32::from_le_bytes(o.try_into().unwrap()).is_finite()),
+        DType::F16 => out
+            .chunks_exact(2)
+            .position(|o| u16::from_le_bytes([o[0], o[1]]) & 0x7C00 == 0x7C00),
+        _ => out
+            .chunks_exact(2)
+            .position(|o| u16::from_le_bytes([o[0], o[1]]) & 0x7F80 == 0x7F80),
+    }
+}
+
 /// NaN results (kept with --allow-nonfinite) as one positive quiet NaN per dtype, whatever NaN
 /// the hardware produced (x86, Arm and GPUs differ in sign and payload), so output bytes do not
 /// depend on the device.
@@ -682,12 +760,7 @@ impl Op for DequantFp8 {
                     }
                 });
                 if let Some(j) = bad {
-                    let (e, lr) = (r / self.layout.rows, r % self.layout.rows);
-                    let pos = if self.layout.experts > 1 {
-                        format!("[{e}, {lr}, {j}]")
-                    } else {
-                        format!("[{lr}, {j}]")
-                    };
+                    let pos = self.position(r, j);
                     return Err(format!(
                         "non-finite {} code {:#04x} at {pos}; pass --allow-nonfinite to keep it as NaN",
                         self.weight_dtype, codes[j]
@@ -713,6 +786,27 @@ impl Op for DequantFp8 {
                 }
                 (ScaleMode::Divide, true) => {
                     dequant_row::<true, true>(self.dst, codes, row_scales, bc, specials, o)
+                }
+            }
+            if !self.allow_nonfinite && self.may_overflow(row_scales) {
+                if let Some(j) = first_nonfinite(self.dst, o) {
+                    let s = row_scales[j / bc];
+                    let w = if e5m2 { e5m2_table() } else { e4m3_table() }[codes[j] as usize];
+                    let (verb, why) = match self.mode {
+                        ScaleMode::Divide if s == 0.0 => ("divided by", "is a division by zero"),
+                        ScaleMode::Divide => ("divided by", "overflows"),
+                        ScaleMode::Multiply => ("times", "overflows"),
+                    };
+                    let into = if why == "overflows" {
+                        format!(" {}", self.dst)
+                    } else {
+                        String::new()
+                    };
+                    return Err(format!(
+                        "result at {} is not finite: code {:#04x} ({w}) {verb} scale {s:?} {why}{into}; pass --allow-nonfinite to keep it",
+                        self.position(r, j),
+                        codes[j]
+                    ));
                 }
             }
             // Only these can make NaN: a kept non-finite value, or 0/0 when dividing.

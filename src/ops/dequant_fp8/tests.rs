@@ -245,13 +245,14 @@ fn bit_exact_against_scalar_reference_for_every_layout_dtype_and_cut() {
                 .decode_scales(&sbytes);
                 for dst in [DType::BF16, DType::F16, DType::F32] {
                     for mode in [ScaleMode::Multiply, ScaleMode::Divide] {
+                        // Some products overflow F16; the reference keeps them as infinity.
                         let op = DequantFp8 {
                             weight_dtype: wdtype,
                             scale_dtype: Some(sdtype),
                             layout: layout.clone(),
                             mode,
                             dst,
-                            allow_nonfinite: false,
+                            allow_nonfinite: true,
                         };
                         let (e, rows, cols) = (layout.experts, layout.rows, layout.cols);
                         let grid = (rows.div_ceil(layout.block_rows), layout.grid_cols);

@@ -361,6 +361,13 @@ fn grouped_derive(
             .map_err(|_| format!("`{}` is not 2-D", bi.name))?,
     );
     let (r, scale) = cfg.rank_and_scale(module);
+    if w.shape.contains(&0) || r == 0 {
+        return Err(format!(
+            "`{module}`: base weight `{}` is {:?} with rank {r}: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
+            w.name, w.shape
+        ));
+    }
+    let scale = merge_scale(module, scale, user_scale)?;
     if ar != experts * r || br != experts * r {
         return Err(format!(
             "`{module}`: grouped factors {:?} and {:?} do not hold {experts} experts of rank {r}",
@@ -404,10 +411,22 @@ fn grouped_derive(
             a_dtype: ai.dtype,
             b_dtype: bi.dtype,
             m_dtype: None,
-            scale: (scale * user_scale) as f32,
+            scale,
             transposed: false,
         },
     })
+}
+
+/// `alpha / r` (or `/ sqrt(r)`) times `--scale`, as the f32 the merge multiplies by; one that
+/// is not finite would turn every merged element into infinity or NaN.
+fn merge_scale(module: &str, scale: f64, user_scale: f64) -> std::result::Result<f32, String> {
+    let s = (scale * user_scale) as f32;
+    if !s.is_finite() {
+        return Err(format!(
+            "`{module}`: the merge scale (lora_alpha / r, times --scale) is {scale:?} x {user_scale:?}, which is not a finite f32; fix adapter_config.json"
+        ));
+    }
+    Ok(s)
 }
 
 #[derive(Debug)]
@@ -645,6 +664,13 @@ impl PlanStep for LoraMergeStep {
                     w.name, w.shape
                 )));
             };
+            if w_rows == 0 || w_cols == 0 || r == 0 {
+                return Err(bad(format!(
+                    "`{module}`: base weight `{}` is {:?} with rank {r}: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
+                    w.name, w.shape
+                )));
+            }
+            let scale = merge_scale(module, scale, self.opts.scale).map_err(bad)?;
             let transposed = m.embedding || cfg.fan_in_fan_out;
             let expected = if transposed {
                 (a_cols, b_rows)
@@ -705,7 +731,7 @@ impl PlanStep for LoraMergeStep {
                     a_dtype: ai.dtype,
                     b_dtype: bi.dtype,
                     m_dtype,
-                    scale: (scale * self.opts.scale) as f32,
+                    scale,
                     transposed,
                 },
             };
@@ -726,6 +752,12 @@ impl PlanStep for LoraMergeStep {
                     info(i).shape,
                     entries[wi].shape
                 )));
+            }
+            // A float replacement takes the base's float dtype (PEFT saves F32 copies of BF16
+            // modules); any other keeps its own.
+            let floats = info(i).dtype.is_castable_float() && entries[wi].dtype.is_castable_float();
+            if !floats {
+                entries[wi].dtype = info(i).dtype;
             }
             entries[wi].source = i;
             entries[wi].derive = None;
