@@ -3,6 +3,8 @@
 pub mod checkpoint;
 pub mod dtype;
 pub mod header;
+pub mod source;
+pub mod torch;
 
 use std::io::Write;
 use std::path::Path;
