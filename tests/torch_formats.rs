@@ -32,8 +32,13 @@ fn read_tensor(desc: &SourceDesc, name: &str, chunk: u64) -> Vec<u8> {
     let mut at = 0;
     while at < n {
         let c = chunk.min(n - at);
-        src.read_elements(t, at, c, &mut out[(at * es) as usize..((at + c) * es) as usize])
-            .unwrap_or_else(|e| panic!("{name} at {at}+{c}: {e}"));
+        src.read_elements(
+            t,
+            at,
+            c,
+            &mut out[(at * es) as usize..((at + c) * es) as usize],
+        )
+        .unwrap_or_else(|e| panic!("{name} at {at}+{c}: {e}"));
         at += c;
     }
     out
@@ -50,13 +55,21 @@ fn check_against(input: &Path, expected: &Path) -> SourceDesc {
     assert_eq!(got, want, "tensor names of {}", input.display());
     for (name, view) in st.tensors() {
         let t = desc.tensor(&name).unwrap();
-        assert_eq!(t.dtype.name(), format!("{:?}", view.dtype()), "{name} dtype");
+        assert_eq!(
+            t.dtype.name(),
+            format!("{:?}", view.dtype()),
+            "{name} dtype"
+        );
         let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
         assert_eq!(t.shape, shape, "{name} shape");
         let whole = read_tensor(&desc, &name, u64::MAX);
         assert_eq!(whole, view.data(), "{name} bytes");
         for chunk in [1, 3, 7, 13, 50] {
-            assert_eq!(read_tensor(&desc, &name, chunk), view.data(), "{name} by {chunk}");
+            assert_eq!(
+                read_tensor(&desc, &name, chunk),
+                view.data(),
+                "{name} by {chunk}"
+            );
         }
     }
     desc
@@ -77,7 +90,10 @@ fn corners_zip_matches_expected() {
         panic!("tied.a and view.rows should be plain ranges")
     };
     assert_eq!((r - a, len), (2 * 6 * 4, 3 * 6 * 4));
-    assert!(matches!(place("view.transposed"), Placement::Strided { .. }));
+    assert!(matches!(
+        place("view.transposed"),
+        Placement::Strided { .. }
+    ));
     assert!(matches!(place("view.strided"), Placement::Strided { .. }));
     assert!(desc.notes.is_empty(), "{:?}", desc.notes);
 }
@@ -104,8 +120,7 @@ fn dcp_full_model_matches_expected() {
     let dir = fixture("dcp/full-2rank");
     let desc = check_against(&dir, &fixture("dcp/full-2rank/expected/model.safetensors"));
     assert_eq!(desc.files.len(), 2);
-    let Placement::Regions(r) = &desc.tensor("model.embed_tokens.weight").unwrap().placement
-    else {
+    let Placement::Regions(r) = &desc.tensor("model.embed_tokens.weight").unwrap().placement else {
         panic!("a sharded tensor should be regions")
     };
     assert_eq!(r.len(), 2);
@@ -150,7 +165,10 @@ fn truncated_archives_name_the_file() {
     let legacy = std::fs::read(fixture("bin/legacy/pytorch_model.bin")).unwrap();
     let (_d, p) = temp_copy(&legacy[..legacy.len() - 5], "old.bin");
     let err = torch::describe(&p).unwrap_err().to_string();
-    assert!(err.contains("truncated") && err.contains("old.bin"), "{err}");
+    assert!(
+        err.contains("truncated") && err.contains("old.bin"),
+        "{err}"
+    );
 }
 
 fn replace_all(bytes: &mut [u8], from: &[u8], to: &[u8]) -> usize {
@@ -169,7 +187,10 @@ fn replace_all(bytes: &mut [u8], from: &[u8], to: &[u8]) -> usize {
 fn missing_storage_member_names_file_and_tensor() {
     let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
     // rename member data/11 (the tied storage) in the local and central headers
-    assert_eq!(replace_all(&mut bytes, b"model/data/11", b"model/data/xx"), 2);
+    assert_eq!(
+        replace_all(&mut bytes, b"model/data/11", b"model/data/xx"),
+        2
+    );
     let (_d, p) = temp_copy(&bytes, "pytorch_model.bin");
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("`tied.a`") && err.contains("data/11"), "{err}");
@@ -179,7 +200,10 @@ fn missing_storage_member_names_file_and_tensor() {
 #[test]
 fn bad_opcode_is_a_pickle_error() {
     let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
-    assert_eq!(replace_all(&mut bytes, b"\x80\x02}q\x00(", b"\x80\x02\xffq\x00("), 1);
+    assert_eq!(
+        replace_all(&mut bytes, b"\x80\x02}q\x00(", b"\x80\x02\xffq\x00("),
+        1
+    );
     let (_d, p) = temp_copy(&bytes, "pytorch_model.bin");
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("unsupported opcode 0xff"), "{err}");
@@ -190,8 +214,8 @@ fn bad_opcode_is_a_pickle_error() {
 fn zip_with_pickle(pickle: &[u8]) -> Vec<u8> {
     let mut buf = std::io::Cursor::new(Vec::new());
     let mut z = zip::ZipWriter::new(&mut buf);
-    let opts = zip::write::SimpleFileOptions::default()
-        .compression_method(zip::CompressionMethod::Stored);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     z.start_file("archive/data.pkl", opts).unwrap();
     z.write_all(pickle).unwrap();
     z.start_file("archive/data/0", opts).unwrap();
@@ -229,9 +253,15 @@ fn handmade_archive_views_are_checked() {
     // a view reaching past its 16-byte storage
     let (_d, p) = temp_copy(&zip_with_pickle(&tensor_pickle(2, &[3], &[1])), "m.pt");
     let err = torch::describe(&p).unwrap_err().to_string();
-    assert!(err.contains("`w`") && err.contains("reaches byte 20"), "{err}");
+    assert!(
+        err.contains("`w`") && err.contains("reaches byte 20"),
+        "{err}"
+    );
     // a rank over the cap
-    let (_d, p) = temp_copy(&zip_with_pickle(&tensor_pickle(0, &[1; 65], &[1; 65])), "m.pt");
+    let (_d, p) = temp_copy(
+        &zip_with_pickle(&tensor_pickle(0, &[1; 65], &[1; 65])),
+        "m.pt",
+    );
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("at most 64"), "{err}");
 }
@@ -279,7 +309,10 @@ fn dcp_chunk_past_end_names_file_and_tensor() {
         .set_len(len - 100)
         .unwrap();
     let err = torch::describe(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("__1_0.distcp") && err.contains("past the end"), "{err}");
+    assert!(
+        err.contains("__1_0.distcp") && err.contains("past the end"),
+        "{err}"
+    );
     assert!(err.contains("tensor `model."), "{err}");
 }
 
@@ -298,7 +331,10 @@ fn sharded_index_naming_a_missing_shard_is_refused() {
     copy_dir(&fixture("bin/hf-sharded"), dir.path());
     std::fs::remove_file(dir.path().join("pytorch_model-00002-of-00003.bin")).unwrap();
     let err = torch::describe(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("pytorch_model-00002-of-00003.bin") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("pytorch_model-00002-of-00003.bin") && err.contains("missing"),
+        "{err}"
+    );
 }
 
 /// xorshift64*: a fixed-seed generator, so a failure reproduces.
@@ -382,14 +418,35 @@ proptest::proptest! {
 fn deeply_nested_pickle_drops_without_overflow() {
     // a million lists, each appended into the next: [[[[…]]]]
     let mut p = b"\x80\x02]".to_vec();
-    for _ in 0..1_000_000 {
-        p.extend(b"]");
-    }
-    for _ in 0..1_000_000 {
-        p.push(b'a');
-    }
+    p.extend(std::iter::repeat_n(b']', 1_000_000));
+    p.extend(std::iter::repeat_n(b'a', 1_000_000));
     p.push(b'.');
     let (v, _) = pickle::unpickle(&p).unwrap();
     assert_eq!(v.kind(), "list");
     drop(v);
+}
+
+#[test]
+fn member_count_over_the_cap_is_refused() {
+    let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
+    let z64 = bytes.windows(4).rposition(|w| w == b"PK\x06\x06").unwrap();
+    bytes[z64 + 32..z64 + 40].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let (_d, p) = temp_copy(&bytes, "pytorch_model.bin");
+    let err = torch::describe(&p).unwrap_err().to_string();
+    assert!(err.contains("announces 1099511627776 members"), "{err}");
+}
+
+#[test]
+fn nested_dicts_flatten_and_non_tensors_are_noted() {
+    // {'outer': {'w': <tensor>}, 'step': 7}
+    let t = tensor_pickle(0, &[2], &[1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let mut p = b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w".to_vec();
+    p.extend(tensor_expr);
+    p.extend(b"sX\x04\x00\x00\x00stepK\x07u.");
+    let (_d, path) = temp_copy(&zip_with_pickle(&p), "m.pt");
+    let desc = torch::describe(&path).unwrap();
+    let names: Vec<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["outer.w"]);
+    assert_eq!(desc.notes, ["`step` (int) skipped: not a tensor"]);
 }

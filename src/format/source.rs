@@ -127,8 +127,7 @@ pub fn read_elements(
     count: u64,
     out: &mut [u8],
 ) -> Result<()> {
-    desc.open()?
-        .read_elements(tensor, first_elem, count, out)
+    desc.open()?.read_elements(tensor, first_elem, count, out)
 }
 
 pub struct OpenSource<'a> {
@@ -163,7 +162,7 @@ impl OpenSource<'_> {
             as u64;
         let elements = element_count(&tensor.shape)
             .ok_or_else(|| invalid("element count overflows".into()))?;
-        let end = first_elem
+        first_elem
             .checked_add(count)
             .filter(|&e| e <= elements)
             .ok_or_else(|| {
@@ -178,7 +177,6 @@ impl OpenSource<'_> {
                 tensor.dtype
             )));
         }
-        let _ = end;
         self.read_placement(&tensor.placement, &tensor.shape, es, first_elem, out)
             .map_err(|e| match e {
                 ReadError::Io(file, err) => Error::io(&self.desc.files[file].path, err),
@@ -437,11 +435,9 @@ pub fn check_regions_tile(shape: &[u64], regions: &[Region]) -> std::result::Res
         }
         for (m, q) in regions[..k].iter().enumerate() {
             let overlap = (0..shape.len()).all(|d| {
-                r.offsets[d] < q.offsets[d] + q.sizes[d]
-                    && q.offsets[d] < r.offsets[d] + r.sizes[d]
+                r.offsets[d] < q.offsets[d] + q.sizes[d] && q.offsets[d] < r.offsets[d] + r.sizes[d]
             });
-            if overlap && element_count(&r.sizes) != Some(0) && element_count(&q.sizes) != Some(0)
-            {
+            if overlap && element_count(&r.sizes) != Some(0) && element_count(&q.sizes) != Some(0) {
                 return Err(format!("chunks {m} and {k} overlap"));
             }
         }
@@ -450,9 +446,7 @@ pub fn check_regions_tile(shape: &[u64], regions: &[Region]) -> std::result::Res
             .ok_or("element count overflows")?;
     }
     if covered != total {
-        return Err(format!(
-            "chunks cover {covered} of its {total} elements"
-        ));
+        return Err(format!("chunks cover {covered} of its {total} elements"));
     }
     Ok(())
 }
@@ -493,8 +487,13 @@ mod tests {
         let mut at = 0;
         while at < n {
             let c = chunk.min(n - at);
-            src.read_elements(t, at, c, &mut out[(at * es) as usize..((at + c) * es) as usize])
-                .unwrap();
+            src.read_elements(
+                t,
+                at,
+                c,
+                &mut out[(at * es) as usize..((at + c) * es) as usize],
+            )
+            .unwrap();
             at += c;
         }
         out

@@ -17,8 +17,11 @@ use std::path::Path;
 use super::pickle::MAX_PICKLE_BYTES;
 use crate::error::{Error, Result};
 
-/// More members than this is not a torch.save archive (one per storage).
-pub const MAX_ARCHIVE_MEMBERS: usize = 1 << 20;
+/// More members than this is not a torch.save archive (one per storage). Checked from the
+/// end-of-central-directory record before the zip reader sizes its tables from it.
+pub const MAX_ARCHIVE_MEMBERS: u64 = 1 << 18;
+/// The end-of-central-directory record (22 bytes) may be followed by a comment this long.
+const MAX_EOCD_SEARCH_BYTES: u64 = 22 + 0xffff;
 
 /// A storage member's bytes: `[offset, offset + len)` of the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +82,7 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
         path: path.into(),
         msg,
     };
+    check_member_count(file, start, len).map_err(bad)?;
     let window = Window {
         file,
         start,
@@ -87,12 +91,6 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
     };
     let mut zip = zip::ZipArchive::new(window)
         .map_err(|e| bad(format!("not a readable zip archive ({e}); file truncated?")))?;
-    if zip.len() > MAX_ARCHIVE_MEMBERS {
-        return Err(bad(format!(
-            "{} members, more than the limit of {MAX_ARCHIVE_MEMBERS}",
-            zip.len()
-        )));
-    }
     let mut pickle = None;
     let mut members = Vec::with_capacity(zip.len());
     for i in 0..zip.len() {
@@ -105,14 +103,12 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
         let data_start = entry
             .data_start()
             .ok_or_else(|| bad(format!("member `{name}` has no data offset")))?;
-        if data_start.checked_add(size).is_none_or(|e| e > len) || entry.compressed_size() != size
-        {
-            if stored {
-                return Err(bad(format!(
-                    "member `{name}` ({size} bytes at {data_start}) runs past the archive's end \
-                     at {len} (file truncated?)"
-                )));
-            }
+        let past_end = data_start.checked_add(size).is_none_or(|e| e > len);
+        if stored && (past_end || entry.compressed_size() != size) {
+            return Err(bad(format!(
+                "member `{name}` ({size} bytes at {data_start}) runs past the archive's end at \
+                 {len} (file truncated?)"
+            )));
         }
         let Some((prefix, rest)) = name.split_once('/') else {
             continue;
@@ -153,7 +149,7 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
     }
     let Some((prefix, pkl_start, pkl_len)) = pickle else {
         return Err(bad(
-            "no `*/data.pkl` member: not a torch.save archive".into(),
+            "no `*/data.pkl` member: not a torch.save archive".into()
         ));
     };
     if pkl_len > MAX_PICKLE_BYTES {
@@ -181,4 +177,45 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
         pickle: bytes,
         storages,
     })
+}
+
+/// Refuses an archive whose end-of-central-directory record (or its zip64 twin) announces more
+/// than [`MAX_ARCHIVE_MEMBERS`] members. A record that cannot be found is left to the zip
+/// reader to report.
+fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<(), String> {
+    let tail_len = len.min(MAX_EOCD_SEARCH_BYTES);
+    let mut tail = vec![0u8; tail_len as usize];
+    if file
+        .read_exact_at(&mut tail, start + len - tail_len)
+        .is_err()
+    {
+        return Ok(());
+    }
+    let Some(eocd) = (0..tail.len().saturating_sub(21))
+        .rev()
+        .find(|&i| tail[i..i + 4] == *b"PK\x05\x06")
+    else {
+        return Ok(());
+    };
+    let le16 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]) as u64;
+    let mut count = le16(&tail[eocd + 10..]);
+    // A zip64 locator (20 bytes) right before the record points at the zip64 record, whose
+    // 8-byte member count sits at byte 32.
+    if eocd >= 20 && tail[eocd - 20..eocd - 16] == *b"PK\x06\x07" {
+        let at = u64::from_le_bytes(tail[eocd - 12..eocd - 4].try_into().expect("8 bytes"));
+        let mut rec = [0u8; 40];
+        if at.checked_add(40).is_some_and(|e| e <= len)
+            && file.read_exact_at(&mut rec, start + at).is_ok()
+            && rec[..4] == *b"PK\x06\x06"
+        {
+            count = count.max(u64::from_le_bytes(rec[32..40].try_into().expect("8 bytes")));
+        }
+    }
+    if count > MAX_ARCHIVE_MEMBERS {
+        return Err(format!(
+            "its zip directory announces {count} members, more than the limit of \
+             {MAX_ARCHIVE_MEMBERS}"
+        ));
+    }
+    Ok(())
 }

@@ -64,7 +64,7 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
         (root.attr("state_dict_metadata"), root.attr("storage_data"))
     else {
         return Err(bad(
-            "no `state_dict_metadata` and `storage_data` dicts".into(),
+            "no `state_dict_metadata` and `storage_data` dicts".into()
         ));
     };
 
@@ -74,7 +74,9 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
             k.attr("fqn").and_then(|f| f.as_str().map(String::from)),
             k.attr("offset").and_then(|o| o.as_u64s()),
         ) else {
-            return Err(bad("a `storage_data` key is not a MetadataIndex{fqn, offset}".into()));
+            return Err(bad(
+                "a `storage_data` key is not a MetadataIndex{fqn, offset}".into(),
+            ));
         };
         let (Some(relative_path), Some(off), Some(length)) = (
             v.attr("relative_path")
@@ -101,7 +103,11 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
         .iter()
         .filter_map(|(k, v)| k.as_str().map(|k| (k.to_string(), v.clone())))
         .collect();
-    let is_optimizer = |fqn: &str| fqn.split('.').next().is_some_and(|t| t.starts_with("optim"));
+    let is_optimizer = |fqn: &str| {
+        fqn.split('.')
+            .next()
+            .is_some_and(|t| t.starts_with("optim"))
+    };
     let strip_model = entries
         .iter()
         .filter(|(fqn, _)| !is_optimizer(fqn))
@@ -138,8 +144,8 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
             tensor: fqn.clone(),
             msg,
         };
-        let dtype = properties_dtype(&md)
-            .ok_or_else(|| tensor_bad("no dtype in its properties".into()))?;
+        let dtype =
+            properties_dtype(&md).ok_or_else(|| tensor_bad("no dtype in its properties".into()))?;
         let shape = md
             .attr("size")
             .and_then(|s| s.as_u64s())
@@ -167,8 +173,7 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
                     "chunk at offsets {offsets:?} has no entry in `storage_data`"
                 )));
             };
-            let placement =
-                chunk_placement(dir, &fqn, dtype, &sizes, info, &mut desc, &mut files)?;
+            let placement = chunk_placement(dir, &fqn, dtype, &sizes, info, &mut desc, &mut files)?;
             regions.push(Region {
                 offsets,
                 sizes,

@@ -53,9 +53,7 @@ pub fn read_legacy(
         return Err(bad("wrong magic number".into()));
     }
     if protocol.as_u64() != Some(LEGACY_PROTOCOL) {
-        return Err(bad(format!(
-            "protocol version is not {LEGACY_PROTOCOL}"
-        )));
+        return Err(bad(format!("protocol version is not {LEGACY_PROTOCOL}")));
     }
     let little = match &sys_info {
         Value::Dict(d) => d

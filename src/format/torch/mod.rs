@@ -19,9 +19,7 @@ use std::rc::Rc;
 
 use crate::error::{Error, Result};
 use crate::format::dtype::{element_count, DType};
-use crate::format::source::{
-    contiguous_strides, source_file, Placement, SourceDesc, SourceTensor,
-};
+use crate::format::source::{contiguous_strides, source_file, Placement, SourceDesc, SourceTensor};
 use archive::MemberRange;
 use pickle::{PickleError, TensorView, Value};
 
@@ -166,7 +164,9 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     map.iter()
         .map(|(k, v)| match v.as_str() {
             Some(s) => Ok((k.clone(), s.to_string())),
-            None => Err(invalid(format!("`weight_map` value of `{k}` is not a string"))),
+            None => Err(invalid(format!(
+                "`weight_map` value of `{k}` is not a string"
+            ))),
         })
         .collect()
 }
@@ -252,7 +252,8 @@ pub(crate) fn view_placement(
     let es = view
         .dtype
         .size()
-        .ok_or_else(|| bad(format!("{} is not a whole-byte dtype", view.dtype)))? as u64;
+        .ok_or_else(|| bad(format!("{} is not a whole-byte dtype", view.dtype)))?
+        as u64;
     let elements = element_count(&view.shape)
         .ok_or_else(|| bad(format!("shape {:?} overflows", view.shape)))?;
     if elements == 0 {
@@ -278,7 +279,11 @@ pub(crate) fn view_placement(
         return Err(bad(format!(
             "view (storage offset {}, shape {:?}, stride {:?}, {}) reaches byte {reach} of its \
              {}-byte storage `{}`",
-            view.storage_offset, view.shape, view.strides, view.dtype, storage.len,
+            view.storage_offset,
+            view.shape,
+            view.strides,
+            view.dtype,
+            storage.len,
             view.storage.key
         )));
     }

@@ -633,7 +633,10 @@ impl Machine<'_> {
                     self.memo_put(i)?
                 }
                 b'p' | b'g' => {
-                    let i: u32 = self.line()?.parse().or_else(|_| invalid("bad memo index"))?;
+                    let i: u32 = self
+                        .line()?
+                        .parse()
+                        .or_else(|_| invalid("bad memo index"))?;
                     if op == b'p' {
                         self.memo_put(i)?
                     } else {
@@ -688,10 +691,7 @@ impl Machine<'_> {
                         // state (hooks, attributes) does not change the tensor or its items.
                         Value::Tensor(_) | Value::Dict(_) => {}
                         other => {
-                            return invalid(format!(
-                                "BUILD on a {} at offset {at}",
-                                other.kind()
-                            ))
+                            return invalid(format!("BUILD on a {} at offset {at}", other.kind()))
                         }
                     }
                 }
@@ -716,10 +716,7 @@ pub fn tuple(items: Vec<Value>) -> Value {
 
 fn set_items(target: &Value, items: Vec<Value>, at: usize) -> PResult<()> {
     let Value::Dict(dict) = target else {
-        return invalid(format!(
-            "SETITEM on a {} at offset {at}",
-            target.kind()
-        ));
+        return invalid(format!("SETITEM on a {} at offset {at}", target.kind()));
     };
     if items.len() % 2 != 0 {
         return invalid(format!("odd number of items for SETITEMS at offset {at}"));
