@@ -375,12 +375,15 @@ fn mutated_fixtures_never_panic() {
         "bin/corners/pytorch_model.bin",
         "bin/legacy/pytorch_model.bin",
         "dcp/full-2rank/pytorch_model_fsdp_0/.metadata",
+        "dcp/full-2rank/pytorch_model_fsdp_0/__1_0.distcp",
+        "dcp/grid-synthetic/.metadata",
+        "dcp/grid-synthetic/__1_0.distcp",
     ] {
         let src = fixture(rel);
         let dir = tempfile::tempdir().unwrap();
         let target = if rel.starts_with("dcp") {
             copy_dir(src.parent().unwrap(), dir.path());
-            dir.path().join(".metadata")
+            dir.path().join(src.file_name().unwrap())
         } else {
             dir.path().join("m.bin")
         };
@@ -449,4 +452,36 @@ fn nested_dicts_flatten_and_non_tensors_are_noted() {
     let names: Vec<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["outer.w"]);
     assert_eq!(desc.notes, ["`step` (int) skipped: not a tensor"]);
+}
+
+/// `dcp/grid-synthetic` (made by `make_grid_dcp.py`): an N-d chunk grid with a transposed
+/// chunk, a whole-tensor chunk, a 0-d tensor, a bytes entry and optimizer state.
+#[test]
+fn dcp_chunk_grid_reads_row_major() {
+    let desc = torch::describe(&fixture("dcp/grid-synthetic")).unwrap();
+    let names: BTreeSet<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, BTreeSet::from(["grid", "vec", "scalar"]));
+    assert_eq!(
+        desc.notes,
+        [
+            "`model.extra` (bytes) skipped: not a tensor",
+            "`optim.state.vec.exp_avg` skipped: optimizer state"
+        ]
+    );
+    let grid = desc.tensor("grid").unwrap();
+    assert_eq!(grid.shape, [5, 7]);
+    let Placement::Regions(regions) = &grid.placement else {
+        panic!("grid should be regions")
+    };
+    assert!(matches!(regions[3].placement, Placement::Strided { .. }));
+    assert!(matches!(
+        desc.tensor("vec").unwrap().placement,
+        Placement::Contiguous { .. }
+    ));
+    for (name, n) in [("grid", 35), ("vec", 6), ("scalar", 1)] {
+        let want: Vec<u8> = (0..n).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        for chunk in [1, 2, 4, 5, 6, 9, 35] {
+            assert_eq!(read_tensor(&desc, name, chunk), want, "{name} by {chunk}");
+        }
+    }
 }
