@@ -189,7 +189,7 @@ pub enum Error {
     BadPickle { path: PathBuf, msg: String },
 
     /// A pickle naming a global outside the allow-list (`posix.system`, `builtins.eval`, …).
-    #[error("{}: refusing to load: its pickle calls `{global}`, which no checkpoint needs and which could run code; nothing was executed", path.display())]
+    #[error("{}: refusing to load: its pickle calls `{global}`, which is not on the allow-list of tensor and container constructors (it could run code); nothing was executed", path.display())]
     UnsafePickle { path: PathBuf, global: String },
 
     #[error("{}: distributed checkpoint: {msg}", path.display())]

@@ -257,6 +257,15 @@ fn handmade_archive_views_are_checked() {
         err.contains("`w`") && err.contains("reaches byte 20"),
         "{err}"
     );
+    // a name given twice
+    let mut twice = tensor_pickle(0, &[2], &[1]);
+    let body = twice[3..twice.len() - 1].to_vec(); // X..w <tensor> s
+    twice.truncate(twice.len() - 1);
+    twice.extend(&body);
+    twice.push(b'.');
+    let (_d, p) = temp_copy(&zip_with_pickle(&twice), "m.pt");
+    let err = torch::describe(&p).unwrap_err().to_string();
+    assert!(err.contains("`w`: defined twice"), "{err}");
     // a rank over the cap
     let (_d, p) = temp_copy(
         &zip_with_pickle(&tensor_pickle(0, &[1; 65], &[1; 65])),

@@ -183,17 +183,24 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
 /// than [`MAX_ARCHIVE_MEMBERS`] members. A record that cannot be found is left to the zip
 /// reader to report.
 fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<(), String> {
-    let tail_len = len.min(MAX_EOCD_SEARCH_BYTES);
-    let mut tail = vec![0u8; tail_len as usize];
-    if file
-        .read_exact_at(&mut tail, start + len - tail_len)
-        .is_err()
-    {
-        return Ok(());
-    }
-    let Some(eocd) = (0..tail.len().saturating_sub(21))
-        .rev()
-        .find(|&i| tail[i..i + 4] == *b"PK\x05\x06")
+    // torch.save writes no archive comment, so the record normally ends the archive: try the
+    // last 42 bytes (record and zip64 locator) before searching the longest comment's span.
+    let read_tail = |n: u64| {
+        let n = len.min(n);
+        let mut tail = vec![0u8; n as usize];
+        file.read_exact_at(&mut tail, start + len - n)
+            .ok()
+            .map(|_| tail)
+    };
+    let find = |tail: Vec<u8>| {
+        (0..tail.len().saturating_sub(21))
+            .rev()
+            .find(|&i| tail[i..i + 4] == *b"PK\x05\x06")
+            .map(|e| (tail, e))
+    };
+    let Some((tail, eocd)) = read_tail(42)
+        .and_then(find)
+        .or_else(|| read_tail(MAX_EOCD_SEARCH_BYTES).and_then(find))
     else {
         return Ok(());
     };

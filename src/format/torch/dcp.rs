@@ -113,6 +113,10 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
         .filter(|(fqn, _)| !is_optimizer(fqn))
         .all(|(fqn, _)| fqn.starts_with("model."));
 
+    let mut seen = std::collections::HashSet::new();
+    if let Some((fqn, _)) = entries.iter().find(|(fqn, _)| !seen.insert(fqn.as_str())) {
+        return Err(bad(format!("`{fqn}` is listed twice")));
+    }
     let mut desc = SourceDesc::default();
     let mut files: HashMap<String, (usize, File)> = HashMap::new();
     for (fqn, md) in entries {

@@ -326,7 +326,8 @@ pub(crate) fn flatten(
             ),
         });
     };
-    let mut out = Vec::new();
+    let mut out: Vec<(String, Rc<TensorView>)> = Vec::new();
+    let mut names = std::collections::HashSet::new();
     let mut visited = 0usize;
     let mut work = vec![(String::new(), value.clone(), 0usize)];
     while let Some((prefix, v, depth)) = work.pop() {
@@ -338,7 +339,16 @@ pub(crate) fn flatten(
             });
         }
         match v {
-            Value::Tensor(t) => out.push((prefix, t)),
+            Value::Tensor(t) => {
+                if !names.insert(prefix.clone()) {
+                    return Err(Error::InvalidTensor {
+                        path: path.into(),
+                        tensor: prefix,
+                        msg: "defined twice in the state dict".into(),
+                    });
+                }
+                out.push((prefix, t))
+            }
             Value::Dict(d) => {
                 if depth >= MAX_NESTING_DEPTH {
                     return Err(Error::TorchArchive {

@@ -118,6 +118,8 @@ pub enum Global {
     RebuildTensorV3,
     RebuildParameter,
     RebuildParameterWithState,
+    /// `torch._tensor._rebuild_from_type_v2(func, new_type, args, state)`: a tensor subclass.
+    RebuildFromTypeV2,
     OrderedDict,
     TorchSize,
     /// `torch.FloatStorage` etc.: the dtype of a typed storage.
@@ -269,6 +271,9 @@ pub fn resolve_global(module: &str, name: &str) -> PResult<Global> {
         ("torch._utils", "_rebuild_tensor_v3") => RebuildTensorV3,
         ("torch._utils", "_rebuild_parameter") => RebuildParameter,
         ("torch._utils", "_rebuild_parameter_with_state") => RebuildParameterWithState,
+        ("torch._tensor", "_rebuild_from_type_v2") => RebuildFromTypeV2,
+        ("torch.nn.parameter", "Parameter") => Record("Parameter"),
+        ("torch", "Tensor") => Record("Tensor"),
         ("collections", "OrderedDict") => OrderedDict,
         ("torch", "Size") => TorchSize,
         ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => UntypedStorage,
@@ -725,17 +730,11 @@ fn set_items(target: &Value, items: Vec<Value>, at: usize) -> PResult<()> {
     if dict.len() + items.len() / 2 > MAX_CONTAINER_ENTRIES {
         return invalid(format!("dict larger than {MAX_CONTAINER_ENTRIES}"));
     }
+    // Python would let a repeated key replace the earlier value; torch never writes one, and
+    // the state-dict readers refuse repeated names, so entries are kept as they come.
     let mut it = items.into_iter();
     while let (Some(k), Some(v)) = (it.next(), it.next()) {
-        // Python dict semantics: a repeated key replaces the earlier value in place.
-        let existing = match &k {
-            Value::Str(s) => dict.iter().position(|(e, _)| e.as_str() == Some(s)),
-            _ => None,
-        };
-        match existing {
-            Some(i) => dict[i].1 = v,
-            None => dict.push((k, v)),
-        }
+        dict.push((k, v));
     }
     Ok(())
 }
@@ -780,6 +779,14 @@ fn call(g: &Global, args: &[Value]) -> PResult<Value> {
         Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
             Some(t @ Value::Tensor(_)) => Ok(t.clone()),
             _ => invalid("_rebuild_parameter without a tensor"),
+        },
+        Global::RebuildFromTypeV2 => match args {
+            [Value::Global(f), Value::Global(_), Value::Tuple(inner), ..]
+                if matches!(f, Global::RebuildTensorV2 | Global::RebuildTensorV3) =>
+            {
+                rebuild_tensor(f, inner)
+            }
+            _ => invalid("_rebuild_from_type_v2 without a tensor rebuild function"),
         },
         Global::OrderedDict => {
             let dict = Value::Dict(Rc::default());
@@ -908,6 +915,24 @@ mod tests {
             };
             assert!(msg.contains(want), "{msg} lacks {want}");
         }
+    }
+
+    #[test]
+    fn tensor_subclass_rebuild_gives_the_tensor() {
+        let mut p = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(".to_vec();
+        p.extend(b"ctorch._utils\n_rebuild_tensor_v2\nctorch.nn.parameter\nParameter\n(");
+        p.extend(b"(X\x07\x00\x00\x00storagectorch\nHalfStorage\nX\x01\x00\x00\x007");
+        p.extend(b"X\x03\x00\x00\x00cpuK\x06tQK\x02K\x02K\x03\x86K\x03K\x01\x86\x89}t}tR.");
+        let (v, _) = unpickle(&p).unwrap();
+        let Value::Tensor(t) = v else {
+            panic!("{}", v.kind())
+        };
+        assert_eq!(t.dtype, DType::F16);
+        assert_eq!((t.storage.key.as_str(), t.storage.numel), ("7", 6));
+        assert_eq!(
+            (t.storage_offset, &t.shape[..], &t.strides[..]),
+            (2, &[2, 3][..], &[3, 1][..])
+        );
     }
 
     #[test]
