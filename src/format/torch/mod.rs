@@ -9,6 +9,7 @@
 
 pub mod archive;
 pub mod dcp;
+pub mod globals;
 pub mod legacy;
 pub mod pickle;
 
