@@ -128,6 +128,7 @@ fn dcp_full_model_matches_expected() {
     let inner = dir.join("pytorch_model_fsdp_0");
     assert_eq!(torch::describe(&inner).unwrap(), desc);
     assert_eq!(torch::describe(&inner.join(".metadata")).unwrap(), desc);
+    assert_eq!(torch::describe(&inner.join("__1_0.distcp")).unwrap(), desc);
 }
 
 #[test]
@@ -493,4 +494,26 @@ fn dcp_chunk_grid_reads_row_major() {
             assert_eq!(read_tensor(&desc, name, chunk), want, "{name} by {chunk}");
         }
     }
+}
+
+#[test]
+fn bin_folder_without_index_reads_every_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture("bin/hf-sharded"), dir.path());
+    std::fs::remove_file(dir.path().join(torch::BIN_INDEX_NAME)).unwrap();
+    check_against(
+        dir.path(),
+        &fixture("bin/hf-sharded/expected/model.safetensors"),
+    );
+    // a tensor in two shards is ambiguous
+    std::fs::copy(
+        dir.path().join("pytorch_model-00001-of-00003.bin"),
+        dir.path().join("pytorch_model-extra.bin"),
+    )
+    .unwrap();
+    let err = torch::describe(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("defined twice") && err.contains("pytorch_model-extra.bin"),
+        "{err}"
+    );
 }

@@ -33,12 +33,15 @@ pub const MAX_STATE_DICT_ENTRIES: usize = 1 << 24;
 pub const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 
 /// Describes a PyTorch checkpoint: a torch.save file, a folder of `.bin`/`.pt` shards (with or
-/// without `pytorch_model.bin.index.json`), a DCP folder (holding `.metadata`), its `.metadata`
-/// file, or a folder holding `pytorch_model_fsdp_0/`.
+/// without `pytorch_model.bin.index.json`), a DCP folder (holding `.metadata`), one of its
+/// files (`.metadata` or a `.distcp`: the whole checkpoint is described), or a folder holding
+/// `pytorch_model_fsdp_0/`.
 pub fn describe(path: &Path) -> Result<SourceDesc> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if meta.is_file() {
-        if path.file_name().is_some_and(|n| n == dcp::METADATA_NAME) {
+        let dcp_part = path.file_name().is_some_and(|n| n == dcp::METADATA_NAME)
+            || path.extension().is_some_and(|e| e == "distcp");
+        if dcp_part {
             let dir = path.parent().unwrap_or(Path::new("."));
             return dcp::describe_dcp(dir);
         }
