@@ -595,4 +595,92 @@ mod tests {
         let err = read_elements(&desc, t, 0, 2, &mut [0; 4]).unwrap_err();
         assert!(err.to_string().contains("buffer"), "{err}");
     }
+
+    /// A tiny deterministic generator for the property test below.
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (self.0 >> 33) % n
+        }
+    }
+
+    proptest::proptest! {
+        /// Any chunk grid (some chunks stored transposed), read in any chunk size, gives the
+        /// tensor's elements in row-major order.
+        #[test]
+        fn grids_read_row_major(seed in proptest::prelude::any::<u64>()) {
+            let mut rng = Rng(seed);
+            let rank = 1 + rng.below(3) as usize;
+            let shape: Vec<u64> = (0..rank).map(|_| 1 + rng.below(5)).collect();
+            // split every dimension into up to three parts
+            let parts: Vec<Vec<(u64, u64)>> = shape
+                .iter()
+                .map(|&d| {
+                    let mut cuts = vec![0, d];
+                    for _ in 0..rng.below(3) {
+                        cuts.push(rng.below(d + 1));
+                    }
+                    cuts.sort();
+                    cuts.dedup();
+                    cuts.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+                })
+                .collect();
+            let strides = contiguous_strides(&shape);
+            let mut file = Vec::new();
+            let mut regions = Vec::new();
+            let mut boxes: Vec<Vec<(u64, u64)>> = vec![vec![]];
+            for p in &parts {
+                boxes = boxes
+                    .into_iter()
+                    .flat_map(|b| p.iter().map(move |x| [b.clone(), vec![*x]].concat()))
+                    .collect();
+            }
+            for b in boxes {
+                let offsets: Vec<u64> = b.iter().map(|x| x.0).collect();
+                let sizes: Vec<u64> = b.iter().map(|x| x.1).collect();
+                let n = element_count(&sizes).unwrap();
+                let value = |local: &[u64]| -> u8 {
+                    local.iter().zip(&offsets).zip(&strides).map(|((l, o), s)| (l + o) * s).sum::<u64>() as u8
+                };
+                let start = file.len() as u64;
+                let transposed = rank == 2 && rng.below(2) == 0;
+                let placement = if transposed {
+                    for c in 0..sizes[1] {
+                        for r in 0..sizes[0] {
+                            file.push(value(&[r, c]));
+                        }
+                    }
+                    Placement::Strided {
+                        file: 0,
+                        storage_start: start,
+                        storage_len: n,
+                        storage_offset: 0,
+                        strides: vec![1, sizes[0]],
+                    }
+                } else {
+                    for k in 0..n {
+                        file.push(value(&unravel(k, &sizes)));
+                    }
+                    Placement::Contiguous { file: 0, offset: start, len: n }
+                };
+                regions.push(Region { offsets, sizes, placement });
+            }
+            check_regions_tile(&shape, &regions).unwrap();
+            let n = element_count(&shape).unwrap();
+            let t = SourceTensor {
+                name: "g".into(),
+                dtype: DType::U8,
+                shape,
+                placement: Placement::Regions(regions),
+            };
+            let (_f, desc) = desc_with(&file, t);
+            let chunk = 1 + rng.below(n);
+            let want: Vec<u8> = (0..n).map(|v| v as u8).collect();
+            proptest::prop_assert_eq!(read_all(&desc, chunk), want);
+        }
+    }
 }
