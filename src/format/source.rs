@@ -259,6 +259,25 @@ impl OpenSource<'_> {
         let count = out.len() as u64 / es;
         let inner_len = shape.last().copied().unwrap_or(1);
         let inner_stride = strides.last().copied().unwrap_or(0);
+        // A view whose storage runs along an earlier dimension (a transpose) is read along
+        // that dimension's lines when the call covers at least one element per line.
+        if inner_stride != 1 {
+            if let Some(k) = (0..shape.len()).find(|&d| strides[d] == 1 && shape[d] > 1) {
+                let lines = shape.iter().product::<u64>() / shape[k];
+                if lines <= count {
+                    let view = LineView {
+                        file,
+                        storage_start,
+                        storage_len,
+                        storage_offset,
+                        strides,
+                        shape,
+                        es,
+                    };
+                    return self.read_lines(&view, k, first, out);
+                }
+            }
+        }
         let mut idx = unravel(first, shape);
         let mut done = 0u64;
         let mut buf = Vec::new();
@@ -304,6 +323,75 @@ impl OpenSource<'_> {
             advance(&mut idx, shape, run);
         }
         Ok(())
+    }
+
+    /// Reads `[first, first + out.len() / es)` line by line along dimension `k` (storage
+    /// stride 1): each line's part inside the range is one contiguous storage run, scattered
+    /// into `out` at the row-major stride of `k`.
+    fn read_lines(
+        &self,
+        v: &LineView,
+        k: usize,
+        first: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let es = v.es;
+        let end = first + out.len() as u64 / es;
+        let out_strides = contiguous_strides(v.shape);
+        let len_k = v.shape[k];
+        let os_k = out_strides[k];
+        let mut other: Vec<u64> = vec![0; v.shape.len()];
+        let max_run = (MAX_GATHER_BUFFER_BYTES / es).max(1);
+        let mut buf = Vec::new();
+        loop {
+            // This line: elements (other with other[k] = t), t in 0..len_k.
+            let base_out: u64 = other.iter().zip(&out_strides).map(|(i, s)| i * s).sum();
+            let mut base_elem = v.storage_offset;
+            for (i, s) in other.iter().zip(v.strides) {
+                base_elem = i
+                    .checked_mul(*s)
+                    .and_then(|x| x.checked_add(base_elem))
+                    .ok_or_else(overflow)?;
+            }
+            // t with first <= base_out + t * os_k < end
+            let t0 = first.saturating_sub(base_out).div_ceil(os_k).min(len_k);
+            let t1 = end.saturating_sub(base_out).div_ceil(os_k).min(len_k);
+            let mut t = t0;
+            while t < t1 {
+                let n = (t1 - t).min(max_run);
+                let byte0 = (base_elem + t).checked_mul(es).ok_or_else(overflow)?;
+                if byte0 + n * es > v.storage_len {
+                    return Err(ReadError::Layout(format!(
+                        "view reaches storage byte {} of {}",
+                        byte0 + n * es,
+                        v.storage_len
+                    )));
+                }
+                buf.resize((n * es) as usize, 0);
+                self.read_at(v.file, &mut buf, v.storage_start + byte0)?;
+                for (j, src) in buf.chunks_exact(es as usize).enumerate() {
+                    let at = ((base_out + (t + j as u64) * os_k - first) * es) as usize;
+                    out[at..at + es as usize].copy_from_slice(src);
+                }
+                t += n;
+            }
+            // next combination of the other dimensions
+            let mut d = v.shape.len();
+            loop {
+                if d == 0 {
+                    return Ok(());
+                }
+                d -= 1;
+                if d == k {
+                    continue;
+                }
+                other[d] += 1;
+                if other[d] < v.shape[d] {
+                    break;
+                }
+                other[d] = 0;
+            }
+        }
     }
 
     fn read_regions(
@@ -360,6 +448,17 @@ impl OpenSource<'_> {
         }
         Ok(())
     }
+}
+
+/// A strided view, for [`OpenSource::read_lines`].
+struct LineView<'a> {
+    file: usize,
+    storage_start: u64,
+    storage_len: u64,
+    storage_offset: u64,
+    strides: &'a [u64],
+    shape: &'a [u64],
+    es: u64,
 }
 
 enum ReadError {
