@@ -7,7 +7,10 @@
 //! [`Placement::Contiguous`] range so that an untouched tensor can still be moved with
 //! `copy_file_range` or a reflink. Strided views (a transposed tensor saved by torch.save) and
 //! chunk grids (a DCP tensor split over ranks and files) are gathered through buffers of at most
-//! [`MAX_GATHER_BUFFER_BYTES`] per call, never by loading a whole storage.
+//! [`MAX_GATHER_BUFFER_BYTES`] per call, never by loading a whole storage: a chunk grid is read
+//! as one run per chunk row (or per whole chunk when it spans the later dimensions), and a
+//! transposed view as one run per storage line, so reading a `[4096, 4096]` transpose in row
+//! chunks costs 4096 reads per chunk, not one per element.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
