@@ -517,3 +517,15 @@ fn bin_folder_without_index_reads_every_shard() {
         "{err}"
     );
 }
+
+#[test]
+fn dcp_chunks_through_storage_extensions_are_refused() {
+    let err = torch::describe(&fixture("dcp/transformed"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("stream.zstd") && err.contains("`model.grid`"),
+        "{err}"
+    );
+    assert!(err.contains(".metadata"), "{err}");
+}

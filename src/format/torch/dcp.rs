@@ -88,6 +88,17 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
                 "storage of `{fqn}` is not a _StorageInfo{{relative_path, offset, length}}"
             )));
         };
+        // Newer torch can pass chunks through extensions (e.g. zstd): such bytes are no
+        // longer an addressable torch.save archive.
+        if let Some(transforms) = v.attr("transform_descriptors").and_then(|t| t.items()) {
+            if !transforms.is_empty() {
+                let names: Vec<&str> = transforms.iter().filter_map(|t| t.as_str()).collect();
+                return Err(bad(format!(
+                    "`{fqn}` is stored through transforms {names:?}; only plain DCP chunks are \
+                     supported (save without storage extensions)"
+                )));
+            }
+        }
         storage.insert(
             (fqn, offset),
             StorageInfo {
