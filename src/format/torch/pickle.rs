@@ -211,16 +211,22 @@ impl Value {
     }
 
     /// Attribute `name` of a dataclass object (its `BUILD` state dict).
+    /// A class with `__slots__` pickles `(dict or None, slots dict)`; both are searched.
     pub fn attr(&self, name: &str) -> Option<Value> {
         let Value::Object(o) = self else { return None };
         let o = o.borrow();
-        let Some(Value::Dict(d)) = &o.state else {
-            return None;
+        let find = |v: &Value| match v {
+            Value::Dict(d) => d
+                .borrow()
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v.clone()),
+            _ => None,
         };
-        let d = d.borrow();
-        d.iter()
-            .find(|(k, _)| k.as_str() == Some(name))
-            .map(|(_, v)| v.clone())
+        match o.state.as_ref()? {
+            Value::Tuple(t) if t.len() == 2 => find(&t[0]).or_else(|| find(&t[1])),
+            state => find(state),
+        }
     }
 
     pub fn class(&self) -> Option<&'static str> {
@@ -703,6 +709,28 @@ mod tests {
             (t.storage_offset, &t.shape[..], &t.strides[..]),
             (2, &[2, 3][..], &[3, 1][..])
         );
+    }
+
+    #[test]
+    fn dataclass_state_with_and_without_slots() {
+        let class =
+            b"\x80\x04\x8c%torch.distributed.checkpoint.metadata\x8c\rMetadataIndex\x93)\x81";
+        let fqn = b"}\x8c\x03fqn\x8c\x01as";
+        for slots in [false, true] {
+            let mut p = class.to_vec();
+            if slots {
+                p.push(b'N');
+                p.extend(fqn);
+                p.push(0x86);
+            } else {
+                p.extend(fqn);
+            }
+            p.extend(b"b.");
+            let (v, _) = unpickle(&p).unwrap();
+            assert_eq!(v.class(), Some("MetadataIndex"));
+            assert_eq!(v.attr("fqn").unwrap().as_str(), Some("a"), "slots {slots}");
+            assert!(v.attr("offset").is_none());
+        }
     }
 
     #[test]
