@@ -657,6 +657,13 @@ mod tests {
     }
 
     #[test]
+    fn descriptions_can_be_shared_across_reader_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<SourceDesc>();
+        shareable::<OpenSource<'static>>();
+    }
+
+    #[test]
     fn regions_must_tile() {
         let r = |o: u64, s: u64| Region {
             offsets: vec![o],
