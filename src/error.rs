@@ -283,6 +283,19 @@ pub enum Error {
 
     #[error("{}: tokenizer: {msg}", path.display())]
     GgufTokenizer { path: PathBuf, msg: String },
+
+    #[error("{}: {msg}", path.display())]
+    TorchArchive { path: PathBuf, msg: String },
+
+    #[error("{}: bad pickle: {msg}", path.display())]
+    BadPickle { path: PathBuf, msg: String },
+
+    /// A pickle naming a global outside the allow-list (`posix.system`, `builtins.eval`, …).
+    #[error("{}: refusing to load: its pickle calls `{global}`, which is not on the allow-list of tensor and container constructors (it could run code); nothing was executed", path.display())]
+    UnsafePickle { path: PathBuf, global: String },
+
+    #[error("{}: distributed checkpoint: {msg}", path.display())]
+    Dcp { path: PathBuf, msg: String },
 }
 
 impl Error {

@@ -4,6 +4,8 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod gguf;
 pub mod header;
+pub mod source;
+pub mod torch;
 
 use std::io::Write;
 use std::path::Path;

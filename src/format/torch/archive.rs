@@ -1,0 +1,228 @@
+//! torch.save zip archives, anywhere inside a file.
+//!
+//! Since PyTorch 1.6 `torch.save` writes an uncompressed zip: `<prefix>/data.pkl` (the pickle),
+//! `<prefix>/data/<key>` (one member per storage, its raw little-endian bytes, 64-byte
+//! aligned), `<prefix>/byteorder`, `<prefix>/version`. A DCP `.distcp` file is a run of such
+//! archives back to back, so the archive is read through a window `[start, start + len)` of
+//! the file. Only the central directory and `data.pkl` are read; each storage becomes the
+//! absolute file range of its member's bytes, never loaded. Compressed members (which
+//! torch.save does not write) are refused: their bytes cannot be addressed in place.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use super::pickle::MAX_PICKLE_BYTES;
+use crate::error::{Error, Result};
+
+/// More members than this is not a torch.save archive (one per storage). Checked from the
+/// end-of-central-directory record before the zip reader sizes its tables from it.
+pub const MAX_ARCHIVE_MEMBERS: u64 = 1 << 18;
+/// The end-of-central-directory record (22 bytes) may be followed by a comment this long.
+const MAX_EOCD_SEARCH_BYTES: u64 = 22 + 0xffff;
+
+/// A storage member's bytes: `[offset, offset + len)` of the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemberRange {
+    pub offset: u64,
+    pub len: u64,
+}
+
+pub struct Archive {
+    /// The bytes of `<prefix>/data.pkl`.
+    pub pickle: Vec<u8>,
+    /// Storage key → its member's bytes.
+    pub storages: HashMap<String, MemberRange>,
+}
+
+/// A `Read + Seek` window onto part of a file, for the zip reader.
+struct Window<'a> {
+    file: &'a File,
+    start: u64,
+    len: u64,
+    pos: u64,
+}
+
+impl Read for Window<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.len.saturating_sub(self.pos);
+        let n = (buf.len() as u64).min(left) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        let got = self.file.read_at(&mut buf[..n], self.start + self.pos)?;
+        self.pos += got as u64;
+        Ok(got)
+    }
+}
+
+impl Seek for Window<'_> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        let target = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        let Some(target) = target else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "seek before the start of the archive",
+            ));
+        };
+        self.pos = target;
+        Ok(target)
+    }
+}
+
+/// Reads the archive in `[start, start + len)` of `file` (whole file: `0, file_len`).
+pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Archive> {
+    let bad = |msg: String| Error::TorchArchive {
+        path: path.into(),
+        msg,
+    };
+    check_member_count(file, start, len).map_err(bad)?;
+    let window = Window {
+        file,
+        start,
+        len,
+        pos: 0,
+    };
+    let mut zip = zip::ZipArchive::new(window)
+        .map_err(|e| bad(format!("not a readable zip archive ({e}); file truncated?")))?;
+    let mut pickle = None;
+    let mut members = Vec::with_capacity(zip.len());
+    for i in 0..zip.len() {
+        let entry = zip
+            .by_index_raw(i)
+            .map_err(|e| bad(format!("member {i}: {e}")))?;
+        let name = entry.name().to_string();
+        let stored = entry.compression() == zip::CompressionMethod::Stored;
+        let size = entry.size();
+        let data_start = entry
+            .data_start()
+            .ok_or_else(|| bad(format!("member `{name}` has no data offset")))?;
+        let past_end = data_start.checked_add(size).is_none_or(|e| e > len);
+        if stored && (past_end || entry.compressed_size() != size) {
+            return Err(bad(format!(
+                "member `{name}` ({size} bytes at {data_start}) runs past the archive's end at \
+                 {len} (file truncated?)"
+            )));
+        }
+        let Some((prefix, rest)) = name.split_once('/') else {
+            continue;
+        };
+        let relevant = rest == "data.pkl" || rest.starts_with("data/");
+        if relevant && !stored {
+            return Err(bad(format!(
+                "member `{name}` is compressed ({}); torch.save writes stored members, so this \
+                 file was repacked: re-save it with torch.save",
+                entry.compression()
+            )));
+        }
+        if rest == "data.pkl" {
+            if pickle.is_some() {
+                return Err(bad("more than one `*/data.pkl` member".into()));
+            }
+            pickle = Some((prefix.to_string(), data_start, size));
+        } else if let Some(key) = rest.strip_prefix("data/") {
+            members.push((prefix.to_string(), key.to_string(), data_start, size));
+        } else if rest == "byteorder" {
+            let mut order = String::new();
+            drop(entry);
+            zip.by_index(i)
+                .and_then(|mut e| {
+                    e.by_ref()
+                        .take(16)
+                        .read_to_string(&mut order)
+                        .map_err(Into::into)
+                })
+                .map_err(|e| bad(format!("member `{name}`: {e}")))?;
+            if order.trim() != "little" {
+                return Err(bad(format!(
+                    "byte order is `{}`; only little-endian checkpoints are supported",
+                    order.trim()
+                )));
+            }
+        }
+    }
+    let Some((prefix, pkl_start, pkl_len)) = pickle else {
+        return Err(bad(
+            "no `*/data.pkl` member: not a torch.save archive".into()
+        ));
+    };
+    if pkl_len > MAX_PICKLE_BYTES {
+        return Err(bad(format!(
+            "data.pkl is {pkl_len} bytes, more than the limit of {MAX_PICKLE_BYTES}"
+        )));
+    }
+    let mut bytes = vec![0u8; pkl_len as usize];
+    file.read_exact_at(&mut bytes, start + pkl_start)
+        .map_err(|e| Error::io(path, e))?;
+    let storages = members
+        .into_iter()
+        .filter(|(p, ..)| *p == prefix)
+        .map(|(_, key, at, size)| {
+            (
+                key,
+                MemberRange {
+                    offset: start + at,
+                    len: size,
+                },
+            )
+        })
+        .collect();
+    Ok(Archive {
+        pickle: bytes,
+        storages,
+    })
+}
+
+/// Refuses an archive whose end-of-central-directory record (or its zip64 twin) announces more
+/// than [`MAX_ARCHIVE_MEMBERS`] members. A record that cannot be found is left to the zip
+/// reader to report.
+fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<(), String> {
+    // torch.save writes no archive comment, so the record normally ends the archive: try the
+    // last 42 bytes (record and zip64 locator) before searching the longest comment's span.
+    let read_tail = |n: u64| {
+        let n = len.min(n);
+        let mut tail = vec![0u8; n as usize];
+        file.read_exact_at(&mut tail, start + len - n)
+            .ok()
+            .map(|_| tail)
+    };
+    let find = |tail: Vec<u8>| {
+        (0..tail.len().saturating_sub(21))
+            .rev()
+            .find(|&i| tail[i..i + 4] == *b"PK\x05\x06")
+            .map(|e| (tail, e))
+    };
+    let Some((tail, eocd)) = read_tail(42)
+        .and_then(find)
+        .or_else(|| read_tail(MAX_EOCD_SEARCH_BYTES).and_then(find))
+    else {
+        return Ok(());
+    };
+    let le16 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]) as u64;
+    let mut count = le16(&tail[eocd + 10..]);
+    // A zip64 locator (20 bytes) right before the record points at the zip64 record, whose
+    // 8-byte member count sits at byte 32.
+    if eocd >= 20 && tail[eocd - 20..eocd - 16] == *b"PK\x06\x07" {
+        let at = u64::from_le_bytes(tail[eocd - 12..eocd - 4].try_into().expect("8 bytes"));
+        let mut rec = [0u8; 40];
+        if at.checked_add(40).is_some_and(|e| e <= len)
+            && file.read_exact_at(&mut rec, start + at).is_ok()
+            && rec[..4] == *b"PK\x06\x06"
+        {
+            count = count.max(u64::from_le_bytes(rec[32..40].try_into().expect("8 bytes")));
+        }
+    }
+    if count > MAX_ARCHIVE_MEMBERS {
+        return Err(format!(
+            "its zip directory announces {count} members, more than the limit of \
+             {MAX_ARCHIVE_MEMBERS}"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,399 @@
+//! PyTorch checkpoints described as [`SourceDesc`]s: torch.save files (zip, and the pre-1.6
+//! legacy stream), folders of `.bin` shards, and Distributed Checkpoints (DCP).
+//!
+//! Nothing here executes a pickle: [`pickle`] is a restricted machine that only builds
+//! containers, tensor views and DCP dataclasses. A tensor view `(storage, dtype, offset, shape,
+//! stride)` becomes a plain file range when it is contiguous (so an untouched tensor can still
+//! be copied with `copy_file_range`), and a strided placement otherwise. Tensors sharing a
+//! storage (tied weights) simply point at the same bytes.
+
+pub mod archive;
+pub mod dcp;
+pub mod globals;
+pub mod legacy;
+pub mod pickle;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use crate::error::{Error, Result};
+use crate::format::dtype::{element_count, DType};
+use crate::format::source::{contiguous_strides, source_file, Placement, SourceDesc, SourceTensor};
+use archive::MemberRange;
+use pickle::{PickleError, TensorView, Value};
+
+/// State dicts nested deeper than this are refused.
+pub const MAX_NESTING_DEPTH: usize = 64;
+/// Entries visited while flattening a state dict (tensors plus skipped values).
+pub const MAX_STATE_DICT_ENTRIES: usize = 1 << 24;
+
+/// The index transformers writes next to sharded `.bin` files.
+pub const BIN_INDEX_NAME: &str = "pytorch_model.bin.index.json";
+
+/// Describes a PyTorch checkpoint: a torch.save file, a folder of `.bin`/`.pt` shards (with or
+/// without `pytorch_model.bin.index.json`), a DCP folder (holding `.metadata`), one of its
+/// files (`.metadata` or a `.distcp`: the whole checkpoint is described), or a folder holding
+/// `pytorch_model_fsdp_0/`.
+pub fn describe(path: &Path) -> Result<SourceDesc> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_file() {
+        let dcp_part = path.file_name().is_some_and(|n| n == dcp::METADATA_NAME)
+            || path.extension().is_some_and(|e| e == "distcp");
+        if dcp_part {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return dcp::describe_dcp(dir);
+        }
+        return describe_file(path);
+    }
+    if path.join(dcp::METADATA_NAME).is_file() {
+        return dcp::describe_dcp(path);
+    }
+    let fsdp = path.join(dcp::FSDP_MODEL_DIR);
+    if fsdp.join(dcp::METADATA_NAME).is_file() {
+        return dcp::describe_dcp(&fsdp);
+    }
+    describe_sharded(path)
+}
+
+/// Describes one torch.save file (zip or legacy).
+pub fn describe_file(path: &Path) -> Result<SourceDesc> {
+    let mut desc = SourceDesc::default();
+    add_torch_file(&mut desc, path)?;
+    desc.sort_by_position();
+    Ok(desc)
+}
+
+/// Describes a folder of torch.save shards: those `pytorch_model.bin.index.json` names, or
+/// else every `*.bin`, `*.pt`, `*.pth` file in name order.
+pub fn describe_sharded(dir: &Path) -> Result<SourceDesc> {
+    let index_path = dir.join(BIN_INDEX_NAME);
+    let mut desc = SourceDesc::default();
+    if index_path.is_file() {
+        let weight_map = read_index(&index_path)?;
+        let mut shards: Vec<&String> = weight_map.values().collect();
+        shards.sort();
+        shards.dedup();
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        for shard in shards {
+            let tensor = weight_map
+                .iter()
+                .find(|(_, s)| *s == shard)
+                .map(|(t, _)| t.clone())
+                .unwrap_or_default();
+            if Path::new(shard).components().count() != 1 {
+                return Err(Error::InvalidIndex {
+                    path: index_path.clone(),
+                    msg: format!("shard `{shard}` is not a file name in this folder"),
+                });
+            }
+            let shard_path = dir.join(shard);
+            if !shard_path.is_file() {
+                return Err(Error::MissingShard {
+                    index: index_path.clone(),
+                    shard: shard.clone(),
+                    tensor,
+                });
+            }
+            let first = desc.tensors.len();
+            add_torch_file(&mut desc, &shard_path)?;
+            let added: Vec<SourceTensor> = desc.tensors.drain(first..).collect();
+            for t in added {
+                if weight_map.get(&t.name) != Some(shard) {
+                    desc.notes.push(format!(
+                        "`{}` in {shard} skipped: the index does not map it to this shard",
+                        t.name
+                    ));
+                    continue;
+                }
+                seen.insert(t.name.clone(), shard_path.clone());
+                desc.tensors.push(t);
+            }
+        }
+        if let Some((tensor, shard)) = weight_map.iter().find(|(t, _)| !seen.contains_key(*t)) {
+            return Err(Error::TensorNotInShard {
+                shard: dir.join(shard),
+                tensor: tensor.clone(),
+            });
+        }
+    } else {
+        let mut shards = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+            let entry = entry.map_err(|e| Error::io(dir, e))?;
+            let p = entry.path();
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if matches!(ext, "bin" | "pt" | "pth") && p.is_file() {
+                shards.push(p);
+            }
+        }
+        shards.sort();
+        if shards.is_empty() {
+            return Err(Error::NoModel {
+                path: dir.into(),
+                msg: "no PyTorch checkpoint here (no *.bin/*.pt/*.pth files, no DCP .metadata)"
+                    .into(),
+            });
+        }
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        for shard in shards {
+            let first = desc.tensors.len();
+            add_torch_file(&mut desc, &shard)?;
+            for t in &desc.tensors[first..] {
+                if let Some(prev) = seen.insert(t.name.clone(), shard.clone()) {
+                    return Err(Error::DuplicateTensor {
+                        tensor: t.name.clone(),
+                        first: prev,
+                        second: shard,
+                    });
+                }
+            }
+        }
+    }
+    desc.sort_by_position();
+    Ok(desc)
+}
+
+fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
+    let invalid = |msg: String| Error::InvalidIndex {
+        path: path.into(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+    let Some(map) = value.get("weight_map").and_then(|m| m.as_object()) else {
+        return Err(invalid("no `weight_map` object".into()));
+    };
+    map.iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(s) => Ok((k.clone(), s.to_string())),
+            None => Err(invalid(format!(
+                "`weight_map` value of `{k}` is not a string"
+            ))),
+        })
+        .collect()
+}
+
+/// Appends one torch.save file (zip or legacy) to `desc`.
+fn add_torch_file(desc: &mut SourceDesc, path: &Path) -> Result<()> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let info = source_file(path)?;
+    let mut magic = [0u8; 4];
+    let n = std::os::unix::fs::FileExt::read_at(&file, &mut magic, 0)
+        .map_err(|e| Error::io(path, e))?;
+    let file_index = desc.files.len();
+    let (value, storages) = if magic[..n.min(4)] == *b"PK\x03\x04" {
+        let archive = archive::read_archive(path, &file, 0, info.len)?;
+        (unpickle_file(path, &archive.pickle)?, archive.storages)
+    } else if n >= 3 && magic[..3] == [0x80, 0x02, 0x8a] {
+        legacy::read_legacy(path, &file, info.len)?
+    } else {
+        return Err(Error::TorchArchive {
+            path: path.into(),
+            msg: "neither a zip archive nor a legacy pickle stream: not a torch.save file".into(),
+        });
+    };
+    let mut notes = Vec::new();
+    let views = flatten(path, &value, &mut notes)?;
+    desc.files.push(info);
+    for (name, view) in views {
+        let Some(range) = storages.get(&view.storage.key) else {
+            return Err(Error::InvalidTensor {
+                path: path.into(),
+                tensor: name,
+                msg: format!(
+                    "its storage `{}` (member `data/{}`) is missing from the file",
+                    view.storage.key, view.storage.key
+                ),
+            });
+        };
+        let placement = view_placement(path, &name, &view, file_index, *range)?;
+        desc.tensors.push(SourceTensor {
+            name,
+            dtype: view.dtype,
+            shape: view.shape.clone(),
+            placement,
+        });
+    }
+    desc.notes.extend(notes);
+    Ok(())
+}
+
+/// Runs the restricted unpickler, naming `path` in its errors.
+pub(crate) fn unpickle_file(path: &Path, bytes: &[u8]) -> Result<Value> {
+    pickle::unpickle(bytes)
+        .map(|(v, _)| v)
+        .map_err(|e| pickle_error(path, e))
+}
+
+pub(crate) fn pickle_error(path: &Path, e: PickleError) -> Error {
+    match e {
+        PickleError::Forbidden(global) => Error::UnsafePickle {
+            path: path.into(),
+            global,
+        },
+        PickleError::Invalid(msg) => Error::BadPickle {
+            path: path.into(),
+            msg,
+        },
+    }
+}
+
+/// Where a view's elements lie, given its storage's bytes in file `file`.
+pub(crate) fn view_placement(
+    path: &Path,
+    name: &str,
+    view: &TensorView,
+    file: usize,
+    storage: MemberRange,
+) -> Result<Placement> {
+    let bad = |msg: String| Error::InvalidTensor {
+        path: path.into(),
+        tensor: name.into(),
+        msg,
+    };
+    let es = view
+        .dtype
+        .size()
+        .ok_or_else(|| bad(format!("{} is not a whole-byte dtype", view.dtype)))?
+        as u64;
+    let elements = element_count(&view.shape)
+        .ok_or_else(|| bad(format!("shape {:?} overflows", view.shape)))?;
+    if elements == 0 {
+        return Ok(Placement::Contiguous {
+            file,
+            offset: storage.offset,
+            len: 0,
+        });
+    }
+    // The last element the view touches, then the bytes up to and including it.
+    let mut last = view.storage_offset;
+    for (d, s) in view.shape.iter().zip(&view.strides) {
+        last = (d - 1)
+            .checked_mul(*s)
+            .and_then(|x| x.checked_add(last))
+            .ok_or_else(|| bad("view offsets overflow".into()))?;
+    }
+    let reach = last
+        .checked_add(1)
+        .and_then(|x| x.checked_mul(es))
+        .ok_or_else(|| bad("view offsets overflow".into()))?;
+    if reach > storage.len {
+        return Err(bad(format!(
+            "view (storage offset {}, shape {:?}, stride {:?}, {}) reaches byte {reach} of its \
+             {}-byte storage `{}`",
+            view.storage_offset,
+            view.shape,
+            view.strides,
+            view.dtype,
+            storage.len,
+            view.storage.key
+        )));
+    }
+    let row_major = contiguous_strides(&view.shape);
+    let contiguous = view
+        .shape
+        .iter()
+        .zip(view.strides.iter().zip(&row_major))
+        .all(|(d, (s, r))| *d == 1 || s == r);
+    if contiguous {
+        Ok(Placement::Contiguous {
+            file,
+            offset: storage.offset + view.storage_offset * es,
+            len: elements * es,
+        })
+    } else {
+        Ok(Placement::Strided {
+            file,
+            storage_start: storage.offset,
+            storage_len: storage.len,
+            storage_offset: view.storage_offset,
+            strides: view.strides.clone(),
+        })
+    }
+}
+
+/// The tensors of a state dict, nested dicts joined with dots, in pickle order; everything
+/// else is noted and skipped.
+pub(crate) fn flatten(
+    path: &Path,
+    value: &Value,
+    notes: &mut Vec<String>,
+) -> Result<Vec<(String, Rc<TensorView>)>> {
+    let Value::Dict(_) = value else {
+        return Err(Error::TorchArchive {
+            path: path.into(),
+            msg: format!(
+                "holds a {}, not a state dict (a dict of tensors)",
+                value.kind()
+            ),
+        });
+    };
+    let mut out: Vec<(String, Rc<TensorView>)> = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    let mut visited = 0usize;
+    let mut work = vec![(String::new(), value.clone(), 0usize)];
+    while let Some((prefix, v, depth)) = work.pop() {
+        visited += 1;
+        if visited > MAX_STATE_DICT_ENTRIES {
+            return Err(Error::TorchArchive {
+                path: path.into(),
+                msg: format!("state dict has more than {MAX_STATE_DICT_ENTRIES} entries"),
+            });
+        }
+        match v {
+            Value::Tensor(t) => {
+                if !names.insert(prefix.clone()) {
+                    return Err(Error::InvalidTensor {
+                        path: path.into(),
+                        tensor: prefix,
+                        msg: "defined twice in the state dict".into(),
+                    });
+                }
+                out.push((prefix, t))
+            }
+            Value::Dict(d) => {
+                if depth >= MAX_NESTING_DEPTH {
+                    return Err(Error::TorchArchive {
+                        path: path.into(),
+                        msg: format!("`{prefix}` is nested deeper than {MAX_NESTING_DEPTH} dicts"),
+                    });
+                }
+                // Pushed in reverse so the work stack pops them in pickle order.
+                for (k, item) in d.borrow().iter().rev() {
+                    let key = match k {
+                        Value::Str(s) => s.to_string(),
+                        Value::Int(i) => i.to_string(),
+                        other => {
+                            notes.push(format!(
+                                "entry of `{prefix}` with a {} key skipped",
+                                other.kind()
+                            ));
+                            continue;
+                        }
+                    };
+                    let name = if prefix.is_empty() {
+                        key
+                    } else {
+                        format!("{prefix}.{key}")
+                    };
+                    work.push((name, item.clone(), depth + 1));
+                }
+            }
+            other => notes.push(format!(
+                "`{prefix}` ({}) skipped: not a tensor",
+                other.kind()
+            )),
+        }
+    }
+    Ok(out)
+}
+
+/// The dtype a `torch.<name>` global stands for (for messages and DCP properties).
+pub fn dtype_of(value: &Value) -> Option<DType> {
+    match value {
+        Value::Global(pickle::Global::Dtype(d)) => Some(*d),
+        _ => None,
+    }
+}
