@@ -88,7 +88,7 @@ impl Op for RoundedRows {
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let s = self.in_unit_bytes();
-        vec![units.start * s..units.end * s]
+        std::iter::once(units.start * s..units.end * s).collect()
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         let n = ((units.end - units.start) * self.row_elems) as usize;
