@@ -143,8 +143,15 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
             i += 1;
             continue;
         };
-        if let Some(kind) = KINDS.iter().find(|k| **k == token) {
-            out.sections.push((kind, Vec::new()));
+        // `--dtype-cast bf16`, or clap's `--dtype-cast=bf16` of the older grammar.
+        let (flag, inline_value) = token.split_once('=').unwrap_or((token, ""));
+        if let Some(kind) = KINDS.iter().find(|k| **k == flag) {
+            let values = if flag == token {
+                Vec::new()
+            } else {
+                vec![OsString::from(inline_value)]
+            };
+            out.sections.push((kind, values));
             current = Some(out.sections.len() - 1);
             i += 1;
             continue;
@@ -191,13 +198,10 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
                 continue;
             }
         }
-        // A bare value, or an option no one knows (the section's parser names it).
+        // A bare value, or an option no one knows: the section's parser names it, or before any
+        // section clap does (the input `MODEL`, or Python tftf's "Unexpected token").
         match current {
             Some(c) => out.sections[c].1.push(args[i].clone()),
-            None if token.starts_with("--") => {
-                // Python tftf: "Unexpected token before any pipe flag"; clap names it.
-                clap_args.push(args[i].clone());
-            }
             None => clap_args.push(args[i].clone()),
         }
         i += 1;
@@ -432,6 +436,14 @@ mod tests {
             ("--dequant-fp8", vec!["--block-size=128".into()])
         );
         assert_eq!(r.steps().unwrap().len(), 2);
+        let (_, r) = split(os(&["tftf", "run", "--merge-lora=a b", "--dtype-cast=f16"]));
+        assert_eq!(
+            kinds(&r),
+            vec![
+                ("--merge-lora", vec!["a b".into()]),
+                ("--dtype-cast", vec!["f16".into()])
+            ]
+        );
     }
 
     #[test]
