@@ -978,3 +978,40 @@ fn per_section_adapter_options() {
     );
     assert_eq!(old_form, new_form);
 }
+
+/// Two `--merge-lora` sections with different adapters: each merges its own modules once.
+#[test]
+fn two_adapters_merge_each_their_own_modules_once() {
+    let d = tempfile::tempdir().unwrap();
+    let base = make_base(&d.path().join("base"));
+    let q = make_lora_adapter(&d.path().join("q"));
+    let v = d.path().join("v");
+    std::fs::create_dir_all(&v).unwrap();
+    write_file(
+        &v.join("adapter_model.safetensors"),
+        &lora_tensors("model.layers.0.self_attn.v_proj", 4),
+    );
+    std::fs::write(
+        v.join("adapter_config.json"),
+        r#"{"r": 4, "lora_alpha": 4.0}"#,
+    )
+    .unwrap();
+    let got = run_ok(
+        &base,
+        &d.path().join("out"),
+        &[
+            "--merge-lora",
+            s(&q),
+            "--scale",
+            "0.5",
+            "--merge-lora",
+            "--adapter",
+            s(&v),
+        ],
+    );
+    let plus = |name: &str, x: f32| -> Vec<f32> {
+        f32s(&base_map()[name]).iter().map(|w| w + x).collect()
+    };
+    assert_eq!(f32s(&got[Q].2), plus(Q, 4.0));
+    assert_eq!(f32s(&got[V].2), plus(V, 4.0));
+}

@@ -186,6 +186,8 @@ pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
 struct Attached {
     file: PathBuf,
     first: usize,
+    /// One past this adapter's last tensor: a later `--merge-lora` section attaches its own.
+    end: usize,
     config: LoraConfig,
     note: Option<String>,
 }
@@ -556,6 +558,7 @@ impl PlanStep for LoraMergeStep {
         *self.attached.lock().unwrap() = Some(Attached {
             file,
             first,
+            end: ckpt.tensors.len(),
             config,
             note,
         });
@@ -584,7 +587,7 @@ impl PlanStep for LoraMergeStep {
         let mut replacements: Vec<(String, usize)> = Vec::new();
         let mut unmatched: Vec<String> = Vec::new();
         let mut skipped = 0;
-        for i in att.first..ckpt.tensors.len() {
+        for i in att.first..att.end {
             let raw = &ckpt.tensors[i].info.name;
             let name = normalise(raw, &self.opts.adapter_name);
             match classify(&name, &cfg.modules_to_save) {
