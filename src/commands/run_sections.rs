@@ -100,8 +100,7 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
     if args.get(1).map(OsString::as_os_str) != Some(OsStr::new("run")) {
         return (args, RunSections::default());
     }
-    let run = crate::cli::RunArgs::augment_args(Command::new("run"));
-    let mut run = run.disable_help_flag(false);
+    let mut run = crate::cli::RunArgs::augment_args(Command::new("run"));
     run.build();
     let global_long = |name: &str| arity(&run, name, true);
     let global_short = |c: char| {
