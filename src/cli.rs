@@ -54,6 +54,9 @@ pub struct RecoverArgs {
     /// The output directory
     #[arg(value_name = "DIR")]
     pub dir: std::path::PathBuf,
+    /// Accepted on every command (as in Python tftf); recover prints every step anyway
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]
@@ -64,6 +67,9 @@ pub struct SelftestArgs {
     /// Print only the summary line (and failures)
     #[arg(short, long)]
     pub quiet: bool,
+    /// Accepted on every command (as in Python tftf); selftest prints every case anyway
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]
@@ -146,6 +152,9 @@ pub struct InfoArgs {
     /// Machine-readable output
     #[arg(long)]
     pub json: bool,
+    /// Accepted on every command (as in Python tftf); info prints everything anyway
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]
@@ -266,18 +275,30 @@ pub struct RepackArgs {
 /// Adapter options, shared by `merge-lora`, `dequant-fp8 --merge-lora` and `run --merge-lora`.
 #[derive(Args, Debug, Clone)]
 pub struct AdapterOpts {
-    /// Multiply every module's alpha/r by F
-    #[arg(long, value_name = "F", alias = "alpha", default_value_t = 1.0)]
+    /// Multiply every module's alpha/r by F (also --lora-scale, as dequant-fp8 spells it)
+    #[arg(long, value_name = "F", aliases = ["alpha", "lora-scale"], default_value_t = 1.0, allow_negative_numbers = true)]
     pub scale: f64,
-    /// adapter_config.json to use (default: the one beside the adapter weights)
-    #[arg(long, value_name = "FILE")]
+    /// adapter_config.json to use (default: the one beside the adapter weights; also
+    /// --lora-config)
+    #[arg(long, value_name = "FILE", alias = "lora-config")]
     pub adapter_config: Option<PathBuf>,
-    /// Adapter name segment in the keys
-    #[arg(long, value_name = "NAME", default_value = "default")]
+    /// Adapter name segment in the keys (also --lora-adapter-name)
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "default",
+        alias = "lora-adapter-name"
+    )]
     pub adapter_name: String,
     /// Merge what matches and report the rest instead of failing
     #[arg(long)]
     pub allow_unmatched: bool,
+    /// LoRA rank r, used (with --lora-alpha) when there is no adapter_config.json
+    #[arg(long, value_name = "R", requires = "lora_alpha")]
+    pub rank: Option<u64>,
+    /// LoRA alpha, used (with --rank) when there is no adapter_config.json
+    #[arg(long, value_name = "A", requires = "rank")]
+    pub lora_alpha: Option<f64>,
 }
 
 #[derive(Args, Debug)]
@@ -347,42 +368,123 @@ pub struct ValidateArgs {
     /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
     #[arg(long, value_name = "SECS")]
     pub progress_interval: Option<String>,
+    /// Accepted on every command (as in Python tftf); validate reports every finding anyway
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
+/// `run`'s global options. Its pipe sections (`--key-filter ...`, `--merge-lora ...`) are split
+/// off the raw arguments before clap sees them (`commands::run_sections`) and parsed one by one
+/// with the section structs below.
 #[derive(Args, Debug)]
+#[command(after_long_help = RUN_SECTIONS_HELP)]
 pub struct RunArgs {
     #[command(flatten)]
     pub input: InputArgs,
     #[command(flatten)]
     pub write: WriteArgs,
-    /// Pipe section: keep tensors matching GLOB
-    #[arg(long, value_name = "GLOB")]
-    pub key_filter: Vec<String>,
-    /// Pipe section: drop tensors matching GLOB
-    #[arg(long, value_name = "GLOB")]
-    pub key_exclude: Vec<String>,
-    /// Pipe section: rename with REGEX -> REPL
+}
+
+pub const RUN_SECTIONS_HELP: &str = "\
+Pipe sections, applied in the order written; options after a section flag belong to it:
+  --key-filter  [--include] GLOB... [--exclude GLOB]...   keep matching names
+  --key-exclude [--exclude] GLOB...                       drop matching names
+  --key-rename  [--rule] REGEX REPL [REGEX REPL]...       rename, rules in order
+  --dtype-cast  [--dtype] DTYPE [--cast-ints]             bf16, f16, f32, f64 (or float32, ...)
+  --dequant-fp8 [[--dtype] DTYPE] [--block-size R[xC]] [--scale-mode M]
+                [--allow-unscaled-fp8] [--allow-nonfinite]
+  --merge-lora  [--adapter] PATH [--adapter-config FILE] [--adapter-name NAME] [--scale F]
+                [--rank R --lora-alpha A] [--allow-unmatched]
+  --repack-fp4  [--experts M] [--engram M] [--only-shards N] [--shard-list A,B]
+                [--require-lossless] [--expert-pattern RE] [--engram-pattern RE]
+                [--no-config-update]
+A section option written before the first section, or in a section of another kind, is a
+default for every section of its kind (the older form `--merge-lora A --dequant-fp8 --scale 2`).
+
+Example:
+  tftf run -i in/ -o out/ --dequant-fp8 --dtype bf16 --merge-lora --adapter ./lora --scale 0.5 \\
+      --key-rename --rule '^model\\.' '' --key-filter --include 'layers.*' --exclude '*.bias'";
+
+/// `run --key-filter`: keep names matching any include glob, then drop those matching any
+/// exclude glob.
+#[derive(Args, Debug)]
+pub struct KeyFilterSection {
+    /// Keep tensors matching this glob (repeatable)
+    #[arg(long, value_name = "GLOB", allow_hyphen_values = true)]
+    pub include: Vec<String>,
+    /// Drop tensors matching this glob (repeatable)
+    #[arg(long, value_name = "GLOB", allow_hyphen_values = true)]
+    pub exclude: Vec<String>,
+    /// Globs to keep, as bare values
+    #[arg(value_name = "GLOB")]
+    pub value: Vec<String>,
+}
+
+/// `run --key-exclude`: drop names matching any glob.
+#[derive(Args, Debug)]
+pub struct KeyExcludeSection {
+    /// Drop tensors matching this glob (repeatable)
+    #[arg(long, value_name = "GLOB", allow_hyphen_values = true)]
+    pub exclude: Vec<String>,
+    /// Globs to drop, as bare values
+    #[arg(value_name = "GLOB")]
+    pub value: Vec<String>,
+}
+
+/// `run --key-rename`: regex rules applied in order.
+#[derive(Args, Debug)]
+pub struct KeyRenameSection {
+    /// A rule: regex and replacement (repeatable)
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
-    pub key_rename: Vec<String>,
-    /// Pipe section: cast float tensors to DTYPE
+    pub rule: Vec<String>,
+    /// Rules as bare REGEX REPL pairs
+    #[arg(value_name = "REGEX REPL", allow_hyphen_values = true)]
+    pub value: Vec<String>,
+}
+
+/// `run --dtype-cast`.
+#[derive(Args, Debug)]
+pub struct DtypeCastSection {
+    /// Target dtype
     #[arg(long, value_name = "DTYPE")]
-    pub dtype_cast: Vec<String>,
-    /// Also cast integer and bool tensors in --dtype-cast sections
+    pub dtype: Option<String>,
+    /// Target dtype, as a bare value
+    #[arg(value_name = "DTYPE", conflicts_with = "dtype")]
+    pub value: Option<String>,
+    /// Also cast integer and bool tensors
     #[arg(long)]
     pub cast_ints: bool,
-    /// Pipe section: dequantise FP8 weights to DTYPE (default bf16)
-    #[arg(long, value_name = "DTYPE", num_args = 0..=1, default_missing_value = "bf16")]
-    pub dequant_fp8: Vec<String>,
+}
+
+/// `run --dequant-fp8`.
+#[derive(Args, Debug)]
+pub struct DequantSection {
+    /// Output dtype (default bf16)
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// Output dtype, as a bare value
+    #[arg(value_name = "DTYPE", conflicts_with = "dtype")]
+    pub value: Option<String>,
     #[command(flatten)]
     pub fp8: Fp8Args,
-    /// Pipe section: merge this LoRA/DoRA adapter
+}
+
+/// `run --merge-lora`.
+#[derive(Args, Debug)]
+pub struct MergeSection {
+    /// The adapter (as for merge-lora -a)
     #[arg(long, value_name = "ADAPTER")]
-    pub merge_lora: Vec<PathBuf>,
+    pub adapter: Option<PathBuf>,
+    /// The adapter, as a bare value
+    #[arg(value_name = "ADAPTER", conflicts_with = "adapter")]
+    pub value: Option<PathBuf>,
     #[command(flatten)]
     pub lora: AdapterOpts,
-    /// Pipe section: transcode MXFP4 experts to NVFP4 and requantise Engram tables to FP4
-    #[arg(long)]
-    pub repack_fp4: bool,
+}
+
+/// `run --repack-fp4`.
+#[derive(Args, Debug)]
+pub struct RepackSection {
     #[command(flatten)]
     pub fp4: Fp4RepackArgs,
 }
@@ -392,4 +494,7 @@ pub struct DemoArgs {
     /// Keep the example checkpoint and outputs in this directory instead of a temporary one
     #[arg(long, value_name = "DIR")]
     pub keep: Option<PathBuf>,
+    /// Accepted on every command (as in Python tftf); demo prints every step anyway
+    #[arg(short, long)]
+    pub verbose: bool,
 }

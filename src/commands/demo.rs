@@ -483,6 +483,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             adapter_name: "default".into(),
             scale: 1.0,
             allow_unmatched: false,
+            rank_alpha: None,
         },
     )));
     convert(

@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod demo;
 pub mod info;
+pub mod run_sections;
 pub mod selftest;
 pub mod semantic;
 pub mod validate;
@@ -11,11 +12,11 @@ use std::path::PathBuf;
 
 use clap::{ArgMatches, FromArgMatches};
 
+pub use run_sections::RunSections;
+
 use std::sync::Arc;
 
-use crate::cli::{
-    AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs, RunArgs,
-};
+use crate::cli::{AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
@@ -42,7 +43,7 @@ fn flag_or_positional(flag: &Option<PathBuf>, positional: &Option<PathBuf>) -> R
 fn cast_target(s: &str) -> Result<DType> {
     DType::parse_cast_target(s).ok_or_else(|| {
         Error::Usage(format!(
-            "unknown dtype `{s}`: use bf16, f16 or f32 (or bfloat16, float16, float32)"
+            "unknown dtype `{s}`: use bf16, f16, f32 or f64 (or bfloat16, float16, float32, float64)"
         ))
     })
 }
@@ -75,9 +76,15 @@ pub fn passthrough_steps(a: &PassthroughArgs) -> Result<Vec<Step>> {
 }
 
 fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
+    let dtype = cast_target(dtype)?;
+    if dtype == DType::F64 {
+        return Err(Error::Usage(
+            "dequant-fp8 writes bf16, f16 or f32, not float64".into(),
+        ));
+    }
     Ok(Step::Op(Arc::new(DequantFp8Step {
         opts: DequantOptions {
-            dtype: cast_target(dtype)?,
+            dtype,
             block: a.block_size.as_deref().map(parse_block_size).transpose()?,
             weight_scale_mode: if a.scale_mode == "divide" {
                 ScaleMode::Divide
@@ -134,63 +141,34 @@ fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
     }))))
 }
 
-fn lora_step(adapter: &std::path::Path, a: &AdapterOpts) -> Step {
+fn lora_step(adapter: &std::path::Path, a: &AdapterOpts) -> Result<Step> {
     lora_step_from(AdapterSource::Path(adapter.to_path_buf()), a)
 }
 
-fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Step {
-    Step::Op(Arc::new(LoraMergeStep::new(LoraOptions {
+fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Result<Step> {
+    let rank_alpha = match (a.rank, a.lora_alpha) {
+        (Some(r), Some(alpha)) if r > 0 => Some((r, alpha)),
+        (None, None) => None,
+        _ => {
+            return Err(Error::Usage(
+                "--rank R and --lora-alpha A go together (R > 0): they stand in for a missing adapter_config.json".into(),
+            ))
+        }
+    };
+    Ok(Step::Op(Arc::new(LoraMergeStep::new(LoraOptions {
         adapter: source,
         config: a.adapter_config.clone(),
         adapter_name: a.adapter_name.clone(),
         scale: a.scale,
         allow_unmatched: a.allow_unmatched,
-    })))
-}
-
-/// run: sections apply in the order they appear on the command line.
-pub fn run_steps(a: &RunArgs, m: &ArgMatches) -> Result<Vec<Step>> {
-    let idx =
-        |id: &str| -> Vec<usize> { m.indices_of(id).map(|i| i.collect()).unwrap_or_default() };
-    let mut steps: Vec<(usize, Step)> = Vec::new();
-    for (i, g) in idx("key_filter").into_iter().zip(&a.key_filter) {
-        steps.push((i, Step::Include(vec![Glob::new(g)?])));
-    }
-    for (i, g) in idx("key_exclude").into_iter().zip(&a.key_exclude) {
-        steps.push((i, Step::Exclude(vec![Glob::new(g)?])));
-    }
-    for (i, r) in idx("key_rename")
-        .into_iter()
-        .step_by(2)
-        .zip(renames(&a.key_rename)?)
-    {
-        steps.push((i, Step::Rename(r)));
-    }
-    for (i, d) in idx("dtype_cast").into_iter().zip(&a.dtype_cast) {
-        steps.push((
-            i,
-            Step::Cast {
-                dtype: cast_target(d)?,
-                cast_ints: a.cast_ints,
-            },
-        ));
-    }
-    for (i, adapter) in idx("merge_lora").into_iter().zip(&a.merge_lora) {
-        steps.push((i, lora_step(adapter, &a.lora)));
-    }
-    // A flag has an index (its default's) even when absent: only a given one is a section.
-    if let (true, Some(i)) = (a.repack_fp4, idx("repack_fp4").first()) {
-        steps.push((*i, repack_step(&a.fp4)?));
-    }
-    for (i, d) in idx("dequant_fp8").into_iter().zip(&a.dequant_fp8) {
-        steps.push((i, dequant_step(d, &a.fp8)?));
-    }
-    steps.sort_by_key(|(i, _)| *i);
-    Ok(steps.into_iter().map(|(_, s)| s).collect())
+        rank_alpha,
+    }))))
 }
 
 /// Runs the command; returns the process exit code.
-pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
+/// `sections` are `run`'s pipe sections, split off the raw arguments by
+/// [`run_sections::split`] before clap parsed the rest into `matches`.
+pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -> Result<i32> {
     let cli = Cli::from_arg_matches(matches).map_err(|e| Error::Usage(e.to_string()))?;
     match &cli.command {
         Command::Info(a) => {
@@ -204,8 +182,7 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
             Ok(0)
         }
         Command::Run(a) => {
-            let sub = matches.subcommand_matches("run").expect("run subcommand");
-            let steps = run_steps(a, sub)?;
+            let steps = sections.steps()?;
             let opts = WriteOptions::from_args(&a.write)?;
             convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
@@ -213,15 +190,17 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
         Command::DequantFp8(a) => {
             let mut steps = vec![dequant_step(&a.dtype, &a.fp8)?];
             if let Some(adapter) = &a.merge_lora {
-                steps.push(lora_step(adapter, &a.lora));
+                steps.push(lora_step(adapter, &a.lora)?);
             }
             let opts = WriteOptions::from_args(&a.write)?;
             convert("dequant-fp8", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::MergeLora(a) => {
-            let mut steps = vec![lora_step(&a.adapter, &a.lora)];
-            steps.extend(renames(&a.rename)?.into_iter().map(Step::Rename));
+            // As in Python tftf, renames come first: the adapter is matched against the new
+            // names.
+            let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
+            steps.push(lora_step(&a.adapter, &a.lora)?);
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,
@@ -252,7 +231,7 @@ pub fn dispatch(matches: &ArgMatches, cancel: &Cancel) -> Result<i32> {
                 }
                 None => a.shards.clone(),
             };
-            let mut steps = vec![lora_step_from(AdapterSource::Ranks(files), &a.lora)];
+            let mut steps = vec![lora_step_from(AdapterSource::Ranks(files), &a.lora)?];
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,

@@ -224,7 +224,7 @@ fn torch_dtype(ckpt: &Checkpoint, cfg: &Map<String, Value>, out: &mut Vec<Findin
     let mut bytes_by_dtype: Vec<(DType, u64)> = Vec::new();
     for t in &ckpt.tensors[..ckpt.base_count] {
         let d = t.info.dtype;
-        if !matches!(d, DType::F16 | DType::BF16 | DType::F32) {
+        if !matches!(d, DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
             continue;
         }
         match bytes_by_dtype.iter_mut().find(|(x, _)| *x == d) {

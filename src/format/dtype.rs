@@ -145,6 +145,7 @@ impl DType {
             "bf16" | "bfloat16" | "torch.bfloat16" => Some(DType::BF16),
             "f16" | "fp16" | "float16" | "half" | "torch.float16" => Some(DType::F16),
             "f32" | "fp32" | "float32" | "float" | "torch.float32" => Some(DType::F32),
+            "f64" | "fp64" | "float64" | "double" | "torch.float64" => Some(DType::F64),
             _ => None,
         }
     }
@@ -211,6 +212,7 @@ mod tests {
         assert_eq!(DType::parse_cast_target("bfloat16"), Some(DType::BF16));
         assert_eq!(DType::parse_cast_target("FP16"), Some(DType::F16));
         assert_eq!(DType::parse_cast_target("float32"), Some(DType::F32));
+        assert_eq!(DType::parse_cast_target("float64"), Some(DType::F64));
         assert_eq!(DType::parse_cast_target("int8"), None);
     }
 }

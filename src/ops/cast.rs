@@ -5,11 +5,17 @@
 //! (24 ≥ 11 + 2 bits), so F64→BF16 equals a direct correctly rounded conversion. NaN becomes
 //! the canonical quiet NaN of the target (`0x7FC0` for BF16 as in c10's `round_to_nearest_even`,
 //! sign-preserving `0x7E00` for F16 as in c10's `fp16_ieee_from_fp32_value`).
+//!
+//! F64 outputs (`--dtype float64`) widen exactly: every F32/F16/BF16 value is an f64, and 64-bit
+//! integers round once, directly, to nearest even. NaN becomes `0x7FF8000000000000`. No GPU
+//! kernel writes F64 (the op runs on the CPU): it is a debugging format, not a speed path.
 
 use std::ops::Range;
 
 use super::Op;
+use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::plan::{Derive, Entry};
 
 #[derive(Debug)]
 pub struct Cast {
@@ -26,7 +32,7 @@ impl Cast {
 
 impl Op for Cast {
     fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        Some(crate::gpu::GpuKernel::Cast {
+        (self.dst != DType::F64).then_some(crate::gpu::GpuKernel::Cast {
             src: self.src,
             dst: self.dst,
         })
@@ -50,6 +56,89 @@ impl Op for Cast {
     fn compute(&self, _units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         cast_slice(self.src, self.dst, inputs[0], out);
         Ok(())
+    }
+}
+
+/// A base weight that an earlier `--dtype-cast` section rounded, as a later merge reads it: the
+/// stored values rounded to `via`, then widened (exactly) to the merge's working dtype. Python
+/// tftf applies sections one after another, so a cast before a merge rounds the base first; this
+/// keeps that order without writing the intermediate. Units are rows of `row_elems` (the merges'
+/// units). No GPU kernel: a merge over such a base runs on the CPU.
+#[derive(Debug)]
+pub struct RoundedRows {
+    pub src: DType,
+    pub via: DType,
+    pub dst: DType,
+    pub rows: u64,
+    pub row_elems: u64,
+}
+
+impl Op for RoundedRows {
+    fn name(&self) -> &'static str {
+        "cast"
+    }
+    fn units(&self) -> u64 {
+        self.rows
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.row_elems * (self.dst.bits() / 8)
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.row_elems * (self.src.bits() / 8)
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let s = self.in_unit_bytes();
+        std::iter::once(units.start * s..units.end * s).collect()
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let n = ((units.end - units.start) * self.row_elems) as usize;
+        let mut mid = vec![0u8; n * (self.via.bits() / 8) as usize];
+        cast_slice(self.src, self.via, inputs[0], &mut mid);
+        cast_slice(self.via, self.dst, &mid, out);
+        Ok(())
+    }
+}
+
+/// The plan-time side of [`RoundedRows`].
+#[derive(Debug)]
+pub struct RoundedBase {
+    source: usize,
+    src: DType,
+    via: DType,
+    rows: u64,
+    row_elems: u64,
+}
+
+impl RoundedBase {
+    /// For an entry that an earlier cast step gave a new float dtype (and nothing computes):
+    /// the rounding a merge must read it through.
+    pub fn of(e: &Entry, ckpt: &Checkpoint) -> Option<RoundedBase> {
+        let src = ckpt.tensors[e.source].info.dtype;
+        let row_elems = *e.shape.last()?;
+        let total: u64 = e.shape.iter().product();
+        (e.derive.is_none() && !e.relabel && e.dtype != src && e.dtype.is_castable_float())
+            .then_some(RoundedBase {
+                source: e.source,
+                src,
+                via: e.dtype,
+                rows: total.checked_div(row_elems).unwrap_or(0),
+                row_elems,
+            })
+    }
+}
+
+impl Derive for RoundedBase {
+    fn inputs(&self) -> Vec<usize> {
+        vec![self.source]
+    }
+    fn build(&self, dst: DType) -> std::sync::Arc<dyn Op> {
+        std::sync::Arc::new(RoundedRows {
+            src: self.src,
+            via: self.via,
+            dst,
+            rows: self.rows,
+            row_elems: self.row_elems,
+        })
     }
 }
 
@@ -124,9 +213,27 @@ fn i64_to_f32_odd(x: i128) -> f32 {
     f
 }
 
-/// Writes f32 values as `dst` (BF16, F16 or F32), rounding once to nearest even.
+/// The canonical NaN of F64 outputs, positive and quiet like the 16-bit ones.
+pub const F64_CANONICAL_NAN: u64 = 0x7FF8_0000_0000_0000;
+
+/// f64 bits of `x`, NaN made canonical.
+#[inline(always)]
+fn f64_bits(x: f64) -> u64 {
+    if x.is_nan() {
+        F64_CANONICAL_NAN
+    } else {
+        x.to_bits()
+    }
+}
+
+/// Writes f32 values as `dst` (BF16, F16 or F32, rounding once to nearest even; or F64, exact).
 pub fn write_as(dst: DType, vals: impl Iterator<Item = f32>, out: &mut [u8]) {
     match dst {
+        DType::F64 => {
+            for (o, v) in out.chunks_exact_mut(8).zip(vals) {
+                o.copy_from_slice(&f64_bits(v as f64).to_le_bytes());
+            }
+        }
         DType::BF16 => {
             for (o, v) in out.chunks_exact_mut(2).zip(vals) {
                 o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
@@ -155,6 +262,9 @@ pub fn cast_slice(src: DType, dst: DType, input: &[u8], out: &mut [u8]) {
                 .map(|c| <$t>::from_le_bytes(c.try_into().unwrap()))
         };
     }
+    if dst == DType::F64 {
+        return cast_to_f64(src, input, out);
+    }
     // The destination decides whether the f32 step must be rounded to odd: only a 16-bit
     // target rounds a second time.
     let narrow = dst != DType::F32;
@@ -177,6 +287,37 @@ pub fn cast_slice(src: DType, dst: DType, input: &[u8], out: &mut [u8]) {
         DType::U64 if narrow => write_as(dst, le!(u64, 8).map(|v| i64_to_f32_odd(v as i128)), out),
         DType::U64 => write_as(dst, le!(u64, 8).map(|v| v as f32), out),
         _ => unreachable!("cast source {src} is not castable"),
+    }
+}
+
+/// Converts `src` elements to F64: exact for every float and 32-bit integer, one rounding to
+/// nearest even for 64-bit integers.
+fn cast_to_f64(src: DType, input: &[u8], out: &mut [u8]) {
+    macro_rules! le {
+        ($t:ty, $n:expr) => {
+            input
+                .chunks_exact($n)
+                .map(|c| <$t>::from_le_bytes(c.try_into().unwrap()))
+        };
+    }
+    let mut put = |vals: &mut dyn Iterator<Item = f64>| {
+        for (o, v) in out.chunks_exact_mut(8).zip(vals) {
+            o.copy_from_slice(&f64_bits(v).to_le_bytes());
+        }
+    };
+    match src {
+        DType::F32 => put(&mut le!(f32, 4).map(f64::from)),
+        DType::BF16 => put(&mut le!(u16, 2).map(|v| bf16_to_f32(v) as f64)),
+        DType::F16 => put(&mut le!(u16, 2).map(|v| f16_to_f32(v) as f64)),
+        DType::BOOL | DType::U8 => put(&mut input.iter().map(|&v| v as f64)),
+        DType::I8 => put(&mut input.iter().map(|&v| v as i8 as f64)),
+        DType::I16 => put(&mut le!(i16, 2).map(f64::from)),
+        DType::U16 => put(&mut le!(u16, 2).map(f64::from)),
+        DType::I32 => put(&mut le!(i32, 4).map(f64::from)),
+        DType::U32 => put(&mut le!(u32, 4).map(f64::from)),
+        DType::I64 => put(&mut le!(i64, 8).map(|v| v as f64)),
+        DType::U64 => put(&mut le!(u64, 8).map(|v| v as f64)),
+        _ => unreachable!("cast source {src} is not castable to F64"),
     }
 }
 
@@ -305,6 +446,64 @@ mod tests {
         let mut out4 = [0u8; 4];
         cast_slice(DType::I64, DType::F32, &x.to_le_bytes(), &mut out4);
         assert_eq!(f32::from_le_bytes(out4), x as f32);
+    }
+
+    #[test]
+    fn f64_outputs_are_exact_widenings() {
+        let cases: [(DType, Vec<u8>, Vec<f64>); 4] = [
+            (
+                DType::BF16,
+                [0x3F80u16, 0x0001, 0x8000, 0xFF80, 0xC2F7]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                vec![1.0, 2f64.powi(-133), -0.0, f64::NEG_INFINITY, -123.5],
+            ),
+            (
+                DType::F16,
+                [0x0001u16, 0x7BFF]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                vec![2f64.powi(-24), 65504.0],
+            ),
+            (
+                DType::F32,
+                [f32::from_bits(1), 0.1f32, f32::MAX]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                vec![2f64.powi(-149), 0.1f32 as f64, f32::MAX as f64],
+            ),
+            (
+                DType::I64,
+                [(1i64 << 60) + 1, -3]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                vec![2f64.powi(60), -3.0],
+            ),
+        ];
+        for (src, input, want) in cases {
+            let mut out = vec![0u8; want.len() * 8];
+            cast_slice(src, DType::F64, &input, &mut out);
+            let got: Vec<u64> = out
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let want: Vec<u64> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{src}");
+        }
+        let mut out = [0u8; 8];
+        cast_slice(DType::BF16, DType::F64, &0xFFC1u16.to_le_bytes(), &mut out);
+        assert_eq!(u64::from_le_bytes(out), F64_CANONICAL_NAN);
+        assert!(Cast {
+            src: DType::F32,
+            dst: DType::F64,
+            elements: 1
+        }
+        .gpu()
+        .is_none());
     }
 
     #[test]

@@ -156,7 +156,7 @@ impl LoraKernel for LoraMerge {
 impl Op for LoraMerge {
     /// The GPU also dequantises an FP8 base (to f32, as `base_op` is built) before merging.
     fn gpu(&self) -> Option<GpuKernel<'_>> {
-        base_on_gpu(&self.base_op).then_some(GpuKernel::Lora(self))
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64).then_some(GpuKernel::Lora(self))
     }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
@@ -585,7 +585,7 @@ impl LoraKernel for GroupedLoraMerge {
 
 impl Op for GroupedLoraMerge {
     fn gpu(&self) -> Option<GpuKernel<'_>> {
-        base_on_gpu(&self.base_op).then_some(GpuKernel::Lora(self))
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64).then_some(GpuKernel::Lora(self))
     }
     fn name(&self) -> &'static str {
         "merge-lora-experts"

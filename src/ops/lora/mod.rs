@@ -40,6 +40,8 @@ pub struct LoraOptions {
     /// Multiplies every module's `alpha / r`.
     pub scale: f64,
     pub allow_unmatched: bool,
+    /// `(r, lora_alpha)` given on the command line, used when there is no adapter_config.json.
+    pub rank_alpha: Option<(u64, f64)>,
 }
 
 /// What `adapter_config.json` says, as far as merging needs it.
@@ -66,6 +68,15 @@ impl LoraConfig {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let v: Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        Self::parse_value(path, &v)
+    }
+
+    /// The settings in `v`, the JSON of `path` (named in errors).
+    pub fn parse_value(path: &Path, v: &Value) -> Result<LoraConfig> {
+        let bad = |msg: String| Error::Adapter {
+            path: path.into(),
+            msg,
+        };
         let r = v
             .get("r")
             .and_then(Value::as_u64)
@@ -175,6 +186,8 @@ pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
 struct Attached {
     file: PathBuf,
     first: usize,
+    /// One past this adapter's last tensor: a later `--merge-lora` section attaches its own.
+    end: usize,
     config: LoraConfig,
     note: Option<String>,
 }
@@ -521,18 +534,35 @@ impl PlanStep for LoraMergeStep {
                 None => return Err(Error::Usage("no rank files given".into())),
             },
         };
-        let config_path = match &self.opts.config {
-            Some(p) => p.clone(),
-            None => file.with_file_name("adapter_config.json"),
+        // Beside the weights, else (a training directory's checkpoint-N) in the directory given.
+        let config_path = match (&self.opts.config, &self.opts.adapter) {
+            (Some(p), _) => p.clone(),
+            (None, AdapterSource::Path(dir))
+                if !file.with_file_name("adapter_config.json").is_file()
+                    && dir.join("adapter_config.json").is_file() =>
+            {
+                dir.join("adapter_config.json")
+            }
+            _ => file.with_file_name("adapter_config.json"),
         };
-        if !config_path.is_file() {
-            return Err(Error::Adapter {
-                path: config_path,
-                msg: "adapter_config.json not found (it gives r, lora_alpha and the other settings); pass --adapter-config FILE".into(),
-            });
-        }
-        let config = LoraConfig::parse(&config_path)?;
-        ckpt.extra_inputs.push(config_path.clone());
+        let config = match self.opts.rank_alpha {
+            Some((r, alpha)) if self.opts.config.is_none() && !config_path.is_file() => {
+                LoraConfig::parse_value(
+                    &config_path,
+                    &serde_json::json!({"r": r, "lora_alpha": alpha}),
+                )?
+            }
+            _ if !config_path.is_file() => {
+                return Err(Error::Adapter {
+                    path: config_path,
+                    msg: "adapter_config.json not found (it gives r, lora_alpha and the other settings); pass --adapter-config FILE, or --rank R --lora-alpha A".into(),
+                });
+            }
+            _ => {
+                ckpt.extra_inputs.push(config_path.clone());
+                LoraConfig::parse(&config_path)?
+            }
+        };
         let first = match &self.opts.adapter {
             AdapterSource::Path(_) => ckpt.attach(Checkpoint::open(&file)?),
             AdapterSource::Ranks(files) => assemble_ranks(ckpt, files)?,
@@ -547,6 +577,7 @@ impl PlanStep for LoraMergeStep {
         *self.attached.lock().unwrap() = Some(Attached {
             file,
             first,
+            end: ckpt.tensors.len(),
             config,
             note,
         });
@@ -575,7 +606,7 @@ impl PlanStep for LoraMergeStep {
         let mut replacements: Vec<(String, usize)> = Vec::new();
         let mut unmatched: Vec<String> = Vec::new();
         let mut skipped = 0;
-        for i in att.first..ckpt.tensors.len() {
+        for i in att.first..att.end {
             let raw = &ckpt.tensors[i].info.name;
             let name = normalise(raw, &self.opts.adapter_name);
             match classify(&name, &cfg.modules_to_save) {
@@ -631,6 +662,10 @@ impl PlanStep for LoraMergeStep {
                 );
                 continue;
             };
+            // A base an earlier cast step rounded is merged rounded, as Python tftf does.
+            if let Some(r) = crate::ops::cast::RoundedBase::of(&entries[wi], ckpt) {
+                entries[wi].derive = Some(Arc::new(r));
+            }
             if entries[wi].shape.len() == 3 {
                 let derive = grouped_derive(&entries[wi], ckpt, module, cfg, a, b, self.opts.scale)
                     .map_err(bad)?;

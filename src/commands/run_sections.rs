@@ -1,0 +1,468 @@
+//! `run`'s pipe-section grammar, as Python tftf parses it: a section flag (`--key-filter`,
+//! `--merge-lora`, …) opens a section, and the options and bare values after it belong to that
+//! section until the next section flag. So `--key-filter --include G --exclude H`,
+//! `--key-filter G1 G2`, `--key-rename P R P R`, `--merge-lora --adapter P --scale S` and
+//! `--dtype-cast --dtype bf16` all work, and two `--merge-lora` sections can carry different
+//! options.
+//!
+//! clap cannot express sections, so the raw arguments are split here first: `run`'s global
+//! options (`-i`, `-o`, `--force`, …, whatever `RunArgs` declares) go to clap wherever they
+//! stand, and each section's tokens are parsed by clap against that section's own struct
+//! (`cli::KeyFilterSection`, …). A section option written before the first section, or inside a
+//! section of another kind, is a default for every section of its kind: that keeps the older
+//! form (`--merge-lora A --dequant-fp8 --scale 2`, options global to `run`) working.
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+
+use clap::{Args, Command, FromArgMatches};
+
+use super::{cast_target, dequant_step, globs, lora_step, renames, repack_step};
+use crate::cli::{
+    DequantSection, DtypeCastSection, KeyExcludeSection, KeyFilterSection, KeyRenameSection,
+    MergeSection, RepackSection,
+};
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+use crate::plan::Step;
+
+/// The section flags, in the order `--help` lists them.
+const KINDS: [&str; 7] = [
+    "--key-filter",
+    "--key-exclude",
+    "--key-rename",
+    "--dtype-cast",
+    "--dequant-fp8",
+    "--merge-lora",
+    "--repack-fp4",
+];
+
+/// Options that name what a section does; they are never borrowed as defaults by another
+/// section's kind.
+const OWN_OPTIONS: [&str; 5] = ["dtype", "include", "exclude", "rule", "adapter"];
+
+/// `run`'s sections, split from the raw arguments but not yet parsed.
+#[derive(Debug, Default)]
+pub struct RunSections {
+    /// Each section: its flag and its tokens.
+    sections: Vec<(&'static str, Vec<OsString>)>,
+    /// Per section flag: option tokens given outside a section of that kind.
+    defaults: HashMap<&'static str, Vec<OsString>>,
+}
+
+fn section_command(kind: &'static str) -> Command {
+    let cmd = Command::new(kind)
+        .no_binary_name(true)
+        .args_override_self(true)
+        .disable_help_flag(true)
+        .disable_version_flag(true);
+    let mut cmd = match kind {
+        "--key-filter" => KeyFilterSection::augment_args(cmd),
+        "--key-exclude" => KeyExcludeSection::augment_args(cmd),
+        "--key-rename" => KeyRenameSection::augment_args(cmd),
+        "--dtype-cast" => DtypeCastSection::augment_args(cmd),
+        "--dequant-fp8" => DequantSection::augment_args(cmd),
+        "--merge-lora" => MergeSection::augment_args(cmd),
+        _ => RepackSection::augment_args(cmd),
+    };
+    cmd.build();
+    cmd
+}
+
+/// How many values option `long` (without dashes) takes in `cmd`, when `cmd` has it.
+fn arity(cmd: &Command, long: &str, own_allowed: bool) -> Option<usize> {
+    let arg = cmd.get_arguments().find(|a| {
+        a.get_long() == Some(long) || a.get_all_aliases().is_some_and(|v| v.contains(&long))
+    })?;
+    if !own_allowed && OWN_OPTIONS.contains(&arg.get_id().as_str()) {
+        return None;
+    }
+    Some(if arg.get_action().takes_values() {
+        arg.get_num_args().map_or(1, |r| r.min_values())
+    } else {
+        0
+    })
+}
+
+/// `--name=value` → (`name`, true); `--name` → (`name`, false).
+fn long_name(token: &str) -> Option<(&str, bool)> {
+    let rest = token.strip_prefix("--").filter(|r| !r.is_empty())?;
+    Some(match rest.split_once('=') {
+        Some((n, _)) => (n, true),
+        None => (rest, false),
+    })
+}
+
+/// Splits `run`'s raw arguments (everything after the program name) into what clap parses
+/// (the program name, `run` and the global options, with the positional `MODEL` when it comes
+/// before any section) and the sections. Other commands' arguments pass through untouched.
+pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
+    if args.get(1).map(OsString::as_os_str) != Some(OsStr::new("run")) {
+        return (args, RunSections::default());
+    }
+    let mut run = crate::cli::RunArgs::augment_args(Command::new("run"));
+    run.build();
+    let global_long = |name: &str| arity(&run, name, true);
+    let global_short = |c: char| {
+        run.get_arguments()
+            .find(|a| {
+                a.get_short() == Some(c)
+                    || a.get_all_short_aliases().is_some_and(|v| v.contains(&c))
+            })
+            .map(|a| usize::from(a.get_action().takes_values()))
+    };
+    let commands: Vec<(&'static str, Command)> =
+        KINDS.iter().map(|k| (*k, section_command(k))).collect();
+    let mut clap_args: Vec<OsString> = args[..2].to_vec();
+    let mut out = RunSections::default();
+    let mut current: Option<usize> = None;
+    let mut i = 2;
+    // An option and up to `n` values; as in Python tftf, a token starting with `--` is never a
+    // value (so `--dtype --key-filter` leaves `--dtype` without one).
+    let take = |i: &mut usize, n: usize, into: &mut Vec<OsString>| {
+        into.push(args[*i].clone());
+        *i += 1;
+        for _ in 0..n {
+            match args.get(*i) {
+                Some(v) if !v.to_str().is_some_and(|t| t.starts_with("--")) => {
+                    into.push(v.clone());
+                    *i += 1;
+                }
+                _ => break,
+            }
+        }
+    };
+    while i < args.len() {
+        let Some(token) = args[i].to_str() else {
+            // Not UTF-8: a value (a path), never an option.
+            match current {
+                Some(c) => out.sections[c].1.push(args[i].clone()),
+                None => clap_args.push(args[i].clone()),
+            }
+            i += 1;
+            continue;
+        };
+        // `--dtype-cast bf16`, or clap's `--dtype-cast=bf16` of the older grammar.
+        let (flag, inline_value) = token.split_once('=').unwrap_or((token, ""));
+        if let Some(kind) = KINDS.iter().find(|k| **k == flag) {
+            let values = if flag == token {
+                Vec::new()
+            } else {
+                vec![OsString::from(inline_value)]
+            };
+            out.sections.push((kind, values));
+            current = Some(out.sections.len() - 1);
+            i += 1;
+            continue;
+        }
+        if matches!(token, "-h" | "--help" | "-V" | "--version") {
+            clap_args.push(args[i].clone());
+            i += 1;
+            continue;
+        }
+        let current_cmd = current.map(|c| {
+            let kind = out.sections[c].0;
+            &commands.iter().find(|(k, _)| *k == kind).expect("known").1
+        });
+        if let Some((name, inline)) = long_name(token) {
+            // The current section's own options first: `--dtype` inside `--dtype-cast`.
+            if let Some(n) = current_cmd.and_then(|cmd| arity(cmd, name, true)) {
+                let c = current.expect("a section");
+                take(&mut i, if inline { 0 } else { n }, &mut out.sections[c].1);
+                continue;
+            }
+            if let Some(n) = global_long(name) {
+                take(&mut i, if inline { 0 } else { n }, &mut clap_args);
+                continue;
+            }
+            let lenders: Vec<(&'static str, usize)> = commands
+                .iter()
+                .filter_map(|(k, cmd)| Some((*k, arity(cmd, name, false)?)))
+                .collect();
+            if let Some(&(_, n)) = lenders.first() {
+                let mut tokens = Vec::new();
+                take(&mut i, if inline { 0 } else { n }, &mut tokens);
+                for (k, _) in lenders {
+                    out.defaults.entry(k).or_default().extend(tokens.clone());
+                }
+                continue;
+            }
+        } else if let Some(c) = token
+            .strip_prefix('-')
+            .and_then(|r| r.chars().next())
+            .filter(|c| *c != '-')
+        {
+            if let Some(n) = global_short(c) {
+                take(&mut i, if token.len() > 2 { 0 } else { n }, &mut clap_args);
+                continue;
+            }
+        }
+        // A bare value, or an option no one knows: the section's parser names it, or before any
+        // section clap does (the input `MODEL`, or Python tftf's "Unexpected token").
+        match current {
+            Some(c) => out.sections[c].1.push(args[i].clone()),
+            None => clap_args.push(args[i].clone()),
+        }
+        i += 1;
+    }
+    (clap_args, out)
+}
+
+impl RunSections {
+    /// The steps, in the order the sections were written.
+    pub fn steps(&self) -> Result<Vec<Step>> {
+        let mut steps = Vec::new();
+        // The FP8 and FP4 ops write BF16, F16 or F32 only: a later float64 cast of their
+        // outputs is refused up front.
+        let mut fp_op_before = false;
+        for (kind, tokens) in &self.sections {
+            let m = self.parse(kind, tokens)?;
+            let usage = |msg: String| Error::Usage(format!("{kind}: {msg}"));
+            match *kind {
+                "--key-filter" => {
+                    let s = KeyFilterSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    let include: Vec<String> = s.include.into_iter().chain(s.value).collect();
+                    if include.is_empty() && s.exclude.is_empty() {
+                        return Err(usage(
+                            "give a glob (or --include GLOB / --exclude GLOB)".into(),
+                        ));
+                    }
+                    if !include.is_empty() {
+                        steps.push(Step::Include(globs(&include)?));
+                    }
+                    if !s.exclude.is_empty() {
+                        steps.push(Step::Exclude(globs(&s.exclude)?));
+                    }
+                }
+                "--key-exclude" => {
+                    let s = KeyExcludeSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    let list: Vec<String> = s.exclude.into_iter().chain(s.value).collect();
+                    if list.is_empty() {
+                        return Err(usage("give a glob".into()));
+                    }
+                    steps.push(Step::Exclude(globs(&list)?));
+                }
+                "--key-rename" => {
+                    let s = KeyRenameSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    if s.value.len() % 2 == 1 {
+                        return Err(usage(format!(
+                            "rules are REGEX REPL pairs; `{}` has no replacement",
+                            s.value[s.value.len() - 1]
+                        )));
+                    }
+                    let rules: Vec<String> = s.rule.into_iter().chain(s.value).collect();
+                    if rules.is_empty() {
+                        return Err(usage(
+                            "give a rule: REGEX REPL (or --rule REGEX REPL)".into(),
+                        ));
+                    }
+                    steps.extend(renames(&rules)?.into_iter().map(Step::Rename));
+                }
+                "--dtype-cast" => {
+                    let s = DtypeCastSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    let d = s
+                        .dtype
+                        .or(s.value)
+                        .ok_or_else(|| usage("requires --dtype DTYPE (or a bare DTYPE)".into()))?;
+                    let dtype = cast_target(&d).map_err(|e| usage(e.to_string()))?;
+                    if dtype == DType::F64 && fp_op_before {
+                        return Err(usage(
+                            "float64 after --dequant-fp8 or --repack-fp4 is not supported: those ops write bf16, f16 or f32 (dequantise to f32)".into(),
+                        ));
+                    }
+                    steps.push(Step::Cast {
+                        dtype,
+                        cast_ints: s.cast_ints,
+                    });
+                }
+                "--dequant-fp8" => {
+                    let s = DequantSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    let d = s.dtype.or(s.value).unwrap_or_else(|| "bf16".into());
+                    steps.push(dequant_step(&d, &s.fp8).map_err(|e| usage(e.to_string()))?);
+                    fp_op_before = true;
+                }
+                "--merge-lora" => {
+                    let s = MergeSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    let adapter = s
+                        .adapter
+                        .or(s.value)
+                        .ok_or_else(|| usage("requires --adapter PATH (or a bare PATH)".into()))?;
+                    steps.push(lora_step(&adapter, &s.lora).map_err(|e| usage(e.to_string()))?);
+                }
+                _ => {
+                    let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
+                    steps.push(repack_step(&s.fp4).map_err(|e| usage(e.to_string()))?);
+                    fp_op_before = true;
+                }
+            }
+        }
+        Ok(steps)
+    }
+
+    fn parse(&self, kind: &'static str, tokens: &[OsString]) -> Result<clap::ArgMatches> {
+        let cmd = section_command(kind);
+        let all: Vec<OsString> = self
+            .defaults
+            .get(kind)
+            .into_iter()
+            .flatten()
+            .chain(tokens)
+            .cloned()
+            .collect();
+        cmd.clone().try_get_matches_from(all).map_err(|e| {
+            let first = e
+                .render()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("error: ")
+                .to_string();
+            let valid: Vec<String> = cmd
+                .get_arguments()
+                .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+                .collect();
+            Error::Usage(format!(
+                "{kind}: {first}; valid options: {}",
+                if valid.is_empty() {
+                    "(none)".into()
+                } else {
+                    valid.join(", ")
+                }
+            ))
+        })
+    }
+}
+
+fn clap_usage(kind: &'static str) -> impl Fn(clap::Error) -> Error {
+    move |e| Error::Usage(format!("{kind}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    fn kinds(r: &RunSections) -> Vec<(&str, Vec<String>)> {
+        r.sections
+            .iter()
+            .map(|(k, t)| {
+                (
+                    *k,
+                    t.iter().map(|x| x.to_string_lossy().into_owned()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn globals_anywhere_sections_keep_their_tokens() {
+        let (clap_args, r) = split(os(&[
+            "tftf",
+            "run",
+            "-i",
+            "in",
+            "--key-rename",
+            "^model\\.",
+            "",
+            "--dry-run",
+            "--key-filter",
+            "--include",
+            "a*",
+            "b*",
+            "-o",
+            "out",
+            "--merge-lora",
+            "--adapter",
+            "x",
+            "--scale",
+            "2",
+            "--device",
+            "cpu",
+        ]));
+        assert_eq!(
+            clap_args,
+            os(&[
+                "tftf",
+                "run",
+                "-i",
+                "in",
+                "--dry-run",
+                "-o",
+                "out",
+                "--device",
+                "cpu"
+            ])
+        );
+        assert_eq!(
+            kinds(&r),
+            vec![
+                ("--key-rename", vec!["^model\\.".into(), String::new()]),
+                (
+                    "--key-filter",
+                    vec!["--include".into(), "a*".into(), "b*".into()]
+                ),
+                (
+                    "--merge-lora",
+                    vec!["--adapter".into(), "x".into(), "--scale".into(), "2".into()]
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn section_options_elsewhere_are_defaults_of_their_kind() {
+        let (_, r) = split(os(&[
+            "tftf",
+            "run",
+            "--scale",
+            "0.5",
+            "--merge-lora",
+            "a",
+            "--dequant-fp8",
+            "--allow-unmatched",
+            "--block-size=128",
+        ]));
+        assert_eq!(
+            r.defaults["--merge-lora"],
+            os(&["--scale", "0.5", "--allow-unmatched"])
+        );
+        assert_eq!(
+            kinds(&r)[1],
+            ("--dequant-fp8", vec!["--block-size=128".into()])
+        );
+        assert_eq!(r.steps().unwrap().len(), 2);
+        let (_, r) = split(os(&["tftf", "run", "--merge-lora=a b", "--dtype-cast=f16"]));
+        assert_eq!(
+            kinds(&r),
+            vec![
+                ("--merge-lora", vec!["a b".into()]),
+                ("--dtype-cast", vec!["f16".into()])
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_sections_are_usage_errors_naming_section_and_token() {
+        for (args, want) in [
+            (&["--dtype-cast", "--typo", "bfloat16"][..], "--typo"),
+            (&["--dtype-cast", "bf16", "extra"], "extra"),
+            (&["--dtype-cast", "not_a_dtype"], "not_a_dtype"),
+            (&["--dtype-cast", "--dtype"], "--dtype"),
+            (&["--merge-lora"], "--adapter"),
+            (&["--key-rename", "^a", "b", "^c"], "`^c`"),
+        ] {
+            let (_, r) = split(os(&[&["tftf", "run"][..], args].concat()));
+            let e = r.steps().unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{args:?}");
+            let text = e.to_string();
+            assert!(
+                text.starts_with(args[0]) && text.contains(want),
+                "{args:?}: {text}"
+            );
+        }
+    }
+}
