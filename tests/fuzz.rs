@@ -52,6 +52,9 @@ fn exit_code(args: &[String]) -> Result<i32, String> {
     let argv: Vec<String> = std::iter::once("tftf".to_string())
         .chain(args.iter().cloned())
         .collect();
+    let (argv, sections) = tftf::commands::run_sections::split(
+        argv.into_iter().map(std::ffi::OsString::from).collect(),
+    );
     let matches = match tftf::cli::Cli::command().try_get_matches_from(argv) {
         Ok(m) => m,
         Err(e) => return Ok(if e.use_stderr() { 2 } else { 0 }),
@@ -60,7 +63,7 @@ fn exit_code(args: &[String]) -> Result<i32, String> {
     std::thread::spawn(move || {
         let cancel = tftf::pipeline::Cancel::default();
         let result = catch_unwind(AssertUnwindSafe(|| {
-            tftf::commands::dispatch(&matches, &cancel)
+            tftf::commands::dispatch(&matches, &sections, &cancel)
         }));
         let _ = tx.send(match result {
             Ok(Ok(code)) => Ok(code),
