@@ -108,7 +108,7 @@ impl DType {
     /// Bytes per element for whole-byte types; `None` for `F4` and `F6_*`.
     pub fn size(self) -> Option<usize> {
         let bits = self.bits();
-        (bits % 8 == 0).then_some((bits / 8) as usize)
+        bits.is_multiple_of(8).then_some((bits / 8) as usize)
     }
 
     /// Plain IEEE-style floats that `--dtype` casts convert (FP8/FP4 codes need their scales).

@@ -24,7 +24,7 @@ pub const MXFP4_SRC_BLOCK_BYTES: usize = 16;
 
 /// Whether a row of `row_len` elements can be Q8_0 (gguf-py falls back to F16 otherwise).
 pub fn q8_0_fits(row_len: u64) -> bool {
-    row_len > 0 && row_len % Q8_0_BLOCK_ELEMS as u64 == 0
+    row_len > 0 && row_len.is_multiple_of(Q8_0_BLOCK_ELEMS as u64)
 }
 
 /// Quantises one block of 32 values into `out` (34 bytes).

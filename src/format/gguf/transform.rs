@@ -23,7 +23,7 @@ pub fn qk_permute_source_row(out_row: u64, rows: u64, n_head: u64) -> u64 {
 
 /// Whether `rows` splits into `n_head` heads of an even size, as the permutation needs.
 pub fn qk_permute_fits(rows: u64, n_head: u64) -> bool {
-    n_head > 0 && rows % (2 * n_head) == 0
+    n_head > 0 && rows.is_multiple_of(2 * n_head)
 }
 
 /// gpt-oss `gate_up_proj`: rows interleaved per expert, even rows gate and odd rows up. Output

@@ -624,7 +624,7 @@ pub(super) fn set_items(target: &Value, items: Vec<Value>, at: usize) -> PResult
     let Value::Dict(dict) = target else {
         return invalid(format!("SETITEM on a {} at offset {at}", target.kind()));
     };
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return invalid(format!("odd number of items for SETITEMS at offset {at}"));
     }
     let mut dict = dict.borrow_mut();
