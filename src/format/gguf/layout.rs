@@ -296,7 +296,9 @@ fn order_for_reflink(
         let extends = runs.last().is_some_and(|run| {
             let p = &tensors[*run.last().unwrap()];
             let ps = p.source.unwrap();
-            ps.file == s.file && ps.offset + p.byte_len == s.offset && p.byte_len.is_multiple_of(align)
+            ps.file == s.file
+                && ps.offset + p.byte_len == s.offset
+                && p.byte_len.is_multiple_of(align)
         });
         match runs.last_mut() {
             Some(run) if extends => run.push(i),
