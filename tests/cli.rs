@@ -6,10 +6,6 @@ use common::*;
 use tftf::format::dtype::DType;
 use tftf::ops::cast::{f32_to_bf16, f32_to_f16};
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
     bytes
         .chunks_exact(4)

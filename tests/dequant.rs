@@ -7,10 +7,6 @@ use common::*;
 use tftf::format::dtype::DType;
 use tftf::ops::codec::{e4m3_to_f32, e5m2_to_f32};
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 /// Finite E4M3 codes.
 fn e4m3_codes(rng: &mut Rng, n: usize) -> Vec<u8> {
     (0..n)

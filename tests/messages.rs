@@ -10,10 +10,6 @@ use std::path::Path;
 use common::*;
 use tftf::format::dtype::DType;
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 /// A one-shard model of BF16 tensors `a.weight` and `b.weight` in `dir`.
 fn bf16_model(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();

@@ -8,10 +8,6 @@ use std::path::Path;
 use common::*;
 use tftf::format::dtype::DType;
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

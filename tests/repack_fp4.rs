@@ -8,10 +8,6 @@ use common::*;
 use tftf::format::dtype::DType;
 use tftf::ops::codec::e4m3_to_f32;
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 
 fn e2m1(n: u8) -> f64 {

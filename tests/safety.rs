@@ -12,10 +12,6 @@ use std::process::{Command, Stdio};
 use common::*;
 use sha2::{Digest, Sha256};
 
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
 /// Every file of a directory (hidden ones too) with its SHA-256.
 fn snapshot(dir: &Path) -> BTreeMap<String, String> {
     let mut m = BTreeMap::new();
@@ -28,18 +24,6 @@ fn snapshot(dir: &Path) -> BTreeMap<String, String> {
         }
     }
     m
-}
-
-fn usage_error(args: &[&str]) -> String {
-    let o = tftf(args);
-    assert_eq!(
-        o.status.code(),
-        Some(2),
-        "expected a usage error: {}\n{}",
-        stderr(&o),
-        stdout(&o)
-    );
-    stderr(&o)
 }
 
 fn hidden(dir: &Path) -> Vec<String> {

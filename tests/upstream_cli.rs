@@ -124,13 +124,12 @@ fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
 /// `tftf run` that must be refused as a usage error (exit 2) before any output exists;
 /// returns stderr.
 fn run_usage_error(args: &[&str]) -> String {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let out = d.path().join("out");
-    let o = tftf(&[&["run", "-i", s(&base), "-o", s(&out)][..], args].concat());
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+    let err = usage_error(&[&["run", "-i", s(&base), "-o", s(&out)][..], args].concat());
     assert!(!out.exists(), "{args:?}");
-    stderr(&o)
+    err
 }
 
 fn all_dtypes(t: &Tensors, want: &str) -> bool {
@@ -147,7 +146,7 @@ fn names(t: &Tensors) -> Vec<&str> {
 
 #[test]
 fn parser_empty_returns_passthrough() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(&base, &d.path().join("out"), &[]);
     let want = base_map();
@@ -159,7 +158,7 @@ fn parser_empty_returns_passthrough() {
 
 #[test]
 fn parser_single_dtype_cast() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -171,7 +170,7 @@ fn parser_single_dtype_cast() {
 
 #[test]
 fn parser_single_key_filter() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -183,7 +182,7 @@ fn parser_single_key_filter() {
 
 #[test]
 fn parser_two_pipes_returns_compound() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -203,7 +202,7 @@ fn parser_two_pipes_returns_compound() {
 
 #[test]
 fn parser_multiple_include_flags_accumulated() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -221,7 +220,7 @@ fn parser_multiple_include_flags_accumulated() {
 
 #[test]
 fn parser_key_rename_single_rule() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     // Upstream's rule matches none of these names: they stay.
     let got = run_ok(
@@ -244,7 +243,7 @@ fn parser_key_rename_single_rule() {
 
 #[test]
 fn parser_key_rename_multiple_rules() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -312,7 +311,7 @@ fn parser_missing_value_for_flag_raises() {
 
 #[test]
 fn parser_three_pipes_chained() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -336,7 +335,7 @@ fn parser_three_pipes_chained() {
 
 #[test]
 fn parser_dtype_cast_positional() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(&base, &d.path().join("out"), &["--dtype-cast", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
@@ -361,7 +360,7 @@ fn make_fp8_base(dir: &Path) -> PathBuf {
 
 #[test]
 fn parser_dequant_fp8_positional_dtype() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
     let got = run_ok(&base, &d.path().join("out"), &["--dequant-fp8", "fp16"]);
     assert_eq!(got[Q].0, "F16");
@@ -370,7 +369,7 @@ fn parser_dequant_fp8_positional_dtype() {
 
 #[test]
 fn parser_dequant_fp8_positional_then_named() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -396,7 +395,7 @@ fn parser_dequant_fp8_positional_then_named() {
 
 #[test]
 fn parser_key_rename_positional_single_rule() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -414,7 +413,7 @@ fn parser_key_rename_positional_single_rule() {
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -432,7 +431,7 @@ fn parser_key_rename_positional_multiple_rules() {
 
 #[test]
 fn parser_key_filter_positional_include() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -460,7 +459,7 @@ fn parser_no_positional_for_pipe_raises() {
 
 #[test]
 fn run_dtype_cast_changes_all_dtypes() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -472,7 +471,7 @@ fn run_dtype_cast_changes_all_dtypes() {
 
 #[test]
 fn run_key_filter_keeps_only_matching() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(
         &base,
@@ -484,7 +483,7 @@ fn run_key_filter_keeps_only_matching() {
 
 #[test]
 fn run_merge_lora_modifies_weights() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let got = run_ok(
@@ -504,7 +503,7 @@ fn run_merge_lora_modifies_weights() {
 
 #[test]
 fn run_merge_lora_then_dtype_cast() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let got = run_ok(
@@ -524,7 +523,7 @@ fn run_merge_lora_then_dtype_cast() {
 
 #[test]
 fn run_no_pipes_is_passthrough() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(&base, &d.path().join("out"), &[]);
     assert_eq!(names(&got), [Q, V, NORM]);
@@ -532,7 +531,7 @@ fn run_no_pipes_is_passthrough() {
 
 #[test]
 fn run_dry_run_creates_no_output() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let out = d.path().join("out");
     // `--dry-run` after the sections is still run's own option.
@@ -553,7 +552,7 @@ fn run_dry_run_creates_no_output() {
 
 #[test]
 fn run_positional_adapter_path() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let got = run_ok(&base, &d.path().join("out"), &["--merge-lora", s(&adapter)]);
@@ -568,7 +567,7 @@ fn run_positional_adapter_path() {
 
 #[test]
 fn run_positional_dtype_cast() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let got = run_ok(&base, &d.path().join("out"), &["--dtype-cast", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
@@ -606,7 +605,7 @@ fn assert_merged_with(got: &Tensors, b: f32) {
 
 #[test]
 fn resolve_adapter_passthrough_plain_lora_file() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let got = merge(
@@ -619,7 +618,7 @@ fn resolve_adapter_passthrough_plain_lora_file() {
 
 #[test]
 fn resolve_adapter_training_dir_with_regular_lora() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 60, 90]);
     let got = merge(&base, &training, &d.path().join("out"));
@@ -628,7 +627,7 @@ fn resolve_adapter_training_dir_with_regular_lora() {
 
 #[test]
 fn resolve_adapter_training_dir_bad_content_raises() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let training = d.path().join("training");
     std::fs::create_dir_all(training.join("checkpoint-1")).unwrap();
@@ -649,7 +648,7 @@ fn resolve_adapter_training_dir_bad_content_raises() {
 
 #[test]
 fn merge_lora_training_dir_regular_lora_merges_correctly() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 90]);
     let got = merge(&base, &training, &d.path().join("merged"));
@@ -659,7 +658,7 @@ fn merge_lora_training_dir_regular_lora_merges_correctly() {
 
 #[test]
 fn merge_lora_extras_copied_from_base_dir() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base_dir = d.path().join("base");
     let base = make_base(&base_dir);
     std::fs::write(base_dir.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
@@ -686,7 +685,7 @@ fn merge_lora_extras_copied_from_base_dir() {
 
 #[test]
 fn verbose_is_accepted_by_every_command() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     for args in [
         &["info", s(&base), "-v"][..],
@@ -718,7 +717,7 @@ fn verbose_is_accepted_by_every_command() {
 
 #[test]
 fn float64_casts_are_exact_everywhere() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let want: Vec<u8> = f32s(&base_map()[Q])
         .iter()
@@ -793,7 +792,7 @@ fn float64_casts_are_exact_everywhere() {
 
 #[test]
 fn dequant_fp8_takes_the_lora_spellings() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     std::fs::rename(
@@ -851,7 +850,7 @@ fn dequant_fp8_takes_the_lora_spellings() {
 
 #[test]
 fn merge_lora_renames_before_merging() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base_dir = d.path().join("base");
     std::fs::create_dir_all(&base_dir).unwrap();
     let base = base_dir.join("model.safetensors");
@@ -879,7 +878,7 @@ fn merge_lora_renames_before_merging() {
 
 #[test]
 fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     std::fs::remove_file(adapter.join("adapter_config.json")).unwrap();
@@ -913,7 +912,7 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
 /// tftf's pipes do), a cast after it rounds the merged value once.
 #[test]
 fn a_cast_before_a_merge_rounds_the_base_first() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
@@ -943,7 +942,7 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 /// sections is a default for all of them (the older grammar).
 #[test]
 fn per_section_adapter_options() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let two = run_ok(
@@ -982,7 +981,7 @@ fn per_section_adapter_options() {
 /// Two `--merge-lora` sections with different adapters: each merges its own modules once.
 #[test]
 fn two_adapters_merge_each_their_own_modules_once() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = make_base(&d.path().join("base"));
     let q = make_lora_adapter(&d.path().join("q"));
     let v = d.path().join("v");

@@ -139,8 +139,8 @@ fn convert_inner(
     } else {
         side_files(&ckpt)
     };
-    *inputs_seen = Some(InputFiles::of(&ckpt, &sides));
-    let target = OutputTarget::resolve(&opts.output, &ckpt, &sides)?;
+    let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &sides));
+    let target = OutputTarget::resolve(&opts.output, &ckpt, inputs)?;
     let plan = Plan::build(&ckpt, steps, target.kind.clone(), opts.max_shard_bytes)?;
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
@@ -228,18 +228,9 @@ fn convert_inner(
         tmp_names.push(tmp);
     }
     let progress = opts.progress.then(|| {
-        let shard_names = plan
-            .shards
-            .iter()
-            .map(|shard| {
-                target
-                    .file_name()
-                    .unwrap_or_else(|| shard.file_name.clone())
-            })
-            .collect();
         Progress::new(
             command,
-            shard_names,
+            names[..plan.shards.len()].to_vec(),
             plan.total_tensor_bytes(),
             opts.progress_interval,
         )

@@ -106,22 +106,25 @@ pub struct Claim {
     pub interrupted_commit: bool,
 }
 
-pub struct OutputTarget {
+pub struct OutputTarget<'a> {
     /// As the user gave it.
     pub path: PathBuf,
     pub kind: OutputKind,
     /// The directory holding the output files.
     pub dir: PathBuf,
-    pub inputs: InputFiles,
+    pub inputs: &'a InputFiles,
 }
 
-impl OutputTarget {
-    /// Resolves the output of a run reading `ckpt` (and side files `sides`) and refuses an
+impl<'a> OutputTarget<'a> {
+    /// Resolves the output of a run reading `ckpt`, whose files are `inputs`, and refuses an
     /// output equal to or inside the input's directory.
-    pub fn resolve(path: &Path, ckpt: &Checkpoint, sides: &[PathBuf]) -> Result<OutputTarget> {
+    pub fn resolve(
+        path: &Path,
+        ckpt: &Checkpoint,
+        inputs: &'a InputFiles,
+    ) -> Result<OutputTarget<'a>> {
         let kind = output_kind_for(path);
         let dir = output_dir(path, &kind);
-        let inputs = InputFiles::of(ckpt, sides);
         let inside = |input_dir: &Path| {
             let Some(input) = FileId::of(input_dir) else {
                 return false;
@@ -297,7 +300,7 @@ impl OutputTarget {
     /// Refuses a report path that is an input, one of the output's files, or an existing file
     /// that is not an earlier tftf report.
     pub fn check_report(&self, report: &Path, names: &[String]) -> Result<()> {
-        check_report_path(report, Some(&self.inputs))?;
+        check_report_path(report, Some(self.inputs))?;
         let parent = resolve(report)
             .parent()
             .map(Path::to_path_buf)
@@ -381,11 +384,12 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
             dir.display()
         )));
     }
+    let no_inputs = InputFiles::default();
     let target = OutputTarget {
         path: dir.to_path_buf(),
         kind: OutputKind::Dir,
         dir: dir.to_path_buf(),
-        inputs: InputFiles::default(),
+        inputs: &no_inputs,
     };
     let (set, notes) = target.begin()?;
     drop(set);

@@ -156,17 +156,32 @@ pub fn ok(o: &Output) {
     );
 }
 
-/// Runs tftf, expects exit code 1 and returns stderr.
-pub fn fails(args: &[&str]) -> String {
+/// A fresh temporary directory, removed when dropped.
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// Runs tftf, expects exit code `code` and returns stderr.
+fn exits_with(code: i32, what: &str, args: &[&str]) -> String {
     let o = tftf(args);
     assert_eq!(
         o.status.code(),
-        Some(1),
-        "expected failure: {}\n{}",
+        Some(code),
+        "expected {what}: {}\n{}",
         stderr(&o),
         stdout(&o)
     );
     stderr(&o)
+}
+
+/// Runs tftf, expects exit code 1 and returns stderr.
+pub fn fails(args: &[&str]) -> String {
+    exits_with(1, "failure", args)
+}
+
+/// Runs tftf, expects a usage error (exit code 2) and returns stderr.
+pub fn usage_error(args: &[&str]) -> String {
+    exits_with(2, "a usage error", args)
 }
 
 /// All tensors of an output, read through the `safetensors` crate's strict loader.
