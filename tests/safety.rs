@@ -566,3 +566,32 @@ fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
     fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--force"]);
     assert_eq!(listing(&out), ["notes.txt"]);
 }
+
+#[test]
+fn recover_refuses_what_it_cannot_finish_and_changes_nothing() {
+    let d = tmp();
+    let file = d.path().join("model.safetensors");
+    std::fs::write(&file, "not a directory").unwrap();
+    let err = usage_error(&["recover", s(&file)]);
+    assert_eq!(err, format!("error: {} is not a directory\n", s(&file)));
+
+    // A journal that names a file outside the directory is damaged, not followed.
+    let out = d.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("model.safetensors"), "kept").unwrap();
+    std::fs::write(
+        out.join(".tftf-commit.json"),
+        r#"{"tftf_commit": 1, "pid": 7, "renames": [], "deletes": ["../model.safetensors"]}"#,
+    )
+    .unwrap();
+    let before = snapshot(&out);
+    let err = fails(&["recover", s(&out)]);
+    assert!(
+        err.contains(
+            "interrupted-commit journal is damaged (an entry is not a file name in this directory)"
+        ),
+        "{err}"
+    );
+    assert_eq!(snapshot(&out), before);
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a directory");
+}
