@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
-use tftf::ops::dequant_fp8::{resolve_layout, DequantFp8, ScaleMode};
-use tftf::ops::fp4::EngramRequant;
-use tftf::ops::lora_merge::{LoraFactors, LoraMerge};
+use tftf::ops::fp4::engram::EngramRequant;
+use tftf::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
+use tftf::ops::lora::merge::{LoraFactors, LoraMerge};
 use tftf::ops::Op;
 
 fn best_of<F: FnMut()>(mut f: F) -> f64 {

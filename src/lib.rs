@@ -9,12 +9,12 @@ pub mod error;
 pub mod escape;
 pub mod format;
 pub mod gpu;
-pub mod layout;
 pub mod ops;
 pub mod output;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
+pub mod sink;
 pub mod size;
 pub mod sys;
 #[cfg(test)]

@@ -358,8 +358,13 @@ impl Plan {
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));
-        let shards =
-            crate::layout::assign_shards(ckpt, &tensors, &kind, max_shard_bytes, &metadata)?;
+        let shards = crate::sink::safetensors::assign_shards(
+            ckpt,
+            &tensors,
+            &kind,
+            max_shard_bytes,
+            &metadata,
+        )?;
         Ok(Plan {
             tensors,
             shards,
@@ -431,7 +436,7 @@ impl Plan {
     /// Untouched bytes whose input and output offsets are congruent modulo the clone alignment,
     /// block-aligned part only: what a reflink-capable filesystem can share.
     pub fn shareable_bytes(&self, ckpt: &Checkpoint) -> u64 {
-        let a = crate::layout::CLONE_ALIGN_BYTES;
+        let a = crate::sink::safetensors::CLONE_ALIGN_BYTES;
         let aligned_middle = |src: u64, len: u64| {
             let head = (a - src % a) % a;
             len.saturating_sub(head) / a * a
@@ -465,7 +470,7 @@ impl Plan {
     pub fn has_gpu_ops(&self) -> bool {
         self.tensors
             .iter()
-            .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.gpu().is_some()))
+            .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.has_kernel()))
     }
 
     /// `model.safetensors.index.json` content, for directory outputs with several shards:

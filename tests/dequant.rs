@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use tftf::format::dtype::DType;
-use tftf::ops::codec::{e4m3_to_f32, e5m2_to_f32};
+use tftf::ops::fp8::codec::{e4m3_to_f32, e5m2_to_f32};
 
 /// Finite E4M3 codes.
 fn e4m3_codes(rng: &mut Rng, n: usize) -> Vec<u8> {

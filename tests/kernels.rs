@@ -8,13 +8,15 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::OnceLock;
 
+use tftf::commands::selftest::table::{self as selftest, DequantShape, Lcg as Rng};
 use tftf::format::dtype::DType;
-use tftf::gpu::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams};
-use tftf::gpu::selftest::{self, DequantShape, Lcg as Rng};
-use tftf::gpu::GpuKernel;
-use tftf::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
-use tftf::ops::fp4::{requant_row, RowSums};
-use tftf::ops::nvfp4::{NvBlockScales, NvReencode};
+use tftf::ops::fp4::engram::requant_row;
+use tftf::ops::fp4::kernel::RowSums;
+use tftf::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
+use tftf::ops::fp8::kernel::DequantParams;
+use tftf::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use tftf::ops::kernel::{kernel_dtype, Kernel};
+use tftf::ops::lora::kernel::{DeltaParams, LoraParams};
 use tftf::ops::Op;
 
 /// Must match OPTIONS in scripts/gen-ptx.py.
@@ -111,7 +113,7 @@ fn hex_diff(what: &str, got: &[u8], want: &[u8], elem: usize) {
 fn casts_match_the_cpu_op_bit_for_bit() {
     let mut n = 0;
     for case in selftest::cases() {
-        let Some(GpuKernel::Cast { src, dst }) = case.op.gpu() else {
+        let Some(Kernel::Cast { src, dst }) = case.op.kernel(&(0..case.op.units())) else {
             continue;
         };
         let mut want = vec![0u8; (case.op.units() * case.op.out_unit_bytes()) as usize];
@@ -125,21 +127,25 @@ fn casts_match_the_cpu_op_bit_for_bit() {
     assert_eq!(n, 13 * 3 - 3, "every source × target pair");
 }
 
-fn host_dequant(
+fn host_dequant(p: &DequantParams, dst: DType, codes: &[u8], scales: &[u8]) -> Option<Vec<u8>> {
+    let n = codes.len() as u64;
+    let mut out = vec![0u8; (n * dst.bits() / 8) as usize];
+    let f = host_fn!(
+        "tftf_host_dequant_fp8",
+        fn(*const u8, *const u8, *mut u8, u64, *const DequantParams) -> c_int
+    );
+    let ok = unsafe { f(codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr(), n, p) };
+    (ok != 0).then_some(out)
+}
+
+/// [`host_dequant`] of `op`'s chunk `units`.
+fn host_dequant_op(
     op: &DequantFp8,
     units: Range<u64>,
     codes: &[u8],
     scales: &[u8],
 ) -> Option<Vec<u8>> {
-    let p = op.kernel_params(&units);
-    let n = codes.len() as u64;
-    let mut out = vec![0u8; (n * op.dst.bits() / 8) as usize];
-    let f = host_fn!(
-        "tftf_host_dequant_fp8",
-        fn(*const u8, *const u8, *mut u8, u64, *const DequantParams) -> c_int
-    );
-    let ok = unsafe { f(codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr(), n, &p) };
-    (ok != 0).then_some(out)
+    host_dequant(&op.kernel_params(&units), op.dst, codes, scales)
 }
 
 fn cpu_compute(op: &dyn Op, units: Range<u64>, inputs: &[&[u8]]) -> Result<Vec<u8>, String> {
@@ -174,23 +180,20 @@ fn fp8_dequant_matches_the_cpu_op_bit_for_bit() {
     let cases = selftest::dequant_cases(&mut Rng(2), &shapes, &modes);
     assert_eq!(cases.len(), 4 * 2 * 5 * 3 * 4);
     for case in cases {
-        let Some(GpuKernel::DequantFp8(op)) = case.op.gpu() else {
-            unreachable!()
-        };
+        let op = case.op.as_ref();
         let all = op.units();
         let g = op.granularity();
         for units in [0..all, g..all.min(3 * g), (all - g)..all] {
             let ins = selftest::slices(op, units.clone(), &case.inputs);
             let what = format!("{} units {units:?}", case.what);
             let want = cpu_compute(op, units.clone(), &ins);
-            let got = host_dequant(
-                op,
-                units.clone(),
-                ins[0],
-                ins.get(1).copied().unwrap_or(&[]),
-            );
+            let Some(Kernel::DequantFp8(p)) = op.kernel(&units) else {
+                unreachable!("dequantisation has a kernel")
+            };
+            let dst = case.out_dtype;
+            let got = host_dequant(&p, dst, ins[0], ins.get(1).copied().unwrap_or(&[]));
             match (got, want) {
-                (Some(g), Ok(w)) => hex_diff(&what, &g, &w, (op.dst.bits() / 8) as usize),
+                (Some(g), Ok(w)) => hex_diff(&what, &g, &w, (dst.bits() / 8) as usize),
                 (None, Err(_)) => {}
                 (g, w) => panic!("{what}: kernel ok={}, CPU {:?}", g.is_some(), w.err()),
             }
@@ -218,13 +221,13 @@ fn refused_values_are_refused_by_the_kernel_too() {
     };
     let one = 1f32.to_le_bytes();
     let codes = [0x38u8, 0x7F, 0, 0, 0, 0, 0, 0];
-    assert!(host_dequant(&op, 0..2, &codes, &one).is_none());
+    assert!(host_dequant_op(&op, 0..2, &codes, &one).is_none());
     assert!(cpu_compute(&op, 0..2, &[&codes, &one])
         .unwrap_err()
         .contains("non-finite F8_E4M3 code 0x7f at [0, 1]"));
     let inf = f32::INFINITY.to_le_bytes();
-    assert!(host_dequant(&op, 0..2, &[0; 8], &inf).is_none());
-    assert!(host_dequant(&op, 0..2, &[0; 8], &one).is_some());
+    assert!(host_dequant_op(&op, 0..2, &[0; 8], &inf).is_none());
+    assert!(host_dequant_op(&op, 0..2, &[0; 8], &one).is_some());
     // Results the output dtype cannot hold: 448 × 1e38 (f32 overflow), 448 × 1000 in F16,
     // 1 / 0 and 0 / 0; each allowed with --allow-nonfinite, bit for bit as the CPU op.
     let cases = [
@@ -242,7 +245,7 @@ fn refused_values_are_refused_by_the_kernel_too() {
         };
         let s = scale.to_le_bytes();
         assert!(
-            host_dequant(&op, 0..2, &codes, &s).is_none(),
+            host_dequant_op(&op, 0..2, &codes, &s).is_none(),
             "{mode:?} {dst}"
         );
         assert!(cpu_compute(&op, 0..2, &[&codes, &s])
@@ -250,7 +253,7 @@ fn refused_values_are_refused_by_the_kernel_too() {
             .contains("is not finite"));
         op.allow_nonfinite = true;
         let want = cpu_compute(&op, 0..2, &[&codes, &s]).unwrap();
-        assert_eq!(host_dequant(&op, 0..2, &codes, &s).unwrap(), want);
+        assert_eq!(host_dequant_op(&op, 0..2, &codes, &s).unwrap(), want);
     }
 }
 
@@ -429,26 +432,25 @@ fn lora_merge_matches_the_cpu_op_bit_for_bit() {
     );
     let mut n = 0;
     for case in selftest::cases() {
-        let Some(GpuKernel::Lora(m)) = case.op.gpu() else {
-            continue;
-        };
         let op = case.op.as_ref();
         let units = 5..op.units() - 3;
+        let Some(Kernel::Lora(f)) = op.kernel(&units) else {
+            continue;
+        };
         let tr = units.end - units.start;
         let ins = selftest::slices(op, units.clone(), &case.inputs);
         let mut want = vec![0u8; (tr * op.out_unit_bytes()) as usize];
         op.compute(units.clone(), &ins, &mut want).unwrap();
-        let f = m.plan(&units);
-        assert!(f.base_op.is_none() && f.base_inputs == 1);
-        let a = tftf::ops::lora_merge::to_f32(f.a_dtype, ins[1]);
-        let b = tftf::ops::lora_merge::to_f32(f.b_dtype, ins[2]);
+        assert!(f.base_dequant.is_none() && f.base_inputs == 1);
+        let a = tftf::ops::lora::merge::to_f32(f.a_dtype, ins[1]);
+        let b = tftf::ops::lora::merge::to_f32(f.b_dtype, ins[2]);
         let (coef, vecs) = if f.coef_is_a { (&a, &b) } else { (&b, &a) };
         let mut delta = vec![0f32; (tr * f.delta.cols) as usize];
         let (c, v, d) = (coef.as_ptr(), vecs.as_ptr(), delta.as_mut_ptr());
         unsafe { delta_fn(c, v, d, tr, &f.delta) };
         let mag = f
             .m_dtype
-            .map(|d| tftf::ops::lora_merge::to_f32(d, ins[3]))
+            .map(|d| tftf::ops::lora::merge::to_f32(d, ins[3]))
             .unwrap_or_default();
         let p = LoraParams {
             cols: f.delta.cols,
@@ -494,9 +496,9 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
                     .map(|_| rng.next_u32() as f32 / u32::MAX as f32 + 0.01)
                     .collect();
                 let s = 0.37f32;
-                let mut w = tftf::ops::lora_merge::to_f32(base_dtype, &base);
+                let mut w = tftf::ops::lora::merge::to_f32(base_dtype, &base);
                 let mut want = vec![0u8; rows * cols * (dst.bits() / 8) as usize];
-                tftf::ops::lora_merge::merge_epilogue(
+                tftf::ops::lora::merge::merge_epilogue(
                     &mut w,
                     &delta,
                     s,

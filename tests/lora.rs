@@ -403,7 +403,7 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
     let got = floats("F32", &load_all(&out)["m.proj.weight"].2);
     for i in 0..out_f as usize {
         for j in 0..in_f as usize {
-            let w = tftf::ops::codec::e4m3_to_f32(codes[i * in_f as usize + j]) as f64
+            let w = tftf::ops::fp8::codec::e4m3_to_f32(codes[i * in_f as usize + j]) as f64
                 * [0.5, 0.25][i / 128];
             let delta: f64 = (0..r as usize)
                 .map(|k| b[i * r as usize + k] as f64 * a[k * in_f as usize + j] as f64)

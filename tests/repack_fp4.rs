@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use tftf::format::dtype::DType;
-use tftf::ops::codec::e4m3_to_f32;
+use tftf::ops::fp8::codec::e4m3_to_f32;
 
 const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 

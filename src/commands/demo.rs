@@ -12,7 +12,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::format::write_small;
 use crate::ops::cast::f32_to_bf16;
-use crate::ops::dequant_fp8::{DequantFp8Step, DequantOptions, ScaleMode};
+use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};
@@ -149,7 +149,7 @@ pub fn make_example(dir: &Path) -> Result<()> {
 }
 
 fn repack_step() -> Result<Step> {
-    use crate::ops::repack_fp4::{
+    use crate::ops::fp4::repack::{
         RepackFp4Step, RepackOptions, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
     };
     let re = |p: &str| regex::Regex::new(p).map_err(|e| Error::Other(e.to_string()));
@@ -375,7 +375,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     );
     let want: Vec<u8> = codes
         .iter()
-        .flat_map(|&c| f32_to_bf16(crate::ops::codec::e4m3_to_f32(c) * scale).to_le_bytes())
+        .flat_map(|&c| f32_to_bf16(crate::ops::fp8::codec::e4m3_to_f32(c) * scale).to_le_bytes())
         .collect();
     check(
         tensor_bytes(&out3, q)? == want,
@@ -422,8 +422,8 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             );
             for (i, &c) in k.iter().enumerate() {
                 for h in 0..2 {
-                    let got = crate::ops::codec::e4m3_to_f32(bs[2 * i + h]) as f64 * t2 as f64;
-                    exact &= got == crate::ops::codec::e8m0_to_f32(c) as f64;
+                    let got = crate::ops::fp8::codec::e4m3_to_f32(bs[2 * i + h]) as f64 * t2 as f64;
+                    exact &= got == crate::ops::fp8::codec::e8m0_to_f32(c) as f64;
                 }
             }
         }

@@ -19,11 +19,11 @@ use std::sync::Arc;
 use crate::cli::{AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::ops::dequant_fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
-use crate::ops::lora::{AdapterSource, LoraMergeStep, LoraOptions};
-use crate::ops::repack_fp4::{
+use crate::ops::fp4::repack::{
     RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
 };
+use crate::ops::fp8::{parse_block_size, DequantFp8Step, DequantOptions, ScaleMode};
+use crate::ops::lora::{AdapterSource, LoraMergeStep, LoraOptions};
 use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};

@@ -13,8 +13,8 @@ use serde_json::{Map, Value};
 use crate::escape;
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::ops::dequant_fp8::{config_block_size, resolve_layout, scale_candidates, ScaleMode};
-use crate::ops::repack_fp4::mxfp4_expert_scale;
+use crate::ops::fp4::repack::mxfp4_expert_scale;
+use crate::ops::fp8::{config_block_size, resolve_layout, scale_candidates, ScaleMode};
 
 /// At most this many tensors are named in one finding.
 const NAMED_TENSORS_MAX: usize = 5;

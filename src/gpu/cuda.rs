@@ -20,10 +20,11 @@ use cudarc::driver::{
     result, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::params::{kernel_dtype, DeltaParams, DequantParams, LoraParams, BLOCK_SUMS_BYTES};
-use super::{GpuKernel, LoraKernel};
 use crate::format::dtype::DType;
-use crate::ops::fp4::RowSums;
+use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
+use crate::ops::fp8::kernel::DequantParams;
+use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
+use crate::ops::lora::kernel::{DeltaParams, LoraLaunch, LoraParams};
 
 /// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
 static PTX_NVCC: &str = include_str!(concat!(env!("OUT_DIR"), "/tftf-nvcc.ptx"));
@@ -57,6 +58,15 @@ pub struct GpuCounters {
     pub bytes_out: AtomicU64,
     /// Time lanes were busy (staging, copies, kernels), summed over lanes.
     pub busy_ns: AtomicU64,
+}
+
+/// How a chunk's kernel ended.
+#[derive(Debug)]
+pub enum Ran {
+    /// Outputs written; figures gathered beside them, if the kernel gathers any.
+    Done(Option<KernelStats>),
+    /// The kernel met a value the op refuses; the outputs are not valid.
+    Refused,
 }
 
 pub struct Gpu {
@@ -165,15 +175,15 @@ impl Gpu {
         )
     }
 
-    /// Runs one chunk of `op` on the GPU. `Ok(false)`: the kernel met a value the op refuses,
-    /// and the caller runs the CPU op to report it by name.
+    /// Runs one chunk's kernel on the GPU. `Ok(Ran::Refused)`: the kernel met a value the op
+    /// refuses, and the caller runs the CPU op to report it by name.
     pub fn run(
         &self,
-        kernel: &GpuKernel,
+        kernel: &Kernel,
         units: Range<u64>,
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
-    ) -> Result<bool, String> {
+    ) -> Result<Ran, String> {
         let mut lane = {
             let mut lanes = self.lanes.lock().unwrap();
             loop {
@@ -480,15 +490,15 @@ impl Lane {
     fn run(
         &mut self,
         k: &Kernels,
-        kernel: &GpuKernel,
+        kernel: &Kernel,
         units: Range<u64>,
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
-    ) -> Result<bool, String> {
+    ) -> Result<Ran, String> {
         let nunits = units.end - units.start;
         let mut flag = None;
         match kernel {
-            GpuKernel::Cast { src, dst } => {
+            Kernel::Cast { src, dst } => {
                 let i = self.upload(IN, inputs[0])?;
                 let o = self.device(OUT, outs[0].len())?;
                 let (s, d) = (kernel_dtype(*src), kernel_dtype(*dst));
@@ -498,11 +508,11 @@ impl Lane {
                 unsafe { b.launch(launch_config(nunits)) }
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
-            GpuKernel::DequantFp8(dq) => {
+            Kernel::DequantFp8(p) => {
                 let o = self.device(OUT, outs[0].len())?;
-                flag = Some(self.dequant(k, dq, &units, inputs, o)?);
+                flag = Some(self.dequant(k, p, inputs, o)?);
             }
-            GpuKernel::NvBlockScales { g } => {
+            Kernel::NvBlockScales { g } => {
                 let i = self.upload(IN, inputs[0])?;
                 let o = self.device(OUT, outs[0].len())?;
                 let f = self.zero(FLAG, 4)?;
@@ -514,7 +524,7 @@ impl Lane {
                 unsafe { b.launch(launch_config(n)) }
                     .map_err(|e| driver_err("tftf_nv_block_scales", e))?;
             }
-            GpuKernel::NvReencode { g } => {
+            Kernel::NvReencode { g } => {
                 let w = self.upload(IN, inputs[0])?;
                 let s = self.upload(IN + 1, inputs[1])?;
                 let o = self.device(OUT, outs[0].len())?;
@@ -525,11 +535,11 @@ impl Lane {
                 unsafe { b.launch(launch_config(blocks)) }
                     .map_err(|e| driver_err("tftf_nv_reencode", e))?;
             }
-            GpuKernel::Engram(eg) => {
+            Kernel::Engram { cols } => {
                 let codes = self.upload(IN, inputs[0])?;
                 let scales = self.upload(IN + 1, inputs[1])?;
                 let blocks = inputs[1].len() as u64;
-                let per_row = eg.cols / 32;
+                let per_row = cols / 32;
                 let o_codes = self.device(OUT, outs[0].len())?;
                 let o_scales = self.device(OUT + 1, outs[1].len())?;
                 let sums = self.device(SCRATCH + 1, blocks as usize * BLOCK_SUMS_BYTES)?;
@@ -552,7 +562,7 @@ impl Lane {
                 self.download(rows_slot, nunits as usize * 32)?;
                 self.download(SCRATCH + 3, 8)?;
             }
-            GpuKernel::Lora(m) => flag = self.lora(k, *m, &units, inputs, outs[0].len())?,
+            Kernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
         }
         for (j, o) in outs.iter().enumerate() {
             self.download(OUT + j, o.len())?;
@@ -562,12 +572,12 @@ impl Lane {
         }
         self.finish()?;
         if flag.is_some() && self.result(FLAG, 4) != [0, 0, 0, 0] {
-            return Ok(false);
+            return Ok(Ran::Refused);
         }
         for (j, o) in outs.iter_mut().enumerate() {
             o.copy_from_slice(self.result(OUT + j, o.len()));
         }
-        if let GpuKernel::Engram(eg) = kernel {
+        if let Kernel::Engram { .. } = kernel {
             let bytes = self.result(SCRATCH + 2, nunits as usize * 32);
             let rows: Vec<RowSums> = bytes
                 .chunks_exact(32)
@@ -582,9 +592,9 @@ impl Lane {
                 })
                 .collect();
             let clamped = u64::from_le_bytes(self.result(SCRATCH + 3, 8).try_into().unwrap());
-            eg.add_rows(&rows, clamped);
+            return Ok(Ran::Done(Some(KernelStats::Engram { rows, clamped })));
         }
-        Ok(true)
+        Ok(Ran::Done(None))
     }
 
     /// Queues FP8 dequantisation of a chunk (`inputs`: codes, then the scales if any) into
@@ -592,12 +602,10 @@ impl Lane {
     fn dequant(
         &mut self,
         k: &Kernels,
-        dq: &crate::ops::dequant_fp8::DequantFp8,
-        units: &Range<u64>,
+        p: &DequantParams,
         inputs: &[&[u8]],
         out: CUdeviceptr,
     ) -> Result<CUdeviceptr, String> {
-        let p = dq.kernel_params(units);
         let c = self.upload(IN, inputs[0])?;
         let s = match inputs.get(1) {
             Some(s) => self.upload(IN + 1, s)?,
@@ -606,7 +614,7 @@ impl Lane {
         let flag = self.zero(FLAG, 4)?;
         let n = inputs[0].len() as u64;
         let mut b = self.stream.launch_builder(&k.dequant);
-        b.arg(&c).arg(&s).arg(&out).arg(&n).arg(&p).arg(&flag);
+        b.arg(&c).arg(&s).arg(&out).arg(&n).arg(p).arg(&flag);
         // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
         unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_dequant_fp8", e))?;
         Ok(flag)
@@ -617,25 +625,23 @@ impl Lane {
     fn lora(
         &mut self,
         k: &Kernels,
-        m: &dyn LoraKernel,
+        f: &LoraLaunch,
         units: &Range<u64>,
         inputs: &[&[u8]],
         out_len: usize,
     ) -> Result<Option<CUdeviceptr>, String> {
-        let f = m.plan(units);
         let tr = units.end - units.start;
         let cols = f.delta.cols;
         let nb = f.base_inputs;
         // A computed base (FP8) is dequantised to f32 on the device first; its kernel may
         // refuse a value, which the caller then hands to the CPU op.
-        let (base, base_dtype, flag) = match f.base_op.and_then(|op| op.gpu()) {
+        let (base, base_dtype, flag) = match &f.base_dequant {
             None => (self.upload(IN, inputs[0])?, f.base_dtype, None),
-            Some(GpuKernel::DequantFp8(dq)) => {
+            Some(p) => {
                 let o = self.device(SCRATCH + 6, (tr * cols * 4) as usize)?;
-                let fl = self.dequant(k, dq, units, &inputs[..nb], o)?;
+                let fl = self.dequant(k, p, &inputs[..nb], o)?;
                 (o, DType::F32, Some(fl))
             }
-            Some(_) => return Err("no GPU kernel for this merge's base".into()),
         };
         let a_raw = self.upload(IN + nb, inputs[nb])?;
         let b_raw = self.upload(IN + nb + 1, inputs[nb + 1])?;

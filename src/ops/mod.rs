@@ -8,16 +8,15 @@
 //! tensor is cut, which is what keeps output independent of chunk size and thread count.
 
 pub mod cast;
-pub mod codec;
-pub mod dequant_fp8;
 pub mod fp4;
+pub mod fp8;
+pub mod kernel;
 pub mod lora;
-pub mod lora_merge;
-pub mod nvfp4;
-pub mod repack_fp4;
 
 use std::fmt::Debug;
 use std::ops::Range;
+
+use kernel::{Kernel, KernelStats};
 
 pub trait Op: Send + Sync + Debug {
     /// Short name for plans and reports (`cast`, `dequant-fp8`, …).
@@ -62,10 +61,17 @@ pub trait Op: Send + Sync + Debug {
     ) -> Result<(), String> {
         self.compute(units, inputs, outs[0])
     }
-    /// The CUDA kernel that computes this op's chunks; ops without one run on the CPU.
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
+    /// The GPU kernel that computes chunk `units`, as a description; `None`: the op runs on
+    /// the CPU only.
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
         None
     }
+    /// Whether chunks can run on a GPU at all.
+    fn has_kernel(&self) -> bool {
+        self.kernel(&(0..0)).is_some()
+    }
+    /// Folds in what a kernel gathered for a chunk beside its outputs.
+    fn absorb(&self, _stats: KernelStats) {}
     /// Per-tensor figures for the report, gathered while computing.
     fn report(&self) -> Option<serde_json::Value> {
         None

@@ -24,6 +24,7 @@ use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, SendTimeoutError, S
 
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
+use crate::gpu::cuda::Ran;
 use crate::plan::{Plan, Recipe};
 use crate::sys;
 pub use pool::BufferPool;
@@ -526,11 +527,21 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                     outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
                 // A GPU kernel that meets a value the op refuses leaves it to the CPU op,
                 // which names it.
-                let on_gpu = match (&sh.gpu, op.gpu()) {
-                    (Some(gpu), Some(k)) => gpu
+                let kernel = sh.gpu.as_ref().and_then(|g| Some((g, op.kernel(&units)?)));
+                let on_gpu = match kernel {
+                    Some((gpu, k)) => match gpu
                         .run(&k, units.clone(), &views, &mut out_views)
-                        .map_err(Error::Device)?,
-                    _ => false,
+                        .map_err(Error::Device)?
+                    {
+                        Ran::Done(stats) => {
+                            if let Some(stats) = stats {
+                                op.absorb(stats);
+                            }
+                            true
+                        }
+                        Ran::Refused => false,
+                    },
+                    None => false,
                 };
                 if !on_gpu {
                     op.compute_all(units, &views, &mut out_views)

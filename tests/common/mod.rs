@@ -24,7 +24,7 @@ pub fn fixture(rel: &str) -> PathBuf {
 }
 
 /// The library's deterministic generator (also behind `tftf selftest`'s vectors).
-pub use tftf::gpu::selftest::Lcg as Rng;
+pub use tftf::commands::selftest::table::Lcg as Rng;
 
 pub fn t(name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> T {
     (name.to_string(), dtype, shape.to_vec(), data)

@@ -9,6 +9,9 @@
 //! accounted for at plan time — merged, used as a replacement, skipped as a base copy — and the
 //! rest is an error listing them, before any output exists.
 
+pub mod kernel;
+pub mod merge;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -16,12 +19,12 @@ use std::sync::{Arc, Mutex};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::lora_merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
-use super::Op;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 
 /// Where the adapter weights are.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::ops::codec::{e4m3_to_f32, e5m2_to_f32};
+use crate::ops::fp8::codec::{e4m3_to_f32, e5m2_to_f32};
 
 struct Lcg(u64);
 impl Lcg {

@@ -13,9 +13,10 @@
 
 use std::ops::Range;
 
-use super::codec::e4m3_to_f32;
-use super::fp4::{e2m1_to_f32, f64_to_e2m1};
-use super::Op;
+use super::engram::{e2m1_to_f32, f64_to_e2m1};
+use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::Kernel;
+use crate::ops::Op;
 
 /// Powers of two an E4M3 block scale holds exactly: 2^-9 … 2^8.
 pub const WINDOW_LOW: i32 = -9;
@@ -77,8 +78,8 @@ pub struct NvBlockScales {
 }
 
 impl Op for NvBlockScales {
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        Some(crate::gpu::GpuKernel::NvBlockScales { g: self.g })
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::NvBlockScales { g: self.g })
     }
     fn name(&self) -> &'static str {
         "mxfp4-to-nvfp4 scales"
@@ -166,8 +167,8 @@ pub struct NvReencode {
 }
 
 impl Op for NvReencode {
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        Some(crate::gpu::GpuKernel::NvReencode { g: self.g })
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::NvReencode { g: self.g })
     }
     fn name(&self) -> &'static str {
         "mxfp4-to-nvfp4 re-encode"
@@ -211,7 +212,7 @@ impl Op for NvReencode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::codec::e8m0_to_f32;
+    use crate::ops::fp8::codec::e8m0_to_f32;
 
     #[test]
     fn every_power_in_the_window_is_exact_and_all_256_scales_are_handled() {

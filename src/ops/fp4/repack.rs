@@ -15,12 +15,12 @@ use std::sync::Arc;
 use regex::Regex;
 use serde_json::{json, Map, Value};
 
-use super::fp4::{EngramRequant, BLOCK};
+use super::engram::{EngramRequant, BLOCK};
 use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode, NvTensorScale};
-use super::Op;
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
 
 pub const DEFAULT_EXPERT_PATTERN: &str =

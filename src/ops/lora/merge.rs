@@ -12,11 +12,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::cast::{cast_slice, f32_to_bf16, write_as};
-use super::Op;
+use super::kernel::{DeltaParams, LoraLaunch};
 use crate::format::dtype::DType;
-use crate::gpu::params::DeltaParams;
-use crate::gpu::{GpuKernel, LoraKernel, LoraPlan};
+use crate::ops::cast::{cast_slice, f32_to_bf16, write_as};
+use crate::ops::kernel::{kernel_dtype, Kernel};
+use crate::ops::Op;
 
 #[derive(Debug, Clone)]
 pub struct LoraFactors {
@@ -84,27 +84,33 @@ fn size(d: DType) -> u64 {
 
 /// Whether a computed base can be produced on the GPU too (FP8 dequantisation to f32).
 fn base_on_gpu(base_op: &Option<Arc<dyn Op>>) -> bool {
-    match base_op.as_ref().map(|op| op.gpu()) {
+    match base_op.as_ref().map(|op| op.kernel(&(0..0))) {
         None => true,
-        Some(Some(GpuKernel::DequantFp8(dq))) => dq.dst == DType::F32,
+        Some(Some(Kernel::DequantFp8(p))) => p.dst == kernel_dtype(DType::F32),
         Some(_) => false,
     }
 }
 
-/// The GPU plan shared by both merges; `delta` holds Δ's operand layout.
+/// The kernel launch shared by both merges for chunk `units`; `delta` holds Δ's operand
+/// layout.
 #[allow(clippy::too_many_arguments)]
-fn lora_plan<'a>(
-    base_op: &'a Option<Arc<dyn Op>>,
+fn lora_launch(
+    units: &Range<u64>,
+    base_op: &Option<Arc<dyn Op>>,
     base_inputs: usize,
     base_dtype: DType,
     f: &LoraFactors,
     dst: DType,
     delta: DeltaParams,
     coef_is_a: bool,
-) -> LoraPlan<'a> {
-    LoraPlan {
+) -> LoraLaunch {
+    let base_dequant = base_op.as_ref().map(|op| match op.kernel(units) {
+        Some(Kernel::DequantFp8(p)) => p,
+        _ => unreachable!("merges run on the GPU only over an FP8 base"),
+    });
+    LoraLaunch {
         base_inputs,
-        base_op: base_op.as_deref(),
+        base_dequant,
         base_dtype,
         a_dtype: f.a_dtype,
         b_dtype: f.b_dtype,
@@ -119,8 +125,8 @@ fn lora_plan<'a>(
 /// Plain: Δ = B's rows (tr × r) times A (r × cols). Transposed (Conv1D, embeddings): row g's
 /// coefficients are A's column g (stride `rows`), the vectors Bᵀ (B is cols × r) — the operands
 /// `compute` gathers, read in place.
-impl LoraKernel for LoraMerge {
-    fn plan(&self, units: &Range<u64>) -> LoraPlan<'_> {
+impl LoraMerge {
+    fn launch(&self, units: &Range<u64>) -> LoraLaunch {
         let (r, cols) = (self.f.rank, self.cols);
         let one_group = DeltaParams {
             rank: r,
@@ -149,14 +155,15 @@ impl LoraKernel for LoraMerge {
             (d, false)
         };
         let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
-        lora_plan(b, n, bd, f, self.dst, delta, coef_is_a)
+        lora_launch(units, b, n, bd, f, self.dst, delta, coef_is_a)
     }
 }
 
 impl Op for LoraMerge {
     /// The GPU also dequantises an FP8 base (to f32, as `base_op` is built) before merging.
-    fn gpu(&self) -> Option<GpuKernel<'_>> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64).then_some(GpuKernel::Lora(self))
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64)
+            .then(|| Kernel::Lora(self.launch(units)))
     }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
@@ -216,7 +223,7 @@ impl Op for LoraMerge {
         let m = self.f.m_dtype.map(|md| to_f32(md, inputs[n + 2]));
         // Δ rows = coefficient rows (tr × r) times vectors (r × cols), laid out contiguously
         // from the operand description the GPU kernel reads in place (`plan`).
-        let (coefs, vecs) = gather_operands(&self.plan(&units), &a, &b, rows);
+        let (coefs, vecs) = gather_operands(&self.launch(&units), &a, &b, rows);
         // Row tiles keep the f32 working set in cache and out of the memory budget.
         let tile = (TILE_ELEMENTS / cols.max(1)).clamp(1, rows.max(1));
         let mut w = vec![0f32; tile * cols];
@@ -299,7 +306,7 @@ pub fn merge_epilogue(
 /// vectors (r × cols), read through `plan`'s strides (one group: plain or transposed LoRA).
 /// Plain LoRA's vectors are A itself and are borrowed.
 fn gather_operands<'a>(
-    plan: &LoraPlan,
+    plan: &LoraLaunch,
     a: &'a [f32],
     b: &'a [f32],
     rows: usize,
@@ -544,8 +551,8 @@ pub struct GroupedLoraMerge {
 /// Row g = (expert e, x) of the output. `[E, in, out]` bases (x indexes `in`): coefficients
 /// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
 /// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
-impl LoraKernel for GroupedLoraMerge {
-    fn plan(&self, units: &Range<u64>) -> LoraPlan<'_> {
+impl GroupedLoraMerge {
+    fn launch(&self, units: &Range<u64>) -> LoraLaunch {
         let (r, e_n) = (self.f.rank, self.experts);
         let in_dim = if self.in_out { self.x } else { self.y };
         let common = DeltaParams {
@@ -579,13 +586,14 @@ impl LoraKernel for GroupedLoraMerge {
             (d, false)
         };
         let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
-        lora_plan(b, n, bd, f, self.dst, delta, coef_is_a)
+        lora_launch(units, b, n, bd, f, self.dst, delta, coef_is_a)
     }
 }
 
 impl Op for GroupedLoraMerge {
-    fn gpu(&self) -> Option<GpuKernel<'_>> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64).then_some(GpuKernel::Lora(self))
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64)
+            .then(|| Kernel::Lora(self.launch(units)))
     }
     fn name(&self) -> &'static str {
         "merge-lora-experts"

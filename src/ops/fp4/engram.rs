@@ -15,8 +15,10 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::codec::{e4m3_is_nan, e4m3_table};
-use super::Op;
+use super::kernel::RowSums;
+use crate::ops::fp8::codec::{e4m3_is_nan, e4m3_table};
+use crate::ops::kernel::{Kernel, KernelStats};
+use crate::ops::Op;
 
 pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 pub const BLOCK: usize = 32;
@@ -153,17 +155,6 @@ impl EngramRequant {
     }
 }
 
-/// One row's quality sums in f64, scaled back to the tensor's values: `Σ x·y`, `Σ x²`, `Σ y²`
-/// and `Σ (x-y)²`, the blocks taken in order. Same layout as `RowSums` in kernels/fp4.cuh.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
-pub struct RowSums {
-    pub dot: f64,
-    pub xx: f64,
-    pub yy: f64,
-    pub sq_err: f64,
-}
-
 /// Requantises row `r` (`codes`: E4M3, `scales`: E8M0 per 32) into packed E2M1 and new scales;
 /// returns its sums and the number of blocks raised to the smallest scale.
 pub fn requant_row(
@@ -238,8 +229,12 @@ pub fn requant_row(
 }
 
 impl Op for EngramRequant {
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        Some(crate::gpu::GpuKernel::Engram(self))
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::Engram { cols: self.cols })
+    }
+    fn absorb(&self, stats: KernelStats) {
+        let KernelStats::Engram { rows, clamped } = stats;
+        self.add_rows(&rows, clamped);
     }
     fn name(&self) -> &'static str {
         "requant-e2m1"

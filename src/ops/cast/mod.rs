@@ -12,9 +12,10 @@
 
 use std::ops::Range;
 
-use super::Op;
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::kernel::Kernel;
+use crate::ops::Op;
 use crate::plan::{Derive, Entry};
 
 #[derive(Debug)]
@@ -31,8 +32,8 @@ impl Cast {
 }
 
 impl Op for Cast {
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        (self.dst != DType::F64).then_some(crate::gpu::GpuKernel::Cast {
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        (self.dst != DType::F64).then_some(Kernel::Cast {
             src: self.src,
             dst: self.dst,
         })
@@ -497,13 +498,12 @@ mod tests {
         let mut out = [0u8; 8];
         cast_slice(DType::BF16, DType::F64, &0xFFC1u16.to_le_bytes(), &mut out);
         assert_eq!(u64::from_le_bytes(out), F64_CANONICAL_NAN);
-        assert!(Cast {
+        assert!(!Cast {
             src: DType::F32,
             dst: DType::F64,
             elements: 1
         }
-        .gpu()
-        .is_none());
+        .has_kernel());
     }
 
     #[test]

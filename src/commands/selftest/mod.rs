@@ -1,8 +1,10 @@
-//! `tftf selftest`: the kernel table (see `gpu::selftest`).
+//! `tftf selftest`: the kernel table (see `commands::selftest::table`).
+
+pub mod table;
 
 use crate::cli::SelftestArgs;
 use crate::error::Result;
-use crate::gpu::{selftest, Device, DeviceRequest};
+use crate::gpu::{Device, DeviceRequest};
 use crate::size::human;
 
 pub fn run(a: &SelftestArgs) -> Result<i32> {
@@ -26,7 +28,7 @@ pub fn run(a: &SelftestArgs) -> Result<i32> {
             }
         }
     }
-    let rows = selftest::run(&device);
+    let rows = table::run(&device);
     if !a.quiet {
         println!(
             "{:<22} {:<38} {:>10} {:>5} {:>10}  result",

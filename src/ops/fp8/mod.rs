@@ -12,19 +12,23 @@
 //! scale `s[e·stride + (r mod out)/br · gc + j/bc]`, `e = r / out`. Any run of rows can be
 //! computed alone, so chunking never changes a byte.
 
+pub mod codec;
+pub mod kernel;
+
 use std::ops::Range;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::cast::{f32_to_bf16, f32_to_f16};
-use super::codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
-use super::Op;
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::gpu::params::{kernel_dtype, DequantParams, KERNEL_DTYPE_NONE};
+use crate::ops::cast::{f32_to_bf16, f32_to_f16};
+use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
+use crate::ops::Op;
 use crate::plan::{edit_config_dtype, Derive, Entry, PlanNotes, PlanStep};
+use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
+use kernel::DequantParams;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScaleMode {
@@ -549,11 +553,11 @@ impl DequantFp8 {
                 .collect(),
             Some(DType::BF16) => bytes
                 .chunks_exact(2)
-                .map(|c| super::cast::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| crate::ops::cast::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
                 .collect(),
             Some(DType::F16) => bytes
                 .chunks_exact(2)
-                .map(|c| super::cast::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| crate::ops::cast::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
                 .collect(),
             Some(DType::F8_E8M0) => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
             Some(d) => unreachable!("{d} is not a scale dtype"),
@@ -693,8 +697,8 @@ fn canonical_nans(dst: DType, out: &mut [u8]) {
 }
 
 impl Op for DequantFp8 {
-    fn gpu(&self) -> Option<crate::gpu::GpuKernel<'_>> {
-        Some(crate::gpu::GpuKernel::DequantFp8(self))
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::DequantFp8(self.kernel_params(units)))
     }
     fn name(&self) -> &'static str {
         "dequant-fp8"

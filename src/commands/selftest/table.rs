@@ -11,13 +11,15 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Device, GpuKernel};
 use crate::format::dtype::DType;
+use crate::gpu::cuda::Ran;
+use crate::gpu::Device;
 use crate::ops::cast::Cast;
-use crate::ops::dequant_fp8::{DequantFp8, ScaleLayout, ScaleMode};
-use crate::ops::fp4::EngramRequant;
-use crate::ops::lora_merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
-use crate::ops::nvfp4::{NvBlockScales, NvReencode};
+use crate::ops::fp4::engram::EngramRequant;
+use crate::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
+use crate::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use crate::ops::kernel::Kernel;
+use crate::ops::lora::merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::Op;
 
 /// Deterministic generator (the vectors are the same on every run and machine).
@@ -636,9 +638,14 @@ pub fn run(device: &Device) -> Vec<Row> {
                     gop.as_ref(),
                     0..n,
                     &case.inputs,
-                    &mut |op, u, i, o| match gpu.run(&kernel_of(op), u, i, o) {
-                        Ok(true) => Ok(()),
-                        Ok(false) => Err("refused".into()),
+                    &mut |op, u, i, o| match gpu.run(&kernel_of(op, &u), u, i, o) {
+                        Ok(Ran::Done(stats)) => {
+                            if let Some(stats) = stats {
+                                op.absorb(stats);
+                            }
+                            Ok(())
+                        }
+                        Ok(Ran::Refused) => Err("refused".into()),
                         Err(e) => Err(e),
                     },
                 );
@@ -705,15 +712,15 @@ pub fn run(device: &Device) -> Vec<Row> {
     rows
 }
 
-/// The op's kernel description (borrowing the op itself).
-fn kernel_of(op: &dyn Op) -> GpuKernel<'_> {
-    op.gpu().expect("selftest ops have kernels")
+/// The op's kernel description for chunk `units`.
+fn kernel_of(op: &dyn Op, units: &Range<u64>) -> Kernel {
+    op.kernel(units).expect("selftest ops have kernels")
 }
 
 /// A second op like the case's, with its own statistics. Only the Engram op keeps state.
 fn case_twin(case: &Case) -> Arc<dyn Op> {
-    match case.op.gpu() {
-        Some(GpuKernel::Engram(e)) => Arc::new(EngramRequant::new(e.rows, e.cols)),
+    match case.op.kernel(&(0..0)) {
+        Some(Kernel::Engram { cols }) => Arc::new(EngramRequant::new(case.op.units(), cols)),
         _ => case.op.clone(),
     }
 }

@@ -1,0 +1,61 @@
+//! Kernel descriptions: what an op asks a GPU to run for one chunk, as plain data.
+//!
+//! An op describes a chunk with [`Kernel`] (its parameter blocks are laid out exactly as their C
+//! twins in `kernels/*.cuh`, which tests/kernels.rs checks by running the host build of the same
+//! code); the GPU backend executes descriptions and never sees an op. What a kernel gathers
+//! besides its outputs (quality sums) comes back as [`KernelStats`] for the op to fold in.
+
+use crate::format::dtype::DType;
+use crate::ops::fp4::kernel::RowSums;
+use crate::ops::fp8::kernel::DequantParams;
+use crate::ops::lora::kernel::LoraLaunch;
+
+/// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
+#[derive(Clone, Debug)]
+pub enum Kernel {
+    /// Elementwise cast (kernels/cast.cuh).
+    Cast { src: DType, dst: DType },
+    /// FP8 dequantisation (kernels/fp8.cuh); refuses non-finite values unless allowed.
+    DequantFp8(DequantParams),
+    /// MXFP4 E8M0 scales → NVFP4 E4M3 block scales under tensor scale `2^g`.
+    NvBlockScales { g: i32 },
+    /// NVFP4 re-encoding of blocks outside the E4M3 window.
+    NvReencode { g: i32 },
+    /// E4M3 → E2M1 requantisation of rows of `cols` elements, with quality sums.
+    Engram { cols: u64 },
+    /// LoRA/DoRA merge (kernels/lora.cuh).
+    Lora(LoraLaunch),
+}
+
+/// Figures a kernel gathered for its chunk, handed back to the op (`Op::absorb`).
+#[derive(Clone, Debug)]
+pub enum KernelStats {
+    /// Per-row quality sums of the E2M1 requantisation, and blocks raised to the least scale.
+    Engram { rows: Vec<RowSums>, clamped: u64 },
+}
+
+/// `TftfDtype` of kernels/cast.cuh.
+pub fn kernel_dtype(d: DType) -> i32 {
+    match d {
+        DType::F64 => 0,
+        DType::F32 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        DType::BOOL => 4,
+        DType::U8 => 5,
+        DType::I8 => 6,
+        DType::I16 => 7,
+        DType::U16 => 8,
+        DType::I32 => 9,
+        DType::U32 => 10,
+        DType::I64 => 11,
+        DType::U64 => 12,
+        DType::F8_E8M0 => 13,
+        DType::F8_E4M3 => 14,
+        DType::F8_E5M2 => 15,
+        _ => unreachable!("{d} has no kernel code"),
+    }
+}
+
+/// `DT_NONE`: no scale tensor.
+pub const KERNEL_DTYPE_NONE: i32 = 255;
