@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -15,8 +14,6 @@ use crate::format::dtype::{element_count, DType};
 use crate::ops::cast::Cast;
 use crate::ops::Op;
 use crate::transform::{Glob, Rename};
-
-pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
 
 /// Bytes of one input tensor's record, its index entry and one output tensor's record, plus
 /// its shard offset and position, for [`Plan::state_bytes`].
@@ -53,21 +50,6 @@ pub struct PlannedTensor {
     pub recipe: Recipe,
 }
 
-#[derive(Clone, Debug)]
-pub struct OutShard {
-    pub file_name: String,
-    /// Serialised header including the 8-byte length prefix.
-    pub header: Vec<u8>,
-    /// Indices into `Plan::tensors`, in file order.
-    pub tensors: Vec<usize>,
-    /// Absolute file offset of each tensor in `tensors`.
-    pub offsets: Vec<u64>,
-    pub len: u64,
-    /// Set when the shard is byte for byte a whole input shard (same header, same data), which
-    /// is then cloned or copied as one range.
-    pub clone_from: Option<usize>,
-}
-
 /// A name-level or dtype step of a conversion, applied in order.
 #[derive(Clone, Debug)]
 pub enum Step {
@@ -82,17 +64,9 @@ pub enum Step {
     Op(Arc<dyn PlanStep>),
 }
 
-#[derive(Clone, Debug)]
-pub enum OutputKind {
-    Dir,
-    File,
-}
-
 #[derive(Debug)]
 pub struct Plan {
     pub tensors: Vec<PlannedTensor>,
-    pub shards: Vec<OutShard>,
-    pub kind: OutputKind,
     /// Input tensors not in the output, by name.
     pub dropped: Vec<String>,
     pub renamed: usize,
@@ -168,12 +142,9 @@ pub trait PlanStep: Send + Sync + Debug {
 }
 
 impl Plan {
-    pub fn build(
-        ckpt: &Checkpoint,
-        steps: &[Step],
-        kind: OutputKind,
-        max_shard_bytes: Option<u64>,
-    ) -> Result<Plan> {
+    /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
+    /// produced. Where the tensors go (files, offsets, headers) is a sink's job (`crate::sink`).
+    pub fn build(ckpt: &Checkpoint, steps: &[Step]) -> Result<Plan> {
         let mut entries: Vec<Entry> = ckpt.tensors[..ckpt.base_count]
             .iter()
             .enumerate()
@@ -355,20 +326,8 @@ impl Plan {
         } else {
             None
         };
-        let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
-        metadata.remove("total_size");
-        metadata.insert("format".into(), Value::from("pt"));
-        let shards = crate::sink::safetensors::assign_shards(
-            ckpt,
-            &tensors,
-            &kind,
-            max_shard_bytes,
-            &metadata,
-        )?;
         Ok(Plan {
             tensors,
-            shards,
-            kind,
             dropped,
             renamed,
             config,
@@ -379,7 +338,7 @@ impl Plan {
     }
 
     /// Memory the open checkpoint and this plan hold for the whole run: per-tensor records,
-    /// names, shapes and output headers (allocator overhead aside). Planning also holds
+    /// names and shapes (allocator overhead aside; the output headers are the layout's). Planning also holds
     /// short-lived copies: on a header of a million tiny tensors the peak RSS of `--dry-run` is
     /// ~1.5x this figure (615 MB for 409 MB).
     pub fn state_bytes(&self, ckpt: &Checkpoint) -> u64 {
@@ -397,16 +356,15 @@ impl Plan {
             .iter()
             .map(|t| PLANNED_TENSOR_BYTES + t.name.len() as u64 + shape(&t.shape))
             .sum();
-        let headers: u64 = self.shards.iter().map(|s| s.header.len() as u64).sum();
-        inputs + outputs + headers
+        inputs + outputs
     }
 
     /// The part of `budget` (`--memory-budget`) left for data in flight once the plan's own
-    /// state ([`Plan::state_bytes`]) is counted. The plan may take at most half: a header of
+    /// state ([`Plan::state_bytes`]) and `held` (the layout's headers) are counted. The plan may take at most half: a header of
     /// millions of tiny tensors is refused with the figure to raise the budget to, rather than
     /// running far past it.
-    pub fn data_budget(&self, ckpt: &Checkpoint, budget: u64) -> Result<u64> {
-        let needed = self.state_bytes(ckpt);
+    pub fn data_budget(&self, ckpt: &Checkpoint, held: u64, budget: u64) -> Result<u64> {
+        let needed = self.state_bytes(ckpt) + held;
         if needed > budget / 2 {
             return Err(Error::PlanOverBudget {
                 tensors: self.tensors.len().max(ckpt.tensors.len()),
@@ -421,42 +379,12 @@ impl Plan {
         self.tensors.iter().map(|t| t.nbytes).sum()
     }
 
-    pub fn total_file_bytes(&self) -> u64 {
-        self.shards.iter().map(|s| s.len).sum()
-    }
-
     pub fn copied_bytes(&self) -> u64 {
         self.tensors
             .iter()
             .filter(|t| matches!(t.recipe, Recipe::Copy { .. }))
             .map(|t| t.nbytes)
             .sum()
-    }
-
-    /// Untouched bytes whose input and output offsets are congruent modulo the clone alignment,
-    /// block-aligned part only: what a reflink-capable filesystem can share.
-    pub fn shareable_bytes(&self, ckpt: &Checkpoint) -> u64 {
-        let a = crate::sink::safetensors::CLONE_ALIGN_BYTES;
-        let aligned_middle = |src: u64, len: u64| {
-            let head = (a - src % a) % a;
-            len.saturating_sub(head) / a * a
-        };
-        let mut total = 0;
-        for shard in &self.shards {
-            if shard.clone_from.is_some() {
-                total += aligned_middle(0, shard.len);
-                continue;
-            }
-            for (&t, &dst) in shard.tensors.iter().zip(&shard.offsets) {
-                if let Recipe::Copy { src } = self.tensors[t].recipe {
-                    let src_off = ckpt.file_offset(&ckpt.tensors[src]);
-                    if src_off % a == dst % a {
-                        total += aligned_middle(src_off, self.tensors[t].nbytes);
-                    }
-                }
-            }
-        }
-        total
     }
 
     pub fn computed_count(&self) -> usize {
@@ -471,40 +399,6 @@ impl Plan {
         self.tensors
             .iter()
             .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.has_kernel()))
-    }
-
-    /// `model.safetensors.index.json` content, for directory outputs with several shards:
-    /// names sorted, pretty-printed as `serde_json` would, written straight to text (a value
-    /// tree of a million entries would cost ~150 MB).
-    pub fn index_json(&self) -> Option<String> {
-        if self.shards.len() < 2 || matches!(self.kind, OutputKind::File) {
-            return None;
-        }
-        let mut names: Vec<(&str, &str)> = self
-            .shards
-            .iter()
-            .flat_map(|s| {
-                s.tensors
-                    .iter()
-                    .map(move |&t| (self.tensors[t].name.as_str(), s.file_name.as_str()))
-            })
-            .collect();
-        names.sort();
-        let quoted = |s: &str| serde_json::to_string(s).expect("a string");
-        let mut out = format!(
-            "{{\n  \"metadata\": {{\n    \"total_size\": {}\n  }},\n  \"weight_map\": {{",
-            self.total_tensor_bytes()
-        );
-        for (k, (t, f)) in names.iter().enumerate() {
-            let sep = if k == 0 { "" } else { "," };
-            out.push_str(&format!("{sep}\n    {}: {}", quoted(t), quoted(f)));
-        }
-        out.push_str(if names.is_empty() {
-            "}\n}\n"
-        } else {
-            "\n  }\n}\n"
-        });
-        Some(out)
     }
 }
 
@@ -524,85 +418,4 @@ pub fn edit_config_dtype(cfg: &mut Map<String, Value>, dtype: DType) -> Vec<Stri
         }
     }
     changes
-}
-
-/// Where the output goes, as the user wrote it.
-pub fn output_kind_for(path: &std::path::Path) -> OutputKind {
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        OutputKind::File
-    } else {
-        OutputKind::Dir
-    }
-}
-
-/// Directory that will hold the output files.
-pub fn output_dir(path: &std::path::Path, kind: &OutputKind) -> PathBuf {
-    match kind {
-        OutputKind::Dir => path.to_path_buf(),
-        OutputKind::File => match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        },
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The index as `serde_json` pretty-prints the equivalent object, the reference for
-    /// [`Plan::index_json`].
-    fn index_json_via_value(names: &[(&str, &str)], total: u64) -> String {
-        let mut names = names.to_vec();
-        names.sort();
-        let mut map = Map::new();
-        for (t, f) in names {
-            map.insert(t.into(), Value::from(f));
-        }
-        let mut meta = Map::new();
-        meta.insert("total_size".into(), Value::from(total));
-        let mut root = Map::new();
-        root.insert("metadata".into(), Value::Object(meta));
-        root.insert("weight_map".into(), Value::Object(map));
-        let mut s = serde_json::to_string_pretty(&Value::Object(root)).expect("plain JSON");
-        s.push('\n');
-        s
-    }
-
-    fn planned(name: &str) -> PlannedTensor {
-        PlannedTensor {
-            name: name.into(),
-            source_index: 0,
-            dtype: DType::U8,
-            shape: vec![3],
-            nbytes: 3,
-            recipe: Recipe::Copy { src: 0 },
-        }
-    }
-
-    #[test]
-    fn index_json_is_what_serde_json_pretty_prints() {
-        let names = ["b", "a \"q\" \\ \u{1}é", "c"];
-        let shard = |file: &str, tensors: Vec<usize>| OutShard {
-            file_name: file.into(),
-            header: Vec::new(),
-            offsets: vec![0; tensors.len()],
-            tensors,
-            len: 0,
-            clone_from: None,
-        };
-        let plan = Plan {
-            tensors: names.iter().map(|n| planned(n)).collect(),
-            shards: vec![shard("s1", vec![0, 2]), shard("s\"2", vec![1])],
-            kind: OutputKind::Dir,
-            dropped: Vec::new(),
-            renamed: 0,
-            config: None,
-            config_changes: Vec::new(),
-            notes: PlanNotes::default(),
-            nothing_to_do: None,
-        };
-        let want = index_json_via_value(&[("b", "s1"), ("c", "s1"), (names[1], "s\"2")], 9);
-        assert_eq!(plan.index_json().unwrap(), want);
-    }
 }

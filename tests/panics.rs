@@ -346,8 +346,13 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
     let d = tmp();
     let (src, _) = many_tiny_tensors(d.path(), 30_000);
     let ckpt = tftf::Checkpoint::open(&src).unwrap();
-    let plan = tftf::Plan::build(&ckpt, &[], tftf::plan::OutputKind::Dir, None).unwrap();
-    let needed = plan.state_bytes(&ckpt);
+    let plan = tftf::Plan::build(&ckpt, &[]).unwrap();
+    let sink = tftf::sink::Safetensors {
+        kind: tftf::sink::OutputKind::Dir,
+        max_shard_bytes: None,
+    };
+    let layout = tftf::sink::Sink::layout(&sink, &ckpt, &plan).unwrap();
+    let needed = plan.state_bytes(&ckpt) + layout.header_bytes();
     assert!(needed > 8 << 20 && needed < 16 << 20, "{needed}");
     let out = d.path().join("out");
     let human = tftf::size::human;

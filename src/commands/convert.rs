@@ -15,8 +15,9 @@ use crate::output::{
     INDEX_NAME,
 };
 use crate::pipeline::{self, Cancel, PipelineConfig};
-use crate::plan::{output_kind_for, OutputKind, Plan, Recipe, Step};
+use crate::plan::{Plan, Recipe, Step};
 use crate::progress::Progress;
+use crate::sink::{output_kind_for, Layout, OutputKind, Safetensors, Sink};
 use crate::size::{human, parse_size};
 use crate::sys;
 
@@ -141,12 +142,17 @@ fn convert_inner(
     };
     let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &sides));
     let target = OutputTarget::resolve(&opts.output, &ckpt, inputs)?;
-    let plan = Plan::build(&ckpt, steps, target.kind.clone(), opts.max_shard_bytes)?;
+    let plan = Plan::build(&ckpt, steps)?;
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
-    let data_budget = plan.data_budget(&ckpt, opts.memory_budget)?;
-    let names = target.names(&plan, &sides);
+    let sink = Safetensors {
+        kind: target.kind.clone(),
+        max_shard_bytes: opts.max_shard_bytes,
+    };
+    let layout = sink.layout(&ckpt, &plan)?;
+    let data_budget = plan.data_budget(&ckpt, layout.header_bytes(), opts.memory_budget)?;
+    let names = target.names(&layout, &sides);
     if let Some(report) = &opts.report {
         target.check_report(report, &names)?;
     }
@@ -161,9 +167,9 @@ fn convert_inner(
     let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
     let sharing =
         opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
-    let needed = plan.total_file_bytes() + side_bytes
+    let needed = layout.total_file_bytes() + side_bytes
         - if sharing {
-            plan.shareable_bytes(&ckpt)
+            layout.shareable_bytes(&ckpt, &plan)
         } else {
             0
         };
@@ -179,7 +185,7 @@ fn convert_inner(
 
     if opts.dry_run {
         if !opts.quiet {
-            print_plan(&ckpt, &plan, &target, &sides, opts, needed, free);
+            print_plan(&ckpt, &plan, &layout, &target, &sides, opts, needed, free);
             print_claim(&claim);
             if plan.computed_count() > 0 {
                 println!("{}", device_line(&device));
@@ -187,7 +193,7 @@ fn convert_inner(
         }
         if let Some(path) = &opts.report {
             let report = report_json(
-                command, &ckpt, &plan, &target, &sides, opts, &device, None, started, true,
+                command, &ckpt, &plan, &layout, &target, &sides, opts, &device, None, started, true,
             );
             write_report(path, &report)?;
         }
@@ -214,9 +220,9 @@ fn convert_inner(
     }
     // Checked again under the lock: another run may have written here since.
     let claim = target.claim(&names, opts.force)?;
-    let mut files = Vec::with_capacity(plan.shards.len());
-    let mut tmp_names = Vec::with_capacity(plan.shards.len());
-    for (shard, name) in plan.shards.iter().zip(&names) {
+    let mut files = Vec::with_capacity(layout.shards.len());
+    let mut tmp_names = Vec::with_capacity(layout.shards.len());
+    for (shard, name) in layout.shards.iter().zip(&names) {
         let (file, tmp) = out.add(name)?;
         file.set_len(shard.len).map_err(|e| Error::io(&tmp, e))?;
         if shard.clone_from.is_none() {
@@ -230,7 +236,7 @@ fn convert_inner(
     let progress = opts.progress.then(|| {
         Progress::new(
             command,
-            names[..plan.shards.len()].to_vec(),
+            names[..layout.shards.len()].to_vec(),
             plan.total_tensor_bytes(),
             opts.progress_interval,
         )
@@ -244,12 +250,12 @@ fn convert_inner(
         expect_reflink: sharing,
         gpu: device.gpu.clone(),
     };
-    let stats = pipeline::execute(&ckpt, &plan, &files, &tmp_names, &cfg)?;
+    let stats = pipeline::execute(&ckpt, &plan, &layout, &files, &tmp_names, &cfg)?;
     if let Some(p) = &progress {
         p.finish();
     }
     drop(files);
-    if let Some(index) = plan.index_json() {
+    if let Some(index) = layout.index_json(&plan) {
         out.add_bytes(INDEX_NAME, index.as_bytes())?;
     }
     for side in &sides {
@@ -275,9 +281,9 @@ fn convert_inner(
         let secs = started.elapsed().as_secs_f64();
         println!(
             "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} shared with the input (reflink), {} copied in the kernel, {} through memory, {} computed",
-            plan.shards.len(),
+            layout.shards.len(),
             plan.tensors.len(),
-            human(plan.total_file_bytes()),
+            human(layout.total_file_bytes()),
             opts.output.display(),
             secs,
             human((plan.total_tensor_bytes() as f64 / secs.max(1e-9)) as u64),
@@ -309,6 +315,7 @@ fn convert_inner(
             command,
             &ckpt,
             &plan,
+            &layout,
             &target,
             &sides,
             opts,
@@ -414,9 +421,11 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
     map.into_iter().map(|(k, (n, a, b))| (k, n, a, b)).collect()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn print_plan(
     ckpt: &Checkpoint,
     plan: &Plan,
+    layout: &Layout,
     target: &OutputTarget,
     sides: &[PathBuf],
     opts: &WriteOptions,
@@ -427,11 +436,11 @@ fn print_plan(
         "plan: {} of {} input tensors -> {} file(s) in {} (dry run: nothing written)",
         plan.tensors.len(),
         ckpt.base_count,
-        plan.shards.len(),
+        layout.shards.len(),
         target.dir.display()
     );
     let out_dir = target.dir.as_path();
-    for s in &plan.shards {
+    for s in &layout.shards {
         println!(
             "  {:<40} {:>12}  {} tensors",
             target.file_name().unwrap_or_else(|| s.file_name.clone()),
@@ -439,7 +448,7 @@ fn print_plan(
             s.tensors.len()
         );
     }
-    if plan.index_json().is_some() {
+    if layout.index_json(&plan).is_some() {
         println!("  model.safetensors.index.json");
     }
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
@@ -452,7 +461,7 @@ fn print_plan(
         human(plan.total_tensor_bytes() - plan.copied_bytes())
     );
     let fs = sys::filesystem_name(&nearest_existing(&resolve(out_dir)));
-    let shareable = plan.shareable_bytes(ckpt);
+    let shareable = layout.shareable_bytes(ckpt, plan);
     if !opts.kernel_copy {
         println!("  reflink: off (--no-reflink): untouched bytes are copied through memory");
     } else if !sys::can_reflink(fs) {
@@ -517,6 +526,7 @@ fn report_json(
     command: &str,
     ckpt: &Checkpoint,
     plan: &Plan,
+    layout: &Layout,
     target: &OutputTarget,
     sides: &[PathBuf],
     opts: &WriteOptions,
@@ -542,7 +552,7 @@ fn report_json(
         .into_iter()
         .map(|(k, n, a, b)| json!({"op": k, "tensors": n, "bytes_in": a, "bytes_out": b}))
         .collect();
-    let files: Vec<Value> = plan
+    let files: Vec<Value> = layout
         .shards
         .iter()
         .map(|s| {
@@ -567,7 +577,7 @@ fn report_json(
         "output": {
             "path": opts.output.to_string_lossy(),
             "files": files,
-            "index": plan.index_json().is_some(),
+            "index": layout.index_json(&plan).is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
@@ -582,11 +592,11 @@ fn report_json(
         "notes": plan.notes.lines,
         "tensor_reports": tensor_reports(plan),
         "bytes": {
-            "files": plan.total_file_bytes(),
+            "files": layout.total_file_bytes(),
             "tensors": plan.total_tensor_bytes(),
             "computed": stats.map(|s| s.bytes_computed),
             "reflinked": stats.map(|s| s.bytes_reflinked),
-            "shareable_by_layout": plan.shareable_bytes(ckpt),
+            "shareable_by_layout": layout.shareable_bytes(ckpt, plan),
             "copied_in_kernel": stats.map(|s| s.bytes_copied_in_kernel),
             "copied_through_memory": stats.map(|s| s.bytes_copied_user),
         },

@@ -12,8 +12,9 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::pipeline::Cancel;
-use crate::plan::{OutputKind, Plan, Step};
+use crate::plan::{Plan, Step};
 use crate::progress::Progress;
+use crate::sink::{OutputKind, Safetensors, Sink};
 use crate::size::human;
 use crate::sys;
 use crate::transform::{Glob, Rename};
@@ -131,7 +132,13 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
         findings = super::semantic::check(ckpt);
         problems.extend(findings.iter().map(|f| f.message.clone()));
         if !steps.is_empty() {
-            match Plan::build(ckpt, &steps, OutputKind::Dir, None) {
+            let sink = Safetensors {
+                kind: OutputKind::Dir,
+                max_shard_bytes: None,
+            };
+            let planned =
+                Plan::build(ckpt, &steps).and_then(|plan| sink.layout(ckpt, &plan).map(|_| plan));
+            match planned {
                 Err(e) => problems.push(format!("pipe: {e}")),
                 Ok(plan) => {
                     if let Some(why) = plan.nothing_to_do {

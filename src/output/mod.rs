@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
-use crate::plan::{output_dir, output_kind_for, OutputKind, Plan};
+use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
 use commit::{finish_interrupted_commit, is_temp_name, temporaries, JOURNAL_NAME};
 use lock::{OutputLock, LOCK_FILE_NAME};
@@ -183,12 +183,12 @@ impl<'a> OutputTarget<'a> {
     }
 
     /// Names of the files a plan writes into the directory, shard `i` first.
-    pub fn names(&self, plan: &Plan, sides: &[PathBuf]) -> Vec<String> {
+    pub fn names(&self, layout: &Layout, sides: &[PathBuf]) -> Vec<String> {
         if let Some(f) = self.file_name() {
             return vec![f];
         }
-        let mut v: Vec<String> = plan.shards.iter().map(|s| s.file_name.clone()).collect();
-        if plan.index_json().is_some() {
+        let mut v: Vec<String> = layout.shards.iter().map(|s| s.file_name.clone()).collect();
+        if layout.has_index() {
             v.push(INDEX_NAME.into());
         }
         v.extend(sides.iter().map(|p| {

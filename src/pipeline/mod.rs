@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::cuda::Ran;
 use crate::plan::{Plan, Recipe};
+use crate::sink::Layout;
 use crate::sys;
 pub use pool::BufferPool;
 
@@ -134,6 +135,7 @@ enum Done {
 struct Shared<'a> {
     ckpt: &'a Checkpoint,
     plan: &'a Plan,
+    layout: &'a Layout,
     outputs: &'a [File],
     output_names: &'a [std::path::PathBuf],
     pool: BufferPool,
@@ -225,6 +227,7 @@ fn start<'scope, F>(
 pub fn execute(
     ckpt: &Checkpoint,
     plan: &Plan,
+    layout: &Layout,
     outputs: &[File],
     output_names: &[std::path::PathBuf],
     cfg: &PipelineConfig,
@@ -242,6 +245,7 @@ pub fn execute(
     let shared = Shared {
         ckpt,
         plan,
+        layout,
         outputs,
         output_names,
         pool: BufferPool::new(pool_bytes),
@@ -249,7 +253,7 @@ pub fn execute(
         expect_reflink: cfg.expect_reflink,
         locations: {
             let mut loc = vec![(0, 0); plan.tensors.len()];
-            for (si, s) in plan.shards.iter().enumerate() {
+            for (si, s) in layout.shards.iter().enumerate() {
                 for (&t, &off) in s.tensors.iter().zip(&s.offsets) {
                     loc[t] = (si, off);
                 }
@@ -364,7 +368,7 @@ impl Prefetcher {
 
 fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
     let window = (sh.pool.capacity() / 4).clamp(8 << 20, 256 << 20);
-    for (si, shard) in sh.plan.shards.iter().enumerate() {
+    for (si, shard) in sh.layout.shards.iter().enumerate() {
         if let Some(src) = shard.clone_from {
             emit_copy(sh, si, (src, 0, 0, shard.len), &tx)?;
             continue;

@@ -1,5 +1,5 @@
-//! Shard assignment and byte layout of the output, planned so untouched tensors can share
-//! extents with the input.
+//! The safetensors sink: shard assignment and byte layout of the output, planned so untouched
+//! tensors can share extents with the input.
 //!
 //! A filesystem can clone (reflink) a range only between offsets that are congruent modulo its
 //! block size, and safetensors allows no holes between tensors. So: output shards follow the
@@ -15,13 +15,37 @@ use std::os::unix::fs::FileExt;
 
 use serde_json::{Map, Value};
 
+use super::{Layout, OutShard, OutputKind, Sink, CLONE_ALIGN_BYTES, DEFAULT_MAX_SHARD_BYTES};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::header::serialize_entries;
-use crate::plan::{OutShard, OutputKind, PlannedTensor, Recipe, DEFAULT_MAX_SHARD_BYTES};
+use crate::plan::{Plan, PlannedTensor, Recipe};
 
-/// 4 KiB: the block size of XFS, ext4 and btrfs.
-pub const CLONE_ALIGN_BYTES: u64 = 4096;
+/// Safetensors output: one file, or a directory of shards with their index.
+pub struct Safetensors {
+    pub kind: OutputKind,
+    /// `--max-shard-size`; `None` keeps the input's shard boundaries.
+    pub max_shard_bytes: Option<u64>,
+}
+
+impl Sink for Safetensors {
+    fn layout(&self, ckpt: &Checkpoint, plan: &Plan) -> Result<Layout> {
+        let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
+        metadata.remove("total_size");
+        metadata.insert("format".into(), Value::from("pt"));
+        let shards = assign_shards(
+            ckpt,
+            &plan.tensors,
+            &self.kind,
+            self.max_shard_bytes,
+            &metadata,
+        )?;
+        Ok(Layout {
+            kind: self.kind.clone(),
+            shards,
+        })
+    }
+}
 /// Reference writers start the data buffer at a multiple of 8.
 pub const HEADER_ALIGN_BYTES: u64 = 8;
 
