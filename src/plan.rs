@@ -177,12 +177,34 @@ impl Plan {
                     }
                 }
                 Step::Cast { dtype, cast_ints } => {
+                    let lookup = |n: &str| ckpt.get(n).map(|t| t.info.dtype);
+                    let mut kept = 0;
                     for e in &mut entries {
                         let castable = e.dtype.is_castable_float()
                             || (*cast_ints && e.derive.is_none() && e.dtype.is_castable_int());
+                        // Scales and codes of a quantised weight are read as they are stored
+                        // (an op may already have replaced the tensor: then it is a weight).
+                        let src = &ckpt.tensors[e.source];
+                        if castable
+                            && e.derive.is_none()
+                            && e.dtype != *dtype
+                            && crate::format::quant::is_metadata(
+                                src.name(),
+                                src.info.dtype,
+                                &lookup,
+                            )
+                        {
+                            kept += 1;
+                            continue;
+                        }
                         if castable {
                             e.dtype = *dtype;
                         }
+                    }
+                    if kept > 0 {
+                        notes.lines.push(format!(
+                            "--dtype {dtype}: kept {kept} quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"
+                        ));
                     }
                     if let Some(cfg) = &mut config {
                         config_changes.extend(edit_config_dtype(cfg, *dtype));

@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod gguf;
 pub mod header;
+pub mod quant;
 pub mod source;
 pub mod torch;
 

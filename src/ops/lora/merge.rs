@@ -104,9 +104,11 @@ fn lora_launch(
     delta: DeltaParams,
     coef_is_a: bool,
 ) -> LoraLaunch {
-    let base_dequant = base_op.as_ref().map(|op| match op.kernel(units) {
-        Some(Kernel::DequantFp8(p)) => p,
-        _ => unreachable!("merges run on the GPU only over an FP8 base"),
+    // Only an FP8 base is computed on the device (`base_on_gpu`); the CPU path reads only
+    // the operand layout from this launch.
+    let base_dequant = base_op.as_ref().and_then(|op| match op.kernel(units) {
+        Some(Kernel::DequantFp8(p)) => Some(p),
+        _ => None,
     });
     LoraLaunch {
         base_inputs,
