@@ -86,7 +86,7 @@ fn shared_bytes(file: &Path) -> u64 {
 }
 
 fn report(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    read_json(path)
 }
 
 /// Two shards of 1-4 MiB tensors, some with sizes that are not multiples of 4 KiB.
@@ -158,16 +158,7 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
     ] {
         let out = xfs.mnt.join(name);
         let rep = xfs.mnt.join(format!("{name}.json"));
-        let mut args = vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "-q",
-            "--report",
-            s(&rep),
-        ];
+        let mut args = cmd("passthrough", &src, &out, &["-q", "--report", s(&rep)]);
         args.extend(extra);
         ok(&tftf(&args));
         let r = report(&rep);
@@ -210,17 +201,12 @@ fn no_reflink_copies_on_xfs() {
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--no-reflink",
-        "--report",
-        s(&rep),
-    ]));
+        &src,
+        &out,
+        &["-q", "--no-reflink", "--report", s(&rep)],
+    ));
     let r = report(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], 0);
@@ -243,19 +229,12 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
     let tensors = model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    let o = tftf(&[
+    let o = convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&rep),
-        "--rename",
-        "^model",
-        "m",
-        "-v",
-    ]);
+        &src,
+        &out,
+        &["--report", s(&rep), "--rename", "^model", "m", "-v"],
+    );
     ok(&o);
     let r = report(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
@@ -271,14 +250,12 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
         "{}",
         stderr(&o)
     );
-    let dry = stdout(&tftf(&[
+    let dry = stdout(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&d.path().join("x")),
-        "--dry-run",
-    ]));
+        &src,
+        &d.path().join("x"),
+        &["--dry-run"],
+    ));
     assert!(
         dry.contains(&format!(
             "the output filesystem ({fs}) cannot share extents"

@@ -1,4 +1,16 @@
 //! Helpers shared by the integration tests: synthetic checkpoints and running the binary.
+//!
+//! - Build a checkpoint: [`Model`] (`Model::new().tensor(..).rand(..).shard().config(..)
+//!   .file(..).write(dir)`; one shard is `model.safetensors`, several are numbered shards plus
+//!   `model.safetensors.index.json`), or [`write_file`] / [`write_sharded`] / [`small_model`] /
+//!   [`raw_safetensors`] for a hand-made (possibly broken) header.
+//! - Run the binary: [`tftf`] (any exit), [`cmd`] (the arguments `CMD -i IN -o OUT EXTRA..`),
+//!   [`merge_lora`] (`merge-lora -b BASE -a ADAPTER -o OUT EXTRA..`),
+//!   [`convert`] (`tftf(&cmd(..))`), [`ok`],
+//!   [`fails`] (exit 1), [`usage_error`] (exit 2), [`exit_code`]; [`stdout`] / [`stderr`].
+//! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of
+//!   shards, through the `safetensors` crate), [`read_json`], [`listing`], [`copy_dir`].
+//! - Bytes: [`t`], [`rand_t`], [`f32_bytes`], [`f32s_of`], [`Rng`], [`tmp`], [`s`].
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -43,6 +55,7 @@ pub fn rand_t(rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> T {
     t(name, dtype, shape, data)
 }
 
+/// Writes `tensors` as one safetensors file at `path`.
 pub fn write_file(path: &Path, tensors: &[T]) {
     write_small(path, tensors).unwrap();
 }
@@ -241,4 +254,161 @@ pub fn listing(dir: &Path) -> Vec<String> {
 
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
+}
+
+/// A checkpoint to write: tensors in one or more shards, plus side files (`config.json`, ...).
+///
+/// `Model::new().rand(&mut rng, "w", DType::BF16, &[4, 4]).config(CONFIG).write(&dir)`.
+/// One shard is written as `model.safetensors`; after [`Model::shard`] there are several,
+/// written as `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`.
+#[derive(Clone, Debug)]
+pub struct Model {
+    shards: Vec<Vec<T>>,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Model {
+    pub fn new() -> Self {
+        Model {
+            shards: vec![Vec::new()],
+            files: Vec::new(),
+        }
+    }
+
+    /// Adds a tensor to the current (last) shard.
+    pub fn tensor(self, name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> Self {
+        self.tensors([t(name, dtype, shape, data)])
+    }
+
+    /// Adds a tensor of random bytes (see [`rand_t`]) to the current shard.
+    pub fn rand(self, rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> Self {
+        self.tensors([rand_t(rng, name, dtype, shape)])
+    }
+
+    /// Adds tensors to the current shard.
+    pub fn tensors(mut self, tensors: impl IntoIterator<Item = T>) -> Self {
+        self.shards.last_mut().unwrap().extend(tensors);
+        self
+    }
+
+    /// Starts a new shard.
+    pub fn shard(mut self) -> Self {
+        self.shards.push(Vec::new());
+        self
+    }
+
+    /// Adds `config.json` with `json` as its text.
+    pub fn config(self, json: &str) -> Self {
+        self.file("config.json", json)
+    }
+
+    /// Adds a side file `name` (relative to the model folder).
+    pub fn file(mut self, name: &str, contents: impl AsRef<[u8]>) -> Self {
+        self.files
+            .push((name.to_string(), contents.as_ref().to_vec()));
+        self
+    }
+
+    /// Every tensor, in the order added.
+    pub fn all(&self) -> Vec<T> {
+        self.shards.concat()
+    }
+
+    /// Writes the one shard as the safetensors file `path` (side files are not written).
+    pub fn write_file(&self, path: &Path) {
+        let [one] = &self.shards[..] else {
+            panic!("write_file takes a model of one shard")
+        };
+        write_file(path, one);
+    }
+
+    /// Writes the model into `dir` (created) and returns `dir`.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        std::fs::create_dir_all(dir).unwrap();
+        if let [one] = &self.shards[..] {
+            write_file(&dir.join("model.safetensors"), one);
+        } else {
+            write_sharded(dir, &self.shards);
+        }
+        for (name, contents) in &self.files {
+            std::fs::write(dir.join(name), contents).unwrap();
+        }
+        dir.to_path_buf()
+    }
+}
+
+/// A safetensors file of the header text `header` followed by `data`, written as given.
+pub fn raw_safetensors(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// The arguments `CMD -i INPUT -o OUT EXTRA...`, for [`tftf`], [`fails`], [`exit_code`], ...
+pub fn cmd<'a>(name: &'a str, input: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    [&[name, "-i", s(input), "-o", s(out)][..], extra].concat()
+}
+
+/// The arguments `merge-lora -b BASE -a ADAPTER -o OUT EXTRA...`.
+pub fn merge_lora<'a>(
+    base: &'a Path,
+    adapter: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    [
+        &["merge-lora", "-b", s(base), "-a", s(adapter), "-o", s(out)][..],
+        extra,
+    ]
+    .concat()
+}
+
+/// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.
+pub fn convert(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf(&cmd(name, input, out, extra))
+}
+
+/// Runs tftf and returns its exit code, stdout and stderr.
+pub fn exit_code(args: &[&str]) -> (Option<i32>, String, String) {
+    let o = tftf(args);
+    (o.status.code(), stdout(&o), stderr(&o))
+}
+
+/// The JSON file at `path`, parsed.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Copies the folder `from` to `to` (created), recursively, by reading and writing each file.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::write(&dst, std::fs::read(e.path()).unwrap()).unwrap();
+        }
+    }
+}
+
+/// Little-endian bytes of `v`.
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The f32 values of little-endian `bytes`.
+pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
