@@ -723,13 +723,11 @@ fn validate_lists_every_broken_shard() {
     let d = tmp();
     let src = d.path().join("in");
     let mut rng = Rng(8);
-    write_sharded(
-        &src,
-        &[
-            vec![rand_t(&mut rng, "a", DType::U8, &[4])],
-            vec![rand_t(&mut rng, "b", DType::U8, &[4])],
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "a", DType::U8, &[4])
+        .shard()
+        .rand(&mut rng, "b", DType::U8, &[4])
+        .write(&src);
     for n in [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",

@@ -53,31 +53,27 @@ fn v3_model(dir: &std::path::Path) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
     let codes = e4m3_codes(&mut rng, 300 * 260);
     let scales: Vec<f32> = (0..9).map(|i| 0.5 + i as f32 * 0.37).collect();
     let norm = rng.f32s(260);
-    write_sharded(
-        dir,
-        &[
-            vec![
-                t(
-                    "model.layers.0.mlp.down_proj.weight",
-                    DType::F8_E4M3,
-                    &[300, 260],
-                    codes.clone(),
-                ),
-                t(
-                    "model.layers.0.input_layernorm.weight",
-                    DType::F32,
-                    &[260],
-                    norm.clone(),
-                ),
-            ],
-            vec![t(
-                "model.layers.0.mlp.down_proj.weight_scale_inv",
-                DType::F32,
-                &[3, 3],
-                f32_bytes(&scales),
-            )],
-        ],
-    );
+    Model::new()
+        .tensor(
+            "model.layers.0.mlp.down_proj.weight",
+            DType::F8_E4M3,
+            &[300, 260],
+            codes.clone(),
+        )
+        .tensor(
+            "model.layers.0.input_layernorm.weight",
+            DType::F32,
+            &[260],
+            norm.clone(),
+        )
+        .shard()
+        .tensor(
+            "model.layers.0.mlp.down_proj.weight_scale_inv",
+            DType::F32,
+            &[3, 3],
+            f32_bytes(&scales),
+        )
+        .write(dir);
     std::fs::write(dir.join("config.json"), CONFIG).unwrap();
     (codes, scales, norm)
 }
@@ -146,23 +142,21 @@ fn output_is_identical_across_threads_and_budgets() {
     let (rows, cols) = (2048usize, 4096usize);
     let codes = e4m3_codes(&mut rng, rows * cols);
     let scales: Vec<f32> = (0..16 * 32).map(|i| 2f32.powi(i % 9 - 4) * 1.1).collect();
-    write_sharded(
-        &src,
-        &[vec![
-            t(
-                "w.weight",
-                DType::F8_E4M3,
-                &[rows as u64, cols as u64],
-                codes.clone(),
-            ),
-            t(
-                "w.weight_scale_inv",
-                DType::F32,
-                &[16, 32],
-                f32_bytes(&scales),
-            ),
-        ]],
-    );
+    Model::new()
+        .tensor(
+            "w.weight",
+            DType::F8_E4M3,
+            &[rows as u64, cols as u64],
+            codes.clone(),
+        )
+        .tensor(
+            "w.weight_scale_inv",
+            DType::F32,
+            &[16, 32],
+            f32_bytes(&scales),
+        )
+        .indexed()
+        .write(&src);
     let mut outs = Vec::new();
     for (i, extra) in [
         ["--threads", "1", "--memory-budget", "16MiB"],

@@ -209,7 +209,7 @@ fn bad_adapters_fail_before_any_output() {
     // Wrong shapes: a rank that disagrees with the config.
     let wrong = d.path().join("wrong");
     std::fs::create_dir_all(&wrong).unwrap();
-    Model::new()
+    Model::adapter()
         .rand(
             &mut rng,
             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
@@ -222,7 +222,7 @@ fn bad_adapters_fail_before_any_output() {
             DType::F32,
             &[64, 4],
         )
-        .write_file(&wrong.join("adapter_model.safetensors"));
+        .write(&wrong);
     std::fs::copy(
         case.join("adapter/adapter_config.json"),
         wrong.join("adapter_config.json"),
@@ -304,7 +304,7 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
         .map(|_| (rng.next_u32() % 200) as f32 / 1000.0 - 0.1)
         .collect();
     let fb = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    Model::new()
+    Model::adapter()
         .tensor(
             "base_model.model.m.proj.lora_A.weight",
             DType::F32,
@@ -317,12 +317,8 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
             &[out_f, r],
             fb(&b),
         )
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 8}"#,
-    )
-    .unwrap();
+        .file("adapter_config.json", r#"{"r": 4, "lora_alpha": 8}"#)
+        .write(&adapter);
     let out = d.path().join("out");
     ok(&convert(
         "dequant-fp8",
@@ -534,7 +530,7 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
     let la = vals(&mut rng, r * 6);
     let lb = vals(&mut rng, 8 * r);
     let p = "base_model.model.model.layers";
-    Model::new()
+    Model::adapter()
         .tensor(
             &format!("{p}.0.mlp.experts.lora_A.weight"),
             DType::F32,
@@ -571,12 +567,11 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
             &[8, r as u64],
             fb(&lb),
         )
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
-    )
-    .unwrap();
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
+        )
+        .write(&adapter);
     let out = d.path().join("out");
     ok(&tftf(&merge_lora(
         &base,
@@ -692,7 +687,7 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     // An adapter file without tensors.
     let empty = d.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    Model::new().write_file(&empty.join("adapter_model.safetensors"));
+    Model::adapter().write(&empty);
     std::fs::copy(
         case.join("adapter/adapter_config.json"),
         empty.join("adapter_config.json"),
@@ -719,15 +714,14 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     let adapter = d.path().join("moe-adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let p = "base_model.model.model.layers.0.mlp.experts";
-    Model::new()
+    Model::adapter()
         .rand(&mut rng, &format!("{p}.lora_A.weight"), DType::F32, &[6, 5])
         .rand(&mut rng, &format!("{p}.lora_B.weight"), DType::F32, &[7, 6])
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]}"#,
-    )
-    .unwrap();
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]}"#,
+        )
+        .write(&adapter);
     let err = fails(&merge_lora(&base, &adapter, &out, &[]));
     assert!(
         err.contains("factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"),

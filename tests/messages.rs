@@ -320,13 +320,11 @@ fn validate_finds_a_wrong_index_total_size() {
     let d = tmp();
     let src = d.path().join("in");
     let mut rng = Rng(26);
-    write_sharded(
-        &src,
-        &[
-            vec![rand_t(&mut rng, "a", DType::U8, &[4])],
-            vec![rand_t(&mut rng, "b", DType::U8, &[6])],
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "a", DType::U8, &[4])
+        .shard()
+        .rand(&mut rng, "b", DType::U8, &[6])
+        .write(&src);
     ok(&tftf(&["validate", s(&src)]));
     let index = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index)

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 use tftf::format::dtype::DType;
@@ -103,6 +103,27 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
     assert_eq!(got["w.weight"].2, want);
 }
 
+/// An adapter of zero-filled F32 `lora_A` and `lora_B` for `model.q`, and `config` as
+/// adapter_config.json.
+fn q_adapter(dir: &Path, a: [u64; 2], b: [u64; 2], config: &str) -> PathBuf {
+    let zeros = |shape: [u64; 2]| vec![0; (shape[0] * shape[1] * 4) as usize];
+    Model::adapter()
+        .tensor(
+            "base_model.model.model.q.lora_A.weight",
+            DType::F32,
+            &a,
+            zeros(a),
+        )
+        .tensor(
+            "base_model.model.model.q.lora_B.weight",
+            DType::F32,
+            &b,
+            zeros(b),
+        )
+        .file("adapter_config.json", config)
+        .write(dir)
+}
+
 #[test]
 fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
     let d = tmp();
@@ -110,27 +131,12 @@ fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
     Model::new()
         .tensor("model.q.weight", DType::BF16, &[4, 0], vec![])
         .write(&src);
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    Model::new()
-        .tensor(
-            "base_model.model.model.q.lora_A.weight",
-            DType::F32,
-            &[2, 0],
-            vec![],
-        )
-        .tensor(
-            "base_model.model.model.q.lora_B.weight",
-            DType::F32,
-            &[4, 2],
-            vec![0; 32],
-        )
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
+    let adapter = q_adapter(
+        &d.path().join("adapter"),
+        [2, 0],
+        [4, 2],
         r#"{"r": 2, "lora_alpha": 4}"#,
-    )
-    .unwrap();
+    );
     let out = d.path().join("out");
     refused(
         &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
@@ -263,19 +269,18 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
     let adapter = d.path().join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let replacement = vec![1, 2, 3, 4, 5, 6, 7, 8];
-    Model::new()
+    Model::adapter()
         .tensor(
             "base_model.model.lm_head.weight",
             DType::BF16,
             &[2, 2],
             replacement.clone(),
         )
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
-    )
-    .unwrap();
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
+        )
+        .write(&adapter);
     let out = d.path().join("out");
     ok(&tftf(&[
         "merge-lora",
@@ -378,27 +383,12 @@ fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
     Model::new()
         .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
         .write(&src);
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    Model::new()
-        .tensor(
-            "base_model.model.model.q.lora_A.weight",
-            DType::F32,
-            &[1, 2],
-            vec![0; 8],
-        )
-        .tensor(
-            "base_model.model.model.q.lora_B.weight",
-            DType::F32,
-            &[2, 1],
-            vec![0; 8],
-        )
-        .write_file(&adapter.join("adapter_model.safetensors"));
-    std::fs::write(
-        adapter.join("adapter_config.json"),
+    let adapter = q_adapter(
+        &d.path().join("adapter"),
+        [1, 2],
+        [2, 1],
         r#"{"r": 1, "lora_alpha": 1e300}"#,
-    )
-    .unwrap();
+    );
     let out = d.path().join("out");
     refused(
         &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],

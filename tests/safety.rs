@@ -41,15 +41,10 @@ fn single_file_output_with_force_replaces_that_file_only() {
     let shared = d.path().join("shared");
     std::fs::create_dir_all(&shared).unwrap();
     // Another model's files in the folder the single file goes to.
-    write_sharded(
-        &shared,
-        &[vec![t(
-            "x",
-            tftf::format::dtype::DType::U8,
-            &[4],
-            vec![1; 4],
-        )]],
-    );
+    Model::new()
+        .tensor("x", tftf::format::dtype::DType::U8, &[4], vec![1; 4])
+        .indexed()
+        .write(&shared);
     std::fs::rename(
         shared.join("model-00001-of-00001.safetensors"),
         shared.join("model-00001-of-00002.safetensors"),

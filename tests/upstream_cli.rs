@@ -112,18 +112,30 @@ fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
     load_all(out)
 }
 
-/// [`run_ok`] on a fresh [`make_base`].
-fn run_base(args: &[&str]) -> Tensors {
+/// A temporary folder with [`make_base`] in `base/`.
+fn base_in_tmp() -> (tempfile::TempDir, PathBuf) {
     let d = tmp();
     let base = make_base(&d.path().join("base"));
+    (d, base)
+}
+
+/// [`base_in_tmp`] plus [`make_lora_adapter`] in `adapter/`.
+fn base_and_adapter() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let (d, base) = base_in_tmp();
+    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    (d, base, adapter)
+}
+
+/// [`run_ok`] on a fresh [`make_base`].
+fn run_base(args: &[&str]) -> Tensors {
+    let (d, base) = base_in_tmp();
     run_ok(&base, &d.path().join("out"), args)
 }
 
 /// `tftf run` that must be refused as a usage error (exit 2) before any output exists;
 /// returns stderr.
 fn run_usage_error(args: &[&str]) -> String {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let out = d.path().join("out");
     let err = usage_error(&[&cmd("run", &base, &out, &[])[..], args].concat());
     assert!(!out.exists(), "{args:?}");
@@ -192,8 +204,7 @@ fn parser_multiple_include_flags_accumulated() {
 
 #[test]
 fn parser_key_rename_single_rule() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     // Upstream's rule matches none of these names: they stay.
     let got = run_ok(
         &base,
@@ -215,8 +226,7 @@ fn parser_key_rename_single_rule() {
 
 #[test]
 fn parser_key_rename_multiple_rules() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -283,8 +293,7 @@ fn parser_missing_value_for_flag_raises() {
 
 #[test]
 fn parser_three_pipes_chained() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -360,8 +369,7 @@ fn parser_dequant_fp8_positional_then_named() {
 
 #[test]
 fn parser_key_rename_positional_single_rule() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -378,8 +386,7 @@ fn parser_key_rename_positional_single_rule() {
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -430,9 +437,7 @@ fn run_key_filter_keeps_only_matching() {
 
 #[test]
 fn run_merge_lora_modifies_weights() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -450,9 +455,7 @@ fn run_merge_lora_modifies_weights() {
 
 #[test]
 fn run_merge_lora_then_dtype_cast() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -476,8 +479,7 @@ fn run_no_pipes_is_passthrough() {
 
 #[test]
 fn run_dry_run_creates_no_output() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let out = d.path().join("out");
     // `--dry-run` after the sections is still run's own option.
     let o = convert(
@@ -492,9 +494,7 @@ fn run_dry_run_creates_no_output() {
 
 #[test]
 fn run_positional_adapter_path() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(&base, &d.path().join("out"), &["--merge-lora", s(&adapter)]);
     assert_eq!(names(&got), [Q, V, NORM]);
     let named = run_ok(
@@ -537,9 +537,7 @@ fn assert_merged_with(got: &Tensors, b: f32) {
 
 #[test]
 fn resolve_adapter_passthrough_plain_lora_file() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = merge(
         &base,
         &adapter.join("adapter_model.safetensors"),
@@ -550,8 +548,7 @@ fn resolve_adapter_passthrough_plain_lora_file() {
 
 #[test]
 fn resolve_adapter_training_dir_with_regular_lora() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 60, 90]);
     let got = merge(&base, &training, &d.path().join("out"));
     assert_merged_with(&got, 90.0);
@@ -559,8 +556,7 @@ fn resolve_adapter_training_dir_with_regular_lora() {
 
 #[test]
 fn resolve_adapter_training_dir_bad_content_raises() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = d.path().join("training");
     std::fs::create_dir_all(training.join("checkpoint-1")).unwrap();
     std::fs::write(training.join("adapter_config.json"), "{}").unwrap();
@@ -572,8 +568,7 @@ fn resolve_adapter_training_dir_bad_content_raises() {
 
 #[test]
 fn merge_lora_training_dir_regular_lora_merges_correctly() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 90]);
     let got = merge(&base, &training, &d.path().join("merged"));
     assert_eq!(names(&got), [Q, V, NORM]);
@@ -609,8 +604,7 @@ fn merge_lora_extras_copied_from_base_dir() {
 
 #[test]
 fn verbose_is_accepted_by_every_command() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     for args in [
         &["info", s(&base), "-v"][..],
         &["validate", s(&base), "--verbose"],
@@ -625,8 +619,7 @@ fn verbose_is_accepted_by_every_command() {
 
 #[test]
 fn float64_casts_are_exact_everywhere() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let want: Vec<u8> = f32s_of(&base_map()[Q])
         .iter()
         .flat_map(|v| (*v as f64).to_le_bytes())
@@ -763,9 +756,7 @@ fn merge_lora_renames_before_merging() {
 
 #[test]
 fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     std::fs::remove_file(adapter.join("adapter_config.json")).unwrap();
     let out = d.path().join("out");
     let args = merge_lora(&base, &adapter, &out, &["-q"]);
@@ -788,9 +779,7 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
 /// tftf's pipes do), a cast after it rounds the merged value once.
 #[test]
 fn a_cast_before_a_merge_rounds_the_base_first() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
     let w = f32s_of(&base_map()[Q]);
     let cast_first = run_ok(
@@ -818,9 +807,7 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 /// sections is a default for all of them (the older grammar).
 #[test]
 fn per_section_adapter_options() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let two = run_ok(
         &base,
         &d.path().join("a"),
@@ -857,8 +844,7 @@ fn per_section_adapter_options() {
 /// Two `--merge-lora` sections with different adapters: each merges its own modules once.
 #[test]
 fn two_adapters_merge_each_their_own_modules_once() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let q = make_lora_adapter(&d.path().join("q"));
     let v = d.path().join("v");
     std::fs::create_dir_all(&v).unwrap();

@@ -259,12 +259,16 @@ pub fn s(p: &Path) -> &str {
 /// A checkpoint to write: tensors in one or more shards, plus side files (`config.json`, ...).
 ///
 /// `Model::new().rand(&mut rng, "w", DType::BF16, &[4, 4]).config(CONFIG).write(&dir)`.
-/// One shard is written as `model.safetensors`; after [`Model::shard`] there are several,
-/// written as `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`.
+/// One shard is written as `model.safetensors` (`adapter_model.safetensors` for
+/// [`Model::adapter`]); after [`Model::shard`] there are several,
+/// written as `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json` (as is
+/// one after [`Model::indexed`]).
 #[derive(Clone, Debug)]
 pub struct Model {
     shards: Vec<Vec<T>>,
     files: Vec<(String, Vec<u8>)>,
+    single: &'static str,
+    indexed: bool,
 }
 
 impl Default for Model {
@@ -278,6 +282,16 @@ impl Model {
         Model {
             shards: vec![Vec::new()],
             files: Vec::new(),
+            single: "model.safetensors",
+            indexed: false,
+        }
+    }
+
+    /// A PEFT adapter: one shard is written as `adapter_model.safetensors`.
+    pub fn adapter() -> Self {
+        Model {
+            single: "adapter_model.safetensors",
+            ..Self::new()
         }
     }
 
@@ -300,6 +314,12 @@ impl Model {
     /// Starts a new shard.
     pub fn shard(mut self) -> Self {
         self.shards.push(Vec::new());
+        self
+    }
+
+    /// Writes numbered shards with `model.safetensors.index.json` even for one shard.
+    pub fn indexed(mut self) -> Self {
+        self.indexed = true;
         self
     }
 
@@ -331,8 +351,8 @@ impl Model {
     /// Writes the model into `dir` (created) and returns `dir`.
     pub fn write(&self, dir: &Path) -> PathBuf {
         std::fs::create_dir_all(dir).unwrap();
-        if let [one] = &self.shards[..] {
-            write_file(&dir.join("model.safetensors"), one);
+        if let ([one], false) = (&self.shards[..], self.indexed) {
+            write_file(&dir.join(self.single), one);
         } else {
             write_sharded(dir, &self.shards);
         }
