@@ -15,9 +15,7 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 
 #[test]
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
     ok(&convert("passthrough", &src, &out, &["--quiet"]));
     let got = load_all(&out);
@@ -77,9 +75,7 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
 
 #[test]
 fn input_forms_file_dir_without_index_and_index_path() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let want = tensors.len();
     // Index file path.
     let o1 = d.path().join("o1");
@@ -157,9 +153,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
 
 #[test]
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
     ok(&convert(
         "passthrough",
@@ -230,9 +224,7 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
 #[test]
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out.safetensors");
     ok(&convert(
         "passthrough",
@@ -269,9 +261,7 @@ fn filters_and_renames_follow_fnmatch_and_python_groups() {
 
 #[test]
 fn rename_collision_names_both_sources_and_writes_nothing() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let err = fails(&cmd(
         "passthrough",
@@ -287,9 +277,7 @@ fn rename_collision_names_both_sources_and_writes_nothing() {
 
 #[test]
 fn run_applies_sections_in_command_line_order() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     // Rename first, then the filter sees the new names.
     let o1 = d.path().join("o1.safetensors");
     ok(&convert(
@@ -378,9 +366,7 @@ fn output_is_identical_across_threads_budgets_and_copy_modes() {
 
 #[test]
 fn report_and_dry_run() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let report = d.path().join("plan.json");
     let o = convert(
@@ -430,9 +416,7 @@ fn report_and_dry_run() {
 
 #[test]
 fn refuses_output_inside_input_and_non_empty_output_without_force() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let err = fails(&cmd("passthrough", &src, &src.join("sub"), &[]));
     assert!(err.contains("is the input or inside it"), "{err}");
     assert!(!src.join("sub").exists());
@@ -554,10 +538,7 @@ fn cross_shard_faults_are_caught_before_output() {
     let dup = d.path().join("dup");
     std::fs::create_dir_all(&dup).unwrap();
     write_file(&dup.join("x-1.safetensors"), std::slice::from_ref(&a));
-    Model::new()
-        .tensors([a.clone()])
-        .tensors([b.clone()])
-        .write_file(&dup.join("x-2.safetensors"));
+    write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
     let err = fails(&cmd("passthrough", &dup, &out, &[]));
     assert!(
         err.contains("`a` is defined twice")
@@ -616,9 +597,7 @@ fn cross_shard_faults_are_caught_before_output() {
 
 #[test]
 fn usage_errors_exit_2() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     for args in [
         cmd("passthrough", &src, &out, &["--dtype", "int4"]),
@@ -636,9 +615,7 @@ fn usage_errors_exit_2() {
 
 #[test]
 fn info_reports_sizes_totals_and_widest_layer() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (_d, src, _) = tmp_small_model();
     let o = tftf(&["info", s(&src), "--json"]);
     ok(&o);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();

@@ -35,9 +35,7 @@ fn hidden(dir: &Path) -> Vec<String> {
 
 #[test]
 fn single_file_output_with_force_replaces_that_file_only() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let shared = d.path().join("shared");
     std::fs::create_dir_all(&shared).unwrap();
     // Another model's files in the folder the single file goes to.
@@ -116,9 +114,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
 
 #[test]
 fn report_never_lands_on_an_input_or_an_output_file() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let before = snapshot(&src);
     let out = d.path().join("out");
     let shard = src.join("model-00001-of-00002.safetensors");
@@ -208,9 +204,7 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
 
 #[test]
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     ok(&convert(
         "passthrough",
@@ -279,9 +273,7 @@ fn wait_stopped(pid: u32) {
 
 #[test]
 fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let mut first = Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args(cmd("passthrough", &src, &out, &["-q"]))
@@ -335,9 +327,7 @@ fn visible(snap: &BTreeMap<String, String>) -> BTreeMap<String, String> {
 
 #[test]
 fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let old_args = ["--max-shard-size", "5000"];
     let new_args = ["--dtype", "bf16"];
     let old = visible(&reference(&src, &d.path().join("old"), &old_args));
@@ -396,9 +386,7 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
 
 #[test]
 fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let a = cmd("passthrough", &src, &out, &["-q"]);
     let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
@@ -423,9 +411,7 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
 
 #[test]
 fn not_empty_error_names_what_is_there() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out: PathBuf = d.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
@@ -438,9 +424,7 @@ fn not_empty_error_names_what_is_there() {
 
 #[test]
 fn output_through_a_bind_mount_of_the_input_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let alias = d.path().join("alias");
     std::fs::create_dir_all(&alias).unwrap();
     let mounted = Command::new("mount")

@@ -142,6 +142,12 @@ fn run_usage_error(args: &[&str]) -> String {
     err
 }
 
+/// [`run_usage_error`] whose message contains `needle`.
+fn usage_error_mentions(args: &[&str], needle: &str) {
+    let err = run_usage_error(args);
+    assert!(err.contains(needle), "{err}");
+}
+
 fn all_dtypes(t: &Tensors, want: &str) -> bool {
     !t.is_empty() && t.values().all(|v| v.0 == want)
 }
@@ -260,8 +266,7 @@ fn parser_key_rename_multiple_rules() {
 
 #[test]
 fn parser_token_before_any_pipe_flag_raises() {
-    let err = run_usage_error(&["--nonexistent-pipe"]);
-    assert!(err.contains("--nonexistent-pipe"), "{err}");
+    usage_error_mentions(&["--nonexistent-pipe"], "--nonexistent-pipe");
 }
 
 #[test]
@@ -275,20 +280,17 @@ fn parser_unknown_option_for_pipe_raises() {
 
 #[test]
 fn parser_missing_required_arg_raises() {
-    let err = run_usage_error(&["--merge-lora"]);
-    assert!(err.contains("requires --adapter"), "{err}");
+    usage_error_mentions(&["--merge-lora"], "requires --adapter");
 }
 
 #[test]
 fn parser_dtype_choices_validated() {
-    let err = run_usage_error(&["--dtype-cast", "--dtype", "not_a_dtype"]);
-    assert!(err.contains("not_a_dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "--dtype", "not_a_dtype"], "not_a_dtype");
 }
 
 #[test]
 fn parser_missing_value_for_flag_raises() {
-    let err = run_usage_error(&["--dtype-cast", "--dtype"]);
-    assert!(err.contains("--dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "--dtype"], "--dtype");
 }
 
 #[test]
@@ -409,14 +411,12 @@ fn parser_key_filter_positional_include() {
 
 #[test]
 fn parser_positional_invalid_choice_raises() {
-    let err = run_usage_error(&["--dtype-cast", "not_a_dtype"]);
-    assert!(err.contains("not_a_dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "not_a_dtype"], "not_a_dtype");
 }
 
 #[test]
 fn parser_no_positional_for_pipe_raises() {
-    let err = run_usage_error(&["--dtype-cast", "bfloat16", "extra"]);
-    assert!(err.contains("extra"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "bfloat16", "extra"], "extra");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 //!
 //! - Build a checkpoint: [`Model`] (`Model::new().tensor(..).rand(..).shard().config(..)
 //!   .file(..).write(dir)`; one shard is `model.safetensors`, several are numbered shards plus
-//!   `model.safetensors.index.json`), or [`write_file`] / [`write_sharded`] / [`small_model`] /
+//!   `model.safetensors.index.json`), or [`write_file`] / [`write_sharded`] / [`small_model`] / [`tmp_small_model`] /
 //!   [`raw_safetensors`] for a hand-made (possibly broken) header.
 //! - Run the binary: [`tftf`] (any exit), [`cmd`] (the arguments `CMD -i IN -o OUT EXTRA..`),
 //!   [`merge_lora`] (`merge-lora -b BASE -a ADAPTER -o OUT EXTRA..`),
@@ -78,73 +78,83 @@ pub fn write_sharded(dir: &Path, shards: &[Vec<T>]) {
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
 }
 
+/// The config.json of [`small_model`].
+pub const SMALL_CONFIG: &str = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"torch_dtype\": \"float32\",\n  \"hidden_size\": 32\n}\n";
+
 /// A small llama-like model of two shards with config and tokenizer files.
 pub fn small_model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(1);
-    let s1 = vec![
-        rand_t(
+    let model = Model::new()
+        .rand(
             &mut rng,
             "model.embed_tokens.weight",
             DType::BF16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.self_attn.q_proj.weight",
             DType::F8_E4M3,
             &[32, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.self_attn.q_proj.weight_scale_inv",
             DType::F32,
             &[1, 1],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.mlp.up_proj.weight",
             DType::BF16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.input_layernorm.weight",
             DType::F32,
             &[32],
-        ),
-    ];
-    let s2 = vec![
-        rand_t(
+        )
+        .shard()
+        .rand(
             &mut rng,
             "model.layers.1.mlp.up_proj.weight",
             DType::F16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.1.input_layernorm.weight",
             DType::F32,
             &[32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.1.experts.packed",
             DType::F4,
             &[16, 32],
-        ),
-        rand_t(&mut rng, "model.layers.1.step", DType::I64, &[3]),
-        rand_t(&mut rng, "model.norm.weight", DType::F32, &[32]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[64, 32]),
-    ];
-    write_sharded(dir, &[s1.clone(), s2.clone()]);
-    std::fs::write(dir.join("config.json"), "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"torch_dtype\": \"float32\",\n  \"hidden_size\": 32\n}\n").unwrap();
-    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
-    std::fs::write(dir.join("modeling_x.py"), "# remote code\n").unwrap();
-    std::fs::write(dir.join("pytorch_model.bin"), "stale").unwrap();
-    std::fs::write(dir.join("adapter_config.json"), "{}").unwrap();
-    s1.into_iter().chain(s2).collect()
+        )
+        .rand(&mut rng, "model.layers.1.step", DType::I64, &[3])
+        .rand(&mut rng, "model.norm.weight", DType::F32, &[32])
+        .rand(&mut rng, "lm_head.weight", DType::BF16, &[64, 32])
+        .config(SMALL_CONFIG)
+        .file("tokenizer.json", "{}")
+        .file("modeling_x.py", "# remote code\n")
+        .file("pytorch_model.bin", "stale")
+        .file("adapter_config.json", "{}");
+    model.write(dir);
+    model.all()
 }
 
+/// A fresh [`tmp`] folder with [`small_model`] written into `in/`: (folder, `in/`, tensors).
+pub fn tmp_small_model() -> (tempfile::TempDir, PathBuf, Vec<T>) {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = small_model(&src);
+    (d, src, tensors)
+}
+
+/// Runs the `tftf` binary with `args` (and `NO_COLOR=1`), any exit.
 pub fn tftf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args(args)
