@@ -283,7 +283,6 @@ fn bad_scales_fail_with_the_tensor_named() {
 fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut codes = vec![0x38u8; 2048 * 64];
     codes[1500 * 64 + 17] = 0x7F;
     Model::new()
@@ -324,7 +323,6 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
 fn compressed_tensors_weight_scale_multiplies_or_divides() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7F != 0x7F).collect();
     let n = codes.len() as u64; // 254 codes, one row each
     let scales: Vec<f32> = (0..n).map(|i| 0.01 * (i + 1) as f32).collect();
@@ -361,7 +359,6 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
 fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(11);
     // Dense E5M2 weight with 32x32 E8M0 blocks, and a 3-D expert stack with per-expert grids.
     let dense: Vec<u8> = (0..64 * 96)

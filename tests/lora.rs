@@ -29,7 +29,7 @@ fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
 /// alone must be bit-identical.
 fn check_case(case: &str) {
     let dir = peft_case(case);
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
     ok(&tftf(&merge_lora(
@@ -122,7 +122,7 @@ fn peft_modules_to_save() {
     check_case("modules-to-save");
     // The replacement is PEFT's copy, bit for bit.
     let dir = peft_case("modules-to-save");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
     ok(&tftf(&merge_lora(
         &dir.join("base"),
@@ -139,7 +139,7 @@ fn peft_modules_to_save() {
 #[test]
 fn bad_adapters_fail_before_any_output() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
     let base = case.join("base");
 
@@ -208,7 +208,6 @@ fn bad_adapters_fail_before_any_output() {
 
     // Wrong shapes: a rank that disagrees with the config.
     let wrong = d.path().join("wrong");
-    std::fs::create_dir_all(&wrong).unwrap();
     Model::adapter()
         .rand(
             &mut rng,
@@ -239,7 +238,7 @@ fn bad_adapters_fail_before_any_output() {
 #[test]
 fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let train = d.path().join("run");
     copy_dir(&case.join("adapter"), &train.join("checkpoint-500"));
     // An older checkpoint with a broken adapter must not be picked.
@@ -276,9 +275,8 @@ fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
 
 #[test]
 fn fp8_base_is_dequantised_then_merged_in_one_pass() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let src = d.path().join("base");
-    std::fs::create_dir_all(&src).unwrap();
     let (out_f, in_f, r) = (256u64, 128u64, 4u64);
     let codes: Vec<u8> = (0..out_f * in_f).map(|i| (i * 7 % 120) as u8).collect();
     let scales: Vec<u8> = [0.5f32, 0.25]
@@ -387,7 +385,7 @@ fn split_ranks(adapter: &Path, dir: &Path, ranks: usize) -> Vec<PathBuf> {
 #[test]
 fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let ranks = d.path().join("ranks");
     std::fs::create_dir_all(&ranks).unwrap();
     let files = split_ranks(&case.join("adapter/adapter_model.safetensors"), &ranks, 2);
@@ -483,9 +481,8 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
 
 #[test]
 fn moe_experts_per_module_and_grouped_through_target_parameters() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = d.path().join("base");
-    std::fs::create_dir_all(&base).unwrap();
     let (e, r) = (3usize, 2usize);
     let mut rng = Rng(17);
     let vals = |rng: &mut Rng, n: usize| -> Vec<f32> {
@@ -627,7 +624,7 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
 #[test]
 fn run_section_merges_then_renames() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out.safetensors");
     ok(&convert(
         "run",
@@ -657,7 +654,7 @@ fn run_section_merges_then_renames() {
 /// fit neither base layout. Named errors, no output.
 #[test]
 fn unmergeable_dora_and_grouped_factors_fail_before_output() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
 
     // GPT-2 (Conv1D, fan_in_fan_out) adapter plus a DoRA magnitude on c_attn.
@@ -686,7 +683,6 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
 
     // An adapter file without tensors.
     let empty = d.path().join("empty");
-    std::fs::create_dir_all(&empty).unwrap();
     Model::adapter().write(&empty);
     std::fs::copy(
         case.join("adapter/adapter_config.json"),

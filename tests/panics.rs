@@ -262,7 +262,6 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
 fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     Model::new()
         .tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])
         .write(&src);
@@ -379,7 +378,6 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
 fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     Model::new()
         .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
         .write(&src);

@@ -217,7 +217,7 @@ fn no_reflink_copies_on_xfs() {
 
 #[test]
 fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let fs = tftf::sys::filesystem_name(d.path());
     if tftf::sys::can_reflink(fs) {
         println!(

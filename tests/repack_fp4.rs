@@ -376,7 +376,6 @@ fn require_lossless_fails_before_output_and_options_select_work() {
 fn engram_table_larger_than_the_budget_streams_with_identical_output() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(5);
     let (rows, cols) = (6144u64, 4096u64); // 24 MiB of E4M3
     let table: Vec<u8> = (0..rows * cols)

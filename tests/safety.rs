@@ -37,7 +37,6 @@ fn hidden(dir: &Path) -> Vec<String> {
 fn single_file_output_with_force_replaces_that_file_only() {
     let (d, src, _) = tmp_small_model();
     let shared = d.path().join("shared");
-    std::fs::create_dir_all(&shared).unwrap();
     // Another model's files in the folder the single file goes to.
     Model::new()
         .tensor("x", tftf::format::dtype::DType::U8, &[4], vec![1; 4])

@@ -295,23 +295,18 @@ fn parser_missing_value_for_flag_raises() {
 
 #[test]
 fn parser_three_pipes_chained() {
-    let (d, base) = base_in_tmp();
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &[
-            "--key-filter",
-            "--include",
-            "*q_proj*",
-            "--dtype-cast",
-            "--dtype",
-            "bfloat16",
-            "--key-rename",
-            "--rule",
-            "^model",
-            "base",
-        ],
-    );
+    let got = run_base(&[
+        "--key-filter",
+        "--include",
+        "*q_proj*",
+        "--dtype-cast",
+        "--dtype",
+        "bfloat16",
+        "--key-rename",
+        "--rule",
+        "^model",
+        "base",
+    ]);
     assert_eq!(names(&got), ["base.layers.0.self_attn.q_proj.weight"]);
     assert!(all_dtypes(&got, "BF16"));
 }
