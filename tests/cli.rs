@@ -472,10 +472,7 @@ fn bad_input(raw: Vec<u8>, needles: &[&str]) {
 }
 
 fn raw(header: &str, data_len: usize) -> Vec<u8> {
-    let mut v = (header.len() as u64).to_le_bytes().to_vec();
-    v.extend_from_slice(header.as_bytes());
-    v.extend(std::iter::repeat_n(7u8, data_len));
-    v
+    raw_safetensors(header, &vec![7u8; data_len])
 }
 
 #[test]

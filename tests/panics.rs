@@ -308,9 +308,7 @@ fn many_tiny_tensors(dir: &Path, n: usize) -> (std::path::PathBuf, u64) {
         ));
     }
     json.push('}');
-    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(json.as_bytes());
-    bytes.resize(bytes.len() + n, 0);
+    let bytes = raw_safetensors(&json, &vec![0; n]);
     let path = dir.join("model.safetensors");
     std::fs::write(&path, bytes).unwrap();
     (path, json.len() as u64)

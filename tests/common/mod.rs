@@ -1,16 +1,21 @@
-//! Helpers shared by the integration tests: synthetic checkpoints and running the binary.
+//! Helpers shared by the integration tests (`mod common; use common::*;`).
 //!
-//! - Build a checkpoint: [`Model`] (`Model::new().tensor(..).rand(..).shard().config(..)
-//!   .file(..).write(dir)`; one shard is `model.safetensors`, several are numbered shards plus
-//!   `model.safetensors.index.json`), or [`write_file`] / [`write_sharded`] / [`small_model`] / [`tmp_small_model`] /
-//!   [`raw_safetensors`] for a hand-made (possibly broken) header.
-//! - Run the binary: [`tftf`] (any exit), [`cmd`] (the arguments `CMD -i IN -o OUT EXTRA..`),
-//!   [`merge_lora`] (`merge-lora -b BASE -a ADAPTER -o OUT EXTRA..`),
-//!   [`convert`] (`tftf(&cmd(..))`), [`ok`],
-//!   [`fails`] (exit 1), [`usage_error`] (exit 2), [`exit_code`]; [`stdout`] / [`stderr`].
-//! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of
-//!   shards, through the `safetensors` crate), [`read_json`], [`listing`], [`copy_dir`].
-//! - Bytes: [`t`], [`rand_t`], [`f32_bytes`], [`f32s_of`], [`Rng`], [`tmp`], [`s`].
+//! - Write a checkpoint with [`Model`]:
+//!   `Model::new().rand(&mut rng, "w", DType::BF16, &[4, 4]).config(json).write(&dir)`.
+//!   One shard is `model.safetensors`; `.shard()` starts another, and several shards (or one,
+//!   after `.indexed()`) are `model-0000i-of-0000n.safetensors` plus the index;
+//!   `Model::adapter()` writes `adapter_model.safetensors`; `.file(name, text)` adds side files.
+//!   Lower level: [`t`], [`rand_t`], [`write_file`], [`write_sharded`], [`raw_safetensors`]
+//!   (a hand-made, possibly broken header). Ready-made: [`small_model`], [`tmp_small_model`].
+//! - Run the binary: [`tftf`]`(&args)` returns the `Output` (any exit); [`ok`] asserts success;
+//!   [`fails`] / [`usage_error`] assert exit 1 / 2 and return stderr; [`exit_code`] gives
+//!   (code, stdout, stderr). Arguments: [`cmd`]`("passthrough", &src, &out, &["-q"])` is
+//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it, [`merge_lora`] is
+//!   `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an argument.
+//! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
+//!   via the `safetensors` crate), [`read_json`], [`listing`], [`stdout`], [`stderr`].
+//! - Misc: [`tmp`] (a temporary folder), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`],
+//!   [`Rng`].
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
