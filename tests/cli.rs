@@ -15,18 +15,9 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 
 #[test]
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&tftf(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--quiet",
-    ]));
+    ok(&convert("passthrough", &src, &out, &["--quiet"]));
     let got = load_all(&out);
     assert_eq!(got.len(), tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -59,16 +50,12 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     }
     // An explicit --max-shard-size repacks: everything fits one file, no index.
     let packed = d.path().join("packed");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&packed),
-        "--max-shard-size",
-        "1GB",
-        "-q",
-    ]));
+        &src,
+        &packed,
+        &["--max-shard-size", "1GB", "-q"],
+    ));
     assert_eq!(
         listing(&packed),
         [
@@ -88,9 +75,7 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
 
 #[test]
 fn input_forms_file_dir_without_index_and_index_path() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let want = tensors.len();
     // Index file path.
     let o1 = d.path().join("o1");
@@ -110,7 +95,7 @@ fn input_forms_file_dir_without_index_and_index_path() {
     // A single file, to a single file.
     let one = src.join("model-00001-of-00002.safetensors");
     let o3 = d.path().join("single.safetensors");
-    ok(&tftf(&["passthrough", "-i", s(&one), "-o", s(&o3), "-q"]));
+    ok(&convert("passthrough", &one, &o3, &["-q"]));
     assert_eq!(load_all(&o3).len(), 5);
 }
 
@@ -129,16 +114,12 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     std::fs::create_dir_all(&src).unwrap();
     write_file(&src.join("model.safetensors"), &tensors);
     let out = d.path().join("out");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--max-shard-size",
-        "6KB",
-        "-q",
-    ]));
+        &src,
+        &out,
+        &["--max-shard-size", "6KB", "-q"],
+    ));
     let names = listing(&out);
     assert_eq!(
         names,
@@ -166,33 +147,20 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     }
     // The output reads back as a checkpoint through its index.
     let again = d.path().join("again.safetensors");
-    ok(&tftf(&[
-        "passthrough",
-        "-i",
-        s(&out),
-        "-o",
-        s(&again),
-        "-q",
-    ]));
+    ok(&convert("passthrough", &out, &again, &["-q"]));
     assert_eq!(load_all(&again).len(), 5);
 }
 
 #[test]
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = small_model(&src);
+    let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bfloat16",
-        "-q",
-    ]));
+        &src,
+        &out,
+        &["--dtype", "bfloat16", "-q"],
+    ));
     let got = load_all(&out);
     for (name, dtype, _, data) in &tensors {
         let (gd, _, gdata) = &got[name];
@@ -225,17 +193,12 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
     // f16 target, and --cast-ints converting the I64 tensor.
     let out2 = d.path().join("out2");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out2),
-        "--dtype",
-        "f16",
-        "--cast-ints",
-        "-q",
-    ]));
+        &src,
+        &out2,
+        &["--dtype", "f16", "--cast-ints", "-q"],
+    ));
     let got2 = load_all(&out2);
     let (_, _, _, f32_data) = tensors.iter().find(|t| t.0 == "model.norm.weight").unwrap();
     let want: Vec<u8> = f32_data
@@ -261,29 +224,27 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
 #[test]
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out.safetensors");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--include",
-        "model.layers.*",
-        "--include",
-        "lm_head.*",
-        "--exclude",
-        "*.weight_scale_inv",
-        "--exclude",
-        "*layernorm*",
-        "--rename",
-        r"^model\.layers\.(\d+)\.",
-        r"blk.\1.",
-    ]));
+        &src,
+        &out,
+        &[
+            "-q",
+            "--include",
+            "model.layers.*",
+            "--include",
+            "lm_head.*",
+            "--exclude",
+            "*.weight_scale_inv",
+            "--exclude",
+            "*layernorm*",
+            "--rename",
+            r"^model\.layers\.(\d+)\.",
+            r"blk.\1.",
+        ],
+    ));
     let names: Vec<String> = load_all(&out).into_keys().collect();
     assert_eq!(
         names,
@@ -300,20 +261,14 @@ fn filters_and_renames_follow_fnmatch_and_python_groups() {
 
 #[test]
 fn rename_collision_names_both_sources_and_writes_nothing() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let err = fails(&[
+    let err = fails(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--rename",
-        r"layers\.\d+\.",
-        "L.",
-    ]);
+        &src,
+        &out,
+        &["--rename", r"layers\.\d+\.", "L."],
+    ));
     assert!(err.contains("`model.layers.0.mlp.up_proj.weight`"), "{err}");
     assert!(err.contains("`model.layers.1.mlp.up_proj.weight`"), "{err}");
     assert!(err.contains("`model.L.mlp.up_proj.weight`"), "{err}");
@@ -322,45 +277,43 @@ fn rename_collision_names_both_sources_and_writes_nothing() {
 
 #[test]
 fn run_applies_sections_in_command_line_order() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     // Rename first, then the filter sees the new names.
     let o1 = d.path().join("o1.safetensors");
-    ok(&tftf(&[
+    ok(&convert(
         "run",
-        "-i",
-        s(&src),
-        "-o",
-        s(&o1),
-        "-q",
-        "--key-rename",
-        r"^model\.",
-        "",
-        "--key-filter",
-        "layers.1.*",
-        "--dtype-cast",
-        "bf16",
-    ]));
+        &src,
+        &o1,
+        &[
+            "-q",
+            "--key-rename",
+            r"^model\.",
+            "",
+            "--key-filter",
+            "layers.1.*",
+            "--dtype-cast",
+            "bf16",
+        ],
+    ));
     let got = load_all(&o1);
     assert_eq!(got.len(), 4);
     assert_eq!(got["layers.1.input_layernorm.weight"].0, "BF16");
     // Filter first on the old names: nothing matches `layers.1.*`, which is refused unless
     // --allow-empty, and then gives an empty output.
     let o2 = d.path().join("o2.safetensors");
-    let args = [
+    let args = cmd(
         "run",
-        "-i",
-        s(&src),
-        "-o",
-        s(&o2),
-        "-q",
-        "--key-filter",
-        "layers.1.*",
-        "--key-rename",
-        r"^model\.",
-        "",
-    ];
+        &src,
+        &o2,
+        &[
+            "-q",
+            "--key-filter",
+            "layers.1.*",
+            "--key-rename",
+            r"^model\.",
+            "",
+        ],
+    );
     let err = fails(&args);
     assert_eq!(
         err,
@@ -391,18 +344,12 @@ fn output_is_identical_across_threads_budgets_and_copy_modes() {
     .enumerate()
     {
         let out = d.path().join(format!("out{i}"));
-        let mut args = vec![
+        let mut args = cmd(
             "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--dtype",
-            "bf16",
-            "-q",
-            "--max-shard-size",
-            "10MiB",
-        ];
+            &src,
+            &out,
+            &["--dtype", "bf16", "-q", "--max-shard-size", "10MiB"],
+        );
         args.extend(extra);
         ok(&tftf(&args));
         let files: Vec<Vec<u8>> = listing(&out)
@@ -419,23 +366,15 @@ fn output_is_identical_across_threads_budgets_and_copy_modes() {
 
 #[test]
 fn report_and_dry_run() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let report = d.path().join("plan.json");
-    let o = tftf(&[
+    let o = convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bf16",
-        "--dry-run",
-        "--report",
-        s(&report),
-    ]);
+        &src,
+        &out,
+        &["--dtype", "bf16", "--dry-run", "--report", s(&report)],
+    );
     ok(&o);
     let text = stdout(&o);
     assert!(text.contains("dry run: nothing written"), "{text}");
@@ -446,25 +385,17 @@ fn report_and_dry_run() {
     );
     assert!(text.contains("disk: needs"), "{text}");
     assert!(!out.exists(), "dry run created the output");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: serde_json::Value = read_json(&report);
     assert_eq!(r["dry_run"], true);
 
     let report2 = d.path().join("run.json");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bf16",
-        "-q",
-        "--report",
-        s(&report2),
-    ]));
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report2).unwrap()).unwrap();
+        &src,
+        &out,
+        &["--dtype", "bf16", "-q", "--report", s(&report2)],
+    ));
+    let r: serde_json::Value = read_json(&report2);
     assert_eq!(r["status"], "ok");
     assert_eq!(r["tensors"]["written"], 11);
     assert_eq!(r["tensors"]["computed"], 5);
@@ -477,52 +408,36 @@ fn report_and_dry_run() {
 
     // A failing run still writes a report saying why.
     let report3 = d.path().join("fail.json");
-    fails(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&report3),
-    ]);
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report3).unwrap()).unwrap();
+    fails(&cmd("passthrough", &src, &out, &["--report", s(&report3)]));
+    let r: serde_json::Value = read_json(&report3);
     assert_eq!(r["status"], "error");
     assert!(r["error"].as_str().unwrap().contains("not empty"));
 }
 
 #[test]
 fn refuses_output_inside_input_and_non_empty_output_without_force() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&src.join("sub"))]);
+    let (d, src, _) = tmp_small_model();
+    let err = fails(&cmd("passthrough", &src, &src.join("sub"), &[]));
     assert!(err.contains("is the input or inside it"), "{err}");
     assert!(!src.join("sub").exists());
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&src)]);
+    let err = fails(&cmd("passthrough", &src, &src, &[]));
     assert!(err.contains("is the input or inside it"), "{err}");
 
     let out = d.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("model-00001-of-00009.safetensors"), "stale").unwrap();
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &src, &out, &[]));
     assert!(
         err.contains("not empty") && err.contains("--force"),
         "{err}"
     );
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--force",
-        "-q",
-        "--max-shard-size",
-        "1GB",
-    ]));
+        &src,
+        &out,
+        &["--force", "-q", "--max-shard-size", "1GB"],
+    ));
     // Stale shards are replaced; unrelated files stay.
     assert_eq!(
         listing(&out),
@@ -545,7 +460,7 @@ fn bad_input(raw: Vec<u8>, needles: &[&str]) {
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("model.safetensors"), raw).unwrap();
     let out = d.path().join("out");
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &src, &out, &[]));
     assert!(err.contains("model.safetensors"), "no file name in: {err}");
     for n in needles {
         assert!(err.contains(n), "`{n}` not in: {err}");
@@ -557,10 +472,7 @@ fn bad_input(raw: Vec<u8>, needles: &[&str]) {
 }
 
 fn raw(header: &str, data_len: usize) -> Vec<u8> {
-    let mut v = (header.len() as u64).to_le_bytes().to_vec();
-    v.extend_from_slice(header.as_bytes());
-    v.extend(std::iter::repeat_n(7u8, data_len));
-    v
+    raw_safetensors(header, &vec![7u8; data_len])
 }
 
 #[test]
@@ -624,7 +536,7 @@ fn cross_shard_faults_are_caught_before_output() {
     std::fs::create_dir_all(&dup).unwrap();
     write_file(&dup.join("x-1.safetensors"), std::slice::from_ref(&a));
     write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
-    let err = fails(&["passthrough", "-i", s(&dup), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &dup, &out, &[]));
     assert!(
         err.contains("`a` is defined twice")
             && err.contains("x-1.safetensors")
@@ -636,7 +548,7 @@ fn cross_shard_faults_are_caught_before_output() {
     let miss = d.path().join("miss");
     write_sharded(&miss, &[vec![a.clone()], vec![b.clone()]]);
     std::fs::remove_file(miss.join("model-00002-of-00002.safetensors")).unwrap();
-    let err = fails(&["passthrough", "-i", s(&miss), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &miss, &out, &[]));
     assert!(
         err.contains("shard `model-00002-of-00002.safetensors`")
             && err.contains("`b`")
@@ -653,7 +565,7 @@ fn cross_shard_faults_are_caught_before_output() {
         r#""b":"model-00001-of-00002.safetensors""#,
     );
     std::fs::write(&idx, text).unwrap();
-    let err = fails(&["passthrough", "-i", s(&wrong), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &wrong, &out, &[]));
     assert!(
         err.contains("model-00001-of-00002.safetensors")
             && err.contains("`b`")
@@ -669,61 +581,26 @@ fn cross_shard_faults_are_caught_before_output() {
         r#"{"weight_map":{"a":"../x.safetensors"}}"#,
     )
     .unwrap();
-    let err = fails(&["passthrough", "-i", s(&esc), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &esc, &out, &[]));
     assert!(err.contains("not a file in this directory"), "{err}");
 
     // Nothing to read.
     let empty = d.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let err = fails(&["passthrough", "-i", s(&empty), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &empty, &out, &[]));
     assert!(err.contains("no *.safetensors files"), "{err}");
     assert!(!out.exists());
 }
 
 #[test]
 fn usage_errors_exit_2() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     for args in [
-        vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--dtype",
-            "int4",
-        ],
-        vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--max-shard-size",
-            "5XB",
-        ],
-        vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--memory-budget",
-            "1KB",
-        ],
-        vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--rename",
-            "(",
-            "x",
-        ],
+        cmd("passthrough", &src, &out, &["--dtype", "int4"]),
+        cmd("passthrough", &src, &out, &["--max-shard-size", "5XB"]),
+        cmd("passthrough", &src, &out, &["--memory-budget", "1KB"]),
+        cmd("passthrough", &src, &out, &["--rename", "(", "x"]),
         vec!["passthrough", "-o", s(&out)],
         vec!["frobnicate"],
     ] {
@@ -735,9 +612,7 @@ fn usage_errors_exit_2() {
 
 #[test]
 fn info_reports_sizes_totals_and_widest_layer() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (_d, src, _) = tmp_small_model();
     let o = tftf(&["info", s(&src), "--json"]);
     ok(&o);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
@@ -781,15 +656,11 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
         .flat_map(|v| v.to_le_bytes())
         .collect();
     let fp8 = vec![0x10u8, 0x7F, 0x20];
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t("x", DType::F32, &[5], vals.clone()),
-            t("q", DType::F8_E4M3, &[3], fp8),
-            t("ok", DType::BF16, &[1], vec![0x80, 0x3F]),
-        ],
-    );
+    Model::new()
+        .tensor("x", DType::F32, &[5], vals.clone())
+        .tensor("q", DType::F8_E4M3, &[3], fp8)
+        .tensor("ok", DType::BF16, &[1], vec![0x80, 0x3F])
+        .write(&src);
     let o = tftf(&["validate", s(&src)]);
     ok(&o);
     assert!(stdout(&o).starts_with("ok:"), "{}", stdout(&o));
@@ -807,10 +678,7 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
     assert!(!text.contains("`ok`"), "{text}");
 
     vals.truncate(8);
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("x", DType::F32, &[2], vals)],
-    );
+    Model::new().tensor("x", DType::F32, &[2], vals).write(&src);
     ok(&tftf(&[
         "validate",
         s(&src),
@@ -829,13 +697,11 @@ fn validate_lists_every_broken_shard() {
     let d = tmp();
     let src = d.path().join("in");
     let mut rng = Rng(8);
-    write_sharded(
-        &src,
-        &[
-            vec![rand_t(&mut rng, "a", DType::U8, &[4])],
-            vec![rand_t(&mut rng, "b", DType::U8, &[4])],
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "a", DType::U8, &[4])
+        .shard()
+        .rand(&mut rng, "b", DType::U8, &[4])
+        .write(&src);
     for n in [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -875,20 +741,20 @@ fn ctrl_c_removes_temporary_output() {
     );
     let out = d.path().join("out");
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
-        .args([
+        .args(cmd(
             "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--dtype",
-            "bf16",
-            "--threads",
-            "1",
-            "--memory-budget",
-            "16MiB",
-            "-q",
-        ])
+            &src,
+            &out,
+            &[
+                "--dtype",
+                "bf16",
+                "--threads",
+                "1",
+                "--memory-budget",
+                "16MiB",
+                "-q",
+            ],
+        ))
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -940,7 +806,7 @@ fn full_disk_is_refused_before_writing() {
         return;
     }
     let out = small.join("out");
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &src, &out, &[]));
     let _ = std::process::Command::new("umount").arg(&small).status();
     assert!(
         err.contains("not enough space") && err.contains("out"),

@@ -19,10 +19,6 @@ fn e4m3_codes(rng: &mut Rng, n: usize) -> Vec<u8> {
         .collect()
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 /// `bf16(f32(w) * s[i/128][j/128])` written directly from the formula.
 fn expected_bf16(
     codes: &[u8],
@@ -57,31 +53,27 @@ fn v3_model(dir: &std::path::Path) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
     let codes = e4m3_codes(&mut rng, 300 * 260);
     let scales: Vec<f32> = (0..9).map(|i| 0.5 + i as f32 * 0.37).collect();
     let norm = rng.f32s(260);
-    write_sharded(
-        dir,
-        &[
-            vec![
-                t(
-                    "model.layers.0.mlp.down_proj.weight",
-                    DType::F8_E4M3,
-                    &[300, 260],
-                    codes.clone(),
-                ),
-                t(
-                    "model.layers.0.input_layernorm.weight",
-                    DType::F32,
-                    &[260],
-                    norm.clone(),
-                ),
-            ],
-            vec![t(
-                "model.layers.0.mlp.down_proj.weight_scale_inv",
-                DType::F32,
-                &[3, 3],
-                f32_bytes(&scales),
-            )],
-        ],
-    );
+    Model::new()
+        .tensor(
+            "model.layers.0.mlp.down_proj.weight",
+            DType::F8_E4M3,
+            &[300, 260],
+            codes.clone(),
+        )
+        .tensor(
+            "model.layers.0.input_layernorm.weight",
+            DType::F32,
+            &[260],
+            norm.clone(),
+        )
+        .shard()
+        .tensor(
+            "model.layers.0.mlp.down_proj.weight_scale_inv",
+            DType::F32,
+            &[3, 3],
+            f32_bytes(&scales),
+        )
+        .write(dir);
     std::fs::write(dir.join("config.json"), CONFIG).unwrap();
     (codes, scales, norm)
 }
@@ -93,16 +85,12 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--report",
-        s(&report),
-    ]));
+        &src,
+        &out,
+        &["-q", "--report", s(&report)],
+    ));
     let got = load_all(&out);
     assert_eq!(got.len(), 2, "the scale is dropped");
     let w = &got["model.layers.0.mlp.down_proj.weight"];
@@ -119,24 +107,19 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     assert_eq!(v["torch_dtype"], "bfloat16");
     let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["architectures", "torch_dtype", "vocab_size"]);
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: serde_json::Value = read_json(&report);
     assert_eq!(r["ops"][0]["op"], "dequant-fp8 F8_E4M3 -> BF16");
     assert_eq!(r["ops"][0]["tensors"], 1);
     assert_eq!(r["ops"][0]["bytes_in"], 300 * 260);
     assert_eq!(r["ops"][0]["bytes_out"], 300 * 260 * 2);
 
     // f32 output; dry-run shows the config edit.
-    let o = tftf(&[
+    let o = convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&d.path().join("f32")),
-        "--dtype",
-        "f32",
-        "--dry-run",
-    ]);
+        &src,
+        &d.path().join("f32"),
+        &["--dtype", "f32", "--dry-run"],
+    );
     ok(&o);
     assert!(
         stdout(&o).contains("quantization_config removed"),
@@ -159,23 +142,21 @@ fn output_is_identical_across_threads_and_budgets() {
     let (rows, cols) = (2048usize, 4096usize);
     let codes = e4m3_codes(&mut rng, rows * cols);
     let scales: Vec<f32> = (0..16 * 32).map(|i| 2f32.powi(i % 9 - 4) * 1.1).collect();
-    write_sharded(
-        &src,
-        &[vec![
-            t(
-                "w.weight",
-                DType::F8_E4M3,
-                &[rows as u64, cols as u64],
-                codes.clone(),
-            ),
-            t(
-                "w.weight_scale_inv",
-                DType::F32,
-                &[16, 32],
-                f32_bytes(&scales),
-            ),
-        ]],
-    );
+    Model::new()
+        .tensor(
+            "w.weight",
+            DType::F8_E4M3,
+            &[rows as u64, cols as u64],
+            codes.clone(),
+        )
+        .tensor(
+            "w.weight_scale_inv",
+            DType::F32,
+            &[16, 32],
+            f32_bytes(&scales),
+        )
+        .indexed()
+        .write(&src);
     let mut outs = Vec::new();
     for (i, extra) in [
         ["--threads", "1", "--memory-budget", "16MiB"],
@@ -185,16 +166,7 @@ fn output_is_identical_across_threads_and_budgets() {
     .enumerate()
     {
         let out = d.path().join(format!("o{i}"));
-        let mut args = vec![
-            "dequant-fp8",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "-q",
-            "--block-size",
-            "128",
-        ];
+        let mut args = cmd("dequant-fp8", &src, &out, &["-q", "--block-size", "128"]);
         args.extend(extra.iter());
         ok(&tftf(&args));
         outs.push(std::fs::read(out.join("model.safetensors")).unwrap());
@@ -212,25 +184,21 @@ fn missing_and_orphan_scales_fail_before_output() {
     let mut rng = Rng(6);
     let out = d.path().join("out");
     let src = d.path().join("missing");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t(
-                "a.weight",
-                DType::F8_E4M3,
-                &[4, 4],
-                e4m3_codes(&mut rng, 16),
-            ),
-            t(
-                "b.weight",
-                DType::F8_E4M3,
-                &[4, 4],
-                e4m3_codes(&mut rng, 16),
-            ),
-        ],
-    );
-    let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
+    Model::new()
+        .tensor(
+            "a.weight",
+            DType::F8_E4M3,
+            &[4, 4],
+            e4m3_codes(&mut rng, 16),
+        )
+        .tensor(
+            "b.weight",
+            DType::F8_E4M3,
+            &[4, 4],
+            e4m3_codes(&mut rng, 16),
+        )
+        .write(&src);
+    let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
     assert!(
         err.contains("model.safetensors: FP8 weight `a.weight` has no scale"),
         "{err}"
@@ -244,29 +212,22 @@ fn missing_and_orphan_scales_fail_before_output() {
         "{err}"
     );
     assert!(!out.exists());
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--allow-unscaled-fp8",
-    ]));
+        &src,
+        &out,
+        &["-q", "--allow-unscaled-fp8"],
+    ));
     let got = load_all(&out);
     assert_eq!(got["a.weight"].0, "BF16");
 
     let src2 = d.path().join("orphan");
-    std::fs::create_dir_all(&src2).unwrap();
-    write_file(
-        &src2.join("model.safetensors"),
-        &[
-            t("a.weight", DType::BF16, &[2], vec![0, 0, 0, 0]),
-            t("a.weight_scale_inv", DType::F32, &[1], f32_bytes(&[1.0])),
-        ],
-    );
+    Model::new()
+        .tensor("a.weight", DType::BF16, &[2], vec![0, 0, 0, 0])
+        .tensor("a.weight_scale_inv", DType::F32, &[1], f32_bytes(&[1.0]))
+        .write(&src2);
     let out2 = d.path().join("out2");
-    let err = fails(&["dequant-fp8", "-i", s(&src2), "-o", s(&out2)]);
+    let err = fails(&cmd("dequant-fp8", &src2, &out2, &[]));
     assert!(
         err.contains(
             "scale `a.weight_scale_inv` has no FP8 weight to apply to (expected `a.weight`)"
@@ -294,20 +255,16 @@ fn bad_scales_fail_with_the_tensor_named() {
     .enumerate()
     {
         let src = d.path().join(format!("in{i}"));
-        std::fs::create_dir_all(&src).unwrap();
-        write_file(
-            &src.join("model.safetensors"),
-            &[
-                t(
-                    "w.weight",
-                    DType::F8_E4M3,
-                    &[300, 260],
-                    e4m3_codes(&mut rng, 300 * 260),
-                ),
-                t("w.weight_scale_inv", sdtype, &sshape, sbytes),
-            ],
-        );
-        let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
+        Model::new()
+            .tensor(
+                "w.weight",
+                DType::F8_E4M3,
+                &[300, 260],
+                e4m3_codes(&mut rng, 300 * 260),
+            )
+            .tensor("w.weight_scale_inv", sdtype, &sshape, sbytes)
+            .write(&src);
+        let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
         assert!(
             err.contains("scale `w.weight_scale_inv` of `w.weight`") && err.contains(needle),
             "{err}"
@@ -317,15 +274,7 @@ fn bad_scales_fail_with_the_tensor_named() {
     // A block size that contradicts config.json is a usage error.
     let src = d.path().join("cfg");
     v3_model(&src);
-    let o = tftf(&[
-        "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--block-size",
-        "64",
-    ]);
+    let o = convert("dequant-fp8", &src, &out, &["--block-size", "64"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("disagrees with config.json"));
 }
@@ -334,31 +283,24 @@ fn bad_scales_fail_with_the_tensor_named() {
 fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut codes = vec![0x38u8; 2048 * 64];
     codes[1500 * 64 + 17] = 0x7F;
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t("w.weight", DType::F8_E4M3, &[2048, 64], codes),
-            t(
-                "w.weight_scale_inv",
-                DType::F32,
-                &[16, 1],
-                f32_bytes(&[1.0; 16]),
-            ),
-        ],
-    );
+    Model::new()
+        .tensor("w.weight", DType::F8_E4M3, &[2048, 64], codes)
+        .tensor(
+            "w.weight_scale_inv",
+            DType::F32,
+            &[16, 1],
+            f32_bytes(&[1.0; 16]),
+        )
+        .write(&src);
     let out = d.path().join("out");
-    let err = fails(&[
+    let err = fails(&cmd(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--memory-budget",
-        "16MiB",
-    ]);
+        &src,
+        &out,
+        &["--memory-budget", "16MiB"],
+    ));
     assert!(
         err.contains(
             "model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"
@@ -366,15 +308,12 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
         "{err}"
     );
     assert!(!out.exists(), "left behind: {:?}", listing(&out));
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--allow-nonfinite",
-    ]));
+        &src,
+        &out,
+        &["-q", "--allow-nonfinite"],
+    ));
     let w = &load_all(&out)["w.weight"].2;
     let at = (1500 * 64 + 17) * 2;
     assert_eq!(&w[at..at + 2], &0x7FC0u16.to_le_bytes());
@@ -384,31 +323,21 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
 fn compressed_tensors_weight_scale_multiplies_or_divides() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7F != 0x7F).collect();
     let n = codes.len() as u64; // 254 codes, one row each
     let scales: Vec<f32> = (0..n).map(|i| 0.01 * (i + 1) as f32).collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t("x.weight", DType::F8_E4M3, &[n, 1], codes.clone()),
-            t("x.weight_scale", DType::F32, &[n, 1], f32_bytes(&scales)),
-        ],
-    );
+    Model::new()
+        .tensor("x.weight", DType::F8_E4M3, &[n, 1], codes.clone())
+        .tensor("x.weight_scale", DType::F32, &[n, 1], f32_bytes(&scales))
+        .write(&src);
     for (mode, divide) in [("multiply", false), ("divide", true)] {
         let out = d.path().join(mode);
-        ok(&tftf(&[
+        ok(&convert(
             "dequant-fp8",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "-q",
-            "--dtype",
-            "f32",
-            "--scale-mode",
-            mode,
-        ]));
+            &src,
+            &out,
+            &["-q", "--dtype", "f32", "--scale-mode", mode],
+        ));
         let got = &load_all(&out)["x.weight"].2;
         let want: Vec<u8> = codes
             .iter()
@@ -430,7 +359,6 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
 fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(11);
     // Dense E5M2 weight with 32x32 E8M0 blocks, and a 3-D expert stack with per-expert grids.
     let dense: Vec<u8> = (0..64 * 96)
@@ -444,33 +372,32 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
     let dense_scale: Vec<u8> = (0..6).map(|i| 120 + i as u8).collect();
     let experts = e4m3_codes(&mut rng, 3 * 40 * 70);
     let expert_scale: Vec<u8> = (0..3 * 2 * 3).map(|i| 118 + (i % 13) as u8).collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t(
-                "layers.0.attn.wq.weight",
-                DType::F8_E5M2,
-                &[64, 96],
-                dense.clone(),
-            ),
-            t(
-                "layers.0.attn.wq.scale",
-                DType::F8_E8M0,
-                &[2, 3],
-                dense_scale.clone(),
-            ),
-            t(
-                "layers.0.ffn.experts.w1.weight",
-                DType::F8_E4M3,
-                &[3, 40, 70],
-                experts.clone(),
-            ),
-            t(
-                "layers.0.ffn.experts.w1.scale",
-                DType::F8_E8M0,
-                &[3, 2, 3],
-                expert_scale.clone(),
-            ),
+    Model::new()
+        .tensor(
+            "layers.0.attn.wq.weight",
+            DType::F8_E5M2,
+            &[64, 96],
+            dense.clone(),
+        )
+        .tensor(
+            "layers.0.attn.wq.scale",
+            DType::F8_E8M0,
+            &[2, 3],
+            dense_scale.clone(),
+        )
+        .tensor(
+            "layers.0.ffn.experts.w1.weight",
+            DType::F8_E4M3,
+            &[3, 40, 70],
+            experts.clone(),
+        )
+        .tensor(
+            "layers.0.ffn.experts.w1.scale",
+            DType::F8_E8M0,
+            &[3, 2, 3],
+            expert_scale.clone(),
+        )
+        .tensors([
             // MXFP4 experts (I8 codes with E8M0 scales) are not FP8: both pass through.
             t(
                 "layers.0.ffn.experts.0.w2.weight",
@@ -478,24 +405,21 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
                 &[4, 16],
                 vec![0x21; 64],
             ),
-            t(
-                "layers.0.ffn.experts.0.w2.scale",
-                DType::F8_E8M0,
-                &[4, 1],
-                vec![127; 4],
-            ),
-        ],
-    );
+        ])
+        .tensor(
+            "layers.0.ffn.experts.0.w2.scale",
+            DType::F8_E8M0,
+            &[4, 1],
+            vec![127; 4],
+        )
+        .write(&src);
     let out = d.path().join("out");
-    let o = tftf(&[
+    let o = convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&d.path().join("r.json")),
-    ]);
+        &src,
+        &out,
+        &["--report", s(&d.path().join("r.json"))],
+    );
     ok(&o);
     let got = load_all(&out);
     let e8m0 = |b: u8| 2f32.powi(b as i32 - 127);
@@ -528,20 +452,20 @@ fn run_section_order_dequant_then_cast() {
     let src = d.path().join("in");
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&tftf(&[
+    ok(&convert(
         "run",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--dequant-fp8",
-        "--dtype-cast",
-        "f32",
-        "--key-rename",
-        r"^model\.",
-        "",
-    ]));
+        &src,
+        &out,
+        &[
+            "-q",
+            "--dequant-fp8",
+            "--dtype-cast",
+            "f32",
+            "--key-rename",
+            r"^model\.",
+            "",
+        ],
+    ));
     let got = load_all(&out);
     let w = &got["layers.0.mlp.down_proj.weight"];
     assert_eq!(w.0, "F32");

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{tftf as run_tftf, Rng};
+use common::*;
 use tftf::format::dtype::DType;
 
 fn gpu_present() -> bool {
@@ -22,66 +22,56 @@ fn auto_falls_back_to_the_cpu_and_cuda_is_refused_before_any_output() {
     if gpu_present() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tmp();
     let model = dir.path().join("m");
     let mut rng = Rng(9);
-    common::write_sharded(
-        &model,
-        &[vec![common::rand_t(&mut rng, "w", DType::F32, &[4, 8])]],
-    );
+    Model::new()
+        .rand(&mut rng, "w", DType::F32, &[4, 8])
+        .indexed()
+        .write(&model);
     let out = dir.path().join("o");
     let report = dir.path().join("r.json");
-    let r = run_tftf(&[
+    let r = tftf(&[
         "passthrough",
-        model.to_str().unwrap(),
+        s(&model),
         "-o",
-        out.to_str().unwrap(),
+        s(&out),
         "--dtype",
         "bf16",
         "--report",
-        report.to_str().unwrap(),
+        s(&report),
     ]);
-    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let stdout = String::from_utf8_lossy(&r.stdout);
+    ok(&r);
+    let stdout = stdout(&r);
     assert!(
         stdout.contains("computed on the CPU (--device auto: no CUDA"),
         "{stdout}"
     );
-    let rep: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let rep = read_json(&report);
     assert_eq!(rep["device"], "cpu");
     assert!(rep["device_note"].as_str().unwrap().contains("CUDA"));
 
     let out2 = dir.path().join("o2");
     for dev in ["cuda", "cuda:3"] {
-        let r = run_tftf(&[
+        let r = tftf(&[
             "passthrough",
-            model.to_str().unwrap(),
+            s(&model),
             "-o",
-            out2.to_str().unwrap(),
+            s(&out2),
             "--dtype",
             "bf16",
             "--device",
             dev,
         ]);
         assert_eq!(r.status.code(), Some(1));
-        let err = String::from_utf8_lossy(&r.stderr);
+        let err = stderr(&r);
         assert!(err.contains("error: --device cuda:"), "{err}");
         assert!(err.contains("use --device cpu (or auto)"), "{err}");
         assert!(!out2.exists(), "no output after a refused device");
     }
-    let r = run_tftf(&[
-        "passthrough",
-        model.to_str().unwrap(),
-        "-o",
-        out2.to_str().unwrap(),
-        "--device",
-        "tpu",
-    ]);
+    let r = tftf(&["passthrough", s(&model), "-o", s(&out2), "--device", "tpu"]);
     assert_eq!(r.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&r.stderr).contains("--device tpu: use auto, cpu, cuda or cuda:N")
-    );
+    assert!(stderr(&r).contains("--device tpu: use auto, cpu, cuda or cuda:N"));
 }
 
 #[test]
@@ -89,9 +79,9 @@ fn selftest_checks_the_cpu_ops_without_a_gpu() {
     if gpu_present() {
         return;
     }
-    let r = run_tftf(&["selftest"]);
-    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    let out = String::from_utf8_lossy(&r.stdout);
+    let r = tftf(&["selftest"]);
+    ok(&r);
+    let out = stdout(&r);
     assert!(out.contains("no GPU (no CUDA driver"), "{out}");
     for kernel in [
         "cast",
@@ -109,7 +99,7 @@ fn selftest_checks_the_cpu_ops_without_a_gpu() {
     }
     assert!(!out.contains("MISMATCH"));
     assert!(out.contains(" 0 failed (cpu)"), "{out}");
-    let r = run_tftf(&["selftest", "--device", "cuda"]);
+    let r = tftf(&["selftest", "--device", "cuda"]);
     assert_eq!(r.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&r.stderr).contains("no CUDA driver"));
+    assert!(stderr(&r).contains("no CUDA driver"));
 }

@@ -25,7 +25,7 @@ use clap::CommandFactory;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-use common::Rng;
+use common::{copy_dir, Rng};
 
 /// The seed of both tests: fixed, so CI explores the same inputs every run; `TFTF_FUZZ_SEED`
 /// explores others.
@@ -581,18 +581,6 @@ fn mutate(rng: &mut Rng, bytes: &mut Vec<u8>) {
                 let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as i64 + delta;
                 bytes[..8].copy_from_slice(&(n.max(0) as u64).to_le_bytes());
             }
-        }
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            copy_dir(&p, &to.join(e.file_name()));
-        } else {
-            std::fs::copy(&p, to.join(e.file_name())).unwrap();
         }
     }
 }

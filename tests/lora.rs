@@ -15,10 +15,7 @@ fn peft_case(case: &str) -> PathBuf {
 
 fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
     match dtype {
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
+        "F32" => f32s_of(bytes),
         "BF16" => bytes
             .chunks_exact(2)
             .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
@@ -32,21 +29,15 @@ fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
 /// alone must be bit-identical.
 fn check_case(case: &str) {
     let dir = peft_case(case);
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&dir.join("base")),
-        "-a",
-        s(&dir.join("adapter")),
-        "-o",
-        s(&out),
-        "-q",
-        "--report",
-        s(&rep),
-    ]));
+    ok(&tftf(&merge_lora(
+        &dir.join("base"),
+        &dir.join("adapter"),
+        &out,
+        &["-q", "--report", s(&rep)],
+    )));
     let got = load_all(&out);
     let want = load_all(&dir.join("merged/model.safetensors"));
     let base = load_all(&dir.join("base/model.safetensors"));
@@ -81,8 +72,7 @@ fn check_case(case: &str) {
         }
     }
     assert!(changed > 0, "{case}: nothing merged");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+    let r: serde_json::Value = read_json(&rep);
     let lora = r["tensor_reports"]
         .as_array()
         .unwrap()
@@ -132,35 +122,24 @@ fn peft_modules_to_save() {
     check_case("modules-to-save");
     // The replacement is PEFT's copy, bit for bit.
     let dir = peft_case("modules-to-save");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&dir.join("base")),
-        "-a",
-        s(&dir.join("adapter")),
-        "-o",
-        s(&out),
-        "-q",
-    ]));
+    ok(&tftf(&merge_lora(
+        &dir.join("base"),
+        &dir.join("adapter"),
+        &out,
+        &["-q"],
+    )));
     assert_eq!(
         load_all(&out)["lm_head.weight"],
         load_all(&dir.join("merged/model.safetensors"))["lm_head.weight"]
     );
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 #[test]
 fn bad_adapters_fail_before_any_output() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
     let base = case.join("base");
 
@@ -172,15 +151,7 @@ fn bad_adapters_fail_before_any_output() {
         no_cfg.join("adapter_model.safetensors"),
     )
     .unwrap();
-    let err = fails(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&no_cfg),
-        "-o",
-        s(&out),
-    ]);
+    let err = fails(&merge_lora(&base, &no_cfg, &out, &[]));
     assert!(
         err.contains("adapter_config.json not found") && err.contains("--adapter-config"),
         "{err}"
@@ -191,29 +162,26 @@ fn bad_adapters_fail_before_any_output() {
     let extra = d.path().join("extra");
     copy_dir(&case.join("adapter"), &extra);
     let mut rng = Rng(3);
-    write_file(
-        &extra.join("more.safetensors"),
-        &[
-            rand_t(
-                &mut rng,
-                "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
-                DType::F32,
-                &[8, 64],
-            ),
-            rand_t(
-                &mut rng,
-                "base_model.model.model.layers.9.mlp.up_proj.lora_B.weight",
-                DType::F32,
-                &[128, 8],
-            ),
-            rand_t(
-                &mut rng,
-                "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
-                DType::F32,
-                &[8, 64],
-            ),
-        ],
-    );
+    Model::new()
+        .rand(
+            &mut rng,
+            "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+            DType::F32,
+            &[8, 64],
+        )
+        .rand(
+            &mut rng,
+            "base_model.model.model.layers.9.mlp.up_proj.lora_B.weight",
+            DType::F32,
+            &[128, 8],
+        )
+        .rand(
+            &mut rng,
+            "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+            DType::F32,
+            &[8, 64],
+        )
+        .write_file(&extra.join("more.safetensors"));
     std::fs::copy(
         case.join("adapter/adapter_config.json"),
         extra.join("adapter_config.json"),
@@ -222,16 +190,7 @@ fn bad_adapters_fail_before_any_output() {
     // Nothing in it matches: refused as a whole, with or without --allow-unmatched, unless
     // --allow-empty (then the model passes through).
     let more = extra.join("more.safetensors");
-    let args = [
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&more),
-        "-o",
-        s(&out),
-        "-q",
-    ];
+    let args = merge_lora(&base, &more, &out, &["-q"]);
     let err = fails(&args);
     assert_eq!(
         err,
@@ -249,30 +208,26 @@ fn bad_adapters_fail_before_any_output() {
 
     // Wrong shapes: a rank that disagrees with the config.
     let wrong = d.path().join("wrong");
-    std::fs::create_dir_all(&wrong).unwrap();
-    write_file(
-        &wrong.join("adapter_model.safetensors"),
-        &[
-            rand_t(
-                &mut rng,
-                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
-                DType::F32,
-                &[4, 64],
-            ),
-            rand_t(
-                &mut rng,
-                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
-                DType::F32,
-                &[64, 4],
-            ),
-        ],
-    );
+    Model::adapter()
+        .rand(
+            &mut rng,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+            DType::F32,
+            &[4, 64],
+        )
+        .rand(
+            &mut rng,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+            DType::F32,
+            &[64, 4],
+        )
+        .write(&wrong);
     std::fs::copy(
         case.join("adapter/adapter_config.json"),
         wrong.join("adapter_config.json"),
     )
     .unwrap();
-    let err = fails(&["merge-lora", "-b", s(&base), "-a", s(&wrong), "-o", s(&out)]);
+    let err = fails(&merge_lora(&base, &wrong, &out, &[]));
     assert!(
         err.contains("lora_A has rank 4") && err.contains("says 8"),
         "{err}"
@@ -283,7 +238,7 @@ fn bad_adapters_fail_before_any_output() {
 #[test]
 fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let train = d.path().join("run");
     copy_dir(&case.join("adapter"), &train.join("checkpoint-500"));
     // An older checkpoint with a broken adapter must not be picked.
@@ -295,35 +250,23 @@ fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
     .unwrap();
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&case.join("base")),
-        "-a",
-        s(&train),
-        "-o",
-        s(&out),
-        "-q",
-        "--report",
-        s(&rep),
-    ]));
+    ok(&tftf(&merge_lora(
+        &case.join("base"),
+        &train,
+        &out,
+        &["-q", "--report", s(&rep)],
+    )));
     assert!(std::fs::read_to_string(&rep)
         .unwrap()
         .contains("checkpoint-500"));
     // --scale 0 merges nothing: every tensor equals the base.
     let zero = d.path().join("zero");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&case.join("base")),
-        "-a",
-        s(&train),
-        "-o",
-        s(&zero),
-        "-q",
-        "--scale",
-        "0",
-    ]));
+    ok(&tftf(&merge_lora(
+        &case.join("base"),
+        &train,
+        &zero,
+        &["-q", "--scale", "0"],
+    )));
     assert_eq!(
         load_all(&zero),
         load_all(&case.join("base/model.safetensors"))
@@ -332,27 +275,23 @@ fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
 
 #[test]
 fn fp8_base_is_dequantised_then_merged_in_one_pass() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let src = d.path().join("base");
-    std::fs::create_dir_all(&src).unwrap();
     let (out_f, in_f, r) = (256u64, 128u64, 4u64);
     let codes: Vec<u8> = (0..out_f * in_f).map(|i| (i * 7 % 120) as u8).collect();
     let scales: Vec<u8> = [0.5f32, 0.25]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t(
-                "m.proj.weight",
-                DType::F8_E4M3,
-                &[out_f, in_f],
-                codes.clone(),
-            ),
-            t("m.proj.weight_scale_inv", DType::F32, &[2, 1], scales),
-        ],
-    );
+    Model::new()
+        .tensor(
+            "m.proj.weight",
+            DType::F8_E4M3,
+            &[out_f, in_f],
+            codes.clone(),
+        )
+        .tensor("m.proj.weight_scale_inv", DType::F32, &[2, 1], scales)
+        .write(&src);
     let adapter = d.path().join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let mut rng = Rng(9);
@@ -363,43 +302,36 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
         .map(|_| (rng.next_u32() % 200) as f32 / 1000.0 - 0.1)
         .collect();
     let fb = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[
-            t(
-                "base_model.model.m.proj.lora_A.weight",
-                DType::F32,
-                &[r, in_f],
-                fb(&a),
-            ),
-            t(
-                "base_model.model.m.proj.lora_B.weight",
-                DType::F32,
-                &[out_f, r],
-                fb(&b),
-            ),
-        ],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 8}"#,
-    )
-    .unwrap();
+    Model::adapter()
+        .tensor(
+            "base_model.model.m.proj.lora_A.weight",
+            DType::F32,
+            &[r, in_f],
+            fb(&a),
+        )
+        .tensor(
+            "base_model.model.m.proj.lora_B.weight",
+            DType::F32,
+            &[out_f, r],
+            fb(&b),
+        )
+        .file("adapter_config.json", r#"{"r": 4, "lora_alpha": 8}"#)
+        .write(&adapter);
     let out = d.path().join("out");
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--dtype",
-        "f32",
-        "--merge-lora",
-        s(&adapter),
-        "--block-size",
-        "128",
-    ]));
+        &src,
+        &out,
+        &[
+            "-q",
+            "--dtype",
+            "f32",
+            "--merge-lora",
+            s(&adapter),
+            "--block-size",
+            "128",
+        ],
+    ));
     let got = floats("F32", &load_all(&out)["m.proj.weight"].2);
     for i in 0..out_f as usize {
         for j in 0..in_f as usize {
@@ -453,7 +385,7 @@ fn split_ranks(adapter: &Path, dir: &Path, ranks: usize) -> Vec<PathBuf> {
 #[test]
 fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let ranks = d.path().join("ranks");
     std::fs::create_dir_all(&ranks).unwrap();
     let files = split_ranks(&case.join("adapter/adapter_model.safetensors"), &ranks, 2);
@@ -463,16 +395,12 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     )
     .unwrap();
     let whole = d.path().join("whole");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&case.join("base")),
-        "-a",
-        s(&case.join("adapter")),
-        "-o",
-        s(&whole),
-        "-q",
-    ]));
+    ok(&tftf(&merge_lora(
+        &case.join("base"),
+        &case.join("adapter"),
+        &whole,
+        &["-q"],
+    )));
     let by_dir = d.path().join("by-dir");
     ok(&tftf(&[
         "merge-fsdp-lora",
@@ -521,15 +449,14 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     std::fs::create_dir_all(&bad).unwrap();
     std::fs::copy(&files[0], bad.join("rank-0.safetensors")).unwrap();
     let mut rng = Rng(1);
-    write_file(
-        &bad.join("rank-1.safetensors"),
-        &[rand_t(
+    Model::new()
+        .rand(
             &mut rng,
             "base_model.model.x.lora_A.weight",
             DType::F32,
             &[4, 64],
-        )],
-    );
+        )
+        .write_file(&bad.join("rank-1.safetensors"));
     std::fs::copy(
         ranks.join("adapter_config.json"),
         bad.join("adapter_config.json"),
@@ -554,9 +481,8 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
 
 #[test]
 fn moe_experts_per_module_and_grouped_through_target_parameters() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let base = d.path().join("base");
-    std::fs::create_dir_all(&base).unwrap();
     let (e, r) = (3usize, 2usize);
     let mut rng = Rng(17);
     let vals = |rng: &mut Rng, n: usize| -> Vec<f32> {
@@ -572,29 +498,26 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
     let (sout, sin) = (10usize, 12usize);
     let stack = vals(&mut rng, e * sout * sin);
     let w1 = vals(&mut rng, 8 * 6);
-    write_file(
-        &base.join("model.safetensors"),
-        &[
-            t(
-                "model.layers.0.mlp.experts.gate_up_proj",
-                DType::F32,
-                &[e as u64, gin as u64, gout as u64],
-                fb(&gate_up),
-            ),
-            t(
-                "model.layers.1.mlp.experts.w13",
-                DType::F32,
-                &[e as u64, sout as u64, sin as u64],
-                fb(&stack),
-            ),
-            t(
-                "model.layers.2.ffn.experts.5.w1.weight",
-                DType::F32,
-                &[8, 6],
-                fb(&w1),
-            ),
-        ],
-    );
+    Model::new()
+        .tensor(
+            "model.layers.0.mlp.experts.gate_up_proj",
+            DType::F32,
+            &[e as u64, gin as u64, gout as u64],
+            fb(&gate_up),
+        )
+        .tensor(
+            "model.layers.1.mlp.experts.w13",
+            DType::F32,
+            &[e as u64, sout as u64, sin as u64],
+            fb(&stack),
+        )
+        .tensor(
+            "model.layers.2.ffn.experts.5.w1.weight",
+            DType::F32,
+            &[8, 6],
+            fb(&w1),
+        )
+        .write(&base);
     let adapter = d.path().join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let ga = vals(&mut rng, e * r * gin);
@@ -604,65 +527,55 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
     let la = vals(&mut rng, r * 6);
     let lb = vals(&mut rng, 8 * r);
     let p = "base_model.model.model.layers";
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[
-            t(
-                &format!("{p}.0.mlp.experts.lora_A.weight"),
-                DType::F32,
-                &[(e * r) as u64, gin as u64],
-                fb(&ga),
-            ),
-            t(
-                &format!("{p}.0.mlp.experts.lora_B.weight"),
-                DType::F32,
-                &[gout as u64, (e * r) as u64],
-                fb(&gb),
-            ),
-            t(
-                &format!("{p}.1.mlp.experts.lora_A.weight"),
-                DType::F32,
-                &[(e * r) as u64, sin as u64],
-                fb(&sa),
-            ),
-            t(
-                &format!("{p}.1.mlp.experts.lora_B.weight"),
-                DType::F32,
-                &[sout as u64, (e * r) as u64],
-                fb(&sb),
-            ),
-            t(
-                &format!("{p}.2.ffn.experts.5.w1.lora_A.weight"),
-                DType::F32,
-                &[r as u64, 6],
-                fb(&la),
-            ),
-            t(
-                &format!("{p}.2.ffn.experts.5.w1.lora_B.weight"),
-                DType::F32,
-                &[8, r as u64],
-                fb(&lb),
-            ),
-        ],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
-    )
-    .unwrap();
+    Model::adapter()
+        .tensor(
+            &format!("{p}.0.mlp.experts.lora_A.weight"),
+            DType::F32,
+            &[(e * r) as u64, gin as u64],
+            fb(&ga),
+        )
+        .tensor(
+            &format!("{p}.0.mlp.experts.lora_B.weight"),
+            DType::F32,
+            &[gout as u64, (e * r) as u64],
+            fb(&gb),
+        )
+        .tensor(
+            &format!("{p}.1.mlp.experts.lora_A.weight"),
+            DType::F32,
+            &[(e * r) as u64, sin as u64],
+            fb(&sa),
+        )
+        .tensor(
+            &format!("{p}.1.mlp.experts.lora_B.weight"),
+            DType::F32,
+            &[sout as u64, (e * r) as u64],
+            fb(&sb),
+        )
+        .tensor(
+            &format!("{p}.2.ffn.experts.5.w1.lora_A.weight"),
+            DType::F32,
+            &[r as u64, 6],
+            fb(&la),
+        )
+        .tensor(
+            &format!("{p}.2.ffn.experts.5.w1.lora_B.weight"),
+            DType::F32,
+            &[8, r as u64],
+            fb(&lb),
+        )
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
+        )
+        .write(&adapter);
     let out = d.path().join("out");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&adapter),
-        "-o",
-        s(&out),
-        "-q",
-        "--memory-budget",
-        "16MiB",
-    ]));
+    ok(&tftf(&merge_lora(
+        &base,
+        &adapter,
+        &out,
+        &["-q", "--memory-budget", "16MiB"],
+    )));
     let got = load_all(&out);
     let close =
         |g: f32, w: f64, what: &str| assert!((g as f64 - w).abs() < 1e-6, "{what}: {g} vs {w}");
@@ -711,21 +624,21 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
 #[test]
 fn run_section_merges_then_renames() {
     let case = peft_case("llama-lora-f32");
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out.safetensors");
-    ok(&tftf(&[
+    ok(&convert(
         "run",
-        "-i",
-        s(&case.join("base")),
-        "-o",
-        s(&out),
-        "-q",
-        "--merge-lora",
-        s(&case.join("adapter")),
-        "--key-rename",
-        r"^model\.",
-        "",
-    ]));
+        &case.join("base"),
+        &out,
+        &[
+            "-q",
+            "--merge-lora",
+            s(&case.join("adapter")),
+            "--key-rename",
+            r"^model\.",
+            "",
+        ],
+    ));
     let got = load_all(&out);
     let want = load_all(&case.join("merged/model.safetensors"));
     for (name, (_, _, bytes)) in &want {
@@ -741,7 +654,7 @@ fn run_section_merges_then_renames() {
 /// fit neither base layout. Named errors, no output.
 #[test]
 fn unmergeable_dora_and_grouped_factors_fail_before_output() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let out = d.path().join("out");
 
     // GPT-2 (Conv1D, fan_in_fan_out) adapter plus a DoRA magnitude on c_attn.
@@ -759,15 +672,7 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     let mag = "base_model.model.transformer.h.0.attn.c_attn.lora_magnitude_vector";
     tensors.push(t(mag, DType::F32, &[192], vec![0; 192 * 4]));
     write_file(&file, &tensors);
-    let err = fails(&[
-        "merge-lora",
-        "-b",
-        s(&case.join("base")),
-        "-a",
-        s(&dora),
-        "-o",
-        s(&out),
-    ]);
+    let err = fails(&merge_lora(&case.join("base"), &dora, &out, &[]));
     assert!(
         err.contains(&format!(
             "`{mag}`: DoRA on transposed (Conv1D or embedding) weights is not supported"
@@ -778,22 +683,13 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
 
     // An adapter file without tensors.
     let empty = d.path().join("empty");
-    std::fs::create_dir_all(&empty).unwrap();
-    write_file(&empty.join("adapter_model.safetensors"), &[]);
+    Model::adapter().write(&empty);
     std::fs::copy(
         case.join("adapter/adapter_config.json"),
         empty.join("adapter_config.json"),
     )
     .unwrap();
-    let err = fails(&[
-        "merge-lora",
-        "-b",
-        s(&case.join("base")),
-        "-a",
-        s(&empty),
-        "-o",
-        s(&out),
-    ]);
+    let err = fails(&merge_lora(&case.join("base"), &empty, &out, &[]));
     assert!(
         err.contains("adapter_model.safetensors: holds no tensors, so there is nothing to merge"),
         "{err}"
@@ -802,41 +698,27 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
 
     // Grouped factors for in=5, out=7 against an [3, 16, 24] expert stack.
     let base = d.path().join("moe");
-    std::fs::create_dir_all(&base).unwrap();
     let mut rng = Rng(4);
-    write_file(
-        &base.join("model.safetensors"),
-        &[rand_t(
+    Model::new()
+        .rand(
             &mut rng,
             "model.layers.0.mlp.experts.gate_up_proj",
             DType::F32,
             &[3, 16, 24],
-        )],
-    );
+        )
+        .write(&base);
     let adapter = d.path().join("moe-adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let p = "base_model.model.model.layers.0.mlp.experts";
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[
-            rand_t(&mut rng, &format!("{p}.lora_A.weight"), DType::F32, &[6, 5]),
-            rand_t(&mut rng, &format!("{p}.lora_B.weight"), DType::F32, &[7, 6]),
-        ],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]}"#,
-    )
-    .unwrap();
-    let err = fails(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&adapter),
-        "-o",
-        s(&out),
-    ]);
+    Model::adapter()
+        .rand(&mut rng, &format!("{p}.lora_A.weight"), DType::F32, &[6, 5])
+        .rand(&mut rng, &format!("{p}.lora_B.weight"), DType::F32, &[7, 6])
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj"]}"#,
+        )
+        .write(&adapter);
+    let err = fails(&merge_lora(&base, &adapter, &out, &[]));
     assert!(
         err.contains("factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"),
         "{err}"

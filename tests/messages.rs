@@ -14,18 +14,10 @@ use tftf::format::dtype::DType;
 fn bf16_model(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     let mut rng = Rng(21);
-    write_file(
-        &dir.join("model.safetensors"),
-        &[
-            rand_t(&mut rng, "a.weight", DType::BF16, &[8, 8]),
-            rand_t(&mut rng, "b.weight", DType::BF16, &[8]),
-        ],
-    );
-}
-
-fn exit_code(args: &[&str]) -> (Option<i32>, String, String) {
-    let o = tftf(args);
-    (o.status.code(), stdout(&o), stderr(&o))
+    Model::new()
+        .rand(&mut rng, "a.weight", DType::BF16, &[8, 8])
+        .rand(&mut rng, "b.weight", DType::BF16, &[8])
+        .write(dir);
 }
 
 #[test]
@@ -34,18 +26,8 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
     let src = d.path().join("in");
     bf16_model(&src);
     let out = d.path().join("out");
-    let args = [
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--include",
-        "model.*",
-    ];
-    let (code, _, err) = exit_code(&args);
-    assert_eq!(code, Some(1));
+    let args = cmd("passthrough", &src, &out, &["-q", "--include", "model.*"]);
+    let err = fails(&args);
     assert_eq!(
         err,
         "error: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 2 input tensors: nothing to write; pass --allow-empty to write the output anyway\n"
@@ -70,9 +52,8 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
     let src = d.path().join("in");
     bf16_model(&src);
     let out = d.path().join("out");
-    let args = ["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q"];
-    let (code, _, err) = exit_code(&args);
-    assert_eq!(code, Some(1));
+    let args = cmd("dequant-fp8", &src, &out, &["-q"]);
+    let err = fails(&args);
     assert_eq!(
         err,
         format!("error: {}: dequant-fp8 found no F8_E4M3 or F8_E5M2 tensor, so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
@@ -89,16 +70,12 @@ fn report_that_cannot_be_written_after_commit_is_a_warning() {
     bf16_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("no-such-dir").join("report.json");
-    let (code, stdout, err) = exit_code(&[
+    let (code, stdout, err) = exit_code(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--no-progress",
-        "--report",
-        s(&report),
-    ]);
+        &src,
+        &out,
+        &["--no-progress", "--report", s(&report)],
+    ));
     assert_eq!(code, Some(0), "{err}");
     assert!(stdout.starts_with("wrote 1 file(s), 2 tensors"), "{stdout}");
     assert_eq!(
@@ -124,36 +101,18 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
     );
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    let args = [
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--report",
-        s(&report),
-    ];
+    let args = cmd("passthrough", &src, &out, &["-q", "--report", s(&report)]);
     let (code, _, err) = exit_code(&args);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(err, "", "nothing on stderr without -v");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r = read_json(&report);
     if r["reflink_unavailable"].is_null() {
         println!("SKIPPED the -v half: this filesystem shares extents, so there is nothing to say");
         return;
     }
     let fs = r["reflink_unavailable"].as_str().unwrap().to_string();
     std::fs::remove_dir_all(&out).unwrap();
-    let o = tftf(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-v",
-        "--no-progress",
-    ]);
+    let o = convert("passthrough", &src, &out, &["-v", "--no-progress"]);
     ok(&o);
     let err = stderr(&o);
     let fs_name = fs
@@ -186,21 +145,21 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         r"^progress: (passthrough|validate) model\.safetensors: [0-9.]+ (B|KiB|MiB) of (24|12)\.00 MiB \(\d{1,3}%\), [0-9.]+ (B|KiB|MiB|GiB)/s, ETA (unknown|\d+s|\d+m\d\ds)$",
     )
     .unwrap();
-    let o = tftf(&[
+    let o = convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bf16",
-        "--threads",
-        "1",
-        "--memory-budget",
-        "16MiB",
-        "--progress-interval",
-        "0.001",
-    ]);
+        &src,
+        &out,
+        &[
+            "--dtype",
+            "bf16",
+            "--threads",
+            "1",
+            "--memory-budget",
+            "16MiB",
+            "--progress-interval",
+            "0.001",
+        ],
+    );
     ok(&o);
     let err = stderr(&o);
     assert!(
@@ -240,27 +199,19 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
     ]);
     assert_eq!(stderr(&o), "");
     std::fs::remove_dir_all(&out).unwrap();
-    let o = tftf(&[
+    let o = convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--progress-interval",
-        "0.001",
-    ]);
+        &src,
+        &out,
+        &["-q", "--progress-interval", "0.001"],
+    );
     assert_eq!(stderr(&o), "");
-    let (code, _, err) = exit_code(&[
+    let err = usage_error(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&d.path().join("o2")),
-        "--progress-interval",
-        "0",
-    ]);
-    assert_eq!(code, Some(2));
+        &src,
+        &d.path().join("o2"),
+        &["--progress-interval", "0"],
+    ));
     assert_eq!(
         err,
         "error: --progress-interval `0`: give a positive number of seconds, e.g. 30 or 0.5\n"
@@ -298,22 +249,18 @@ fn validate_problems(dir: &Path, problems: &[&str], checks: &[&str]) {
 fn validate_finds_quantised_weights_without_scales() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(24);
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            rand_t(&mut rng, "q.weight", DType::F8_E4M3, &[4, 4]),
-            rand_t(&mut rng, "k.weight", DType::F8_E4M3, &[4, 4]),
-            rand_t(&mut rng, "k.weight_scale_inv", DType::F32, &[1]),
-            rand_t(
-                &mut rng,
-                "layers.0.ffn.experts.0.w1.weight",
-                DType::I8,
-                &[4, 16],
-            ),
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "q.weight", DType::F8_E4M3, &[4, 4])
+        .rand(&mut rng, "k.weight", DType::F8_E4M3, &[4, 4])
+        .rand(&mut rng, "k.weight_scale_inv", DType::F32, &[1])
+        .rand(
+            &mut rng,
+            "layers.0.ffn.experts.0.w1.weight",
+            DType::I8,
+            &[4, 16],
+        )
+        .write(&src);
     validate_problems(
         &src,
         &[
@@ -338,14 +285,11 @@ fn validate_finds_a_quantization_config_the_tensors_do_not_match() {
     );
     // FP8 weights whose scale grid is not the configured block size.
     let mut rng = Rng(25);
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            rand_t(&mut rng, "w.weight", DType::F8_E4M3, &[256, 256]),
-            rand_t(&mut rng, "w.weight_scale_inv", DType::F32, &[4, 4]),
-            rand_t(&mut rng, "n.weight", DType::BF16, &[256]),
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "w.weight", DType::F8_E4M3, &[256, 256])
+        .rand(&mut rng, "w.weight_scale_inv", DType::F32, &[4, 4])
+        .rand(&mut rng, "n.weight", DType::BF16, &[256])
+        .write(&src);
     validate_problems(
         &src,
         &["config.json: quantization_config.weight_block_size [128, 128] does not fit the scales of 1 FP8 weight(s): `w.weight`"],
@@ -373,13 +317,11 @@ fn validate_finds_a_wrong_index_total_size() {
     let d = tmp();
     let src = d.path().join("in");
     let mut rng = Rng(26);
-    write_sharded(
-        &src,
-        &[
-            vec![rand_t(&mut rng, "a", DType::U8, &[4])],
-            vec![rand_t(&mut rng, "b", DType::U8, &[6])],
-        ],
-    );
+    Model::new()
+        .rand(&mut rng, "a", DType::U8, &[4])
+        .shard()
+        .rand(&mut rng, "b", DType::U8, &[6])
+        .write(&src);
     ok(&tftf(&["validate", s(&src)]));
     let index = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index)
@@ -406,13 +348,9 @@ fn metadata_of_non_strings_says_so() {
     let src = d.path().join("in");
     std::fs::create_dir_all(&src).unwrap();
     let header = r#"{"__metadata__":{"format":"pt","step":1000},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
-    let mut raw = (header.len() as u64).to_le_bytes().to_vec();
-    raw.extend_from_slice(header.as_bytes());
-    raw.extend_from_slice(&[1, 2]);
     let file = src.join("model.safetensors");
-    std::fs::write(&file, raw).unwrap();
-    let (code, _, err) = exit_code(&["info", s(&file)]);
-    assert_eq!(code, Some(1));
+    std::fs::write(&file, raw_safetensors(header, &[1, 2])).unwrap();
+    let err = fails(&["info", s(&file)]);
     assert_eq!(
         err,
         format!(
@@ -430,8 +368,7 @@ fn fifos_and_devices_as_input_say_what_they_are() {
     // SAFETY: mkfifo(3) on a NUL-terminated path we own.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let out = d.path().join("out");
-    let (code, _, err) = exit_code(&["passthrough", "-i", s(&fifo), "-o", s(&out)]);
-    assert_eq!(code, Some(1));
+    let err = fails(&cmd("passthrough", &fifo, &out, &[]));
     assert_eq!(
         err,
         format!("error: {}: is a FIFO (named pipe), not a regular file: tftf reads tensors at the offsets its header gives, so it needs a .safetensors file on disk (save the stream to a file first)\n", fifo.display())
@@ -440,8 +377,7 @@ fn fifos_and_devices_as_input_say_what_they_are() {
     let dir = d.path().join("m");
     bf16_model(&dir);
     std::fs::rename(&fifo, dir.join("model-extra.safetensors")).unwrap();
-    let (code, _, err) = exit_code(&["info", s(&dir)]);
-    assert_eq!(code, Some(1));
+    let err = fails(&["info", s(&dir)]);
     assert!(
         err.starts_with(&format!(
             "error: {}: is a FIFO (named pipe), not a regular file",
@@ -449,8 +385,7 @@ fn fifos_and_devices_as_input_say_what_they_are() {
         )),
         "{err}"
     );
-    let (code, _, err) = exit_code(&["info", "/dev/null"]);
-    assert_eq!(code, Some(1));
+    let err = fails(&["info", "/dev/null"]);
     assert!(
         err.starts_with("error: /dev/null: is a character device, not a regular file"),
         "{err}"
@@ -469,7 +404,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
     )
     .unwrap();
     let out = d.path().join("out");
-    let o = tftf(&["passthrough", "-i", s(&src), "-o", s(&out), "--no-progress"]);
+    let o = convert("passthrough", &src, &out, &["--no-progress"]);
     ok(&o);
     assert_eq!(
         stderr(&o),
@@ -505,19 +440,14 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--report",
-        s(&report),
-    ]));
+        &src,
+        &out,
+        &["-q", "--report", s(&report)],
+    ));
     assert_eq!(load_all(&out).len(), 1);
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r = read_json(&report);
     assert!(
         r["input"]["shards"][0]
             .as_str()
@@ -531,8 +461,7 @@ fn non_utf8_shard_names_work_and_print_escaped() {
         [1, 2],
     )
     .unwrap();
-    let (code, _, err) = exit_code(&["info", s(&src)]);
-    assert_eq!(code, Some(1));
+    let err = fails(&["info", s(&src)]);
     assert_eq!(
         err,
         format!(
@@ -557,8 +486,7 @@ fn control_characters_in_names_are_printed_escaped() {
     assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text:?}");
     assert!(text.contains("x\\r\\u{1b}[2Jy.weight  F8_E4M3"), "{text}");
     let out = d.path().join("out");
-    let (code, _, err) = exit_code(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
-    assert_eq!(code, Some(1));
+    let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
     assert_eq!(
         err,
         format!(

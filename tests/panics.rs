@@ -3,14 +3,10 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 use tftf::format::dtype::DType;
-
-fn f32s(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
 
 /// Runs tftf with extra environment variables.
 fn tftf_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
@@ -50,13 +46,15 @@ fn info_prints_a_tensor_name_of_70_kib() {
 /// An FP8 weight `[2, 4]` with a `[2, 1]` scale grid, and `config` as config.json.
 fn fp8_model(dir: &Path, config: &str) {
     std::fs::create_dir_all(dir).unwrap();
-    write_file(
-        &dir.join("model.safetensors"),
-        &[
-            t("w.weight", DType::F8_E4M3, &[2, 4], vec![0x38; 8]),
-            t("w.weight_scale_inv", DType::F32, &[2, 1], f32s(&[1.0, 2.0])),
-        ],
-    );
+    Model::new()
+        .tensor("w.weight", DType::F8_E4M3, &[2, 4], vec![0x38; 8])
+        .tensor(
+            "w.weight_scale_inv",
+            DType::F32,
+            &[2, 1],
+            f32_bytes(&[1.0, 2.0]),
+        )
+        .write(dir);
     std::fs::write(dir.join("config.json"), config).unwrap();
 }
 
@@ -70,7 +68,7 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
         r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}"#,
     );
     refused(
-        &["dequant-fp8", "-i", s(&src), "-o", s(&out)],
+        &cmd("dequant-fp8", &src, &out, &[]),
         &out,
         &format!(
             "{}: `quantization_config.weight_block_size` is [0, 128]: a block side cannot be 0; fix config.json or pass --block-size RxC",
@@ -82,7 +80,7 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
         r#"{"quantization_config": {"config_groups": {"g": {"weights": {"block_structure": [1, 0]}}}}}"#,
     );
     refused(
-        &["dequant-fp8", "-i", s(&src), "-o", s(&out)],
+        &cmd("dequant-fp8", &src, &out, &[]),
         &out,
         &format!(
             "{}: `quantization_config.config_groups.*.weights.block_structure` is [1, 0]: a block side cannot be 0; fix config.json or pass --block-size RxC",
@@ -90,16 +88,12 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
         ),
     );
     // --block-size replaces the broken value.
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--block-size",
-        "1x4",
-        "-q",
-    ]));
+        &src,
+        &out,
+        &["--block-size", "1x4", "-q"],
+    ));
     let got = load_all(&out);
     let bf16 = |x: f32| half::bf16::from_f32(x).to_bits().to_le_bytes();
     let want: Vec<u8> = [1.0f32, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
@@ -109,39 +103,40 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
     assert_eq!(got["w.weight"].2, want);
 }
 
+/// An adapter of zero-filled F32 `lora_A` and `lora_B` for `model.q`, and `config` as
+/// adapter_config.json.
+fn q_adapter(dir: &Path, a: [u64; 2], b: [u64; 2], config: &str) -> PathBuf {
+    let zeros = |shape: [u64; 2]| vec![0; (shape[0] * shape[1] * 4) as usize];
+    Model::adapter()
+        .tensor(
+            "base_model.model.model.q.lora_A.weight",
+            DType::F32,
+            &a,
+            zeros(a),
+        )
+        .tensor(
+            "base_model.model.model.q.lora_B.weight",
+            DType::F32,
+            &b,
+            zeros(b),
+        )
+        .file("adapter_config.json", config)
+        .write(dir)
+}
+
 #[test]
 fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("model.q.weight", DType::BF16, &[4, 0], vec![])],
-    );
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[
-            t(
-                "base_model.model.model.q.lora_A.weight",
-                DType::F32,
-                &[2, 0],
-                vec![],
-            ),
-            t(
-                "base_model.model.model.q.lora_B.weight",
-                DType::F32,
-                &[4, 2],
-                vec![0; 32],
-            ),
-        ],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
+    Model::new()
+        .tensor("model.q.weight", DType::BF16, &[4, 0], vec![])
+        .write(&src);
+    let adapter = q_adapter(
+        &d.path().join("adapter"),
+        [2, 0],
+        [4, 2],
         r#"{"r": 2, "lora_alpha": 4}"#,
-    )
-    .unwrap();
+    );
     let out = d.path().join("out");
     refused(
         &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
@@ -161,7 +156,7 @@ fn a_thread_that_cannot_start_is_an_error_not_a_panic() {
     let out = d.path().join("out");
     // A stack no machine can map makes every thread start fail.
     let o = tftf_env(
-        &["passthrough", "-i", s(&f), "-o", s(&out), "--threads", "1"],
+        &cmd("passthrough", &f, &out, &["--threads", "1"]),
         &[("RUST_MIN_STACK", "100000000000000")],
     );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
@@ -177,13 +172,10 @@ fn a_thread_that_cannot_start_is_an_error_not_a_panic() {
 /// An FP8 weight `[2, 2]` with one F32 scale stored as `scale_name`.
 fn scaled_model(dir: &Path, codes: [u8; 4], scale_name: &str, scale: f32) {
     std::fs::create_dir_all(dir).unwrap();
-    write_file(
-        &dir.join("model.safetensors"),
-        &[
-            t("w.weight", DType::F8_E4M3, &[2, 2], codes.to_vec()),
-            t(scale_name, DType::F32, &[], f32s(&[scale])),
-        ],
-    );
+    Model::new()
+        .tensor("w.weight", DType::F8_E4M3, &[2, 2], codes.to_vec())
+        .tensor(scale_name, DType::F32, &[], f32_bytes(&[scale]))
+        .write(dir);
 }
 
 #[test]
@@ -192,15 +184,7 @@ fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
     let src = d.path().join("in");
     let out = d.path().join("out");
     scaled_model(&src, [0x00, 0x38, 0x38, 0x38], "w.weight_scale", 0.0);
-    let args = [
-        "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--scale-mode",
-        "divide",
-    ];
+    let args = cmd("dequant-fp8", &src, &out, &["--scale-mode", "divide"]);
     refused(
         &args,
         &out,
@@ -230,7 +214,7 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
     // 448 × 1e38 overflows f32 itself.
     scaled_model(&src, [0x38, 0x38, 0x7E, 0x38], "w.weight_scale_inv", 1e38);
     refused(
-        &["dequant-fp8", "-i", s(&src), "-o", s(&out)],
+        &cmd("dequant-fp8", &src, &out, &[]),
         &out,
         &format!(
             "{}: tensor `w.weight`: result at [1, 0] is not finite: code 0x7e (448) times scale 1e38 overflows BF16; pass --allow-nonfinite to keep it",
@@ -240,14 +224,14 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
     // 448 × 1000 fits f32 and BF16 but not F16 (max 65504).
     scaled_model(&src, [0x38, 0x7E, 0x38, 0x38], "w.weight_scale_inv", 1000.0);
     refused(
-        &["dequant-fp8", "-i", s(&src), "-o", s(&out), "--dtype", "f16"],
+        &cmd("dequant-fp8", &src, &out, &["--dtype", "f16"]),
         &out,
         &format!(
             "{}: tensor `w.weight`: result at [0, 1] is not finite: code 0x7e (448) times scale 1000.0 overflows F16; pass --allow-nonfinite to keep it",
             file.display()
         ),
     );
-    ok(&tftf(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q"]));
+    ok(&convert("dequant-fp8", &src, &out, &["-q"]));
     std::fs::remove_dir_all(&out).unwrap();
     // 65504 × 2 with a multiply by 65520 that rounds up to infinity in F16 (the largest finite
     // F16 is 65504; 65520 is the tie that rounds to infinity).
@@ -258,24 +242,19 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
         65520.0,
     );
     refused(
-        &["dequant-fp8", "-i", s(&src), "-o", s(&out), "--dtype", "f16"],
+        &cmd("dequant-fp8", &src, &out, &["--dtype", "f16"]),
         &out,
         &format!(
             "{}: tensor `w.weight`: result at [0, 0] is not finite: code 0x38 (1) times scale 65520.0 overflows F16; pass --allow-nonfinite to keep it",
             file.display()
         ),
     );
-    ok(&tftf(&[
+    ok(&convert(
         "dequant-fp8",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "f16",
-        "--allow-nonfinite",
-        "-q",
-    ]));
+        &src,
+        &out,
+        &["--dtype", "f16", "--allow-nonfinite", "-q"],
+    ));
     assert_eq!(load_all(&out)["w.weight"].2, [0x00, 0x7C].repeat(4));
 }
 
@@ -283,28 +262,24 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
 fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])],
-    );
+    Model::new()
+        .tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])
+        .write(&src);
     let adapter = d.path().join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let replacement = vec![1, 2, 3, 4, 5, 6, 7, 8];
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[t(
+    Model::adapter()
+        .tensor(
             "base_model.model.lm_head.weight",
             DType::BF16,
             &[2, 2],
             replacement.clone(),
-        )],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
-        r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
-    )
-    .unwrap();
+        )
+        .file(
+            "adapter_config.json",
+            r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
+        )
+        .write(&adapter);
     let out = d.path().join("out");
     ok(&tftf(&[
         "merge-lora",
@@ -333,9 +308,7 @@ fn many_tiny_tensors(dir: &Path, n: usize) -> (std::path::PathBuf, u64) {
         ));
     }
     json.push('}');
-    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(json.as_bytes());
-    bytes.resize(bytes.len() + n, 0);
+    let bytes = raw_safetensors(&json, &vec![0; n]);
     let path = dir.join("model.safetensors");
     std::fs::write(&path, bytes).unwrap();
     (path, json.len() as u64)
@@ -357,7 +330,7 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
     let out = d.path().join("out");
     let human = tftf::size::human;
     refused(
-        &["passthrough", "-i", s(&src), "-o", s(&out), "--memory-budget", "16MiB"],
+        &cmd("passthrough", &src, &out, &["--memory-budget", "16MiB"]),
         &out,
         &format!(
             "the plan of 30000 tensors holds about {} in memory (names, shapes, headers), more than half of --memory-budget 16.00 MiB; raise --memory-budget to at least {}",
@@ -366,16 +339,12 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         ),
     );
     let budget = format!("{}", 2 * needed);
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--memory-budget",
-        &budget,
-        "-q",
-    ]));
+        &src,
+        &out,
+        &["--memory-budget", &budget, "-q"],
+    ));
     assert_eq!(load_all(&out).len(), 30_000);
 }
 
@@ -385,19 +354,19 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
     let (src, header) = many_tiny_tensors(d.path(), 200_000);
     let report = d.path().join("report.json");
     let out = d.path().join("out");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dry-run",
-        "-q",
-        "--memory-budget",
-        "1GiB",
-        "--report",
-        s(&report),
-    ]));
+        &src,
+        &out,
+        &[
+            "--dry-run",
+            "-q",
+            "--memory-budget",
+            "1GiB",
+            "--report",
+            s(&report),
+        ],
+    ));
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let peak = r["peak_rss_bytes"].as_u64().unwrap();
     // A JSON value tree of the header, two copies of every name and a per-tensor map took
@@ -412,35 +381,15 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
 fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("model.q.weight", DType::F32, &[2, 2], vec![0; 16])],
-    );
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    write_file(
-        &adapter.join("adapter_model.safetensors"),
-        &[
-            t(
-                "base_model.model.model.q.lora_A.weight",
-                DType::F32,
-                &[1, 2],
-                vec![0; 8],
-            ),
-            t(
-                "base_model.model.model.q.lora_B.weight",
-                DType::F32,
-                &[2, 1],
-                vec![0; 8],
-            ),
-        ],
-    );
-    std::fs::write(
-        adapter.join("adapter_config.json"),
+    Model::new()
+        .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
+        .write(&src);
+    let adapter = q_adapter(
+        &d.path().join("adapter"),
+        [1, 2],
+        [2, 1],
         r#"{"r": 1, "lora_alpha": 1e300}"#,
-    )
-    .unwrap();
+    );
     let out = d.path().join("out");
     refused(
         &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
@@ -456,18 +405,14 @@ fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
 fn dequantising_an_empty_weight_of_2_pow_40_rows_finishes_at_once() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t("w.weight", DType::F8_E4M3, &[1 << 40, 0], vec![]),
-            t("w.weight_scale_inv", DType::F32, &[], f32s(&[1.0])),
-        ],
-    );
+    Model::new()
+        .tensor("w.weight", DType::F8_E4M3, &[1 << 40, 0], vec![])
+        .tensor("w.weight_scale_inv", DType::F32, &[], f32_bytes(&[1.0]))
+        .write(&src);
     let out = d.path().join("out");
     // It used to walk 2^40 empty rows chunk by chunk: stop it rather than hang the suite.
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
-        .args(["dequant-fp8", "-i", s(&src), "-o", s(&out), "-q"])
+        .args(cmd("dequant-fp8", &src, &out, &["-q"]))
         .spawn()
         .unwrap();
     let started = std::time::Instant::now();

@@ -17,7 +17,7 @@ fn demo_checkpoints(dir: &Path) -> PathBuf {
 
 #[test]
 fn repack_fp4_takes_the_model_positionally_like_every_command() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let v4 = demo_checkpoints(d.path()).join("v4-example");
     let by_flag = d.path().join("by-flag");
     ok(&tftf(&[
@@ -56,7 +56,7 @@ fn repack_fp4_takes_the_model_positionally_like_every_command() {
 
 #[test]
 fn validate_pipe_rename_reports_name_collisions() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let model = demo_checkpoints(d.path()).join("example");
 
     let o = tftf(&[

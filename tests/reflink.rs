@@ -85,48 +85,42 @@ fn shared_bytes(file: &Path) -> u64 {
         * 4096
 }
 
-fn report(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
 /// Two shards of 1-4 MiB tensors, some with sizes that are not multiples of 4 KiB.
 fn model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(31);
-    let s1 = vec![
-        rand_t(&mut rng, "model.embed.weight", DType::BF16, &[1024, 1024]),
-        rand_t(&mut rng, "model.layers.0.norm.weight", DType::F32, &[1000]),
-        rand_t(
+    let model = Model::new()
+        .rand(&mut rng, "model.embed.weight", DType::BF16, &[1024, 1024])
+        .rand(&mut rng, "model.layers.0.norm.weight", DType::F32, &[1000])
+        .rand(
             &mut rng,
             "model.layers.0.mlp.weight",
             DType::BF16,
             &[2048, 1024],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.attn.weight",
             DType::F32,
             &[512, 1024],
-        ),
-    ];
-    let s2 = vec![
-        rand_t(
+        )
+        .shard()
+        .rand(
             &mut rng,
             "model.layers.1.mlp.weight",
             DType::BF16,
             &[2048, 1024],
-        ),
-        rand_t(&mut rng, "model.layers.1.norm.weight", DType::F32, &[1024]),
-        rand_t(
+        )
+        .rand(&mut rng, "model.layers.1.norm.weight", DType::F32, &[1024])
+        .rand(
             &mut rng,
             "model.layers.1.attn.weight",
             DType::F32,
             &[512, 1024],
-        ),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[1024, 1024]),
-    ];
-    write_sharded(dir, &[s1.clone(), s2.clone()]);
-    std::fs::write(dir.join("config.json"), "{}").unwrap();
-    s1.into_iter().chain(s2).collect()
+        )
+        .rand(&mut rng, "lm_head.weight", DType::BF16, &[1024, 1024])
+        .config("{}");
+    model.write(dir);
+    model.all()
 }
 
 fn untouched_shared_fraction(out: &Path, r: &serde_json::Value) -> f64 {
@@ -158,19 +152,10 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
     ] {
         let out = xfs.mnt.join(name);
         let rep = xfs.mnt.join(format!("{name}.json"));
-        let mut args = vec![
-            "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "-q",
-            "--report",
-            s(&rep),
-        ];
+        let mut args = cmd("passthrough", &src, &out, &["-q", "--report", s(&rep)]);
         args.extend(extra);
         ok(&tftf(&args));
-        let r = report(&rep);
+        let r = read_json(&rep);
         let frac = untouched_shared_fraction(&out, &r);
         assert!(
             frac >= 0.99,
@@ -210,18 +195,13 @@ fn no_reflink_copies_on_xfs() {
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--no-reflink",
-        "--report",
-        s(&rep),
-    ]));
-    let r = report(&rep);
+        &src,
+        &out,
+        &["-q", "--no-reflink", "--report", s(&rep)],
+    ));
+    let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], 0);
     // Both shards are whole copies of the input's, headers included.
@@ -231,7 +211,7 @@ fn no_reflink_copies_on_xfs() {
 
 #[test]
 fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
-    let d = tempfile::tempdir().unwrap();
+    let d = tmp();
     let fs = tftf::sys::filesystem_name(d.path());
     if tftf::sys::can_reflink(fs) {
         println!(
@@ -243,21 +223,14 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
     let tensors = model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    let o = tftf(&[
+    let o = convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&rep),
-        "--rename",
-        "^model",
-        "m",
-        "-v",
-    ]);
+        &src,
+        &out,
+        &["--report", s(&rep), "--rename", "^model", "m", "-v"],
+    );
     ok(&o);
-    let r = report(&rep);
+    let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], r["bytes"]["tensors"]);
     assert!(
@@ -271,14 +244,12 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
         "{}",
         stderr(&o)
     );
-    let dry = stdout(&tftf(&[
+    let dry = stdout(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&d.path().join("x")),
-        "--dry-run",
-    ]));
+        &src,
+        &d.path().join("x"),
+        &["--dry-run"],
+    ));
     assert!(
         dry.contains(&format!(
             "the output filesystem ({fs}) cannot share extents"

@@ -45,7 +45,7 @@ fn nibbles(rng: &mut Rng, rows: usize, half: usize, zero_blocks: &[(usize, usize
     v
 }
 
-struct Model {
+struct V4 {
     experts: Vec<(String, Vec<u8>, Vec<u8>)>, // (prefix.proj, weight, scale)
     table: Vec<u8>,
     table_scale: Vec<u8>,
@@ -57,7 +57,7 @@ const IN: usize = 128; // 4 MXFP4 blocks per row
 const T_ROWS: usize = 300;
 const T_COLS: usize = 64;
 
-fn v4_model(dir: &std::path::Path) -> Model {
+fn v4_model(dir: &std::path::Path) -> V4 {
     let mut rng = Rng(77);
     let mut experts = Vec::new();
     let mut shard1 = Vec::new();
@@ -135,7 +135,7 @@ fn v4_model(dir: &std::path::Path) -> Model {
         "{\"model_type\": \"deepseek_v4\", \"expert_dtype\": \"fp4\"}\n",
     )
     .unwrap();
-    Model {
+    V4 {
         experts,
         table,
         table_scale,
@@ -161,8 +161,7 @@ fn experts_transcode_losslessly_and_engram_requantises_exactly() {
         s(&rep),
     ]));
     let got = load_all(&out);
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+    let r: serde_json::Value = read_json(&rep);
     let reports = r["tensor_reports"].as_array().unwrap();
     let report_of = |name: &str| {
         reports
@@ -301,8 +300,7 @@ fn experts_transcode_losslessly_and_engram_requantises_exactly() {
     assert!(mapped
         .iter()
         .any(|k| k.as_str() == "layers.0.engram.embed.scale"));
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value = read_json(&out.join("config.json"));
     assert_eq!(cfg["expert_dtype"], "nvfp4");
     assert_eq!(cfg["engram_dtype"], "fp4");
     assert_eq!(cfg["model_type"], "deepseek_v4");
@@ -314,14 +312,7 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     let src = d.path().join("in");
     v4_model(&src);
     let out = d.path().join("out");
-    let err = fails(&[
-        "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--require-lossless",
-    ]);
+    let err = fails(&cmd("repack-fp4", &src, &out, &["--require-lossless"]));
     assert!(
         err.contains("`layers.0.ffn.experts.1.w1.weight`") && err.contains("2 of 256 blocks"),
         "{err}"
@@ -329,32 +320,23 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     assert!(!out.exists());
     // Dry run reports the choice without writing.
     let rep = d.path().join("dry.json");
-    ok(&tftf(&[
+    ok(&convert(
         "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dry-run",
-        "--report",
-        s(&rep),
-    ]));
+        &src,
+        &out,
+        &["--dry-run", "--report", s(&rep)],
+    ));
     assert!(!out.exists());
     assert!(std::fs::read_to_string(&rep)
         .unwrap()
         .contains("\"reencoded_blocks\": 2"));
     // Keep the experts, only requantise Engram; leave config alone.
-    ok(&tftf(&[
+    ok(&convert(
         "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--experts",
-        "keep",
-        "--no-config-update",
-    ]));
+        &src,
+        &out,
+        &["-q", "--experts", "keep", "--no-config-update"],
+    ));
     let got = load_all(&out);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight"].0, "I8");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
@@ -364,45 +346,27 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     );
     // Only the second shard.
     let o2 = d.path().join("o2");
-    ok(&tftf(&[
+    ok(&convert(
         "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&o2),
-        "-q",
-        "--shard-list",
-        "model-00002-of-00002.safetensors",
-    ]));
+        &src,
+        &o2,
+        &["-q", "--shard-list", "model-00002-of-00002.safetensors"],
+    ));
     let got = load_all(&o2);
     assert!(got.keys().all(|k| !k.contains("experts")));
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     let o3 = d.path().join("o3");
-    ok(&tftf(&[
+    ok(&convert(
         "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&o3),
-        "-q",
-        "--only-shards",
-        "1",
-        "--engram",
-        "keep",
-    ]));
+        &src,
+        &o3,
+        &["-q", "--only-shards", "1", "--engram", "keep"],
+    ));
     assert!(load_all(&o3)
         .keys()
         .all(|k| !k.contains("engram") && !k.contains("attn")));
     let o4 = d.path().join("o4");
-    let r = tftf(&[
-        "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&o4),
-        "--device",
-        "bogus",
-    ]);
+    let r = convert("repack-fp4", &src, &o4, &["--device", "bogus"]);
     assert_eq!(r.status.code(), Some(2), "a usage error");
     assert!(stderr(&r).contains("--device bogus: use auto, cpu, cuda or cuda:N"));
     assert!(!o4.exists());
@@ -412,7 +376,6 @@ fn require_lossless_fails_before_output_and_options_select_work() {
 fn engram_table_larger_than_the_budget_streams_with_identical_output() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(5);
     let (rows, cols) = (6144u64, 4096u64); // 24 MiB of E4M3
     let table: Vec<u8> = (0..rows * cols)
@@ -421,42 +384,32 @@ fn engram_table_larger_than_the_budget_streams_with_identical_output() {
     let scales: Vec<u8> = (0..rows * cols / 32)
         .map(|i| 100 + (i % 40) as u8)
         .collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t(
-                "layers.3.engram.embed.weight",
-                DType::F8_E4M3,
-                &[rows, cols],
-                table,
-            ),
-            t(
-                "layers.3.engram.embed.scale",
-                DType::F8_E8M0,
-                &[rows, cols / 32],
-                scales,
-            ),
-        ],
-    );
+    Model::new()
+        .tensor(
+            "layers.3.engram.embed.weight",
+            DType::F8_E4M3,
+            &[rows, cols],
+            table,
+        )
+        .tensor(
+            "layers.3.engram.embed.scale",
+            DType::F8_E8M0,
+            &[rows, cols / 32],
+            scales,
+        )
+        .write(&src);
     let mut files = Vec::new();
     for (i, budget) in ["16MiB", "1GiB"].iter().enumerate() {
         let out = d.path().join(format!("o{i}"));
         let rep = d.path().join(format!("r{i}.json"));
-        ok(&tftf(&[
+        ok(&convert(
             "repack-fp4",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "-q",
-            "--memory-budget",
-            budget,
-            "--report",
-            s(&rep),
-        ]));
+            &src,
+            &out,
+            &["-q", "--memory-budget", budget, "--report", s(&rep)],
+        ));
         files.push(std::fs::read(out.join("model.safetensors")).unwrap());
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
+        let r: serde_json::Value = read_json(&rep);
         if i == 0 {
             assert!(r["pool_peak_bytes"].as_u64().unwrap() <= 16 << 20, "{r}");
         }
@@ -470,17 +423,12 @@ fn run_section_repacks() {
     let src = d.path().join("in");
     v4_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&tftf(&[
+    ok(&convert(
         "run",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--repack-fp4",
-        "--key-exclude",
-        "embed.weight",
-    ]));
+        &src,
+        &out,
+        &["-q", "--repack-fp4", "--key-exclude", "embed.weight"],
+    ));
     let got = load_all(&out);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight_scale"].0, "F8_E4M3");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
@@ -547,7 +495,7 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
         let src = d.path().join(name);
         write_sharded(&src, &[tensors]);
         let out = d.path().join(format!("{name}-out"));
-        let err = fails(&["repack-fp4", "-i", s(&src), "-o", s(&out)]);
+        let err = fails(&cmd("repack-fp4", &src, &out, &[]));
         assert!(err.contains(want), "{name}: {err}");
         assert!(
             err.contains("model-00001-of-00001.safetensors"),
@@ -559,15 +507,7 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
     // that takes --allow-empty.
     let src = d.path().join("no-expert-scale");
     let out = d.path().join("kept");
-    let keep = [
-        "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--experts",
-        "keep",
-    ];
+    let keep = cmd("repack-fp4", &src, &out, &["--experts", "keep"]);
     let err = fails(&keep);
     assert!(
         err.contains("repack-fp4 found no MXFP4 expert weight (--expert-pattern) or E4M3 Engram table (--engram-pattern) to convert; pass --allow-empty"),
@@ -577,15 +517,12 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
 
     let src = d.path().join("engram-no-scale");
     let out = d.path().join("list-out");
-    let r = tftf(&[
+    let r = convert(
         "repack-fp4",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--shard-list",
-        "model-00009-of-00009.safetensors",
-    ]);
+        &src,
+        &out,
+        &["--shard-list", "model-00009-of-00009.safetensors"],
+    );
     assert_eq!(r.status.code(), Some(2), "a usage error");
     assert!(stderr(&r).contains(
         "--shard-list names `model-00009-of-00009.safetensors`, which is not a shard of"

@@ -35,21 +35,13 @@ fn hidden(dir: &Path) -> Vec<String> {
 
 #[test]
 fn single_file_output_with_force_replaces_that_file_only() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let shared = d.path().join("shared");
-    std::fs::create_dir_all(&shared).unwrap();
     // Another model's files in the folder the single file goes to.
-    write_sharded(
-        &shared,
-        &[vec![t(
-            "x",
-            tftf::format::dtype::DType::U8,
-            &[4],
-            vec![1; 4],
-        )]],
-    );
+    Model::new()
+        .tensor("x", tftf::format::dtype::DType::U8, &[4], vec![1; 4])
+        .indexed()
+        .write(&shared);
     std::fs::rename(
         shared.join("model-00001-of-00001.safetensors"),
         shared.join("model-00001-of-00002.safetensors"),
@@ -59,15 +51,7 @@ fn single_file_output_with_force_replaces_that_file_only() {
     std::fs::write(shared.join("new.safetensors"), "previous output").unwrap();
     let before = snapshot(&shared);
     let out = shared.join("new.safetensors");
-    ok(&tftf(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--force",
-        "-q",
-    ]));
+    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
     let after = snapshot(&shared);
     for (name, hash) in &before {
         if name != "new.safetensors" {
@@ -93,15 +77,12 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     write_file(&dir.join("mine.safetensors"), &tensors);
     write_file(&dir.join("sibling.safetensors"), &tensors);
     let before = snapshot(&dir);
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&dir.join("mine.safetensors")),
-        "-o",
-        s(&dir),
-        "--force",
-        "-q",
-    ]));
+        &dir.join("mine.safetensors"),
+        &dir,
+        &["--force", "-q"],
+    ));
     let after = snapshot(&dir);
     assert_eq!(
         after.get("mine.safetensors"),
@@ -117,14 +98,12 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     std::fs::rename(dir.join("mine.safetensors"), dir.join("model.safetensors")).unwrap();
     let before = snapshot(&dir);
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "passthrough",
-        "-i",
-        s(&dir.join("model.safetensors")),
-        "-o",
-        s(&dir),
-        "--force",
-    ]);
+        &dir.join("model.safetensors"),
+        &dir,
+        &["--force"],
+    ));
     assert!(
         err.contains("refusing to replace") && err.contains("model.safetensors"),
         "{err}"
@@ -134,70 +113,38 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
 
 #[test]
 fn report_never_lands_on_an_input_or_an_output_file() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let before = snapshot(&src);
     let out = d.path().join("out");
     let shard = src.join("model-00001-of-00002.safetensors");
-    let err = usage_error(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&shard),
-    ]);
+    let err = usage_error(&cmd("passthrough", &src, &out, &["--report", s(&shard)]));
     assert!(
         err.contains("refusing to write the report over") && err.contains("model-00001-of-00002"),
         "{err}"
     );
     assert!(!out.exists());
     // Also when the run is refused for another reason first.
-    fails(&[
+    fails(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&src.join("sub")),
-        "--report",
-        s(&src.join("config.json")),
-    ]);
+        &src,
+        &src.join("sub"),
+        &["--report", s(&src.join("config.json"))],
+    ));
     assert_eq!(snapshot(&src), before);
     // Not one of the output's own files either, nor an unrelated existing file.
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&out.join("config.json")),
-    ]);
+        &src,
+        &out,
+        &["--report", s(&out.join("config.json"))],
+    ));
     assert!(err.contains("one of the output's own files"), "{err}");
     let one = d.path().join("one.safetensors");
-    let err = usage_error(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&one),
-        "--report",
-        s(&one),
-    ]);
+    let err = usage_error(&cmd("passthrough", &src, &one, &["--report", s(&one)]));
     assert!(err.contains("one of the output's own files"), "{err}");
     let notes = d.path().join("notes.txt");
     std::fs::write(&notes, "keep me").unwrap();
-    let err = usage_error(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--report",
-        s(&notes),
-    ]);
+    let err = usage_error(&cmd("passthrough", &src, &out, &["--report", s(&notes)]));
     assert!(err.contains("is not a tftf report"), "{err}");
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me");
     assert!(!out.exists());
@@ -205,17 +152,12 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     // An earlier report is replaced.
     let report = d.path().join("report.json");
     for _ in 0..2 {
-        ok(&tftf(&[
+        ok(&convert(
             "passthrough",
-            "-i",
-            s(&src),
-            "-o",
-            s(&out),
-            "--force",
-            "-q",
-            "--report",
-            s(&report),
-        ]));
+            &src,
+            &out,
+            &["--force", "-q", "--report", s(&report)],
+        ));
     }
     assert!(hidden(d.path()).is_empty(), "{:?}", hidden(d.path()));
 }
@@ -232,7 +174,7 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
         std::os::unix::fs::symlink(e.path(), src.join(e.file_name())).unwrap();
     }
     let before = snapshot(&real);
-    let err = usage_error(&["passthrough", "-i", s(&src), "-o", s(&real), "--force"]);
+    let err = usage_error(&cmd("passthrough", &src, &real, &["--force"]));
     assert!(
         err.contains("refusing to replace")
             && err.contains(s(&real.join("model-00001-of-00002.safetensors"))),
@@ -248,33 +190,27 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
         out.join("model-00007-of-00009.safetensors"),
     )
     .unwrap();
-    let err = usage_error(&["passthrough", "-i", s(&real), "-o", s(&out), "--force"]);
+    let err = usage_error(&cmd("passthrough", &real, &out, &["--force"]));
     assert!(err.contains("refusing to delete"), "{err}");
     assert!(out.join("model-00007-of-00009.safetensors").exists());
 
     // An output reached through a symlinked parent is still inside the input.
     let alias = d.path().join("alias");
     std::os::unix::fs::symlink(&real, &alias).unwrap();
-    let err = fails(&["passthrough", "-i", s(&real), "-o", s(&alias.join("sub"))]);
+    let err = fails(&cmd("passthrough", &real, &alias.join("sub"), &[]));
     assert!(err.contains("is the input or inside it"), "{err}");
 }
 
 #[test]
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "-q",
-        "--max-shard-size",
-        "5000",
-    ]));
+        &src,
+        &out,
+        &["-q", "--max-shard-size", "5000"],
+    ));
     let shards_before = listing(&out)
         .into_iter()
         .filter(|n| n.starts_with("model-"))
@@ -283,15 +219,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     std::fs::write(out.join("weights-v2.safetensors"), "another model").unwrap();
     let before = snapshot(&out);
-    let o = tftf(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--force",
-        "--dry-run",
-    ]);
+    let o = convert("passthrough", &src, &out, &["--force", "--dry-run"]);
     ok(&o);
     let text = stdout(&o);
     let n = shards_before;
@@ -310,15 +238,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
         "{text}"
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
-    ok(&tftf(&[
-        "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--force",
-        "-q",
-    ]));
+    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
     assert_eq!(
         listing(&out),
         [
@@ -352,12 +272,10 @@ fn wait_stopped(pid: u32) {
 
 #[test]
 fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let mut first = Command::new(env!("CARGO_BIN_EXE_tftf"))
-        .args(["passthrough", "-i", s(&src), "-o", s(&out), "-q"])
+        .args(cmd("passthrough", &src, &out, &["-q"]))
         .env("TFTF_TEST_STOP_AT", "written")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -365,7 +283,7 @@ fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
         .unwrap();
     wait_stopped(first.id());
     for force in [false, true] {
-        let mut args = vec!["passthrough", "-i", s(&src), "-o", s(&out)];
+        let mut args = cmd("passthrough", &src, &out, &[]);
         if force {
             args.push("--force");
         }
@@ -393,7 +311,7 @@ fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
 /// Output of a clean run of `args` into a fresh directory, for comparison.
 fn reference(src: &Path, d: &Path, args: &[&str]) -> BTreeMap<String, String> {
     let out = d.join("reference");
-    let mut a = vec!["passthrough", "-i", s(src), "-o", s(&out), "-q"];
+    let mut a = cmd("passthrough", src, &out, &["-q"]);
     a.extend_from_slice(args);
     ok(&tftf(&a));
     snapshot(&out)
@@ -408,9 +326,7 @@ fn visible(snap: &BTreeMap<String, String>) -> BTreeMap<String, String> {
 
 #[test]
 fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let old_args = ["--max-shard-size", "5000"];
     let new_args = ["--dtype", "bf16"];
     let old = visible(&reference(&src, &d.path().join("old"), &old_args));
@@ -430,10 +346,10 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
     ] {
         for finish_with_recover in [false, true] {
             let out = d.path().join(format!("out-{point}-{finish_with_recover}"));
-            let mut a = vec!["passthrough", "-i", s(&src), "-o", s(&out), "-q"];
+            let mut a = cmd("passthrough", &src, &out, &["-q"]);
             a.extend_from_slice(&old_args);
             ok(&tftf(&a));
-            let mut a = vec!["passthrough", "-i", s(&src), "-o", s(&out), "-q", "--force"];
+            let mut a = cmd("passthrough", &src, &out, &["-q", "--force"]);
             a.extend_from_slice(&new_args);
             let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
                 .args(&a)
@@ -469,11 +385,9 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
 
 #[test]
 fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let a = ["passthrough", "-i", s(&src), "-o", s(&out), "-q"];
+    let a = cmd("passthrough", &src, &out, &["-q"]);
     let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args(a)
         .env("TFTF_TEST_CRASH_AT", "written")
@@ -483,7 +397,7 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
     let left: Vec<String> = hidden(&out);
     assert!(left.iter().any(|n| n.ends_with(".tmp")), "{left:?}");
     // No --force needed: nothing but the killed run's temporaries is there.
-    let o = tftf(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let o = convert("passthrough", &src, &out, &[]);
     ok(&o);
     assert!(
         stderr(&o).contains("temporary file(s) left by a killed run"),
@@ -496,13 +410,11 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
 
 #[test]
 fn not_empty_error_names_what_is_there() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let out: PathBuf = d.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
-    let err = fails(&["passthrough", "-i", s(&src), "-o", s(&out)]);
+    let err = fails(&cmd("passthrough", &src, &out, &[]));
     assert!(
         err.contains("is not empty (it holds `notes.txt`); pass --force"),
         "{err}"
@@ -511,9 +423,7 @@ fn not_empty_error_names_what_is_there() {
 
 #[test]
 fn output_through_a_bind_mount_of_the_input_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
-    small_model(&src);
+    let (d, src, _) = tmp_small_model();
     let alias = d.path().join("alias");
     std::fs::create_dir_all(&alias).unwrap();
     let mounted = Command::new("mount")
@@ -526,8 +436,8 @@ fn output_through_a_bind_mount_of_the_input_is_refused() {
         return;
     }
     let before = snapshot(&src);
-    let inside = fails(&["passthrough", "-i", s(&src), "-o", s(&alias.join("sub"))]);
-    let same = fails(&["passthrough", "-i", s(&src), "-o", s(&alias), "--force"]);
+    let inside = fails(&cmd("passthrough", &src, &alias.join("sub"), &[]));
+    let same = fails(&cmd("passthrough", &src, &alias, &["--force"]));
     let _ = Command::new("umount").arg(&alias).status();
     assert!(inside.contains("is the input or inside it"), "{inside}");
     assert!(same.contains("is the input or inside it"), "{same}");
@@ -540,21 +450,17 @@ fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
     use tftf::format::dtype::DType;
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    write_file(
-        &src.join("model.safetensors"),
-        &[
-            t("w.weight", DType::F8_E4M3, &[2, 2], vec![0x38, 0x7F, 0, 0]),
-            t(
-                "w.weight_scale_inv",
-                DType::F32,
-                &[1, 1],
-                1f32.to_le_bytes().to_vec(),
-            ),
-        ],
-    );
+    Model::new()
+        .tensor("w.weight", DType::F8_E4M3, &[2, 2], vec![0x38, 0x7F, 0, 0])
+        .tensor(
+            "w.weight_scale_inv",
+            DType::F32,
+            &[1, 1],
+            1f32.to_le_bytes().to_vec(),
+        )
+        .write(&src);
     let out = d.path().join("a/b/out");
-    let err = fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out)]);
+    let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
     assert!(err.contains("w.weight") && err.contains("NaN"), "{err}");
     assert!(
         !d.path().join("a").exists(),
@@ -563,7 +469,7 @@ fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
     // In an existing directory, only the run's own files go.
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
-    fails(&["dequant-fp8", "-i", s(&src), "-o", s(&out), "--force"]);
+    fails(&cmd("dequant-fp8", &src, &out, &["--force"]));
     assert_eq!(listing(&out), ["notes.txt"]);
 }
 

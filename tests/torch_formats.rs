@@ -3,23 +3,19 @@
 //! its `expected/model.safetensors` twin byte for byte, and hostile or damaged inputs must give
 //! errors that name the file (and tensor), never a panic or an executed payload.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use common::copy_dir;
 use tftf::format::source::{Placement, SourceDesc};
 use tftf::format::torch::{self, pickle};
 
+/// `tests/fixtures/torch/<rel>` (see its README.md).
 fn fixture(rel: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/torch")
-        .join(rel);
-    assert!(
-        p.exists(),
-        "fixture {} is missing (see tests/fixtures/torch/README.md)",
-        p.display()
-    );
-    p
+    common::fixture(&format!("torch/{rel}"))
 }
 
 /// Reads every element of every tensor, whole and in chunks of `chunk` elements.
@@ -291,19 +287,6 @@ fn compressed_storage_is_refused() {
     let (_d, p) = temp_copy(&bytes, "m.pt");
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("compressed"), "{err}");
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::write(&dst, std::fs::read(e.path()).unwrap()).unwrap();
-        }
-    }
 }
 
 #[test]

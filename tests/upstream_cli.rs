@@ -102,34 +102,50 @@ fn make_regular_lora_checkpoint(dir: &Path, steps: &[u64]) -> PathBuf {
     dir.to_path_buf()
 }
 
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
 fn base_map() -> BTreeMap<String, Vec<u8>> {
     base_tensors().into_iter().map(|t| (t.0, t.3)).collect()
 }
 
 /// `tftf run -i BASE -o OUT ARGS...`; returns the output (loaded) or panics with stderr.
 fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
-    ok(&tftf(
-        &[&["run", "-i", s(base), "-o", s(out), "-q"][..], args].concat(),
-    ));
+    ok(&tftf(&[&cmd("run", base, out, &["-q"])[..], args].concat()));
     load_all(out)
+}
+
+/// A temporary folder with [`make_base`] in `base/`.
+fn base_in_tmp() -> (tempfile::TempDir, PathBuf) {
+    let d = tmp();
+    let base = make_base(&d.path().join("base"));
+    (d, base)
+}
+
+/// [`base_in_tmp`] plus [`make_lora_adapter`] in `adapter/`.
+fn base_and_adapter() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let (d, base) = base_in_tmp();
+    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    (d, base, adapter)
+}
+
+/// [`run_ok`] on a fresh [`make_base`].
+fn run_base(args: &[&str]) -> Tensors {
+    let (d, base) = base_in_tmp();
+    run_ok(&base, &d.path().join("out"), args)
 }
 
 /// `tftf run` that must be refused as a usage error (exit 2) before any output exists;
 /// returns stderr.
 fn run_usage_error(args: &[&str]) -> String {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let out = d.path().join("out");
-    let err = usage_error(&[&["run", "-i", s(&base), "-o", s(&out)][..], args].concat());
+    let err = usage_error(&[&cmd("run", &base, &out, &[])[..], args].concat());
     assert!(!out.exists(), "{args:?}");
     err
+}
+
+/// [`run_usage_error`] whose message contains `needle`.
+fn usage_error_mentions(args: &[&str], needle: &str) {
+    let err = run_usage_error(args);
+    assert!(err.contains(needle), "{err}");
 }
 
 fn all_dtypes(t: &Tensors, want: &str) -> bool {
@@ -146,9 +162,7 @@ fn names(t: &Tensors) -> Vec<&str> {
 
 #[test]
 fn parser_empty_returns_passthrough() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &[]);
+    let got = run_base(&[]);
     let want = base_map();
     assert_eq!(got.len(), want.len());
     for (k, v) in &want {
@@ -158,70 +172,45 @@ fn parser_empty_returns_passthrough() {
 
 #[test]
 fn parser_single_dtype_cast() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--dtype-cast", "--dtype", "bfloat16"],
-    );
+    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
 #[test]
 fn parser_single_key_filter() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-filter", "--include", "*q_proj*"],
-    );
+    let got = run_base(&["--key-filter", "--include", "*q_proj*"]);
     assert_eq!(names(&got), [Q]);
 }
 
 #[test]
 fn parser_two_pipes_returns_compound() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &[
-            "--key-filter",
-            "--include",
-            "*q_proj*",
-            "--dtype-cast",
-            "--dtype",
-            "bfloat16",
-        ],
-    );
+    let got = run_base(&[
+        "--key-filter",
+        "--include",
+        "*q_proj*",
+        "--dtype-cast",
+        "--dtype",
+        "bfloat16",
+    ]);
     assert_eq!(names(&got), [Q]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
 #[test]
 fn parser_multiple_include_flags_accumulated() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &[
-            "--key-filter",
-            "--include",
-            "*q_proj*",
-            "--include",
-            "*v_proj*",
-        ],
-    );
+    let got = run_base(&[
+        "--key-filter",
+        "--include",
+        "*q_proj*",
+        "--include",
+        "*v_proj*",
+    ]);
     assert_eq!(names(&got), [Q, V]);
 }
 
 #[test]
 fn parser_key_rename_single_rule() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     // Upstream's rule matches none of these names: they stay.
     let got = run_ok(
         &base,
@@ -243,8 +232,7 @@ fn parser_key_rename_single_rule() {
 
 #[test]
 fn parser_key_rename_multiple_rules() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -278,8 +266,7 @@ fn parser_key_rename_multiple_rules() {
 
 #[test]
 fn parser_token_before_any_pipe_flag_raises() {
-    let err = run_usage_error(&["--nonexistent-pipe"]);
-    assert!(err.contains("--nonexistent-pipe"), "{err}");
+    usage_error_mentions(&["--nonexistent-pipe"], "--nonexistent-pipe");
 }
 
 #[test]
@@ -293,51 +280,40 @@ fn parser_unknown_option_for_pipe_raises() {
 
 #[test]
 fn parser_missing_required_arg_raises() {
-    let err = run_usage_error(&["--merge-lora"]);
-    assert!(err.contains("requires --adapter"), "{err}");
+    usage_error_mentions(&["--merge-lora"], "requires --adapter");
 }
 
 #[test]
 fn parser_dtype_choices_validated() {
-    let err = run_usage_error(&["--dtype-cast", "--dtype", "not_a_dtype"]);
-    assert!(err.contains("not_a_dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "--dtype", "not_a_dtype"], "not_a_dtype");
 }
 
 #[test]
 fn parser_missing_value_for_flag_raises() {
-    let err = run_usage_error(&["--dtype-cast", "--dtype"]);
-    assert!(err.contains("--dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "--dtype"], "--dtype");
 }
 
 #[test]
 fn parser_three_pipes_chained() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &[
-            "--key-filter",
-            "--include",
-            "*q_proj*",
-            "--dtype-cast",
-            "--dtype",
-            "bfloat16",
-            "--key-rename",
-            "--rule",
-            "^model",
-            "base",
-        ],
-    );
+    let got = run_base(&[
+        "--key-filter",
+        "--include",
+        "*q_proj*",
+        "--dtype-cast",
+        "--dtype",
+        "bfloat16",
+        "--key-rename",
+        "--rule",
+        "^model",
+        "base",
+    ]);
     assert_eq!(names(&got), ["base.layers.0.self_attn.q_proj.weight"]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
 #[test]
 fn parser_dtype_cast_positional() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &["--dtype-cast", "bfloat16"]);
+    let got = run_base(&["--dtype-cast", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
@@ -378,25 +354,19 @@ fn parser_dequant_fp8_positional_then_named() {
     );
     assert_eq!(got[Q].0, "F16");
     // The named option reached the section: a malformed block size is refused.
-    let o = tftf(&[
+    let o = convert(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&d.path().join("out2")),
-        "--dequant-fp8",
-        "fp16",
-        "--block-size",
-        "1x2x3",
-    ]);
+        &base,
+        &d.path().join("out2"),
+        &["--dequant-fp8", "fp16", "--block-size", "1x2x3"],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("1x2x3"), "{}", stderr(&o));
 }
 
 #[test]
 fn parser_key_rename_positional_single_rule() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -413,8 +383,7 @@ fn parser_key_rename_positional_single_rule() {
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -431,26 +400,18 @@ fn parser_key_rename_positional_multiple_rules() {
 
 #[test]
 fn parser_key_filter_positional_include() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-filter", "*q_proj*", "*v_proj*"],
-    );
+    let got = run_base(&["--key-filter", "*q_proj*", "*v_proj*"]);
     assert_eq!(names(&got), [Q, V]);
 }
 
 #[test]
 fn parser_positional_invalid_choice_raises() {
-    let err = run_usage_error(&["--dtype-cast", "not_a_dtype"]);
-    assert!(err.contains("not_a_dtype"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "not_a_dtype"], "not_a_dtype");
 }
 
 #[test]
 fn parser_no_positional_for_pipe_raises() {
-    let err = run_usage_error(&["--dtype-cast", "bfloat16", "extra"]);
-    assert!(err.contains("extra"), "{err}");
+    usage_error_mentions(&["--dtype-cast", "bfloat16", "extra"], "extra");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -459,33 +420,19 @@ fn parser_no_positional_for_pipe_raises() {
 
 #[test]
 fn run_dtype_cast_changes_all_dtypes() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--dtype-cast", "--dtype", "bfloat16"],
-    );
+    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
 #[test]
 fn run_key_filter_keeps_only_matching() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-filter", "--include", "*q_proj*"],
-    );
+    let got = run_base(&["--key-filter", "--include", "*q_proj*"]);
     assert!(!got.is_empty() && got.keys().all(|k| k.contains("q_proj")));
 }
 
 #[test]
 fn run_merge_lora_modifies_weights() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -503,9 +450,7 @@ fn run_merge_lora_modifies_weights() {
 
 #[test]
 fn run_merge_lora_then_dtype_cast() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(
         &base,
         &d.path().join("out"),
@@ -523,38 +468,28 @@ fn run_merge_lora_then_dtype_cast() {
 
 #[test]
 fn run_no_pipes_is_passthrough() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &[]);
+    let got = run_base(&[]);
     assert_eq!(names(&got), [Q, V, NORM]);
 }
 
 #[test]
 fn run_dry_run_creates_no_output() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let out = d.path().join("out");
     // `--dry-run` after the sections is still run's own option.
-    let o = tftf(&[
+    let o = convert(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dtype-cast",
-        "--dtype",
-        "bfloat16",
-        "--dry-run",
-    ]);
+        &base,
+        &out,
+        &["--dtype-cast", "--dtype", "bfloat16", "--dry-run"],
+    );
     ok(&o);
     assert!(!out.exists());
 }
 
 #[test]
 fn run_positional_adapter_path() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = run_ok(&base, &d.path().join("out"), &["--merge-lora", s(&adapter)]);
     assert_eq!(names(&got), [Q, V, NORM]);
     let named = run_ok(
@@ -567,9 +502,7 @@ fn run_positional_adapter_path() {
 
 #[test]
 fn run_positional_dtype_cast() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &["--dtype-cast", "bfloat16"]);
+    let got = run_base(&["--dtype-cast", "bfloat16"]);
     assert!(all_dtypes(&got, "BF16"));
 }
 
@@ -583,31 +516,23 @@ fn run_unknown_pipe_flag_exits_nonzero() {
 // ---------------------------------------------------------------------------------------------
 
 fn merge(base: &Path, adapter: &Path, out: &Path) -> Tensors {
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(base),
-        "-a",
-        s(adapter),
-        "-o",
-        s(out),
-        "-q",
-    ]));
+    ok(&tftf(&merge_lora(base, adapter, out, &["-q"])));
     load_all(out)
 }
 
 /// q_proj + `alpha / r · (B @ A)` with all-ones A and B = `b`: every element gains
 /// 2 · 4 · b.
 fn assert_merged_with(got: &Tensors, b: f32) {
-    let want: Vec<f32> = f32s(&base_map()[Q]).iter().map(|w| w + 8.0 * b).collect();
-    assert_eq!(f32s(&got[Q].2), want);
+    let want: Vec<f32> = f32s_of(&base_map()[Q])
+        .iter()
+        .map(|w| w + 8.0 * b)
+        .collect();
+    assert_eq!(f32s_of(&got[Q].2), want);
 }
 
 #[test]
 fn resolve_adapter_passthrough_plain_lora_file() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let got = merge(
         &base,
         &adapter.join("adapter_model.safetensors"),
@@ -618,8 +543,7 @@ fn resolve_adapter_passthrough_plain_lora_file() {
 
 #[test]
 fn resolve_adapter_training_dir_with_regular_lora() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 60, 90]);
     let got = merge(&base, &training, &d.path().join("out"));
     assert_merged_with(&got, 90.0);
@@ -627,29 +551,19 @@ fn resolve_adapter_training_dir_with_regular_lora() {
 
 #[test]
 fn resolve_adapter_training_dir_bad_content_raises() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = d.path().join("training");
     std::fs::create_dir_all(training.join("checkpoint-1")).unwrap();
     std::fs::write(training.join("adapter_config.json"), "{}").unwrap();
     let out = d.path().join("out");
-    let err = fails(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&training),
-        "-o",
-        s(&out),
-    ]);
+    let err = fails(&merge_lora(&base, &training, &out, &[]));
     assert!(err.contains("no adapter"), "{err}");
     assert!(!out.exists());
 }
 
 #[test]
 fn merge_lora_training_dir_regular_lora_merges_correctly() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let training = make_regular_lora_checkpoint(&d.path().join("training"), &[30, 90]);
     let got = merge(&base, &training, &d.path().join("merged"));
     assert_eq!(names(&got), [Q, V, NORM]);
@@ -685,31 +599,14 @@ fn merge_lora_extras_copied_from_base_dir() {
 
 #[test]
 fn verbose_is_accepted_by_every_command() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     for args in [
         &["info", s(&base), "-v"][..],
         &["validate", s(&base), "--verbose"],
         &["selftest", "--device", "cpu", "-q", "-v"],
         &["recover", s(&d.path().join("base")), "-v"],
-        &[
-            "passthrough",
-            "-i",
-            s(&base),
-            "-o",
-            s(&d.path().join("p")),
-            "-v",
-            "-q",
-        ],
-        &[
-            "run",
-            "-i",
-            s(&base),
-            "-o",
-            s(&d.path().join("r")),
-            "-q",
-            "-v",
-        ],
+        &cmd("passthrough", &base, &d.path().join("p"), &["-v", "-q"]),
+        &cmd("run", &base, &d.path().join("r"), &["-q", "-v"]),
     ] {
         ok(&tftf(args));
     }
@@ -717,23 +614,18 @@ fn verbose_is_accepted_by_every_command() {
 
 #[test]
 fn float64_casts_are_exact_everywhere() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let want: Vec<u8> = f32s(&base_map()[Q])
+    let (d, base) = base_in_tmp();
+    let want: Vec<u8> = f32s_of(&base_map()[Q])
         .iter()
         .flat_map(|v| (*v as f64).to_le_bytes())
         .collect();
     let out = d.path().join("p");
-    ok(&tftf(&[
+    ok(&convert(
         "passthrough",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dtype",
-        "float64",
-        "-q",
-    ]));
+        &base,
+        &out,
+        &["--dtype", "float64", "-q"],
+    ));
     let got = load_all(&out);
     assert!(all_dtypes(&got, "F64"));
     assert_eq!(got[Q].2, want);
@@ -743,20 +635,14 @@ fn float64_casts_are_exact_everywhere() {
     // A merged weight widens exactly too.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("m");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&adapter),
-        "-o",
-        s(&out),
-        "--dtype",
-        "float64",
-        "-q",
-    ]));
+    ok(&tftf(&merge_lora(
+        &base,
+        &adapter,
+        &out,
+        &["--dtype", "float64", "-q"],
+    )));
     let got = load_all(&out);
-    let merged: Vec<u8> = f32s(&base_map()[Q])
+    let merged: Vec<u8> = f32s_of(&base_map()[Q])
         .iter()
         .flat_map(|w| ((w + 8.0) as f64).to_le_bytes())
         .collect();
@@ -764,25 +650,18 @@ fn float64_casts_are_exact_everywhere() {
     // FP8 dequantisation writes 16- or 32-bit floats only.
     let fp8 = make_fp8_base(&d.path().join("fp8"));
     for args in [
-        &[
+        &cmd(
             "dequant-fp8",
-            "-i",
-            s(&fp8),
-            "-o",
-            s(&d.path().join("x")),
-            "--dtype",
-            "float64",
-        ][..],
-        &[
+            &fp8,
+            &d.path().join("x"),
+            &["--dtype", "float64"],
+        )[..],
+        &cmd(
             "run",
-            "-i",
-            s(&fp8),
-            "-o",
-            s(&d.path().join("x")),
-            "--dequant-fp8",
-            "--dtype-cast",
-            "float64",
-        ],
+            &fp8,
+            &d.path().join("x"),
+            &["--dequant-fp8", "--dtype-cast", "float64"],
+        ),
     ] {
         let o = tftf(args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
@@ -805,16 +684,12 @@ fn dequant_fp8_takes_the_lora_spellings() {
         let out = d.path().join(out);
         ok(&tftf(
             &[
-                &[
+                &cmd(
                     "dequant-fp8",
-                    "-i",
-                    s(&base),
-                    "-o",
-                    s(&out),
-                    "-q",
-                    "--merge-lora",
-                    s(&file),
-                ][..],
+                    &base,
+                    &out,
+                    &["-q", "--merge-lora", s(&file)],
+                )[..],
                 opts,
             ]
             .concat(),
@@ -860,39 +735,26 @@ fn merge_lora_renames_before_merging() {
     // The adapter is keyed by the new names, as after the rename.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("out");
-    ok(&tftf(&[
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&adapter),
-        "-o",
-        s(&out),
-        "-q",
-        "--rename",
-        r"^transformer\.h\.(\d+)\.attn\.",
-        r"model.layers.\1.self_attn.",
-    ]));
+    ok(&tftf(&merge_lora(
+        &base,
+        &adapter,
+        &out,
+        &[
+            "-q",
+            "--rename",
+            r"^transformer\.h\.(\d+)\.attn\.",
+            r"model.layers.\1.self_attn.",
+        ],
+    )));
     assert_merged_with(&load_all(&out), 1.0);
 }
 
 #[test]
 fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     std::fs::remove_file(adapter.join("adapter_config.json")).unwrap();
     let out = d.path().join("out");
-    let args = [
-        "merge-lora",
-        "-b",
-        s(&base),
-        "-a",
-        s(&adapter),
-        "-o",
-        s(&out),
-        "-q",
-    ];
+    let args = merge_lora(&base, &adapter, &out, &["-q"]);
     // Python tftf would assume r=8, alpha=8 here; tftf asks.
     let err = fails(&args);
     assert!(
@@ -912,11 +774,9 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
 /// tftf's pipes do), a cast after it rounds the merged value once.
 #[test]
 fn a_cast_before_a_merge_rounds_the_base_first() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
-    let w = f32s(&base_map()[Q]);
+    let w = f32s_of(&base_map()[Q]);
     let cast_first = run_ok(
         &base,
         &d.path().join("a"),
@@ -942,9 +802,7 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 /// sections is a default for all of them (the older grammar).
 #[test]
 fn per_section_adapter_options() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
-    let adapter = make_lora_adapter(&d.path().join("adapter"));
+    let (d, base, adapter) = base_and_adapter();
     let two = run_ok(
         &base,
         &d.path().join("a"),
@@ -960,11 +818,11 @@ fn per_section_adapter_options() {
             "0.25",
         ],
     );
-    let want: Vec<f32> = f32s(&base_map()[Q])
+    let want: Vec<f32> = f32s_of(&base_map()[Q])
         .iter()
         .map(|w| (w + 4.0) + 2.0)
         .collect();
-    assert_eq!(f32s(&two[Q].2), want);
+    assert_eq!(f32s_of(&two[Q].2), want);
     let old_form = run_ok(
         &base,
         &d.path().join("b"),
@@ -981,8 +839,7 @@ fn per_section_adapter_options() {
 /// Two `--merge-lora` sections with different adapters: each merges its own modules once.
 #[test]
 fn two_adapters_merge_each_their_own_modules_once() {
-    let d = tmp();
-    let base = make_base(&d.path().join("base"));
+    let (d, base) = base_in_tmp();
     let q = make_lora_adapter(&d.path().join("q"));
     let v = d.path().join("v");
     std::fs::create_dir_all(&v).unwrap();
@@ -1009,8 +866,8 @@ fn two_adapters_merge_each_their_own_modules_once() {
         ],
     );
     let plus = |name: &str, x: f32| -> Vec<f32> {
-        f32s(&base_map()[name]).iter().map(|w| w + x).collect()
+        f32s_of(&base_map()[name]).iter().map(|w| w + x).collect()
     };
-    assert_eq!(f32s(&got[Q].2), plus(Q, 4.0));
-    assert_eq!(f32s(&got[V].2), plus(V, 4.0));
+    assert_eq!(f32s_of(&got[Q].2), plus(Q, 4.0));
+    assert_eq!(f32s_of(&got[V].2), plus(V, 4.0));
 }

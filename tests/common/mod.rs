@@ -1,4 +1,21 @@
-//! Helpers shared by the integration tests: synthetic checkpoints and running the binary.
+//! Helpers shared by the integration tests (`mod common; use common::*;`).
+//!
+//! - Write a checkpoint with [`Model`]:
+//!   `Model::new().rand(&mut rng, "w", DType::BF16, &[4, 4]).config(json).write(&dir)`.
+//!   One shard is `model.safetensors`; `.shard()` starts another, and several shards (or one,
+//!   after `.indexed()`) are `model-0000i-of-0000n.safetensors` plus the index;
+//!   `Model::adapter()` writes `adapter_model.safetensors`; `.file(name, text)` adds side files.
+//!   Lower level: [`t`], [`rand_t`], [`write_file`], [`write_sharded`], [`raw_safetensors`]
+//!   (a hand-made, possibly broken header). Ready-made: [`small_model`], [`tmp_small_model`].
+//! - Run the binary: [`tftf`]`(&args)` returns the `Output` (any exit); [`ok`] asserts success;
+//!   [`fails`] / [`usage_error`] assert exit 1 / 2 and return stderr; [`exit_code`] gives
+//!   (code, stdout, stderr). Arguments: [`cmd`]`("passthrough", &src, &out, &["-q"])` is
+//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it, [`merge_lora`] is
+//!   `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an argument.
+//! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
+//!   via the `safetensors` crate), [`read_json`], [`listing`], [`stdout`], [`stderr`].
+//! - Misc: [`tmp`] (a temporary folder), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`],
+//!   [`Rng`].
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -43,6 +60,7 @@ pub fn rand_t(rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> T {
     t(name, dtype, shape, data)
 }
 
+/// Writes `tensors` as one safetensors file at `path`.
 pub fn write_file(path: &Path, tensors: &[T]) {
     write_small(path, tensors).unwrap();
 }
@@ -65,73 +83,83 @@ pub fn write_sharded(dir: &Path, shards: &[Vec<T>]) {
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
 }
 
+/// The config.json of [`small_model`].
+pub const SMALL_CONFIG: &str = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"torch_dtype\": \"float32\",\n  \"hidden_size\": 32\n}\n";
+
 /// A small llama-like model of two shards with config and tokenizer files.
 pub fn small_model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(1);
-    let s1 = vec![
-        rand_t(
+    let model = Model::new()
+        .rand(
             &mut rng,
             "model.embed_tokens.weight",
             DType::BF16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.self_attn.q_proj.weight",
             DType::F8_E4M3,
             &[32, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.self_attn.q_proj.weight_scale_inv",
             DType::F32,
             &[1, 1],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.mlp.up_proj.weight",
             DType::BF16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.0.input_layernorm.weight",
             DType::F32,
             &[32],
-        ),
-    ];
-    let s2 = vec![
-        rand_t(
+        )
+        .shard()
+        .rand(
             &mut rng,
             "model.layers.1.mlp.up_proj.weight",
             DType::F16,
             &[64, 32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.1.input_layernorm.weight",
             DType::F32,
             &[32],
-        ),
-        rand_t(
+        )
+        .rand(
             &mut rng,
             "model.layers.1.experts.packed",
             DType::F4,
             &[16, 32],
-        ),
-        rand_t(&mut rng, "model.layers.1.step", DType::I64, &[3]),
-        rand_t(&mut rng, "model.norm.weight", DType::F32, &[32]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[64, 32]),
-    ];
-    write_sharded(dir, &[s1.clone(), s2.clone()]);
-    std::fs::write(dir.join("config.json"), "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"torch_dtype\": \"float32\",\n  \"hidden_size\": 32\n}\n").unwrap();
-    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
-    std::fs::write(dir.join("modeling_x.py"), "# remote code\n").unwrap();
-    std::fs::write(dir.join("pytorch_model.bin"), "stale").unwrap();
-    std::fs::write(dir.join("adapter_config.json"), "{}").unwrap();
-    s1.into_iter().chain(s2).collect()
+        )
+        .rand(&mut rng, "model.layers.1.step", DType::I64, &[3])
+        .rand(&mut rng, "model.norm.weight", DType::F32, &[32])
+        .rand(&mut rng, "lm_head.weight", DType::BF16, &[64, 32])
+        .config(SMALL_CONFIG)
+        .file("tokenizer.json", "{}")
+        .file("modeling_x.py", "# remote code\n")
+        .file("pytorch_model.bin", "stale")
+        .file("adapter_config.json", "{}");
+    model.write(dir);
+    model.all()
 }
 
+/// A fresh [`tmp`] folder with [`small_model`] written into `in/`: (folder, `in/`, tensors).
+pub fn tmp_small_model() -> (tempfile::TempDir, PathBuf, Vec<T>) {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = small_model(&src);
+    (d, src, tensors)
+}
+
+/// Runs the `tftf` binary with `args` (and `NO_COLOR=1`), any exit.
 pub fn tftf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args(args)
@@ -241,4 +269,181 @@ pub fn listing(dir: &Path) -> Vec<String> {
 
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
+}
+
+/// A checkpoint to write: tensors in one or more shards, plus side files (`config.json`, ...).
+///
+/// `Model::new().rand(&mut rng, "w", DType::BF16, &[4, 4]).config(CONFIG).write(&dir)`.
+/// One shard is written as `model.safetensors` (`adapter_model.safetensors` for
+/// [`Model::adapter`]); after [`Model::shard`] there are several,
+/// written as `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json` (as is
+/// one after [`Model::indexed`]).
+#[derive(Clone, Debug)]
+pub struct Model {
+    shards: Vec<Vec<T>>,
+    files: Vec<(String, Vec<u8>)>,
+    single: &'static str,
+    indexed: bool,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Model {
+    pub fn new() -> Self {
+        Model {
+            shards: vec![Vec::new()],
+            files: Vec::new(),
+            single: "model.safetensors",
+            indexed: false,
+        }
+    }
+
+    /// A PEFT adapter: one shard is written as `adapter_model.safetensors`.
+    pub fn adapter() -> Self {
+        Model {
+            single: "adapter_model.safetensors",
+            ..Self::new()
+        }
+    }
+
+    /// Adds a tensor to the current (last) shard.
+    pub fn tensor(self, name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> Self {
+        self.tensors([t(name, dtype, shape, data)])
+    }
+
+    /// Adds a tensor of random bytes (see [`rand_t`]) to the current shard.
+    pub fn rand(self, rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> Self {
+        self.tensors([rand_t(rng, name, dtype, shape)])
+    }
+
+    /// Adds tensors to the current shard.
+    pub fn tensors(mut self, tensors: impl IntoIterator<Item = T>) -> Self {
+        self.shards.last_mut().unwrap().extend(tensors);
+        self
+    }
+
+    /// Starts a new shard.
+    pub fn shard(mut self) -> Self {
+        self.shards.push(Vec::new());
+        self
+    }
+
+    /// Writes numbered shards with `model.safetensors.index.json` even for one shard.
+    pub fn indexed(mut self) -> Self {
+        self.indexed = true;
+        self
+    }
+
+    /// Adds `config.json` with `json` as its text.
+    pub fn config(self, json: &str) -> Self {
+        self.file("config.json", json)
+    }
+
+    /// Adds a side file `name` (relative to the model folder).
+    pub fn file(mut self, name: &str, contents: impl AsRef<[u8]>) -> Self {
+        self.files
+            .push((name.to_string(), contents.as_ref().to_vec()));
+        self
+    }
+
+    /// Every tensor, in the order added.
+    pub fn all(&self) -> Vec<T> {
+        self.shards.concat()
+    }
+
+    /// Writes the one shard as the safetensors file `path` (side files are not written).
+    pub fn write_file(&self, path: &Path) {
+        let [one] = &self.shards[..] else {
+            panic!("write_file takes a model of one shard")
+        };
+        write_file(path, one);
+    }
+
+    /// Writes the model into `dir` (created) and returns `dir`.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        std::fs::create_dir_all(dir).unwrap();
+        if let ([one], false) = (&self.shards[..], self.indexed) {
+            write_file(&dir.join(self.single), one);
+        } else {
+            write_sharded(dir, &self.shards);
+        }
+        for (name, contents) in &self.files {
+            std::fs::write(dir.join(name), contents).unwrap();
+        }
+        dir.to_path_buf()
+    }
+}
+
+/// A safetensors file of the header text `header` followed by `data`, written as given.
+pub fn raw_safetensors(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut v = (header.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// The arguments `CMD -i INPUT -o OUT EXTRA...`, for [`tftf`], [`fails`], [`exit_code`], ...
+pub fn cmd<'a>(name: &'a str, input: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    [&[name, "-i", s(input), "-o", s(out)][..], extra].concat()
+}
+
+/// The arguments `merge-lora -b BASE -a ADAPTER -o OUT EXTRA...`.
+pub fn merge_lora<'a>(
+    base: &'a Path,
+    adapter: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    [
+        &["merge-lora", "-b", s(base), "-a", s(adapter), "-o", s(out)][..],
+        extra,
+    ]
+    .concat()
+}
+
+/// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.
+pub fn convert(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf(&cmd(name, input, out, extra))
+}
+
+/// Runs tftf and returns its exit code, stdout and stderr.
+pub fn exit_code(args: &[&str]) -> (Option<i32>, String, String) {
+    let o = tftf(args);
+    (o.status.code(), stdout(&o), stderr(&o))
+}
+
+/// The JSON file at `path`, parsed.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Copies the folder `from` to `to` (created), recursively, by reading and writing each file.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::write(&dst, std::fs::read(e.path()).unwrap()).unwrap();
+        }
+    }
+}
+
+/// Little-endian bytes of `v`.
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The f32 values of little-endian `bytes`.
+pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
