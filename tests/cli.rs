@@ -407,7 +407,10 @@ fn report_and_dry_run() {
     let r: serde_json::Value = read_json(&report2);
     assert_eq!(r["status"], "ok");
     assert_eq!(r["tensors"]["written"], 11);
-    assert_eq!(r["tensors"]["computed"], 4, "the FP8 scale is kept, not cast");
+    assert_eq!(
+        r["tensors"]["computed"], 4,
+        "the FP8 scale is kept, not cast"
+    );
     let copied = r["bytes"]["copied_in_kernel"].as_u64().unwrap()
         + r["bytes"]["copied_through_memory"].as_u64().unwrap();
     let computed = r["bytes"]["computed"].as_u64().unwrap();
