@@ -10,6 +10,11 @@
 //! progress: dequant-fp8 model-00002-of-00005.safetensors: 1.50 GiB of 6.00 GiB (25%), 312.40 MiB/s, ETA 15s
 //! ```
 //!
+//! With `--progress json` (for build systems): one JSON object per line on stderr, on the same
+//! ticks, plus one when each output file's bytes are all written and one at the end, then the
+//! run's report as the last line. The schema is versioned by its `tftf_progress` field and
+//! documented in the README; fields are only ever added.
+//!
 //! Lines stop when the run finishes or when the last handle is dropped (a failed run), so no
 //! line follows the error message.
 
@@ -46,6 +51,42 @@ pub fn parse_interval(arg: Option<&str>) -> Result<Duration> {
     }
 }
 
+/// The version of the `--progress json` line schema.
+pub const JSON_SCHEMA_VERSION: u32 = 1;
+
+/// `--progress`: how progress is shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// A bar on a terminal, plain lines elsewhere; off with `-q`.
+    Auto,
+    /// Plain lines even on a terminal.
+    Plain,
+    /// JSON lines (also with `-q`).
+    Json,
+    Off,
+}
+
+/// Parses `--progress MODE` with `--no-progress` and `-q`: an explicit `plain` or `json` wins
+/// over `-q`, which only silences the default.
+pub fn parse_mode(arg: Option<&str>, no_progress: bool, quiet: bool) -> Result<Mode> {
+    let mode = match arg {
+        None | Some("auto") => Mode::Auto,
+        Some("plain") => Mode::Plain,
+        Some("json") => Mode::Json,
+        Some("none" | "off") => Mode::Off,
+        Some(other) => {
+            return Err(Error::Usage(format!(
+                "--progress `{other}`: use auto, plain, json or none"
+            )))
+        }
+    };
+    Ok(match mode {
+        _ if no_progress => Mode::Off,
+        Mode::Auto if quiet => Mode::Off,
+        m => m,
+    })
+}
+
 /// A handle on one run's progress; clones share it.
 #[derive(Clone)]
 pub struct Progress(Arc<Inner>);
@@ -59,15 +100,31 @@ struct Inner {
     shard: AtomicUsize,
     started: Instant,
     finished: AtomicBool,
+    /// Held while a line is printed, so no tick lands after the last line.
+    printing: std::sync::Mutex<()>,
+    json: bool,
+    /// Bytes each file receives, and how many it has so far (JSON mode's per-file events).
+    shard_bytes: Vec<u64>,
+    shard_done: Vec<AtomicU64>,
+    shard_reported: Vec<AtomicBool>,
     bar: Option<indicatif::ProgressBar>,
     /// Dropping it (with the last handle) stops the ticker.
     _stop: Option<Sender<()>>,
 }
 
 impl Progress {
-    /// A bar when stderr is a terminal, else plain lines every `interval`.
-    pub fn new(op: &str, shards: Vec<String>, total: u64, interval: Duration) -> Progress {
-        let terminal = std::io::stderr().is_terminal();
+    /// Progress of `op` over files `shards` receiving `shard_bytes` bytes each (`total` in
+    /// all). `Mode::Auto`: a bar when stderr is a terminal, else plain lines every `interval`.
+    pub fn new(
+        op: &str,
+        shards: Vec<String>,
+        shard_bytes: Vec<u64>,
+        total: u64,
+        interval: Duration,
+        mode: Mode,
+    ) -> Progress {
+        let json = mode == Mode::Json;
+        let terminal = mode == Mode::Auto && std::io::stderr().is_terminal();
         let bar = terminal.then(|| {
             let bar = indicatif::ProgressBar::with_draw_target(
                 Some(total),
@@ -87,6 +144,11 @@ impl Progress {
             shard: AtomicUsize::new(0),
             started: Instant::now(),
             finished: AtomicBool::new(false),
+            printing: std::sync::Mutex::new(()),
+            json,
+            shard_done: shard_bytes.iter().map(|_| AtomicU64::new(0)).collect(),
+            shard_reported: shard_bytes.iter().map(|_| AtomicBool::new(false)).collect(),
+            shard_bytes,
             bar,
             _stop: (!terminal).then_some(stop),
         }));
@@ -95,17 +157,19 @@ impl Progress {
             return p;
         }
         // A first line at once: the log shows the run started and how much it has to do.
-        eprintln!("{}", p.line());
+        p.emit("start");
         let weak: Weak<Inner> = Arc::downgrade(&p.0);
         // Progress is advisory: a ticker thread that cannot start leaves only the first line,
         // and the run itself reports the shortage when its own threads cannot start.
         let _ = std::thread::Builder::new().spawn(move || {
             while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let Some(inner) = weak.upgrade() else { break };
-                if inner.finished.load(Ordering::Relaxed) {
+                let p = Progress(inner);
+                let _printing = p.0.printing.lock().unwrap_or_else(|e| e.into_inner());
+                if p.0.finished.load(Ordering::Relaxed) {
                     break;
                 }
-                eprintln!("{}", Progress(inner).line());
+                p.print("tick");
             }
         });
         p
@@ -116,6 +180,13 @@ impl Progress {
         let i = &self.0;
         i.done.fetch_add(n, Ordering::Relaxed);
         let previous = i.shard.swap(shard, Ordering::Relaxed);
+        if i.json {
+            if let (Some(done), Some(&want)) = (i.shard_done.get(shard), i.shard_bytes.get(shard)) {
+                if done.fetch_add(n, Ordering::Relaxed) + n >= want {
+                    self.shard_written(shard);
+                }
+            }
+        }
         if let Some(bar) = &i.bar {
             if previous != shard {
                 bar.set_message(self.bar_message());
@@ -124,12 +195,102 @@ impl Progress {
         }
     }
 
-    /// Stops the lines and clears the bar.
+    /// Stops the lines and clears the bar; in JSON mode, says every file is written.
     pub fn finish(&self) {
-        self.0.finished.store(true, Ordering::Relaxed);
-        if let Some(bar) = &self.0.bar {
+        let i = &self.0;
+        {
+            let _printing = i.printing.lock().unwrap_or_else(|e| e.into_inner());
+            if i.finished.swap(true, Ordering::Relaxed) {
+                return;
+            }
+        }
+        if let Some(bar) = &i.bar {
             bar.finish_and_clear();
         }
+        if i.json {
+            // Files with nothing to write (an empty shard) are written too.
+            for k in 0..i.shard_bytes.len() {
+                self.shard_written(k);
+            }
+            self.emit("finish");
+        }
+    }
+
+    /// In JSON mode, the run's report as the last line.
+    pub fn report(&self, report: &serde_json::Value) {
+        if self.0.json {
+            let line = serde_json::json!({
+                "tftf_progress": JSON_SCHEMA_VERSION,
+                "event": "report",
+                "op": self.0.op,
+                "report": report,
+            });
+            let _printing = self.0.printing.lock().unwrap_or_else(|e| e.into_inner());
+            eprintln!("{line}");
+        }
+    }
+
+    /// The once-per-file `shard_written` event.
+    fn shard_written(&self, k: usize) {
+        let i = &self.0;
+        if i.shard_reported
+            .get(k)
+            .is_some_and(|r| !r.swap(true, Ordering::Relaxed))
+        {
+            i.shard.store(k, Ordering::Relaxed);
+            self.emit("shard_written");
+        }
+    }
+
+    /// Prints one progress line (plain or JSON) for `event`.
+    fn emit(&self, event: &str) {
+        let _printing = self.0.printing.lock().unwrap_or_else(|e| e.into_inner());
+        self.print(event);
+    }
+
+    fn print(&self, event: &str) {
+        if self.0.json {
+            eprintln!("{}", self.json_line(event));
+        } else {
+            eprintln!("{}", self.line());
+        }
+    }
+
+    /// One `--progress json` line: every figure a build system needs, units in the names.
+    pub fn json_line(&self, event: &str) -> serde_json::Value {
+        let i = &self.0;
+        let done = i.done.load(Ordering::Relaxed).min(i.total);
+        let secs = i.started.elapsed().as_secs_f64();
+        let rate = if secs > 0.0 { done as f64 / secs } else { 0.0 };
+        let eta = if done >= i.total {
+            Some(0.0)
+        } else if rate >= 1.0 {
+            Some(((i.total - done) as f64 / rate).ceil())
+        } else {
+            None
+        };
+        let k = i.shard.load(Ordering::Relaxed);
+        let phase = match event {
+            "start" => "start",
+            "finish" => "done",
+            _ => "write",
+        };
+        serde_json::json!({
+            "tftf_progress": JSON_SCHEMA_VERSION,
+            "event": event,
+            "phase": phase,
+            "op": i.op,
+            "shard": i.shards.get(k),
+            "shard_index": k,
+            "shards": i.shards.len(),
+            "shard_bytes_done": i.shard_done.get(k).map(|d| d.load(Ordering::Relaxed)),
+            "shard_bytes_total": i.shard_bytes.get(k),
+            "bytes_done": done,
+            "bytes_total": i.total,
+            "elapsed_seconds": secs,
+            "rate_bytes_per_second": rate,
+            "eta_seconds": eta,
+        })
     }
 
     fn shard_name(&self) -> &str {

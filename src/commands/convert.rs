@@ -16,7 +16,7 @@ use crate::output::{
 };
 use crate::pipeline::{self, Cancel, PipelineConfig};
 use crate::plan::{Plan, Recipe, Step};
-use crate::progress::Progress;
+use crate::progress::{Mode as ProgressMode, Progress};
 use crate::sink::{output_kind_for, Layout, OutputKind, Safetensors, Sink};
 use crate::size::{human, parse_size};
 use crate::sys;
@@ -29,7 +29,7 @@ pub struct WriteOptions {
     pub threads: usize,
     pub memory_budget: u64,
     pub quiet: bool,
-    pub progress: bool,
+    pub progress: ProgressMode,
     /// Seconds between progress lines when stderr is not a terminal.
     pub progress_interval: std::time::Duration,
     /// Informational notes on stderr (`-v`).
@@ -79,7 +79,7 @@ impl WriteOptions {
             threads,
             memory_budget: parse_budget(w.memory_budget.as_deref())?,
             quiet: w.quiet,
-            progress: !w.quiet && !w.no_progress,
+            progress: crate::progress::parse_mode(w.progress.as_deref(), w.no_progress, w.quiet)?,
             progress_interval: crate::progress::parse_interval(w.progress_interval.as_deref())?,
             verbose: w.verbose,
             allow_empty: w.allow_empty,
@@ -233,12 +233,22 @@ fn convert_inner(
         files.push(file);
         tmp_names.push(tmp);
     }
-    let progress = opts.progress.then(|| {
+    let progress = (opts.progress != ProgressMode::Off).then(|| {
+        let shard_bytes = layout
+            .shards
+            .iter()
+            .map(|s| match s.clone_from {
+                Some(_) => s.len,
+                None => s.tensors.iter().map(|&t| plan.tensors[t].nbytes).sum(),
+            })
+            .collect();
         Progress::new(
             command,
             names[..layout.shards.len()].to_vec(),
+            shard_bytes,
             plan.total_tensor_bytes(),
             opts.progress_interval,
+            opts.progress,
         )
     });
     let cfg = PipelineConfig {
@@ -310,7 +320,8 @@ fn convert_inner(
             eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
         }
     }
-    if let Some(path) = &opts.report {
+    let json_progress = opts.progress == ProgressMode::Json;
+    if opts.report.is_some() || json_progress {
         let report = report_json(
             command,
             &ckpt,
@@ -324,12 +335,17 @@ fn convert_inner(
             started,
             false,
         );
-        // The output is committed: a report that cannot be written does not undo it.
-        if let Err(e) = write_report(path, &report) {
-            eprintln!(
-                "warning: the output was written, but not the report: {}",
-                crate::escape::name(&e.to_string())
-            );
+        if let Some(path) = &opts.report {
+            // The output is committed: a report that cannot be written does not undo it.
+            if let Err(e) = write_report(path, &report) {
+                eprintln!(
+                    "warning: the output was written, but not the report: {}",
+                    crate::escape::name(&e.to_string())
+                );
+            }
+        }
+        if let Some(p) = &progress {
+            p.report(&report);
         }
     }
     Ok(())

@@ -214,7 +214,7 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         threads: 2,
         memory_budget: 16 << 20,
         quiet: true,
-        progress: false,
+        progress: crate::progress::Mode::Off,
         progress_interval: std::time::Duration::from_secs(30),
         verbose: false,
         allow_empty: false,

@@ -154,7 +154,9 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                 .filter(|t| scannable(t.info.dtype))
                 .map(|t| t.info.nbytes())
                 .sum();
-            let progress = (!args.no_progress).then(|| {
+            let mode =
+                crate::progress::parse_mode(args.progress.as_deref(), args.no_progress, false)?;
+            let progress = (mode != crate::progress::Mode::Off).then(|| {
                 let shards = ckpt
                     .shards
                     .iter()
@@ -166,7 +168,8 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                             .into_owned()
                     })
                     .collect();
-                Progress::new("validate", shards, total, interval)
+                // Nothing is written, so there are no per-file events.
+                Progress::new("validate", shards, Vec::new(), total, interval, mode)
             });
             let chunk = (budget / 2).clamp(1 << 20, 64 << 20) as usize;
             let mut buf = vec![0u8; chunk];
