@@ -47,6 +47,19 @@ pub enum Command {
     /// Finish a commit that a killed run left half done in an output directory and remove
     /// killed runs' temporary files (writing commands do this by themselves)
     Recover(RecoverArgs),
+    /// Re-hash a checkpoint written with --checksums against its tftf-manifest.json and name
+    /// the first tensor that differs (exit 1)
+    Verify(VerifyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// The checkpoint directory
+    #[arg(value_name = "DIR")]
+    pub dir: std::path::PathBuf,
+    /// Accepted on every command (as in Python tftf)
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]
@@ -118,6 +131,10 @@ pub struct WriteArgs {
     /// Progress on stderr: auto (a bar on a terminal, else lines), plain, json, none
     #[arg(long, value_name = "MODE")]
     pub progress: Option<String>,
+    /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
+    /// output, for `tftf verify`
+    #[arg(long)]
+    pub checksums: bool,
     /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
     #[arg(long, value_name = "SECS")]
     pub progress_interval: Option<String>,

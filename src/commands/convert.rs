@@ -10,6 +10,9 @@ use crate::cli::WriteArgs;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
+use crate::output::checksum::{
+    hash_bytes, hash_file, manifest_json, sums_text, TensorRange, MANIFEST_NAME, SUMS_NAME,
+};
 use crate::output::{
     check_report_path, resolve, side_files, write_report, Claim, InputFiles, OutputTarget,
     INDEX_NAME,
@@ -40,6 +43,8 @@ pub struct WriteOptions {
     pub force: bool,
     pub kernel_copy: bool,
     pub device: DeviceRequest,
+    /// Write `SHA256SUMS` and `tftf-manifest.json` with the output.
+    pub checksums: bool,
 }
 
 pub const MAX_DEFAULT_BUDGET_BYTES: u64 = 4 << 30;
@@ -87,6 +92,7 @@ impl WriteOptions {
             force: w.force,
             kernel_copy: !w.no_reflink,
             device: DeviceRequest::parse(&w.device)?,
+            checksums: w.checksums,
         })
     }
 }
@@ -152,7 +158,15 @@ fn convert_inner(
     };
     let layout = sink.layout(&ckpt, &plan)?;
     let data_budget = plan.data_budget(&ckpt, layout.header_bytes(), opts.memory_budget)?;
-    let names = target.names(&layout, &sides);
+    let mut names = target.names(&layout, &sides);
+    if opts.checksums {
+        if target.file_name().is_some() {
+            return Err(Error::Usage(
+                "--checksums writes SHA256SUMS and tftf-manifest.json beside the shards: give a directory as -o".into(),
+            ));
+        }
+        names.extend([SUMS_NAME.to_string(), MANIFEST_NAME.to_string()]);
+    }
     if let Some(report) = &opts.report {
         target.check_report(report, &names)?;
     }
@@ -265,7 +279,26 @@ fn convert_inner(
         p.finish();
     }
     drop(files);
+    let mut sums = Vec::new();
+    if opts.checksums {
+        for ((shard, name), tmp) in layout.shards.iter().zip(&names).zip(&tmp_names) {
+            let ranges = shard
+                .tensors
+                .iter()
+                .zip(&shard.offsets)
+                .map(|(&t, &offset)| TensorRange {
+                    name: plan.tensors[t].name.clone(),
+                    offset,
+                    len: plan.tensors[t].nbytes,
+                })
+                .collect();
+            sums.push(hash_file(tmp, name, ranges)?);
+        }
+    }
     if let Some(index) = layout.index_json(&plan) {
+        if opts.checksums {
+            sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
+        }
         out.add_bytes(INDEX_NAME, index.as_bytes())?;
     }
     for side in &sides {
@@ -277,11 +310,24 @@ fn convert_inner(
             if let Some(cfg) = &plan.config {
                 let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
                 text.push('\n');
+                if opts.checksums {
+                    sums.push(hash_bytes("config.json", text.as_bytes()));
+                }
                 out.add_bytes("config.json", text.as_bytes())?;
                 continue;
             }
         }
+        if opts.checksums {
+            sums.push(hash_file(side, &name, Vec::new())?);
+        }
         out.add_copy(&name, side)?;
+    }
+    if opts.checksums {
+        out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
+        let mut manifest =
+            serde_json::to_string_pretty(&manifest_json(&sums)).expect("JSON object");
+        manifest.push('\n');
+        out.add_bytes(MANIFEST_NAME, manifest.as_bytes())?;
     }
     if cancel.is_raised() {
         return Err(Error::Cancelled);

@@ -222,6 +222,7 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         force: false,
         kernel_copy: true,
         device: crate::gpu::DeviceRequest::Auto,
+        checksums: false,
     }
 }
 

@@ -271,6 +271,23 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             }
             Ok(0)
         }
+        Command::Verify(a) => {
+            let v = crate::output::checksum::verify(&a.dir)?;
+            for p in &v.problems {
+                println!("{}: {p}", a.dir.display());
+            }
+            if v.problems.is_empty() {
+                println!(
+                    "{}: {} file(s), {} match tftf-manifest.json",
+                    a.dir.display(),
+                    v.files,
+                    crate::size::human(v.bytes)
+                );
+                Ok(0)
+            } else {
+                Ok(1)
+            }
+        }
         Command::Demo(a) => {
             demo::run(a.keep.as_deref(), cancel)?;
             Ok(0)

@@ -9,6 +9,7 @@
 //! directory only the model files of a checkpoint layout: shards named as tftf names them or
 //! as the old index lists them, the index, and the side files the run writes.
 
+pub mod checksum;
 pub mod commit;
 pub mod lock;
 
@@ -396,10 +397,15 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     Ok(notes)
 }
 
-/// Names tftf gives shards and indexes: `model.safetensors`, `model-0000i-of-0000N.safetensors`,
-/// `model.safetensors.index.json`.
+/// Names tftf gives shards, indexes and checksums: `model.safetensors`,
+/// `model-0000i-of-0000N.safetensors`, `model.safetensors.index.json`, `SHA256SUMS`,
+/// `tftf-manifest.json`.
 fn is_model_file_name(name: &str) -> bool {
-    if name == "model.safetensors" || name == INDEX_NAME {
+    if name == "model.safetensors"
+        || name == INDEX_NAME
+        || name == checksum::SUMS_NAME
+        || name == checksum::MANIFEST_NAME
+    {
         return true;
     }
     let Some(mid) = name
