@@ -46,21 +46,50 @@ fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) 
     });
 }
 
-/// Median seconds of `RUNS` calls of each of `fs`, the calls interleaved (old, new, old,
-/// new, …) so that a busy shared machine weighs on both alike.
+/// CPU seconds used so far by this process, all threads together.
+fn cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Wall and CPU seconds of one call.
+#[derive(Clone, Copy, Default)]
+struct Took {
+    wall: f64,
+    cpu: f64,
+}
+
+/// Median wall and median CPU seconds of `RUNS` calls of each of `fs`, the calls interleaved
+/// (old, new, old, new, …) so that a busy shared machine weighs on both alike. CPU time is
+/// what the cores spent, whatever else ran on the machine meanwhile.
 const RUNS: usize = 5;
-fn medians<const N: usize>(fs: &mut [&mut dyn FnMut(); N]) -> [f64; N] {
-    let mut t = [[0f64; RUNS]; N];
-    for run in 0..RUNS {
-        for (k, f) in fs.iter_mut().enumerate() {
-            let start = Instant::now();
+fn medians<const N: usize>(fs: &mut [&mut dyn FnMut(); N]) -> [Took; N] {
+    let mut t = [[Took::default(); N]; RUNS];
+    for run in t.iter_mut() {
+        for (took, f) in run.iter_mut().zip(fs.iter_mut()) {
+            let (start, cpu) = (Instant::now(), cpu_seconds());
             f();
-            t[k][run] = start.elapsed().as_secs_f64();
+            *took = Took {
+                wall: start.elapsed().as_secs_f64(),
+                cpu: cpu_seconds() - cpu,
+            };
         }
     }
-    t.map(|mut v| {
-        v.sort_by(f64::total_cmp);
-        v[RUNS / 2]
+    std::array::from_fn(|k| {
+        let median = |f: fn(&Took) -> f64| {
+            let mut x: Vec<f64> = t.iter().map(|run| f(&run[k])).collect();
+            x.sort_by(f64::total_cmp);
+            x[RUNS / 2]
+        };
+        Took {
+            wall: median(|t| t.wall),
+            cpu: median(|t| t.cpu),
+        }
     })
 }
 
@@ -115,36 +144,41 @@ fn gbs(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-/// One line for a kernel that reads `inb` and writes `outb` bytes in `secs`: GB/s of input,
-/// and its read + write traffic as a share of memcpy's (which reads and writes its size).
-fn report(label: &str, threads: usize, inb: u64, outb: u64, secs: f64, memcpy_gbs: &[f64]) {
-    let traffic = gbs(inb + outb, secs);
+/// One line for a kernel that reads `inb` and writes `outb` bytes: GB/s of input (wall), its
+/// read + write traffic as a share of memcpy's with as many threads (memcpy reads and writes
+/// its size), and GB/s of input per core (bytes over CPU seconds).
+fn report(label: &str, threads: usize, inb: u64, outb: u64, t: Took, memcpy: &[Took]) {
+    let mem = memcpy[threads - 1];
+    let traffic = (inb + outb) as f64 / t.wall;
     println!(
-        "{label:<40} {threads} thread{}: {:6.2} GB/s in, {:6.2} GB/s in+out = {:5.1} % of memcpy",
+        "{label:<40} {threads} thread{}: {:6.2} GB/s in, {:5.1} % of memcpy; per core {:6.2} GB/s in",
         if threads == 1 { " " } else { "s" },
-        gbs(inb, secs),
-        traffic,
-        100.0 * traffic / (2.0 * memcpy_gbs[threads - 1])
+        gbs(inb, t.wall),
+        100.0 * traffic / (2.0 * MEMCPY_BYTES as f64 / mem.wall),
+        gbs(inb, t.cpu),
     );
 }
+
+const MEMCPY_BYTES: usize = 256 << 20;
 
 fn main() {
     println!(
         "{RUNS} interleaved runs each, medians; memcpy GB/s counts bytes copied (read once and \
          written once)"
     );
-    let size = 256usize << 20;
+    let size = MEMCPY_BYTES;
     let src: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
     let mut dst = vec![1u8; size];
-    let mut memcpy_gbs = Vec::new();
+    let mut memcpy_t = Vec::new();
     for threads in [1, 2] {
         let [t] = medians(&mut [&mut || memcpy(&src, &mut dst, threads)]);
-        memcpy_gbs.push(gbs(size as u64, t));
+        memcpy_t.push(t);
         println!(
-            "{:<40} {threads} thread{}: {:6.2} GB/s copied",
+            "{:<40} {threads} thread{}: {:6.2} GB/s copied; per core {:6.2} GB/s",
             "memcpy 256 MiB",
             if threads == 1 { " " } else { "s" },
-            gbs(size as u64, t)
+            gbs(size as u64, t.wall),
+            gbs(size as u64, t.cpu)
         );
     }
     drop((src, dst));
@@ -158,7 +192,7 @@ fn main() {
         (DType::F32, DType::F16, "cast f32->f16"),
     ] {
         let [t] = medians(&mut [&mut || cast_slice(src, dst, &input, &mut out[..n * 2])]);
-        report(label, 1, 4 * n as u64, 2 * n as u64, t, &memcpy_gbs);
+        report(label, 1, 4 * n as u64, 2 * n as u64, t, &memcpy_t);
     }
     drop((input, out));
     let (rows, cols) = (8192u64, 8192u64);
@@ -195,7 +229,7 @@ fn main() {
                 rows * cols + scales.len() as u64,
                 rows * cols * 2,
                 t,
-                &memcpy_gbs,
+                &memcpy_t,
             );
         }
     }
@@ -252,7 +286,7 @@ fn main() {
             inb,
             outb,
             t_old,
-            &memcpy_gbs,
+            &memcpy_t,
         );
         report(
             &format!("{label}, new (lanes)"),
@@ -260,13 +294,13 @@ fn main() {
             inb,
             outb,
             t_new,
-            &memcpy_gbs,
+            &memcpy_t,
         );
         println!(
-            "{:<40} {threads} thread{}: new/old {:.2}x",
-            label,
+            "{label:<40} {threads} thread{}: new/old {:.2}x wall, {:.2}x per core",
             if threads == 1 { " " } else { "s" },
-            t_old / t_new
+            t_old.wall / t_new.wall,
+            t_old.cpu / t_new.cpu
         );
     }
     assert!(

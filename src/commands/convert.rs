@@ -448,7 +448,7 @@ fn print_plan(
             s.tensors.len()
         );
     }
-    if layout.index_json(&plan).is_some() {
+    if layout.index_json(plan).is_some() {
         println!("  model.safetensors.index.json");
     }
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
@@ -577,7 +577,7 @@ fn report_json(
         "output": {
             "path": opts.output.to_string_lossy(),
             "files": files,
-            "index": layout.index_json(&plan).is_some(),
+            "index": layout.index_json(plan).is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
