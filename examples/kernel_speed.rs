@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
-use tftf::ops::fp4::engram::EngramRequant;
+use tftf::ops::fp4::engram::{requant_row_scalar, EngramRequant, BLOCK};
 use tftf::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
 use tftf::ops::lora::merge::{LoraFactors, LoraMerge};
 use tftf::ops::Op;
@@ -46,7 +46,142 @@ fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) 
     });
 }
 
+/// CPU seconds used so far by this process, all threads together.
+fn cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Wall and CPU seconds of one call.
+#[derive(Clone, Copy, Default)]
+struct Took {
+    wall: f64,
+    cpu: f64,
+}
+
+/// Median wall and median CPU seconds of `RUNS` calls of each of `fs`, the calls interleaved
+/// (old, new, old, new, …) so that a busy shared machine weighs on both alike. CPU time is
+/// what the cores spent, whatever else ran on the machine meanwhile.
+const RUNS: usize = 5;
+fn medians<const N: usize>(fs: &mut [&mut dyn FnMut(); N]) -> [Took; N] {
+    let mut t = [[Took::default(); N]; RUNS];
+    for run in t.iter_mut() {
+        for (took, f) in run.iter_mut().zip(fs.iter_mut()) {
+            let (start, cpu) = (Instant::now(), cpu_seconds());
+            f();
+            *took = Took {
+                wall: start.elapsed().as_secs_f64(),
+                cpu: cpu_seconds() - cpu,
+            };
+        }
+    }
+    std::array::from_fn(|k| {
+        let median = |f: fn(&Took) -> f64| {
+            let mut x: Vec<f64> = t.iter().map(|run| f(&run[k])).collect();
+            x.sort_by(f64::total_cmp);
+            x[RUNS / 2]
+        };
+        Took {
+            wall: median(|t| t.wall),
+            cpu: median(|t| t.cpu),
+        }
+    })
+}
+
+/// Runs `f` over rows `0..rows` split into `threads` contiguous runs, each thread given its
+/// rows of every input and output (`*_row` bytes per row each).
+fn par_rows<F>(
+    rows: u64,
+    threads: u64,
+    ins: &[&[u8]],
+    in_row: &[u64],
+    outs: &mut [&mut [u8]],
+    out_row: &[u64],
+    f: &F,
+) where
+    F: Fn(Range<u64>, &[&[u8]], &mut [&mut [u8]]) + Sync,
+{
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|s| {
+        let mut rest: Vec<&mut [u8]> = outs.iter_mut().map(|o| &mut **o).collect();
+        let mut u = 0;
+        while u < rows {
+            let end = (u + per).min(rows);
+            let mut mine = Vec::new();
+            for (k, o) in std::mem::take(&mut rest).into_iter().enumerate() {
+                let (a, b) = o.split_at_mut(((end - u) * out_row[k]) as usize);
+                mine.push(a);
+                rest.push(b);
+            }
+            let ins: Vec<&[u8]> = ins
+                .iter()
+                .zip(in_row)
+                .map(|(i, &n)| &i[(u * n) as usize..(end * n) as usize])
+                .collect();
+            let r = u..end;
+            s.spawn(move || f(r, &ins, &mut mine));
+            u = end;
+        }
+    });
+}
+
+/// `dst.copy_from_slice(src)` split between `threads` threads.
+fn memcpy(src: &[u8], dst: &mut [u8], threads: usize) {
+    let per = src.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
+            s.spawn(move || d.copy_from_slice(c));
+        }
+    });
+}
+
+fn gbs(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / secs / 1e9
+}
+
+/// One line for a kernel that reads `inb` and writes `outb` bytes: GB/s of input (wall), its
+/// read + write traffic as a share of memcpy's with as many threads (memcpy reads and writes
+/// its size), and GB/s of input per core (bytes over CPU seconds).
+fn report(label: &str, threads: usize, inb: u64, outb: u64, t: Took, memcpy: &[Took]) {
+    let mem = memcpy[threads - 1];
+    let traffic = (inb + outb) as f64 / t.wall;
+    println!(
+        "{label:<40} {threads} thread{}: {:6.2} GB/s in, {:5.1} % of memcpy; per core {:6.2} GB/s in",
+        if threads == 1 { " " } else { "s" },
+        gbs(inb, t.wall),
+        100.0 * traffic / (2.0 * MEMCPY_BYTES as f64 / mem.wall),
+        gbs(inb, t.cpu),
+    );
+}
+
+const MEMCPY_BYTES: usize = 256 << 20;
+
 fn main() {
+    println!(
+        "{RUNS} interleaved runs each, medians; memcpy GB/s counts bytes copied (read once and \
+         written once)"
+    );
+    let size = MEMCPY_BYTES;
+    let src: Vec<u8> = (0..size).map(|i| (i * 7) as u8).collect();
+    let mut dst = vec![1u8; size];
+    let mut memcpy_t = Vec::new();
+    for threads in [1, 2] {
+        let [t] = medians(&mut [&mut || memcpy(&src, &mut dst, threads)]);
+        memcpy_t.push(t);
+        println!(
+            "{:<40} {threads} thread{}: {:6.2} GB/s copied; per core {:6.2} GB/s",
+            "memcpy 256 MiB",
+            if threads == 1 { " " } else { "s" },
+            gbs(size as u64, t.wall),
+            gbs(size as u64, t.cpu)
+        );
+    }
+    drop((src, dst));
     let n = 64 << 20; // elements
     let input: Vec<u8> = (0..n as u32)
         .flat_map(|i| ((i % 1000) as f32 * 0.001).to_le_bytes())
@@ -56,9 +191,10 @@ fn main() {
         (DType::F32, DType::BF16, "cast f32->bf16"),
         (DType::F32, DType::F16, "cast f32->f16"),
     ] {
-        let t = best_of(|| cast_slice(src, dst, &input, &mut out[..n * 2]));
-        println!("{label:<34} 1 thread : {:6.2} Gelem/s", n as f64 / t / 1e9);
+        let [t] = medians(&mut [&mut || cast_slice(src, dst, &input, &mut out[..n * 2])]);
+        report(label, 1, 4 * n as u64, 2 * n as u64, t, &memcpy_t);
     }
+    drop((input, out));
     let (rows, cols) = (8192u64, 8192u64);
     let codes: Vec<u8> = (0..rows * cols)
         .map(|i| (i * 7 % 251) as u8 & 0xFE)
@@ -84,17 +220,22 @@ fn main() {
         };
         let mut out = vec![0u8; (rows * cols * 2) as usize];
         for threads in [1, 2] {
-            let t = best_of(|| run_threads(&op, &[&codes, &scales], &mut out, threads));
-            println!(
-                "dequant-fp8 e4m3->bf16, {:<7} {} thread{}: {:6.2} Gelem/s",
-                format!("{sd}"),
+            let [t] = medians(&mut [&mut || {
+                run_threads(&op, &[&codes, &scales], &mut out, threads as u64)
+            }]);
+            report(
+                &format!("dequant-fp8 e4m3->bf16, {sd} scales"),
                 threads,
-                if threads == 1 { " " } else { "s" },
-                (rows * cols) as f64 / t / 1e9
+                rows * cols + scales.len() as u64,
+                rows * cols * 2,
+                t,
+                &memcpy_t,
             );
         }
     }
-    // Engram requant, 2 threads over halves of a [8192, 4096] table.
+    drop(codes);
+    // Engram requant of a [8192, 4096] table: the scalar reference twin (the kernel before the
+    // lane-parallel path) against `EngramRequant::compute_all` as the converter runs it.
     let (rows, cols) = (8192u64, 4096u64);
     let table: Vec<u8> = (0..rows * cols)
         .map(|i| (i * 13 % 251) as u8 & 0xFE)
@@ -103,41 +244,68 @@ fn main() {
         .map(|i| 110 + (i % 20) as u8)
         .collect();
     let op = EngramRequant::new(rows, cols);
-    let mut codes = vec![0u8; (rows * cols / 2) as usize];
-    let mut new_scales = vec![0u8; (rows * cols / 32) as usize];
-    let t = best_of(|| {
-        std::thread::scope(|s| {
-            let half = rows / 2;
-            let (c0, c1) = codes.split_at_mut((half * cols / 2) as usize);
-            let (s0, s1) = new_scales.split_at_mut((half * cols / 32) as usize);
-            let (op, table, scales) = (&op, &table, &scales);
-            s.spawn(move || {
-                op.compute_all(
-                    0..half,
-                    &[
-                        &table[..(half * cols) as usize],
-                        &scales[..(half * cols / 32) as usize],
-                    ],
-                    &mut [c0, s0],
-                )
-                .unwrap()
-            });
-            s.spawn(move || {
-                op.compute_all(
-                    half..rows,
-                    &[
-                        &table[(half * cols) as usize..],
-                        &scales[(half * cols / 32) as usize..],
-                    ],
-                    &mut [c1, s1],
-                )
-                .unwrap()
-            });
-        })
-    });
-    println!(
-        "engram requant e4m3->e2m1       2 threads: {:6.2} GB/s of E4M3 input",
-        (rows * cols) as f64 / t / 1e9
+    let (nb, half) = (cols / BLOCK as u64, cols / 2);
+    let mut codes_old = vec![0u8; (rows * half) as usize];
+    let mut scales_old = vec![0u8; (rows * nb) as usize];
+    let mut codes_new = vec![0u8; (rows * half) as usize];
+    let mut scales_new = vec![0u8; (rows * nb) as usize];
+    let old = |units: Range<u64>, ins: &[&[u8]], outs: &mut [&mut [u8]]| {
+        let [o, s] = outs else { unreachable!() };
+        for (k, r) in units.enumerate() {
+            let (c, b) = (cols as usize, nb as usize);
+            requant_row_scalar(
+                r,
+                &ins[0][k * c..(k + 1) * c],
+                &ins[1][k * b..(k + 1) * b],
+                &mut o[k * c / 2..(k + 1) * c / 2],
+                &mut s[k * b..(k + 1) * b],
+            )
+            .unwrap();
+        }
+    };
+    let new = |units: Range<u64>, ins: &[&[u8]], outs: &mut [&mut [u8]]| {
+        op.compute_all(units, ins, outs).unwrap()
+    };
+    for threads in [1, 2] {
+        let ins: [&[u8]; 2] = [&table, &scales];
+        let [t_old, t_new] = medians(&mut [
+            &mut || {
+                let outs: &mut [&mut [u8]] = &mut [&mut codes_old, &mut scales_old];
+                par_rows(rows, threads, &ins, &[cols, nb], outs, &[half, nb], &old)
+            },
+            &mut || {
+                let outs: &mut [&mut [u8]] = &mut [&mut codes_new, &mut scales_new];
+                par_rows(rows, threads, &ins, &[cols, nb], outs, &[half, nb], &new)
+            },
+        ]);
+        let (inb, outb) = (rows * (cols + nb), rows * (half + nb));
+        let label = "engram requant e4m3->e2m1";
+        report(
+            &format!("{label}, old (scalar)"),
+            threads as usize,
+            inb,
+            outb,
+            t_old,
+            &memcpy_t,
+        );
+        report(
+            &format!("{label}, new (lanes)"),
+            threads as usize,
+            inb,
+            outb,
+            t_new,
+            &memcpy_t,
+        );
+        println!(
+            "{label:<40} {threads} thread{}: new/old {:.2}x wall, {:.2}x per core",
+            if threads == 1 { " " } else { "s" },
+            t_old.wall / t_new.wall,
+            t_old.cpu / t_new.cpu
+        );
+    }
+    assert!(
+        codes_old == codes_new && scales_old == scales_new,
+        "old and new bytes differ"
     );
     // LoRA merge of a [4096, 4096] BF16 weight with r = 16 F32 factors (the product and the
     // epilogue), 2 threads over halves.

@@ -13,7 +13,7 @@
 //! independent and the table streams through the budget.
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use super::kernel::RowSums;
 use crate::ops::fp8::codec::{e4m3_is_nan, e4m3_table};
@@ -157,6 +157,10 @@ impl EngramRequant {
 
 /// Requantises row `r` (`codes`: E4M3, `scales`: E8M0 per 32) into packed E2M1 and new scales;
 /// returns its sums and the number of blocks raised to the smallest scale.
+///
+/// Runs [`LANES`] blocks at a time through the lane-parallel path (AVX2 where the CPU has it,
+/// chosen at run time; the same portable code, auto-vectorised for the baseline target,
+/// elsewhere). Bytes, sums and errors are those of [`requant_row_scalar`], bit for bit.
 pub fn requant_row(
     r: u64,
     codes: &[u8],
@@ -164,10 +168,70 @@ pub fn requant_row(
     out: &mut [u8],
     new_scales: &mut [u8],
 ) -> Result<(RowSums, u64), String> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { requant_row_avx2(r, codes, scales, out, new_scales) };
+    }
+    requant_row_portable(r, codes, scales, out, new_scales)
+}
+
+/// [`requant_row`]'s lane-parallel path compiled for the baseline target (SSE2 on x86_64,
+/// NEON on aarch64), whatever the CPU has; public so tests and benchmarks can pin it.
+pub fn requant_row_portable(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+) -> Result<(RowSums, u64), String> {
+    requant_row_lanes(r, codes, scales, out, new_scales)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn requant_row_avx2(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+) -> Result<(RowSums, u64), String> {
+    requant_row_lanes(r, codes, scales, out, new_scales)
+}
+
+/// The reference twin of [`requant_row`]: one block and one element at a time, through the
+/// E4M3 table and [`f32_to_e2m1`] (the arithmetic of `engram_block` in kernels/fp4.cuh). Kept
+/// for the tests and `examples/kernel_speed.rs`; the lane path falls back to it for the blocks
+/// it does not take itself.
+pub fn requant_row_scalar(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+) -> Result<(RowSums, u64), String> {
+    let mut acc = (RowSums::default(), 0);
+    requant_blocks_scalar(r, codes, scales, out, new_scales, 0..scales.len(), &mut acc)?;
+    Ok(acc)
+}
+
+/// Blocks `blocks` of row `r`, one at a time, added in order to `acc` (row sums, clamped
+/// blocks).
+fn requant_blocks_scalar(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+    blocks: Range<usize>,
+    acc: &mut (RowSums, u64),
+) -> Result<(), String> {
     let lut = e4m3_table();
-    let mut row = RowSums::default();
-    let mut clamped = 0;
-    for (b, &e) in scales.iter().enumerate() {
+    // Locals, as in the loop this twin keeps, so its speed stays the old kernel's.
+    let (mut row, mut clamped) = *acc;
+    for b in blocks {
+        let e = scales[b];
         if e == 0xFF {
             return Err(format!("scale at [{r}, {b}] is NaN (E8M0 0xff)"));
         }
@@ -219,13 +283,187 @@ pub fn requant_row(
             bxx += x0 * x0 + x1 * x1;
             byy += y0 * y0 + y1 * y1;
         }
-        let s2 = pow2(2 * p);
-        row.dot += bdot as f64 * s2;
-        row.xx += bxx as f64 * s2;
-        row.yy += byy as f64 * s2;
-        row.sq_err += (bxx as f64 - 2.0 * bdot as f64 + byy as f64).max(0.0) * s2;
+        add_block(&mut row, bdot, bxx, byy, p);
     }
-    Ok((row, clamped))
+    *acc = (row, clamped);
+    Ok(())
+}
+
+/// Adds one block's f32 sums, scaled by `2^(2p)`, to its row's f64 sums (`engram_row_add` in
+/// kernels/fp4.cuh).
+#[inline(always)]
+fn add_block(row: &mut RowSums, bdot: f32, bxx: f32, byy: f32, p: i32) {
+    let s2 = pow2(2 * p);
+    row.dot += bdot as f64 * s2;
+    row.xx += bxx as f64 * s2;
+    row.yy += byy as f64 * s2;
+    row.sq_err += (bxx as f64 - 2.0 * bdot as f64 + byy as f64).max(0.0) * s2;
+}
+
+/// Blocks requantised together by the lane-parallel path, one per lane (8 f32 = one AVX2
+/// register; two NEON or SSE2 ones).
+pub const LANES: usize = 8;
+
+/// `fp4_scale_exponent(|v|)` of each E4M3 magnitude code 1..=0x7E. The exponent moves with
+/// powers of two (every comparison in it is exact), so a block's is `table[top] + e - 127`.
+fn scale_exponents() -> &'static [i32; 128] {
+    static T: OnceLock<[i32; 128]> = OnceLock::new();
+    T.get_or_init(|| {
+        let lut = e4m3_table();
+        std::array::from_fn(|t| {
+            if t == 0 || t == 0x7F {
+                0
+            } else {
+                fp4_scale_exponent(lut[t] as f64)
+            }
+        })
+    })
+}
+
+/// Per-lane constants of a group, from each block's rescale exponent `k = e - 127 - p`:
+/// adding `norm` to `mag << 20` (a normal E4M3 magnitude's exponent and mantissa moved into
+/// f32's fields) gives the f32 bits of `|v| · 2^k`; `sub` is `2^(k-9)`, the value of a
+/// subnormal's mantissa unit.
+struct Lanes {
+    norm: [u32; LANES],
+    sub: [f32; LANES],
+}
+
+/// One element of a lane: its magnitude relative to the new scale (`|x|`, exact as in the
+/// scalar loop), the magnitude of its E2M1 value (`|y|`) and its E2M1 code. `|x| ≤ 6` (the new
+/// scale covers the block's max), so rounding to the E2M1 grid is adding and subtracting a
+/// power of two whose ulp is the grid's step there (0.5 below 2, 1 below 4, 2 above), which
+/// rounds ties to the even code exactly as [`f32_to_e2m1`]'s thresholds do.
+#[inline(always)]
+fn lane_encode(c: u32, norm: u32, sub: f32) -> (f32, f32, u32) {
+    let mag = c & 0x7F;
+    let normal = f32::from_bits((mag << 20).wrapping_add(norm));
+    let subnormal = (mag as i32) as f32 * sub;
+    let a = if mag >= 8 { normal } else { subnormal };
+    let step = f32::from_bits((a.to_bits() & 0x7F80_0000).max(127 << 23) + (22 << 23));
+    let y = (a + step) - step;
+    // |y| ∈ {0, 0.5, 1, 1.5, 2, 3, 4, 6}: its bits >> 22 are 0, 252, 254, 255, …, 259.
+    let yb = y.to_bits() >> 22;
+    let idx = yb.max(252) - 252 + (yb == 252) as u32;
+    (a, y, idx | ((c >> 4) & 8))
+}
+
+/// Requantises `LANES` consecutive blocks, lane `j` taking block `j` through the f32
+/// operations of the scalar loop in the same order (the products are exact and equal to the
+/// signed ones, so magnitudes serve), leaving each block's `[dot, xx, yy]` in `sums`.
+#[inline(always)]
+fn group_body(
+    codes: &[u8; LANES * BLOCK],
+    lanes: &Lanes,
+    out: &mut [u8; LANES * BLOCK / 2],
+    sums: &mut [[f32; LANES]; 3],
+) {
+    // words[q][j]: bytes 4q..4q+4 of block j, so that lanes are blocks.
+    let mut words = [[0u32; LANES]; BLOCK / 4];
+    for j in 0..LANES {
+        for (q, w) in words.iter_mut().enumerate() {
+            let at = j * BLOCK + 4 * q;
+            w[j] = u32::from_le_bytes([codes[at], codes[at + 1], codes[at + 2], codes[at + 3]]);
+        }
+    }
+    let (mut dot, mut xx, mut yy) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let mut packed = [[0u32; LANES]; BLOCK / 8];
+    for (q, w) in words.iter().enumerate() {
+        for h in 0..2 {
+            // Pair 2q + h: bytes 2h and 2h + 1 of word q, packed into byte (2q + h) % 4 of
+            // output word q / 2.
+            let shift = 8 * (2 * (q % 2) + h);
+            for j in 0..LANES {
+                let w = w[j] >> (16 * h);
+                let (x0, y0, q0) = lane_encode(w & 0xFF, lanes.norm[j], lanes.sub[j]);
+                let (x1, y1, q1) = lane_encode((w >> 8) & 0xFF, lanes.norm[j], lanes.sub[j]);
+                packed[q / 2][j] |= (q0 | (q1 << 4)) << shift;
+                dot[j] += x0 * y0 + x1 * y1;
+                xx[j] += x0 * x0 + x1 * x1;
+                yy[j] += y0 * y0 + y1 * y1;
+            }
+        }
+    }
+    for j in 0..LANES {
+        for (t, p) in packed.iter().enumerate() {
+            let at = j * BLOCK / 2 + 4 * t;
+            out[at..at + 4].copy_from_slice(&p[j].to_le_bytes());
+        }
+    }
+    *sums = [dot, xx, yy];
+}
+
+#[inline(always)]
+fn requant_row_lanes(
+    r: u64,
+    codes: &[u8],
+    scales: &[u8],
+    out: &mut [u8],
+    new_scales: &mut [u8],
+) -> Result<(RowSums, u64), String> {
+    let exps = scale_exponents();
+    let mut acc = (RowSums::default(), 0);
+    let groups = scales.len() / LANES;
+    for b0 in (0..groups).map(|g| g * LANES) {
+        let gcodes: &[u8; LANES * BLOCK] = codes[b0 * BLOCK..(b0 + LANES) * BLOCK]
+            .try_into()
+            .expect("whole blocks");
+        let mut lanes = Lanes {
+            norm: [0; LANES],
+            sub: [0.0; LANES],
+        };
+        let mut ps = [0i32; LANES];
+        let mut clamped = 0;
+        let mut regular = true;
+        for (j, block) in gcodes.chunks_exact(BLOCK).enumerate() {
+            let e = scales[b0 + j];
+            let top = block.iter().fold(0u8, |m, &c| m.max(c & 0x7F));
+            // NaNs and scales beyond E8M0 are the scalar loop's to report; and an all-zero
+            // block under a scale ≥ 2 overflows the scalar loop's f32 rescale factor there
+            // (its sums become 0 · ∞), which only that loop reproduces.
+            if e == 0xFF || top == 0x7F || (top == 0 && e >= 128) {
+                regular = false;
+                break;
+            }
+            let p = if top == 0 {
+                -127
+            } else {
+                exps[top as usize] + e as i32 - 127
+            };
+            if p > 127 {
+                regular = false;
+                break;
+            }
+            let p = if p < -127 {
+                clamped += 1;
+                -127
+            } else {
+                p
+            };
+            let k = e as i32 - 127 - p;
+            ps[j] = p;
+            lanes.norm[j] = ((120 + k) as u32) << 23;
+            lanes.sub[j] = pow2(k - 9) as f32;
+        }
+        if !regular {
+            let blocks = b0..b0 + LANES;
+            requant_blocks_scalar(r, codes, scales, out, new_scales, blocks, &mut acc)?;
+            continue;
+        }
+        acc.1 += clamped;
+        let mut sums = [[0f32; LANES]; 3];
+        let gout = (&mut out[b0 * BLOCK / 2..(b0 + LANES) * BLOCK / 2])
+            .try_into()
+            .expect("whole blocks");
+        group_body(gcodes, &lanes, gout, &mut sums);
+        for (j, &p) in ps.iter().enumerate() {
+            new_scales[b0 + j] = (p + 127) as u8;
+            add_block(&mut acc.0, sums[0][j], sums[1][j], sums[2][j], p);
+        }
+    }
+    let tail = groups * LANES..scales.len();
+    requant_blocks_scalar(r, codes, scales, out, new_scales, tail, &mut acc)?;
+    Ok(acc)
 }
 
 impl Op for EngramRequant {
@@ -426,6 +664,138 @@ mod tests {
         let st = op.stats.lock().unwrap();
         assert_eq!(st.rows, 2);
         assert!(st.min_cosine > 0.9 && st.min_cosine <= 1.0);
+    }
+
+    type RowFn = fn(u64, &[u8], &[u8], &mut [u8], &mut [u8]) -> Result<(RowSums, u64), String>;
+
+    /// The lane paths (as dispatched, and the baseline build) against the scalar twin: same
+    /// packed bytes, scales, clamped count, f64 sums to the bit (NaN included), same errors.
+    fn assert_paths_agree(codes: &[u8], scales: &[u8]) {
+        let (n, nb) = (codes.len(), scales.len());
+        let mut want = (vec![0u8; n / 2], vec![0u8; nb]);
+        let w = requant_row_scalar(3, codes, scales, &mut want.0, &mut want.1);
+        for (name, f) in [
+            ("dispatched", requant_row as RowFn),
+            ("portable", requant_row_portable as RowFn),
+        ] {
+            let mut got = (vec![0xAAu8; n / 2], vec![0xAAu8; nb]);
+            let g = f(3, codes, scales, &mut got.0, &mut got.1);
+            match (&w, &g) {
+                (Ok((ws, wc)), Ok((gs, gc))) => {
+                    assert_eq!(got, want, "{name}: bytes, {codes:?} {scales:?}");
+                    assert_eq!(gc, wc, "{name}: clamped");
+                    let bits =
+                        |s: &RowSums| [s.dot, s.xx, s.yy, s.sq_err].map(|v: f64| v.to_bits());
+                    assert_eq!(bits(gs), bits(ws), "{name}: sums {gs:?} vs {ws:?}");
+                }
+                _ => assert_eq!(g, w, "{name}: result"),
+            }
+        }
+    }
+
+    struct XorShift(u64);
+    impl XorShift {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    #[test]
+    fn lane_path_matches_the_scalar_twin_on_random_rows() {
+        let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
+        for it in 0..3000 {
+            let nb = 1 + (rng.next() % 27) as usize;
+            let mut codes: Vec<u8> = (0..nb * BLOCK).map(|_| rng.next() as u8).collect();
+            let mut scales: Vec<u8> = (0..nb).map(|_| rng.next() as u8).collect();
+            for (b, s) in scales.iter_mut().enumerate() {
+                let block = &mut codes[b * BLOCK..(b + 1) * BLOCK];
+                match rng.next() % 8 {
+                    // Typical weight scales.
+                    0..=3 => *s = (100 + rng.next() % 40) as u8,
+                    // Zero blocks, some with -0.
+                    4 => {
+                        block.fill(0);
+                        if rng.next().is_multiple_of(2) {
+                            block[(rng.next() % 32) as usize] = 0x80;
+                        }
+                    }
+                    // Only E4M3 subnormals.
+                    5 => block.iter_mut().for_each(|c| *c &= 0x87),
+                    // Tiny scales: the new one clamps at 2^-127.
+                    6 => *s = (rng.next() % 12) as u8,
+                    _ => {}
+                }
+            }
+            // NaN codes stay rare, so most rows get past them.
+            for c in codes.iter_mut() {
+                if *c & 0x7F == 0x7F && !rng.next().is_multiple_of(64) {
+                    *c ^= 1;
+                }
+            }
+            if it % 50 == 0 && nb > 1 {
+                scales[1] = 0xFF;
+            }
+            assert_paths_agree(&codes, &scales);
+        }
+    }
+
+    #[test]
+    fn lane_path_matches_the_scalar_twin_for_every_scale_and_block_max() {
+        // Every E8M0 scale and every block max `top`; the row's 8 blocks (one lane group)
+        // hold every code whose magnitude is at most `top`, with both signs.
+        for e in 0..=254u8 {
+            for top in 0..0x7Fu8 {
+                let mut codes: Vec<u8> = (0..=255u8)
+                    .map(|v| if v & 0x7F > top { v & 0x80 | top } else { v })
+                    .collect();
+                for b in 0..LANES {
+                    codes[b * BLOCK] = top;
+                }
+                assert_paths_agree(&codes, &[e; LANES]);
+            }
+        }
+    }
+
+    #[test]
+    fn lane_path_refuses_what_the_scalar_twin_refuses() {
+        let mut codes = vec![0x38u8; 3 * LANES * BLOCK];
+        let scales = vec![127u8; 3 * LANES];
+        for at in [0, 5, 31, 32, 255, 256, 300, 767] {
+            for nan in [0x7F, 0xFF] {
+                let keep = codes[at];
+                codes[at] = nan;
+                assert_paths_agree(&codes, &scales);
+                let mut o = vec![0u8; codes.len() / 2];
+                let mut s = vec![0u8; scales.len()];
+                let err = requant_row(0, &codes, &scales, &mut o, &mut s).unwrap_err();
+                assert!(err.contains(&format!("{nan:#04x} at [0, {at}]")), "{err}");
+                codes[at] = keep;
+            }
+        }
+        for b in [0, 7, 8, 23] {
+            let mut bad = scales.clone();
+            bad[b] = 0xFF;
+            assert_paths_agree(&codes, &bad);
+            // Beyond E8M0: 448 under 2^127 needs 2^128.
+            let (mut big_c, mut big_s) = (codes.clone(), scales.clone());
+            big_c[b * BLOCK + 3] = 0xFE;
+            big_s[b] = 254;
+            assert_paths_agree(&big_c, &big_s);
+        }
+        // An all-zero block under a large scale (the scalar loop's 0 · ∞) next to regular ones,
+        // and one group whose every block is zero.
+        let mut z = codes.clone();
+        z[BLOCK..2 * BLOCK].fill(0);
+        z[2 * LANES * BLOCK..].fill(0);
+        for e in [127u8, 128, 200, 254] {
+            let mut s = scales.clone();
+            s[1] = e;
+            s[2 * LANES..].fill(e);
+            assert_paths_agree(&z, &s);
+        }
     }
 
     #[test]
