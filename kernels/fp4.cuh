@@ -66,7 +66,9 @@ TFTF_HD int engram_block(const u8* codes, u8 e, u8* packed, u8* new_scale, Block
         status = ENGRAM_CLAMPED;
     }
     *new_scale = (u8)(p + 127);
-    float rel = (float)pow2_f64((int)e - 127 - p);
+    // An all-zero block keeps its signed zeros; 2^(e-127-p) would overflow f32 for e >= 128
+    // (0 · ∞ = NaN).
+    float rel = m == 0.0f ? 1.0f : (float)pow2_f64((int)e - 127 - p);
     float bdot = 0.0f, bxx = 0.0f, byy = 0.0f;
     for (int i = 0; i < 16; i++) {
         float x0 = e4m3_to_f32(codes[2 * i]) * rel;

@@ -267,8 +267,13 @@ fn requant_blocks_scalar(
         };
         new_scales[b] = (p + 127) as u8;
         // Values relative to the new scale: e4m3 · 2^(e-127-p), exact in f32 because the
-        // product is at most 6 and at least 2^-9 · 2^-7.
-        let rel = pow2(e as i32 - 127 - p) as f32;
+        // product is at most 6 and at least 2^-9 · 2^-7. An all-zero block keeps its signed
+        // zeros: its factor 2^(e-127+127) would overflow f32 for e >= 128 (0 · ∞ = NaN).
+        let rel = if m == 0.0 {
+            1.0
+        } else {
+            pow2(e as i32 - 127 - p) as f32
+        };
         let (mut bdot, mut bxx, mut byy) = (0f32, 0f32, 0f32);
         for (o, pair) in out[b * BLOCK / 2..(b + 1) * BLOCK / 2]
             .iter_mut()
@@ -418,9 +423,9 @@ fn requant_row_lanes(
         for (j, block) in gcodes.chunks_exact(BLOCK).enumerate() {
             let e = scales[b0 + j];
             let top = block.iter().fold(0u8, |m, &c| m.max(c & 0x7F));
-            // NaNs and scales beyond E8M0 are the scalar loop's to report; and an all-zero
-            // block under a scale ≥ 2 overflows the scalar loop's f32 rescale factor there
-            // (its sums become 0 · ∞), which only that loop reproduces.
+            // NaNs and scales beyond E8M0 are the scalar loop's to report; an all-zero block
+            // under a scale ≥ 2 would overflow this path's f32 rescale factor, and the scalar
+            // loop keeps its signed zeros instead.
             if e == 0xFF || top == 0x7F || (top == 0 && e >= 128) {
                 regular = false;
                 break;
@@ -796,6 +801,25 @@ mod tests {
             s[2 * LANES..].fill(e);
             assert_paths_agree(&z, &s);
         }
+    }
+
+    #[test]
+    fn an_all_zero_block_keeps_its_signed_zeros_under_any_scale() {
+        let op = EngramRequant::new(1, 64);
+        let mut codes = vec![0u8; 64];
+        codes[33] = 0x80; // -0 in the second block
+        for e in [0u8, 127, 128, 200, 254] {
+            let scales = [e, e];
+            let (mut out, mut new_scales) = (vec![0xAAu8; 32], vec![0u8; 2]);
+            op.compute_all(0..1, &[&codes, &scales], &mut [&mut out, &mut new_scales])
+                .unwrap();
+            let mut want = vec![0u8; 32];
+            want[16] = 0x80; // element 33: the high nibble of byte 16, E2M1 -0
+            assert_eq!(out, want, "scale code {e}");
+            assert_eq!(new_scales, [0, 0], "all-zero blocks get 2^-127");
+        }
+        let st = op.stats.lock().unwrap();
+        assert!(st.sum_cosine.is_finite() && st.sum_sq_err == 0.0);
     }
 
     #[test]
