@@ -383,7 +383,7 @@ impl Plan {
             .tensors
             .iter()
             .map(|t| {
-                let parts = 24 * t.parts.len() as u64;
+                let parts = placement_bytes(&t.placement);
                 TENSOR_REF_BYTES + t.info.name.len() as u64 + shape(&t.info.shape) + parts
             })
             .sum();
@@ -444,7 +444,9 @@ impl Plan {
             }
             for (&t, &dst) in shard.tensors.iter().zip(&shard.offsets) {
                 if let Recipe::Copy { src } = self.tensors[t].recipe {
-                    let src_off = ckpt.file_offset(&ckpt.tensors[src]);
+                    let Some((_, src_off)) = ckpt.tensors[src].contiguous() else {
+                        continue;
+                    };
                     if src_off % a == dst % a {
                         total += aligned_middle(src_off, self.tensors[t].nbytes);
                     }
@@ -538,6 +540,19 @@ pub fn output_dir(path: &std::path::Path, kind: &OutputKind) -> PathBuf {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         },
+    }
+}
+
+/// Heap bytes of a placement beyond the record itself (strides, chunk boxes).
+fn placement_bytes(p: &crate::format::source::Placement) -> u64 {
+    use crate::format::source::Placement;
+    match p {
+        Placement::Contiguous { .. } => 0,
+        Placement::Strided { strides, .. } => 8 * strides.len() as u64,
+        Placement::Regions(regions) => regions
+            .iter()
+            .map(|r| 96 + 16 * r.offsets.len() as u64 + placement_bytes(&r.placement))
+            .sum(),
     }
 }
 

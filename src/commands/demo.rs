@@ -234,10 +234,10 @@ fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
         ))
     })?;
     let mut buf = vec![0u8; t.info.nbytes() as usize];
-    ckpt.shards[t.shard]
+    ckpt.shards[t.shard()]
         .file
         .read_exact_at(&mut buf, ckpt.file_offset(t))
-        .map_err(|e| Error::io(&ckpt.shards[t.shard].path, e))?;
+        .map_err(|e| Error::io(&ckpt.shards[t.shard()].path, e))?;
     Ok(buf)
 }
 

@@ -1,0 +1,358 @@
+//! PyTorch inputs through the whole tool: torch.save files (zip and legacy), folders of `.bin`
+//! shards and Distributed Checkpoints (DCP) given to `info`, `validate` and `passthrough`. Every
+//! converted tensor must equal its twin in the fixture's `expected/model.safetensors` byte for
+//! byte (see `tests/fixtures/torch/README.md`); contiguous tensors must still move inside the
+//! kernel; hostile and damaged inputs fail naming the culprit, creating nothing.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+fn torch_fixture(rel: &str) -> PathBuf {
+    fixture(&format!("torch/{rel}"))
+}
+
+type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+/// Tensors of a safetensors file, or of every `.safetensors` file of a folder, through the
+/// `safetensors` crate (the expected twins carry no `format` metadata requirement).
+fn read_safetensors(path: &Path) -> Tensors {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut out = BTreeMap::new();
+    for f in files {
+        let bytes = std::fs::read(&f).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
+        for (name, view) in st.tensors() {
+            let prev = out.insert(
+                name.clone(),
+                (
+                    format!("{:?}", view.dtype()),
+                    view.shape().to_vec(),
+                    view.data().to_vec(),
+                ),
+            );
+            assert!(prev.is_none(), "{name} twice");
+        }
+    }
+    out
+}
+
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// `tftf passthrough input -o out --report …`; returns the report.
+fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
+    let rep = out.with_extension("report.json");
+    let mut args = vec!["passthrough", s(input), "-o", s(out), "-q"];
+    args.extend(["--report", s(&rep)]);
+    args.extend(extra);
+    ok(&tftf(&args));
+    report(&rep)
+}
+
+/// (input, expected twin) of every golden case; the DCP ones by each path that names them.
+fn cases() -> Vec<(&'static str, PathBuf, PathBuf)> {
+    let expected = |case: &str| torch_fixture(&format!("{case}/expected/model.safetensors"));
+    vec![
+        (
+            "zip",
+            torch_fixture("bin/corners/pytorch_model.bin"),
+            expected("bin/corners"),
+        ),
+        (
+            "legacy",
+            torch_fixture("bin/legacy/pytorch_model.bin"),
+            expected("bin/legacy"),
+        ),
+        (
+            "sharded-dir",
+            torch_fixture("bin/hf-sharded"),
+            expected("bin/hf-sharded"),
+        ),
+        (
+            "sharded-index",
+            torch_fixture("bin/hf-sharded/pytorch_model.bin.index.json"),
+            expected("bin/hf-sharded"),
+        ),
+        (
+            "dcp-outer",
+            torch_fixture("dcp/full-2rank"),
+            expected("dcp/full-2rank"),
+        ),
+        (
+            "dcp-inner",
+            torch_fixture("dcp/full-2rank/pytorch_model_fsdp_0"),
+            expected("dcp/full-2rank"),
+        ),
+        (
+            "dcp-metadata-file",
+            torch_fixture("dcp/full-2rank/pytorch_model_fsdp_0/.metadata"),
+            expected("dcp/full-2rank"),
+        ),
+        (
+            "dcp-lora",
+            torch_fixture("dcp/lora-2rank"),
+            expected("dcp/lora-2rank"),
+        ),
+    ]
+}
+
+#[test]
+fn passthrough_of_every_torch_input_equals_expected_twin() {
+    for (name, input, expected) in cases() {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let r = passthrough(&input, &out, &[]);
+        let got = read_safetensors(&out);
+        let want = read_safetensors(&expected);
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{name}: tensor names"
+        );
+        for (t, w) in &want {
+            assert_eq!(&got[t], w, "{name}: tensor `{t}` (dtype, shape, bytes)");
+        }
+        let total: u64 = want.values().map(|v| v.2.len() as u64).sum();
+        let b = &r["bytes"];
+        let moved = ["reflinked", "copied_in_kernel", "copied_through_memory"]
+            .iter()
+            .map(|k| b[k].as_u64().unwrap())
+            .sum::<u64>();
+        assert_eq!(moved, total, "{name}: every byte copied once: {r}");
+        assert_eq!(b["computed"].as_u64(), Some(0), "{name}: {r}");
+    }
+}
+
+#[test]
+fn single_file_output_under_the_smallest_budget_matches_too() {
+    for (name, input, expected) in cases() {
+        let dir = tmp();
+        let out = dir.path().join("one.safetensors");
+        passthrough(
+            &input,
+            &out,
+            &["--memory-budget", "16MiB", "--threads", "1"],
+        );
+        assert_eq!(
+            read_safetensors(&out),
+            read_safetensors(&expected),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn side_files_follow_the_weights() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    passthrough(&torch_fixture("bin/hf-sharded"), &out, &[]);
+    assert_eq!(
+        std::fs::read(out.join("config.json")).unwrap(),
+        std::fs::read(torch_fixture("bin/hf-sharded/config.json")).unwrap()
+    );
+    let names = listing(&out);
+    assert!(
+        names.iter().all(|n| !n.ends_with(".bin")
+            && n != "pytorch_model.bin.index.json"
+            && !n.ends_with(".distcp")),
+        "{names:?}"
+    );
+    // A DCP folder's `.distcp` files and `.metadata` are weights, not side files; the adapter
+    // config beside a LoRA checkpoint stays behind as for any input.
+    for input in [
+        torch_fixture("dcp/lora-2rank"),
+        torch_fixture("dcp/lora-2rank/pytorch_model_fsdp_0"),
+    ] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        passthrough(&input, &out, &[]);
+        assert_eq!(listing(&out), ["model.safetensors"], "{}", input.display());
+    }
+}
+
+#[test]
+fn synthetic_grid_reads_in_row_major_order() {
+    let dir = tmp();
+    let out = dir.path().join("grid.safetensors");
+    passthrough(
+        &torch_fixture("dcp/grid-synthetic"),
+        &out,
+        &["--memory-budget", "16MiB"],
+    );
+    let got = read_safetensors(&out);
+    let (dtype, shape, data) = &got["grid"];
+    assert_eq!(
+        (dtype.as_str(), shape.as_slice()),
+        ("F32", &[5usize, 7][..])
+    );
+    let values: Vec<f32> = data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want: Vec<f32> = (0..35).map(|i| i as f32).collect();
+    assert_eq!(values, want);
+}
+
+#[test]
+fn contiguous_bin_tensors_move_in_the_kernel() {
+    // Every tensor of the sharded `.bin` fixture is a plain range of its zip member.
+    let dir = tmp();
+    let r = passthrough(&torch_fixture("bin/hf-sharded"), &dir.path().join("o"), &[]);
+    let b = &r["bytes"];
+    let kernel = b["copied_in_kernel"].as_u64().unwrap() + b["reflinked"].as_u64().unwrap();
+    assert_eq!(b["copied_through_memory"].as_u64(), Some(0), "{r}");
+    assert_eq!(kernel, 49472, "{r}");
+    // The corner cases hold strided views (gathered through memory) beside plain tensors
+    // (still moved by the kernel).
+    let r = passthrough(
+        &torch_fixture("bin/corners/pytorch_model.bin"),
+        &dir.path().join("c"),
+        &[],
+    );
+    let b = &r["bytes"];
+    assert!(b["copied_in_kernel"].as_u64().unwrap() + b["reflinked"].as_u64().unwrap() > 0);
+    assert!(b["copied_through_memory"].as_u64().unwrap() > 0, "{r}");
+    // A DCP tensor split along dim 0 over two files is copied as two kernel ranges.
+    let r = passthrough(&torch_fixture("dcp/full-2rank"), &dir.path().join("d"), &[]);
+    assert_eq!(r["bytes"]["copied_through_memory"].as_u64(), Some(0), "{r}");
+}
+
+#[test]
+fn info_names_the_format() {
+    for (input, line) in [
+        ("bin/corners/pytorch_model.bin", "format: torch.save zip\n"),
+        (
+            "bin/legacy/pytorch_model.bin",
+            "format: torch.save legacy (pre-1.6)\n",
+        ),
+        ("bin/hf-sharded", "format: torch.save zip (3 files)\n"),
+        ("dcp/full-2rank", "format: PyTorch DCP (2 files)\n"),
+        ("dcp/grid-synthetic", "format: PyTorch DCP (2 files)\n"),
+    ] {
+        let o = tftf(&["info", s(&torch_fixture(input))]);
+        ok(&o);
+        assert!(stdout(&o).contains(line), "{input}: {}", stdout(&o));
+    }
+    let o = tftf(&["info", "--json", s(&torch_fixture("dcp/full-2rank"))]);
+    ok(&o);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["format"], "PyTorch DCP");
+    assert_eq!(v["total_tensors"], 21);
+    // Safetensors inputs say so.
+    let dir = tmp();
+    small_model(dir.path());
+    let o = tftf(&["info", s(dir.path())]);
+    ok(&o);
+    assert!(stdout(&o).contains("format: safetensors (2 files)\n"));
+    // Skipped DCP entries are notes.
+    let o = tftf(&["info", s(&torch_fixture("dcp/grid-synthetic"))]);
+    assert!(stderr(&o).contains("optimizer state"), "{}", stderr(&o));
+}
+
+#[test]
+fn validate_accepts_torch_inputs_and_scans_their_values() {
+    for input in [
+        "bin/corners/pytorch_model.bin",
+        "bin/legacy/pytorch_model.bin",
+        "bin/hf-sharded",
+        "dcp/full-2rank",
+        "dcp/lora-2rank/pytorch_model_fsdp_0",
+        "dcp/grid-synthetic",
+    ] {
+        let o = tftf(&["validate", "--check-values", s(&torch_fixture(input))]);
+        ok(&o);
+    }
+}
+
+#[test]
+fn casting_a_dcp_checkpoint_reads_its_chunks() {
+    let dir = tmp();
+    let out = dir.path().join("bf16");
+    ok(&tftf(&[
+        "passthrough",
+        s(&torch_fixture("dcp/full-2rank")),
+        "-o",
+        s(&out),
+        "-q",
+        "--dtype",
+        "bf16",
+    ]));
+    let got = read_safetensors(&out);
+    let want = read_safetensors(&torch_fixture("dcp/full-2rank/expected/model.safetensors"));
+    assert_eq!(got.len(), want.len());
+    for (name, (_, shape, data)) in &want {
+        let (dtype, gshape, gdata) = &got[name];
+        assert_eq!((dtype.as_str(), gshape), ("BF16", shape), "{name}");
+        // bf16 of an f32 is its high half, rounded to nearest even.
+        let rounded: Vec<u8> = data
+            .chunks_exact(4)
+            .flat_map(|c| {
+                let x = u32::from_le_bytes(c.try_into().unwrap());
+                let r = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+                (r as u16).to_le_bytes()
+            })
+            .collect();
+        assert_eq!(gdata, &rounded, "{name}");
+    }
+}
+
+#[test]
+fn malicious_pickle_is_refused_and_nothing_is_created() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = torch_fixture("bin/malicious/pytorch_model.bin");
+    for cmd in [
+        vec!["passthrough", s(&input), "-o", s(&out)],
+        vec!["info", s(&input)],
+        vec!["validate", s(&input)],
+    ] {
+        let o = tftf(&cmd);
+        assert_eq!(o.status.code(), Some(1), "{cmd:?}");
+        // `validate` lists problems on stdout; the others fail on stderr.
+        let err = stderr(&o) + &stdout(&o);
+        assert!(err.contains("`posix.system`"), "{cmd:?}: {err}");
+        assert!(err.contains("pytorch_model.bin"), "{cmd:?}: {err}");
+    }
+    assert!(!out.exists());
+    assert_eq!(listing(dir.path()), Vec::<String>::new());
+}
+
+#[test]
+fn truncated_bin_names_the_file_and_creates_nothing() {
+    let dir = tmp();
+    let bytes = std::fs::read(torch_fixture("bin/corners/pytorch_model.bin")).unwrap();
+    let input = dir.path().join("model.bin");
+    std::fs::write(&input, &bytes[..bytes.len() / 2]).unwrap();
+    let out = dir.path().join("out");
+    let err = fails(&["passthrough", s(&input), "-o", s(&out)]);
+    assert!(err.contains("model.bin"), "{err}");
+    assert!(!out.exists());
+    assert_eq!(listing(dir.path()), ["model.bin"]);
+}
+
+#[test]
+fn a_folder_with_both_formats_reads_the_safetensors() {
+    // transformers repositories often ship both; the safetensors ones win, as before.
+    let dir = tmp();
+    let tensors = small_model(dir.path());
+    let o = tftf(&["info", s(dir.path())]);
+    ok(&o);
+    assert!(stdout(&o).contains("format: safetensors"), "{}", stdout(&o));
+    assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
+}
