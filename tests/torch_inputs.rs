@@ -356,3 +356,90 @@ fn a_folder_with_both_formats_reads_the_safetensors() {
     assert!(stdout(&o).contains("format: safetensors"), "{}", stdout(&o));
     assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
 }
+
+/// `dir` with the fixture's expected twin as `model.safetensors` and the case's config: the same
+/// model in safetensors, to compare a command's output against.
+fn safetensors_twin(case: &str, dir: &Path) -> PathBuf {
+    let twin = dir.join("twin");
+    std::fs::create_dir_all(&twin).unwrap();
+    std::fs::copy(
+        torch_fixture(&format!("{case}/expected/model.safetensors")),
+        twin.join("model.safetensors"),
+    )
+    .unwrap();
+    let config = torch_fixture(case).join("config.json");
+    if config.is_file() {
+        std::fs::copy(&config, twin.join("config.json")).unwrap();
+    }
+    twin
+}
+
+/// A LoRA adapter (r = 2) on the q_proj of both layers of the tiny Llama fixtures.
+fn write_adapter(dir: &Path) -> PathBuf {
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}"#,
+    )
+    .unwrap();
+    let mut rng = Rng(7);
+    let mut tensors = Vec::new();
+    for layer in 0..2 {
+        let p = format!("base_model.model.model.layers.{layer}.self_attn.q_proj");
+        tensors.push(rand_t(
+            &mut rng,
+            &format!("{p}.lora_A.weight"),
+            tftf::format::dtype::DType::F32,
+            &[2, 32],
+        ));
+        tensors.push(rand_t(
+            &mut rng,
+            &format!("{p}.lora_B.weight"),
+            tftf::format::dtype::DType::F32,
+            &[32, 2],
+        ));
+    }
+    write_file(&adapter.join("adapter_model.safetensors"), &tensors);
+    adapter
+}
+
+#[test]
+fn every_command_gives_the_same_tensors_from_torch_and_safetensors_inputs() {
+    let dir = tmp();
+    let adapter = write_adapter(dir.path());
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["merge-lora", "-a", s(&adapter)],
+        vec!["passthrough", "--dtype", "f32"],
+        vec!["dequant-fp8", "--allow-empty"],
+        vec![
+            "run",
+            "--merge-lora",
+            "--adapter",
+            s(&adapter),
+            "--key-filter",
+            "*layers.0*",
+            "--dtype-cast",
+            "f16",
+        ],
+    ];
+    for (case, input) in [
+        ("bin/hf-sharded", torch_fixture("bin/hf-sharded")),
+        ("dcp/full-2rank", torch_fixture("dcp/full-2rank")),
+    ] {
+        let twin = safetensors_twin(case, &dir.path().join(case.replace('/', "-")));
+        for (k, cmd) in commands.iter().enumerate() {
+            let run = |input: &Path, out: &Path| {
+                let mut args = vec![cmd[0], "-i", s(input), "-o", s(out), "-q"];
+                args.extend(&cmd[1..]);
+                ok(&tftf(&args));
+                read_safetensors(out)
+            };
+            let base = dir.path().join(format!("{}-{k}", case.replace('/', "-")));
+            let from_torch = run(&input, &base.with_extension("torch"));
+            let from_twin = run(&twin, &base.with_extension("st"));
+            assert!(!from_torch.is_empty(), "{case} {cmd:?}");
+            assert_eq!(from_torch, from_twin, "{case} {cmd:?}");
+        }
+    }
+}
