@@ -443,3 +443,124 @@ fn every_command_gives_the_same_tensors_from_torch_and_safetensors_inputs() {
         }
     }
 }
+
+/// A torch.save zip holding `w`, a `[rows, cols]` F32 view with strides `[1, rows]` (a
+/// transpose) of a storage whose element `i` is `i as f32`.
+fn transposed_zip(rows: u16, cols: u16) -> Vec<u8> {
+    use std::io::Write;
+    let bin2 = |p: &mut Vec<u8>, v: u16| {
+        p.push(b'M');
+        p.extend(v.to_le_bytes());
+    };
+    let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n(".to_vec();
+    p.extend(
+        b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuJ",
+    );
+    p.extend((rows as u32 * cols as u32).to_le_bytes());
+    p.extend(b"tQK\x00(");
+    bin2(&mut p, rows);
+    bin2(&mut p, cols);
+    p.extend(b"t(K\x01");
+    bin2(&mut p, rows);
+    p.extend(b"t\x89}tRs.");
+    let mut buf = std::io::Cursor::new(Vec::new());
+    let mut z = zip::ZipWriter::new(&mut buf);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    z.start_file("archive/data.pkl", opts).unwrap();
+    z.write_all(&p).unwrap();
+    z.start_file("archive/data/0", opts).unwrap();
+    let storage: Vec<u8> = (0..rows as u32 * cols as u32)
+        .flat_map(|i| (i as f32).to_le_bytes())
+        .collect();
+    z.write_all(&storage).unwrap();
+    z.finish().unwrap();
+    buf.into_inner()
+}
+
+#[test]
+fn a_large_strided_view_is_gathered_in_chunks() {
+    let (rows, cols) = (1024u16, 768u16);
+    let dir = tmp();
+    let input = dir.path().join("t.pt");
+    std::fs::write(&input, transposed_zip(rows, cols)).unwrap();
+    let out = dir.path().join("o.safetensors");
+    let r = passthrough(&input, &out, &["--memory-budget", "16MiB"]);
+    let nbytes = rows as u64 * cols as u64 * 4;
+    assert_eq!(
+        r["bytes"]["copied_through_memory"].as_u64(),
+        Some(nbytes),
+        "{r}"
+    );
+    assert!(r["chunk_bytes"].as_u64().unwrap() < nbytes, "{r}");
+    let got = read_safetensors(&out);
+    let (dtype, shape, data) = &got["w"];
+    assert_eq!(
+        (dtype.as_str(), shape.as_slice()),
+        ("F32", &[rows as usize, cols as usize][..])
+    );
+    for (k, c) in data.chunks_exact(4).enumerate() {
+        let (i, j) = (k / cols as usize, k % cols as usize);
+        let want = (i + j * rows as usize) as f32;
+        assert_eq!(
+            f32::from_le_bytes(c.try_into().unwrap()),
+            want,
+            "w[{i}][{j}]"
+        );
+    }
+}
+
+#[test]
+fn a_bin_folder_without_index_skips_trainer_state() {
+    let dir = tmp();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(torch_fixture("bin/hf-sharded")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "bin") {
+            std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::write(model.join("training_args.bin"), "not a checkpoint").unwrap();
+    std::fs::write(model.join("optimizer.pt"), "not a checkpoint").unwrap();
+    let out = dir.path().join("out");
+    let o = tftf(&["passthrough", s(&model), "-o", s(&out)]);
+    ok(&o);
+    assert!(
+        stderr(&o).contains("`training_args.bin` skipped"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        read_safetensors(&out),
+        read_safetensors(&torch_fixture("bin/hf-sharded/expected/model.safetensors"))
+    );
+}
+
+#[test]
+fn safetensors_beside_an_fsdp_checkpoint_win() {
+    let dir = tmp();
+    let tensors = small_model(dir.path());
+    let fsdp = dir.path().join("pytorch_model_fsdp_0");
+    std::fs::create_dir(&fsdp).unwrap();
+    for e in std::fs::read_dir(torch_fixture("dcp/full-2rank/pytorch_model_fsdp_0")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, fsdp.join(p.file_name().unwrap())).unwrap();
+    }
+    let o = tftf(&["info", "--dtype-summary", s(dir.path())]);
+    ok(&o);
+    assert!(
+        stdout(&o).contains("format: safetensors (2 files)"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
+    // Named directly, the DCP folder is read, with the config one level up.
+    let o = tftf(&["info", "--dtype-summary", s(&fsdp)]);
+    ok(&o);
+    assert!(
+        stdout(&o).contains("format: PyTorch DCP (2 files)"),
+        "{}",
+        stdout(&o)
+    );
+}

@@ -613,17 +613,6 @@ enum TorchKind {
     Dcp,
 }
 
-/// Whether a file name is a torch.save file tftf reads (`.bin`, `.pt`, `.pth`).
-fn is_torch_file_name(name: &[u8]) -> bool {
-    (name.ends_with(b".bin") || name.ends_with(b".pt") || name.ends_with(b".pth"))
-        && !name.starts_with(b"adapter_model")
-        && !name.starts_with(b"._")
-        && !name.starts_with(b"training_args")
-        && !name.starts_with(b"optimizer")
-        && !name.starts_with(b"scheduler")
-        && !name.starts_with(b"rng_state")
-}
-
 /// What a path is when it is neither a regular file nor a directory, for the error.
 fn special_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
     use std::os::unix::fs::FileTypeExt;
@@ -686,7 +675,7 @@ impl Layout {
             if input.as_os_str().as_bytes().ends_with(b".json") {
                 return Self::from_index(dir, input);
             }
-            if is_torch_file_name(name) || name.ends_with(b".bin") {
+            if name.ends_with(b".bin") || name.ends_with(b".pt") || name.ends_with(b".pth") {
                 return Ok(Layout {
                     dir: dir.clone(),
                     index_path: None,
@@ -707,19 +696,6 @@ impl Layout {
                 torch_root: PathBuf::new(),
             });
         }
-        if input.join(torch::dcp::METADATA_NAME).is_file() {
-            return Ok(Self::dcp(input.to_path_buf(), Vec::new()));
-        }
-        if input
-            .join(torch::dcp::FSDP_MODEL_DIR)
-            .join(torch::dcp::METADATA_NAME)
-            .is_file()
-        {
-            return Ok(Self::dcp(
-                input.join(torch::dcp::FSDP_MODEL_DIR),
-                Vec::new(),
-            ));
-        }
         let mut indexes = Vec::new();
         let mut shards = Vec::new();
         let mut notes = Vec::new();
@@ -732,7 +708,7 @@ impl Layout {
             let is_index = bytes.ends_with(b".safetensors.index.json");
             let is_shard = bytes.ends_with(b".safetensors") && !bytes.starts_with(b"adapter_model");
             if !is_index && !is_shard {
-                if bytes == torch::BIN_INDEX_NAME.as_bytes() || is_torch_file_name(bytes) {
+                if bytes == torch::BIN_INDEX_NAME.as_bytes() || torch::is_weight_file_name(bytes) {
                     torch_files += 1;
                 }
                 continue;
@@ -760,8 +736,19 @@ impl Layout {
         }
         indexes.sort();
         shards.sort();
-        if indexes.is_empty() && shards.is_empty() && torch_files > 0 {
-            return Ok(Self::torch_sharded(input.to_path_buf(), notes));
+        // Safetensors weights win over any PyTorch ones beside them (as before this reader
+        // existed); without them: a DCP folder, accelerate's FSDP output, `.bin` shards.
+        if indexes.is_empty() && shards.is_empty() {
+            if input.join(torch::dcp::METADATA_NAME).is_file() {
+                return Ok(Self::dcp(input.to_path_buf(), notes));
+            }
+            let fsdp = input.join(torch::dcp::FSDP_MODEL_DIR);
+            if fsdp.join(torch::dcp::METADATA_NAME).is_file() {
+                return Ok(Self::dcp(fsdp, notes));
+            }
+            if torch_files > 0 {
+                return Ok(Self::torch_sharded(input.to_path_buf(), notes));
+            }
         }
         // Beside safetensors weights, PyTorch files are the same model in the older format
         // (transformers writes both): the safetensors ones are read, as before, silently.
