@@ -463,6 +463,33 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Drops from the page cache every byte a tensor that is not a plain range may have read
+    /// (its storages, its chunks), once it has been gathered whole: chunk by chunk would evict
+    /// storage lines the next chunk reads again (a transpose touches every line per chunk).
+    pub fn drop_gathered_cache(&self, t: &TensorRef) {
+        fn walk(ckpt: &Checkpoint, p: &Placement) {
+            match p {
+                Placement::Contiguous { file, offset, len } => {
+                    crate::sys::drop_cache(&ckpt.shards[*file].file, *offset, *len)
+                }
+                Placement::Strided {
+                    file,
+                    storage_start,
+                    storage_len,
+                    ..
+                } => crate::sys::drop_cache(&ckpt.shards[*file].file, *storage_start, *storage_len),
+                Placement::Regions(regions) => {
+                    for r in regions {
+                        walk(ckpt, &r.placement);
+                    }
+                }
+            }
+        }
+        if t.pieces().is_none() {
+            walk(self, &t.placement);
+        }
+    }
+
     /// Reads bytes `at .. at + buf.len()` of a strided or chunked tensor through the element
     /// gatherer (bounded buffers; never the whole tensor unless `buf` is).
     fn gather(&self, t: &TensorRef, at: u64, buf: &mut [u8]) -> Result<()> {

@@ -497,6 +497,7 @@ fn emit_gather(
         )?;
         done += n;
     }
+    sh.ckpt.drop_gathered_cache(r);
     Ok(())
 }
 
@@ -551,6 +552,9 @@ fn emit_compute(
             &sh.cancel,
         )?;
         u = end;
+    }
+    for &src in inputs {
+        sh.ckpt.drop_gathered_cache(&sh.ckpt.tensors[src]);
     }
     Ok(())
 }
