@@ -428,6 +428,18 @@ impl Plan {
             .sum()
     }
 
+    /// Untouched bytes of tensors that are not byte ranges of the input (strided views, chunk
+    /// grids of a PyTorch input): gathered through memory, never moved by the kernel.
+    pub fn gathered_bytes(&self, ckpt: &Checkpoint) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|t| {
+                matches!(t.recipe, Recipe::Copy { src } if ckpt.tensors[src].pieces().is_none())
+            })
+            .map(|t| t.nbytes)
+            .sum()
+    }
+
     /// Untouched bytes whose input and output offsets are congruent modulo the clone alignment,
     /// block-aligned part only: what a reflink-capable filesystem can share.
     pub fn shareable_bytes(&self, ckpt: &Checkpoint) -> u64 {

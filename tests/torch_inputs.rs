@@ -227,7 +227,24 @@ fn contiguous_bin_tensors_move_in_the_kernel() {
     );
     let b = &r["bytes"];
     assert!(b["copied_in_kernel"].as_u64().unwrap() + b["reflinked"].as_u64().unwrap() > 0);
-    assert!(b["copied_through_memory"].as_u64().unwrap() > 0, "{r}");
+    let through_memory = b["copied_through_memory"].as_u64().unwrap();
+    assert!(through_memory > 0, "{r}");
+    // The dry run says which bytes will be gathered.
+    let o = tftf(&[
+        "passthrough",
+        s(&torch_fixture("bin/corners/pytorch_model.bin")),
+        "-o",
+        s(&dir.path().join("dry")),
+        "--dry-run",
+    ]);
+    ok(&o);
+    assert!(
+        stdout(&o).contains(&format!(
+            "gathered: {through_memory} B of the unchanged bytes"
+        )),
+        "{}",
+        stdout(&o)
+    );
     // A DCP tensor split along dim 0 over two files is copied as two kernel ranges.
     let r = passthrough(&torch_fixture("dcp/full-2rank"), &dir.path().join("d"), &[]);
     assert_eq!(r["bytes"]["copied_through_memory"].as_u64(), Some(0), "{r}");
