@@ -903,3 +903,96 @@ fn parent_dir(p: &Path) -> PathBuf {
         _ => PathBuf::from("."),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dtype::DType;
+
+    fn tensor(shape: &[u64], placement: Placement) -> TensorRef {
+        TensorRef {
+            info: TensorInfo {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: shape.to_vec(),
+                begin: 0,
+                end: 4 * shape.iter().product::<u64>(),
+            },
+            placement,
+        }
+    }
+
+    fn region(offsets: &[u64], sizes: &[u64], file: usize, offset: u64) -> Region {
+        Region {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            placement: Placement::Contiguous {
+                file,
+                offset,
+                len: 4 * sizes.iter().product::<u64>(),
+            },
+        }
+    }
+
+    #[test]
+    fn only_ranges_and_dim0_slices_are_pieces() {
+        let plain = tensor(
+            &[2, 3],
+            Placement::Contiguous {
+                file: 1,
+                offset: 64,
+                len: 24,
+            },
+        );
+        assert_eq!(plain.contiguous(), Some((1, 64)));
+        assert_eq!(plain.pieces(), Some(vec![(1, 64, 24)]));
+        // Dim-0 slices over two files, listed out of order: concatenated in row order.
+        let slices = tensor(
+            &[4, 3],
+            Placement::Regions(vec![
+                region(&[2, 0], &[2, 3], 1, 0),
+                region(&[0, 0], &[2, 3], 0, 100),
+            ]),
+        );
+        assert_eq!(slices.contiguous(), None);
+        assert_eq!(slices.pieces(), Some(vec![(0, 100, 24), (1, 0, 24)]));
+        assert_eq!(slices.shard(), 0);
+        // A column split is a grid: gathered, not concatenated.
+        let grid = tensor(
+            &[2, 4],
+            Placement::Regions(vec![
+                region(&[0, 0], &[2, 2], 0, 0),
+                region(&[0, 2], &[2, 2], 1, 0),
+            ]),
+        );
+        assert_eq!(grid.pieces(), None);
+        let strided = tensor(
+            &[2, 2],
+            Placement::Strided {
+                file: 0,
+                storage_start: 0,
+                storage_len: 16,
+                storage_offset: 0,
+                strides: vec![1, 2],
+            },
+        );
+        assert_eq!((strided.contiguous(), strided.pieces()), (None, None));
+    }
+
+    #[test]
+    fn attached_placements_shift_every_file_index() {
+        let mut p = Placement::Regions(vec![region(&[0], &[1], 0, 0), region(&[1], &[1], 2, 0)]);
+        shift_files(&mut p, 3);
+        let Placement::Regions(r) = p else {
+            unreachable!()
+        };
+        assert!(matches!(
+            r[0].placement,
+            Placement::Contiguous { file: 3, .. }
+        ));
+        assert!(matches!(
+            r[1].placement,
+            Placement::Contiguous { file: 5, .. }
+        ));
+    }
+}
