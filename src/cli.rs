@@ -87,7 +87,8 @@ pub struct SelftestArgs {
 
 #[derive(Args, Debug)]
 pub struct InputArgs {
-    /// Input: a .safetensors file, a model directory, or an index .json file
+    /// Input: a .safetensors file, a model directory, an index .json file, a PyTorch .bin/.pt/.pth
+    /// file, a folder of .bin shards or a DCP folder
     #[arg(
         short = 'i',
         long = "input",
@@ -274,7 +275,8 @@ pub struct Fp4RepackArgs {
 
 #[derive(Args, Debug)]
 pub struct RepackArgs {
-    /// Input: a .safetensors file, a model directory, or an index .json file
+    /// Input: a .safetensors file, a model directory, an index .json file, a PyTorch .bin/.pt/.pth
+    /// file, a folder of .bin shards or a DCP folder
     #[arg(
         long = "src",
         short = 'i',

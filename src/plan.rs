@@ -369,7 +369,7 @@ impl Plan {
             .tensors
             .iter()
             .map(|t| {
-                let parts = 24 * t.parts.len() as u64;
+                let parts = placement_bytes(&t.placement);
                 TENSOR_REF_BYTES + t.info.name.len() as u64 + shape(&t.info.shape) + parts
             })
             .sum();
@@ -409,6 +409,18 @@ impl Plan {
             .sum()
     }
 
+    /// Untouched bytes of tensors that are not byte ranges of the input (strided views, chunk
+    /// grids of a PyTorch input): gathered through memory, never moved by the kernel.
+    pub fn gathered_bytes(&self, ckpt: &Checkpoint) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|t| {
+                matches!(t.recipe, Recipe::Copy { src } if ckpt.tensors[src].pieces().is_none())
+            })
+            .map(|t| t.nbytes)
+            .sum()
+    }
+
     pub fn computed_count(&self) -> usize {
         self.tensors
             .iter()
@@ -440,4 +452,17 @@ pub fn edit_config_dtype(cfg: &mut Map<String, Value>, dtype: DType) -> Vec<Stri
         }
     }
     changes
+}
+
+/// Heap bytes of a placement beyond the record itself (strides, chunk boxes).
+fn placement_bytes(p: &crate::format::source::Placement) -> u64 {
+    use crate::format::source::Placement;
+    match p {
+        Placement::Contiguous { .. } => 0,
+        Placement::Strided { strides, .. } => 8 * strides.len() as u64,
+        Placement::Regions(regions) => regions
+            .iter()
+            .map(|r| 96 + 16 * r.offsets.len() as u64 + placement_bytes(&r.placement))
+            .sum(),
+    }
 }

@@ -522,6 +522,13 @@ fn print_plan(
         human(plan.copied_bytes()),
         human(plan.total_tensor_bytes() - plan.copied_bytes())
     );
+    let gathered = plan.gathered_bytes(ckpt);
+    if gathered > 0 {
+        println!(
+            "  gathered: {} of the unchanged bytes are strided views or chunk grids, read through memory",
+            human(gathered)
+        );
+    }
     let fs = sys::filesystem_name(&nearest_existing(&resolve(out_dir)));
     let shareable = layout.shareable_bytes(ckpt, plan);
     if !opts.kernel_copy {
@@ -529,7 +536,7 @@ fn print_plan(
     } else if !sys::can_reflink(fs) {
         println!(
             "  reflink: the output filesystem ({fs}) cannot share extents; {} will be copied in the kernel",
-            human(plan.copied_bytes())
+            human(plan.copied_bytes() - gathered)
         );
     } else if !same_filesystem(&ckpt.dir, out_dir) {
         println!("  reflink: input and output are on different filesystems; untouched bytes will be copied");
@@ -537,7 +544,7 @@ fn print_plan(
         println!(
             "  reflink: {} of {} untouched bytes can share extents ({fs})",
             human(shareable),
-            human(plan.copied_bytes())
+            human(plan.copied_bytes() - gathered)
         );
     }
     if !sides.is_empty() {

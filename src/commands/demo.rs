@@ -227,7 +227,6 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
 }
 
 fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
-    use std::os::unix::fs::FileExt;
     let t = ckpt.get(name).ok_or_else(|| {
         Error::Other(format!(
             "demo: `{name}` missing from {}",
@@ -235,10 +234,7 @@ fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
         ))
     })?;
     let mut buf = vec![0u8; t.info.nbytes() as usize];
-    ckpt.shards[t.shard]
-        .file
-        .read_exact_at(&mut buf, ckpt.file_offset(t))
-        .map_err(|e| Error::io(&ckpt.shards[t.shard].path, e))?;
+    ckpt.read_tensor_at_cached(t, 0, &mut buf, true)?;
     Ok(buf)
 }
 

@@ -63,13 +63,14 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
     if args.json {
         let v = json!({
             "path": ckpt.input.to_string_lossy(),
+            "format": ckpt.format.name(),
             "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": tensors.iter().map(|t| json!({
                 "name": t.info.name,
                 "dtype": t.info.dtype.name(),
                 "shape": t.info.shape,
                 "bytes": t.info.nbytes(),
-                "shard": ckpt.shards[t.shard].path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                "shard": ckpt.shards[t.shard()].path.file_name().map(|f| f.to_string_lossy().into_owned()),
             })).collect::<Vec<_>>(),
             "total_tensors": tensors.len(),
             "total_bytes": total,
@@ -119,6 +120,7 @@ pub fn run(args: &InfoArgs, input: &std::path::Path) -> Result<()> {
         human(total),
         total
     );
+    println!("format: {}", ckpt.format_line());
     println!("dtypes:");
     for (d, (n, b, _)) in &by_dtype {
         println!("  {d:<11} {n:>7} tensors  {:>12}", human(*b));

@@ -2,7 +2,6 @@
 //! first), the semantic checks of [`super::semantic`], an optional dry plan of a pipe, and with
 //! `--check-values` a streamed NaN/Inf scan (with progress on stderr).
 
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde_json::json;
@@ -16,7 +15,6 @@ use crate::plan::{Plan, Step};
 use crate::progress::Progress;
 use crate::sink::{OutputKind, Safetensors, Sink};
 use crate::size::human;
-use crate::sys;
 use crate::transform::{Glob, Rename};
 
 pub fn parse_pipe(specs: &[String]) -> Result<Vec<Step>> {
@@ -177,14 +175,12 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                 if !scannable(t.info.dtype) {
                     continue;
                 }
-                let shard = &ckpt.shards[t.shard];
                 let size = t
                     .info
                     .dtype
                     .size()
                     .expect("scannable dtypes are whole bytes");
                 let step = chunk / size * size;
-                let start = ckpt.file_offset(t);
                 let mut acc = NonFinite::default();
                 let mut done = 0u64;
                 while done < t.info.nbytes() {
@@ -192,15 +188,11 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                         return Err(Error::Cancelled);
                     }
                     let n = (t.info.nbytes() - done).min(step as u64) as usize;
-                    shard
-                        .file
-                        .read_exact_at(&mut buf[..n], start + done)
-                        .map_err(|e| Error::io(&shard.path, e))?;
-                    sys::drop_cache(&shard.file, start + done, n as u64);
+                    ckpt.read_tensor_at(t, done, &mut buf[..n])?;
                     scan_nonfinite(t.info.dtype, &buf[..n], done / size as u64, &mut acc);
                     done += n as u64;
                     if let Some(p) = &progress {
-                        p.advance(t.shard, n as u64);
+                        p.advance(t.shard(), n as u64);
                     }
                 }
                 scanned += t.info.nbytes();
@@ -208,7 +200,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                 if acc.count > 0 {
                     problems.push(format!(
                         "{}: tensor `{}`: {} non-finite value(s), first at element {}",
-                        crate::escape::path(&shard.path),
+                        crate::escape::path(&ckpt.shards[t.shard()].path),
                         crate::escape::name(&t.info.name),
                         acc.count,
                         acc.first.unwrap_or(0)

@@ -1,6 +1,13 @@
 //! Opening a checkpoint: one `.safetensors` file, a directory with an index, a directory of
-//! shards without one, or an index file. Only headers are read; every structural check that can
-//! fail later is done here, so a bad input fails before any output exists.
+//! shards without one, or an index file; or a PyTorch checkpoint (a torch.save `.bin`/`.pt`/
+//! `.pth` file, a folder of `.bin` shards, a Distributed Checkpoint), described through
+//! [`crate::format::torch`]. Only headers (and pickles) are read; every structural check that
+//! can fail later is done here, so a bad input fails before any output exists.
+//!
+//! Whatever the format, a tensor is a name, dtype, shape and a [`Placement`] in the
+//! checkpoint's files ([`Checkpoint::shards`]). Only [`Placement::Contiguous`] bytes can be
+//! moved by the kernel; other placements are gathered through
+//! [`crate::format::source::OpenSource`] in bounded chunks.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -8,14 +15,48 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::header::{read_header, Header, TensorInfo};
+use super::source::{OpenSource, Placement, Region, SourceDesc};
+use super::torch;
 use crate::error::{Error, Result};
 
+/// What kind of input a checkpoint was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceFormat {
+    Safetensors,
+    /// torch.save zip archives (`.bin`, `.pt`, `.pth`; transformers' `pytorch_model*.bin`).
+    TorchZip,
+    /// torch.save's pre-1.6 non-zip stream.
+    TorchLegacy,
+    /// torch.save files of both kinds.
+    TorchMixed,
+    /// `torch.distributed.checkpoint`: `.metadata` plus `*.distcp` files.
+    Dcp,
+}
+
+impl SourceFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceFormat::Safetensors => "safetensors",
+            SourceFormat::TorchZip => "torch.save zip",
+            SourceFormat::TorchLegacy => "torch.save legacy (pre-1.6)",
+            SourceFormat::TorchMixed => "torch.save (zip and legacy)",
+            SourceFormat::Dcp => "PyTorch DCP",
+        }
+    }
+
+    pub fn is_safetensors(self) -> bool {
+        self == SourceFormat::Safetensors
+    }
+}
+
+/// One input file of the checkpoint (a safetensors shard, a torch.save file, a `.distcp`).
 #[derive(Debug)]
 pub struct Shard {
     pub path: PathBuf,
     pub file: File,
     /// The parsed header; its tensors move to [`Checkpoint::tensors`] once the checkpoint is
-    /// open (one copy of each name and shape, not two).
+    /// open (one copy of each name and shape, not two). Empty (no metadata, `data_start` 0)
+    /// for files of other formats.
     pub header: Header,
     /// How many tensors the header held.
     pub tensor_count: usize,
@@ -24,19 +65,69 @@ pub struct Shard {
     pub span: Option<std::ops::Range<usize>>,
 }
 
-/// A tensor of the checkpoint: which shard holds it and where.
+/// A tensor of the checkpoint: its name, dtype and shape (`info`; `begin`/`end` are only
+/// meaningful within a safetensors header), and where its elements lie in the checkpoint's
+/// files (`placement`, file indices into [`Checkpoint::shards`]).
 #[derive(Clone, Debug)]
 pub struct TensorRef {
-    pub shard: usize,
     pub info: TensorInfo,
-    /// For a tensor assembled from slices in several files (FSDP rank shards): the
-    /// (shard, absolute file offset, length) of each piece, in order. Empty for ordinary tensors.
-    pub parts: Vec<(usize, u64, u64)>,
+    pub placement: Placement,
 }
 
 impl TensorRef {
     pub fn name(&self) -> &str {
         &self.info.name
+    }
+
+    /// The file holding the tensor's first byte (for messages and progress).
+    pub fn shard(&self) -> usize {
+        super::source::SourceTensor::first_of(&self.placement).0
+    }
+
+    /// (file, absolute offset) when the tensor is one row-major byte range: the only kind
+    /// that may be cloned or moved with `copy_file_range` as it stands.
+    pub fn contiguous(&self) -> Option<(usize, u64)> {
+        match self.placement {
+            Placement::Contiguous { file, offset, .. } => Some((file, offset)),
+            _ => None,
+        }
+    }
+
+    /// The tensor as byte ranges to concatenate, when it is one: a contiguous tensor, or
+    /// chunks split along dim 0 only (FSDP rank slices) each stored contiguously, in order.
+    pub fn pieces(&self) -> Option<Vec<(usize, u64, u64)>> {
+        match &self.placement {
+            Placement::Contiguous { file, offset, len } => Some(vec![(*file, *offset, *len)]),
+            Placement::Strided { .. } => None,
+            Placement::Regions(regions) => {
+                let shape = &self.info.shape;
+                let mut regions: Vec<&Region> = regions.iter().collect();
+                regions.sort_by_key(|r| r.offsets.first().copied().unwrap_or(0));
+                let mut row = 0u64;
+                let mut out = Vec::with_capacity(regions.len());
+                for r in regions {
+                    if shape.is_empty()
+                        || r.offsets.len() != shape.len()
+                        || r.sizes.len() != shape.len()
+                        || r.offsets[0] != row
+                        || r.offsets[1..].iter().any(|&o| o != 0)
+                        || r.sizes[1..] != shape[1..]
+                    {
+                        return None;
+                    }
+                    row += r.sizes[0];
+                    match r.placement {
+                        Placement::Contiguous { file, offset, len } => {
+                            if len > 0 {
+                                out.push((file, offset, len))
+                            }
+                        }
+                        _ => return None,
+                    }
+                }
+                (row == shape[0]).then_some(out)
+            }
+        }
     }
 }
 
@@ -44,6 +135,8 @@ impl TensorRef {
 pub struct Checkpoint {
     /// The path the user gave.
     pub input: PathBuf,
+    /// The format the model was read from.
+    pub format: SourceFormat,
     /// The directory the model lives in (the input itself, or its parent).
     pub dir: PathBuf,
     pub index_path: Option<PathBuf>,
@@ -72,6 +165,9 @@ impl Checkpoint {
     /// Like [`Checkpoint::open`] but reports every broken shard, not only the first.
     pub fn open_all_errors(input: &Path) -> Result<Checkpoint, Vec<Error>> {
         let layout = Layout::discover(input).map_err(|e| vec![e])?;
+        if let Some(kind) = layout.torch {
+            return Self::open_torch(input, layout, kind).map_err(|e| vec![e]);
+        }
         let mut errors = Vec::new();
         let mut shards = Vec::new();
         for path in &layout.shard_paths {
@@ -100,9 +196,12 @@ impl Checkpoint {
                 std::mem::take(&mut shard.header.tensors)
                     .into_iter()
                     .map(|info| TensorRef {
-                        shard: si,
+                        placement: Placement::Contiguous {
+                            file: si,
+                            offset: shard.header.data_start + info.begin,
+                            len: info.nbytes(),
+                        },
                         info,
-                        parts: Vec::new(),
                     }),
             );
         }
@@ -113,8 +212,8 @@ impl Checkpoint {
             if tensors[first].info.name == tensors[second].info.name {
                 errors.push(Error::DuplicateTensor {
                     tensor: tensors[second].info.name.clone(),
-                    first: shards[tensors[first].shard].path.clone(),
-                    second: shards[tensors[second].shard].path.clone(),
+                    first: shards[tensors[first].shard()].path.clone(),
+                    second: shards[tensors[second].shard()].path.clone(),
                 });
             }
         }
@@ -124,7 +223,7 @@ impl Checkpoint {
                     .as_str()
                     .expect("checked when the index was read");
                 let found = find(&tensors, &by_name, tensor)
-                    .is_some_and(|i| shards[tensors[i].shard].path.ends_with(shard_name));
+                    .is_some_and(|i| shards[tensors[i].shard()].path.ends_with(shard_name));
                 if !found {
                     errors.push(Error::TensorNotInShard {
                         shard: layout.dir.join(shard_name),
@@ -147,9 +246,9 @@ impl Checkpoint {
         }
         let mut counts = vec![0usize; shards.len()];
         for (i, t) in tensors.iter().enumerate() {
-            let shard = &mut shards[t.shard];
+            let shard = &mut shards[t.shard()];
             shard.span = Some(shard.span.as_ref().map_or(i..i + 1, |r| r.start..i + 1));
-            counts[t.shard] += 1;
+            counts[t.shard()] += 1;
         }
         for (shard, n) in shards.iter_mut().zip(counts) {
             if n != shard.tensor_count {
@@ -158,6 +257,7 @@ impl Checkpoint {
         }
         Ok(Checkpoint {
             input: input.to_path_buf(),
+            format: SourceFormat::Safetensors,
             dir: layout.dir,
             index_path: layout.index_path,
             shards,
@@ -170,18 +270,133 @@ impl Checkpoint {
         })
     }
 
+    /// A PyTorch checkpoint, described by [`torch`]: every file opened once, every tensor
+    /// placed in them.
+    fn open_torch(input: &Path, layout: Layout, kind: TorchKind) -> Result<Checkpoint> {
+        let desc: SourceDesc = match kind {
+            TorchKind::File => torch::describe_file(input)?,
+            TorchKind::Sharded => torch::describe_sharded(&layout.torch_root)?,
+            TorchKind::Dcp => torch::dcp::describe_dcp(&layout.torch_root)?,
+        };
+        let mut shards = Vec::with_capacity(desc.files.len());
+        let (mut zips, mut legacy) = (0, 0);
+        for f in &desc.files {
+            let file = File::open(&f.path).map_err(|e| Error::io(&f.path, e))?;
+            if kind != TorchKind::Dcp {
+                let mut magic = [0u8; 4];
+                use std::os::unix::fs::FileExt;
+                let is_zip = file.read_exact_at(&mut magic, 0).is_ok() && magic == *b"PK\x03\x04";
+                if is_zip {
+                    zips += 1;
+                } else {
+                    legacy += 1;
+                }
+            }
+            shards.push(Shard {
+                path: f.path.clone(),
+                file,
+                header: Header {
+                    metadata: None,
+                    tensors: Vec::new(),
+                    data_start: 0,
+                    file_len: f.len,
+                },
+                tensor_count: 0,
+                span: None,
+            });
+        }
+        let format = match (kind, zips, legacy) {
+            (TorchKind::Dcp, _, _) => SourceFormat::Dcp,
+            (_, _, 0) => SourceFormat::TorchZip,
+            (_, 0, _) => SourceFormat::TorchLegacy,
+            _ => SourceFormat::TorchMixed,
+        };
+        if u32::try_from(desc.tensors.len()).is_err() {
+            return Err(Error::NoModel {
+                path: input.into(),
+                msg: format!(
+                    "{} tensors are more than this tool supports ({})",
+                    desc.tensors.len(),
+                    u32::MAX
+                ),
+            });
+        }
+        let tensors: Vec<TensorRef> = desc
+            .tensors
+            .into_iter()
+            .map(|t| {
+                let nbytes = t
+                    .dtype
+                    .byte_len(t.elements())
+                    .ok_or_else(|| Error::TensorData {
+                        path: desc.files[super::source::SourceTensor::first_of(&t.placement).0]
+                            .path
+                            .clone(),
+                        tensor: t.name.clone(),
+                        msg: "byte size overflows".into(),
+                    })?;
+                Ok(TensorRef {
+                    info: TensorInfo {
+                        name: t.name,
+                        dtype: t.dtype,
+                        shape: t.shape,
+                        begin: 0,
+                        end: nbytes,
+                    },
+                    placement: t.placement,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let by_name = sorted_by_name(&tensors);
+        for pair in by_name.windows(2) {
+            let (first, second) = (pair[0] as usize, pair[1] as usize);
+            if tensors[first].info.name == tensors[second].info.name {
+                return Err(Error::DuplicateTensor {
+                    tensor: tensors[second].info.name.clone(),
+                    first: shards[tensors[first].shard()].path.clone(),
+                    second: shards[tensors[second].shard()].path.clone(),
+                });
+            }
+        }
+        let mut notes = layout.notes;
+        notes.extend(desc.notes);
+        let mut extra_inputs = Vec::new();
+        if kind == TorchKind::Dcp {
+            extra_inputs.push(layout.torch_root.join(torch::dcp::METADATA_NAME));
+        }
+        Ok(Checkpoint {
+            input: input.to_path_buf(),
+            format,
+            dir: layout.dir,
+            index_path: layout.index_path,
+            shards,
+            base_count: tensors.len(),
+            tensors,
+            by_name,
+            extra_inputs,
+            warnings: Vec::new(),
+            notes,
+        })
+    }
+
+    /// `format: …` for `tftf info`: the format, and how many files when more than one.
+    pub fn format_line(&self) -> String {
+        match self.shards.len() {
+            1 => self.format.name().to_string(),
+            n => format!("{} ({n} files)", self.format.name()),
+        }
+    }
+
     /// Adds another checkpoint's shards and tensors as extra inputs (an adapter). They are not
     /// part of the output unless a step uses them, and are not found by [`Checkpoint::get`].
     /// Returns the index of the first attached tensor.
     pub fn attach(&mut self, other: Checkpoint) -> usize {
         let shard_base = self.shards.len();
         let first = self.tensors.len();
-        self.tensors
-            .extend(other.tensors.into_iter().map(|t| TensorRef {
-                shard: t.shard + shard_base,
-                info: t.info,
-                parts: Vec::new(),
-            }));
+        self.tensors.extend(other.tensors.into_iter().map(|mut t| {
+            shift_files(&mut t.placement, shard_base);
+            t
+        }));
         self.shards.extend(other.shards.into_iter().map(|mut s| {
             s.span = s.span.map(|r| r.start + first..r.end + first);
             s
@@ -189,14 +404,10 @@ impl Checkpoint {
         first
     }
 
-    /// Adds a tensor made of byte ranges of attached files, concatenated (dim-0 slices).
-    /// Returns its index.
-    pub fn push_assembled(&mut self, info: TensorInfo, parts: Vec<(usize, u64, u64)>) -> usize {
-        self.tensors.push(TensorRef {
-            shard: parts.first().map_or(0, |p| p.0),
-            info,
-            parts,
-        });
+    /// Adds a tensor placed in attached files (for instance dim-0 slices concatenated, as
+    /// [`Placement::Regions`]). Returns its index.
+    pub fn push_assembled(&mut self, info: TensorInfo, placement: Placement) -> usize {
+        self.tensors.push(TensorRef { info, placement });
         self.tensors.len() - 1
     }
 
@@ -216,10 +427,8 @@ impl Checkpoint {
         keep_cached: bool,
     ) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let pieces: Vec<(usize, u64, u64)> = if t.parts.is_empty() {
-            vec![(t.shard, self.file_offset(t), t.info.nbytes())]
-        } else {
-            t.parts.clone()
+        let Some(pieces) = t.pieces() else {
+            return self.gather(t, at, buf);
         };
         let (mut pos, mut done) = (0u64, 0usize);
         for (shard, off, len) in pieces {
@@ -254,6 +463,70 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Drops from the page cache every byte a tensor that is not a plain range may have read
+    /// (its storages, its chunks), once it has been gathered whole: chunk by chunk would evict
+    /// storage lines the next chunk reads again (a transpose touches every line per chunk).
+    pub fn drop_gathered_cache(&self, t: &TensorRef) {
+        fn walk(ckpt: &Checkpoint, p: &Placement) {
+            match p {
+                Placement::Contiguous { file, offset, len } => {
+                    crate::sys::drop_cache(&ckpt.shards[*file].file, *offset, *len)
+                }
+                Placement::Strided {
+                    file,
+                    storage_start,
+                    storage_len,
+                    ..
+                } => crate::sys::drop_cache(&ckpt.shards[*file].file, *storage_start, *storage_len),
+                Placement::Regions(regions) => {
+                    for r in regions {
+                        walk(ckpt, &r.placement);
+                    }
+                }
+            }
+        }
+        if t.pieces().is_none() {
+            walk(self, &t.placement);
+        }
+    }
+
+    /// Reads bytes `at .. at + buf.len()` of a strided or chunked tensor through the element
+    /// gatherer (bounded buffers; never the whole tensor unless `buf` is).
+    fn gather(&self, t: &TensorRef, at: u64, buf: &mut [u8]) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let es = t.info.dtype.size().ok_or_else(|| Error::TensorData {
+            path: self.shards[t.shard()].path.clone(),
+            tensor: t.info.name.clone(),
+            msg: format!("{} is not a whole-byte dtype", t.info.dtype),
+        })? as u64;
+        let src = OpenSource::borrowed(self.shards.iter().map(|s| (s.path.as_path(), &s.file)));
+        let first = at / es;
+        let last = (at + buf.len() as u64).div_ceil(es);
+        let read = |first: u64, out: &mut [u8]| {
+            src.read_placed(
+                &t.info.name,
+                t.info.dtype,
+                &t.info.shape,
+                &t.placement,
+                first,
+                out.len() as u64 / es,
+                out,
+            )
+        };
+        if at.is_multiple_of(es) && (buf.len() as u64).is_multiple_of(es) {
+            return read(first, buf);
+        }
+        // Unaligned (never from the pipeline, whose chunks are whole elements): read the
+        // covering elements and cut.
+        let mut tmp = vec![0u8; ((last - first) * es) as usize];
+        read(first, &mut tmp)?;
+        let skip = (at - first * es) as usize;
+        buf.copy_from_slice(&tmp[skip..skip + buf.len()]);
+        Ok(())
+    }
+
     pub fn get(&self, name: &str) -> Option<&TensorRef> {
         find(&self.tensors, &self.by_name, name).map(|i| &self.tensors[i])
     }
@@ -266,9 +539,10 @@ impl Checkpoint {
             .sum()
     }
 
-    /// Absolute file offset of a tensor's first byte.
+    /// Absolute file offset of a tensor's first byte (for ordering and messages; the first
+    /// byte read, for tensors that are not one range).
     pub fn file_offset(&self, t: &TensorRef) -> u64 {
-        self.shards[t.shard].header.data_start + t.info.begin
+        super::source::SourceTensor::first_of(&t.placement).1
     }
 
     /// `__metadata__` of the first shard, if any.
@@ -300,6 +574,18 @@ impl Checkpoint {
     /// otherwise its neighbours are unrelated files.
     pub fn has_model_dir(&self) -> bool {
         self.input.is_dir() || self.index_path.is_some() || self.dir.join("config.json").is_file()
+    }
+}
+
+/// Adds `base` to every file index of a placement (files appended after others).
+fn shift_files(p: &mut Placement, base: usize) {
+    match p {
+        Placement::Contiguous { file, .. } | Placement::Strided { file, .. } => *file += base,
+        Placement::Regions(regions) => {
+            for r in regions {
+                shift_files(&mut r.placement, base);
+            }
+        }
     }
 }
 
@@ -341,6 +627,17 @@ struct Layout {
     shard_paths: Vec<PathBuf>,
     weight_map: Option<Map<String, Value>>,
     notes: Vec<String>,
+    /// A PyTorch input, described from `torch_root` (the file, the folder of `.bin` shards, or
+    /// the DCP folder holding `.metadata`).
+    torch: Option<TorchKind>,
+    torch_root: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TorchKind {
+    File,
+    Sharded,
+    Dcp,
 }
 
 /// What a path is when it is neither a regular file nor a directory, for the error.
@@ -395,8 +692,26 @@ impl Layout {
         }
         if meta.is_file() {
             let dir = parent_dir(input);
+            let name = input.file_name().map(|n| n.as_bytes()).unwrap_or_default();
+            if name == torch::dcp::METADATA_NAME.as_bytes() || name.ends_with(b".distcp") {
+                return Ok(Self::dcp(dir, Vec::new()));
+            }
+            if name == torch::BIN_INDEX_NAME.as_bytes() {
+                return Ok(Self::torch_sharded(dir, Vec::new()));
+            }
             if input.as_os_str().as_bytes().ends_with(b".json") {
                 return Self::from_index(dir, input);
+            }
+            if name.ends_with(b".bin") || name.ends_with(b".pt") || name.ends_with(b".pth") {
+                return Ok(Layout {
+                    dir: dir.clone(),
+                    index_path: None,
+                    shard_paths: Vec::new(),
+                    weight_map: None,
+                    notes: Vec::new(),
+                    torch: Some(TorchKind::File),
+                    torch_root: input.to_path_buf(),
+                });
             }
             return Ok(Layout {
                 dir,
@@ -404,11 +719,14 @@ impl Layout {
                 shard_paths: vec![input.to_path_buf()],
                 weight_map: None,
                 notes: Vec::new(),
+                torch: None,
+                torch_root: PathBuf::new(),
             });
         }
         let mut indexes = Vec::new();
         let mut shards = Vec::new();
         let mut notes = Vec::new();
+        let mut torch_files = 0usize;
         // Names are bytes: a shard whose name is not UTF-8 is still a shard.
         for entry in std::fs::read_dir(input).map_err(|e| Error::io(input, e))? {
             let entry = entry.map_err(|e| Error::io(input, e))?;
@@ -417,6 +735,9 @@ impl Layout {
             let is_index = bytes.ends_with(b".safetensors.index.json");
             let is_shard = bytes.ends_with(b".safetensors") && !bytes.starts_with(b"adapter_model");
             if !is_index && !is_shard {
+                if bytes == torch::BIN_INDEX_NAME.as_bytes() || torch::is_weight_file_name(bytes) {
+                    torch_files += 1;
+                }
                 continue;
             }
             let path = entry.path();
@@ -442,10 +763,26 @@ impl Layout {
         }
         indexes.sort();
         shards.sort();
+        // Safetensors weights win over any PyTorch ones beside them (as before this reader
+        // existed); without them: a DCP folder, accelerate's FSDP output, `.bin` shards.
+        if indexes.is_empty() && shards.is_empty() {
+            if input.join(torch::dcp::METADATA_NAME).is_file() {
+                return Ok(Self::dcp(input.to_path_buf(), notes));
+            }
+            let fsdp = input.join(torch::dcp::FSDP_MODEL_DIR);
+            if fsdp.join(torch::dcp::METADATA_NAME).is_file() {
+                return Ok(Self::dcp(fsdp, notes));
+            }
+            if torch_files > 0 {
+                return Ok(Self::torch_sharded(input.to_path_buf(), notes));
+            }
+        }
+        // Beside safetensors weights, PyTorch files are the same model in the older format
+        // (transformers writes both): the safetensors ones are read, as before, silently.
         let mut layout = match indexes.len() {
             0 if shards.is_empty() => Err(Error::NoModel {
                 path: input.into(),
-                msg: "no *.safetensors files or index found".into(),
+                msg: "no model found: no *.safetensors files or index, no PyTorch *.bin/*.pt/*.pth files, no DCP `.metadata`".into(),
             }),
             0 => Ok(Layout {
                 dir: input.into(),
@@ -453,6 +790,8 @@ impl Layout {
                 shard_paths: shards,
                 weight_map: None,
                 notes: Vec::new(),
+                torch: None,
+                torch_root: PathBuf::new(),
             }),
             1 => Self::from_index(input.into(), &input.join(&indexes[0])),
             _ if indexes.iter().any(|n| n == "model.safetensors.index.json") => {
@@ -472,6 +811,41 @@ impl Layout {
         }?;
         layout.notes.extend(notes);
         Ok(layout)
+    }
+
+    /// A Distributed Checkpoint in `root`. Side files (`config.json`) are looked for beside
+    /// the weights, or one level up when `root` is accelerate's `pytorch_model_fsdp_N/`.
+    fn dcp(root: PathBuf, notes: Vec<String>) -> Layout {
+        let in_fsdp_dir = root
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("pytorch_model_fsdp_"));
+        let dir = if in_fsdp_dir {
+            parent_dir(&root)
+        } else {
+            root.clone()
+        };
+        Layout {
+            dir,
+            index_path: None,
+            shard_paths: Vec::new(),
+            weight_map: None,
+            notes,
+            torch: Some(TorchKind::Dcp),
+            torch_root: root,
+        }
+    }
+
+    fn torch_sharded(dir: PathBuf, notes: Vec<String>) -> Layout {
+        let index = dir.join(torch::BIN_INDEX_NAME);
+        Layout {
+            index_path: index.is_file().then_some(index),
+            shard_paths: Vec::new(),
+            weight_map: None,
+            notes,
+            torch: Some(TorchKind::Sharded),
+            torch_root: dir.clone(),
+            dir,
+        }
     }
 
     fn from_index(dir: PathBuf, index: &Path) -> Result<Layout> {
@@ -517,6 +891,8 @@ impl Layout {
             index_path: Some(index.into()),
             weight_map: Some(map),
             notes: Vec::new(),
+            torch: None,
+            torch_root: PathBuf::new(),
         })
     }
 }
@@ -525,5 +901,98 @@ fn parent_dir(p: &Path) -> PathBuf {
     match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dtype::DType;
+
+    fn tensor(shape: &[u64], placement: Placement) -> TensorRef {
+        TensorRef {
+            info: TensorInfo {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: shape.to_vec(),
+                begin: 0,
+                end: 4 * shape.iter().product::<u64>(),
+            },
+            placement,
+        }
+    }
+
+    fn region(offsets: &[u64], sizes: &[u64], file: usize, offset: u64) -> Region {
+        Region {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            placement: Placement::Contiguous {
+                file,
+                offset,
+                len: 4 * sizes.iter().product::<u64>(),
+            },
+        }
+    }
+
+    #[test]
+    fn only_ranges_and_dim0_slices_are_pieces() {
+        let plain = tensor(
+            &[2, 3],
+            Placement::Contiguous {
+                file: 1,
+                offset: 64,
+                len: 24,
+            },
+        );
+        assert_eq!(plain.contiguous(), Some((1, 64)));
+        assert_eq!(plain.pieces(), Some(vec![(1, 64, 24)]));
+        // Dim-0 slices over two files, listed out of order: concatenated in row order.
+        let slices = tensor(
+            &[4, 3],
+            Placement::Regions(vec![
+                region(&[2, 0], &[2, 3], 1, 0),
+                region(&[0, 0], &[2, 3], 0, 100),
+            ]),
+        );
+        assert_eq!(slices.contiguous(), None);
+        assert_eq!(slices.pieces(), Some(vec![(0, 100, 24), (1, 0, 24)]));
+        assert_eq!(slices.shard(), 0);
+        // A column split is a grid: gathered, not concatenated.
+        let grid = tensor(
+            &[2, 4],
+            Placement::Regions(vec![
+                region(&[0, 0], &[2, 2], 0, 0),
+                region(&[0, 2], &[2, 2], 1, 0),
+            ]),
+        );
+        assert_eq!(grid.pieces(), None);
+        let strided = tensor(
+            &[2, 2],
+            Placement::Strided {
+                file: 0,
+                storage_start: 0,
+                storage_len: 16,
+                storage_offset: 0,
+                strides: vec![1, 2],
+            },
+        );
+        assert_eq!((strided.contiguous(), strided.pieces()), (None, None));
+    }
+
+    #[test]
+    fn attached_placements_shift_every_file_index() {
+        let mut p = Placement::Regions(vec![region(&[0], &[1], 0, 0), region(&[1], &[1], 2, 0)]);
+        shift_files(&mut p, 3);
+        let Placement::Regions(r) = p else {
+            unreachable!()
+        };
+        assert!(matches!(
+            r[0].placement,
+            Placement::Contiguous { file: 3, .. }
+        ));
+        assert!(matches!(
+            r[1].placement,
+            Placement::Contiguous { file: 5, .. }
+        ));
     }
 }

@@ -72,6 +72,11 @@ impl SourceTensor {
 
     /// The file and offset of the tensor's first byte, for ordering.
     pub fn position(&self) -> (usize, u64) {
+        Self::first_of(&self.placement)
+    }
+
+    /// The file and offset of the first byte a placement reads.
+    pub fn first_of(placement: &Placement) -> (usize, u64) {
         fn first(p: &Placement) -> (usize, u64) {
             match p {
                 Placement::Contiguous { file, offset, .. } => (*file, *offset),
@@ -87,7 +92,7 @@ impl SourceTensor {
                     .unwrap_or((0, 0)),
             }
         }
-        first(&self.placement)
+        first(placement)
     }
 }
 
@@ -112,7 +117,10 @@ impl SourceDesc {
             .iter()
             .map(|f| File::open(&f.path).map_err(|e| Error::io(&f.path, e)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(OpenSource { desc: self, files })
+        Ok(OpenSource {
+            paths: self.files.iter().map(|f| f.path.as_path()).collect(),
+            files: files.into_iter().map(FileHandle::Owned).collect(),
+        })
     }
 
     /// Sorts tensors by their first byte's position (stable, so ties keep parse order).
@@ -134,11 +142,35 @@ pub fn read_elements(
 }
 
 pub struct OpenSource<'a> {
-    desc: &'a SourceDesc,
-    files: Vec<File>,
+    paths: Vec<&'a Path>,
+    files: Vec<FileHandle<'a>>,
 }
 
-impl OpenSource<'_> {
+enum FileHandle<'a> {
+    Owned(File),
+    Borrowed(&'a File),
+}
+
+impl FileHandle<'_> {
+    fn get(&self) -> &File {
+        match self {
+            FileHandle::Owned(f) => f,
+            FileHandle::Borrowed(f) => f,
+        }
+    }
+}
+
+impl<'a> OpenSource<'a> {
+    /// Reads through files someone else holds open (a checkpoint's), indexed as placements
+    /// number them.
+    pub fn borrowed(files: impl IntoIterator<Item = (&'a Path, &'a File)>) -> OpenSource<'a> {
+        let (paths, files) = files
+            .into_iter()
+            .map(|(p, f)| (p, FileHandle::Borrowed(f)))
+            .unzip();
+        OpenSource { paths, files }
+    }
+
     /// Fills `out` with elements `first_elem .. first_elem + count` of `tensor` in row-major
     /// order; `out` must be exactly `count` elements long.
     pub fn read_elements(
@@ -148,23 +180,45 @@ impl OpenSource<'_> {
         count: u64,
         out: &mut [u8],
     ) -> Result<()> {
+        self.read_placed(
+            &tensor.name,
+            tensor.dtype,
+            &tensor.shape,
+            &tensor.placement,
+            first_elem,
+            count,
+            out,
+        )
+    }
+
+    /// [`OpenSource::read_elements`] for a tensor given by its parts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn read_placed(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        placement: &Placement,
+        first_elem: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let first_file = SourceTensor::first_of(placement).0;
         let invalid = |msg: String| Error::TensorData {
             path: self
-                .desc
-                .files
-                .get(tensor.position().0)
-                .map(|f| f.path.clone())
+                .paths
+                .get(first_file)
+                .map(|p| p.to_path_buf())
                 .unwrap_or_default(),
-            tensor: tensor.name.clone(),
+            tensor: name.to_string(),
             msg,
         };
-        let es = tensor
-            .dtype
+        let es = dtype
             .size()
-            .ok_or_else(|| invalid(format!("{} is not a whole-byte dtype", tensor.dtype)))?
+            .ok_or_else(|| invalid(format!("{dtype} is not a whole-byte dtype")))?
             as u64;
-        let elements = element_count(&tensor.shape)
-            .ok_or_else(|| invalid("element count overflows".into()))?;
+        let elements =
+            element_count(shape).ok_or_else(|| invalid("element count overflows".into()))?;
         first_elem
             .checked_add(count)
             .filter(|&e| e <= elements)
@@ -175,14 +229,13 @@ impl OpenSource<'_> {
             })?;
         if count.checked_mul(es) != Some(out.len() as u64) {
             return Err(invalid(format!(
-                "buffer of {} bytes for {count} elements of {}",
+                "buffer of {} bytes for {count} elements of {dtype}",
                 out.len(),
-                tensor.dtype
             )));
         }
-        self.read_placement(&tensor.placement, &tensor.shape, es, first_elem, out)
+        self.read_placement(placement, shape, es, first_elem, out)
             .map_err(|e| match e {
-                ReadError::Io(file, err) => Error::io(&self.desc.files[file].path, err),
+                ReadError::Io(file, err) => Error::io(self.paths[file], err),
                 ReadError::Layout(msg) => invalid(msg),
             })
     }
@@ -190,6 +243,7 @@ impl OpenSource<'_> {
     fn file(&self, file: usize) -> Result<&File, ReadError> {
         self.files
             .get(file)
+            .map(FileHandle::get)
             .ok_or_else(|| ReadError::Layout(format!("file index {file} out of range")))
     }
 

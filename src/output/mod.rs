@@ -507,7 +507,8 @@ pub fn side_files(ckpt: &Checkpoint) -> Vec<PathBuf> {
 }
 
 pub fn is_side_file(name: &str) -> bool {
-    const WEIGHT_SUFFIXES: [&str; 12] = [
+    const WEIGHT_SUFFIXES: [&str; 13] = [
+        ".distcp",
         ".safetensors",
         ".index.json",
         ".gguf",

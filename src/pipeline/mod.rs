@@ -115,6 +115,12 @@ enum Work {
         offset: u64,
         len: u64,
     },
+    /// Untouched bytes read through user memory (a tensor that is not one range).
+    Gathered {
+        shard: usize,
+        offset: u64,
+        buf: Vec<u8>,
+    },
 }
 
 enum Done {
@@ -122,6 +128,8 @@ enum Done {
         shard: usize,
         offset: u64,
         buf: Vec<u8>,
+        /// Copied untouched data rather than an op's output (for the byte counters).
+        copied: bool,
     },
     Copy {
         src_shard: usize,
@@ -332,13 +340,8 @@ impl Prefetcher {
             if let Recipe::Compute { inputs, .. } = &sh.plan.tensors[ti].recipe {
                 for &i in inputs {
                     let r = &sh.ckpt.tensors[i];
-                    if r.parts.is_empty() {
-                        items.push((
-                            k,
-                            r.shard,
-                            sh.ckpt.file_offset(r),
-                            r.info.nbytes().min(window),
-                        ));
+                    if let Some((file, off)) = r.contiguous() {
+                        items.push((k, file, off, r.info.nbytes().min(window)));
                     }
                 }
             }
@@ -381,31 +384,38 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
             let t = &sh.plan.tensors[ti];
             let offset = shard.offsets[k];
             match &t.recipe {
-                Recipe::Copy { src } if !sh.ckpt.tensors[*src].parts.is_empty() => {
+                Recipe::Copy { src } => {
+                    let r = &sh.ckpt.tensors[*src];
+                    if let Some((file, src_off)) = r.contiguous() {
+                        match &mut run {
+                            Some((s, so, d, len))
+                                if *s == file && *so + *len == src_off && *d + *len == offset =>
+                            {
+                                *len += t.nbytes;
+                            }
+                            _ => {
+                                if let Some(prev) = run.take() {
+                                    emit_copy(sh, si, prev, &tx)?;
+                                }
+                                run = Some((file, src_off, offset, t.nbytes));
+                            }
+                        }
+                        continue;
+                    }
                     if let Some(prev) = run.take() {
                         emit_copy(sh, si, prev, &tx)?;
                     }
-                    let mut at = offset;
-                    for &(shard, off, len) in &sh.ckpt.tensors[*src].parts {
-                        emit_copy(sh, si, (shard, off, at, len), &tx)?;
-                        at += len;
-                    }
-                }
-                Recipe::Copy { src } => {
-                    let r = &sh.ckpt.tensors[*src];
-                    let src_off = sh.ckpt.file_offset(r);
-                    match &mut run {
-                        Some((s, so, d, len))
-                            if *s == r.shard && *so + *len == src_off && *d + *len == offset =>
-                        {
-                            *len += t.nbytes;
-                        }
-                        _ => {
-                            if let Some(prev) = run.take() {
-                                emit_copy(sh, si, prev, &tx)?;
+                    match r.pieces() {
+                        // Slices in several files, each one range (FSDP rank shards).
+                        Some(pieces) => {
+                            let mut at = offset;
+                            for (file, off, len) in pieces {
+                                emit_copy(sh, si, (file, off, at, len), &tx)?;
+                                at += len;
                             }
-                            run = Some((r.shard, src_off, offset, t.nbytes));
                         }
+                        // A strided view or a chunk grid: gathered in bounded chunks.
+                        None => emit_gather(sh, si, *src, offset, chunk_bytes, &tx)?,
                     }
                 }
                 Recipe::Compute { op, inputs, extra } => {
@@ -455,6 +465,44 @@ fn emit_copy(
         )?;
         done += piece;
     }
+    Ok(())
+}
+
+/// Reads a tensor that is not one byte range (a strided view, a chunk grid) through the
+/// element gatherer, a pooled chunk at a time, for the writer to `pwrite` at `dst_off`.
+fn emit_gather(
+    sh: &Shared,
+    shard: usize,
+    src: usize,
+    dst_off: u64,
+    chunk_bytes: u64,
+    tx: &Sender<Work>,
+) -> Result<()> {
+    let r = &sh.ckpt.tensors[src];
+    let es = r.info.dtype.size().unwrap_or(1).max(1) as u64;
+    let step = (chunk_bytes / es * es).max(es);
+    let len = r.info.nbytes();
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(step);
+        let mut buf = sh
+            .pool
+            .acquire(&[n as usize], &sh.cancel)?
+            .pop()
+            .expect("one buffer");
+        sh.ckpt.read_tensor_at(r, done, &mut buf)?;
+        send(
+            tx,
+            Work::Gathered {
+                shard,
+                offset: dst_off + done,
+                buf,
+            },
+            &sh.cancel,
+        )?;
+        done += n;
+    }
+    sh.ckpt.drop_gathered_cache(r);
     Ok(())
 }
 
@@ -510,6 +558,9 @@ fn emit_compute(
         )?;
         u = end;
     }
+    for &src in inputs {
+        sh.ckpt.drop_gathered_cache(&sh.ckpt.tensors[src]);
+    }
     Ok(())
 }
 
@@ -555,7 +606,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 .map_err(|msg| {
                     let src = &sh.ckpt.tensors[t.source_index];
                     Error::TensorData {
-                        path: sh.ckpt.shards[src.shard].path.clone(),
+                        path: sh.ckpt.shards[src.shard()].path.clone(),
                         tensor: src.info.name.clone(),
                         msg,
                     }
@@ -568,11 +619,23 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 for (dest, buf) in outs {
                     match (dest, main.is_none()) {
                         (Some((shard, offset)), true) => {
-                            main = Some(Done::Data { shard, offset, buf })
+                            main = Some(Done::Data {
+                                shard,
+                                offset,
+                                buf,
+                                copied: false,
+                            })
                         }
-                        (Some((shard, offset)), false) => {
-                            send(&tx, Done::Data { shard, offset, buf }, &sh.cancel)?
-                        }
+                        (Some((shard, offset)), false) => send(
+                            &tx,
+                            Done::Data {
+                                shard,
+                                offset,
+                                buf,
+                                copied: false,
+                            },
+                            &sh.cancel,
+                        )?,
                         (None, _) => sh.pool.release(buf),
                     }
                 }
@@ -590,6 +653,12 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 shard,
                 offset,
                 len,
+            },
+            Work::Gathered { shard, offset, buf } => Done::Data {
+                shard,
+                offset,
+                buf,
+                copied: true,
             },
         };
         send(&tx, done, &sh.cancel)?;
@@ -644,13 +713,23 @@ fn write_stage(
     };
     while let Some(done) = recv(&rx, &sh.cancel)? {
         let (shard, offset, len) = match done {
-            Done::Data { shard, offset, buf } => {
+            Done::Data {
+                shard,
+                offset,
+                buf,
+                copied,
+            } => {
                 sh.outputs[shard]
                     .write_all_at(&buf, offset)
                     .map_err(|e| Error::io(&sh.output_names[shard], e))?;
                 let len = buf.len() as u64;
                 sh.pool.release(buf);
-                sh.stats.computed.fetch_add(len, Ordering::Relaxed);
+                let counter = if copied {
+                    &sh.stats.copied_user
+                } else {
+                    &sh.stats.computed
+                };
+                counter.fetch_add(len, Ordering::Relaxed);
                 (shard, offset, len)
             }
             Done::Copy {

@@ -82,7 +82,9 @@ impl Layout {
             }
             for (&t, &dst) in shard.tensors.iter().zip(&shard.offsets) {
                 if let Recipe::Copy { src } = plan.tensors[t].recipe {
-                    let src_off = ckpt.file_offset(&ckpt.tensors[src]);
+                    let Some((_, src_off)) = ckpt.tensors[src].contiguous() else {
+                        continue;
+                    };
                     if src_off % a == dst % a {
                         total += aligned_middle(src_off, plan.tensors[t].nbytes);
                     }

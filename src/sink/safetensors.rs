@@ -52,19 +52,15 @@ pub const HEADER_ALIGN_BYTES: u64 = 8;
 /// Absolute input offset of a copied tensor, `None` for computed ones.
 fn copy_source(ckpt: &Checkpoint, t: &PlannedTensor) -> Option<(usize, u64)> {
     match t.recipe {
-        Recipe::Copy { src } if ckpt.tensors[src].parts.is_empty() => {
-            let r = &ckpt.tensors[src];
-            Some((r.shard, ckpt.file_offset(r)))
-        }
-        Recipe::Copy { .. } => None,
+        Recipe::Copy { src } => ckpt.tensors[src].contiguous(),
         Recipe::Compute { .. } | Recipe::Produced { .. } => None,
     }
 }
 
 fn primary_shard(ckpt: &Checkpoint, tensors: &[PlannedTensor], i: usize) -> usize {
     match &tensors[i].recipe {
-        Recipe::Copy { src } => ckpt.tensors[*src].shard,
-        Recipe::Compute { .. } => ckpt.tensors[tensors[i].source_index].shard,
+        Recipe::Copy { src } => ckpt.tensors[*src].shard(),
+        Recipe::Compute { .. } => ckpt.tensors[tensors[i].source_index].shard(),
         Recipe::Produced { by } => primary_shard(ckpt, tensors, *by),
     }
 }

@@ -57,6 +57,22 @@ pub fn describe(path: &Path) -> Result<SourceDesc> {
     describe_sharded(path)
 }
 
+/// Whether a `.bin`/`.pt`/`.pth` file in a model folder may hold its weights: not a trainer's
+/// state (`training_args.bin`, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`), an adapter
+/// (`adapter_model.bin`), or a macOS `._*` metadata file.
+pub fn is_weight_file_name(name: &[u8]) -> bool {
+    const NOT_WEIGHTS: [&[u8]; 6] = [
+        b"._",
+        b"adapter_model",
+        b"training_args",
+        b"optimizer",
+        b"scheduler",
+        b"rng_state",
+    ];
+    (name.ends_with(b".bin") || name.ends_with(b".pt") || name.ends_with(b".pth"))
+        && !NOT_WEIGHTS.iter().any(|p| name.starts_with(p))
+}
+
 /// Describes one torch.save file (zip or legacy).
 pub fn describe_file(path: &Path) -> Result<SourceDesc> {
     let mut desc = SourceDesc::default();
@@ -123,8 +139,17 @@ pub fn describe_sharded(dir: &Path) -> Result<SourceDesc> {
             let entry = entry.map_err(|e| Error::io(dir, e))?;
             let p = entry.path();
             let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
-            if matches!(ext, "bin" | "pt" | "pth") && p.is_file() {
+            if !matches!(ext, "bin" | "pt" | "pth") || !p.is_file() {
+                continue;
+            }
+            let name = entry.file_name();
+            if is_weight_file_name(name.as_encoded_bytes()) {
                 shards.push(p);
+            } else {
+                desc.notes.push(format!(
+                    "`{}` skipped: not model weights (trainer state, an adapter or macOS metadata)",
+                    name.to_string_lossy()
+                ));
             }
         }
         shards.sort();

@@ -187,7 +187,7 @@ impl RepackFp4Step {
                 names.iter().map(|n| list.contains(n)).collect()
             }
         };
-        entries.retain(|e| keep[ckpt.tensors[e.source].shard]);
+        entries.retain(|e| keep[ckpt.tensors[e.source].shard()]);
         notes.lines.push(format!(
             "processing {} of {} input shards",
             keep.iter().filter(|k| **k).count(),
@@ -215,7 +215,7 @@ impl RepackFp4Step {
                 continue;
             }
             let (prefix, proj, scale_name) = expert_parts(&c);
-            let path = ckpt.shards[ckpt.tensors[w.source].shard].path.clone();
+            let path = ckpt.shards[ckpt.tensors[w.source].shard()].path.clone();
             let Some(&si) = index.get(scale_name.as_str()) else {
                 return Err(Error::MissingScale {
                     path,
@@ -227,7 +227,7 @@ impl RepackFp4Step {
             };
             let s = &entries[si];
             let bad = |msg: String| Error::BadScale {
-                path: ckpt.shards[ckpt.tensors[s.source].shard].path.clone(),
+                path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
                 tensor: s.name.clone(),
                 weight: w.name.clone(),
                 msg,
@@ -278,7 +278,7 @@ impl RepackFp4Step {
             )?;
             if let Some(i) = bytes.iter().position(|&b| b == 0xFF) {
                 return Err(Error::TensorData {
-                    path: ckpt.shards[ckpt.tensors[s.source].shard].path.clone(),
+                    path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
                     tensor: s.name.clone(),
                     msg: format!(
                         "scale at [{}, {}] is NaN (E8M0 0xff)",
@@ -409,7 +409,7 @@ impl RepackFp4Step {
                     let w_name = entries[x.weight].name.clone();
                     if self.opts.require_lossless && choice.reencoded > 0 {
                         return Err(Error::TensorData {
-                            path: ckpt.shards[ckpt.tensors[entries[x.weight].source].shard].path.clone(),
+                            path: ckpt.shards[ckpt.tensors[entries[x.weight].source].shard()].path.clone(),
                             tensor: w_name,
                             msg: format!(
                                 "{} of {} blocks fall outside the 18 powers of two around 2^{g} and would be re-encoded (--require-lossless)",
@@ -498,7 +498,7 @@ impl RepackFp4Step {
                 continue;
             }
             let prefix = c.name("prefix").map_or("", |m| m.as_str()).to_string();
-            let path = ckpt.shards[ckpt.tensors[w.source].shard].path.clone();
+            let path = ckpt.shards[ckpt.tensors[w.source].shard()].path.clone();
             let scale_name = format!("{prefix}.scale");
             let Some(&si) = index.get(&scale_name) else {
                 return Err(Error::MissingScale {
@@ -520,7 +520,7 @@ impl RepackFp4Step {
             if cols % BLOCK as u64 != 0 || s.dtype != DType::F8_E8M0 || s.shape != [rows, cols / 32]
             {
                 return Err(Error::BadScale {
-                    path: ckpt.shards[ckpt.tensors[s.source].shard].path.clone(),
+                    path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
                     tensor: s.name.clone(),
                     weight: w.name.clone(),
                     msg: format!(

@@ -291,7 +291,7 @@ impl PlanStep for DequantFp8Step {
             .enumerate()
             .map(|(i, e)| (e.name.clone(), i))
             .collect();
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard].path.clone();
+        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
         let mut consumed = vec![false; entries.len()];
         let mut derived: Vec<(usize, Arc<dyn Derive>)> = Vec::new();
         let mut missing: Vec<(usize, String)> = Vec::new();

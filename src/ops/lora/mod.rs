@@ -240,6 +240,7 @@ fn assemble_ranks(ckpt: &mut Checkpoint, files: &[PathBuf]) -> Result<usize> {
     for name in names {
         let mut parts = Vec::new();
         let mut rows = 0u64;
+        let mut bytes = 0u64;
         let mut template: Option<crate::format::header::TensorInfo> = None;
         for (k, range) in ranges.iter().enumerate() {
             let Some(i) = range.clone().find(|&i| ckpt.tensors[i].info.name == name) else {
@@ -265,16 +266,32 @@ fn assemble_ranks(ckpt: &mut Checkpoint, files: &[PathBuf]) -> Result<usize> {
             } else {
                 template = Some(t.info.clone());
             }
-            rows += t.info.shape.first().copied().unwrap_or(1);
-            parts.push((t.shard, ckpt.file_offset(t), t.info.nbytes()));
+            let n = t.info.shape.first().copied().unwrap_or(1);
+            let mut offsets = vec![0; t.info.shape.len()];
+            if let Some(o) = offsets.first_mut() {
+                *o = rows;
+            }
+            parts.push(crate::format::source::Region {
+                offsets,
+                sizes: t.info.shape.clone(),
+                placement: t.placement.clone(),
+            });
+            rows += n;
+            bytes += t.info.nbytes();
         }
         let mut info = template.expect("at least one rank");
         if let Some(d0) = info.shape.first_mut() {
             *d0 = rows;
         }
         info.begin = 0;
-        info.end = parts.iter().map(|p| p.2).sum();
-        ckpt.push_assembled(info, parts);
+        info.end = bytes;
+        // Dim-0 slices in rank order: [`TensorRef::pieces`] copies them as byte ranges.
+        let placement = if parts.len() == 1 {
+            parts.pop().expect("one part").placement
+        } else {
+            crate::format::source::Placement::Regions(parts)
+        };
+        ckpt.push_assembled(info, placement);
     }
     Ok(first)
 }
