@@ -32,6 +32,10 @@ pub enum Command {
     /// Merge a PEFT LoRA/DoRA adapter into a base model, streaming
     #[command(name = "merge-lora")]
     MergeLora(Box<MergeArgs>),
+    /// Merge a LoRA adapter from a PyTorch Distributed Checkpoint (FSDP training output) into
+    /// a base model
+    #[command(name = "merge-dcp-lora")]
+    MergeDcpLora(Box<MergeDcpArgs>),
     /// Merge a LoRA adapter saved as FSDP rank shards (dim-0 slices) into a base model
     #[command(name = "merge-fsdp-lora")]
     MergeFsdpLora(Box<MergeFsdpArgs>),
@@ -339,6 +343,32 @@ pub struct MergeArgs {
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<String>,
     /// Rename tensors: regex and replacement, as in passthrough
+    #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
+    pub rename: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeDcpArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// The DCP folder (`pytorch_model_fsdp_0/`), a training checkpoint holding one, or a
+    /// training output directory (the highest checkpoint-N is used)
+    #[arg(
+        short = 'c',
+        long = "checkpoint-dir",
+        value_name = "DIR",
+        short_alias = 'a',
+        alias = "adapter"
+    )]
+    pub checkpoint_dir: PathBuf,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    #[command(flatten)]
+    pub lora: AdapterOpts,
+    /// Cast float tensors (the merged ones included) to bf16, f16 or f32
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// Rename tensors before merging: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
     pub rename: Vec<String>,
 }

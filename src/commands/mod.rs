@@ -211,6 +211,19 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
+        Command::MergeDcpLora(a) => {
+            let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
+            steps.push(lora_step(&a.checkpoint_dir, &a.lora)?);
+            if let Some(d) = &a.dtype {
+                steps.push(Step::Cast {
+                    dtype: cast_target(d)?,
+                    cast_ints: false,
+                });
+            }
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("merge-dcp-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
         Command::MergeFsdpLora(a) => {
             let files = match &a.shard_dir {
                 Some(dir) => {

@@ -150,17 +150,59 @@ impl LoraConfig {
     }
 }
 
+/// A PyTorch Distributed Checkpoint folder (FSDP training output).
+fn is_dcp_dir(dir: &Path) -> bool {
+    dir.join(".metadata").is_file()
+}
+
+/// The model DCP folder inside a training checkpoint (`pytorch_model_fsdp_0/`): the first by
+/// name holding `.metadata`, optimizer folders only when there is nothing else.
+fn dcp_subdir(dir: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && is_dcp_dir(p))
+        .collect();
+    found.sort();
+    let optimizer = |p: &PathBuf| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().to_lowercase().contains("optimizer"))
+    };
+    found
+        .iter()
+        .find(|p| !optimizer(p))
+        .or(found.first())
+        .cloned()
+}
+
+/// The adapter inside `dir`: `adapter_model.safetensors`, else a DCP folder in it.
+fn adapter_in(dir: &Path) -> Option<(PathBuf, &'static str)> {
+    let direct = dir.join("adapter_model.safetensors");
+    if direct.is_file() {
+        return Some((direct, "adapter_model.safetensors"));
+    }
+    dcp_subdir(dir).map(|d| (d, "PyTorch DCP"))
+}
+
 /// Finds the adapter weights: a `.safetensors` file, a directory with
-/// `adapter_model.safetensors`, or a training output with `checkpoint-N` folders (the highest).
+/// `adapter_model.safetensors`, a DCP folder (or a folder holding one, such as a training
+/// checkpoint with `pytorch_model_fsdp_0/`), or a training output with `checkpoint-N` folders
+/// (the highest holding an adapter). The note says which checkpoint and format were used.
 pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
-    if path.is_file() {
+    if path.is_file() || is_dcp_dir(path) {
         return Ok((path.to_path_buf(), None));
     }
-    let direct = path.join("adapter_model.safetensors");
-    if direct.is_file() {
-        return Ok((direct, None));
+    if let Some((found, format)) = adapter_in(path) {
+        let note = (format == "PyTorch DCP").then(|| {
+            format!(
+                "adapter: PyTorch DCP in {}",
+                crate::escape::path(&found)
+            )
+        });
+        return Ok((found, note));
     }
-    let mut best: Option<(u64, PathBuf)> = None;
+    let mut best: Option<(u64, PathBuf, &'static str)> = None;
     if let Ok(rd) = std::fs::read_dir(path) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -170,17 +212,34 @@ pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
             else {
                 continue;
             };
-            let f = e.path().join("adapter_model.safetensors");
-            if f.is_file() && best.as_ref().is_none_or(|(b, _)| n > *b) {
-                best = Some((n, f));
+            if best.as_ref().is_some_and(|(b, _, _)| n <= *b) {
+                continue;
+            }
+            if let Some((f, format)) = adapter_in(&e.path()) {
+                best = Some((n, f, format));
             }
         }
     }
     match best {
-        Some((n, f)) => Ok((f, Some(format!("using the latest training checkpoint, checkpoint-{n}")))),
+        Some((n, f, format)) => {
+            let what = if format == "PyTorch DCP" {
+                format!(
+                    "{format} {}",
+                    f.file_name().unwrap_or_default().to_string_lossy()
+                )
+            } else {
+                format.to_string()
+            };
+            Ok((
+                f,
+                Some(format!(
+                    "using the latest training checkpoint, checkpoint-{n} ({what})"
+                )),
+            ))
+        }
         None => Err(Error::NoModel {
             path: path.into(),
-            msg: "no adapter: expected a .safetensors file, adapter_model.safetensors, or checkpoint-N folders holding one".into(),
+            msg: "no adapter: expected a .safetensors file, adapter_model.safetensors, a PyTorch DCP folder (.metadata), or checkpoint-N folders holding one".into(),
         }),
     }
 }
@@ -193,6 +252,8 @@ struct Attached {
     end: usize,
     config: LoraConfig,
     note: Option<String>,
+    /// The adapter is a DCP folder holding the whole training state dict.
+    whole_state: bool,
 }
 
 #[derive(Debug)]
@@ -554,14 +615,26 @@ impl PlanStep for LoraMergeStep {
                 None => return Err(Error::Usage("no rank files given".into())),
             },
         };
-        // Beside the weights, else (a training directory's checkpoint-N) in the directory given.
+        // Beside the weights (for a DCP folder: in the checkpoint holding it), else in the
+        // training directory above a `checkpoint-N`, else in the directory given.
         let config_path = match (&self.opts.config, &self.opts.adapter) {
             (Some(p), _) => p.clone(),
-            (None, AdapterSource::Path(dir))
-                if !file.with_file_name("adapter_config.json").is_file()
-                    && dir.join("adapter_config.json").is_file() =>
-            {
-                dir.join("adapter_config.json")
+            (None, AdapterSource::Path(given)) => {
+                let beside = file.with_file_name("adapter_config.json");
+                let training = file
+                    .ancestors()
+                    .skip(1)
+                    .find(|d| {
+                        d.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("checkpoint-"))
+                    })
+                    .and_then(Path::parent)
+                    .map(|d| d.join("adapter_config.json"));
+                [Some(beside.clone()), training, Some(given.join("adapter_config.json"))]
+                    .into_iter()
+                    .flatten()
+                    .find(|p| p.is_file())
+                    .unwrap_or(beside)
             }
             _ => file.with_file_name("adapter_config.json"),
         };
@@ -594,12 +667,18 @@ impl PlanStep for LoraMergeStep {
                 msg: "holds no tensors, so there is nothing to merge".into(),
             });
         }
+        if let Some(n) = &note {
+            ckpt.notes
+                .push(format!("adapter {}: {n}", crate::escape::path(&file)));
+        }
+        let whole_state = file.is_dir();
         *self.attached.lock().unwrap() = Some(Attached {
             file,
             first,
             end: ckpt.tensors.len(),
             config,
             note,
+            whole_state,
         });
         Ok(())
     }
@@ -626,6 +705,7 @@ impl PlanStep for LoraMergeStep {
         let mut replacements: Vec<(String, usize)> = Vec::new();
         let mut unmatched: Vec<String> = Vec::new();
         let mut skipped = 0;
+        let mut not_in_base: Vec<String> = Vec::new();
         for i in att.first..att.end {
             let raw = &ckpt.tensors[i].info.name;
             let name = normalise(raw, &self.opts.adapter_name);
@@ -643,8 +723,24 @@ impl PlanStep for LoraMergeStep {
                 Kind::Magnitude(m) => modules.entry(m).or_default().magnitude = Some(i),
                 Kind::BaseCopy => skipped += 1,
                 Kind::Replacement(target) => replacements.push((target, i)),
+                // A DCP adapter is a training run's whole state dict: the base weights come
+                // along (tied ones too, which the base may not store), never merge material.
+                Kind::Unknown if att.whole_state => {
+                    skipped += 1;
+                    if ckpt.get(&name).is_none() {
+                        not_in_base.push(name);
+                    }
+                }
                 Kind::Unknown => unmatched.push(raw.clone()),
             }
+        }
+        if !not_in_base.is_empty() {
+            notes.lines.push(format!(
+                "adapter {}: {} base weight(s) of the training state are not in the base model and are left out (tied weights, say): {}",
+                path.display(),
+                not_in_base.len(),
+                not_in_base.join(", ")
+            ));
         }
         let index: std::collections::HashMap<String, usize> = entries
             .iter()
