@@ -146,6 +146,13 @@ fn convert_inner(
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
+    let sides: Vec<PathBuf> = sides
+        .into_iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            !plan.dropped_side_files.iter().any(|d| *d == name)
+        })
+        .collect();
     let sink = Safetensors {
         kind: target.kind.clone(),
         max_shard_bytes: opts.max_shard_bytes,
@@ -448,7 +455,7 @@ fn print_plan(
             s.tensors.len()
         );
     }
-    if layout.index_json(&plan).is_some() {
+    if layout.index_json(plan).is_some() {
         println!("  model.safetensors.index.json");
     }
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
@@ -577,7 +584,7 @@ fn report_json(
         "output": {
             "path": opts.output.to_string_lossy(),
             "files": files,
-            "index": layout.index_json(&plan).is_some(),
+            "index": layout.index_json(plan).is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
