@@ -10,11 +10,14 @@ use std::path::Path;
 use common::*;
 use tftf::format::dtype::DType;
 
-const CASES: [&str; 6] = [
+const CASES: [&str; 9] = [
     "ct_nvfp4a16",
     "ct_nvfp4",
     "ct_mxfp4a16",
     "ct_mxfp8a16",
+    "ct_w4a16",
+    "ct_w8a16",
+    "ct_w3a16",
     "gpt_oss_mxfp4",
     "modelopt_nvfp4",
 ];
@@ -64,7 +67,7 @@ fn dequant_fp8_is_an_alias_with_its_options() {
 
 #[test]
 fn chunking_and_threads_never_change_a_byte() {
-    for case in ["gpt_oss_mxfp4", "ct_nvfp4a16"] {
+    for case in ["gpt_oss_mxfp4", "ct_nvfp4a16", "ct_w3a16"] {
         dequant_matches("dequant", case, &["--threads", "3"]);
     }
 }
@@ -166,6 +169,11 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
             "model.layers.0.mlp.experts.down_proj_blocks",
         ),
         (
+            "ct_w4a16",
+            "model.layers.0.mlp.down_proj.weight_shape",
+            "model.layers.0.mlp.down_proj.weight_packed",
+        ),
+        (
             "modelopt_nvfp4",
             "model.layers.0.self_attn.k_proj.weight_scale_2",
             "model.layers.0.self_attn.k_proj.weight",
@@ -245,6 +253,22 @@ fn a_scale_of_the_wrong_shape_is_refused() {
     let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
     assert!(
         err.contains(&format!("scale `{scale}`")) && err.contains("[16, 4]"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn asymmetric_int_weights_are_refused_naming_the_tensor() {
+    let dir = tmp();
+    let zp = "model.layers.0.mlp.down_proj.weight_zero_point";
+    let model = edited_model("ct_w4a16", dir.path(), |ts| {
+        ts.push(t(zp, DType::I32, &[2, 16], vec![0; 128]));
+    });
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains("model.layers.0.mlp.down_proj.weight_packed") && err.contains(zp),
         "{err}"
     );
     assert!(!out.exists());

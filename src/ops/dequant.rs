@@ -14,6 +14,8 @@
 //!   `X.weight_scale` `F8_E4M3` per 16, `X.weight_scale_2` `F32` (multiplies);
 //! - gpt-oss MXFP4 (`quant_method: mxfp4`): `X_blocks` `U8 [E, out, G, 16]`, `X_scales` `U8
 //!   [E, out, G]` → `X` `[E, in, out]`;
+//! - compressed-tensors `pack-quantized` (symmetric int, 1–8 bits): `X.weight_packed` `I32`,
+//!   `X.weight_scale` float per group or channel, `X.weight_shape` (read at plan time);
 //! - FP8 with float scales: [`DequantFp8Step`], unchanged (`dequant-fp8`).
 //!
 //! A tensor whose layout the config does not name (NVFP4 codes in a checkpoint whose config
@@ -29,6 +31,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::fp8::{mxfp8_derive, DequantFp8Step};
+use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
 
@@ -55,6 +58,8 @@ struct Declared {
     method: String,
     /// compressed-tensors formats (top level and per group); ModelOpt `quant_algo`.
     formats: BTreeSet<String>,
+    /// `num_bits` of the compressed-tensors groups with integer weights.
+    int_bits: BTreeSet<u64>,
 }
 
 impl Declared {
@@ -74,6 +79,12 @@ impl Declared {
                 for g in groups.values() {
                     if let Some(f) = g.get("format").and_then(Value::as_str) {
                         d.formats.insert(f.to_ascii_lowercase());
+                    }
+                    let w = g.get("weights");
+                    if w.and_then(|w| w.get("type")).and_then(Value::as_str) == Some("int") {
+                        if let Some(b) = w.and_then(|w| w.get("num_bits")).and_then(Value::as_u64) {
+                            d.int_bits.insert(b);
+                        }
                     }
                 }
             }
@@ -106,6 +117,7 @@ impl Declared {
             Scheme::CtNvfp4 => ct && self.formats.contains("nvfp4-pack-quantized"),
             Scheme::CtMxfp4 => ct && self.formats.contains("mxfp4-pack-quantized"),
             Scheme::CtMxfp8 => ct && self.formats.contains("mxfp8-quantized"),
+            Scheme::CtInt => ct && self.formats.contains("pack-quantized"),
             Scheme::ModeloptNvfp4 => self.method == "modelopt" && self.formats.contains("nvfp4"),
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
         }
@@ -135,6 +147,7 @@ enum Scheme {
     CtMxfp8,
     ModeloptNvfp4,
     GptOssMxfp4,
+    CtInt,
 }
 
 impl Scheme {
@@ -145,6 +158,7 @@ impl Scheme {
             Scheme::CtMxfp8 => "compressed-tensors MXFP8 (mxfp8-quantized)",
             Scheme::ModeloptNvfp4 => "ModelOpt NVFP4",
             Scheme::GptOssMxfp4 => "gpt-oss MXFP4",
+            Scheme::CtInt => "compressed-tensors int (pack-quantized)",
         }
     }
 }
@@ -190,6 +204,65 @@ impl Derive for Fp4Derive {
             dst,
             allow_nonfinite: self.allow_nonfinite,
         })
+    }
+}
+
+#[derive(Debug)]
+struct IntDerive {
+    inputs: Vec<usize>,
+    rows: u64,
+    cols: u64,
+    bits: u32,
+    words: u64,
+    group: u64,
+    scale_dtype: DType,
+}
+
+impl Derive for IntDerive {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(DequantPackedInt {
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            words: self.words,
+            group: self.group,
+            scale_dtype: self.scale_dtype,
+            dst,
+        })
+    }
+}
+
+/// The `[out, in]` a `weight_shape` tensor (`I64`/`I32 [2]`) holds, read at plan time.
+fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), String> {
+    let t = &ckpt.tensors[e.source];
+    let size = match (t.info.dtype, &t.info.shape[..]) {
+        (DType::I64, [2]) => 8,
+        (DType::I32, [2]) => 4,
+        (d, shape) => {
+            return Err(format!(
+                "a weight shape must be I64 or I32 [2], not {d} {shape:?}"
+            ))
+        }
+    };
+    let mut buf = vec![0u8; 2 * size];
+    ckpt.read_tensor_at(t, 0, &mut buf)
+        .map_err(|err| err.to_string())?;
+    let v: Vec<i64> = buf
+        .chunks_exact(size)
+        .map(|c| {
+            if size == 8 {
+                i64::from_le_bytes(c.try_into().unwrap())
+            } else {
+                i32::from_le_bytes(c.try_into().unwrap()) as i64
+            }
+        })
+        .collect();
+    match v[..] {
+        [r, c] if r > 0 && c > 0 => Ok((r as u64, c as u64)),
+        _ => Err(format!("holds {v:?}, not a weight shape")),
     }
 }
 
@@ -261,6 +334,23 @@ impl PlanStep for DequantStep {
                         })
                     }
                 }
+            } else if let (Some(base), DType::I32) = (n.strip_suffix(".weight_packed"), e.dtype) {
+                let scale_name = format!("{base}.weight_scale");
+                let shape_name = format!("{base}.weight_shape");
+                let (Some(si), Some(hi)) = (get(&scale_name), get(&shape_name)) else {
+                    return Err(missing(e, &[scale_name, shape_name]));
+                };
+                let zp = format!("{base}.weight_zero_point");
+                if get(&zp).is_some() {
+                    return Err(Error::TensorData {
+                        path: path_of(e),
+                        tensor: e.name.clone(),
+                        msg: format!(
+                            "has a zero point `{zp}`: asymmetric pack-quantized weights are not supported yet"
+                        ),
+                    });
+                }
+                Some((Scheme::CtInt, si, Some(hi), format!("{base}.weight")))
             } else if let (Some(base), DType::U8) = (n.strip_suffix("_blocks"), e.dtype) {
                 let scale_name = format!("{base}_scales");
                 let Some(si) = get(&scale_name) else {
@@ -323,7 +413,7 @@ impl PlanStep for DequantStep {
                 weight: w.name.clone(),
                 msg,
             };
-            if let Some(gi) = f.global {
+            if let (Some(gi), false) = (f.global, f.scheme == Scheme::CtInt) {
                 let g = &entries[gi];
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
@@ -342,6 +432,66 @@ impl PlanStep for DequantStep {
                 Scheme::CtMxfp8 => {
                     let d = mxfp8_derive(w, ckpt, s, 32, allow_nonfinite).map_err(bad)?;
                     (d, w.shape.clone())
+                }
+                Scheme::CtInt => {
+                    let h = &entries[f.global.expect("int weights have a weight_shape")];
+                    let bad_w = |msg: String| Error::TensorData {
+                        path: path_of(w),
+                        tensor: w.name.clone(),
+                        msg,
+                    };
+                    let (rows, cols) = read_shape(ckpt, h).map_err(|m| Error::TensorData {
+                        path: path_of(h),
+                        tensor: h.name.clone(),
+                        msg: m,
+                    })?;
+                    let [wr, words] = w.shape[..] else {
+                        return Err(bad_w(format!(
+                            "packed int codes must be [out, words], not {:?}",
+                            w.shape
+                        )));
+                    };
+                    if wr != rows {
+                        return Err(bad_w(format!(
+                            "{wr} rows, but `{}` says [{rows}, {cols}]",
+                            h.name
+                        )));
+                    }
+                    let fits: Vec<u64> = (1..=8u64)
+                        .filter(|b| (cols * b).div_ceil(32) == words)
+                        .filter(|b| declared.int_bits.is_empty() || declared.int_bits.contains(b))
+                        .collect();
+                    let [bits] = fits[..] else {
+                        return Err(bad_w(format!(
+                            "cannot tell the bit width: {words} words per row of {cols} elements fit {fits:?} bits (config.json's int num_bits: {:?})",
+                            declared.int_bits
+                        )));
+                    };
+                    if !matches!(s.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                        return Err(bad(format!(
+                            "dtype {} is not a scale dtype (F32, BF16, F16)",
+                            s.dtype
+                        )));
+                    }
+                    let groups = match s.shape[..] {
+                        [r, g] if r == rows && g > 0 && cols % g == 0 => g,
+                        _ => {
+                            return Err(bad(format!(
+                                "shape {:?} does not fit weight [{rows}, {cols}] (expected [{rows}, G] with G dividing {cols})",
+                                s.shape
+                            )))
+                        }
+                    };
+                    let d = IntDerive {
+                        inputs: vec![w.source, s.source],
+                        rows,
+                        cols,
+                        bits: bits as u32,
+                        words,
+                        group: cols / groups,
+                        scale_dtype: s.dtype,
+                    };
+                    (Arc::new(d), vec![rows, cols])
                 }
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {
