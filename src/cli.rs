@@ -22,8 +22,9 @@ pub enum Command {
     Info(Box<InfoArgs>),
     /// Copy a checkpoint, optionally filtering, renaming, casting and resharding it
     Passthrough(Box<PassthroughArgs>),
-    /// Dequantise FP8 weights (block, per-row or per-tensor scales) to bf16, f16 or f32
-    #[command(name = "dequant-fp8")]
+    /// Dequantise FP8 (block, per-row or per-tensor scales), MXFP8, NVFP4, MXFP4 and packed int
+    /// weights to bf16, f16 or f32
+    #[command(name = "dequant", visible_alias = "dequant-fp8")]
     DequantFp8(Box<DequantArgs>),
     /// Transcode MXFP4 experts to NVFP4 (lossless where possible) and requantise E4M3 Engram
     /// tables to E2M1

@@ -321,6 +321,7 @@ pub enum ScaleOf {
     Fp8Weight,
     Mxfp4Expert,
     EngramTable,
+    QuantWeight,
 }
 
 impl ScaleOf {
@@ -329,6 +330,7 @@ impl ScaleOf {
             ScaleOf::Fp8Weight => "FP8 weight",
             ScaleOf::Mxfp4Expert => "MXFP4 expert weight",
             ScaleOf::EngramTable => "Engram table",
+            ScaleOf::QuantWeight => "quantised weight",
         }
     }
     fn hint(self) -> &'static str {
@@ -336,6 +338,7 @@ impl ScaleOf {
             ScaleOf::Fp8Weight => "pass --allow-unscaled-fp8 to decode such weights without one",
             ScaleOf::Mxfp4Expert => "pass --experts keep to leave the experts as they are",
             ScaleOf::EngramTable => "pass --engram keep to leave the tables as they are",
+            ScaleOf::QuantWeight => "its codes cannot be decoded without it (is a shard missing?)",
         }
     }
 }

@@ -78,6 +78,8 @@ pub struct Plan {
     /// Why the request looks like a mistake: every tensor filtered away, or an op that found
     /// nothing to do. Refused unless `--allow-empty`.
     pub nothing_to_do: Option<String>,
+    /// Side files not to copy (see [`PlanStep::dropped_side_files`]).
+    pub dropped_side_files: Vec<String>,
 }
 
 /// An output tensor while steps are still being applied.
@@ -135,6 +137,11 @@ pub trait PlanStep: Send + Sync + Debug {
     /// Why the step changed nothing when `apply` returned `false` ("no FP8 weight to
     /// dequantise"), for the error a run without `--allow-empty` stops with.
     fn nothing_done(&self) -> String;
+    /// Side files (next to the model) that no longer describe the output once the step changed
+    /// something, and are not copied (`hf_quant_config.json` after dequantising).
+    fn dropped_side_files(&self) -> &'static [&'static str] {
+        &[]
+    }
     /// Opens extra inputs (an adapter) and attaches them to the checkpoint before planning.
     fn attach(&self, _ckpt: &mut Checkpoint) -> Result<()> {
         Ok(())
@@ -163,6 +170,7 @@ impl Plan {
         let mut config_changes = Vec::new();
         let mut notes = PlanNotes::default();
         let mut idle_op: Option<String> = None;
+        let mut dropped_side_files = Vec::new();
         for step in steps {
             match step {
                 Step::Include(globs) => {
@@ -215,6 +223,10 @@ impl Plan {
                         op_step.apply(ckpt, original_config.as_ref(), &mut entries, &mut notes)?;
                     if !changed && idle_op.is_none() {
                         idle_op = Some(op_step.nothing_done());
+                    }
+                    if changed {
+                        dropped_side_files
+                            .extend(op_step.dropped_side_files().iter().map(|s| s.to_string()));
                     }
                     if let (true, Some(cfg)) = (changed, &mut config) {
                         config_changes.extend(op_step.edit_config(cfg));
@@ -356,6 +368,7 @@ impl Plan {
             config_changes,
             notes,
             nothing_to_do,
+            dropped_side_files,
         })
     }
 

@@ -34,11 +34,24 @@ fn assert_peft_merge(out: &Path) {
 /// `checkpoint-N/` folders, the model DCP beside an optimizer one in the latest.
 fn training_dir(root: &Path) -> PathBuf {
     let train = root.join("train");
-    copy_dir(&case("pytorch_model_fsdp_0"), &train.join("checkpoint-10/pytorch_model_fsdp_0"));
-    copy_dir(&case("pytorch_model_fsdp_0"), &train.join("checkpoint-60/pytorch_model_fsdp_0"));
+    copy_dir(
+        &case("pytorch_model_fsdp_0"),
+        &train.join("checkpoint-10/pytorch_model_fsdp_0"),
+    );
+    copy_dir(
+        &case("pytorch_model_fsdp_0"),
+        &train.join("checkpoint-60/pytorch_model_fsdp_0"),
+    );
     // An optimizer DCP that sorts first must not be taken for the model.
-    copy_dir(&case("pytorch_model_fsdp_0"), &train.join("checkpoint-60/optimizer_0"));
-    std::fs::copy(case("adapter_config.json"), train.join("adapter_config.json")).unwrap();
+    copy_dir(
+        &case("pytorch_model_fsdp_0"),
+        &train.join("checkpoint-60/optimizer_0"),
+    );
+    std::fs::copy(
+        case("adapter_config.json"),
+        train.join("adapter_config.json"),
+    )
+    .unwrap();
     train
 }
 

@@ -152,6 +152,13 @@ fn convert_inner(
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
+    let sides: Vec<PathBuf> = sides
+        .into_iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            !plan.dropped_side_files.iter().any(|d| *d == name)
+        })
+        .collect();
     let sink = Safetensors {
         kind: target.kind.clone(),
         max_shard_bytes: opts.max_shard_bytes,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use crate::cli::{AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::ops::dequant::DequantStep;
 use crate::ops::fp4::repack::{
     RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
 };
@@ -79,20 +80,22 @@ fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
     let dtype = cast_target(dtype)?;
     if dtype == DType::F64 {
         return Err(Error::Usage(
-            "dequant-fp8 writes bf16, f16 or f32, not float64".into(),
+            "dequant writes bf16, f16 or f32, not float64".into(),
         ));
     }
-    Ok(Step::Op(Arc::new(DequantFp8Step {
-        opts: DequantOptions {
-            dtype,
-            block: a.block_size.as_deref().map(parse_block_size).transpose()?,
-            weight_scale_mode: if a.scale_mode == "divide" {
-                ScaleMode::Divide
-            } else {
-                ScaleMode::Multiply
+    Ok(Step::Op(Arc::new(DequantStep {
+        fp8: DequantFp8Step {
+            opts: DequantOptions {
+                dtype,
+                block: a.block_size.as_deref().map(parse_block_size).transpose()?,
+                weight_scale_mode: if a.scale_mode == "divide" {
+                    ScaleMode::Divide
+                } else {
+                    ScaleMode::Multiply
+                },
+                allow_unscaled: a.allow_unscaled_fp8,
+                allow_nonfinite: a.allow_nonfinite,
             },
-            allow_unscaled: a.allow_unscaled_fp8,
-            allow_nonfinite: a.allow_nonfinite,
         },
     })))
 }
@@ -193,7 +196,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 steps.push(lora_step(adapter, &a.lora)?);
             }
             let opts = WriteOptions::from_args(&a.write)?;
-            convert("dequant-fp8", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            convert("dequant", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::MergeLora(a) => {
@@ -221,7 +224,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 });
             }
             let opts = WriteOptions::from_args(&a.write)?;
-            convert("merge-dcp-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            convert(
+                "merge-dcp-lora",
+                &input_path(&a.input)?,
+                &steps,
+                &opts,
+                cancel,
+            )?;
             Ok(0)
         }
         Command::MergeFsdpLora(a) => {

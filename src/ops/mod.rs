@@ -8,8 +8,10 @@
 //! tensor is cut, which is what keeps output independent of chunk size and thread count.
 
 pub mod cast;
+pub mod dequant;
 pub mod fp4;
 pub mod fp8;
+pub mod int;
 pub mod kernel;
 pub mod lora;
 

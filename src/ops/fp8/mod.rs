@@ -447,6 +447,27 @@ impl DequantDerive {
     }
 }
 
+/// MXFP8 (compressed-tensors `mxfp8-quantized`): an FP8 weight `[out, in]` with E8M0 exponents
+/// stored as `U8` `[out, in/group]`. The library decodes `e4m3 · 2^(u-127)`, rounded once: the
+/// FP8 op with the scale bytes read as `F8_E8M0`.
+pub fn mxfp8_derive(
+    weight: &Entry,
+    ckpt: &Checkpoint,
+    scale: &Entry,
+    group: u64,
+    allow_nonfinite: bool,
+) -> std::result::Result<Arc<dyn Derive>, String> {
+    let (layout, _) = resolve_layout(&weight.shape, &scale.shape, Some((1, group)))?;
+    Ok(Arc::new(DequantDerive {
+        weight: weight.source,
+        weight_dtype: ckpt.tensors[weight.source].info.dtype,
+        scale: Some((scale.source, DType::F8_E8M0)),
+        layout,
+        mode: ScaleMode::Multiply,
+        allow_nonfinite,
+    }))
+}
+
 impl Derive for DequantDerive {
     fn inputs(&self) -> Vec<usize> {
         let mut v = vec![self.weight];

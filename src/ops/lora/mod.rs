@@ -194,12 +194,8 @@ pub fn locate_adapter(path: &Path) -> Result<(PathBuf, Option<String>)> {
         return Ok((path.to_path_buf(), None));
     }
     if let Some((found, format)) = adapter_in(path) {
-        let note = (format == "PyTorch DCP").then(|| {
-            format!(
-                "adapter: PyTorch DCP in {}",
-                crate::escape::path(&found)
-            )
-        });
+        let note = (format == "PyTorch DCP")
+            .then(|| format!("adapter: PyTorch DCP in {}", crate::escape::path(&found)));
         return Ok((found, note));
     }
     let mut best: Option<(u64, PathBuf, &'static str)> = None;
@@ -630,11 +626,15 @@ impl PlanStep for LoraMergeStep {
                     })
                     .and_then(Path::parent)
                     .map(|d| d.join("adapter_config.json"));
-                [Some(beside.clone()), training, Some(given.join("adapter_config.json"))]
-                    .into_iter()
-                    .flatten()
-                    .find(|p| p.is_file())
-                    .unwrap_or(beside)
+                [
+                    Some(beside.clone()),
+                    training,
+                    Some(given.join("adapter_config.json")),
+                ]
+                .into_iter()
+                .flatten()
+                .find(|p| p.is_file())
+                .unwrap_or(beside)
             }
             _ => file.with_file_name("adapter_config.json"),
         };

@@ -1,0 +1,128 @@
+//! The integer family: compressed-tensors `pack-quantized` weights → BF16/F16/F32.
+//!
+//! Layout (`PackedQuantizationCompressor`): `weight_packed` `I32 [out, ceil(in·b/32)]`, each row
+//! one little-endian bitstream holding element `i` at bits `i·b … i·b+b-1` (a code may straddle
+//! two words), stored as `q + 2^(b-1)`; `weight_scale` (the model's float dtype) `[out, in/g]`
+//! per group or `[out, 1]` per channel; `weight_shape` `[out, in]`. Symmetric only (no zero
+//! point). The library decodes `y = f(q) · scale` in the scale's dtype: the product of a b-bit
+//! integer and a BF16/F16 scale is exact in f32, so `round(f32(q) · f32(s))` is bit-exact.
+//! A unit is one row.
+
+use std::ops::Range;
+
+use crate::format::dtype::DType;
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::ops::Op;
+
+#[derive(Debug)]
+pub struct DequantPackedInt {
+    pub rows: u64,
+    pub cols: u64,
+    pub bits: u32,
+    /// I32 words per row.
+    pub words: u64,
+    /// Elements per scale (`cols` for per-channel scales).
+    pub group: u64,
+    pub scale_dtype: DType,
+    pub dst: DType,
+}
+
+impl DequantPackedInt {
+    fn groups(&self) -> u64 {
+        self.cols.div_ceil(self.group)
+    }
+    fn scale_bytes(&self) -> u64 {
+        self.scale_dtype.bits() / 8
+    }
+}
+
+/// Element `i` of a row's little-endian bitstream of `bits`-bit codes.
+#[inline(always)]
+pub fn unpack_code(words: &[u8], i: usize, bits: u32) -> u32 {
+    let bit = i * bits as usize;
+    let (byte, off) = (bit / 8, bit % 8);
+    // Up to 8 bits starting at `off` fit in two bytes.
+    let lo = words[byte] as u32;
+    let hi = words.get(byte + 1).copied().unwrap_or(0) as u32;
+    ((lo | (hi << 8)) >> off) & ((1 << bits) - 1)
+}
+
+impl Op for DequantPackedInt {
+    fn name(&self) -> &'static str {
+        "dequant-int"
+    }
+    fn units(&self) -> u64 {
+        self.rows
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.cols * (self.dst.bits() / 8)
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        4 * self.words + self.groups() * self.scale_bytes()
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let (w, s) = (4 * self.words, self.groups() * self.scale_bytes());
+        vec![
+            units.start * w..units.end * w,
+            units.start * s..units.end * s,
+        ]
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let (wb, groups) = (4 * self.words as usize, self.groups() as usize);
+        let sb = self.scale_bytes() as usize;
+        let (cols, group, size) = (
+            self.cols as usize,
+            self.group as usize,
+            (self.dst.bits() / 8) as usize,
+        );
+        let offset = 1i32 << (self.bits - 1);
+        for k in 0..(units.end - units.start) as usize {
+            let words = &inputs[0][k * wb..(k + 1) * wb];
+            let raw = &inputs[1][k * groups * sb..(k + 1) * groups * sb];
+            let scales: Vec<f32> = raw
+                .chunks_exact(sb)
+                .map(|c| match self.scale_dtype {
+                    DType::BF16 => bf16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+                    DType::F16 => f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+                    _ => f32::from_le_bytes(c.try_into().unwrap()),
+                })
+                .collect();
+            let o = &mut out[k * cols * size..(k + 1) * cols * size];
+            for j in 0..cols {
+                let q = unpack_code(words, j, self.bits) as i32 - offset;
+                let v = q as f32 * scales[j / group];
+                match self.dst {
+                    DType::BF16 => {
+                        o[2 * j..2 * j + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes())
+                    }
+                    DType::F16 => o[2 * j..2 * j + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
+                    _ => o[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_straddling_words_unpack_in_order() {
+        // 3-bit codes 0..=7 repeated, packed LSB first into a bitstream.
+        let codes: Vec<u32> = (0..40).map(|i| i % 8).collect();
+        let mut bytes = vec![0u8; 16];
+        for (i, &c) in codes.iter().enumerate() {
+            for b in 0..3 {
+                if c >> b & 1 == 1 {
+                    let bit = i * 3 + b;
+                    bytes[bit / 8] |= 1 << (bit % 8);
+                }
+            }
+        }
+        for (i, &c) in codes.iter().enumerate() {
+            assert_eq!(unpack_code(&bytes, i, 3), c, "element {i}");
+        }
+    }
+}

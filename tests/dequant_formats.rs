@@ -1,0 +1,275 @@
+//! `tftf dequant` on checkpoints made by the real libraries (tests/fixtures/quant, made by its
+//! generate.py): every output tensor equals the library's own decompression byte for byte,
+//! activation/KV-cache scales and hf_quant_config.json are gone with quantization_config, and
+//! every bad input fails naming the tensor, with no output left behind.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use tftf::format::dtype::DType;
+
+const CASES: [&str; 9] = [
+    "ct_nvfp4a16",
+    "ct_nvfp4",
+    "ct_mxfp4a16",
+    "ct_mxfp8a16",
+    "ct_w4a16",
+    "ct_w8a16",
+    "ct_w3a16",
+    "gpt_oss_mxfp4",
+    "modelopt_nvfp4",
+];
+
+/// Runs `tftf <cmd> -i <case>/model -o out` and checks the output against the library's.
+fn dequant_matches(cmd: &str, case: &str, extra: &[&str]) -> tempfile::TempDir {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let model = fixture(&format!("quant/{case}/model"));
+    let mut args = vec![cmd, "-i", s(&model), "-o", s(&out), "-q"];
+    args.extend(extra);
+    ok(&tftf(&args));
+    let got = load_all(&out);
+    let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{case}: tensor names"
+    );
+    for (name, (dtype, shape, bytes)) in &want {
+        let (gd, gs, gb) = &got[name];
+        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
+        if gb != bytes {
+            let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
+            panic!("{case}: `{name}` differs from the library's decompression at byte {first}");
+        }
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization_config").is_none(), "{case}: {cfg}");
+    assert!(!out.join("hf_quant_config.json").exists(), "{case}");
+    dir
+}
+
+#[test]
+fn every_scheme_equals_the_library_decompression() {
+    for case in CASES {
+        dequant_matches("dequant", case, &[]);
+    }
+}
+
+#[test]
+fn dequant_fp8_is_an_alias_with_its_options() {
+    dequant_matches("dequant-fp8", "ct_nvfp4", &["--scale-mode", "multiply"]);
+    dequant_matches("dequant-fp8", "ct_mxfp8a16", &["--allow-nonfinite"]);
+}
+
+#[test]
+fn chunking_and_threads_never_change_a_byte() {
+    for case in ["gpt_oss_mxfp4", "ct_nvfp4a16", "ct_w3a16"] {
+        dequant_matches("dequant", case, &["--threads", "3"]);
+    }
+}
+
+#[test]
+fn f32_output_is_the_same_values_unrounded() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let model = fixture("quant/ct_mxfp4a16/model");
+    ok(&tftf(&[
+        "dequant",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--dtype",
+        "f32",
+        "-q",
+    ]));
+    let got = load_all(&out);
+    let want = load_all(&fixture("quant/ct_mxfp4a16/expected.safetensors"));
+    // MXFP4 values are exact in BF16, so the F32 output rounds to the library's BF16 bit for bit.
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let (d, _, b) = &got[name];
+    assert_eq!(d, "F32");
+    let as_bf16: Vec<u8> = b
+        .chunks_exact(4)
+        .flat_map(|c| ((u32::from_le_bytes(c.try_into().unwrap()) >> 16) as u16).to_le_bytes())
+        .collect();
+    assert_eq!(as_bf16, want[name].2);
+}
+
+#[test]
+fn activation_and_kv_scales_are_dropped_and_reported() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let report = dir.path().join("report.json");
+    let model = fixture("quant/modelopt_nvfp4/model");
+    ok(&tftf(&[
+        "dequant",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--report",
+        s(&report),
+        "-q",
+    ]));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let notes = r["notes"].to_string();
+    for dropped in [
+        "model.layers.0.self_attn.k_scale",
+        "model.layers.0.self_attn.v_scale",
+        "model.layers.0.mlp.down_proj.input_scale",
+    ] {
+        assert!(notes.contains(dropped), "{dropped} not in {notes}");
+    }
+    assert!(
+        notes.contains("ModelOpt NVFP4: 2 weights decoded"),
+        "{notes}"
+    );
+}
+
+/// Copies a fixture's model into `dir`, rewriting its tensors through `edit`.
+fn edited_model(case: &str, dir: &Path, edit: impl Fn(&mut Vec<T>)) -> std::path::PathBuf {
+    let src = fixture(&format!("quant/{case}/model"));
+    let dst = dir.join("model");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["config.json", "hf_quant_config.json"] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), dst.join(f)).unwrap();
+        }
+    }
+    let mut tensors: Vec<T> = load_all(&src.join("model.safetensors"))
+        .into_iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+            t(&name, dtype.parse::<DType>().unwrap(), &shape, bytes)
+        })
+        .collect();
+    edit(&mut tensors);
+    write_file(&dst.join("model.safetensors"), &tensors);
+    dst
+}
+
+#[test]
+fn a_missing_scale_names_the_weight_and_the_scale() {
+    let dir = tmp();
+    for (case, gone, weight) in [
+        (
+            "ct_nvfp4a16",
+            "model.layers.0.mlp.down_proj.weight_global_scale",
+            "model.layers.0.mlp.down_proj.weight_packed",
+        ),
+        (
+            "gpt_oss_mxfp4",
+            "model.layers.0.mlp.experts.down_proj_scales",
+            "model.layers.0.mlp.experts.down_proj_blocks",
+        ),
+        (
+            "ct_w4a16",
+            "model.layers.0.mlp.down_proj.weight_shape",
+            "model.layers.0.mlp.down_proj.weight_packed",
+        ),
+        (
+            "modelopt_nvfp4",
+            "model.layers.0.self_attn.k_proj.weight_scale_2",
+            "model.layers.0.self_attn.k_proj.weight",
+        ),
+    ] {
+        let case_dir = dir.path().join(case);
+        let model = edited_model(case, &case_dir, |ts| ts.retain(|t| t.0 != gone));
+        let out = case_dir.join("out");
+        let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+        assert!(
+            err.contains(&format!("quantised weight `{weight}` has no scale"))
+                && err.contains(&format!("`{gone}`")),
+            "{case}: {err}"
+        );
+        assert!(!out.exists(), "{case}: output left behind");
+    }
+}
+
+#[test]
+fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
+    let dir = tmp();
+    let model = edited_model("ct_nvfp4a16", dir.path(), |_| {});
+    let cfg =
+        r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
+    std::fs::write(model.join("config.json"), cfg).unwrap();
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains("model.layers.0.mlp.down_proj.weight_packed")
+            && err.contains("compressed-tensors NVFP4")
+            && err.contains("quant_method `fp8`"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_model_with_nothing_to_decode_is_an_error() {
+    let dir = tmp();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let mut rng = Rng(3);
+    write_file(
+        &model.join("model.safetensors"),
+        &[
+            rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
+            rand_t(&mut rng, "lm_head.weight", DType::BF16, &[8, 64]),
+        ],
+    );
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains("nothing to dequantise") && err.contains("--allow-empty"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    ok(&tftf(&[
+        "dequant",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--allow-empty",
+        "-q",
+    ]));
+}
+
+#[test]
+fn a_scale_of_the_wrong_shape_is_refused() {
+    let dir = tmp();
+    let scale = "model.layers.0.mlp.up_proj.weight_scale";
+    let model = edited_model("ct_mxfp4a16", dir.path(), |ts| {
+        let t = ts.iter_mut().find(|t| t.0 == scale).unwrap();
+        t.2 = vec![32, 2];
+    });
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains(&format!("scale `{scale}`")) && err.contains("[16, 4]"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn asymmetric_int_weights_are_refused_naming_the_tensor() {
+    let dir = tmp();
+    let zp = "model.layers.0.mlp.down_proj.weight_zero_point";
+    let model = edited_model("ct_w4a16", dir.path(), |ts| {
+        ts.push(t(zp, DType::I32, &[2, 16], vec![0; 128]));
+    });
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains("model.layers.0.mlp.down_proj.weight_packed") && err.contains(zp),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
