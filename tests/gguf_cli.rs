@@ -933,3 +933,317 @@ fn output_is_refused_inside_the_input_and_over_an_existing_file_without_force() 
     assert!(left.is_empty(), "{left:?}");
     no_litter(&m);
 }
+
+struct Xfs {
+    mnt: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Xfs {
+    /// A loop-mounted reflink XFS image (root and xfsprogs), or why not.
+    fn mount() -> Result<Xfs, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let img = dir.path().join("xfs.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(1 << 30))
+            .map_err(|e| e.to_string())?;
+        let run = |cmd: &str, args: &[&str]| -> Result<(), String> {
+            let o = std::process::Command::new(cmd)
+                .args(args)
+                .output()
+                .map_err(|e| format!("{cmd}: {e}"))?;
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{cmd}: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ))
+            }
+        };
+        run("mkfs.xfs", &["-q", "-m", "reflink=1", s(&img)])?;
+        run("mount", &["-o", "loop", s(&img), s(&mnt)])?;
+        Ok(Xfs { mnt, _dir: dir })
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.mnt)
+            .status();
+    }
+}
+
+/// On a reflink filesystem the copied tensors are laid out congruent with their source
+/// offsets (a padding KV moves the data start), cloned, and the file still reads the same.
+#[test]
+fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
+    let xfs = match Xfs::mount() {
+        Ok(x) => x,
+        Err(why) => {
+            println!("SKIPPED: cannot mount a reflink XFS image: {why}");
+            return;
+        }
+    };
+    let mut rng = Rng(29);
+    let tensors = dense_layers(&mut rng, DType::BF16, 128, 64, &[]);
+    let model = model_dir(&xfs.mnt, "qwen2", |_| {}, &tensors);
+    // Data section at a multiple of 32, as GGUF's alignment needs for any congruence (the
+    // Python writer pads headers to 8 only: one shard in four is so placed by chance).
+    let mut infos = Vec::new();
+    let mut begin = 0;
+    for (name, dtype, shape, data) in &tensors {
+        infos.push(tftf::format::header::TensorInfo {
+            name: name.clone(),
+            dtype: *dtype,
+            shape: shape.clone(),
+            begin,
+            end: begin + data.len() as u64,
+        });
+        begin += data.len() as u64;
+    }
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".into(), "pt".into());
+    let mut bytes = tftf::format::header::serialize_header(&meta, &infos, 32);
+    for t in &tensors {
+        bytes.extend_from_slice(&t.3);
+    }
+    std::fs::write(model.join("model.safetensors"), bytes).unwrap();
+    let plain = tmp();
+    let want = plain.path().join("plain.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&want),
+        "--vocab-pre",
+        "qwen2",
+        "-q",
+    ]));
+    let out = xfs.mnt.join("out.gguf");
+    let report = xfs.mnt.join("r.json");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "qwen2",
+        "--report",
+        s(&report),
+        "-q",
+    ]));
+    let r: Json = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(r["reflink_layout"], true, "{r}");
+    let copied = r["bytes"]["copied_unchanged"].as_u64().unwrap();
+    let congruent = r["bytes"]["congruent"].as_u64().unwrap();
+    let reflinked = r["bytes"]["reflinked"].as_u64().unwrap();
+    println!("copied {copied}, congruent {congruent}, reflinked {reflinked}");
+    assert!(copied > 0 && congruent > 0 && reflinked > 0, "{r}");
+    assert!(r["shared_fraction"].as_f64().unwrap() > 0.5, "{r}");
+    let (a, b) = (parse(&out), parse(&want));
+    assert_eq!(a.tensors, b.tensors);
+    let strip = |g: &Gguf| -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<_> = g
+            .kvs
+            .iter()
+            .filter(|(k, _)| k != "tftf.reflink_padding")
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(strip(&a), strip(&b));
+}
+
+#[test]
+fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
+    let d = tmp();
+    let mut rng = Rng(31);
+    let mut tensors = vec![
+        rand_t(
+            &mut rng,
+            "model.embed_tokens.weight",
+            DType::BF16,
+            &[410, 64],
+        ),
+        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
+        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
+    ];
+    let kv_b = read_fixture("kv_b.in");
+    for l in 0..3 {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![64u64]),
+            ("post_attention_layernorm.weight", vec![64]),
+            ("self_attn.q_a_proj.weight", vec![24, 64]),
+            ("self_attn.q_a_layernorm.weight", vec![24]),
+            ("self_attn.q_b_proj.weight", vec![24, 24]),
+            ("self_attn.kv_a_proj_with_mqa.weight", vec![9, 64]),
+            ("self_attn.kv_a_layernorm.weight", vec![5]),
+            ("self_attn.o_proj.weight", vec![64, 6]),
+        ] {
+            tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
+        }
+        tensors.push(t(
+            &p("self_attn.kv_b_proj.weight"),
+            DType::BF16,
+            &[18, 5],
+            kv_b.clone(),
+        ));
+        if l == 0 {
+            for (w, shape) in [
+                ("gate_proj", [128u64, 64]),
+                ("up_proj", [128, 64]),
+                ("down_proj", [64, 128]),
+            ] {
+                tensors.push(rand_t(
+                    &mut rng,
+                    &p(&format!("mlp.{w}.weight")),
+                    DType::BF16,
+                    &shape,
+                ));
+            }
+            continue;
+        }
+        tensors.push(rand_t(
+            &mut rng,
+            &p("mlp.gate.weight"),
+            DType::BF16,
+            &[4, 64],
+        ));
+        tensors.push(rand_t(
+            &mut rng,
+            &p("mlp.gate.e_score_correction_bias"),
+            DType::F32,
+            &[4],
+        ));
+        for x in ["shared_experts".to_string()]
+            .into_iter()
+            .chain((0..4).map(|x| format!("experts.{x}")))
+        {
+            for (w, shape) in [
+                ("gate_proj", [32u64, 64]),
+                ("up_proj", [32, 64]),
+                ("down_proj", [64, 32]),
+            ] {
+                tensors.push(rand_t(
+                    &mut rng,
+                    &p(&format!("mlp.{x}.{w}.weight")),
+                    DType::BF16,
+                    &shape,
+                ));
+            }
+        }
+    }
+    // Layer 2 is the multi-token-prediction layer (num_hidden_layers 2).
+    tensors.push(rand_t(
+        &mut rng,
+        "model.layers.2.eh_proj.weight",
+        DType::BF16,
+        &[64, 128],
+    ));
+    let model = model_dir(
+        d.path(),
+        "deepseekv3",
+        |c| {
+            let m = c.as_object_mut().unwrap();
+            m.remove("quantization_config");
+            for (k, v) in [
+                ("num_hidden_layers", 2),
+                ("num_attention_heads", 3),
+                ("num_key_value_heads", 3),
+                ("qk_nope_head_dim", 4),
+                ("qk_rope_head_dim", 4),
+                ("v_head_dim", 2),
+                ("kv_lora_rank", 5),
+            ] {
+                m.insert(k.into(), v.into());
+            }
+        },
+        &tensors,
+    );
+    let out = d.path().join("ds.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "-q",
+    ]));
+    let g = parse(&out);
+    assert_eq!(g.str("general.architecture"), "deepseek2");
+    assert_eq!(g.u32("deepseek2.attention.head_count_kv"), 1);
+    assert_eq!(g.u32("deepseek2.leading_dense_block_count"), 1);
+    for l in 0..2 {
+        let (sh, ty, data) = g.tensor(&format!("blk.{l}.attn_k_b.weight"));
+        assert_eq!((sh.as_slice(), *ty), (&[3u64, 5, 4][..], 30));
+        assert_eq!(data, &read_fixture("kv_b_k.out"));
+        let (sh, _, data) = g.tensor(&format!("blk.{l}.attn_v_b.weight"));
+        assert_eq!(sh, &[3, 2, 5]);
+        assert_eq!(data, &read_fixture("kv_b_v.out"));
+        assert!(!g.tensors.contains_key(&format!("blk.{l}.attn_kv_b.weight")));
+    }
+    let (sh, ty, data) = g.tensor("blk.1.ffn_down_exps.weight");
+    assert_eq!((sh.as_slice(), *ty), (&[4u64, 64, 32][..], 30));
+    let want: Vec<u8> = (0..4)
+        .flat_map(|x| {
+            src(
+                &tensors,
+                &format!("model.layers.1.mlp.experts.{x}.down_proj.weight"),
+            )
+            .to_vec()
+        })
+        .collect();
+    assert_eq!(data, &want);
+    assert_eq!(g.tensor("blk.1.exp_probs_b.bias").1, 0);
+    assert_eq!(g.tensor("blk.1.ffn_gate_shexp.weight").1, 30);
+    assert!(
+        g.order.iter().all(|n| !n.starts_with("blk.2.")),
+        "{:?}",
+        g.order
+    );
+}
+
+#[test]
+fn qwen2_keeps_attention_biases_f32_and_unpermuted() {
+    let d = tmp();
+    let mut rng = Rng(37);
+    let mut tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
+    for l in 0..2 {
+        for (w, n) in [("q_proj", 64u64), ("k_proj", 32), ("v_proj", 32)] {
+            let name = format!("model.layers.{l}.self_attn.{w}.bias");
+            tensors.push(rand_t(&mut rng, &name, DType::BF16, &[n]));
+        }
+    }
+    let model = model_dir(d.path(), "qwen2", |_| {}, &tensors);
+    let out = d.path().join("q2.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "-q",
+    ]));
+    let g = parse(&out);
+    assert_hparams(&g, "qwen2", 32);
+    assert_tokenizer(&g);
+    let (sh, ty, data) = g.tensor("blk.1.attn_q.bias");
+    assert_eq!((sh.as_slice(), *ty), (&[64u64][..], 0));
+    assert_eq!(
+        data,
+        &bf16_to_f32_bytes(src(&tensors, "model.layers.1.self_attn.q_proj.bias"))
+    );
+    assert_eq!(
+        g.tensor("blk.1.attn_q.weight").2,
+        src(&tensors, "model.layers.1.self_attn.q_proj.weight")
+    );
+}
