@@ -35,6 +35,9 @@ use crate::progress::Progress;
 use crate::size::human;
 use crate::sys;
 
+/// Upper bound on the working memory of one produced chunk.
+const MAX_CHUNK_BYTES: u64 = 64 << 20;
+
 /// Resolved options of `tftf gguf`.
 pub struct GgufOptions {
     pub output: PathBuf,
@@ -436,7 +439,9 @@ fn run_inner(
         reflink: sharing,
         scratch: Vec::new(),
     };
-    let chunk_budget = (opts.memory_budget / 2).max(1 << 20);
+    // Working memory of one chunk: half the budget, and no more than 64 MiB, past which larger
+    // chunks only cost page faults and cache misses.
+    let chunk_budget = (opts.memory_budget / 2).clamp(1 << 20, MAX_CHUNK_BYTES);
     for (fi, plan) in plans.iter().enumerate() {
         for pt in &plan.tensors {
             if cancel.is_raised() {
