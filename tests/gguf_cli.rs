@@ -1060,9 +1060,7 @@ fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
     assert_eq!(strip(&a), strip(&b));
 }
 
-#[test]
-fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
-    let d = tmp();
+fn deepseek_tensors() -> Vec<T> {
     let mut rng = Rng(31);
     let mut tensors = vec![
         rand_t(
@@ -1147,26 +1145,30 @@ fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
         DType::BF16,
         &[64, 128],
     ));
-    let model = model_dir(
-        d.path(),
-        "deepseekv3",
-        |c| {
-            let m = c.as_object_mut().unwrap();
-            m.remove("quantization_config");
-            for (k, v) in [
-                ("num_hidden_layers", 2),
-                ("num_attention_heads", 3),
-                ("num_key_value_heads", 3),
-                ("qk_nope_head_dim", 4),
-                ("qk_rope_head_dim", 4),
-                ("v_head_dim", 2),
-                ("kv_lora_rank", 5),
-            ] {
-                m.insert(k.into(), v.into());
-            }
-        },
-        &tensors,
-    );
+    tensors
+}
+
+fn deepseek_config(c: &mut Json) {
+    let m = c.as_object_mut().unwrap();
+    m.remove("quantization_config");
+    for (k, v) in [
+        ("num_hidden_layers", 2),
+        ("num_attention_heads", 3),
+        ("num_key_value_heads", 3),
+        ("qk_nope_head_dim", 4),
+        ("qk_rope_head_dim", 4),
+        ("v_head_dim", 2),
+        ("kv_lora_rank", 5),
+    ] {
+        m.insert(k.into(), v.into());
+    }
+}
+
+#[test]
+fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
+    let d = tmp();
+    let tensors = deepseek_tensors();
+    let model = model_dir(d.path(), "deepseekv3", deepseek_config, &tensors);
     let out = d.path().join("ds.gguf");
     ok(&tftf(&[
         "gguf",
@@ -1246,4 +1248,104 @@ fn qwen2_keeps_attention_biases_f32_and_unpermuted() {
         g.tensor("blk.1.attn_q.weight").2,
         src(&tensors, "model.layers.1.self_attn.q_proj.weight")
     );
+}
+
+/// E4M3 code → f32 (no NaN codes are generated here).
+fn e4m3(c: u8) -> f32 {
+    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (((c >> 3) & 0xF) as i32, (c & 7) as f32);
+    sign * if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// FP8 weights (128×128 block scales, `weight_scale_inv`) are dequantised in f32 and written
+/// as BF16, as the reference does with DeepSeek-V3's released checkpoint.
+#[test]
+fn deepseek_v3_fp8_weights_are_dequantised_to_bf16() {
+    let d = tmp();
+    let mut rng = Rng(41);
+    let mut tensors = deepseek_tensors();
+    let fp8_names = [
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.1.gate_proj.weight",
+        "model.layers.1.mlp.experts.2.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    ];
+    let mut want: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for name in fp8_names {
+        let at = tensors.iter().position(|t| t.0 == name).unwrap();
+        let shape = tensors[at].2.clone();
+        let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+        let codes: Vec<u8> = rng
+            .bytes(rows * cols)
+            .into_iter()
+            .map(|c| if c & 0x7F == 0x7F { 0 } else { c })
+            .collect();
+        let grid = (rows.div_ceil(128), cols.div_ceil(128));
+        let scales: Vec<f32> = (0..grid.0 * grid.1)
+            .map(|k| 0.001 * (k as f32 + 1.5))
+            .collect();
+        let bf16: Vec<u8> = codes
+            .iter()
+            .enumerate()
+            .flat_map(|(k, &c)| {
+                let (r, j) = (k / cols, k % cols);
+                let x = e4m3(c) * scales[r / 128 * grid.1 + j / 128];
+                half::bf16::from_f32(x).to_bits().to_le_bytes()
+            })
+            .collect();
+        want.insert(name.to_string(), bf16);
+        tensors[at] = t(name, DType::F8_E4M3, &shape, codes);
+        tensors.push(t(
+            &format!("{name}_scale_inv"),
+            DType::F32,
+            &[grid.0 as u64, grid.1 as u64],
+            scales.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    let model = model_dir(
+        d.path(),
+        "deepseekv3",
+        |c| {
+            let q = c["quantization_config"].clone();
+            deepseek_config(c);
+            c["quantization_config"] = q;
+        },
+        &tensors,
+    );
+    let out = d.path().join("fp8.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "--memory-budget",
+        "16MiB",
+        "-q",
+    ]));
+    let g = parse(&out);
+    assert_eq!(g.u32("general.file_type"), 32);
+    assert!(
+        g.order.iter().all(|n| !n.contains("scale")),
+        "{:?}",
+        g.order
+    );
+    let (sh, ty, data) = g.tensor("blk.0.attn_q_a.weight");
+    assert_eq!((sh.as_slice(), *ty), (&[24u64, 64][..], 30));
+    assert_eq!(data, &want["model.layers.0.self_attn.q_a_proj.weight"]);
+    assert_eq!(
+        g.tensor("blk.0.ffn_down.weight").2,
+        want["model.layers.0.mlp.down_proj.weight"]
+    );
+    let stacked: Vec<u8> = (0..4)
+        .flat_map(|x| want[&format!("model.layers.1.mlp.experts.{x}.gate_proj.weight")].clone())
+        .collect();
+    assert_eq!(g.tensor("blk.1.ffn_gate_exps.weight").2, stacked);
 }

@@ -26,6 +26,10 @@ use crate::format::gguf::layout::{
 use crate::format::gguf::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use crate::format::gguf::{produce, tokenizer, FileType, GgmlType};
 use crate::gpu::DeviceRequest;
+use crate::ops::dequant_fp8::{
+    config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode,
+};
+use crate::ops::Op;
 use crate::output::{
     check_report_path, resolve, side_files, write_report, InputFiles, OutputTarget,
 };
@@ -234,29 +238,23 @@ fn run_inner(
 
     // 1. Architecture, hyperparameters, tokenizer: all from small files.
     let cfg = load_config(&ckpt, opts.arch.as_deref())?;
+    let fp8 = fp8_weights(&ckpt, &cfg)?;
+    let scales: std::collections::HashSet<&str> = fp8.values().map(|f| f.scale.as_str()).collect();
     let in_tensors: Vec<InputTensor> = ckpt
         .tensors
         .iter()
+        .filter(|t| !scales.contains(t.name()))
         .map(|t| InputTensor {
             name: t.name().to_string(),
-            dtype: t.info.dtype,
+            // FP8 weights are dequantised in f32, as the reference does, then converted.
+            dtype: if fp8.contains_key(t.name()) {
+                DType::F32
+            } else {
+                t.info.dtype
+            },
             shape: t.info.shape.clone(),
         })
         .collect();
-    if let Some(t) = in_tensors.iter().find(|t| {
-        matches!(
-            t.dtype,
-            DType::F8_E4M3 | DType::F8_E5M2 | DType::F8_E4M3FNUZ | DType::F8_E5M2FNUZ
-        )
-    }) {
-        return Err(Error::GgufTensor {
-            tensor: t.name.clone(),
-            msg: format!(
-                "{} weights: dequantise first (`tftf dequant-fp8 -i MODEL -o BF16_MODEL`), then convert that",
-                t.dtype
-            ),
-        });
-    }
     let file_type = opts
         .file_type
         .unwrap_or_else(|| arch::resolve_auto_file_type(&in_tensors));
@@ -297,7 +295,7 @@ fn run_inner(
     }
     let copy_loc = |o: &OutputTensor| {
         let src = ckpt.get(o.copy_source()?)?;
-        if src.info.nbytes() != o.byte_len() {
+        if src.info.nbytes() != o.byte_len() || Some(src.info.dtype) != o.src_dtype {
             return None;
         }
         contiguous_source(&ckpt, src)
@@ -461,7 +459,10 @@ fn run_inner(
                 )?,
                 None => {
                     produce_tensor(
-                        &ckpt,
+                        &Sources {
+                            ckpt: &ckpt,
+                            fp8: &fp8,
+                        },
                         o,
                         &files[fi],
                         &tmp_names[fi],
@@ -839,17 +840,114 @@ enum Gathered {
     Mxfp4 { blocks: Vec<u8>, scales: Vec<u8> },
 }
 
-fn source<'a>(ckpt: &'a Checkpoint, t: &OutputTensor, name: &str) -> Result<&'a TensorRef> {
-    ckpt.get(name).ok_or_else(|| Error::GgufTensor {
-        tensor: t.name.clone(),
-        msg: format!("source `{name}` is not in the checkpoint"),
-    })
+/// An FP8 weight and how it is dequantised (to f32, as the reference does before converting).
+struct Fp8Weight {
+    scale: String,
+    op: DequantFp8,
+}
+
+/// FP8 (E4M3/E5M2) weights with their scales (`X_scale_inv`, `X_scale`, `.scale`; blocks from
+/// `quantization_config.weight_block_size` or inferred from the shapes).
+fn fp8_weights(ckpt: &Checkpoint, cfg: &Config) -> Result<HashMap<String, Fp8Weight>> {
+    let block = config_block_size(&cfg.map).map_err(|msg| Error::GgufConfig {
+        path: cfg.path.clone(),
+        msg,
+    })?;
+    let mut out = HashMap::new();
+    for t in &ckpt.tensors {
+        if !matches!(t.info.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
+            continue;
+        }
+        let bad = |msg: String| Error::GgufTensor {
+            tensor: t.name().to_string(),
+            msg,
+        };
+        let found = scale_candidates(t.name(), ScaleMode::Multiply)
+            .into_iter()
+            .find_map(|(n, mode)| {
+                let s = ckpt.get(&n)?;
+                matches!(
+                    s.info.dtype,
+                    DType::F32 | DType::BF16 | DType::F16 | DType::F8_E8M0
+                )
+                .then_some((n, mode, s))
+            });
+        let Some((scale, mode, s)) = found else {
+            return Err(bad(format!(
+                "{} weight without a scale (`{}_scale_inv`)",
+                t.info.dtype,
+                t.name()
+            )));
+        };
+        let (layout, _) = resolve_layout(&t.info.shape, &s.info.shape, block).map_err(bad)?;
+        out.insert(
+            t.name().to_string(),
+            Fp8Weight {
+                scale,
+                op: DequantFp8 {
+                    weight_dtype: t.info.dtype,
+                    scale_dtype: Some(s.info.dtype),
+                    layout,
+                    mode,
+                    dst: DType::F32,
+                    allow_nonfinite: false,
+                },
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The checkpoint as the planner sees it: FP8 weights read as f32 rows, dequantised on the fly.
+struct Sources<'a> {
+    ckpt: &'a Checkpoint,
+    fp8: &'a HashMap<String, Fp8Weight>,
+}
+
+impl Sources<'_> {
+    fn get(&self, t: &OutputTensor, name: &str) -> Result<&TensorRef> {
+        self.ckpt.get(name).ok_or_else(|| Error::GgufTensor {
+            tensor: t.name.clone(),
+            msg: format!("source `{name}` is not in the checkpoint"),
+        })
+    }
+
+    /// Reads `buf.len()` bytes from byte `at` of `src` (of its f32 form for an FP8 weight).
+    fn read(&self, src: &TensorRef, at: u64, buf: &mut [u8]) -> Result<()> {
+        let Some(f) = self.fp8.get(src.name()) else {
+            return self.ckpt.read_tensor_at(src, at, buf);
+        };
+        let row = f.op.layout.cols * 4;
+        let (r0, r1) = (at / row, (at + buf.len() as u64).div_ceil(row));
+        let ranges = f.op.input_ranges(r0..r1);
+        let mut inputs: Vec<Vec<u8>> = Vec::with_capacity(2);
+        for (k, r) in ranges.iter().enumerate() {
+            let t = if k == 0 {
+                src
+            } else {
+                self.ckpt.get(&f.scale).expect("found when planning")
+            };
+            let mut b = vec![0u8; (r.end - r.start) as usize];
+            self.ckpt.read_tensor_at(t, r.start, &mut b)?;
+            inputs.push(b);
+        }
+        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+        let mut rows = vec![0u8; ((r1 - r0) * row) as usize];
+        f.op.compute(r0..r1, &refs, &mut rows)
+            .map_err(|msg| Error::GgufTensor {
+                tensor: src.name().to_string(),
+                msg,
+            })?;
+        let off = (at - r0 * row) as usize;
+        buf.copy_from_slice(&rows[off..off + buf.len()]);
+        Ok(())
+    }
 }
 
 /// Appends units `units` (each `unit` bytes, indices into `src`) to `out`: reading the span
 /// they cover at once when it is dense enough, else each run of consecutive units.
 fn gather_units(
-    ckpt: &Checkpoint,
+    srcs: &Sources,
     src: &TensorRef,
     units: &[u64],
     unit: u64,
@@ -861,7 +959,7 @@ fn gather_units(
     let span = (hi - lo + 1) * unit;
     if span <= 4 * units.len() as u64 * unit {
         let mut buf = vec![0u8; span as usize];
-        ckpt.read_tensor_at(src, lo * unit, &mut buf)?;
+        srcs.read(src, lo * unit, &mut buf)?;
         for &j in units {
             let at = ((j - lo) * unit) as usize;
             out.extend_from_slice(&buf[at..at + unit as usize]);
@@ -876,46 +974,46 @@ fn gather_units(
         }
         let start = out.len();
         out.resize(start + n * unit as usize, 0);
-        ckpt.read_tensor_at(src, units[k] * unit, &mut out[start..])?;
+        srcs.read(src, units[k] * unit, &mut out[start..])?;
         k += n;
     }
     Ok(())
 }
 
 /// Reads what output rows `[first, first + count)` of `t` need.
-fn gather(ckpt: &Checkpoint, t: &OutputTensor, first: u64, count: u64) -> Result<Gathered> {
+fn gather(srcs: &Sources, t: &OutputTensor, first: u64, count: u64) -> Result<Gathered> {
     let (inner, rows, _) = produce::row_geometry(t);
     let es = t.src_dtype.and_then(DType::size).unwrap_or(1) as u64;
     let mut out = Vec::new();
     match &t.recipe {
         Recipe::Direct { src } => {
-            let s = source(ckpt, t, src)?;
+            let s = srcs.get(t, src)?;
             out.resize((count * inner * es) as usize, 0);
-            ckpt.read_tensor_at(s, first * inner * es, &mut out)?;
+            srcs.read(s, first * inner * es, &mut out)?;
         }
         Recipe::Rows {
             src,
             map,
             row_elems,
         } => {
-            let s = source(ckpt, t, src)?;
+            let s = srcs.get(t, src)?;
             let per_row = inner / row_elems;
             let units: Vec<u64> = (first * per_row..(first + count) * per_row)
                 .map(|k| map.source_row(k))
                 .collect();
-            gather_units(ckpt, s, &units, row_elems * es, &mut out)?;
+            gather_units(srcs, s, &units, row_elems * es, &mut out)?;
         }
-        Recipe::Stack { srcs } => {
-            let per_expert = rows / srcs.len() as u64;
+        Recipe::Stack { srcs: names } => {
+            let per_expert = rows / names.len() as u64;
             let row = inner * es;
             let mut r = first;
             while r < first + count {
                 let x = r / per_expert;
                 let end = ((x + 1) * per_expert).min(first + count);
-                let s = source(ckpt, t, &srcs[x as usize])?;
+                let s = srcs.get(t, &names[x as usize])?;
                 let start = out.len();
                 out.resize(start + ((end - r) * row) as usize, 0);
-                ckpt.read_tensor_at(s, (r % per_expert) * row, &mut out[start..])?;
+                srcs.read(s, (r % per_expert) * row, &mut out[start..])?;
                 r = end;
             }
         }
@@ -923,13 +1021,13 @@ fn gather(ckpt: &Checkpoint, t: &OutputTensor, first: u64, count: u64) -> Result
             src, nope, v, lora, ..
         } => {
             // Output row (h, l) holds kv_b[h * (nope + v) + n][l] for n in 0..nope.
-            let s = source(ckpt, t, src)?;
+            let s = srcs.get(t, src)?;
             let (h0, h1) = (first / lora, (first + count - 1) / lora);
             let head_rows = nope + v;
             let begin = h0 * head_rows * lora * es;
             let end = (h1 * head_rows + nope) * lora * es;
             let mut buf = vec![0u8; (end - begin) as usize];
-            ckpt.read_tensor_at(s, begin, &mut buf)?;
+            srcs.read(s, begin, &mut buf)?;
             out.reserve((count * inner * es) as usize);
             for r in first..first + count {
                 let (h, l) = (r / lora, r % lora);
@@ -951,13 +1049,13 @@ fn gather(ckpt: &Checkpoint, t: &OutputTensor, first: u64, count: u64) -> Result
             let mut b = Vec::new();
             let mut sc = Vec::new();
             gather_units(
-                ckpt,
-                source(ckpt, t, blocks)?,
+                srcs,
+                srcs.get(t, blocks)?,
                 &units,
                 groups * MXFP4_SRC_BLOCK_BYTES as u64,
                 &mut b,
             )?;
-            gather_units(ckpt, source(ckpt, t, scales)?, &units, groups, &mut sc)?;
+            gather_units(srcs, srcs.get(t, scales)?, &units, groups, &mut sc)?;
             return Ok(Gathered::Mxfp4 {
                 blocks: b,
                 scales: sc,
@@ -1016,7 +1114,7 @@ fn convert_rows(
 /// working memory, converting each chunk on up to `threads` threads.
 #[allow(clippy::too_many_arguments)]
 fn produce_tensor(
-    ckpt: &Checkpoint,
+    srcs: &Sources,
     t: &OutputTensor,
     dst: &File,
     dst_path: &Path,
@@ -1050,7 +1148,7 @@ fn produce_tensor(
             return Err(Error::Cancelled);
         }
         let count = chunk_rows.min(rows - first);
-        let g = gather(ckpt, t, first, count)?;
+        let g = gather(srcs, t, first, count)?;
         out.clear();
         out.resize((count * row_bytes) as usize, 0);
         let per_thread = if count * inner < (1 << 16) || threads <= 1 {
