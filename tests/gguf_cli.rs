@@ -1349,3 +1349,37 @@ fn deepseek_v3_fp8_weights_are_dequantised_to_bf16() {
         .collect();
     assert_eq!(g.tensor("blk.1.ffn_gate_exps.weight").2, stacked);
 }
+
+/// A failure while tensors are being written (a NaN FP8 code, found only when its rows are
+/// read) leaves no file, no temporary and no created directory behind.
+#[test]
+fn a_failure_while_writing_leaves_nothing_behind() {
+    let d = tmp();
+    let mut tensors = deepseek_tensors();
+    let name = "model.layers.1.self_attn.q_a_proj.weight";
+    let at = tensors.iter().position(|t| t.0 == name).unwrap();
+    let mut codes = vec![0x38u8; 24 * 64];
+    codes[24 * 64 - 3] = 0x7F; // E4M3 NaN
+    tensors[at] = t(name, DType::F8_E4M3, &[24, 64], codes);
+    tensors.push(t(
+        &format!("{name}_scale_inv"),
+        DType::F32,
+        &[1, 1],
+        1.0f32.to_le_bytes().to_vec(),
+    ));
+    let model = model_dir(d.path(), "deepseekv3", deepseek_config, &tensors);
+    let out_dir = d.path().join("new").join("dir");
+    let out = out_dir.join("x.gguf");
+    let err = fails(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "--split-max-size",
+        "20K",
+    ]);
+    assert!(err.contains("q_a_proj") && err.contains("NaN"), "{err}");
+    assert!(!d.path().join("new").exists(), "{:?}", listing(&out_dir));
+}

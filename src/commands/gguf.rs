@@ -1140,44 +1140,77 @@ fn produce_tensor(
     // Gathered rows, a span read up to 4× as large, the converter's copy and f32 values, and
     // the output rows.
     let per_row = 6 * src_row + 4 * inner + row_bytes;
-    let chunk_rows = (budget / per_row.max(1)).clamp(1, rows.max(1));
-    let mut out = Vec::new();
-    let mut first = 0;
-    while first < rows {
-        if cancel.is_raised() {
+    // Two chunks in flight (one read ahead while the other converts): half the budget each.
+    let chunk_rows = (budget / 2 / per_row.max(1)).clamp(1, rows.max(1));
+    if rows <= chunk_rows {
+        let g = gather(srcs, t, 0, rows)?;
+        return convert_and_write(t, &g, 0, rows, threads, dst, dst_path, offset);
+    }
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(u64, u64, Gathered)>>(1);
+        s.spawn(move || {
+            let mut first = 0;
+            while first < rows && !cancel.is_raised() {
+                let count = chunk_rows.min(rows - first);
+                let g = gather(srcs, t, first, count);
+                let failed = g.is_err();
+                if tx.send(g.map(|g| (first, count, g))).is_err() || failed {
+                    return;
+                }
+                first += count;
+            }
+        });
+        let mut done = 0;
+        for msg in rx {
+            let (first, count, g) = msg?;
+            convert_and_write(t, &g, first, count, threads, dst, dst_path, offset)?;
+            done += count;
+        }
+        if done < rows {
             return Err(Error::Cancelled);
         }
-        let count = chunk_rows.min(rows - first);
-        let g = gather(srcs, t, first, count)?;
-        out.clear();
-        out.resize((count * row_bytes) as usize, 0);
-        let per_thread = if count * inner < (1 << 16) || threads <= 1 {
-            count
-        } else {
-            count.div_ceil(threads as u64)
-        };
-        if per_thread >= count {
-            convert_rows(t, &g, 0, count, inner, &mut out)?;
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = out
-                    .chunks_mut((per_thread * row_bytes) as usize)
-                    .enumerate()
-                    .map(|(i, o)| {
-                        let g = &g;
-                        let a = i as u64 * per_thread;
-                        let n = o.len() as u64 / row_bytes;
-                        s.spawn(move || convert_rows(t, g, a, n, inner, o))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .try_for_each(|h| h.join().expect("converter thread panicked"))
-            })?;
-        }
-        dst.write_all_at(&out, offset + first * row_bytes)
-            .map_err(|e| Error::io(dst_path, e))?;
-        first += count;
+        Ok(())
+    })
+}
+
+/// Converts gathered rows `[first, first + count)` (on up to `threads` threads) and writes
+/// them at their place.
+#[allow(clippy::too_many_arguments)]
+fn convert_and_write(
+    t: &OutputTensor,
+    g: &Gathered,
+    first: u64,
+    count: u64,
+    threads: usize,
+    dst: &File,
+    dst_path: &Path,
+    offset: u64,
+) -> Result<()> {
+    let (inner, _, row_bytes) = produce::row_geometry(t);
+    let mut out = vec![0u8; (count * row_bytes) as usize];
+    let per_thread = if count * inner < (1 << 16) || threads <= 1 {
+        count
+    } else {
+        count.div_ceil(threads as u64)
+    };
+    if per_thread >= count {
+        convert_rows(t, g, 0, count, inner, &mut out)?;
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = out
+                .chunks_mut((per_thread * row_bytes) as usize)
+                .enumerate()
+                .map(|(i, o)| {
+                    let a = i as u64 * per_thread;
+                    let n = o.len() as u64 / row_bytes;
+                    s.spawn(move || convert_rows(t, g, a, n, inner, o))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .try_for_each(|h| h.join().expect("converter thread panicked"))
+        })?;
     }
-    Ok(())
+    dst.write_all_at(&out, offset + first * row_bytes)
+        .map_err(|e| Error::io(dst_path, e))
 }
