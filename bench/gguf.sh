@@ -7,6 +7,7 @@
 # llama-cpp-python 0.3.36 sdist's vendor/llama.cpp) and torch + transformers importable, the
 # reference convert_hf_to_gguf.py runs in the same script on the same model, same outtypes, and
 # its output is compared tensor for tensor.
+# Wall times on a shared machine depend on its load; CPU seconds (user + sys) less so.
 # Usage: bench/gguf.sh [LAYERS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,9 +28,10 @@ echo "model: $(du -sb "$IN" | cut -f1) bytes, $LAYERS layers"
 measure() {
     local name=$1; shift
     cold
-    /usr/bin/time -f "%e %M" -o "$D/time.$name" "$@" >"$D/log.$name" 2>&1 || { cat "$D/log.$name"; exit 1; }
-    read -r wall kib <"$D/time.$name"
-    printf '%-28s %8.2f s  peak RSS %7.1f MiB\n' "$name" "$wall" "$(echo "$kib / 1024" | bc -l)"
+    /usr/bin/time -f "%e %U %S %M" -o "$D/time.$name" "$@" >"$D/log.$name" 2>&1 || { cat "$D/log.$name"; exit 1; }
+    read -r wall user sys kib <"$D/time.$name"
+    printf '%-28s %8.2f s wall %8.2f s CPU  peak RSS %7.1f MiB\n' "$name" "$wall" \
+        "$(echo "$user + $sys" | bc -l)" "$(echo "$kib / 1024" | bc -l)"
 }
 
 for t in auto q8_0; do
