@@ -1383,3 +1383,87 @@ fn a_failure_while_writing_leaves_nothing_behind() {
     assert!(err.contains("q_a_proj") && err.contains("NaN"), "{err}");
     assert!(!d.path().join("new").exists(), "{:?}", listing(&out_dir));
 }
+
+#[test]
+fn mixtral_permutes_q_k_and_stacks_w1_w2_w3() {
+    let d = tmp();
+    let mut rng = Rng(43);
+    let mut tensors = vec![
+        rand_t(
+            &mut rng,
+            "model.embed_tokens.weight",
+            DType::BF16,
+            &[410, 64],
+        ),
+        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
+        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
+    ];
+    for l in 0..2 {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        for (name, shape) in [
+            ("input_layernorm.weight", vec![64u64]),
+            ("post_attention_layernorm.weight", vec![64]),
+            ("self_attn.q_proj.weight", vec![64, 64]),
+            ("self_attn.k_proj.weight", vec![32, 64]),
+            ("self_attn.v_proj.weight", vec![32, 64]),
+            ("self_attn.o_proj.weight", vec![64, 64]),
+            ("block_sparse_moe.gate.weight", vec![4, 64]),
+        ] {
+            tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
+        }
+        for x in 0..4 {
+            for (w, shape) in [("w1", [128u64, 64]), ("w2", [64, 128]), ("w3", [128, 64])] {
+                let name = p(&format!("block_sparse_moe.experts.{x}.{w}.weight"));
+                tensors.push(rand_t(&mut rng, &name, DType::BF16, &shape));
+            }
+        }
+    }
+    let model = model_dir(
+        d.path(),
+        "mixtral",
+        |c| {
+            c["num_key_value_heads"] = 2.into();
+            c["num_local_experts"] = 4.into();
+        },
+        &tensors,
+    );
+    let out = d.path().join("mx.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "-q",
+    ]));
+    let g = parse(&out);
+    assert_eq!(g.str("general.architecture"), "llama");
+    assert_eq!(g.u32("llama.expert_count"), 4);
+    for l in 0..2 {
+        let h = |s: &str| format!("model.layers.{l}.{s}");
+        assert_eq!(
+            g.tensor(&format!("blk.{l}.attn_k.weight")).2,
+            permute(src(&tensors, &h("self_attn.k_proj.weight")), 32, 2)
+        );
+        for (w, gg) in [
+            ("w1", "ffn_gate_exps"),
+            ("w2", "ffn_down_exps"),
+            ("w3", "ffn_up_exps"),
+        ] {
+            let want: Vec<u8> = (0..4)
+                .flat_map(|x| {
+                    src(
+                        &tensors,
+                        &h(&format!("block_sparse_moe.experts.{x}.{w}.weight")),
+                    )
+                    .to_vec()
+                })
+                .collect();
+            let (sh, ty, data) = g.tensor(&format!("blk.{l}.{gg}.weight"));
+            assert_eq!((sh.len(), *ty), (3, 30), "{gg}");
+            assert_eq!(data, &want, "{gg}");
+        }
+        assert_eq!(g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).1, 0);
+    }
+}
