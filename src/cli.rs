@@ -40,6 +40,9 @@ pub enum Command {
     /// Merge a LoRA adapter saved as FSDP rank shards (dim-0 slices) into a base model
     #[command(name = "merge-fsdp-lora")]
     MergeFsdpLora(Box<MergeFsdpArgs>),
+    /// Write a GGUF file that llama.cpp loads (Llama, Mistral, Mixtral, Qwen2, Qwen3,
+    /// Qwen3-MoE, gpt-oss, DeepSeek-V3), streaming, sharing unchanged tensors' extents
+    Gguf(Box<GgufArgs>),
     /// Check a checkpoint's structure (and with --check-values, its numbers)
     Validate(Box<ValidateArgs>),
     /// Apply a chain of pipe sections, in the order given
@@ -553,4 +556,63 @@ pub struct DemoArgs {
     /// Accepted on every command (as in Python tftf); demo prints every step anyway
     #[arg(short, long)]
     pub verbose: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GgufArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Output file (NAME.gguf); with --split-max-size, NAME-0000i-of-0000N.gguf beside it
+    #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT.gguf")]
+    pub output: PathBuf,
+    /// Tensor type: auto (keep BF16/F16 as the checkpoint has them; F32 becomes F16), f32,
+    /// f16, bf16 or q8_0. Norms, biases and routers stay F32; MXFP4 experts stay MXFP4
+    #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = ["auto", "f32", "f16", "bf16", "q8_0"])]
+    pub outtype: String,
+    /// Split into files of at most SIZE tensor bytes (decimal: 500M, 5G, or bytes), as
+    /// llama.cpp's gguf-split names and keys them
+    #[arg(long, value_name = "SIZE")]
+    pub split_max_size: Option<String>,
+    /// Treat the model as this architecture: a config.json class name (LlamaForCausalLM) or a
+    /// GGUF architecture (llama, qwen2, qwen3, qwen3moe, gpt-oss, deepseek2)
+    #[arg(long, value_name = "NAME")]
+    pub arch: Option<String>,
+    /// tokenizer.ggml.pre to write instead of identifying the pre-tokenizer by its hash
+    /// (e.g. llama-bpe, qwen2, gpt-2)
+    #[arg(long, value_name = "NAME")]
+    pub vocab_pre: Option<String>,
+    /// Print the plan (tensors, types, files) and create nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Compute threads (default: all cores)
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Bound on tensor data in flight (default: a quarter of available memory, at most 4GiB)
+    #[arg(long, value_name = "SIZE")]
+    pub memory_budget: Option<String>,
+    /// Print nothing but errors
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// No progress bar or progress lines
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
+    #[arg(long, value_name = "SECS")]
+    pub progress_interval: Option<String>,
+    /// Also print informational notes
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// Write a JSON summary of the run to this file
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    /// Replace existing output files
+    #[arg(long)]
+    pub force: bool,
+    /// Copy unchanged tensors through user memory instead of copy_file_range/reflinks, and
+    /// keep the reference's tensor order (no reflink padding key)
+    #[arg(long)]
+    pub no_reflink: bool,
+    /// Accepted as on every writing command; GGUF transforms run on the CPU
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
 }

@@ -427,7 +427,7 @@ fn print_claim(claim: &Claim) {
     }
 }
 
-fn same_filesystem(a: &Path, b: &Path) -> bool {
+pub(crate) fn same_filesystem(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let dev = |p: &Path| {
         std::fs::metadata(nearest_existing(&resolve(p)))
@@ -453,7 +453,7 @@ fn tensor_reports(plan: &Plan) -> Vec<Value> {
     v
 }
 
-fn nearest_existing(p: &Path) -> PathBuf {
+pub(crate) fn nearest_existing(p: &Path) -> PathBuf {
     let mut cur = p;
     loop {
         if cur.exists() {

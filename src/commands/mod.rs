@@ -2,6 +2,7 @@
 
 pub mod convert;
 pub mod demo;
+pub mod gguf;
 pub mod info;
 pub mod run_sections;
 pub mod selftest;
@@ -275,6 +276,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             let opts = WriteOptions::from_args(&a.write)?;
             let input = flag_or_positional(&a.src, &a.model)?;
             convert("repack-fp4", &input, &steps, &opts, cancel)?;
+            Ok(0)
+        }
+        Command::Gguf(a) => {
+            let opts = gguf::GgufOptions::from_args(a)?;
+            gguf::run(&input_path(&a.input)?, &opts, cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {

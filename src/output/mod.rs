@@ -124,7 +124,17 @@ impl<'a> OutputTarget<'a> {
         ckpt: &Checkpoint,
         inputs: &'a InputFiles,
     ) -> Result<OutputTarget<'a>> {
-        let kind = output_kind_for(path);
+        Self::resolve_as(path, output_kind_for(path), ckpt, inputs)
+    }
+
+    /// [`OutputTarget::resolve`] for an output whose kind does not follow from its extension
+    /// (`tftf gguf`'s `.gguf` files are always [`OutputKind::File`]).
+    pub fn resolve_as(
+        path: &Path,
+        kind: OutputKind,
+        ckpt: &Checkpoint,
+        inputs: &'a InputFiles,
+    ) -> Result<OutputTarget<'a>> {
         let dir = output_dir(path, &kind);
         let inside = |input_dir: &Path| {
             let Some(input) = FileId::of(input_dir) else {
@@ -150,7 +160,7 @@ impl<'a> OutputTarget<'a> {
         }
         if matches!(kind, OutputKind::File) && path.is_dir() {
             return Err(Error::Other(format!(
-                "output {} is a directory; name a .safetensors file or drop the extension",
+                "output {} is a directory; name a file (or, for safetensors, drop the extension)",
                 path.display()
             )));
         }
@@ -262,6 +272,39 @@ impl<'a> OutputTarget<'a> {
                 self.inputs.refuse_input(&p, "delete")?;
                 claim.deleted.push(name);
             }
+        }
+        Ok(claim)
+    }
+
+    /// [`OutputTarget::claim`] for a set of named files in the output directory that need not
+    /// be a checkpoint layout (split GGUF files): existing ones are replaced only with `force`
+    /// and never when they are inputs; nothing else in the directory is touched.
+    pub fn claim_files(&self, names: &[String], force: bool) -> Result<Claim> {
+        let mut claim = Claim::default();
+        if !self.dir.is_dir() {
+            return Ok(claim);
+        }
+        claim.orphans = temporaries(&self.dir);
+        claim.interrupted_commit = self.dir.join(JOURNAL_NAME).exists();
+        for name in names {
+            let p = self.dir.join(name);
+            if std::fs::symlink_metadata(&p).is_err() {
+                continue;
+            }
+            if p.is_dir() && !p.is_symlink() {
+                return Err(Error::Other(format!(
+                    "{} is a directory, where the output needs to write a file; move it away",
+                    p.display()
+                )));
+            }
+            if !force {
+                return Err(Error::Other(format!(
+                    "output file {} exists; pass --force to replace it",
+                    p.display()
+                )));
+            }
+            self.inputs.refuse_input(&p, "replace")?;
+            claim.replaced.push(name.clone());
         }
         Ok(claim)
     }
