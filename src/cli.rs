@@ -596,6 +596,9 @@ pub struct GgufArgs {
     /// No progress bar or progress lines
     #[arg(long)]
     pub no_progress: bool,
+    /// Progress on stderr: auto (a bar on a terminal, else lines), plain, json, none
+    #[arg(long, value_name = "MODE")]
+    pub progress: Option<String>,
     /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
     #[arg(long, value_name = "SECS")]
     pub progress_interval: Option<String>,

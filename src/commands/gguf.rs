@@ -26,7 +26,7 @@ use crate::format::gguf::layout::{
 use crate::format::gguf::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use crate::format::gguf::{produce, tokenizer, FileType, GgmlType};
 use crate::gpu::DeviceRequest;
-use crate::ops::dequant_fp8::{
+use crate::ops::fp8::{
     config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode,
 };
 use crate::ops::Op;
@@ -34,7 +34,7 @@ use crate::output::{
     check_report_path, resolve, side_files, write_report, InputFiles, OutputTarget,
 };
 use crate::pipeline::Cancel;
-use crate::plan::OutputKind;
+use crate::sink::OutputKind;
 use crate::progress::Progress;
 use crate::size::human;
 use crate::sys;
@@ -55,7 +55,7 @@ pub struct GgufOptions {
     pub threads: usize,
     pub memory_budget: u64,
     pub quiet: bool,
-    pub progress: bool,
+    pub progress: crate::progress::Mode,
     pub progress_interval: Duration,
     pub verbose: bool,
     pub report: Option<PathBuf>,
@@ -104,7 +104,7 @@ impl GgufOptions {
             threads,
             memory_budget: parse_budget(a.memory_budget.as_deref())?,
             quiet: a.quiet,
-            progress: !a.quiet && !a.no_progress,
+            progress: crate::progress::parse_mode(a.progress.as_deref(), a.no_progress, a.quiet)?,
             progress_interval: crate::progress::parse_interval(a.progress_interval.as_deref())?,
             verbose: a.verbose,
             report: a.report.clone(),
@@ -126,15 +126,13 @@ pub struct SourceLoc<'a> {
 /// The one place that knows how a checkpoint tensor maps onto file ranges: `None` when the
 /// tensor is not one contiguous range (assembled from pieces), so it is read, not shared.
 fn contiguous_source<'a>(ckpt: &'a Checkpoint, t: &TensorRef) -> Option<SourceLoc<'a>> {
-    if !t.parts.is_empty() {
-        return None;
-    }
-    let shard = ckpt.shards.get(t.shard)?;
+    let (file, offset) = t.contiguous()?;
+    let shard = ckpt.shards.get(file)?;
     Some(SourceLoc {
-        id: t.shard as u32,
+        id: file as u32,
         file: &shard.file,
         path: &shard.path,
-        offset: ckpt.file_offset(t),
+        offset,
     })
 }
 
@@ -428,9 +426,17 @@ fn run_inner(
         files.push(file);
         tmp_names.push(tmp);
     }
-    let progress = opts
-        .progress
-        .then(|| Progress::new("gguf", names.clone(), total_tensor, opts.progress_interval));
+    // Per-file events are left out: a GGUF file's tensors are counted as one stream.
+    let progress = (opts.progress != crate::progress::Mode::Off).then(|| {
+        Progress::new(
+            "gguf",
+            names.clone(),
+            Vec::new(),
+            total_tensor,
+            opts.progress_interval,
+            opts.progress,
+        )
+    });
     let mut stats = Stats::default();
     let mut copy = CopyState {
         kernel_copy: opts.kernel_copy,
