@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use serde_json::Value as Json;
 use tftf::error::Error;
 use tftf::format::dtype::DType;
-use tftf::format::gguf::arch::{self, Config, InputTensor, OutputTensor, Recipe, RowMap};
-use tftf::format::gguf::kv::{Array, Metadata, Value};
-use tftf::format::gguf::layout::{
+use tftf::sink::gguf::arch::{self, Config, InputTensor, OutputTensor, Recipe, RowMap};
+use tftf::sink::gguf::kv::{Array, Metadata, Value};
+use tftf::sink::gguf::layout::{
     self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec, PAD_KEY,
 };
-use tftf::format::gguf::{produce, quant, tokenizer, transform, FileType, GgmlType};
+use tftf::sink::gguf::{produce, quant, tokenizer, transform, FileType, GgmlType};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use common::*;
 use serde_json::Value as Json;
 use tftf::format::dtype::DType;
-use tftf::format::gguf::quant;
+use tftf::sink::gguf::quant;
 
 fn gguf_fixture(name: &str) -> PathBuf {
     fixture(&format!("gguf/{name}"))
@@ -338,7 +338,7 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
     let (shape, ty, data) = g.tensor("rope_freqs.weight");
     assert_eq!((shape.as_slice(), *ty), (&[8u64][..], 0));
     let want: Vec<u8> =
-        tftf::format::gguf::transform::llama3_rope_freqs(500000.0, 16, 8.0, 1.0, 4.0, 8192.0)
+        tftf::sink::gguf::transform::llama3_rope_freqs(500000.0, 16, 8.0, 1.0, 4.0, 8192.0)
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();

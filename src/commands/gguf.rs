@@ -19,23 +19,21 @@ use crate::commands::convert::{nearest_existing, parse_budget, same_filesystem};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::{Checkpoint, TensorRef};
 use crate::format::dtype::DType;
-use crate::format::gguf::arch::{self, Config, InputTensor, OutputTensor, Recipe};
-use crate::format::gguf::layout::{
-    self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec,
-};
-use crate::format::gguf::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
-use crate::format::gguf::{produce, tokenizer, FileType, GgmlType};
 use crate::gpu::DeviceRequest;
-use crate::ops::fp8::{
-    config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode,
-};
+use crate::ops::fp8::{config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode};
 use crate::ops::Op;
 use crate::output::{
     check_report_path, resolve, side_files, write_report, InputFiles, OutputTarget,
 };
 use crate::pipeline::Cancel;
-use crate::sink::OutputKind;
 use crate::progress::Progress;
+use crate::sink::gguf::arch::{self, Config, InputTensor, OutputTensor, Recipe};
+use crate::sink::gguf::layout::{
+    self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec,
+};
+use crate::sink::gguf::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
+use crate::sink::gguf::{produce, tokenizer, FileType, GgmlType};
+use crate::sink::OutputKind;
 use crate::size::human;
 use crate::sys;
 

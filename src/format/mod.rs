@@ -2,7 +2,6 @@
 
 pub mod checkpoint;
 pub mod dtype;
-pub mod gguf;
 pub mod header;
 pub mod quant;
 pub mod source;

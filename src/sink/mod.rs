@@ -4,8 +4,10 @@
 //! a property of the layout: a copied tensor placed at an offset congruent with its source
 //! offset modulo [`CLONE_ALIGN_BYTES`] can be cloned instead of copied, whatever the format.
 //!
-//! `safetensors` writes shards and their index; GGUF's planner lives in `format::gguf::layout`.
+//! `safetensors` writes shards and their index; `gguf` writes GGUF v3 for llama.cpp (its own
+//! layout planner, `gguf::layout`, keeps every tensor at the 32-byte alignment llama.cpp needs).
 
+pub mod gguf;
 pub mod safetensors;
 
 use std::path::PathBuf;
