@@ -143,6 +143,13 @@ fn convert_inner(
     let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &sides));
     let target = OutputTarget::resolve(&opts.output, &ckpt, inputs)?;
     let plan = Plan::build(&ckpt, steps)?;
+    for w in &plan.notes.warnings {
+        eprintln!(
+            "warning: {}: {}",
+            crate::escape::path(input),
+            crate::escape::name(w)
+        );
+    }
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
@@ -448,7 +455,7 @@ fn print_plan(
             s.tensors.len()
         );
     }
-    if layout.index_json(&plan).is_some() {
+    if layout.index_json(plan).is_some() {
         println!("  model.safetensors.index.json");
     }
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
@@ -577,7 +584,7 @@ fn report_json(
         "output": {
             "path": opts.output.to_string_lossy(),
             "files": files,
-            "index": layout.index_json(&plan).is_some(),
+            "index": layout.index_json(plan).is_some(),
             "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
@@ -610,6 +617,6 @@ fn report_json(
         "pool_peak_bytes": stats.map(|s| s.pool_peak_bytes),
         "wall_seconds": started.elapsed().as_secs_f64(),
         "peak_rss_bytes": sys::peak_rss(),
-        "warnings": ckpt.warnings,
+        "warnings": ckpt.warnings.iter().chain(&plan.notes.warnings).collect::<Vec<_>>(),
     })
 }
