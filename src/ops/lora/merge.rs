@@ -104,9 +104,12 @@ fn lora_launch(
     delta: DeltaParams,
     coef_is_a: bool,
 ) -> LoraLaunch {
-    let base_dequant = base_op.as_ref().map(|op| match op.kernel(units) {
-        Some(Kernel::DequantFp8(p)) => p,
-        _ => unreachable!("merges run on the GPU only over an FP8 base"),
+    // The GPU runs a merge only over a stored or an FP8 base (`base_on_gpu`); the CPU reads only
+    // the operand layout of this launch, so another computed base (a cast step's rounding)
+    // leaves `base_dequant` empty rather than failing.
+    let base_dequant = base_op.as_ref().and_then(|op| match op.kernel(units) {
+        Some(Kernel::DequantFp8(p)) => Some(p),
+        _ => None,
     });
     LoraLaunch {
         base_inputs,

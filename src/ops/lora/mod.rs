@@ -138,6 +138,10 @@ pub struct LoraConfig {
     pub layers_to_transform: Vec<u64>,
     /// Names of the layer list (`layers_pattern`); empty: the first numbered segment.
     pub layers_pattern: Vec<String>,
+    /// Compiled once: PEFT's layer-index regexes (from `layers_pattern`, or its default) and
+    /// its `modules_to_save` exclusion regexes.
+    layer_res: Vec<Regex>,
+    saved_res: Vec<Regex>,
 }
 
 impl LoraConfig {
@@ -209,18 +213,38 @@ impl LoraConfig {
             }
         };
         let layers_pattern = list("layers_pattern");
-        for p in &layers_pattern {
-            Regex::new(p).map_err(|e| {
-                bad(format!(
-                    "`layers_pattern` `{p}` cannot be used as a regex: {e}"
-                ))
-            })?;
-        }
+        let layer_res = if layers_pattern.is_empty() {
+            vec![Regex::new(r"^.*?\.[^.]*\.(?P<idx>\d+)\.").expect("valid")]
+        } else {
+            layers_pattern
+                .iter()
+                .map(|p| {
+                    Regex::new(&format!(r"^(?:^|.*?\.){p}\.(?P<idx>\d+)\.")).map_err(|e| {
+                        bad(format!(
+                            "`layers_pattern` `{p}` cannot be used as a regex: {e}"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        let modules_to_save = list("modules_to_save");
+        let saved_res = modules_to_save
+            .iter()
+            .map(|m| {
+                Regex::new(&format!(r"^(^|.*\.){m}($|\..*)")).map_err(|e| {
+                    bad(format!(
+                        "`modules_to_save` `{m}` cannot be used as a regex: {e}"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(LoraConfig {
             target_modules,
             exclude_modules,
             layers_to_transform,
             layers_pattern,
+            layer_res,
+            saved_res,
             r,
             alpha,
             use_rslora: v
@@ -237,7 +261,7 @@ impl LoraConfig {
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
             use_dora: v.get("use_dora").and_then(Value::as_bool).unwrap_or(false),
-            modules_to_save: list("modules_to_save"),
+            modules_to_save,
             target_parameters: list("target_parameters"),
         })
     }
@@ -263,10 +287,7 @@ impl LoraConfig {
         {
             return Targeted::Excluded;
         }
-        let saved = self.modules_to_save.iter().any(|m| {
-            Regex::new(&format!(r"^(^|.*\.){m}($|\..*)")).is_ok_and(|re| re.is_match(key))
-        });
-        if saved {
+        if self.saved_res.iter().any(|re| re.is_match(key)) {
             return Targeted::Excluded;
         }
         let found = match &self.target_modules {
@@ -290,15 +311,12 @@ impl LoraConfig {
         if self.layers_to_transform.is_empty() {
             return true;
         }
-        let index = if self.layers_pattern.is_empty() {
-            layer_index(r"^.*?\.[^.]*\.(?P<idx>\d+)\.", key)
-        } else {
-            self.layers_pattern
-                .iter()
-                .map(|p| layer_index(&format!(r"^(?:^|.*?\.){p}\.(?P<idx>\d+)\."), key))
-                .find(Option::is_some)
-                .flatten()
-        };
+        // PEFT tries each pattern in turn and takes the first that matches.
+        let index = self
+            .layer_res
+            .iter()
+            .find_map(|re| re.captures(key))
+            .and_then(|c| c.name("idx")?.as_str().parse::<u64>().ok());
         index.is_some_and(|i| self.layers_to_transform.contains(&i))
     }
 
@@ -345,17 +363,6 @@ impl LoraConfig {
         };
         (r, scale)
     }
-}
-
-/// The layer index `pattern`'s `idx` group finds at the start of `key`.
-fn layer_index(pattern: &str, key: &str) -> Option<u64> {
-    Regex::new(pattern)
-        .ok()?
-        .captures(key)?
-        .name("idx")?
-        .as_str()
-        .parse()
-        .ok()
 }
 
 /// `key` without its trailing `.base_layer` segments, and how many there were: PEFT nests one
