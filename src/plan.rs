@@ -119,6 +119,9 @@ pub struct PlanNotes {
     pub lines: Vec<String>,
     /// Per-tensor figures known at plan time (FP4 window choices, block counts).
     pub tensors: Vec<Value>,
+    /// Things the user should know even with `-q` (adapter tensors left out on purpose, …):
+    /// printed on stderr as `warning:` lines and listed in the report.
+    pub warnings: Vec<String>,
 }
 
 /// A step contributed by an op module: rewrites the entry list from headers alone.

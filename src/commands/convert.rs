@@ -149,6 +149,13 @@ fn convert_inner(
     let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &sides));
     let target = OutputTarget::resolve(&opts.output, &ckpt, inputs)?;
     let plan = Plan::build(&ckpt, steps)?;
+    for w in &plan.notes.warnings {
+        eprintln!(
+            "warning: {}: {}",
+            crate::escape::path(input),
+            crate::escape::name(w)
+        );
+    }
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
@@ -686,6 +693,6 @@ fn report_json(
         "pool_peak_bytes": stats.map(|s| s.pool_peak_bytes),
         "wall_seconds": started.elapsed().as_secs_f64(),
         "peak_rss_bytes": sys::peak_rss(),
-        "warnings": ckpt.warnings,
+        "warnings": ckpt.warnings.iter().chain(&plan.notes.warnings).collect::<Vec<_>>(),
     })
 }

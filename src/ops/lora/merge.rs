@@ -104,8 +104,9 @@ fn lora_launch(
     delta: DeltaParams,
     coef_is_a: bool,
 ) -> LoraLaunch {
-    // Only an FP8 base is computed on the device (`base_on_gpu`); the CPU path reads only
-    // the operand layout from this launch.
+    // The GPU runs a merge only over a stored or an FP8 base (`base_on_gpu`); the CPU reads only
+    // the operand layout of this launch, so another computed base (a cast step's rounding)
+    // leaves `base_dequant` empty rather than failing.
     let base_dequant = base_op.as_ref().and_then(|op| match op.kernel(units) {
         Some(Kernel::DequantFp8(p)) => Some(p),
         _ => None,

@@ -47,8 +47,78 @@ pub struct LoraOptions {
     pub rank_alpha: Option<(u64, f64)>,
 }
 
-/// What `adapter_config.json` says, as far as merging needs it.
+/// `target_modules` / `exclude_modules` of adapter_config.json: a list of names (PEFT's suffix
+/// match: the module is named exactly, or ends with `.NAME`) or one regex (PEFT's
+/// `re.fullmatch` against the whole module name).
 #[derive(Debug, Clone)]
+pub enum ModulePattern {
+    List(Vec<String>),
+    Regex(String, Regex),
+    /// `"all-linear"`: every linear layer but the output head, which PEFT resolves from the
+    /// module classes; a safetensors file has no classes, so every pair in the file counts.
+    AllLinear,
+}
+
+impl ModulePattern {
+    /// A JSON value (list or string) as a pattern; `None` for an absent or null key.
+    fn parse(key: &str, v: Option<&Value>) -> std::result::Result<Option<ModulePattern>, String> {
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if key == "target_modules" && s.eq_ignore_ascii_case("all-linear") => {
+                Ok(Some(ModulePattern::AllLinear))
+            }
+            Some(Value::String(s)) => Regex::new(&format!("^(?:{s})$"))
+                .map(|re| Some(ModulePattern::Regex(s.clone(), re)))
+                .map_err(|e| format!("`{key}` regex `{s}` cannot be used (Rust regex syntax, no look-around or back-references): {e}")),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(String::from)
+                        .ok_or_else(|| format!("`{key}` holds {x}, not a module name"))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(|l| Some(ModulePattern::List(l))),
+            Some(x) => Err(format!("`{key}` is {x}, neither a list of names nor a regex")),
+        }
+    }
+
+    /// PEFT's match of one module name: `key in list or key.endswith("." + name)`, or
+    /// `re.fullmatch(regex, key)`.
+    fn matches(&self, key: &str) -> bool {
+        match self {
+            ModulePattern::List(l) => l.iter().any(|t| suffix_match(key, t)),
+            ModulePattern::Regex(_, re) => re.is_match(key),
+            ModulePattern::AllLinear => true,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            ModulePattern::List(l) => format!("{l:?}"),
+            ModulePattern::Regex(s, _) => format!("regex `{s}`"),
+            ModulePattern::AllLinear => "all-linear".into(),
+        }
+    }
+}
+
+/// PEFT's list match: `key == name or key.endswith("." + name)`.
+fn suffix_match(key: &str, name: &str) -> bool {
+    key.strip_suffix(name)
+        .is_some_and(|rest| rest.is_empty() || rest.ends_with('.'))
+}
+
+/// Whether PEFT puts an adapter on a module (`check_target_module_exists`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Targeted {
+    Yes,
+    No,
+    /// By `exclude_modules`, or because `modules_to_save` names it.
+    Excluded,
+}
+
+/// What `adapter_config.json` says, as far as merging needs it.
+#[derive(Debug, Clone, Default)]
 pub struct LoraConfig {
     pub r: u64,
     pub alpha: f64,
@@ -60,6 +130,18 @@ pub struct LoraConfig {
     pub modules_to_save: Vec<String>,
     /// Parameters targeted directly (`mlp.experts.gate_up_proj`): grouped expert weights.
     pub target_parameters: Vec<String>,
+    /// `None`: the config does not say (an old config, or `--rank/--alpha` without one), so
+    /// every pair in the adapter file is taken as targeted.
+    pub target_modules: Option<ModulePattern>,
+    pub exclude_modules: Option<ModulePattern>,
+    /// Layer indices (`layers_to_transform`, an int or a list; empty = all layers).
+    pub layers_to_transform: Vec<u64>,
+    /// Names of the layer list (`layers_pattern`); empty: the first numbered segment.
+    pub layers_pattern: Vec<String>,
+    /// Compiled once: PEFT's layer-index regexes (from `layers_pattern`, or its default) and
+    /// its `modules_to_save` exclusion regexes.
+    layer_res: Vec<Regex>,
+    saved_res: Vec<Regex>,
 }
 
 impl LoraConfig {
@@ -105,7 +187,64 @@ impl LoraConfig {
                 _ => Vec::new(),
             }
         };
+        let target_modules =
+            ModulePattern::parse("target_modules", v.get("target_modules")).map_err(bad)?;
+        let exclude_modules =
+            ModulePattern::parse("exclude_modules", v.get("exclude_modules")).map_err(bad)?;
+        let layers_to_transform = match v.get("layers_to_transform") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Number(n)) => vec![n
+                .as_u64()
+                .ok_or_else(|| bad(format!("`layers_to_transform` {n} is not a layer index")))?],
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64().ok_or_else(|| {
+                        bad(format!(
+                            "`layers_to_transform` holds {x}, not a layer index"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(x) => {
+                return Err(bad(format!(
+                    "`layers_to_transform` is {x}, not an index or a list"
+                )))
+            }
+        };
+        let layers_pattern = list("layers_pattern");
+        let layer_res = if layers_pattern.is_empty() {
+            vec![Regex::new(r"^.*?\.[^.]*\.(?P<idx>\d+)\.").expect("valid")]
+        } else {
+            layers_pattern
+                .iter()
+                .map(|p| {
+                    Regex::new(&format!(r"^(?:^|.*?\.){p}\.(?P<idx>\d+)\.")).map_err(|e| {
+                        bad(format!(
+                            "`layers_pattern` `{p}` cannot be used as a regex: {e}"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        let modules_to_save = list("modules_to_save");
+        let saved_res = modules_to_save
+            .iter()
+            .map(|m| {
+                Regex::new(&format!(r"^(^|.*\.){m}($|\..*)")).map_err(|e| {
+                    bad(format!(
+                        "`modules_to_save` `{m}` cannot be used as a regex: {e}"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(LoraConfig {
+            target_modules,
+            exclude_modules,
+            layers_to_transform,
+            layers_pattern,
+            layer_res,
+            saved_res,
             r,
             alpha,
             use_rslora: v
@@ -122,7 +261,7 @@ impl LoraConfig {
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
             use_dora: v.get("use_dora").and_then(Value::as_bool).unwrap_or(false),
-            modules_to_save: list("modules_to_save"),
+            modules_to_save,
             target_parameters: list("target_parameters"),
         })
     }
@@ -135,6 +274,82 @@ impl LoraConfig {
                 .filter(|re| re.is_match(module))
                 .map(|_| *v)
         })
+    }
+
+    /// PEFT's `check_target_module_exists` for the module named `key` (as in the base model):
+    /// `exclude_modules` and `modules_to_save` first, then `target_modules` (a list also
+    /// filtered by `layers_to_transform` / `layers_pattern`).
+    pub fn targets(&self, key: &str) -> Targeted {
+        if self
+            .exclude_modules
+            .as_ref()
+            .is_some_and(|p| p.matches(key))
+        {
+            return Targeted::Excluded;
+        }
+        if self.saved_res.iter().any(|re| re.is_match(key)) {
+            return Targeted::Excluded;
+        }
+        let found = match &self.target_modules {
+            // An old config or none at all: the file says what is targeted.
+            None if self.target_parameters.is_empty() => true,
+            None => false,
+            Some(ModulePattern::List(l)) if l.iter().any(|t| t == key) => true,
+            Some(p @ ModulePattern::List(_)) => p.matches(key) && self.in_layers(key),
+            Some(p) => p.matches(key),
+        };
+        if found {
+            Targeted::Yes
+        } else {
+            Targeted::No
+        }
+    }
+
+    /// `layers_to_transform`: the module's layer index (PEFT: the first numbered segment, or
+    /// the one after a `layers_pattern` name) is listed; a module without one is not targeted.
+    fn in_layers(&self, key: &str) -> bool {
+        if self.layers_to_transform.is_empty() {
+            return true;
+        }
+        // PEFT tries each pattern in turn and takes the first that matches.
+        let index = self
+            .layer_res
+            .iter()
+            .find_map(|re| re.captures(key))
+            .and_then(|c| c.name("idx")?.as_str().parse::<u64>().ok());
+        index.is_some_and(|i| self.layers_to_transform.contains(&i))
+    }
+
+    /// Whether a parameter (`module.param`, as in the base model) is named by
+    /// `target_parameters` (PEFT: the same suffix match as a `target_modules` list).
+    pub fn targets_parameter(&self, key: &str) -> bool {
+        self.target_parameters.iter().any(|t| suffix_match(key, t))
+    }
+
+    /// The settings that decide what is targeted, for messages.
+    pub fn describe_targets(&self) -> String {
+        let mut v = vec![format!(
+            "target_modules {}",
+            self.target_modules
+                .as_ref()
+                .map_or_else(|| "not given".into(), ModulePattern::describe)
+        )];
+        if let Some(ex) = &self.exclude_modules {
+            v.push(format!("exclude_modules {}", ex.describe()));
+        }
+        if !self.layers_to_transform.is_empty() {
+            v.push(format!(
+                "layers_to_transform {:?}",
+                self.layers_to_transform
+            ));
+        }
+        if !self.layers_pattern.is_empty() {
+            v.push(format!("layers_pattern {:?}", self.layers_pattern));
+        }
+        if !self.modules_to_save.is_empty() {
+            v.push(format!("modules_to_save {:?}", self.modules_to_save));
+        }
+        v.join(", ")
     }
 
     /// `(r, scale)` of a module.
@@ -183,6 +398,241 @@ fn adapter_in(dir: &Path) -> Option<(PathBuf, &'static str)> {
         return Some((direct, "adapter_model.safetensors"));
     }
     dcp_subdir(dir).map(|d| (d, "PyTorch DCP"))
+}
+
+/// `key` without its trailing `.base_layer` segments, and how many there were: PEFT nests one
+/// ParamWrapper per targeted parameter of a module, so the pair of the k-th wrapper from the
+/// outside is saved as `module` + k × `.base_layer` + `.lora_A.weight`.
+fn unwrap_base_layers(key: &str) -> (&str, usize) {
+    let mut module = key;
+    let mut depth = 0;
+    while let Some(m) = module.strip_suffix(".base_layer") {
+        module = m;
+        depth += 1;
+    }
+    (module, depth)
+}
+
+/// Entry indices of the base tensors directly under each module (`module.param`).
+fn params_by_module(entries: &[Entry]) -> std::collections::HashMap<String, Vec<usize>> {
+    let mut map: std::collections::HashMap<String, Vec<usize>> = std::collections::HashMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if let Some((module, _)) = e.name.rsplit_once('.') {
+            map.entry(module.to_string()).or_default().push(i);
+        }
+    }
+    map
+}
+
+/// The base parameters of `module` that `target_parameters` names, in the order their
+/// entries in `target_parameters` are listed (then by name).
+fn wrapped_parameters(
+    cfg: &LoraConfig,
+    module: &str,
+    params: &std::collections::HashMap<String, Vec<usize>>,
+    entries: &[Entry],
+) -> Vec<usize> {
+    let mut v: Vec<(usize, &str, usize)> = params
+        .get(module)
+        .into_iter()
+        .flatten()
+        .filter_map(|&i| {
+            let name = entries[i].name.as_str();
+            let pos = cfg
+                .target_parameters
+                .iter()
+                .position(|t| suffix_match(name, t))?;
+            Some((pos, name, i))
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, _, i)| i).collect()
+}
+
+/// Whether the factors `a`, `b` can be merged into parameter `w` as PEFT's ParamWrapper does:
+/// 2-D `[out, in]` with A `[r, in]`, B `[out, r]`; 3-D `[E, X, Y]` with A `[E·r, in]`,
+/// B `[out, E·r]` and `{in, out} = {X, Y}`.
+fn wrapper_fits(w: &[u64], a: &[u64], b: &[u64]) -> bool {
+    match (w, a, b) {
+        ([out, inn], [ra, a_in], [b_out, rb]) => ra == rb && a_in == inn && b_out == out,
+        ([e, x, y], [ra, a_in], [b_out, rb]) => {
+            ra == rb
+                && *e > 0
+                && ra % e == 0
+                && ((a_in, b_out) == (y, x) || (a_in, b_out) == (x, y))
+        }
+        _ => false,
+    }
+}
+
+/// Which parameter each nested pair of `module` belongs to. PEFT wraps a module's targeted
+/// parameters in the order the module registers them, each wrapper around the previous one,
+/// so the outermost pair (depth 0) belongs to the last registered parameter. A safetensors
+/// file does not keep registration order, so the factor shapes decide; when several
+/// parameters have the same shape, the order `target_parameters` lists them stands in for
+/// registration order, with a warning.
+#[allow(clippy::type_complexity)]
+fn assign_wrapped(
+    module: &str,
+    pairs: &[(usize, usize, usize)],
+    wrapped: &[usize],
+    entries: &[Entry],
+    ckpt: &Checkpoint,
+) -> std::result::Result<(Vec<(usize, usize)>, Option<String>), String> {
+    let n = wrapped.len();
+    if let Some(&(depth, a, _)) = pairs.iter().find(|p| p.0 >= n) {
+        return Err(format!(
+            "`{}` is nested {depth} wrapper(s) deep but target_parameters names only {n} parameter(s) of `{module}`",
+            ckpt.tensors[a].info.name
+        ));
+    }
+    // One parameter: nothing to choose (the merge itself checks the shapes, naming them).
+    if n == 1 {
+        return Ok((pairs.iter().map(|p| (p.0, wrapped[0])).collect(), None));
+    }
+    let shape = |i: usize| ckpt.tensors[i].info.shape.clone();
+    let fits = |order: &[usize]| {
+        pairs.iter().all(|&(depth, a, b)| {
+            wrapper_fits(&entries[order[n - 1 - depth]].shape, &shape(a), &shape(b))
+        })
+    };
+    // Every registration order (a module has a handful of parameters at most).
+    let mut orders = Vec::new();
+    permutations(&mut wrapped.to_vec(), 0, &mut orders);
+    let assignment = |order: &[usize]| -> Vec<(usize, usize)> {
+        let mut v: Vec<(usize, usize)> = pairs.iter().map(|p| (p.0, order[n - 1 - p.0])).collect();
+        v.sort();
+        v
+    };
+    let mut fitting: Vec<Vec<(usize, usize)>> = orders
+        .iter()
+        .filter(|o| fits(o))
+        .map(|o| assignment(o))
+        .collect();
+    fitting.sort();
+    fitting.dedup();
+    let listed = assignment(wrapped);
+    match fitting.len() {
+        0 => Err(format!(
+            "`{module}`: the nested LoRA factors {} fit none of its targeted parameters {} in any nesting order",
+            pairs
+                .iter()
+                .map(|&(d, a, b)| format!("(depth {d}: lora_A {:?}, lora_B {:?})", shape(a), shape(b)))
+                .collect::<Vec<_>>()
+                .join(" "),
+            wrapped
+                .iter()
+                .map(|&i| format!("`{}` {:?}", entries[i].name, entries[i].shape))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+        1 => Ok((fitting.pop().expect("one"), None)),
+        _ => {
+            let chosen = if fitting.contains(&listed) {
+                listed
+            } else {
+                fitting.swap_remove(0)
+            };
+            let order: Vec<&str> = chosen
+                .iter()
+                .rev()
+                .map(|&(_, i)| entries[i].name.as_str())
+                .collect();
+            let warning = format!(
+                "merge-lora: `{module}`: its targeted parameters have the same shapes, so which nested LoRA pair belongs to which cannot be read from the files (PEFT nests them in the order the module registers its parameters); assumed the order target_parameters lists them, innermost first: {}",
+                order.join(", ")
+            );
+            Ok((chosen, Some(warning)))
+        }
+    }
+}
+
+/// All orderings of `v[k..]` (with `v[..k]` fixed), appended to `out`.
+fn permutations(v: &mut Vec<usize>, k: usize, out: &mut Vec<Vec<usize>>) {
+    if k >= v.len() || out.len() >= 5040 {
+        out.push(v.clone());
+        return;
+    }
+    for i in k..v.len() {
+        v.swap(k, i);
+        permutations(v, k + 1, out);
+        v.swap(k, i);
+    }
+}
+
+/// Checks adapter_config.json's patterns against the base before anything is merged: every
+/// `target_modules` entry (or its regex) and every `target_parameters` entry must name
+/// something in the base model, and the whole must target at least one module. An
+/// `exclude_modules` that excludes nothing is only a warning (as in PEFT).
+fn check_patterns(
+    cfg: &LoraConfig,
+    entries: &[Entry],
+    params: &std::collections::HashMap<String, Vec<usize>>,
+    config_file: &Path,
+    notes: &mut PlanNotes,
+) -> Result<()> {
+    let bad = |msg: String| Error::Adapter {
+        path: config_file.into(),
+        msg,
+    };
+    // Every module of the base model: each dotted prefix of a tensor name.
+    let mut modules: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+    for e in entries {
+        let mut rest = e.name.as_str();
+        while let Some((m, _)) = rest.rsplit_once('.') {
+            modules.insert(m);
+            rest = m;
+        }
+    }
+    match &cfg.target_modules {
+        Some(ModulePattern::List(list)) => {
+            for t in list {
+                if !modules.iter().any(|m| suffix_match(m, t)) {
+                    return Err(bad(format!(
+                        "target_modules entry `{t}` matches no module of the base model"
+                    )));
+                }
+            }
+        }
+        Some(ModulePattern::Regex(s, re)) if !modules.iter().any(|m| re.is_match(m)) => {
+            return Err(bad(format!(
+                "target_modules regex `{s}` matches no module of the base model"
+            )));
+        }
+        Some(ModulePattern::AllLinear) => notes.lines.push(
+            "target_modules is \"all-linear\": every LoRA pair in the adapter file is taken as targeted (module classes are not in the files)".into(),
+        ),
+        _ => {}
+    }
+    for t in &cfg.target_parameters {
+        if !entries.iter().any(|e| suffix_match(&e.name, t)) {
+            return Err(bad(format!(
+                "target_parameters entry `{t}` matches no parameter of the base model"
+            )));
+        }
+    }
+    if let Some(ex) = &cfg.exclude_modules {
+        if !modules.iter().any(|m| ex.matches(m)) {
+            notes.warnings.push(format!(
+                "merge-lora: exclude_modules {} excludes no module of the base model",
+                ex.describe()
+            ));
+        }
+    }
+    let some_target = matches!(cfg.target_modules, Some(ModulePattern::List(ref l)) if !l.is_empty())
+        || matches!(cfg.target_modules, Some(ModulePattern::Regex(..)));
+    if some_target
+        && cfg.target_parameters.is_empty()
+        && !modules
+            .iter()
+            .any(|m| params.contains_key(*m) && cfg.targets(m) == Targeted::Yes)
+    {
+        return Err(bad(format!(
+            "targets no module of the base model: {}",
+            cfg.describe_targets()
+        )));
+    }
+    Ok(())
 }
 
 /// Finds the adapter weights: a `.safetensors` file, a directory with
@@ -247,6 +697,8 @@ struct Attached {
     /// One past this adapter's last tensor: a later `--merge-lora` section attaches its own.
     end: usize,
     config: LoraConfig,
+    /// adapter_config.json (or where it would be, for `--rank/--alpha`), named in errors.
+    config_file: PathBuf,
     note: Option<String>,
     /// The adapter is a DCP folder holding the whole training state dict.
     whole_state: bool,
@@ -429,6 +881,7 @@ fn classify(name: &str, modules_to_save: &[String]) -> Kind {
 
 /// Binds PEFT's grouped expert factors to a 3-D base `[E, X, Y]`, the orientation read from
 /// both operand shapes.
+#[allow(clippy::too_many_arguments)]
 fn grouped_derive(
     w: &Entry,
     ckpt: &Checkpoint,
@@ -437,6 +890,7 @@ fn grouped_derive(
     a: usize,
     b: usize,
     user_scale: f64,
+    model_type: Option<&str>,
 ) -> std::result::Result<GroupedDerive, String> {
     let (ai, bi) = (&ckpt.tensors[a].info, &ckpt.tensors[b].info);
     let [experts, x, y] = w.shape[..] else {
@@ -464,7 +918,13 @@ fn grouped_derive(
             ai.shape, bi.shape
         ));
     }
-    let in_out = if (x, y) == (a_in, b_out) {
+    // Both layouts fit a square stack: PEFT reads [E, out, in] unless the experts module says
+    // `is_transposed` (transformers' gpt-oss, Aria and openai-privacy-filter experts).
+    let transposed_model = matches!(
+        model_type,
+        Some("gpt_oss" | "aria" | "aria_text" | "openai_privacy_filter")
+    );
+    let in_out = if (x, y) == (a_in, b_out) && (x != y || transposed_model) {
         true
     } else if (x, y) == (b_out, a_in) {
         false
@@ -677,6 +1137,7 @@ impl PlanStep for LoraMergeStep {
             first,
             end: ckpt.tensors.len(),
             config,
+            config_file: config_path,
             note,
             whole_state,
         });
@@ -686,10 +1147,13 @@ impl PlanStep for LoraMergeStep {
     fn apply(
         &self,
         ckpt: &Checkpoint,
-        _config: Option<&Map<String, Value>>,
+        config: Option<&Map<String, Value>>,
         entries: &mut Vec<Entry>,
         notes: &mut PlanNotes,
     ) -> Result<bool> {
+        let model_type = config
+            .and_then(|c| c.get("model_type"))
+            .and_then(Value::as_str);
         let guard = self.attached.lock().unwrap();
         let att = guard.as_ref().expect("attach runs before apply");
         let cfg = &att.config;
@@ -748,60 +1212,150 @@ impl PlanStep for LoraMergeStep {
             .map(|(i, e)| (e.name.clone(), i))
             .collect();
         let info = |i: usize| &ckpt.tensors[i].info;
+        let params = params_by_module(entries);
+        check_patterns(cfg, entries, &params, &att.config_file, notes)?;
+        // Parameters targeted through target_parameters, per (module, nesting depth).
+        let mut by_module: BTreeMap<&str, Vec<(usize, usize, usize)>> = BTreeMap::new();
+        for (key, m) in &modules {
+            if let (Some(a), Some(b)) = (m.a, m.b) {
+                let (module, depth) = unwrap_base_layers(key);
+                by_module.entry(module).or_default().push((depth, a, b));
+            }
+        }
+        let mut wrapped_at: std::collections::HashMap<(String, usize), usize> =
+            std::collections::HashMap::new();
+        for (module, pairs) in by_module {
+            let wrapped = wrapped_parameters(cfg, module, &params, entries);
+            let weight_pair = pairs.iter().any(|p| p.0 == 0)
+                && index.contains_key(&format!("{module}.weight"))
+                && cfg.targets(module) == Targeted::Yes;
+            if wrapped.is_empty() || weight_pair {
+                continue;
+            }
+            let (assigned, warning) =
+                assign_wrapped(module, &pairs, &wrapped, entries, ckpt).map_err(&bad)?;
+            notes.warnings.extend(warning);
+            for (depth, wi) in assigned {
+                wrapped_at.insert((module.to_string(), depth), wi);
+            }
+        }
         let (mut merged, mut dora) = (0, 0);
-        for (module, m) in &modules {
+        // Pairs PEFT would not have put on the model: (tensor names, why).
+        let mut not_targeted: Vec<(Vec<String>, String)> = Vec::new();
+        for (key, m) in &modules {
+            let names = || -> Vec<String> {
+                [m.a, m.b, m.magnitude]
+                    .into_iter()
+                    .flatten()
+                    .map(|i| info(i).name.clone())
+                    .collect()
+            };
             let (Some(a), Some(b)) = (m.a, m.b) else {
-                unmatched.extend(
-                    [m.a, m.b, m.magnitude]
-                        .into_iter()
-                        .flatten()
-                        .map(|i| info(i).name.clone()),
-                );
+                unmatched.extend(names());
                 continue;
             };
-            let target = index.get(&format!("{module}.weight")).copied().or_else(|| {
-                cfg.target_parameters.iter().find_map(|t| {
-                    let (suffix, param) = t.rsplit_once('.').unwrap_or(("", t));
-                    let fits = suffix.is_empty()
-                        || module == suffix
-                        || module.ends_with(&format!(".{suffix}"));
-                    fits.then(|| index.get(&format!("{module}.{param}")).copied())
-                        .flatten()
-                })
-            });
-            let Some(wi) = target else {
-                unmatched.extend(
-                    [Some(a), Some(b), m.magnitude]
-                        .into_iter()
-                        .flatten()
-                        .map(|i| info(i).name.clone()),
-                );
-                continue;
+            // PEFT nests one ParamWrapper per targeted parameter of a module: the pair under
+            // `k` `.base_layer` segments belongs to the parameter wrapped k-th from the outside.
+            let (module, depth) = unwrap_base_layers(key);
+            let weight = index
+                .get(&format!("{module}.weight"))
+                .copied()
+                .filter(|_| depth == 0);
+            let wrapped = wrapped_parameters(cfg, module, &params, entries);
+            let target = match (weight, cfg.targets(module)) {
+                (Some(wi), Targeted::Yes) => Ok(wi),
+                _ if !wrapped.is_empty() => match wrapped_at.get(&(module.to_string(), depth)) {
+                    Some(&wi) => Ok(wi),
+                    None => Err(None),
+                },
+                (Some(_), Targeted::Excluded) => Err(Some(format!("`{module}` (excluded)"))),
+                (Some(_), _) => Err(Some(format!("`{module}` (not targeted)"))),
+                (None, _) if params.contains_key(module) => Err(Some(format!(
+                    "`{module}` (no parameter of it in target_parameters)"
+                ))),
+                (None, _) => Err(None),
             };
+            let wi = match target {
+                Ok(wi) => wi,
+                Err(Some(why)) => {
+                    not_targeted.push((names(), why));
+                    continue;
+                }
+                Err(None) => {
+                    unmatched.extend(names());
+                    continue;
+                }
+            };
+            let module = if wrapped.contains(&wi) {
+                entries[wi].name.as_str()
+            } else {
+                module
+            };
+            if wrapped.contains(&wi) {
+                if let Some(mi) = m.magnitude {
+                    return Err(bad(format!(
+                        "`{}`: DoRA on a parameter targeted through target_parameters is not supported (PEFT refuses it too)",
+                        info(mi).name
+                    )));
+                }
+            }
+            let module = module.to_string();
+            let module = module.as_str();
             // A base an earlier cast step rounded is merged rounded, as Python tftf does.
             if let Some(r) = crate::ops::cast::RoundedBase::of(&entries[wi], ckpt) {
                 entries[wi].derive = Some(Arc::new(r));
             }
-            if entries[wi].shape.len() == 3 {
-                let derive = grouped_derive(&entries[wi], ckpt, module, cfg, a, b, self.opts.scale)
-                    .map_err(bad)?;
+            let (ai, bi) = (info(a), info(b));
+            // Conv LoRA: lora_A [r, in, k…] (the base's kernel), lora_B [out, r, 1…]; Δ is
+            // B·A over the flattened kernel, the plain LoRA merge of [out, in·k…].
+            let conv = entries[wi].shape.len() >= 3 && ai.shape.len() == entries[wi].shape.len();
+            if entries[wi].shape.len() == 3 && !conv {
+                let derive = grouped_derive(
+                    &entries[wi],
+                    ckpt,
+                    module,
+                    cfg,
+                    a,
+                    b,
+                    self.opts.scale,
+                    model_type,
+                )
+                .map_err(bad)?;
                 entries[wi].derive = Some(Arc::new(derive));
                 merged += 1;
                 continue;
             }
             let w = &entries[wi];
-            let (ai, bi) = (info(a), info(b));
-            let [ra, a_cols] = ai.shape[..] else {
-                return Err(bad(format!(
-                    "`{}` should be 2-D, is {:?}",
-                    ai.name, ai.shape
-                )));
-            };
-            let [b_rows, rb] = bi.shape[..] else {
-                return Err(bad(format!(
-                    "`{}` should be 2-D, is {:?}",
-                    bi.name, bi.shape
-                )));
+            let (ra, a_cols, b_rows, rb) = if conv {
+                let fits = ai.shape[1..] == w.shape[1..]
+                    && bi.shape.len() == w.shape.len()
+                    && bi.shape[2..].iter().all(|&d| d == 1);
+                if !fits {
+                    return Err(bad(format!(
+                        "`{module}`: convolution factors lora_A {:?} and lora_B {:?} do not fit base `{}` {:?} (PEFT's conv LoRA has lora_A [r, in, kernel…] and lora_B [out, r, 1…]; grouped convolutions cannot be merged)",
+                        ai.shape, bi.shape, w.name, w.shape
+                    )));
+                }
+                (
+                    ai.shape[0],
+                    ai.shape[1..].iter().product(),
+                    bi.shape[0],
+                    bi.shape[1],
+                )
+            } else {
+                let [ra, a_cols] = ai.shape[..] else {
+                    return Err(bad(format!(
+                        "`{}` should be 2-D, is {:?}",
+                        ai.name, ai.shape
+                    )));
+                };
+                let [b_rows, rb] = bi.shape[..] else {
+                    return Err(bad(format!(
+                        "`{}` should be 2-D, is {:?}",
+                        bi.name, bi.shape
+                    )));
+                };
+                (ra, a_cols, b_rows, rb)
             };
             let (r, scale) = cfg.rank_and_scale(module);
             if ra != rb || ra != r {
@@ -809,11 +1363,15 @@ impl PlanStep for LoraMergeStep {
                     "`{module}`: lora_A has rank {ra}, lora_B {rb}, adapter_config.json says {r}"
                 )));
             }
-            let [w_rows, w_cols] = w.shape[..] else {
-                return Err(bad(format!(
-                    "`{module}`: base weight `{}` is {:?}, not a matrix",
-                    w.name, w.shape
-                )));
+            let (w_rows, w_cols) = match w.shape[..] {
+                [rows, cols] => (rows, cols),
+                [rows, _, ..] if conv => (rows, w.shape[1..].iter().product()),
+                _ => {
+                    return Err(bad(format!(
+                        "`{module}`: base weight `{}` is {:?}, not a matrix",
+                        w.name, w.shape
+                    )))
+                }
             };
             if w_rows == 0 || w_cols == 0 || r == 0 {
                 return Err(bad(format!(
@@ -822,7 +1380,7 @@ impl PlanStep for LoraMergeStep {
                 )));
             }
             let scale = merge_scale(module, scale, self.opts.scale).map_err(bad)?;
-            let transposed = m.embedding || cfg.fan_in_fan_out;
+            let transposed = !conv && (m.embedding || cfg.fan_in_fan_out);
             let expected = if transposed {
                 (a_cols, b_rows)
             } else {
@@ -835,6 +1393,12 @@ impl PlanStep for LoraMergeStep {
                 )));
             }
             let m_dtype = match m.magnitude {
+                Some(mi) if conv => {
+                    return Err(bad(format!(
+                        "`{}`: DoRA on convolution weights is not supported",
+                        info(mi).name
+                    )))
+                }
                 Some(mi) if transposed => {
                     return Err(bad(format!(
                         "`{}`: DoRA on transposed (Conv1D or embedding) weights is not supported",
@@ -940,9 +1504,25 @@ impl PlanStep for LoraMergeStep {
                 }
             ));
         }
+        if !not_targeted.is_empty() {
+            let shown: Vec<&str> = not_targeted
+                .iter()
+                .take(10)
+                .map(|(_, why)| why.as_str())
+                .collect();
+            notes.warnings.push(format!(
+                "merge-lora: left out {} LoRA pair(s) of the adapter file that PEFT would not put on the model ({}): {}{}",
+                not_targeted.len(),
+                cfg.describe_targets(),
+                shown.join(", "),
+                if not_targeted.len() > 10 { ", …" } else { "" }
+            ));
+        }
+        let not_targeted: Vec<&String> = not_targeted.iter().flat_map(|(n, _)| n).collect();
         notes.lines.push(format!(
-            "adapter {}: {merged} module(s) merged ({dora} DoRA), {replaced} replaced (modules_to_save), {skipped} base copies skipped, {} unmatched",
+            "adapter {}: {merged} module(s) merged ({dora} DoRA), {replaced} replaced (modules_to_save), {skipped} base copies skipped, {} not targeted by adapter_config.json, {} unmatched",
             path.display(),
+            not_targeted.len(),
             unmatched.len()
         ));
         notes.tensors.push(serde_json::json!({
@@ -952,6 +1532,7 @@ impl PlanStep for LoraMergeStep {
             "dora": dora,
             "replaced": replaced,
             "skipped": skipped,
+            "not_targeted": not_targeted,
             "unmatched": unmatched,
         }));
         Ok(merged + replaced > 0)
