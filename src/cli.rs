@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 #[command(
     name = "tftf",
     version,
-    about = "Stream-convert huge safetensors checkpoints with bounded memory",
+    about = "Stream-convert huge LLM checkpoints (safetensors, PyTorch .bin, FSDP DCP in; safetensors, GGUF out) with bounded memory",
     long_about = None
 )]
 pub struct Cli {

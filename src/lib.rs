@@ -1,7 +1,9 @@
-//! tftf: stream-convert huge safetensors checkpoints with bounded memory.
+//! tftf: stream-convert huge LLM checkpoints (safetensors, PyTorch `.bin`, DCP in; safetensors,
+//! GGUF out) with bounded memory.
 //!
-//! `plan` reads headers only and fixes the output layout; `pipeline` then streams data through
-//! a reader, compute workers and a writer. See `shared/DESIGN.md` for the architecture.
+//! `format` parses input headers into placed tensors, `plan` decides which tensors the output
+//! holds and how each is made, a `sink` lays them out in files, and `pipeline` then streams the
+//! data through a reader, compute workers and a writer. See `shared/DESIGN.md` for the architecture.
 
 pub mod cli;
 pub mod commands;
