@@ -284,16 +284,27 @@ fn info_names_the_format() {
 
 #[test]
 fn validate_accepts_torch_inputs_and_scans_their_values() {
-    for input in [
-        "bin/corners/pytorch_model.bin",
-        "bin/legacy/pytorch_model.bin",
-        "bin/hf-sharded",
-        "dcp/full-2rank",
-        "dcp/lora-2rank/pytorch_model_fsdp_0",
-        "dcp/grid-synthetic",
+    for (input, format) in [
+        ("bin/corners/pytorch_model.bin", "torch.save zip"),
+        (
+            "bin/legacy/pytorch_model.bin",
+            "torch.save legacy (pre-1.6)",
+        ),
+        ("bin/hf-sharded", "torch.save zip (3 files)"),
+        ("dcp/full-2rank", "PyTorch DCP (2 files)"),
+        (
+            "dcp/lora-2rank/pytorch_model_fsdp_0",
+            "PyTorch DCP (2 files)",
+        ),
+        ("dcp/grid-synthetic", "PyTorch DCP (2 files)"),
     ] {
         let o = tftf(&["validate", "--check-values", s(&torch_fixture(input))]);
         ok(&o);
+        assert!(
+            stdout(&o).contains(&format!("format: {format}\n")),
+            "{input}: {}",
+            stdout(&o)
+        );
     }
 }
 

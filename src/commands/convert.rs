@@ -653,6 +653,7 @@ fn report_json(
         "dry_run": dry_run,
         "input": {
             "path": ckpt.input.to_string_lossy(),
+            "format": ckpt.format.name(),
             "shards": ckpt.shards.iter().map(|s| s.path.to_string_lossy()).collect::<Vec<_>>(),
             "tensors": ckpt.base_count,
             "tensor_bytes": ckpt.total_bytes(),

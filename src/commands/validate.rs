@@ -217,6 +217,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
         let v = json!({
             "path": input.to_string_lossy(),
             "ok": ok,
+            "format": ckpt.as_ref().map(|c| c.format.name()),
             "tensors": ckpt.as_ref().map(|c| c.tensors.len()),
             "shards": ckpt.as_ref().map(|c| c.shards.len()),
             "bytes": ckpt.as_ref().map(|c| c.total_bytes()),
@@ -240,6 +241,9 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
         }
         for p in &problems {
             println!("problem: {}", crate::escape::name(p));
+        }
+        if let Some(c) = ckpt.as_ref().filter(|c| c.format.name() != "safetensors") {
+            println!("format: {}", c.format_line());
         }
         match (&ckpt, ok) {
             (Some(c), true) => println!(
