@@ -128,7 +128,7 @@ def fp8(sd, name, out, inn):
 
 
 def deepseekv3():
-    c = config("deepseekv3", num_hidden_layers=3)
+    c = config("deepseekv3")  # 2 layers, and the MTP layer 2 (num_nextn_predict_layers 1)
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     sd = {}
@@ -153,13 +153,17 @@ def deepseekv3():
             m = mi * (c["n_shared_experts"] if e == "shared_experts" else 1)
             for n, o, i in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
                 fp8(sd, p + f"mlp.{e}." + n, o, i)
-        if l == c["num_hidden_layers"] - 1:  # the MTP layer's extra tensors
+        if l == c["num_hidden_layers"]:  # the MTP layer's extra tensors
             for n in ("enorm", "hnorm", "shared_head.norm"):
                 norm(sd, p + n, h)
             linear(sd, p + "eh_proj", h, 2 * h)
             sd[p + "embed_tokens.weight"] = rnd((VOCAB, h))
             sd[p + "shared_head.head.weight"] = rnd((VOCAB, h))
     common(sd, c, layer)
+    p = f"model.layers.{c['num_hidden_layers']}."
+    norm(sd, p + "input_layernorm", h)
+    norm(sd, p + "post_attention_layernorm", h)
+    layer(sd, p, c["num_hidden_layers"])
     return c, sd
 
 
@@ -184,15 +188,28 @@ c.main()
 """
 
 
+def arch_type(c):
+    return c["model_type"]
+
+
 def build(name, make):
     d = os.path.join(WORK, name)
     os.makedirs(d, exist_ok=True)
     c, sd = make()
     json.dump(c, open(os.path.join(d, "config.json"), "w"), indent=1)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        with open(os.path.join(FX, "tokenizer", f), "rb") as src, open(os.path.join(d, f), "wb") as dst:
-            dst.write(src.read())
+    tj = json.load(open(os.path.join(FX, "tokenizer", "tokenizer.json")))
+    if arch_type(c).startswith("qwen"):
+        # Real Qwen tokenizers hold `<|endoftext|>`; transformers' Qwen2Tokenizer adds it
+        # (as its default unk token) when missing, which tftf does not emulate.
+        tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": False, "special": True})
+    json.dump(tj, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
+    # As real Llama-3 checkpoints do: without a class, transformers picks the model type's
+    # (Qwen2Tokenizer adds its default `<|endoftext|>` when tokenizer.json lacks it).
+    tc = json.load(open(os.path.join(FX, "tokenizer", "tokenizer_config.json")))
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=1)
     return d
 
 
