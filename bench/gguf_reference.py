@@ -7,6 +7,11 @@ and exits non-zero on any difference.
 The fixture tokenizer's pre-tokenizer hash is in no table, so the reference runs with
 `get_vocab_base_pre` returning "test-pre" and tftf with `--vocab-pre test-pre`.
 
+With GGUF_REFERENCE_FIXTURES=DIR, tensor data come from a formula instead (`formula` here,
+`formula` in tests/gguf_cli.rs) and each reference output is recorded as DIR/ARCH.OUTTYPE.json
+(input config, tokens and tensor list; sha256 of each reference KV value and tensor) for
+`cargo test --test gguf_cli reference` to check tftf against without Python.
+
 Usage: gguf_reference.py LLAMA_CPP_DIR TFTF WORKDIR [ARCH...]   (needs torch, transformers,
 numpy, safetensors; gguf-py is taken from LLAMA_CPP_DIR/gguf-py)"""
 import json, os, subprocess, sys, time
@@ -16,6 +21,7 @@ from safetensors.torch import save_file
 
 LCP, TFTF, WORK = sys.argv[1], sys.argv[2], sys.argv[3]
 ONLY = sys.argv[4:]
+FIXTURES = os.environ.get("GGUF_REFERENCE_FIXTURES")
 sys.path.insert(0, os.path.join(LCP, "gguf-py"))
 from gguf import GGUFReader  # noqa: E402
 
@@ -188,6 +194,27 @@ c.main()
 """
 
 
+def formula(k, name, dtype, shape):
+    """Deterministic bytes for the k-th tensor (names sorted): finite, varied values."""
+    n = int(np.prod(shape))
+    i = np.arange(n, dtype=np.uint64)
+    u = (i * np.uint64(2654435761) + np.uint64((k + 1) * 0x9E3779B9)) & np.uint64(0xFFFFFFFF)
+    u = (u ^ (u >> np.uint64(13))) & np.uint64(0xFFFFFFFF)
+    bf = (np.uint64(0x3C00) | (u & np.uint64(0x3FF)) | ((u >> np.uint64(10)) & np.uint64(1)) << np.uint64(15))
+    if name.endswith("_scales"):
+        return torch.from_numpy((np.uint64(118) + u % np.uint64(12)).astype(np.uint8)).reshape(shape)
+    if dtype == torch.uint8:
+        return torch.from_numpy((u & np.uint64(0xFF)).astype(np.uint8)).reshape(shape)
+    if dtype == torch.float8_e4m3fn:
+        b = ((u & np.uint64(0x77)) | ((u >> np.uint64(8)) & np.uint64(0x80))).astype(np.uint8)
+        return torch.from_numpy(b).view(torch.float8_e4m3fn).reshape(shape)
+    if name.endswith("weight_scale_inv"):
+        return torch.from_numpy((np.uint64(0x3C000000) | (u & np.uint64(0x3FFFFF))).astype(np.uint32)).view(torch.float32).reshape(shape)
+    if dtype == torch.float32:
+        return torch.from_numpy((bf << np.uint64(16)).astype(np.uint32)).view(torch.float32).reshape(shape)
+    return torch.from_numpy(bf.astype(np.uint16)).view(torch.bfloat16).reshape(shape)
+
+
 def arch_type(c):
     return c["model_type"]
 
@@ -196,6 +223,9 @@ def build(name, make):
     d = os.path.join(WORK, name)
     os.makedirs(d, exist_ok=True)
     c, sd = make()
+    if FIXTURES:
+        sd = {n: formula(k, n, sd[n].dtype, tuple(sd[n].shape)) for k, n in enumerate(sorted(sd))}
+    build.inputs = (c, {n: (str(v.dtype).split(".")[1], list(v.shape)) for n, v in sorted(sd.items())})
     json.dump(c, open(os.path.join(d, "config.json"), "w"), indent=1)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     tj = json.load(open(os.path.join(FX, "tokenizer", "tokenizer.json")))
@@ -205,6 +235,7 @@ def build(name, make):
         tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": True})
     json.dump(tj, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
+    build.added = tj["added_tokens"][5:]
     # As real Llama-3 checkpoints do: without a class, transformers picks the model type's
     # (Qwen2Tokenizer adds its default `<|endoftext|>` when tokenizer.json lacks it).
     tc = json.load(open(os.path.join(FX, "tokenizer", "tokenizer_config.json")))
@@ -243,6 +274,23 @@ def compare(ours, ref):
     return kv_diff, t_diff, b_diff, order, len(ta), (ka, kb)
 
 
+ST = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3"}
+
+
+def record(arch, ot, ref):
+    import hashlib
+    c, tensors = build.inputs
+    r = GGUFReader(ref)
+    sha = lambda b: hashlib.sha256(b).hexdigest()
+    kv = {k: sha(b"".join(bytes(p) for p in f.parts[2:])) for k, f in r.fields.items()
+          if not k.startswith("GGUF.") and k not in NAMING}
+    out = {t.name: [[int(x) for x in t.shape], int(t.tensor_type), sha(np.asarray(t.data).tobytes())] for t in r.tensors}
+    os.makedirs(FIXTURES, exist_ok=True)
+    json.dump({"outtype": ot, "config": c, "added_tokens": build.added,
+               "tensors": [[n, ST[d], s] for n, (d, s) in tensors.items()], "kvs": kv, "out": out},
+              open(os.path.join(FIXTURES, f"{arch}.{ot}.json"), "w"), indent=0, sort_keys=True)
+
+
 def main():
     rows, bad = [], False
     for arch, (make, outtypes) in ARCHS.items():
@@ -266,6 +314,8 @@ def main():
                 rows.append((arch, ot, "tftf failed: " + t.stderr.strip()[:200]))
                 bad = True
                 continue
+            if FIXTURES:
+                record(arch, ot, ref)
             kv_diff, t_diff, b_diff, order, n, (ka, kb) = compare(ours, ref)
             if kv_diff or t_diff or b_diff:
                 bad = True
