@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compares `tftf gguf` with llama.cpp's convert_hf_to_gguf.py on small random models of every
 supported architecture (2 layers, hidden 64, the tokenizer fixture), per outtype: KVs (except
-`general.*` naming fields and `tftf.*`), tensor names, types, shapes and bytes. Prints a table
+`general.*` naming fields and `tftf.*`), tensor names, types, shapes and bytes, and the tensor
+order (`order`; tftf changes it only to share extents on reflink filesystems). Prints a table
 and exits non-zero on any difference.
 
 The fixture tokenizer's pre-tokenizer hash is in no table, so the reference runs with
@@ -286,7 +287,7 @@ def record(arch, ot, ref):
           if not k.startswith("GGUF.") and k not in NAMING}
     out = {t.name: [[int(x) for x in t.shape], int(t.tensor_type), sha(np.asarray(t.data).tobytes())] for t in r.tensors}
     os.makedirs(FIXTURES, exist_ok=True)
-    json.dump({"outtype": ot, "config": c, "added_tokens": build.added,
+    json.dump({"outtype": ot, "config": c, "added_tokens": build.added, "order": [t.name for t in r.tensors],
                "tensors": [[n, ST[d], s] for n, (d, s) in tensors.items()], "kvs": kv, "out": out},
               open(os.path.join(FIXTURES, f"{arch}.{ot}.json"), "w"), indent=0, sort_keys=True)
 
@@ -317,7 +318,7 @@ def main():
             if FIXTURES:
                 record(arch, ot, ref)
             kv_diff, t_diff, b_diff, order, n, (ka, kb) = compare(ours, ref)
-            if kv_diff or t_diff or b_diff:
+            if kv_diff or t_diff or b_diff or not order:
                 bad = True
             for k in kv_diff:
                 print(f"  {arch} {ot} KV {k}: ours {ka.get(k)!s:.160} ref {kb.get(k)!s:.160}")

@@ -1506,7 +1506,8 @@ fn sha256_hex(b: &[u8]) -> String {
 
 /// Every `reference/*.json` (bench/gguf_reference.py with GGUF_REFERENCE_FIXTURES): the same
 /// model converted by tftf has convert_hf_to_gguf.py's KVs (but `general.*` naming fields) and
-/// its tensor names, types, shapes and bytes.
+/// its tensor names, types, shapes and bytes, in its order (tmp is not a reflink filesystem
+/// here; where it is, the order may differ and only then).
 #[test]
 fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
     let dir = gguf_fixture("reference");
@@ -1600,6 +1601,13 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
             .map(|(k, v)| (k.as_str(), v.as_str().unwrap().to_string()))
             .collect();
         assert_eq!(ours, want, "{what}: KVs");
+        let order: Vec<&str> = spec["order"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_str().unwrap())
+            .collect();
+        assert_eq!(g.order, order, "{what}: tensor order");
         let want = spec["out"].as_object().unwrap();
         assert_eq!(
             g.tensors.keys().collect::<Vec<_>>(),
