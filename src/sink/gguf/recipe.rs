@@ -133,8 +133,10 @@ const SKIPPED_SUFFIXES: [&str; 3] = [
     ".rotary_emb.inv_freq",
 ];
 
-/// Maps every checkpoint tensor to GGUF output tensors, in input order (stacked experts where
-/// their last expert appears, `rope_freqs` first, as the reference emits them).
+/// Maps every checkpoint tensor to GGUF output tensors, in input order (the caller gives each
+/// shard's tensors by name, as the reference reads them; a block's stacked experts where its
+/// last expert appears, `rope_freqs` and gpt-oss's MXFP4 experts first, as the reference emits
+/// them).
 pub fn plan_tensors(
     cfg: &Config,
     inputs: &[InputTensor],
