@@ -1467,3 +1467,172 @@ fn mixtral_permutes_q_k_and_stacks_w1_w2_w3() {
         assert_eq!(g.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).1, 0);
     }
 }
+
+/// `formula` in bench/gguf_reference.py: deterministic bytes of the `k`-th tensor (names
+/// sorted) of a reference model.
+fn formula(k: usize, name: &str, dtype: DType, n: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut u = i
+            .wrapping_mul(2654435761)
+            .wrapping_add((k as u64 + 1) * 0x9E37_79B9)
+            & 0xFFFF_FFFF;
+        u = (u ^ (u >> 13)) & 0xFFFF_FFFF;
+        let bf = (0x3C00 | (u & 0x3FF) | ((u >> 10) & 1) << 15) as u16;
+        if name.ends_with("_scales") {
+            out.push((118 + u % 12) as u8);
+        } else if dtype == DType::U8 {
+            out.push(u as u8);
+        } else if dtype == DType::F8_E4M3 {
+            out.push(((u & 0x77) | ((u >> 8) & 0x80)) as u8);
+        } else if name.ends_with("weight_scale_inv") {
+            out.extend((0x3C00_0000 | (u & 0x3F_FFFF) as u32).to_le_bytes());
+        } else if dtype == DType::F32 {
+            out.extend(((bf as u32) << 16).to_le_bytes());
+        } else {
+            out.extend(bf.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// Every `reference/*.json` (bench/gguf_reference.py with GGUF_REFERENCE_FIXTURES): the same
+/// model converted by tftf has convert_hf_to_gguf.py's KVs (but `general.*` naming fields) and
+/// its tensor names, types, shapes and bytes, in its order (tmp is not a reflink filesystem
+/// here; where it is, the order may differ and only then).
+#[test]
+fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
+    let dir = gguf_fixture("reference");
+    let mut cases: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    cases.sort();
+    assert!(cases.len() >= 14, "{cases:?}");
+    let naming = [
+        "general.name",
+        "general.basename",
+        "general.size_label",
+        "general.finetune",
+        "general.version",
+        "general.quantized_by",
+        "general.type",
+    ];
+    for case in cases {
+        let spec: Json = serde_json::from_slice(&std::fs::read(&case).unwrap()).unwrap();
+        let what = case.file_name().unwrap().to_string_lossy().to_string();
+        let d = tmp();
+        let model = d.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(
+            model.join("config.json"),
+            serde_json::to_vec(&spec["config"]).unwrap(),
+        )
+        .unwrap();
+        let mut tok: Json =
+            serde_json::from_slice(&read_fixture("tokenizer/tokenizer.json")).unwrap();
+        for a in spec["added_tokens"].as_array().unwrap() {
+            tok["added_tokens"].as_array_mut().unwrap().push(a.clone());
+        }
+        std::fs::write(
+            model.join("tokenizer.json"),
+            serde_json::to_vec(&tok).unwrap(),
+        )
+        .unwrap();
+        let mut tc: Json =
+            serde_json::from_slice(&read_fixture("tokenizer/tokenizer_config.json")).unwrap();
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast".into();
+        std::fs::write(
+            model.join("tokenizer_config.json"),
+            serde_json::to_vec(&tc).unwrap(),
+        )
+        .unwrap();
+        let tensors: Vec<T> = spec["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(k, e)| {
+                let name = e[0].as_str().unwrap();
+                let dtype: DType = e[1].as_str().unwrap().parse().unwrap();
+                let shape: Vec<u64> = e[2]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap())
+                    .collect();
+                let n = shape.iter().product();
+                t(name, dtype, &shape, formula(k, name, dtype, n))
+            })
+            .collect();
+        write_file(&model.join("model.safetensors"), &tensors);
+        let out = d.path().join("out.gguf");
+        ok(&tftf(&[
+            "gguf",
+            s(&model),
+            "-o",
+            s(&out),
+            "--outtype",
+            spec["outtype"].as_str().unwrap(),
+            "--vocab-pre",
+            "test-pre",
+            "-q",
+        ]));
+        let g = parse(&out);
+        let ours: BTreeMap<&str, String> = g
+            .kvs
+            .iter()
+            .filter(|(k, _)| !naming.contains(&k.as_str()) && !k.starts_with("tftf."))
+            .map(|(k, v)| (k.as_str(), sha256_hex(v)))
+            .collect();
+        let want: BTreeMap<&str, String> = spec["kvs"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str().unwrap().to_string()))
+            .collect();
+        assert_eq!(ours, want, "{what}: KVs");
+        let order: Vec<&str> = spec["order"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_str().unwrap())
+            .collect();
+        assert_eq!(g.order, order, "{what}: tensor order");
+        let want = spec["out"].as_object().unwrap();
+        assert_eq!(
+            g.tensors.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{what}: tensor names"
+        );
+        for (name, (shape, ty, data)) in &g.tensors {
+            let w = &want[name];
+            let mut wshape: Vec<u64> = w[0]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            wshape.reverse();
+            assert_eq!(
+                (shape, *ty as u64),
+                (&wshape, w[1].as_u64().unwrap()),
+                "{what}: {name} shape/type"
+            );
+            assert_eq!(
+                sha256_hex(data),
+                w[2].as_str().unwrap(),
+                "{what}: {name} bytes"
+            );
+        }
+    }
+}

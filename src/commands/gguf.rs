@@ -236,9 +236,14 @@ fn run_inner(
     let cfg = load_config(&ckpt, opts.arch.as_deref())?;
     let fp8 = fp8_weights(&ckpt, &cfg)?;
     let scales: std::collections::HashSet<&str> = fp8.values().map(|f| f.scale.as_str()).collect();
-    let in_tensors: Vec<InputTensor> = ckpt
-        .tensors
-        .iter()
+    // The reference reads shard by shard, each shard's tensors in name order (safetensors'
+    // `keys()`), and emits them in that order (also what `auto` looks at first).
+    let mut in_order: Vec<&crate::format::checkpoint::TensorRef> = ckpt.tensors.iter().collect();
+    in_order.sort_by(|a, b| {
+        (shard_of(&a.placement), a.name()).cmp(&(shard_of(&b.placement), b.name()))
+    });
+    let in_tensors: Vec<InputTensor> = in_order
+        .into_iter()
         .filter(|t| !scales.contains(t.name()))
         .map(|t| InputTensor {
             name: t.name().to_string(),
@@ -834,6 +839,15 @@ fn copy_plain(
         }
     }
     Ok(())
+}
+
+/// The shard a tensor's bytes (its first ones) lie in.
+fn shard_of(p: &crate::format::source::Placement) -> usize {
+    use crate::format::source::Placement;
+    match p {
+        Placement::Contiguous { file, .. } | Placement::Strided { file, .. } => *file,
+        Placement::Regions(r) => r.first().map_or(0, |r| shard_of(&r.placement)),
+    }
 }
 
 /// Source bytes of one output chunk, in output order.

@@ -133,8 +133,10 @@ const SKIPPED_SUFFIXES: [&str; 3] = [
     ".rotary_emb.inv_freq",
 ];
 
-/// Maps every checkpoint tensor to GGUF output tensors, in input order (stacked experts where
-/// their last expert appears, `rope_freqs` first, as the reference emits them).
+/// Maps every checkpoint tensor to GGUF output tensors, in input order (the caller gives each
+/// shard's tensors by name, as the reference reads them; a block's stacked experts where its
+/// last expert appears, `rope_freqs` and gpt-oss's MXFP4 experts first, as the reference emits
+/// them).
 pub fn plan_tensors(
     cfg: &Config,
     inputs: &[InputTensor],
@@ -179,8 +181,12 @@ pub fn plan_tensors(
         );
     }
 
-    // (bid, gguf base) → expert id → source name
-    let mut experts: BTreeMap<(u64, &'static str), BTreeMap<u64, String>> = BTreeMap::new();
+    // (bid, source weight) → (gguf base, expert id → source name). A block's stacks are
+    // emitted, in source weight order, where its last expert tensor appears (the reference
+    // waits for all 3·E of them), or at the end when some are missing (then an error).
+    type Group = (&'static str, BTreeMap<u64, String>);
+    let mut experts: BTreeMap<(u64, &'static str), Group> = BTreeMap::new();
+    let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
     let n_experts = cfg.u64(&["num_local_experts", "num_experts", "n_routed_experts"]);
     let tied = cfg.find(&["tie_word_embeddings"]).and_then(Json::as_bool) == Some(true);
 
@@ -237,9 +243,22 @@ pub fn plan_tensors(
         if let Some((x, w)) = expert_id(fam, rest) {
             let base = map_layer(cfg, w).ok_or_else(|| bad(src, "unknown expert weight".into()))?;
             experts
-                .entry((bid, base))
-                .or_default()
+                .entry((bid, w))
+                .or_insert_with(|| (base, BTreeMap::new()))
+                .1
                 .insert(x, src.to_string());
+            let count = seen.entry(bid).or_default();
+            *count += 1;
+            if n_experts.is_some_and(|n| *count == 3 * n) {
+                let keys: Vec<_> = experts
+                    .range((bid, "")..(bid + 1, ""))
+                    .map(|(k, _)| *k)
+                    .collect();
+                for k in keys {
+                    let (base, group) = experts.remove(&k).unwrap();
+                    stack_experts(bid, base, group, n_experts, &by_name, &mut out, &mut push)?;
+                }
+            }
             continue;
         }
 
@@ -331,36 +350,62 @@ pub fn plan_tensors(
         );
     }
 
-    for ((bid, base), group) in experts {
-        let n = n_experts.unwrap_or(group.len() as u64);
-        let missing: Vec<u64> = (0..n).filter(|x| !group.contains_key(x)).collect();
-        let name = format!("blk.{bid}.{base}.weight");
-        if !missing.is_empty() || group.len() as u64 != n {
-            return Err(bad(
-                &name,
-                format!("expected {n} experts; missing ids {missing:?}"),
-            ));
-        }
-        let first = by_name[group[&0].as_str()];
-        for s in group.values() {
-            let t = by_name[s.as_str()];
-            if t.shape != first.shape || t.dtype != first.dtype {
-                return Err(bad(s, "experts differ in shape or dtype".into()));
-            }
-        }
-        let mut shape = vec![n];
-        shape.extend_from_slice(&first.shape);
-        push(
-            &mut out,
-            name,
-            shape,
-            Recipe::Stack {
-                srcs: group.into_values().collect(),
-            },
-            Some(first.dtype),
-        );
+    for ((bid, _), (base, group)) in experts {
+        stack_experts(bid, base, group, n_experts, &by_name, &mut out, &mut push)?;
+    }
+    if fam == Family::GptOss {
+        // The reference writes the repacked MXFP4 experts first (`generate_extra_tensors`).
+        let (mx, rest): (Vec<_>, Vec<_>) = out
+            .into_iter()
+            .partition(|o| matches!(o.recipe, Recipe::Mxfp4 { .. }));
+        out = mx.into_iter().chain(rest).collect();
     }
     Ok(out)
+}
+
+/// One stacked expert tensor `blk.{bid}.{base}.weight` from `group` (expert id → source).
+#[allow(clippy::too_many_arguments)]
+fn stack_experts(
+    bid: u64,
+    base: &str,
+    group: BTreeMap<u64, String>,
+    n_experts: Option<u64>,
+    by_name: &BTreeMap<&str, &InputTensor>,
+    out: &mut Vec<OutputTensor>,
+    push: &mut impl FnMut(&mut Vec<OutputTensor>, String, Vec<u64>, Recipe, Option<DType>),
+) -> Result<()> {
+    let bad = |tensor: &str, msg: String| Error::GgufTensor {
+        tensor: tensor.to_string(),
+        msg,
+    };
+    let n = n_experts.unwrap_or(group.len() as u64);
+    let missing: Vec<u64> = (0..n).filter(|x| !group.contains_key(x)).collect();
+    let name = format!("blk.{bid}.{base}.weight");
+    if !missing.is_empty() || group.len() as u64 != n {
+        return Err(bad(
+            &name,
+            format!("expected {n} experts; missing ids {missing:?}"),
+        ));
+    }
+    let first = by_name[group[&0].as_str()];
+    for s in group.values() {
+        let t = by_name[s.as_str()];
+        if t.shape != first.shape || t.dtype != first.dtype {
+            return Err(bad(s, "experts differ in shape or dtype".into()));
+        }
+    }
+    let mut shape = vec![n];
+    shape.extend_from_slice(&first.shape);
+    push(
+        out,
+        name,
+        shape,
+        Recipe::Stack {
+            srcs: group.into_values().collect(),
+        },
+        Some(first.dtype),
+    );
+    Ok(())
 }
 
 fn three(t: &InputTensor, src: &str) -> Result<[u64; 3]> {

@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Compares `tftf gguf` with llama.cpp's convert_hf_to_gguf.py on small random models of every
+supported architecture (2 layers, hidden 64, the tokenizer fixture), per outtype: KVs (except
+`general.*` naming fields and `tftf.*`), tensor names, types, shapes and bytes, and the tensor
+order (`order`; tftf changes it only to share extents on reflink filesystems). Prints a table
+and exits non-zero on any difference.
+
+The fixture tokenizer's pre-tokenizer hash is in no table, so the reference runs with
+`get_vocab_base_pre` returning "test-pre" and tftf with `--vocab-pre test-pre`.
+
+With GGUF_REFERENCE_FIXTURES=DIR, tensor data come from a formula instead (`formula` here,
+`formula` in tests/gguf_cli.rs) and each reference output is recorded as DIR/ARCH.OUTTYPE.json
+(input config, tokens and tensor list; sha256 of each reference KV value and tensor) for
+`cargo test --test gguf_cli reference` to check tftf against without Python.
+
+Usage: gguf_reference.py LLAMA_CPP_DIR TFTF WORKDIR [ARCH...]   (needs torch, transformers,
+numpy, safetensors; gguf-py is taken from LLAMA_CPP_DIR/gguf-py)"""
+import json, os, subprocess, sys, time
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+LCP, TFTF, WORK = sys.argv[1], sys.argv[2], sys.argv[3]
+ONLY = sys.argv[4:]
+FIXTURES = os.environ.get("GGUF_REFERENCE_FIXTURES")
+sys.path.insert(0, os.path.join(LCP, "gguf-py"))
+from gguf import GGUFReader  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FX = os.path.join(HERE, "..", "tests", "fixtures", "gguf")
+VOCAB = 410
+torch.manual_seed(0)
+
+
+def rnd(shape, dtype=torch.bfloat16):
+    return (torch.randn(shape) * 0.05).to(dtype)
+
+
+def linear(sd, name, out, inn, bias=False):
+    sd[name + ".weight"] = rnd((out, inn))
+    if bias:
+        sd[name + ".bias"] = rnd((out,))
+
+
+def norm(sd, name, n):
+    sd[name + ".weight"] = (1 + torch.randn(n) * 0.05).to(torch.bfloat16)
+
+
+def config(name, **edit):
+    c = json.load(open(os.path.join(FX, "configs", f"{name}.config.json")))
+    c.update(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, num_hidden_layers=2)
+    c.update(edit)
+    return c
+
+
+def attn(sd, p, c, bias=False, qk_norm=False, o_bias=False):
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim", h // heads)
+    linear(sd, p + "self_attn.q_proj", heads * hd, h, bias)
+    linear(sd, p + "self_attn.k_proj", kv * hd, h, bias)
+    linear(sd, p + "self_attn.v_proj", kv * hd, h, bias)
+    linear(sd, p + "self_attn.o_proj", h, heads * hd, o_bias)
+    if qk_norm:
+        norm(sd, p + "self_attn.q_norm", hd)
+        norm(sd, p + "self_attn.k_norm", hd)
+
+
+def mlp(sd, p, h, inter):
+    linear(sd, p + "gate_proj", inter, h)
+    linear(sd, p + "up_proj", inter, h)
+    linear(sd, p + "down_proj", h, inter)
+
+
+def common(sd, c, layer_fn, tied=False):
+    h = c["hidden_size"]
+    sd["model.embed_tokens.weight"] = rnd((VOCAB, h))
+    for l in range(c["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        norm(sd, p + "input_layernorm", h)
+        norm(sd, p + "post_attention_layernorm", h)
+        layer_fn(sd, p, l)
+    norm(sd, "model.norm", h)
+    if not tied:
+        sd["lm_head.weight"] = rnd((VOCAB, h))
+
+
+def dense(name, bias=False, qk_norm=False, dtype=torch.bfloat16):
+    def make():
+        c = config(name)
+        c["torch_dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
+        sd = {}
+        common(sd, c, lambda sd, p, l: (attn(sd, p, c, bias, qk_norm),
+                                        mlp(sd, p + "mlp.", c["hidden_size"], c["intermediate_size"])))
+        return c, {k: v.to(dtype) for k, v in sd.items()}
+    return make
+
+
+def qwen3moe():
+    c = config("qwen3moe")
+    sd = {}
+    def layer(sd, p, l):
+        attn(sd, p, c, qk_norm=True)
+        linear(sd, p + "mlp.gate", c["num_experts"], c["hidden_size"])
+        for e in range(c["num_experts"]):
+            mlp(sd, p + f"mlp.experts.{e}.", c["hidden_size"], c["moe_intermediate_size"])
+    common(sd, c, layer)
+    return c, sd
+
+
+def mxfp4(shape):
+    blocks = torch.randint(0, 256, shape + (shape[-1] and 16,), dtype=torch.uint8)
+    return blocks
+
+
+def gptoss():
+    c = config("gptoss")
+    h, inter, E = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
+    sd = {}
+    def layer(sd, p, l):
+        attn(sd, p, c, bias=True, o_bias=True)
+        sd[p + "self_attn.sinks"] = rnd((c["num_attention_heads"],))
+        linear(sd, p + "mlp.router", E, h, bias=True)
+        for w, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+            sd[p + f"mlp.experts.{w}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8)
+            sd[p + f"mlp.experts.{w}_scales"] = torch.randint(118, 130, (E, rows, cols // 32), dtype=torch.uint8)
+            sd[p + f"mlp.experts.{w}_bias"] = rnd((E, rows))
+    common(sd, c, layer)
+    return c, sd
+
+
+def fp8(sd, name, out, inn):
+    w = (torch.randn((out, inn)) * 0.5).to(torch.float8_e4m3fn)
+    sd[name + ".weight"] = w
+    sd[name + ".weight_scale_inv"] = torch.rand(((out + 127) // 128, (inn + 127) // 128)) * 0.1 + 0.01
+
+
+def deepseekv3():
+    c = config("deepseekv3")  # 2 layers, and the MTP layer 2 (num_nextn_predict_layers 1)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    sd = {}
+    def layer(sd, p, l):
+        a = p + "self_attn."
+        fp8(sd, a + "q_a_proj", c["q_lora_rank"], h)
+        norm(sd, a + "q_a_layernorm", c["q_lora_rank"])
+        fp8(sd, a + "q_b_proj", heads * qk, c["q_lora_rank"])
+        fp8(sd, a + "kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
+        norm(sd, a + "kv_a_layernorm", c["kv_lora_rank"])
+        fp8(sd, a + "kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+        fp8(sd, a + "o_proj", h, heads * c["v_head_dim"])
+        if l < c["first_k_dense_replace"]:
+            for n, o, i in (("gate_proj", c["intermediate_size"], h), ("up_proj", c["intermediate_size"], h),
+                            ("down_proj", h, c["intermediate_size"])):
+                fp8(sd, p + "mlp." + n, o, i)
+            return
+        sd[p + "mlp.gate.weight"] = rnd((c["n_routed_experts"], h))
+        sd[p + "mlp.gate.e_score_correction_bias"] = torch.rand(c["n_routed_experts"])
+        mi = c["moe_intermediate_size"]
+        for e in [f"experts.{e}" for e in range(c["n_routed_experts"])] + ["shared_experts"]:
+            m = mi * (c["n_shared_experts"] if e == "shared_experts" else 1)
+            for n, o, i in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
+                fp8(sd, p + f"mlp.{e}." + n, o, i)
+        if l == c["num_hidden_layers"]:  # the MTP layer's extra tensors
+            for n in ("enorm", "hnorm", "shared_head.norm"):
+                norm(sd, p + n, h)
+            linear(sd, p + "eh_proj", h, 2 * h)
+            sd[p + "embed_tokens.weight"] = rnd((VOCAB, h))
+            sd[p + "shared_head.head.weight"] = rnd((VOCAB, h))
+    common(sd, c, layer)
+    p = f"model.layers.{c['num_hidden_layers']}."
+    norm(sd, p + "input_layernorm", h)
+    norm(sd, p + "post_attention_layernorm", h)
+    layer(sd, p, c["num_hidden_layers"])
+    return c, sd
+
+
+ARCHS = {  # name: (builder, outtypes)
+    "llama": (dense("llama3"), ["bf16", "q8_0"]),
+    "llama-f32": (dense("llama3", dtype=torch.float32), ["f16", "q8_0"]),
+    "qwen2": (dense("qwen2", bias=True), ["bf16", "q8_0"]),
+    "qwen3": (dense("qwen3", qk_norm=True), ["bf16", "q8_0"]),
+    "qwen3moe": (qwen3moe, ["bf16", "q8_0"]),
+    "gpt-oss": (gptoss, ["bf16", "q8_0"]),
+    "deepseek-v3": (deepseekv3, ["bf16", "q8_0"]),
+}
+
+REF = f"""
+import sys
+sys.path[:0] = [{LCP!r}, {os.path.join(LCP, 'gguf-py')!r}]
+import conversion.base as b
+b.TextModel.get_vocab_base_pre = lambda self, tok: "test-pre"
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+import convert_hf_to_gguf as c
+c.main()
+"""
+
+
+def formula(k, name, dtype, shape):
+    """Deterministic bytes for the k-th tensor (names sorted): finite, varied values."""
+    n = int(np.prod(shape))
+    i = np.arange(n, dtype=np.uint64)
+    u = (i * np.uint64(2654435761) + np.uint64((k + 1) * 0x9E3779B9)) & np.uint64(0xFFFFFFFF)
+    u = (u ^ (u >> np.uint64(13))) & np.uint64(0xFFFFFFFF)
+    bf = (np.uint64(0x3C00) | (u & np.uint64(0x3FF)) | ((u >> np.uint64(10)) & np.uint64(1)) << np.uint64(15))
+    if name.endswith("_scales"):
+        return torch.from_numpy((np.uint64(118) + u % np.uint64(12)).astype(np.uint8)).reshape(shape)
+    if dtype == torch.uint8:
+        return torch.from_numpy((u & np.uint64(0xFF)).astype(np.uint8)).reshape(shape)
+    if dtype == torch.float8_e4m3fn:
+        b = ((u & np.uint64(0x77)) | ((u >> np.uint64(8)) & np.uint64(0x80))).astype(np.uint8)
+        return torch.from_numpy(b).view(torch.float8_e4m3fn).reshape(shape)
+    if name.endswith("weight_scale_inv"):
+        return torch.from_numpy((np.uint64(0x3C000000) | (u & np.uint64(0x3FFFFF))).astype(np.uint32)).view(torch.float32).reshape(shape)
+    if dtype == torch.float32:
+        return torch.from_numpy((bf << np.uint64(16)).astype(np.uint32)).view(torch.float32).reshape(shape)
+    return torch.from_numpy(bf.astype(np.uint16)).view(torch.bfloat16).reshape(shape)
+
+
+def arch_type(c):
+    return c["model_type"]
+
+
+def build(name, make):
+    d = os.path.join(WORK, name)
+    os.makedirs(d, exist_ok=True)
+    c, sd = make()
+    if FIXTURES:
+        sd = {n: formula(k, n, sd[n].dtype, tuple(sd[n].shape)) for k, n in enumerate(sorted(sd))}
+    build.inputs = (c, {n: (str(v.dtype).split(".")[1], list(v.shape)) for n, v in sorted(sd.items())})
+    json.dump(c, open(os.path.join(d, "config.json"), "w"), indent=1)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    tj = json.load(open(os.path.join(FX, "tokenizer", "tokenizer.json")))
+    if arch_type(c).startswith("qwen"):
+        # Real Qwen tokenizers hold `<|endoftext|>`; transformers' Qwen2Tokenizer adds it
+        # (as its default unk token) when missing, which tftf does not emulate.
+        tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": False, "special": True})
+    json.dump(tj, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
+    build.added = tj["added_tokens"][5:]
+    # As real Llama-3 checkpoints do: without a class, transformers picks the model type's
+    # (Qwen2Tokenizer adds its default `<|endoftext|>` when tokenizer.json lacks it).
+    tc = json.load(open(os.path.join(FX, "tokenizer", "tokenizer_config.json")))
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=1)
+    return d
+
+
+NAMING = ("general.name", "general.basename", "general.size_label", "general.finetune", "general.version",
+          "general.quantized_by", "general.type")
+
+
+def kvs(r):
+    out = {}
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k.startswith("tftf.") or k in NAMING:
+            continue
+        out[k] = (tuple(f.types), [bytes(f.parts[i]) for i in f.data])
+    return out
+
+
+def compare(ours, ref):
+    a, b = GGUFReader(ours), GGUFReader(ref)
+    ka, kb = kvs(a), kvs(b)
+    kv_diff = sorted(set(ka) ^ set(kb)) + sorted(k for k in set(ka) & set(kb) if ka[k] != kb[k])
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    t_diff = sorted(set(ta) ^ set(tb))
+    b_diff = []
+    for n in sorted(set(ta) & set(tb)):
+        x, y = ta[n], tb[n]
+        if (x.tensor_type, list(x.shape)) != (y.tensor_type, list(y.shape)):
+            t_diff.append(f"{n} {x.tensor_type.name}{list(x.shape)} vs {y.tensor_type.name}{list(y.shape)}")
+        elif np.asarray(x.data).tobytes() != np.asarray(y.data).tobytes():
+            b_diff.append(n)
+    order = [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    return kv_diff, t_diff, b_diff, order, len(ta), (ka, kb)
+
+
+ST = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3"}
+
+
+def record(arch, ot, ref):
+    import hashlib
+    c, tensors = build.inputs
+    r = GGUFReader(ref)
+    sha = lambda b: hashlib.sha256(b).hexdigest()
+    kv = {k: sha(b"".join(bytes(p) for p in f.parts[2:])) for k, f in r.fields.items()
+          if not k.startswith("GGUF.") and k not in NAMING}
+    out = {t.name: [[int(x) for x in t.shape], int(t.tensor_type), sha(np.asarray(t.data).tobytes())] for t in r.tensors}
+    os.makedirs(FIXTURES, exist_ok=True)
+    json.dump({"outtype": ot, "config": c, "added_tokens": build.added, "order": [t.name for t in r.tensors],
+               "tensors": [[n, ST[d], s] for n, (d, s) in tensors.items()], "kvs": kv, "out": out},
+              open(os.path.join(FIXTURES, f"{arch}.{ot}.json"), "w"), indent=0, sort_keys=True)
+
+
+def main():
+    rows, bad = [], False
+    for arch, (make, outtypes) in ARCHS.items():
+        if ONLY and arch not in ONLY:
+            continue
+        d = build(arch, make)
+        for ot in outtypes:
+            ref, ours = os.path.join(WORK, f"{arch}.{ot}.ref.gguf"), os.path.join(WORK, f"{arch}.{ot}.tftf.gguf")
+            for p in (ref, ours):
+                if os.path.exists(p):
+                    os.remove(p)
+            r = subprocess.run([sys.executable, "-c", REF, d, "--outfile", ref, "--outtype", ot],
+                               capture_output=True, text=True)
+            if r.returncode:
+                rows.append((arch, ot, "reference failed: " + r.stderr.strip().splitlines()[-1][:200]))
+                bad = True
+                continue
+            t = subprocess.run([TFTF, "gguf", "-i", d, "-o", ours, "--outtype", ot, "--vocab-pre", "test-pre", "-q"],
+                               capture_output=True, text=True)
+            if t.returncode:
+                rows.append((arch, ot, "tftf failed: " + t.stderr.strip()[:200]))
+                bad = True
+                continue
+            if FIXTURES:
+                record(arch, ot, ref)
+            kv_diff, t_diff, b_diff, order, n, (ka, kb) = compare(ours, ref)
+            if kv_diff or t_diff or b_diff or not order:
+                bad = True
+            for k in kv_diff:
+                print(f"  {arch} {ot} KV {k}: ours {ka.get(k)!s:.160} ref {kb.get(k)!s:.160}")
+            for k in t_diff:
+                print(f"  {arch} {ot} tensor {k}")
+            for k in b_diff[:10]:
+                print(f"  {arch} {ot} bytes {k}")
+            rows.append((arch, ot, f"{len(ka)} KVs {'equal' if not kv_diff else 'DIFFER: ' + ', '.join(kv_diff)} | "
+                                   f"{n} tensors {'equal' if not t_diff else 'DIFFER (' + str(len(t_diff)) + ')'} | "
+                                   f"bytes {'equal' if not b_diff else 'DIFFER (' + str(len(b_diff)) + ')'} | "
+                                   f"order {'same' if order else 'differs'}"))
+    print("| architecture | outtype | result |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    sys.exit(1 if bad else 0)
+
+
+main()
