@@ -110,18 +110,9 @@ pub struct InputArgs {
     pub model: Option<PathBuf>,
 }
 
+/// Options of every command that runs a conversion: planning, threads, memory, messages.
 #[derive(Args, Debug, Clone)]
-pub struct WriteArgs {
-    /// Output directory, or a file name ending in .safetensors for a single file
-    #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT")]
-    pub output: PathBuf,
-    /// Repack into shards of at most SIZE (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its
-    /// own shard. Default: keep the input's shard boundaries, splitting shards above 5GiB
-    #[arg(long, value_name = "SIZE")]
-    pub max_shard_size: Option<String>,
-    /// Accepted for compatibility; directory output is always sharded by --max-shard-size
-    #[arg(long)]
-    pub sharded: bool,
+pub struct RunOpts {
     /// Print the plan and create nothing
     #[arg(long)]
     pub dry_run: bool,
@@ -140,22 +131,38 @@ pub struct WriteArgs {
     /// Progress on stderr: auto (a bar on a terminal, else lines), plain, json, none
     #[arg(long, value_name = "MODE")]
     pub progress: Option<String>,
-    /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
-    /// output, for `tftf verify`
-    #[arg(long)]
-    pub checksums: bool,
     /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
     #[arg(long, value_name = "SECS")]
     pub progress_interval: Option<String>,
     /// Also print informational notes (e.g. why untouched tensors were copied, not shared)
     #[arg(short, long)]
     pub verbose: bool,
-    /// Write the output even when filters keep no tensor or an op finds nothing to do
-    #[arg(long)]
-    pub allow_empty: bool,
     /// Write a JSON summary of the run to this file
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct WriteArgs {
+    /// Output directory, or a file name ending in .safetensors for a single file
+    #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT")]
+    pub output: PathBuf,
+    /// Repack into shards of at most SIZE (5GB, 5GiB, 500MB or bytes); a bigger tensor gets its
+    /// own shard. Default: keep the input's shard boundaries, splitting shards above 5GiB
+    #[arg(long, value_name = "SIZE")]
+    pub max_shard_size: Option<String>,
+    /// Accepted for compatibility; directory output is always sharded by --max-shard-size
+    #[arg(long)]
+    pub sharded: bool,
+    #[command(flatten)]
+    pub run: RunOpts,
+    /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
+    /// output, for `tftf verify`
+    #[arg(long)]
+    pub checksums: bool,
+    /// Write the output even when filters keep no tensor or an op finds nothing to do
+    #[arg(long)]
+    pub allow_empty: bool,
     /// Replace the model files of a non-empty output directory (or an existing output file)
     #[arg(long)]
     pub force: bool,
@@ -581,33 +588,8 @@ pub struct GgufArgs {
     /// (e.g. llama-bpe, qwen2, gpt-2)
     #[arg(long, value_name = "NAME")]
     pub vocab_pre: Option<String>,
-    /// Print the plan (tensors, types, files) and create nothing
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Compute threads (default: all cores)
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
-    /// Bound on tensor data in flight (default: a quarter of available memory, at most 4GiB)
-    #[arg(long, value_name = "SIZE")]
-    pub memory_budget: Option<String>,
-    /// Print nothing but errors
-    #[arg(short, long)]
-    pub quiet: bool,
-    /// No progress bar or progress lines
-    #[arg(long)]
-    pub no_progress: bool,
-    /// Progress on stderr: auto (a bar on a terminal, else lines), plain, json, none
-    #[arg(long, value_name = "MODE")]
-    pub progress: Option<String>,
-    /// Seconds between progress lines when stderr is not a terminal (fractions allowed)
-    #[arg(long, value_name = "SECS")]
-    pub progress_interval: Option<String>,
-    /// Also print informational notes
-    #[arg(short, long)]
-    pub verbose: bool,
-    /// Write a JSON summary of the run to this file
-    #[arg(long, value_name = "FILE")]
-    pub report: Option<PathBuf>,
+    #[command(flatten)]
+    pub run: RunOpts,
     /// Replace existing output files
     #[arg(long)]
     pub force: bool,

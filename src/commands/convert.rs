@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::cli::WriteArgs;
+use crate::cli::{RunOpts, WriteArgs};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
@@ -70,25 +70,45 @@ pub fn parse_budget(arg: Option<&str>) -> Result<u64> {
     }
 }
 
+impl RunOpts {
+    /// `--threads`, all cores by default.
+    pub fn thread_count(&self) -> Result<usize> {
+        match self.threads {
+            Some(0) => Err(Error::Usage("--threads must be at least 1".into())),
+            Some(n) => Ok(n),
+            None => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        }
+    }
+
+    pub fn budget(&self) -> Result<u64> {
+        parse_budget(self.memory_budget.as_deref())
+    }
+
+    pub fn progress_mode(&self) -> Result<ProgressMode> {
+        crate::progress::parse_mode(self.progress.as_deref(), self.no_progress, self.quiet)
+    }
+
+    pub fn progress_interval(&self) -> Result<std::time::Duration> {
+        crate::progress::parse_interval(self.progress_interval.as_deref())
+    }
+}
+
 impl WriteOptions {
     pub fn from_args(w: &WriteArgs) -> Result<WriteOptions> {
-        let threads = match w.threads {
-            Some(0) => return Err(Error::Usage("--threads must be at least 1".into())),
-            Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        };
+        let r = &w.run;
+        let threads = r.thread_count()?;
         Ok(WriteOptions {
             output: w.output.clone(),
             max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
-            dry_run: w.dry_run,
+            dry_run: r.dry_run,
             threads,
-            memory_budget: parse_budget(w.memory_budget.as_deref())?,
-            quiet: w.quiet,
-            progress: crate::progress::parse_mode(w.progress.as_deref(), w.no_progress, w.quiet)?,
-            progress_interval: crate::progress::parse_interval(w.progress_interval.as_deref())?,
-            verbose: w.verbose,
+            memory_budget: r.budget()?,
+            quiet: r.quiet,
+            progress: r.progress_mode()?,
+            progress_interval: r.progress_interval()?,
+            verbose: r.verbose,
             allow_empty: w.allow_empty,
-            report: w.report.clone(),
+            report: r.report.clone(),
             force: w.force,
             kernel_copy: !w.no_reflink,
             device: DeviceRequest::parse(&w.device)?,

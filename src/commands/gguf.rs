@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value as Json};
 
 use crate::cli::GgufArgs;
-use crate::commands::convert::{nearest_existing, parse_budget, same_filesystem};
+use crate::commands::convert::{nearest_existing, same_filesystem};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::{Checkpoint, TensorRef};
 use crate::format::dtype::DType;
@@ -63,11 +63,8 @@ pub struct GgufOptions {
 
 impl GgufOptions {
     pub fn from_args(a: &GgufArgs) -> Result<GgufOptions> {
-        let threads = match a.threads {
-            Some(0) => return Err(Error::Usage("--threads must be at least 1".into())),
-            Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        };
+        let r = &a.run;
+        let threads = r.thread_count()?;
         let split_max_bytes = match &a.split_max_size {
             None => 0,
             Some(s) => match layout::parse_split_size(s) {
@@ -98,14 +95,14 @@ impl GgufOptions {
             split_max_bytes,
             arch: a.arch.clone(),
             vocab_pre: a.vocab_pre.clone(),
-            dry_run: a.dry_run,
+            dry_run: r.dry_run,
             threads,
-            memory_budget: parse_budget(a.memory_budget.as_deref())?,
-            quiet: a.quiet,
-            progress: crate::progress::parse_mode(a.progress.as_deref(), a.no_progress, a.quiet)?,
-            progress_interval: crate::progress::parse_interval(a.progress_interval.as_deref())?,
-            verbose: a.verbose,
-            report: a.report.clone(),
+            memory_budget: r.budget()?,
+            quiet: r.quiet,
+            progress: r.progress_mode()?,
+            progress_interval: r.progress_interval()?,
+            verbose: r.verbose,
+            report: r.report.clone(),
             force: a.force,
             kernel_copy: !a.no_reflink,
         })
