@@ -14,8 +14,8 @@ use crate::output::checksum::{
     hash_bytes, hash_file, manifest_json, sums_text, TensorRange, MANIFEST_NAME, SUMS_NAME,
 };
 use crate::output::{
-    check_report_path, resolve, side_files, write_report, Claim, InputFiles, OutputTarget,
-    INDEX_NAME,
+    check_report_path, resolve, side_files, write_report, Claim, InputFiles, OutputSet,
+    OutputTarget, INDEX_NAME,
 };
 use crate::pipeline::{self, Cancel, PipelineConfig};
 use crate::plan::{Plan, Recipe, Step};
@@ -247,25 +247,7 @@ fn convert_inner(
         }
         return Ok(());
     }
-    if let Some(free) = free {
-        if free < needed {
-            return Err(Error::NoSpace {
-                path: out_dir,
-                needed,
-                available: free,
-            });
-        }
-    }
-    if cancel.is_raised() {
-        return Err(Error::Cancelled);
-    }
-
-    let (mut out, cleanup_notes) = target.begin()?;
-    for n in &cleanup_notes {
-        if !opts.quiet {
-            eprintln!("note: {}: {n}", out_dir.display());
-        }
-    }
+    let mut out = open_output(&target, needed, free, opts.quiet, cancel)?;
     // Checked again under the lock: another run may have written here since.
     let claim = target.claim(&names, opts.force)?;
     let mut files = Vec::with_capacity(layout.shards.len());
@@ -452,6 +434,37 @@ fn print_claim(claim: &Claim) {
             claim.deleted.join(", ")
         );
     }
+}
+
+/// Past the dry run: refuses an output the free space cannot hold, or a cancelled run, then
+/// opens the output (lock, an interrupted commit finished, orphans removed) and says what that
+/// cleaned up.
+pub(crate) fn open_output(
+    target: &OutputTarget,
+    needed: u64,
+    free: Option<u64>,
+    quiet: bool,
+    cancel: &Cancel,
+) -> Result<OutputSet> {
+    if let Some(free) = free {
+        if free < needed {
+            return Err(Error::NoSpace {
+                path: target.dir.clone(),
+                needed,
+                available: free,
+            });
+        }
+    }
+    if cancel.is_raised() {
+        return Err(Error::Cancelled);
+    }
+    let (out, notes) = target.begin()?;
+    if !quiet {
+        for n in &notes {
+            eprintln!("note: {}: {n}", target.dir.display());
+        }
+    }
+    Ok(out)
 }
 
 pub(crate) fn same_filesystem(a: &Path, b: &Path) -> bool {

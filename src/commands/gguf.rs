@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value as Json};
 
 use crate::cli::GgufArgs;
-use crate::commands::convert::{nearest_existing, same_filesystem};
+use crate::commands::convert::{nearest_existing, open_output, same_filesystem};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::{Checkpoint, TensorRef};
 use crate::format::dtype::DType;
@@ -394,26 +394,8 @@ fn run_inner(
         }
         return Ok(());
     }
-    if let Some(free) = free {
-        if free < needed {
-            return Err(Error::NoSpace {
-                path: out_dir,
-                needed,
-                available: free,
-            });
-        }
-    }
-    if cancel.is_raised() {
-        return Err(Error::Cancelled);
-    }
-
     // 4. Write: temporaries under the lock, then one commit.
-    let (mut out, notes) = target.begin()?;
-    for n in &notes {
-        if !opts.quiet {
-            eprintln!("note: {}: {n}", out_dir.display());
-        }
-    }
+    let mut out = open_output(&target, needed, free, opts.quiet, cancel)?;
     let claim = target.claim_files(&names, opts.force)?;
     let mut files = Vec::with_capacity(plans.len());
     let mut tmp_names = Vec::with_capacity(plans.len());
