@@ -58,6 +58,25 @@ pub enum Command {
     /// Re-hash a checkpoint written with --checksums against its tftf-manifest.json and name
     /// the first tensor that differs (exit 1)
     Verify(VerifyArgs),
+    /// Complete an output written by `--part K/N` jobs: check every part's records, then write
+    /// the index, config, side files and checksums
+    Finalize(FinalizeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct FinalizeArgs {
+    /// The output directory the parts wrote
+    #[arg(value_name = "DIR")]
+    pub dir: std::path::PathBuf,
+    /// Remove model files of an earlier output that are not this run's
+    #[arg(long)]
+    pub force: bool,
+    /// Print nothing but errors
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Accepted on every command (as in Python tftf)
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]
@@ -157,9 +176,20 @@ pub struct WriteArgs {
     #[command(flatten)]
     pub run: RunOpts,
     /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
-    /// output, for `tftf verify`
+    /// output, for `tftf verify`; on by default with --part and --resume (--checksums=off)
+    #[arg(long, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "on")]
+    pub checksums: Option<String>,
+    /// Write only part K of N of the output's shards, for one job of a job array; every part
+    /// runs the same command, then `tftf finalize OUT` (or --finalize) completes the output
+    #[arg(long, value_name = "K/N")]
+    pub part: Option<String>,
+    /// Continue an interrupted --part or --resume run: shards it committed that still match
+    /// their records are kept, the rest written (refused if the inputs or arguments changed)
     #[arg(long)]
-    pub checksums: bool,
+    pub resume: bool,
+    /// With --part: when this part finishes and every other part has, finalize the output
+    #[arg(long)]
+    pub finalize: bool,
     /// Write the output even when filters keep no tensor or an op finds nothing to do
     #[arg(long)]
     pub allow_empty: bool,

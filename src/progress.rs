@@ -89,7 +89,9 @@ pub fn parse_mode(arg: Option<&str>, no_progress: bool, quiet: bool) -> Result<M
 
 /// A handle on one run's progress; clones share it.
 #[derive(Clone)]
-pub struct Progress(Arc<Inner>);
+/// The `usize` is added to the file indices given to [`Progress::advance`], for a pipeline
+/// that writes a slice of the files.
+pub struct Progress(Arc<Inner>, usize);
 
 struct Inner {
     op: String,
@@ -136,22 +138,25 @@ impl Progress {
             bar
         });
         let (stop, stopped) = bounded::<()>(0);
-        let p = Progress(Arc::new(Inner {
-            op: op.into(),
-            shards,
-            total,
-            done: AtomicU64::new(0),
-            shard: AtomicUsize::new(0),
-            started: Instant::now(),
-            finished: AtomicBool::new(false),
-            printing: std::sync::Mutex::new(()),
-            json,
-            shard_done: shard_bytes.iter().map(|_| AtomicU64::new(0)).collect(),
-            shard_reported: shard_bytes.iter().map(|_| AtomicBool::new(false)).collect(),
-            shard_bytes,
-            bar,
-            _stop: (!terminal).then_some(stop),
-        }));
+        let p = Progress(
+            Arc::new(Inner {
+                op: op.into(),
+                shards,
+                total,
+                done: AtomicU64::new(0),
+                shard: AtomicUsize::new(0),
+                started: Instant::now(),
+                finished: AtomicBool::new(false),
+                printing: std::sync::Mutex::new(()),
+                json,
+                shard_done: shard_bytes.iter().map(|_| AtomicU64::new(0)).collect(),
+                shard_reported: shard_bytes.iter().map(|_| AtomicBool::new(false)).collect(),
+                shard_bytes,
+                bar,
+                _stop: (!terminal).then_some(stop),
+            }),
+            0,
+        );
         if let Some(bar) = &p.0.bar {
             bar.set_message(p.bar_message());
             return p;
@@ -164,7 +169,7 @@ impl Progress {
         let _ = std::thread::Builder::new().spawn(move || {
             while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let Some(inner) = weak.upgrade() else { break };
-                let p = Progress(inner);
+                let p = Progress(inner, 0);
                 let _printing = p.0.printing.lock().unwrap_or_else(|e| e.into_inner());
                 if p.0.finished.load(Ordering::Relaxed) {
                     break;
@@ -177,6 +182,7 @@ impl Progress {
 
     /// `n` more bytes done, in shard `shard`.
     pub fn advance(&self, shard: usize, n: u64) {
+        let shard = shard + self.1;
         let i = &self.0;
         i.done.fetch_add(n, Ordering::Relaxed);
         let previous = i.shard.swap(shard, Ordering::Relaxed);
@@ -193,6 +199,11 @@ impl Progress {
             }
             bar.inc(n);
         }
+    }
+
+    /// The same progress for a pipeline whose file `k` is this one's file `first + k`.
+    pub fn from_file(&self, first: usize) -> Progress {
+        Progress(self.0.clone(), first)
     }
 
     /// Stops the lines and clears the bar; in JSON mode, says every file is written.

@@ -13,6 +13,7 @@ use crate::gpu::{Device, DeviceRequest};
 use crate::output::checksum::{
     hash_bytes, hash_file, manifest_json, sums_text, TensorRange, MANIFEST_NAME, SUMS_NAME,
 };
+use crate::output::parts::PartSpec;
 use crate::output::{
     check_report_path, resolve, side_files, write_report, Claim, InputFiles, OutputSet,
     OutputTarget, INDEX_NAME,
@@ -43,8 +44,15 @@ pub struct WriteOptions {
     pub force: bool,
     pub kernel_copy: bool,
     pub device: DeviceRequest,
-    /// Write `SHA256SUMS` and `tftf-manifest.json` with the output.
-    pub checksums: bool,
+    /// `--checksums`: write `SHA256SUMS` and `tftf-manifest.json` with the output; `None`
+    /// when not given (on for parts and resumable runs, off otherwise).
+    pub checksums: Option<bool>,
+    /// `--part K/N`.
+    pub part: Option<PartSpec>,
+    pub resume: bool,
+    pub finalize: bool,
+    /// The command and its output-relevant arguments, canonical (for the run's fingerprint).
+    pub arguments: String,
 }
 
 pub const MAX_DEFAULT_BUDGET_BYTES: u64 = 4 << 30;
@@ -94,7 +102,18 @@ impl RunOpts {
 }
 
 impl WriteOptions {
+    /// Sets the canonical argument text the run's fingerprint includes.
+    pub fn with_arguments(mut self, arguments: &str) -> WriteOptions {
+        self.arguments = arguments.to_string();
+        self
+    }
+
     pub fn from_args(w: &WriteArgs) -> Result<WriteOptions> {
+        if w.finalize && w.part.is_none() {
+            return Err(Error::Usage(
+                "--finalize goes with --part K/N (a --resume run without --part finalizes by itself)".into(),
+            ));
+        }
         let r = &w.run;
         let threads = r.thread_count()?;
         Ok(WriteOptions {
@@ -112,7 +131,20 @@ impl WriteOptions {
             force: w.force,
             kernel_copy: !w.no_reflink,
             device: DeviceRequest::parse(&w.device)?,
-            checksums: w.checksums,
+            checksums: match w.checksums.as_deref() {
+                None => None,
+                Some("on") => Some(true),
+                Some("off") => Some(false),
+                Some(other) => {
+                    return Err(Error::Usage(format!(
+                        "--checksums={other}: use --checksums, --checksums=on or --checksums=off"
+                    )))
+                }
+            },
+            part: w.part.as_deref().map(PartSpec::parse).transpose()?,
+            resume: w.resume,
+            finalize: w.finalize,
+            arguments: String::new(),
         })
     }
 }
@@ -192,8 +224,38 @@ fn convert_inner(
     };
     let layout = sink.layout(&ckpt, &plan)?;
     let data_budget = plan.data_budget(&ckpt, layout.header_bytes(), opts.memory_budget)?;
+    let out_dir = target.dir.clone();
+    // Bytes that will share extents with the input take no new space.
+    let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
+    let sharing =
+        opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
+    // A GPU is opened only when asked for by name or when some op can use one.
+    let device = if opts.device == DeviceRequest::Cpu
+        || (opts.device == DeviceRequest::Auto && !plan.has_gpu_ops())
+    {
+        Device::cpu(None)
+    } else {
+        Device::open(&opts.device)?
+    };
+    let run = Prepared {
+        command,
+        ckpt: &ckpt,
+        plan: &plan,
+        layout: &layout,
+        target: &target,
+        sides: &sides,
+        opts,
+        device: &device,
+        data_budget,
+        sharing,
+        started,
+    };
+    if opts.part.is_some() || opts.resume {
+        return super::parted::run(&run, cancel);
+    }
+    let checksums = opts.checksums == Some(true);
     let mut names = target.names(&layout, &sides);
-    if opts.checksums {
+    if checksums {
         if target.file_name().is_some() {
             return Err(Error::Usage(
                 "--checksums writes SHA256SUMS and tftf-manifest.json beside the shards: give a directory as -o".into(),
@@ -205,44 +267,19 @@ fn convert_inner(
         target.check_report(report, &names)?;
     }
     let claim = target.claim(&names, opts.force)?;
-    let side_bytes: u64 = sides
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len())
-        .sum();
-    let out_dir = target.dir.clone();
-    // Bytes that will share extents with the input take no new space.
-    let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
-    let sharing =
-        opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
-    let needed = layout.total_file_bytes() + side_bytes
-        - if sharing {
-            layout.shareable_bytes(&ckpt, &plan)
-        } else {
-            0
-        };
+    let needed = run.needed_bytes(&layout, &sides);
     let free = sys::free_space(&nearest_existing(&resolve(&out_dir))).ok();
-    // A GPU is opened only when asked for by name or when some op can use one.
-    let device = if opts.device == DeviceRequest::Cpu
-        || (opts.device == DeviceRequest::Auto && !plan.has_gpu_ops())
-    {
-        Device::cpu(None)
-    } else {
-        Device::open(&opts.device)?
-    };
 
     if opts.dry_run {
         if !opts.quiet {
-            print_plan(&ckpt, &plan, &layout, &target, &sides, opts, needed, free);
+            run.print_plan(needed, free);
             print_claim(&claim);
             if plan.computed_count() > 0 {
                 println!("{}", device_line(&device));
             }
         }
         if let Some(path) = &opts.report {
-            let report = report_json(
-                command, &ckpt, &plan, &layout, &target, &sides, opts, &device, None, started, true,
-            );
+            let report = run.report(None, true);
             write_report(path, &report)?;
         }
         return Ok(());
@@ -264,39 +301,23 @@ fn convert_inner(
         tmp_names.push(tmp);
     }
     let progress = (opts.progress != ProgressMode::Off).then(|| {
-        let shard_bytes = layout
-            .shards
-            .iter()
-            .map(|s| match s.clone_from {
-                Some(_) => s.len,
-                None => s.tensors.iter().map(|&t| plan.tensors[t].nbytes).sum(),
-            })
-            .collect();
         Progress::new(
             command,
             names[..layout.shards.len()].to_vec(),
-            shard_bytes,
+            run.progress_bytes(&layout.shards.iter().collect::<Vec<_>>()),
             plan.total_tensor_bytes(),
             opts.progress_interval,
             opts.progress,
         )
     });
-    let cfg = PipelineConfig {
-        threads: opts.threads,
-        memory_budget: data_budget,
-        cancel: cancel.clone(),
-        progress: progress.clone(),
-        kernel_copy: opts.kernel_copy,
-        expect_reflink: sharing,
-        gpu: device.gpu.clone(),
-    };
+    let cfg = run.pipeline_config(cancel, progress.clone());
     let stats = pipeline::execute(&ckpt, &plan, &layout, &files, &tmp_names, &cfg)?;
     if let Some(p) = &progress {
         p.finish();
     }
     drop(files);
     let mut sums = Vec::new();
-    if opts.checksums {
+    if checksums {
         for ((shard, name), tmp) in layout.shards.iter().zip(&names).zip(&tmp_names) {
             let ranges = shard
                 .tensors
@@ -312,7 +333,7 @@ fn convert_inner(
         }
     }
     if let Some(index) = layout.index_json(&plan) {
-        if opts.checksums {
+        if checksums {
             sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
         }
         out.add_bytes(INDEX_NAME, index.as_bytes())?;
@@ -326,19 +347,19 @@ fn convert_inner(
             if let Some(cfg) = &plan.config {
                 let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
                 text.push('\n');
-                if opts.checksums {
+                if checksums {
                     sums.push(hash_bytes("config.json", text.as_bytes()));
                 }
                 out.add_bytes("config.json", text.as_bytes())?;
                 continue;
             }
         }
-        if opts.checksums {
+        if checksums {
             sums.push(hash_file(side, &name, Vec::new())?);
         }
         out.add_copy(&name, side)?;
     }
-    if opts.checksums {
+    if checksums {
         out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
         let mut manifest =
             serde_json::to_string_pretty(&manifest_json(&sums)).expect("JSON object");
@@ -384,19 +405,7 @@ fn convert_inner(
     }
     let json_progress = opts.progress == ProgressMode::Json;
     if opts.report.is_some() || json_progress {
-        let report = report_json(
-            command,
-            &ckpt,
-            &plan,
-            &layout,
-            &target,
-            &sides,
-            opts,
-            &device,
-            Some(&stats),
-            started,
-            false,
-        );
+        let report = run.report(Some(&stats), false);
         if let Some(path) = &opts.report {
             // The output is committed: a report that cannot be written does not undo it.
             if let Err(e) = write_report(path, &report) {
@@ -413,8 +422,95 @@ fn convert_inner(
     Ok(())
 }
 
+/// Everything a writing run has resolved before it creates anything.
+pub(crate) struct Prepared<'a> {
+    pub command: &'a str,
+    pub ckpt: &'a Checkpoint,
+    pub plan: &'a Plan,
+    pub layout: &'a Layout,
+    pub target: &'a OutputTarget<'a>,
+    pub sides: &'a [PathBuf],
+    pub opts: &'a WriteOptions,
+    pub device: &'a Device,
+    /// Memory for tensor data in flight.
+    pub data_budget: u64,
+    /// Whether untouched tensors will probably share extents with the input.
+    pub sharing: bool,
+    pub started: Instant,
+}
+
+impl Prepared<'_> {
+    /// Free space that `layout`'s files and `sides` need; bytes that will share extents with
+    /// the input take none.
+    pub fn needed_bytes(&self, layout: &Layout, sides: &[PathBuf]) -> u64 {
+        let side_bytes: u64 = sides
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        let shared = if self.sharing {
+            layout.shareable_bytes(self.ckpt, self.plan)
+        } else {
+            0
+        };
+        layout.total_file_bytes() + side_bytes - shared
+    }
+
+    pub fn pipeline_config(&self, cancel: &Cancel, progress: Option<Progress>) -> PipelineConfig {
+        PipelineConfig {
+            threads: self.opts.threads,
+            memory_budget: self.data_budget,
+            cancel: cancel.clone(),
+            progress,
+            kernel_copy: self.opts.kernel_copy,
+            expect_reflink: self.sharing,
+            gpu: self.device.gpu.clone(),
+        }
+    }
+
+    /// Bytes each file of `shards` receives through the writer, for progress.
+    pub fn progress_bytes(&self, shards: &[&crate::sink::OutShard]) -> Vec<u64> {
+        shards
+            .iter()
+            .map(|s| match s.clone_from {
+                Some(_) => s.len,
+                None => s.tensors.iter().map(|&t| self.plan.tensors[t].nbytes).sum(),
+            })
+            .collect()
+    }
+
+    pub fn report(&self, stats: Option<&pipeline::RunStats>, dry_run: bool) -> Value {
+        report_json(
+            self.command,
+            self.ckpt,
+            self.plan,
+            self.layout,
+            self.target,
+            self.sides,
+            self.opts,
+            self.device,
+            stats,
+            self.started,
+            dry_run,
+        )
+    }
+
+    pub fn print_plan(&self, needed: u64, free: Option<u64>) {
+        print_plan(
+            self.ckpt,
+            self.plan,
+            self.layout,
+            self.target,
+            self.sides,
+            self.opts,
+            needed,
+            free,
+        );
+    }
+}
+
 /// What `--force` will do to the existing output, for `--dry-run`.
-fn print_claim(claim: &Claim) {
+pub(crate) fn print_claim(claim: &Claim) {
     if claim.interrupted_commit {
         println!("  first finishes the commit a killed run left half done in the output");
     }
@@ -446,10 +542,27 @@ pub(crate) fn open_output(
     quiet: bool,
     cancel: &Cancel,
 ) -> Result<OutputSet> {
+    open_space_check(&target.dir, needed, free, cancel)?;
+    let (out, notes) = target.begin()?;
+    if !quiet {
+        for n in &notes {
+            eprintln!("note: {}: {n}", target.dir.display());
+        }
+    }
+    Ok(out)
+}
+
+/// Refuses an output the free space cannot hold, or a cancelled run.
+pub(crate) fn open_space_check(
+    dir: &Path,
+    needed: u64,
+    free: Option<u64>,
+    cancel: &Cancel,
+) -> Result<()> {
     if let Some(free) = free {
         if free < needed {
             return Err(Error::NoSpace {
-                path: target.dir.clone(),
+                path: dir.to_path_buf(),
                 needed,
                 available: free,
             });
@@ -458,13 +571,7 @@ pub(crate) fn open_output(
     if cancel.is_raised() {
         return Err(Error::Cancelled);
     }
-    let (out, notes) = target.begin()?;
-    if !quiet {
-        for n in &notes {
-            eprintln!("note: {}: {n}", target.dir.display());
-        }
-    }
-    Ok(out)
+    Ok(())
 }
 
 pub(crate) fn same_filesystem(a: &Path, b: &Path) -> bool {
@@ -629,7 +736,7 @@ fn print_plan(
 }
 
 /// Where computed tensors were (or will be) computed, for the summary line.
-fn device_line(device: &Device) -> String {
+pub(crate) fn device_line(device: &Device) -> String {
     match (&device.gpu, &device.note) {
         (Some(_), _) => format!("computed on {}", device.name),
         (None, Some(why)) => format!("computed on the CPU (--device auto: {why})"),
@@ -638,7 +745,7 @@ fn device_line(device: &Device) -> String {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn report_json(
+pub(crate) fn report_json(
     command: &str,
     ckpt: &Checkpoint,
     plan: &Plan,

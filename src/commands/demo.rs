@@ -222,7 +222,11 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         force: false,
         kernel_copy: true,
         device: crate::gpu::DeviceRequest::Auto,
-        checksums: false,
+        checksums: None,
+        part: None,
+        resume: false,
+        finalize: false,
+        arguments: String::new(),
     }
 }
 

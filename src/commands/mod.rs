@@ -4,6 +4,7 @@ pub mod convert;
 pub mod demo;
 pub mod gguf;
 pub mod info;
+pub mod parted;
 pub mod run_sections;
 pub mod selftest;
 pub mod semantic;
@@ -169,11 +170,61 @@ fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Result<Step> {
     }))))
 }
 
+/// Arguments that do not change a run's output: where it reads and writes, how fast, what it
+/// prints, and the part/resume flags themselves.
+const ARGUMENTS_NOT_FINGERPRINTED: &[&str] = &[
+    "input",
+    "model",
+    "src",
+    "output",
+    "threads",
+    "io_threads",
+    "memory_budget",
+    "quiet",
+    "no_progress",
+    "progress",
+    "progress_interval",
+    "verbose",
+    "report",
+    "force",
+    "no_reflink",
+    "device",
+    "dry_run",
+    "part",
+    "resume",
+    "finalize",
+];
+
+/// The subcommand and every argument that can change its output, one `id=values` per line in a
+/// fixed order, as clap parsed them (defaults included): what parts and resumed runs must share.
+pub fn arguments_text(matches: &ArgMatches, sections: &RunSections) -> String {
+    let Some((name, sub)) = matches.subcommand() else {
+        return String::new();
+    };
+    let mut ids: Vec<&str> = sub.ids().map(|i| i.as_str()).collect();
+    ids.sort();
+    let mut out = name.to_string();
+    for id in ids {
+        // Argument groups (named after the structs clap flattens, `RunOpts`) repeat their
+        // members' values.
+        if ARGUMENTS_NOT_FINGERPRINTED.contains(&id) || id.starts_with(char::is_uppercase) {
+            continue;
+        }
+        if let Ok(Some(values)) = sub.try_get_raw(id) {
+            let values: Vec<String> = values.map(|v| v.to_string_lossy().into_owned()).collect();
+            out.push_str(&format!("\n{id}={values:?}"));
+        }
+    }
+    out.push_str(&format!("\nsections={sections:?}"));
+    out
+}
+
 /// Runs the command; returns the process exit code.
 /// `sections` are `run`'s pipe sections, split off the raw arguments by
 /// [`run_sections::split`] before clap parsed the rest into `matches`.
 pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -> Result<i32> {
     let cli = Cli::from_arg_matches(matches).map_err(|e| Error::Usage(e.to_string()))?;
+    let arguments = arguments_text(matches, sections);
     match &cli.command {
         Command::Info(a) => {
             info::run(a, &input_path(&a.input)?)?;
@@ -181,13 +232,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         }
         Command::Passthrough(a) => {
             let steps = passthrough_steps(a)?;
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert("passthrough", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::Run(a) => {
             let steps = sections.steps()?;
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -196,7 +247,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             if let Some(adapter) = &a.merge_lora {
                 steps.push(lora_step(adapter, &a.lora)?);
             }
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert("dequant", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -211,7 +262,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -224,7 +275,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert(
                 "merge-dcp-lora",
                 &input_path(&a.input)?,
@@ -261,7 +312,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             convert(
                 "merge-fsdp-lora",
                 &input_path(&a.input)?,
@@ -273,7 +324,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         }
         Command::RepackFp4(a) => {
             let steps = vec![repack_step(&a.fp4)?];
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
             let input = flag_or_positional(&a.src, &a.model)?;
             convert("repack-fp4", &input, &steps, &opts, cancel)?;
             Ok(0)
@@ -296,6 +347,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             }
             for n in notes {
                 println!("{}: {n}", a.dir.display());
+            }
+            Ok(0)
+        }
+        Command::Finalize(a) => {
+            let f = crate::output::parts::finalize(&a.dir, a.force)?;
+            if !a.quiet {
+                parted::print_finalized(&a.dir, &f);
             }
             Ok(0)
         }

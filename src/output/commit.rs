@@ -24,6 +24,15 @@ pub fn temp_name(name: &str) -> String {
     format!(".{name}.tftf-{}.tmp", std::process::id())
 }
 
+/// The final name of a tftf temporary (`.NAME.tftf-PID.tmp` → `NAME`).
+pub fn temp_final_name(tmp: &str) -> Option<&str> {
+    if !is_temp_name(tmp) {
+        return None;
+    }
+    let rest = &tmp[1..tmp.len() - 4];
+    rest.rfind(".tftf-").map(|at| &rest[..at])
+}
+
 /// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
 pub fn is_temp_name(name: &str) -> bool {
     let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
@@ -57,6 +66,18 @@ impl OutputSet {
             files: Vec::new(),
             committed: false,
             lock: Some(lock),
+        }
+    }
+
+    /// An output set in `dir` for a caller that holds the directory's lease lock itself
+    /// (finalize of a partitioned run).
+    pub fn unlocked(dir: PathBuf) -> OutputSet {
+        OutputSet {
+            dir,
+            created_dirs: Vec::new(),
+            files: Vec::new(),
+            committed: false,
+            lock: None,
         }
     }
 

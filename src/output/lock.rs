@@ -66,6 +66,21 @@ impl OutputLock {
     }
 }
 
+/// Whether a run holds `dir`'s lock right now (without taking it).
+pub fn is_held(dir: &Path) -> bool {
+    let Ok(file) = File::open(dir.join(LOCK_FILE_NAME)) else {
+        return false;
+    };
+    // SAFETY: flock on an fd valid for `file`'s life.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    if rc == 0 {
+        // SAFETY: as above; dropping the fd would release it too.
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        return false;
+    }
+    std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
+}
+
 impl Drop for OutputLock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);

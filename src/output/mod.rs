@@ -12,6 +12,7 @@
 pub mod checksum;
 pub mod commit;
 pub mod lock;
+pub mod parts;
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
@@ -313,6 +314,7 @@ impl<'a> OutputTarget<'a> {
     /// killed run left half done and removes killed runs' temporaries. Returns the empty output
     /// set and notes on what was cleaned up.
     pub fn begin(&self) -> Result<(OutputSet, Vec<String>)> {
+        refuse_partitioned(&self.dir)?;
         let created_dirs = create_dirs(&self.dir)?;
         let lock = match OutputLock::acquire(&self.dir) {
             Ok(l) => l,
@@ -365,6 +367,81 @@ impl<'a> OutputTarget<'a> {
             )));
         }
         Ok(())
+    }
+}
+
+/// A run that is not one of the parts must not clean up (or write over) a partitioned run's
+/// directory: its temporaries belong to live jobs.
+fn refuse_partitioned(dir: &Path) -> Result<()> {
+    if parts::parts_dir(dir).is_dir() {
+        return Err(Error::Other(format!(
+            "{} holds an unfinished partitioned run ({}): finish its parts and run `tftf finalize`, continue it with the same --part/--resume command, or remove the directory",
+            dir.display(),
+            parts::PARTS_DIR
+        )));
+    }
+    Ok(())
+}
+
+impl OutputTarget<'_> {
+    /// For a part: creates the output directory (and the parts directory in it), returning the
+    /// directories created.
+    pub fn create_for_parts(&self) -> Result<Vec<PathBuf>> {
+        let created = create_dirs(&self.dir)?;
+        let pd = parts::parts_dir(&self.dir);
+        match std::fs::create_dir(&pd) {
+            Ok(()) => Ok(created),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && pd.is_dir() => Ok(created),
+            Err(e) => {
+                remove_dirs(&created);
+                Err(Error::io(&pd, e))
+            }
+        }
+    }
+
+    /// For a part: the directory's visible entries other than `ok` (this run's shards). Without
+    /// `force` any of them is refused; with it, model files of an earlier output (the old index
+    /// first of all) are deleted at once, before any shard of this run lands beside them, and
+    /// other files are left for finalize to replace.
+    pub fn claim_for_part(
+        &self,
+        ok: &std::collections::HashSet<String>,
+        force: bool,
+    ) -> Result<Vec<String>> {
+        let mut foreign: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(&self.dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.') && !ok.contains(n))
+            .collect();
+        foreign.sort();
+        if foreign.is_empty() {
+            return Ok(foreign);
+        }
+        if !force {
+            return Err(Error::OutputNotEmpty {
+                dir: self.dir.clone(),
+                entries: listing_excerpt(&foreign),
+            });
+        }
+        let old_index = old_index_shards(&self.dir.join(INDEX_NAME));
+        let mut deleted = Vec::new();
+        // The index first: without it the directory is no longer a checkpoint a loader would
+        // take for a mix of old and new shards.
+        foreign.sort_by_key(|n| n != INDEX_NAME);
+        for name in foreign {
+            let p = self.dir.join(&name);
+            let is_file = std::fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir());
+            if is_file && (is_model_file_name(&name) || old_index.contains(&name)) {
+                self.inputs.refuse_input(&p, "delete")?;
+                match std::fs::remove_file(&p) {
+                    Ok(()) => deleted.push(name),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(Error::io(&p, e)),
+                }
+            }
+        }
+        Ok(deleted)
     }
 }
 
@@ -443,7 +520,7 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
 /// Names tftf gives shards, indexes and checksums: `model.safetensors`,
 /// `model-0000i-of-0000N.safetensors`, `model.safetensors.index.json`, `SHA256SUMS`,
 /// `tftf-manifest.json`.
-fn is_model_file_name(name: &str) -> bool {
+pub(crate) fn is_model_file_name(name: &str) -> bool {
     if name == "model.safetensors"
         || name == INDEX_NAME
         || name == checksum::SUMS_NAME
@@ -520,6 +597,13 @@ fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     created.reverse();
     Ok(created)
+}
+
+/// After a part failed: removes the parts directory and the directories the part created,
+/// where they are empty (a part that wrote its record leaves it for `--resume`).
+pub fn remove_dirs_if_empty(dir: &Path, created: &[PathBuf]) {
+    let _ = std::fs::remove_dir(parts::parts_dir(dir));
+    remove_dirs(created);
 }
 
 /// Removes directories a run created, deepest first, where they are still empty.

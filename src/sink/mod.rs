@@ -108,7 +108,7 @@ impl Layout {
         if !self.has_index() {
             return None;
         }
-        let mut names: Vec<(&str, &str)> = self
+        let names: Vec<(&str, &str)> = self
             .shards
             .iter()
             .flat_map(|s| {
@@ -117,23 +117,27 @@ impl Layout {
                     .map(move |&t| (plan.tensors[t].name.as_str(), s.file_name.as_str()))
             })
             .collect();
-        names.sort();
-        let quoted = |s: &str| serde_json::to_string(s).expect("a string");
-        let mut out = format!(
-            "{{\n  \"metadata\": {{\n    \"total_size\": {}\n  }},\n  \"weight_map\": {{",
-            plan.total_tensor_bytes()
-        );
-        for (k, (t, f)) in names.iter().enumerate() {
-            let sep = if k == 0 { "" } else { "," };
-            out.push_str(&format!("{sep}\n    {}: {}", quoted(t), quoted(f)));
-        }
-        out.push_str(if names.is_empty() {
-            "}\n}\n"
-        } else {
-            "\n  }\n}\n"
-        });
-        Some(out)
+        Some(index_text(names, plan.total_tensor_bytes()))
     }
+}
+
+/// Index text for (tensor, file) pairs totalling `total_size` tensor bytes.
+pub fn index_text(mut names: Vec<(&str, &str)>, total_size: u64) -> String {
+    names.sort();
+    let quoted = |s: &str| serde_json::to_string(s).expect("a string");
+    let mut out = format!(
+        "{{\n  \"metadata\": {{\n    \"total_size\": {total_size}\n  }},\n  \"weight_map\": {{"
+    );
+    for (k, (t, f)) in names.iter().enumerate() {
+        let sep = if k == 0 { "" } else { "," };
+        out.push_str(&format!("{sep}\n    {}: {}", quoted(t), quoted(f)));
+    }
+    out.push_str(if names.is_empty() {
+        "}\n}\n"
+    } else {
+        "\n  }\n}\n"
+    });
+    out
 }
 
 /// Where the output goes, as the user wrote it.
