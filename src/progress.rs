@@ -227,20 +227,6 @@ impl Progress {
         }
     }
 
-    /// In JSON mode, the run's report as the last line.
-    pub fn report(&self, report: &serde_json::Value) {
-        if self.0.json {
-            let line = serde_json::json!({
-                "tftf_progress": JSON_SCHEMA_VERSION,
-                "event": "report",
-                "op": self.0.op,
-                "report": report,
-            });
-            let _printing = self.0.printing.lock().unwrap_or_else(|e| e.into_inner());
-            eprintln!("{line}");
-        }
-    }
-
     /// The once-per-file `shard_written` event.
     fn shard_written(&self, k: usize) {
         let i = &self.0;
@@ -326,6 +312,16 @@ impl Progress {
             BAR_COLUMNS - BAR_FIXED_COLUMNS,
         )
     }
+}
+
+/// The `--progress json` line that carries the run's report, the last one of a run.
+pub fn report_line(op: &str, report: &serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "tftf_progress": JSON_SCHEMA_VERSION,
+        "event": "report",
+        "op": op,
+        "report": report,
+    })
 }
 
 /// `progress: OP SHARD: DONE of TOTAL (P%), RATE/s, ETA T`.

@@ -1636,3 +1636,44 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         }
     }
 }
+
+#[test]
+fn json_progress_names_every_split_file_and_ends_with_the_report() {
+    let d = tmp();
+    let mut rng = Rng(11);
+    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
+    let model = model_dir(d.path(), "llama3", |_| {}, &tensors);
+    let out = d.path().join("out").join("x.gguf");
+    let o = tftf(&[
+        "gguf",
+        s(&model),
+        "-o",
+        s(&out),
+        "--vocab-pre",
+        "test-pre",
+        "--split-max-size",
+        "20K",
+        "--progress",
+        "json",
+        "-q",
+    ]);
+    ok(&o);
+    let lines: Vec<Json> = stderr(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    let files = listing(&d.path().join("out"));
+    assert!(files.len() >= 2, "{files:?}");
+    let written: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["event"] == "shard_written")
+        .map(|l| l["shard"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        written,
+        files.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    let last = lines.last().unwrap();
+    assert_eq!(last["event"], "report");
+    assert_eq!(last["report"]["status"], "ok");
+}

@@ -403,23 +403,36 @@ fn convert_inner(
             eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
         }
     }
-    let json_progress = opts.progress == ProgressMode::Json;
-    if opts.report.is_some() || json_progress {
-        let report = run.report(Some(&stats), false);
-        if let Some(path) = &opts.report {
-            // The output is committed: a report that cannot be written does not undo it.
-            if let Err(e) = write_report(path, &report) {
-                eprintln!(
-                    "warning: the output was written, but not the report: {}",
-                    crate::escape::name(&e.to_string())
-                );
-            }
-        }
-        if let Some(p) = &progress {
-            p.report(&report);
+    publish_report(opts.report.as_deref(), opts.progress, command, || {
+        run.report(Some(&stats), false)
+    });
+    Ok(())
+}
+
+/// After the commit: the report to `--report` and, with `--progress json`, as the last line
+/// on stderr. The output is committed, so a report that cannot be written is a warning.
+pub(crate) fn publish_report(
+    path: Option<&Path>,
+    progress: ProgressMode,
+    op: &str,
+    report: impl FnOnce() -> Value,
+) {
+    let json = progress == ProgressMode::Json;
+    if path.is_none() && !json {
+        return;
+    }
+    let report = report();
+    if let Some(path) = path {
+        if let Err(e) = write_report(path, &report) {
+            eprintln!(
+                "warning: the output was written, but not the report: {}",
+                crate::escape::name(&e.to_string())
+            );
         }
     }
-    Ok(())
+    if json {
+        eprintln!("{}", crate::progress::report_line(op, &report));
+    }
 }
 
 /// Everything a writing run has resolved before it creates anything.

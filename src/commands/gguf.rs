@@ -408,12 +408,14 @@ fn run_inner(
         files.push(file);
         tmp_names.push(tmp);
     }
-    // Per-file events are left out: a GGUF file's tensors are counted as one stream.
     let progress = (opts.progress != crate::progress::Mode::Off).then(|| {
         Progress::new(
             "gguf",
             names.clone(),
-            Vec::new(),
+            plans
+                .iter()
+                .map(|p| p.tensors.iter().map(|t| t.spec.byte_len).sum())
+                .collect(),
             total_tensor,
             opts.progress_interval,
             opts.progress,
@@ -497,15 +499,9 @@ fn run_inner(
     if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_refused) {
         eprintln!("info: unchanged tensors were copied, not shared with the input: {why}");
     }
-    if let Some(path) = &opts.report {
-        let report = report_json(&ckpt, &info, opts, Some(&stats), started, false);
-        if let Err(e) = write_report(path, &report) {
-            eprintln!(
-                "warning: the output was written, but not the report: {}",
-                crate::escape::name(&e.to_string())
-            );
-        }
-    }
+    crate::commands::convert::publish_report(opts.report.as_deref(), opts.progress, "gguf", || {
+        report_json(&ckpt, &info, opts, Some(&stats), started, false)
+    });
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::convert::{device_line, open_space_check, Prepared};
+use super::convert::{device_line, open_space_check, publish_report, Prepared};
 use crate::error::{Error, Result};
 use crate::output::checksum::{hash_file, TensorRange};
 use crate::output::commit::{crash_point, temp_final_name, temp_name, temporaries};
@@ -104,6 +104,15 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
         return Ok(());
     }
     open_space_check(&dir, needed, free, cancel)?;
+    // A commit a killed plain run journalled would be finished by the next plain run; the
+    // parts must not write beside it.
+    if dir.join(crate::output::commit::JOURNAL_NAME).exists() {
+        return Err(Error::Other(format!(
+            "{} holds a commit a killed run left half done: run `tftf recover {}` first",
+            dir.display(),
+            dir.display()
+        )));
+    }
     let created = p.target.create_for_parts()?;
     let result = write_part(p, cancel, part, &fp, &digest, &mine, &side_names, checksums);
     let (written, kept, stats) = match result {
@@ -164,26 +173,12 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
         }
         None
     };
-    if opts.report.is_some() || opts.progress == ProgressMode::Json {
+    publish_report(opts.report.as_deref(), opts.progress, p.command, || {
         let mut r = p.report(Some(&stats), false);
         r["part"] = part_json(part, &mine, layout, &written, &kept);
         r["finalized"] = Value::from(finalized.is_some());
-        if let Some(path) = &opts.report {
-            if let Err(e) = crate::output::write_report(path, &r) {
-                eprintln!(
-                    "warning: the output was written, but not the report: {}",
-                    crate::escape::name(&e.to_string())
-                );
-            }
-        }
-        if opts.progress == ProgressMode::Json {
-            // The progress handle is gone with the pipeline; the report line has the same form.
-            eprintln!(
-                "{}",
-                json!({"tftf_progress": crate::progress::JSON_SCHEMA_VERSION, "event": "report", "op": p.command, "report": r})
-            );
-        }
-    }
+        r
+    });
     Ok(())
 }
 
