@@ -57,7 +57,7 @@ impl PartSpec {
     pub fn parse(s: &str) -> Result<PartSpec> {
         let bad = || {
             Error::Usage(format!(
-                "--part {s}: give K/N with 1 <= K <= N, e.g. --part 2/8 (Slurm: --part $((SLURM_ARRAY_TASK_ID))/$SLURM_ARRAY_TASK_COUNT)"
+                "--part {s}: give K/N with 1 <= K <= N, e.g. --part 2/8 (an index counting from 0, as JOB_COMPLETION_INDEX does, needs +1)"
             ))
         };
         let (k, n) = s.split_once('/').ok_or_else(bad)?;
