@@ -24,7 +24,8 @@ Two differences are llama.cpp's, not the converters', and are taken out of the f
 The fixture tokenizer's pre-tokenizer is in no table, and llama.cpp refuses names it does not
 know, so both converters are told `default` (the token ids are given directly, so the
 pre-tokenizer never runs). Prints a table; exits non-zero on a load failure, a logit that
-differs between the two files, or an f32 difference over the tolerance.
+differs between the two files, transformers failing to run the checkpoint, or an f32
+difference over the tolerance.
 
 Usage: LLAMA_LOGITS=BIN gguf_llama_check.py LLAMA_CPP_DIR TFTF WORKDIR [ARCH...]"""
 import os, subprocess, sys
@@ -53,13 +54,13 @@ def llama_logits(path):
 def hf_logits(d, c):
     from transformers import AutoModelForCausalLM
     kw = {}
-    if c.get("rope_scaling", {}).get("truncate") is False:
+    if (c.get("rope_scaling") or {}).get("truncate") is False:
         import json, shutil
         c = dict(c, rope_scaling=dict(c["rope_scaling"], truncate=True))
         shutil.copytree(d, d + "-truncate", dirs_exist_ok=True)
         d = d + "-truncate"
         json.dump(c, open(os.path.join(d, "config.json"), "w"))
-    q = c.get("quantization_config", {}).get("quant_method")
+    q = (c.get("quantization_config") or {}).get("quant_method")
     if q == "fp8":
         # transformers' own FP8 dequantisation needs accelerate; the block-scaled formula is
         # short: weight * weight_scale_inv, each scale covering a BxB block.
@@ -126,8 +127,9 @@ def main():
         c = R.build.inputs[0]
         try:
             hf, hf_err = hf_logits(d, c), None
-        except Exception as e:  # reported in the table; the llama.cpp comparison still runs
+        except Exception as e:  # reported in the table (and fails the run); llama.cpp's still runs
             hf, hf_err = None, f"{type(e).__name__}: {e}"[:120]
+            bad = True
         for ot in OUTTYPES:
             ref, ours = (os.path.join(R.WORK, f"{arch}.{ot}.{w}.gguf") for w in ("ref", "tftf"))
             for p in (ref, ours):
