@@ -7,8 +7,12 @@
 # llama-cpp-python 0.3.36 sdist's vendor/llama.cpp) and torch + transformers importable, the
 # reference convert_hf_to_gguf.py runs in the same script on the same model, same outtypes, and
 # its output is compared tensor for tensor.
+# PYTHON (default python3) runs the reference; it needs torch, transformers, numpy,
+# sentencepiece (e.g. /tmp/dqvenv/bin/python). `cp` of the same checkpoint is the baseline:
+# what moving these bytes costs on this disk. NO_XFS=1 skips the XFS part (it needs about 2.5
+# times the model's size on disk more).
 # Wall times on a shared machine depend on its load; CPU seconds (user + sys) less so.
-# Usage: bench/gguf.sh [LAYERS]
+# Usage: [LLAMA_CPP_DIR=DIR] [PYTHON=PY] [NO_XFS=1] bench/gguf.sh [LAYERS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -34,6 +38,10 @@ measure() {
         "$(echo "$user + $sys" | bc -l)" "$(echo "$kib / 1024" | bc -l)"
 }
 
+PY=${PYTHON:-python3}
+measure "cp -r (baseline)" cp -r "$IN" "$D/cp-copy"
+rm -rf "$D/cp-copy"
+
 for t in auto q8_0; do
     measure "tftf gguf $t" "$BIN" gguf -i "$IN" -o "$D/tftf-$t.gguf" --outtype $t --vocab-pre qwen2 \
         --no-progress --report "$D/tftf-$t.json"
@@ -43,21 +51,31 @@ measure "tftf gguf q8_0 256MiB" "$BIN" gguf -i "$IN" -o "$D/tftf-q8-small.gguf" 
     --vocab-pre qwen2 --no-progress --memory-budget 256MiB
 rm -f "$D/tftf-q8-small.gguf"
 
-if [ -n "${LLAMA_CPP_DIR:-}" ] && python3 -c "import torch, transformers" 2>/dev/null; then
+# The fixture tokenizer's pre-tokenizer hash is in no table of the reference's; it is told
+# `qwen2` as tftf is (bench/gguf_reference.py does the same), which changes one string KV and
+# nothing it spends time on.
+REF='
+import sys
+import conversion.base as b
+b.TextModel.get_vocab_base_pre = lambda self, tok: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+import convert_hf_to_gguf as c
+c.main()'
+if [ -n "${LLAMA_CPP_DIR:-}" ] && "$PY" -c "import torch, transformers" 2>/dev/null; then
     for t in bf16 q8_0; do
         ours=$D/tftf-$([ $t = bf16 ] && echo auto || echo $t).gguf
-        measure "convert_hf_to_gguf $t" env PYTHONPATH="$LLAMA_CPP_DIR/gguf-py" python3 \
-            "$LLAMA_CPP_DIR/convert_hf_to_gguf.py" "$IN" --outfile "$D/ref-$t.gguf" --outtype $t
+        measure "convert_hf_to_gguf $t" env PYTHONPATH="$LLAMA_CPP_DIR:$LLAMA_CPP_DIR/gguf-py" "$PY" \
+            -c "$REF" "$IN" --outfile "$D/ref-$t.gguf" --outtype $t
         python3 bench/gguf_check.py "$IN" "$ours" "$D/ref-$t.gguf" | sed 's/^/  /'
         rm -f "$D/ref-$t.gguf"
     done
 else
-    echo "reference: skipped (set LLAMA_CPP_DIR and install torch + transformers)"
+    echo "reference: skipped (set LLAMA_CPP_DIR, and PYTHON to one with torch + transformers)"
 fi
 rm -f "$D"/tftf-*.gguf
 
 # Extent sharing on XFS.
-if [ "$(id -u)" = 0 ] && command -v mkfs.xfs >/dev/null; then
+if [ -z "${NO_XFS:-}" ] && [ "$(id -u)" = 0 ] && command -v mkfs.xfs >/dev/null; then
     mkdir -p "$M"
     truncate -s $(( $(du -sb "$IN" | cut -f1) * 5 / 2 / 1073741824 + 4 ))G "$D/xfs.img"
     mkfs.xfs -q -m reflink=1 "$D/xfs.img"
@@ -79,5 +97,5 @@ print(f"  XFS: {b['files']} bytes written, {b['copied_unchanged']} copied unchan
 PY
     python3 bench/gguf_check.py "$M/in" "$M/out.gguf" | sed 's/^/  /'
 else
-    echo "XFS: skipped (needs root and xfsprogs)"
+    echo "XFS: skipped (NO_XFS set, or no root or xfsprogs)"
 fi

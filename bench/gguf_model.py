@@ -3,7 +3,7 @@
 fixture: shards of at most 2 GB, headers padded to 8 bytes as the `safetensors` library pads
 them (so each shard's data section starts wherever its header length puts it, as in real
 checkpoints). Usage: gguf_model.py OUT_DIR LAYERS [HIDDEN INTER HEADS KV_HEADS VOCAB]"""
-import json, os, shutil, struct, sys
+import json, os, struct, sys
 import numpy as np
 
 out, layers = sys.argv[1], int(sys.argv[2])
@@ -11,8 +11,17 @@ hidden, inter, heads, kv, vocab = (int(x) for x in (sys.argv[3:8] or [2048, 6144
 head_dim = 128
 os.makedirs(out, exist_ok=True)
 fx = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "gguf", "tokenizer")
-for f in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(os.path.join(fx, f), out)
+# As bench/gguf_reference.py builds its Qwen models: real Qwen tokenizers hold `<|endoftext|>`,
+# and without it transformers' Qwen2Tokenizer adds one for the reference converter (which tftf
+# does not emulate), so the two outputs' vocabularies would differ for a reason no real
+# checkpoint has.
+tj = json.load(open(os.path.join(fx, "tokenizer.json")))
+tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                           "rstrip": False, "normalized": False, "special": True})
+json.dump(tj, open(os.path.join(out, "tokenizer.json"), "w"), ensure_ascii=False)
+tc = json.load(open(os.path.join(fx, "tokenizer_config.json")))
+tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+json.dump(tc, open(os.path.join(out, "tokenizer_config.json"), "w"), indent=1)
 json.dump({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
            "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
            "head_dim": head_dim, "num_hidden_layers": layers, "max_position_embeddings": 40960,

@@ -336,4 +336,5 @@ def main():
     sys.exit(1 if bad else 0)
 
 
-main()
+if __name__ == "__main__":  # bench/gguf_llama_check.py imports the model builders
+    main()
