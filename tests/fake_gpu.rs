@@ -383,7 +383,8 @@ fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_stagin
     std::fs::create_dir_all(&work).unwrap();
     // (name, device, extra environment): the CPU reference, registration on, refused by the
     // driver, turned off by the user.
-    let runs: [(&str, &str, Option<(&str, &str)>); 4] = [
+    type Env = Option<(&'static str, &'static str)>;
+    let runs: [(&str, &str, Env); 4] = [
         ("cpu", "cpu", None),
         ("registered", "cuda", None),
         ("refused", "cuda", Some(("TFTF_FAKE_CUDA_NO_REGISTER", "1"))),
