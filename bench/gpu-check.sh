@@ -8,7 +8,7 @@
 # plus the pinned host↔device copy bandwidth measured in the same run, the reference for the
 # ≥ 80 % target. The cast and the FP8 dequantisation also run with pool-buffer registration off
 # (TFTF_NO_HOST_REGISTER=1: chunks go through the pinned staging) and with --io-threads 1
-# (auto is one reader and one writer per core up to 4), to compare with the default.
+# (auto is one reader and one writer per four cores, 1 to 4), to compare with the default.
 #
 # Data lives in /dev/shm when it has room (the figures are about compute, not the disk).
 # Usage: bench/gpu-check.sh [GIB]          (default 8; keep the run under 8 minutes)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # I/O threads benchmark, tmpfs to tmpfs (memory-speed storage, where one reader or writer
-# thread can be the limit): passthrough and the f32→bf16 cast with --io-threads 1 and auto,
+# thread can be the limit): passthrough and the f32→bf16 cast with --io-threads 1, auto and 4,
 # against `cp -r` of the same bytes and memcpy, all measured in the same run, runs interleaved.
 # Wall time and peak RSS from /usr/bin/time; medians of RUNS.
 # No cache dropping: tmpfs pages are the data.
@@ -36,6 +36,8 @@ for _ in $(seq "$RUNS"); do
     t ptA "$BIN" passthrough -i "$D/in" -o "$D/out" -q
     t cast1 "$BIN" passthrough -i "$D/in" -o "$D/out" -q --dtype bf16 --io-threads 1
     t castA "$BIN" passthrough -i "$D/in" -o "$D/out" -q --dtype bf16
+    t pt4 "$BIN" passthrough -i "$D/in" -o "$D/out" -q --io-threads 4
+    t cast4 "$BIN" passthrough -i "$D/in" -o "$D/out" -q --dtype bf16 --io-threads 4
 done
 wall() { cut -d' ' -f1 "$D/$1.t" | median; }
 all() { cut -d' ' -f1 "$D/$1.t" | tr '\n' ' '; }
@@ -44,16 +46,19 @@ CP=$(wall cp)
 echo "input: $BYTES bytes in $(ls "$D/in" | wc -l) files on $(df --output=fstype "$D" | tail -1); runs: $RUNS; machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB; auto = --io-threads $AUTO"
 target/release/examples/kernel_speed memcpy | grep memcpy
 printf '%-34s %9s %9s %10s %9s  %s\n' command median "GB/s in" "vs cp" "peak RSS" runs
-for n in cp pt1 ptA cast1 castA; do
+for n in cp pt1 ptA pt4 cast1 castA cast4; do
     case $n in
         cp) label="cp -r (baseline)" ;;
         pt1) label="passthrough --io-threads 1" ;;
         ptA) label="passthrough (auto: $AUTO)" ;;
         cast1) label="--dtype bf16 --io-threads 1" ;;
         castA) label="--dtype bf16 (auto: $AUTO)" ;;
+        pt4) label="passthrough --io-threads 4" ;;
+        cast4) label="--dtype bf16 --io-threads 4" ;;
     esac
     w=$(wall $n)
     printf '%-34s %8.2fs %9.2f %9.2fx %6s MiB  %s\n' "$label" "$w" \
         "$(echo "$BYTES/$w/1000000000" | bc -l)" "$(echo "$w/$CP" | bc -l)" "$(rss $n)" "$(all $n)"
 done
-echo "auto vs 1: passthrough $(echo "$(wall pt1)/$(wall ptA)" | bc -l | cut -c1-4)x faster, cast $(echo "$(wall cast1)/$(wall castA)" | bc -l | cut -c1-4)x faster"
+ratio() { printf '%.2f' "$(echo "$(wall "$1")/$(wall "$2")" | bc -l)"; }
+echo "speed-up over --io-threads 1: auto passthrough $(ratio pt1 ptA)x, cast $(ratio cast1 castA)x; 4 threads passthrough $(ratio pt1 pt4)x, cast $(ratio cast1 cast4)x"

@@ -81,16 +81,17 @@ pub struct PipelineConfig {
 pub const MAX_AUTO_IO_THREADS: usize = 4;
 
 /// The automatic `--io-threads`: 1 when any of `paths` lies on a rotational disk (concurrent
-/// reads there only add seeks), else one per core up to [`MAX_AUTO_IO_THREADS`]: on memory-
-/// speed storage (tmpfs, NVMe, RAID) a single thread's `pread` copy is the limit, and reader
-/// threads spend most of their time in that copy, not competing with compute for long.
+/// reads there only add seeks), else one per four cores, from 1 to [`MAX_AUTO_IO_THREADS`].
+/// On memory-speed storage (tmpfs, NVMe RAID) a single thread's `pread`/`pwrite` copy becomes
+/// the limit, but each extra I/O thread is a busy core taken from the compute workers: on the
+/// 2-core development VM two I/O threads measured no faster than one (bench/RESULTS.md), so
+/// small machines keep one and a 16-core GPU host gets four.
 pub fn io_threads_auto(paths: &[&std::path::Path]) -> usize {
     if paths.iter().any(|p| sys::is_rotational(p) == Some(true)) {
         return 1;
     }
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, MAX_AUTO_IO_THREADS)
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 4).clamp(1, MAX_AUTO_IO_THREADS)
 }
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
