@@ -112,37 +112,37 @@ each() {
 FAILED=0
 
 if want cast; then
-echo "== cast f32 → bf16 ($GIB GiB)"
-$GEN "$D/core" core "$GIB" >/dev/null
-N=$(bytes_of "$D/core" "")
-each cast "$N" -- passthrough "$D/core" --dtype bf16
-rm -rf "$D/core"
+    echo "== cast f32 → bf16 ($GIB GiB)"
+    $GEN "$D/core" core "$GIB" >/dev/null
+    N=$(bytes_of "$D/core" "")
+    each cast "$N" -- passthrough "$D/core" --dtype bf16
+    rm -rf "$D/core"
 fi
 
 if want dequant; then
-echo "== dequant-fp8 ($GIB GiB of E4M3)"
-$GEN "$D/fp8" fp8 "$GIB" >/dev/null
-N=$(bytes_of "$D/fp8" "")
-each dequant-fp8 "$N" -- dequant-fp8 "$D/fp8"
-rm -rf "$D/fp8"
+    echo "== dequant-fp8 ($GIB GiB of E4M3)"
+    $GEN "$D/fp8" fp8 "$GIB" >/dev/null
+    N=$(bytes_of "$D/fp8" "")
+    each dequant-fp8 "$N" -- dequant-fp8 "$D/fp8"
+    rm -rf "$D/fp8"
 fi
 
 if want repack; then
-echo "== repack-fp4 ($GIB GiB DeepSeek-V4 layout: MXFP4 experts, a 2 GiB E4M3 Engram table)"
-$GEN "$D/v4" v4 "$GIB" >/dev/null
-N=$(bytes_of "$D/v4" "")
-VARIANTS=0 each repack-fp4 "$N" -- repack-fp4 -i "$D/v4"
-N=$(bytes_of "$D/v4" "engram")
-VARIANTS=0 each requant-e2m1 "$N" -- run "$D/v4" --key-filter '*engram*' --repack-fp4
-rm -rf "$D/v4"
+    echo "== repack-fp4 ($GIB GiB DeepSeek-V4 layout: MXFP4 experts, a 2 GiB E4M3 Engram table)"
+    $GEN "$D/v4" v4 "$GIB" >/dev/null
+    N=$(bytes_of "$D/v4" "")
+    VARIANTS=0 each repack-fp4 "$N" -- repack-fp4 -i "$D/v4"
+    N=$(bytes_of "$D/v4" "engram")
+    VARIANTS=0 each requant-e2m1 "$N" -- run "$D/v4" --key-filter '*engram*' --repack-fp4
+    rm -rf "$D/v4"
 fi
 
 if want lora; then
-echo "== merge-lora r=64 on every linear ($GIB GiB BF16 base)"
-$GEN "$D/lora" lora-r64 "$GIB" >/dev/null
-N=$(bytes_of "$D/lora/base" "")
-VARIANTS=0 each merge-lora-r64 "$N" -- merge-lora -b "$D/lora/base" -a "$D/lora/adapter"
-rm -rf "$D/lora"
+    echo "== merge-lora r=64 on every linear ($GIB GiB BF16 base)"
+    $GEN "$D/lora" lora-r64 "$GIB" >/dev/null
+    N=$(bytes_of "$D/lora/base" "")
+    VARIANTS=0 each merge-lora-r64 "$N" -- merge-lora -b "$D/lora/base" -a "$D/lora/adapter"
+    rm -rf "$D/lora"
 fi
 
 echo
