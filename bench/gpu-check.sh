@@ -1,21 +1,42 @@
 #!/usr/bin/env bash
-# GPU check: builds, runs `tftf selftest` on the GPU, then times each op on a generated ≥ 8 GiB
-# checkpoint with --device cuda and --device cpu, and prints one table (GB/s of input, peak
-# RSS, share of the wall time the GPU lanes were busy) plus the pinned host↔device copy
-# bandwidth measured in the same run, the reference for the ≥ 80 % target.
+# GPU check, one call on a lent GPU machine: builds (the CUDA backend is always compiled in:
+# cudarc loads the driver at run time, so there is no cargo feature to turn on), runs the GPU
+# path's tests against the fake driver and `tftf selftest` on the real GPU, then times each op
+# on a generated ≥ 8 GiB checkpoint with --device cpu and --device cuda and prints one table
+# (GB/s of input, peak RSS, share of the wall time the GPU lanes were busy, bytes copied by DMA
+# straight from registered pool buffers, whether the output equals the CPU's byte for byte)
+# plus the pinned host↔device copy bandwidth measured in the same run, the reference for the
+# ≥ 80 % target. The cast and the FP8 dequantisation also run with pool-buffer registration off
+# (TFTF_NO_HOST_REGISTER=1: chunks go through the pinned staging) and with --io-threads 1
+# (auto is one reader and one writer per four cores, 1 to 4), to compare with the default.
 #
 # Data lives in /dev/shm when it has room (the figures are about compute, not the disk).
 # Usage: bench/gpu-check.sh [GIB]          (default 8; keep the run under 8 minutes)
+#        SKIP_TESTS=1 bench/gpu-check.sh   (no cargo tests: prebuilt binaries, no toolchain)
+#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora)
 #        DEVICES="cpu" bench/gpu-check.sh 1   (the script's own check on a machine without a GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-8}
 DEVICES=${DEVICES:-cuda cpu}
+OPS=${OPS:-cast dequant repack lora}
+want() { [[ " $OPS " == *" $1 "* ]]; }
 # Build when cargo can (a machine without crates.io can instead carry prebuilt
 # target/release/tftf and target/release/examples/gen_checkpoint along).
 if command -v cargo >/dev/null; then
     cargo build --release -q --example gen_checkpoint && cargo build --release -q ||
         echo "warning: cargo build failed; using the binaries already in target/release"
+fi
+echo "== $(date -u +%FT%TZ) $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+if [ "${SKIP_TESTS:-0}" != 1 ] && command -v cargo >/dev/null; then
+    echo "== tests: the GPU path against the fake driver, kernels compiled for the host, --io-threads"
+    # The summaries only; a failure prints the failing test's output and stops the script.
+    if ! cargo test --release -q --test fake_gpu --test kernels --test io_threads >"${TMPDIR:-/tmp}/gpu-check-tests.log" 2>&1; then
+        tail -60 "${TMPDIR:-/tmp}/gpu-check-tests.log"
+        echo "error: tests failed (full log: ${TMPDIR:-/tmp}/gpu-check-tests.log)"
+        exit 1
+    fi
+    grep -E "^test result" "${TMPDIR:-/tmp}/gpu-check-tests.log"
 fi
 BIN=target/release/tftf
 GEN=target/release/examples/gen_checkpoint
@@ -39,59 +60,97 @@ ROWS=()
 bytes_of() {
     $BIN info "$1" --json --filter "$2" | python3 -c 'import json,sys; print(sum(t["bytes"] for t in json.load(sys.stdin)["tensors"]))'
 }
-# run OP DEVICE BYTES -- tftf arguments: BYTES is the op's input, for the throughput column.
+# run OP VARIANT DEVICE BYTES -- tftf arguments. BYTES is the op's input, for the throughput
+# column. VARIANT: default, noreg (TFTF_NO_HOST_REGISTER=1) or io1 (--io-threads 1). The first
+# run of an op (the CPU's, when DEVICES has cpu) is kept in $D/ref and every later one is
+# compared with it byte for byte.
 run() {
-    local op=$1 dev=$2 bytes=$3; shift 4
+    local op=$1 variant=$2 dev=$3 bytes=$4; shift 5
+    local envs=() extra=()
+    case $variant in
+        default) ;;
+        noreg) envs=(TFTF_NO_HOST_REGISTER=1) ;;
+        io1) extra=(--io-threads 1) ;;
+        *) echo "error: unknown variant $variant"; exit 1 ;;
+    esac
     rm -rf "$D/out"; sync
-    local s e
+    local s e same=ref
     s=$(date +%s.%N)
-    $BIN "$@" -o "$D/out" -q --device "$dev" --report "$D/r.json"
+    env ${envs[@]+"${envs[@]}"} "$BIN" "$@" ${extra[@]+"${extra[@]}"} -o "$D/out" -q \
+        --device "$dev" --report "$D/r.json"
     e=$(date +%s.%N)
-    ROWS+=("$(python3 - "$op" "$dev" "$bytes" "$s" "$e" "$D/r.json" <<'PY'
+    if [ -d "$D/ref" ]; then
+        if diff -rq "$D/ref" "$D/out" >/dev/null; then same=same; else same=DIFFERENT; FAILED=1; fi
+    fi
+    ROWS+=("$(python3 - "$op" "$variant" "$dev" "$bytes" "$s" "$e" "$D/r.json" "$same" <<'PY'
 import json, sys
-op, dev, size, s, e, rep = sys.argv[1:]
+op, variant, dev, size, s, e, rep, same = sys.argv[1:]
 r = json.load(open(rep))
 wall, size = float(e) - float(s), int(size)
 g = r.get("gpu") or {}
 share = g.get("lane_busy_seconds", 0) / (2 * wall) if g else 0
-print(f"{op:<20} {dev:<5} {size/2**30:7.2f} GiB {wall:8.2f} s {size/wall/1e9:8.2f} GB/s "
-      f"{r['peak_rss_bytes']/2**20:8.0f} MiB {100*share:6.1f} %  {r['device']}")
+direct = g.get("direct_dma_bytes", 0) / 2**30 if g else 0
+print(f"{op:<20} {variant:<7} {dev:<5} {size/2**30:7.2f} GiB {wall:8.2f} s {size/wall/1e9:8.2f} GB/s "
+      f"{r['peak_rss_bytes']/2**20:8.0f} MiB {100*share:6.1f} % {direct:8.2f} GiB "
+      f"{r.get('io_threads')!s:>3} {same:<9} {r['device']}"
+      + (f" (not registered: {g['host_register_failed']})" if g.get("host_register_failed") else ""))
 PY
 )")
-    rm -rf "$D/out"
+    if [ -d "$D/ref" ]; then rm -rf "$D/out"; else mv "$D/out" "$D/ref"; fi
 }
+# each OP BYTES -- tftf arguments: every device once, then (with cuda) the comparison variants.
+each() {
+    local op=$1 bytes=$2; shift 3
+    rm -rf "$D/ref"
+    for dev in $DEVICES; do run "$op" default "$dev" "$bytes" -- "$@"; done
+    if [[ " $DEVICES " == *" cuda "* ]] && [ "${VARIANTS:-1}" = 1 ]; then
+        run "$op" noreg cuda "$bytes" -- "$@"
+        run "$op" io1 cuda "$bytes" -- "$@"
+    fi
+    rm -rf "$D/ref"
+}
+FAILED=0
 
-echo "== cast f32 → bf16 ($GIB GiB)"
-$GEN "$D/core" core "$GIB" >/dev/null
-N=$(bytes_of "$D/core" "")
-for dev in $DEVICES; do run cast "$dev" "$N" -- passthrough "$D/core" --dtype bf16; done
-rm -rf "$D/core"
+if want cast; then
+    echo "== cast f32 → bf16 ($GIB GiB)"
+    $GEN "$D/core" core "$GIB" >/dev/null
+    N=$(bytes_of "$D/core" "")
+    each cast "$N" -- passthrough "$D/core" --dtype bf16
+    rm -rf "$D/core"
+fi
 
-echo "== dequant-fp8 ($GIB GiB of E4M3)"
-$GEN "$D/fp8" fp8 "$GIB" >/dev/null
-N=$(bytes_of "$D/fp8" "")
-for dev in $DEVICES; do run dequant-fp8 "$dev" "$N" -- dequant-fp8 "$D/fp8"; done
-rm -rf "$D/fp8"
+if want dequant; then
+    echo "== dequant-fp8 ($GIB GiB of E4M3)"
+    $GEN "$D/fp8" fp8 "$GIB" >/dev/null
+    N=$(bytes_of "$D/fp8" "")
+    each dequant-fp8 "$N" -- dequant-fp8 "$D/fp8"
+    rm -rf "$D/fp8"
+fi
 
-echo "== repack-fp4 ($GIB GiB DeepSeek-V4 layout: MXFP4 experts, a 2 GiB E4M3 Engram table)"
-$GEN "$D/v4" v4 "$GIB" >/dev/null
-N=$(bytes_of "$D/v4" "")
-for dev in $DEVICES; do run repack-fp4 "$dev" "$N" -- repack-fp4 -i "$D/v4"; done
-N=$(bytes_of "$D/v4" "engram")
-for dev in $DEVICES; do
-    run requant-e2m1 "$dev" "$N" -- run "$D/v4" --key-filter '*engram*' --repack-fp4
-done
-rm -rf "$D/v4"
+if want repack; then
+    echo "== repack-fp4 ($GIB GiB DeepSeek-V4 layout: MXFP4 experts, a 2 GiB E4M3 Engram table)"
+    $GEN "$D/v4" v4 "$GIB" >/dev/null
+    N=$(bytes_of "$D/v4" "")
+    VARIANTS=0 each repack-fp4 "$N" -- repack-fp4 -i "$D/v4"
+    N=$(bytes_of "$D/v4" "engram")
+    VARIANTS=0 each requant-e2m1 "$N" -- run "$D/v4" --key-filter '*engram*' --repack-fp4
+    rm -rf "$D/v4"
+fi
 
-echo "== merge-lora r=64 on every linear ($GIB GiB BF16 base)"
-$GEN "$D/lora" lora-r64 "$GIB" >/dev/null
-N=$(bytes_of "$D/lora/base" "")
-for dev in $DEVICES; do
-    run merge-lora-r64 "$dev" "$N" -- merge-lora -b "$D/lora/base" -a "$D/lora/adapter"
-done
-rm -rf "$D/lora"
+if want lora; then
+    echo "== merge-lora r=64 on every linear ($GIB GiB BF16 base)"
+    $GEN "$D/lora" lora-r64 "$GIB" >/dev/null
+    N=$(bytes_of "$D/lora/base" "")
+    VARIANTS=0 each merge-lora-r64 "$N" -- merge-lora -b "$D/lora/base" -a "$D/lora/adapter"
+    rm -rf "$D/lora"
+fi
 
 echo
 echo "pinned copy bandwidth: host→device $H2D/s, device→host $D2H/s"
-printf '%-20s %-5s %11s %10s %13s %12s %8s  %s\n' op dev input wall throughput "peak RSS" "GPU busy" device
+printf '%-20s %-7s %-5s %11s %10s %13s %12s %8s %12s %3s %-9s %s\n' op variant dev input wall \
+    throughput "peak RSS" "GPU busy" "direct DMA" io "vs first" device
 printf '%s\n' "${ROWS[@]}"
+if [ "$FAILED" != 0 ]; then
+    echo "error: an output differs from the first run's (the CPU's) — see the 'vs first' column"
+    exit 1
+fi

@@ -1,5 +1,6 @@
 //! In-memory throughput of the CPU kernels (no I/O), for `bench/RESULTS.md`.
-//! `cargo run --release --example kernel_speed`
+//! `cargo run --release --example kernel_speed` (`-- memcpy`: only the memcpy reference, for
+//! bench/io.sh)
 
 use std::ops::Range;
 use std::time::Instant;
@@ -182,6 +183,9 @@ fn main() {
         );
     }
     drop((src, dst));
+    if std::env::args().nth(1).as_deref() == Some("memcpy") {
+        return;
+    }
     let n = 64 << 20; // elements
     let input: Vec<u8> = (0..n as u32)
         .flat_map(|i| ((i % 1000) as f32 * 0.001).to_le_bytes())

@@ -138,6 +138,10 @@ pub struct RunOpts {
     /// Compute threads (default: all cores)
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Reader threads and writer threads (each): auto (1 on a rotational disk, else one per
+    /// four cores, 1 to 4) or N
+    #[arg(long, value_name = "N", default_value = "auto")]
+    pub io_threads: String,
     /// Bound on tensor data in flight (default: a quarter of available memory, at most 4GiB)
     #[arg(long, value_name = "SIZE")]
     pub memory_budget: Option<String>,

@@ -260,3 +260,20 @@ pub fn default_sigpipe() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
+
+/// Whether `path` lives on a rotational disk, from `/sys/dev/block/MAJ:MIN/queue/rotational`
+/// (or the whole disk's, for a partition). `None` for storage without a block device (tmpfs,
+/// network filesystems) or when sysfs does not say.
+pub fn is_rotational(path: &Path) -> Option<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).ok()?.dev();
+    let node = format!(
+        "/sys/dev/block/{}:{}",
+        libc::major(dev as libc::dev_t),
+        libc::minor(dev as libc::dev_t)
+    );
+    let dir = std::fs::canonicalize(node).ok()?;
+    let read = |d: &Path| std::fs::read_to_string(d.join("queue/rotational")).ok();
+    let text = read(&dir).or_else(|| read(dir.parent()?))?;
+    Some(text.trim() == "1")
+}

@@ -374,3 +374,92 @@ fn a_driver_older_than_cuda_12_2_is_refused_without_a_panic() {
     );
     assert!(!out2.exists());
 }
+
+#[test]
+fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_staging() {
+    let example = examples().join("example");
+    let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-gpu-register");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    // (name, device, extra environment): the CPU reference, registration on, refused by the
+    // driver, turned off by the user.
+    type Env = Option<(&'static str, &'static str)>;
+    let runs: [(&str, &str, Env); 4] = [
+        ("cpu", "cpu", None),
+        ("registered", "cuda", None),
+        ("refused", "cuda", Some(("TFTF_FAKE_CUDA_NO_REGISTER", "1"))),
+        ("off", "cuda", Some(("TFTF_NO_HOST_REGISTER", "1"))),
+    ];
+    let mut outputs = Vec::new();
+    for (name, dev, env) in runs {
+        for (cmd, extra) in [
+            ("cast", ["--dtype", "f16"]),
+            ("dequant", ["--dtype", "bf16"]),
+        ] {
+            let out = work.join(format!("{name}-{cmd}"));
+            let report = work.join(format!("{name}-{cmd}.json"));
+            let log = work.join(format!("{name}-{cmd}.log"));
+            let command = if cmd == "cast" {
+                "passthrough"
+            } else {
+                "dequant-fp8"
+            };
+            let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
+            c.args([command, s(&example), "-o", s(&out), "--device", dev, "-v"])
+                .args(extra)
+                .args(["--report", s(&report), "--memory-budget", "16MiB"])
+                .args(["--threads", "3", "--no-progress"])
+                .env("LD_LIBRARY_PATH", fake_libs())
+                .env("TFTF_FAKE_CUDA_LOG", &log);
+            if let Some((k, v)) = env {
+                c.env(k, v);
+            }
+            let o = c.output().unwrap();
+            ok(&o);
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert!(!err.contains("fake CUDA:"), "{name} {cmd}: {err}");
+            let rep: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            let registers = log.lines().filter(|l| l.starts_with("register ")).count();
+            let unregisters = log.lines().filter(|l| *l == "unregister").count();
+            assert_eq!(
+                registers, unregisters,
+                "{name} {cmd}: every buffer unregistered"
+            );
+            let direct = rep["gpu"]["direct_dma_bytes"].as_u64();
+            let note = "info: pool buffers not registered with the GPU driver";
+            match name {
+                "cpu" => assert_eq!(rep["device"], "cpu"),
+                "registered" => {
+                    assert!(registers > 0, "{name} {cmd}: nothing registered");
+                    assert!(
+                        rep["gpu"]["host_registered_bytes"].as_u64().unwrap() > 0
+                            && direct.unwrap() > 0,
+                        "{name} {cmd}: {}",
+                        rep["gpu"]
+                    );
+                    assert!(!err.contains(note), "{err}");
+                }
+                "refused" => {
+                    assert_eq!((registers, direct), (0, Some(0)), "{name} {cmd}");
+                    assert!(
+                        err.contains(note) && err.contains("cuMemHostRegister"),
+                        "{err}"
+                    );
+                    assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0);
+                }
+                _ => {
+                    assert_eq!((registers, direct), (0, Some(0)), "{name} {cmd}");
+                    assert!(!err.contains(note), "turned off is not a failure: {err}");
+                    assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0);
+                }
+            }
+            outputs.push((format!("{name} {cmd}"), cmd, load_all(&out)));
+        }
+    }
+    for (what, cmd, got) in &outputs[2..] {
+        let want = &outputs[if *cmd == "cast" { 0 } else { 1 }].2;
+        assert!(want == got, "{what}: bytes differ from the CPU's");
+    }
+}

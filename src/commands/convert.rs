@@ -31,6 +31,8 @@ pub struct WriteOptions {
     pub max_shard_bytes: Option<u64>,
     pub dry_run: bool,
     pub threads: usize,
+    /// `--io-threads`; `None`: chosen from the storage.
+    pub io_threads: Option<usize>,
     pub memory_budget: u64,
     pub quiet: bool,
     pub progress: ProgressMode,
@@ -88,6 +90,19 @@ impl RunOpts {
         }
     }
 
+    /// `--io-threads`: `None` for auto.
+    pub fn io_thread_count(&self) -> Result<Option<usize>> {
+        match self.io_threads.as_str() {
+            "auto" => Ok(None),
+            s => match s.parse::<usize>() {
+                Ok(n) if n >= 1 => Ok(Some(n)),
+                _ => Err(Error::Usage(format!(
+                    "--io-threads {s}: use auto or a number of at least 1"
+                ))),
+            },
+        }
+    }
+
     pub fn budget(&self) -> Result<u64> {
         parse_budget(self.memory_budget.as_deref())
     }
@@ -121,6 +136,7 @@ impl WriteOptions {
             max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
             dry_run: r.dry_run,
             threads,
+            io_threads: r.io_thread_count()?,
             memory_budget: r.budget()?,
             quiet: r.quiet,
             progress: r.progress_mode()?,
@@ -403,6 +419,9 @@ fn convert_inner(
             eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
         }
     }
+    if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.host_register_failed) {
+        eprintln!("info: pool buffers not registered with the GPU driver, copies go through staging buffers: {why}");
+    }
     publish_report(opts.report.as_deref(), opts.progress, command, || {
         run.report(Some(&stats), false)
     });
@@ -478,6 +497,7 @@ impl Prepared<'_> {
             kernel_copy: self.opts.kernel_copy,
             expect_reflink: self.sharing,
             gpu: self.device.gpu.clone(),
+            io_threads: self.opts.io_threads,
         }
     }
 
@@ -780,6 +800,9 @@ pub(crate) fn report_json(
             "bytes_out": c.bytes_out.load(std::sync::atomic::Ordering::Relaxed),
             "lane_busy_seconds": busy,
             "staging_bytes": stats.map(|s| s.gpu_staging_bytes),
+            "host_registered_bytes": stats.map(|s| s.host_registered_bytes),
+            "host_register_failed": stats.and_then(|s| s.host_register_failed.clone()),
+            "direct_dma_bytes": c.bytes_direct.load(std::sync::atomic::Ordering::Relaxed),
             "unified_memory": g.integrated,
             "ptx": g.ptx,
         })
@@ -842,6 +865,7 @@ pub(crate) fn report_json(
         "device_note": device.note,
         "gpu": gpu,
         "threads": opts.threads,
+        "io_threads": stats.map(|s| s.io_threads),
         "memory_budget_bytes": opts.memory_budget,
         "chunk_bytes": stats.map(|s| s.chunk_bytes),
         "pool_peak_bytes": stats.map(|s| s.pool_peak_bytes),

@@ -212,6 +212,7 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         max_shard_bytes,
         dry_run: false,
         threads: 2,
+        io_threads: None,
         memory_budget: 16 << 20,
         quiet: true,
         progress: crate::progress::Mode::Off,

@@ -435,8 +435,13 @@ fn add_stats(total: &mut RunStats, s: &RunStats) {
     total.pool_bytes = total.pool_bytes.max(s.pool_bytes);
     total.pool_peak_bytes = total.pool_peak_bytes.max(s.pool_peak_bytes);
     total.gpu_staging_bytes = total.gpu_staging_bytes.max(s.gpu_staging_bytes);
+    total.io_threads = total.io_threads.max(s.io_threads);
+    total.host_registered_bytes = total.host_registered_bytes.max(s.host_registered_bytes);
     if total.reflink_unavailable.is_none() {
         total.reflink_unavailable = s.reflink_unavailable.clone();
+    }
+    if total.host_register_failed.is_none() {
+        total.host_register_failed = s.host_register_failed.clone();
     }
 }
 

@@ -8,6 +8,12 @@
 //! (never write-combined: the CPU reads the results back) and counted in the memory budget. On
 //! an integrated GPU with unified memory (GB10) the kernels read and write the mapped staging
 //! buffers directly and no copies are queued at all.
+//!
+//! On a discrete GPU the pipeline's pool buffers are registered with the driver
+//! (`cuMemHostRegister`, see [`crate::pipeline::pool::HostRegistrar`]); a chunk whose inputs
+//! and outputs lie in registered memory is copied by DMA straight from and into them, skipping
+//! the staging copies. `TFTF_NO_HOST_REGISTER=1` turns that off (for comparison), and a driver
+//! that refuses registration leaves the staging path in use.
 
 use std::ffi::c_void;
 use std::ops::Range;
@@ -58,6 +64,32 @@ pub struct GpuCounters {
     pub bytes_out: AtomicU64,
     /// Time lanes were busy (staging, copies, kernels), summed over lanes.
     pub busy_ns: AtomicU64,
+    /// Bytes copied by DMA straight from or into registered pool buffers (no staging copy).
+    pub bytes_direct: AtomicU64,
+}
+
+/// Whether pool buffers are registered with the driver: yes unless `TFTF_NO_HOST_REGISTER` is
+/// set to something other than `0` or empty.
+pub fn host_register_enabled() -> bool {
+    std::env::var_os("TFTF_NO_HOST_REGISTER").is_none_or(|v| v.is_empty() || v == "0")
+}
+
+/// Host ranges registered with the driver: (address, length).
+#[derive(Default)]
+struct Registry(Mutex<Vec<(usize, usize)>>);
+
+impl Registry {
+    /// Whether all of `data` lies inside one registered range.
+    fn contains(&self, data: &[u8]) -> bool {
+        let (p, n) = (data.as_ptr() as usize, data.len());
+        n > 0
+            && self
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|&(start, len)| p >= start && p + n <= start + len)
+    }
 }
 
 /// How a chunk's kernel ended.
@@ -81,6 +113,7 @@ pub struct Gpu {
     lanes: Mutex<Vec<Lane>>,
     lane_freed: Condvar,
     pub counters: GpuCounters,
+    registry: Arc<Registry>,
 }
 
 /// Whether the driver library loads. cudarc resolves every CUDA 12.2 entry point when it loads
@@ -143,9 +176,10 @@ impl Gpu {
             dora: f("tftf_dora_factors")?,
             lora: f("tftf_lora")?,
         };
+        let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
         for _ in 0..LANES {
-            lanes.push(Lane::new(&ctx, integrated)?);
+            lanes.push(Lane::new(&ctx, integrated, registry.clone())?);
         }
         Ok(Gpu {
             ctx,
@@ -157,6 +191,7 @@ impl Gpu {
             lanes: Mutex::new(lanes),
             lane_freed: Condvar::new(),
             counters: GpuCounters::default(),
+            registry,
         })
     }
 
@@ -194,6 +229,7 @@ impl Gpu {
             }
         };
         let t0 = Instant::now();
+        lane.direct = 0;
         let r = self
             .ctx
             .bind_to_thread()
@@ -209,6 +245,7 @@ impl Gpu {
         );
         c.bytes_out
             .fetch_add(outs.iter().map(|o| o.len() as u64).sum(), Ordering::Relaxed);
+        c.bytes_direct.fetch_add(lane.direct, Ordering::Relaxed);
         self.lanes.lock().unwrap().push(lane);
         self.lane_freed.notify_one();
         r.map_err(|e| format!("GPU {}: {e}", self.describe()))
@@ -250,6 +287,34 @@ impl Gpu {
         };
         time(true)?; // warm-up
         Ok((time(true)?, time(false)?))
+    }
+}
+
+impl crate::pipeline::pool::HostRegistrar for Gpu {
+    fn register(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))?;
+        // SAFETY: ptr..ptr+len is a live page-aligned allocation that stays registered until
+        // `unregister`, which runs before it is freed.
+        unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0) }
+            .result()
+            .map_err(|e| driver_err(&format!("cuMemHostRegister of {len} bytes"), e))?;
+        self.registry.0.lock().unwrap().push((ptr as usize, len));
+        Ok(())
+    }
+
+    fn unregister(&self, ptr: *mut u8) {
+        let mut live = self.registry.0.lock().unwrap();
+        if let Some(i) = live.iter().position(|r| r.0 == ptr as usize) {
+            live.swap_remove(i);
+        }
+        drop(live);
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered by `register`; no copy uses it (the pool only frees idle
+            // buffers, and every chunk ends synchronised).
+            let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
+        }
     }
 }
 
@@ -372,6 +437,9 @@ struct Lane {
     mapped: bool,
     host: Vec<Option<Pinned>>,
     dev: Vec<Option<DevBuf>>,
+    registry: Arc<Registry>,
+    /// Bytes of the current chunk copied by DMA from or into registered memory.
+    direct: u64,
 }
 
 fn launch_config(n: u64) -> LaunchConfig {
@@ -384,7 +452,7 @@ fn launch_config(n: u64) -> LaunchConfig {
 }
 
 impl Lane {
-    fn new(ctx: &Arc<CudaContext>, mapped: bool) -> Result<Lane, String> {
+    fn new(ctx: &Arc<CudaContext>, mapped: bool, registry: Arc<Registry>) -> Result<Lane, String> {
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_err("creating a stream", e))?;
@@ -393,7 +461,14 @@ impl Lane {
             mapped,
             host: (0..SLOTS).map(|_| None).collect(),
             dev: (0..SLOTS).map(|_| None).collect(),
+            registry,
+            direct: 0,
         })
+    }
+
+    /// Whether `data` can be copied by DMA as it is (registered, and the device not mapped).
+    fn direct_ok(&self, data: &[u8]) -> bool {
+        !self.mapped && self.registry.contains(data)
     }
 
     fn pinned(&mut self, slot: usize, len: usize) -> Result<&Pinned, String> {
@@ -418,6 +493,15 @@ impl Lane {
 
     /// Stages input `data` into slot `slot` and queues its copy; returns its device address.
     fn upload(&mut self, slot: usize, data: &[u8]) -> Result<CUdeviceptr, String> {
+        if self.direct_ok(data) {
+            let dptr = self.device(slot, data.len())?;
+            // SAFETY: registered memory the caller keeps borrowed, untouched, until the
+            // chunk's final sync.
+            unsafe { result::memcpy_htod_async(dptr, data, self.stream.cu_stream()) }
+                .map_err(|e| driver_err("host-to-device copy", e))?;
+            self.direct += data.len() as u64;
+            return Ok(dptr);
+        }
         let p = self.pinned(slot, data.len())?;
         // SAFETY: the previous chunk's copies finished (each chunk ends synchronised).
         unsafe { p.slice_mut(data.len()) }.copy_from_slice(data);
@@ -564,8 +648,19 @@ impl Lane {
             }
             Kernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
         }
-        for (j, o) in outs.iter().enumerate() {
-            self.download(OUT + j, o.len())?;
+        // Registered outputs receive their bytes by DMA; the others through staging.
+        let mut staged = vec![true; outs.len()];
+        for (j, o) in outs.iter_mut().enumerate() {
+            if self.direct_ok(o) {
+                let src = self.device(OUT + j, o.len())?;
+                // SAFETY: registered memory the caller keeps borrowed until the final sync.
+                unsafe { result::memcpy_dtoh_async(&mut o[..], src, self.stream.cu_stream()) }
+                    .map_err(|e| driver_err("device-to-host copy", e))?;
+                self.direct += o.len() as u64;
+                staged[j] = false;
+            } else {
+                self.download(OUT + j, o.len())?;
+            }
         }
         if flag.is_some() {
             self.download(FLAG, 4)?;
@@ -574,7 +669,7 @@ impl Lane {
         if flag.is_some() && self.result(FLAG, 4) != [0, 0, 0, 0] {
             return Ok(Ran::Refused);
         }
-        for (j, o) in outs.iter_mut().enumerate() {
+        for (j, o) in outs.iter_mut().enumerate().filter(|(j, _)| staged[*j]) {
             o.copy_from_slice(self.result(OUT + j, o.len()));
         }
         if let Kernel::Engram { .. } = kernel {

@@ -1,5 +1,12 @@
-//! The stream: a reader thread, compute workers and a writer thread joined by bounded
+//! The stream: reader thread(s), compute workers and writer thread(s) joined by bounded
 //! channels, with every data buffer drawn from one [`BufferPool`] sized by the memory budget.
+//!
+//! One planner thread walks the plan in order and takes pool buffers for each chunk. With one
+//! I/O thread it also reads them; with more (`--io-threads`, see [`io_threads_auto`]) it hands
+//! each chunk to a set of reader threads that `pread` concurrently, so several chunks of one
+//! big tensor or of several tensors are read at once. As many writer threads `pwrite` and
+//! `copy_file_range` finished pieces. Every piece has a fixed destination offset, so arrival
+//! order never changes the output bytes, and every buffer still comes from the one pool.
 //!
 //! The reader `pread`s input ranges into pooled buffers rather than touching an mmap: the pool
 //! then bounds resident memory exactly (mapped pages would count until `madvise`), and it drops
@@ -12,6 +19,7 @@
 //! channel or an empty pool.
 
 pub mod pool;
+pub use pool::PoolBuf;
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -65,6 +73,25 @@ pub struct PipelineConfig {
     pub expect_reflink: bool,
     /// Ops with a CUDA kernel run there; the rest (and refused values) on the CPU.
     pub gpu: Option<Arc<crate::gpu::Gpu>>,
+    /// Reader threads and writer threads (each); `None`: [`io_threads_auto`].
+    pub io_threads: Option<usize>,
+}
+
+/// Most reader (and writer) threads the automatic choice picks.
+pub const MAX_AUTO_IO_THREADS: usize = 4;
+
+/// The automatic `--io-threads`: 1 when any of `paths` lies on a rotational disk (concurrent
+/// reads there only add seeks), else one per four cores, from 1 to [`MAX_AUTO_IO_THREADS`].
+/// On memory-speed storage (tmpfs, NVMe RAID) a single thread's `pread`/`pwrite` copy becomes
+/// the limit, but each extra I/O thread is a busy core taken from the compute workers: on the
+/// 2-core development VM two I/O threads measured no faster than one (bench/RESULTS.md), so
+/// small machines keep one and a 16-core GPU host gets four.
+pub fn io_threads_auto(paths: &[&std::path::Path]) -> usize {
+    if paths.iter().any(|p| sys::is_rotational(p) == Some(true)) {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 4).clamp(1, MAX_AUTO_IO_THREADS)
 }
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -85,6 +112,12 @@ pub struct RunStats {
     pub pool_peak_bytes: u64,
     /// Pinned staging set aside for the GPU lanes (inside the memory budget).
     pub gpu_staging_bytes: u64,
+    /// Reader threads and writer threads (each) the run used.
+    pub io_threads: usize,
+    /// Pool buffers registered with the GPU driver for direct DMA.
+    pub host_registered_bytes: u64,
+    /// Why pool buffers could not be registered (copies then go through the staging buffers).
+    pub host_register_failed: Option<String>,
 }
 
 /// Budget split: the pool gets all but a reserve for the writer's fallback buffer, channel
@@ -104,9 +137,12 @@ enum Work {
     Compute {
         tensor: usize,
         units: std::ops::Range<u64>,
-        inputs: Vec<Vec<u8>>,
+        inputs: Vec<PoolBuf>,
+        /// Inputs still to be read by a reader thread: (source tensor, byte offset in it) of
+        /// each input buffer; empty once read.
+        unread: Vec<(usize, u64)>,
         /// Destination (shard, offset) and buffer of each op output.
-        outs: Vec<(Destination, Vec<u8>)>,
+        outs: Vec<(Destination, PoolBuf)>,
     },
     Copy {
         src_shard: usize,
@@ -119,7 +155,7 @@ enum Work {
     Gathered {
         shard: usize,
         offset: u64,
-        buf: Vec<u8>,
+        buf: PoolBuf,
     },
 }
 
@@ -127,7 +163,7 @@ enum Done {
     Data {
         shard: usize,
         offset: u64,
-        buf: Vec<u8>,
+        buf: PoolBuf,
         /// Copied untouched data rather than an op's output (for the byte counters).
         copied: bool,
     },
@@ -154,6 +190,9 @@ struct Shared<'a> {
     cancel: Cancel,
     first_error: Mutex<Option<Error>>,
     stats: Counters,
+    /// Test hook `TFTF_TEST_READ_ERROR_AT=N`: the N-th input read of the stream fails with EIO.
+    fail_read_at: Option<u64>,
+    reads: AtomicU64,
 }
 
 #[derive(Default)]
@@ -167,6 +206,20 @@ struct Counters {
 }
 
 impl Shared<'_> {
+    /// Reads bytes `at..` of input tensor `src` into `buf` (the stream's one way to read
+    /// tensor data, so the test hook sees every read).
+    fn read_input(&self, src: usize, at: u64, buf: &mut [u8]) -> Result<()> {
+        let r = &self.ckpt.tensors[src];
+        let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_read_at == Some(n) {
+            return Err(Error::io(
+                &self.ckpt.shards[r.shard()].path,
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
+        self.ckpt.read_tensor_at(r, at, buf)
+    }
+
     fn fail(&self, e: Error) {
         let mut slot = self.first_error.lock().unwrap();
         if slot.is_none() && !matches!(e, Error::Cancelled) {
@@ -250,13 +303,27 @@ pub fn execute(
         gpu_staging_bytes = crate::gpu::cuda::LANES as u64 * 2 * chunk_bytes;
         pool_bytes -= gpu_staging_bytes;
     }
+    let pool = match &cfg.gpu {
+        // Unified-memory devices read the mapped staging directly; nothing to register.
+        Some(gpu) if !gpu.integrated && crate::gpu::cuda::host_register_enabled() => {
+            BufferPool::with_registrar(pool_bytes, gpu.clone())
+        }
+        _ => BufferPool::new(pool_bytes),
+    };
+    let io_threads = cfg.io_threads.unwrap_or_else(|| {
+        let mut paths: Vec<&std::path::Path> =
+            ckpt.shards.iter().map(|s| s.path.as_path()).collect();
+        paths.extend(output_names.iter().map(|p| p.as_path()));
+        io_threads_auto(&paths)
+    });
+    let io_threads = io_threads.max(1);
     let shared = Shared {
         ckpt,
         plan,
         layout,
         outputs,
         output_names,
-        pool: BufferPool::new(pool_bytes),
+        pool,
         gpu: cfg.gpu.clone(),
         expect_reflink: cfg.expect_reflink,
         locations: {
@@ -271,6 +338,10 @@ pub fn execute(
         cancel: cfg.cancel.clone(),
         first_error: Mutex::new(None),
         stats: Counters::default(),
+        fail_read_at: std::env::var("TFTF_TEST_READ_ERROR_AT")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        reads: AtomicU64::new(0),
     };
     for s in &ckpt.shards {
         sys::advise_sequential(&s.file);
@@ -281,13 +352,29 @@ pub fn execute(
         None => cfg.threads.max(1),
     };
     let (work_tx, work_rx) = bounded::<Work>(threads * 2);
-    let (done_tx, done_rx) = bounded::<Done>(threads * 2);
-    let writeback_window = (cfg.memory_budget / 4).clamp(8 << 20, WRITEBACK_WINDOW_MAX_BYTES);
+    let (done_tx, done_rx) = bounded::<Done>((threads * 2).max(io_threads * 2));
+    // The window is shared out among the writers so the bytes in flight to disk stay the same.
+    let writeback_window =
+        (cfg.memory_budget / 4).clamp(8 << 20, WRITEBACK_WINDOW_MAX_BYTES) / io_threads as u64;
     std::thread::scope(|scope| {
         let sh = &shared;
-        start(scope, sh, "reader", move || {
-            read_stage(sh, chunk_bytes, work_tx)
-        });
+        if io_threads == 1 {
+            start(scope, sh, "reader", move || {
+                read_stage(sh, chunk_bytes, false, work_tx)
+            });
+        } else {
+            let (read_tx, read_rx) = bounded::<Work>(io_threads * 2);
+            start(scope, sh, "planner", move || {
+                read_stage(sh, chunk_bytes, true, read_tx)
+            });
+            for _ in 0..io_threads {
+                let rx = read_rx.clone();
+                let tx = work_tx.clone();
+                start(scope, sh, "reader", move || reader(sh, rx, tx));
+            }
+            drop(read_rx);
+            drop(work_tx);
+        }
         for _ in 0..threads {
             let rx = work_rx.clone();
             let tx = done_tx.clone();
@@ -295,11 +382,16 @@ pub fn execute(
         }
         drop(work_rx);
         drop(done_tx);
-        let progress = cfg.progress.clone();
-        let kernel_copy = cfg.kernel_copy;
-        start(scope, sh, "writer", move || {
-            write_stage(sh, done_rx, writeback_window, progress, kernel_copy)
-        });
+        for _ in 0..io_threads {
+            let rx = done_rx.clone();
+            let progress = cfg.progress.clone();
+            let kernel_copy = cfg.kernel_copy;
+            let scratch = (8 << 20) / io_threads;
+            start(scope, sh, "writer", move || {
+                write_stage(sh, rx, writeback_window, progress, kernel_copy, scratch)
+            });
+        }
+        drop(done_rx);
     });
     if let Some(e) = shared.first_error.lock().unwrap().take() {
         return Err(e);
@@ -320,6 +412,9 @@ pub fn execute(
         pool_bytes,
         pool_peak_bytes: shared.pool.peak(),
         gpu_staging_bytes,
+        io_threads,
+        host_registered_bytes: shared.pool.registered_bytes(),
+        host_register_failed: shared.pool.register_failure(),
     })
 }
 
@@ -369,7 +464,23 @@ impl Prefetcher {
     }
 }
 
-fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
+/// A reader thread: reads the inputs of the chunks the planner left unread.
+fn reader(sh: &Shared, rx: Receiver<Work>, tx: Sender<Work>) -> Result<()> {
+    while let Some(mut work) = recv(&rx, &sh.cancel)? {
+        if let Work::Compute { inputs, unread, .. } = &mut work {
+            for (buf, (src, at)) in inputs.iter_mut().zip(unread.drain(..)) {
+                sh.read_input(src, at, buf)?;
+            }
+        }
+        send(&tx, work, &sh.cancel)?;
+    }
+    Ok(())
+}
+
+/// Walks the plan in order, taking pool buffers for each chunk. `defer_reads`: inputs stored
+/// as byte ranges are left for the reader threads; others (strided views, chunk grids) are
+/// gathered here, so their cache is dropped only after the last read.
+fn read_stage(sh: &Shared, chunk_bytes: u64, defer_reads: bool, tx: Sender<Work>) -> Result<()> {
     let window = (sh.pool.capacity() / 4).clamp(8 << 20, 256 << 20);
     for (si, shard) in sh.layout.shards.iter().enumerate() {
         if let Some(src) = shard.clone_from {
@@ -424,7 +535,11 @@ fn read_stage(sh: &Shared, chunk_bytes: u64, tx: Sender<Work>) -> Result<()> {
                     }
                     let mut dests = vec![Some((si, offset))];
                     dests.extend(extra.iter().map(|e| e.map(|t| sh.locations[t])));
-                    emit_compute(sh, ti, &dests, op.as_ref(), inputs, chunk_bytes, &tx)?;
+                    let chunking = Chunking {
+                        bytes: chunk_bytes,
+                        defer_reads,
+                    };
+                    emit_compute(sh, ti, &dests, op.as_ref(), inputs, chunking, &tx)?;
                 }
                 // Written by the items of the tensor whose op produces it.
                 Recipe::Produced { .. } => {}
@@ -490,7 +605,7 @@ fn emit_gather(
             .acquire(&[n as usize], &sh.cancel)?
             .pop()
             .expect("one buffer");
-        sh.ckpt.read_tensor_at(r, done, &mut buf)?;
+        sh.read_input(src, done, &mut buf)?;
         send(
             tx,
             Work::Gathered {
@@ -506,17 +621,30 @@ fn emit_gather(
     Ok(())
 }
 
-/// Splits a computed tensor into chunks of whole units and reads each chunk's inputs. `dests`
-/// holds where each of the op's outputs goes (`None`: computed but not written).
+#[derive(Clone, Copy)]
+struct Chunking {
+    bytes: u64,
+    /// Leave byte-range inputs for the reader threads.
+    defer_reads: bool,
+}
+
+/// Splits a computed tensor into chunks of whole units and reads each chunk's inputs (or has
+/// them read). `dests` holds where each of the op's outputs goes (`None`: computed but not
+/// written).
 fn emit_compute(
     sh: &Shared,
     tensor: usize,
     dests: &[Option<(usize, u64)>],
     op: &dyn crate::ops::Op,
     inputs: &[usize],
-    chunk_bytes: u64,
+    chunking: Chunking,
     tx: &Sender<Work>,
 ) -> Result<()> {
+    let chunk_bytes = chunking.bytes;
+    let defer = chunking.defer_reads
+        && inputs
+            .iter()
+            .all(|&i| sh.ckpt.tensors[i].pieces().is_some());
     let units = op.units();
     let out_units = op.all_unit_bytes();
     debug_assert_eq!(out_units.len(), dests.len());
@@ -542,9 +670,13 @@ fn emit_compute(
             .zip(&out_units)
             .map(|((buf, dest), &b)| (dest.map(|(shard, off)| (shard, off + u * b)), buf))
             .collect();
+        let mut unread = Vec::new();
         for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
-            sh.ckpt
-                .read_tensor_at(&sh.ckpt.tensors[src], range.start, buf)?;
+            if defer {
+                unread.push((src, range.start));
+            } else {
+                sh.read_input(src, range.start, buf)?;
+            }
         }
         send(
             tx,
@@ -552,6 +684,7 @@ fn emit_compute(
                 tensor,
                 units: u..end,
                 inputs: bufs,
+                unread,
                 outs,
             },
             &sh.cancel,
@@ -571,15 +704,17 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 tensor,
                 units,
                 inputs,
+                unread,
                 mut outs,
             } => {
+                debug_assert!(unread.is_empty(), "a reader thread read the inputs");
                 let t = &sh.plan.tensors[tensor];
                 let Recipe::Compute { op, .. } = &t.recipe else {
                     unreachable!("compute work for a copy recipe")
                 };
-                let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                let views: Vec<&[u8]> = inputs.iter().map(|b| &b[..]).collect();
                 let mut out_views: Vec<&mut [u8]> =
-                    outs.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
+                    outs.iter_mut().map(|(_, b)| &mut b[..]).collect();
                 // A GPU kernel that meets a value the op refuses leaves it to the CPU op,
                 // which names it.
                 let kernel = sh.gpu.as_ref().and_then(|g| Some((g, op.kernel(&units)?)));
@@ -700,6 +835,7 @@ fn write_stage(
     window: u64,
     progress: Option<crate::progress::Progress>,
     kernel_copy: bool,
+    scratch_bytes: usize,
 ) -> Result<()> {
     let mut wb = Writeback {
         pending: VecDeque::new(),
@@ -710,6 +846,7 @@ fn write_stage(
         kernel_copy,
         reflink: kernel_copy,
         scratch: Vec::new(),
+        scratch_bytes: scratch_bytes.max(64 << 10),
     };
     while let Some(done) = recv(&rx, &sh.cancel)? {
         let (shard, offset, len) = match done {
@@ -760,6 +897,8 @@ struct CopyState {
     kernel_copy: bool,
     reflink: bool,
     scratch: Vec<u8>,
+    /// Size of the user-space copy buffer (the writers share one budget reserve).
+    scratch_bytes: usize,
 }
 
 /// Copies an untouched range: the block-aligned middle is cloned when source and destination
@@ -849,7 +988,7 @@ fn copy_plain(
         }
     }
     if done < len {
-        let piece = (len - done).min(8 << 20) as usize;
+        let piece = (len - done).min(st.scratch_bytes as u64) as usize;
         st.scratch.resize(piece, 0);
         while done < len {
             let n = ((len - done) as usize).min(piece);

@@ -5,7 +5,10 @@
 // It also enforces two rules of the real backend: pinned staging is never write-combined, and
 // asynchronous copies only ever use pinned host memory. TFTF_FAKE_CUDA_LOG=FILE appends the name
 // of every kernel launched; TFTF_FAKE_CUDA_INTEGRATED=1 makes it a unified-memory device;
-// TFTF_FAKE_CUDA_CORRUPT=1 makes it a broken one.
+// TFTF_FAKE_CUDA_CORRUPT=1 makes it a broken one. Host memory registered with cuMemHostRegister
+// counts as pinned (it must be page-aligned, and is logged as "register BYTES" / "unregister");
+// TFTF_FAKE_CUDA_NO_REGISTER=1 refuses registration, as a driver or system that cannot pin
+// would; a range still registered when the process exits is reported on stderr.
 #include "prelude.h"
 #include "../../kernels/tftf.cu"
 
@@ -19,14 +22,35 @@
 namespace {
 std::mutex lock;
 std::vector<std::pair<char*, size_t>> pinned;
+// Ranges registered with cuMemHostRegister (a separate list: cuMemFreeHost must not free them).
+std::vector<std::pair<char*, size_t>> registered;
 int ctx_dummy, stream_dummy, event_dummy;
 
 bool is_pinned(const void* p, size_t n) {
     std::lock_guard<std::mutex> g(lock);
-    for (auto& r : pinned)
-        if ((const char*)p >= r.first && (const char*)p + n <= r.first + r.second) return true;
+    for (auto* list : {&pinned, &registered})
+        for (auto& r : *list)
+            if ((const char*)p >= r.first && (const char*)p + n <= r.first + r.second)
+                return true;
     return false;
 }
+
+void log_line(const std::string& line) {
+    if (const char* log = getenv("TFTF_FAKE_CUDA_LOG"))
+        if (FILE* l = fopen(log, "a")) {
+            fprintf(l, "%s\n", line.c_str());
+            fclose(l);
+        }
+}
+
+// Pinned pages left registered at exit would be a leak in a long-lived process.
+struct LeakCheck {
+    ~LeakCheck() {
+        if (!registered.empty())
+            fprintf(stderr, "fake CUDA: %zu host ranges still registered at exit\n",
+                    registered.size());
+    }
+} leak_check;
 
 struct Module {
     std::string ptx;
@@ -150,6 +174,31 @@ int cuMemFreeHost(void* p) {
             return 0;
         }
     return 1;
+}
+int cuMemHostRegister_v2(void* p, size_t n, unsigned) {
+    if (getenv("TFTF_FAKE_CUDA_NO_REGISTER")) return 801;  // CUDA_ERROR_NOT_SUPPORTED
+    if ((size_t)p % 4096 != 0 || n == 0) {
+        fprintf(stderr, "fake CUDA: cuMemHostRegister of memory that is not page-aligned\n");
+        return 1;  // CUDA_ERROR_INVALID_VALUE
+    }
+    std::lock_guard<std::mutex> g(lock);
+    for (auto& r : registered)
+        if ((char*)p < r.first + r.second && r.first < (char*)p + n)
+            return 712;  // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    registered.push_back({(char*)p, n});
+    log_line("register " + std::to_string(n));
+    return 0;
+}
+int cuMemHostUnregister(void* p) {
+    std::lock_guard<std::mutex> g(lock);
+    for (size_t i = 0; i < registered.size(); i++)
+        if (registered[i].first == p) {
+            registered.erase(registered.begin() + i);
+            log_line("unregister");
+            return 0;
+        }
+    fprintf(stderr, "fake CUDA: cuMemHostUnregister of memory not registered\n");
+    return 713;  // CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
 }
 int cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned) {
     *d = (CUdeviceptr)p;
