@@ -31,6 +31,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::fp8::{mxfp8_derive, DequantFp8Step};
+use crate::ops::int::gptq::DequantGptq;
 use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
@@ -49,7 +50,12 @@ pub const ACTIVATION_SCALES: [&str; 6] = [
 pub struct DequantStep {
     /// FP8 weights with float scales, and the options every scheme shares.
     pub fp8: DequantFp8Step,
+    /// `--keep-kv-scales`: keep `k_scale`/`v_scale` and `kv_cache_scheme`.
+    pub keep_kv_scales: bool,
 }
+
+/// KV-cache scales, kept by `--keep-kv-scales` (the KV cache can stay FP8 with BF16 weights).
+const KV_SCALES: [&str; 2] = ["k_scale", "v_scale"];
 
 /// What `quantization_config` says.
 #[derive(Debug, Default)]
@@ -60,6 +66,10 @@ struct Declared {
     formats: BTreeSet<String>,
     /// `num_bits` of the compressed-tensors groups with integer weights.
     int_bits: BTreeSet<u64>,
+    /// GPTQ `bits`, `group_size` (-1: one group per row) and `checkpoint_format`.
+    gptq_bits: Option<u64>,
+    group_size: Option<i64>,
+    checkpoint_format: Option<String>,
 }
 
 impl Declared {
@@ -70,6 +80,12 @@ impl Declared {
             if let Some(m) = q.get("quant_method").and_then(Value::as_str) {
                 d.method = m.to_ascii_lowercase();
             }
+            d.gptq_bits = q.get("bits").and_then(Value::as_u64);
+            d.group_size = q.get("group_size").and_then(Value::as_i64);
+            d.checkpoint_format = q
+                .get("checkpoint_format")
+                .and_then(Value::as_str)
+                .map(str::to_ascii_lowercase);
             for key in ["format", "quant_algo"] {
                 if let Some(f) = q.get(key).and_then(Value::as_str) {
                     d.formats.insert(f.to_ascii_lowercase());
@@ -119,7 +135,12 @@ impl Declared {
             Scheme::CtMxfp8 => ct && self.formats.contains("mxfp8-quantized"),
             Scheme::CtInt => ct && self.formats.contains("pack-quantized"),
             Scheme::ModeloptNvfp4 => self.method == "modelopt" && self.formats.contains("nvfp4"),
+            Scheme::ModeloptMxfp4 => {
+                self.method == "modelopt"
+                    && (self.formats.contains("mxfp4") || self.formats.contains("w4a8_mxfp4_fp8"))
+            }
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
+            Scheme::Gptq => self.method == "gptq",
         }
     }
 
@@ -146,8 +167,10 @@ enum Scheme {
     CtMxfp4,
     CtMxfp8,
     ModeloptNvfp4,
+    ModeloptMxfp4,
     GptOssMxfp4,
     CtInt,
+    Gptq,
 }
 
 impl Scheme {
@@ -157,8 +180,10 @@ impl Scheme {
             Scheme::CtMxfp4 => "compressed-tensors MXFP4 (mxfp4-pack-quantized)",
             Scheme::CtMxfp8 => "compressed-tensors MXFP8 (mxfp8-quantized)",
             Scheme::ModeloptNvfp4 => "ModelOpt NVFP4",
+            Scheme::ModeloptMxfp4 => "ModelOpt MXFP4",
             Scheme::GptOssMxfp4 => "gpt-oss MXFP4",
             Scheme::CtInt => "compressed-tensors int (pack-quantized)",
+            Scheme::Gptq => "GPTQ",
         }
     }
 }
@@ -216,6 +241,7 @@ struct IntDerive {
     words: u64,
     group: u64,
     scale_dtype: DType,
+    zero_point: bool,
 }
 
 impl Derive for IntDerive {
@@ -230,9 +256,135 @@ impl Derive for IntDerive {
             words: self.words,
             group: self.group,
             scale_dtype: self.scale_dtype,
+            zero_point: self.zero_point,
             dst,
         })
     }
+}
+
+#[derive(Debug)]
+struct GptqDerive {
+    inputs: Vec<usize>,
+    op: (u64, u64, u32, u64, DType, bool, Option<u64>),
+}
+
+impl Derive for GptqDerive {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        let (rows, cols, bits, groups, scale_dtype, zero_offset, group_size) = self.op;
+        Arc::new(DequantGptq {
+            rows,
+            cols,
+            bits,
+            groups,
+            scale_dtype,
+            zero_offset,
+            group_size,
+            dst,
+        })
+    }
+}
+
+/// Binds a GPTQ weight: the bit width from the shapes (checked against `bits`), the groups
+/// from `scales`, `g_idx` or else `group_size`. Errors name the tensor at fault.
+fn gptq_derive<'a>(
+    declared: &Declared,
+    w: &'a Entry,
+    s: &'a Entry,
+    z: &'a Entry,
+    gidx: Option<&'a Entry>,
+) -> std::result::Result<(Arc<dyn Derive>, Vec<u64>), (&'a Entry, String)> {
+    let two = |e: &Entry| <[u64; 2]>::try_from(&e.shape[..]).unwrap_or_default();
+    let ([packed, out], [groups, s_out], [z_groups, z_words]) = (two(w), two(s), two(z));
+    if packed == 0 || out == 0 || groups == 0 || z_words == 0 || out % z_words != 0 {
+        return Err((
+            w,
+            format!(
+                "GPTQ needs qweight [in/p, out], qzeros [G, out/p], scales [G, out]; got {:?}, {:?}, {:?}",
+                w.shape, z.shape, s.shape
+            ),
+        ));
+    }
+    let per_word = out / z_words;
+    let bits = match per_word {
+        16 => 2,
+        8 => 4,
+        4 => 8,
+        _ => {
+            return Err((
+                z,
+                format!("{per_word} zeros per word is not a 2-, 4- or 8-bit GPTQ packing"),
+            ))
+        }
+    };
+    if let Some(b) = declared.gptq_bits.filter(|&b| b != bits) {
+        return Err((
+            w,
+            format!("packed as {bits}-bit codes but config.json says bits {b}"),
+        ));
+    }
+    if s_out != out || z_groups != groups {
+        return Err((
+            s,
+            format!(
+                "scales {:?} and qzeros {:?} do not fit qweight {:?} ({groups} groups of {out} outputs)",
+                s.shape, z.shape, w.shape
+            ),
+        ));
+    }
+    if z.dtype != DType::I32 {
+        return Err((z, format!("qzeros must be I32, not {}", z.dtype)));
+    }
+    if !matches!(s.dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err((
+            s,
+            format!("scales must be F16, BF16 or F32, not {}", s.dtype),
+        ));
+    }
+    let cols = packed * per_word;
+    let mut inputs = vec![w.source, z.source, s.source];
+    let group_size = match gidx {
+        Some(g) => {
+            if g.dtype != DType::I32 || g.shape != [cols] {
+                return Err((
+                    g,
+                    format!("g_idx must be I32 [{cols}], not {} {:?}", g.dtype, g.shape),
+                ));
+            }
+            inputs.push(g.source);
+            None
+        }
+        None => {
+            let gs = match declared.group_size {
+                Some(gs) if gs > 0 => gs as u64,
+                _ => cols.div_ceil(groups),
+            };
+            if cols.div_ceil(gs) != groups {
+                return Err((
+                    s,
+                    format!("{groups} groups do not fit {cols} inputs in groups of {gs}, and there is no g_idx"),
+                ));
+            }
+            Some(gs)
+        }
+    };
+    // Only gptq_v2 stores the zeros themselves; v1 (the default) stores zero - 1.
+    let zero_offset = declared.checkpoint_format.as_deref() != Some("gptq_v2");
+    let d = GptqDerive {
+        inputs,
+        op: (
+            out,
+            cols,
+            bits as u32,
+            groups,
+            s.dtype,
+            zero_offset,
+            group_size,
+        ),
+    };
+    Ok((Arc::new(d), vec![out, cols]))
 }
 
 /// The `[out, in]` a `weight_shape` tensor (`I64`/`I32 [2]`) holds, read at plan time.
@@ -269,6 +421,11 @@ fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), S
 fn is_activation_scale(name: &str) -> bool {
     name.rsplit_once('.')
         .is_some_and(|(_, last)| ACTIVATION_SCALES.contains(&last))
+}
+
+fn is_kv_scale(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, last)| KV_SCALES.contains(&last))
 }
 
 impl PlanStep for DequantStep {
@@ -340,17 +497,13 @@ impl PlanStep for DequantStep {
                 let (Some(si), Some(hi)) = (get(&scale_name), get(&shape_name)) else {
                     return Err(missing(e, &[scale_name, shape_name]));
                 };
-                let zp = format!("{base}.weight_zero_point");
-                if get(&zp).is_some() {
-                    return Err(Error::TensorData {
-                        path: path_of(e),
-                        tensor: e.name.clone(),
-                        msg: format!(
-                            "has a zero point `{zp}`: asymmetric pack-quantized weights are not supported yet"
-                        ),
-                    });
-                }
                 Some((Scheme::CtInt, si, Some(hi), format!("{base}.weight")))
+            } else if let (Some(base), DType::I32) = (n.strip_suffix(".qweight"), e.dtype) {
+                let (zeros, scales) = (format!("{base}.qzeros"), format!("{base}.scales"));
+                let (Some(zi), Some(si)) = (get(&zeros), get(&scales)) else {
+                    return Err(missing(e, &[zeros, scales]));
+                };
+                Some((Scheme::Gptq, si, Some(zi), format!("{base}.weight")))
             } else if let (Some(base), DType::U8) = (n.strip_suffix("_blocks"), e.dtype) {
                 let scale_name = format!("{base}_scales");
                 let Some(si) = get(&scale_name) else {
@@ -365,6 +518,9 @@ impl PlanStep for DequantStep {
                     }
                     (Some(si), None) if entries[si].dtype == DType::F8_E4M3 => {
                         return Err(missing(e, &[s2]));
+                    }
+                    (Some(si), None) if matches!(entries[si].dtype, DType::U8 | DType::F8_E8M0) => {
+                        Some((Scheme::ModeloptMxfp4, si, None, n.to_string()))
                     }
                     _ => None,
                 }
@@ -413,7 +569,8 @@ impl PlanStep for DequantStep {
                 weight: w.name.clone(),
                 msg,
             };
-            if let (Some(gi), false) = (f.global, f.scheme == Scheme::CtInt) {
+            if let (Some(gi), false) = (f.global, matches!(f.scheme, Scheme::CtInt | Scheme::Gptq))
+            {
                 let g = &entries[gi];
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
@@ -482,16 +639,51 @@ impl PlanStep for DequantStep {
                             )))
                         }
                     };
+                    let mut inputs = vec![w.source, s.source];
+                    let zp_name = format!("{}_zero_point", f.name);
+                    let zero_point = get(&zp_name);
+                    if let Some(zi) = zero_point {
+                        let z = &entries[zi];
+                        let want = [(rows * bits).div_ceil(32), groups];
+                        if z.dtype != DType::I32 || z.shape != want {
+                            return Err(Error::BadScale {
+                                path: path_of(z),
+                                tensor: z.name.clone(),
+                                weight: w.name.clone(),
+                                msg: format!(
+                                    "packed zero points of {bits}-bit weights [{rows}, {cols}] in {groups} groups must be I32 {want:?}, not {} {:?}",
+                                    z.dtype, z.shape
+                                ),
+                            });
+                        }
+                        inputs.push(z.source);
+                        consumed[zi] = true;
+                    }
                     let d = IntDerive {
-                        inputs: vec![w.source, s.source],
+                        inputs,
                         rows,
                         cols,
                         bits: bits as u32,
                         words,
                         group: cols / groups,
                         scale_dtype: s.dtype,
+                        zero_point: zero_point.is_some(),
                     };
                     (Arc::new(d), vec![rows, cols])
+                }
+                Scheme::Gptq => {
+                    let z = &entries[f.global.expect("GPTQ weights have qzeros")];
+                    let gidx = get(&format!("{}g_idx", f.name.trim_end_matches("weight")));
+                    let (d, shape) = gptq_derive(&declared, w, s, z, gidx.map(|i| &entries[i]))
+                        .map_err(|(t, msg)| Error::TensorData {
+                            path: path_of(t),
+                            tensor: t.name.clone(),
+                            msg,
+                        })?;
+                    if let Some(i) = gidx {
+                        consumed[i] = true;
+                    }
+                    (d, shape)
                 }
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {
@@ -524,7 +716,10 @@ impl PlanStep for DequantStep {
                     };
                     (Arc::new(d), vec![e, g * 32, out])
                 }
-                Scheme::CtNvfp4 | Scheme::CtMxfp4 | Scheme::ModeloptNvfp4 => {
+                Scheme::CtNvfp4
+                | Scheme::CtMxfp4
+                | Scheme::ModeloptNvfp4
+                | Scheme::ModeloptMxfp4 => {
                     let [rows, half] = w.shape[..] else {
                         return Err(Error::TensorData {
                             path: path_of(w),
@@ -533,11 +728,12 @@ impl PlanStep for DequantStep {
                         });
                     };
                     let cols = half * 2;
-                    let (group, scale) = if f.scheme == Scheme::CtMxfp4 {
-                        (32, BlockScale::E8M0)
-                    } else {
-                        (16, BlockScale::E4M3)
-                    };
+                    let (group, scale) =
+                        if matches!(f.scheme, Scheme::CtMxfp4 | Scheme::ModeloptMxfp4) {
+                            (32, BlockScale::E8M0)
+                        } else {
+                            (16, BlockScale::E4M3)
+                        };
                     if s.shape != [rows, cols.div_ceil(group)] {
                         return Err(bad(format!(
                             "shape {:?} does not fit codes {:?}: {} expects one scale per {group} elements, [{rows}, {}]",
@@ -595,8 +791,11 @@ impl PlanStep for DequantStep {
         let changed = ours || fp8;
         if changed {
             let mut dropped = Vec::new();
+            let keep_kv = self.keep_kv_scales;
             entries.retain(|e| {
-                let drop = e.derive.is_none() && is_activation_scale(&e.name);
+                let drop = e.derive.is_none()
+                    && is_activation_scale(&e.name)
+                    && !(keep_kv && is_kv_scale(&e.name));
                 if drop {
                     dropped.push(e.name.clone());
                 }
@@ -614,11 +813,32 @@ impl PlanStep for DequantStep {
     }
 
     fn nothing_done(&self) -> String {
-        "dequant found no quantised weight (no F8_E4M3 or F8_E5M2 tensor, no NVFP4, MXFP4 or MXFP8 weight), so there is nothing to dequantise".into()
+        "dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise".into()
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
-        self.fp8.edit_config(cfg)
+        let kv = self
+            .keep_kv_scales
+            .then(|| cfg.get("quantization_config"))
+            .flatten()
+            .and_then(|q| {
+                Some((
+                    q.get("quant_method")?.clone(),
+                    q.get("kv_cache_scheme")?.clone(),
+                ))
+            })
+            .filter(|(_, scheme)| !scheme.is_null());
+        let mut changes = self.fp8.edit_config(cfg);
+        if let Some((method, scheme)) = kv {
+            let mut q = Map::new();
+            q.insert("quant_method".into(), method);
+            q.insert("kv_cache_scheme".into(), scheme);
+            cfg.insert("quantization_config".into(), Value::Object(q));
+            changes.push(
+                "config.json: quantization_config keeps only quant_method and kv_cache_scheme (--keep-kv-scales)".into(),
+            );
+        }
+        changes
     }
 
     fn dropped_side_files(&self) -> &'static [&'static str] {
