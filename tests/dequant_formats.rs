@@ -281,10 +281,7 @@ fn a_zero_point_of_the_wrong_shape_is_refused_naming_it() {
     });
     let out = dir.path().join("out");
     let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains(zp) && err.contains("I32 [5, 2]"),
-        "{err}"
-    );
+    assert!(err.contains(zp) && err.contains("I32 [5, 2]"), "{err}");
     assert!(!out.exists());
 }
 

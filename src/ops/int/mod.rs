@@ -185,4 +185,62 @@ mod tests {
             assert_eq!(unpack_code(&bytes, i, 3), c, "element {i}");
         }
     }
+
+    /// Runs `op` over `units` with the inputs sliced as its `input_ranges` ask.
+    fn run(op: &DequantPackedInt, all: &[&[u8]], units: Range<u64>) -> Vec<u8> {
+        let ranges = op.input_ranges(units.clone());
+        let ins: Vec<&[u8]> = all
+            .iter()
+            .zip(&ranges)
+            .map(|(a, r)| &a[r.start as usize..r.end as usize])
+            .collect();
+        let mut out = vec![0u8; (units.end - units.start) as usize * op.out_unit_bytes() as usize];
+        op.compute(units, &ins, &mut out).unwrap();
+        out
+    }
+
+    /// 3-bit zero points straddle words both ways: a chunk of 32 rows reads 3 word rows.
+    #[test]
+    fn zero_points_packed_down_columns_decode_the_same_in_chunks_of_32_rows() {
+        let (rows, cols, bits, group) = (72u64, 64u64, 3u32, 32u64);
+        let words = (cols * bits as u64).div_ceil(32);
+        let groups = cols / group;
+        let packed: Vec<u8> = (0..rows * words * 4)
+            .map(|i| (i * 89 % 251) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..rows * groups)
+            .flat_map(|i| (0.5f32 + i as f32 / 64.0).to_le_bytes())
+            .collect();
+        let zp_words = (rows * bits as u64).div_ceil(32);
+        let zp: Vec<u8> = (0..zp_words * groups * 4)
+            .map(|i| (i * 53 % 247) as u8)
+            .collect();
+        let op = DequantPackedInt {
+            rows,
+            cols,
+            bits,
+            words,
+            group,
+            scale_dtype: DType::F32,
+            zero_point: true,
+            dst: DType::F32,
+        };
+        assert_eq!(op.granularity(), 32);
+        let all: [&[u8]; 3] = [&packed, &scales, &zp];
+        let whole = run(&op, &all, 0..rows);
+        let mut parts = run(&op, &all, 0..32);
+        parts.extend(run(&op, &all, 32..64));
+        parts.extend(run(&op, &all, 64..rows));
+        assert_eq!(whole, parts);
+        // element [70, 40]: zero point of row 70 in group column 1, bits 210..213
+        let column: Vec<u8> = (0..zp_words as usize)
+            .flat_map(|w| zp[4 * (w * 2 + 1)..4 * (w * 2 + 1) + 4].to_vec())
+            .collect();
+        let z = unpack_code(&column, 70, 3) as i32;
+        let q = unpack_code(&packed[70 * 4 * words as usize..], 40, 3) as i32;
+        let s = 0.5f32 + (70 * 2 + 1) as f32 / 64.0;
+        let at = 4 * (70 * cols as usize + 40);
+        let got = f32::from_le_bytes(whole[at..at + 4].try_into().unwrap());
+        assert_eq!(got, (q - z) as f32 * s);
+    }
 }
