@@ -14,8 +14,11 @@
 //!   `X.weight_scale` `F8_E4M3` per 16, `X.weight_scale_2` `F32` (multiplies);
 //! - gpt-oss MXFP4 (`quant_method: mxfp4`): `X_blocks` `U8 [E, out, G, 16]`, `X_scales` `U8
 //!   [E, out, G]` → `X` `[E, in, out]`;
-//! - compressed-tensors `pack-quantized` (symmetric int, 1–8 bits): `X.weight_packed` `I32`,
-//!   `X.weight_scale` float per group or channel, `X.weight_shape` (read at plan time);
+//! - compressed-tensors `pack-quantized` (int, 1–8 bits): `X.weight_packed` `I32`,
+//!   `X.weight_scale` float per group or channel, `X.weight_shape` (read at plan time), and for
+//!   asymmetric schemes `X.weight_zero_point` `I32` packed down the columns;
+//! - GPTQ (`quant_method: gptq`): `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` → `X.weight`;
+//! - ModelOpt MXFP4 (`quant_algo: mxfp4`): `X.weight` `U8`, `X.weight_scale` `U8` (E8M0) per 32;
 //! - FP8 with float scales: [`DequantFp8Step`], unchanged (`dequant-fp8`).
 //!
 //! A tensor whose layout the config does not name (NVFP4 codes in a checkpoint whose config
@@ -265,7 +268,8 @@ impl Derive for IntDerive {
 #[derive(Debug)]
 struct GptqDerive {
     inputs: Vec<usize>,
-    op: (u64, u64, u32, u64, DType, bool, Option<u64>),
+    /// The op with every field but `dst`.
+    op: DequantGptq,
 }
 
 impl Derive for GptqDerive {
@@ -273,19 +277,15 @@ impl Derive for GptqDerive {
         self.inputs.clone()
     }
     fn build(&self, dst: DType) -> Arc<dyn Op> {
-        let (rows, cols, bits, groups, scale_dtype, zero_offset, group_size) = self.op;
         Arc::new(DequantGptq {
-            rows,
-            cols,
-            bits,
-            groups,
-            scale_dtype,
-            zero_offset,
-            group_size,
             dst,
+            ..self.op.clone()
         })
     }
 }
+
+/// A bound weight and its output shape, or the tensor at fault and why.
+type GptqBinding<'a> = std::result::Result<(Arc<dyn Derive>, Vec<u64>), (&'a Entry, String)>;
 
 /// Binds a GPTQ weight: the bit width from the shapes (checked against `bits`), the groups
 /// from `scales`, `g_idx` or else `group_size`. Errors name the tensor at fault.
@@ -295,7 +295,7 @@ fn gptq_derive<'a>(
     s: &'a Entry,
     z: &'a Entry,
     gidx: Option<&'a Entry>,
-) -> std::result::Result<(Arc<dyn Derive>, Vec<u64>), (&'a Entry, String)> {
+) -> GptqBinding<'a> {
     let two = |e: &Entry| <[u64; 2]>::try_from(&e.shape[..]).unwrap_or_default();
     let ([packed, out], [groups, s_out], [z_groups, z_words]) = (two(w), two(s), two(z));
     if packed == 0 || out == 0 || groups == 0 || z_words == 0 || out % z_words != 0 {
@@ -374,15 +374,17 @@ fn gptq_derive<'a>(
     let zero_offset = declared.checkpoint_format.as_deref() != Some("gptq_v2");
     let d = GptqDerive {
         inputs,
-        op: (
-            out,
+        op: DequantGptq {
+            rows: out,
             cols,
-            bits as u32,
+            bits: bits as u32,
             groups,
-            s.dtype,
+            scale_dtype: s.dtype,
             zero_offset,
             group_size,
-        ),
+            // replaced by `build`
+            dst: DType::F32,
+        },
     };
     Ok((Arc::new(d), vec![out, cols]))
 }

@@ -24,7 +24,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::ops::Op;
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantGptq {
     /// Output `[out, in]`.
     pub rows: u64,
