@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{listing, load_all, s};
+use common::{fixture, listing, load_all, s};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -244,6 +244,26 @@ fn cast_dequant_and_fp4_repack_are_byte_identical_on_the_gpu_path() {
         ],
     );
     assert_identical("repack", &pairs);
+}
+
+#[test]
+fn packed_int_dequant_runs_its_kernel_and_matches_the_cpu() {
+    for case in ["ct_w3a16_asym", "ct_w4a16", "ct_w8a16_asym"] {
+        let model = fixture(&format!("quant/{case}/model"));
+        let pairs = cpu_vs_gpu(
+            &format!("int-{case}"),
+            &["dequant", "-i", s(&model)],
+            &["tftf_dequant_int"],
+        );
+        assert_identical(case, &pairs);
+        let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
+        for (k, _, _, gpu) in &pairs {
+            assert_eq!(
+                gpu, &want[k].2,
+                "{case}: `{k}` is not the library's decompression"
+            );
+        }
+    }
 }
 
 #[test]

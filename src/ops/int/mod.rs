@@ -14,12 +14,15 @@
 //! zero-point rows (b words per 32 weight rows) start too, so a chunk reads whole words.
 
 pub mod gptq;
+pub mod kernel;
 
 use std::ops::Range;
 
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use kernel::IntParams;
 
 #[derive(Debug)]
 pub struct DequantPackedInt {
@@ -67,6 +70,18 @@ pub fn unpack_code(words: &[u8], i: usize, bits: u32) -> u32 {
 impl Op for DequantPackedInt {
     fn name(&self) -> &'static str {
         "dequant-int"
+    }
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::DequantInt(IntParams {
+            cols: self.cols,
+            words: self.words,
+            group: self.group,
+            groups: self.groups(),
+            bits: self.bits as i32,
+            scale_dtype: kernel_dtype(self.scale_dtype),
+            dst: kernel_dtype(self.dst),
+            zero_point: self.zero_point as i32,
+        }))
     }
     fn units(&self) -> u64 {
         self.rows
