@@ -3,7 +3,7 @@
 // also compiles for the host and compares bit for bit with the Rust ops. These ops are
 // memory-bound, so there is no shared-memory tiling; a kernel that meets a value its op refuses
 // raises `bad` and the host lets the CPU op produce the error message.
-#include "fp4.cuh"
+#include "fp4_dequant.cuh"
 #include "int.cuh"
 #include "lora.cuh"
 
@@ -19,6 +19,13 @@ extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u
                                             DequantParams p, int* bad) {
     GRID_STRIDE(i, n) {
         if (!dequant_element(p, codes, scales, out, i)) *bad = 1;
+    }
+}
+
+extern "C" __global__ void tftf_dequant_fp4(const u8* codes, const u8* scales, const u8* global,
+                                            u8* out, u64 n, Fp4Params p, int* bad) {
+    GRID_STRIDE(i, n) {
+        if (!fp4_element(p, codes, scales, global, out, i)) *bad = 1;
     }
 }
 

@@ -247,13 +247,22 @@ fn cast_dequant_and_fp4_repack_are_byte_identical_on_the_gpu_path() {
 }
 
 #[test]
-fn packed_int_dequant_runs_its_kernel_and_matches_the_cpu() {
-    for case in ["ct_w3a16_asym", "ct_w4a16", "ct_w8a16_asym"] {
+fn fp4_and_int_dequant_run_their_kernels_and_equal_the_library_decompression() {
+    for (case, kernel) in [
+        ("ct_w3a16_asym", "tftf_dequant_int"),
+        ("ct_w4a16", "tftf_dequant_int"),
+        ("ct_w8a16_asym", "tftf_dequant_int"),
+        ("ct_nvfp4", "tftf_dequant_fp4"),
+        ("modelopt_nvfp4", "tftf_dequant_fp4"),
+        ("ct_mxfp4a16", "tftf_dequant_fp4"),
+        ("modelopt_mxfp4", "tftf_dequant_fp4"),
+        ("gpt_oss_mxfp4", "tftf_dequant_fp4"),
+    ] {
         let model = fixture(&format!("quant/{case}/model"));
         let pairs = cpu_vs_gpu(
-            &format!("int-{case}"),
+            &format!("dec-{case}"),
             &["dequant", "-i", s(&model)],
-            &["tftf_dequant_int"],
+            &[kernel],
         );
         assert_identical(case, &pairs);
         let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));

@@ -18,7 +18,6 @@ use crate::ops::cast::Cast;
 use crate::ops::fp4::engram::EngramRequant;
 use crate::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use crate::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
-use crate::ops::int::DequantPackedInt;
 use crate::ops::kernel::Kernel;
 use crate::ops::lora::merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::Op;
@@ -542,56 +541,11 @@ pub fn cases() -> Vec<Case> {
             out_dtype: DType::U8,
         });
     }
-    int_cases(&mut rng, &mut out);
+    super::decoders::int_cases(&mut rng, &mut out);
+    super::decoders::fp4_cases(&mut rng, &mut out);
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
     out
-}
-
-/// Packed integers of every width 1–8, symmetric and with packed zero points (72 rows: the
-/// zero-point words of a chunk straddle), scales of every float dtype with a NaN and an
-/// infinity among them, into every output dtype.
-fn int_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
-    use DType::{BF16, F16, F32};
-    for bits in 1..=8u64 {
-        for (zero_point, scale_dtype, dst) in [
-            (false, BF16, BF16),
-            (true, BF16, BF16),
-            (true, F16, F16),
-            (true, F32, F32),
-            (false, F32, BF16),
-        ] {
-            let (rows, cols) = (72u64, 96u64);
-            let group = if bits % 2 == 0 { 32 } else { cols };
-            let (words, groups) = ((cols * bits).div_ceil(32), cols / group);
-            let mut inputs = vec![
-                rng.bytes((rows * words * 4) as usize),
-                scale_values(scale_dtype, (rows * groups) as usize, rng, true),
-            ];
-            if zero_point {
-                inputs.push(rng.bytes(((rows * bits).div_ceil(32) * groups * 4) as usize));
-            }
-            out.push(Case {
-                kernel: "dequant-int",
-                what: format!(
-                    "{bits}-bit{} × {scale_dtype} per {group} → {dst}, {rows}×{cols}",
-                    if zero_point { " with zero points" } else { "" }
-                ),
-                op: Arc::new(DequantPackedInt {
-                    rows,
-                    cols,
-                    bits: bits as u32,
-                    words,
-                    group,
-                    scale_dtype,
-                    zero_point,
-                    dst,
-                }),
-                inputs,
-                out_dtype: dst,
-            });
-        }
-    }
 }
 
 /// Input slices of `op` for `units`, cut from whole inputs (as the reader would read them).
