@@ -191,6 +191,21 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
             "model.layers.0.self_attn.k_proj.weight_scale_2",
             "model.layers.0.self_attn.k_proj.weight",
         ),
+        (
+            "modelopt_mxfp4",
+            "model.layers.0.mlp.down_proj.weight_scale",
+            "model.layers.0.mlp.down_proj.weight",
+        ),
+        (
+            "ct_mxfp8a16",
+            "model.layers.0.mlp.up_proj.weight_scale",
+            "model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            "gptq_w4_act_order",
+            "model.layers.0.mlp.down_proj.qzeros",
+            "model.layers.0.mlp.down_proj.qweight",
+        ),
     ] {
         let case_dir = dir.path().join(case);
         let model = edited_model(case, &case_dir, |ts| ts.retain(|t| t.0 != gone));
@@ -202,6 +217,7 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
             "{case}: {err}"
         );
         assert!(!out.exists(), "{case}: output left behind");
+        assert!(!err.contains("--allow-unscaled-fp8"), "{case}: {err}");
     }
 }
 

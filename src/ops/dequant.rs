@@ -33,7 +33,7 @@ use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
-use crate::ops::fp8::{mxfp8_derive, DequantFp8Step};
+use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode};
 use crate::ops::int::gptq::DequantGptq;
 use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
@@ -145,6 +145,15 @@ impl Declared {
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
             Scheme::Gptq => self.method == "gptq",
         }
+    }
+
+    /// Whether the config names a ModelOpt FP4 algorithm, whose `X.weight` U8 are codes.
+    fn fp4_codes_named(&self) -> bool {
+        self.method == "modelopt"
+            && self
+                .formats
+                .iter()
+                .any(|f| f.contains("nvfp4") || f.contains("mxfp4"))
     }
 
     fn describe(&self) -> String {
@@ -524,12 +533,25 @@ impl PlanStep for DequantStep {
                     (Some(si), None) if matches!(entries[si].dtype, DType::U8 | DType::F8_E8M0) => {
                         Some((Scheme::ModeloptMxfp4, si, None, n.to_string()))
                     }
+                    // U8 codes of a ModelOpt FP4 checkpoint without their block scales.
+                    (None, _) if declared.fp4_codes_named() => {
+                        return Err(missing(e, &[format!("{n}_scale")]));
+                    }
                     _ => None,
                 }
             } else if matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
-                get(&format!("{n}_scale"))
+                let scale = format!("{n}_scale");
+                let found = get(&scale)
                     .filter(|&si| entries[si].dtype == DType::U8)
-                    .map(|si| (Scheme::CtMxfp8, si, None, n.to_string()))
+                    .map(|si| (Scheme::CtMxfp8, si, None, n.to_string()));
+                // MXFP8 codes need their exponents: not the FP8 path's unscaled-cast advice.
+                let unscaled = scale_candidates(n, ScaleMode::Multiply)
+                    .iter()
+                    .all(|(c, _)| get(c).is_none());
+                if found.is_none() && unscaled && declared.formats.contains("mxfp8-quantized") {
+                    return Err(missing(e, &[scale]));
+                }
+                found
             } else {
                 None
             };
