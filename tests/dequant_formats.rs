@@ -346,8 +346,16 @@ fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
         "-o",
         s(&out),
         "--keep-kv-scales",
+        "--report",
+        s(&dir.path().join("report.json")),
         "-q",
     ]));
+    let report = std::fs::read_to_string(dir.path().join("report.json")).unwrap();
+    assert!(
+        report.contains("kept 2 KV-cache scales (--keep-kv-scales)")
+            && report.contains("model.layers.0.mlp.down_proj.input_scale"),
+        "{report}"
+    );
     let got = load_all(&out);
     let input = load_all(&model.join("model.safetensors"));
     for kv in [

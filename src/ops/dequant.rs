@@ -34,7 +34,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode};
-use crate::ops::int::gptq::DequantGptq;
+use crate::ops::int::gptq::{self, GptqConfig};
 use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
@@ -272,130 +272,6 @@ impl Derive for IntDerive {
             dst,
         })
     }
-}
-
-#[derive(Debug)]
-struct GptqDerive {
-    inputs: Vec<usize>,
-    /// The op with every field but `dst`.
-    op: DequantGptq,
-}
-
-impl Derive for GptqDerive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantGptq {
-            dst,
-            ..self.op.clone()
-        })
-    }
-}
-
-/// A bound weight and its output shape, or the tensor at fault and why.
-type GptqBinding<'a> = std::result::Result<(Arc<dyn Derive>, Vec<u64>), (&'a Entry, String)>;
-
-/// Binds a GPTQ weight: the bit width from the shapes (checked against `bits`), the groups
-/// from `scales`, `g_idx` or else `group_size`. Errors name the tensor at fault.
-fn gptq_derive<'a>(
-    declared: &Declared,
-    w: &'a Entry,
-    s: &'a Entry,
-    z: &'a Entry,
-    gidx: Option<&'a Entry>,
-) -> GptqBinding<'a> {
-    let two = |e: &Entry| <[u64; 2]>::try_from(&e.shape[..]).unwrap_or_default();
-    let ([packed, out], [groups, s_out], [z_groups, z_words]) = (two(w), two(s), two(z));
-    if packed == 0 || out == 0 || groups == 0 || z_words == 0 || out % z_words != 0 {
-        return Err((
-            w,
-            format!(
-                "GPTQ needs qweight [in/p, out], qzeros [G, out/p], scales [G, out]; got {:?}, {:?}, {:?}",
-                w.shape, z.shape, s.shape
-            ),
-        ));
-    }
-    let per_word = out / z_words;
-    let bits = match per_word {
-        16 => 2,
-        8 => 4,
-        4 => 8,
-        _ => {
-            return Err((
-                z,
-                format!("{per_word} zeros per word is not a 2-, 4- or 8-bit GPTQ packing"),
-            ))
-        }
-    };
-    if let Some(b) = declared.gptq_bits.filter(|&b| b != bits) {
-        return Err((
-            w,
-            format!("packed as {bits}-bit codes but config.json says bits {b}"),
-        ));
-    }
-    if s_out != out || z_groups != groups {
-        return Err((
-            s,
-            format!(
-                "scales {:?} and qzeros {:?} do not fit qweight {:?} ({groups} groups of {out} outputs)",
-                s.shape, z.shape, w.shape
-            ),
-        ));
-    }
-    if z.dtype != DType::I32 {
-        return Err((z, format!("qzeros must be I32, not {}", z.dtype)));
-    }
-    if !matches!(s.dtype, DType::F16 | DType::BF16 | DType::F32) {
-        return Err((
-            s,
-            format!("scales must be F16, BF16 or F32, not {}", s.dtype),
-        ));
-    }
-    let cols = packed * per_word;
-    let mut inputs = vec![w.source, z.source, s.source];
-    let group_size = match gidx {
-        Some(g) => {
-            if g.dtype != DType::I32 || g.shape != [cols] {
-                return Err((
-                    g,
-                    format!("g_idx must be I32 [{cols}], not {} {:?}", g.dtype, g.shape),
-                ));
-            }
-            inputs.push(g.source);
-            None
-        }
-        None => {
-            let gs = match declared.group_size {
-                Some(gs) if gs > 0 => gs as u64,
-                _ => cols.div_ceil(groups),
-            };
-            if cols.div_ceil(gs) != groups {
-                return Err((
-                    s,
-                    format!("{groups} groups do not fit {cols} inputs in groups of {gs}, and there is no g_idx"),
-                ));
-            }
-            Some(gs)
-        }
-    };
-    // Only gptq_v2 stores the zeros themselves; v1 (the default) stores zero - 1.
-    let zero_offset = declared.checkpoint_format.as_deref() != Some("gptq_v2");
-    let d = GptqDerive {
-        inputs,
-        op: DequantGptq {
-            rows: out,
-            cols,
-            bits: bits as u32,
-            groups,
-            scale_dtype: s.dtype,
-            zero_offset,
-            group_size,
-            // replaced by `build`
-            dst: DType::F32,
-        },
-    };
-    Ok((Arc::new(d), vec![out, cols]))
 }
 
 /// The `[out, in]` a `weight_shape` tensor (`I64`/`I32 [2]`) holds, read at plan time.
@@ -698,12 +574,22 @@ impl PlanStep for DequantStep {
                 Scheme::Gptq => {
                     let z = &entries[f.global.expect("GPTQ weights have qzeros")];
                     let gidx = get(&format!("{}g_idx", f.name.trim_end_matches("weight")));
-                    let (d, shape) = gptq_derive(&declared, w, s, z, gidx.map(|i| &entries[i]))
-                        .map_err(|(t, msg)| Error::TensorData {
-                            path: path_of(t),
-                            tensor: t.name.clone(),
-                            msg,
-                        })?;
+                    let (d, shape) = gptq::bind(
+                        GptqConfig {
+                            bits: declared.gptq_bits,
+                            group_size: declared.group_size,
+                            checkpoint_format: declared.checkpoint_format.as_deref(),
+                        },
+                        w,
+                        s,
+                        z,
+                        gidx.map(|i| &entries[i]),
+                    )
+                    .map_err(|(t, msg)| Error::TensorData {
+                        path: path_of(t),
+                        tensor: t.name.clone(),
+                        msg,
+                    })?;
                     if let Some(i) = gidx {
                         consumed[i] = true;
                     }
@@ -816,15 +702,22 @@ impl PlanStep for DequantStep {
         if changed {
             let mut dropped = Vec::new();
             let keep_kv = self.keep_kv_scales;
+            let mut kept = 0;
             entries.retain(|e| {
-                let drop = e.derive.is_none()
-                    && is_activation_scale(&e.name)
-                    && !(keep_kv && is_kv_scale(&e.name));
-                if drop {
+                let scale = e.derive.is_none() && is_activation_scale(&e.name);
+                let keep = keep_kv && is_kv_scale(&e.name);
+                if scale && keep {
+                    kept += 1;
+                } else if scale {
                     dropped.push(e.name.clone());
                 }
-                !drop
+                !scale || keep
             });
+            if kept > 0 {
+                notes
+                    .lines
+                    .push(format!("kept {kept} KV-cache scales (--keep-kv-scales)"));
+            }
             if !dropped.is_empty() {
                 notes.lines.push(format!(
                     "dropped {} activation/KV-cache scales with the quantization config: {}",

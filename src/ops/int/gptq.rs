@@ -19,10 +19,12 @@
 //! budget (a 28672 × 8192 4-bit matrix is 117 MiB packed, 448 MiB as BF16).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::ops::Op;
+use crate::plan::{Derive, Entry};
 
 #[derive(Clone, Debug)]
 pub struct DequantGptq {
@@ -145,6 +147,139 @@ impl Op for DequantGptq {
         }
         Ok(())
     }
+}
+
+/// What `quantization_config` says about a GPTQ checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct GptqConfig<'a> {
+    pub bits: Option<u64>,
+    /// -1 (or absent): one group per row.
+    pub group_size: Option<i64>,
+    pub checkpoint_format: Option<&'a str>,
+}
+
+#[derive(Debug)]
+struct GptqDerive {
+    inputs: Vec<usize>,
+    /// The op with every field but `dst`.
+    op: DequantGptq,
+}
+
+impl Derive for GptqDerive {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(DequantGptq {
+            dst,
+            ..self.op.clone()
+        })
+    }
+}
+
+/// A bound weight and its output shape, or the tensor at fault and why.
+pub type GptqBinding<'a> = std::result::Result<(Arc<dyn Derive>, Vec<u64>), (&'a Entry, String)>;
+
+/// Binds a GPTQ weight: the bit width from the shapes (checked against `bits`), the groups
+/// from `scales`, `g_idx` or else `group_size`. Errors name the tensor at fault.
+pub fn bind<'a>(
+    declared: GptqConfig,
+    w: &'a Entry,
+    s: &'a Entry,
+    z: &'a Entry,
+    gidx: Option<&'a Entry>,
+) -> GptqBinding<'a> {
+    let two = |e: &Entry| <[u64; 2]>::try_from(&e.shape[..]).unwrap_or_default();
+    let ([packed, out], [groups, s_out], [z_groups, z_words]) = (two(w), two(s), two(z));
+    if packed == 0 || out == 0 || groups == 0 || z_words == 0 || out % z_words != 0 {
+        return Err((
+            w,
+            format!(
+                "GPTQ needs qweight [in/p, out], qzeros [G, out/p], scales [G, out]; got {:?}, {:?}, {:?}",
+                w.shape, z.shape, s.shape
+            ),
+        ));
+    }
+    let per_word = out / z_words;
+    let bits = match per_word {
+        16 => 2,
+        8 => 4,
+        4 => 8,
+        _ => {
+            return Err((
+                z,
+                format!("{per_word} zeros per word is not a 2-, 4- or 8-bit GPTQ packing"),
+            ))
+        }
+    };
+    if let Some(b) = declared.bits.filter(|&b| b != bits) {
+        return Err((
+            w,
+            format!("packed as {bits}-bit codes but config.json says bits {b}"),
+        ));
+    }
+    if s_out != out || z_groups != groups {
+        return Err((
+            s,
+            format!(
+                "scales {:?} and qzeros {:?} do not fit qweight {:?} ({groups} groups of {out} outputs)",
+                s.shape, z.shape, w.shape
+            ),
+        ));
+    }
+    if z.dtype != DType::I32 {
+        return Err((z, format!("qzeros must be I32, not {}", z.dtype)));
+    }
+    if !matches!(s.dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err((
+            s,
+            format!("scales must be F16, BF16 or F32, not {}", s.dtype),
+        ));
+    }
+    let cols = packed * per_word;
+    let mut inputs = vec![w.source, z.source, s.source];
+    let group_size = match gidx {
+        Some(g) => {
+            if g.dtype != DType::I32 || g.shape != [cols] {
+                return Err((
+                    g,
+                    format!("g_idx must be I32 [{cols}], not {} {:?}", g.dtype, g.shape),
+                ));
+            }
+            inputs.push(g.source);
+            None
+        }
+        None => {
+            let gs = match declared.group_size {
+                Some(gs) if gs > 0 => gs as u64,
+                _ => cols.div_ceil(groups),
+            };
+            if cols.div_ceil(gs) != groups {
+                return Err((
+                    s,
+                    format!("{groups} groups do not fit {cols} inputs in groups of {gs}, and there is no g_idx"),
+                ));
+            }
+            Some(gs)
+        }
+    };
+    // Only gptq_v2 stores the zeros themselves; v1 (the default) stores zero - 1.
+    let zero_offset = declared.checkpoint_format != Some("gptq_v2");
+    let d = GptqDerive {
+        inputs,
+        op: DequantGptq {
+            rows: out,
+            cols,
+            bits: bits as u32,
+            groups,
+            scale_dtype: s.dtype,
+            zero_offset,
+            group_size,
+            // replaced by `build`
+            dst: DType::F32,
+        },
+    };
+    Ok((Arc::new(d), vec![out, cols]))
 }
 
 #[cfg(test)]
