@@ -1,6 +1,7 @@
 // Host build of the kernels' arithmetic for the test suite (tests/kernels.rs): the same .cuh
 // functions the CUDA kernels call, looped over the same indices, behind a C ABI.
-#include "fp4.cuh"
+#include "fp4_dequant.cuh"
+#include "int.cuh"
 #include "lora.cuh"
 
 extern "C" {
@@ -14,6 +15,18 @@ int tftf_host_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,
     int ok = 1;
     for (u64 i = 0; i < n; i++) ok &= dequant_element(*p, codes, scales, out, i) ? 1 : 0;
     return ok;
+}
+
+int tftf_host_dequant_fp4(const u8* codes, const u8* scales, const u8* global, u8* out, u64 n,
+                          const Fp4Params* p) {
+    int ok = 1;
+    for (u64 i = 0; i < n; i++) ok &= fp4_element(*p, codes, scales, global, out, i) ? 1 : 0;
+    return ok;
+}
+
+void tftf_host_dequant_int(const u8* packed, const u8* scales, const u8* zp, u8* out, u64 n,
+                           const IntParams* p) {
+    for (u64 i = 0; i < n; i++) int_element(*p, packed, scales, zp, out, i);
 }
 
 int tftf_host_nv_block_scales(const u8* in, u8* out, u64 n, int g) {

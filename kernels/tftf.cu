@@ -3,7 +3,8 @@
 // also compiles for the host and compares bit for bit with the Rust ops. These ops are
 // memory-bound, so there is no shared-memory tiling; a kernel that meets a value its op refuses
 // raises `bad` and the host lets the CPU op produce the error message.
-#include "fp4.cuh"
+#include "fp4_dequant.cuh"
+#include "int.cuh"
 #include "lora.cuh"
 
 #define GRID_STRIDE(i, n)                                                             \
@@ -19,6 +20,18 @@ extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u
     GRID_STRIDE(i, n) {
         if (!dequant_element(p, codes, scales, out, i)) *bad = 1;
     }
+}
+
+extern "C" __global__ void tftf_dequant_fp4(const u8* codes, const u8* scales, const u8* global,
+                                            u8* out, u64 n, Fp4Params p, int* bad) {
+    GRID_STRIDE(i, n) {
+        if (!fp4_element(p, codes, scales, global, out, i)) *bad = 1;
+    }
+}
+
+extern "C" __global__ void tftf_dequant_int(const u8* packed, const u8* scales, const u8* zp,
+                                            u8* out, u64 n, IntParams p) {
+    GRID_STRIDE(i, n) { int_element(p, packed, scales, zp, out, i); }
 }
 
 extern "C" __global__ void tftf_nv_block_scales(const u8* in, u8* out, u64 n, int g, int* bad) {

@@ -267,6 +267,10 @@ pub struct Fp8Args {
     /// Keep NaN/Inf FP8 codes (as NaN) instead of failing
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// Keep the KV-cache scales (`k_scale`, `v_scale`) and quantization_config's
+    /// `kv_cache_scheme` instead of dropping them with the weight quantisation
+    #[arg(long)]
+    pub keep_kv_scales: bool,
 }
 
 #[derive(Args, Debug)]

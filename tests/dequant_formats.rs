@@ -10,7 +10,7 @@ use std::path::Path;
 use common::*;
 use tftf::format::dtype::DType;
 
-const CASES: [&str; 9] = [
+const CASES: [&str; 16] = [
     "ct_nvfp4a16",
     "ct_nvfp4",
     "ct_mxfp4a16",
@@ -20,6 +20,13 @@ const CASES: [&str; 9] = [
     "ct_w3a16",
     "gpt_oss_mxfp4",
     "modelopt_nvfp4",
+    "ct_w4a16_asym",
+    "ct_w8a16_asym",
+    "ct_w3a16_asym",
+    "gptq_w4_act_order",
+    "gptq_w8_v2",
+    "modelopt_mxfp4",
+    "modelopt_fp8_pb_wo",
 ];
 
 /// Runs `tftf <cmd> -i <case>/model -o out` and checks the output against the library's.
@@ -67,7 +74,13 @@ fn dequant_fp8_is_an_alias_with_its_options() {
 
 #[test]
 fn chunking_and_threads_never_change_a_byte() {
-    for case in ["gpt_oss_mxfp4", "ct_nvfp4a16", "ct_w3a16"] {
+    for case in [
+        "gpt_oss_mxfp4",
+        "ct_nvfp4a16",
+        "ct_w3a16",
+        "ct_w3a16_asym",
+        "gptq_w4_act_order",
+    ] {
         dequant_matches("dequant", case, &["--threads", "3"]);
     }
 }
@@ -178,6 +191,21 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
             "model.layers.0.self_attn.k_proj.weight_scale_2",
             "model.layers.0.self_attn.k_proj.weight",
         ),
+        (
+            "modelopt_mxfp4",
+            "model.layers.0.mlp.down_proj.weight_scale",
+            "model.layers.0.mlp.down_proj.weight",
+        ),
+        (
+            "ct_mxfp8a16",
+            "model.layers.0.mlp.up_proj.weight_scale",
+            "model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            "gptq_w4_act_order",
+            "model.layers.0.mlp.down_proj.qzeros",
+            "model.layers.0.mlp.down_proj.qweight",
+        ),
     ] {
         let case_dir = dir.path().join(case);
         let model = edited_model(case, &case_dir, |ts| ts.retain(|t| t.0 != gone));
@@ -189,6 +217,7 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
             "{case}: {err}"
         );
         assert!(!out.exists(), "{case}: output left behind");
+        assert!(!err.contains("--allow-unscaled-fp8"), "{case}: {err}");
     }
 }
 
@@ -259,17 +288,91 @@ fn a_scale_of_the_wrong_shape_is_refused() {
 }
 
 #[test]
-fn asymmetric_int_weights_are_refused_naming_the_tensor() {
+fn a_zero_point_of_the_wrong_shape_is_refused_naming_it() {
     let dir = tmp();
     let zp = "model.layers.0.mlp.down_proj.weight_zero_point";
-    let model = edited_model("ct_w4a16", dir.path(), |ts| {
-        ts.push(t(zp, DType::I32, &[2, 16], vec![0; 128]));
+    let model = edited_model("ct_w4a16_asym", dir.path(), |ts| {
+        let t = ts.iter_mut().find(|t| t.0 == zp).unwrap();
+        t.2 = vec![2, 5];
+    });
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(err.contains(zp) && err.contains("I32 [5, 2]"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_gptq_group_index_outside_the_scales_is_an_error_naming_the_weight() {
+    let dir = tmp();
+    let g_idx = "model.layers.0.self_attn.o_proj.g_idx";
+    let model = edited_model("gptq_w4_act_order", dir.path(), |ts| {
+        let t = ts.iter_mut().find(|t| t.0 == g_idx).unwrap();
+        t.3[..4].copy_from_slice(&9i32.to_le_bytes());
     });
     let out = dir.path().join("out");
     let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
     assert!(
-        err.contains("model.layers.0.mlp.down_proj.weight_packed") && err.contains(zp),
+        err.contains("model.layers.0.self_attn.o_proj") && err.contains("g_idx[0] is 9"),
         "{err}"
     );
     assert!(!out.exists());
+}
+
+#[test]
+fn gptq_bits_that_disagree_with_the_packing_are_refused() {
+    let dir = tmp();
+    let model = edited_model("gptq_w8_v2", dir.path(), |_| {});
+    let cfg = model.join("config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("\"bits\": 8", "\"bits\": 4")).unwrap();
+    let out = dir.path().join("out");
+    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    assert!(
+        err.contains("qweight") && err.contains("8-bit codes but config.json says bits 4"),
+        "{err}"
+    );
+    assert!(!err.contains("--allow-unscaled-fp8"), "{err}");
+}
+
+#[test]
+fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let model = fixture("quant/modelopt_nvfp4/model");
+    ok(&tftf(&[
+        "dequant",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--keep-kv-scales",
+        "--report",
+        s(&dir.path().join("report.json")),
+        "-q",
+    ]));
+    let report = std::fs::read_to_string(dir.path().join("report.json")).unwrap();
+    assert!(
+        report.contains("kept 2 KV-cache scales (--keep-kv-scales)")
+            && report.contains("model.layers.0.mlp.down_proj.input_scale"),
+        "{report}"
+    );
+    let got = load_all(&out);
+    let input = load_all(&model.join("model.safetensors"));
+    for kv in [
+        "model.layers.0.self_attn.k_scale",
+        "model.layers.0.self_attn.v_scale",
+    ] {
+        assert_eq!(got.get(kv), input.get(kv), "{kv}");
+    }
+    assert!(!got.contains_key("model.layers.0.mlp.down_proj.input_scale"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        cfg["quantization_config"],
+        serde_json::json!({
+            "quant_method": "modelopt",
+            "kv_cache_scheme": {"dynamic": false, "num_bits": 8, "type": "float"}
+        })
+    );
+    assert!(!out.join("hf_quant_config.json").exists());
 }

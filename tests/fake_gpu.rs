@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{listing, load_all, s};
+use common::{fixture, listing, load_all, s};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -244,6 +244,35 @@ fn cast_dequant_and_fp4_repack_are_byte_identical_on_the_gpu_path() {
         ],
     );
     assert_identical("repack", &pairs);
+}
+
+#[test]
+fn fp4_and_int_dequant_run_their_kernels_and_equal_the_library_decompression() {
+    for (case, kernel) in [
+        ("ct_w3a16_asym", "tftf_dequant_int"),
+        ("ct_w4a16", "tftf_dequant_int"),
+        ("ct_w8a16_asym", "tftf_dequant_int"),
+        ("ct_nvfp4", "tftf_dequant_fp4"),
+        ("modelopt_nvfp4", "tftf_dequant_fp4"),
+        ("ct_mxfp4a16", "tftf_dequant_fp4"),
+        ("modelopt_mxfp4", "tftf_dequant_fp4"),
+        ("gpt_oss_mxfp4", "tftf_dequant_fp4"),
+    ] {
+        let model = fixture(&format!("quant/{case}/model"));
+        let pairs = cpu_vs_gpu(
+            &format!("dec-{case}"),
+            &["dequant", "-i", s(&model)],
+            &[kernel],
+        );
+        assert_identical(case, &pairs);
+        let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
+        for (k, _, _, gpu) in &pairs {
+            assert_eq!(
+                gpu, &want[k].2,
+                "{case}: `{k}` is not the library's decompression"
+            );
+        }
+    }
 }
 
 #[test]

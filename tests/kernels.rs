@@ -11,10 +11,12 @@ use std::sync::OnceLock;
 use tftf::commands::selftest::table::{self as selftest, DequantShape, Lcg as Rng};
 use tftf::format::dtype::DType;
 use tftf::ops::fp4::engram::requant_row;
+use tftf::ops::fp4::kernel::Fp4Params;
 use tftf::ops::fp4::kernel::RowSums;
 use tftf::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use tftf::ops::fp8::kernel::DequantParams;
 use tftf::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use tftf::ops::int::kernel::IntParams;
 use tftf::ops::kernel::{kernel_dtype, Kernel};
 use tftf::ops::lora::kernel::{DeltaParams, LoraParams};
 use tftf::ops::Op;
@@ -536,6 +538,113 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
     }
 }
 
+/// The selftest's packed-integer cases (every width, with and without zero points, NaN and
+/// infinite scales), on the host build, whole and in the op's 32-row chunks.
+#[test]
+fn int_dequant_matches_the_cpu_op_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_dequant_int",
+        fn(*const u8, *const u8, *const u8, *mut u8, u64, *const IntParams) -> ()
+    );
+    let mut n = 0;
+    for case in selftest::cases() {
+        let op = case.op.as_ref();
+        let Some(Kernel::DequantInt(p)) = op.kernel(&(0..op.units())) else {
+            continue;
+        };
+        let g = op.granularity();
+        let mut cuts: Vec<u64> = (0..op.units()).step_by(g as usize).collect();
+        cuts.push(op.units());
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for units in cuts.windows(2).map(|w| w[0]..w[1]) {
+            let ins = selftest::slices(op, units.clone(), &case.inputs);
+            let len = ((units.end - units.start) * op.out_unit_bytes()) as usize;
+            let mut w = vec![0u8; len];
+            op.compute(units.clone(), &ins, &mut w).unwrap();
+            let mut k = vec![0u8; len];
+            let zp = ins.get(2).map_or(std::ptr::null(), |z| z.as_ptr());
+            let elements = (units.end - units.start) * p.cols;
+            // SAFETY: the slices are the op's input ranges for `units`; `k` holds `elements`.
+            unsafe {
+                f(
+                    ins[0].as_ptr(),
+                    ins[1].as_ptr(),
+                    zp,
+                    k.as_mut_ptr(),
+                    elements,
+                    &p,
+                )
+            };
+            got.extend(k);
+            want.extend(w);
+        }
+        hex_diff(
+            &case.what,
+            &got,
+            &want,
+            (case.out_dtype.bits() / 8) as usize,
+        );
+        n += 1;
+    }
+    assert_eq!(n, 8 * 5, "every width × scale/zero-point variant");
+}
+
+/// The selftest's FP4 cases (NVFP4 both ways, ModelOpt's +0, every E8M0 exponent, NaN scales,
+/// gpt-oss experts transposed) on the host build; a value the CPU op refuses is refused by the
+/// kernel too.
+#[test]
+fn fp4_dequant_matches_the_cpu_op_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_dequant_fp4",
+        fn(*const u8, *const u8, *const u8, *mut u8, u64, *const Fp4Params) -> c_int
+    );
+    let run = |op: &dyn Op, p: &Fp4Params, inputs: &[Vec<u8>]| {
+        let units = 0..op.units();
+        let ins = selftest::slices(op, units.clone(), inputs);
+        let len = (op.units() * op.out_unit_bytes()) as usize;
+        let mut want = vec![0u8; len];
+        let cpu = op.compute(units, &ins, &mut want);
+        let mut got = vec![0u8; len];
+        let global = ins.get(2).map_or(std::ptr::null(), |g| g.as_ptr());
+        // SAFETY: the slices are the op's inputs for every unit; `got` holds 2 × codes elements.
+        let ok = unsafe {
+            f(
+                ins[0].as_ptr(),
+                ins[1].as_ptr(),
+                global,
+                got.as_mut_ptr(),
+                2 * ins[0].len() as u64,
+                p,
+            )
+        };
+        (cpu.map(|_| want), ok == 1, got)
+    };
+    let mut n = 0;
+    for case in selftest::cases() {
+        let op = case.op.as_ref();
+        let Some(Kernel::DequantFp4(p)) = op.kernel(&(0..op.units())) else {
+            continue;
+        };
+        let (want, ok, got) = run(op, &p, &case.inputs);
+        assert!(ok, "{}: kernel refused, CPU said {want:?}", case.what);
+        hex_diff(
+            &case.what,
+            &got,
+            &want.unwrap(),
+            (case.out_dtype.bits() / 8) as usize,
+        );
+        // Without --allow-nonfinite, an infinite product is refused by both.
+        if p.e8m0 == 1 && p.allow_nonfinite == 0 {
+            let mut inputs = case.inputs.clone();
+            inputs[1][7] = 255;
+            let (want, ok, _) = run(op, &p, &inputs);
+            assert!(want.is_err() && !ok, "{}: 2^128 must be refused", case.what);
+        }
+        n += 1;
+    }
+    assert_eq!(n, 6, "every FP4 scheme");
+}
+
 /// kernels/tftf.ptx records a hash of the sources it was built from (scripts/gen-ptx.py).
 #[test]
 fn committed_ptx_is_built_from_the_current_sources() {
@@ -566,6 +675,8 @@ fn committed_ptx_is_built_from_the_current_sources() {
     for entry in [
         "tftf_cast",
         "tftf_dequant_fp8",
+        "tftf_dequant_int",
+        "tftf_dequant_fp4",
         "tftf_nv_block_scales",
         "tftf_nv_reencode",
         "tftf_engram_blocks",

@@ -56,7 +56,7 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
     let err = fails(&args);
     assert_eq!(
         err,
-        format!("error: {}: dequant found no quantised weight (no F8_E4M3 or F8_E5M2 tensor, no NVFP4, MXFP4 or MXFP8 weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
+        format!("error: {}: dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
     );
     assert!(!out.exists());
     ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));

@@ -99,6 +99,7 @@ fn dequant_step(dtype: &str, a: &Fp8Args) -> Result<Step> {
                 allow_nonfinite: a.allow_nonfinite,
             },
         },
+        keep_kv_scales: a.keep_kv_scales,
     })))
 }
 

@@ -27,8 +27,10 @@ use cudarc::driver::{
 };
 
 use crate::format::dtype::DType;
+use crate::ops::fp4::kernel::Fp4Params;
 use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
 use crate::ops::fp8::kernel::DequantParams;
+use crate::ops::int::kernel::IntParams;
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{DeltaParams, LoraLaunch, LoraParams};
 
@@ -43,10 +45,14 @@ pub const LANES: usize = 2;
 unsafe impl DeviceRepr for DequantParams {}
 unsafe impl DeviceRepr for LoraParams {}
 unsafe impl DeviceRepr for DeltaParams {}
+unsafe impl DeviceRepr for IntParams {}
+unsafe impl DeviceRepr for Fp4Params {}
 
 struct Kernels {
     cast: CudaFunction,
     dequant: CudaFunction,
+    dequant_int: CudaFunction,
+    dequant_fp4: CudaFunction,
     nv_scales: CudaFunction,
     nv_reencode: CudaFunction,
     engram_blocks: CudaFunction,
@@ -168,6 +174,8 @@ impl Gpu {
         let kernels = Kernels {
             cast: f("tftf_cast")?,
             dequant: f("tftf_dequant_fp8")?,
+            dequant_int: f("tftf_dequant_int")?,
+            dequant_fp4: f("tftf_dequant_fp4")?,
             nv_scales: f("tftf_nv_block_scales")?,
             nv_reencode: f("tftf_nv_reencode")?,
             engram_blocks: f("tftf_engram_blocks")?,
@@ -595,6 +603,40 @@ impl Lane {
             Kernel::DequantFp8(p) => {
                 let o = self.device(OUT, outs[0].len())?;
                 flag = Some(self.dequant(k, p, inputs, o)?);
+            }
+            Kernel::DequantFp4(p) => {
+                let c = self.upload(IN, inputs[0])?;
+                let s = self.upload(IN + 1, inputs[1])?;
+                let g = match inputs.get(2) {
+                    Some(g) => self.upload(IN + 2, g)?,
+                    None => 0,
+                };
+                let o = self.device(OUT, outs[0].len())?;
+                let f = self.zero(FLAG, 4)?;
+                flag = Some(f);
+                let n = 2 * inputs[0].len() as u64;
+                let mut b = self.stream.launch_builder(&k.dequant_fp4);
+                b.arg(&c).arg(&s).arg(&g).arg(&o).arg(&n).arg(p).arg(&f);
+                // SAFETY: argument types match tftf_dequant_fp4; the inputs are the op's ranges
+                // for these units (two codes a byte) and `o` holds n elements of p.dst.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_fp4", e))?;
+            }
+            Kernel::DequantInt(p) => {
+                let w = self.upload(IN, inputs[0])?;
+                let s = self.upload(IN + 1, inputs[1])?;
+                let z = match inputs.get(2) {
+                    Some(z) => self.upload(IN + 2, z)?,
+                    None => 0,
+                };
+                let o = self.device(OUT, outs[0].len())?;
+                let n = nunits * p.cols;
+                let mut b = self.stream.launch_builder(&k.dequant_int);
+                b.arg(&w).arg(&s).arg(&z).arg(&o).arg(&n).arg(p);
+                // SAFETY: argument types match tftf_dequant_int; the inputs are the op's
+                // whole-row ranges for these units and `o` holds n elements of p.dst.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_int", e))?;
             }
             Kernel::NvBlockScales { g } => {
                 let i = self.upload(IN, inputs[0])?;

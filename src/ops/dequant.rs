@@ -14,8 +14,11 @@
 //!   `X.weight_scale` `F8_E4M3` per 16, `X.weight_scale_2` `F32` (multiplies);
 //! - gpt-oss MXFP4 (`quant_method: mxfp4`): `X_blocks` `U8 [E, out, G, 16]`, `X_scales` `U8
 //!   [E, out, G]` → `X` `[E, in, out]`;
-//! - compressed-tensors `pack-quantized` (symmetric int, 1–8 bits): `X.weight_packed` `I32`,
-//!   `X.weight_scale` float per group or channel, `X.weight_shape` (read at plan time);
+//! - compressed-tensors `pack-quantized` (int, 1–8 bits): `X.weight_packed` `I32`,
+//!   `X.weight_scale` float per group or channel, `X.weight_shape` (read at plan time), and for
+//!   asymmetric schemes `X.weight_zero_point` `I32` packed down the columns;
+//! - GPTQ (`quant_method: gptq`): `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` → `X.weight`;
+//! - ModelOpt MXFP4 (`quant_algo: mxfp4`): `X.weight` `U8`, `X.weight_scale` `U8` (E8M0) per 32;
 //! - FP8 with float scales: [`DequantFp8Step`], unchanged (`dequant-fp8`).
 //!
 //! A tensor whose layout the config does not name (NVFP4 codes in a checkpoint whose config
@@ -30,7 +33,8 @@ use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
-use crate::ops::fp8::{mxfp8_derive, DequantFp8Step};
+use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode};
+use crate::ops::int::gptq::{self, GptqConfig};
 use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
@@ -49,7 +53,12 @@ pub const ACTIVATION_SCALES: [&str; 6] = [
 pub struct DequantStep {
     /// FP8 weights with float scales, and the options every scheme shares.
     pub fp8: DequantFp8Step,
+    /// `--keep-kv-scales`: keep `k_scale`/`v_scale` and `kv_cache_scheme`.
+    pub keep_kv_scales: bool,
 }
+
+/// KV-cache scales, kept by `--keep-kv-scales` (the KV cache can stay FP8 with BF16 weights).
+const KV_SCALES: [&str; 2] = ["k_scale", "v_scale"];
 
 /// What `quantization_config` says.
 #[derive(Debug, Default)]
@@ -60,6 +69,10 @@ struct Declared {
     formats: BTreeSet<String>,
     /// `num_bits` of the compressed-tensors groups with integer weights.
     int_bits: BTreeSet<u64>,
+    /// GPTQ `bits`, `group_size` (-1: one group per row) and `checkpoint_format`.
+    gptq_bits: Option<u64>,
+    group_size: Option<i64>,
+    checkpoint_format: Option<String>,
 }
 
 impl Declared {
@@ -70,6 +83,12 @@ impl Declared {
             if let Some(m) = q.get("quant_method").and_then(Value::as_str) {
                 d.method = m.to_ascii_lowercase();
             }
+            d.gptq_bits = q.get("bits").and_then(Value::as_u64);
+            d.group_size = q.get("group_size").and_then(Value::as_i64);
+            d.checkpoint_format = q
+                .get("checkpoint_format")
+                .and_then(Value::as_str)
+                .map(str::to_ascii_lowercase);
             for key in ["format", "quant_algo"] {
                 if let Some(f) = q.get(key).and_then(Value::as_str) {
                     d.formats.insert(f.to_ascii_lowercase());
@@ -119,8 +138,22 @@ impl Declared {
             Scheme::CtMxfp8 => ct && self.formats.contains("mxfp8-quantized"),
             Scheme::CtInt => ct && self.formats.contains("pack-quantized"),
             Scheme::ModeloptNvfp4 => self.method == "modelopt" && self.formats.contains("nvfp4"),
+            Scheme::ModeloptMxfp4 => {
+                self.method == "modelopt"
+                    && (self.formats.contains("mxfp4") || self.formats.contains("w4a8_mxfp4_fp8"))
+            }
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
+            Scheme::Gptq => self.method == "gptq",
         }
+    }
+
+    /// Whether the config names a ModelOpt FP4 algorithm, whose `X.weight` U8 are codes.
+    fn fp4_codes_named(&self) -> bool {
+        self.method == "modelopt"
+            && self
+                .formats
+                .iter()
+                .any(|f| f.contains("nvfp4") || f.contains("mxfp4"))
     }
 
     fn describe(&self) -> String {
@@ -146,8 +179,10 @@ enum Scheme {
     CtMxfp4,
     CtMxfp8,
     ModeloptNvfp4,
+    ModeloptMxfp4,
     GptOssMxfp4,
     CtInt,
+    Gptq,
 }
 
 impl Scheme {
@@ -157,8 +192,10 @@ impl Scheme {
             Scheme::CtMxfp4 => "compressed-tensors MXFP4 (mxfp4-pack-quantized)",
             Scheme::CtMxfp8 => "compressed-tensors MXFP8 (mxfp8-quantized)",
             Scheme::ModeloptNvfp4 => "ModelOpt NVFP4",
+            Scheme::ModeloptMxfp4 => "ModelOpt MXFP4",
             Scheme::GptOssMxfp4 => "gpt-oss MXFP4",
             Scheme::CtInt => "compressed-tensors int (pack-quantized)",
+            Scheme::Gptq => "GPTQ",
         }
     }
 }
@@ -216,6 +253,7 @@ struct IntDerive {
     words: u64,
     group: u64,
     scale_dtype: DType,
+    zero_point: bool,
 }
 
 impl Derive for IntDerive {
@@ -230,6 +268,7 @@ impl Derive for IntDerive {
             words: self.words,
             group: self.group,
             scale_dtype: self.scale_dtype,
+            zero_point: self.zero_point,
             dst,
         })
     }
@@ -269,6 +308,11 @@ fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), S
 fn is_activation_scale(name: &str) -> bool {
     name.rsplit_once('.')
         .is_some_and(|(_, last)| ACTIVATION_SCALES.contains(&last))
+}
+
+fn is_kv_scale(name: &str) -> bool {
+    name.rsplit_once('.')
+        .is_some_and(|(_, last)| KV_SCALES.contains(&last))
 }
 
 impl PlanStep for DequantStep {
@@ -340,17 +384,13 @@ impl PlanStep for DequantStep {
                 let (Some(si), Some(hi)) = (get(&scale_name), get(&shape_name)) else {
                     return Err(missing(e, &[scale_name, shape_name]));
                 };
-                let zp = format!("{base}.weight_zero_point");
-                if get(&zp).is_some() {
-                    return Err(Error::TensorData {
-                        path: path_of(e),
-                        tensor: e.name.clone(),
-                        msg: format!(
-                            "has a zero point `{zp}`: asymmetric pack-quantized weights are not supported yet"
-                        ),
-                    });
-                }
                 Some((Scheme::CtInt, si, Some(hi), format!("{base}.weight")))
+            } else if let (Some(base), DType::I32) = (n.strip_suffix(".qweight"), e.dtype) {
+                let (zeros, scales) = (format!("{base}.qzeros"), format!("{base}.scales"));
+                let (Some(zi), Some(si)) = (get(&zeros), get(&scales)) else {
+                    return Err(missing(e, &[zeros, scales]));
+                };
+                Some((Scheme::Gptq, si, Some(zi), format!("{base}.weight")))
             } else if let (Some(base), DType::U8) = (n.strip_suffix("_blocks"), e.dtype) {
                 let scale_name = format!("{base}_scales");
                 let Some(si) = get(&scale_name) else {
@@ -366,12 +406,28 @@ impl PlanStep for DequantStep {
                     (Some(si), None) if entries[si].dtype == DType::F8_E4M3 => {
                         return Err(missing(e, &[s2]));
                     }
+                    (Some(si), None) if matches!(entries[si].dtype, DType::U8 | DType::F8_E8M0) => {
+                        Some((Scheme::ModeloptMxfp4, si, None, n.to_string()))
+                    }
+                    // U8 codes of a ModelOpt FP4 checkpoint without their block scales.
+                    (None, _) if declared.fp4_codes_named() => {
+                        return Err(missing(e, &[format!("{n}_scale")]));
+                    }
                     _ => None,
                 }
             } else if matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
-                get(&format!("{n}_scale"))
+                let scale = format!("{n}_scale");
+                let found = get(&scale)
                     .filter(|&si| entries[si].dtype == DType::U8)
-                    .map(|si| (Scheme::CtMxfp8, si, None, n.to_string()))
+                    .map(|si| (Scheme::CtMxfp8, si, None, n.to_string()));
+                // MXFP8 codes need their exponents: not the FP8 path's unscaled-cast advice.
+                let unscaled = scale_candidates(n, ScaleMode::Multiply)
+                    .iter()
+                    .all(|(c, _)| get(c).is_none());
+                if found.is_none() && unscaled && declared.formats.contains("mxfp8-quantized") {
+                    return Err(missing(e, &[scale]));
+                }
+                found
             } else {
                 None
             };
@@ -413,7 +469,8 @@ impl PlanStep for DequantStep {
                 weight: w.name.clone(),
                 msg,
             };
-            if let (Some(gi), false) = (f.global, f.scheme == Scheme::CtInt) {
+            if let (Some(gi), false) = (f.global, matches!(f.scheme, Scheme::CtInt | Scheme::Gptq))
+            {
                 let g = &entries[gi];
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
@@ -482,16 +539,61 @@ impl PlanStep for DequantStep {
                             )))
                         }
                     };
+                    let mut inputs = vec![w.source, s.source];
+                    let zp_name = format!("{}_zero_point", f.name);
+                    let zero_point = get(&zp_name);
+                    if let Some(zi) = zero_point {
+                        let z = &entries[zi];
+                        let want = [(rows * bits).div_ceil(32), groups];
+                        if z.dtype != DType::I32 || z.shape != want {
+                            return Err(Error::BadScale {
+                                path: path_of(z),
+                                tensor: z.name.clone(),
+                                weight: w.name.clone(),
+                                msg: format!(
+                                    "packed zero points of {bits}-bit weights [{rows}, {cols}] in {groups} groups must be I32 {want:?}, not {} {:?}",
+                                    z.dtype, z.shape
+                                ),
+                            });
+                        }
+                        inputs.push(z.source);
+                        consumed[zi] = true;
+                    }
                     let d = IntDerive {
-                        inputs: vec![w.source, s.source],
+                        inputs,
                         rows,
                         cols,
                         bits: bits as u32,
                         words,
                         group: cols / groups,
                         scale_dtype: s.dtype,
+                        zero_point: zero_point.is_some(),
                     };
                     (Arc::new(d), vec![rows, cols])
+                }
+                Scheme::Gptq => {
+                    let z = &entries[f.global.expect("GPTQ weights have qzeros")];
+                    let gidx = get(&format!("{}g_idx", f.name.trim_end_matches("weight")));
+                    let (d, shape) = gptq::bind(
+                        GptqConfig {
+                            bits: declared.gptq_bits,
+                            group_size: declared.group_size,
+                            checkpoint_format: declared.checkpoint_format.as_deref(),
+                        },
+                        w,
+                        s,
+                        z,
+                        gidx.map(|i| &entries[i]),
+                    )
+                    .map_err(|(t, msg)| Error::TensorData {
+                        path: path_of(t),
+                        tensor: t.name.clone(),
+                        msg,
+                    })?;
+                    if let Some(i) = gidx {
+                        consumed[i] = true;
+                    }
+                    (d, shape)
                 }
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {
@@ -524,7 +626,10 @@ impl PlanStep for DequantStep {
                     };
                     (Arc::new(d), vec![e, g * 32, out])
                 }
-                Scheme::CtNvfp4 | Scheme::CtMxfp4 | Scheme::ModeloptNvfp4 => {
+                Scheme::CtNvfp4
+                | Scheme::CtMxfp4
+                | Scheme::ModeloptNvfp4
+                | Scheme::ModeloptMxfp4 => {
                     let [rows, half] = w.shape[..] else {
                         return Err(Error::TensorData {
                             path: path_of(w),
@@ -533,11 +638,12 @@ impl PlanStep for DequantStep {
                         });
                     };
                     let cols = half * 2;
-                    let (group, scale) = if f.scheme == Scheme::CtMxfp4 {
-                        (32, BlockScale::E8M0)
-                    } else {
-                        (16, BlockScale::E4M3)
-                    };
+                    let (group, scale) =
+                        if matches!(f.scheme, Scheme::CtMxfp4 | Scheme::ModeloptMxfp4) {
+                            (32, BlockScale::E8M0)
+                        } else {
+                            (16, BlockScale::E4M3)
+                        };
                     if s.shape != [rows, cols.div_ceil(group)] {
                         return Err(bad(format!(
                             "shape {:?} does not fit codes {:?}: {} expects one scale per {group} elements, [{rows}, {}]",
@@ -595,13 +701,23 @@ impl PlanStep for DequantStep {
         let changed = ours || fp8;
         if changed {
             let mut dropped = Vec::new();
+            let keep_kv = self.keep_kv_scales;
+            let mut kept = 0;
             entries.retain(|e| {
-                let drop = e.derive.is_none() && is_activation_scale(&e.name);
-                if drop {
+                let scale = e.derive.is_none() && is_activation_scale(&e.name);
+                let keep = keep_kv && is_kv_scale(&e.name);
+                if scale && keep {
+                    kept += 1;
+                } else if scale {
                     dropped.push(e.name.clone());
                 }
-                !drop
+                !scale || keep
             });
+            if kept > 0 {
+                notes
+                    .lines
+                    .push(format!("kept {kept} KV-cache scales (--keep-kv-scales)"));
+            }
             if !dropped.is_empty() {
                 notes.lines.push(format!(
                     "dropped {} activation/KV-cache scales with the quantization config: {}",
@@ -614,11 +730,32 @@ impl PlanStep for DequantStep {
     }
 
     fn nothing_done(&self) -> String {
-        "dequant found no quantised weight (no F8_E4M3 or F8_E5M2 tensor, no NVFP4, MXFP4 or MXFP8 weight), so there is nothing to dequantise".into()
+        "dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise".into()
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
-        self.fp8.edit_config(cfg)
+        let kv = self
+            .keep_kv_scales
+            .then(|| cfg.get("quantization_config"))
+            .flatten()
+            .and_then(|q| {
+                Some((
+                    q.get("quant_method")?.clone(),
+                    q.get("kv_cache_scheme")?.clone(),
+                ))
+            })
+            .filter(|(_, scheme)| !scheme.is_null());
+        let mut changes = self.fp8.edit_config(cfg);
+        if let Some((method, scheme)) = kv {
+            let mut q = Map::new();
+            q.insert("quant_method".into(), method);
+            q.insert("kv_cache_scheme".into(), scheme);
+            cfg.insert("quantization_config".into(), Value::Object(q));
+            changes.push(
+                "config.json: quantization_config keeps only quant_method and kv_cache_scheme (--keep-kv-scales)".into(),
+            );
+        }
+        changes
     }
 
     fn dropped_side_files(&self) -> &'static [&'static str] {

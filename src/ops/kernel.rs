@@ -6,8 +6,9 @@
 //! besides its outputs (quality sums) comes back as [`KernelStats`] for the op to fold in.
 
 use crate::format::dtype::DType;
-use crate::ops::fp4::kernel::RowSums;
+use crate::ops::fp4::kernel::{Fp4Params, RowSums};
 use crate::ops::fp8::kernel::DequantParams;
+use crate::ops::int::kernel::IntParams;
 use crate::ops::lora::kernel::LoraLaunch;
 
 /// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
@@ -17,6 +18,11 @@ pub enum Kernel {
     Cast { src: DType, dst: DType },
     /// FP8 dequantisation (kernels/fp8.cuh); refuses non-finite values unless allowed.
     DequantFp8(DequantParams),
+    /// Packed FP4 dequantisation (kernels/fp4_dequant.cuh): codes, block scales, optional
+    /// tensor scale; refuses non-finite values unless allowed.
+    DequantFp4(Fp4Params),
+    /// Packed-integer dequantisation (kernels/int.cuh): codes, scales, optional zero points.
+    DequantInt(IntParams),
     /// MXFP4 E8M0 scales → NVFP4 E4M3 block scales under tensor scale `2^g`.
     NvBlockScales { g: i32 },
     /// NVFP4 re-encoding of blocks outside the E4M3 window.

@@ -261,6 +261,16 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_dequant_fp8(arg<in>(p, 0), arg<in>(p, 1), arg<u8*>(p, 2), arg<u64>(p, 3),
                              arg<DequantParams>(p, 4), arg<int*>(p, 5));
         });
+    else if (n == "tftf_dequant_fp4")
+        walk(gx, bx, [&] {
+            tftf_dequant_fp4(arg<in>(p, 0), arg<in>(p, 1), arg<in>(p, 2), arg<u8*>(p, 3),
+                             arg<u64>(p, 4), arg<Fp4Params>(p, 5), arg<int*>(p, 6));
+        });
+    else if (n == "tftf_dequant_int")
+        walk(gx, bx, [&] {
+            tftf_dequant_int(arg<in>(p, 0), arg<in>(p, 1), arg<in>(p, 2), arg<u8*>(p, 3),
+                             arg<u64>(p, 4), arg<IntParams>(p, 5));
+        });
     else if (n == "tftf_nv_block_scales")
         walk(gx, bx, [&] {
             tftf_nv_block_scales(arg<in>(p, 0), arg<u8*>(p, 1), arg<u64>(p, 2), arg<int>(p, 3),

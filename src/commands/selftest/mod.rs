@@ -1,5 +1,6 @@
 //! `tftf selftest`: the kernel table (see `commands::selftest::table`).
 
+mod decoders;
 pub mod table;
 
 use crate::cli::SelftestArgs;

@@ -541,6 +541,8 @@ pub fn cases() -> Vec<Case> {
             out_dtype: DType::U8,
         });
     }
+    super::decoders::int_cases(&mut rng, &mut out);
+    super::decoders::fp4_cases(&mut rng, &mut out);
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
     out

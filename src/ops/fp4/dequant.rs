@@ -26,7 +26,10 @@ use super::engram::e2m1_to_f32;
 use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+
+use super::kernel::Fp4Params;
 
 /// How a block scale is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +123,24 @@ fn canonical(v: f32) -> f32 {
 impl Op for DequantFp4 {
     fn name(&self) -> &'static str {
         "dequant-fp4"
+    }
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::DequantFp4(Fp4Params {
+            cols: self.cols,
+            rows: self.rows,
+            group: self.group,
+            groups: self.groups(),
+            e8m0: (self.scale == BlockScale::E8M0) as i32,
+            global: match self.global {
+                GlobalScale::None => 0,
+                GlobalScale::Divide => 1,
+                GlobalScale::Multiply => 2,
+            },
+            transpose: self.transpose as i32,
+            negative_zero: self.negative_zero as i32,
+            dst: kernel_dtype(self.dst),
+            allow_nonfinite: self.allow_nonfinite as i32,
+        }))
     }
     fn units(&self) -> u64 {
         if self.transpose {

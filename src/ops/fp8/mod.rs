@@ -194,6 +194,8 @@ pub fn resolve_layout(
         (3, [e, a, b]) if *e == experts => (*a, *b),
         (1 | 2, [a]) => (*a, 1),
         (1 | 2, [a, b]) => (*a, *b),
+        // ModelOpt's 2-D block scales keep the reduced axes: [R, 1, C, 1], the same bytes.
+        (2, [a, 1, b, 1]) => (*a, *b),
         _ => {
             return Err(format!(
                 "shape {scale:?} does not fit weight {weight:?} (expected a block grid, [], [1] or per-row scales{})",

@@ -1,0 +1,167 @@
+//! Selftest cases of the weight decoders' kernels: packed FP4 (NVFP4, MXFP4, gpt-oss experts)
+//! and packed integers.
+
+use std::sync::Arc;
+
+use super::table::{scale_values, Case, Lcg};
+use crate::format::dtype::DType;
+use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
+use crate::ops::int::DequantPackedInt;
+
+/// Packed integers of every width 1–8, symmetric and with packed zero points (72 rows: the
+/// zero-point words of a chunk straddle), scales of every float dtype with a NaN and an
+/// infinity among them, into every output dtype.
+pub fn int_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    use DType::{BF16, F16, F32};
+    for bits in 1..=8u64 {
+        for (zero_point, scale_dtype, dst) in [
+            (false, BF16, BF16),
+            (true, BF16, BF16),
+            (true, F16, F16),
+            (true, F32, F32),
+            (false, F32, BF16),
+        ] {
+            let (rows, cols) = (72u64, 96u64);
+            let group = if bits % 2 == 0 { 32 } else { cols };
+            let (words, groups) = ((cols * bits).div_ceil(32), cols / group);
+            let mut inputs = vec![
+                rng.bytes((rows * words * 4) as usize),
+                scale_values(scale_dtype, (rows * groups) as usize, rng, true),
+            ];
+            if zero_point {
+                inputs.push(rng.bytes(((rows * bits).div_ceil(32) * groups * 4) as usize));
+            }
+            out.push(Case {
+                kernel: "dequant-int",
+                what: format!(
+                    "{bits}-bit{} × {scale_dtype} per {group} → {dst}, {rows}×{cols}",
+                    if zero_point { " with zero points" } else { "" }
+                ),
+                op: Arc::new(DequantPackedInt {
+                    rows,
+                    cols,
+                    bits: bits as u32,
+                    words,
+                    group,
+                    scale_dtype,
+                    zero_point,
+                    dst,
+                }),
+                inputs,
+                out_dtype: dst,
+            });
+        }
+    }
+}
+
+/// Packed FP4 under every scheme: compressed-tensors NVFP4 (divides), ModelOpt NVFP4
+/// (multiplies, code 8 is +0), MXFP4 over every exponent (255 is infinite: only with
+/// `allow_nonfinite`, where 0 × inf is NaN), gpt-oss experts written transposed; odd rows and a
+/// ragged last block.
+pub fn fp4_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    use DType::{BF16, F16, F32};
+    let cases = [
+        (
+            "compressed-tensors NVFP4",
+            BlockScale::E4M3,
+            GlobalScale::Divide,
+            false,
+            true,
+            BF16,
+            false,
+        ),
+        (
+            "ModelOpt NVFP4",
+            BlockScale::E4M3,
+            GlobalScale::Multiply,
+            false,
+            false,
+            F16,
+            false,
+        ),
+        (
+            "NVFP4, NaN scales kept",
+            BlockScale::E4M3,
+            GlobalScale::Divide,
+            false,
+            true,
+            F32,
+            true,
+        ),
+        (
+            "MXFP4",
+            BlockScale::E8M0,
+            GlobalScale::None,
+            false,
+            true,
+            BF16,
+            false,
+        ),
+        (
+            "MXFP4, every exponent",
+            BlockScale::E8M0,
+            GlobalScale::None,
+            false,
+            true,
+            F32,
+            true,
+        ),
+        (
+            "gpt-oss MXFP4 experts",
+            BlockScale::E8M0,
+            GlobalScale::None,
+            true,
+            true,
+            BF16,
+            false,
+        ),
+    ];
+    for (what, scale, global, transpose, negative_zero, dst, allow) in cases {
+        let (experts, rows, cols, group) = match (scale, transpose) {
+            (_, true) => (2u64, 5u64, 96u64, 32u64),
+            (BlockScale::E4M3, _) => (1, 37, 80, 16),
+            (BlockScale::E8M0, _) => (1, 37, 112, 32),
+        };
+        let all_rows = experts * rows;
+        let groups = cols.div_ceil(group);
+        let mut codes = rng.bytes((all_rows * cols / 2) as usize);
+        codes[..8].fill(0x88);
+        let n = (all_rows * groups) as usize;
+        let scales: Vec<u8> = match scale {
+            BlockScale::E8M0 if allow => (0..n).map(|i| (i % 256) as u8).collect(),
+            BlockScale::E8M0 => (0..n).map(|_| (rng.next_u32() % 120) as u8 + 60).collect(),
+            BlockScale::E4M3 => (0..n)
+                .map(|i| match rng.next_u32() as u8 & 0x7F {
+                    0x7F if !allow => 0x7E,
+                    _ if allow && i % 17 == 3 => 0xFF,
+                    c => c,
+                })
+                .collect(),
+        };
+        let mut inputs = vec![codes, scales];
+        // Typical tensor scales: amax-derived for compressed-tensors, its inverse for ModelOpt.
+        match global {
+            GlobalScale::Divide => inputs.push(1234.567f32.to_le_bytes().to_vec()),
+            GlobalScale::Multiply => inputs.push(0.000_371_9f32.to_le_bytes().to_vec()),
+            GlobalScale::None => {}
+        }
+        out.push(Case {
+            kernel: "dequant-fp4",
+            what: format!("{what} → {dst}, {experts}×{rows}×{cols}"),
+            op: Arc::new(DequantFp4 {
+                experts,
+                rows,
+                cols,
+                group,
+                scale,
+                global,
+                transpose,
+                negative_zero,
+                dst,
+                allow_nonfinite: allow,
+            }),
+            inputs,
+            out_dtype: dst,
+        });
+    }
+}
