@@ -1,0 +1,302 @@
+//! The quantising ops: [`QuantizeRows`] turns rows of a weight into codes and (as its extra
+//! output) their scales in one read, for every scheme whose scales are per row or per group;
+//! FP8 blocks need all 128 rows of a block before their scale is known, so
+//! [`Fp8BlockScales`] computes those scales in a pass of its own (the weight is read twice) and
+//! the codes op recomputes each block's scale from the same rows, which 128-row granularity
+//! keeps inside one chunk. [`Constant`] writes the small tensors known at plan time
+//! (`weight_shape`, NVFP4's `weight_global_scale`). None has a GPU kernel yet.
+
+use std::ops::Range;
+
+use super::encode::{
+    amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, pack_int_row,
+    symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
+};
+use super::Scheme;
+use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::Op;
+
+/// FP8 block edge (`block_structure: [128, 128]`).
+pub const FP8_BLOCK: u64 = 128;
+
+/// Codes (output 0) and, for row-local schemes, scales (output 1) of rows of a 2-D weight.
+#[derive(Debug)]
+pub struct QuantizeRows {
+    pub scheme: Scheme,
+    pub rows: u64,
+    pub cols: u64,
+    pub wt: WeightType,
+    /// NVFP4's tensor scale (1 for other schemes).
+    pub global: f32,
+}
+
+impl QuantizeRows {
+    fn row_code_bytes(&self) -> u64 {
+        let c = self.cols;
+        match self.scheme {
+            Scheme::Fp8Dynamic | Scheme::Fp8Block | Scheme::Mxfp8A16 => c,
+            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => c / 2,
+            Scheme::W8A16 | Scheme::W4A16 => 4 * (c * self.scheme.int_bits() as u64).div_ceil(32),
+        }
+    }
+
+    fn row_scale_bytes(&self) -> u64 {
+        let w = self.wt.bytes() as u64;
+        match self.scheme {
+            Scheme::Fp8Dynamic => w,
+            Scheme::Fp8Block => 0,
+            Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
+            Scheme::Nvfp4A16 => self.cols / 16,
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
+        }
+    }
+
+    /// Encodes one row (`x`: its values) into `codes` and `scales`.
+    fn row(&self, x: &[f32], codes: &mut [u8], scales: &mut [u8], q: &mut Vec<i32>) {
+        let wt = self.wt;
+        let wb = wt.bytes();
+        match self.scheme {
+            Scheme::Fp8Dynamic => {
+                let s = symmetric_scale(wt, amax(x), E4M3_MAX);
+                wt.encode(s, scales);
+                for (c, &v) in codes.iter_mut().zip(x) {
+                    *c = e4m3_code(wt, v, s);
+                }
+            }
+            Scheme::W8A16 | Scheme::W4A16 => {
+                let bits = self.scheme.int_bits();
+                let qmax = ((1i32 << (bits - 1)) - 1) as f32;
+                let qmin = -(1i32 << (bits - 1)) as f32;
+                // (qmax - qmin) / 2: 127.5 or 7.5, exact in every float dtype
+                let half_range = (qmax - qmin) / 2.0;
+                q.clear();
+                for (g, xs) in x.chunks_exact(128).enumerate() {
+                    let s = symmetric_scale(wt, amax(xs), half_range);
+                    wt.encode(s, &mut scales[g * wb..(g + 1) * wb]);
+                    q.extend(xs.iter().map(|&v| {
+                        (wt.round(v / s) + 0.0).clamp(qmin, qmax).round_ties_even() as i32
+                    }));
+                }
+                pack_int_row(q, bits, codes);
+            }
+            Scheme::Nvfp4A16 => {
+                let g = self.global;
+                for (k, xs) in x.chunks_exact(16).enumerate() {
+                    let local = wt.round(amax(xs) / E2M1_MAX);
+                    let mut sc = f32_to_e4m3((g * local).clamp(-E4M3_MAX, E4M3_MAX));
+                    if e4m3_to_f32(sc) == 0.0 {
+                        sc = f32_to_e4m3(E4M3_ZERO_SCALE);
+                    }
+                    scales[k] = sc;
+                    let eff = e4m3_to_f32(sc) / g;
+                    for (j, pair) in xs.chunks_exact(2).enumerate() {
+                        let lo = f32_to_e2m1((pair[0] / eff).clamp(-E2M1_MAX, E2M1_MAX));
+                        let hi = f32_to_e2m1((pair[1] / eff).clamp(-E2M1_MAX, E2M1_MAX));
+                        codes[k * 8 + j] = lo | hi << 4;
+                    }
+                }
+            }
+            Scheme::Mxfp4A16 => {
+                for (k, xs) in x.chunks_exact(32).enumerate() {
+                    let e = mx_exponent(wt, amax(xs), 2);
+                    scales[k] = e;
+                    let s = mx_scale(wt, e);
+                    for (j, pair) in xs.chunks_exact(2).enumerate() {
+                        let enc = |v: f32| f32_to_e2m1(wt.round(v / s).clamp(-E2M1_MAX, E2M1_MAX));
+                        codes[k * 16 + j] = enc(pair[0]) | enc(pair[1]) << 4;
+                    }
+                }
+            }
+            Scheme::Mxfp8A16 => {
+                for (k, xs) in x.chunks_exact(32).enumerate() {
+                    let e = mx_exponent(wt, amax(xs), 8);
+                    scales[k] = e;
+                    let s = mx_scale(wt, e);
+                    for (c, &v) in codes[k * 32..(k + 1) * 32].iter_mut().zip(xs) {
+                        *c = e4m3_code(wt, v, s);
+                    }
+                }
+            }
+            Scheme::Fp8Block => unreachable!("FP8 blocks are encoded a block row at a time"),
+        }
+    }
+}
+
+/// Decodes rows `units` of a weight, refusing NaN and infinity (their scales would be
+/// meaningless), and returns the values.
+fn decode_rows(
+    wt: WeightType,
+    cols: u64,
+    first_row: u64,
+    input: &[u8],
+) -> Result<Vec<f32>, String> {
+    let mut x = Vec::with_capacity(input.len() / wt.bytes());
+    wt.decode(input, &mut x);
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        let (r, c) = (first_row + i as u64 / cols, i as u64 % cols);
+        return Err(format!(
+            "holds {} at [{r}, {c}]: a non-finite weight cannot be quantised",
+            x[i]
+        ));
+    }
+    Ok(x)
+}
+
+/// Scales of the 128×128 blocks whose rows are `rows` (at most 128 of them), in block order.
+fn fp8_block_scales(wt: WeightType, x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols.div_ceil(FP8_BLOCK as usize))
+        .map(|b| {
+            let c0 = b * FP8_BLOCK as usize;
+            let c1 = (c0 + FP8_BLOCK as usize).min(cols);
+            let m = (0..rows).fold(0f32, |m, r| m.max(amax(&x[r * cols + c0..r * cols + c1])));
+            symmetric_scale(wt, m, E4M3_MAX)
+        })
+        .collect()
+}
+
+impl Op for QuantizeRows {
+    fn name(&self) -> &'static str {
+        "quantize"
+    }
+    fn units(&self) -> u64 {
+        self.rows
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.row_code_bytes()
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.cols * self.wt.bytes() as u64
+    }
+    fn granularity(&self) -> u64 {
+        if self.scheme == Scheme::Fp8Block {
+            FP8_BLOCK
+        } else {
+            1
+        }
+    }
+    fn extra_outputs(&self) -> usize {
+        usize::from(self.scheme != Scheme::Fp8Block)
+    }
+    fn extra_unit_bytes(&self, _k: usize) -> u64 {
+        self.row_scale_bytes()
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let row = self.in_unit_bytes();
+        vec![units.start * row..units.end * row]
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        self.compute_all(units, inputs, &mut [out])
+    }
+    fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        let cols = self.cols as usize;
+        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
+        let n = (units.end - units.start) as usize;
+        let cb = self.row_code_bytes() as usize;
+        if self.scheme == Scheme::Fp8Block {
+            let wt = self.wt;
+            let codes = &mut *outs[0];
+            for r0 in (0..n).step_by(FP8_BLOCK as usize) {
+                let r1 = (r0 + FP8_BLOCK as usize).min(n);
+                let scales = fp8_block_scales(wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
+                for r in r0..r1 {
+                    for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
+                        *code = e4m3_code(wt, x[r * cols + c], scales[c / FP8_BLOCK as usize]);
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        let mut q = Vec::new();
+        for r in 0..n {
+            self.row(
+                &x[r * cols..(r + 1) * cols],
+                &mut codes[r * cb..(r + 1) * cb],
+                &mut scales[r * sb..(r + 1) * sb],
+                &mut q,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `weight_scale` of FP8_BLOCK: one scale per 128×128 block, in the weight dtype.
+#[derive(Debug)]
+pub struct Fp8BlockScales {
+    pub rows: u64,
+    pub cols: u64,
+    pub wt: WeightType,
+}
+
+impl Op for Fp8BlockScales {
+    fn name(&self) -> &'static str {
+        "quantize fp8 block scales"
+    }
+    fn units(&self) -> u64 {
+        self.rows.div_ceil(FP8_BLOCK)
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.cols.div_ceil(FP8_BLOCK) * self.wt.bytes() as u64
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        FP8_BLOCK * self.cols * self.wt.bytes() as u64
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let row = self.cols * self.wt.bytes() as u64;
+        let end = (units.end * FP8_BLOCK).min(self.rows);
+        vec![units.start * FP8_BLOCK * row..end * row]
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let cols = self.cols as usize;
+        let first = units.start * FP8_BLOCK;
+        let x = decode_rows(self.wt, self.cols, first, inputs[0])?;
+        let rows = x.len() / cols;
+        let wb = self.wt.bytes();
+        let mut o = 0;
+        for r0 in (0..rows).step_by(FP8_BLOCK as usize) {
+            let r1 = (r0 + FP8_BLOCK as usize).min(rows);
+            for s in fp8_block_scales(self.wt, &x[r0 * cols..r1 * cols], r1 - r0, cols) {
+                self.wt.encode(s, &mut out[o..o + wb]);
+                o += wb;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A small tensor whose bytes are fixed at plan time.
+#[derive(Debug)]
+pub struct Constant {
+    pub what: &'static str,
+    pub bytes: Vec<u8>,
+}
+
+impl Op for Constant {
+    fn name(&self) -> &'static str {
+        self.what
+    }
+    fn units(&self) -> u64 {
+        1
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        0
+    }
+    fn input_ranges(&self, _units: Range<u64>) -> Vec<Range<u64>> {
+        Vec::new()
+    }
+    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        out.copy_from_slice(&self.bytes);
+        Ok(())
+    }
+}
