@@ -323,13 +323,15 @@ mod tests {
     }
 
     #[test]
-    fn mx_exponents_round_the_amax_up_past_three_quarters_of_a_binade() {
+    fn mx_exponents_round_the_amax_up_from_seven_eighths_of_a_binade() {
         let wt = WeightType::BF16;
-        // 1.5 rounds up to 2 (E2M1 would overflow 6 = 1.5·4), offset 2: 2^(1-2) → 126
-        assert_eq!(mx_exponent(wt, 1.5, 2), 126);
-        assert_eq!(mx_exponent(wt, 1.4921875, 2), 125);
+        // 1.75 (bf16 mantissa 0x60) carries into 2^1: 127 + 1 - 2
+        assert_eq!(mx_exponent(wt, 1.75, 2), 126);
+        assert_eq!(mx_exponent(wt, 1.7421875, 2), 125);
+        assert_eq!(mx_exponent(wt, 1.0, 2), 125);
         assert_eq!(mx_exponent(wt, 0.0, 2), 0);
-        assert_eq!(mx_exponent(wt, 448.0, 8), 127);
+        assert_eq!(mx_exponent(wt, 448.0, 8), 128);
+        assert_eq!(mx_exponent(wt, 2f32.powi(-130), 2), 0, "clamped at 0");
         assert_eq!(mx_scale(wt, 0), 2f32.powi(-127));
     }
 

@@ -362,7 +362,7 @@ fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
 fn refuse_quantized(ckpt: &Checkpoint, config: Option<&Map<String, Value>>) -> Result<()> {
     if let Some(q) = config.and_then(|c| c.get("quantization_config")) {
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
-        return Err(Error::Usage(format!(
+        return Err(Error::Other(format!(
             "{}: config.json has a quantization_config (quant_method `{method}`): the model is quantised already; dequantise it first (tftf dequant)",
             crate::escape::path(&ckpt.input)
         )));
@@ -442,6 +442,7 @@ impl PlanStep for QuantizeStep {
         {
             ignored.push("lm_head".into());
         }
+        ignored.sort_by_cached_key(|m| module_order(m));
         for &(i, _, _) in &chosen {
             let e = &entries[i];
             let cols = e.shape[1];
@@ -618,6 +619,21 @@ impl PlanStep for QuantizeStep {
     fn nothing_done(&self) -> String {
         "quantize found no Linear weight to quantise (a 2-D bf16, f16 or f32 `*.weight` that no ignore rule names)".into()
     }
+}
+
+/// The order llm-compressor lists ignored modules in (`model.named_modules()`), as far as
+/// names tell it: layers by number, `lm_head` (defined after the model body) last; modules of
+/// one layer by name, where the library has definition order (they differ only when several
+/// modules of one layer are ignored).
+fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
+    let key = module
+        .split('.')
+        .map(|seg| match seg.parse::<u64>() {
+            Ok(n) => (n, String::new()),
+            Err(_) => (u64::MAX, seg.to_string()),
+        })
+        .collect();
+    (module == "lm_head", key)
 }
 
 /// NVFP4 tensor scales by entry index: each weight's own amax, or its fused group's.
