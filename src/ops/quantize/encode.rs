@@ -126,7 +126,7 @@ impl WeightType {
         }
     }
 
-    fn to_bits(self, x: f32) -> u32 {
+    fn bits_of(self, x: f32) -> u32 {
         match self {
             WeightType::BF16 => f32_to_bf16(x) as u32,
             WeightType::F16 => f32_to_f16(x) as u32,
@@ -134,7 +134,7 @@ impl WeightType {
         }
     }
 
-    fn from_bits(self, b: u32) -> f32 {
+    fn value_of(self, b: u32) -> f32 {
         match self {
             WeightType::BF16 => bf16_to_f32(b as u16),
             WeightType::F16 => f16_to_f32(b as u16),
@@ -203,7 +203,7 @@ pub fn mx_exponent(wt: WeightType, amax: f32, elem_offset: i32) -> u8 {
     let (mantissa, exponent) = wt.bit_layout();
     let add = 1u32 << (mantissa - 1 - 1); // E2M1's one mantissa bit, as the library uses for all
     let mask = ((1u32 << (exponent + 1)) - 1) << mantissa;
-    let p2 = wt.from_bits((wt.to_bits(amax) + add) & mask);
+    let p2 = wt.value_of((wt.bits_of(amax) + add) & mask);
     if p2 == 0.0 {
         return 0; // log2(0) = -inf, clamped to 0
     }

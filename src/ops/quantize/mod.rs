@@ -446,7 +446,7 @@ impl PlanStep for QuantizeStep {
         for &(i, _, _) in &chosen {
             let e = &entries[i];
             let cols = e.shape[1];
-            if let Some(g) = scheme.group().filter(|g| cols % g != 0) {
+            if let Some(g) = scheme.group().filter(|g| !cols.is_multiple_of(*g)) {
                 return Err(Error::TensorData {
                     path: path_of(e),
                     tensor: e.name.clone(),

@@ -182,7 +182,7 @@ impl Op for QuantizeRows {
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.in_unit_bytes();
-        vec![units.start * row..units.end * row]
+        std::iter::once(units.start * row..units.end * row).collect()
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
@@ -252,7 +252,7 @@ impl Op for Fp8BlockScales {
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.cols * self.wt.bytes() as u64;
         let end = (units.end * FP8_BLOCK).min(self.rows);
-        vec![units.start * FP8_BLOCK * row..end * row]
+        std::iter::once(units.start * FP8_BLOCK * row..end * row).collect()
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         let cols = self.cols as usize;
