@@ -266,8 +266,9 @@ pub struct QuantizeArgs {
     /// MXFP8A16
     #[arg(long, value_name = "SCHEME")]
     pub scheme: String,
-    /// Output layout
-    #[arg(long, value_name = "FORMAT", default_value = "compressed-tensors", value_parser = ["compressed-tensors"])]
+    /// Output layout: compressed-tensors (llm-compressor), or fp8-native (transformers
+    /// FineGrainedFP8 / DeepSeek-V3 `weight_scale_inv`, FP8_BLOCK only)
+    #[arg(long, value_name = "FORMAT", default_value = "compressed-tensors", value_parser = ["compressed-tensors", "fp8-native"])]
     pub format: String,
     /// Leave these modules unquantised: globs on module or tensor names, or `re:REGEX` on
     /// module names as llm-compressor writes them (repeat or comma-separate)

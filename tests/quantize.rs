@@ -343,3 +343,56 @@ fn nothing_to_quantise_is_refused() {
     assert_eq!(got["lm_head.weight"].0, "F8_E4M3");
     assert_eq!(got["lm_head.weight_scale"].1, vec![2, 1]);
 }
+
+#[test]
+fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = fixture("quantize/input_even");
+    ok(&quantize(
+        "FP8_BLOCK",
+        &input,
+        &out,
+        &["--format", "fp8-native"],
+    ));
+    let got = load_all(&out);
+    // transformers' Fp8Quantize output, for every weight it quantises (128 divides both sides).
+    let want = load_all(&fixture("quantize/FP8_BLOCK_native/model.safetensors"));
+    assert_eq!(want.len(), 10);
+    for (name, w) in &want {
+        assert_eq!(&got[name], w, "`{name}` differs from transformers'");
+    }
+    // k/v (64 rows), which transformers leaves alone, get ragged blocks as DeepSeek-V3 has.
+    let (d, shape, _) = &got["model.layers.0.self_attn.k_proj.weight_scale_inv"];
+    assert_eq!((d.as_str(), shape.as_slice()), ("F32", &[1usize, 2][..]));
+    let q = &read_json(&out.join("config.json"))["quantization_config"];
+    assert_eq!(q["quant_method"], "fp8");
+    assert_eq!(q["weight_block_size"], serde_json::json!([128, 128]));
+    assert_eq!(q["modules_to_not_convert"], serde_json::json!(["lm_head"]));
+    // tftf dequant reads it as the FP8 block format it is.
+    let back = dir.path().join("back");
+    ok(&tftf(&["dequant", "-i", s(&out), "-o", s(&back), "-q"]));
+    let back = load_all(&back);
+    assert_eq!(back["model.layers.0.self_attn.k_proj.weight"].0, "BF16");
+    assert!(!back.contains_key("model.layers.0.self_attn.k_proj.weight_scale_inv"));
+}
+
+#[test]
+fn fp8_native_holds_fp8_block_only() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("FP8_DYNAMIC");
+    let err = usage_error(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_DYNAMIC",
+        "--format",
+        "fp8-native",
+    ]);
+    assert!(err.contains("use --scheme FP8_BLOCK"), "{err}");
+    assert!(!out.exists());
+}

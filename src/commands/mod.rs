@@ -207,11 +207,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 .iter()
                 .map(|p| crate::ops::quantize::IgnoreRule::new(p))
                 .collect::<Result<Vec<_>>>()?;
+            let format = crate::ops::quantize::Format::parse(&a.format)?;
             let steps = vec![Step::Op(Arc::new(crate::ops::quantize::QuantizeStep::new(
                 scheme,
+                format,
                 ignore,
                 !a.no_default_ignore,
-            )))];
+            )?))];
             let opts = WriteOptions::from_args(&a.write)?;
             convert("quantize", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)

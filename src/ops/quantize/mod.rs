@@ -37,7 +37,7 @@ use crate::ops::Op;
 use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
 use crate::transform::Glob;
 use encode::{amax, nvfp4_global_scale, WeightType};
-use ops::{Constant, Fp8BlockScales, QuantizeRows};
+use ops::{BlockMath, Constant, Fp8BlockScales, QuantizeRows};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
 pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
@@ -218,6 +218,43 @@ impl Scheme {
     }
 }
 
+/// The layout written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// compressed-tensors, as llm-compressor saves it.
+    CompressedTensors,
+    /// transformers FineGrainedFP8 / DeepSeek-V3: `weight` F8_E4M3 and `weight_scale_inv` F32
+    /// per 128×128 block, `quant_method: fp8` (FP8_BLOCK only).
+    Fp8Native,
+}
+
+impl Format {
+    pub fn parse(s: &str) -> Result<Format> {
+        match s {
+            "compressed-tensors" => Ok(Format::CompressedTensors),
+            "fp8-native" => Ok(Format::Fp8Native),
+            _ => Err(Error::Usage(format!(
+                "unknown --format `{s}`: use compressed-tensors or fp8-native"
+            ))),
+        }
+    }
+}
+
+/// `quantization_config` of `--format fp8-native`: transformers' `FineGrainedFP8Config`
+/// (5.24) as `to_dict` gives it, with the modules left alone.
+fn fp8_native_config(ignore: &[String]) -> Value {
+    json!({
+        "quant_method": "fp8",
+        "modules_to_not_convert": ignore,
+        "modules_to_convert": null,
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "dequantize": false,
+        "scale_fmt": "float",
+        "expert_dtype": "fp8",
+    })
+}
+
 fn sort_keys(v: Value) -> Value {
     match v {
         Value::Object(m) => {
@@ -277,6 +314,7 @@ fn default_ignore(module: &str) -> Option<bool> {
 #[derive(Debug)]
 pub struct QuantizeStep {
     pub scheme: Scheme,
+    pub format: Format,
     pub ignore: Vec<IgnoreRule>,
     /// Apply the default ignores (`lm_head`, embeddings, routers).
     pub default_ignore: bool,
@@ -285,12 +323,39 @@ pub struct QuantizeStep {
 }
 
 impl QuantizeStep {
-    pub fn new(scheme: Scheme, ignore: Vec<IgnoreRule>, default_ignore: bool) -> QuantizeStep {
-        QuantizeStep {
+    /// Refuses a format the scheme has no layout in.
+    pub fn new(
+        scheme: Scheme,
+        format: Format,
+        ignore: Vec<IgnoreRule>,
+        default_ignore: bool,
+    ) -> Result<QuantizeStep> {
+        if format == Format::Fp8Native && scheme != Scheme::Fp8Block {
+            return Err(Error::Usage(format!(
+                "--format fp8-native holds 128x128-block FP8 only: use --scheme FP8_BLOCK, not {}",
+                scheme.name()
+            )));
+        }
+        Ok(QuantizeStep {
             scheme,
+            format,
             ignore,
             default_ignore,
             config: Mutex::new(None),
+        })
+    }
+
+    fn format_name(&self) -> String {
+        match self.format {
+            Format::CompressedTensors => format!("compressed-tensors {}", self.scheme.format()),
+            Format::Fp8Native => "fp8 (transformers FineGrainedFP8)".into(),
+        }
+    }
+
+    fn block_math(&self) -> BlockMath {
+        match self.format {
+            Format::CompressedTensors => BlockMath::CompressedTensors,
+            Format::Fp8Native => BlockMath::Transformers,
         }
     }
 }
@@ -476,6 +541,7 @@ impl PlanStep for QuantizeStep {
                 cols,
                 wt,
                 global,
+                block: self.block_math(),
             };
             let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
                 added.push((
@@ -500,13 +566,23 @@ impl PlanStep for QuantizeStep {
                     (DType::F8_E4M3, vec![rows, cols])
                 }
                 Scheme::Fp8Block => {
-                    let scales = Fp8BlockScales { rows, cols, wt };
+                    let math = self.block_math();
+                    let scales = Fp8BlockScales {
+                        rows,
+                        cols,
+                        wt,
+                        math,
+                    };
                     let shape = vec![rows.div_ceil(128), cols.div_ceil(128)];
                     let d = Arc::new(Fixed {
                         inputs: vec![src],
                         op: Arc::new(scales),
                     });
-                    extra("weight_scale", w, shape, d);
+                    let name = match self.format {
+                        Format::CompressedTensors => "weight_scale",
+                        Format::Fp8Native => "weight_scale_inv",
+                    };
+                    extra(name, math.scale_dtype(wt), shape, d);
                     (DType::F8_E4M3, vec![rows, cols])
                 }
                 Scheme::W8A16 | Scheme::W4A16 => {
@@ -586,7 +662,7 @@ impl PlanStep for QuantizeStep {
             "{}: {} Linear weight(s) quantised ({} format)",
             scheme.name(),
             chosen.len(),
-            scheme.format()
+            self.format_name()
         ));
         if !ignored.is_empty() {
             notes.lines.push(format!(
@@ -600,7 +676,10 @@ impl PlanStep for QuantizeStep {
                 left.join(", ")
             ));
         }
-        *self.config.lock().unwrap() = Some(scheme.quantization_config(&ignored));
+        *self.config.lock().unwrap() = Some(match self.format {
+            Format::CompressedTensors => scheme.quantization_config(&ignored),
+            Format::Fp8Native => fp8_native_config(&ignored),
+        });
         Ok(!chosen.is_empty())
     }
 
@@ -610,9 +689,9 @@ impl PlanStep for QuantizeStep {
         };
         cfg.insert("quantization_config".into(), q);
         vec![format!(
-            "config.json: quantization_config added (compressed-tensors {}, {})",
+            "config.json: quantization_config added ({} {})",
             self.scheme.name(),
-            self.scheme.format()
+            self.format_name()
         )]
     }
 

@@ -28,6 +28,8 @@ pub struct QuantizeRows {
     pub wt: WeightType,
     /// NVFP4's tensor scale (1 for other schemes).
     pub global: f32,
+    /// FP8_BLOCK's scale arithmetic.
+    pub block: BlockMath,
 }
 
 impl QuantizeRows {
@@ -142,14 +144,80 @@ fn decode_rows(
     Ok(x)
 }
 
-/// Scales of the 128×128 blocks whose rows are `rows` (at most 128 of them), in block order.
-fn fp8_block_scales(wt: WeightType, x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// How FP8 blocks are scaled: compressed-tensors divides by `W(amax / 448)` in the weight
+/// dtype and stores that scale; transformers' `Fp8Quantize` (FineGrainedFP8, `--format
+/// fp8-native`) multiplies by `448 / amax` in f32 (1 for an all-zero block) and stores its
+/// reciprocal as `weight_scale_inv` F32 (byte-identical to transformers 5.24 on blocks it
+/// quantises; it leaves a weight whose sides 128 does not divide unquantised, which tftf
+/// quantises with ragged edge blocks as DeepSeek-V3 does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockMath {
+    CompressedTensors,
+    Transformers,
+}
+
+impl BlockMath {
+    /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
+    fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
+        match self {
+            BlockMath::CompressedTensors => {
+                let s = symmetric_scale(wt, m, E4M3_MAX);
+                (s, s)
+            }
+            BlockMath::Transformers => {
+                // `448 / amax` on a tensor is torch's `reciprocal(amax) * 448`: two roundings.
+                let mult = if m > 0.0 { (1.0 / m) * E4M3_MAX } else { 1.0 };
+                (1.0 / mult, mult)
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
+        match self {
+            BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
+            BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
+        }
+    }
+
+    /// The stored scale's dtype.
+    pub fn scale_dtype(self, wt: WeightType) -> crate::format::dtype::DType {
+        match self {
+            BlockMath::CompressedTensors => wt.dtype(),
+            BlockMath::Transformers => crate::format::dtype::DType::F32,
+        }
+    }
+
+    fn scale_bytes(self, wt: WeightType) -> usize {
+        match self {
+            BlockMath::CompressedTensors => wt.bytes(),
+            BlockMath::Transformers => 4,
+        }
+    }
+
+    fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
+        match self {
+            BlockMath::CompressedTensors => wt.encode(s, out),
+            BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
+        }
+    }
+}
+
+/// (stored scale, encoder factor) of the 128×128 blocks whose rows are `rows` (at most 128 of
+/// them), in block order.
+fn fp8_block_scales(
+    math: BlockMath,
+    wt: WeightType,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Vec<(f32, f32)> {
     (0..cols.div_ceil(FP8_BLOCK as usize))
         .map(|b| {
             let c0 = b * FP8_BLOCK as usize;
             let c1 = (c0 + FP8_BLOCK as usize).min(cols);
             let m = (0..rows).fold(0f32, |m, r| m.max(amax(&x[r * cols + c0..r * cols + c1])));
-            symmetric_scale(wt, m, E4M3_MAX)
+            math.scale(wt, m)
         })
         .collect()
 }
@@ -202,10 +270,12 @@ impl Op for QuantizeRows {
             let codes = &mut *outs[0];
             for r0 in (0..n).step_by(FP8_BLOCK as usize) {
                 let r1 = (r0 + FP8_BLOCK as usize).min(n);
-                let scales = fp8_block_scales(wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let math = self.block;
+                let scales = fp8_block_scales(math, wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
                 for r in r0..r1 {
                     for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
-                        *code = e4m3_code(wt, x[r * cols + c], scales[c / FP8_BLOCK as usize]);
+                        let factor = scales[c / FP8_BLOCK as usize].1;
+                        *code = math.encode(wt, x[r * cols + c], factor);
                     }
                 }
             }
@@ -228,12 +298,13 @@ impl Op for QuantizeRows {
     }
 }
 
-/// `weight_scale` of FP8_BLOCK: one scale per 128×128 block, in the weight dtype.
+/// `weight_scale` (`weight_scale_inv` in fp8-native) of FP8_BLOCK: one scale per 128×128 block.
 #[derive(Debug)]
 pub struct Fp8BlockScales {
     pub rows: u64,
     pub cols: u64,
     pub wt: WeightType,
+    pub math: BlockMath,
 }
 
 impl Op for Fp8BlockScales {
@@ -244,7 +315,7 @@ impl Op for Fp8BlockScales {
         self.rows.div_ceil(FP8_BLOCK)
     }
     fn out_unit_bytes(&self) -> u64 {
-        self.cols.div_ceil(FP8_BLOCK) * self.wt.bytes() as u64
+        self.cols.div_ceil(FP8_BLOCK) * self.math.scale_bytes(self.wt) as u64
     }
     fn in_unit_bytes(&self) -> u64 {
         FP8_BLOCK * self.cols * self.wt.bytes() as u64
@@ -259,12 +330,13 @@ impl Op for Fp8BlockScales {
         let first = units.start * FP8_BLOCK;
         let x = decode_rows(self.wt, self.cols, first, inputs[0])?;
         let rows = x.len() / cols;
-        let wb = self.wt.bytes();
+        let wb = self.math.scale_bytes(self.wt);
         let mut o = 0;
         for r0 in (0..rows).step_by(FP8_BLOCK as usize) {
             let r1 = (r0 + FP8_BLOCK as usize).min(rows);
-            for s in fp8_block_scales(self.wt, &x[r0 * cols..r1 * cols], r1 - r0, cols) {
-                self.wt.encode(s, &mut out[o..o + wb]);
+            let block = &x[r0 * cols..r1 * cols];
+            for (s, _) in fp8_block_scales(self.math, self.wt, block, r1 - r0, cols) {
+                self.math.write(self.wt, s, &mut out[o..o + wb]);
                 o += wb;
             }
         }
