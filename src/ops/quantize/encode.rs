@@ -214,15 +214,21 @@ pub fn mx_exponent(wt: WeightType, amax: f32, elem_offset: i32) -> u8 {
     e.clamp(0, 255) as u8
 }
 
-/// `2^(e-127)` in the weight dtype, the float scale MX codes are divided by (a zero, from a
-/// dtype that cannot hold it, becomes eps as in `calculate_qparams`).
+/// `2^(e-127)` in the weight dtype, the float scale MX codes are divided by. A zero (F16 cannot
+/// hold 2^-25 and below) becomes 1: `calculate_qparams` replaces zero scales by the eps of the
+/// scale dtype, and U8's "eps" is 1.
 pub fn mx_scale(wt: WeightType, e: u8) -> f32 {
     let s = wt.round(2f64.powi(e as i32 - 127) as f32);
     if s == 0.0 {
-        wt.eps()
+        1.0
     } else {
         s
     }
+}
+
+/// The E8M0 byte stored for MX scale `s` (`compress_mx_scale`: `127 + floor(log2(s))`).
+pub fn mx_stored(s: f32) -> u8 {
+    (127 + s.log2().floor() as i32).clamp(0, 255) as u8
 }
 
 /// NVFP4's tensor scale for a (fused) amax: `448 · 6 / amax`, which torch evaluates as
@@ -333,6 +339,14 @@ mod tests {
         assert_eq!(mx_exponent(wt, 448.0, 8), 128);
         assert_eq!(mx_exponent(wt, 2f32.powi(-130), 2), 0, "clamped at 0");
         assert_eq!(mx_scale(wt, 0), 2f32.powi(-127));
+        assert_eq!(mx_stored(mx_scale(wt, 0)), 0);
+        // F16 flushes 2^-127 to zero; the library then stores scale 1
+        assert_eq!(mx_stored(mx_scale(WeightType::F16, 0)), 127);
+        assert_eq!(
+            mx_stored(mx_scale(WeightType::F16, 103)),
+            103,
+            "2^-24, an f16 subnormal"
+        );
     }
 
     #[test]

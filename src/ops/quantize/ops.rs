@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use super::encode::{
-    amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, pack_int_row,
+    amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
 use super::Scheme;
@@ -100,9 +100,8 @@ impl QuantizeRows {
             }
             Scheme::Mxfp4A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let e = mx_exponent(wt, amax(xs), 2);
-                    scales[k] = e;
-                    let s = mx_scale(wt, e);
+                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 2));
+                    scales[k] = mx_stored(s);
                     for (j, pair) in xs.chunks_exact(2).enumerate() {
                         let enc = |v: f32| f32_to_e2m1(wt.round(v / s).clamp(-E2M1_MAX, E2M1_MAX));
                         codes[k * 16 + j] = enc(pair[0]) | enc(pair[1]) << 4;
@@ -111,9 +110,8 @@ impl QuantizeRows {
             }
             Scheme::Mxfp8A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let e = mx_exponent(wt, amax(xs), 8);
-                    scales[k] = e;
-                    let s = mx_scale(wt, e);
+                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 8));
+                    scales[k] = mx_stored(s);
                     for (c, &v) in codes[k * 32..(k + 1) * 32].iter_mut().zip(xs) {
                         *c = e4m3_code(wt, v, s);
                     }
