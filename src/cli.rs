@@ -26,6 +26,9 @@ pub enum Command {
     /// weights to bf16, f16 or f32
     #[command(name = "dequant", visible_alias = "dequant-fp8")]
     DequantFp8(Box<DequantArgs>),
+    /// Quantise Linear weights (weight-only FP8, int or FP4 schemes) into the compressed-tensors
+    /// layout llm-compressor writes
+    Quantize(Box<QuantizeArgs>),
     /// Transcode MXFP4 experts to NVFP4 (lossless where possible) and requantise E4M3 Engram
     /// tables to E2M1
     #[command(name = "repack-fp4")]
@@ -289,6 +292,29 @@ pub struct DequantArgs {
     pub merge_lora: Option<PathBuf>,
     #[command(flatten)]
     pub lora: AdapterOpts,
+}
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[command(flatten)]
+    pub write: WriteArgs,
+    /// llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16, MXFP4A16 or
+    /// MXFP8A16
+    #[arg(long, value_name = "SCHEME")]
+    pub scheme: String,
+    /// Output layout: compressed-tensors (llm-compressor), or fp8-native (transformers
+    /// FineGrainedFP8 / DeepSeek-V3 `weight_scale_inv`, FP8_BLOCK only)
+    #[arg(long, value_name = "FORMAT", default_value = "compressed-tensors", value_parser = ["compressed-tensors", "fp8-native"])]
+    pub format: String,
+    /// Leave these modules unquantised: globs on module or tensor names, or `re:REGEX` on
+    /// module names as llm-compressor writes them (repeat or comma-separate)
+    #[arg(long, value_name = "GLOB", value_delimiter = ',')]
+    pub ignore: Vec<String>,
+    /// Quantise lm_head and MoE routers too (embeddings are never quantised)
+    #[arg(long)]
+    pub no_default_ignore: bool,
 }
 
 /// Options of the FP4 repack, shared by `repack-fp4` and `run --repack-fp4`.

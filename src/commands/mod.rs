@@ -252,6 +252,24 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             convert("dequant", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
+        Command::Quantize(a) => {
+            let scheme = crate::ops::quantize::Scheme::parse(&a.scheme)?;
+            let ignore = a
+                .ignore
+                .iter()
+                .map(|p| crate::ops::quantize::IgnoreRule::new(p))
+                .collect::<Result<Vec<_>>>()?;
+            let format = crate::ops::quantize::Format::parse(&a.format)?;
+            let steps = vec![Step::Op(Arc::new(crate::ops::quantize::QuantizeStep::new(
+                scheme,
+                format,
+                ignore,
+                !a.no_default_ignore,
+            )?))];
+            let opts = WriteOptions::from_args(&a.write)?;
+            convert("quantize", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Ok(0)
+        }
         Command::MergeLora(a) => {
             // As in Python tftf, renames come first: the adapter is matched against the new
             // names.

@@ -14,6 +14,7 @@ pub mod fp8;
 pub mod int;
 pub mod kernel;
 pub mod lora;
+pub mod quantize;
 
 use std::fmt::Debug;
 use std::ops::Range;

@@ -1,0 +1,380 @@
+//! Scalar arithmetic of the weight-only quantisers, step for step as compressed-tensors 0.20.1
+//! and llm-compressor 0.14 compute it on the CPU, so the codes and scales come out byte for
+//! byte the same (`tests/fixtures/quantize/arithmetic.py` is the same arithmetic in torch,
+//! checked against the library's output).
+//!
+//! The library works in the weight's own dtype: a bf16 weight gives bf16 group maxima, a bf16
+//! `amax / 448` and a bf16 `x / scale`, each an f32 operation rounded to bf16 (what torch does
+//! on the CPU). [`WeightType::round`] is that rounding; every step below names where it
+//! happens, since a missing or extra rounding changes about one code in a thousand.
+//!
+//! Layouts written:
+//! - E4M3 codes: `F8_E4M3`, round to nearest even, after clamping to ±448.
+//! - E2M1 codes: two per byte, low nibble = even column; bit 3 is the sign, set for negative
+//!   values that round to zero too (`-0`), as the library's `sign(x) * round(|x|)` gives.
+//! - int codes (`pack-quantized`): offset binary `q + 2^(b-1)`, a dense little-endian bit
+//!   stream per row (element k at bits `k·b .. k·b+b`), in I32 words, zero-padded at the end.
+//! - E8M0 exponents (`U8`): `2^(e-127)`.
+
+use crate::format::dtype::DType;
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+
+/// Largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Largest E2M1 value.
+pub const E2M1_MAX: f32 = 6.0;
+/// compressed-tensors' replacement for a zero E4M3 scale (`_get_dtype_eps`).
+pub const E4M3_ZERO_SCALE: f32 = 0.125;
+
+/// The dtype of the weights being quantised, in which the library does its arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightType {
+    BF16,
+    F16,
+    F32,
+}
+
+impl WeightType {
+    pub fn of(d: DType) -> Option<WeightType> {
+        match d {
+            DType::BF16 => Some(WeightType::BF16),
+            DType::F16 => Some(WeightType::F16),
+            DType::F32 => Some(WeightType::F32),
+            _ => None,
+        }
+    }
+
+    pub fn dtype(self) -> DType {
+        match self {
+            WeightType::BF16 => DType::BF16,
+            WeightType::F16 => DType::F16,
+            WeightType::F32 => DType::F32,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            WeightType::F32 => 4,
+            _ => 2,
+        }
+    }
+
+    /// Rounds an f32 result to this dtype (nearest even), as a torch op in this dtype does.
+    #[inline(always)]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            WeightType::BF16 => bf16_to_f32(f32_to_bf16(x)),
+            WeightType::F16 => f16_to_f32(f32_to_f16(x)),
+            WeightType::F32 => x,
+        }
+    }
+
+    /// `torch.finfo(dtype).eps`: what a zero scale becomes.
+    pub fn eps(self) -> f32 {
+        match self {
+            WeightType::BF16 => 2f32.powi(-7),
+            WeightType::F16 => 2f32.powi(-10),
+            WeightType::F32 => f32::EPSILON,
+        }
+    }
+
+    /// `torch.finfo(dtype).tiny`: the least amax a global scale divides by.
+    pub fn tiny(self) -> f32 {
+        match self {
+            WeightType::F16 => 2f32.powi(-14),
+            _ => f32::MIN_POSITIVE,
+        }
+    }
+
+    /// Decodes little-endian elements to f32 (exact).
+    pub fn decode(self, bytes: &[u8], out: &mut Vec<f32>) {
+        out.clear();
+        match self {
+            WeightType::BF16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))),
+            ),
+            WeightType::F16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))),
+            ),
+            WeightType::F32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+        }
+    }
+
+    /// Writes `x` (already a value of this dtype) as little-endian bytes.
+    pub fn encode(self, x: f32, out: &mut [u8]) {
+        match self {
+            WeightType::BF16 => out.copy_from_slice(&f32_to_bf16(x).to_le_bytes()),
+            WeightType::F16 => out.copy_from_slice(&f32_to_f16(x).to_le_bytes()),
+            WeightType::F32 => out.copy_from_slice(&x.to_le_bytes()),
+        }
+    }
+
+    /// The mantissa and exponent widths `round_to_power_2` masks with.
+    fn bit_layout(self) -> (u32, u32) {
+        match self {
+            WeightType::BF16 => (7, 8),
+            WeightType::F16 => (10, 5),
+            WeightType::F32 => (23, 8),
+        }
+    }
+
+    fn bits_of(self, x: f32) -> u32 {
+        match self {
+            WeightType::BF16 => f32_to_bf16(x) as u32,
+            WeightType::F16 => f32_to_f16(x) as u32,
+            WeightType::F32 => x.to_bits(),
+        }
+    }
+
+    fn value_of(self, b: u32) -> f32 {
+        match self {
+            WeightType::BF16 => bf16_to_f32(b as u16),
+            WeightType::F16 => f16_to_f32(b as u16),
+            WeightType::F32 => f32::from_bits(b),
+        }
+    }
+}
+
+/// `max(|min(x, 0)|, max(x, 0))` of a group: the min/max observer's symmetric range.
+#[inline]
+pub fn amax(xs: &[f32]) -> f32 {
+    xs.iter().fold(0f32, |m, &x| m.max(x.abs()))
+}
+
+/// f32 → E4M3 ("fn", no infinity), nearest even; |x| ≥ 480 gives NaN (callers clamp first).
+/// Port of c10's `fp8e4m3fn_from_fp32_value`.
+#[inline(always)]
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    let mut bits = x.to_bits();
+    let sign = bits & 0x8000_0000;
+    bits ^= sign;
+    let result = if bits >= 1087 << 20 || x.is_nan() {
+        0x7F
+    } else if bits < 121 << 23 {
+        // Subnormal: let the f32 adder round, against 2^-6's denormal bias.
+        let denorm_mask = 141u32 << 23;
+        let sum = (f32::from_bits(bits) + f32::from_bits(denorm_mask)).to_bits();
+        (sum - denorm_mask) as u8
+    } else {
+        let odd = (bits >> 20) & 1;
+        bits = bits.wrapping_add(((7u32.wrapping_sub(127)) << 23).wrapping_add(0x7FFFF));
+        bits = bits.wrapping_add(odd);
+        (bits >> 20) as u8
+    };
+    result | (sign >> 24) as u8
+}
+
+/// E2M1 code of `y` (|y| ≤ 6), nearest even; see the module doc for the sign of zero. The
+/// code is the number of rounding boundaries below |y| (ties alternate `<`/`≤` so they go to
+/// the even code), which compiles without branches.
+#[inline(always)]
+pub fn f32_to_e2m1(y: f32) -> u8 {
+    let a = y.abs();
+    let idx = u8::from(a > 0.25)
+        + u8::from(a >= 0.75)
+        + u8::from(a > 1.25)
+        + u8::from(a >= 1.75)
+        + u8::from(a > 2.5)
+        + u8::from(a >= 3.5)
+        + u8::from(a > 5.0);
+    idx | (u8::from(y < 0.0) << 3)
+}
+
+/// The E8M0 exponent of an MX group whose amax is `amax` (a value of `wt`), for elements whose
+/// largest power of two is `2^elem_offset` (2 for E2M1, 8 for E4M3): `round_to_power_2` on the
+/// weight dtype's bits, then `127 + floor(log2(.)) - offset`, clamped to 0..=255.
+pub fn mx_exponent(wt: WeightType, amax: f32, elem_offset: i32) -> u8 {
+    let (mantissa, exponent) = wt.bit_layout();
+    let add = 1u32 << (mantissa - 1 - 1); // E2M1's one mantissa bit, as the library uses for all
+    let mask = ((1u32 << (exponent + 1)) - 1) << mantissa;
+    let p2 = wt.value_of((wt.bits_of(amax) + add) & mask);
+    if p2 == 0.0 {
+        return 0; // log2(0) = -inf, clamped to 0
+    }
+    if p2.is_infinite() {
+        return 255;
+    }
+    let e = 127 + p2.log2().floor() as i32 - elem_offset;
+    e.clamp(0, 255) as u8
+}
+
+/// `2^(e-127)` in the weight dtype, the float scale MX codes are divided by. A zero (F16 cannot
+/// hold 2^-25 and below) becomes 1: `calculate_qparams` replaces zero scales by the eps of the
+/// scale dtype, and U8's "eps" is 1.
+pub fn mx_scale(wt: WeightType, e: u8) -> f32 {
+    let s = wt.round(2f64.powi(e as i32 - 127) as f32);
+    if s == 0.0 {
+        1.0
+    } else {
+        s
+    }
+}
+
+/// The E8M0 byte stored for MX scale `s` (`compress_mx_scale`: `127 + floor(log2(s))`).
+pub fn mx_stored(s: f32) -> u8 {
+    (127 + s.log2().floor() as i32).clamp(0, 255) as u8
+}
+
+/// NVFP4's tensor scale for a (fused) amax: `448 · 6 / amax`, which torch evaluates as
+/// `reciprocal(amax) * 2688` in the weight dtype; non-finite becomes 1.
+pub fn nvfp4_global_scale(wt: WeightType, amax: f32) -> f32 {
+    let a = amax.max(wt.tiny());
+    let g = wt.round(wt.round(1.0 / a) * (E4M3_MAX * E2M1_MAX));
+    if g.is_finite() {
+        g
+    } else {
+        1.0
+    }
+}
+
+/// Symmetric scale `amax / (range / 2)` in the weight dtype, zero → eps.
+#[inline]
+pub fn symmetric_scale(wt: WeightType, amax: f32, half_range: f32) -> f32 {
+    let s = wt.round(amax / half_range);
+    if s == 0.0 {
+        wt.eps()
+    } else {
+        s
+    }
+}
+
+/// E4M3 code of `x / s` in the weight dtype, with the library's `+ zero_point` (turns -0 into
+/// +0) and clamp.
+#[inline(always)]
+pub fn e4m3_code(wt: WeightType, x: f32, s: f32) -> u8 {
+    let y = wt.round(x / s) + 0.0;
+    f32_to_e4m3(y.clamp(-E4M3_MAX, E4M3_MAX))
+}
+
+/// Packs `codes` (signed, in `-2^(b-1) .. 2^(b-1)`) of one row into `out` (little-endian I32
+/// words), offset binary, dense.
+pub fn pack_int_row(codes: &[i32], bits: u32, out: &mut [u8]) {
+    out.fill(0);
+    // The byte-aligned widths directly: the bitstream of 8-bit codes is one byte each, of 4-bit
+    // codes a byte per pair, low nibble first.
+    if bits == 8 {
+        for (o, &q) in out.iter_mut().zip(codes) {
+            *o = (q + 128) as u8;
+        }
+        return;
+    }
+    if bits == 4 {
+        for (o, pair) in out.iter_mut().zip(codes.chunks(2)) {
+            let hi = pair.get(1).map_or(0, |&q| (q + 8) as u8);
+            *o = (pair[0] + 8) as u8 | hi << 4;
+        }
+        return;
+    }
+    let offset = 1i64 << (bits - 1);
+    for (k, &q) in codes.iter().enumerate() {
+        let v = (q as i64 + offset) as u64;
+        let bit = k as u64 * bits as u64;
+        let (byte, shift) = ((bit / 8) as usize, bit % 8);
+        let v = v << shift;
+        for (j, o) in out[byte..].iter_mut().take(2).enumerate() {
+            *o |= (v >> (8 * j)) as u8;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::fp8::codec::e4m3_to_f32;
+
+    #[test]
+    fn e4m3_encoding_rounds_to_nearest_even_over_every_code() {
+        for c in 0u8..=255 {
+            let v = e4m3_to_f32(c);
+            if v.is_nan() {
+                continue;
+            }
+            // exact values encode to themselves (±0 keep their sign)
+            assert_eq!(f32_to_e4m3(v), c, "{c:#04x} = {v}");
+        }
+        for c in 0u8..0x7E {
+            let (lo, hi) = (e4m3_to_f32(c), e4m3_to_f32(c + 1));
+            let mid = (lo + hi) / 2.0;
+            let even = if c & 1 == 0 { c } else { c + 1 };
+            assert_eq!(f32_to_e4m3(mid), even, "midpoint of {c:#04x}");
+            assert_eq!(f32_to_e4m3(mid.next_down()), c);
+            assert_eq!(f32_to_e4m3(mid.next_up()), c + 1);
+        }
+        assert_eq!(f32_to_e4m3(464.0), 0x7E, "464 rounds to 448");
+        assert_eq!(f32_to_e4m3(-448.0), 0xFE);
+    }
+
+    #[test]
+    fn e2m1_ties_go_to_even_and_negative_zero_keeps_its_sign() {
+        let cases = [
+            (0.25, 0),
+            (0.2500001, 1),
+            (0.75, 2),
+            (1.25, 2),
+            (1.75, 4),
+            (2.5, 4),
+            (3.5, 6),
+            (5.0, 6),
+            (5.01, 7),
+            (6.0, 7),
+        ];
+        for (y, code) in cases {
+            assert_eq!(f32_to_e2m1(y), code, "{y}");
+            assert_eq!(f32_to_e2m1(-y), code | 8, "-{y}");
+        }
+        assert_eq!(f32_to_e2m1(0.0), 0);
+        assert_eq!(f32_to_e2m1(-0.0), 0, "an exact -0 has sign(x) = 0");
+        assert_eq!(f32_to_e2m1(-0.1), 8);
+    }
+
+    #[test]
+    fn mx_exponents_round_the_amax_up_from_seven_eighths_of_a_binade() {
+        let wt = WeightType::BF16;
+        // 1.75 (bf16 mantissa 0x60) carries into 2^1: 127 + 1 - 2
+        assert_eq!(mx_exponent(wt, 1.75, 2), 126);
+        assert_eq!(mx_exponent(wt, 1.7421875, 2), 125);
+        assert_eq!(mx_exponent(wt, 1.0, 2), 125);
+        assert_eq!(mx_exponent(wt, 0.0, 2), 0);
+        assert_eq!(mx_exponent(wt, 448.0, 8), 128);
+        assert_eq!(mx_exponent(wt, 2f32.powi(-130), 2), 0, "clamped at 0");
+        assert_eq!(mx_scale(wt, 0), 2f32.powi(-127));
+        assert_eq!(mx_stored(mx_scale(wt, 0)), 0);
+        // F16 flushes 2^-127 to zero; the library then stores scale 1
+        assert_eq!(mx_stored(mx_scale(WeightType::F16, 0)), 127);
+        assert_eq!(
+            mx_stored(mx_scale(WeightType::F16, 103)),
+            103,
+            "2^-24, an f16 subnormal"
+        );
+    }
+
+    #[test]
+    fn int_rows_pack_offset_binary_little_endian() {
+        let mut out = [0u8; 4];
+        pack_int_row(&[-8, 7, 0, -1, 1, 2, 3, 4], 4, &mut out);
+        assert_eq!(u32::from_le_bytes(out), 0xCBA9_78F0);
+        let mut out = [0u8; 8];
+        pack_int_row(&[-128, 127, 0, 1, 5], 8, &mut out);
+        assert_eq!(out, [0x00, 0xFF, 0x80, 0x81, 0x85, 0, 0, 0]);
+        // the general bitstream agrees with the byte-aligned shortcuts, odd lengths included
+        let codes: Vec<i32> = (0..37).map(|k| (k * 5 % 16) - 8).collect();
+        let mut fast = [0u8; 20];
+        pack_int_row(&codes, 4, &mut fast);
+        let mut slow = [0u8; 20];
+        for (k, &q) in codes.iter().enumerate() {
+            slow[k / 2] |= ((q + 8) as u8) << (4 * (k % 2));
+        }
+        assert_eq!(fast, slow);
+        let mut three = [0u8; 4];
+        pack_int_row(&[-4, 3, 0, 1], 3, &mut three);
+        assert_eq!(u32::from_le_bytes(three), 0b101_100_111_000);
+    }
+}

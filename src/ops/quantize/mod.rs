@@ -1,0 +1,756 @@
+//! `quantize`: weight-only quantisation of a bf16/f16/f32 checkpoint into the compressed-tensors
+//! layout that llm-compressor's `oneshot` + `save_pretrained(save_compressed=True)` writes for
+//! its presets, byte for byte (codes, scales and `quantization_config`; checked against
+//! llm-compressor 0.14.0.1 with compressed-tensors 0.20.1 in `tests/quantize.rs`).
+//!
+//! llm-compressor quantises `Linear` modules; a checkpoint has only tensor names, so a weight is
+//! quantised when it is a 2-D floating-point `X.weight` that no ignore rule names. Default
+//! ignores: `lm_head`, embeddings (not `Linear`, so not listed in `ignore`) and MoE routers
+//! (`*.mlp.gate`, `*.router`, `*.block_sparse_moe.gate`: `Linear`, so listed, as the library
+//! lists every `Linear` it left alone). Weight-only presets need no calibration data: every
+//! scale is a function of the weight alone (min/max observer), except NVFP4's tensor scale,
+//! which llm-compressor shares across fused projections (q/k/v, gate/up) and so is computed
+//! here at plan time from each group's amax, reading those weights once beforehand.
+//!
+//! Per scheme (W = the weight's dtype):
+//! | scheme | tensors |
+//! | --- | --- |
+//! | FP8_DYNAMIC | `weight` F8_E4M3, `weight_scale` W `[out, 1]` |
+//! | FP8_BLOCK | `weight` F8_E4M3, `weight_scale` W `[⌈out/128⌉, ⌈in/128⌉]` |
+//! | W8A16, W4A16 | `weight_packed` I32 `[out, ⌈in·b/32⌉]`, `weight_scale` W `[out, in/128]`, `weight_shape` I64 `[2]` |
+//! | NVFP4A16 | `weight_packed` U8 `[out, in/2]`, `weight_scale` F8_E4M3 `[out, in/16]`, `weight_global_scale` F32 `[1]` |
+//! | MXFP4A16 | `weight_packed` U8 `[out, in/2]`, `weight_scale` U8 (E8M0) `[out, in/32]` |
+//! | MXFP8A16 | `weight` F8_E4M3, `weight_scale` U8 (E8M0) `[out, in/32]` |
+
+pub mod encode;
+pub mod ops;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Map, Value};
+
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::ops::Op;
+use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::transform::Glob;
+use encode::{amax, nvfp4_global_scale, WeightType};
+use ops::{BlockMath, Constant, Fp8BlockScales, QuantizeRows};
+
+/// The compressed-tensors version whose output this matches (`quantization_config.version`).
+pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
+
+/// Projections whose NVFP4 tensor scales llm-compressor makes equal (`FUSED_LAYER_NAMES`),
+/// because vLLM runs each group as one fused matmul.
+const FUSED_LAYER_NAMES: &[&[&str]] = &[
+    &["gate_proj", "up_proj"],
+    &["q_proj", "k_proj", "v_proj"],
+    &["q_a_proj", "kv_a_proj_with_mqa"],
+    &["w1", "w3"],
+];
+
+/// Bytes read at a time when a weight's amax is needed at plan time.
+const PLAN_READ_BYTES: u64 = 16 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheme {
+    Fp8Dynamic,
+    Fp8Block,
+    W8A16,
+    W4A16,
+    Nvfp4A16,
+    Mxfp4A16,
+    Mxfp8A16,
+}
+
+impl Scheme {
+    pub const ALL: [Scheme; 7] = [
+        Scheme::Fp8Dynamic,
+        Scheme::Fp8Block,
+        Scheme::W8A16,
+        Scheme::W4A16,
+        Scheme::Nvfp4A16,
+        Scheme::Mxfp4A16,
+        Scheme::Mxfp8A16,
+    ];
+
+    /// llm-compressor's preset name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::Fp8Dynamic => "FP8_DYNAMIC",
+            Scheme::Fp8Block => "FP8_BLOCK",
+            Scheme::W8A16 => "W8A16",
+            Scheme::W4A16 => "W4A16",
+            Scheme::Nvfp4A16 => "NVFP4A16",
+            Scheme::Mxfp4A16 => "MXFP4A16",
+            Scheme::Mxfp8A16 => "MXFP8A16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Scheme> {
+        Scheme::ALL
+            .into_iter()
+            .find(|x| x.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<&str> = Scheme::ALL.iter().map(|x| x.name()).collect();
+                Error::Usage(format!(
+                    "unknown scheme `{s}`: use one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    fn int_bits(self) -> u32 {
+        match self {
+            Scheme::W8A16 => 8,
+            Scheme::W4A16 => 4,
+            _ => 0,
+        }
+    }
+
+    /// Elements per scale along a row, for the schemes that need whole groups.
+    fn group(self) -> Option<u64> {
+        match self {
+            Scheme::W8A16 | Scheme::W4A16 => Some(128),
+            Scheme::Nvfp4A16 => Some(16),
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => Some(32),
+            Scheme::Fp8Dynamic | Scheme::Fp8Block => None,
+        }
+    }
+
+    /// compressed-tensors `format`.
+    fn format(self) -> &'static str {
+        match self {
+            Scheme::Fp8Dynamic | Scheme::Fp8Block => "float-quantized",
+            Scheme::W8A16 | Scheme::W4A16 => "pack-quantized",
+            Scheme::Nvfp4A16 => "nvfp4-pack-quantized",
+            Scheme::Mxfp4A16 => "mxfp4-pack-quantized",
+            Scheme::Mxfp8A16 => "mxfp8-quantized",
+        }
+    }
+
+    /// Whether the codes are stored as `weight_packed` (else `weight`).
+    fn packed(self) -> bool {
+        matches!(
+            self,
+            Scheme::W8A16 | Scheme::W4A16 | Scheme::Nvfp4A16 | Scheme::Mxfp4A16
+        )
+    }
+
+    /// The `weights` and `input_activations` quantisation args the preset saves.
+    fn args(self) -> (Value, Value) {
+        let w = |bits: u64, ty: &str, strategy: &str, group: Value| {
+            json!({"dynamic": false, "group_size": group, "num_bits": bits,
+                   "observer": "memoryless_minmax", "strategy": strategy, "symmetric": true,
+                   "type": ty})
+        };
+        let with = |mut v: Value, key: &str, x: Value| {
+            v.as_object_mut().expect("object").insert(key.into(), x);
+            sort_keys(v)
+        };
+        let fp8_act = |strategy: &str, group: Value| {
+            json!({"dynamic": true, "group_size": group, "num_bits": 8, "strategy": strategy,
+                   "symmetric": true, "type": "float"})
+        };
+        match self {
+            Scheme::Fp8Dynamic => (
+                w(8, "float", "channel", Value::Null),
+                fp8_act("token", Value::Null),
+            ),
+            Scheme::Fp8Block => (
+                with(
+                    w(8, "float", "block", Value::Null),
+                    "block_structure",
+                    json!([128, 128]),
+                ),
+                fp8_act("group", json!(128)),
+            ),
+            Scheme::W8A16 => (w(8, "int", "group", json!(128)), Value::Null),
+            Scheme::W4A16 => (w(4, "int", "group", json!(128)), Value::Null),
+            Scheme::Nvfp4A16 => (
+                with(
+                    w(4, "float", "tensor_group", json!(16)),
+                    "scale_dtype",
+                    json!("torch.float8_e4m3fn"),
+                ),
+                Value::Null,
+            ),
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
+                let bits = if self == Scheme::Mxfp4A16 { 4 } else { 8 };
+                (
+                    with(
+                        w(bits, "float", "group", json!(32)),
+                        "scale_dtype",
+                        json!("torch.uint8"),
+                    ),
+                    Value::Null,
+                )
+            }
+        }
+    }
+
+    /// `quantization_config` as compressed-tensors saves it, for `ignore`d modules.
+    pub fn quantization_config(self, ignore: &[String]) -> Value {
+        let (weights, input) = self.args();
+        json!({
+            "config_groups": {
+                "group_0": {
+                    "format": self.format(),
+                    "input_activations": input,
+                    "output_activations": null,
+                    "targets": ["Linear"],
+                    "weights": weights,
+                }
+            },
+            "format": self.format(),
+            "global_compression_ratio": null,
+            "ignore": ignore,
+            "kv_cache_scheme": null,
+            "moe_sparsity_config": null,
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed",
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": COMPRESSED_TENSORS_VERSION,
+        })
+    }
+}
+
+/// The layout written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// compressed-tensors, as llm-compressor saves it.
+    CompressedTensors,
+    /// transformers FineGrainedFP8 / DeepSeek-V3: `weight` F8_E4M3 and `weight_scale_inv` F32
+    /// per 128×128 block, `quant_method: fp8` (FP8_BLOCK only).
+    Fp8Native,
+}
+
+impl Format {
+    pub fn parse(s: &str) -> Result<Format> {
+        match s {
+            "compressed-tensors" => Ok(Format::CompressedTensors),
+            "fp8-native" => Ok(Format::Fp8Native),
+            _ => Err(Error::Usage(format!(
+                "unknown --format `{s}`: use compressed-tensors or fp8-native"
+            ))),
+        }
+    }
+}
+
+/// `quantization_config` of `--format fp8-native`: transformers' `FineGrainedFP8Config`
+/// (5.24) as `to_dict` gives it, with the modules left alone.
+fn fp8_native_config(ignore: &[String]) -> Value {
+    json!({
+        "quant_method": "fp8",
+        "modules_to_not_convert": ignore,
+        "modules_to_convert": null,
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "dequantize": false,
+        "scale_fmt": "float",
+        "expert_dtype": "fp8",
+    })
+}
+
+fn sort_keys(v: Value) -> Value {
+    match v {
+        Value::Object(m) => {
+            let sorted: BTreeMap<String, Value> = m.into_iter().collect();
+            Value::Object(sorted.into_iter().map(|(k, v)| (k, sort_keys(v))).collect())
+        }
+        other => other,
+    }
+}
+
+/// A module-name rule of `--ignore`: a glob, or a regex after `re:` as llm-compressor writes
+/// them (matched from the start of the module name).
+#[derive(Debug)]
+pub enum IgnoreRule {
+    Glob(Glob),
+    Regex(regex::Regex),
+}
+
+impl IgnoreRule {
+    pub fn new(pattern: &str) -> Result<IgnoreRule> {
+        match pattern.strip_prefix("re:") {
+            Some(re) => regex::Regex::new(&format!("^(?:{re})"))
+                .map(IgnoreRule::Regex)
+                .map_err(|e| Error::Usage(format!("--ignore `{pattern}`: {e}"))),
+            None => Glob::new(pattern).map(IgnoreRule::Glob),
+        }
+    }
+
+    /// Whether the rule names the module (or its weight tensor).
+    fn matches(&self, module: &str, tensor: &str) -> bool {
+        match self {
+            IgnoreRule::Glob(g) => g.matches(module) || g.matches(tensor),
+            IgnoreRule::Regex(r) => r.is_match(module),
+        }
+    }
+}
+
+/// Why a 2-D float `X.weight` is left alone by default: `Some(true)` for `Linear` modules
+/// (listed in `ignore`), `Some(false)` for modules that are not `Linear` (embeddings).
+fn default_ignore(module: &str) -> Option<bool> {
+    let last = module.rsplit('.').next().unwrap_or(module);
+    let parent = module
+        .rsplit_once('.')
+        .map_or("", |(p, _)| p.rsplit('.').next().unwrap_or(p));
+    if last.contains("embed") || matches!(last, "wte" | "wpe" | "word_embeddings") {
+        return Some(false);
+    }
+    if last == "lm_head" || last == "router" {
+        return Some(true);
+    }
+    if last == "gate" && matches!(parent, "mlp" | "block_sparse_moe" | "moe") {
+        return Some(true);
+    }
+    None
+}
+
+#[derive(Debug)]
+pub struct QuantizeStep {
+    pub scheme: Scheme,
+    pub format: Format,
+    pub ignore: Vec<IgnoreRule>,
+    /// Apply the default ignores (`lm_head`, embeddings, routers).
+    pub default_ignore: bool,
+    /// `quantization_config` once `apply` knows what was ignored.
+    config: Mutex<Option<Value>>,
+}
+
+impl QuantizeStep {
+    /// Refuses a format the scheme has no layout in.
+    pub fn new(
+        scheme: Scheme,
+        format: Format,
+        ignore: Vec<IgnoreRule>,
+        default_ignore: bool,
+    ) -> Result<QuantizeStep> {
+        if format == Format::Fp8Native && scheme != Scheme::Fp8Block {
+            return Err(Error::Usage(format!(
+                "--format fp8-native holds 128x128-block FP8 only: use --scheme FP8_BLOCK, not {}",
+                scheme.name()
+            )));
+        }
+        Ok(QuantizeStep {
+            scheme,
+            format,
+            ignore,
+            default_ignore,
+            config: Mutex::new(None),
+        })
+    }
+
+    fn format_name(&self) -> String {
+        match self.format {
+            Format::CompressedTensors => format!("compressed-tensors {}", self.scheme.format()),
+            Format::Fp8Native => "fp8 (transformers FineGrainedFP8)".into(),
+        }
+    }
+
+    fn block_math(&self) -> BlockMath {
+        match self.format {
+            Format::CompressedTensors => BlockMath::CompressedTensors,
+            Format::Fp8Native => BlockMath::Transformers,
+        }
+    }
+}
+
+/// A derived tensor whose op is fixed at plan time.
+#[derive(Debug)]
+struct Fixed {
+    inputs: Vec<usize>,
+    op: Arc<dyn Op>,
+}
+
+impl Derive for Fixed {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, _dst: DType) -> Arc<dyn Op> {
+        self.op.clone()
+    }
+}
+
+/// The scales a [`QuantizeRows`] writes as its extra output.
+#[derive(Debug)]
+struct Secondary {
+    primary: usize,
+}
+
+impl Derive for Secondary {
+    fn inputs(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    fn build(&self, _dst: DType) -> Arc<dyn Op> {
+        unreachable!("scales are written by their weight's op")
+    }
+    fn secondary_of(&self) -> Option<(usize, usize)> {
+        Some((self.primary, 1))
+    }
+}
+
+/// The amax of a whole weight, read in pieces (for NVFP4 tensor scales).
+fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
+    let t = &ckpt.tensors[src];
+    let total = t
+        .info
+        .dtype
+        .byte_len(t.info.shape.iter().product())
+        .unwrap_or(0);
+    let piece = PLAN_READ_BYTES / 4 * 4;
+    let (mut at, mut m, mut vals) = (0, 0f32, Vec::new());
+    let mut buf = Vec::new();
+    while at < total {
+        let n = piece.min(total - at);
+        buf.resize(n as usize, 0);
+        ckpt.read_tensor_at(t, at, &mut buf)?;
+        wt.decode(&buf, &mut vals);
+        if let Some(v) = vals.iter().find(|v| !v.is_finite()) {
+            return Err(Error::TensorData {
+                path: ckpt.shards[t.shard()].path.clone(),
+                tensor: t.info.name.clone(),
+                msg: format!("holds {v}: a non-finite weight cannot be quantised"),
+            });
+        }
+        m = m.max(amax(&vals));
+        at += n;
+    }
+    Ok(m)
+}
+
+/// Refuses a checkpoint that is quantised already (by its config or its tensors).
+fn refuse_quantized(ckpt: &Checkpoint, config: Option<&Map<String, Value>>) -> Result<()> {
+    if let Some(q) = config.and_then(|c| c.get("quantization_config")) {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+        return Err(Error::Other(format!(
+            "{}: config.json has a quantization_config (quant_method `{method}`): the model is quantised already; dequantise it first (tftf dequant)",
+            crate::escape::path(&ckpt.input)
+        )));
+    }
+    let dtype_of = |n: &str| ckpt.get(n).map(|t| t.info.dtype);
+    for t in &ckpt.tensors[..ckpt.base_count] {
+        let quantized = matches!(
+            t.info.dtype,
+            DType::F8_E4M3
+                | DType::F8_E5M2
+                | DType::F8_E8M0
+                | DType::F8_E4M3FNUZ
+                | DType::F8_E5M2FNUZ
+                | DType::F4
+                | DType::F6_E2M3
+                | DType::F6_E3M2
+        ) || crate::format::quant::is_metadata(t.name(), t.info.dtype, &dtype_of);
+        if quantized {
+            return Err(Error::TensorData {
+                path: ckpt.shards[t.shard()].path.clone(),
+                tensor: t.info.name.clone(),
+                msg: format!(
+                    "is quantisation data ({}): the model is quantised already; dequantise it first (tftf dequant)",
+                    t.info.dtype
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl PlanStep for QuantizeStep {
+    fn apply(
+        &self,
+        ckpt: &Checkpoint,
+        config: Option<&Map<String, Value>>,
+        entries: &mut Vec<Entry>,
+        notes: &mut PlanNotes,
+    ) -> Result<bool> {
+        refuse_quantized(ckpt, config)?;
+        let scheme = self.scheme;
+        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
+        // (entry index, module name, weight type)
+        let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
+        let mut ignored: Vec<String> = Vec::new();
+        let mut left: Vec<String> = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let (Some(module), Some(wt), 2) = (
+                e.name.strip_suffix(".weight"),
+                WeightType::of(e.dtype),
+                e.shape.len(),
+            ) else {
+                continue;
+            };
+            if e.derive.is_some() {
+                continue;
+            }
+            if self.ignore.iter().any(|r| r.matches(module, &e.name)) {
+                ignored.push(module.to_string());
+                continue;
+            }
+            match default_ignore(module).filter(|_| self.default_ignore) {
+                Some(true) => ignored.push(module.to_string()),
+                Some(false) => left.push(e.name.clone()),
+                None => chosen.push((i, module.to_string(), wt)),
+            }
+        }
+        // A tied lm_head is still a Linear module that the library lists.
+        let tied = config
+            .and_then(|c| c.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            == Some(true);
+        if tied
+            && self.default_ignore
+            && !ignored.iter().any(|m| m == "lm_head")
+            && !entries.iter().any(|e| e.name == "lm_head.weight")
+        {
+            ignored.push("lm_head".into());
+        }
+        ignored.sort_by_cached_key(|m| module_order(m));
+        for &(i, _, _) in &chosen {
+            let e = &entries[i];
+            let cols = e.shape[1];
+            if let Some(g) = scheme.group().filter(|g| !cols.is_multiple_of(*g)) {
+                return Err(Error::TensorData {
+                    path: path_of(e),
+                    tensor: e.name.clone(),
+                    msg: format!(
+                        "has {cols} columns, which {}'s group size {g} does not divide (llm-compressor refuses such layers too); leave it unquantised with --ignore '{}'",
+                        scheme.name(),
+                        e.name.strip_suffix(".weight").unwrap_or(&e.name)
+                    ),
+                });
+            }
+        }
+        let globals = if scheme == Scheme::Nvfp4A16 {
+            nvfp4_globals(ckpt, entries, &chosen)?
+        } else {
+            HashMap::new()
+        };
+
+        let mut next_id = entries.iter().map(|e| e.id).max().map_or(0, |m| m + 1);
+        let mut added: Vec<(usize, Entry)> = Vec::new();
+        for &(i, ref module, wt) in &chosen {
+            let e = &entries[i];
+            let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
+            let global = globals.get(&i).copied().unwrap_or(1.0);
+            let op = QuantizeRows {
+                scheme,
+                rows,
+                cols,
+                wt,
+                global,
+                block: self.block_math(),
+            };
+            let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
+                added.push((
+                    i,
+                    Entry {
+                        id: next_id,
+                        name: format!("{module}.{name}"),
+                        source: src,
+                        dtype,
+                        shape,
+                        derive: Some(d),
+                        relabel: false,
+                    },
+                ));
+                next_id += 1;
+            };
+            let secondary = Arc::new(Secondary { primary: id });
+            let w = wt.dtype();
+            let (code_dtype, code_shape) = match scheme {
+                Scheme::Fp8Dynamic => {
+                    extra("weight_scale", w, vec![rows, 1], secondary);
+                    (DType::F8_E4M3, vec![rows, cols])
+                }
+                Scheme::Fp8Block => {
+                    let math = self.block_math();
+                    let scales = Fp8BlockScales {
+                        rows,
+                        cols,
+                        wt,
+                        math,
+                    };
+                    let shape = vec![rows.div_ceil(128), cols.div_ceil(128)];
+                    let d = Arc::new(Fixed {
+                        inputs: vec![src],
+                        op: Arc::new(scales),
+                    });
+                    let name = match self.format {
+                        Format::CompressedTensors => "weight_scale",
+                        Format::Fp8Native => "weight_scale_inv",
+                    };
+                    extra(name, math.scale_dtype(wt), shape, d);
+                    (DType::F8_E4M3, vec![rows, cols])
+                }
+                Scheme::W8A16 | Scheme::W4A16 => {
+                    extra("weight_scale", w, vec![rows, cols / 128], secondary);
+                    let mut bytes = (rows as i64).to_le_bytes().to_vec();
+                    bytes.extend((cols as i64).to_le_bytes());
+                    let shape_op = Arc::new(Constant {
+                        what: "quantize weight_shape",
+                        bytes,
+                    });
+                    extra(
+                        "weight_shape",
+                        DType::I64,
+                        vec![2],
+                        Arc::new(Fixed {
+                            inputs: Vec::new(),
+                            op: shape_op,
+                        }),
+                    );
+                    let words = (cols * scheme.int_bits() as u64).div_ceil(32);
+                    (DType::I32, vec![rows, words])
+                }
+                Scheme::Nvfp4A16 => {
+                    extra(
+                        "weight_scale",
+                        DType::F8_E4M3,
+                        vec![rows, cols / 16],
+                        secondary,
+                    );
+                    let g_op = Arc::new(Constant {
+                        what: "quantize weight_global_scale",
+                        bytes: global.to_le_bytes().to_vec(),
+                    });
+                    extra(
+                        "weight_global_scale",
+                        DType::F32,
+                        vec![1],
+                        Arc::new(Fixed {
+                            inputs: Vec::new(),
+                            op: g_op,
+                        }),
+                    );
+                    (DType::U8, vec![rows, cols / 2])
+                }
+                Scheme::Mxfp4A16 => {
+                    extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
+                    (DType::U8, vec![rows, cols / 2])
+                }
+                Scheme::Mxfp8A16 => {
+                    extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
+                    (DType::F8_E4M3, vec![rows, cols])
+                }
+            };
+            let e = &mut entries[i];
+            if scheme.packed() {
+                e.name = format!("{module}.weight_packed");
+            }
+            e.dtype = code_dtype;
+            e.shape = code_shape;
+            e.derive = Some(Arc::new(Fixed {
+                inputs: vec![src],
+                op: Arc::new(op),
+            }));
+        }
+        // Each weight's new tensors follow it, in the order made.
+        let mut added = added.into_iter().peekable();
+        let mut merged = Vec::with_capacity(entries.len() + added.len());
+        for (i, e) in std::mem::take(entries).into_iter().enumerate() {
+            merged.push(e);
+            while let Some((_, x)) = added.next_if(|(after, _)| *after == i) {
+                merged.push(x);
+            }
+        }
+        *entries = merged;
+
+        notes.lines.push(format!(
+            "{}: {} Linear weight(s) quantised ({} format)",
+            scheme.name(),
+            chosen.len(),
+            self.format_name()
+        ));
+        if !ignored.is_empty() {
+            notes.lines.push(format!(
+                "left unquantised (quantization_config.ignore): {}",
+                ignored.join(", ")
+            ));
+        }
+        if !left.is_empty() {
+            notes.lines.push(format!(
+                "left unquantised (not Linear weights): {}",
+                left.join(", ")
+            ));
+        }
+        *self.config.lock().unwrap() = Some(match self.format {
+            Format::CompressedTensors => scheme.quantization_config(&ignored),
+            Format::Fp8Native => fp8_native_config(&ignored),
+        });
+        Ok(!chosen.is_empty())
+    }
+
+    fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
+        let Some(q) = self.config.lock().unwrap().clone() else {
+            return Vec::new();
+        };
+        cfg.insert("quantization_config".into(), q);
+        vec![format!(
+            "config.json: quantization_config added ({} {})",
+            self.scheme.name(),
+            self.format_name()
+        )]
+    }
+
+    fn nothing_done(&self) -> String {
+        "quantize found no Linear weight to quantise (a 2-D bf16, f16 or f32 `*.weight` that no ignore rule names)".into()
+    }
+}
+
+/// The order llm-compressor lists ignored modules in (`model.named_modules()`), as far as
+/// names tell it: layers by number, `lm_head` (defined after the model body) last; modules of
+/// one layer by name, where the library has definition order (they differ only when several
+/// modules of one layer are ignored).
+fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
+    let key = module
+        .split('.')
+        .map(|seg| match seg.parse::<u64>() {
+            Ok(n) => (n, String::new()),
+            Err(_) => (u64::MAX, seg.to_string()),
+        })
+        .collect();
+    (module == "lm_head", key)
+}
+
+/// NVFP4 tensor scales by entry index: each weight's own amax, or its fused group's.
+fn nvfp4_globals(
+    ckpt: &Checkpoint,
+    entries: &[Entry],
+    chosen: &[(usize, String, WeightType)],
+) -> Result<HashMap<usize, f32>> {
+    let by_module: HashMap<&str, (usize, WeightType)> = chosen
+        .iter()
+        .map(|(i, m, wt)| (m.as_str(), (*i, *wt)))
+        .collect();
+    let mut amaxes: HashMap<usize, f32> = HashMap::new();
+    for &(i, _, wt) in chosen {
+        amaxes.insert(i, weight_amax(ckpt, entries[i].source, wt)?);
+    }
+    let mut out = HashMap::new();
+    for &(i, ref module, wt) in chosen {
+        let (parent, last) = module.rsplit_once('.').unwrap_or(("", module));
+        let group: Vec<usize> = FUSED_LAYER_NAMES
+            .iter()
+            .find(|names| names.contains(&last))
+            .and_then(|names| {
+                names
+                    .iter()
+                    .map(|n| {
+                        let m = if parent.is_empty() {
+                            n.to_string()
+                        } else {
+                            format!("{parent}.{n}")
+                        };
+                        by_module.get(m.as_str()).map(|&(j, _)| j)
+                    })
+                    .collect::<Option<Vec<usize>>>()
+            })
+            .unwrap_or_else(|| vec![i]);
+        let m = group.iter().map(|j| amaxes[j]).fold(0f32, f32::max);
+        out.insert(i, nvfp4_global_scale(wt, m));
+    }
+    Ok(out)
+}

@@ -1,0 +1,398 @@
+//! `tftf quantize` against llm-compressor itself (tests/fixtures/quantize, made by its
+//! generate.py with llm-compressor 0.14.0.1 / compressed-tensors 0.20.1): for every preset the
+//! output holds the same tensors as `oneshot` + `save_pretrained(save_compressed=True)`, byte
+//! for byte, and the same config.json (no field is excluded: `quantization_config.version` is
+//! the compressed-tensors version whose layout tftf writes). Bad requests fail naming the
+//! tensor, with nothing left behind.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use tftf::format::dtype::DType;
+
+const SCHEMES: [&str; 7] = [
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "W8A16",
+    "W4A16",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+];
+
+/// The input the library quantised for `case`: int schemes need columns that 128 divides.
+fn input_of(case: &str) -> PathBuf {
+    let name = if case.starts_with('W') && case != "W4A16_ignore" {
+        "input_even"
+    } else {
+        "input"
+    };
+    fixture(&format!("quantize/{name}"))
+}
+
+/// Asserts `out` holds exactly the library's tensors and config.json for `case`.
+fn assert_matches_library(case: &str, out: &Path) {
+    let want_dir = fixture(&format!("quantize/{case}"));
+    let got = load_all(out);
+    let want = load_all(&want_dir.join("model.safetensors"));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{case}: tensor names"
+    );
+    for (name, (dtype, shape, bytes)) in &want {
+        let (gd, gs, gb) = &got[name];
+        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
+        if gb != bytes {
+            let n = gb.iter().zip(bytes).filter(|(a, b)| a != b).count();
+            let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
+            panic!("{case}: `{name}`: {n} bytes differ from llm-compressor's, first at {first}");
+        }
+    }
+    let got_cfg = read_json(&out.join("config.json"));
+    let want_cfg = read_json(&want_dir.join("config.json"));
+    assert_eq!(
+        got_cfg["quantization_config"], want_cfg["quantization_config"],
+        "{case}: quantization_config"
+    );
+    assert_eq!(got_cfg, want_cfg, "{case}: config.json");
+}
+
+fn quantize(case_scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "quantize",
+        "-i",
+        s(input),
+        "-o",
+        s(out),
+        "--scheme",
+        case_scheme,
+        "-q",
+    ];
+    args.extend(extra);
+    tftf(&args)
+}
+
+#[test]
+fn every_preset_equals_llm_compressor_byte_for_byte() {
+    for scheme in SCHEMES {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        ok(&quantize(scheme, &input_of(scheme), &out, &[]));
+        assert_matches_library(scheme, &out);
+    }
+}
+
+#[test]
+fn output_does_not_depend_on_threads_chunks_or_shards() {
+    // Small shards and a budget that splits weights into several chunks; FP8_BLOCK's codes op
+    // must keep 128-row blocks whole and NVFP4's tensor scales come from the whole group.
+    for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let extra = [
+            "--threads",
+            "3",
+            "--max-shard-size",
+            "300KB",
+            "--memory-budget",
+            "64MiB",
+        ];
+        ok(&quantize(scheme, &input_of(scheme), &out, &extra));
+        assert!(
+            out.join("model.safetensors.index.json").exists(),
+            "{scheme}: sharded"
+        );
+        assert_matches_library(scheme, &out);
+    }
+}
+
+#[test]
+fn ignore_rules_match_llm_compressor_ignore_list() {
+    // W4A16 cannot take the 320-column down_proj; ignoring it as llm-compressor spells it
+    // (`re:`) quantises the rest, and the ignore list names it before lm_head, as the library.
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("W4A16_ignore");
+    ok(&quantize(
+        "W4A16",
+        &input,
+        &out,
+        &["--ignore", "re:.*down_proj$"],
+    ));
+    assert_matches_library("W4A16_ignore", &out);
+    // A glob on the tensor name does the same.
+    let out2 = dir.path().join("out2");
+    ok(&quantize(
+        "w4a16",
+        &input,
+        &out2,
+        &["--ignore", "*.down_proj.weight"],
+    ));
+    assert_eq!(load_all(&out2), load_all(&out));
+}
+
+#[test]
+fn dry_run_lists_what_is_quantised_and_what_is_left_alone() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("FP8_BLOCK");
+    let o = tftf(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_BLOCK",
+        "--dry-run",
+    ]);
+    ok(&o);
+    let text = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(
+        text.contains("FP8_BLOCK: 7 Linear weight(s) quantised"),
+        "{text}"
+    );
+    assert!(
+        text.contains("left unquantised (quantization_config.ignore): lm_head"),
+        "{text}"
+    );
+    assert!(
+        text.contains("left unquantised (not Linear weights): model.embed_tokens.weight"),
+        "{text}"
+    );
+    assert!(!out.exists(), "dry run wrote {}", out.display());
+}
+
+#[test]
+fn unknown_scheme_is_a_usage_error_naming_the_presets() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("FP8_BLOCK");
+    let err = usage_error(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_BLOCKS",
+    ]);
+    assert!(err.contains("unknown scheme `FP8_BLOCKS`"), "{err}");
+    assert!(
+        err.contains("FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn columns_the_group_size_does_not_divide_are_refused_naming_the_tensor() {
+    // llm-compressor refuses W4A16/W8A16 on 320 columns too ("not divisible by group_size").
+    for scheme in ["W4A16", "W8A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let input = fixture("quantize/input");
+        let err = fails(&[
+            "quantize",
+            "-i",
+            s(&input),
+            "-o",
+            s(&out),
+            "--scheme",
+            scheme,
+        ]);
+        assert!(
+            err.contains("model.layers.0.mlp.down_proj.weight")
+                && err.contains("320 columns")
+                && err.contains("group size 128")
+                && err.contains("--ignore 'model.layers.0.mlp.down_proj'"),
+            "{scheme}: {err}"
+        );
+        assert!(!out.exists(), "{scheme}: output left behind");
+    }
+}
+
+#[test]
+fn quantised_input_is_refused() {
+    for case in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let input = fixture(&format!("quantize/{case}"));
+        let err = fails(&[
+            "quantize",
+            "-i",
+            s(&input),
+            "-o",
+            s(&out),
+            "--scheme",
+            "FP8_BLOCK",
+        ]);
+        assert!(err.contains("quantised already"), "{case}: {err}");
+        assert!(!out.exists(), "{case}: output left behind");
+    }
+    // Without config.json, the tensors give it away.
+    let dir = tmp();
+    let model = Model::new()
+        .tensor("a.weight", DType::F8_E4M3, &[2, 2], vec![0; 4])
+        .tensor("a.weight_scale", DType::F32, &[1], f32_bytes(&[1.0]))
+        .write(&dir.path().join("m"));
+    let out = dir.path().join("out");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--scheme",
+        "W8A16",
+    ]);
+    assert!(
+        err.contains("`a.weight`") && err.contains("quantised already"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn a_failure_while_writing_leaves_no_output() {
+    // The NaN is met only when the weight's chunk is computed, after the output was opened.
+    let dir = tmp();
+    let mut w = vec![0.01f32; 256 * 256];
+    w[256 * 200 + 7] = f32::NAN;
+    let model = Model::new()
+        .tensor(
+            "m.a.weight",
+            DType::F32,
+            &[256, 256],
+            f32_bytes(&vec![0.5; 256 * 256]),
+        )
+        .tensor("m.b.weight", DType::F32, &[256, 256], f32_bytes(&w))
+        .write(&dir.path().join("m"));
+    for scheme in ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"] {
+        let out = dir.path().join("out");
+        let err = fails(&[
+            "quantize",
+            "-i",
+            s(&model),
+            "-o",
+            s(&out),
+            "--scheme",
+            scheme,
+        ]);
+        assert!(
+            err.contains("m.b.weight") && err.contains("NaN at [200, 7]"),
+            "{scheme}: {err}"
+        );
+        assert!(!out.exists(), "{scheme}: output left behind");
+    }
+    // NVFP4 reads weights for their tensor scales at plan time and stops there.
+    let out = dir.path().join("out");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--scheme",
+        "NVFP4A16",
+    ]);
+    assert!(err.contains("m.b.weight") && err.contains("NaN"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn nothing_to_quantise_is_refused() {
+    let dir = tmp();
+    let model = Model::new()
+        .tensor(
+            "lm_head.weight",
+            DType::F32,
+            &[2, 16],
+            f32_bytes(&[1.0; 32]),
+        )
+        .tensor("norm.weight", DType::F32, &[16], f32_bytes(&[1.0; 16]))
+        .write(&dir.path().join("m"));
+    let out = dir.path().join("out");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_DYNAMIC",
+    ]);
+    assert!(err.contains("no Linear weight to quantise"), "{err}");
+    assert!(!out.exists());
+    // --no-default-ignore takes lm_head too.
+    ok(&tftf(&[
+        "quantize",
+        "-i",
+        s(&model),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_DYNAMIC",
+        "--no-default-ignore",
+        "-q",
+    ]));
+    let got = load_all(&out);
+    assert_eq!(got["lm_head.weight"].0, "F8_E4M3");
+    assert_eq!(got["lm_head.weight_scale"].1, vec![2, 1]);
+}
+
+#[test]
+fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = fixture("quantize/input_even");
+    ok(&quantize(
+        "FP8_BLOCK",
+        &input,
+        &out,
+        &["--format", "fp8-native"],
+    ));
+    let got = load_all(&out);
+    // transformers' Fp8Quantize output, for every weight it quantises (128 divides both sides).
+    let want = load_all(&fixture("quantize/FP8_BLOCK_native/model.safetensors"));
+    assert_eq!(want.len(), 10);
+    for (name, w) in &want {
+        assert_eq!(&got[name], w, "`{name}` differs from transformers'");
+    }
+    // k/v (64 rows), which transformers leaves alone, get ragged blocks as DeepSeek-V3 has.
+    let (d, shape, _) = &got["model.layers.0.self_attn.k_proj.weight_scale_inv"];
+    assert_eq!((d.as_str(), shape.as_slice()), ("F32", &[1usize, 2][..]));
+    let q = &read_json(&out.join("config.json"))["quantization_config"];
+    assert_eq!(q["quant_method"], "fp8");
+    assert_eq!(q["weight_block_size"], serde_json::json!([128, 128]));
+    assert_eq!(q["modules_to_not_convert"], serde_json::json!(["lm_head"]));
+    // tftf dequant reads it as the FP8 block format it is.
+    let back = dir.path().join("back");
+    ok(&tftf(&["dequant", "-i", s(&out), "-o", s(&back), "-q"]));
+    let back = load_all(&back);
+    assert_eq!(back["model.layers.0.self_attn.k_proj.weight"].0, "BF16");
+    assert!(!back.contains_key("model.layers.0.self_attn.k_proj.weight_scale_inv"));
+}
+
+#[test]
+fn fp8_native_holds_fp8_block_only() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("FP8_DYNAMIC");
+    let err = usage_error(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "FP8_DYNAMIC",
+        "--format",
+        "fp8-native",
+    ]);
+    assert!(err.contains("use --scheme FP8_BLOCK"), "{err}");
+    assert!(!out.exists());
+}
