@@ -446,8 +446,10 @@ pub struct MergeFsdpArgs {
     pub write: WriteArgs,
     #[command(flatten)]
     pub lora: AdapterOpts,
+    #[command(flatten)]
+    pub requant_args: RequantArgs,
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
 }
 

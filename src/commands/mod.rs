@@ -300,7 +300,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 }
                 None => a.shards.clone(),
             };
-            let mut steps = vec![lora_step_from(AdapterSource::Ranks(files), &a.lora)?];
+            let mut steps = vec![requant_step(
+                lora_step_from(AdapterSource::Ranks(files), &a.lora)?,
+                &a.requant_args,
+                a.dtype.is_some(),
+            )?];
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,

@@ -375,6 +375,8 @@ fn plan_requant(
         replaced.insert(
             s.id,
             Entry {
+                // Computed from the weight: errors and the plan name the weight's input.
+                source: o.source,
                 derive: Some(scale_derive),
                 relabel: false,
                 ..(*s).clone()
