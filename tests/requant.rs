@@ -169,6 +169,23 @@ fn fp8_case(base: &Path, scale: &str, quantize_extra: &[&str]) {
         }
     }
     check_report(&report, &out);
+    // A dry run measures nothing and reports no figures.
+    let dry = dir.path().join("dry.json");
+    ok(&tftf(&merge_lora(
+        base,
+        &a,
+        &dir.path().join("dry"),
+        &["--requant", "--dry-run", "--report", s(&dry)],
+    )));
+    let r = read_json(&dry);
+    assert!(
+        !r["tensor_reports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["op"] == "requant"),
+        "{r:#}"
+    );
 }
 
 fn check_report(report: &Path, out: &Path) {
@@ -340,7 +357,34 @@ fn requant_with_dtype_is_a_usage_error() {
         "bf16",
     ]);
     assert!(err.contains("--requant"), "{err}");
-    assert!(!out.exists());
+    // After --dequant-fp8 the base is not quantised any more.
+    let err = usage_error(&[
+        "run",
+        "-i",
+        s(&base),
+        "-o",
+        s(&out),
+        "--dequant-fp8",
+        "--merge-lora",
+        "--adapter",
+        s(&a),
+        "--requant",
+    ]);
+    assert!(err.contains("not quantised any more"), "{err}");
+    // While dequant then merge without the flag is the float route, as before.
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&base),
+        "-o",
+        s(&out),
+        "--dequant-fp8",
+        "--merge-lora",
+        "--adapter",
+        s(&a),
+    ]));
+    let got = load_all(&out);
+    assert_eq!(got[&format!("{LAYER}.self_attn.q_proj.weight")].0, "BF16");
 }
 
 #[test]

@@ -506,6 +506,8 @@ struct Stats {
     /// (Σ(q-m)², Σm²) per block of 128 rows.
     blocks: Vec<(f64, f64)>,
     saturated: u64,
+    /// Rows measured so far (none in a dry run, which then reports nothing).
+    rows: u64,
 }
 
 impl Stats {
@@ -513,6 +515,7 @@ impl Stats {
         Stats {
             blocks: vec![(0.0, 0.0); rows.div_ceil(STAT_ROWS) as usize],
             saturated: 0,
+            rows: 0,
         }
     }
 }
@@ -620,6 +623,7 @@ impl Requant {
         }
         let mut st = stats.lock().unwrap();
         st.saturated += saturated;
+        st.rows += n as u64;
         let first = rows.start as usize;
         for r in 0..n {
             let (mut err, mut norm) = (0f64, 0f64);
@@ -692,6 +696,9 @@ impl Op for Requant {
     }
     fn report(&self) -> Option<Value> {
         let st = self.stats.as_ref()?.lock().unwrap();
+        if st.rows == 0 {
+            return None;
+        }
         let (err, norm) = st
             .blocks
             .iter()
@@ -751,4 +758,54 @@ pub fn summary(reports: &[Value]) -> Option<String> {
             String::new()
         }
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(q: Value) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("quantization_config".into(), q);
+        m
+    }
+
+    #[test]
+    fn detects_the_supported_layouts_and_names_the_others() {
+        let d = |q: Value| detect(Some(&cfg(q)));
+        assert_eq!(detect(None), Ok(None));
+        assert_eq!(detect(Some(&Map::new())), Ok(None));
+        assert_eq!(
+            d(serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]})),
+            Ok(Some(BaseScheme::Fp8Native))
+        );
+        assert!(
+            d(serde_json::json!({"quant_method": "fp8", "weight_block_size": [64, 64]}))
+                .unwrap_err()
+                .contains("[64,64]")
+        );
+        assert!(d(serde_json::json!({"quant_method": "fp8"}))
+            .unwrap_err()
+            .contains("per-tensor"));
+        for scheme in [Scheme::Fp8Block, Scheme::Nvfp4A16] {
+            let want = if scheme == Scheme::Fp8Block {
+                BaseScheme::Fp8BlockCt
+            } else {
+                BaseScheme::Nvfp4Ct
+            };
+            assert_eq!(d(scheme.quantization_config(&[])), Ok(Some(want)));
+        }
+        assert!(d(Scheme::Fp8Dynamic.quantization_config(&[]))
+            .unwrap_err()
+            .contains("per-channel"));
+        assert!(d(Scheme::W4A16.quantization_config(&[]))
+            .unwrap_err()
+            .contains("pack-quantized"));
+        assert!(d(Scheme::Mxfp4A16.quantization_config(&[]))
+            .unwrap_err()
+            .contains("mxfp4-pack-quantized"));
+        assert!(d(serde_json::json!({"quant_method": "modelopt"}))
+            .unwrap_err()
+            .contains("modelopt"));
+    }
 }
