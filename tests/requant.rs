@@ -27,8 +27,7 @@ const TARGETS: [(&str, u64, u64); 4] = [
 const UNTOUCHED: [&str; 3] = ["self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"];
 const LAYER: &str = "model.layers.0";
 
-/// A rank-4 F32 LoRA adapter on [`TARGETS`], factors in ±0.1 (Δ of a few percent of the
-/// weights).
+/// A rank-4 F32 LoRA adapter on [`TARGETS`], factors in ±0.1, DoRA on gate_proj.
 fn adapter(dir: &Path) -> PathBuf {
     let mut rng = Rng(0x5eed);
     let mut small = |n: u64| -> Vec<u8> {
@@ -53,6 +52,16 @@ fn adapter(dir: &Path) -> PathBuf {
                 &[out, 4],
                 small(out * 4),
             );
+        // DoRA on gate_proj (ragged 320 rows): the merge rescales each row to a magnitude.
+        if module == "mlp.gate_proj" {
+            let mags: Vec<f32> = (0..out).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+            m = m.tensor(
+                &format!("{p}.lora_magnitude_vector"),
+                DType::F32,
+                &[out],
+                f32_bytes(&mags),
+            );
+        }
     }
     m.file(
         "adapter_config.json",
@@ -190,6 +199,17 @@ fn fp8_case(base: &Path, scale: &str, quantize_extra: &[&str]) {
 
 fn check_report(report: &Path, out: &Path) {
     let r = read_json(report);
+    let merge = r["tensor_reports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["op"] == "merge-lora")
+        .unwrap();
+    assert_eq!(
+        (&merge["merged"], &merge["dora"]),
+        (&4.into(), &1.into()),
+        "{merge}"
+    );
     let reqs: Vec<&serde_json::Value> = r["tensor_reports"]
         .as_array()
         .unwrap()
