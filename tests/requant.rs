@@ -521,3 +521,67 @@ fn same_bytes_and_figures_whatever_threads_and_chunks() {
         }
     }
 }
+
+#[test]
+fn merge_dcp_lora_requantises_an_f32_base_like_the_two_step_route() {
+    // A real FSDP LoRA checkpoint on an F32 model (config `dtype: float32`): the merged weights
+    // are rounded to F32 and quantised in F32, scales F32, as `quantize` does for F32 weights.
+    let case = fixture("torch/dcp/lora-2rank");
+    let dcp = case.join("pytorch_model_fsdp_0");
+    let cfg = case.join("adapter_config.json");
+    let dir = tmp();
+    let base = dir.path().join("base");
+    ok(&convert(
+        "quantize",
+        &case.join("base"),
+        &base,
+        &["--scheme", "FP8_BLOCK"],
+    ));
+    let out = dir.path().join("out");
+    ok(&tftf(&[
+        "merge-dcp-lora",
+        "-b",
+        s(&base),
+        "-c",
+        s(&dcp),
+        "--adapter-config",
+        s(&cfg),
+        "-o",
+        s(&out),
+        "--requant",
+    ]));
+    let mid = dir.path().join("mid");
+    ok(&tftf(&cmd(
+        "dequant",
+        &base,
+        &mid,
+        &[
+            "--merge-lora",
+            s(&dcp),
+            "--lora-config",
+            s(&cfg),
+            "--dtype",
+            "f32",
+        ],
+    )));
+    let two = dir.path().join("two");
+    ok(&convert("quantize", &mid, &two, &["--scheme", "FP8_BLOCK"]));
+    let (b, got, want) = (load_all(&base), load_all(&out), load_all(&two));
+    assert_eq!(got.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut merged = 0;
+    for name in b.keys() {
+        if got[name] != b[name] {
+            merged += 1;
+            assert!(
+                got[name] == want[name],
+                "{name}: same as dequant + quantize"
+            );
+            assert_eq!(got[name].0, b[name].0, "{name}: dtype kept");
+        }
+    }
+    assert!(merged >= 4, "{merged} tensors changed");
+    assert_eq!(
+        read_json(&base.join("config.json")),
+        read_json(&out.join("config.json"))
+    );
+}
