@@ -172,28 +172,20 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     result | (sign >> 24) as u8
 }
 
-/// E2M1 code of `y` (|y| ≤ 6), nearest even; see the module doc for the sign of zero.
+/// E2M1 code of `y` (|y| ≤ 6), nearest even; see the module doc for the sign of zero. The
+/// code is the number of rounding boundaries below |y| (ties alternate `<`/`≤` so they go to
+/// the even code), which compiles without branches.
 #[inline(always)]
 pub fn f32_to_e2m1(y: f32) -> u8 {
     let a = y.abs();
-    let idx = if a <= 0.25 {
-        0
-    } else if a < 0.75 {
-        1
-    } else if a <= 1.25 {
-        2
-    } else if a < 1.75 {
-        3
-    } else if a <= 2.5 {
-        4
-    } else if a < 3.5 {
-        5
-    } else if a <= 5.0 {
-        6
-    } else {
-        7
-    };
-    idx | if y < 0.0 { 8 } else { 0 }
+    let idx = u8::from(a > 0.25)
+        + u8::from(a >= 0.75)
+        + u8::from(a > 1.25)
+        + u8::from(a >= 1.75)
+        + u8::from(a > 2.5)
+        + u8::from(a >= 3.5)
+        + u8::from(a > 5.0);
+    idx | (u8::from(y < 0.0) << 3)
 }
 
 /// The E8M0 exponent of an MX group whose amax is `amax` (a value of `wt`), for elements whose
@@ -214,15 +206,21 @@ pub fn mx_exponent(wt: WeightType, amax: f32, elem_offset: i32) -> u8 {
     e.clamp(0, 255) as u8
 }
 
-/// `2^(e-127)` in the weight dtype, the float scale MX codes are divided by (a zero, from a
-/// dtype that cannot hold it, becomes eps as in `calculate_qparams`).
+/// `2^(e-127)` in the weight dtype, the float scale MX codes are divided by. A zero (F16 cannot
+/// hold 2^-25 and below) becomes 1: `calculate_qparams` replaces zero scales by the eps of the
+/// scale dtype, and U8's "eps" is 1.
 pub fn mx_scale(wt: WeightType, e: u8) -> f32 {
     let s = wt.round(2f64.powi(e as i32 - 127) as f32);
     if s == 0.0 {
-        wt.eps()
+        1.0
     } else {
         s
     }
+}
+
+/// The E8M0 byte stored for MX scale `s` (`compress_mx_scale`: `127 + floor(log2(s))`).
+pub fn mx_stored(s: f32) -> u8 {
+    (127 + s.log2().floor() as i32).clamp(0, 255) as u8
 }
 
 /// NVFP4's tensor scale for a (fused) amax: `448 · 6 / amax`, which torch evaluates as
@@ -260,6 +258,21 @@ pub fn e4m3_code(wt: WeightType, x: f32, s: f32) -> u8 {
 /// words), offset binary, dense.
 pub fn pack_int_row(codes: &[i32], bits: u32, out: &mut [u8]) {
     out.fill(0);
+    // The byte-aligned widths directly: the bitstream of 8-bit codes is one byte each, of 4-bit
+    // codes a byte per pair, low nibble first.
+    if bits == 8 {
+        for (o, &q) in out.iter_mut().zip(codes) {
+            *o = (q + 128) as u8;
+        }
+        return;
+    }
+    if bits == 4 {
+        for (o, pair) in out.iter_mut().zip(codes.chunks(2)) {
+            let hi = pair.get(1).map_or(0, |&q| (q + 8) as u8);
+            *o = (pair[0] + 8) as u8 | hi << 4;
+        }
+        return;
+    }
     let offset = 1i64 << (bits - 1);
     for (k, &q) in codes.iter().enumerate() {
         let v = (q as i64 + offset) as u64;
@@ -333,6 +346,14 @@ mod tests {
         assert_eq!(mx_exponent(wt, 448.0, 8), 128);
         assert_eq!(mx_exponent(wt, 2f32.powi(-130), 2), 0, "clamped at 0");
         assert_eq!(mx_scale(wt, 0), 2f32.powi(-127));
+        assert_eq!(mx_stored(mx_scale(wt, 0)), 0);
+        // F16 flushes 2^-127 to zero; the library then stores scale 1
+        assert_eq!(mx_stored(mx_scale(WeightType::F16, 0)), 127);
+        assert_eq!(
+            mx_stored(mx_scale(WeightType::F16, 103)),
+            103,
+            "2^-24, an f16 subnormal"
+        );
     }
 
     #[test]
@@ -343,5 +364,17 @@ mod tests {
         let mut out = [0u8; 8];
         pack_int_row(&[-128, 127, 0, 1, 5], 8, &mut out);
         assert_eq!(out, [0x00, 0xFF, 0x80, 0x81, 0x85, 0, 0, 0]);
+        // the general bitstream agrees with the byte-aligned shortcuts, odd lengths included
+        let codes: Vec<i32> = (0..37).map(|k| (k * 5 % 16) - 8).collect();
+        let mut fast = [0u8; 20];
+        pack_int_row(&codes, 4, &mut fast);
+        let mut slow = [0u8; 20];
+        for (k, &q) in codes.iter().enumerate() {
+            slow[k / 2] |= ((q + 8) as u8) << (4 * (k % 2));
+        }
+        assert_eq!(fast, slow);
+        let mut three = [0u8; 4];
+        pack_int_row(&[-4, 3, 0, 1], 3, &mut three);
+        assert_eq!(u32::from_le_bytes(three), 0b101_100_111_000);
     }
 }
