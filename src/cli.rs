@@ -402,6 +402,19 @@ pub struct AdapterOpts {
     pub lora_alpha: Option<f64>,
 }
 
+/// Requantisation after merging into a quantised base (`merge-lora`, `merge-dcp-lora`, `run
+/// --merge-lora`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct RequantArgs {
+    /// Quantise the merged weights again in the base's scheme and layout (FP8 128x128 blocks,
+    /// compressed-tensors NVFP4A16); the default for such a base when --dtype is not given
+    #[arg(long, conflicts_with = "no_requant")]
+    pub requant: bool,
+    /// Do not requantise a quantised base (merging into it is then refused: dequantise it first)
+    #[arg(long)]
+    pub no_requant: bool,
+}
+
 #[derive(Args, Debug)]
 pub struct MergeArgs {
     #[command(flatten)]
@@ -414,8 +427,10 @@ pub struct MergeArgs {
     pub write: WriteArgs,
     #[command(flatten)]
     pub lora: AdapterOpts,
+    #[command(flatten)]
+    pub requant_args: RequantArgs,
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
     /// Rename tensors: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
@@ -440,8 +455,10 @@ pub struct MergeDcpArgs {
     pub write: WriteArgs,
     #[command(flatten)]
     pub lora: AdapterOpts,
+    #[command(flatten)]
+    pub requant_args: RequantArgs,
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
     /// Rename tensors before merging: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
@@ -467,8 +484,10 @@ pub struct MergeFsdpArgs {
     pub write: WriteArgs,
     #[command(flatten)]
     pub lora: AdapterOpts,
+    #[command(flatten)]
+    pub requant_args: RequantArgs,
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
 }
 
@@ -610,6 +629,8 @@ pub struct MergeSection {
     pub value: Option<PathBuf>,
     #[command(flatten)]
     pub lora: AdapterOpts,
+    #[command(flatten)]
+    pub requant_args: RequantArgs,
 }
 
 /// `run --repack-fp4`.

@@ -411,6 +411,9 @@ fn convert_inner(
         if plan.computed_count() > 0 {
             println!("{}", device_line(&device));
         }
+        if let Some(line) = crate::ops::quantize::requant::summary(&tensor_reports(&plan)) {
+            println!("{line}");
+        }
     }
     if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_unavailable) {
         if sys::can_reflink(out_fs) {

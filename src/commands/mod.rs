@@ -220,6 +220,26 @@ pub fn arguments_text(matches: &ArgMatches, sections: &RunSections) -> String {
     out
 }
 
+/// The merge `step`, requantising a quantised base unless `--no-requant` or a cast of the merged
+/// weights (`cast_after`) asks for float output.
+fn requant_step(step: Step, r: &crate::cli::RequantArgs, cast_after: bool) -> Result<Step> {
+    use crate::ops::quantize::requant::{RequantMergeStep, RequantMode};
+    if r.requant && cast_after {
+        return Err(Error::Usage(
+            "--requant writes the base's quantised scheme; a --dtype cast of the merged weights contradicts it (drop one)".into(),
+        ));
+    }
+    let mode = match (r.requant, r.no_requant || cast_after) {
+        (true, _) => RequantMode::On,
+        (false, true) => return Ok(step),
+        (false, false) => RequantMode::Auto,
+    };
+    let Step::Op(merge) = step else {
+        unreachable!("a merge is an op step")
+    };
+    Ok(Step::Op(Arc::new(RequantMergeStep { merge, mode })))
+}
+
 /// Runs the command; returns the process exit code.
 /// `sections` are `run`'s pipe sections, split off the raw arguments by
 /// [`run_sections::split`] before clap parsed the rest into `matches`.
@@ -274,7 +294,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             // As in Python tftf, renames come first: the adapter is matched against the new
             // names.
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.push(lora_step(&a.adapter, &a.lora)?);
+            steps.push(requant_step(
+                lora_step(&a.adapter, &a.lora)?,
+                &a.requant_args,
+                a.dtype.is_some(),
+            )?);
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,
@@ -287,7 +311,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         }
         Command::MergeDcpLora(a) => {
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.push(lora_step(&a.checkpoint_dir, &a.lora)?);
+            steps.push(requant_step(
+                lora_step(&a.checkpoint_dir, &a.lora)?,
+                &a.requant_args,
+                a.dtype.is_some(),
+            )?);
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,
@@ -324,7 +352,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 }
                 None => a.shards.clone(),
             };
-            let mut steps = vec![lora_step_from(AdapterSource::Ranks(files), &a.lora)?];
+            let mut steps = vec![requant_step(
+                lora_step_from(AdapterSource::Ranks(files), &a.lora)?,
+                &a.requant_args,
+                a.dtype.is_some(),
+            )?];
             if let Some(d) = &a.dtype {
                 steps.push(Step::Cast {
                     dtype: cast_target(d)?,

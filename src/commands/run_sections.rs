@@ -17,7 +17,7 @@ use std::ffi::{OsStr, OsString};
 
 use clap::{Args, Command, FromArgMatches};
 
-use super::{cast_target, dequant_step, globs, lora_step, renames, repack_step};
+use super::{cast_target, dequant_step, globs, lora_step, renames, repack_step, requant_step};
 use crate::cli::{
     DequantSection, DtypeCastSection, KeyExcludeSection, KeyFilterSection, KeyRenameSection,
     MergeSection, RepackSection,
@@ -215,6 +215,9 @@ impl RunSections {
         // The FP8 and FP4 ops write BF16, F16 or F32 only: a later float64 cast of their
         // outputs is refused up front.
         let mut fp_op_before = false;
+        // A merge requantises a quantised base by default only when nothing else changes
+        // the weights' form: no dequant or repack before it, no cast anywhere.
+        let any_cast = self.sections.iter().any(|(k, _)| *k == "--dtype-cast");
         for (kind, tokens) in &self.sections {
             let m = self.parse(kind, tokens)?;
             let usage = |msg: String| Error::Usage(format!("{kind}: {msg}"));
@@ -287,7 +290,19 @@ impl RunSections {
                         .adapter
                         .or(s.value)
                         .ok_or_else(|| usage("requires --adapter PATH (or a bare PATH)".into()))?;
-                    steps.push(lora_step(&adapter, &s.lora).map_err(|e| usage(e.to_string()))?);
+                    if s.requant_args.requant && fp_op_before {
+                        return Err(usage(
+                            "--requant merges into the quantised base; after --dequant-fp8 or --repack-fp4 it is not quantised any more (drop --requant)".into(),
+                        ));
+                    }
+                    let step = lora_step(&adapter, &s.lora).map_err(|e| usage(e.to_string()))?;
+                    let step = if fp_op_before && !s.requant_args.requant {
+                        step
+                    } else {
+                        requant_step(step, &s.requant_args, any_cast)
+                            .map_err(|e| usage(e.to_string()))?
+                    };
+                    steps.push(step);
                 }
                 _ => {
                     let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;

@@ -24,6 +24,7 @@
 
 pub mod encode;
 pub mod ops;
+pub mod requant;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
