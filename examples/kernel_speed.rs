@@ -10,6 +10,9 @@ use tftf::ops::cast::cast_slice;
 use tftf::ops::fp4::engram::{requant_row_scalar, EngramRequant, BLOCK};
 use tftf::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
 use tftf::ops::lora::merge::{LoraFactors, LoraMerge};
+use tftf::ops::quantize::encode::WeightType;
+use tftf::ops::quantize::ops::{BlockMath, QuantizeRows};
+use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
 
 fn best_of<F: FnMut()>(mut f: F) -> f64 {
@@ -311,6 +314,59 @@ fn main() {
         codes_old == codes_new && scales_old == scales_new,
         "old and new bytes differ"
     );
+    // The quantisers of `tftf quantize` on a [4096, 4096] BF16 weight: codes and (but for
+    // FP8_BLOCK, whose scales a separate pass writes) scales, as the pipeline runs them.
+    let (rows, cols) = (4096u64, 4096u64);
+    let w: Vec<u8> = (0..rows * cols)
+        .flat_map(|i| {
+            tftf::ops::cast::f32_to_bf16(((i * 37 % 1999) as f32 - 999.0) * 1e-3).to_le_bytes()
+        })
+        .collect();
+    let wt = WeightType::of(DType::BF16).expect("bf16 weights");
+    for scheme in [
+        Scheme::Fp8Dynamic,
+        Scheme::Fp8Block,
+        Scheme::W4A16,
+        Scheme::Nvfp4A16,
+        Scheme::Mxfp4A16,
+        Scheme::Mxfp8A16,
+    ] {
+        let op = QuantizeRows {
+            scheme,
+            rows,
+            cols,
+            wt,
+            global: 1.0,
+            block: BlockMath::CompressedTensors,
+        };
+        let (cb, sb) = (op.out_unit_bytes(), op.extra_unit_bytes(0));
+        let mut codes = vec![0u8; (rows * cb) as usize];
+        let mut scales = vec![0u8; (rows * sb) as usize];
+        let run = |units: Range<u64>, ins: &[&[u8]], outs: &mut [&mut [u8]]| {
+            op.compute_all(units, ins, outs).unwrap()
+        };
+        for threads in [1u64, 2] {
+            let ins: [&[u8]; 1] = [&w];
+            let [t] = medians(&mut [&mut || {
+                if sb == 0 {
+                    let outs: &mut [&mut [u8]] = &mut [&mut codes];
+                    par_rows(rows, threads, &ins, &[cols * 2], outs, &[cb], &run)
+                } else {
+                    let outs: &mut [&mut [u8]] = &mut [&mut codes, &mut scales];
+                    par_rows(rows, threads, &ins, &[cols * 2], outs, &[cb, sb], &run)
+                }
+            }]);
+            report(
+                &format!("quantize bf16 -> {}", scheme.name()),
+                threads as usize,
+                rows * cols * 2,
+                rows * (cb + sb),
+                t,
+                &memcpy_t,
+            );
+        }
+    }
+    drop(w);
     // LoRA merge of a [4096, 4096] BF16 weight with r = 16 F32 factors (the product and the
     // epilogue), 2 threads over halves.
     let (n, r) = (4096u64, 16u64);
