@@ -28,6 +28,7 @@ if [ -n "${PYTHON:-}" ]; then
     PY=("$PYTHON" bench/quantize_reference.py)
     "${PY[@]}" gen "$D/in" "$LAYERS"
     BYTES=$(du -sb "$D/in" | cut -f1)
+    LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
     declare -A W R
     # tv KEY CMD...: wall seconds (cold cache) and max RSS (MiB) appended to W[KEY], R[KEY]
     tv() {
@@ -56,7 +57,7 @@ if [ -n "${PYTHON:-}" ]; then
         COMPARE+=("$("${PY[@]}" compare "$D/tftf-$s" "$D/llmc-$s" || true)")
         rm -rf "$D/tftf-$s" "$D/llmc-$s"
     done
-    echo "input: $BYTES bytes BF16 Llama ($LAYERS layers) in $(ls "$D/in" | grep -c safetensors$) files; tftf runs: $RUNS, llm-compressor: 1; machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB, CPU only; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "input: $BYTES bytes BF16 Llama ($LAYERS layers) in $(ls "$D/in" | grep -c safetensors$) files; tftf runs: $RUNS, llm-compressor: 1; machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB, CPU only; load average at the start: $LOAD0, at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "$("$PYTHON" -c 'import llmcompressor, compressed_tensors, torch, transformers as t; print("llmcompressor", llmcompressor.__version__, "compressed-tensors", compressed_tensors.__version__, "torch", torch.__version__, "transformers", t.__version__)' 2>/dev/null)"
     P=$(printf '%s\n' ${W[passthrough]} | median)
     for k in cp passthrough FP8_BLOCK NVFP4A16 FP8_BLOCK-1GiB NVFP4A16-1GiB llmc-FP8_BLOCK llmc-NVFP4A16; do
