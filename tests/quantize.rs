@@ -396,3 +396,39 @@ fn fp8_native_holds_fp8_block_only() {
     assert!(err.contains("use --scheme FP8_BLOCK"), "{err}");
     assert!(!out.exists());
 }
+
+#[test]
+fn decoded_rows_fit_the_budget_beside_the_pool() {
+    // The quantisers decode each chunk's rows to f32 outside the pool's buffers: the pool gives
+    // up a chunk per compute thread for that, so pool and scratch together stay in the budget.
+    let budget = 16u64 << 20;
+    for scheme in ["FP8_BLOCK", "NVFP4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let report = dir.path().join("r.json");
+        ok(&quantize(
+            scheme,
+            &input_of(scheme),
+            &out,
+            &[
+                "--threads",
+                "2",
+                "--memory-budget",
+                "16MiB",
+                "--report",
+                s(&report),
+            ],
+        ));
+        let r = read_json(&report);
+        let (pool, chunk, threads) = (
+            r["pool_bytes"].as_u64().unwrap(),
+            r["chunk_bytes"].as_u64().unwrap(),
+            r["threads"].as_u64().unwrap(),
+        );
+        assert!(
+            pool + threads * chunk <= budget,
+            "{scheme}: pool {pool} + {threads} x chunk {chunk} > {budget}"
+        );
+        assert_matches_library(scheme, &out);
+    }
+}

@@ -871,6 +871,7 @@ pub(crate) fn report_json(
         "io_threads": stats.map(|s| s.io_threads),
         "memory_budget_bytes": opts.memory_budget,
         "chunk_bytes": stats.map(|s| s.chunk_bytes),
+        "pool_bytes": stats.map(|s| s.pool_bytes),
         "pool_peak_bytes": stats.map(|s| s.pool_peak_bytes),
         "wall_seconds": started.elapsed().as_secs_f64(),
         "peak_rss_bytes": sys::peak_rss(),

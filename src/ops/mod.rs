@@ -34,6 +34,12 @@ pub trait Op: Send + Sync + Debug {
     fn granularity(&self) -> u64 {
         1
     }
+    /// Working memory per unit that lives outside the pool's buffers while a chunk computes
+    /// (rows decoded to f32, say). Chunks shrink to hold it, and the pool leaves room for one
+    /// chunk's worth per compute thread, so the budget holds.
+    fn scratch_unit_bytes(&self) -> u64 {
+        0
+    }
     /// Byte ranges of each input tensor (relative to its first byte) needed for `units`.
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>>;
     /// Fills `out` (exactly `units.len() * out_unit_bytes()` bytes) from `inputs`, laid out as

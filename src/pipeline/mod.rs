@@ -295,6 +295,22 @@ pub fn execute(
 ) -> Result<RunStats> {
     let mut pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
     let mut chunk_bytes = chunk_bytes_for_pool(pool_bytes);
+    // With a GPU, at least one worker per lane keeps both streams busy.
+    let threads = match cfg.gpu {
+        Some(_) => cfg.threads.max(crate::gpu::cuda::LANES),
+        None => cfg.threads.max(1),
+    };
+    // Ops that work outside the pool's buffers use up to a chunk each per compute thread:
+    // that comes out of the pool.
+    let scratch = plan
+        .tensors
+        .iter()
+        .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.scratch_unit_bytes() > 0));
+    if scratch {
+        let reserve = (threads as u64 * chunk_bytes).min(pool_bytes / 2);
+        pool_bytes -= reserve;
+        chunk_bytes = chunk_bytes.min(reserve / threads as u64).max(1);
+    }
     let mut gpu_staging_bytes = 0;
     if cfg.gpu.is_some() {
         // Each GPU lane stages a chunk's inputs and outputs in pinned memory; that comes out of
@@ -346,11 +362,6 @@ pub fn execute(
     for s in &ckpt.shards {
         sys::advise_sequential(&s.file);
     }
-    // With a GPU, at least one worker per lane keeps both streams busy.
-    let threads = match cfg.gpu {
-        Some(_) => cfg.threads.max(crate::gpu::cuda::LANES),
-        None => cfg.threads.max(1),
-    };
     let (work_tx, work_rx) = bounded::<Work>(threads * 2);
     let (done_tx, done_rx) = bounded::<Done>((threads * 2).max(io_threads * 2));
     // The window is shared out among the writers so the bytes in flight to disk stay the same.
@@ -653,7 +664,8 @@ fn emit_compute(
         // walked chunk by chunk for hours.
         return Ok(());
     }
-    let per_unit = out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1);
+    let per_unit =
+        out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1) + op.scratch_unit_bytes();
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
     let mut u = 0;

@@ -251,6 +251,10 @@ impl Op for QuantizeRows {
             1
         }
     }
+    fn scratch_unit_bytes(&self) -> u64 {
+        // The rows decoded to f32 (the int schemes' codes take one more row, reused).
+        self.cols * 4
+    }
     fn extra_outputs(&self) -> usize {
         usize::from(self.scheme != Scheme::Fp8Block)
     }
@@ -328,6 +332,10 @@ impl Op for Fp8BlockScales {
     }
     fn in_unit_bytes(&self) -> u64 {
         FP8_BLOCK * self.cols * self.wt.bytes() as u64
+    }
+    fn scratch_unit_bytes(&self) -> u64 {
+        // The block rows decoded to f32.
+        FP8_BLOCK * self.cols * 4
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.cols * self.wt.bytes() as u64;

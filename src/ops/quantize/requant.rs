@@ -657,6 +657,14 @@ impl Op for Requant {
         // The inner op's inputs plus the merged rows it leaves in scratch.
         self.rows_per_unit * (self.inner.in_unit_bytes() + self.inner.out_unit_bytes())
     }
+    fn scratch_unit_bytes(&self) -> u64 {
+        // The merged rows, the quantiser's decoded rows and, with figures, the merged and
+        // requantised values as f32 beside them.
+        let figures = if self.stats.is_some() { 3 } else { 1 };
+        self.rows_per_unit * self.inner.out_unit_bytes()
+            + figures * self.outer.scratch_unit_bytes()
+            + self.rows_per_unit * self.inner.scratch_unit_bytes()
+    }
     fn granularity(&self) -> u64 {
         let g = self.inner.granularity();
         let inner_units = g / gcd(g, self.rows_per_unit);
