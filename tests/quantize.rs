@@ -432,3 +432,25 @@ fn decoded_rows_fit_the_budget_beside_the_pool() {
         assert_matches_library(scheme, &out);
     }
 }
+
+#[test]
+fn parts_with_another_scheme_are_refused_naming_it() {
+    // quantize's arguments are in a partitioned run's fingerprint like every command's.
+    let dir = tmp();
+    let out = dir.path().join("out");
+    ok(&quantize(
+        "FP8_BLOCK",
+        &input_of("FP8_BLOCK"),
+        &out,
+        &["--part", "1/2"],
+    ));
+    let o = quantize(
+        "FP8_DYNAMIC",
+        &input_of("FP8_BLOCK"),
+        &out,
+        &["--part", "2/2"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("the arguments differ (scheme)"), "{e}");
+}

@@ -117,13 +117,9 @@ impl RunOpts {
 }
 
 impl WriteOptions {
-    /// Sets the canonical argument text the run's fingerprint includes.
-    pub fn with_arguments(mut self, arguments: &str) -> WriteOptions {
-        self.arguments = arguments.to_string();
-        self
-    }
-
-    pub fn from_args(w: &WriteArgs) -> Result<WriteOptions> {
+    /// `arguments`: the command and its output-relevant arguments ([`super::arguments_text`]),
+    /// which a partitioned or resumed run's fingerprint includes.
+    pub fn from_args(w: &WriteArgs, arguments: &str) -> Result<WriteOptions> {
         if w.finalize && w.part.is_none() {
             return Err(Error::Usage(
                 "--finalize goes with --part K/N (a --resume run without --part finalizes by itself)".into(),
@@ -160,7 +156,7 @@ impl WriteOptions {
             part: w.part.as_deref().map(PartSpec::parse).transpose()?,
             resume: w.resume,
             finalize: w.finalize,
-            arguments: String::new(),
+            arguments: arguments.to_string(),
         })
     }
 }

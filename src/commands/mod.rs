@@ -253,13 +253,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         }
         Command::Passthrough(a) => {
             let steps = passthrough_steps(a)?;
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("passthrough", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::Run(a) => {
             let steps = sections.steps()?;
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -268,7 +268,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             if let Some(adapter) = &a.merge_lora {
                 steps.push(lora_step(adapter, &a.lora)?);
             }
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("dequant", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -286,7 +286,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 ignore,
                 !a.no_default_ignore,
             )?))];
-            let opts = WriteOptions::from_args(&a.write)?;
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("quantize", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -305,7 +305,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
@@ -322,7 +322,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert(
                 "merge-dcp-lora",
                 &input_path(&a.input)?,
@@ -363,7 +363,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                     cast_ints: false,
                 });
             }
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert(
                 "merge-fsdp-lora",
                 &input_path(&a.input)?,
@@ -375,7 +375,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         }
         Command::RepackFp4(a) => {
             let steps = vec![repack_step(&a.fp4)?];
-            let opts = WriteOptions::from_args(&a.write)?.with_arguments(&arguments);
+            let opts = WriteOptions::from_args(&a.write, &arguments)?;
             let input = flag_or_positional(&a.src, &a.model)?;
             convert("repack-fp4", &input, &steps, &opts, cancel)?;
             Ok(0)
