@@ -112,6 +112,42 @@ pub trait Derive: Send + Sync + Debug {
     }
 }
 
+/// A derived tensor whose op is fixed at plan time (no later cast changes it).
+#[derive(Debug)]
+pub struct FixedOp {
+    pub inputs: Vec<usize>,
+    pub op: Arc<dyn Op>,
+}
+
+impl Derive for FixedOp {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, _dst: DType) -> Arc<dyn Op> {
+        self.op.clone()
+    }
+}
+
+/// A tensor that another entry's op writes as its extra output `output` (1-based): scales
+/// written with their codes.
+#[derive(Debug)]
+pub struct ExtraOutput {
+    pub primary: usize,
+    pub output: usize,
+}
+
+impl Derive for ExtraOutput {
+    fn inputs(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    fn build(&self, _dst: DType) -> Arc<dyn Op> {
+        unreachable!("extra outputs are written by their primary's op")
+    }
+    fn secondary_of(&self) -> Option<(usize, usize)> {
+        Some((self.primary, self.output))
+    }
+}
+
 /// What planning found worth reporting.
 #[derive(Debug, Default)]
 pub struct PlanNotes {

@@ -20,8 +20,7 @@ use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode, NvTens
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 
 pub const DEFAULT_EXPERT_PATTERN: &str =
     r"^(?P<prefix>(?:.*\.)?(?:layers|mtp)\.\d+\.ffn\.experts\.\d+)\.(?P<proj>w[123])\.weight$";
@@ -84,41 +83,6 @@ pub fn mxfp4_expert_scale(name: &str, dtype: DType) -> Option<String> {
         return None;
     }
     re.captures(name).map(|c| expert_parts(&c).2)
-}
-
-/// Simple derived tensors: an op and its inputs, fixed at plan time.
-#[derive(Debug)]
-struct Fixed {
-    inputs: Vec<usize>,
-    op: Arc<dyn Op>,
-}
-
-impl Derive for Fixed {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, _dst: DType) -> Arc<dyn Op> {
-        self.op.clone()
-    }
-}
-
-/// The scale tensor that an extra output of another entry's op fills.
-#[derive(Debug)]
-struct Secondary {
-    primary: usize,
-    output: usize,
-}
-
-impl Derive for Secondary {
-    fn inputs(&self) -> Vec<usize> {
-        Vec::new()
-    }
-    fn build(&self, _dst: DType) -> Arc<dyn Op> {
-        unreachable!("secondary outputs are written by their primary's op")
-    }
-    fn secondary_of(&self) -> Option<(usize, usize)> {
-        Some((self.primary, self.output))
-    }
 }
 
 fn read_tensor(
@@ -433,7 +397,7 @@ impl RepackFp4Step {
                     if choice.reencoded == 0 {
                         w.relabel = true;
                     } else {
-                        w.derive = Some(Arc::new(Fixed {
+                        w.derive = Some(Arc::new(FixedOp {
                             inputs: vec![wsrc, ssrc],
                             op: Arc::new(NvReencode {
                                 rows: x.rows,
@@ -446,7 +410,7 @@ impl RepackFp4Step {
                     s.name = format!("{prefix}.{proj}.weight_scale");
                     s.dtype = DType::F8_E4M3;
                     s.shape = vec![x.rows, 2 * x.groups];
-                    s.derive = Some(Arc::new(Fixed {
+                    s.derive = Some(Arc::new(FixedOp {
                         inputs: vec![ssrc],
                         op: Arc::new(NvBlockScales {
                             rows: x.rows,
@@ -462,7 +426,7 @@ impl RepackFp4Step {
                             source: ssrc,
                             dtype: DType::F32,
                             shape: Vec::new(),
-                            derive: Some(Arc::new(Fixed {
+                            derive: Some(Arc::new(FixedOp {
                                 inputs: Vec::new(),
                                 op: Arc::new(NvTensorScale { g }),
                             })),
@@ -535,11 +499,11 @@ impl RepackFp4Step {
             let w = &mut entries[wi];
             w.dtype = DType::U8;
             w.shape = vec![rows, cols / 2];
-            w.derive = Some(Arc::new(Fixed {
+            w.derive = Some(Arc::new(FixedOp {
                 inputs: vec![wsrc, ssrc],
                 op: Arc::new(EngramRequant::new(rows, cols)),
             }));
-            entries[si].derive = Some(Arc::new(Secondary {
+            entries[si].derive = Some(Arc::new(ExtraOutput {
                 primary: wid,
                 output: 1,
             }));

@@ -34,8 +34,7 @@ use serde_json::{json, Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 use crate::transform::Glob;
 use encode::{amax, nvfp4_global_scale, WeightType};
 use ops::{BlockMath, Constant, Fp8BlockScales, QuantizeRows};
@@ -361,40 +360,6 @@ impl QuantizeStep {
     }
 }
 
-/// A derived tensor whose op is fixed at plan time.
-#[derive(Debug)]
-struct Fixed {
-    inputs: Vec<usize>,
-    op: Arc<dyn Op>,
-}
-
-impl Derive for Fixed {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, _dst: DType) -> Arc<dyn Op> {
-        self.op.clone()
-    }
-}
-
-/// The scales a [`QuantizeRows`] writes as its extra output.
-#[derive(Debug)]
-struct Secondary {
-    primary: usize,
-}
-
-impl Derive for Secondary {
-    fn inputs(&self) -> Vec<usize> {
-        Vec::new()
-    }
-    fn build(&self, _dst: DType) -> Arc<dyn Op> {
-        unreachable!("scales are written by their weight's op")
-    }
-    fn secondary_of(&self) -> Option<(usize, usize)> {
-        Some((self.primary, 1))
-    }
-}
-
 /// The amax of a whole weight, read in pieces (for NVFP4 tensor scales).
 fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
     let t = &ckpt.tensors[src];
@@ -559,7 +524,10 @@ impl PlanStep for QuantizeStep {
                 ));
                 next_id += 1;
             };
-            let secondary = Arc::new(Secondary { primary: id });
+            let secondary = Arc::new(ExtraOutput {
+                primary: id,
+                output: 1,
+            });
             let w = wt.dtype();
             let (code_dtype, code_shape) = match scheme {
                 Scheme::Fp8Dynamic => {
@@ -575,7 +543,7 @@ impl PlanStep for QuantizeStep {
                         math,
                     };
                     let shape = vec![rows.div_ceil(128), cols.div_ceil(128)];
-                    let d = Arc::new(Fixed {
+                    let d = Arc::new(FixedOp {
                         inputs: vec![src],
                         op: Arc::new(scales),
                     });
@@ -598,7 +566,7 @@ impl PlanStep for QuantizeStep {
                         "weight_shape",
                         DType::I64,
                         vec![2],
-                        Arc::new(Fixed {
+                        Arc::new(FixedOp {
                             inputs: Vec::new(),
                             op: shape_op,
                         }),
@@ -621,7 +589,7 @@ impl PlanStep for QuantizeStep {
                         "weight_global_scale",
                         DType::F32,
                         vec![1],
-                        Arc::new(Fixed {
+                        Arc::new(FixedOp {
                             inputs: Vec::new(),
                             op: g_op,
                         }),
@@ -643,7 +611,7 @@ impl PlanStep for QuantizeStep {
             }
             e.dtype = code_dtype;
             e.shape = code_shape;
-            e.derive = Some(Arc::new(Fixed {
+            e.derive = Some(Arc::new(FixedOp {
                 inputs: vec![src],
                 op: Arc::new(op),
             }));

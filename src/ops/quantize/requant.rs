@@ -37,7 +37,7 @@ use crate::ops::fp4::engram::e2m1_to_f32;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep};
 
 /// A base layout that can be requantised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -360,7 +360,10 @@ fn plan_requant(
             },
         );
         let scale_derive: Arc<dyn Derive> = match base {
-            BaseScheme::Nvfp4Ct => Arc::new(Scales { primary: o.id }),
+            BaseScheme::Nvfp4Ct => Arc::new(ExtraOutput {
+                primary: o.id,
+                output: 1,
+            }),
             _ => Arc::new(RequantDerive {
                 merged,
                 wt,
@@ -480,24 +483,6 @@ impl Derive for RequantDerive {
             },
             stats: self.stats.clone(),
         })
-    }
-}
-
-/// NVFP4 block scales: the codes op's extra output.
-#[derive(Debug)]
-struct Scales {
-    primary: usize,
-}
-
-impl Derive for Scales {
-    fn inputs(&self) -> Vec<usize> {
-        Vec::new()
-    }
-    fn build(&self, _dst: DType) -> Arc<dyn Op> {
-        unreachable!("scales are written by their weight's op")
-    }
-    fn secondary_of(&self) -> Option<(usize, usize)> {
-        Some((self.primary, 1))
     }
 }
 
