@@ -240,6 +240,23 @@ fn requant_step(step: Step, r: &crate::cli::RequantArgs, cast_after: bool) -> Re
     Ok(Step::Op(Arc::new(RequantMergeStep { merge, mode })))
 }
 
+/// A merge command's steps after its renames: the merge (requantising a quantised base unless
+/// told otherwise), then the `--dtype` cast.
+fn merge_steps(
+    merge: Step,
+    r: &crate::cli::RequantArgs,
+    dtype: &Option<String>,
+) -> Result<Vec<Step>> {
+    let mut steps = vec![requant_step(merge, r, dtype.is_some())?];
+    if let Some(d) = dtype {
+        steps.push(Step::Cast {
+            dtype: cast_target(d)?,
+            cast_ints: false,
+        });
+    }
+    Ok(steps)
+}
+
 /// Runs the command; returns the process exit code.
 /// `sections` are `run`'s pipe sections, split off the raw arguments by
 /// [`run_sections::split`] before clap parsed the rest into `matches`.
@@ -294,34 +311,22 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             // As in Python tftf, renames come first: the adapter is matched against the new
             // names.
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.push(requant_step(
+            steps.extend(merge_steps(
                 lora_step(&a.adapter, &a.lora)?,
                 &a.requant_args,
-                a.dtype.is_some(),
+                &a.dtype,
             )?);
-            if let Some(d) = &a.dtype {
-                steps.push(Step::Cast {
-                    dtype: cast_target(d)?,
-                    cast_ints: false,
-                });
-            }
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
             Ok(0)
         }
         Command::MergeDcpLora(a) => {
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.push(requant_step(
+            steps.extend(merge_steps(
                 lora_step(&a.checkpoint_dir, &a.lora)?,
                 &a.requant_args,
-                a.dtype.is_some(),
+                &a.dtype,
             )?);
-            if let Some(d) = &a.dtype {
-                steps.push(Step::Cast {
-                    dtype: cast_target(d)?,
-                    cast_ints: false,
-                });
-            }
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert(
                 "merge-dcp-lora",
@@ -352,17 +357,11 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 }
                 None => a.shards.clone(),
             };
-            let mut steps = vec![requant_step(
+            let steps = merge_steps(
                 lora_step_from(AdapterSource::Ranks(files), &a.lora)?,
                 &a.requant_args,
-                a.dtype.is_some(),
-            )?];
-            if let Some(d) = &a.dtype {
-                steps.push(Step::Cast {
-                    dtype: cast_target(d)?,
-                    cast_ints: false,
-                });
-            }
+                &a.dtype,
+            )?;
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
             convert(
                 "merge-fsdp-lora",

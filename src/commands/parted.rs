@@ -289,7 +289,7 @@ fn write_part(
     let mut own_prev = None;
     let mut ok: HashSet<String> = HashSet::new();
     for (path, r) in read_part_records(dir)? {
-        if r.part.n == part.n && r.digest == digest {
+        if r.part.n == part.n && r.fingerprint == *fp {
             ok.extend(r.assigned.iter().map(|(_, n)| n.clone()));
             if r.part == part {
                 own_prev = Some(r);
@@ -355,7 +355,6 @@ fn write_part(
     let mut record = PartRecord {
         part,
         fingerprint: fp.clone(),
-        digest: digest.to_string(),
         checksums,
         shards_total: layout.shards.len(),
         assigned: mine
@@ -485,14 +484,7 @@ fn write_group(
     };
     // A record describes the file it was made for: gone before the file is replaced.
     for &s in group {
-        let rec = dir
-            .join(parts::PARTS_DIR)
-            .join(format!("shard-{s:05}.json"));
-        match std::fs::remove_file(&rec) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io(&rec, e)),
-        }
+        ShardRecord::remove(dir, s)?;
     }
     let mut temps = Temps(Vec::new());
     let mut files = Vec::with_capacity(group.len());

@@ -584,7 +584,6 @@ pub fn assign(ckpt: &Checkpoint, plan: &Plan, layout: &Layout, n: usize) -> Vec<
 pub struct PartRecord {
     pub part: PartSpec,
     pub fingerprint: Fingerprint,
-    pub digest: String,
     pub checksums: bool,
     pub shards_total: usize,
     /// (layout index, file name) of the shards assigned to this part.
@@ -654,7 +653,6 @@ impl PartRecord {
             .collect::<Result<Vec<_>>>()?;
         Ok(PartRecord {
             part: PartSpec { k, n },
-            digest: fingerprint.digest(),
             fingerprint,
             checksums: v["checksums"]
                 .as_bool()
@@ -699,6 +697,15 @@ impl ShardRecord {
         });
         let text = serde_json::to_string(&v).expect("JSON value");
         write_atomic(&shard_record_path(dir, self.index), text.as_bytes())
+    }
+
+    /// Removes shard `index`'s record, if any: before its file is replaced.
+    pub fn remove(dir: &Path, index: usize) -> Result<()> {
+        let path = shard_record_path(dir, index);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&path, e)),
+            _ => Ok(()),
+        }
     }
 
     pub fn read(dir: &Path, index: usize) -> Result<Option<ShardRecord>> {
@@ -859,10 +866,10 @@ pub fn try_finalize(dir: &Path, force: bool) -> Result<std::result::Result<Final
             )))
         }
     };
-    if let Some(why) = waiting_for(dir)? {
-        return Ok(Err(NotReady::Waiting(why)));
+    match done_parts(dir)? {
+        Ok(records) => finalize_locked(dir, force, lock, records).map(Ok),
+        Err(why) => Ok(Err(NotReady::Waiting(why))),
     }
-    finalize_locked(dir, force, lock).map(Ok)
 }
 
 /// `tftf finalize DIR`.
@@ -874,17 +881,21 @@ pub fn finalize(dir: &Path, force: bool) -> Result<Finalized> {
         )));
     }
     let lock = finalize_lock(dir)?;
-    if let Some(why) = waiting_for(dir)? {
-        return Err(Error::Other(format!(
+    match done_parts(dir)? {
+        Ok(records) => finalize_locked(dir, force, lock, records),
+        Err(why) => Err(Error::Other(format!(
             "{}: cannot finalize: {why}",
             dir.display()
-        )));
+        ))),
     }
-    finalize_locked(dir, force, lock)
 }
 
-/// The first reason the parts are not all done: one running, missing or unfinished.
-fn waiting_for(dir: &Path) -> Result<Option<String>> {
+/// Part records with the files they were read from.
+type Records = Vec<(PathBuf, PartRecord)>;
+
+/// Every part's record when all parts are done; otherwise the first reason they are not: one
+/// running, missing or unfinished.
+fn done_parts(dir: &Path) -> Result<std::result::Result<Records, String>> {
     for l in part_locks(dir) {
         if let Some(h) = live_holder(&l) {
             let stem = l
@@ -892,15 +903,12 @@ fn waiting_for(dir: &Path) -> Result<Option<String>> {
                 .unwrap_or_default()
                 .to_string_lossy()
                 .into_owned();
-            return Ok(Some(format!(
-                "{} is still running ({h})",
-                part_label(&stem)
-            )));
+            return Ok(Err(format!("{} is still running ({h})", part_label(&stem))));
         }
     }
     let records = read_part_records(dir)?;
     let Some((first_path, first)) = records.first() else {
-        return Ok(Some(format!(
+        return Ok(Err(format!(
             "no part has started (no records in {PARTS_DIR})"
         )));
     };
@@ -914,7 +922,7 @@ fn waiting_for(dir: &Path) -> Result<Option<String>> {
                 first.part.n
             )));
         }
-        if r.digest != first.digest {
+        if r.fingerprint != first.fingerprint {
             return Err(Error::Other(format!(
                 "{} and {}: the parts were run with different arguments or inputs ({}); rerun them with one command line",
                 first_path.display(),
@@ -927,16 +935,16 @@ fn waiting_for(dir: &Path) -> Result<Option<String>> {
     for k in 1..=n {
         let label = PartSpec { k, n }.label();
         match records.iter().find(|(_, r)| r.part.k == k) {
-            None => return Ok(Some(format!("{label} has not run"))),
+            None => return Ok(Err(format!("{label} has not run"))),
             Some((_, r)) if !r.complete => {
-                return Ok(Some(format!(
+                return Ok(Err(format!(
                     "{label} has not finished (killed? rerun it with --resume)"
                 )))
             }
             Some(_) => {}
         }
     }
-    Ok(None)
+    Ok(Ok(records))
 }
 
 fn part_label(stem: &str) -> String {
@@ -955,12 +963,17 @@ fn part_label(stem: &str) -> String {
         .unwrap_or_else(|| stem.to_string())
 }
 
-fn finalize_locked(dir: &Path, force: bool, lock: LeaseLock) -> Result<Finalized> {
+fn finalize_locked(
+    dir: &Path,
+    force: bool,
+    lock: LeaseLock,
+    records: Records,
+) -> Result<Finalized> {
     use super::checksum::{
         hash_bytes, hash_file, manifest_json, sums_text, MANIFEST_NAME, SUMS_NAME,
     };
-    let records = read_part_records(dir)?;
     let first = records[0].1.clone();
+    let digest = first.fingerprint.digest();
     let shards_total = first.shards_total;
     let mut names: Vec<Option<String>> = vec![None; shards_total];
     for (p, r) in &records {
@@ -1002,7 +1015,7 @@ fn finalize_locked(dir: &Path, force: bool, lock: LeaseLock) -> Result<Finalized
         };
         let rerun = || format!("rerun {} with --resume", owner(i));
         let rec = match ShardRecord::read(dir, i)? {
-            Some(r) if r.digest == first.digest && &r.name == name => r,
+            Some(r) if r.digest == digest && &r.name == name => r,
             _ => {
                 return Err(Error::Other(format!(
                     "{}: {name} has no record of being written by this run; {}",
