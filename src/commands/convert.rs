@@ -280,18 +280,18 @@ fn convert_inner(
     }
     let claim = target.claim(&names, opts.force)?;
     let needed = run.needed_bytes(&layout, &sides);
-    let free = sys::free_space(&nearest_existing(&resolve(&out_dir))).ok();
+    let free = run.free_space();
 
     if opts.dry_run {
         if !opts.quiet {
-            run.print_plan(needed, free);
+            print_plan(&run, needed, free);
             print_claim(&claim);
             if plan.computed_count() > 0 {
                 println!("{}", device_line(&device));
             }
         }
         if let Some(path) = &opts.report {
-            let report = run.report(None, true);
+            let report = report_json(&run, None, true);
             write_report(path, &report)?;
         }
         return Ok(());
@@ -422,7 +422,7 @@ fn convert_inner(
         eprintln!("info: pool buffers not registered with the GPU driver, copies go through staging buffers: {why}");
     }
     publish_report(opts.report.as_deref(), opts.progress, command, || {
-        run.report(Some(&stats), false)
+        report_json(&run, Some(&stats), false)
     });
     Ok(())
 }
@@ -487,6 +487,11 @@ impl Prepared<'_> {
         layout.total_file_bytes() + side_bytes - shared
     }
 
+    /// Free space where the output goes (its nearest existing directory).
+    pub fn free_space(&self) -> Option<u64> {
+        sys::free_space(&nearest_existing(&resolve(&self.target.dir))).ok()
+    }
+
     pub fn pipeline_config(&self, cancel: &Cancel, progress: Option<Progress>) -> PipelineConfig {
         PipelineConfig {
             threads: self.opts.threads,
@@ -509,35 +514,6 @@ impl Prepared<'_> {
                 None => s.tensors.iter().map(|&t| self.plan.tensors[t].nbytes).sum(),
             })
             .collect()
-    }
-
-    pub fn report(&self, stats: Option<&pipeline::RunStats>, dry_run: bool) -> Value {
-        report_json(
-            self.command,
-            self.ckpt,
-            self.plan,
-            self.layout,
-            self.target,
-            self.sides,
-            self.opts,
-            self.device,
-            stats,
-            self.started,
-            dry_run,
-        )
-    }
-
-    pub fn print_plan(&self, needed: u64, free: Option<u64>) {
-        print_plan(
-            self.ckpt,
-            self.plan,
-            self.layout,
-            self.target,
-            self.sides,
-            self.opts,
-            needed,
-            free,
-        );
     }
 }
 
@@ -669,17 +645,9 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
     map.into_iter().map(|(k, (n, a, b))| (k, n, a, b)).collect()
 }
 
-#[allow(clippy::too_many_arguments)]
-fn print_plan(
-    ckpt: &Checkpoint,
-    plan: &Plan,
-    layout: &Layout,
-    target: &OutputTarget,
-    sides: &[PathBuf],
-    opts: &WriteOptions,
-    needed: u64,
-    free: Option<u64>,
-) {
+pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
+    let (ckpt, plan, layout, target, sides, opts) =
+        (p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts);
     println!(
         "plan: {} of {} input tensors -> {} file(s) in {} (dry run: nothing written)",
         plan.tensors.len(),
@@ -756,6 +724,11 @@ fn print_plan(
         human(opts.memory_budget),
         opts.threads
     );
+    print_disk_line(needed, free);
+}
+
+/// The dry run's free-space line.
+pub(crate) fn print_disk_line(needed: u64, free: Option<u64>) {
     match free {
         Some(f) => println!(
             "  disk: needs {}, {} free: {}",
@@ -776,20 +749,14 @@ pub(crate) fn device_line(device: &Device) -> String {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn report_json(
-    command: &str,
-    ckpt: &Checkpoint,
-    plan: &Plan,
-    layout: &Layout,
-    target: &OutputTarget,
-    sides: &[PathBuf],
-    opts: &WriteOptions,
-    device: &Device,
+    p: &Prepared,
     stats: Option<&pipeline::RunStats>,
-    started: Instant,
     dry_run: bool,
 ) -> Value {
+    let (command, ckpt, plan, layout, target, sides, opts, device, started) = (
+        p.command, p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts, p.device, p.started,
+    );
     let gpu = device.gpu.as_ref().map(|g| {
         let c = &g.counters;
         let busy = c.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9;

@@ -617,15 +617,7 @@ fn print_plan(
         human(opts.memory_budget),
         opts.threads
     );
-    match free {
-        Some(f) => println!(
-            "  disk: needs {}, {} free: {}",
-            human(needed),
-            human(f),
-            if f >= needed { "ok" } else { "NOT ENOUGH" }
-        ),
-        None => println!("  disk: needs {}, free space unknown", human(needed)),
-    }
+    crate::commands::convert::print_disk_line(needed, free);
 }
 
 fn report_json(

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::convert::{device_line, open_space_check, publish_report, Prepared};
+use super::convert::{
+    device_line, open_space_check, print_plan, publish_report, report_json, Prepared,
+};
 use crate::error::{Error, Result};
 use crate::output::checksum::{hash_file, TensorRange};
 use crate::output::commit::{crash_point, temp_final_name, temp_name, temporaries};
@@ -86,18 +88,15 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
     };
     let my_sides: &[PathBuf] = if part.k == 1 { p.sides } else { &[] };
     let needed = p.needed_bytes(&sub(&mine), my_sides);
-    let free = crate::sys::free_space(&super::convert::nearest_existing(&crate::output::resolve(
-        &dir,
-    )))
-    .ok();
+    let free = p.free_space();
 
     if opts.dry_run {
         if !opts.quiet {
-            p.print_plan(needed, free);
+            print_plan(p, needed, free);
             print_assignment(p, part, &part_of);
         }
         if let Some(path) = &opts.report {
-            let mut r = p.report(None, true);
+            let mut r = report_json(p, None, true);
             r["part"] = part_json(part, &mine, layout, &[], &[]);
             crate::output::write_report(path, &r)?;
         }
@@ -174,7 +173,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
         None
     };
     publish_report(opts.report.as_deref(), opts.progress, p.command, || {
-        let mut r = p.report(Some(&stats), false);
+        let mut r = report_json(p, Some(&stats), false);
         r["part"] = part_json(part, &mine, layout, &written, &kept);
         r["finalized"] = Value::from(finalized.is_some());
         r
