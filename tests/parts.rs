@@ -375,3 +375,19 @@ fn part_flags_are_checked() {
     assert!(e.contains("notes.txt"), "{e}");
     assert_eq!(listing(&out), vec!["notes.txt".to_string()]);
 }
+
+#[test]
+fn a_part_refuses_a_directory_with_an_interrupted_plain_commit() {
+    let d = tmp();
+    let input = model(d.path());
+    let out = d.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join(".tftf-commit.json"), "{}").unwrap();
+    let e = fails(&run_args(&input, &out, &["--part", "1/2"]));
+    assert!(
+        e.contains("holds a commit a killed run left half done") && e.contains("tftf recover"),
+        "{e}"
+    );
+    // Nothing written: no parts directory, no shard.
+    assert_eq!(listing(&out), vec![".tftf-commit.json".to_string()]);
+}
