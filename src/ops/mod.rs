@@ -51,7 +51,8 @@ pub trait Op: Send + Sync + Debug {
     fn extra_outputs(&self) -> usize {
         0
     }
-    /// Bytes per unit of extra output `k` (1-based: output 0 is the main one).
+    /// Bytes per unit of extra output `k` (1-based: output 0 is the main one); where
+    /// [`Op::out_span`] is overridden, an upper bound for chunk sizing.
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
         unreachable!("op has no extra outputs")
     }
@@ -60,6 +61,17 @@ pub trait Op: Send + Sync + Debug {
         std::iter::once(self.out_unit_bytes())
             .chain((1..=self.extra_outputs()).map(|k| self.extra_unit_bytes(k)))
             .collect()
+    }
+    /// Bytes of output `k` (0: the main one) that `units` fill, relative to its first byte.
+    /// Uniform units by default; an op whose extra output has a row per granule (FP8 block
+    /// scales: one row per 128 weight rows) maps a granule-aligned range onto those rows.
+    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
+        let b = if k == 0 {
+            self.out_unit_bytes()
+        } else {
+            self.extra_unit_bytes(k)
+        };
+        units.start * b..units.end * b
     }
     /// Fills every output; ops with extra outputs override this.
     fn compute_all(

@@ -23,6 +23,7 @@ pub use pool::PoolBuf;
 
 use std::collections::VecDeque;
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -136,7 +137,7 @@ type Destination = Option<(usize, u64)>;
 enum Work {
     Compute {
         tensor: usize,
-        units: std::ops::Range<u64>,
+        units: Range<u64>,
         inputs: Vec<PoolBuf>,
         /// Inputs still to be read by a reader thread: (source tensor, byte offset in it) of
         /// each input buffer; empty once read.
@@ -673,14 +674,17 @@ fn emit_compute(
         let end = (u + per_chunk).min(units);
         let ranges = op.input_ranges(u..end);
         let mut lens: Vec<usize> = ranges.iter().map(|r| (r.end - r.start) as usize).collect();
-        lens.extend(out_units.iter().map(|&b| ((end - u) * b) as usize));
+        let spans: Vec<Range<u64>> = (0..out_units.len())
+            .map(|k| op.out_span(k, u..end))
+            .collect();
+        lens.extend(spans.iter().map(|s| (s.end - s.start) as usize));
         let mut bufs = sh.pool.acquire(&lens, &sh.cancel)?;
         let out_bufs = bufs.split_off(ranges.len());
         let outs = out_bufs
             .into_iter()
             .zip(dests)
-            .zip(&out_units)
-            .map(|((buf, dest), &b)| (dest.map(|(shard, off)| (shard, off + u * b)), buf))
+            .zip(&spans)
+            .map(|((buf, dest), s)| (dest.map(|(shard, off)| (shard, off + s.start)), buf))
             .collect();
         let mut unread = Vec::new();
         for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {

@@ -568,10 +568,11 @@ fn compute_with(
     inputs: &[Vec<u8>],
     f: &mut Compute,
 ) -> Result<Vec<Vec<u8>>, String> {
-    let mut outs: Vec<Vec<u8>> = op
-        .all_unit_bytes()
-        .into_iter()
-        .map(|b| vec![0u8; (b * (units.end - units.start)) as usize])
+    let mut outs: Vec<Vec<u8>> = (0..=op.extra_outputs())
+        .map(|k| {
+            let s = op.out_span(k, units.clone());
+            vec![0u8; (s.end - s.start) as usize]
+        })
         .collect();
     let ins = slices(op, units.clone(), inputs);
     let mut views: Vec<&mut [u8]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();

@@ -37,7 +37,7 @@ use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 use crate::transform::Glob;
 use encode::{amax, nvfp4_global_scale, WeightType};
-use ops::{BlockMath, Constant, Fp8BlockScales, QuantizeRows};
+use ops::{BlockMath, Constant, QuantizeRows};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
 pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
@@ -535,23 +535,12 @@ impl PlanStep for QuantizeStep {
                     (DType::F8_E4M3, vec![rows, cols])
                 }
                 Scheme::Fp8Block => {
-                    let math = self.block_math();
-                    let scales = Fp8BlockScales {
-                        rows,
-                        cols,
-                        wt,
-                        math,
-                    };
                     let shape = vec![rows.div_ceil(128), cols.div_ceil(128)];
-                    let d = Arc::new(FixedOp {
-                        inputs: vec![src],
-                        op: Arc::new(scales),
-                    });
                     let name = match self.format {
                         Format::CompressedTensors => "weight_scale",
                         Format::Fp8Native => "weight_scale_inv",
                     };
-                    extra(name, math.scale_dtype(wt), shape, d);
+                    extra(name, self.block_math().scale_dtype(wt), shape, secondary);
                     (DType::F8_E4M3, vec![rows, cols])
                 }
                 Scheme::W8A16 | Scheme::W4A16 => {

@@ -1,10 +1,9 @@
 //! The quantising ops: [`QuantizeRows`] turns rows of a weight into codes and (as its extra
-//! output) their scales in one read, for every scheme whose scales are per row or per group;
-//! FP8 blocks need all 128 rows of a block before their scale is known, so
-//! [`Fp8BlockScales`] computes those scales in a pass of its own (the weight is read twice) and
-//! the codes op recomputes each block's scale from the same rows, which 128-row granularity
-//! keeps inside one chunk. [`Constant`] writes the small tensors known at plan time
-//! (`weight_shape`, NVFP4's `weight_global_scale`). None has a GPU kernel yet.
+//! output) their scales in one read, for every scheme. FP8 blocks need all 128 rows of a block
+//! before their scale is known, so that scheme takes chunks of whole 128-row block rows and
+//! writes one scale row per block row ([`Op::out_span`]). [`Constant`] writes the small tensors
+//! known at plan time (`weight_shape`, NVFP4's `weight_global_scale`). None has a GPU kernel
+//! yet.
 
 use std::ops::Range;
 
@@ -42,11 +41,14 @@ impl QuantizeRows {
         }
     }
 
+    /// Scale bytes per row; for FP8 blocks, per block row of 128 weight rows.
     fn row_scale_bytes(&self) -> u64 {
         let w = self.wt.bytes() as u64;
         match self.scheme {
             Scheme::Fp8Dynamic => w,
-            Scheme::Fp8Block => 0,
+            Scheme::Fp8Block => {
+                self.cols.div_ceil(FP8_BLOCK) * self.block.scale_bytes(self.wt) as u64
+            }
             Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
             Scheme::Nvfp4A16 => self.cols / 16,
             Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
@@ -256,10 +258,24 @@ impl Op for QuantizeRows {
         self.cols * 4
     }
     fn extra_outputs(&self) -> usize {
-        usize::from(self.scheme != Scheme::Fp8Block)
+        1
     }
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        self.row_scale_bytes()
+        if self.scheme == Scheme::Fp8Block {
+            self.row_scale_bytes().div_ceil(FP8_BLOCK)
+        } else {
+            self.row_scale_bytes()
+        }
+    }
+    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
+        match (k, self.scheme) {
+            (0, _) => units.start * self.out_unit_bytes()..units.end * self.out_unit_bytes(),
+            (_, Scheme::Fp8Block) => {
+                let b = self.row_scale_bytes();
+                units.start.div_ceil(FP8_BLOCK) * b..units.end.div_ceil(FP8_BLOCK) * b
+            }
+            _ => units.start * self.row_scale_bytes()..units.end * self.row_scale_bytes(),
+        }
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.in_unit_bytes();
@@ -278,26 +294,30 @@ impl Op for QuantizeRows {
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
         let n = (units.end - units.start) as usize;
         let cb = self.row_code_bytes() as usize;
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
         if self.scheme == Scheme::Fp8Block {
-            let wt = self.wt;
-            let codes = &mut *outs[0];
-            for r0 in (0..n).step_by(FP8_BLOCK as usize) {
+            let (wt, math) = (self.wt, self.block);
+            let wb = math.scale_bytes(wt);
+            for (b, r0) in (0..n).step_by(FP8_BLOCK as usize).enumerate() {
                 let r1 = (r0 + FP8_BLOCK as usize).min(n);
-                let math = self.block;
-                let scales = fp8_block_scales(math, wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let block_scales =
+                    fp8_block_scales(math, wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
+                for (j, &(s, _)) in block_scales.iter().enumerate() {
+                    let at = b * sb + j * wb;
+                    math.write(wt, s, &mut scales[at..at + wb]);
+                }
                 for r in r0..r1 {
                     for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
-                        let factor = scales[c / FP8_BLOCK as usize].1;
+                        let factor = block_scales[c / FP8_BLOCK as usize].1;
                         *code = math.encode(wt, x[r * cols + c], factor);
                     }
                 }
             }
             return Ok(());
         }
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
         let mut q = Vec::new();
         for r in 0..n {
             self.row(
@@ -306,56 +326,6 @@ impl Op for QuantizeRows {
                 &mut scales[r * sb..(r + 1) * sb],
                 &mut q,
             );
-        }
-        Ok(())
-    }
-}
-
-/// `weight_scale` (`weight_scale_inv` in fp8-native) of FP8_BLOCK: one scale per 128×128 block.
-#[derive(Debug)]
-pub struct Fp8BlockScales {
-    pub rows: u64,
-    pub cols: u64,
-    pub wt: WeightType,
-    pub math: BlockMath,
-}
-
-impl Op for Fp8BlockScales {
-    fn name(&self) -> &'static str {
-        "quantize fp8 block scales"
-    }
-    fn units(&self) -> u64 {
-        self.rows.div_ceil(FP8_BLOCK)
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.cols.div_ceil(FP8_BLOCK) * self.math.scale_bytes(self.wt) as u64
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        FP8_BLOCK * self.cols * self.wt.bytes() as u64
-    }
-    fn scratch_unit_bytes(&self) -> u64 {
-        // The block rows decoded to f32.
-        FP8_BLOCK * self.cols * 4
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.cols * self.wt.bytes() as u64;
-        let end = (units.end * FP8_BLOCK).min(self.rows);
-        std::iter::once(units.start * FP8_BLOCK * row..end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let first = units.start * FP8_BLOCK;
-        let x = decode_rows(self.wt, self.cols, first, inputs[0])?;
-        let rows = x.len() / cols;
-        let wb = self.math.scale_bytes(self.wt);
-        let mut o = 0;
-        for r0 in (0..rows).step_by(FP8_BLOCK as usize) {
-            let r1 = (r0 + FP8_BLOCK as usize).min(rows);
-            let block = &x[r0 * cols..r1 * cols];
-            for (s, _) in fp8_block_scales(self.math, self.wt, block, r1 - r0, cols) {
-                self.math.write(self.wt, s, &mut out[o..o + wb]);
-                o += wb;
-            }
         }
         Ok(())
     }
@@ -392,7 +362,80 @@ impl Op for Constant {
 
 #[cfg(test)]
 mod tests {
-    use super::round_half_even_small;
+    use super::*;
+
+    /// Runs `op` over `cuts` (consecutive unit ranges) into whole-tensor outputs placed by
+    /// `out_span`.
+    fn run_in_chunks(op: &QuantizeRows, input: &[u8], cuts: &[Range<u64>]) -> Vec<Vec<u8>> {
+        let whole = |k| op.out_span(k, 0..op.units()).end as usize;
+        let mut outs = vec![vec![0u8; whole(0)], vec![0u8; whole(1)]];
+        for u in cuts {
+            let r = &op.input_ranges(u.clone())[0];
+            let (s0, s1) = (op.out_span(0, u.clone()), op.out_span(1, u.clone()));
+            let (a, b) = outs.split_at_mut(1);
+            let mut views = [
+                &mut a[0][s0.start as usize..s0.end as usize],
+                &mut b[0][s1.start as usize..s1.end as usize],
+            ];
+            op.compute_all(
+                u.clone(),
+                &[&input[r.start as usize..r.end as usize]],
+                &mut views,
+            )
+            .unwrap();
+        }
+        outs
+    }
+
+    #[test]
+    fn fp8_block_scales_land_in_their_block_row_however_the_rows_are_cut() {
+        let (rows, cols) = (300u64, 200u64);
+        let mut seed = 0x2545_f491_u32;
+        let input: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let mag = 2f32.powi((i / 128 % 9) as i32 - 4);
+                let v = ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * mag;
+                crate::ops::cast::f32_to_bf16(v).to_le_bytes()
+            })
+            .collect();
+        for block in [BlockMath::CompressedTensors, BlockMath::Transformers] {
+            let op = QuantizeRows {
+                scheme: Scheme::Fp8Block,
+                rows,
+                cols,
+                wt: WeightType::BF16,
+                global: 1.0,
+                block,
+            };
+            assert_eq!(
+                op.out_span(1, 0..rows).end,
+                3 * 2 * op.block.scale_bytes(op.wt) as u64
+            );
+            let whole = run_in_chunks(&op, &input, &[0..rows]);
+            let cut = run_in_chunks(&op, &input, &[0..128, 128..256, 256..rows]);
+            assert_eq!(whole, cut, "{block:?}");
+            // Block (2, 1): rows 256.., columns 128..200, scaled by its own amax.
+            let x: Vec<f32> = (256..rows)
+                .flat_map(|r| (128..cols).map(move |c| (r * cols + c) as usize))
+                .map(|i| {
+                    crate::ops::cast::bf16_to_f32(u16::from_le_bytes([
+                        input[2 * i],
+                        input[2 * i + 1],
+                    ]))
+                })
+                .collect();
+            let (s, _) = block.scale(op.wt, amax(&x));
+            let sb = block.scale_bytes(op.wt);
+            let mut want = vec![0u8; sb];
+            block.write(op.wt, s, &mut want);
+            assert_eq!(
+                whole[1][(2 * 2 + 1) * sb..(2 * 2 + 2) * sb],
+                want[..],
+                "{block:?}"
+            );
+        }
+    }
 
     #[test]
     fn small_rounding_is_torch_round() {

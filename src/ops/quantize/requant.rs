@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Map, Value};
 
 use super::encode::{amax, WeightType, E2M1_MAX, E4M3_MAX};
-use super::ops::{BlockMath, Fp8BlockScales, QuantizeRows, FP8_BLOCK};
+use super::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
 use super::Scheme;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
@@ -350,33 +350,19 @@ fn plan_requant(
             o.id,
             Entry {
                 derive: Some(Arc::new(RequantDerive {
-                    merged: merged.clone(),
+                    merged,
                     wt,
-                    outer: Outer::Codes(codes),
+                    outer: codes,
                     base,
                     stats: Some(stats),
                 })),
                 ..o.clone()
             },
         );
-        let scale_derive: Arc<dyn Derive> = match base {
-            BaseScheme::Nvfp4Ct => Arc::new(ExtraOutput {
-                primary: o.id,
-                output: 1,
-            }),
-            _ => Arc::new(RequantDerive {
-                merged,
-                wt,
-                outer: Outer::BlockScales(Fp8BlockScales {
-                    rows,
-                    cols,
-                    wt,
-                    math,
-                }),
-                base,
-                stats: None,
-            }),
-        };
+        let scale_derive: Arc<dyn Derive> = Arc::new(ExtraOutput {
+            primary: o.id,
+            output: 1,
+        });
         replaced.insert(
             s.id,
             Entry {
@@ -417,20 +403,12 @@ fn plan_requant(
     Ok(changed)
 }
 
-/// The op that writes a requantised tensor.
-#[derive(Debug)]
-enum Outer {
-    /// Codes (and, for NVFP4, block scales as the extra output).
-    Codes(QuantizeRows),
-    /// FP8 block scales, a pass of their own.
-    BlockScales(Fp8BlockScales),
-}
-
 #[derive(Debug)]
 struct RequantDerive {
     merged: Arc<dyn Derive>,
     wt: WeightType,
-    outer: Outer,
+    /// The quantiser of the merged rows: codes, and block scales as its extra output.
+    outer: QuantizeRows,
     base: BaseScheme,
     stats: Option<Arc<Mutex<Stats>>>,
 }
@@ -443,44 +421,21 @@ impl Derive for RequantDerive {
         // The merged weight is rounded to the base's float dtype first, as the two-step route
         // (`dequant --merge-lora --dtype W`, then `quantize`) stores it.
         let inner = self.merged.build(self.wt.dtype());
-        let (outer, rows_per_unit): (Arc<dyn Op>, u64) = match &self.outer {
-            Outer::Codes(q) => (
-                Arc::new(QuantizeRows {
-                    scheme: q.scheme,
-                    rows: q.rows,
-                    cols: q.cols,
-                    wt: q.wt,
-                    global: q.global,
-                    block: q.block,
-                }),
-                1,
-            ),
-            Outer::BlockScales(s) => (
-                Arc::new(Fp8BlockScales {
-                    rows: s.rows,
-                    cols: s.cols,
-                    wt: s.wt,
-                    math: s.math,
-                }),
-                FP8_BLOCK,
-            ),
-        };
-        let (rows, cols) = match &self.outer {
-            Outer::Codes(q) => (q.rows, q.cols),
-            Outer::BlockScales(s) => (s.rows, s.cols),
-        };
+        let q = &self.outer;
         Arc::new(Requant {
             inner,
-            outer,
-            rows_per_unit,
-            rows,
-            cols,
+            outer: QuantizeRows {
+                scheme: q.scheme,
+                rows: q.rows,
+                cols: q.cols,
+                wt: q.wt,
+                global: q.global,
+                block: q.block,
+            },
+            cols: q.cols,
             wt: self.wt,
             base: self.base,
-            global: match &self.outer {
-                Outer::Codes(q) => q.global,
-                Outer::BlockScales(_) => 1.0,
-            },
+            global: q.global,
             stats: self.stats.clone(),
         })
     }
@@ -527,10 +482,7 @@ fn lcm(a: u64, b: u64) -> u64 {
 #[derive(Debug)]
 struct Requant {
     inner: Arc<dyn Op>,
-    outer: Arc<dyn Op>,
-    /// Weight rows per output unit: 1 for codes, 128 for FP8 block scales.
-    rows_per_unit: u64,
-    rows: u64,
+    outer: QuantizeRows,
     cols: u64,
     wt: WeightType,
     base: BaseScheme,
@@ -540,19 +492,9 @@ struct Requant {
 }
 
 impl Requant {
-    fn rows_of(&self, units: &Range<u64>) -> Range<u64> {
-        units.start * self.rows_per_unit..(units.end * self.rows_per_unit).min(self.rows)
-    }
-
     /// Folds the error of quantised rows `rows` (codes `outs[0]`, NVFP4 scales `outs[1]`)
     /// against the merged values `m` into the stats.
-    fn measure(
-        &self,
-        rows: &Range<u64>,
-        merged: &[u8],
-        m: &[f32],
-        outs: &[&mut [u8]],
-    ) -> Result<(), String> {
+    fn measure(&self, rows: &Range<u64>, m: &[f32], outs: &[&mut [u8]]) -> Result<(), String> {
         let Some(stats) = &self.stats else {
             return Ok(());
         };
@@ -576,24 +518,11 @@ impl Requant {
             }
             BaseScheme::Fp8BlockCt | BaseScheme::Fp8Native => {
                 let math = self.base.math();
-                let scales_op = Fp8BlockScales {
-                    rows: n as u64,
-                    cols: self.cols,
-                    wt: self.wt,
-                    math,
-                };
                 let nb = cols.div_ceil(FP8_BLOCK as usize);
-                let mut scale_bytes =
-                    vec![0u8; scales_op.out_unit_bytes() as usize * n.div_ceil(FP8_BLOCK as usize)];
-                // The scales pass's own arithmetic on the same rows (chunks hold whole blocks).
-                scales_op.compute(
-                    0..(n as u64).div_ceil(FP8_BLOCK),
-                    &[merged],
-                    &mut scale_bytes,
-                )?;
+                let scale_bytes = &outs[1];
                 let mut scale = Vec::new();
                 match math {
-                    BlockMath::CompressedTensors => self.wt.decode(&scale_bytes, &mut scale),
+                    BlockMath::CompressedTensors => self.wt.decode(scale_bytes, &mut scale),
                     BlockMath::Transformers => scale.extend(
                         scale_bytes
                             .chunks_exact(4)
@@ -640,20 +569,18 @@ impl Op for Requant {
     }
     fn in_unit_bytes(&self) -> u64 {
         // The inner op's inputs plus the merged rows it leaves in scratch.
-        self.rows_per_unit * (self.inner.in_unit_bytes() + self.inner.out_unit_bytes())
+        self.inner.in_unit_bytes() + self.inner.out_unit_bytes()
     }
     fn scratch_unit_bytes(&self) -> u64 {
         // The merged rows, the quantiser's decoded rows and, with figures, the merged and
         // requantised values as f32 beside them.
         let figures = if self.stats.is_some() { 3 } else { 1 };
-        self.rows_per_unit * self.inner.out_unit_bytes()
+        self.inner.out_unit_bytes()
             + figures * self.outer.scratch_unit_bytes()
-            + self.rows_per_unit * self.inner.scratch_unit_bytes()
+            + self.inner.scratch_unit_bytes()
     }
     fn granularity(&self) -> u64 {
-        let g = self.inner.granularity();
-        let inner_units = g / gcd(g, self.rows_per_unit);
-        let mut gran = lcm(self.outer.granularity(), inner_units);
+        let mut gran = lcm(self.outer.granularity(), self.inner.granularity());
         if self.stats.is_some() {
             gran = lcm(gran, STAT_ROWS);
         }
@@ -665,8 +592,11 @@ impl Op for Requant {
     fn extra_unit_bytes(&self, k: usize) -> u64 {
         self.outer.extra_unit_bytes(k)
     }
+    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
+        self.outer.out_span(k, units)
+    }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        self.inner.input_ranges(self.rows_of(&units))
+        self.inner.input_ranges(units)
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
@@ -677,7 +607,7 @@ impl Op for Requant {
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
-        let rows = self.rows_of(&units);
+        let rows = units.clone();
         let mut merged =
             vec![0u8; ((rows.end - rows.start) * self.inner.out_unit_bytes()) as usize];
         self.inner.compute(rows.clone(), inputs, &mut merged)?;
@@ -685,7 +615,7 @@ impl Op for Requant {
         if self.stats.is_some() {
             let mut m = Vec::new();
             self.wt.decode(&merged, &mut m);
-            self.measure(&rows, &merged, &m, outs)?;
+            self.measure(&rows, &m, outs)?;
         }
         Ok(())
     }
