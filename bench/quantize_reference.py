@@ -7,7 +7,8 @@
 `gen` writes a Llama-architecture checkpoint (hidden 4096, intermediate 11008, 32 heads,
 vocab 32000, untied lm_head: 10 layers = 4.57 GB) straight from the tensor shapes, each
 tensor `randn * 0.02` in bf16 (norms 1), in 2 GB shards with an index, and config.json with
-`torch_dtype: bfloat16`; `from_pretrained` loads it like any Llama.
+`torch_dtype: bfloat16`; `from_pretrained` loads it like any Llama. `gen(path, layers, h, inter,
+vocab, heads, kv_heads)` takes other dimensions (`quantize_logits.py` makes a small model).
 """
 
 import json
@@ -17,19 +18,19 @@ import struct
 import sys
 
 
-def gen(path, layers):
+def gen(path, layers, h=4096, inter=11008, vocab=32000, heads=32, kv_heads=32):
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    h, inter, vocab = 4096, 11008, 32000
+    kv = h // heads * kv_heads
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=h,
         intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
@@ -47,8 +48,8 @@ def gen(path, layers):
         shapes += [
             (p + "input_layernorm.weight", (h,)),
             (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.k_proj.weight", (h, h)),
-            (p + "self_attn.v_proj.weight", (h, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, h)),
             (p + "post_attention_layernorm.weight", (h,)),
             (p + "mlp.gate_proj.weight", (inter, h)),
