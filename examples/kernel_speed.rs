@@ -134,6 +134,32 @@ fn par_rows<F>(
     });
 }
 
+/// A two-output op over all its units, split between `threads` threads at multiples of its
+/// granularity, each output placed by `out_span`.
+fn par_op(op: &dyn Op, threads: u64, input: &[u8], codes: &mut [u8], scales: &mut [u8]) {
+    let g = op.granularity();
+    let per = op.units().div_ceil(threads).div_ceil(g) * g;
+    std::thread::scope(|s| {
+        let (mut codes, mut scales) = (codes, scales);
+        let mut u = 0;
+        while u < op.units() {
+            let end = (u + per).min(op.units());
+            let (c, s0) = (op.out_span(0, u..end), op.out_span(1, u..end));
+            let (mine_c, rest_c) = codes.split_at_mut((c.end - c.start) as usize);
+            let (mine_s, rest_s) = scales.split_at_mut((s0.end - s0.start) as usize);
+            (codes, scales) = (rest_c, rest_s);
+            let r = &op.input_ranges(u..end)[0];
+            let ins = &input[r.start as usize..r.end as usize];
+            let units = u..end;
+            s.spawn(move || {
+                op.compute_all(units, &[ins], &mut [mine_c, mine_s])
+                    .unwrap();
+            });
+            u = end;
+        }
+    });
+}
+
 /// `dst.copy_from_slice(src)` split between `threads` threads.
 fn memcpy(src: &[u8], dst: &mut [u8], threads: usize) {
     let per = src.len().div_ceil(threads);
@@ -314,8 +340,8 @@ fn main() {
         codes_old == codes_new && scales_old == scales_new,
         "old and new bytes differ"
     );
-    // The quantisers of `tftf quantize` on a [4096, 4096] BF16 weight: codes and (but for
-    // FP8_BLOCK, whose scales a separate pass writes) scales, as the pipeline runs them.
+    // The quantisers of `tftf quantize` on a [4096, 4096] BF16 weight: codes and scales, as the
+    // pipeline runs them.
     let (rows, cols) = (4096u64, 4096u64);
     let w: Vec<u8> = (0..rows * cols)
         .flat_map(|i| {
@@ -339,28 +365,16 @@ fn main() {
             global: 1.0,
             block: BlockMath::CompressedTensors,
         };
-        let (cb, sb) = (op.out_unit_bytes(), op.extra_unit_bytes(0));
-        let mut codes = vec![0u8; (rows * cb) as usize];
-        let mut scales = vec![0u8; (rows * sb) as usize];
-        let run = |units: Range<u64>, ins: &[&[u8]], outs: &mut [&mut [u8]]| {
-            op.compute_all(units, ins, outs).unwrap()
-        };
+        let (cb, sb) = (op.out_span(0, 0..rows).end, op.out_span(1, 0..rows).end);
+        let mut codes = vec![0u8; cb as usize];
+        let mut scales = vec![0u8; sb as usize];
         for threads in [1u64, 2] {
-            let ins: [&[u8]; 1] = [&w];
-            let [t] = medians(&mut [&mut || {
-                if sb == 0 {
-                    let outs: &mut [&mut [u8]] = &mut [&mut codes];
-                    par_rows(rows, threads, &ins, &[cols * 2], outs, &[cb], &run)
-                } else {
-                    let outs: &mut [&mut [u8]] = &mut [&mut codes, &mut scales];
-                    par_rows(rows, threads, &ins, &[cols * 2], outs, &[cb, sb], &run)
-                }
-            }]);
+            let [t] = medians(&mut [&mut || par_op(&op, threads, &w, &mut codes, &mut scales)]);
             report(
                 &format!("quantize bf16 -> {}", scheme.name()),
                 threads as usize,
                 rows * cols * 2,
-                rows * (cb + sb),
+                cb + sb,
                 t,
                 &memcpy_t,
             );

@@ -315,6 +315,33 @@ fn default_no_requant_and_run_section() {
         ],
     )));
     assert!(load_all(&explicit) == load_all(&default));
+    // The merged rows live outside the pool's buffers, a chunk per compute thread: the pool
+    // gives that up, so pool and scratch together stay in the budget.
+    let report = dir.path().join("r.json");
+    ok(&tftf(&merge_lora(
+        &base,
+        &a,
+        &dir.path().join("budget"),
+        &[
+            "--threads",
+            "2",
+            "--memory-budget",
+            "16MiB",
+            "--report",
+            s(&report),
+        ],
+    )));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let (pool, chunk, threads) = (
+        r["pool_bytes"].as_u64().unwrap(),
+        r["chunk_bytes"].as_u64().unwrap(),
+        r["threads"].as_u64().unwrap(),
+    );
+    assert!(
+        pool + threads * chunk <= 16 << 20,
+        "pool {pool} + {threads} x chunk {chunk}"
+    );
     // run --merge-lora requantises the same way.
     let run = dir.path().join("run");
     ok(&tftf(&[

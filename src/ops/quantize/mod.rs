@@ -23,6 +23,7 @@
 //! | MXFP8A16 | `weight` F8_E4M3, `weight_scale` U8 (E8M0) `[out, in/32]` |
 
 pub mod encode;
+pub mod lanes;
 pub mod ops;
 pub mod requant;
 
@@ -36,7 +37,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 use crate::transform::Glob;
-use encode::{amax, nvfp4_global_scale, WeightType};
+use encode::{nvfp4_global_scale, WeightType};
 use ops::{BlockMath, Constant, QuantizeRows};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
@@ -369,21 +370,21 @@ fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
         .byte_len(t.info.shape.iter().product())
         .unwrap_or(0);
     let piece = PLAN_READ_BYTES / 4 * 4;
-    let (mut at, mut m, mut vals) = (0, 0f32, Vec::new());
+    let (mut at, mut m) = (0, 0f32);
     let mut buf = Vec::new();
     while at < total {
         let n = piece.min(total - at);
         buf.resize(n as usize, 0);
         ckpt.read_tensor_at(t, at, &mut buf)?;
-        wt.decode(&buf, &mut vals);
-        if let Some(v) = vals.iter().find(|v| !v.is_finite()) {
+        let v = lanes::tensor_amax(wt, &buf);
+        if !v.is_finite() {
             return Err(Error::TensorData {
                 path: ckpt.shards[t.shard()].path.clone(),
                 tensor: t.info.name.clone(),
                 msg: format!("holds {v}: a non-finite weight cannot be quantised"),
             });
         }
-        m = m.max(amax(&vals));
+        m = m.max(v);
         at += n;
     }
     Ok(m)

@@ -11,6 +11,7 @@ use super::encode::{
     amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
+use super::lanes::{self, Bf16, Elem, F16, F32};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::Op;
@@ -254,8 +255,9 @@ impl Op for QuantizeRows {
         }
     }
     fn scratch_unit_bytes(&self) -> u64 {
-        // The rows decoded to f32 (the int schemes' codes take one more row, reused).
-        self.cols * 4
+        // None that grows with the chunk: one row decoded to f32 (and the int schemes' codes of
+        // one row), reused row after row.
+        0
     }
     fn extra_outputs(&self) -> usize {
         1
@@ -285,6 +287,23 @@ impl Op for QuantizeRows {
         self.compute_all(units, inputs, &mut [out])
     }
     fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        match self.wt {
+            WeightType::BF16 => self.dispatch::<Bf16>(units, inputs, outs),
+            WeightType::F16 => self.dispatch::<F16>(units, inputs, outs),
+            WeightType::F32 => self.dispatch::<F32>(units, inputs, outs),
+        }
+    }
+}
+
+impl QuantizeRows {
+    /// The scalar encoder, element by element as the library's arithmetic reads: the
+    /// reference the lane-parallel encoder ([`super::lanes`]) is tested against.
+    pub fn compute_reference(
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
@@ -328,6 +347,181 @@ impl Op for QuantizeRows {
             );
         }
         Ok(())
+    }
+
+    /// Picks the AVX2 build of the lane encoder where the CPU has it.
+    fn dispatch<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { self.encode_avx2::<E>(units, inputs, outs) };
+        }
+        self.encode_lanes::<E>(units, inputs, outs)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn encode_avx2<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        self.encode_lanes::<E>(units, inputs, outs)
+    }
+
+    /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic, group by group,
+    /// a row at a time (each row decoded into a buffer that stays in cache).
+    #[inline(always)]
+    fn encode_lanes<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        let cols = self.cols as usize;
+        let n = (units.end - units.start) as usize;
+        let wt = E::WT;
+        let wb = wt.bytes();
+        let ib = cols * wb;
+        let input = inputs[0];
+        let cb = self.row_code_bytes() as usize;
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        // Rare: the scalar decoder names the non-finite element.
+        let refuse = || match decode_rows(wt, self.cols, units.start, input) {
+            Err(e) => Err(e),
+            Ok(_) => unreachable!("a non-finite element was seen"),
+        };
+        let mut x = vec![0f32; cols];
+        let mut q = Vec::new();
+        if self.scheme == Scheme::Fp8Block {
+            let math = self.block;
+            let (bs, blocks) = (FP8_BLOCK as usize, cols.div_ceil(FP8_BLOCK as usize));
+            let swb = math.scale_bytes(wt);
+            let mut m = vec![0u32; blocks];
+            let mut factors = vec![0f32; blocks];
+            for (b, r0) in (0..n).step_by(bs).enumerate() {
+                let r1 = (r0 + bs).min(n);
+                m.fill(0);
+                for row in input[r0 * ib..r1 * ib].chunks_exact(ib) {
+                    for (mj, seg) in m.iter_mut().zip(row.chunks(bs * wb)) {
+                        *mj = (*mj).max(lanes::max_mag::<E>(seg));
+                    }
+                }
+                if m.iter().any(|&mj| mj >= E::MAG_INF) {
+                    return refuse();
+                }
+                for (j, (&mj, f)) in m.iter().zip(factors.iter_mut()).enumerate() {
+                    let (s, factor) = math.scale(wt, E::from_mag(mj));
+                    let at = b * sb + j * swb;
+                    math.write(wt, s, &mut scales[at..at + swb]);
+                    *f = factor;
+                }
+                for r in r0..r1 {
+                    lanes::decode::<E>(&input[r * ib..(r + 1) * ib], &mut x);
+                    let out = &mut codes[r * cb..(r + 1) * cb];
+                    for ((seg, o), &f) in x.chunks(bs).zip(out.chunks_mut(bs)).zip(&factors) {
+                        match math {
+                            BlockMath::CompressedTensors => lanes::e4m3_div::<E>(seg, f, o),
+                            BlockMath::Transformers => lanes::e4m3_mul(seg, f, o),
+                        }
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let mx =
+            matches!(self.scheme, Scheme::Mxfp4A16 | Scheme::Mxfp8A16).then(|| MxTable::new(wt));
+        for r in 0..n {
+            if lanes::decode::<E>(&input[r * ib..(r + 1) * ib], &mut x) {
+                return refuse();
+            }
+            let codes = &mut codes[r * cb..(r + 1) * cb];
+            let scales = &mut scales[r * sb..(r + 1) * sb];
+            match self.scheme {
+                Scheme::Fp8Dynamic => {
+                    let s = symmetric_scale(wt, lanes::amax(&x), E4M3_MAX);
+                    wt.encode(s, scales);
+                    lanes::e4m3_div::<E>(&x, s, codes);
+                }
+                Scheme::W8A16 | Scheme::W4A16 => {
+                    let bits = self.scheme.int_bits();
+                    let qmax = ((1i32 << (bits - 1)) - 1) as f32;
+                    let qmin = -(1i32 << (bits - 1)) as f32;
+                    let half_range = (qmax - qmin) / 2.0;
+                    q.resize(cols, 0);
+                    for (g, (gx, gq)) in
+                        x.chunks_exact(128).zip(q.chunks_exact_mut(128)).enumerate()
+                    {
+                        let s = symmetric_scale(wt, lanes::amax(gx), half_range);
+                        wt.encode(s, &mut scales[g * wb..(g + 1) * wb]);
+                        lanes::int_div::<E>(gx, s, qmin, qmax, gq);
+                    }
+                    pack_int_row(&q, bits, codes);
+                }
+                Scheme::Nvfp4A16 => {
+                    let g = self.global;
+                    let sc_zero = f32_to_e4m3(E4M3_ZERO_SCALE);
+                    for ((k, xs), o) in x
+                        .chunks_exact(16)
+                        .enumerate()
+                        .zip(codes.chunks_exact_mut(8))
+                    {
+                        let local = wt.round(lanes::amax(xs) / E2M1_MAX);
+                        let mut sc = lanes::e4m3((g * local).clamp(-E4M3_MAX, E4M3_MAX));
+                        if sc & 0x7F == 0 {
+                            sc = sc_zero;
+                        }
+                        scales[k] = sc;
+                        lanes::e2m1_div::<E, false>(xs, e4m3_to_f32(sc) / g, o);
+                    }
+                }
+                Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
+                    let table = mx.as_ref().expect("MX table");
+                    let fp4 = self.scheme == Scheme::Mxfp4A16;
+                    let per = if fp4 { 16 } else { 32 };
+                    for ((k, xs), o) in x
+                        .chunks_exact(32)
+                        .enumerate()
+                        .zip(codes.chunks_exact_mut(per))
+                    {
+                        let e = mx_exponent(wt, lanes::amax(xs), if fp4 { 2 } else { 8 });
+                        let (s, stored) = table.0[e as usize];
+                        scales[k] = stored;
+                        if fp4 {
+                            lanes::e2m1_div::<E, true>(xs, s, o);
+                        } else {
+                            lanes::e4m3_div::<E>(xs, s, o);
+                        }
+                    }
+                }
+                Scheme::Fp8Block => unreachable!("encoded by block rows above"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `(2^(e-127)` in the weight dtype, its stored E8M0 byte`) for every exponent `e`: MX groups
+/// look their scale up instead of taking powers and logarithms per group.
+struct MxTable([(f32, u8); 256]);
+
+impl MxTable {
+    fn new(wt: WeightType) -> MxTable {
+        let mut t = [(0f32, 0u8); 256];
+        for (e, slot) in t.iter_mut().enumerate() {
+            let s = mx_scale(wt, e as u8);
+            *slot = (s, mx_stored(s));
+        }
+        MxTable(t)
     }
 }
 
@@ -387,6 +581,125 @@ mod tests {
         outs
     }
 
+    /// Random weights of every magnitude, with the cases encoders get wrong: all-zero and
+    /// negative-zero groups, subnormals, values on E4M3/E2M1 rounding boundaries once scaled.
+    fn awkward_weights(wt: WeightType, rows: u64, cols: u64, seed: u64) -> Vec<u8> {
+        let mut state = seed;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as u32
+        };
+        let mut bytes = Vec::new();
+        for r in 0..rows {
+            for c in 0..cols {
+                let group = (r * cols + c) / 16;
+                let v = match group % 11 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => [0.5f32, 1.5, 2.5, -0.75, 5.0, -3.5, 448.0, 6.0][next() as usize % 8],
+                    3 => {
+                        f32::from_bits(next() % 0x0080_0000)
+                            * if next() % 2 == 0 { 1.0 } else { -1.0 }
+                    }
+                    4 => ((next() % 4096) as f32 - 2048.0) * 2f32.powi(-30),
+                    _ => {
+                        let mag = 2f32.powi((next() % 34) as i32 - 20);
+                        ((next() % 65536) as f32 / 32768.0 - 1.0) * mag
+                    }
+                };
+                let mut b = vec![0u8; wt.bytes()];
+                wt.encode(wt.round(v), &mut b);
+                bytes.extend(b);
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn lane_encoders_equal_the_scalar_reference_for_every_scheme_and_dtype() {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            for scheme in Scheme::ALL {
+                let cols = match scheme {
+                    Scheme::W8A16 | Scheme::W4A16 => 384,
+                    Scheme::Fp8Block | Scheme::Fp8Dynamic => 328,
+                    _ => 352,
+                };
+                let rows = 260;
+                let input = awkward_weights(wt, rows, cols, cols + rows);
+                let maths: &[BlockMath] = if scheme == Scheme::Fp8Block {
+                    &[BlockMath::CompressedTensors, BlockMath::Transformers]
+                } else {
+                    &[BlockMath::CompressedTensors]
+                };
+                for &block in maths {
+                    let op = QuantizeRows {
+                        scheme,
+                        rows,
+                        cols,
+                        wt,
+                        global: if scheme == Scheme::Nvfp4A16 {
+                            37.25
+                        } else {
+                            1.0
+                        },
+                        block,
+                    };
+                    let len = |k| op.out_span(k, 0..rows).end as usize;
+                    let run = |f: &dyn Fn(&mut [&mut [u8]])| {
+                        let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
+                        f(&mut [&mut c, &mut s]);
+                        (c, s)
+                    };
+                    let want = run(&|o| op.compute_reference(0..rows, &[&input], o).unwrap());
+                    let lanes = run(&|o| {
+                        match wt {
+                            WeightType::BF16 => op.encode_lanes::<Bf16>(0..rows, &[&input], o),
+                            WeightType::F16 => op.encode_lanes::<F16>(0..rows, &[&input], o),
+                            WeightType::F32 => op.encode_lanes::<F32>(0..rows, &[&input], o),
+                        }
+                        .unwrap()
+                    });
+                    let dispatched = run(&|o| op.compute_all(0..rows, &[&input], o).unwrap());
+                    let what = format!("{} {wt:?} {block:?}", scheme.name());
+                    assert!(
+                        want.0 == lanes.0 && want.1 == lanes.1,
+                        "{what}: baseline lanes"
+                    );
+                    assert!(
+                        want.0 == dispatched.0 && want.1 == dispatched.1,
+                        "{what}: dispatched"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_encoders_refuse_non_finite_weights_by_position() {
+        let (rows, cols) = (4u64, 32u64);
+        let mut input = awkward_weights(WeightType::BF16, rows, cols, 1);
+        let at = 2 * cols as usize + 5;
+        input[2 * at..2 * at + 2].copy_from_slice(&0x7F80u16.to_le_bytes());
+        let op = QuantizeRows {
+            scheme: Scheme::Mxfp8A16,
+            rows,
+            cols,
+            wt: WeightType::BF16,
+            global: 1.0,
+            block: BlockMath::CompressedTensors,
+        };
+        let (mut c, mut s) = (vec![0u8; 128], vec![0u8; 4]);
+        let err = op
+            .compute_all(10..14, &[&input], &mut [&mut c, &mut s])
+            .unwrap_err();
+        assert_eq!(
+            err,
+            "holds inf at [12, 5]: a non-finite weight cannot be quantised"
+        );
+    }
+
     #[test]
     fn fp8_block_scales_land_in_their_block_row_however_the_rows_are_cut() {
         let (rows, cols) = (300u64, 200u64);
@@ -412,7 +725,7 @@ mod tests {
                 op.out_span(1, 0..rows).end,
                 3 * 2 * op.block.scale_bytes(op.wt) as u64
             );
-            let whole = run_in_chunks(&op, &input, &[0..rows]);
+            let whole = run_in_chunks(&op, &input, std::slice::from_ref(&(0..rows)));
             let cut = run_in_chunks(&op, &input, &[0..128, 128..256, 256..rows]);
             assert_eq!(whole, cut, "{block:?}");
             // Block (2, 1): rows 256.., columns 128..200, scaled by its own amax.

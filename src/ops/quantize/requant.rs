@@ -572,11 +572,16 @@ impl Op for Requant {
         self.inner.in_unit_bytes() + self.inner.out_unit_bytes()
     }
     fn scratch_unit_bytes(&self) -> u64 {
-        // The merged rows, the quantiser's decoded rows and, with figures, the merged and
-        // requantised values as f32 beside them.
-        let figures = if self.stats.is_some() { 3 } else { 1 };
+        // The merged rows and, with figures, the merged and requantised values as f32 beside
+        // them.
+        let figures = if self.stats.is_some() {
+            2 * self.cols * 4
+        } else {
+            0
+        };
         self.inner.out_unit_bytes()
-            + figures * self.outer.scratch_unit_bytes()
+            + figures
+            + self.outer.scratch_unit_bytes()
             + self.inner.scratch_unit_bytes()
     }
     fn granularity(&self) -> u64 {
