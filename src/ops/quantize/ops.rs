@@ -4,7 +4,10 @@
 //! [`Fp8BlockScales`] computes those scales in a pass of its own (the weight is read twice) and
 //! the codes op recomputes each block's scale from the same rows, which 128-row granularity
 //! keeps inside one chunk. [`Constant`] writes the small tensors known at plan time
-//! (`weight_shape`, NVFP4's `weight_global_scale`). None has a GPU kernel yet.
+//! (`weight_shape`, NVFP4's `weight_global_scale`). [`QuantizeRows`] has GPU kernels for the
+//! row-local schemes (kernels/quantize.cuh, checked byte for byte against this file by
+//! tests/kernels.rs); the FP8 block kernel there (codes and block scales of whole block rows in
+//! one op) is checked against [`fp8_block_scales`] and [`BlockMath`] but not yet used.
 
 use std::ops::Range;
 
@@ -12,8 +15,10 @@ use super::encode::{
     amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
+use super::kernel::QuantParams;
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 
 /// FP8 block edge (`block_structure: [128, 128]`).
@@ -167,7 +172,7 @@ pub enum BlockMath {
 
 impl BlockMath {
     /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
-    fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
+    pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
         match self {
             BlockMath::CompressedTensors => {
                 let s = symmetric_scale(wt, m, E4M3_MAX);
@@ -182,7 +187,7 @@ impl BlockMath {
     }
 
     #[inline(always)]
-    fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
+    pub fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
         match self {
             BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
             BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
@@ -197,14 +202,14 @@ impl BlockMath {
         }
     }
 
-    fn scale_bytes(self, wt: WeightType) -> usize {
+    pub fn scale_bytes(self, wt: WeightType) -> usize {
         match self {
             BlockMath::CompressedTensors => wt.bytes(),
             BlockMath::Transformers => 4,
         }
     }
 
-    fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
+    pub fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
         match self {
             BlockMath::CompressedTensors => wt.encode(s, out),
             BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
@@ -214,7 +219,7 @@ impl BlockMath {
 
 /// (stored scale, encoder factor) of the 128×128 blocks whose rows are `rows` (at most 128 of
 /// them), in block order.
-fn fp8_block_scales(
+pub fn fp8_block_scales(
     math: BlockMath,
     wt: WeightType,
     x: &[f32],
@@ -234,6 +239,19 @@ fn fp8_block_scales(
 impl Op for QuantizeRows {
     fn name(&self) -> &'static str {
         "quantize"
+    }
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        // FP8 blocks: the block kernel is wired with the op that writes codes and scales.
+        (self.scheme != Scheme::Fp8Block).then(|| {
+            Kernel::Quantize(QuantParams::new(
+                self.scheme,
+                units.end - units.start,
+                self.cols,
+                self.wt,
+                self.global,
+                self.block,
+            ))
+        })
     }
     fn units(&self) -> u64 {
         self.rows
