@@ -686,15 +686,15 @@ fn cpu_quantize(
 
 /// Host kernel against the CPU op on the whole weight and on chunks starting mid-tensor.
 fn check_quantize(op: &dyn Op, weight: &[u8], what: &str) {
-    let rows = op.units();
-    let row_bytes = op.in_unit_bytes() as usize;
-    for units in [0..rows, 5.min(rows - 1)..21.min(rows), rows - 1..rows] {
-        let what = format!("{what} rows {units:?}");
+    let all = op.units();
+    let unit_bytes = op.in_unit_bytes() as usize;
+    for units in [0..all, 5.min(all - 1)..21.min(all), all - 1..all] {
+        let what = format!("{what} units {units:?}");
         let Some(Kernel::Quantize(p)) = op.kernel(&units) else {
             panic!("{what}: no quantiser kernel")
         };
         let n = units.end - units.start;
-        let chunk = &weight[units.start as usize * row_bytes..units.end as usize * row_bytes];
+        let chunk = &weight[units.start as usize * unit_bytes..units.end as usize * unit_bytes];
         let got = host_quantize(
             &p,
             chunk,
@@ -712,7 +712,8 @@ fn check_quantize(op: &dyn Op, weight: &[u8], what: &str) {
     }
 }
 
-/// The selftest's quantiser cases (every row-local scheme × weight dtype) on the host build.
+/// The selftest's quantiser cases (every row-local scheme × weight dtype, and FP8 blocks in
+/// their one-op form) on the host build.
 #[test]
 fn quantizers_match_the_cpu_op_byte_for_byte() {
     let mut n = 0;
@@ -724,7 +725,11 @@ fn quantizers_match_the_cpu_op_byte_for_byte() {
         check_quantize(op, &case.inputs[0], &case.what);
         n += 1;
     }
-    assert_eq!(n, 6 * 3, "every row-local scheme × weight dtype");
+    assert_eq!(
+        n,
+        6 * 3 + 2 * 3,
+        "every scheme × weight dtype, FP8 blocks both ways"
+    );
 }
 
 /// More shapes (a one-column row, ragged FP8 rows, one group a row), every row kind of the

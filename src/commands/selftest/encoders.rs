@@ -1,14 +1,18 @@
 //! Selftest cases of the quantisers' kernels (`tftf quantize`): every row-local scheme on every
 //! weight dtype, on rows built to reach the encoders' edges.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use super::table::{f32_bytes_as, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::Kernel;
 use crate::ops::quantize::encode::{amax, nvfp4_global_scale, WeightType};
-use crate::ops::quantize::ops::{BlockMath, QuantizeRows};
+use crate::ops::quantize::kernel::QuantParams;
+use crate::ops::quantize::ops::{fp8_block_scales, BlockMath, QuantizeRows, FP8_BLOCK};
 use crate::ops::quantize::Scheme;
+use crate::ops::Op;
 
 /// Values that sit on a rounding boundary when the scale is 1: E4M3 midpoints (ties of the FP8
 /// encoders), E2M1 midpoints, and half integers (ties of the int encoders). All are exact in
@@ -123,7 +127,99 @@ pub fn quantize_op(
     }
 }
 
-/// Every row-local scheme × weight dtype, 48 rows (each row kind six times).
+/// FP8_BLOCK as one op over whole 128-row block rows (a unit): codes (output 0) and the block
+/// scales (output 1), computed with the block arithmetic of `quantize::ops`, so that the
+/// selftest runs the FP8 block kernel against it. `rows` is a multiple of 128 here (a unit has
+/// a fixed size); tests/kernels.rs covers a shorter last block row.
+#[derive(Debug)]
+pub struct Fp8BlockRows {
+    pub rows: u64,
+    pub cols: u64,
+    pub wt: WeightType,
+    pub math: BlockMath,
+}
+
+impl Fp8BlockRows {
+    fn grid_cols(&self) -> u64 {
+        self.cols.div_ceil(FP8_BLOCK)
+    }
+}
+
+impl Op for Fp8BlockRows {
+    fn name(&self) -> &'static str {
+        "quantize fp8 blocks"
+    }
+    fn units(&self) -> u64 {
+        self.rows / FP8_BLOCK
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        FP8_BLOCK * self.cols
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        FP8_BLOCK * self.cols * self.wt.bytes() as u64
+    }
+    fn extra_outputs(&self) -> usize {
+        1
+    }
+    fn extra_unit_bytes(&self, _k: usize) -> u64 {
+        self.grid_cols() * self.math.scale_bytes(self.wt) as u64
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        let b = self.in_unit_bytes();
+        std::iter::once(units.start * b..units.end * b).collect()
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let mut scales = vec![0u8; ((units.end - units.start) * self.extra_unit_bytes(1)) as usize];
+        self.compute_all(units, inputs, &mut [out, &mut scales])
+    }
+    fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        let (wt, math, cols) = (self.wt, self.math, self.cols as usize);
+        let mut x = Vec::new();
+        wt.decode(inputs[0], &mut x);
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            let r = units.start * FP8_BLOCK + (i / cols) as u64;
+            return Err(format!("holds {} at [{r}, {}]", x[i], i % cols));
+        }
+        let b = FP8_BLOCK as usize;
+        let sb = math.scale_bytes(wt);
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        let mut o = 0;
+        for r0 in (0..x.len() / cols).step_by(b) {
+            let blocks = fp8_block_scales(math, wt, &x[r0 * cols..(r0 + b) * cols], b, cols);
+            for &(s, _) in &blocks {
+                math.write(wt, s, &mut scales[o..o + sb]);
+                o += sb;
+            }
+            for r in r0..r0 + b {
+                for c in 0..cols {
+                    codes[r * cols + c] = math.encode(wt, x[r * cols + c], blocks[c / b].1);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        let rows = (units.end - units.start) * FP8_BLOCK;
+        Some(Kernel::Quantize(QuantParams::new(
+            Scheme::Fp8Block,
+            rows,
+            self.cols,
+            self.wt,
+            1.0,
+            self.math,
+        )))
+    }
+}
+
+/// Every row-local scheme × weight dtype, 48 rows (each row kind six times), and FP8 blocks in
+/// both block arithmetics (ragged columns).
 pub fn quantize_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let rows = 48u64;
     for (scheme, cols) in QUANTIZE_SHAPES {
@@ -134,6 +230,31 @@ pub fn quantize_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 what: format!("{} {}, {rows}×{cols}", scheme.name(), wt.dtype()),
                 op: Arc::new(quantize_op(scheme, wt, rows, cols, &weight)),
                 inputs: vec![weight],
+                out_dtype: DType::U8,
+            });
+        }
+    }
+    let (rows, cols) = (256u64, 300u64);
+    for math in [BlockMath::CompressedTensors, BlockMath::Transformers] {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            out.push(Case {
+                kernel: "quantize",
+                what: format!(
+                    "FP8_BLOCK{} {}, {rows}×{cols}",
+                    if math == BlockMath::Transformers {
+                        " fp8-native"
+                    } else {
+                        ""
+                    },
+                    wt.dtype()
+                ),
+                op: Arc::new(Fp8BlockRows {
+                    rows,
+                    cols,
+                    wt,
+                    math,
+                }),
+                inputs: vec![quantize_weight(wt, rows, cols, rng)],
                 out_dtype: DType::U8,
             });
         }
