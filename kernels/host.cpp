@@ -3,6 +3,7 @@
 #include "fp4_dequant.cuh"
 #include "int.cuh"
 #include "lora.cuh"
+#include "quantize.cuh"
 
 extern "C" {
 
@@ -79,5 +80,31 @@ void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, 
         factors[r] = dora_row_factor(*p, base, delta, magnitude, r);
     for (u64 i = 0; i < rows * p->cols; i++) lora_element(*p, base, delta, factors, out, i);
     delete[] factors;
+}
+
+// The quantisers over a chunk (`p->rows` rows): codes and scales as the CUDA kernels write them,
+// groups, segments, targets and elements taken in turn. Returns 0 when the weight holds a
+// non-finite value.
+int tftf_host_quantize(const u8* in, u8* codes, u8* scales, const QuantParams* p) {
+    int ok = 1;
+    if (p->scheme == QS_FP8_DYNAMIC || p->scheme == QS_FP8_BLOCK) {
+        u64 targets = quant_fp8_targets(*p);
+        u32* amax = new u32[targets];
+        for (u64 t = 0; t < targets; t++) amax[t] = 0;
+        for (u64 seg = 0; seg < quant_fp8_segments(*p); seg++) {
+            u64 t;
+            u32 m;
+            if (!quant_fp8_segment(*p, in, seg, &t, &m)) ok = 0;
+            amax[t] = m > amax[t] ? m : amax[t];
+        }
+        for (u64 t = 0; t < targets; t++)
+            amax[t] = f2u(quant_fp8_scale(*p, u2f(amax[t]), scales, t));
+        for (u64 i = 0; i < p->rows * p->cols; i++) codes[i] = quant_fp8_code(*p, in, amax, i);
+        delete[] amax;
+    } else {
+        u64 n = p->rows * (p->cols / quant_group(p->scheme));
+        for (u64 g = 0; g < n; g++) ok &= quant_group_encode(*p, in, codes, scales, g) ? 1 : 0;
+    }
+    return ok;
 }
 }

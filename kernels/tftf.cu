@@ -6,6 +6,7 @@
 #include "fp4_dequant.cuh"
 #include "int.cuh"
 #include "lora.cuh"
+#include "quantize.cuh"
 
 #define GRID_STRIDE(i, n)                                                             \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                 \
@@ -88,4 +89,35 @@ extern "C" __global__ void tftf_dora_factors(const u8* base, const float* delta,
 extern "C" __global__ void tftf_lora(const u8* base, const float* delta, const float* factors,
                                      u8* out, u64 n, LoraParams p) {
     GRID_STRIDE(i, n) { lora_element(p, base, delta, factors, out, i); }
+}
+
+// Grouped quantisers (W8A16, W4A16, NVFP4, MXFP4, MXFP8): one thread per group of a row.
+extern "C" __global__ void tftf_quantize_groups(const u8* in, u8* codes, u8* scales, u64 n,
+                                                QuantParams p, int* bad) {
+    GRID_STRIDE(g, n) {
+        if (!quant_group_encode(p, in, codes, scales, g)) *bad = 1;
+    }
+}
+
+// FP8_DYNAMIC, FP8_BLOCK, pass 1: each segment's amax into its target's (`amax` zeroed).
+extern "C" __global__ void tftf_quantize_fp8_amax(const u8* in, u32* amax, u64 n, QuantParams p,
+                                                  int* bad) {
+    GRID_STRIDE(seg, n) {
+        u64 t;
+        u32 m;
+        if (!quant_fp8_segment(p, in, seg, &t, &m)) *bad = 1;
+        atomicMax(amax + t, m);
+    }
+}
+
+// Pass 2: each target's scale, its amax replaced by the encoder's factor.
+extern "C" __global__ void tftf_quantize_fp8_scales(u32* amax, u8* scales, u64 n,
+                                                    QuantParams p) {
+    GRID_STRIDE(t, n) { amax[t] = f2u(quant_fp8_scale(p, u2f(amax[t]), scales, t)); }
+}
+
+// Pass 3: the codes.
+extern "C" __global__ void tftf_quantize_fp8_codes(const u8* in, const u32* factors, u8* codes,
+                                                   u64 n, QuantParams p) {
+    GRID_STRIDE(i, n) { codes[i] = quant_fp8_code(p, in, factors, i); }
 }

@@ -304,6 +304,85 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
     assert_identical("fp8-lora", &pairs);
 }
 
+/// `tftf quantize` on the GPU path: every row-local scheme runs its kernels and writes
+/// llm-compressor's bytes, as the CPU does; a NaN weight is refused by the kernel and named by
+/// the CPU op.
+#[test]
+fn quantize_runs_its_kernels_and_equals_llm_compressor() {
+    for (scheme, kernels) in [
+        (
+            "FP8_DYNAMIC",
+            &[
+                "tftf_quantize_fp8_amax",
+                "tftf_quantize_fp8_scales",
+                "tftf_quantize_fp8_codes",
+            ][..],
+        ),
+        ("W8A16", &["tftf_quantize_groups"][..]),
+        ("W4A16", &["tftf_quantize_groups"][..]),
+        ("NVFP4A16", &["tftf_quantize_groups"][..]),
+        ("MXFP4A16", &["tftf_quantize_groups"][..]),
+        ("MXFP8A16", &["tftf_quantize_groups"][..]),
+    ] {
+        let input = fixture(if scheme.starts_with('W') {
+            "quantize/input_even"
+        } else {
+            "quantize/input"
+        });
+        let pairs = cpu_vs_gpu(
+            &format!("quantize-{scheme}"),
+            &["quantize", "-i", s(&input), "--scheme", scheme],
+            kernels,
+        );
+        assert_identical(scheme, &pairs);
+        let want = load_all(&fixture(&format!("quantize/{scheme}/model.safetensors")));
+        for (k, _, _, gpu) in &pairs {
+            assert_eq!(gpu, &want[k].2, "{scheme}: `{k}` is not llm-compressor's");
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.safetensors");
+    let mut w: Vec<u8> = (0..64u16)
+        .flat_map(|i| (0x3C00 + i).to_le_bytes())
+        .collect();
+    w[2 * 21..2 * 22].copy_from_slice(&0x7E00u16.to_le_bytes());
+    common::write_file(
+        &model,
+        &[common::t(
+            "w.weight",
+            tftf::format::dtype::DType::F16,
+            &[4, 16],
+            w,
+        )],
+    );
+    let out = dir.path().join("o");
+    for (fake, dev) in [(false, "cpu"), (true, "cuda")] {
+        let r = tftf_with(
+            fake,
+            false,
+            &[
+                "quantize",
+                "-i",
+                s(&model),
+                "-o",
+                s(&out),
+                "--scheme",
+                "FP8_DYNAMIC",
+                "--device",
+                dev,
+            ],
+        );
+        assert_eq!(r.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains("w.weight") && err.contains("NaN at [1, 5]"),
+            "{dev}: {err}"
+        );
+        assert!(!out.exists(), "{dev}: nothing left behind");
+    }
+}
+
 #[test]
 fn selftest_passes_on_the_fake_device_and_refused_values_are_named() {
     let out = ok(&tftf_with(true, false, &["selftest", "--device", "cuda"]));

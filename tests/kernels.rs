@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::OnceLock;
 
+use tftf::commands::selftest::encoders::{quantize_op, quantize_weight};
 use tftf::commands::selftest::table::{self as selftest, DequantShape, Lcg as Rng};
 use tftf::format::dtype::DType;
 use tftf::ops::fp4::engram::requant_row;
@@ -19,6 +20,10 @@ use tftf::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use tftf::ops::int::kernel::IntParams;
 use tftf::ops::kernel::{kernel_dtype, Kernel};
 use tftf::ops::lora::kernel::{DeltaParams, LoraParams};
+use tftf::ops::quantize::encode::WeightType;
+use tftf::ops::quantize::kernel::QuantParams;
+use tftf::ops::quantize::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
+use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
 
 /// Must match OPTIONS in scripts/gen-ptx.py.
@@ -645,6 +650,251 @@ fn fp4_dequant_matches_the_cpu_op_bit_for_bit() {
     assert_eq!(n, 6, "every FP4 scheme");
 }
 
+/// The quantisers' host build over one chunk: (codes, scales), or None when it refuses the
+/// weight. Unwritten bytes keep a fill pattern the CPU side does not use.
+fn host_quantize(
+    p: &QuantParams,
+    weight: &[u8],
+    code_bytes: usize,
+    scale_bytes: usize,
+) -> Option<(Vec<u8>, Vec<u8>)> {
+    let f = host_fn!(
+        "tftf_host_quantize",
+        fn(*const u8, *mut u8, *mut u8, *const QuantParams) -> c_int
+    );
+    let mut codes = vec![0xAAu8; code_bytes];
+    let mut scales = vec![0xAAu8; scale_bytes];
+    // SAFETY: `weight` holds p.rows rows; the outputs are sized by the caller for them.
+    let ok = unsafe { f(weight.as_ptr(), codes.as_mut_ptr(), scales.as_mut_ptr(), p) };
+    (ok != 0).then_some((codes, scales))
+}
+
+/// The CPU op's (codes, scales) of chunk `units`, from the whole weight.
+fn cpu_quantize(
+    op: &dyn Op,
+    units: Range<u64>,
+    weight: &[u8],
+) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let n = units.end - units.start;
+    let mut codes = vec![0x55u8; (n * op.out_unit_bytes()) as usize];
+    let mut scales = vec![0x55u8; (n * op.extra_unit_bytes(0)) as usize];
+    let inputs = [weight.to_vec()];
+    let ins = selftest::slices(op, units.clone(), &inputs);
+    op.compute_all(units, &ins, &mut [&mut codes, &mut scales])
+        .map(|_| (codes, scales))
+}
+
+/// Host kernel against the CPU op on the whole weight and on chunks starting mid-tensor.
+fn check_quantize(op: &dyn Op, weight: &[u8], what: &str) {
+    let all = op.units();
+    let unit_bytes = op.in_unit_bytes() as usize;
+    for units in [0..all, 5.min(all - 1)..21.min(all), all - 1..all] {
+        let what = format!("{what} units {units:?}");
+        let Some(Kernel::Quantize(p)) = op.kernel(&units) else {
+            panic!("{what}: no quantiser kernel")
+        };
+        let n = units.end - units.start;
+        let chunk = &weight[units.start as usize * unit_bytes..units.end as usize * unit_bytes];
+        let got = host_quantize(
+            &p,
+            chunk,
+            (n * op.out_unit_bytes()) as usize,
+            (n * op.extra_unit_bytes(0)) as usize,
+        );
+        match (got, cpu_quantize(op, units.clone(), weight)) {
+            (Some((gc, gs)), Ok((wc, ws))) => {
+                hex_diff(&format!("{what} codes"), &gc, &wc, 1);
+                hex_diff(&format!("{what} scales"), &gs, &ws, 1);
+            }
+            (None, Err(_)) => {}
+            (g, w) => panic!("{what}: kernel ok={}, CPU {:?}", g.is_some(), w.err()),
+        }
+    }
+}
+
+/// The selftest's quantiser cases (every row-local scheme × weight dtype, and FP8 blocks in
+/// their one-op form) on the host build.
+#[test]
+fn quantizers_match_the_cpu_op_byte_for_byte() {
+    let mut n = 0;
+    for case in selftest::cases() {
+        let op = case.op.as_ref();
+        if !matches!(op.kernel(&(0..1)), Some(Kernel::Quantize(_))) {
+            continue;
+        }
+        check_quantize(op, &case.inputs[0], &case.what);
+        n += 1;
+    }
+    assert_eq!(
+        n,
+        6 * 3 + 2 * 3,
+        "every scheme × weight dtype, FP8 blocks both ways"
+    );
+}
+
+/// More shapes (a one-column row, ragged FP8 rows, one group a row), every row kind of the
+/// selftest's weights under several seeds, and NVFP4 under tensor scales that make the
+/// effective scale exact (1, powers of two) or not.
+#[test]
+fn quantizers_match_the_cpu_op_on_more_shapes_and_scales() {
+    let shapes = [
+        (Scheme::Fp8Dynamic, 1u64),
+        (Scheme::Fp8Dynamic, 7),
+        (Scheme::Fp8Dynamic, 1000),
+        (Scheme::W8A16, 128),
+        (Scheme::W8A16, 512),
+        (Scheme::W4A16, 128),
+        (Scheme::W4A16, 640),
+        (Scheme::Nvfp4A16, 16),
+        (Scheme::Nvfp4A16, 272),
+        (Scheme::Mxfp4A16, 32),
+        (Scheme::Mxfp4A16, 320),
+        (Scheme::Mxfp8A16, 32),
+        (Scheme::Mxfp8A16, 224),
+    ];
+    let mut rng = Rng(0x51);
+    for (scheme, cols) in shapes {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let rows = 64;
+            let weight = quantize_weight(wt, rows, cols, &mut rng);
+            let mut op = quantize_op(scheme, wt, rows, cols, &weight);
+            let what = format!("{} {:?} {rows}×{cols}", scheme.name(), wt);
+            check_quantize(&op, &weight, &what);
+            if scheme == Scheme::Nvfp4A16 {
+                for global in [1.0f32, 0.5, 64.0, 2688.0, 1234.567, 3.0e-3, 1.0e6] {
+                    op.global = global;
+                    check_quantize(&op, &weight, &format!("{what} global {global}"));
+                }
+            }
+        }
+    }
+}
+
+/// A non-finite weight (NaN, ±infinity) is refused by the kernel as by the CPU op.
+#[test]
+fn quantizers_refuse_non_finite_weights_as_the_cpu_op_does() {
+    let mut rng = Rng(9);
+    for (scheme, cols) in tftf::commands::selftest::encoders::QUANTIZE_SHAPES {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let rows = 9;
+            let clean = quantize_weight(wt, rows, cols, &mut rng);
+            let op = quantize_op(scheme, wt, rows, cols, &clean);
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let b = selftest::f32_bytes_as(wt.dtype(), &bad.to_le_bytes());
+                let mut weight = clean.clone();
+                let at = (3 * cols as usize + cols as usize - 1) * b.len();
+                weight[at..at + b.len()].copy_from_slice(&b);
+                let units = 0..rows;
+                let Some(Kernel::Quantize(p)) = op.kernel(&units) else {
+                    unreachable!()
+                };
+                let code_bytes = (rows * op.out_unit_bytes()) as usize;
+                let scale_bytes = (rows * op.extra_unit_bytes(0)) as usize;
+                let what = format!("{} {:?} holding {bad}", scheme.name(), wt);
+                assert!(
+                    host_quantize(&p, &weight, code_bytes, scale_bytes).is_none(),
+                    "{what}: the kernel must refuse"
+                );
+                let err = cpu_quantize(&op, units, &weight).unwrap_err();
+                assert!(
+                    err.contains(&format!("at [3, {}]", cols - 1)),
+                    "{what}: {err}"
+                );
+            }
+        }
+    }
+}
+
+/// FP8_BLOCK's (codes, block scales) of a chunk of whole block rows, from the CPU op itself;
+/// Err for a non-finite weight.
+fn reference_fp8_blocks(
+    math: BlockMath,
+    wt: WeightType,
+    weight: &[u8],
+    cols: u64,
+) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let rows = (weight.len() / wt.bytes()) as u64 / cols;
+    let op = QuantizeRows {
+        scheme: Scheme::Fp8Block,
+        rows,
+        cols,
+        wt,
+        global: 1.0,
+        block: math,
+    };
+    let len = |k| op.out_span(k, 0..rows).end as usize;
+    let (mut codes, mut scales) = (vec![0u8; len(0)], vec![0u8; len(1)]);
+    op.compute_all(0..rows, &[weight], &mut [&mut codes, &mut scales])?;
+    Ok((codes, scales))
+}
+
+/// Rows of the selftest weights' row kind `kind` only (so that whole 128×128 blocks are zero,
+/// ties, tiny or huge), `rows` × `cols`.
+fn weight_of_kind(wt: WeightType, kind: u64, rows: u64, cols: u64, rng: &mut Rng) -> Vec<u8> {
+    let all = quantize_weight(wt, 8 * rows, cols, rng);
+    let row = cols as usize * wt.bytes();
+    all.chunks_exact(row)
+        .skip(kind as usize)
+        .step_by(8)
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// The FP8 block kernel (both block arithmetics, every weight dtype) against the reference, on
+/// blocks ragged in either direction, whole-block-row chunks starting mid-tensor, blocks of one
+/// row kind each (zero, ties, subnormal scales, huge), and refused non-finite weights.
+#[test]
+fn fp8_block_quantizer_matches_the_cpu_block_arithmetic() {
+    let mut rng = Rng(0xb10c);
+    let mut n = 0;
+    for math in [BlockMath::CompressedTensors, BlockMath::Transformers] {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let mut weights: Vec<(u64, u64, Vec<u8>, String)> = Vec::new();
+            for (rows, cols) in [(300u64, 300u64), (128, 128), (130, 129), (5, 7), (256, 384)] {
+                let w = quantize_weight(wt, rows, cols, &mut rng);
+                weights.push((rows, cols, w, format!("{rows}×{cols}")));
+            }
+            for kind in 0..8 {
+                let w = weight_of_kind(wt, kind, 200, 260, &mut rng);
+                weights.push((200, 260, w, format!("row kind {kind}, 200×260")));
+            }
+            let mut bad = weights[0].2.clone();
+            let nan = selftest::f32_bytes_as(wt.dtype(), &f32::NAN.to_le_bytes());
+            let at = (140 * 300 + 299) * wt.bytes();
+            bad[at..at + wt.bytes()].copy_from_slice(&nan);
+            weights.push((300, 300, bad, "NaN at [140, 299]".into()));
+            for (rows, cols, weight, shape) in &weights {
+                let row_bytes = *cols as usize * wt.bytes();
+                let mut starts = vec![0u64];
+                if *rows > FP8_BLOCK {
+                    starts.push(FP8_BLOCK);
+                }
+                for start in starts {
+                    let what = format!("FP8_BLOCK {math:?} {wt:?} {shape} from row {start}");
+                    let chunk = &weight[start as usize * row_bytes..];
+                    let n_rows = rows - start;
+                    let p = QuantParams::new(Scheme::Fp8Block, n_rows, *cols, wt, 1.0, math);
+                    let scale_bytes = (n_rows.div_ceil(FP8_BLOCK) * cols.div_ceil(FP8_BLOCK))
+                        as usize
+                        * math.scale_bytes(wt);
+                    let got = host_quantize(&p, chunk, (n_rows * cols) as usize, scale_bytes);
+                    match (got, reference_fp8_blocks(math, wt, chunk, *cols)) {
+                        (Some((gc, gs)), Ok((wc, ws))) => {
+                            hex_diff(&format!("{what} codes"), &gc, &wc, 1);
+                            hex_diff(&format!("{what} scales"), &gs, &ws, math.scale_bytes(wt));
+                        }
+                        (None, Err(_)) => {}
+                        (g, w) => panic!("{what}: kernel ok={}, reference {:?}", g.is_some(), w),
+                    }
+                    n += 1;
+                }
+            }
+        }
+    }
+    assert!(n > 2 * 3 * 14);
+}
+
 /// kernels/tftf.ptx records a hash of the sources it was built from (scripts/gen-ptx.py).
 #[test]
 fn committed_ptx_is_built_from_the_current_sources() {
@@ -684,6 +934,10 @@ fn committed_ptx_is_built_from_the_current_sources() {
         "tftf_lora_delta",
         "tftf_dora_factors",
         "tftf_lora",
+        "tftf_quantize_groups",
+        "tftf_quantize_fp8_amax",
+        "tftf_quantize_fp8_scales",
+        "tftf_quantize_fp8_codes",
     ] {
         assert!(
             ptx.contains(&format!(".entry {entry}(")),

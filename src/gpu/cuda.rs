@@ -33,6 +33,7 @@ use crate::ops::fp8::kernel::DequantParams;
 use crate::ops::int::kernel::IntParams;
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{DeltaParams, LoraLaunch, LoraParams};
+use crate::ops::quantize::kernel::QuantParams;
 
 /// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
 static PTX_NVCC: &str = include_str!(concat!(env!("OUT_DIR"), "/tftf-nvcc.ptx"));
@@ -47,6 +48,7 @@ unsafe impl DeviceRepr for LoraParams {}
 unsafe impl DeviceRepr for DeltaParams {}
 unsafe impl DeviceRepr for IntParams {}
 unsafe impl DeviceRepr for Fp4Params {}
+unsafe impl DeviceRepr for QuantParams {}
 
 struct Kernels {
     cast: CudaFunction,
@@ -60,6 +62,10 @@ struct Kernels {
     lora_delta: CudaFunction,
     dora: CudaFunction,
     lora: CudaFunction,
+    quantize_groups: CudaFunction,
+    quantize_fp8_amax: CudaFunction,
+    quantize_fp8_scales: CudaFunction,
+    quantize_fp8_codes: CudaFunction,
 }
 
 /// Counters for reports and benchmarks.
@@ -183,6 +189,10 @@ impl Gpu {
             lora_delta: f("tftf_lora_delta")?,
             dora: f("tftf_dora_factors")?,
             lora: f("tftf_lora")?,
+            quantize_groups: f("tftf_quantize_groups")?,
+            quantize_fp8_amax: f("tftf_quantize_fp8_amax")?,
+            quantize_fp8_scales: f("tftf_quantize_fp8_scales")?,
+            quantize_fp8_codes: f("tftf_quantize_fp8_codes")?,
         };
         let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
@@ -689,6 +699,7 @@ impl Lane {
                 self.download(SCRATCH + 3, 8)?;
             }
             Kernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
+            Kernel::Quantize(p) => flag = Some(self.quantize(k, p, inputs, outs)?),
         }
         // Registered outputs receive their bytes by DMA; the others through staging.
         let mut staged = vec![true; outs.len()];
@@ -755,6 +766,57 @@ impl Lane {
         // SAFETY: argument types match tftf_dequant_fp8; buffers are sized for n.
         unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_dequant_fp8", e))?;
         Ok(flag)
+    }
+
+    /// Queues a quantiser over a chunk (`inputs[0]`: its weight rows) into output slots 0
+    /// (codes) and 1 (scales); returns the refusal flag's address.
+    fn quantize(
+        &mut self,
+        k: &Kernels,
+        p: &QuantParams,
+        inputs: &[&[u8]],
+        outs: &[&mut [u8]],
+    ) -> Result<CUdeviceptr, String> {
+        let w = self.upload(IN, inputs[0])?;
+        let codes = self.device(OUT, outs[0].len())?;
+        let scales = self.device(OUT + 1, outs[1].len())?;
+        let f = self.zero(FLAG, 4)?;
+        if p.is_fp8_rows() || p.is_fp8_block() {
+            // Segments of ≤128 columns fold their amax into their row's or block's, each
+            // target's scale and factor follow, then the codes.
+            let segments = p.rows * p.cols.div_ceil(128);
+            let targets = if p.is_fp8_block() {
+                p.rows.div_ceil(128) * p.cols.div_ceil(128)
+            } else {
+                p.rows
+            };
+            let amax = self.zero(SCRATCH + 1, 4 * targets as usize)?;
+            let mut b = self.stream.launch_builder(&k.quantize_fp8_amax);
+            b.arg(&w).arg(&amax).arg(&segments).arg(p).arg(&f);
+            // SAFETY: argument types match tftf_quantize_fp8_amax; `amax` holds one word per
+            // target, the weight p.rows rows.
+            unsafe { b.launch(launch_config(segments)) }
+                .map_err(|e| driver_err("tftf_quantize_fp8_amax", e))?;
+            let mut b = self.stream.launch_builder(&k.quantize_fp8_scales);
+            b.arg(&amax).arg(&scales).arg(&targets).arg(p);
+            // SAFETY: argument types match tftf_quantize_fp8_scales; one scale per target.
+            unsafe { b.launch(launch_config(targets)) }
+                .map_err(|e| driver_err("tftf_quantize_fp8_scales", e))?;
+            let n = p.rows * p.cols;
+            let mut b = self.stream.launch_builder(&k.quantize_fp8_codes);
+            b.arg(&w).arg(&amax).arg(&codes).arg(&n).arg(p);
+            // SAFETY: argument types match tftf_quantize_fp8_codes; one code per element.
+            unsafe { b.launch(launch_config(n)) }
+                .map_err(|e| driver_err("tftf_quantize_fp8_codes", e))?;
+        } else {
+            let n = p.rows * (p.cols / p.group());
+            let mut b = self.stream.launch_builder(&k.quantize_groups);
+            b.arg(&w).arg(&codes).arg(&scales).arg(&n).arg(p).arg(&f);
+            // SAFETY: argument types match tftf_quantize_groups; n groups of whole rows.
+            unsafe { b.launch(launch_config(n)) }
+                .map_err(|e| driver_err("tftf_quantize_groups", e))?;
+        }
+        Ok(f)
     }
 
     /// LoRA/DoRA: factors to f32, Δ = B@A in the fixed summation order the CPU uses, then the

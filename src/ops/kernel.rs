@@ -10,6 +10,7 @@ use crate::ops::fp4::kernel::{Fp4Params, RowSums};
 use crate::ops::fp8::kernel::DequantParams;
 use crate::ops::int::kernel::IntParams;
 use crate::ops::lora::kernel::LoraLaunch;
+use crate::ops::quantize::kernel::QuantParams;
 
 /// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
 #[derive(Clone, Debug)]
@@ -31,6 +32,9 @@ pub enum Kernel {
     Engram { cols: u64 },
     /// LoRA/DoRA merge (kernels/lora.cuh).
     Lora(LoraLaunch),
+    /// Weight-only quantisation (kernels/quantize.cuh): weight rows → codes (output 0) and
+    /// scales (output 1); refuses non-finite weights.
+    Quantize(QuantParams),
 }
 
 /// Figures a kernel gathered for its chunk, handed back to the op (`Op::absorb`).

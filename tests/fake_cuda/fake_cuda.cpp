@@ -307,6 +307,26 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_lora(arg<in>(p, 0), arg<const float*>(p, 1), arg<const float*>(p, 2),
                       arg<u8*>(p, 3), arg<u64>(p, 4), arg<LoraParams>(p, 5));
         });
+    else if (n == "tftf_quantize_groups")
+        walk(gx, bx, [&] {
+            tftf_quantize_groups(arg<in>(p, 0), arg<u8*>(p, 1), arg<u8*>(p, 2), arg<u64>(p, 3),
+                                 arg<QuantParams>(p, 4), arg<int*>(p, 5));
+        });
+    else if (n == "tftf_quantize_fp8_amax")
+        walk(gx, bx, [&] {
+            tftf_quantize_fp8_amax(arg<in>(p, 0), arg<u32*>(p, 1), arg<u64>(p, 2),
+                                   arg<QuantParams>(p, 3), arg<int*>(p, 4));
+        });
+    else if (n == "tftf_quantize_fp8_scales")
+        walk(gx, bx, [&] {
+            tftf_quantize_fp8_scales(arg<u32*>(p, 0), arg<u8*>(p, 1), arg<u64>(p, 2),
+                                     arg<QuantParams>(p, 3));
+        });
+    else if (n == "tftf_quantize_fp8_codes")
+        walk(gx, bx, [&] {
+            tftf_quantize_fp8_codes(arg<in>(p, 0), arg<const u32*>(p, 1), arg<u8*>(p, 2),
+                                    arg<u64>(p, 3), arg<QuantParams>(p, 4));
+        });
     else
         return 500;
     // A broken device, for the selftest's own test: one flipped bit in a cast's output.

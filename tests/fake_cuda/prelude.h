@@ -11,3 +11,8 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
     *p += v;
     return old;
 }
+static inline unsigned atomicMax(unsigned* p, unsigned v) {
+    unsigned old = *p;
+    if (v > old) *p = v;
+    return old;
+}

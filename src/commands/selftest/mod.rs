@@ -1,6 +1,7 @@
 //! `tftf selftest`: the kernel table (see `commands::selftest::table`).
 
 mod decoders;
+pub mod encoders;
 pub mod table;
 
 use crate::cli::SelftestArgs;

@@ -545,6 +545,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::fp4_cases(&mut rng, &mut out);
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
+    super::encoders::quantize_cases(&mut rng, &mut out);
     out
 }
 

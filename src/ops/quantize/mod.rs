@@ -23,6 +23,7 @@
 //! | MXFP8A16 | `weight` F8_E4M3, `weight_scale` U8 (E8M0) `[out, in/32]` |
 
 pub mod encode;
+pub mod kernel;
 pub mod lanes;
 pub mod ops;
 pub mod requant;

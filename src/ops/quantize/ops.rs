@@ -2,8 +2,8 @@
 //! output) their scales in one read, for every scheme. FP8 blocks need all 128 rows of a block
 //! before their scale is known, so that scheme takes chunks of whole 128-row block rows and
 //! writes one scale row per block row ([`Op::out_span`]). [`Constant`] writes the small tensors
-//! known at plan time (`weight_shape`, NVFP4's `weight_global_scale`). None has a GPU kernel
-//! yet.
+//! known at plan time (`weight_shape`, NVFP4's `weight_global_scale`). Every scheme has a GPU
+//! kernel (kernels/quantize.cuh, checked byte for byte against this file by tests/kernels.rs).
 
 use std::ops::Range;
 
@@ -11,9 +11,11 @@ use super::encode::{
     amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
+use super::kernel::QuantParams;
 use super::lanes::{self, Bf16, Elem, F16, F32};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 
 /// FP8 block edge (`block_structure: [128, 128]`).
@@ -170,7 +172,7 @@ pub enum BlockMath {
 
 impl BlockMath {
     /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
-    fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
+    pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
         match self {
             BlockMath::CompressedTensors => {
                 let s = symmetric_scale(wt, m, E4M3_MAX);
@@ -185,7 +187,7 @@ impl BlockMath {
     }
 
     #[inline(always)]
-    fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
+    pub fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
         match self {
             BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
             BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
@@ -200,14 +202,14 @@ impl BlockMath {
         }
     }
 
-    fn scale_bytes(self, wt: WeightType) -> usize {
+    pub fn scale_bytes(self, wt: WeightType) -> usize {
         match self {
             BlockMath::CompressedTensors => wt.bytes(),
             BlockMath::Transformers => 4,
         }
     }
 
-    fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
+    pub fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
         match self {
             BlockMath::CompressedTensors => wt.encode(s, out),
             BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
@@ -217,7 +219,7 @@ impl BlockMath {
 
 /// (stored scale, encoder factor) of the 128×128 blocks whose rows are `rows` (at most 128 of
 /// them), in block order.
-fn fp8_block_scales(
+pub fn fp8_block_scales(
     math: BlockMath,
     wt: WeightType,
     x: &[f32],
@@ -237,6 +239,17 @@ fn fp8_block_scales(
 impl Op for QuantizeRows {
     fn name(&self) -> &'static str {
         "quantize"
+    }
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        // FP8 blocks: chunks hold whole 128-row block rows, the kernel's unit too.
+        Some(Kernel::Quantize(QuantParams::new(
+            self.scheme,
+            units.end - units.start,
+            self.cols,
+            self.wt,
+            self.global,
+            self.block,
+        )))
     }
     fn units(&self) -> u64 {
         self.rows

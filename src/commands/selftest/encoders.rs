@@ -1,0 +1,170 @@
+//! Selftest cases of the quantisers' kernels (`tftf quantize`): every row-local scheme on every
+//! weight dtype, on rows built to reach the encoders' edges.
+
+use std::sync::Arc;
+
+use super::table::{f32_bytes_as, Case, Lcg};
+use crate::format::dtype::DType;
+use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::quantize::encode::{amax, nvfp4_global_scale, WeightType};
+use crate::ops::quantize::ops::{BlockMath, QuantizeRows};
+use crate::ops::quantize::Scheme;
+
+/// Values that sit on a rounding boundary when the scale is 1: E4M3 midpoints (ties of the FP8
+/// encoders), E2M1 midpoints, and half integers (ties of the int encoders). All are exact in
+/// BF16 and F16.
+fn ties() -> Vec<f32> {
+    let mut v: Vec<f32> = (0u8..0x7E)
+        .map(|c| (e4m3_to_f32(c) + e4m3_to_f32(c + 1)) / 2.0)
+        .collect();
+    v.extend([0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]);
+    v.extend((0..128).map(|k| k as f32 + 0.5));
+    v
+}
+
+/// Group maxima that make the scale 1 (or a power of two) under each scheme: 448 (FP8), 6
+/// (NVFP4 with tensor scale 1), 127.5 and 7.5 (W8, W4), 4 and 256 (MXFP4, MXFP8).
+const TIE_AMAX: [f32; 6] = [448.0, 6.0, 127.5, 7.5, 4.0, 256.0];
+
+/// A `rows` × `cols` weight stored as `wt`, a row kind per row (by row number mod 8): all zeros
+/// with negative zeros; random values of one magnitude; rounding ties with every 16th element at
+/// a group maximum that makes the scale 1; magnitudes whose scales are subnormal (F16: tiny
+/// subnormal weights); large magnitudes; a magnitude per 16 elements; F16-subnormal weights;
+/// zero groups and small negatives that round to -0 beside a maximum.
+pub fn quantize_weight(wt: WeightType, rows: u64, cols: u64, rng: &mut Lcg) -> Vec<u8> {
+    let ties = ties();
+    let f16 = wt == WeightType::F16;
+    let unit = |rng: &mut Lcg| rng.next_u32() as f32 / u32::MAX as f32 * 2.0 - 1.0;
+    let mut v = Vec::with_capacity((rows * cols) as usize);
+    for r in 0..rows {
+        let e_row = if f16 {
+            (rng.next_u32() % 24) as i32 - 12
+        } else {
+            (rng.next_u32() % 40) as i32 - 24
+        };
+        let a = TIE_AMAX[(r / 8) as usize % TIE_AMAX.len()];
+        let mut e_group = 0;
+        for c in 0..cols {
+            if c % 16 == 0 {
+                e_group = (rng.next_u32() % 36) as i32 - if f16 { 20 } else { 28 };
+            }
+            let x = match r % 8 {
+                0 => {
+                    if c % 3 == 1 {
+                        -0.0
+                    } else {
+                        0.0
+                    }
+                }
+                1 => unit(rng) * 2f32.powi(e_row),
+                2 => {
+                    let sign = if rng.next_u32() & 1 == 1 { -1.0 } else { 1.0 };
+                    if c % 16 == 0 {
+                        sign * a
+                    } else {
+                        // a tie no larger than the group maximum
+                        let t = ties[rng.next_u32() as usize % ties.len()];
+                        sign * if t <= a { t } else { t % a }
+                    }
+                }
+                3 if f16 => unit(rng) * 2f32.powi(-14 - (rng.next_u32() % 10) as i32),
+                3 => unit(rng) * 2f32.powi(-118 - (rng.next_u32() % 16) as i32),
+                4 if f16 => unit(rng) * 2f32.powi(10 + (rng.next_u32() % 5) as i32),
+                4 => unit(rng) * 2f32.powi(100 + (rng.next_u32() % 26) as i32),
+                5 => unit(rng) * 2f32.powi(e_group),
+                6 => unit(rng) * 2f32.powi(-24 + (rng.next_u32() % 11) as i32),
+                _ => match c % 32 {
+                    0 => 6.0,
+                    1..=15 => -(unit(rng).abs() * 0.25),
+                    _ if c / 32 % 2 == 1 => 0.0,
+                    _ => unit(rng) * 3.0,
+                },
+            };
+            v.push(x);
+        }
+    }
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    f32_bytes_as(wt.dtype(), &bytes)
+}
+
+/// The row-local schemes with a column count each (FP8_DYNAMIC's ragged: it has no groups).
+pub const QUANTIZE_SHAPES: [(Scheme, u64); 6] = [
+    (Scheme::Fp8Dynamic, 300),
+    (Scheme::W8A16, 256),
+    (Scheme::W4A16, 384),
+    (Scheme::Nvfp4A16, 80),
+    (Scheme::Mxfp4A16, 96),
+    (Scheme::Mxfp8A16, 160),
+];
+
+/// The quantiser op of `scheme` over `weight` (NVFP4's tensor scale from its amax, as a
+/// weight outside a fused group gets).
+pub fn quantize_op(
+    scheme: Scheme,
+    wt: WeightType,
+    rows: u64,
+    cols: u64,
+    weight: &[u8],
+) -> QuantizeRows {
+    let global = if scheme == Scheme::Nvfp4A16 {
+        let mut x = Vec::new();
+        wt.decode(weight, &mut x);
+        nvfp4_global_scale(wt, amax(&x))
+    } else {
+        1.0
+    };
+    QuantizeRows {
+        scheme,
+        rows,
+        cols,
+        wt,
+        global,
+        block: BlockMath::CompressedTensors,
+    }
+}
+
+/// Every row-local scheme × weight dtype, 48 rows (each row kind six times), and FP8 blocks in
+/// both block arithmetics (ragged rows and columns).
+pub fn quantize_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let rows = 48u64;
+    for (scheme, cols) in QUANTIZE_SHAPES {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let weight = quantize_weight(wt, rows, cols, rng);
+            out.push(Case {
+                kernel: "quantize",
+                what: format!("{} {}, {rows}×{cols}", scheme.name(), wt.dtype()),
+                op: Arc::new(quantize_op(scheme, wt, rows, cols, &weight)),
+                inputs: vec![weight],
+                out_dtype: DType::U8,
+            });
+        }
+    }
+    // 300 rows: two whole block rows and a short one; 300 columns: a ragged last block.
+    let (rows, cols) = (300u64, 300u64);
+    for math in [BlockMath::CompressedTensors, BlockMath::Transformers] {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            out.push(Case {
+                kernel: "quantize",
+                what: format!(
+                    "FP8_BLOCK{} {}, {rows}×{cols}",
+                    if math == BlockMath::Transformers {
+                        " fp8-native"
+                    } else {
+                        ""
+                    },
+                    wt.dtype()
+                ),
+                op: Arc::new(QuantizeRows {
+                    scheme: Scheme::Fp8Block,
+                    rows,
+                    cols,
+                    wt,
+                    global: 1.0,
+                    block: math,
+                }),
+                inputs: vec![quantize_weight(wt, rows, cols, rng)],
+                out_dtype: DType::U8,
+            });
+        }
+    }
+}
