@@ -304,7 +304,7 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
     assert_identical("fp8-lora", &pairs);
 }
 
-/// `tftf quantize` on the GPU path: every row-local scheme runs its kernels and writes
+/// `tftf quantize` on the GPU path: every scheme runs its kernels and writes
 /// llm-compressor's bytes, as the CPU does; a NaN weight is refused by the kernel and named by
 /// the CPU op.
 #[test]
@@ -312,6 +312,14 @@ fn quantize_runs_its_kernels_and_equals_llm_compressor() {
     for (scheme, kernels) in [
         (
             "FP8_DYNAMIC",
+            &[
+                "tftf_quantize_fp8_amax",
+                "tftf_quantize_fp8_scales",
+                "tftf_quantize_fp8_codes",
+            ][..],
+        ),
+        (
+            "FP8_BLOCK",
             &[
                 "tftf_quantize_fp8_amax",
                 "tftf_quantize_fp8_scales",

@@ -675,9 +675,12 @@ fn cpu_quantize(
     units: Range<u64>,
     weight: &[u8],
 ) -> Result<(Vec<u8>, Vec<u8>), String> {
-    let n = units.end - units.start;
-    let mut codes = vec![0x55u8; (n * op.out_unit_bytes()) as usize];
-    let mut scales = vec![0x55u8; (n * op.extra_unit_bytes(0)) as usize];
+    let len = |k| {
+        let s = op.out_span(k, units.clone());
+        (s.end - s.start) as usize
+    };
+    let mut codes = vec![0x55u8; len(0)];
+    let mut scales = vec![0x55u8; len(1)];
     let inputs = [weight.to_vec()];
     let ins = selftest::slices(op, units.clone(), &inputs);
     op.compute_all(units, &ins, &mut [&mut codes, &mut scales])
@@ -688,19 +691,21 @@ fn cpu_quantize(
 fn check_quantize(op: &dyn Op, weight: &[u8], what: &str) {
     let all = op.units();
     let unit_bytes = op.in_unit_bytes() as usize;
-    for units in [0..all, 5.min(all - 1)..21.min(all), all - 1..all] {
+    // Chunks start at multiples of the granularity (128 rows for FP8 blocks).
+    let g = op.granularity();
+    let mid = (5 * g).min((all - 1) / g * g);
+    let last = (all - 1) / g * g;
+    for units in [0..all, mid..(mid + 16 * g).min(all), last..all] {
         let what = format!("{what} units {units:?}");
         let Some(Kernel::Quantize(p)) = op.kernel(&units) else {
             panic!("{what}: no quantiser kernel")
         };
-        let n = units.end - units.start;
         let chunk = &weight[units.start as usize * unit_bytes..units.end as usize * unit_bytes];
-        let got = host_quantize(
-            &p,
-            chunk,
-            (n * op.out_unit_bytes()) as usize,
-            (n * op.extra_unit_bytes(0)) as usize,
-        );
+        let len = |k| {
+            let s = op.out_span(k, units.clone());
+            (s.end - s.start) as usize
+        };
+        let got = host_quantize(&p, chunk, len(0), len(1));
         match (got, cpu_quantize(op, units.clone(), weight)) {
             (Some((gc, gs)), Ok((wc, ws))) => {
                 hex_diff(&format!("{what} codes"), &gc, &wc, 1);

@@ -1,4 +1,4 @@
-//! Selftest cases of the quantisers' kernels (`tftf quantize`): every row-local scheme on every
+//! Selftest cases of the quantisers' kernels (`tftf quantize`): every scheme on every
 //! weight dtype, on rows built to reach the encoders' edges.
 
 use std::sync::Arc;

@@ -21,7 +21,7 @@ use crate::ops::Op;
 /// FP8 block edge (`block_structure: [128, 128]`).
 pub const FP8_BLOCK: u64 = 128;
 
-/// Codes (output 0) and, for row-local schemes, scales (output 1) of rows of a 2-D weight.
+/// Codes (output 0) and scales (output 1) of rows of a 2-D weight.
 #[derive(Debug)]
 pub struct QuantizeRows {
     pub scheme: Scheme,
