@@ -253,17 +253,40 @@ pub fn e4m3_mul(xs: &[f32], m: f32, out: &mut [u8]) {
     }
 }
 
-/// Packed E2M1 codes (two per byte, even element low) of `xs / s`, each quotient rounded to
-/// the weight dtype when `ROUND` (MXFP4) or kept in f32 (NVFP4), clamped to ±6.
+/// Packed E2M1 codes (two per byte, even element low) of `xs / s` (a group of at most 32),
+/// each quotient rounded to the weight dtype when `ROUND` (MXFP4) or kept in f32 (NVFP4),
+/// clamped to ±6: the codes in lanes first, then paired.
 #[inline(always)]
 pub fn e2m1_div<E: Elem, const ROUND: bool>(xs: &[f32], s: f32, out: &mut [u8]) {
-    for (o, pair) in out.iter_mut().zip(xs.chunks_exact(2)) {
-        let q = |v: f32| {
-            let y = if ROUND { E::round(v / s) } else { v / s };
-            e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))
-        };
-        *o = q(pair[0]) | q(pair[1]) << 4;
+    let mut c = [0u8; 32];
+    for (c, &v) in c.iter_mut().zip(xs) {
+        let y = if ROUND { E::round(v / s) } else { v / s };
+        *c = e2m1(y.clamp(-E2M1_MAX, E2M1_MAX));
     }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = c[2 * j] | c[2 * j + 1] << 4;
+    }
+}
+
+/// Every E4M3 code's value (NaN for 0x7F and 0xFF), for scales looked up per group.
+pub static E4M3_VALUES: [f32; 256] = e4m3_values();
+
+const fn e4m3_values() -> [f32; 256] {
+    let mut t = [0f32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let (e, m) = ((b >> 3) & 0x0F, (b & 0x07) as u32);
+        let v = if e == 0x0F && m == 7 {
+            f32::NAN
+        } else if e == 0 {
+            m as f32 * (1.0 / 512.0) // m · 2^-9, exact
+        } else {
+            f32::from_bits(((e as u32 + 120) << 23) | (m << 20))
+        };
+        t[b] = if b & 0x80 != 0 { -v } else { v };
+        b += 1;
+    }
+    t
 }
 
 /// Signed integer codes `round_half_even(clamp(W(x / s), qmin, qmax))` into `out`.
@@ -347,6 +370,20 @@ mod tests {
             assert_eq!(tensor_amax(wt, &bytes), f32::INFINITY, "{wt:?}");
             wt.encode(f32::NAN, &mut bytes[at..at + wt.bytes()]);
             assert!(tensor_amax(wt, &bytes).is_nan(), "{wt:?}");
+        }
+    }
+
+    #[test]
+    fn e4m3_table_holds_every_code_value() {
+        for b in 0..=255u8 {
+            let (t, v) = (
+                E4M3_VALUES[b as usize],
+                crate::ops::fp8::codec::e4m3_to_f32(b),
+            );
+            assert!(
+                t.to_bits() == v.to_bits() || (t.is_nan() && v.is_nan()),
+                "{b:#04x}"
+            );
         }
     }
 

@@ -488,13 +488,13 @@ impl QuantizeRows {
                         .enumerate()
                         .zip(codes.chunks_exact_mut(8))
                     {
-                        let local = wt.round(lanes::amax(xs) / E2M1_MAX);
+                        let local = E::round(lanes::amax(xs) / E2M1_MAX);
                         let mut sc = lanes::e4m3((g * local).clamp(-E4M3_MAX, E4M3_MAX));
                         if sc & 0x7F == 0 {
                             sc = sc_zero;
                         }
                         scales[k] = sc;
-                        lanes::e2m1_div::<E, false>(xs, e4m3_to_f32(sc) / g, o);
+                        lanes::e2m1_div::<E, false>(xs, lanes::E4M3_VALUES[sc as usize] / g, o);
                     }
                 }
                 Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
