@@ -253,18 +253,24 @@ pub fn e4m3_mul(xs: &[f32], m: f32, out: &mut [u8]) {
     }
 }
 
-/// Packed E2M1 codes (two per byte, even element low) of `xs / s` (a group of at most 32),
-/// each quotient rounded to the weight dtype when `ROUND` (MXFP4) or kept in f32 (NVFP4),
-/// clamped to ±6: the codes in lanes first, then paired.
+/// Packed E2M1 codes (two per byte, even element low) of the group `xs / s` (`N` elements into
+/// `H = N/2` bytes), each quotient rounded to the weight dtype when `ROUND` (MXFP4) or kept in
+/// f32 (NVFP4), clamped to ±6. Fixed sizes keep both loops in lanes; each pair is packed as the
+/// little-endian u16 `lo | hi << 8`, folded to `lo | hi << 4`.
 #[inline(always)]
-pub fn e2m1_div<E: Elem, const ROUND: bool>(xs: &[f32], s: f32, out: &mut [u8]) {
-    let mut c = [0u8; 32];
+pub fn e2m1_div<E: Elem, const ROUND: bool, const N: usize, const H: usize>(
+    xs: &[f32; N],
+    s: f32,
+    out: &mut [u8; H],
+) {
+    let mut c = [0u16; N];
     for (c, &v) in c.iter_mut().zip(xs) {
         let y = if ROUND { E::round(v / s) } else { v / s };
-        *c = e2m1(y.clamp(-E2M1_MAX, E2M1_MAX));
+        *c = e2m1(y.clamp(-E2M1_MAX, E2M1_MAX)) as u16;
     }
     for (j, o) in out.iter_mut().enumerate() {
-        *o = c[2 * j] | c[2 * j + 1] << 4;
+        let v = c[2 * j] | c[2 * j + 1] << 8;
+        *o = (v | v >> 4) as u8;
     }
 }
 

@@ -494,7 +494,12 @@ impl QuantizeRows {
                             sc = sc_zero;
                         }
                         scales[k] = sc;
-                        lanes::e2m1_div::<E, false>(xs, lanes::E4M3_VALUES[sc as usize] / g, o);
+                        let (xs, o) = (xs.try_into().expect("16"), o.try_into().expect("8"));
+                        lanes::e2m1_div::<E, false, 16, 8>(
+                            xs,
+                            lanes::E4M3_VALUES[sc as usize] / g,
+                            o,
+                        );
                     }
                 }
                 Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
@@ -510,7 +515,8 @@ impl QuantizeRows {
                         let (s, stored) = table.0[e as usize];
                         scales[k] = stored;
                         if fp4 {
-                            lanes::e2m1_div::<E, true>(xs, s, o);
+                            let (xs, o) = (xs.try_into().expect("32"), o.try_into().expect("16"));
+                            lanes::e2m1_div::<E, true, 32, 16>(xs, s, o);
                         } else {
                             lanes::e4m3_div::<E>(xs, s, o);
                         }
