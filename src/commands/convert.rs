@@ -228,8 +228,11 @@ fn convert_inner(
         .filter(|p| {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
             !plan.dropped_side_files.iter().any(|d| *d == name)
+                && !plan.generated_files.iter().any(|(g, _)| *g == name)
         })
         .collect();
+    // Generated side files go with the other side files: not beside a single-file output.
+    let generated: &[(String, String)] = if is_file { &[] } else { &plan.generated_files };
     let sink = Safetensors {
         kind: target.kind.clone(),
         max_shard_bytes: opts.max_shard_bytes,
@@ -263,10 +266,16 @@ fn convert_inner(
         started,
     };
     if opts.part.is_some() || opts.resume {
+        if let Some((name, _)) = generated.first() {
+            return Err(Error::Usage(format!(
+                "--part and --resume cannot write {name} yet: run without them"
+            )));
+        }
         return super::parted::run(&run, cancel);
     }
     let checksums = opts.checksums == Some(true);
     let mut names = target.names(&layout, &sides);
+    names.extend(generated.iter().map(|(n, _)| n.clone()));
     if checksums {
         if target.file_name().is_some() {
             return Err(Error::Usage(
@@ -370,6 +379,12 @@ fn convert_inner(
             sums.push(hash_file(side, &name, Vec::new())?);
         }
         out.add_copy(&name, side)?;
+    }
+    for (name, text) in generated {
+        if checksums {
+            sums.push(hash_bytes(name, text.as_bytes()));
+        }
+        out.add_bytes(name, text.as_bytes())?;
     }
     if checksums {
         out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;

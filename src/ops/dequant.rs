@@ -135,9 +135,17 @@ impl Declared {
         match scheme {
             Scheme::CtNvfp4 => ct && self.formats.contains("nvfp4-pack-quantized"),
             Scheme::CtMxfp4 => ct && self.formats.contains("mxfp4-pack-quantized"),
-            Scheme::CtMxfp8 => ct && self.formats.contains("mxfp8-quantized"),
+            // ModelOpt's MXFP8 has the same tensors: E4M3 `weight`, E8M0 `weight_scale` per 32.
+            Scheme::CtMxfp8 => {
+                (ct && self.formats.contains("mxfp8-quantized"))
+                    || (self.method == "modelopt" && self.formats.contains("mxfp8"))
+            }
             Scheme::CtInt => ct && self.formats.contains("pack-quantized"),
-            Scheme::ModeloptNvfp4 => self.method == "modelopt" && self.formats.contains("nvfp4"),
+            // `W4A16_NVFP4` (weight-only) stores the same tensors as `NVFP4`.
+            Scheme::ModeloptNvfp4 => {
+                self.method == "modelopt"
+                    && (self.formats.contains("nvfp4") || self.formats.contains("w4a16_nvfp4"))
+            }
             Scheme::ModeloptMxfp4 => {
                 self.method == "modelopt"
                     && (self.formats.contains("mxfp4") || self.formats.contains("w4a8_mxfp4_fp8"))
