@@ -460,12 +460,13 @@ fn parts_with_another_scheme_are_refused_naming_it() {
 // scales.safetensors the scale tensors themselves, dequant.json the SHA-256 of each weight
 // dequantised in f32 and rounded once to bf16).
 
-const MODELOPT_SCHEMES: [&str; 5] = [
+const MODELOPT_SCHEMES: [&str; 6] = [
     "FP8_BLOCK",
     "FP8_DYNAMIC",
     "NVFP4A16",
     "MXFP4A16",
     "MXFP8A16",
+    "W4A16",
 ];
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -556,7 +557,8 @@ fn modelopt_format_equals_modelopt_export_byte_for_byte() {
 
 #[test]
 fn modelopt_output_does_not_depend_on_threads_chunks_or_shards() {
-    for scheme in ["FP8_BLOCK", "NVFP4A16"] {
+    // W4A16 packs two rows a byte: chunks must keep row pairs whole.
+    for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
         let dir = tmp();
         let out = dir.path().join("out");
         let extra = [
@@ -642,29 +644,24 @@ fn modelopt_output_dequantises_to_modelopts_own_values() {
 }
 
 #[test]
-fn modelopt_format_refuses_int_schemes_naming_the_formats_that_hold_them() {
-    for scheme in ["W4A16", "W8A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        let input = input_of(scheme);
-        let err = usage_error(&[
-            "quantize",
-            "-i",
-            s(&input),
-            "-o",
-            s(&out),
-            "--scheme",
-            scheme,
-            "--format",
-            "modelopt",
-        ]);
-        assert!(
-            err.contains(&format!("--format modelopt cannot hold {scheme}")),
-            "{err}"
-        );
-        assert!(err.contains("--format compressed-tensors"), "{err}");
-        assert!(!out.exists());
-    }
+fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("W8A16");
+    let err = usage_error(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "W8A16",
+        "--format",
+        "modelopt",
+    ]);
+    assert!(err.contains("--format modelopt cannot hold W8A16"), "{err}");
+    assert!(err.contains("--format compressed-tensors"), "{err}");
+    assert!(!out.exists());
 }
 
 #[test]
@@ -682,6 +679,33 @@ fn modelopt_format_is_refused_in_parts() {
         stderr(&o).contains("hf_quant_config.json"),
         "{}",
         stderr(&o)
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
+    // ModelOpt's pack_int4_in_uint8 refuses partial 128-blocks ("partial blocks are not
+    // supported"): the 320-column down_proj.
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = fixture("quantize/input");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "W4A16",
+        "--format",
+        "modelopt",
+    ]);
+    assert!(err.contains("model.layers.0.mlp.down_proj.weight"), "{err}");
+    assert!(err.contains("ModelOpt refuses"), "{err}");
+    assert!(
+        err.contains("--ignore 'model.layers.0.mlp.down_proj'"),
+        "{err}"
     );
     assert!(!out.exists());
 }

@@ -346,6 +346,23 @@ pub fn modelopt_mxfp4_code(y: f32) -> u8 {
     idx | (u8::from(y <= 0.0) << 3)
 }
 
+/// ModelOpt's INT4 block scale: `amax / 7` in f32, a zero amax replaced by 7 (scale 1).
+pub fn modelopt_int4_scale(amax: f32) -> f32 {
+    let a = if amax == 0.0 {
+        7.0
+    } else {
+        amax.max(f32::MIN_POSITIVE)
+    };
+    a / 7.0
+}
+
+/// ModelOpt's INT4 code of `x / s` (f32): `round` (half to even), clamped to -8..=7, as the
+/// two's-complement nibble it packs.
+#[inline(always)]
+pub fn modelopt_int4_code(x: f32, s: f32) -> u8 {
+    ((x / s).round_ties_even().clamp(-8.0, 7.0) as i8 as u8) & 0x0F
+}
+
 /// ModelOpt's NVFP4 `weight_scale_2` of a (fused) amax: `amax / (6 · 448)` in f32.
 pub fn modelopt_nvfp4_scale_2(amax: f32) -> f32 {
     amax / (E2M1_MAX * E4M3_MAX)
@@ -484,6 +501,12 @@ mod tests {
         }
         assert_eq!(modelopt_mxfp4_code(0.0), 8);
         assert_eq!(modelopt_mxfp4_code(-0.0), 8);
+        assert_eq!(modelopt_int4_scale(0.0), 1.0);
+        assert_eq!(modelopt_int4_scale(14.0), 2.0);
+        assert_eq!(modelopt_int4_code(2.5, 1.0), 2, "half to even");
+        assert_eq!(modelopt_int4_code(-3.5, 1.0), 0x0C, "-4, two's complement");
+        assert_eq!(modelopt_int4_code(-9.0, 1.0), 0x08, "clamped to -8");
+        assert_eq!(modelopt_int4_code(-0.0, 1.0), 0);
         assert_eq!(modelopt_nvfp4_scale_2(2688.0), 1.0);
         assert_eq!(modelopt_nvfp4_block_scale(0.0, 1.0), f32_to_e4m3(1.0));
         assert_eq!(

@@ -230,7 +230,7 @@ pub enum Format {
     /// per 128×128 block, `quant_method: fp8` (FP8_BLOCK only).
     Fp8Native,
     /// NVIDIA ModelOpt's `export_hf_checkpoint` (`quant_method: modelopt`, with
-    /// `hf_quant_config.json`): FP8_BLOCK, FP8_DYNAMIC, NVFP4A16, MXFP4A16, MXFP8A16.
+    /// `hf_quant_config.json`): every scheme but W8A16.
     Modelopt,
 }
 

@@ -10,9 +10,10 @@
 //! | NVFP4A16 | `W4A16_NVFP4_CFG` | `W4A16_NVFP4` | `weight` U8 `[out, in/2]`, `weight_scale` F8_E4M3 `[out, in/16]`, `weight_scale_2` F32 `[]` |
 //! | MXFP4A16 | `MXFP4_DEFAULT_CFG`, inputs not quantised | `mxfp4` | `weight` U8 `[out, in/2]`, `weight_scale` U8 (E8M0) `[out, in/32]` |
 //! | MXFP8A16 | `MXFP8_DEFAULT_CFG`, inputs not quantised | `MXFP8` | `weight` F8_E4M3, `weight_scale` U8 (E8M0) `[out, in/32]` |
+//! | W4A16 | `INT4_BLOCKWISE_WEIGHT_ONLY_CFG` | `W4A16_AWQ` | `weight` U8 `[out/2, in]` (rows 2k and 2k+1 in the low and high nibble, two's complement), `weight_scale` F32 `[out, in/128]` |
 //!
-//! W8A16 and W4A16 (int, 128 per group) have no ModelOpt counterpart: its INT8 weight-only
-//! preset is per channel and its INT4 export is AWQ's layout, so they are refused.
+//! W8A16 (int8, 128 per group) has no ModelOpt counterpart (its INT8 weight-only preset is
+//! per channel), so it is refused.
 //!
 //! ModelOpt computes in f32 after upcasting the weight (see the `modelopt_*` functions of
 //! `encode.rs`). Its ignore list (`exclude_modules`) names every module that has a quantizer
@@ -29,9 +30,9 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value};
 
 use super::encode::{
-    amax, f32_to_e2m1, f32_to_e4m3, modelopt_e4m3_code, modelopt_fp8_scale, modelopt_mx_exponent,
-    modelopt_mxfp4_code, modelopt_nvfp4_block_scale, modelopt_nvfp4_scale_2, pow2_f32, WeightType,
-    E4M3_MAX,
+    amax, f32_to_e2m1, f32_to_e4m3, modelopt_e4m3_code, modelopt_fp8_scale, modelopt_int4_code,
+    modelopt_int4_scale, modelopt_mx_exponent, modelopt_mxfp4_code, modelopt_nvfp4_block_scale,
+    modelopt_nvfp4_scale_2, pow2_f32, WeightType, E4M3_MAX,
 };
 use super::ops::Constant;
 use super::{default_ignore, module_order, weight_amax, QuantizeStep, Scheme, FUSED_LAYER_NAMES};
@@ -82,9 +83,10 @@ pub fn check_scheme(scheme: Scheme) -> Result<()> {
         | Scheme::Fp8Dynamic
         | Scheme::Nvfp4A16
         | Scheme::Mxfp4A16
-        | Scheme::Mxfp8A16 => Ok(()),
-        Scheme::W8A16 | Scheme::W4A16 => Err(Error::Usage(format!(
-            "--format modelopt cannot hold {}: ModelOpt has no int weight-only export with 128-element groups (its INT8 is per channel, its INT4 AWQ's layout); use --format compressed-tensors, or --format modelopt with FP8_BLOCK, FP8_DYNAMIC, NVFP4A16, MXFP4A16 or MXFP8A16",
+        | Scheme::Mxfp8A16
+        | Scheme::W4A16 => Ok(()),
+        Scheme::W8A16 => Err(Error::Usage(format!(
+            "--format modelopt cannot hold {}: ModelOpt has no int8 weight-only export with 128-element groups (its INT8 weight-only is per channel); use --format compressed-tensors, or --format modelopt with FP8_BLOCK, FP8_DYNAMIC, NVFP4A16, MXFP4A16, MXFP8A16 or W4A16",
             scheme.name()
         ))),
     }
@@ -98,7 +100,8 @@ pub fn quant_algo(scheme: Scheme) -> &'static str {
         Scheme::Nvfp4A16 => "W4A16_NVFP4",
         Scheme::Mxfp4A16 => "mxfp4",
         Scheme::Mxfp8A16 => "MXFP8",
-        Scheme::W8A16 | Scheme::W4A16 => unreachable!("refused by check_scheme"),
+        Scheme::W4A16 => "W4A16_AWQ",
+        Scheme::W8A16 => unreachable!("refused by check_scheme"),
     }
 }
 
@@ -107,6 +110,7 @@ fn group(scheme: Scheme) -> Option<u64> {
     match scheme {
         Scheme::Nvfp4A16 => Some(16),
         Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => Some(32),
+        Scheme::W4A16 => Some(128),
         _ => None,
     }
 }
@@ -116,6 +120,7 @@ fn stated_group_size(scheme: Scheme) -> Option<u64> {
     match scheme {
         Scheme::Nvfp4A16 => Some(16),
         Scheme::Mxfp8A16 => Some(32),
+        Scheme::W4A16 => Some(128),
         _ => None,
     }
 }
@@ -205,6 +210,10 @@ pub fn hf_quant_config(scheme: Scheme, exclude: &[String]) -> Value {
     q.insert("kv_cache_quant_algo".into(), Value::Null);
     if let Some(g) = stated_group_size(scheme) {
         q.insert("group_size".into(), json!(g));
+    }
+    if scheme == Scheme::W4A16 {
+        q.insert("has_zero_point".into(), json!(false));
+        q.insert("pre_quant_scale".into(), json!(true));
     }
     q.insert("exclude_modules".into(), json!(exclude));
     json!({
@@ -323,6 +332,17 @@ pub(super) fn plan(
                 ),
             });
         }
+        if scheme == Scheme::W4A16 && !e.shape[0].is_multiple_of(2) {
+            return Err(Error::TensorData {
+                path: path_of(e),
+                tensor: e.name.clone(),
+                msg: format!(
+                    "has {} rows: ModelOpt packs INT4 codes of two rows a byte and refuses an odd count; leave it unquantised with --ignore '{}'",
+                    e.shape[0],
+                    e.name.strip_suffix(".weight").unwrap_or(&e.name)
+                ),
+            });
+        }
     }
     let scale_2 = if scheme == Scheme::Nvfp4A16 {
         nvfp4_scale_2(ckpt, entries, &chosen)?
@@ -394,7 +414,16 @@ pub(super) fn plan(
                 extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
                 DType::F8_E4M3
             }
-            Scheme::W8A16 | Scheme::W4A16 => unreachable!("refused by check_scheme"),
+            Scheme::W4A16 => {
+                extra(
+                    "weight_scale",
+                    DType::F32,
+                    vec![rows, cols / 128],
+                    secondary,
+                );
+                DType::U8
+            }
+            Scheme::W8A16 => unreachable!("refused by check_scheme"),
         };
         let op = ModeloptRows {
             scheme,
@@ -405,7 +434,11 @@ pub(super) fn plan(
         };
         let e = &mut entries[i];
         e.dtype = code_dtype;
-        e.shape = vec![rows, op.row_code_bytes()];
+        e.shape = if scheme == Scheme::W4A16 {
+            vec![rows / 2, cols]
+        } else {
+            vec![rows, op.row_code_bytes()]
+        };
         e.derive = Some(fixed(Arc::new(op), vec![src]));
     }
     let mut added = added.into_iter().peekable();
@@ -526,9 +559,10 @@ pub struct ModeloptRows {
 }
 
 impl ModeloptRows {
+    /// Code bytes per row (W4A16: half of a packed row of two).
     fn row_code_bytes(&self) -> u64 {
         match self.scheme {
-            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => self.cols / 2,
+            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 | Scheme::W4A16 => self.cols / 2,
             _ => self.cols,
         }
     }
@@ -538,6 +572,7 @@ impl ModeloptRows {
             Scheme::Fp8Dynamic => 4,
             Scheme::Nvfp4A16 => self.cols / 16,
             Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
+            Scheme::W4A16 => 4 * self.cols / 128,
             _ => 0,
         }
     }
@@ -602,10 +637,10 @@ impl Op for ModeloptRows {
         self.cols * self.wt.bytes() as u64
     }
     fn granularity(&self) -> u64 {
-        if self.scheme == Scheme::Fp8Block {
-            BLOCK
-        } else {
-            1
+        match self.scheme {
+            Scheme::Fp8Block => BLOCK,
+            Scheme::W4A16 => 2,
+            _ => 1,
         }
     }
     fn scratch_unit_bytes(&self) -> u64 {
@@ -652,6 +687,24 @@ impl Op for ModeloptRows {
         let [codes, scales] = outs else {
             unreachable!("codes and scales")
         };
+        if self.scheme == Scheme::W4A16 {
+            // Rows 2k and 2k+1 share a packed row of `cols` bytes.
+            let mut s = vec![0f32; cols / 128];
+            for r in 0..n {
+                let xr = &x[r * cols..(r + 1) * cols];
+                for (g, xs) in xr.chunks_exact(128).enumerate() {
+                    s[g] = modelopt_int4_scale(amax(xs));
+                    scales[r * sb + 4 * g..r * sb + 4 * g + 4].copy_from_slice(&s[g].to_le_bytes());
+                }
+                let packed = &mut codes[(r / 2) * cols..(r / 2 + 1) * cols];
+                let shift = 4 * (r % 2);
+                for (c, o) in packed.iter_mut().enumerate() {
+                    let q = modelopt_int4_code(xr[c], s[c / 128]);
+                    *o = if shift == 0 { q } else { *o | q << 4 };
+                }
+            }
+            return Ok(());
+        }
         for r in 0..n {
             self.row(
                 &x[r * cols..(r + 1) * cols],
@@ -752,6 +805,47 @@ mod tests {
         assert!(!disabled_by_default("model.mtp.proj"));
         assert!(!disabled_by_default("model.layers.0.self_attn.o_proj"));
         assert!(wildcard("a*b*c", "aXbYc") && !wildcard("a*b*c", "aXc"));
+    }
+
+    #[test]
+    fn chunks_at_the_ops_granularity_give_the_same_bytes() {
+        let (rows, cols) = (8u64, 256u64);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0)
+            .collect();
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for scheme in [
+            Scheme::W4A16,
+            Scheme::Nvfp4A16,
+            Scheme::Mxfp4A16,
+            Scheme::Mxfp8A16,
+            Scheme::Fp8Dynamic,
+        ] {
+            let op = ModeloptRows {
+                scheme,
+                rows,
+                cols,
+                wt: WeightType::F32,
+                scale_2: 0.01,
+            };
+            let (cb, sb) = (op.out_unit_bytes() as usize, op.row_scale_bytes() as usize);
+            let run = |units: Range<u64>| {
+                let n = (units.end - units.start) as usize;
+                let (mut c, mut s) = (vec![0u8; n * cb], vec![0u8; n * sb]);
+                let r = op.input_ranges(units.clone())[0].clone();
+                let input = &bytes[r.start as usize..r.end as usize];
+                op.compute_all(units, &[input], &mut [&mut c, &mut s])
+                    .unwrap();
+                (c, s)
+            };
+            let whole = run(0..rows);
+            let g = op.granularity();
+            let (mut c, mut s) = run(0..2 * g);
+            let rest = run(2 * g..rows);
+            c.extend(rest.0);
+            s.extend(rest.1);
+            assert_eq!((c, s), whole, "{scheme:?}");
+        }
     }
 
     #[test]
