@@ -665,22 +665,25 @@ fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
 }
 
 #[test]
-fn modelopt_format_is_refused_in_parts() {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    let o = quantize(
-        "FP8_BLOCK",
-        &input_of("FP8_BLOCK"),
-        &out,
-        &["--format", "modelopt", "--part", "1/2"],
-    );
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("hf_quant_config.json"),
-        "{}",
-        stderr(&o)
-    );
-    assert!(!out.exists());
+fn modelopt_format_in_parts_stages_hf_quant_config_and_finalizes_the_same_output() {
+    for scheme in ["FP8_BLOCK", "NVFP4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let extra = ["--format", "modelopt", "--max-shard-size", "300KB"];
+        for k in ["2/2", "1/2"] {
+            let mut args = extra.to_vec();
+            args.extend(["--part", k, "--finalize"]);
+            ok(&quantize(scheme, &input_of(scheme), &out, &args));
+        }
+        assert!(!out.join(".tftf-parts").exists(), "{scheme}: finalized");
+        assert!(
+            std::fs::read_to_string(out.join("SHA256SUMS"))
+                .unwrap()
+                .contains("hf_quant_config.json"),
+            "{scheme}: the generated file is in the checksums"
+        );
+        assert_matches_modelopt(scheme, &out);
+    }
 }
 
 #[test]

@@ -266,11 +266,6 @@ fn convert_inner(
         started,
     };
     if opts.part.is_some() || opts.resume {
-        if let Some((name, _)) = generated.first() {
-            return Err(Error::Usage(format!(
-                "--part and --resume cannot write {name} yet: run without them"
-            )));
-        }
         return super::parted::run(&run, cancel);
     }
     let checksums = opts.checksums == Some(true);
