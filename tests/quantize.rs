@@ -712,3 +712,37 @@ fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn modelopt_dry_run_lists_exclude_modules_and_hf_quant_config() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("NVFP4A16");
+    let o = tftf(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "NVFP4A16",
+        "--format",
+        "modelopt",
+        "--dry-run",
+    ]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(
+        text.contains("NVFP4A16: 7 Linear weight(s) quantised (ModelOpt W4A16_NVFP4 format)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("(exclude_modules, embeddings included): lm_head, model.embed_tokens"),
+        "{text}"
+    );
+    assert!(
+        text.contains("side files: config.json, hf_quant_config.json"),
+        "{text}"
+    );
+    assert!(!out.exists());
+}

@@ -655,6 +655,18 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
     map.into_iter().map(|(k, (n, a, b))| (k, n, a, b)).collect()
 }
 
+/// Side files the plan generates (`hf_quant_config.json`), written beside a directory output.
+fn generated_names(p: &Prepared) -> Vec<String> {
+    if matches!(output_kind_for(&p.opts.output), OutputKind::File) {
+        return Vec::new();
+    }
+    p.plan
+        .generated_files
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
 pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
     let (ckpt, plan, layout, target, sides, opts) =
         (p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts);
@@ -711,16 +723,17 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
             human(plan.copied_bytes() - gathered)
         );
     }
-    if !sides.is_empty() {
-        let names: Vec<String> = sides
-            .iter()
-            .map(|p| {
-                p.file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
+    let names: Vec<String> = sides
+        .iter()
+        .map(|p| {
+            p.file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .chain(generated_names(p))
+        .collect();
+    if !names.is_empty() {
         println!("  side files: {}", names.join(", "));
     }
     for c in &plan.config_changes {
@@ -814,7 +827,7 @@ pub(crate) fn report_json(
             "path": opts.output.to_string_lossy(),
             "files": files,
             "index": layout.has_index(),
-            "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
+            "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).chain(generated_names(p)).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
         "tensors": {
