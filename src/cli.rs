@@ -304,9 +304,11 @@ pub struct QuantizeArgs {
     /// MXFP8A16
     #[arg(long, value_name = "SCHEME")]
     pub scheme: String,
-    /// Output layout: compressed-tensors (llm-compressor), or fp8-native (transformers
-    /// FineGrainedFP8 / DeepSeek-V3 `weight_scale_inv`, FP8_BLOCK only)
-    #[arg(long, value_name = "FORMAT", default_value = "compressed-tensors", value_parser = ["compressed-tensors", "fp8-native"])]
+    /// Output layout: compressed-tensors (llm-compressor), fp8-native (transformers
+    /// FineGrainedFP8 / DeepSeek-V3 `weight_scale_inv`, FP8_BLOCK only), or modelopt (NVIDIA
+    /// ModelOpt's export with hf_quant_config.json: FP8_BLOCK, FP8_DYNAMIC, NVFP4A16, MXFP4A16,
+    /// MXFP8A16, W4A16)
+    #[arg(long, value_name = "FORMAT", default_value = "compressed-tensors", value_parser = ["compressed-tensors", "fp8-native", "modelopt"])]
     pub format: String,
     /// Leave these modules unquantised: globs on module or tensor names, or `re:REGEX` on
     /// module names as llm-compressor writes them (repeat or comma-separate)

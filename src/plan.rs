@@ -80,6 +80,9 @@ pub struct Plan {
     pub nothing_to_do: Option<String>,
     /// Side files not to copy (see [`PlanStep::dropped_side_files`]).
     pub dropped_side_files: Vec<String>,
+    /// Files a step writes beside the model, by name, with their exact text (ModelOpt's
+    /// `hf_quant_config.json`); they replace an input side file of the same name.
+    pub generated_files: Vec<(String, String)>,
 }
 
 /// An output tensor while steps are still being applied.
@@ -181,6 +184,10 @@ pub trait PlanStep: Send + Sync + Debug {
     fn dropped_side_files(&self) -> &'static [&'static str] {
         &[]
     }
+    /// Files (name, exact text) the step writes beside the model once it changed something.
+    fn generated_files(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
     /// Opens extra inputs (an adapter) and attaches them to the checkpoint before planning.
     fn attach(&self, _ckpt: &mut Checkpoint) -> Result<()> {
         Ok(())
@@ -210,6 +217,7 @@ impl Plan {
         let mut notes = PlanNotes::default();
         let mut idle_op: Option<String> = None;
         let mut dropped_side_files = Vec::new();
+        let mut generated_files: Vec<(String, String)> = Vec::new();
         for step in steps {
             match step {
                 Step::Include(globs) => {
@@ -266,6 +274,10 @@ impl Plan {
                     if changed {
                         dropped_side_files
                             .extend(op_step.dropped_side_files().iter().map(|s| s.to_string()));
+                        for (name, text) in op_step.generated_files() {
+                            generated_files.retain(|(n, _)| *n != name);
+                            generated_files.push((name, text));
+                        }
                     }
                     if let (true, Some(cfg)) = (changed, &mut config) {
                         config_changes.extend(op_step.edit_config(cfg));
@@ -408,6 +420,7 @@ impl Plan {
             notes,
             nothing_to_do,
             dropped_side_files,
+            generated_files,
         })
     }
 

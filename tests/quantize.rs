@@ -472,3 +472,295 @@ fn parts_with_another_scheme_are_refused_naming_it() {
     let e = stderr(&o);
     assert!(e.contains("the arguments differ (scheme)"), "{e}");
 }
+
+// ---- --format modelopt: NVIDIA ModelOpt 0.47's export_hf_checkpoint (tests/fixtures/quantize/
+// modelopt, made by its generate.py: tensors.json holds every tensor's dtype, shape and SHA-256,
+// scales.safetensors the scale tensors themselves, dequant.json the SHA-256 of each weight
+// dequantised in f32 and rounded once to bf16).
+
+const MODELOPT_SCHEMES: [&str; 6] = [
+    "FP8_BLOCK",
+    "FP8_DYNAMIC",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+    "W4A16",
+];
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Asserts `out` holds exactly ModelOpt's tensors, config.json and hf_quant_config.json.
+fn assert_matches_modelopt(case: &str, out: &Path) {
+    let want_dir = fixture(&format!("quantize/modelopt/{case}"));
+    let got = load_all(out);
+    let listing = read_json(&want_dir.join("tensors.json"));
+    let want: Vec<&serde_json::Value> = listing.as_array().unwrap().iter().collect();
+    let names: Vec<&str> = want.iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        got.keys().map(String::as_str).collect::<Vec<_>>(),
+        names,
+        "{case}: tensor names"
+    );
+    let scales = load_all(&want_dir.join("scales.safetensors"));
+    for t in want {
+        let name = t["name"].as_str().unwrap();
+        let (gd, gs, gb) = &got[name];
+        let shape: Vec<usize> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(
+            (gd.as_str(), gs),
+            (t["dtype"].as_str().unwrap(), &shape),
+            "{case}: `{name}` dtype and shape"
+        );
+        if let Some((_, _, bytes)) = scales.get(name) {
+            if gb != bytes {
+                let n = gb.iter().zip(bytes).filter(|(a, b)| a != b).count();
+                let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
+                panic!("{case}: `{name}`: {n} bytes differ from ModelOpt's, first at {first}");
+            }
+        }
+        assert_eq!(
+            sha256_hex(gb),
+            t["sha256"].as_str().unwrap(),
+            "{case}: `{name}` differs from ModelOpt's"
+        );
+    }
+    let got_cfg = read_json(&out.join("config.json"));
+    let want_cfg = read_json(&want_dir.join("config.json"));
+    let keys = |v: &serde_json::Value| -> Vec<String> {
+        v["quantization_config"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        got_cfg["quantization_config"], want_cfg["quantization_config"],
+        "{case}: quantization_config"
+    );
+    assert_eq!(keys(&got_cfg), keys(&want_cfg), "{case}: key order");
+    assert_eq!(got_cfg, want_cfg, "{case}: config.json");
+    assert_eq!(
+        std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap(),
+        std::fs::read_to_string(want_dir.join("hf_quant_config.json")).unwrap(),
+        "{case}: hf_quant_config.json, byte for byte"
+    );
+}
+
+#[test]
+fn modelopt_format_equals_modelopt_export_byte_for_byte() {
+    for scheme in MODELOPT_SCHEMES {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        ok(&quantize(
+            scheme,
+            &input_of(scheme),
+            &out,
+            &["--format", "modelopt"],
+        ));
+        assert_matches_modelopt(scheme, &out);
+    }
+}
+
+#[test]
+fn modelopt_output_does_not_depend_on_threads_chunks_or_shards() {
+    // W4A16 packs two rows a byte: chunks must keep row pairs whole.
+    for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let extra = [
+            "--format",
+            "modelopt",
+            "--threads",
+            "3",
+            "--max-shard-size",
+            "300KB",
+            "--memory-budget",
+            "64MiB",
+            "--checksums",
+        ];
+        ok(&quantize(scheme, &input_of(scheme), &out, &extra));
+        assert!(
+            out.join("model.safetensors.index.json").exists(),
+            "{scheme}: sharded"
+        );
+        assert!(
+            std::fs::read_to_string(out.join("SHA256SUMS"))
+                .unwrap()
+                .contains("hf_quant_config.json"),
+            "{scheme}: the generated file is in the checksums"
+        );
+        assert_matches_modelopt(scheme, &out);
+    }
+}
+
+#[test]
+fn modelopt_exclude_modules_summarise_an_ignored_subtree_as_modelopt_does() {
+    // ModelOpt with '*mlp*' disabled lists `model.layers.0.mlp*`, not the three projections.
+    let dir = tmp();
+    let out = dir.path().join("out");
+    ok(&quantize(
+        "FP8_BLOCK",
+        &input_of("FP8_BLOCK"),
+        &out,
+        &["--format", "modelopt", "--ignore", "*.mlp.*"],
+    ));
+    assert_matches_modelopt("FP8_BLOCK_ignore_mlp", &out);
+}
+
+#[test]
+fn modelopt_output_dequantises_to_modelopts_own_values() {
+    for scheme in MODELOPT_SCHEMES {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        ok(&quantize(
+            scheme,
+            &input_of(scheme),
+            &out,
+            &["--format", "modelopt"],
+        ));
+        let back = dir.path().join("back");
+        ok(&tftf(&["dequant", "-i", s(&out), "-o", s(&back), "-q"]));
+        let got = load_all(&back);
+        let want = read_json(&fixture(&format!(
+            "quantize/modelopt/{scheme}/dequant.json"
+        )));
+        let want = want.as_object().unwrap();
+        assert_eq!(want.len(), 7, "{scheme}");
+        for (name, digest) in want {
+            let (d, _, bytes) = &got[name];
+            assert_eq!(d, "BF16", "{scheme}: `{name}`");
+            assert_eq!(
+                sha256_hex(bytes),
+                digest.as_str().unwrap(),
+                "{scheme}: `{name}` dequantised differs from ModelOpt's values"
+            );
+        }
+        assert!(
+            !got.keys().any(|n| n.contains("weight_scale")),
+            "{scheme}: scales left behind"
+        );
+        assert!(read_json(&back.join("config.json"))
+            .get("quantization_config")
+            .is_none());
+        assert!(
+            !back.join("hf_quant_config.json").exists(),
+            "{scheme}: dequant keeps hf_quant_config.json"
+        );
+    }
+}
+
+#[test]
+fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("W8A16");
+    let err = usage_error(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "W8A16",
+        "--format",
+        "modelopt",
+    ]);
+    assert!(err.contains("--format modelopt cannot hold W8A16"), "{err}");
+    assert!(err.contains("--format compressed-tensors"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn modelopt_format_in_parts_stages_hf_quant_config_and_finalizes_the_same_output() {
+    for scheme in ["FP8_BLOCK", "NVFP4A16"] {
+        let dir = tmp();
+        let out = dir.path().join("out");
+        let extra = ["--format", "modelopt", "--max-shard-size", "300KB"];
+        for k in ["2/2", "1/2"] {
+            let mut args = extra.to_vec();
+            args.extend(["--part", k, "--finalize"]);
+            ok(&quantize(scheme, &input_of(scheme), &out, &args));
+        }
+        assert!(!out.join(".tftf-parts").exists(), "{scheme}: finalized");
+        assert!(
+            std::fs::read_to_string(out.join("SHA256SUMS"))
+                .unwrap()
+                .contains("hf_quant_config.json"),
+            "{scheme}: the generated file is in the checksums"
+        );
+        assert_matches_modelopt(scheme, &out);
+    }
+}
+
+#[test]
+fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
+    // ModelOpt's pack_int4_in_uint8 refuses partial 128-blocks ("partial blocks are not
+    // supported"): the 320-column down_proj.
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = fixture("quantize/input");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "W4A16",
+        "--format",
+        "modelopt",
+    ]);
+    assert!(err.contains("model.layers.0.mlp.down_proj.weight"), "{err}");
+    assert!(err.contains("ModelOpt refuses"), "{err}");
+    assert!(
+        err.contains("--ignore 'model.layers.0.mlp.down_proj'"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn modelopt_dry_run_lists_exclude_modules_and_hf_quant_config() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    let input = input_of("NVFP4A16");
+    let o = tftf(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "NVFP4A16",
+        "--format",
+        "modelopt",
+        "--dry-run",
+    ]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(
+        text.contains("NVFP4A16: 7 Linear weight(s) quantised (ModelOpt W4A16_NVFP4 format)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("(exclude_modules, embeddings included): lm_head, model.embed_tokens"),
+        "{text}"
+    );
+    assert!(
+        text.contains("side files: config.json, hf_quant_config.json"),
+        "{text}"
+    );
+    assert!(!out.exists());
+}

@@ -228,8 +228,11 @@ fn convert_inner(
         .filter(|p| {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
             !plan.dropped_side_files.iter().any(|d| *d == name)
+                && !plan.generated_files.iter().any(|(g, _)| *g == name)
         })
         .collect();
+    // Generated side files go with the other side files: not beside a single-file output.
+    let generated: &[(String, String)] = if is_file { &[] } else { &plan.generated_files };
     let sink = Safetensors {
         kind: target.kind.clone(),
         max_shard_bytes: opts.max_shard_bytes,
@@ -267,6 +270,7 @@ fn convert_inner(
     }
     let checksums = opts.checksums == Some(true);
     let mut names = target.names(&layout, &sides);
+    names.extend(generated.iter().map(|(n, _)| n.clone()));
     if checksums {
         if target.file_name().is_some() {
             return Err(Error::Usage(
@@ -370,6 +374,12 @@ fn convert_inner(
             sums.push(hash_file(side, &name, Vec::new())?);
         }
         out.add_copy(&name, side)?;
+    }
+    for (name, text) in generated {
+        if checksums {
+            sums.push(hash_bytes(name, text.as_bytes()));
+        }
+        out.add_bytes(name, text.as_bytes())?;
     }
     if checksums {
         out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
@@ -645,6 +655,18 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
     map.into_iter().map(|(k, (n, a, b))| (k, n, a, b)).collect()
 }
 
+/// Side files the plan generates (`hf_quant_config.json`), written beside a directory output.
+fn generated_names(p: &Prepared) -> Vec<String> {
+    if matches!(output_kind_for(&p.opts.output), OutputKind::File) {
+        return Vec::new();
+    }
+    p.plan
+        .generated_files
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect()
+}
+
 pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
     let (ckpt, plan, layout, target, sides, opts) =
         (p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts);
@@ -701,16 +723,17 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
             human(plan.copied_bytes() - gathered)
         );
     }
-    if !sides.is_empty() {
-        let names: Vec<String> = sides
-            .iter()
-            .map(|p| {
-                p.file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
+    let names: Vec<String> = sides
+        .iter()
+        .map(|p| {
+            p.file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .chain(generated_names(p))
+        .collect();
+    if !names.is_empty() {
         println!("  side files: {}", names.join(", "));
     }
     for c in &plan.config_changes {
@@ -804,7 +827,7 @@ pub(crate) fn report_json(
             "path": opts.output.to_string_lossy(),
             "files": files,
             "index": layout.has_index(),
-            "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).collect::<Vec<_>>(),
+            "side_files": sides.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned()).chain(generated_names(p)).collect::<Vec<_>>(),
             "config_changes": plan.config_changes,
         },
         "tensors": {

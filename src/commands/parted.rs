@@ -67,6 +67,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
     let mine: Vec<usize> = (0..layout.shards.len())
         .filter(|&s| part_of[s] == part.k - 1)
         .collect();
+    // Side files: the input's (config.json as edited), then those the plan generates.
     let side_names: Vec<String> = p
         .sides
         .iter()
@@ -76,9 +77,11 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
                 .to_string_lossy()
                 .into_owned()
         })
+        .chain(p.plan.generated_files.iter().map(|(n, _)| n.clone()))
         .collect();
     if let Some(report) = &opts.report {
         let mut names = p.target.names(layout, p.sides);
+        names.extend(p.plan.generated_files.iter().map(|(n, _)| n.clone()));
         names.push(parts::PARTS_DIR.into());
         p.target.check_report(report, &names)?;
     }
@@ -566,16 +569,23 @@ fn stage_sides(p: &Prepared, dir: &Path, names: &[String]) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(Error::io(&side_dir, e)),
     }
-    for (src, name) in p.sides.iter().zip(names) {
+    let sources = p
+        .sides
+        .iter()
+        .map(Some)
+        .chain(p.plan.generated_files.iter().map(|_| None));
+    for (src, name) in sources.zip(names) {
         let dst = side_dir.join(name);
         let tmp = side_dir.join(temp_name(name));
-        let written = match (name.as_str(), &p.plan.config) {
-            ("config.json", Some(cfg)) => {
+        let generated = p.plan.generated_files.iter().find(|(n, _)| n == name);
+        let written = match (src, name.as_str(), &p.plan.config) {
+            (None, _, _) => std::fs::write(&tmp, &generated.expect("a generated file").1),
+            (Some(_), "config.json", Some(cfg)) => {
                 let mut t = serde_json::to_string_pretty(cfg).expect("JSON object");
                 t.push('\n');
                 std::fs::write(&tmp, t)
             }
-            _ => std::fs::copy(src, &tmp).map(|_| ()),
+            (Some(src), _, _) => std::fs::copy(src, &tmp).map(|_| ()),
         };
         written
             .and_then(|_| File::open(&tmp)?.sync_all())

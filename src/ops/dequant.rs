@@ -10,7 +10,7 @@
 //!   (E8M0) per 32;
 //! - compressed-tensors `mxfp8-quantized`: `X.weight` `F8_E4M3`, `X.weight_scale` `U8` (E8M0)
 //!   per 32;
-//! - ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`): `X.weight` `U8`,
+//! - ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4` or `W4A16_NVFP4`): `X.weight` `U8`,
 //!   `X.weight_scale` `F8_E4M3` per 16, `X.weight_scale_2` `F32` (multiplies);
 //! - gpt-oss MXFP4 (`quant_method: mxfp4`): `X_blocks` `U8 [E, out, G, 16]`, `X_scales` `U8
 //!   [E, out, G]` → `X` `[E, in, out]`;
@@ -19,6 +19,9 @@
 //!   asymmetric schemes `X.weight_zero_point` `I32` packed down the columns;
 //! - GPTQ (`quant_method: gptq`): `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx` → `X.weight`;
 //! - ModelOpt MXFP4 (`quant_algo: mxfp4`): `X.weight` `U8`, `X.weight_scale` `U8` (E8M0) per 32;
+//! - ModelOpt MXFP8 (`quant_algo: MXFP8`): as compressed-tensors `mxfp8-quantized`;
+//! - ModelOpt INT4 (`quant_algo: W4A16_AWQ`): `X.weight` `U8 [out/2, in]` (two rows a byte),
+//!   `X.weight_scale` `F32 [out, in/G]` ([`crate::ops::int::modelopt`]);
 //! - FP8 with float scales: [`DequantFp8Step`], unchanged (`dequant-fp8`).
 //!
 //! A tensor whose layout the config does not name (NVFP4 codes in a checkpoint whose config
@@ -135,13 +138,22 @@ impl Declared {
         match scheme {
             Scheme::CtNvfp4 => ct && self.formats.contains("nvfp4-pack-quantized"),
             Scheme::CtMxfp4 => ct && self.formats.contains("mxfp4-pack-quantized"),
-            Scheme::CtMxfp8 => ct && self.formats.contains("mxfp8-quantized"),
+            // ModelOpt's MXFP8 has the same tensors: E4M3 `weight`, E8M0 `weight_scale` per 32.
+            Scheme::CtMxfp8 => {
+                (ct && self.formats.contains("mxfp8-quantized"))
+                    || (self.method == "modelopt" && self.formats.contains("mxfp8"))
+            }
             Scheme::CtInt => ct && self.formats.contains("pack-quantized"),
-            Scheme::ModeloptNvfp4 => self.method == "modelopt" && self.formats.contains("nvfp4"),
+            // `W4A16_NVFP4` (weight-only) stores the same tensors as `NVFP4`.
+            Scheme::ModeloptNvfp4 => {
+                self.method == "modelopt"
+                    && (self.formats.contains("nvfp4") || self.formats.contains("w4a16_nvfp4"))
+            }
             Scheme::ModeloptMxfp4 => {
                 self.method == "modelopt"
                     && (self.formats.contains("mxfp4") || self.formats.contains("w4a8_mxfp4_fp8"))
             }
+            Scheme::ModeloptInt4 => self.method == "modelopt" && self.formats.contains("w4a16_awq"),
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
             Scheme::Gptq => self.method == "gptq",
         }
@@ -180,6 +192,7 @@ enum Scheme {
     CtMxfp8,
     ModeloptNvfp4,
     ModeloptMxfp4,
+    ModeloptInt4,
     GptOssMxfp4,
     CtInt,
     Gptq,
@@ -193,6 +206,7 @@ impl Scheme {
             Scheme::CtMxfp8 => "compressed-tensors MXFP8 (mxfp8-quantized)",
             Scheme::ModeloptNvfp4 => "ModelOpt NVFP4",
             Scheme::ModeloptMxfp4 => "ModelOpt MXFP4",
+            Scheme::ModeloptInt4 => "ModelOpt INT4 (W4A16_AWQ)",
             Scheme::GptOssMxfp4 => "gpt-oss MXFP4",
             Scheme::CtInt => "compressed-tensors int (pack-quantized)",
             Scheme::Gptq => "GPTQ",
@@ -240,6 +254,28 @@ impl Derive for Fp4Derive {
             negative_zero: self.negative_zero,
             dst,
             allow_nonfinite: self.allow_nonfinite,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct ModeloptInt4Derive {
+    inputs: Vec<usize>,
+    rows: u64,
+    cols: u64,
+    group: u64,
+}
+
+impl Derive for ModeloptInt4Derive {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(crate::ops::int::modelopt::DequantModeloptInt4 {
+            rows: self.rows,
+            cols: self.cols,
+            group: self.group,
+            dst,
         })
     }
 }
@@ -408,6 +444,14 @@ impl PlanStep for DequantStep {
                     }
                     (Some(si), None) if matches!(entries[si].dtype, DType::U8 | DType::F8_E8M0) => {
                         Some((Scheme::ModeloptMxfp4, si, None, n.to_string()))
+                    }
+                    // INT4 codes of two rows a byte, F32 scales per group.
+                    (Some(si), None)
+                        if entries[si].dtype == DType::F32
+                            && declared.allows(Scheme::ModeloptInt4)
+                            && declared.present =>
+                    {
+                        Some((Scheme::ModeloptInt4, si, None, n.to_string()))
                     }
                     // U8 codes of a ModelOpt FP4 checkpoint without their block scales.
                     (None, _) if declared.fp4_codes_named() => {
@@ -594,6 +638,35 @@ impl PlanStep for DequantStep {
                         consumed[i] = true;
                     }
                     (d, shape)
+                }
+                Scheme::ModeloptInt4 => {
+                    let [half, cols] = w.shape[..] else {
+                        return Err(Error::TensorData {
+                            path: path_of(w),
+                            tensor: w.name.clone(),
+                            msg: format!(
+                                "ModelOpt INT4 codes must be [out/2, in], not {:?}",
+                                w.shape
+                            ),
+                        });
+                    };
+                    let rows = 2 * half;
+                    let group = match s.shape[..] {
+                        [r, g] if r == rows && g > 0 && cols % g == 0 => cols / g,
+                        _ => {
+                            return Err(bad(format!(
+                                "shape {:?} does not fit codes {:?} (expected [{rows}, G] with G dividing {cols})",
+                                s.shape, w.shape
+                            )))
+                        }
+                    };
+                    let d = ModeloptInt4Derive {
+                        inputs: vec![w.source, s.source],
+                        rows,
+                        cols,
+                        group,
+                    };
+                    (Arc::new(d), vec![rows, cols])
                 }
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {

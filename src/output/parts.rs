@@ -404,6 +404,12 @@ impl Fingerprint {
             );
             h.update([0]);
         }
+        for (name, text) in &plan.generated_files {
+            h.update(name.as_bytes());
+            h.update([0]);
+            h.update(text.as_bytes());
+            h.update([0]);
+        }
         let plan_hash = hex(&h.finalize());
         Fingerprint {
             version: env!("CARGO_PKG_VERSION").into(),

@@ -217,6 +217,7 @@ mod tests {
             notes: PlanNotes::default(),
             nothing_to_do: None,
             dropped_side_files: Vec::new(),
+            generated_files: Vec::new(),
         };
         let want = index_json_via_value(&[("b", "s1"), ("c", "s1"), (names[1], "s\"2")], 9);
         let layout = Layout {

@@ -15,6 +15,7 @@
 
 pub mod gptq;
 pub mod kernel;
+pub mod modelopt;
 
 use std::ops::Range;
 

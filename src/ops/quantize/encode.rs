@@ -285,6 +285,99 @@ pub fn pack_int_row(codes: &[i32], bits: u32, out: &mut [u8]) {
     }
 }
 
+// ModelOpt 0.47 (`export_hf_checkpoint`), which computes in f32 after upcasting the weight:
+// every scale is an f32 division of an f32 amax, every code an f32 division (or, for MXFP8,
+// a multiplication by a power of two) of the upcast weight.
+
+/// ModelOpt's FP8 scale (per channel or per 128×128 block): `amax / 448` in f32, a zero amax
+/// replaced by 448 first (`_sanitize_export_amax`: scale 1) and the amax clamped to f32's least
+/// normal (`export_amax`).
+pub fn modelopt_fp8_scale(amax: f32) -> f32 {
+    let a = if amax == 0.0 {
+        E4M3_MAX
+    } else {
+        amax.max(f32::MIN_POSITIVE)
+    };
+    a / E4M3_MAX
+}
+
+/// ModelOpt's E4M3 code of `x / s` (f32): no `+ 0`, so -0 stays `0x80`.
+#[inline(always)]
+pub fn modelopt_e4m3_code(x: f32, s: f32) -> u8 {
+    f32_to_e4m3((x / s).clamp(-E4M3_MAX, E4M3_MAX))
+}
+
+/// `torch.log2` of an f32 on the CPU: the f64 logarithm rounded to f32 (what decides `ceil` is
+/// whether the rounding lands on an integer, where both agree).
+#[inline]
+fn log2_f32(d: f32) -> f32 {
+    (d as f64).log2() as f32
+}
+
+/// ModelOpt's unbiased E8M0 exponent of an MX group: `ceil(log2(amax / elem_max))` in f32
+/// (`elem_max` 448 for MXFP8, 6 for MXFP4), -127 for a zero group, clamped to -127..=127.
+pub fn modelopt_mx_exponent(amax: f32, elem_max: f32) -> i32 {
+    let d = amax / elem_max;
+    if d > 0.0 {
+        (log2_f32(d).ceil() as i32).clamp(-127, 127)
+    } else {
+        -127
+    }
+}
+
+/// `2^e` as an f32 (exact for -149..=127).
+pub fn pow2_f32(e: i32) -> f32 {
+    2f64.powi(e) as f32
+}
+
+/// ModelOpt's MXFP4 code of `y` (the weight divided by its group's power of two): the
+/// magnitude is the number of bounds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 strictly below |y|
+/// (ties round down, not to even), and the sign bit is `(2 - sign(y)) // 2`, set for zeros too.
+#[inline(always)]
+pub fn modelopt_mxfp4_code(y: f32) -> u8 {
+    let a = y.abs();
+    let idx = u8::from(a > 0.25)
+        + u8::from(a > 0.75)
+        + u8::from(a > 1.25)
+        + u8::from(a > 1.75)
+        + u8::from(a > 2.5)
+        + u8::from(a > 3.5)
+        + u8::from(a > 5.0);
+    idx | (u8::from(y <= 0.0) << 3)
+}
+
+/// ModelOpt's INT4 block scale: `amax / 7` in f32, a zero amax replaced by 7 (scale 1).
+pub fn modelopt_int4_scale(amax: f32) -> f32 {
+    let a = if amax == 0.0 {
+        7.0
+    } else {
+        amax.max(f32::MIN_POSITIVE)
+    };
+    a / 7.0
+}
+
+/// ModelOpt's INT4 code of `x / s` (f32): `round` (half to even), clamped to -8..=7, as the
+/// two's-complement nibble it packs.
+#[inline(always)]
+pub fn modelopt_int4_code(x: f32, s: f32) -> u8 {
+    ((x / s).round_ties_even().clamp(-8.0, 7.0) as i8 as u8) & 0x0F
+}
+
+/// ModelOpt's NVFP4 `weight_scale_2` of a (fused) amax: `amax / (6 · 448)` in f32.
+pub fn modelopt_nvfp4_scale_2(amax: f32) -> f32 {
+    amax / (E2M1_MAX * E4M3_MAX)
+}
+
+/// ModelOpt's NVFP4 block scale code: `amax / (6 · scale_2)` in f32, zero → 1, clamped to
+/// `[2^-9, 448]`, cast to E4M3.
+pub fn modelopt_nvfp4_block_scale(amax: f32, scale_2: f32) -> u8 {
+    let mut s = amax / (E2M1_MAX * scale_2);
+    if s == 0.0 {
+        s = 1.0;
+    }
+    f32_to_e4m3(s.clamp(2f32.powi(-9), E4M3_MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -376,5 +469,55 @@ mod tests {
         let mut three = [0u8; 4];
         pack_int_row(&[-4, 3, 0, 1], 3, &mut three);
         assert_eq!(u32::from_le_bytes(three), 0b101_100_111_000);
+    }
+
+    #[test]
+    fn modelopt_scales_and_codes() {
+        assert_eq!(modelopt_fp8_scale(0.0), 1.0, "zero amax: maxbound");
+        assert_eq!(modelopt_fp8_scale(448.0), 1.0);
+        assert_eq!(modelopt_fp8_scale(1.0), 1.0 / 448.0);
+        assert_eq!(modelopt_e4m3_code(-0.0, 1.0), 0x80, "-0 keeps its sign");
+        assert_eq!(modelopt_e4m3_code(1.0, 0.5), f32_to_e4m3(2.0));
+        assert_eq!(modelopt_mx_exponent(0.0, 6.0), -127);
+        assert_eq!(modelopt_mx_exponent(6.0, 6.0), 0);
+        assert_eq!(modelopt_mx_exponent(6.1, 6.0), 1);
+        assert_eq!(modelopt_mx_exponent(448.0, 448.0), 0);
+        assert_eq!(modelopt_mx_exponent(224.0, 448.0), -1);
+        assert_eq!(modelopt_mx_exponent(1e-40, 448.0), -127);
+        assert_eq!(pow2_f32(-127), f32::from_bits(1 << 22));
+        // ties go down; zeros and negatives have the sign bit
+        let cases = [
+            (0.25, 0),
+            (0.26, 1),
+            (0.75, 1),
+            (1.75, 3),
+            (2.5, 4),
+            (5.0, 6),
+            (6.0, 7),
+        ];
+        for (y, c) in cases {
+            assert_eq!(modelopt_mxfp4_code(y), c, "{y}");
+            assert_eq!(modelopt_mxfp4_code(-y), c | 8, "-{y}");
+        }
+        assert_eq!(modelopt_mxfp4_code(0.0), 8);
+        assert_eq!(modelopt_mxfp4_code(-0.0), 8);
+        assert_eq!(modelopt_int4_scale(0.0), 1.0);
+        assert_eq!(modelopt_int4_scale(14.0), 2.0);
+        assert_eq!(modelopt_int4_code(2.5, 1.0), 2, "half to even");
+        assert_eq!(modelopt_int4_code(-3.5, 1.0), 0x0C, "-4, two's complement");
+        assert_eq!(modelopt_int4_code(-9.0, 1.0), 0x08, "clamped to -8");
+        assert_eq!(modelopt_int4_code(-0.0, 1.0), 0);
+        assert_eq!(modelopt_nvfp4_scale_2(2688.0), 1.0);
+        assert_eq!(modelopt_nvfp4_block_scale(0.0, 1.0), f32_to_e4m3(1.0));
+        assert_eq!(
+            modelopt_nvfp4_block_scale(6.0 * 1000.0, 1.0),
+            0x7E,
+            "clamped to 448"
+        );
+        assert_eq!(
+            modelopt_nvfp4_block_scale(1e-6, 1.0),
+            f32_to_e4m3(2f32.powi(-9)),
+            "clamped to 2^-9"
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! `quantize`: weight-only quantisation of a bf16/f16/f32 checkpoint into the compressed-tensors
 //! layout that llm-compressor's `oneshot` + `save_pretrained(save_compressed=True)` writes for
 //! its presets, byte for byte (codes, scales and `quantization_config`; checked against
-//! llm-compressor 0.14.0.1 with compressed-tensors 0.20.1 in `tests/quantize.rs`).
+//! llm-compressor 0.14.0.1 with compressed-tensors 0.20.1 in `tests/quantize.rs`). Also
+//! transformers' FineGrainedFP8 layout (`--format fp8-native`) and NVIDIA ModelOpt's export
+//! (`--format modelopt`, planned in [`modelopt`]).
 //!
 //! llm-compressor quantises `Linear` modules; a checkpoint has only tensor names, so a weight is
 //! quantised when it is a 2-D floating-point `X.weight` that no ignore rule names. Default
@@ -25,6 +27,7 @@
 pub mod encode;
 pub mod kernel;
 pub mod lanes;
+pub mod modelopt;
 pub mod ops;
 pub mod requant;
 
@@ -46,7 +49,7 @@ pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
 
 /// Projections whose NVFP4 tensor scales llm-compressor makes equal (`FUSED_LAYER_NAMES`),
 /// because vLLM runs each group as one fused matmul.
-const FUSED_LAYER_NAMES: &[&[&str]] = &[
+pub(super) const FUSED_LAYER_NAMES: &[&[&str]] = &[
     &["gate_proj", "up_proj"],
     &["q_proj", "k_proj", "v_proj"],
     &["q_a_proj", "kv_a_proj_with_mqa"],
@@ -228,6 +231,9 @@ pub enum Format {
     /// transformers FineGrainedFP8 / DeepSeek-V3: `weight` F8_E4M3 and `weight_scale_inv` F32
     /// per 128×128 block, `quant_method: fp8` (FP8_BLOCK only).
     Fp8Native,
+    /// NVIDIA ModelOpt's `export_hf_checkpoint` (`quant_method: modelopt`, with
+    /// `hf_quant_config.json`): every scheme but W8A16.
+    Modelopt,
 }
 
 impl Format {
@@ -235,8 +241,9 @@ impl Format {
         match s {
             "compressed-tensors" => Ok(Format::CompressedTensors),
             "fp8-native" => Ok(Format::Fp8Native),
+            "modelopt" => Ok(Format::Modelopt),
             _ => Err(Error::Usage(format!(
-                "unknown --format `{s}`: use compressed-tensors or fp8-native"
+                "unknown --format `{s}`: use compressed-tensors, fp8-native or modelopt"
             ))),
         }
     }
@@ -286,7 +293,7 @@ impl IgnoreRule {
     }
 
     /// Whether the rule names the module (or its weight tensor).
-    fn matches(&self, module: &str, tensor: &str) -> bool {
+    pub(super) fn matches(&self, module: &str, tensor: &str) -> bool {
         match self {
             IgnoreRule::Glob(g) => g.matches(module) || g.matches(tensor),
             IgnoreRule::Regex(r) => r.is_match(module),
@@ -296,7 +303,7 @@ impl IgnoreRule {
 
 /// Why a 2-D float `X.weight` is left alone by default: `Some(true)` for `Linear` modules
 /// (listed in `ignore`), `Some(false)` for modules that are not `Linear` (embeddings).
-fn default_ignore(module: &str) -> Option<bool> {
+pub(super) fn default_ignore(module: &str) -> Option<bool> {
     let last = module.rsplit('.').next().unwrap_or(module);
     let parent = module
         .rsplit_once('.')
@@ -322,6 +329,8 @@ pub struct QuantizeStep {
     pub default_ignore: bool,
     /// `quantization_config` once `apply` knows what was ignored.
     config: Mutex<Option<Value>>,
+    /// `hf_quant_config.json` of `--format modelopt`, once `apply` knows what was ignored.
+    hf_quant_config: Mutex<Option<String>>,
 }
 
 impl QuantizeStep {
@@ -338,12 +347,16 @@ impl QuantizeStep {
                 scheme.name()
             )));
         }
+        if format == Format::Modelopt {
+            modelopt::check_scheme(scheme)?;
+        }
         Ok(QuantizeStep {
             scheme,
             format,
             ignore,
             default_ignore,
             config: Mutex::new(None),
+            hf_quant_config: Mutex::new(None),
         })
     }
 
@@ -351,19 +364,20 @@ impl QuantizeStep {
         match self.format {
             Format::CompressedTensors => format!("compressed-tensors {}", self.scheme.format()),
             Format::Fp8Native => "fp8 (transformers FineGrainedFP8)".into(),
+            Format::Modelopt => format!("ModelOpt {}", modelopt::quant_algo(self.scheme)),
         }
     }
 
     fn block_math(&self) -> BlockMath {
         match self.format {
-            Format::CompressedTensors => BlockMath::CompressedTensors,
+            Format::CompressedTensors | Format::Modelopt => BlockMath::CompressedTensors,
             Format::Fp8Native => BlockMath::Transformers,
         }
     }
 }
 
 /// The amax of a whole weight, read in pieces (for NVFP4 tensor scales).
-fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
+pub(super) fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
     let t = &ckpt.tensors[src];
     let total = t
         .info
@@ -436,6 +450,12 @@ impl PlanStep for QuantizeStep {
         notes: &mut PlanNotes,
     ) -> Result<bool> {
         refuse_quantized(ckpt, config)?;
+        if self.format == Format::Modelopt {
+            let (changed, cfg, hf) = modelopt::plan(self, ckpt, config, entries, notes)?;
+            *self.config.lock().unwrap() = Some(cfg);
+            *self.hf_quant_config.lock().unwrap() = Some(hf);
+            return Ok(changed);
+        }
         let scheme = self.scheme;
         let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
         // (entry index, module name, weight type)
@@ -541,6 +561,7 @@ impl PlanStep for QuantizeStep {
                     let name = match self.format {
                         Format::CompressedTensors => "weight_scale",
                         Format::Fp8Native => "weight_scale_inv",
+                        Format::Modelopt => unreachable!("planned by modelopt::plan"),
                     };
                     extra(name, self.block_math().scale_dtype(wt), shape, secondary);
                     (DType::F8_E4M3, vec![rows, cols])
@@ -639,6 +660,7 @@ impl PlanStep for QuantizeStep {
         *self.config.lock().unwrap() = Some(match self.format {
             Format::CompressedTensors => scheme.quantization_config(&ignored),
             Format::Fp8Native => fp8_native_config(&ignored),
+            Format::Modelopt => unreachable!("planned by modelopt::plan"),
         });
         Ok(!chosen.is_empty())
     }
@@ -655,6 +677,15 @@ impl PlanStep for QuantizeStep {
         )]
     }
 
+    fn generated_files(&self) -> Vec<(String, String)> {
+        self.hf_quant_config
+            .lock()
+            .unwrap()
+            .clone()
+            .map(|text| vec![(modelopt::HF_QUANT_CONFIG.to_string(), text)])
+            .unwrap_or_default()
+    }
+
     fn nothing_done(&self) -> String {
         "quantize found no Linear weight to quantise (a 2-D bf16, f16 or f32 `*.weight` that no ignore rule names)".into()
     }
@@ -664,7 +695,7 @@ impl PlanStep for QuantizeStep {
 /// names tell it: layers by number, `lm_head` (defined after the model body) last; modules of
 /// one layer by name, where the library has definition order (they differ only when several
 /// modules of one layer are ignored).
-fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
+pub(super) fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
     let key = module
         .split('.')
         .map(|seg| match seg.parse::<u64>() {
