@@ -414,7 +414,7 @@ impl QuantizeRows {
             Ok(_) => unreachable!("a non-finite element was seen"),
         };
         let mut x = vec![0f32; cols];
-        let mut q = Vec::new();
+        let (mut q, mut eff) = (Vec::new(), Vec::new());
         if self.scheme == Scheme::Fp8Block {
             let math = self.block;
             let (bs, blocks) = (FP8_BLOCK as usize, cols.div_ceil(FP8_BLOCK as usize));
@@ -480,44 +480,46 @@ impl QuantizeRows {
                     }
                     pack_int_row(&q, bits, codes);
                 }
+                // Group scales first, codes after: each group's chain (maximum, scale, a
+                // division, the codes) is long, and separate passes let the CPU overlap the
+                // chains of neighbouring groups.
                 Scheme::Nvfp4A16 => {
                     let g = self.global;
                     let sc_zero = f32_to_e4m3(E4M3_ZERO_SCALE);
-                    for ((k, xs), o) in x
-                        .chunks_exact(16)
-                        .enumerate()
-                        .zip(codes.chunks_exact_mut(8))
-                    {
+                    eff.clear();
+                    for (xs, sc) in x.chunks_exact(16).zip(scales.iter_mut()) {
                         let local = E::round(lanes::amax(xs) / E2M1_MAX);
-                        let mut sc = lanes::e4m3((g * local).clamp(-E4M3_MAX, E4M3_MAX));
-                        if sc & 0x7F == 0 {
-                            sc = sc_zero;
-                        }
-                        scales[k] = sc;
+                        let c = lanes::e4m3((g * local).clamp(-E4M3_MAX, E4M3_MAX));
+                        *sc = if c & 0x7F == 0 { sc_zero } else { c };
+                        eff.push(lanes::E4M3_VALUES[*sc as usize] / g);
+                    }
+                    for ((xs, o), &e) in x.chunks_exact(16).zip(codes.chunks_exact_mut(8)).zip(&eff)
+                    {
                         let (xs, o) = (xs.try_into().expect("16"), o.try_into().expect("8"));
-                        lanes::e2m1_div::<E, false, 16, 8>(
-                            xs,
-                            lanes::E4M3_VALUES[sc as usize] / g,
-                            o,
-                        );
+                        lanes::e2m1_div::<E, false, 16, 8>(xs, e, o);
                     }
                 }
                 Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
                     let table = mx.as_ref().expect("MX table");
                     let fp4 = self.scheme == Scheme::Mxfp4A16;
-                    let per = if fp4 { 16 } else { 32 };
-                    for ((k, xs), o) in x
-                        .chunks_exact(32)
-                        .enumerate()
-                        .zip(codes.chunks_exact_mut(per))
-                    {
+                    eff.clear();
+                    for (xs, sc) in x.chunks_exact(32).zip(scales.iter_mut()) {
                         let e = mx_exponent(wt, lanes::amax(xs), if fp4 { 2 } else { 8 });
                         let (s, stored) = table.0[e as usize];
-                        scales[k] = stored;
-                        if fp4 {
+                        *sc = stored;
+                        eff.push(s);
+                    }
+                    if fp4 {
+                        for ((xs, o), &s) in
+                            x.chunks_exact(32).zip(codes.chunks_exact_mut(16)).zip(&eff)
+                        {
                             let (xs, o) = (xs.try_into().expect("32"), o.try_into().expect("16"));
                             lanes::e2m1_div::<E, true, 32, 16>(xs, s, o);
-                        } else {
+                        }
+                    } else {
+                        for ((xs, o), &s) in
+                            x.chunks_exact(32).zip(codes.chunks_exact_mut(32)).zip(&eff)
+                        {
                             lanes::e4m3_div::<E>(xs, s, o);
                         }
                     }
