@@ -288,7 +288,8 @@ fn a_failure_while_writing_leaves_no_output() {
         );
         assert!(!out.exists(), "{scheme}: output left behind");
     }
-    // NVFP4 reads weights for their tensor scales at plan time and stops there.
+    // NVFP4 reads a weight's tensor-scale group when its first chunk is computed: the NaN stops
+    // the run there, naming the weight, and the output goes too.
     let out = dir.path().join("out");
     let err = fails(&[
         "quantize",
@@ -299,8 +300,11 @@ fn a_failure_while_writing_leaves_no_output() {
         "--scheme",
         "NVFP4A16",
     ]);
-    assert!(err.contains("m.b.weight") && err.contains("NaN"), "{err}");
-    assert!(!out.exists());
+    assert!(
+        err.contains("m.b.weight") && err.contains("holds NaN"),
+        "{err}"
+    );
+    assert!(!out.exists(), "NVFP4A16: output left behind");
 }
 
 #[test]

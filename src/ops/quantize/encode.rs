@@ -27,7 +27,7 @@ pub const E2M1_MAX: f32 = 6.0;
 pub const E4M3_ZERO_SCALE: f32 = 0.125;
 
 /// The dtype of the weights being quantised, in which the library does its arithmetic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightType {
     BF16,
     F16,

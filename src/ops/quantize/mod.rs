@@ -30,6 +30,7 @@ pub mod lanes;
 pub mod modelopt;
 pub mod ops;
 pub mod requant;
+pub mod tensor_scale;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -41,8 +42,9 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 use crate::transform::Glob;
-use encode::{nvfp4_global_scale, WeightType};
+use encode::WeightType;
 use ops::{BlockMath, Constant, QuantizeRows};
+use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, TensorScale};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
 pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
@@ -522,13 +524,13 @@ impl PlanStep for QuantizeStep {
         for &(i, ref module, wt) in &chosen {
             let e = &entries[i];
             let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
-            let global = globals.get(&i).copied().unwrap_or(1.0);
+            let tensor_scale = globals.get(&i).cloned();
             let op = QuantizeRows {
                 scheme,
                 rows,
                 cols,
                 wt,
-                global,
+                global: 1.0,
                 block: self.block_math(),
             };
             let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
@@ -593,10 +595,11 @@ impl PlanStep for QuantizeStep {
                         vec![rows, cols / 16],
                         secondary,
                     );
-                    let g_op = Arc::new(Constant {
-                        what: "quantize weight_global_scale",
-                        bytes: global.to_le_bytes().to_vec(),
-                    });
+                    let g_op = Arc::new(GlobalScaleTensor(
+                        tensor_scale
+                            .clone()
+                            .expect("NVFP4 weights have a tensor scale"),
+                    ));
                     extra(
                         "weight_global_scale",
                         DType::F32,
@@ -623,9 +626,13 @@ impl PlanStep for QuantizeStep {
             }
             e.dtype = code_dtype;
             e.shape = code_shape;
+            let op: Arc<dyn crate::ops::Op> = match tensor_scale {
+                Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
+                None => Arc::new(op),
+            };
             e.derive = Some(Arc::new(FixedOp {
                 inputs: vec![src],
-                op: Arc::new(op),
+                op,
             }));
         }
         // Each weight's new tensors follow it, in the order made.
@@ -706,24 +713,25 @@ pub(super) fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
     (module == "lm_head", key)
 }
 
-/// NVFP4 tensor scales by entry index: each weight's own amax, or its fused group's.
+/// NVFP4 tensor scales by entry index: each weight's own amax, or its fused group's, one
+/// [`TensorScale`] per group, read when the pipeline first needs it (weights that are not one
+/// byte range per file, such as strided views, are read here at plan time).
 fn nvfp4_globals(
     ckpt: &Checkpoint,
     entries: &[Entry],
     chosen: &[(usize, String, WeightType)],
-) -> Result<HashMap<usize, f32>> {
+) -> Result<HashMap<usize, Arc<TensorScale>>> {
     let by_module: HashMap<&str, (usize, WeightType)> = chosen
         .iter()
         .map(|(i, m, wt)| (m.as_str(), (*i, *wt)))
         .collect();
-    let mut amaxes: HashMap<usize, f32> = HashMap::new();
-    for &(i, _, wt) in chosen {
-        amaxes.insert(i, weight_amax(ckpt, entries[i].source, wt)?);
-    }
+    let mut files: HashMap<usize, Arc<std::fs::File>> = HashMap::new();
+    let mut shared: HashMap<(Vec<usize>, WeightType), Arc<TensorScale>> = HashMap::new();
     let mut out = HashMap::new();
+    let mut order: Vec<Arc<TensorScale>> = Vec::new();
     for &(i, ref module, wt) in chosen {
         let (parent, last) = module.rsplit_once('.').unwrap_or(("", module));
-        let group: Vec<usize> = FUSED_LAYER_NAMES
+        let mut group: Vec<usize> = FUSED_LAYER_NAMES
             .iter()
             .find(|names| names.contains(&last))
             .and_then(|names| {
@@ -740,8 +748,69 @@ fn nvfp4_globals(
                     .collect::<Option<Vec<usize>>>()
             })
             .unwrap_or_else(|| vec![i]);
-        let m = group.iter().map(|j| amaxes[j]).fold(0f32, f32::max);
-        out.insert(i, nvfp4_global_scale(wt, m));
+        group.sort_unstable();
+        let key = (group, wt);
+        if let Some(s) = shared.get(&key) {
+            out.insert(i, s.clone());
+            continue;
+        }
+        let mut members = Vec::new();
+        let mut lazy = true;
+        for &j in &key.0 {
+            let t = &ckpt.tensors[entries[j].source];
+            let member_wt = by_module
+                .values()
+                .find(|&&(k, _)| k == j)
+                .map_or(wt, |&(_, w)| w);
+            let Some(pieces) = t.pieces() else {
+                lazy = false;
+                break;
+            };
+            let mut ps = Vec::new();
+            for (shard, offset, len) in pieces {
+                let file = match files.get(&shard) {
+                    Some(f) => f.clone(),
+                    None => {
+                        let f = Arc::new(ckpt.shards[shard].file.try_clone().map_err(|e| {
+                            Error::Other(format!(
+                                "{}: {e}",
+                                crate::escape::path(&ckpt.shards[shard].path)
+                            ))
+                        })?);
+                        files.insert(shard, f.clone());
+                        f
+                    }
+                };
+                ps.push(Piece {
+                    file,
+                    path: ckpt.shards[shard].path.clone(),
+                    offset,
+                    len,
+                });
+            }
+            members.push((t.info.name.clone(), member_wt, ps));
+        }
+        let scale = if lazy {
+            TensorScale::lazy(wt, members)
+        } else {
+            let mut m = 0f32;
+            for &j in &key.0 {
+                let member_wt = by_module
+                    .values()
+                    .find(|&&(k, _)| k == j)
+                    .map_or(wt, |&(_, w)| w);
+                m = m.max(weight_amax(ckpt, entries[j].source, member_wt)?);
+            }
+            TensorScale::known(wt, m)
+        };
+        let scale = Arc::new(scale);
+        shared.insert(key, scale.clone());
+        order.push(scale.clone());
+        out.insert(i, scale);
+    }
+    // Chosen weights come in the output's order, so each group's read asks for the next.
+    for pair in order.windows(2) {
+        pair[0].read_ahead(&pair[1]);
     }
     Ok(out)
 }

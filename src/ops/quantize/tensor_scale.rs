@@ -1,0 +1,219 @@
+//! NVFP4's tensor scale (`weight_global_scale`), found when the first chunk of its group needs
+//! it rather than in a pass over the model before anything is written.
+//!
+//! The scale needs the amax of whole weights (q/k/v and gate/up share one), so every weight is
+//! read twice. Done at plan time, the first read was a serial pass over the model from disk
+//! before the pipeline started; done here, inside the pipeline, it reads each group just before
+//! the pipeline's reader reaches it, overlapped with the encoding of the groups before, and the
+//! second read comes from the page cache.
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use super::encode::{nvfp4_global_scale, WeightType};
+use super::lanes;
+use super::ops::QuantizeRows;
+use crate::ops::kernel::Kernel;
+use crate::ops::Op;
+
+/// Bytes read at a time: this buffer lives outside the pool, one per compute thread at most.
+const READ_BYTES: u64 = 1 << 20;
+
+/// One byte range of a member weight in its file.
+#[derive(Debug)]
+pub struct Piece {
+    pub file: Arc<File>,
+    pub path: PathBuf,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The tensor scale shared by the weights of one group, computed once.
+#[derive(Debug)]
+pub struct TensorScale {
+    wt: WeightType,
+    /// Each member weight's name, dtype and where its bytes are.
+    members: Vec<(String, WeightType, Vec<Piece>)>,
+    value: OnceLock<Result<f32, String>>,
+    /// The byte ranges of the next group in the output's order, asked of the disk when this
+    /// one is read, so that the disk is busy while this group is encoded.
+    ahead: OnceLock<Vec<(Arc<File>, u64, u64)>>,
+}
+
+impl TensorScale {
+    /// Sets the ranges to prefetch when this scale is read (once; later calls are ignored).
+    pub fn read_ahead(&self, next: &TensorScale) {
+        let ranges = next
+            .members
+            .iter()
+            .flat_map(|(_, _, ps)| ps.iter().map(|p| (p.file.clone(), p.offset, p.len)))
+            .collect();
+        let _ = self.ahead.set(ranges);
+    }
+
+    /// A scale read from `members` when first asked for.
+    pub fn lazy(wt: WeightType, members: Vec<(String, WeightType, Vec<Piece>)>) -> TensorScale {
+        TensorScale {
+            wt,
+            members,
+            value: OnceLock::new(),
+            ahead: OnceLock::new(),
+        }
+    }
+
+    /// A scale known already (from an amax computed at plan time).
+    pub fn known(wt: WeightType, amax: f32) -> TensorScale {
+        let value = OnceLock::new();
+        let _ = value.set(Ok(nvfp4_global_scale(wt, amax)));
+        TensorScale {
+            wt,
+            members: Vec::new(),
+            value,
+            ahead: OnceLock::new(),
+        }
+    }
+
+    /// The scale, reading the group's weights the first time (other threads wait for it).
+    pub fn get(&self) -> Result<f32, String> {
+        self.value
+            .get_or_init(|| {
+                // The whole group at once: the disk gets many requests in flight instead of
+                // one 1 MiB read after another.
+                for (_, _, pieces) in &self.members {
+                    for p in pieces {
+                        crate::sys::prefetch(&p.file, p.offset, p.len);
+                    }
+                }
+                for (file, offset, len) in self.ahead.get().into_iter().flatten() {
+                    crate::sys::prefetch(file, *offset, *len);
+                }
+                let mut m = 0f32;
+                let mut buf = Vec::new();
+                for (name, member_wt, pieces) in &self.members {
+                    for p in pieces {
+                        let mut at = 0;
+                        while at < p.len {
+                            let n = READ_BYTES.min(p.len - at);
+                            buf.resize(n as usize, 0);
+                            p.file.read_exact_at(&mut buf, p.offset + at).map_err(|e| {
+                                format!(
+                                    "reading `{name}` for the NVFP4 tensor scale from {}: {e}",
+                                    crate::escape::path(&p.path)
+                                )
+                            })?;
+                            let v = lanes::tensor_amax(*member_wt, &buf);
+                            if !v.is_finite() {
+                                return Err(format!(
+                                    "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
+                                ));
+                            }
+                            m = m.max(v);
+                            at += n;
+                        }
+                    }
+                }
+                Ok(nvfp4_global_scale(self.wt, m))
+            })
+            .clone()
+    }
+}
+
+/// [`QuantizeRows`] for NVFP4, its tensor scale taken from a [`TensorScale`] when a chunk is
+/// computed.
+#[derive(Debug)]
+pub struct Nvfp4Rows {
+    /// The encoder; its `global` is replaced by the group's scale.
+    pub rows: QuantizeRows,
+    pub scale: Arc<TensorScale>,
+}
+
+impl Nvfp4Rows {
+    fn with_scale(&self) -> Result<QuantizeRows, String> {
+        let g = self.scale.get()?;
+        Ok(QuantizeRows {
+            global: g,
+            ..self.rows
+        })
+    }
+}
+
+impl Op for Nvfp4Rows {
+    fn name(&self) -> &'static str {
+        self.rows.name()
+    }
+    fn units(&self) -> u64 {
+        self.rows.units()
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.rows.out_unit_bytes()
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.rows.in_unit_bytes()
+    }
+    fn granularity(&self) -> u64 {
+        self.rows.granularity()
+    }
+    fn scratch_unit_bytes(&self) -> u64 {
+        self.rows.scratch_unit_bytes()
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        self.rows.input_ranges(units)
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        self.with_scale()?.compute(units, inputs, out)
+    }
+    fn extra_outputs(&self) -> usize {
+        self.rows.extra_outputs()
+    }
+    fn extra_unit_bytes(&self, k: usize) -> u64 {
+        self.rows.extra_unit_bytes(k)
+    }
+    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
+        self.rows.out_span(k, units)
+    }
+    fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        self.with_scale()?.compute_all(units, inputs, outs)
+    }
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        // A scale that cannot be read leaves the chunk to the CPU op, which says why.
+        self.with_scale().ok()?.kernel(units)
+    }
+    fn has_kernel(&self) -> bool {
+        // Without reading the group: the encoder has a kernel whatever its scale.
+        self.rows.has_kernel()
+    }
+}
+
+/// `weight_global_scale`: the group's scale as one F32.
+#[derive(Debug)]
+pub struct GlobalScaleTensor(pub Arc<TensorScale>);
+
+impl Op for GlobalScaleTensor {
+    fn name(&self) -> &'static str {
+        "quantize weight_global_scale"
+    }
+    fn units(&self) -> u64 {
+        1
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        4
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        0
+    }
+    fn input_ranges(&self, _units: Range<u64>) -> Vec<Range<u64>> {
+        Vec::new()
+    }
+    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        out.copy_from_slice(&self.0.get()?.to_le_bytes());
+        Ok(())
+    }
+}
