@@ -378,6 +378,61 @@ impl QuantizeStep {
     }
 }
 
+/// Tensors a quantiser adds beside the weights (scales, shapes), with fresh entry ids.
+pub(super) struct Added {
+    next_id: usize,
+    items: Vec<(usize, Entry)>,
+}
+
+impl Added {
+    pub(super) fn new(entries: &[Entry]) -> Added {
+        Added {
+            next_id: entries.iter().map(|e| e.id).max().map_or(0, |m| m + 1),
+            items: Vec::new(),
+        }
+    }
+
+    /// `{module}.{name}`, made by `derive` from input tensor `source`, to follow entry `after`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push(
+        &mut self,
+        after: usize,
+        module: &str,
+        source: usize,
+        name: &str,
+        dtype: DType,
+        shape: Vec<u64>,
+        derive: Arc<dyn Derive>,
+    ) {
+        self.items.push((
+            after,
+            Entry {
+                id: self.next_id,
+                name: format!("{module}.{name}"),
+                source,
+                dtype,
+                shape,
+                derive: Some(derive),
+                relabel: false,
+            },
+        ));
+        self.next_id += 1;
+    }
+
+    /// Puts each weight's new tensors right after it, in the order they were added.
+    pub(super) fn splice_into(self, entries: &mut Vec<Entry>) {
+        let mut added = self.items.into_iter().peekable();
+        let mut merged = Vec::with_capacity(entries.len() + added.len());
+        for (i, e) in std::mem::take(entries).into_iter().enumerate() {
+            merged.push(e);
+            while let Some((_, x)) = added.next_if(|(after, _)| *after == i) {
+                merged.push(x);
+            }
+        }
+        *entries = merged;
+    }
+}
+
 /// The amax of a whole weight, read in pieces (for NVFP4 tensor scales).
 pub(super) fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
     let t = &ckpt.tensors[src];
@@ -519,8 +574,7 @@ impl PlanStep for QuantizeStep {
             HashMap::new()
         };
 
-        let mut next_id = entries.iter().map(|e| e.id).max().map_or(0, |m| m + 1);
-        let mut added: Vec<(usize, Entry)> = Vec::new();
+        let mut added = Added::new(entries);
         for &(i, ref module, wt) in &chosen {
             let e = &entries[i];
             let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
@@ -534,19 +588,7 @@ impl PlanStep for QuantizeStep {
                 block: self.block_math(),
             };
             let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
-                added.push((
-                    i,
-                    Entry {
-                        id: next_id,
-                        name: format!("{module}.{name}"),
-                        source: src,
-                        dtype,
-                        shape,
-                        derive: Some(d),
-                        relabel: false,
-                    },
-                ));
-                next_id += 1;
+                added.push(i, module, src, name, dtype, shape, d)
             };
             let secondary = Arc::new(ExtraOutput {
                 primary: id,
@@ -635,16 +677,7 @@ impl PlanStep for QuantizeStep {
                 op,
             }));
         }
-        // Each weight's new tensors follow it, in the order made.
-        let mut added = added.into_iter().peekable();
-        let mut merged = Vec::with_capacity(entries.len() + added.len());
-        for (i, e) in std::mem::take(entries).into_iter().enumerate() {
-            merged.push(e);
-            while let Some((_, x)) = added.next_if(|(after, _)| *after == i) {
-                merged.push(x);
-            }
-        }
-        *entries = merged;
+        added.splice_into(entries);
 
         notes.lines.push(format!(
             "{}: {} Linear weight(s) quantised ({} format)",

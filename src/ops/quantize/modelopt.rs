@@ -35,7 +35,9 @@ use super::encode::{
     modelopt_nvfp4_scale_2, pow2_f32, WeightType, E4M3_MAX,
 };
 use super::ops::Constant;
-use super::{default_ignore, module_order, weight_amax, QuantizeStep, Scheme, FUSED_LAYER_NAMES};
+use super::{
+    default_ignore, module_order, weight_amax, Added, QuantizeStep, Scheme, FUSED_LAYER_NAMES,
+};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -350,26 +352,13 @@ pub(super) fn plan(
         HashMap::new()
     };
 
-    let mut next_id = entries.iter().map(|e| e.id).max().map_or(0, |m| m + 1);
-    let mut added: Vec<(usize, Entry)> = Vec::new();
+    let mut added = Added::new(entries);
     for &(i, ref module, wt) in &chosen {
         let e = &entries[i];
         let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
         let s2 = scale_2.get(&i).copied().unwrap_or(1.0);
         let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
-            added.push((
-                i,
-                Entry {
-                    id: next_id,
-                    name: format!("{module}.{name}"),
-                    source: src,
-                    dtype,
-                    shape,
-                    derive: Some(d),
-                    relabel: false,
-                },
-            ));
-            next_id += 1;
+            added.push(i, module, src, name, dtype, shape, d)
         };
         let secondary = Arc::new(ExtraOutput {
             primary: id,
@@ -441,15 +430,7 @@ pub(super) fn plan(
         };
         e.derive = Some(fixed(Arc::new(op), vec![src]));
     }
-    let mut added = added.into_iter().peekable();
-    let mut merged = Vec::with_capacity(entries.len() + added.len());
-    for (i, e) in std::mem::take(entries).into_iter().enumerate() {
-        merged.push(e);
-        while let Some((_, x)) = added.next_if(|(after, _)| *after == i) {
-            merged.push(x);
-        }
-    }
-    *entries = merged;
+    added.splice_into(entries);
 
     let quantized: Vec<String> = chosen.iter().map(|(_, m, _)| m.clone()).collect();
     let exclude = summarize_excluded(&unquantized, &quantized);
