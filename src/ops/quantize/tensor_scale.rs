@@ -1,16 +1,18 @@
-//! NVFP4's tensor scale (`weight_global_scale`), found when the first chunk of its group needs
-//! it rather than in a pass over the model before anything is written.
+//! NVFP4's tensor scale (`weight_global_scale`), found inside the pipeline rather than in a
+//! pass over the model before anything is written.
 //!
 //! The scale needs the amax of whole weights (q/k/v and gate/up share one), so every weight is
 //! read twice. Done at plan time, the first read was a serial pass over the model from disk
-//! before the pipeline started; done here, inside the pipeline, it reads each group just before
-//! the pipeline's reader reaches it, overlapped with the encoding of the groups before, and the
-//! second read comes from the page cache.
+//! before the pipeline started. Here the first chunk that needs a group's scale reads the group
+//! (unless that read is under way already) and starts the next group's read on a background
+//! thread, so the disk reads one group ahead of the encoders while they work, and the
+//! encoders' own read of each group comes from the page cache.
 
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::encode::{nvfp4_global_scale, WeightType};
@@ -38,20 +40,18 @@ pub struct TensorScale {
     /// Each member weight's name, dtype and where its bytes are.
     members: Vec<(String, WeightType, Vec<Piece>)>,
     value: OnceLock<Result<f32, String>>,
-    /// The byte ranges of the next group in the output's order, asked of the disk when this
-    /// one is read, so that the disk is busy while this group is encoded.
-    ahead: OnceLock<Vec<(Arc<File>, u64, u64)>>,
+    /// The next group in the output's order: the first chunk that needs this scale starts
+    /// reading that one in the background, so its bytes come off the disk while this group is
+    /// encoded (one group ahead of the encoders, never more).
+    ahead: OnceLock<Arc<TensorScale>>,
+    started_ahead: AtomicBool,
 }
 
 impl TensorScale {
-    /// Sets the ranges to prefetch when this scale is read (once; later calls are ignored).
-    pub fn read_ahead(&self, next: &TensorScale) {
-        let ranges = next
-            .members
-            .iter()
-            .flat_map(|(_, _, ps)| ps.iter().map(|p| (p.file.clone(), p.offset, p.len)))
-            .collect();
-        let _ = self.ahead.set(ranges);
+    /// Sets the group read in the background once this one is needed (once; later calls are
+    /// ignored).
+    pub fn read_ahead(&self, next: &Arc<TensorScale>) {
+        let _ = self.ahead.set(next.clone());
     }
 
     /// A scale read from `members` when first asked for.
@@ -61,6 +61,7 @@ impl TensorScale {
             members,
             value: OnceLock::new(),
             ahead: OnceLock::new(),
+            started_ahead: AtomicBool::new(false),
         }
     }
 
@@ -73,11 +74,31 @@ impl TensorScale {
             members: Vec::new(),
             value,
             ahead: OnceLock::new(),
+            started_ahead: AtomicBool::new(false),
         }
     }
 
-    /// The scale, reading the group's weights the first time (other threads wait for it).
+    /// The scale, reading the group's weights the first time (other threads wait for it), and
+    /// starting the next group's read in the background.
     pub fn get(&self) -> Result<f32, String> {
+        if let Some(next) = self.ahead.get() {
+            if !self.started_ahead.swap(true, Ordering::Relaxed) {
+                let next = next.clone();
+                // Detached: it only reads and fills `next`'s cell, which an encoder would
+                // otherwise fill itself; a failure there is met again, and reported, by it.
+                std::thread::Builder::new()
+                    .name("tftf-amax".into())
+                    .spawn(move || {
+                        let _ = next.value();
+                    })
+                    .ok();
+            }
+        }
+        self.value()
+    }
+
+    /// The scale, reading the group's weights the first time.
+    fn value(&self) -> Result<f32, String> {
         self.value
             .get_or_init(|| {
                 // The whole group at once: the disk gets many requests in flight instead of
@@ -86,9 +107,6 @@ impl TensorScale {
                     for p in pieces {
                         crate::sys::prefetch(&p.file, p.offset, p.len);
                     }
-                }
-                for (file, offset, len) in self.ahead.get().into_iter().flatten() {
-                    crate::sys::prefetch(file, *offset, *len);
                 }
                 let mut m = 0f32;
                 let mut buf = Vec::new();
