@@ -34,7 +34,7 @@ use super::encode::{
     modelopt_int4_scale, modelopt_mx_exponent, modelopt_mxfp4_code, modelopt_nvfp4_block_scale,
     modelopt_nvfp4_scale_2, pow2_f32, WeightType, E4M3_MAX,
 };
-use super::ops::Constant;
+use super::ops::{decode_rows, Constant};
 use super::{
     default_ignore, module_order, weight_amax, Added, QuantizeStep, Scheme, FUSED_LAYER_NAMES,
 };
@@ -501,20 +501,6 @@ fn nvfp4_scale_2(
     Ok(out)
 }
 
-/// Decodes rows of a weight, refusing NaN and infinity.
-fn decode(wt: WeightType, cols: u64, first_row: u64, input: &[u8]) -> Result<Vec<f32>, String> {
-    let mut x = Vec::with_capacity(input.len() / wt.bytes());
-    wt.decode(input, &mut x);
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        let (r, c) = (first_row + i as u64 / cols, i as u64 % cols);
-        return Err(format!(
-            "holds {} at [{r}, {c}]: a non-finite weight cannot be quantised",
-            x[i]
-        ));
-    }
-    Ok(x)
-}
-
 /// ModelOpt's FP8 scales of the 128×128 blocks of rows `x` (at most 128 of them).
 fn block_scales(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let b = BLOCK as usize;
@@ -647,7 +633,7 @@ impl Op for ModeloptRows {
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
         let cols = self.cols as usize;
-        let x = decode(self.wt, self.cols, units.start, inputs[0])?;
+        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
         let n = (units.end - units.start) as usize;
         let cb = self.row_code_bytes() as usize;
         if self.scheme == Scheme::Fp8Block {
@@ -728,7 +714,7 @@ impl Op for ModeloptBlockScales {
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         let cols = self.cols as usize;
-        let x = decode(self.wt, self.cols, units.start * BLOCK, inputs[0])?;
+        let x = decode_rows(self.wt, self.cols, units.start * BLOCK, inputs[0])?;
         let rows = x.len() / cols;
         let b = BLOCK as usize;
         let mut o = 0;

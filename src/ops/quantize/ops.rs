@@ -140,7 +140,7 @@ fn round_half_even_small(y: f32) -> f32 {
 
 /// Decodes rows `units` of a weight, refusing NaN and infinity (their scales would be
 /// meaningless), and returns the values.
-fn decode_rows(
+pub(super) fn decode_rows(
     wt: WeightType,
     cols: u64,
     first_row: u64,
