@@ -30,6 +30,21 @@ void tftf_host_dequant_int(const u8* packed, const u8* scales, const u8* zp, u8*
     for (u64 i = 0; i < n; i++) int_element(*p, packed, scales, zp, out, i);
 }
 
+int tftf_host_dequant_gptq(const u8* qweight, const u8* qzeros, const u8* scales,
+                           const u8* g_idx, u8* out, u64 n, const GptqParams* p) {
+    int ok = 1;
+    for (u64 i = 0; i < n; i++)
+        ok &= gptq_element(*p, qweight, qzeros, scales, g_idx, out, i) ? 1 : 0;
+    return ok;
+}
+
+int tftf_host_dequant_int4_modelopt(const u8* codes, const u8* scales, u8* out, u64 n,
+                                    const Int4Params* p) {
+    int ok = 1;
+    for (u64 i = 0; i < n; i++) ok &= int4_modelopt_element(*p, codes, scales, out, i) ? 1 : 0;
+    return ok;
+}
+
 int tftf_host_nv_block_scales(const u8* in, u8* out, u64 n, int g) {
     int ok = 1;
     for (u64 i = 0; i < n; i++) {
@@ -82,6 +97,10 @@ void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, 
     delete[] factors;
 }
 
+int tftf_host_modelopt_mx_exponent(float amax, float elem_max) {
+    return quant_modelopt_mx_exponent(amax, elem_max);
+}
+
 // The quantisers over a chunk (`p->rows` rows): codes and scales as the CUDA kernels write them,
 // groups, segments, targets and elements taken in turn. Returns 0 when the weight holds a
 // non-finite value.
@@ -102,7 +121,7 @@ int tftf_host_quantize(const u8* in, u8* codes, u8* scales, const QuantParams* p
         for (u64 i = 0; i < p->rows * p->cols; i++) codes[i] = quant_fp8_code(*p, in, amax, i);
         delete[] amax;
     } else {
-        u64 n = p->rows * (p->cols / quant_group(p->scheme));
+        u64 n = quant_group_threads(*p);
         for (u64 g = 0; g < n; g++) ok &= quant_group_encode(*p, in, codes, scales, g) ? 1 : 0;
     }
     return ok;

@@ -1,8 +1,9 @@
-// The weight-only quantisers of `tftf quantize` (src/ops/quantize/{encode,ops}.rs): FP8 per row,
-// packed int per 128-group, NVFP4, MXFP4 and MXFP8 per group, and FP8 per 128×128 block. Every
-// step is the Rust op's, in its order: each division is an IEEE division (no reciprocal
-// multiplies), each rounding to the weight dtype is `wt_round`, so the codes and scales come out
-// byte for byte the same.
+// The weight-only quantisers of `tftf quantize` (src/ops/quantize/{encode,ops,modelopt}.rs): FP8
+// per row, packed int per 128-group, NVFP4, MXFP4 and MXFP8 per group, and FP8 per 128×128
+// block, as compressed-tensors, transformers (FP8 blocks) and ModelOpt compute them. Every step
+// is the Rust op's, in its order: each division is an IEEE division (no reciprocal multiplies),
+// each rounding to the weight dtype is `wt_round`, so the codes and scales come out byte for
+// byte the same.
 #pragma once
 #include "fp8.cuh"
 
@@ -18,15 +19,22 @@ enum QuantScheme {
     QS_FP8_BLOCK = 6,
 };
 
-// One chunk of whole rows (FP8 blocks: whole 128-row block rows, the last maybe shorter). Field
-// order is the Rust `QuantParams` one.
+// Whose arithmetic and layout (`QuantParams::flavour`).
+enum QuantFlavour {
+    QF_COMPRESSED_TENSORS = 0,
+    QF_TRANSFORMERS = 1,  // FP8_BLOCK only (`--format fp8-native`)
+    QF_MODELOPT = 2,
+};
+
+// One chunk of whole rows (FP8 blocks: whole 128-row block rows, the last maybe shorter;
+// ModelOpt W4A16: whole row pairs). Field order is the Rust `QuantParams` one.
 struct QuantParams {
-    u64 rows;        // rows in the chunk
-    u64 cols;        // elements per row
-    int scheme;      // QuantScheme
-    int wt;          // weight dtype: DT_BF16 / DT_F16 / DT_F32
-    float global;    // NVFP4's tensor scale (1 otherwise)
-    int block_math;  // FP8_BLOCK: 0 compressed-tensors, 1 transformers
+    u64 rows;     // rows in the chunk
+    u64 cols;     // elements per row
+    int scheme;   // QuantScheme
+    int wt;       // weight dtype: DT_BF16 / DT_F16 / DT_F32
+    float global; // NVFP4's tensor scale (compressed-tensors) or weight_scale_2 (ModelOpt)
+    int flavour;  // QuantFlavour
 };
 
 #define QUANT_E4M3_MAX 448.0f
@@ -186,8 +194,19 @@ TFTF_HD u64 quant_group(int scheme) {
     }
 }
 
+TFTF_HD bool quant_modelopt(const QuantParams& p) { return p.flavour == QF_MODELOPT; }
+
+// Threads of `tftf_quantize_groups` for a chunk: one per group of a row, or per group of a row
+// pair for ModelOpt W4A16, whose two rows share the bytes of a packed row.
+TFTF_HD u64 quant_group_threads(const QuantParams& p) {
+    u64 per_row = p.cols / quant_group(p.scheme);
+    if (quant_modelopt(p) && p.scheme == QS_W4A16) return p.rows / 2 * per_row;
+    return p.rows * per_row;
+}
+
 // Code bytes per row (`row_code_bytes`).
 TFTF_HD u64 quant_row_code_bytes(const QuantParams& p) {
+    if (quant_modelopt(p) && p.scheme == QS_W4A16) return p.cols / 2;
     switch (p.scheme) {
         case QS_W8A16: return 4 * ((p.cols * 8 + 31) / 32);
         case QS_W4A16: return 4 * ((p.cols * 4 + 31) / 32);
@@ -196,11 +215,184 @@ TFTF_HD u64 quant_row_code_bytes(const QuantParams& p) {
     }
 }
 
+// ModelOpt (encode.rs `modelopt_*`): f32 arithmetic on the upcast weight, no rounding to the
+// weight dtype, F32 scales.
+
+// `modelopt_fp8_scale`: amax / 448, a zero amax giving 1 and a subnormal one the least normal.
+TFTF_HD float quant_modelopt_fp8_scale(float amax) {
+    float a = amax == 0.0f ? QUANT_E4M3_MAX : (amax < u2f(0x00800000u) ? u2f(0x00800000u) : amax);
+    return a / QUANT_E4M3_MAX;
+}
+
+// `modelopt_e4m3_code`: E4M3 of x / s clamped to ±448 (a -0 stays 0x80).
+TFTF_HD u8 quant_modelopt_e4m3_code(float x, float s) {
+    return f32_to_e4m3(clamp_f32(x / s, -QUANT_E4M3_MAX, QUANT_E4M3_MAX));
+}
+
+// `pow2_f32`: 2^e for -149..=127 (subnormal below -126).
+TFTF_HD float quant_pow2(int e) {
+    if (e >= -126) return u2f((u32)(e + 127) << 23);
+    return u2f(1u << (e + 149));
+}
+
+// Least m (mantissa bits of d = 2^k·(1 + m·2^-23), m ≥ 1) for which log2(d) = k + log2(1 + m·2^-23)
+// rounds above k in f32, by n where 2^-n is half the f32 spacing from k towards k + 1:
+// m ≥ ⌊2^23·(2^(2^-n) - 1)⌋ + 1. None of the bounds is within 0.09 of an integer, so the f64
+// logarithm the CPU rounds from decides each the same way.
+TFTF_HD u32 quant_log2_round_up_from(int n) {
+    switch (n) {
+        case 17: return 45;
+        case 18: return 23;
+        case 19: return 12;
+        case 20: return 6;
+        case 21: return 3;
+        case 22: return 2;
+        default: return 1;  // 23..=25
+    }
+}
+
+// `modelopt_mx_exponent`: ceil(log2(amax / elem_max)) with the logarithm rounded to f32 (as
+// torch computes it on the CPU), -127 for a zero group, clamped to -127..=127. Computed from
+// the bits: for d = 2^k·(1 + f), f > 0, log2(d) lies in (k, k + 1) and its ceiling is k + 1
+// unless the f32 rounding lands on k itself, which happens when log2(1 + f) is below half the
+// spacing of f32 values next to k (on the side of k + 1) and never when k = 0.
+TFTF_HD int quant_modelopt_mx_exponent(float amax, float elem_max) {
+    float d = amax / elem_max;
+    if (!(d > 0.0f)) return -127;
+    u32 b = f2u(d);
+    u32 e = (b >> 23) & 0xFFu;
+    u32 m = b & 0x7FFFFFu;
+    int k;
+    if (e != 0) {
+        k = (int)e - 127;
+    } else {
+        int msb = 63 - clz64((u64)m);
+        k = msb - 149;
+        m = (m << (23 - msb)) & 0x7FFFFFu;
+    }
+    int r = k;
+    if (m != 0) {
+        r = k + 1;
+        if (k != 0) {
+            u32 ak = (u32)(k > 0 ? k : -k);
+            int fl = 63 - clz64((u64)ak);
+            // Below |k| in magnitude the spacing halves when |k| is a power of two.
+            int n = (k < 0 && (ak & (ak - 1u)) == 0) ? 25 - fl : 24 - fl;
+            if (m < quant_log2_round_up_from(n)) r = k;
+        }
+    }
+    return r < -127 ? -127 : (r > 127 ? 127 : r);
+}
+
+// `modelopt_mxfp4_code`: the number of bounds strictly below |y| (ties round down), the sign
+// bit set for y ≤ 0.
+TFTF_HD u8 quant_modelopt_mxfp4_code(float y) {
+    float a = abs_f32(y);
+    u8 idx = (u8)((a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) +
+                  (a > 3.5f) + (a > 5.0f));
+    return idx | (u8)((y <= 0.0f) ? 8 : 0);
+}
+
+// `modelopt_int4_scale`: amax / 7, a zero amax giving 1 and a subnormal one the least normal.
+TFTF_HD float quant_modelopt_int4_scale(float amax) {
+    float a = amax == 0.0f ? 7.0f : (amax < u2f(0x00800000u) ? u2f(0x00800000u) : amax);
+    return a / 7.0f;
+}
+
+// `modelopt_int4_code`: x / s rounded half to even, clamped to -8..=7, as a two's-complement
+// nibble.
+TFTF_HD u8 quant_modelopt_int4_code(float x, float s) {
+    float y = clamp_f32(quant_round_small(clamp_f32(x / s, -16.0f, 16.0f)), -8.0f, 7.0f);
+    return (u8)((int)y) & 0x0Fu;
+}
+
+// Group `g` of a ModelOpt chunk: its codes and scale as `ModeloptRows` writes them (W4A16: group
+// g of a row pair, both rows). Returns false when the group holds a non-finite value.
+TFTF_HD bool quant_modelopt_group(const QuantParams& p, const u8* in, u8* codes, u8* scales,
+                                  u64 g) {
+    const int wt = p.wt;
+    const u64 group = quant_group(p.scheme);
+    const u64 groups = p.cols / group;
+    const u64 r = g / groups, k = g - r * groups;
+    if (p.scheme == QS_W4A16) {
+        // r is the pair: rows 2r (low nibbles) and 2r + 1 (high nibbles) of packed row r.
+        u8* packed = codes + r * p.cols + k * group;
+        for (u64 h = 0; h < 2; h++) {
+            const u64 first = (2 * r + h) * p.cols + k * group;
+            float m = 0.0f;
+            bool finite = true;
+            for (u64 j = 0; j < group; j++) {
+                float x = quant_load(wt, in, first + j);
+                finite = finite && is_finite_f32(x);
+                m = amax_step(m, x);
+            }
+            if (!finite) return false;
+            float s = quant_modelopt_int4_scale(m);
+            TFTF_STORE(u32, scales, (2 * r + h) * groups + k, f2u(s));
+            for (u64 j = 0; j < group; j++) {
+                u8 q = quant_modelopt_int4_code(quant_load(wt, in, first + j), s);
+                packed[j] = h == 0 ? q : (u8)(packed[j] | (q << 4));
+            }
+        }
+        return true;
+    }
+    const u64 first = r * p.cols + k * group;
+    float m = 0.0f;
+    bool finite = true;
+    for (u64 j = 0; j < group; j++) {
+        float x = quant_load(wt, in, first + j);
+        finite = finite && is_finite_f32(x);
+        m = amax_step(m, x);
+    }
+    if (!finite) return false;
+    const u64 cb = quant_row_code_bytes(p);
+    u8* row_codes = codes + r * cb;
+    switch (p.scheme) {
+        case QS_NVFP4: {
+            float s2 = p.global;
+            float bs = m / (QUANT_E2M1_MAX * s2);
+            if (bs == 0.0f) bs = 1.0f;
+            u8 sc = f32_to_e4m3(clamp_f32(bs, u2f(0x3B000000u), QUANT_E4M3_MAX));  // 2^-9
+            scales[g] = sc;
+            float eff = e4m3_to_f32(sc) * s2;
+            for (u64 j = 0; j < group; j += 2) {
+                u8 lo = quant_e2m1(quant_load(wt, in, first + j) / eff);
+                u8 hi = quant_e2m1(quant_load(wt, in, first + j + 1) / eff);
+                row_codes[(k * group + j) / 2] = (u8)(lo | (hi << 4));
+            }
+            return true;
+        }
+        case QS_MXFP4: {
+            int e = quant_modelopt_mx_exponent(m, QUANT_E2M1_MAX);
+            scales[g] = (u8)(e + 127);
+            float pw = quant_pow2(e);
+            for (u64 j = 0; j < group; j += 2) {
+                u8 lo = quant_modelopt_mxfp4_code(quant_load(wt, in, first + j) / pw);
+                u8 hi = quant_modelopt_mxfp4_code(quant_load(wt, in, first + j + 1) / pw);
+                row_codes[(k * group + j) / 2] = (u8)(lo | (hi << 4));
+            }
+            return true;
+        }
+        default: {  // QS_MXFP8
+            int e = quant_modelopt_mx_exponent(m, QUANT_E4M3_MAX);
+            scales[g] = (u8)(e + 127);
+            float f = quant_pow2(-e);
+            for (u64 j = 0; j < group; j++) {
+                float y = quant_load(wt, in, first + j) * f;
+                row_codes[k * group + j] =
+                    f32_to_e4m3(clamp_f32(y, -QUANT_E4M3_MAX, QUANT_E4M3_MAX));
+            }
+            return true;
+        }
+    }
+}
+
 // Group `g` of the chunk (row g / groups): its codes and scale, as `QuantizeRows::row` writes
 // them. Returns false when the group holds a non-finite value (the CPU op names it). The int
 // schemes' last group of a row also zeroes the row's padding bytes.
 TFTF_HD bool quant_group_encode(const QuantParams& p, const u8* in, u8* codes, u8* scales,
                                 u64 g) {
+    if (quant_modelopt(p)) return quant_modelopt_group(p, in, codes, scales, g);
     const int wt = p.wt;
     const u64 group = quant_group(p.scheme);
     const u64 groups = p.cols / group;
@@ -326,14 +518,19 @@ TFTF_HD bool quant_fp8_segment(const QuantParams& p, const u8* in, u64 seg, u64*
 }
 
 TFTF_HD bool quant_transformers(const QuantParams& p) {
-    return p.scheme == QS_FP8_BLOCK && p.block_math == 1;
+    return p.scheme == QS_FP8_BLOCK && p.flavour == QF_TRANSFORMERS;
 }
 
 // FP8_BLOCK (`BlockMath::scale`): the encoder's factor of a block whose amax is m, and in
 // `stored` the scale written (compressed-tensors, and FP8_DYNAMIC's rows: W(m / 448), both;
 // transformers: the factor 448 / m as reciprocal(m) · 448 in f32, 1 for an all-zero block,
-// stored as its reciprocal).
+// stored as its reciprocal; ModelOpt: `modelopt_fp8_scale`, both).
 TFTF_HD float quant_block_factor(const QuantParams& p, float m, float* stored) {
+    if (quant_modelopt(p)) {
+        float s = quant_modelopt_fp8_scale(m);
+        *stored = s;
+        return s;
+    }
     if (!quant_transformers(p)) {
         float s = quant_symmetric_scale(p.wt, m, QUANT_E4M3_MAX);
         *stored = s;
@@ -345,16 +542,18 @@ TFTF_HD float quant_block_factor(const QuantParams& p, float m, float* stored) {
 }
 
 // Target t with amax m: writes its scale (`BlockMath::write`: the weight dtype, F32 for
-// transformers) and returns the encoder's factor.
+// transformers and ModelOpt) and returns the encoder's factor.
 TFTF_HD float quant_fp8_scale(const QuantParams& p, float m, u8* scales, u64 t) {
     float stored;
     float factor = quant_block_factor(p, m, &stored);
-    store_as(quant_transformers(p) ? (int)DT_F32 : p.wt, scales, t, stored);
+    bool f32 = quant_transformers(p) || quant_modelopt(p);
+    store_as(f32 ? (int)DT_F32 : p.wt, scales, t, stored);
     return factor;
 }
 
 // FP8_BLOCK (`BlockMath::encode`), FP8_DYNAMIC: the code of x under its target's factor.
 TFTF_HD u8 quant_block_code(const QuantParams& p, float x, float factor) {
+    if (quant_modelopt(p)) return quant_modelopt_e4m3_code(x, factor);
     if (!quant_transformers(p)) return quant_e4m3_code(p.wt, x, factor);
     return f32_to_e4m3(clamp_f32(x * factor, -QUANT_E4M3_MAX, QUANT_E4M3_MAX));
 }

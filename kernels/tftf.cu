@@ -35,6 +35,21 @@ extern "C" __global__ void tftf_dequant_int(const u8* packed, const u8* scales, 
     GRID_STRIDE(i, n) { int_element(p, packed, scales, zp, out, i); }
 }
 
+extern "C" __global__ void tftf_dequant_gptq(const u8* qweight, const u8* qzeros,
+                                             const u8* scales, const u8* g_idx, u8* out, u64 n,
+                                             GptqParams p, int* bad) {
+    GRID_STRIDE(i, n) {
+        if (!gptq_element(p, qweight, qzeros, scales, g_idx, out, i)) *bad = 1;
+    }
+}
+
+extern "C" __global__ void tftf_dequant_int4_modelopt(const u8* codes, const u8* scales, u8* out,
+                                                      u64 n, Int4Params p, int* bad) {
+    GRID_STRIDE(i, n) {
+        if (!int4_modelopt_element(p, codes, scales, out, i)) *bad = 1;
+    }
+}
+
 extern "C" __global__ void tftf_nv_block_scales(const u8* in, u8* out, u64 n, int g, int* bad) {
     GRID_STRIDE(i, n) {
         u8 c = in[i];

@@ -257,6 +257,8 @@ fn fp4_and_int_dequant_run_their_kernels_and_equal_the_library_decompression() {
         ("ct_mxfp4a16", "tftf_dequant_fp4"),
         ("modelopt_mxfp4", "tftf_dequant_fp4"),
         ("gpt_oss_mxfp4", "tftf_dequant_fp4"),
+        ("gptq_w4_act_order", "tftf_dequant_gptq"),
+        ("gptq_w8_v2", "tftf_dequant_gptq"),
     ] {
         let model = fixture(&format!("quant/{case}/model"));
         let pairs = cpu_vs_gpu(
@@ -388,6 +390,89 @@ fn quantize_runs_its_kernels_and_equals_llm_compressor() {
             "{dev}: {err}"
         );
         assert!(!out.exists(), "{dev}: nothing left behind");
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `quantize --format modelopt` runs the quantiser kernels in ModelOpt's arithmetic and writes
+/// ModelOpt's bytes; its W4A16 output dequantises on the GPU to ModelOpt's values.
+#[test]
+fn modelopt_quantize_and_int4_dequant_run_their_kernels_and_equal_modelopt() {
+    let fp8 = [
+        "tftf_quantize_fp8_amax",
+        "tftf_quantize_fp8_scales",
+        "tftf_quantize_fp8_codes",
+    ];
+    for (scheme, kernels) in [
+        ("FP8_BLOCK", &fp8[..]),
+        ("FP8_DYNAMIC", &fp8[..]),
+        ("NVFP4A16", &["tftf_quantize_groups"][..]),
+        ("MXFP4A16", &["tftf_quantize_groups"][..]),
+        ("MXFP8A16", &["tftf_quantize_groups"][..]),
+        ("W4A16", &["tftf_quantize_groups"][..]),
+    ] {
+        let input = fixture(if scheme.starts_with('W') {
+            "quantize/input_even"
+        } else {
+            "quantize/input"
+        });
+        let name = format!("quantize-modelopt-{scheme}");
+        let pairs = cpu_vs_gpu(
+            &name,
+            &[
+                "quantize",
+                "-i",
+                s(&input),
+                "--scheme",
+                scheme,
+                "--format",
+                "modelopt",
+            ],
+            kernels,
+        );
+        assert_identical(scheme, &pairs);
+        let listing = common::read_json(&fixture(&format!(
+            "quantize/modelopt/{scheme}/tensors.json"
+        )));
+        let want: std::collections::HashMap<&str, &str> = listing
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| (t["name"].as_str().unwrap(), t["sha256"].as_str().unwrap()))
+            .collect();
+        assert_eq!(want.len() * 2, pairs.len(), "{scheme}: every tensor, twice");
+        for (k, _, _, gpu) in &pairs {
+            assert_eq!(
+                sha256_hex(gpu),
+                want[k.as_str()],
+                "{scheme}: `{k}` is not ModelOpt's"
+            );
+        }
+    }
+
+    let quantized =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-gpu-quantize-modelopt-W4A16/gpu");
+    let pairs = cpu_vs_gpu(
+        "dequant-modelopt-W4A16",
+        &["dequant", "-i", s(&quantized)],
+        &["tftf_dequant_int4_modelopt"],
+    );
+    assert_identical("ModelOpt INT4 dequant", &pairs);
+    let want = common::read_json(&fixture("quantize/modelopt/W4A16/dequant.json"));
+    for (name, digest) in want.as_object().unwrap() {
+        let (_, _, _, gpu) = pairs.iter().find(|p| &p.0 == name).unwrap();
+        assert_eq!(
+            sha256_hex(gpu),
+            digest.as_str().unwrap(),
+            "`{name}` dequantised on the GPU differs from ModelOpt's values"
+        );
     }
 }
 

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use tftf::commands::selftest::encoders::{quantize_op, quantize_weight};
+use tftf::commands::selftest::encoders::{modelopt_op, quantize_op, quantize_weight};
 use tftf::commands::selftest::table::{self as selftest, DequantShape, Lcg as Rng};
 use tftf::format::dtype::DType;
 use tftf::ops::fp4::engram::requant_row;
@@ -17,10 +17,10 @@ use tftf::ops::fp4::kernel::RowSums;
 use tftf::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use tftf::ops::fp8::kernel::DequantParams;
 use tftf::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
-use tftf::ops::int::kernel::IntParams;
+use tftf::ops::int::kernel::{GptqParams, Int4Params, IntParams};
 use tftf::ops::kernel::{kernel_dtype, Kernel};
 use tftf::ops::lora::kernel::{DeltaParams, LoraParams};
-use tftf::ops::quantize::encode::WeightType;
+use tftf::ops::quantize::encode::{modelopt_mx_exponent, WeightType};
 use tftf::ops::quantize::kernel::QuantParams;
 use tftf::ops::quantize::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
 use tftf::ops::quantize::Scheme;
@@ -594,6 +594,115 @@ fn int_dequant_matches_the_cpu_op_bit_for_bit() {
     assert_eq!(n, 8 * 5, "every width × scale/zero-point variant");
 }
 
+/// The selftest's GPTQ cases (every width, v1 and v2 zeros, groups by size and by act-order
+/// `g_idx`, NaN and infinite scales) on the host build; a `g_idx` outside the scales is refused
+/// by both.
+#[test]
+fn gptq_dequant_matches_the_cpu_op_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_dequant_gptq",
+        fn(*const u8, *const u8, *const u8, *const u8, *mut u8, u64, *const GptqParams) -> c_int
+    );
+    let (mut n, mut refused) = (0, 0);
+    for case in selftest::cases() {
+        let op = case.op.as_ref();
+        let Some(Kernel::DequantGptq(p)) = op.kernel(&(0..op.units())) else {
+            continue;
+        };
+        let ins = selftest::slices(op, 0..1, &case.inputs);
+        let len = op.out_unit_bytes() as usize;
+        let mut want = vec![0u8; len];
+        let cpu = op.compute(0..1, &ins, &mut want);
+        let mut got = vec![0u8; len];
+        let g_idx = ins.get(3).map_or(std::ptr::null(), |g| g.as_ptr());
+        // SAFETY: the slices are the op's whole inputs; `got` holds rows × cols elements.
+        let ok = unsafe {
+            f(
+                ins[0].as_ptr(),
+                ins[1].as_ptr(),
+                ins[2].as_ptr(),
+                g_idx,
+                got.as_mut_ptr(),
+                p.rows * p.cols,
+                &p,
+            )
+        };
+        match cpu {
+            Ok(()) => {
+                assert_eq!(ok, 1, "{}: kernel refused", case.what);
+                hex_diff(
+                    &case.what,
+                    &got,
+                    &want,
+                    (case.out_dtype.bits() / 8) as usize,
+                );
+            }
+            Err(e) => {
+                assert_eq!(ok, 0, "{}: CPU refused ({e}), kernel did not", case.what);
+                assert!(e.contains("g_idx[41]"), "{e}");
+                refused += 1;
+            }
+        }
+        n += 1;
+    }
+    assert_eq!((n, refused), (3 * 5, 3), "every width × layout");
+}
+
+/// The selftest's ModelOpt INT4 cases on the host build, whole and a packed row at a time; a
+/// non-finite scale is refused by both.
+#[test]
+fn modelopt_int4_dequant_matches_the_cpu_op_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_dequant_int4_modelopt",
+        fn(*const u8, *const u8, *mut u8, u64, *const Int4Params) -> c_int
+    );
+    let (mut n, mut refused) = (0, 0);
+    for case in selftest::cases() {
+        let op = case.op.as_ref();
+        let Some(Kernel::DequantInt4Modelopt(p)) = op.kernel(&(0..op.units())) else {
+            continue;
+        };
+        let whole = 0..op.units();
+        let pieces: Vec<Range<u64>> = (0..op.units()).map(|u| u..u + 1).collect();
+        for units in std::iter::once(whole).chain(pieces) {
+            let ins = selftest::slices(op, units.clone(), &case.inputs);
+            let len = ((units.end - units.start) * op.out_unit_bytes()) as usize;
+            let mut want = vec![0u8; len];
+            let cpu = op.compute(units.clone(), &ins, &mut want);
+            let mut got = vec![0u8; len];
+            let elements = 2 * (units.end - units.start) * p.cols;
+            // SAFETY: the slices are the op's input ranges for `units`; `got` holds `elements`.
+            let ok = unsafe {
+                f(
+                    ins[0].as_ptr(),
+                    ins[1].as_ptr(),
+                    got.as_mut_ptr(),
+                    elements,
+                    &p,
+                )
+            };
+            match cpu {
+                Ok(()) => {
+                    assert_eq!(ok, 1, "{} {units:?}: kernel refused", case.what);
+                    hex_diff(
+                        &case.what,
+                        &got,
+                        &want,
+                        (case.out_dtype.bits() / 8) as usize,
+                    );
+                }
+                Err(e) => {
+                    assert_eq!(ok, 0, "{} {units:?}: CPU refused ({e})", case.what);
+                    refused += 1;
+                }
+            }
+        }
+        n += 1;
+    }
+    assert_eq!(n, 4, "every group × output dtype");
+    assert!(refused >= 2, "the non-finite scales are refused");
+}
+
 /// The selftest's FP4 cases (NVFP4 both ways, ModelOpt's +0, every E8M0 exponent, NaN scales,
 /// gpt-oss experts transposed) on the host build; a value the CPU op refuses is refused by the
 /// kernel too.
@@ -732,8 +841,8 @@ fn quantizers_match_the_cpu_op_byte_for_byte() {
     }
     assert_eq!(
         n,
-        6 * 3 + 2 * 3,
-        "every scheme × weight dtype, FP8 blocks both ways"
+        6 * 3 + 2 * 3 + 6 * 3,
+        "every scheme × weight dtype, FP8 blocks both ways, ModelOpt's six schemes"
     );
 }
 
@@ -775,15 +884,103 @@ fn quantizers_match_the_cpu_op_on_more_shapes_and_scales() {
     }
 }
 
-/// A non-finite weight (NaN, ±infinity) is refused by the kernel as by the CPU op.
+/// ModelOpt's MX exponent without a logarithm (kernels/quantize.cuh) against the CPU's
+/// `ceil(log2(d))` with the logarithm rounded to f32: for every binade of d (subnormal ones
+/// included), the 4096 least and greatest mantissas (where the f32 rounding of the logarithm
+/// decides) and 4096 others, under both element maxima.
+#[test]
+fn modelopt_mx_exponent_matches_the_cpu_logarithm() {
+    let f = host_fn!("tftf_host_modelopt_mx_exponent", fn(f32, f32) -> c_int);
+    let mut rng = Rng(0xe8);
+    let mut n = 0u64;
+    for elem_max in [6.0f32, 448.0] {
+        for binade in 0u32..255 {
+            let mantissas = (0u32..4096)
+                .chain((0x7F_F000u32..0x80_0000).rev())
+                .chain((0..4096).map(|_| rng.next_u32() & 0x7F_FFFF));
+            for m in mantissas {
+                // d = amax / elem_max; build amax from d so every d's binade is reached.
+                let d = f32::from_bits(binade << 23 | m);
+                for amax in [
+                    d * elem_max,
+                    (d * elem_max).next_up(),
+                    (d * elem_max).next_down(),
+                ] {
+                    if !amax.is_finite() || amax < 0.0 {
+                        continue;
+                    }
+                    // SAFETY: a pure function of two floats.
+                    let got = unsafe { f(amax, elem_max) };
+                    assert_eq!(
+                        got,
+                        modelopt_mx_exponent(amax, elem_max),
+                        "amax {amax:e} ({:#010x}) / {elem_max}",
+                        amax.to_bits()
+                    );
+                    n += 1;
+                }
+            }
+        }
+    }
+    assert!(n > 12_000_000, "{n}");
+}
+
+/// More shapes for ModelOpt (one group a row, many groups, ragged FP8 rows and blocks) and
+/// NVFP4 under `weight_scale_2` values that make the effective scale exact or not.
+#[test]
+fn modelopt_quantizers_match_the_cpu_op_on_more_shapes_and_scales() {
+    let shapes = [
+        (Scheme::Fp8Dynamic, 64u64, 1u64),
+        (Scheme::Fp8Dynamic, 64, 1000),
+        (Scheme::Fp8Block, 130, 129),
+        (Scheme::Fp8Block, 256, 384),
+        (Scheme::W4A16, 64, 128),
+        (Scheme::W4A16, 64, 640),
+        (Scheme::Nvfp4A16, 64, 16),
+        (Scheme::Nvfp4A16, 64, 272),
+        (Scheme::Mxfp4A16, 64, 32),
+        (Scheme::Mxfp4A16, 64, 320),
+        (Scheme::Mxfp8A16, 64, 32),
+        (Scheme::Mxfp8A16, 64, 224),
+    ];
+    let mut rng = Rng(0x0d7);
+    for (scheme, rows, cols) in shapes {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let weight = quantize_weight(wt, rows, cols, &mut rng);
+            let mut op = modelopt_op(scheme, wt, rows, cols, &weight);
+            let what = format!("ModelOpt {} {:?} {rows}×{cols}", scheme.name(), wt);
+            check_quantize(&op, &weight, &what);
+            if scheme == Scheme::Nvfp4A16 {
+                for s2 in [1.0f32, 0.5, 1.0 / 64.0, 2688.0, 1234.567, 3.0e-3, 1.0e-6] {
+                    op.scale_2 = s2;
+                    check_quantize(&op, &weight, &format!("{what} weight_scale_2 {s2}"));
+                }
+            }
+        }
+    }
+}
+
+/// A non-finite weight (NaN, ±infinity) is refused by the kernel as by the CPU op, under both
+/// compressed-tensors' and ModelOpt's arithmetic.
 #[test]
 fn quantizers_refuse_non_finite_weights_as_the_cpu_op_does() {
     let mut rng = Rng(9);
-    for (scheme, cols) in tftf::commands::selftest::encoders::QUANTIZE_SHAPES {
+    let shapes = tftf::commands::selftest::encoders::QUANTIZE_SHAPES;
+    let modelopt = shapes.into_iter().filter(|(s, _)| *s != Scheme::W8A16);
+    let ops = shapes
+        .into_iter()
+        .map(|(s, c)| (s, c, false))
+        .chain(modelopt.map(|(s, c)| (s, c, true)));
+    for (scheme, cols, is_modelopt) in ops {
         for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
-            let rows = 9;
+            let rows = 10;
             let clean = quantize_weight(wt, rows, cols, &mut rng);
-            let op = quantize_op(scheme, wt, rows, cols, &clean);
+            let op: Box<dyn Op> = if is_modelopt {
+                Box::new(modelopt_op(scheme, wt, rows, cols, &clean))
+            } else {
+                Box::new(quantize_op(scheme, wt, rows, cols, &clean))
+            };
+            let op = op.as_ref();
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 let b = selftest::f32_bytes_as(wt.dtype(), &bad.to_le_bytes());
                 let mut weight = clean.clone();
@@ -800,7 +997,7 @@ fn quantizers_refuse_non_finite_weights_as_the_cpu_op_does() {
                     host_quantize(&p, &weight, code_bytes, scale_bytes).is_none(),
                     "{what}: the kernel must refuse"
                 );
-                let err = cpu_quantize(&op, units, &weight).unwrap_err();
+                let err = cpu_quantize(op, units, &weight).unwrap_err();
                 assert!(
                     err.contains(&format!("at [3, {}]", cols - 1)),
                     "{what}: {err}"
@@ -931,6 +1128,8 @@ fn committed_ptx_is_built_from_the_current_sources() {
         "tftf_cast",
         "tftf_dequant_fp8",
         "tftf_dequant_int",
+        "tftf_dequant_gptq",
+        "tftf_dequant_int4_modelopt",
         "tftf_dequant_fp4",
         "tftf_nv_block_scales",
         "tftf_nv_reencode",

@@ -30,7 +30,7 @@ use crate::format::dtype::DType;
 use crate::ops::fp4::kernel::Fp4Params;
 use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
 use crate::ops::fp8::kernel::DequantParams;
-use crate::ops::int::kernel::IntParams;
+use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{DeltaParams, LoraLaunch, LoraParams};
 use crate::ops::quantize::kernel::QuantParams;
@@ -47,6 +47,8 @@ unsafe impl DeviceRepr for DequantParams {}
 unsafe impl DeviceRepr for LoraParams {}
 unsafe impl DeviceRepr for DeltaParams {}
 unsafe impl DeviceRepr for IntParams {}
+unsafe impl DeviceRepr for GptqParams {}
+unsafe impl DeviceRepr for Int4Params {}
 unsafe impl DeviceRepr for Fp4Params {}
 unsafe impl DeviceRepr for QuantParams {}
 
@@ -54,6 +56,8 @@ struct Kernels {
     cast: CudaFunction,
     dequant: CudaFunction,
     dequant_int: CudaFunction,
+    dequant_gptq: CudaFunction,
+    dequant_int4: CudaFunction,
     dequant_fp4: CudaFunction,
     nv_scales: CudaFunction,
     nv_reencode: CudaFunction,
@@ -181,6 +185,8 @@ impl Gpu {
             cast: f("tftf_cast")?,
             dequant: f("tftf_dequant_fp8")?,
             dequant_int: f("tftf_dequant_int")?,
+            dequant_gptq: f("tftf_dequant_gptq")?,
+            dequant_int4: f("tftf_dequant_int4_modelopt")?,
             dequant_fp4: f("tftf_dequant_fp4")?,
             nv_scales: f("tftf_nv_block_scales")?,
             nv_reencode: f("tftf_nv_reencode")?,
@@ -648,6 +654,46 @@ impl Lane {
                 unsafe { b.launch(launch_config(n)) }
                     .map_err(|e| driver_err("tftf_dequant_int", e))?;
             }
+            Kernel::DequantGptq(p) => {
+                let w = self.upload(IN, inputs[0])?;
+                let z = self.upload(IN + 1, inputs[1])?;
+                let s = self.upload(IN + 2, inputs[2])?;
+                let g = match inputs.get(3) {
+                    Some(g) => self.upload(IN + 3, g)?,
+                    None => 0,
+                };
+                let o = self.device(OUT, outs[0].len())?;
+                let f = self.zero(FLAG, 4)?;
+                flag = Some(f);
+                let n = p.rows * p.cols;
+                let mut b = self.stream.launch_builder(&k.dequant_gptq);
+                b.arg(&w)
+                    .arg(&z)
+                    .arg(&s)
+                    .arg(&g)
+                    .arg(&o)
+                    .arg(&n)
+                    .arg(p)
+                    .arg(&f);
+                // SAFETY: argument types match tftf_dequant_gptq; the inputs are the whole
+                // tensors and `o` holds n elements of p.dst.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_gptq", e))?;
+            }
+            Kernel::DequantInt4Modelopt(p) => {
+                let c = self.upload(IN, inputs[0])?;
+                let s = self.upload(IN + 1, inputs[1])?;
+                let o = self.device(OUT, outs[0].len())?;
+                let f = self.zero(FLAG, 4)?;
+                flag = Some(f);
+                let n = 2 * nunits * p.cols;
+                let mut b = self.stream.launch_builder(&k.dequant_int4);
+                b.arg(&c).arg(&s).arg(&o).arg(&n).arg(p).arg(&f);
+                // SAFETY: argument types match tftf_dequant_int4_modelopt; `c` holds the
+                // chunk's packed rows (two weight rows each) and `o` n elements of p.dst.
+                unsafe { b.launch(launch_config(n)) }
+                    .map_err(|e| driver_err("tftf_dequant_int4_modelopt", e))?;
+            }
             Kernel::NvBlockScales { g } => {
                 let i = self.upload(IN, inputs[0])?;
                 let o = self.device(OUT, outs[0].len())?;
@@ -809,7 +855,7 @@ impl Lane {
             unsafe { b.launch(launch_config(n)) }
                 .map_err(|e| driver_err("tftf_quantize_fp8_codes", e))?;
         } else {
-            let n = p.rows * (p.cols / p.group());
+            let n = p.group_threads();
             let mut b = self.stream.launch_builder(&k.quantize_groups);
             b.arg(&w).arg(&codes).arg(&scales).arg(&n).arg(p).arg(&f);
             // SAFETY: argument types match tftf_quantize_groups; n groups of whole rows.

@@ -8,7 +8,7 @@
 use crate::format::dtype::DType;
 use crate::ops::fp4::kernel::{Fp4Params, RowSums};
 use crate::ops::fp8::kernel::DequantParams;
-use crate::ops::int::kernel::IntParams;
+use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
 use crate::ops::lora::kernel::LoraLaunch;
 use crate::ops::quantize::kernel::QuantParams;
 
@@ -24,6 +24,12 @@ pub enum Kernel {
     DequantFp4(Fp4Params),
     /// Packed-integer dequantisation (kernels/int.cuh): codes, scales, optional zero points.
     DequantInt(IntParams),
+    /// GPTQ dequantisation (kernels/int.cuh): qweight, qzeros, scales, optional g_idx; refuses a
+    /// group index outside the scales.
+    DequantGptq(GptqParams),
+    /// ModelOpt INT4 dequantisation (kernels/int.cuh): codes, F32 scales; refuses non-finite
+    /// results.
+    DequantInt4Modelopt(Int4Params),
     /// MXFP4 E8M0 scales → NVFP4 E4M3 block scales under tensor scale `2^g`.
     NvBlockScales { g: i32 },
     /// NVFP4 re-encoding of blocks outside the E4M3 window.

@@ -271,6 +271,17 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_dequant_int(arg<in>(p, 0), arg<in>(p, 1), arg<in>(p, 2), arg<u8*>(p, 3),
                              arg<u64>(p, 4), arg<IntParams>(p, 5));
         });
+    else if (n == "tftf_dequant_gptq")
+        walk(gx, bx, [&] {
+            tftf_dequant_gptq(arg<in>(p, 0), arg<in>(p, 1), arg<in>(p, 2), arg<in>(p, 3),
+                              arg<u8*>(p, 4), arg<u64>(p, 5), arg<GptqParams>(p, 6),
+                              arg<int*>(p, 7));
+        });
+    else if (n == "tftf_dequant_int4_modelopt")
+        walk(gx, bx, [&] {
+            tftf_dequant_int4_modelopt(arg<in>(p, 0), arg<in>(p, 1), arg<u8*>(p, 2),
+                                       arg<u64>(p, 3), arg<Int4Params>(p, 4), arg<int*>(p, 5));
+        });
     else if (n == "tftf_nv_block_scales")
         walk(gx, bx, [&] {
             tftf_nv_block_scales(arg<in>(p, 0), arg<u8*>(p, 1), arg<u64>(p, 2), arg<int>(p, 3),

@@ -1,11 +1,13 @@
 //! Selftest cases of the weight decoders' kernels: packed FP4 (NVFP4, MXFP4, gpt-oss experts)
-//! and packed integers.
+//! and packed integers (compressed-tensors, GPTQ, ModelOpt INT4).
 
 use std::sync::Arc;
 
 use super::table::{scale_values, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
+use crate::ops::int::gptq::DequantGptq;
+use crate::ops::int::modelopt::DequantModeloptInt4;
 use crate::ops::int::DequantPackedInt;
 
 /// Packed integers of every width 1–8, symmetric and with packed zero points (72 rows: the
@@ -51,6 +53,98 @@ pub fn int_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 out_dtype: dst,
             });
         }
+    }
+}
+
+/// GPTQ at 2, 4 and 8 bits, v1 and v2 zeros, groups by size and by an act-order `g_idx` (a
+/// shuffled one, and one with an index outside the scales, which both refuse), scales of every
+/// float dtype with a NaN and an infinity among them, into every output dtype.
+pub fn gptq_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    use DType::{BF16, F16, F32};
+    let (rows, cols, group) = (64u64, 96u64, 32u64);
+    let groups = cols / group;
+    for bits in [2u32, 4, 8] {
+        let p = 32 / bits as u64;
+        for (g_idx, zero_offset, scale_dtype, dst) in [
+            (None, true, F16, BF16),
+            (Some(false), true, F16, F32),
+            (Some(false), false, BF16, F16),
+            (None, false, F32, F32),
+            (Some(true), true, F16, BF16),
+        ] {
+            let mut inputs = vec![
+                rng.bytes((cols / p * rows * 4) as usize),
+                rng.bytes((groups * rows / p * 4) as usize),
+                scale_values(scale_dtype, (groups * rows) as usize, rng, true),
+            ];
+            if let Some(bad) = g_idx {
+                // act order: each input's group i / group, shuffled
+                let mut g: Vec<u32> = (0..cols).map(|i| (i / group) as u32).collect();
+                for i in (1..g.len()).rev() {
+                    g.swap(i, rng.next_u32() as usize % (i + 1));
+                }
+                if bad {
+                    g[41] = groups as u32;
+                }
+                inputs.push(g.iter().flat_map(|v| v.to_le_bytes()).collect());
+            }
+            out.push(Case {
+                kernel: "dequant-gptq",
+                what: format!(
+                    "GPTQ {bits}-bit {} × {scale_dtype} {} → {dst}, {rows}×{cols}",
+                    if zero_offset { "v1" } else { "v2" },
+                    match g_idx {
+                        None => format!("per {group}"),
+                        Some(false) => "by g_idx".into(),
+                        Some(true) => "by a g_idx outside the groups".into(),
+                    }
+                ),
+                op: Arc::new(DequantGptq {
+                    rows,
+                    cols,
+                    bits,
+                    groups,
+                    scale_dtype,
+                    zero_offset,
+                    group_size: g_idx.is_none().then_some(group),
+                    dst,
+                }),
+                inputs,
+                out_dtype: dst,
+            });
+        }
+    }
+}
+
+/// ModelOpt INT4 (two rows a byte, two's complement) per 32 and per 128 into every output
+/// dtype, with finite scales, and with a NaN and an infinite scale (both refuse).
+pub fn int4_modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    for (group, dst, nonfinite) in [
+        (128u64, DType::BF16, false),
+        (32, DType::F16, false),
+        (32, DType::F32, false),
+        (128, DType::BF16, true),
+    ] {
+        let (rows, cols) = (10u64, 256u64);
+        let inputs = vec![
+            rng.bytes((rows / 2 * cols) as usize),
+            scale_values(DType::F32, (rows * cols / group) as usize, rng, nonfinite),
+        ];
+        out.push(Case {
+            kernel: "dequant-int4-modelopt",
+            what: format!(
+                "ModelOpt INT4 per {group} → {dst}, {rows}×{cols}{}",
+                if nonfinite { ", non-finite scales" } else { "" }
+            ),
+            op: Arc::new(DequantModeloptInt4 {
+                rows,
+                cols,
+                group,
+                dst,
+            }),
+            inputs,
+            out_dtype: dst,
+        });
     }
 }
 

@@ -1,12 +1,14 @@
 //! Selftest cases of the quantisers' kernels (`tftf quantize`): every scheme on every
-//! weight dtype, on rows built to reach the encoders' edges.
+//! weight dtype, as compressed-tensors and as ModelOpt compute it, on rows built to reach the
+//! encoders' edges.
 
 use std::sync::Arc;
 
 use super::table::{f32_bytes_as, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
-use crate::ops::quantize::encode::{amax, nvfp4_global_scale, WeightType};
+use crate::ops::quantize::encode::{amax, modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
+use crate::ops::quantize::modelopt::ModeloptRows;
 use crate::ops::quantize::ops::{BlockMath, QuantizeRows};
 use crate::ops::quantize::Scheme;
 
@@ -163,6 +165,47 @@ pub fn quantize_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                     block: math,
                 }),
                 inputs: vec![quantize_weight(wt, rows, cols, rng)],
+                out_dtype: DType::U8,
+            });
+        }
+    }
+}
+
+/// ModelOpt's quantiser op of `scheme` over `weight` (NVFP4's `weight_scale_2` from its amax,
+/// as a weight outside a fused group gets).
+pub fn modelopt_op(
+    scheme: Scheme,
+    wt: WeightType,
+    rows: u64,
+    cols: u64,
+    weight: &[u8],
+) -> ModeloptRows {
+    let mut x = Vec::new();
+    wt.decode(weight, &mut x);
+    ModeloptRows {
+        scheme,
+        rows,
+        cols,
+        wt,
+        scale_2: modelopt_nvfp4_scale_2(amax(&x)),
+    }
+}
+
+/// ModelOpt's schemes (`--format modelopt`) × weight dtype, 48 rows, FP8 blocks on 300×300.
+pub fn modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let shapes = QUANTIZE_SHAPES
+        .into_iter()
+        .filter(|(s, _)| *s != Scheme::W8A16)
+        .map(|(s, c)| (s, 48u64, c))
+        .chain([(Scheme::Fp8Block, 300, 300)]);
+    for (scheme, rows, cols) in shapes {
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            let weight = quantize_weight(wt, rows, cols, rng);
+            out.push(Case {
+                kernel: "quantize",
+                what: format!("ModelOpt {} {}, {rows}×{cols}", scheme.name(), wt.dtype()),
+                op: Arc::new(modelopt_op(scheme, wt, rows, cols, &weight)),
+                inputs: vec![weight],
                 out_dtype: DType::U8,
             });
         }

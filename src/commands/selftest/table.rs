@@ -546,6 +546,9 @@ pub fn cases() -> Vec<Case> {
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
     super::encoders::quantize_cases(&mut rng, &mut out);
+    super::decoders::gptq_cases(&mut rng, &mut out);
+    super::decoders::int4_modelopt_cases(&mut rng, &mut out);
+    super::encoders::modelopt_cases(&mut rng, &mut out);
     out
 }
 

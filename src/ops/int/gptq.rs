@@ -21,8 +21,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::kernel::GptqParams;
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
 use crate::plan::{Derive, Entry};
 
@@ -71,6 +73,18 @@ fn word(bytes: &[u8], k: usize) -> u32 {
 impl Op for DequantGptq {
     fn name(&self) -> &'static str {
         "dequant-gptq"
+    }
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::DequantGptq(GptqParams {
+            rows: self.rows,
+            cols: self.cols,
+            groups: self.groups,
+            group_size: self.group_size.unwrap_or(0),
+            bits: self.bits as i32,
+            scale_dtype: kernel_dtype(self.scale_dtype),
+            dst: kernel_dtype(self.dst),
+            zero_offset: self.zero_offset as i32,
+        }))
     }
     fn units(&self) -> u64 {
         1

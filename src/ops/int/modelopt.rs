@@ -9,8 +9,10 @@
 
 use std::ops::Range;
 
+use super::kernel::Int4Params;
 use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
+use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
 
 #[derive(Debug)]
@@ -35,6 +37,15 @@ impl DequantModeloptInt4 {
 impl Op for DequantModeloptInt4 {
     fn name(&self) -> &'static str {
         "dequant-int4-modelopt"
+    }
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::DequantInt4Modelopt(Int4Params {
+            cols: self.cols,
+            group: self.group,
+            groups: self.groups(),
+            dst: kernel_dtype(self.dst),
+            pad: 0,
+        }))
     }
     fn units(&self) -> u64 {
         self.rows / 2

@@ -1,5 +1,5 @@
 //! The quantisers' kernel parameter block (kernels/quantize.cuh): one chunk of whole rows of a
-//! weight, or of whole 128-row block rows for FP8_BLOCK.
+//! weight, of whole 128-row block rows for FP8_BLOCK, of whole row pairs for ModelOpt W4A16.
 
 use super::encode::WeightType;
 use super::ops::BlockMath;
@@ -17,11 +17,14 @@ pub struct QuantParams {
     pub scheme: i32,
     /// The weight dtype's kernel code (BF16, F16 or F32).
     pub wt: i32,
-    /// NVFP4's tensor scale (1 for other schemes).
+    /// NVFP4's tensor scale (compressed-tensors) or `weight_scale_2` (ModelOpt); 1 for other
+    /// schemes.
     pub global: f32,
-    /// FP8_BLOCK: 0 compressed-tensors, 1 transformers.
-    pub block_math: i32,
+    /// `QuantFlavour`: 0 compressed-tensors, 1 transformers (FP8_BLOCK), 2 ModelOpt.
+    pub flavour: i32,
 }
+
+const MODELOPT: i32 = 2;
 
 /// `QuantScheme` of kernels/quantize.cuh.
 pub fn scheme_code(s: Scheme) -> i32 {
@@ -52,10 +55,22 @@ impl QuantParams {
             scheme: scheme_code(scheme),
             wt: kernel_dtype(wt.dtype()),
             global,
-            block_math: match block {
+            flavour: match block {
                 BlockMath::CompressedTensors => 0,
                 BlockMath::Transformers => 1,
             },
+        }
+    }
+
+    /// ModelOpt's arithmetic and layout (`ModeloptRows`); `scale_2` is NVFP4's `weight_scale_2`.
+    pub fn modelopt(scheme: Scheme, rows: u64, cols: u64, wt: WeightType, scale_2: f32) -> Self {
+        QuantParams {
+            rows,
+            cols,
+            scheme: scheme_code(scheme),
+            wt: kernel_dtype(wt.dtype()),
+            global: scale_2,
+            flavour: MODELOPT,
         }
     }
 
@@ -69,12 +84,23 @@ impl QuantParams {
         self.scheme == scheme_code(Scheme::Fp8Dynamic)
     }
 
-    /// Elements per group of a grouped scheme (one thread each).
+    /// Elements per group of a grouped scheme.
     pub fn group(&self) -> u64 {
         match self.scheme {
             1 | 2 => 128, // W8A16, W4A16
             3 => 16,      // NVFP4A16
             _ => 32,      // MXFP4A16, MXFP8A16
+        }
+    }
+
+    /// Threads of a grouped scheme (`quant_group_threads`): one per group of a row, or of a
+    /// row pair for ModelOpt W4A16, whose rows share packed bytes.
+    pub fn group_threads(&self) -> u64 {
+        let per_row = self.cols / self.group();
+        if self.flavour == MODELOPT && self.scheme == scheme_code(Scheme::W4A16) {
+            self.rows / 2 * per_row
+        } else {
+            self.rows * per_row
         }
     }
 }

@@ -34,6 +34,7 @@ use super::encode::{
     modelopt_int4_scale, modelopt_mx_exponent, modelopt_mxfp4_code, modelopt_nvfp4_block_scale,
     modelopt_nvfp4_scale_2, pow2_f32, WeightType, E4M3_MAX,
 };
+use super::kernel::QuantParams;
 use super::ops::{decode_rows, Constant};
 use super::{
     default_ignore, module_order, weight_amax, Added, QuantizeStep, Scheme, FUSED_LAYER_NAMES,
@@ -42,6 +43,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes};
 
@@ -367,9 +369,8 @@ pub(super) fn plan(
         let fixed = |op: Arc<dyn Op>, inputs: Vec<usize>| Arc::new(FixedOp { inputs, op });
         let code_dtype = match scheme {
             Scheme::Fp8Block => {
-                let op = Arc::new(ModeloptBlockScales { rows, cols, wt });
                 let shape = vec![rows.div_ceil(BLOCK), 1, cols.div_ceil(BLOCK), 1];
-                extra("weight_scale", DType::F32, shape, fixed(op, vec![src]));
+                extra("weight_scale", DType::F32, shape, secondary);
                 DType::F8_E4M3
             }
             Scheme::Fp8Dynamic => {
@@ -513,8 +514,8 @@ fn block_scales(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Codes (output 0) and, except for FP8 blocks, scales (output 1) of rows of a weight, as
-/// ModelOpt exports them.
+/// Codes (output 0) and scales (output 1: a row of 128×128 block scales per 128 rows for FP8
+/// blocks) of rows of a weight, as ModelOpt exports them.
 #[derive(Debug)]
 pub struct ModeloptRows {
     pub scheme: Scheme,
@@ -534,8 +535,10 @@ impl ModeloptRows {
         }
     }
 
+    /// Scale bytes per row (FP8 blocks: per 128-row block row).
     fn row_scale_bytes(&self) -> u64 {
         match self.scheme {
+            Scheme::Fp8Block => 4 * self.cols.div_ceil(BLOCK),
             Scheme::Fp8Dynamic => 4,
             Scheme::Nvfp4A16 => self.cols / 16,
             Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
@@ -594,6 +597,15 @@ impl Op for ModeloptRows {
     fn name(&self) -> &'static str {
         "quantize"
     }
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        Some(Kernel::Quantize(QuantParams::modelopt(
+            self.scheme,
+            units.end - units.start,
+            self.cols,
+            self.wt,
+            self.scale_2,
+        )))
+    }
     fn units(&self) -> u64 {
         self.rows
     }
@@ -614,10 +626,22 @@ impl Op for ModeloptRows {
         self.cols * 4
     }
     fn extra_outputs(&self) -> usize {
-        usize::from(self.scheme != Scheme::Fp8Block)
+        1
     }
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        self.row_scale_bytes()
+        if self.scheme == Scheme::Fp8Block {
+            self.row_scale_bytes().div_ceil(BLOCK)
+        } else {
+            self.row_scale_bytes()
+        }
+    }
+    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
+        let (b, s) = (self.out_unit_bytes(), self.row_scale_bytes());
+        match (k, self.scheme) {
+            (0, _) => units.start * b..units.end * b,
+            (_, Scheme::Fp8Block) => units.start.div_ceil(BLOCK) * s..units.end.div_ceil(BLOCK) * s,
+            _ => units.start * s..units.end * s,
+        }
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.in_unit_bytes();
@@ -636,24 +660,27 @@ impl Op for ModeloptRows {
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
         let n = (units.end - units.start) as usize;
         let cb = self.row_code_bytes() as usize;
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
         if self.scheme == Scheme::Fp8Block {
             let b = BLOCK as usize;
-            let codes = &mut *outs[0];
             for r0 in (0..n).step_by(b) {
                 let r1 = (r0 + b).min(n);
-                let scales = block_scales(&x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let s = block_scales(&x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let row = &mut scales[r0 / b * sb..(r0 / b + 1) * sb];
+                for (o, v) in row.chunks_exact_mut(4).zip(&s) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
                 for r in r0..r1 {
                     for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
-                        *code = modelopt_e4m3_code(x[r * cols + c], scales[c / b]);
+                        *code = modelopt_e4m3_code(x[r * cols + c], s[c / b]);
                     }
                 }
             }
             return Ok(());
         }
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
         if self.scheme == Scheme::W4A16 {
             // Rows 2k and 2k+1 share a packed row of `cols` bytes.
             let mut s = vec![0f32; cols / 128];
@@ -678,52 +705,6 @@ impl Op for ModeloptRows {
                 &mut codes[r * cb..(r + 1) * cb],
                 &mut scales[r * sb..(r + 1) * sb],
             );
-        }
-        Ok(())
-    }
-}
-
-/// FP8_BLOCK's `weight_scale`: one F32 per 128×128 block (`[R, 1, C, 1]`).
-#[derive(Debug)]
-pub struct ModeloptBlockScales {
-    pub rows: u64,
-    pub cols: u64,
-    pub wt: WeightType,
-}
-
-impl Op for ModeloptBlockScales {
-    fn name(&self) -> &'static str {
-        "quantize fp8 block scales"
-    }
-    fn units(&self) -> u64 {
-        self.rows.div_ceil(BLOCK)
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.cols.div_ceil(BLOCK) * 4
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        BLOCK * self.cols * self.wt.bytes() as u64
-    }
-    fn scratch_unit_bytes(&self) -> u64 {
-        BLOCK * self.cols * 4
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.cols * self.wt.bytes() as u64;
-        let end = (units.end * BLOCK).min(self.rows);
-        std::iter::once(units.start * BLOCK * row..end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let x = decode_rows(self.wt, self.cols, units.start * BLOCK, inputs[0])?;
-        let rows = x.len() / cols;
-        let b = BLOCK as usize;
-        let mut o = 0;
-        for r0 in (0..rows).step_by(b) {
-            let r1 = (r0 + b).min(rows);
-            for s in block_scales(&x[r0 * cols..r1 * cols], r1 - r0, cols) {
-                out[o..o + 4].copy_from_slice(&s.to_le_bytes());
-                o += 4;
-            }
         }
         Ok(())
     }
