@@ -116,8 +116,10 @@ int tftf_host_quantize(const u8* in, u8* codes, u8* scales, const QuantParams* p
             if (!quant_fp8_segment(*p, in, seg, &t, &m)) ok = 0;
             amax[t] = m > amax[t] ? m : amax[t];
         }
-        for (u64 t = 0; t < targets; t++)
+        for (u64 t = 0; t < targets; t++) {
+            if (quant_block_overflows(*p, u2f(amax[t]))) ok = 0;
             amax[t] = f2u(quant_fp8_scale(*p, u2f(amax[t]), scales, t));
+        }
         for (u64 i = 0; i < p->rows * p->cols; i++) codes[i] = quant_fp8_code(*p, in, amax, i);
         delete[] amax;
     } else {

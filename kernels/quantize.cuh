@@ -171,10 +171,10 @@ TFTF_HD float quant_mx_scale(int wt, u8 e) {
     return s == 0.0f ? 1.0f : s;
 }
 
-// `mx_stored`: clamp(127 + floor(log2(s)), 0, 255). An infinite s gives 0, as the Rust op does
-// in release builds (`i32::MAX + 127` wraps negative before the clamp).
+// `mx_stored`: clamp(127 + floor(log2(s)), 0, 255) of a finite s (an infinite one is refused
+// before; 255 here, as in the Rust op).
 TFTF_HD u8 quant_mx_stored(float s) {
-    if (!is_finite_f32(s)) return 0;
+    if (!is_finite_f32(s)) return 255;
     int e = 127 + quant_log2_pow2(s);
     return (u8)(e < 0 ? 0 : (e > 255 ? 255 : e));
 }
@@ -452,6 +452,7 @@ TFTF_HD bool quant_group_encode(const QuantParams& p, const u8* in, u8* codes, u
         }
         case QS_MXFP4: {
             float s = quant_mx_scale(wt, quant_mx_exponent(wt, m, 2));
+            if (!is_finite_f32(s)) return false;  // `mx_overflow`: the CPU op names the group
             scales[g] = quant_mx_stored(s);
             for (u64 j = 0; j < group; j += 2) {
                 float x0 = quant_load(wt, in, first + j);
@@ -466,6 +467,7 @@ TFTF_HD bool quant_group_encode(const QuantParams& p, const u8* in, u8* codes, u
         }
         default: {  // QS_MXFP8
             float s = quant_mx_scale(wt, quant_mx_exponent(wt, m, 8));
+            if (!is_finite_f32(s)) return false;
             scales[g] = quant_mx_stored(s);
             for (u64 j = 0; j < group; j++)
                 row_codes[k * group + j] = quant_e4m3_code(wt, quant_load(wt, in, first + j), s);
@@ -539,6 +541,12 @@ TFTF_HD float quant_block_factor(const QuantParams& p, float m, float* stored) {
     float mult = m > 0.0f ? (1.0f / m) * QUANT_E4M3_MAX : 1.0f;
     *stored = 1.0f / mult;
     return mult;
+}
+
+// `BlockMath::overflows`: transformers' factor 448 / m is infinite (0 < m < 1.3e-36); the
+// block is refused (the CPU op names it).
+TFTF_HD bool quant_block_overflows(const QuantParams& p, float m) {
+    return quant_transformers(p) && m > 0.0f && !is_finite_f32((1.0f / m) * QUANT_E4M3_MAX);
 }
 
 // Target t with amax m: writes its scale (`BlockMath::write`: the weight dtype, F32 for

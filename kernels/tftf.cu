@@ -127,8 +127,12 @@ extern "C" __global__ void tftf_quantize_fp8_amax(const u8* in, u32* amax, u64 n
 
 // Pass 2: each target's scale, its amax replaced by the encoder's factor.
 extern "C" __global__ void tftf_quantize_fp8_scales(u32* amax, u8* scales, u64 n,
-                                                    QuantParams p) {
-    GRID_STRIDE(t, n) { amax[t] = f2u(quant_fp8_scale(p, u2f(amax[t]), scales, t)); }
+                                                    QuantParams p, int* bad) {
+    GRID_STRIDE(t, n) {
+        float m = u2f(amax[t]);
+        if (quant_block_overflows(p, m)) *bad = 1;
+        amax[t] = f2u(quant_fp8_scale(p, m, scales, t));
+    }
 }
 
 // Pass 3: the codes.

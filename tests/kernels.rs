@@ -1007,6 +1007,62 @@ fn quantizers_refuse_non_finite_weights_as_the_cpu_op_does() {
     }
 }
 
+/// Scales that overflow (an F16 MX group rounding up to 2^16, transformers' 448 / amax of a
+/// block below 1.3e-36) are refused by the kernel as by the CPU op.
+#[test]
+fn quantizers_refuse_overflowing_scales_as_the_cpu_op_does() {
+    let f16 = |v: f32| selftest::f32_bytes_as(DType::F16, &v.to_le_bytes());
+    let mut mx: Vec<u8> = (0..4 * 64).flat_map(|_| f16(1.0)).collect();
+    mx[2 * (2 * 64 + 33)..2 * (2 * 64 + 34)].copy_from_slice(&f16(-57344.0));
+    for scheme in [Scheme::Mxfp4A16, Scheme::Mxfp8A16] {
+        let op = quantize_op(scheme, WeightType::F16, 4, 64, &mx);
+        let Some(Kernel::Quantize(p)) = op.kernel(&(0..4)) else {
+            unreachable!()
+        };
+        let (cb, sb) = (op.out_span(0, 0..4).end, op.out_span(1, 0..4).end);
+        assert!(host_quantize(&p, &mx, cb as usize, sb as usize).is_none());
+        let err = cpu_quantize(&op, 0..4, &mx).unwrap_err();
+        assert!(err.contains("[2, 32..64]"), "{err}");
+        // 49152 (1.5 · 2^15) rounds to the power of two 2^15: accepted by both.
+        let mut ok = mx.clone();
+        ok[2 * (2 * 64 + 33)..2 * (2 * 64 + 34)].copy_from_slice(&f16(-49152.0));
+        let got = host_quantize(&p, &ok, cb as usize, sb as usize).expect("accepted");
+        let want = cpu_quantize(&op, 0..4, &ok).unwrap();
+        assert_eq!(got, want);
+    }
+    let (rows, cols) = (130u64, 200u64);
+    let mut tiny: Vec<f32> = vec![1.0; (rows * cols) as usize];
+    for r in 128..130 {
+        for c in 128..200 {
+            tiny[(r * cols + c) as usize] = 1e-37;
+        }
+    }
+    let weight: Vec<u8> = tiny.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let op = QuantizeRows {
+        scheme: Scheme::Fp8Block,
+        rows,
+        cols,
+        wt: WeightType::F32,
+        global: 1.0,
+        block: BlockMath::Transformers,
+    };
+    let Some(Kernel::Quantize(p)) = op.kernel(&(0..rows)) else {
+        unreachable!()
+    };
+    let (cb, sb) = (op.out_span(0, 0..rows).end, op.out_span(1, 0..rows).end);
+    assert!(host_quantize(&p, &weight, cb as usize, sb as usize).is_none());
+    let err = cpu_quantize(&op, 0..rows, &weight).unwrap_err();
+    assert!(err.contains("block [1, 1]"), "{err}");
+    let mut reference = vec![vec![0u8; cb as usize], vec![0u8; sb as usize]];
+    let [c, s] = &mut reference[..] else {
+        unreachable!()
+    };
+    let err = op
+        .compute_reference(0..rows, &[&weight], &mut [c, s])
+        .unwrap_err();
+    assert!(err.contains("block [1, 1]"), "reference: {err}");
+}
+
 /// FP8_BLOCK's (codes, block scales) of a chunk of whole block rows, from the CPU op itself;
 /// Err for a non-finite weight.
 fn reference_fp8_blocks(

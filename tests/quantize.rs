@@ -188,6 +188,58 @@ fn unknown_scheme_is_a_usage_error_naming_the_presets() {
     assert!(!out.exists());
 }
 
+/// Scales that overflow are refused, naming the tensor and the group or block, where the
+/// library would write an infinite MX scale (zeroing the group) or NaN FP8 codes.
+#[test]
+fn scales_that_overflow_are_refused_naming_the_group_or_block() {
+    let dir = tmp();
+    // F16: a group amax of 60000 rounds up to 2^16, which F16 cannot hold.
+    let mut w = vec![0u8; 2 * 64 * 2];
+    for i in 0..128 {
+        w[2 * i..2 * i + 2].copy_from_slice(&0x3C00u16.to_le_bytes());
+    }
+    let at = 2 * (64 + 40);
+    w[at..at + 2].copy_from_slice(&0x7B53u16.to_le_bytes()); // 60064
+    let mx = dir.path().join("mx.safetensors");
+    write_file(&mx, &[t("w.weight", DType::F16, &[2, 64], w)]);
+    // F32 with every value 1e-37: 448 / amax overflows f32.
+    let tiny: Vec<u8> = (0..128 * 128)
+        .flat_map(|_| 1e-37f32.to_le_bytes())
+        .collect();
+    let fp8 = dir.path().join("fp8.safetensors");
+    write_file(&fp8, &[t("w.weight", DType::F32, &[128, 128], tiny)]);
+    for (input, scheme, extra, want) in [
+        (&mx, "MXFP4A16", None, "MX group at [1, 32..64]"),
+        (&mx, "MXFP8A16", None, "MX group at [1, 32..64]"),
+        (
+            &fp8,
+            "FP8_BLOCK",
+            Some("fp8-native"),
+            "128×128 block [0, 0]",
+        ),
+    ] {
+        let out = dir.path().join("out");
+        let mut args = vec![
+            "quantize",
+            "-i",
+            s(input),
+            "-o",
+            s(&out),
+            "--scheme",
+            scheme,
+        ];
+        if let Some(f) = extra {
+            args.extend(["--format", f]);
+        }
+        let err = fails(&args);
+        assert!(
+            err.contains("w.weight") && err.contains(want) && err.contains("--ignore"),
+            "{scheme}: {err}"
+        );
+        assert!(!out.exists(), "{scheme}: output left behind");
+    }
+}
+
 #[test]
 fn columns_the_group_size_does_not_divide_are_refused_naming_the_tensor() {
     // llm-compressor refuses W4A16/W8A16 on 320 columns too ("not divisible by group_size").

@@ -844,7 +844,7 @@ impl Lane {
             unsafe { b.launch(launch_config(segments)) }
                 .map_err(|e| driver_err("tftf_quantize_fp8_amax", e))?;
             let mut b = self.stream.launch_builder(&k.quantize_fp8_scales);
-            b.arg(&amax).arg(&scales).arg(&targets).arg(p);
+            b.arg(&amax).arg(&scales).arg(&targets).arg(p).arg(&f);
             // SAFETY: argument types match tftf_quantize_fp8_scales; one scale per target.
             unsafe { b.launch(launch_config(targets)) }
                 .map_err(|e| driver_err("tftf_quantize_fp8_scales", e))?;

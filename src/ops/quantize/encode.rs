@@ -218,8 +218,12 @@ pub fn mx_scale(wt: WeightType, e: u8) -> f32 {
     }
 }
 
-/// The E8M0 byte stored for MX scale `s` (`compress_mx_scale`: `127 + floor(log2(s))`).
+/// The E8M0 byte stored for a finite MX scale `s` (`compress_mx_scale`:
+/// `127 + floor(log2(s))`). An infinite scale is refused before it is stored; it gives 255 here.
 pub fn mx_stored(s: f32) -> u8 {
+    if !s.is_finite() {
+        return 255;
+    }
     (127 + s.log2().floor() as i32).clamp(0, 255) as u8
 }
 

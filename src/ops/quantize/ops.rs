@@ -58,8 +58,16 @@ impl QuantizeRows {
         }
     }
 
-    /// Encodes one row (`x`: its values) into `codes` and `scales`.
-    fn row(&self, x: &[f32], codes: &mut [u8], scales: &mut [u8], q: &mut Vec<i32>) {
+    /// Encodes row `r` (`x`: its values) into `codes` and `scales`; refuses an MX group whose
+    /// scale overflows.
+    fn row(
+        &self,
+        r: u64,
+        x: &[f32],
+        codes: &mut [u8],
+        scales: &mut [u8],
+        q: &mut Vec<i32>,
+    ) -> Result<(), String> {
         let wt = self.wt;
         let wb = wt.bytes();
         match self.scheme {
@@ -108,6 +116,9 @@ impl QuantizeRows {
             Scheme::Mxfp4A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
                     let s = mx_scale(wt, mx_exponent(wt, amax(xs), 2));
+                    if s.is_infinite() {
+                        return Err(mx_overflow(wt, r, k, amax(xs)));
+                    }
                     scales[k] = mx_stored(s);
                     for (j, pair) in xs.chunks_exact(2).enumerate() {
                         let enc = |v: f32| f32_to_e2m1(wt.round(v / s).clamp(-E2M1_MAX, E2M1_MAX));
@@ -118,6 +129,9 @@ impl QuantizeRows {
             Scheme::Mxfp8A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
                     let s = mx_scale(wt, mx_exponent(wt, amax(xs), 8));
+                    if s.is_infinite() {
+                        return Err(mx_overflow(wt, r, k, amax(xs)));
+                    }
                     scales[k] = mx_stored(s);
                     for (c, &v) in codes[k * 32..(k + 1) * 32].iter_mut().zip(xs) {
                         *c = e4m3_code(wt, v, s);
@@ -126,7 +140,29 @@ impl QuantizeRows {
             }
             Scheme::Fp8Block => unreachable!("FP8 blocks are encoded a block row at a time"),
         }
+        Ok(())
     }
+}
+
+/// Why MX group `k` of row `r` (amax `m`) cannot be encoded: its power-of-two scale rounds to
+/// infinity in the weight dtype (2^128 in BF16 and F32, from amax ≥ 2^127·1.5; 2^16 in F16, from
+/// amax ≥ 57344), where compressed-tensors would store a meaningless exponent and zero the group.
+fn mx_overflow(wt: WeightType, r: u64, k: usize, m: f32) -> String {
+    format!(
+        "has amax {m:e} in the MX group at [{r}, {}..{}], whose power-of-two scale overflows {}: the group cannot be represented (compressed-tensors would write an infinite scale and zero it); leave the weight unquantised with --ignore",
+        32 * k,
+        32 * k + 32,
+        wt.dtype()
+    )
+}
+
+/// Why 128×128 block [`bi`, `bj`] (amax `m`) cannot be encoded with transformers' arithmetic:
+/// `448 / amax` overflows f32 for 0 < amax < 1.3e-36, and every code of the block would be
+/// NaN or ±448.
+fn fp8_block_overflow(bi: usize, bj: usize, m: f32) -> String {
+    format!(
+        "has amax {m:e} in the 128×128 block [{bi}, {bj}]: transformers' 448 / amax overflows there and its codes would be NaN; leave the weight unquantised with --ignore, or write --format compressed-tensors"
+    )
 }
 
 /// `torch.round` (half to even) of |y| ≤ 2^22: adding and taking away 1.5·2^23 leaves the f32
@@ -173,6 +209,7 @@ pub enum BlockMath {
 impl BlockMath {
     /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
     pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
+        debug_assert!(!self.overflows(m), "refused by the callers");
         match self {
             BlockMath::CompressedTensors => {
                 let s = symmetric_scale(wt, m, E4M3_MAX);
@@ -184,6 +221,11 @@ impl BlockMath {
                 (1.0 / mult, mult)
             }
         }
+    }
+
+    /// Whether a block with amax `m` has no finite factor (transformers: 448 / amax overflows).
+    pub fn overflows(self, m: f32) -> bool {
+        self == BlockMath::Transformers && m > 0.0 && ((1.0 / m) * E4M3_MAX).is_infinite()
     }
 
     #[inline(always)]
@@ -217,21 +259,25 @@ impl BlockMath {
     }
 }
 
-/// (stored scale, encoder factor) of the 128×128 blocks whose rows are `rows` (at most 128 of
-/// them), in block order.
+/// (stored scale, encoder factor) of the 128×128 blocks of block row `bi`, whose rows are
+/// `rows` (at most 128 of them), in block order.
 pub fn fp8_block_scales(
     math: BlockMath,
     wt: WeightType,
     x: &[f32],
+    bi: usize,
     rows: usize,
     cols: usize,
-) -> Vec<(f32, f32)> {
+) -> Result<Vec<(f32, f32)>, String> {
     (0..cols.div_ceil(FP8_BLOCK as usize))
         .map(|b| {
             let c0 = b * FP8_BLOCK as usize;
             let c1 = (c0 + FP8_BLOCK as usize).min(cols);
             let m = (0..rows).fold(0f32, |m, r| m.max(amax(&x[r * cols + c0..r * cols + c1])));
-            math.scale(wt, m)
+            if math.overflows(m) {
+                return Err(fp8_block_overflow(bi, b, m));
+            }
+            Ok(math.scale(wt, m))
         })
         .collect()
 }
@@ -333,10 +379,11 @@ impl QuantizeRows {
         if self.scheme == Scheme::Fp8Block {
             let (wt, math) = (self.wt, self.block);
             let wb = math.scale_bytes(wt);
+            let first = (units.start / FP8_BLOCK) as usize;
             for (b, r0) in (0..n).step_by(FP8_BLOCK as usize).enumerate() {
                 let r1 = (r0 + FP8_BLOCK as usize).min(n);
-                let block_scales =
-                    fp8_block_scales(math, wt, &x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let rows = &x[r0 * cols..r1 * cols];
+                let block_scales = fp8_block_scales(math, wt, rows, first + b, r1 - r0, cols)?;
                 for (j, &(s, _)) in block_scales.iter().enumerate() {
                     let at = b * sb + j * wb;
                     math.write(wt, s, &mut scales[at..at + wb]);
@@ -353,11 +400,12 @@ impl QuantizeRows {
         let mut q = Vec::new();
         for r in 0..n {
             self.row(
+                units.start + r as u64,
                 &x[r * cols..(r + 1) * cols],
                 &mut codes[r * cb..(r + 1) * cb],
                 &mut scales[r * sb..(r + 1) * sb],
                 &mut q,
-            );
+            )?;
         }
         Ok(())
     }
@@ -433,7 +481,12 @@ impl QuantizeRows {
                     return refuse();
                 }
                 for (j, (&mj, f)) in m.iter().zip(factors.iter_mut()).enumerate() {
-                    let (s, factor) = math.scale(wt, E::from_mag(mj));
+                    let mj = E::from_mag(mj);
+                    if math.overflows(mj) {
+                        let bi = (units.start / FP8_BLOCK) as usize + b;
+                        return Err(fp8_block_overflow(bi, j, mj));
+                    }
+                    let (s, factor) = math.scale(wt, mj);
                     let at = b * sb + j * swb;
                     math.write(wt, s, &mut scales[at..at + swb]);
                     *f = factor;
@@ -503,9 +556,13 @@ impl QuantizeRows {
                     let table = mx.as_ref().expect("MX table");
                     let fp4 = self.scheme == Scheme::Mxfp4A16;
                     eff.clear();
-                    for (xs, sc) in x.chunks_exact(32).zip(scales.iter_mut()) {
-                        let e = mx_exponent(wt, lanes::amax(xs), if fp4 { 2 } else { 8 });
+                    for (k, (xs, sc)) in x.chunks_exact(32).zip(scales.iter_mut()).enumerate() {
+                        let m = lanes::amax(xs);
+                        let e = mx_exponent(wt, m, if fp4 { 2 } else { 8 });
                         let (s, stored) = table.0[e as usize];
+                        if s.is_infinite() {
+                            return Err(mx_overflow(wt, units.start + r as u64, k, m));
+                        }
                         *sc = stored;
                         eff.push(s);
                     }
