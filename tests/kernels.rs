@@ -1053,12 +1053,9 @@ fn quantizers_refuse_overflowing_scales_as_the_cpu_op_does() {
     assert!(host_quantize(&p, &weight, cb as usize, sb as usize).is_none());
     let err = cpu_quantize(&op, 0..rows, &weight).unwrap_err();
     assert!(err.contains("block [1, 1]"), "{err}");
-    let mut reference = vec![vec![0u8; cb as usize], vec![0u8; sb as usize]];
-    let [c, s] = &mut reference[..] else {
-        unreachable!()
-    };
+    let (mut c, mut s) = (vec![0u8; cb as usize], vec![0u8; sb as usize]);
     let err = op
-        .compute_reference(0..rows, &[&weight], &mut [c, s])
+        .compute_reference(0..rows, &[&weight], &mut [&mut c, &mut s])
         .unwrap_err();
     assert!(err.contains("block [1, 1]"), "reference: {err}");
 }
