@@ -329,6 +329,50 @@ pub fn modelopt_mx_exponent(amax: f32, elem_max: f32) -> i32 {
     }
 }
 
+/// [`modelopt_mx_exponent`] from the bits of `amax / elem_max`, without a logarithm (the
+/// encoders' and kernels/quantize.cuh's way). For `d = 2^k·(1 + m·2^-23)`, `m > 0`, log2(d) lies
+/// in (k, k + 1) and its ceiling is k + 1 unless the f32 rounding of the logarithm lands on k
+/// itself: when log2(1 + m·2^-23) is below half the f32 spacing next to k on the side of k + 1
+/// (never for k = 0). With that half spacing `2^-n` (n = 17..=25), the least `m` that rounds up
+/// is `⌊2^23·(2^(2^-n) - 1)⌋ + 1`; none of those bounds is within 0.09 of an integer, so the f64
+/// logarithm decides each the same way. Tested against [`modelopt_mx_exponent`] on every binade.
+#[inline]
+pub fn modelopt_mx_exponent_bits(amax: f32, elem_max: f32) -> i32 {
+    /// The least `m` by `n - 17`.
+    const ROUND_UP_FROM: [u32; 9] = [45, 23, 12, 6, 3, 2, 1, 1, 1];
+    let d = amax / elem_max;
+    if d.is_nan() || d <= 0.0 {
+        return -127;
+    }
+    let b = d.to_bits();
+    let (e, mut m) = ((b >> 23) & 0xFF, b & 0x7F_FFFF);
+    let k = if e != 0 {
+        e as i32 - 127
+    } else {
+        let msb = 31 - m.leading_zeros() as i32;
+        m = (m << (23 - msb)) & 0x7F_FFFF;
+        msb - 149
+    };
+    let mut r = k;
+    if m != 0 {
+        r = k + 1;
+        if k != 0 {
+            let ak = k.unsigned_abs();
+            let fl = 31 - ak.leading_zeros() as i32;
+            // Below |k| in magnitude the spacing halves when |k| is a power of two.
+            let n = if k < 0 && ak.is_power_of_two() {
+                25 - fl
+            } else {
+                24 - fl
+            };
+            if m < ROUND_UP_FROM[(n - 17) as usize] {
+                r = k;
+            }
+        }
+    }
+    r.clamp(-127, 127)
+}
+
 /// `2^e` as an f32 (exact for -149..=127).
 pub fn pow2_f32(e: i32) -> f32 {
     2f64.powi(e) as f32
@@ -473,6 +517,31 @@ mod tests {
         let mut three = [0u8; 4];
         pack_int_row(&[-4, 3, 0, 1], 3, &mut three);
         assert_eq!(u32::from_le_bytes(three), 0b101_100_111_000);
+    }
+
+    /// Every binade of `amax / elem_max` (subnormal ones included): its 2048 least and greatest
+    /// mantissas, where the f32 rounding of the logarithm decides, and others spread between.
+    #[test]
+    fn modelopt_mx_exponent_from_bits_equals_the_logarithm() {
+        for elem_max in [6.0f32, 448.0] {
+            for binade in 0u32..255 {
+                let ms = (0u32..2048)
+                    .chain(0x7F_F800..0x80_0000)
+                    .chain((0..2048).map(|i| i * 4093 + 2048));
+                for m in ms {
+                    let d = f32::from_bits(binade << 23 | m);
+                    for amax in [d * elem_max, (d * elem_max).next_up()] {
+                        if amax.is_finite() {
+                            assert_eq!(
+                                modelopt_mx_exponent_bits(amax, elem_max),
+                                modelopt_mx_exponent(amax, elem_max),
+                                "{amax:e} / {elem_max}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

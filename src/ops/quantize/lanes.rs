@@ -245,6 +245,32 @@ pub fn e4m3_div<E: Elem>(xs: &[f32], s: f32, out: &mut [u8]) {
     }
 }
 
+/// E4M3 codes of `xs / s` in f32, clamped, −0 kept (ModelOpt's `modelopt_e4m3_code`).
+#[inline(always)]
+pub fn e4m3_div_f32(xs: &[f32], s: f32, out: &mut [u8]) {
+    for (o, &x) in out.iter_mut().zip(xs) {
+        *o = e4m3((x / s).clamp(-E4M3_MAX, E4M3_MAX));
+    }
+}
+
+/// Packed ModelOpt MXFP4 codes (`modelopt_mxfp4_code`, two per byte, even element low) of the
+/// group `xs / p`.
+#[inline(always)]
+pub fn mxfp4_modelopt_div<const N: usize, const H: usize>(
+    xs: &[f32; N],
+    p: f32,
+    out: &mut [u8; H],
+) {
+    let mut c = [0u16; N];
+    for (c, &v) in c.iter_mut().zip(xs) {
+        *c = super::encode::modelopt_mxfp4_code(v / p) as u16;
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        let v = c[2 * j] | c[2 * j + 1] << 8;
+        *o = (v | v >> 4) as u8;
+    }
+}
+
 /// E4M3 codes of `xs · m` in f32 (transformers' FineGrainedFP8), clamped.
 #[inline(always)]
 pub fn e4m3_mul(xs: &[f32], m: f32, out: &mut [u8]) {

@@ -31,10 +31,11 @@ use serde_json::{json, Map, Value};
 
 use super::encode::{
     amax, f32_to_e2m1, f32_to_e4m3, modelopt_e4m3_code, modelopt_fp8_scale, modelopt_int4_code,
-    modelopt_int4_scale, modelopt_mx_exponent, modelopt_mxfp4_code, modelopt_nvfp4_block_scale,
-    modelopt_nvfp4_scale_2, pow2_f32, WeightType, E4M3_MAX,
+    modelopt_int4_scale, modelopt_mx_exponent, modelopt_mx_exponent_bits, modelopt_mxfp4_code,
+    modelopt_nvfp4_block_scale, modelopt_nvfp4_scale_2, pow2_f32, WeightType, E2M1_MAX, E4M3_MAX,
 };
 use super::kernel::QuantParams;
+use super::lanes::{self, Bf16, Elem, F16, F32};
 use super::ops::{decode_rows, Constant};
 use super::{
     default_ignore, module_order, weight_amax, Added, QuantizeStep, Scheme, FUSED_LAYER_NAMES,
@@ -516,7 +517,7 @@ fn block_scales(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// Codes (output 0) and scales (output 1: a row of 128×128 block scales per 128 rows for FP8
 /// blocks) of rows of a weight, as ModelOpt exports them.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct ModeloptRows {
     pub scheme: Scheme,
     pub rows: u64,
@@ -623,7 +624,8 @@ impl Op for ModeloptRows {
         }
     }
     fn scratch_unit_bytes(&self) -> u64 {
-        self.cols * 4
+        // None that grows with the chunk: one row decoded to f32, reused row after row.
+        0
     }
     fn extra_outputs(&self) -> usize {
         1
@@ -651,6 +653,178 @@ impl Op for ModeloptRows {
         self.compute_all(units, inputs, &mut [out])
     }
     fn compute_all(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        match self.wt {
+            WeightType::BF16 => self.dispatch::<Bf16>(units, inputs, outs),
+            WeightType::F16 => self.dispatch::<F16>(units, inputs, outs),
+            WeightType::F32 => self.dispatch::<F32>(units, inputs, outs),
+        }
+    }
+}
+
+impl ModeloptRows {
+    /// Picks the AVX2 build of the lane encoder where the CPU has it.
+    fn dispatch<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { self.encode_avx2::<E>(units, inputs, outs) };
+        }
+        self.encode_lanes::<E>(units, inputs, outs)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn encode_avx2<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        self.encode_lanes::<E>(units, inputs, outs)
+    }
+
+    /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic a row at a time (each
+    /// row decoded into a buffer that stays in cache), group scales first and codes after.
+    #[inline(always)]
+    fn encode_lanes<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        let cols = self.cols as usize;
+        let n = (units.end - units.start) as usize;
+        let wb = E::WT.bytes();
+        let ib = cols * wb;
+        let input = inputs[0];
+        let cb = self.row_code_bytes() as usize;
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        // Rare: the scalar decoder names the non-finite element.
+        let refuse = || match decode_rows(self.wt, self.cols, units.start, input) {
+            Err(e) => Err(e),
+            Ok(_) => unreachable!("a non-finite element was seen"),
+        };
+        let mut x = vec![0f32; cols];
+        if self.scheme == Scheme::Fp8Block {
+            let bs = BLOCK as usize;
+            let blocks = cols.div_ceil(bs);
+            let (mut m, mut s) = (vec![0u32; blocks], vec![0f32; blocks]);
+            for (b, r0) in (0..n).step_by(bs).enumerate() {
+                let r1 = (r0 + bs).min(n);
+                m.fill(0);
+                for row in input[r0 * ib..r1 * ib].chunks_exact(ib) {
+                    for (mj, seg) in m.iter_mut().zip(row.chunks(bs * wb)) {
+                        *mj = (*mj).max(lanes::max_mag::<E>(seg));
+                    }
+                }
+                if m.iter().any(|&mj| mj >= E::MAG_INF) {
+                    return refuse();
+                }
+                let row = &mut scales[b * sb..(b + 1) * sb];
+                for ((&mj, sj), o) in m.iter().zip(s.iter_mut()).zip(row.chunks_exact_mut(4)) {
+                    *sj = modelopt_fp8_scale(E::from_mag(mj));
+                    o.copy_from_slice(&sj.to_le_bytes());
+                }
+                for r in r0..r1 {
+                    lanes::decode::<E>(&input[r * ib..(r + 1) * ib], &mut x);
+                    let out = &mut codes[r * cb..(r + 1) * cb];
+                    for ((seg, o), &f) in x.chunks(bs).zip(out.chunks_mut(bs)).zip(&s) {
+                        lanes::e4m3_div_f32(seg, f, o);
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let mut eff = Vec::new();
+        let mut q = [0i32; 128];
+        for r in 0..n {
+            if lanes::decode::<E>(&input[r * ib..(r + 1) * ib], &mut x) {
+                return refuse();
+            }
+            let sc = &mut scales[r * sb..(r + 1) * sb];
+            match self.scheme {
+                Scheme::Fp8Dynamic => {
+                    let s = modelopt_fp8_scale(lanes::amax(&x));
+                    sc.copy_from_slice(&s.to_le_bytes());
+                    lanes::e4m3_div_f32(&x, s, &mut codes[r * cb..(r + 1) * cb]);
+                }
+                Scheme::Nvfp4A16 => {
+                    let s2 = self.scale_2;
+                    eff.clear();
+                    for (xs, o) in x.chunks_exact(16).zip(sc.iter_mut()) {
+                        *o = modelopt_nvfp4_block_scale(lanes::amax(xs), s2);
+                        eff.push(lanes::E4M3_VALUES[*o as usize] * s2);
+                    }
+                    let out = codes[r * cb..(r + 1) * cb].chunks_exact_mut(8);
+                    for ((xs, o), &e) in x.chunks_exact(16).zip(out).zip(&eff) {
+                        let (xs, o) = (xs.try_into().expect("16"), o.try_into().expect("8"));
+                        lanes::e2m1_div::<E, false, 16, 8>(xs, e, o);
+                    }
+                }
+                Scheme::Mxfp4A16 => {
+                    eff.clear();
+                    for (xs, o) in x.chunks_exact(32).zip(sc.iter_mut()) {
+                        let e = modelopt_mx_exponent_bits(lanes::amax(xs), E2M1_MAX);
+                        *o = (e + 127) as u8;
+                        eff.push(pow2_f32(e));
+                    }
+                    let out = codes[r * cb..(r + 1) * cb].chunks_exact_mut(16);
+                    for ((xs, o), &p) in x.chunks_exact(32).zip(out).zip(&eff) {
+                        let (xs, o) = (xs.try_into().expect("32"), o.try_into().expect("16"));
+                        lanes::mxfp4_modelopt_div::<32, 16>(xs, p, o);
+                    }
+                }
+                Scheme::Mxfp8A16 => {
+                    eff.clear();
+                    for (xs, o) in x.chunks_exact(32).zip(sc.iter_mut()) {
+                        let e = modelopt_mx_exponent_bits(lanes::amax(xs), E4M3_MAX);
+                        *o = (e + 127) as u8;
+                        eff.push(pow2_f32(-e));
+                    }
+                    let out = codes[r * cb..(r + 1) * cb].chunks_exact_mut(32);
+                    for ((xs, o), &f) in x.chunks_exact(32).zip(out).zip(&eff) {
+                        lanes::e4m3_mul(xs, f, o);
+                    }
+                }
+                Scheme::W4A16 => {
+                    // Rows 2k and 2k+1 share a packed row of `cols` bytes (chunks start on an
+                    // even row).
+                    let packed = &mut codes[(r / 2) * cols..(r / 2 + 1) * cols];
+                    let high = r % 2 == 1;
+                    let groups = x.chunks_exact(128).zip(packed.chunks_exact_mut(128));
+                    for (g, (xs, o)) in groups.enumerate() {
+                        let s = modelopt_int4_scale(lanes::amax(xs));
+                        sc[4 * g..4 * g + 4].copy_from_slice(&s.to_le_bytes());
+                        // Clamping before rounding is the same as after: the bounds are integers.
+                        lanes::int_div::<F32>(xs, s, -8.0, 7.0, &mut q);
+                        for (o, &v) in o.iter_mut().zip(&q) {
+                            let nib = v as u8 & 0x0F;
+                            *o = if high { *o | nib << 4 } else { nib };
+                        }
+                    }
+                }
+                Scheme::W8A16 | Scheme::Fp8Block => unreachable!("refused, or encoded above"),
+            }
+        }
+        Ok(())
+    }
+
+    /// The scalar encoder, element by element as ModelOpt's arithmetic reads: the reference the
+    /// lane-parallel encoder is tested against.
+    pub fn compute_reference(
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
@@ -793,6 +967,57 @@ mod tests {
             c.extend(rest.0);
             s.extend(rest.1);
             assert_eq!((c, s), whole, "{scheme:?}");
+        }
+    }
+
+    /// The lane encoder (baseline and AVX2 builds) against the scalar reference, on the
+    /// selftest's weights (zeros, ties, subnormal and huge scales), every scheme and weight
+    /// dtype, FP8 blocks ragged both ways.
+    #[test]
+    fn lane_encoders_equal_the_scalar_reference() {
+        use crate::commands::selftest::encoders::quantize_weight;
+        use crate::commands::selftest::table::Lcg;
+        let mut rng = Lcg(0x5eed);
+        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+            for (scheme, cols) in [
+                (Scheme::Fp8Block, 328u64),
+                (Scheme::Fp8Dynamic, 328),
+                (Scheme::Nvfp4A16, 352),
+                (Scheme::Mxfp4A16, 352),
+                (Scheme::Mxfp8A16, 352),
+                (Scheme::W4A16, 384),
+            ] {
+                let rows = 260;
+                let input = quantize_weight(wt, rows, cols, &mut rng);
+                let mut x = Vec::new();
+                wt.decode(&input, &mut x);
+                let op = ModeloptRows {
+                    scheme,
+                    rows,
+                    cols,
+                    wt,
+                    scale_2: modelopt_nvfp4_scale_2(amax(&x)),
+                };
+                let len = |k| op.out_span(k, 0..rows).end as usize;
+                let run = |f: &dyn Fn(&mut [&mut [u8]])| {
+                    let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
+                    f(&mut [&mut c, &mut s]);
+                    (c, s)
+                };
+                let want = run(&|o| op.compute_reference(0..rows, &[&input], o).unwrap());
+                let lanes = run(&|o| {
+                    match wt {
+                        WeightType::BF16 => op.encode_lanes::<Bf16>(0..rows, &[&input], o),
+                        WeightType::F16 => op.encode_lanes::<F16>(0..rows, &[&input], o),
+                        WeightType::F32 => op.encode_lanes::<F32>(0..rows, &[&input], o),
+                    }
+                    .unwrap()
+                });
+                let dispatched = run(&|o| op.compute_all(0..rows, &[&input], o).unwrap());
+                let what = format!("{} {wt:?}", scheme.name());
+                assert!(want == lanes, "{what}: baseline lanes");
+                assert!(want == dispatched, "{what}: dispatched");
+            }
         }
     }
 
