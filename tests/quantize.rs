@@ -717,6 +717,49 @@ fn modelopt_output_dequantises_to_modelopts_own_values() {
     }
 }
 
+/// ModelOpt's NVFP4 `weight_scale_2` of an all-zero weight is undefined: refused, naming that
+/// weight (found while the group is read inside the pipeline), with nothing left behind.
+#[test]
+fn modelopt_nvfp4_refuses_an_all_zero_weight_naming_it() {
+    let dir = tmp();
+    let input = dir.path().join("m.safetensors");
+    let ones: Vec<u8> = (0..16 * 32).flat_map(|_| 0x3F80u16.to_le_bytes()).collect();
+    write_file(
+        &input,
+        &[
+            t(
+                "model.layers.0.self_attn.k_proj.weight",
+                DType::BF16,
+                &[16, 32],
+                vec![0; 1024],
+            ),
+            t(
+                "model.layers.0.self_attn.q_proj.weight",
+                DType::BF16,
+                &[16, 32],
+                ones,
+            ),
+        ],
+    );
+    let out = dir.path().join("out");
+    let err = fails(&[
+        "quantize",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "--scheme",
+        "NVFP4A16",
+        "--format",
+        "modelopt",
+    ]);
+    assert!(
+        err.contains("`model.layers.0.self_attn.k_proj.weight`") && err.contains("all zeros"),
+        "{err}"
+    );
+    assert!(!out.exists(), "output left behind");
+}
+
 #[test]
 fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
     let dir = tmp();

@@ -44,7 +44,7 @@ use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
 use crate::transform::Glob;
 use encode::WeightType;
 use ops::{BlockMath, Constant, QuantizeRows};
-use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, TensorScale};
+use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, ScaleKind, TensorScale};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
 pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
@@ -569,7 +569,7 @@ impl PlanStep for QuantizeStep {
             }
         }
         let globals = if scheme == Scheme::Nvfp4A16 {
-            nvfp4_globals(ckpt, entries, &chosen)?
+            nvfp4_globals(ckpt, entries, &chosen, ScaleKind::CompressedTensors)?
         } else {
             HashMap::new()
         };
@@ -748,11 +748,14 @@ pub(super) fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
 
 /// NVFP4 tensor scales by entry index: each weight's own amax, or its fused group's, one
 /// [`TensorScale`] per group, read when the pipeline first needs it (weights that are not one
-/// byte range per file, such as strided views, are read here at plan time).
-fn nvfp4_globals(
+/// byte range per file, such as strided views, are read here at plan time). A fused group is
+/// the projections that read one input (q/k/v, gate/up): compressed-tensors fuses them only
+/// when all are quantised, ModelOpt whichever are.
+pub(super) fn nvfp4_globals(
     ckpt: &Checkpoint,
     entries: &[Entry],
     chosen: &[(usize, String, WeightType)],
+    kind: ScaleKind,
 ) -> Result<HashMap<usize, Arc<TensorScale>>> {
     let by_module: HashMap<&str, (usize, WeightType)> = chosen
         .iter()
@@ -768,7 +771,7 @@ fn nvfp4_globals(
             .iter()
             .find(|names| names.contains(&last))
             .and_then(|names| {
-                names
+                let found: Vec<Option<usize>> = names
                     .iter()
                     .map(|n| {
                         let m = if parent.is_empty() {
@@ -778,7 +781,11 @@ fn nvfp4_globals(
                         };
                         by_module.get(m.as_str()).map(|&(j, _)| j)
                     })
-                    .collect::<Option<Vec<usize>>>()
+                    .collect();
+                match kind {
+                    ScaleKind::CompressedTensors => found.into_iter().collect(),
+                    ScaleKind::Modelopt => Some(found.into_iter().flatten().collect()),
+                }
             })
             .unwrap_or_else(|| vec![i]);
         group.sort_unstable();
@@ -824,7 +831,7 @@ fn nvfp4_globals(
             members.push((t.info.name.clone(), member_wt, ps));
         }
         let scale = if lazy {
-            TensorScale::lazy(wt, members)
+            TensorScale::lazy(wt, kind, members)
         } else {
             let mut m = 0f32;
             for &j in &key.0 {
@@ -832,9 +839,18 @@ fn nvfp4_globals(
                     .values()
                     .find(|&&(k, _)| k == j)
                     .map_or(wt, |&(_, w)| w);
-                m = m.max(weight_amax(ckpt, entries[j].source, member_wt)?);
+                let a = weight_amax(ckpt, entries[j].source, member_wt)?;
+                if let Some(why) = kind.refuse(&entries[j].name, a) {
+                    let t = &ckpt.tensors[entries[i].source];
+                    return Err(Error::TensorData {
+                        path: ckpt.shards[t.shard()].path.clone(),
+                        tensor: entries[i].name.clone(),
+                        msg: why,
+                    });
+                }
+                m = m.max(a);
             }
-            TensorScale::known(wt, m)
+            TensorScale::known(wt, kind, m)
         };
         let scale = Arc::new(scale);
         shared.insert(key, scale.clone());

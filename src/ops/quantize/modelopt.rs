@@ -32,14 +32,13 @@ use serde_json::{json, Map, Value};
 use super::encode::{
     amax, f32_to_e2m1, f32_to_e4m3, modelopt_e4m3_code, modelopt_fp8_scale, modelopt_int4_code,
     modelopt_int4_scale, modelopt_mx_exponent, modelopt_mx_exponent_bits, modelopt_mxfp4_code,
-    modelopt_nvfp4_block_scale, modelopt_nvfp4_scale_2, pow2_f32, WeightType, E2M1_MAX, E4M3_MAX,
+    modelopt_nvfp4_block_scale, pow2_f32, WeightType, E2M1_MAX, E4M3_MAX,
 };
 use super::kernel::QuantParams;
 use super::lanes::{self, Bf16, Elem, F16, F32};
-use super::ops::{decode_rows, Constant};
-use super::{
-    default_ignore, module_order, weight_amax, Added, QuantizeStep, Scheme, FUSED_LAYER_NAMES,
-};
+use super::ops::decode_rows;
+use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
+use super::{default_ignore, module_order, nvfp4_globals, Added, QuantizeStep, Scheme};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -350,7 +349,7 @@ pub(super) fn plan(
         }
     }
     let scale_2 = if scheme == Scheme::Nvfp4A16 {
-        nvfp4_scale_2(ckpt, entries, &chosen)?
+        nvfp4_globals(ckpt, entries, &chosen, ScaleKind::Modelopt)?
     } else {
         HashMap::new()
     };
@@ -359,7 +358,7 @@ pub(super) fn plan(
     for &(i, ref module, wt) in &chosen {
         let e = &entries[i];
         let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
-        let s2 = scale_2.get(&i).copied().unwrap_or(1.0);
+        let s2 = scale_2.get(&i).cloned();
         let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
             added.push(i, module, src, name, dtype, shape, d)
         };
@@ -385,15 +384,12 @@ pub(super) fn plan(
                     vec![rows, cols / 16],
                     secondary,
                 );
-                let c = Arc::new(Constant {
-                    what: "quantize weight_scale_2",
-                    bytes: s2.to_le_bytes().to_vec(),
-                });
+                let s2 = GlobalScaleTensor(s2.clone().expect("NVFP4 weights have a scale"));
                 extra(
                     "weight_scale_2",
                     DType::F32,
                     Vec::new(),
-                    fixed(c, Vec::new()),
+                    fixed(Arc::new(s2), Vec::new()),
                 );
                 DType::U8
             }
@@ -421,7 +417,8 @@ pub(super) fn plan(
             rows,
             cols,
             wt,
-            scale_2: s2,
+            // replaced by the group's scale when a chunk is encoded
+            scale_2: 1.0,
         };
         let e = &mut entries[i];
         e.dtype = code_dtype;
@@ -430,7 +427,11 @@ pub(super) fn plan(
         } else {
             vec![rows, op.row_code_bytes()]
         };
-        e.derive = Some(fixed(Arc::new(op), vec![src]));
+        let op: Arc<dyn Op> = match s2 {
+            Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
+            None => Arc::new(op),
+        };
+        e.derive = Some(fixed(op, vec![src]));
     }
     added.splice_into(entries);
 
@@ -454,53 +455,6 @@ pub(super) fn plan(
         quantization_config(scheme, &exclude),
         hf,
     ))
-}
-
-/// `weight_scale_2` by entry index: from each weight's amax, or the largest of the
-/// projections that share its input.
-fn nvfp4_scale_2(
-    ckpt: &Checkpoint,
-    entries: &[Entry],
-    chosen: &[(usize, String, WeightType)],
-) -> Result<HashMap<usize, f32>> {
-    let by_module: HashMap<&str, usize> = chosen.iter().map(|(i, m, _)| (m.as_str(), *i)).collect();
-    let mut amaxes: HashMap<usize, f32> = HashMap::new();
-    for &(i, _, wt) in chosen {
-        let m = weight_amax(ckpt, entries[i].source, wt)?;
-        if m == 0.0 {
-            let t = &ckpt.tensors[entries[i].source];
-            return Err(Error::TensorData {
-                path: ckpt.shards[t.shard()].path.clone(),
-                tensor: entries[i].name.clone(),
-                msg: "is all zeros: ModelOpt's NVFP4 weight_scale_2 would be 0 and its block scales undefined; leave it unquantised with --ignore".into(),
-            });
-        }
-        amaxes.insert(i, m);
-    }
-    let mut out = HashMap::new();
-    for &(i, ref module, _) in chosen {
-        let (parent, last) = module.rsplit_once('.').unwrap_or(("", module));
-        let group: Vec<usize> = FUSED_LAYER_NAMES
-            .iter()
-            .find(|names| names.contains(&last))
-            .map(|names| {
-                names
-                    .iter()
-                    .filter_map(|n| {
-                        let m = if parent.is_empty() {
-                            n.to_string()
-                        } else {
-                            format!("{parent}.{n}")
-                        };
-                        by_module.get(m.as_str()).copied()
-                    })
-                    .collect()
-            })
-            .unwrap_or_else(|| vec![i]);
-        let m = group.iter().map(|j| amaxes[j]).fold(0f32, f32::max);
-        out.insert(i, modelopt_nvfp4_scale_2(m));
-    }
-    Ok(out)
 }
 
 /// ModelOpt's FP8 scales of the 128×128 blocks of rows `x` (at most 128 of them).
@@ -975,6 +929,7 @@ mod tests {
     /// dtype, FP8 blocks ragged both ways.
     #[test]
     fn lane_encoders_equal_the_scalar_reference() {
+        use super::super::encode::modelopt_nvfp4_scale_2;
         use crate::commands::selftest::encoders::quantize_weight;
         use crate::commands::selftest::table::Lcg;
         let mut rng = Lcg(0x5eed);

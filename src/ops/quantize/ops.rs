@@ -22,7 +22,7 @@ use crate::ops::Op;
 pub const FP8_BLOCK: u64 = 128;
 
 /// Codes (output 0) and scales (output 1) of rows of a 2-D weight.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct QuantizeRows {
     pub scheme: Scheme,
     pub rows: u64,

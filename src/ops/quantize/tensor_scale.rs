@@ -1,5 +1,6 @@
-//! NVFP4's tensor scale (`weight_global_scale`), found inside the pipeline rather than in a
-//! pass over the model before anything is written.
+//! NVFP4's tensor scale (compressed-tensors' `weight_global_scale`, ModelOpt's
+//! `weight_scale_2`), found inside the pipeline rather than in a pass over the model before
+//! anything is written.
 //!
 //! The scale needs the amax of whole weights (q/k/v and gate/up share one), so every weight is
 //! read twice. Done at plan time, the first read was a serial pass over the model from disk
@@ -15,8 +16,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::encode::{nvfp4_global_scale, WeightType};
+use super::encode::{modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use super::lanes;
+use super::modelopt::ModeloptRows;
 use super::ops::QuantizeRows;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
@@ -33,10 +35,39 @@ pub struct Piece {
     pub len: u64,
 }
 
+/// Whose tensor scale a group's amax makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleKind {
+    /// `weight_global_scale` = `448 · 6 / amax` in the weight dtype.
+    CompressedTensors,
+    /// `weight_scale_2` = `amax / (6 · 448)` in f32; every member weight must hold a non-zero.
+    Modelopt,
+}
+
+impl ScaleKind {
+    /// The scale of a group whose amax is `amax`.
+    pub fn scale(self, wt: WeightType, amax: f32) -> f32 {
+        match self {
+            ScaleKind::CompressedTensors => nvfp4_global_scale(wt, amax),
+            ScaleKind::Modelopt => modelopt_nvfp4_scale_2(amax),
+        }
+    }
+
+    /// Why member weight `name` with amax `amax` cannot be encoded, if it cannot.
+    pub fn refuse(self, name: &str, amax: f32) -> Option<String> {
+        (self == ScaleKind::Modelopt && amax == 0.0).then(|| {
+            format!(
+                "`{name}`, in this weight's NVFP4 weight_scale_2 group, is all zeros: ModelOpt's weight_scale_2 and block scales would be undefined; leave it unquantised with --ignore"
+            )
+        })
+    }
+}
+
 /// The tensor scale shared by the weights of one group, computed once.
 #[derive(Debug)]
 pub struct TensorScale {
     wt: WeightType,
+    kind: ScaleKind,
     /// Each member weight's name, dtype and where its bytes are.
     members: Vec<(String, WeightType, Vec<Piece>)>,
     value: OnceLock<Result<f32, String>>,
@@ -55,9 +86,14 @@ impl TensorScale {
     }
 
     /// A scale read from `members` when first asked for.
-    pub fn lazy(wt: WeightType, members: Vec<(String, WeightType, Vec<Piece>)>) -> TensorScale {
+    pub fn lazy(
+        wt: WeightType,
+        kind: ScaleKind,
+        members: Vec<(String, WeightType, Vec<Piece>)>,
+    ) -> TensorScale {
         TensorScale {
             wt,
+            kind,
             members,
             value: OnceLock::new(),
             ahead: OnceLock::new(),
@@ -66,11 +102,12 @@ impl TensorScale {
     }
 
     /// A scale known already (from an amax computed at plan time).
-    pub fn known(wt: WeightType, amax: f32) -> TensorScale {
+    pub fn known(wt: WeightType, kind: ScaleKind, amax: f32) -> TensorScale {
         let value = OnceLock::new();
-        let _ = value.set(Ok(nvfp4_global_scale(wt, amax)));
+        let _ = value.set(Ok(kind.scale(wt, amax)));
         TensorScale {
             wt,
+            kind,
             members: Vec::new(),
             value,
             ahead: OnceLock::new(),
@@ -111,6 +148,7 @@ impl TensorScale {
                 let mut m = 0f32;
                 let mut buf = Vec::new();
                 for (name, member_wt, pieces) in &self.members {
+                    let mut member = 0f32;
                     for p in pieces {
                         let mut at = 0;
                         while at < p.len {
@@ -128,37 +166,55 @@ impl TensorScale {
                                     "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
                                 ));
                             }
-                            m = m.max(v);
+                            member = member.max(v);
                             at += n;
                         }
                     }
+                    if let Some(why) = self.kind.refuse(name, member) {
+                        return Err(why);
+                    }
+                    m = m.max(member);
                 }
-                Ok(nvfp4_global_scale(self.wt, m))
+                Ok(self.kind.scale(self.wt, m))
             })
             .clone()
     }
 }
 
-/// [`QuantizeRows`] for NVFP4, its tensor scale taken from a [`TensorScale`] when a chunk is
-/// computed.
-#[derive(Debug)]
-pub struct Nvfp4Rows {
-    /// The encoder; its `global` is replaced by the group's scale.
-    pub rows: QuantizeRows,
-    pub scale: Arc<TensorScale>,
+/// An NVFP4 encoder whose tensor scale is set per chunk.
+pub trait ScaledRows: Op + Copy + 'static {
+    /// This encoder with tensor scale `s`.
+    fn scaled(self, s: f32) -> Self;
 }
 
-impl Nvfp4Rows {
-    fn with_scale(&self) -> Result<QuantizeRows, String> {
-        let g = self.scale.get()?;
-        Ok(QuantizeRows {
-            global: g,
-            ..self.rows
-        })
+impl ScaledRows for QuantizeRows {
+    fn scaled(self, s: f32) -> Self {
+        QuantizeRows { global: s, ..self }
     }
 }
 
-impl Op for Nvfp4Rows {
+impl ScaledRows for ModeloptRows {
+    fn scaled(self, s: f32) -> Self {
+        ModeloptRows { scale_2: s, ..self }
+    }
+}
+
+/// An NVFP4 encoder ([`QuantizeRows`], [`ModeloptRows`]), its tensor scale taken from a
+/// [`TensorScale`] when a chunk is computed.
+#[derive(Debug)]
+pub struct Nvfp4Rows<R> {
+    /// The encoder; its tensor scale is replaced by the group's.
+    pub rows: R,
+    pub scale: Arc<TensorScale>,
+}
+
+impl<R: ScaledRows> Nvfp4Rows<R> {
+    fn with_scale(&self) -> Result<R, String> {
+        Ok(self.rows.scaled(self.scale.get()?))
+    }
+}
+
+impl<R: ScaledRows> Op for Nvfp4Rows<R> {
     fn name(&self) -> &'static str {
         self.rows.name()
     }
@@ -210,7 +266,7 @@ impl Op for Nvfp4Rows {
     }
 }
 
-/// `weight_global_scale`: the group's scale as one F32.
+/// `weight_global_scale` (`weight_scale_2`): the group's scale as one F32.
 #[derive(Debug)]
 pub struct GlobalScaleTensor(pub Arc<TensorScale>);
 
