@@ -78,6 +78,19 @@ TFTF_HD float amax_step(float m, float x) {
     return a > m ? a : m;
 }
 
+// The amax of the `n` weight elements from `first` into `amax`; false when one is not finite.
+TFTF_HD bool quant_amax(int wt, const u8* in, u64 first, u64 n, float* amax) {
+    float m = 0.0f;
+    bool finite = true;
+    for (u64 j = 0; j < n; j++) {
+        float x = quant_load(wt, in, first + j);
+        finite = finite && is_finite_f32(x);
+        m = amax_step(m, x);
+    }
+    *amax = m;
+    return finite;
+}
+
 // f32 → E4M3 ("fn"), nearest even; |x| ≥ 480 and NaN give 0x7F. Port of c10's
 // `fp8e4m3fn_from_fp32_value` (encode.rs `f32_to_e4m3`).
 TFTF_HD u8 f32_to_e4m3(float x) {
@@ -319,14 +332,8 @@ TFTF_HD bool quant_modelopt_group(const QuantParams& p, const u8* in, u8* codes,
         u8* packed = codes + r * p.cols + k * group;
         for (u64 h = 0; h < 2; h++) {
             const u64 first = (2 * r + h) * p.cols + k * group;
-            float m = 0.0f;
-            bool finite = true;
-            for (u64 j = 0; j < group; j++) {
-                float x = quant_load(wt, in, first + j);
-                finite = finite && is_finite_f32(x);
-                m = amax_step(m, x);
-            }
-            if (!finite) return false;
+            float m;
+            if (!quant_amax(wt, in, first, group, &m)) return false;
             float s = quant_modelopt_int4_scale(m);
             TFTF_STORE(u32, scales, (2 * r + h) * groups + k, f2u(s));
             for (u64 j = 0; j < group; j++) {
@@ -337,14 +344,8 @@ TFTF_HD bool quant_modelopt_group(const QuantParams& p, const u8* in, u8* codes,
         return true;
     }
     const u64 first = r * p.cols + k * group;
-    float m = 0.0f;
-    bool finite = true;
-    for (u64 j = 0; j < group; j++) {
-        float x = quant_load(wt, in, first + j);
-        finite = finite && is_finite_f32(x);
-        m = amax_step(m, x);
-    }
-    if (!finite) return false;
+    float m;
+    if (!quant_amax(wt, in, first, group, &m)) return false;
     const u64 cb = quant_row_code_bytes(p);
     u8* row_codes = codes + r * cb;
     switch (p.scheme) {
@@ -398,14 +399,8 @@ TFTF_HD bool quant_group_encode(const QuantParams& p, const u8* in, u8* codes, u
     const u64 groups = p.cols / group;
     const u64 r = g / groups, k = g - r * groups;
     const u64 first = r * p.cols + k * group;
-    float m = 0.0f;
-    bool finite = true;
-    for (u64 j = 0; j < group; j++) {
-        float x = quant_load(wt, in, first + j);
-        finite = finite && is_finite_f32(x);
-        m = amax_step(m, x);
-    }
-    if (!finite) return false;
+    float m;
+    if (!quant_amax(wt, in, first, group, &m)) return false;
     const u64 cb = quant_row_code_bytes(p);
     u8* row_codes = codes + r * cb;
     switch (p.scheme) {
@@ -507,13 +502,8 @@ TFTF_HD bool quant_fp8_segment(const QuantParams& p, const u8* in, u64 seg, u64*
     u64 r = seg / gc, k = seg - r * gc;
     u64 c0 = k * QUANT_FP8_BLOCK;
     u64 c1 = c0 + QUANT_FP8_BLOCK < p.cols ? c0 + QUANT_FP8_BLOCK : p.cols;
-    float m = 0.0f;
-    bool finite = true;
-    for (u64 c = c0; c < c1; c++) {
-        float x = quant_load(p.wt, in, r * p.cols + c);
-        finite = finite && is_finite_f32(x);
-        m = amax_step(m, x);
-    }
+    float m;
+    bool finite = quant_amax(p.wt, in, r * p.cols + c0, c1 - c0, &m);
     *target = quant_fp8_target(p, r, k);
     *amax_bits = f2u(m);
     return finite;

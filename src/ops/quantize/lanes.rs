@@ -7,6 +7,8 @@
 //! the reference (tested on random and edge values for every scheme and dtype); on x86-64 the
 //! loops are compiled once more for AVX2 and picked at run time.
 
+use std::ops::Range;
+
 use super::encode::{WeightType, E2M1_MAX, E4M3_MAX};
 use crate::ops::cast::{bf16_to_f32, f32_to_bf16};
 
@@ -192,6 +194,69 @@ pub fn decode<E: Elem>(bytes: &[u8], out: &mut [f32]) -> bool {
     }
     step(outs.into_remainder(), ins.remainder());
     bad != 0
+}
+
+/// An encoder of weight rows written once over the lane primitives, built per weight dtype
+/// and, where the CPU has it, for AVX2 by [`encode`].
+pub trait LaneEncoder {
+    fn weight_type(&self) -> WeightType;
+    /// Encodes chunk `units` (`inputs[0]`: its rows) into codes (`outs[0]`) and scales.
+    fn encode_lanes<E: Elem>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String>;
+}
+
+/// Runs `enc`'s encoder built for its weight dtype, in its AVX2 build where the CPU has it.
+pub fn encode<T: LaneEncoder>(
+    enc: &T,
+    units: Range<u64>,
+    inputs: &[&[u8]],
+    outs: &mut [&mut [u8]],
+) -> Result<(), String> {
+    fn dispatch<T: LaneEncoder, E: Elem>(
+        enc: &T,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        outs: &mut [&mut [u8]],
+    ) -> Result<(), String> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2")]
+            fn avx2<T: LaneEncoder, E: Elem>(
+                enc: &T,
+                units: Range<u64>,
+                inputs: &[&[u8]],
+                outs: &mut [&mut [u8]],
+            ) -> Result<(), String> {
+                enc.encode_lanes::<E>(units, inputs, outs)
+            }
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { avx2::<T, E>(enc, units, inputs, outs) };
+        }
+        enc.encode_lanes::<E>(units, inputs, outs)
+    }
+    match enc.weight_type() {
+        WeightType::BF16 => dispatch::<T, Bf16>(enc, units, inputs, outs),
+        WeightType::F16 => dispatch::<T, F16>(enc, units, inputs, outs),
+        WeightType::F32 => dispatch::<T, F32>(enc, units, inputs, outs),
+    }
+}
+
+/// The largest magnitude bits of each 128-column block of the rows `rows` (whole rows of
+/// `cols` elements) into `m` (one per block); true when a block holds NaN or infinity.
+#[inline(always)]
+pub fn block_mags<E: Elem>(rows: &[u8], cols: usize, block: usize, m: &mut [u32]) -> bool {
+    let w = E::WT.bytes();
+    m.fill(0);
+    for row in rows.chunks_exact(cols * w) {
+        for (mj, seg) in m.iter_mut().zip(row.chunks(block * w)) {
+            *mj = (*mj).max(max_mag::<E>(seg));
+        }
+    }
+    m.iter().any(|&mj| mj >= E::MAG_INF)
 }
 
 /// The largest magnitude bits ([`Elem::mag`]) of the encoded elements `bytes`.

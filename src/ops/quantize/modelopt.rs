@@ -35,7 +35,7 @@ use super::encode::{
     modelopt_nvfp4_block_scale, pow2_f32, WeightType, E2M1_MAX, E4M3_MAX,
 };
 use super::kernel::QuantParams;
-use super::lanes::{self, Bf16, Elem, F16, F32};
+use super::lanes::{self, Elem, LaneEncoder, F32};
 use super::ops::decode_rows;
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
 use super::{default_ignore, module_order, nvfp4_globals, Added, QuantizeStep, Scheme};
@@ -612,39 +612,76 @@ impl Op for ModeloptRows {
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
-        match self.wt {
-            WeightType::BF16 => self.dispatch::<Bf16>(units, inputs, outs),
-            WeightType::F16 => self.dispatch::<F16>(units, inputs, outs),
-            WeightType::F32 => self.dispatch::<F32>(units, inputs, outs),
-        }
+        lanes::encode(self, units, inputs, outs)
     }
 }
 
 impl ModeloptRows {
-    /// Picks the AVX2 build of the lane encoder where the CPU has it.
-    fn dispatch<E: Elem>(
+    /// The scalar encoder, element by element as ModelOpt's arithmetic reads: the reference the
+    /// lane-parallel encoder is tested against.
+    pub fn compute_reference(
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { self.encode_avx2::<E>(units, inputs, outs) };
+        let cols = self.cols as usize;
+        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
+        let n = (units.end - units.start) as usize;
+        let cb = self.row_code_bytes() as usize;
+        let sb = self.row_scale_bytes() as usize;
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        if self.scheme == Scheme::Fp8Block {
+            let b = BLOCK as usize;
+            for r0 in (0..n).step_by(b) {
+                let r1 = (r0 + b).min(n);
+                let s = block_scales(&x[r0 * cols..r1 * cols], r1 - r0, cols);
+                let row = &mut scales[r0 / b * sb..(r0 / b + 1) * sb];
+                for (o, v) in row.chunks_exact_mut(4).zip(&s) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+                for r in r0..r1 {
+                    for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
+                        *code = modelopt_e4m3_code(x[r * cols + c], s[c / b]);
+                    }
+                }
+            }
+            return Ok(());
         }
-        self.encode_lanes::<E>(units, inputs, outs)
+        if self.scheme == Scheme::W4A16 {
+            // Rows 2k and 2k+1 share a packed row of `cols` bytes.
+            let mut s = vec![0f32; cols / 128];
+            for r in 0..n {
+                let xr = &x[r * cols..(r + 1) * cols];
+                for (g, xs) in xr.chunks_exact(128).enumerate() {
+                    s[g] = modelopt_int4_scale(amax(xs));
+                    scales[r * sb + 4 * g..r * sb + 4 * g + 4].copy_from_slice(&s[g].to_le_bytes());
+                }
+                let packed = &mut codes[(r / 2) * cols..(r / 2 + 1) * cols];
+                let shift = 4 * (r % 2);
+                for (c, o) in packed.iter_mut().enumerate() {
+                    let q = modelopt_int4_code(xr[c], s[c / 128]);
+                    *o = if shift == 0 { q } else { *o | q << 4 };
+                }
+            }
+            return Ok(());
+        }
+        for r in 0..n {
+            self.row(
+                &x[r * cols..(r + 1) * cols],
+                &mut codes[r * cb..(r + 1) * cb],
+                &mut scales[r * sb..(r + 1) * sb],
+            );
+        }
+        Ok(())
     }
+}
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn encode_avx2<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        self.encode_lanes::<E>(units, inputs, outs)
+impl LaneEncoder for ModeloptRows {
+    fn weight_type(&self) -> WeightType {
+        self.wt
     }
 
     /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic a row at a time (each
@@ -678,13 +715,7 @@ impl ModeloptRows {
             let (mut m, mut s) = (vec![0u32; blocks], vec![0f32; blocks]);
             for (b, r0) in (0..n).step_by(bs).enumerate() {
                 let r1 = (r0 + bs).min(n);
-                m.fill(0);
-                for row in input[r0 * ib..r1 * ib].chunks_exact(ib) {
-                    for (mj, seg) in m.iter_mut().zip(row.chunks(bs * wb)) {
-                        *mj = (*mj).max(lanes::max_mag::<E>(seg));
-                    }
-                }
-                if m.iter().any(|&mj| mj >= E::MAG_INF) {
+                if lanes::block_mags::<E>(&input[r0 * ib..r1 * ib], cols, bs, &mut m) {
                     return refuse();
                 }
                 let row = &mut scales[b * sb..(b + 1) * sb];
@@ -772,67 +803,6 @@ impl ModeloptRows {
                 }
                 Scheme::W8A16 | Scheme::Fp8Block => unreachable!("refused, or encoded above"),
             }
-        }
-        Ok(())
-    }
-
-    /// The scalar encoder, element by element as ModelOpt's arithmetic reads: the reference the
-    /// lane-parallel encoder is tested against.
-    pub fn compute_reference(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
-        let n = (units.end - units.start) as usize;
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
-        if self.scheme == Scheme::Fp8Block {
-            let b = BLOCK as usize;
-            for r0 in (0..n).step_by(b) {
-                let r1 = (r0 + b).min(n);
-                let s = block_scales(&x[r0 * cols..r1 * cols], r1 - r0, cols);
-                let row = &mut scales[r0 / b * sb..(r0 / b + 1) * sb];
-                for (o, v) in row.chunks_exact_mut(4).zip(&s) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-                for r in r0..r1 {
-                    for (c, code) in codes[r * cb..(r + 1) * cb].iter_mut().enumerate() {
-                        *code = modelopt_e4m3_code(x[r * cols + c], s[c / b]);
-                    }
-                }
-            }
-            return Ok(());
-        }
-        if self.scheme == Scheme::W4A16 {
-            // Rows 2k and 2k+1 share a packed row of `cols` bytes.
-            let mut s = vec![0f32; cols / 128];
-            for r in 0..n {
-                let xr = &x[r * cols..(r + 1) * cols];
-                for (g, xs) in xr.chunks_exact(128).enumerate() {
-                    s[g] = modelopt_int4_scale(amax(xs));
-                    scales[r * sb + 4 * g..r * sb + 4 * g + 4].copy_from_slice(&s[g].to_le_bytes());
-                }
-                let packed = &mut codes[(r / 2) * cols..(r / 2 + 1) * cols];
-                let shift = 4 * (r % 2);
-                for (c, o) in packed.iter_mut().enumerate() {
-                    let q = modelopt_int4_code(xr[c], s[c / 128]);
-                    *o = if shift == 0 { q } else { *o | q << 4 };
-                }
-            }
-            return Ok(());
-        }
-        for r in 0..n {
-            self.row(
-                &x[r * cols..(r + 1) * cols],
-                &mut codes[r * cb..(r + 1) * cb],
-                &mut scales[r * sb..(r + 1) * sb],
-            );
         }
         Ok(())
     }
@@ -930,6 +900,7 @@ mod tests {
     #[test]
     fn lane_encoders_equal_the_scalar_reference() {
         use super::super::encode::modelopt_nvfp4_scale_2;
+        use super::super::lanes::{Bf16, F16};
         use crate::commands::selftest::encoders::quantize_weight;
         use crate::commands::selftest::table::Lcg;
         let mut rng = Lcg(0x5eed);

@@ -12,7 +12,7 @@ use super::encode::{
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
 use super::kernel::QuantParams;
-use super::lanes::{self, Bf16, Elem, F16, F32};
+use super::lanes::{self, Elem, LaneEncoder};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
@@ -351,11 +351,7 @@ impl Op for QuantizeRows {
         inputs: &[&[u8]],
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
-        match self.wt {
-            WeightType::BF16 => self.dispatch::<Bf16>(units, inputs, outs),
-            WeightType::F16 => self.dispatch::<F16>(units, inputs, outs),
-            WeightType::F32 => self.dispatch::<F32>(units, inputs, outs),
-        }
+        lanes::encode(self, units, inputs, outs)
     }
 }
 
@@ -409,31 +405,11 @@ impl QuantizeRows {
         }
         Ok(())
     }
+}
 
-    /// Picks the AVX2 build of the lane encoder where the CPU has it.
-    fn dispatch<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { self.encode_avx2::<E>(units, inputs, outs) };
-        }
-        self.encode_lanes::<E>(units, inputs, outs)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    fn encode_avx2<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        self.encode_lanes::<E>(units, inputs, outs)
+impl LaneEncoder for QuantizeRows {
+    fn weight_type(&self) -> WeightType {
+        self.wt
     }
 
     /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic, group by group,
@@ -471,13 +447,7 @@ impl QuantizeRows {
             let mut factors = vec![0f32; blocks];
             for (b, r0) in (0..n).step_by(bs).enumerate() {
                 let r1 = (r0 + bs).min(n);
-                m.fill(0);
-                for row in input[r0 * ib..r1 * ib].chunks_exact(ib) {
-                    for (mj, seg) in m.iter_mut().zip(row.chunks(bs * wb)) {
-                        *mj = (*mj).max(lanes::max_mag::<E>(seg));
-                    }
-                }
-                if m.iter().any(|&mj| mj >= E::MAG_INF) {
+                if lanes::block_mags::<E>(&input[r0 * ib..r1 * ib], cols, bs, &mut m) {
                     return refuse();
                 }
                 for (j, (&mj, f)) in m.iter().zip(factors.iter_mut()).enumerate() {
@@ -635,6 +605,7 @@ impl Op for Constant {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::quantize::lanes::{Bf16, F16, F32};
 
     /// Runs `op` over `cuts` (consecutive unit ranges) into whole-tensor outputs placed by
     /// `out_span`.
