@@ -3,6 +3,7 @@
 # BF16 checkpoint ([4096, 4096] Linear weights, `gen_checkpoint fp8-as-bf16`), input GB/s and
 # peak RSS under a 256 MiB budget. Every figure comes from the same run as its baseline.
 # Usage: bench/quantize.sh [GIB] [RUNS]   (data under bench/data, removed at the end)
+#        FORMATS="compressed-tensors modelopt" bench/quantize.sh [GIB] [RUNS]   (each --format)
 #        PYTHON=/path/to/python bench/quantize.sh [LAYERS] [RUNS]   (against llm-compressor, below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,21 +77,27 @@ fi
 target/release/examples/gen_checkpoint "$D/in" fp8-as-bf16 "$GIB" >/dev/null
 BYTES=$(du -sb "$D/in" | cut -f1)
 
+FORMATS=${FORMATS:-compressed-tensors}
 declare -A T
+KEYS=(passthrough)
+for f in $FORMATS; do for s in FP8_BLOCK NVFP4A16 W4A16; do KEYS+=("$s/$f"); done; done
 for r in $(seq "$RUNS"); do
     T[passthrough]+="$(timed $BIN passthrough -i "$D/in" -o "$D/out" -q) "; rm -rf "$D/out"
-    for s in FP8_BLOCK NVFP4A16 W4A16; do
-        T[$s]+="$(timed $BIN quantize -i "$D/in" -o "$D/out" --scheme $s -q) "; rm -rf "$D/out"
+    for k in "${KEYS[@]:1}"; do
+        T[$k]+="$(timed $BIN quantize -i "$D/in" -o "$D/out" --scheme ${k%/*} --format ${k#*/} -q) "
+        rm -rf "$D/out"
     done
 done
 echo "input: $BYTES bytes BF16 in $(ls "$D/in" | wc -l) files; runs: $RUNS; machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB; CPU only"
-for k in passthrough FP8_BLOCK NVFP4A16 W4A16; do
+p=$(printf '%s\n' ${T[passthrough]} | median)
+for k in "${KEYS[@]}"; do
     m=$(printf '%s\n' ${T[$k]} | median)
-    printf '%-12s median %6.2fs (%s) %5.2f GB/s of input\n' "$k" "$m" "${T[$k]% }" "$(echo "scale=3; $BYTES/$m/1000000000" | bc)"
+    printf '%-29s median %6.2fs (%s) %5.2f GB/s of input, %4.2fx passthrough\n' "$k" "$m" "${T[$k]% }" \
+        "$(echo "scale=3; $BYTES/$m/1000000000" | bc)" "$(echo "scale=3; $m/$p" | bc)"
 done
-for s in FP8_BLOCK NVFP4A16; do
-    $BIN quantize -i "$D/in" -o "$D/rss" --scheme $s -q --memory-budget 256MiB --report "$D/rss.json"
-    echo "peak RSS $s, --memory-budget 256MiB: $(( $(python3 -c "import json;print(json.load(open('$D/rss.json'))['peak_rss_bytes'])") >> 20 )) MiB"
+for f in $FORMATS; do for s in FP8_BLOCK NVFP4A16; do
+    $BIN quantize -i "$D/in" -o "$D/rss" --scheme $s --format $f -q --memory-budget 256MiB --report "$D/rss.json"
+    echo "peak RSS $s/$f, --memory-budget 256MiB: $(( $(python3 -c "import json;print(json.load(open('$D/rss.json'))['peak_rss_bytes'])") >> 20 )) MiB"
     rm -rf "$D/rss"
-done
+done; done
 rm -rf "$D"

@@ -433,6 +433,77 @@ impl Added {
     }
 }
 
+/// The 2-D BF16/F16/F32 `X.weight` entries no earlier step derives — by name, the `Linear`
+/// weights a quantiser may take: (entry index, module `X`, weight type).
+pub(super) fn linear_weights(entries: &[Entry]) -> Vec<(usize, String, WeightType)> {
+    entries
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.derive.is_none() && e.shape.len() == 2)
+        .filter_map(|(i, e)| {
+            let module = e.name.strip_suffix(".weight")?;
+            Some((i, module.to_string(), WeightType::of(e.dtype)?))
+        })
+        .collect()
+}
+
+/// Adds `lm_head` to the modules left alone (`listed`) when the embeddings are tied and the
+/// default rules apply: a tied `lm_head` has no tensor but is still a `Linear` the libraries list.
+pub(super) fn list_tied_lm_head(
+    config: Option<&Map<String, Value>>,
+    default_rules: bool,
+    entries: &[Entry],
+    listed: &mut Vec<String>,
+) {
+    let tied = config
+        .and_then(|c| c.get("tie_word_embeddings"))
+        .and_then(Value::as_bool)
+        == Some(true);
+    if tied
+        && default_rules
+        && !listed.iter().any(|m| m == "lm_head")
+        && !entries.iter().any(|e| e.name == "lm_head.weight")
+    {
+        listed.push("lm_head".into());
+    }
+}
+
+/// A refusal of chosen weight `e`, naming it and the `--ignore` that leaves it out.
+pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error {
+    Error::TensorData {
+        path: ckpt.shards[ckpt.tensors[e.source].shard()].path.clone(),
+        tensor: e.name.clone(),
+        msg: format!(
+            "{why}; leave it unquantised with --ignore '{}'",
+            e.name.strip_suffix(".weight").unwrap_or(&e.name)
+        ),
+    }
+}
+
+/// Refuses a chosen weight whose column count `group` does not divide (`tool` refuses such
+/// layers too).
+pub(super) fn refuse_partial_groups(
+    ckpt: &Checkpoint,
+    entries: &[Entry],
+    chosen: &[(usize, String, WeightType)],
+    scheme: Scheme,
+    group: Option<u64>,
+    tool: &str,
+) -> Result<()> {
+    for &(i, _, _) in chosen {
+        let e = &entries[i];
+        let cols = e.shape[1];
+        if let Some(g) = group.filter(|g| !cols.is_multiple_of(*g)) {
+            let why = format!(
+                "has {cols} columns, which {}'s group size {g} does not divide ({tool} refuses such layers too)",
+                scheme.name()
+            );
+            return Err(refuse_weight(ckpt, e, why));
+        }
+    }
+    Ok(())
+}
+
 /// The amax of a whole weight, read in pieces (for NVFP4 tensor scales).
 pub(super) fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Result<f32> {
     let t = &ckpt.tensors[src];
@@ -514,60 +585,32 @@ impl PlanStep for QuantizeStep {
             return Ok(changed);
         }
         let scheme = self.scheme;
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
         // (entry index, module name, weight type)
         let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
         let mut ignored: Vec<String> = Vec::new();
         let mut left: Vec<String> = Vec::new();
-        for (i, e) in entries.iter().enumerate() {
-            let (Some(module), Some(wt), 2) = (
-                e.name.strip_suffix(".weight"),
-                WeightType::of(e.dtype),
-                e.shape.len(),
-            ) else {
-                continue;
-            };
-            if e.derive.is_some() {
+        for (i, module, wt) in linear_weights(entries) {
+            let name = &entries[i].name;
+            if self.ignore.iter().any(|r| r.matches(&module, name)) {
+                ignored.push(module);
                 continue;
             }
-            if self.ignore.iter().any(|r| r.matches(module, &e.name)) {
-                ignored.push(module.to_string());
-                continue;
-            }
-            match default_ignore(module).filter(|_| self.default_ignore) {
-                Some(true) => ignored.push(module.to_string()),
-                Some(false) => left.push(e.name.clone()),
-                None => chosen.push((i, module.to_string(), wt)),
+            match default_ignore(&module).filter(|_| self.default_ignore) {
+                Some(true) => ignored.push(module),
+                Some(false) => left.push(name.clone()),
+                None => chosen.push((i, module, wt)),
             }
         }
-        // A tied lm_head is still a Linear module that the library lists.
-        let tied = config
-            .and_then(|c| c.get("tie_word_embeddings"))
-            .and_then(Value::as_bool)
-            == Some(true);
-        if tied
-            && self.default_ignore
-            && !ignored.iter().any(|m| m == "lm_head")
-            && !entries.iter().any(|e| e.name == "lm_head.weight")
-        {
-            ignored.push("lm_head".into());
-        }
+        list_tied_lm_head(config, self.default_ignore, entries, &mut ignored);
         ignored.sort_by_cached_key(|m| module_order(m));
-        for &(i, _, _) in &chosen {
-            let e = &entries[i];
-            let cols = e.shape[1];
-            if let Some(g) = scheme.group().filter(|g| !cols.is_multiple_of(*g)) {
-                return Err(Error::TensorData {
-                    path: path_of(e),
-                    tensor: e.name.clone(),
-                    msg: format!(
-                        "has {cols} columns, which {}'s group size {g} does not divide (llm-compressor refuses such layers too); leave it unquantised with --ignore '{}'",
-                        scheme.name(),
-                        e.name.strip_suffix(".weight").unwrap_or(&e.name)
-                    ),
-                });
-            }
-        }
+        refuse_partial_groups(
+            ckpt,
+            entries,
+            &chosen,
+            scheme,
+            scheme.group(),
+            "llm-compressor",
+        )?;
         let globals = if scheme == Scheme::Nvfp4A16 {
             nvfp4_globals(ckpt, entries, &chosen, ScaleKind::CompressedTensors)?
         } else {

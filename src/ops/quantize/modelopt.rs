@@ -38,7 +38,10 @@ use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
 use super::ops::decode_rows;
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
-use super::{default_ignore, module_order, nvfp4_globals, Added, QuantizeStep, Scheme};
+use super::{
+    default_ignore, linear_weights, list_tied_lm_head, module_order, nvfp4_globals,
+    refuse_partial_groups, refuse_weight, Added, QuantizeStep, Scheme,
+};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -280,72 +283,35 @@ pub(super) fn plan(
     notes: &mut PlanNotes,
 ) -> Result<(bool, Value, String)> {
     let scheme = step.scheme;
-    let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
     let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
     // Modules with a quantizer left alone: `Linear` (ignored) and embeddings.
     let mut unquantized: Vec<String> = Vec::new();
-    let mut embeddings: Vec<String> = Vec::new();
-    for (i, e) in entries.iter().enumerate() {
-        let (Some(module), Some(wt), 2) = (
-            e.name.strip_suffix(".weight"),
-            WeightType::of(e.dtype),
-            e.shape.len(),
-        ) else {
-            continue;
-        };
-        if e.derive.is_some() {
-            continue;
-        }
-        if default_ignore(module) == Some(false) {
+    for (i, module, wt) in linear_weights(entries) {
+        if default_ignore(&module) == Some(false) {
             // an embedding: never quantised, listed as ModelOpt lists it
-            embeddings.push(module.to_string());
-            unquantized.push(module.to_string());
-            continue;
-        }
-        if step.ignore.iter().any(|r| r.matches(module, &e.name))
-            || (step.default_ignore && disabled_by_default(module))
+            unquantized.push(module);
+        } else if step
+            .ignore
+            .iter()
+            .any(|r| r.matches(&module, &entries[i].name))
+            || (step.default_ignore && disabled_by_default(&module))
         {
-            unquantized.push(module.to_string());
-            continue;
+            unquantized.push(module);
+        } else {
+            chosen.push((i, module, wt));
         }
-        chosen.push((i, module.to_string(), wt));
     }
-    let tied = config
-        .and_then(|c| c.get("tie_word_embeddings"))
-        .and_then(Value::as_bool)
-        == Some(true);
-    if tied
-        && step.default_ignore
-        && !unquantized.iter().any(|m| m == "lm_head")
-        && !entries.iter().any(|e| e.name == "lm_head.weight")
-    {
-        unquantized.push("lm_head".into());
-    }
+    list_tied_lm_head(config, step.default_ignore, entries, &mut unquantized);
     unquantized.sort_by_cached_key(|m| module_order(m));
+    refuse_partial_groups(ckpt, entries, &chosen, scheme, group(scheme), "ModelOpt")?;
     for &(i, _, _) in &chosen {
         let e = &entries[i];
-        let cols = e.shape[1];
-        if let Some(g) = group(scheme).filter(|g| !cols.is_multiple_of(*g)) {
-            return Err(Error::TensorData {
-                path: path_of(e),
-                tensor: e.name.clone(),
-                msg: format!(
-                    "has {cols} columns, which {}'s group size {g} does not divide (ModelOpt refuses such layers too); leave it unquantised with --ignore '{}'",
-                    scheme.name(),
-                    e.name.strip_suffix(".weight").unwrap_or(&e.name)
-                ),
-            });
-        }
         if scheme == Scheme::W4A16 && !e.shape[0].is_multiple_of(2) {
-            return Err(Error::TensorData {
-                path: path_of(e),
-                tensor: e.name.clone(),
-                msg: format!(
-                    "has {} rows: ModelOpt packs INT4 codes of two rows a byte and refuses an odd count; leave it unquantised with --ignore '{}'",
-                    e.shape[0],
-                    e.name.strip_suffix(".weight").unwrap_or(&e.name)
-                ),
-            });
+            let why = format!(
+                "has {} rows: ModelOpt packs INT4 codes of two rows a byte and refuses an odd count",
+                e.shape[0]
+            );
+            return Err(refuse_weight(ckpt, e, why));
         }
     }
     let scale_2 = if scheme == Scheme::Nvfp4A16 {
