@@ -13,13 +13,13 @@
 # Data lives in /dev/shm when it has room (the figures are about compute, not the disk).
 # Usage: bench/gpu-check.sh [GIB]          (default 8; keep the run under 8 minutes)
 #        SKIP_TESTS=1 bench/gpu-check.sh   (no cargo tests: prebuilt binaries, no toolchain)
-#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora)
+#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize)
 #        DEVICES="cpu" bench/gpu-check.sh 1   (the script's own check on a machine without a GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-8}
 DEVICES=${DEVICES:-cuda cpu}
-OPS=${OPS:-cast dequant repack lora}
+OPS=${OPS:-cast dequant repack lora quantize}
 want() { [[ " $OPS " == *" $1 "* ]]; }
 # Build when cargo can (a machine without crates.io can instead carry prebuilt
 # target/release/tftf and target/release/examples/gen_checkpoint along).
@@ -143,6 +143,18 @@ if want lora; then
     N=$(bytes_of "$D/lora/base" "")
     VARIANTS=0 each merge-lora-r64 "$N" -- merge-lora -b "$D/lora/base" -a "$D/lora/adapter"
     rm -rf "$D/lora"
+fi
+
+if want quantize; then
+    echo "== quantize ($GIB GiB BF16): FP8_BLOCK, NVFP4A16 as compressed-tensors and ModelOpt"
+    $GEN "$D/bf16" fp8-as-bf16 "$GIB" >/dev/null
+    N=$(bytes_of "$D/bf16" "")
+    for f in compressed-tensors modelopt; do
+        for s in FP8_BLOCK NVFP4A16; do
+            VARIANTS=0 each "$s/${f%%-*}" "$N" -- quantize -i "$D/bf16" --scheme $s --format $f
+        done
+    done
+    rm -rf "$D/bf16"
 fi
 
 echo

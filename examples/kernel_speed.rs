@@ -11,6 +11,7 @@ use tftf::ops::fp4::engram::{requant_row_scalar, EngramRequant, BLOCK};
 use tftf::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
 use tftf::ops::lora::merge::{LoraFactors, LoraMerge};
 use tftf::ops::quantize::encode::WeightType;
+use tftf::ops::quantize::modelopt::ModeloptRows;
 use tftf::ops::quantize::ops::{BlockMath, QuantizeRows};
 use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
@@ -357,7 +358,7 @@ fn main() {
         Scheme::Mxfp4A16,
         Scheme::Mxfp8A16,
     ] {
-        let op = QuantizeRows {
+        let ct = QuantizeRows {
             scheme,
             rows,
             cols,
@@ -365,19 +366,29 @@ fn main() {
             global: 1.0,
             block: BlockMath::CompressedTensors,
         };
-        let (cb, sb) = (op.out_span(0, 0..rows).end, op.out_span(1, 0..rows).end);
-        let mut codes = vec![0u8; cb as usize];
-        let mut scales = vec![0u8; sb as usize];
-        for threads in [1u64, 2] {
-            let [t] = medians(&mut [&mut || par_op(&op, threads, &w, &mut codes, &mut scales)]);
-            report(
-                &format!("quantize bf16 -> {}", scheme.name()),
-                threads as usize,
-                rows * cols * 2,
-                cb + sb,
-                t,
-                &memcpy_t,
-            );
+        let modelopt = ModeloptRows {
+            scheme,
+            rows,
+            cols,
+            wt,
+            scale_2: 1.0 / 2688.0,
+        };
+        let ops: [(&dyn Op, &str); 2] = [(&ct, ""), (&modelopt, " (modelopt)")];
+        for (op, format) in ops {
+            let (cb, sb) = (op.out_span(0, 0..rows).end, op.out_span(1, 0..rows).end);
+            let mut codes = vec![0u8; cb as usize];
+            let mut scales = vec![0u8; sb as usize];
+            for threads in [1u64, 2] {
+                let [t] = medians(&mut [&mut || par_op(op, threads, &w, &mut codes, &mut scales)]);
+                report(
+                    &format!("quantize bf16 -> {}{format}", scheme.name()),
+                    threads as usize,
+                    rows * cols * 2,
+                    cb + sb,
+                    t,
+                    &memcpy_t,
+                );
+            }
         }
     }
     drop(w);
