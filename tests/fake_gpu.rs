@@ -304,6 +304,49 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
         &["tftf_dequant_fp8", "tftf_lora_delta", "tftf_lora"],
     );
     assert_identical("fp8-lora", &pairs);
+    // An FP8-block base requantised (the default): dequantised, merged and quantised again on
+    // the device, with the same error figures as the CPU's.
+    let dir = tempfile::tempdir().unwrap();
+    let adapter = common::requant_adapter(dir.path());
+    let pairs = cpu_vs_gpu(
+        "fp8-requant",
+        &[
+            "merge-lora",
+            "-b",
+            s(&fixture("quantize/FP8_BLOCK")),
+            "-a",
+            s(&adapter),
+        ],
+        &[
+            "tftf_dequant_fp8",
+            "tftf_lora_delta",
+            "tftf_lora",
+            "tftf_quantize_fp8_amax",
+            "tftf_quantize_fp8_scales",
+            "tftf_quantize_fp8_codes",
+        ],
+    );
+    assert_identical("fp8-requant", &pairs);
+    let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-gpu-fp8-requant");
+    let requant = |report: &str| -> Vec<serde_json::Value> {
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(work.join(report)).unwrap()).unwrap();
+        r["tensor_reports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["op"] == "requant")
+            .cloned()
+            .collect()
+    };
+    let cpu = requant("cpu-false.json");
+    assert_eq!(cpu.len(), 4, "every targeted weight requantised");
+    assert!(cpu
+        .iter()
+        .all(|t| t["relative_error"].as_f64().unwrap() > 0.0));
+    for gpu in ["cuda-false.json", "cuda-true.json"] {
+        assert_eq!(requant(gpu), cpu, "{gpu}: the same error figures");
+    }
 }
 
 /// `tftf quantize` on the GPU path: every scheme runs its kernels and writes

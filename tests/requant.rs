@@ -16,58 +16,12 @@ use tftf::ops::quantize::ops::{BlockMath, QuantizeRows};
 use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
 
-/// The modules the adapter targets (with their [out, in]) and those it leaves alone. 320 rows
-/// and columns make ragged 128-blocks.
-const TARGETS: [(&str, u64, u64); 4] = [
-    ("self_attn.q_proj", 128, 256),
-    ("self_attn.v_proj", 64, 256),
-    ("mlp.gate_proj", 320, 256),
-    ("mlp.down_proj", 256, 320),
-];
 const UNTOUCHED: [&str; 3] = ["self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"];
-const LAYER: &str = "model.layers.0";
+const TARGETS: [(&str, u64, u64); 4] = REQUANT_TARGETS;
+const LAYER: &str = REQUANT_LAYER;
 
-/// A rank-4 F32 LoRA adapter on [`TARGETS`], factors in ±0.1, DoRA on gate_proj.
 fn adapter(dir: &Path) -> PathBuf {
-    let mut rng = Rng(0x5eed);
-    let mut small = |n: u64| -> Vec<u8> {
-        let v: Vec<f32> = (0..n)
-            .map(|_| (rng.next_u32() as f32 / u32::MAX as f32 - 0.5) * 0.2)
-            .collect();
-        f32_bytes(&v)
-    };
-    let mut m = Model::adapter();
-    for (module, out, inp) in TARGETS {
-        let p = format!("base_model.model.{LAYER}.{module}");
-        m = m
-            .tensor(
-                &format!("{p}.lora_A.weight"),
-                DType::F32,
-                &[4, inp],
-                small(4 * inp),
-            )
-            .tensor(
-                &format!("{p}.lora_B.weight"),
-                DType::F32,
-                &[out, 4],
-                small(out * 4),
-            );
-        // DoRA on gate_proj (ragged 320 rows): the merge rescales each row to a magnitude.
-        if module == "mlp.gate_proj" {
-            let mags: Vec<f32> = (0..out).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
-            m = m.tensor(
-                &format!("{p}.lora_magnitude_vector"),
-                DType::F32,
-                &[out],
-                f32_bytes(&mags),
-            );
-        }
-    }
-    m.file(
-        "adapter_config.json",
-        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}"#,
-    )
-    .write(dir)
+    requant_adapter(dir)
 }
 
 /// The fp8-native (transformers FineGrainedFP8) base, made by `tftf quantize`.

@@ -455,6 +455,8 @@ const SCRATCH: usize = 7;
 const SLOTS: usize = 16;
 /// The scratch slot of the refusal flag kernels raise.
 const FLAG: usize = SCRATCH;
+/// A requantised chunk's merged rows, between the merge and the encoder.
+const MERGED: usize = SCRATCH + 7;
 
 struct Lane {
     stream: Arc<CudaStream>,
@@ -744,8 +746,32 @@ impl Lane {
                 self.download(rows_slot, nunits as usize * 32)?;
                 self.download(SCRATCH + 3, 8)?;
             }
-            Kernel::Lora(m) => flag = self.lora(k, m, &units, inputs, outs[0].len())?,
-            Kernel::Quantize(p) => flag = Some(self.quantize(k, p, inputs, outs)?),
+            Kernel::Lora(m) => flag = self.lora(k, m, &units, inputs, OUT, outs[0].len())?,
+            Kernel::Quantize(p) => {
+                let w = self.upload(IN, inputs[0])?;
+                let f = self.zero(FLAG, 4)?;
+                self.quantize(k, p, w, outs, f)?;
+                flag = Some(f);
+            }
+            Kernel::Requant {
+                merge,
+                quant,
+                measure,
+            } => {
+                // The merged rows, in the weight dtype the encoder reads, stay on the device.
+                let len = (quant.rows * quant.cols * quant.weight_bytes()) as usize;
+                let f = match self.lora(k, merge, &units, inputs, MERGED, len)? {
+                    Some(f) => f,
+                    None => self.zero(FLAG, 4)?,
+                };
+                let w = self.device(MERGED, len)?;
+                // One refusal flag: the FP8 base's dequantisation raised it, or the encoder will.
+                self.quantize(k, quant, w, outs, f)?;
+                flag = Some(f);
+                if *measure {
+                    self.download(MERGED, len)?;
+                }
+            }
         }
         // Registered outputs receive their bytes by DMA; the others through staging.
         let mut staged = vec![true; outs.len()];
@@ -770,6 +796,20 @@ impl Lane {
         }
         for (j, o) in outs.iter_mut().enumerate().filter(|(j, _)| staged[*j]) {
             o.copy_from_slice(self.result(OUT + j, o.len()));
+        }
+        if let Kernel::Requant {
+            quant,
+            measure: true,
+            ..
+        } = kernel
+        {
+            let len = (quant.rows * quant.cols * quant.weight_bytes()) as usize;
+            return Ok(Ran::Done(Some(KernelStats::Requant {
+                rows: units,
+                merged: self.result(MERGED, len).to_vec(),
+                codes: outs[0].to_vec(),
+                scales: outs[1].to_vec(),
+            })));
         }
         if let Kernel::Engram { .. } = kernel {
             let bytes = self.result(SCRATCH + 2, nunits as usize * 32);
@@ -814,19 +854,18 @@ impl Lane {
         Ok(flag)
     }
 
-    /// Queues a quantiser over a chunk (`inputs[0]`: its weight rows) into output slots 0
-    /// (codes) and 1 (scales); returns the refusal flag's address.
+    /// Queues a quantiser over a chunk (its weight rows at device address `w`) into output
+    /// slots 0 (codes) and 1 (scales), raising the refusal flag `f`.
     fn quantize(
         &mut self,
         k: &Kernels,
         p: &QuantParams,
-        inputs: &[&[u8]],
+        w: CUdeviceptr,
         outs: &[&mut [u8]],
-    ) -> Result<CUdeviceptr, String> {
-        let w = self.upload(IN, inputs[0])?;
+        f: CUdeviceptr,
+    ) -> Result<(), String> {
         let codes = self.device(OUT, outs[0].len())?;
         let scales = self.device(OUT + 1, outs[1].len())?;
-        let f = self.zero(FLAG, 4)?;
         if p.is_fp8_rows() || p.is_fp8_block() {
             // Segments of ≤128 columns fold their amax into their row's or block's, each
             // target's scale and factor follow, then the codes.
@@ -862,7 +901,7 @@ impl Lane {
             unsafe { b.launch(launch_config(n)) }
                 .map_err(|e| driver_err("tftf_quantize_groups", e))?;
         }
-        Ok(f)
+        Ok(())
     }
 
     /// LoRA/DoRA: factors to f32, Δ = B@A in the fixed summation order the CPU uses, then the
@@ -873,6 +912,7 @@ impl Lane {
         f: &LoraLaunch,
         units: &Range<u64>,
         inputs: &[&[u8]],
+        out_slot: usize,
         out_len: usize,
     ) -> Result<Option<CUdeviceptr>, String> {
         let tr = units.end - units.start;
@@ -925,7 +965,7 @@ impl Lane {
             unsafe { b.launch(launch_config(tr)) }
                 .map_err(|e| driver_err("tftf_dora_factors", e))?;
         }
-        let o = self.device(OUT, out_len)?;
+        let o = self.device(out_slot, out_len)?;
         let mut b = self.stream.launch_builder(&k.lora);
         b.arg(&base)
             .arg(&delta)

@@ -41,6 +41,14 @@ pub enum Kernel {
     /// Weight-only quantisation (kernels/quantize.cuh): weight rows → codes (output 0) and
     /// scales (output 1); refuses non-finite weights.
     Quantize(QuantParams),
+    /// A merge whose rows stay on the device and are quantised there (`merge-lora --requant`):
+    /// the `Lora` kernels into the base's float dtype, then the `Quantize` ones; with
+    /// `measure`, the merged rows come back too, for the op's error figures.
+    Requant {
+        merge: LoraLaunch,
+        quant: QuantParams,
+        measure: bool,
+    },
 }
 
 /// Figures a kernel gathered for its chunk, handed back to the op (`Op::absorb`).
@@ -48,6 +56,13 @@ pub enum Kernel {
 pub enum KernelStats {
     /// Per-row quality sums of the E2M1 requantisation, and blocks raised to the least scale.
     Engram { rows: Vec<RowSums>, clamped: u64 },
+    /// A requantised chunk (rows `rows`): its merged rows and what they were quantised to.
+    Requant {
+        rows: std::ops::Range<u64>,
+        merged: Vec<u8>,
+        codes: Vec<u8>,
+        scales: Vec<u8>,
+    },
 }
 
 /// `TftfDtype` of kernels/cast.cuh.

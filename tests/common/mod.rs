@@ -447,3 +447,56 @@ pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect()
 }
+
+/// The modules `requant_adapter` targets in layer 0 of the `quantize` fixtures (with their
+/// [out, in]). 320 rows and columns make ragged 128-blocks.
+pub const REQUANT_TARGETS: [(&str, u64, u64); 4] = [
+    ("self_attn.q_proj", 128, 256),
+    ("self_attn.v_proj", 64, 256),
+    ("mlp.gate_proj", 320, 256),
+    ("mlp.down_proj", 256, 320),
+];
+pub const REQUANT_LAYER: &str = "model.layers.0";
+
+/// A rank-4 F32 LoRA adapter on [`REQUANT_TARGETS`], factors in ±0.1, DoRA on gate_proj.
+pub fn requant_adapter(dir: &Path) -> PathBuf {
+    let mut rng = Rng(0x5eed);
+    let mut small = |n: u64| -> Vec<u8> {
+        let v: Vec<f32> = (0..n)
+            .map(|_| (rng.next_u32() as f32 / u32::MAX as f32 - 0.5) * 0.2)
+            .collect();
+        f32_bytes(&v)
+    };
+    let mut m = Model::adapter();
+    for (module, out, inp) in REQUANT_TARGETS {
+        let p = format!("base_model.model.{REQUANT_LAYER}.{module}");
+        m = m
+            .tensor(
+                &format!("{p}.lora_A.weight"),
+                DType::F32,
+                &[4, inp],
+                small(4 * inp),
+            )
+            .tensor(
+                &format!("{p}.lora_B.weight"),
+                DType::F32,
+                &[out, 4],
+                small(out * 4),
+            );
+        // DoRA on gate_proj (ragged 320 rows): the merge rescales each row to a magnitude.
+        if module == "mlp.gate_proj" {
+            let mags: Vec<f32> = (0..out).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect();
+            m = m.tensor(
+                &format!("{p}.lora_magnitude_vector"),
+                DType::F32,
+                &[out],
+                f32_bytes(&mags),
+            );
+        }
+    }
+    m.file(
+        "adapter_config.json",
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}"#,
+    )
+    .write(dir)
+}

@@ -476,7 +476,9 @@ impl Op for EngramRequant {
         Some(Kernel::Engram { cols: self.cols })
     }
     fn absorb(&self, stats: KernelStats) {
-        let KernelStats::Engram { rows, clamped } = stats;
+        let KernelStats::Engram { rows, clamped } = stats else {
+            unreachable!("the Engram kernel's figures")
+        };
         self.add_rows(&rows, clamped);
     }
     fn name(&self) -> &'static str {

@@ -84,6 +84,15 @@ impl QuantParams {
         self.scheme == scheme_code(Scheme::Fp8Dynamic)
     }
 
+    /// Bytes of one weight element (BF16/F16 2, F32 4).
+    pub fn weight_bytes(&self) -> u64 {
+        if self.wt == kernel_dtype(crate::format::dtype::DType::F32) {
+            4
+        } else {
+            2
+        }
+    }
+
     /// Elements per group of a grouped scheme.
     pub fn group(&self) -> u64 {
         match self.scheme {

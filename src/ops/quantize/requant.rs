@@ -36,6 +36,7 @@ use crate::ops::dequant::DequantStep;
 use crate::ops::fp4::engram::e2m1_to_f32;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
+use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
 use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep};
 
@@ -421,17 +422,10 @@ impl Derive for RequantDerive {
         // The merged weight is rounded to the base's float dtype first, as the two-step route
         // (`dequant --merge-lora --dtype W`, then `quantize`) stores it.
         let inner = self.merged.build(self.wt.dtype());
-        let q = &self.outer;
+        let q = self.outer;
         Arc::new(Requant {
             inner,
-            outer: QuantizeRows {
-                scheme: q.scheme,
-                rows: q.rows,
-                cols: q.cols,
-                wt: q.wt,
-                global: q.global,
-                block: q.block,
-            },
+            outer: q,
             cols: q.cols,
             wt: self.wt,
             base: self.base,
@@ -494,7 +488,7 @@ struct Requant {
 impl Requant {
     /// Folds the error of quantised rows `rows` (codes `outs[0]`, NVFP4 scales `outs[1]`)
     /// against the merged values `m` into the stats.
-    fn measure(&self, rows: &Range<u64>, m: &[f32], outs: &[&mut [u8]]) -> Result<(), String> {
+    fn measure(&self, rows: &Range<u64>, m: &[f32], outs: &[&[u8]]) -> Result<(), String> {
         let Some(stats) = &self.stats else {
             return Ok(());
         };
@@ -561,6 +555,35 @@ impl Op for Requant {
     fn name(&self) -> &'static str {
         "requant"
     }
+    /// On a GPU the merged rows stay on the device between the merge and the encoder.
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        let Some(Kernel::Lora(merge)) = self.inner.kernel(units) else {
+            return None;
+        };
+        let Some(Kernel::Quantize(quant)) = self.outer.kernel(units) else {
+            return None;
+        };
+        Some(Kernel::Requant {
+            merge,
+            quant,
+            measure: self.stats.is_some(),
+        })
+    }
+    fn absorb(&self, stats: KernelStats) {
+        let KernelStats::Requant {
+            rows,
+            merged,
+            codes,
+            scales,
+        } = stats
+        else {
+            unreachable!("the requant kernels' figures")
+        };
+        let mut m = Vec::new();
+        self.wt.decode(&merged, &mut m);
+        // The same figures as the CPU op's: the kernels' bytes are the CPU's.
+        let _ = self.measure(&rows, &m, &[&codes, &scales]);
+    }
     fn units(&self) -> u64 {
         self.outer.units()
     }
@@ -620,7 +643,7 @@ impl Op for Requant {
         if self.stats.is_some() {
             let mut m = Vec::new();
             self.wt.decode(&merged, &mut m);
-            self.measure(&rows, &m, outs)?;
+            self.measure(&rows, &m, &[&*outs[0], &*outs[1]])?;
         }
         Ok(())
     }
