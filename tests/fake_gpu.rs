@@ -327,8 +327,8 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
         ],
     );
     assert_identical("fp8-requant", &pairs);
-    let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-gpu-fp8-requant");
-    let requant = |report: &str| -> Vec<serde_json::Value> {
+    let requant = |case: &str, report: &str| -> Vec<serde_json::Value> {
+        let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("fake-gpu-{case}"));
         let r: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(work.join(report)).unwrap()).unwrap();
         r["tensor_reports"]
@@ -339,14 +339,42 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
             .cloned()
             .collect()
     };
-    let cpu = requant("cpu-false.json");
-    assert_eq!(cpu.len(), 4, "every targeted weight requantised");
-    assert!(cpu
-        .iter()
-        .all(|t| t["relative_error"].as_f64().unwrap() > 0.0));
-    for gpu in ["cuda-false.json", "cuda-true.json"] {
-        assert_eq!(requant(gpu), cpu, "{gpu}: the same error figures");
-    }
+    let same_figures = |case: &str| {
+        let cpu = requant(case, "cpu-false.json");
+        assert_eq!(cpu.len(), 4, "{case}: every targeted weight requantised");
+        assert!(cpu
+            .iter()
+            .all(|t| t["relative_error"].as_f64().unwrap() > 0.0));
+        for gpu in ["cuda-false.json", "cuda-true.json"] {
+            assert_eq!(
+                requant(case, gpu),
+                cpu,
+                "{case} {gpu}: the same error figures"
+            );
+        }
+    };
+    same_figures("fp8-requant");
+    // An NVFP4 base: FP4 dequantisation feeds the merge on the device (DoRA on gate_proj: six
+    // inputs), under the base's kept tensor scale.
+    let pairs = cpu_vs_gpu(
+        "nvfp4-requant",
+        &[
+            "merge-lora",
+            "-b",
+            s(&fixture("quantize/NVFP4A16")),
+            "-a",
+            s(&adapter),
+        ],
+        &[
+            "tftf_dequant_fp4",
+            "tftf_lora_delta",
+            "tftf_dora_factors",
+            "tftf_lora",
+            "tftf_quantize_groups",
+        ],
+    );
+    assert_identical("nvfp4-requant", &pairs);
+    same_figures("nvfp4-requant");
 }
 
 /// `tftf quantize` on the GPU path: every scheme runs its kernels and writes

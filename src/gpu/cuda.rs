@@ -32,7 +32,7 @@ use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
 use crate::ops::fp8::kernel::DequantParams;
 use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
-use crate::ops::lora::kernel::{DeltaParams, LoraLaunch, LoraParams};
+use crate::ops::lora::kernel::{BaseDequant, DeltaParams, LoraLaunch, LoraParams};
 use crate::ops::quantize::kernel::QuantParams;
 
 /// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
@@ -448,10 +448,11 @@ impl Drop for DevBuf {
     }
 }
 
-/// Input slots 0..5, output slots 5..7, device-only scratch after.
+/// Input slots 0..6 (a DoRA merge over an NVFP4 base has six: codes, block scales, tensor
+/// scale, A, B, magnitude), output slots 6..8, device-only scratch after.
 const IN: usize = 0;
-const OUT: usize = 5;
-const SCRATCH: usize = 7;
+const OUT: usize = 6;
+const SCRATCH: usize = 8;
 const SLOTS: usize = 16;
 /// The scratch slot of the refusal flag kernels raise.
 const FLAG: usize = SCRATCH;
@@ -623,22 +624,8 @@ impl Lane {
                 flag = Some(self.dequant(k, p, inputs, o)?);
             }
             Kernel::DequantFp4(p) => {
-                let c = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
-                let g = match inputs.get(2) {
-                    Some(g) => self.upload(IN + 2, g)?,
-                    None => 0,
-                };
                 let o = self.device(OUT, outs[0].len())?;
-                let f = self.zero(FLAG, 4)?;
-                flag = Some(f);
-                let n = 2 * inputs[0].len() as u64;
-                let mut b = self.stream.launch_builder(&k.dequant_fp4);
-                b.arg(&c).arg(&s).arg(&g).arg(&o).arg(&n).arg(p).arg(&f);
-                // SAFETY: argument types match tftf_dequant_fp4; the inputs are the op's ranges
-                // for these units (two codes a byte) and `o` holds n elements of p.dst.
-                unsafe { b.launch(launch_config(n)) }
-                    .map_err(|e| driver_err("tftf_dequant_fp4", e))?;
+                flag = Some(self.dequant_fp4(k, p, inputs, o)?);
             }
             Kernel::DequantInt(p) => {
                 let w = self.upload(IN, inputs[0])?;
@@ -854,6 +841,31 @@ impl Lane {
         Ok(flag)
     }
 
+    /// Queues FP4 dequantisation of a chunk (`inputs`: codes, block scales, the tensor scale if
+    /// any) into device buffer `out`; returns the refusal flag's address.
+    fn dequant_fp4(
+        &mut self,
+        k: &Kernels,
+        p: &Fp4Params,
+        inputs: &[&[u8]],
+        out: CUdeviceptr,
+    ) -> Result<CUdeviceptr, String> {
+        let c = self.upload(IN, inputs[0])?;
+        let s = self.upload(IN + 1, inputs[1])?;
+        let g = match inputs.get(2) {
+            Some(g) => self.upload(IN + 2, g)?,
+            None => 0,
+        };
+        let f = self.zero(FLAG, 4)?;
+        let n = 2 * inputs[0].len() as u64;
+        let mut b = self.stream.launch_builder(&k.dequant_fp4);
+        b.arg(&c).arg(&s).arg(&g).arg(&out).arg(&n).arg(p).arg(&f);
+        // SAFETY: argument types match tftf_dequant_fp4; the inputs are the op's ranges for
+        // these units (two codes a byte) and `out` holds n elements of p.dst.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_dequant_fp4", e))?;
+        Ok(f)
+    }
+
     /// Queues a quantiser over a chunk (its weight rows at device address `w`) into output
     /// slots 0 (codes) and 1 (scales), raising the refusal flag `f`.
     fn quantize(
@@ -922,9 +934,14 @@ impl Lane {
         // refuse a value, which the caller then hands to the CPU op.
         let (base, base_dtype, flag) = match &f.base_dequant {
             None => (self.upload(IN, inputs[0])?, f.base_dtype, None),
-            Some(p) => {
+            Some(BaseDequant::Fp8(p)) => {
                 let o = self.device(SCRATCH + 6, (tr * cols * 4) as usize)?;
                 let fl = self.dequant(k, p, &inputs[..nb], o)?;
+                (o, DType::F32, Some(fl))
+            }
+            Some(BaseDequant::Fp4(p)) => {
+                let o = self.device(SCRATCH + 6, (tr * cols * 4) as usize)?;
+                let fl = self.dequant_fp4(k, p, &inputs[..nb], o)?;
                 (o, DType::F32, Some(fl))
             }
         };

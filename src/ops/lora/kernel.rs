@@ -2,6 +2,7 @@
 //! per-chunk launch.
 
 use crate::format::dtype::DType;
+use crate::ops::fp4::kernel::Fp4Params;
 use crate::ops::fp8::kernel::DequantParams;
 
 /// A LoRA-style merge as the GPU runs it: `base (+ dequantised by base_dequant) + scale · Δ`,
@@ -10,8 +11,8 @@ use crate::ops::fp8::kernel::DequantParams;
 pub struct LoraLaunch {
     /// Inputs: `base_inputs` of the base, then A, B and (DoRA) the magnitude.
     pub base_inputs: usize,
-    /// FP8 dequantisation producing the base as f32, when the base is computed.
-    pub base_dequant: Option<DequantParams>,
+    /// The dequantisation producing the base as f32, when the base is computed.
+    pub base_dequant: Option<BaseDequant>,
     pub base_dtype: DType,
     pub a_dtype: DType,
     pub b_dtype: DType,
@@ -21,6 +22,14 @@ pub struct LoraLaunch {
     pub delta: DeltaParams,
     /// Δ's coefficients come from A (else from B); the vectors from the other factor.
     pub coef_is_a: bool,
+}
+
+/// How a computed base is made on the device: FP8 (kernels/fp8.cuh) or FP4 (kernels/
+/// fp4_dequant.cuh) dequantisation to f32.
+#[derive(Clone, Copy, Debug)]
+pub enum BaseDequant {
+    Fp8(DequantParams),
+    Fp4(Fp4Params),
 }
 
 /// `LoraParams` of kernels/lora.cuh.

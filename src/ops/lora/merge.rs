@@ -12,7 +12,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::kernel::{DeltaParams, LoraLaunch};
+use super::kernel::{BaseDequant, DeltaParams, LoraLaunch};
 use crate::format::dtype::DType;
 use crate::ops::cast::{cast_slice, f32_to_bf16, write_as};
 use crate::ops::kernel::{kernel_dtype, Kernel};
@@ -82,11 +82,13 @@ fn size(d: DType) -> u64 {
     d.bits() / 8
 }
 
-/// Whether a computed base can be produced on the GPU too (FP8 dequantisation to f32).
+/// Whether a computed base can be produced on the GPU too (FP8 or FP4 dequantisation to f32).
 fn base_on_gpu(base_op: &Option<Arc<dyn Op>>) -> bool {
+    let f32 = kernel_dtype(DType::F32);
     match base_op.as_ref().map(|op| op.kernel(&(0..0))) {
         None => true,
-        Some(Some(Kernel::DequantFp8(p))) => p.dst == kernel_dtype(DType::F32),
+        Some(Some(Kernel::DequantFp8(p))) => p.dst == f32,
+        Some(Some(Kernel::DequantFp4(p))) => p.dst == f32,
         Some(_) => false,
     }
 }
@@ -104,11 +106,12 @@ fn lora_launch(
     delta: DeltaParams,
     coef_is_a: bool,
 ) -> LoraLaunch {
-    // The GPU runs a merge only over a stored or an FP8 base (`base_on_gpu`); the CPU reads only
+    // The GPU runs a merge only over a stored, FP8 or FP4 base (`base_on_gpu`); the CPU reads only
     // the operand layout of this launch, so another computed base (a cast step's rounding)
     // leaves `base_dequant` empty rather than failing.
     let base_dequant = base_op.as_ref().and_then(|op| match op.kernel(units) {
-        Some(Kernel::DequantFp8(p)) => Some(p),
+        Some(Kernel::DequantFp8(p)) => Some(BaseDequant::Fp8(p)),
+        Some(Kernel::DequantFp4(p)) => Some(BaseDequant::Fp4(p)),
         _ => None,
     });
     LoraLaunch {
@@ -163,7 +166,8 @@ impl LoraMerge {
 }
 
 impl Op for LoraMerge {
-    /// The GPU also dequantises an FP8 base (to f32, as `base_op` is built) before merging.
+    /// The GPU also dequantises an FP8 or FP4 base (to f32, as `base_op` is built) before
+    /// merging.
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
         (base_on_gpu(&self.base_op) && self.dst != DType::F64)
             .then(|| Kernel::Lora(self.launch(units)))
