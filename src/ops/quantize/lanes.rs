@@ -300,6 +300,31 @@ pub fn tensor_amax(wt: WeightType, bytes: &[u8]) -> f32 {
     }
 }
 
+/// The amax of `len` bytes of `wt` elements read `piece` bytes at a time by `read(offset, buf)`
+/// (a whole number of elements each); `nonfinite(value)` is the error for a NaN or infinity.
+pub fn amax_read<E>(
+    wt: WeightType,
+    len: u64,
+    piece: u64,
+    mut read: impl FnMut(u64, &mut [u8]) -> Result<(), E>,
+    nonfinite: impl Fn(f32) -> E,
+) -> Result<f32, E> {
+    let (mut at, mut m) = (0, 0f32);
+    let mut buf = Vec::new();
+    while at < len {
+        let n = piece.min(len - at);
+        buf.resize(n as usize, 0);
+        read(at, &mut buf)?;
+        let v = tensor_amax(wt, &buf);
+        if !v.is_finite() {
+            return Err(nonfinite(v));
+        }
+        m = m.max(v);
+        at += n;
+    }
+    Ok(m)
+}
+
 /// E4M3 codes of `xs / s` rounded to the weight dtype, with compressed-tensors' `+ 0`
 /// (−0 becomes +0) and clamp.
 #[inline(always)]

@@ -513,24 +513,12 @@ pub(super) fn weight_amax(ckpt: &Checkpoint, src: usize, wt: WeightType) -> Resu
         .byte_len(t.info.shape.iter().product())
         .unwrap_or(0);
     let piece = PLAN_READ_BYTES / 4 * 4;
-    let (mut at, mut m) = (0, 0f32);
-    let mut buf = Vec::new();
-    while at < total {
-        let n = piece.min(total - at);
-        buf.resize(n as usize, 0);
-        ckpt.read_tensor_at(t, at, &mut buf)?;
-        let v = lanes::tensor_amax(wt, &buf);
-        if !v.is_finite() {
-            return Err(Error::TensorData {
-                path: ckpt.shards[t.shard()].path.clone(),
-                tensor: t.info.name.clone(),
-                msg: format!("holds {v}: a non-finite weight cannot be quantised"),
-            });
-        }
-        m = m.max(v);
-        at += n;
-    }
-    Ok(m)
+    let read = |at: u64, buf: &mut [u8]| ckpt.read_tensor_at(t, at, buf);
+    lanes::amax_read(wt, total, piece, read, |v| Error::TensorData {
+        path: ckpt.shards[t.shard()].path.clone(),
+        tensor: t.info.name.clone(),
+        msg: format!("holds {v}: a non-finite weight cannot be quantised"),
+    })
 }
 
 /// Refuses a checkpoint that is quantised already (by its config or its tensors).

@@ -146,29 +146,23 @@ impl TensorScale {
                     }
                 }
                 let mut m = 0f32;
-                let mut buf = Vec::new();
                 for (name, member_wt, pieces) in &self.members {
                     let mut member = 0f32;
                     for p in pieces {
-                        let mut at = 0;
-                        while at < p.len {
-                            let n = READ_BYTES.min(p.len - at);
-                            buf.resize(n as usize, 0);
-                            p.file.read_exact_at(&mut buf, p.offset + at).map_err(|e| {
+                        let read = |at: u64, buf: &mut [u8]| {
+                            p.file.read_exact_at(buf, p.offset + at).map_err(|e| {
                                 format!(
                                     "reading `{name}` for the NVFP4 tensor scale from {}: {e}",
                                     crate::escape::path(&p.path)
                                 )
-                            })?;
-                            let v = lanes::tensor_amax(*member_wt, &buf);
-                            if !v.is_finite() {
-                                return Err(format!(
-                                    "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
-                                ));
-                            }
-                            member = member.max(v);
-                            at += n;
-                        }
+                            })
+                        };
+                        let v = lanes::amax_read(*member_wt, p.len, READ_BYTES, read, |v| {
+                            format!(
+                                "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
+                            )
+                        })?;
+                        member = member.max(v);
                     }
                     if let Some(why) = self.kind.refuse(name, member) {
                         return Err(why);
