@@ -87,25 +87,42 @@ fn every_preset_equals_llm_compressor_byte_for_byte() {
 
 #[test]
 fn output_does_not_depend_on_threads_chunks_or_shards() {
-    // Small shards and a budget that splits weights into several chunks; FP8_BLOCK's codes op
-    // must keep 128-row blocks whole and NVFP4's tensor scales come from the whole group.
-    for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        let extra = [
-            "--threads",
-            "3",
-            "--max-shard-size",
-            "300KB",
-            "--memory-budget",
-            "64MiB",
-        ];
-        ok(&quantize(scheme, &input_of(scheme), &out, &extra));
-        assert!(
-            out.join("model.safetensors.index.json").exists(),
-            "{scheme}: sharded"
-        );
-        assert_matches_library(scheme, &out);
+    // Small shards and a budget that splits weights into several chunks: FP8_BLOCK must keep
+    // 128-row blocks whole, NVFP4's tensor scales come from the whole group, and ModelOpt's
+    // W4A16 packs two rows a byte (row pairs kept whole). Both formats.
+    for modelopt in [false, true] {
+        for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
+            let dir = tmp();
+            let out = dir.path().join("out");
+            let mut extra = vec![
+                "--threads",
+                "3",
+                "--max-shard-size",
+                "300KB",
+                "--memory-budget",
+                "64MiB",
+                "--checksums",
+            ];
+            if modelopt {
+                extra.extend(["--format", "modelopt"]);
+            }
+            ok(&quantize(scheme, &input_of(scheme), &out, &extra));
+            assert!(
+                out.join("model.safetensors.index.json").exists(),
+                "{scheme}: sharded"
+            );
+            if modelopt {
+                assert!(
+                    std::fs::read_to_string(out.join("SHA256SUMS"))
+                        .unwrap()
+                        .contains("hf_quant_config.json"),
+                    "{scheme}: the generated file is in the checksums"
+                );
+                assert_matches_modelopt(scheme, &out);
+            } else {
+                assert_matches_library(scheme, &out);
+            }
+        }
     }
 }
 
@@ -625,38 +642,6 @@ fn modelopt_format_equals_modelopt_export_byte_for_byte() {
             &out,
             &["--format", "modelopt"],
         ));
-        assert_matches_modelopt(scheme, &out);
-    }
-}
-
-#[test]
-fn modelopt_output_does_not_depend_on_threads_chunks_or_shards() {
-    // W4A16 packs two rows a byte: chunks must keep row pairs whole.
-    for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        let extra = [
-            "--format",
-            "modelopt",
-            "--threads",
-            "3",
-            "--max-shard-size",
-            "300KB",
-            "--memory-budget",
-            "64MiB",
-            "--checksums",
-        ];
-        ok(&quantize(scheme, &input_of(scheme), &out, &extra));
-        assert!(
-            out.join("model.safetensors.index.json").exists(),
-            "{scheme}: sharded"
-        );
-        assert!(
-            std::fs::read_to_string(out.join("SHA256SUMS"))
-                .unwrap()
-                .contains("hf_quant_config.json"),
-            "{scheme}: the generated file is in the checksums"
-        );
         assert_matches_modelopt(scheme, &out);
     }
 }
