@@ -32,6 +32,18 @@ fn input_of(case: &str) -> PathBuf {
     fixture(&format!("quantize/{name}"))
 }
 
+/// Runs `quantize` as [`quantize`] does, expects exit 1 and returns stderr.
+fn quantize_fails(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
+    let o = quantize(scheme, input, out, extra);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
 /// Asserts `out` holds exactly the library's tensors and config.json for `case`.
 fn assert_matches_library(case: &str, out: &Path) {
     let want_dir = fixture(&format!("quantize/{case}"));
@@ -264,15 +276,7 @@ fn columns_the_group_size_does_not_divide_are_refused_naming_the_tensor() {
         let dir = tmp();
         let out = dir.path().join("out");
         let input = fixture("quantize/input");
-        let err = fails(&[
-            "quantize",
-            "-i",
-            s(&input),
-            "-o",
-            s(&out),
-            "--scheme",
-            scheme,
-        ]);
+        let err = quantize_fails(scheme, &input, &out, &[]);
         assert!(
             err.contains("model.layers.0.mlp.down_proj.weight")
                 && err.contains("320 columns")
@@ -290,15 +294,7 @@ fn quantised_input_is_refused() {
         let dir = tmp();
         let out = dir.path().join("out");
         let input = fixture(&format!("quantize/{case}"));
-        let err = fails(&[
-            "quantize",
-            "-i",
-            s(&input),
-            "-o",
-            s(&out),
-            "--scheme",
-            "FP8_BLOCK",
-        ]);
+        let err = quantize_fails("FP8_BLOCK", &input, &out, &[]);
         assert!(err.contains("quantised already"), "{case}: {err}");
         assert!(!out.exists(), "{case}: output left behind");
     }
@@ -309,15 +305,7 @@ fn quantised_input_is_refused() {
         .tensor("a.weight_scale", DType::F32, &[1], f32_bytes(&[1.0]))
         .write(&dir.path().join("m"));
     let out = dir.path().join("out");
-    let err = fails(&[
-        "quantize",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--scheme",
-        "W8A16",
-    ]);
+    let err = quantize_fails("W8A16", &model, &out, &[]);
     assert!(
         err.contains("`a.weight`") && err.contains("quantised already"),
         "{err}"
@@ -342,15 +330,7 @@ fn a_failure_while_writing_leaves_no_output() {
         .write(&dir.path().join("m"));
     for scheme in ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"] {
         let out = dir.path().join("out");
-        let err = fails(&[
-            "quantize",
-            "-i",
-            s(&model),
-            "-o",
-            s(&out),
-            "--scheme",
-            scheme,
-        ]);
+        let err = quantize_fails(scheme, &model, &out, &[]);
         assert!(
             err.contains("m.b.weight") && err.contains("NaN at [200, 7]"),
             "{scheme}: {err}"
@@ -360,15 +340,7 @@ fn a_failure_while_writing_leaves_no_output() {
     // NVFP4 reads a weight's tensor-scale group when its first chunk is computed: the NaN stops
     // the run there, naming the weight, and the output goes too.
     let out = dir.path().join("out");
-    let err = fails(&[
-        "quantize",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--scheme",
-        "NVFP4A16",
-    ]);
+    let err = quantize_fails("NVFP4A16", &model, &out, &[]);
     assert!(
         err.contains("m.b.weight") && err.contains("holds NaN"),
         "{err}"
@@ -389,15 +361,7 @@ fn nothing_to_quantise_is_refused() {
         .tensor("norm.weight", DType::F32, &[16], f32_bytes(&[1.0; 16]))
         .write(&dir.path().join("m"));
     let out = dir.path().join("out");
-    let err = fails(&[
-        "quantize",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--scheme",
-        "FP8_DYNAMIC",
-    ]);
+    let err = quantize_fails("FP8_DYNAMIC", &model, &out, &[]);
     assert!(err.contains("no Linear weight to quantise"), "{err}");
     assert!(!out.exists());
     // --no-default-ignore takes lm_head too.
@@ -727,17 +691,7 @@ fn modelopt_nvfp4_refuses_an_all_zero_weight_naming_it() {
         ],
     );
     let out = dir.path().join("out");
-    let err = fails(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "NVFP4A16",
-        "--format",
-        "modelopt",
-    ]);
+    let err = quantize_fails("NVFP4A16", &input, &out, &["--format", "modelopt"]);
     assert!(
         err.contains("`model.layers.0.self_attn.k_proj.weight`") && err.contains("all zeros"),
         "{err}"
@@ -795,17 +749,7 @@ fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
     let dir = tmp();
     let out = dir.path().join("out");
     let input = fixture("quantize/input");
-    let err = fails(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "W4A16",
-        "--format",
-        "modelopt",
-    ]);
+    let err = quantize_fails("W4A16", &input, &out, &["--format", "modelopt"]);
     assert!(err.contains("model.layers.0.mlp.down_proj.weight"), "{err}");
     assert!(err.contains("ModelOpt refuses"), "{err}");
     assert!(
