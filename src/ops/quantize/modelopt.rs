@@ -36,7 +36,7 @@ use super::encode::{
 };
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
-use super::ops::decode_rows;
+use super::ops::{decode_rows, rows_out_span, scale_unit_bytes};
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
 use super::{
     default_ignore, linear_weights, list_tied_lm_head, module_order, nvfp4_globals,
@@ -551,19 +551,11 @@ impl Op for ModeloptRows {
         1
     }
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        if self.scheme == Scheme::Fp8Block {
-            self.row_scale_bytes().div_ceil(BLOCK)
-        } else {
-            self.row_scale_bytes()
-        }
+        scale_unit_bytes(self.scheme, self.row_scale_bytes())
     }
     fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        let (b, s) = (self.out_unit_bytes(), self.row_scale_bytes());
-        match (k, self.scheme) {
-            (0, _) => units.start * b..units.end * b,
-            (_, Scheme::Fp8Block) => units.start.div_ceil(BLOCK) * s..units.end.div_ceil(BLOCK) * s,
-            _ => units.start * s..units.end * s,
-        }
+        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
+        rows_out_span(self.scheme, k, units, code, scale)
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.in_unit_bytes();

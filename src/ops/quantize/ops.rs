@@ -322,21 +322,11 @@ impl Op for QuantizeRows {
         1
     }
     fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        if self.scheme == Scheme::Fp8Block {
-            self.row_scale_bytes().div_ceil(FP8_BLOCK)
-        } else {
-            self.row_scale_bytes()
-        }
+        scale_unit_bytes(self.scheme, self.row_scale_bytes())
     }
     fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        match (k, self.scheme) {
-            (0, _) => units.start * self.out_unit_bytes()..units.end * self.out_unit_bytes(),
-            (_, Scheme::Fp8Block) => {
-                let b = self.row_scale_bytes();
-                units.start.div_ceil(FP8_BLOCK) * b..units.end.div_ceil(FP8_BLOCK) * b
-            }
-            _ => units.start * self.row_scale_bytes()..units.end * self.row_scale_bytes(),
-        }
+        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
+        rows_out_span(self.scheme, k, units, code, scale)
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let row = self.in_unit_bytes();
@@ -352,6 +342,34 @@ impl Op for QuantizeRows {
         outs: &mut [&mut [u8]],
     ) -> Result<(), String> {
         lanes::encode(self, units, inputs, outs)
+    }
+}
+
+/// Scale bytes per unit (row) of a row quantiser whose scales take `scale_row` bytes a row, or
+/// for FP8 blocks a row of that many per 128 rows (an upper bound per unit).
+pub(super) fn scale_unit_bytes(scheme: Scheme, scale_row: u64) -> u64 {
+    if scheme == Scheme::Fp8Block {
+        scale_row.div_ceil(FP8_BLOCK)
+    } else {
+        scale_row
+    }
+}
+
+/// `Op::out_span` of a row quantiser: codes (output 0) `code_row` bytes a row; scales
+/// `scale_row` bytes a row, or for FP8 blocks a scale row per granule of 128 rows.
+pub(super) fn rows_out_span(
+    scheme: Scheme,
+    k: usize,
+    units: Range<u64>,
+    code_row: u64,
+    scale_row: u64,
+) -> Range<u64> {
+    match (k, scheme) {
+        (0, _) => units.start * code_row..units.end * code_row,
+        (_, Scheme::Fp8Block) => {
+            units.start.div_ceil(FP8_BLOCK) * scale_row..units.end.div_ceil(FP8_BLOCK) * scale_row
+        }
+        _ => units.start * scale_row..units.end * scale_row,
     }
 }
 
