@@ -182,21 +182,8 @@ pub struct WriteArgs {
     pub sharded: bool,
     #[command(flatten)]
     pub run: RunOpts,
-    /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
-    /// output, for `tftf verify`; on by default with --part and --resume (--checksums=off)
-    #[arg(long, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "on")]
-    pub checksums: Option<String>,
-    /// Write only part K of N of the output's shards, for one job of a job array; every part
-    /// runs the same command, then `tftf finalize OUT` (or --finalize) completes the output
-    #[arg(long, value_name = "K/N")]
-    pub part: Option<String>,
-    /// Continue an interrupted --part or --resume run: shards it committed that still match
-    /// their records are kept, the rest written (refused if the inputs or arguments changed)
-    #[arg(long)]
-    pub resume: bool,
-    /// With --part: when this part finishes and every other part has, finalize the output
-    #[arg(long)]
-    pub finalize: bool,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Write the output even when filters keep no tensor or an op finds nothing to do
     #[arg(long)]
     pub allow_empty: bool,
@@ -210,6 +197,26 @@ pub struct WriteArgs {
     /// cuda or cuda:N
     #[arg(long, value_name = "DEVICE", default_value = "auto")]
     pub device: String,
+}
+
+/// How a writing command's output is committed: checksums, parts, resume.
+#[derive(Args, Debug, Clone)]
+pub struct PolicyArgs {
+    /// Write SHA256SUMS and tftf-manifest.json (per-file and per-tensor SHA-256) with the
+    /// output, for `tftf verify`; on by default with --part and --resume (--checksums=off)
+    #[arg(long, value_name = "on|off", num_args = 0..=1, require_equals = true, default_missing_value = "on")]
+    pub checksums: Option<String>,
+    /// Write only part K of N of the output's files, for one job of a job array; every part
+    /// runs the same command, then `tftf finalize OUT` (or --finalize) completes the output
+    #[arg(long, value_name = "K/N")]
+    pub part: Option<String>,
+    /// Continue an interrupted --part or --resume run: files it committed that still match
+    /// their records are kept, the rest written (refused if the inputs or arguments changed)
+    #[arg(long)]
+    pub resume: bool,
+    /// With --part: when this part finishes and every other part has, finalize the output
+    #[arg(long)]
+    pub finalize: bool,
 }
 
 #[derive(Args, Debug)]
@@ -677,6 +684,8 @@ pub struct GgufArgs {
     pub vocab_pre: Option<String>,
     #[command(flatten)]
     pub run: RunOpts,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Replace existing output files
     #[arg(long)]
     pub force: bool,
@@ -684,7 +693,8 @@ pub struct GgufArgs {
     /// keep the reference's tensor order (no reflink padding key)
     #[arg(long)]
     pub no_reflink: bool,
-    /// Accepted as on every writing command; GGUF transforms run on the CPU
+    /// Where ops compute: auto (a CUDA GPU when a driver and device exist and an op has a
+    /// kernel, else the CPU), cpu, cuda or cuda:N
     #[arg(long, value_name = "DEVICE", default_value = "auto")]
     pub device: String,
 }

@@ -324,7 +324,7 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         kind: tftf::sink::OutputKind::Dir,
         max_shard_bytes: None,
     };
-    let layout = tftf::sink::Sink::layout(&sink, &ckpt, &plan).unwrap();
+    let layout = tftf::sink::Sink::layout(&sink, &ckpt, &plan, false).unwrap();
     let needed = plan.state_bytes(&ckpt) + layout.header_bytes();
     assert!(needed > 8 << 20 && needed < 16 << 20, "{needed}");
     let out = d.path().join("out");

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::cli::{RunOpts, WriteArgs};
+use crate::cli::{GgufArgs, PolicyArgs, RunOpts, WriteArgs};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
@@ -21,6 +21,8 @@ use crate::output::{
 use crate::pipeline::{self, Cancel, PipelineConfig};
 use crate::plan::{Plan, Recipe, Step};
 use crate::progress::{Mode as ProgressMode, Progress};
+use crate::sink::gguf::GgufSink;
+use crate::sink::gguf::GgufSinkOptions as GgufOptions;
 use crate::sink::{output_kind_for, Layout, OutputKind, Safetensors, Sink};
 use crate::size::{human, parse_size};
 use crate::sys;
@@ -28,7 +30,7 @@ use crate::sys;
 /// Resolved common options of every writing command.
 pub struct WriteOptions {
     pub output: PathBuf,
-    pub max_shard_bytes: Option<u64>,
+    pub format: Format,
     pub dry_run: bool,
     pub threads: usize,
     /// `--io-threads`; `None`: chosen from the storage.
@@ -116,34 +118,81 @@ impl RunOpts {
     }
 }
 
+/// The output format of a job.
+#[derive(Debug, Clone)]
+pub enum Format {
+    /// Shards and their index in a directory, or one `.safetensors` file.
+    Safetensors { max_shard_bytes: Option<u64> },
+    /// A `.gguf` file, or its split files.
+    Gguf(GgufOptions),
+}
+
 impl WriteOptions {
     /// `arguments`: the command and its output-relevant arguments ([`super::arguments_text`]),
     /// which a partitioned or resumed run's fingerprint includes.
     pub fn from_args(w: &WriteArgs, arguments: &str) -> Result<WriteOptions> {
-        if w.finalize && w.part.is_none() {
+        let mut opts = Self::common(
+            &w.output,
+            &w.run,
+            &w.policy,
+            (w.force, w.no_reflink),
+            &w.device,
+            arguments,
+        )?;
+        opts.allow_empty = w.allow_empty;
+        opts.format = Format::Safetensors {
+            max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
+        };
+        Ok(opts)
+    }
+
+    /// Options of `tftf gguf`: the same policy, a GGUF sink.
+    pub fn from_gguf_args(a: &GgufArgs, arguments: &str) -> Result<WriteOptions> {
+        let mut opts = Self::common(
+            &a.output,
+            &a.run,
+            &a.policy,
+            (a.force, a.no_reflink),
+            &a.device,
+            arguments,
+        )?;
+        opts.format = Format::Gguf(super::gguf::gguf_options(a)?);
+        Ok(opts)
+    }
+
+    /// `force_no_reflink`: `--force` and `--no-reflink`.
+    fn common(
+        output: &Path,
+        r: &RunOpts,
+        p: &PolicyArgs,
+        (force, no_reflink): (bool, bool),
+        device: &str,
+        arguments: &str,
+    ) -> Result<WriteOptions> {
+        if p.finalize && p.part.is_none() {
             return Err(Error::Usage(
                 "--finalize goes with --part K/N (a --resume run without --part finalizes by itself)".into(),
             ));
         }
-        let r = &w.run;
-        let threads = r.thread_count()?;
         Ok(WriteOptions {
-            output: w.output.clone(),
-            max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
+            output: output.to_path_buf(),
+            format: Format::Safetensors {
+                max_shard_bytes: None,
+            },
             dry_run: r.dry_run,
-            threads,
+            threads: r.thread_count()?,
             io_threads: r.io_thread_count()?,
             memory_budget: r.budget()?,
             quiet: r.quiet,
             progress: r.progress_mode()?,
             progress_interval: r.progress_interval()?,
             verbose: r.verbose,
-            allow_empty: w.allow_empty,
+            allow_empty: false,
             report: r.report.clone(),
-            force: w.force,
-            kernel_copy: !w.no_reflink,
-            device: DeviceRequest::parse(&w.device)?,
-            checksums: match w.checksums.as_deref() {
+            force,
+            kernel_copy: !no_reflink,
+            device: DeviceRequest::parse(device)?,
+            checksums: match p.checksums.as_deref() {
                 None => None,
                 Some("on") => Some(true),
                 Some("off") => Some(false),
@@ -153,9 +202,9 @@ impl WriteOptions {
                     )))
                 }
             },
-            part: w.part.as_deref().map(PartSpec::parse).transpose()?,
-            resume: w.resume,
-            finalize: w.finalize,
+            part: p.part.as_deref().map(PartSpec::parse).transpose()?,
+            resume: p.resume,
+            finalize: p.finalize,
             arguments: arguments.to_string(),
         })
     }
@@ -188,6 +237,53 @@ pub fn convert(
     result
 }
 
+/// The sink a job's [`Format`] names.
+pub(crate) enum OutputSink {
+    Safetensors(Safetensors),
+    Gguf(GgufSink),
+}
+
+impl OutputSink {
+    fn new(format: &Format, output: &Path) -> OutputSink {
+        match format {
+            Format::Safetensors { max_shard_bytes } => OutputSink::Safetensors(Safetensors {
+                kind: output_kind_for(output),
+                max_shard_bytes: *max_shard_bytes,
+            }),
+            Format::Gguf(o) => OutputSink::Gguf(GgufSink::new(o.clone())),
+        }
+    }
+
+    pub fn as_sink(&self) -> &dyn Sink {
+        match self {
+            OutputSink::Safetensors(s) => s,
+            OutputSink::Gguf(g) => g,
+        }
+    }
+
+    /// Where the output goes: a `.gguf` file is always a file, in a directory.
+    fn target<'a>(
+        &self,
+        output: &Path,
+        ckpt: &Checkpoint,
+        inputs: &'a InputFiles,
+    ) -> Result<OutputTarget<'a>> {
+        match self {
+            OutputSink::Safetensors(_) => OutputTarget::resolve(output, ckpt, inputs),
+            OutputSink::Gguf(_) => {
+                let target = OutputTarget::resolve_as(output, OutputKind::File, ckpt, inputs)?;
+                if output.is_dir() {
+                    return Err(Error::Other(format!(
+                        "output {} is a directory; name the .gguf file",
+                        output.display()
+                    )));
+                }
+                Ok(target)
+            }
+        }
+    }
+}
+
 fn convert_inner(
     command: &str,
     input: &Path,
@@ -204,15 +300,13 @@ fn convert_inner(
         }
     }
     crate::escape::print_input_notes(&ckpt, opts.quiet);
-    let is_file = matches!(output_kind_for(&opts.output), OutputKind::File);
-    let sides = if is_file {
-        Vec::new()
-    } else {
-        side_files(&ckpt)
-    };
-    let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &sides));
-    let target = OutputTarget::resolve(&opts.output, &ckpt, inputs)?;
-    let plan = Plan::build(&ckpt, steps)?;
+    let sink = OutputSink::new(&opts.format, &opts.output);
+    let all_sides = side_files(&ckpt);
+    let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &all_sides));
+    let target = sink.target(&opts.output, &ckpt, inputs)?;
+    let mut steps = steps.to_vec();
+    steps.extend(sink.as_sink().steps(&ckpt)?);
+    let plan = Plan::build(&ckpt, &steps)?;
     for w in &plan.notes.warnings {
         eprintln!(
             "warning: {}: {}",
@@ -223,27 +317,23 @@ fn convert_inner(
     if let (false, Some(why)) = (opts.allow_empty, &plan.nothing_to_do) {
         return Err(Error::NothingToDo(why.clone()));
     }
-    let sides: Vec<PathBuf> = sides
+    let copies_sides = sink.as_sink().copies_side_files();
+    let sides: Vec<PathBuf> = all_sides
         .into_iter()
         .filter(|p| {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
-            !plan.dropped_side_files.iter().any(|d| *d == name)
+            copies_sides
+                && !plan.dropped_side_files.iter().any(|d| *d == name)
                 && !plan.generated_files.iter().any(|(g, _)| *g == name)
         })
         .collect();
-    // Generated side files go with the other side files: not beside a single-file output.
-    let generated: &[(String, String)] = if is_file { &[] } else { &plan.generated_files };
-    let sink = Safetensors {
-        kind: target.kind.clone(),
-        max_shard_bytes: opts.max_shard_bytes,
-    };
-    let layout = sink.layout(&ckpt, &plan)?;
-    let data_budget = plan.data_budget(&ckpt, layout.header_bytes(), opts.memory_budget)?;
     let out_dir = target.dir.clone();
     // Bytes that will share extents with the input take no new space.
     let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&out_dir)));
     let sharing =
         opts.kernel_copy && sys::can_reflink(out_fs) && same_filesystem(&ckpt.dir, &out_dir);
+    let layout = sink.as_sink().layout(&ckpt, &plan, sharing)?;
+    let data_budget = plan.data_budget(&ckpt, layout.header_bytes(), opts.memory_budget)?;
     // A GPU is opened only when asked for by name or when some op can use one.
     let device = if opts.device == DeviceRequest::Cpu
         || (opts.device == DeviceRequest::Auto && !plan.has_gpu_ops())
@@ -261,6 +351,7 @@ fn convert_inner(
         sides: &sides,
         opts,
         device: &device,
+        sink: &sink,
         data_budget,
         sharing,
         started,
@@ -268,44 +359,115 @@ fn convert_inner(
     if opts.part.is_some() || opts.resume {
         return super::parted::run(&run, cancel);
     }
-    let checksums = opts.checksums == Some(true);
-    let mut names = target.names(&layout, &sides);
-    names.extend(generated.iter().map(|(n, _)| n.clone()));
+    single_run(&run, out_fs, cancel)
+}
+
+/// Names of the files a single run commits, the model files first; refuses checksums beside
+/// a single `.safetensors` file.
+fn output_names(run: &Prepared, checksums: bool) -> Result<Vec<String>> {
+    let (target, layout) = (run.target, run.layout);
+    let mut names = match run.sink {
+        OutputSink::Gguf(_) => layout.shards.iter().map(|s| s.file_name.clone()).collect(),
+        OutputSink::Safetensors(_) => target.names(layout, run.sides),
+    };
+    names.extend(generated_names(run));
     if checksums {
-        if target.file_name().is_some() {
+        if let (OutputSink::Safetensors(_), Some(_)) = (run.sink, target.file_name()) {
             return Err(Error::Usage(
                 "--checksums writes SHA256SUMS and tftf-manifest.json beside the shards: give a directory as -o".into(),
             ));
         }
         names.extend([SUMS_NAME.to_string(), MANIFEST_NAME.to_string()]);
     }
+    Ok(names)
+}
+
+/// What committing `names` does to the output: a safetensors directory is the job's own, GGUF
+/// files are claimed one by one.
+fn claim(run: &Prepared, names: &[String]) -> Result<Claim> {
+    match run.sink {
+        OutputSink::Gguf(_) => run.target.claim_files(names, run.opts.force),
+        OutputSink::Safetensors(_) => run.target.claim(names, run.opts.force),
+    }
+}
+
+/// The dry run: prints the plan and writes the report, nothing else.
+fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Result<()> {
+    let opts = run.opts;
+    if !opts.quiet {
+        match run.sink {
+            OutputSink::Gguf(g) => super::gguf::print_plan(run, g, needed, free),
+            OutputSink::Safetensors(_) => print_plan(run, needed, free),
+        }
+        print_claim(claim);
+        if run.plan.computed_count() > 0 {
+            println!("{}", device_line(run.device));
+        }
+    }
+    if let Some(path) = &opts.report {
+        write_report(path, &any_report_json(run, None, true))?;
+    }
+    Ok(())
+}
+
+/// One run: every file written under a temporary name, then committed together.
+fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<()> {
+    let (plan, layout, target, opts) = (run.plan, run.layout, run.target, run.opts);
+    let checksums = opts.checksums == Some(true);
+    let names = output_names(run, checksums)?;
     if let Some(report) = &opts.report {
         target.check_report(report, &names)?;
     }
-    let claim = target.claim(&names, opts.force)?;
-    let needed = run.needed_bytes(&layout, &sides);
+    let claim = claim(run, &names)?;
+    let needed = run.needed_bytes(layout, run.sides);
     let free = run.free_space();
-
     if opts.dry_run {
-        if !opts.quiet {
-            print_plan(&run, needed, free);
-            print_claim(&claim);
-            if plan.computed_count() > 0 {
-                println!("{}", device_line(&device));
-            }
-        }
-        if let Some(path) = &opts.report {
-            let report = report_json(&run, None, true);
-            write_report(path, &report)?;
-        }
-        return Ok(());
+        return dry_run(run, &claim, needed, free);
     }
-    let mut out = open_output(&target, needed, free, opts.quiet, cancel)?;
+    let mut out = open_output(target, needed, free, opts.quiet, cancel)?;
     // Checked again under the lock: another run may have written here since.
-    let claim = target.claim(&names, opts.force)?;
+    let claim = self::claim(run, &names)?;
+    let (files, tmp_names) = create_model_files(&mut out, layout, &names)?;
+    let progress = (opts.progress != ProgressMode::Off).then(|| {
+        Progress::new(
+            run.command,
+            names[..layout.shards.len()].to_vec(),
+            run.progress_bytes(&layout.shards.iter().collect::<Vec<_>>()),
+            plan.total_tensor_bytes(),
+            opts.progress_interval,
+            opts.progress,
+        )
+    });
+    let cfg = run.pipeline_config(cancel, progress.clone());
+    let stats = pipeline::execute(run.ckpt, plan, layout, &files, &tmp_names, &cfg)?;
+    if let Some(p) = &progress {
+        p.finish();
+    }
+    drop(files);
+    add_side_outputs(run, &mut out, &names, &tmp_names, checksums)?;
+    if cancel.is_raised() {
+        return Err(Error::Cancelled);
+    }
+    out.commit(&claim.deleted)?;
+    if !opts.quiet {
+        print_summary(run, &claim, &stats);
+    }
+    print_verbose_notes(opts, out_fs, &stats);
+    publish_report(opts.report.as_deref(), opts.progress, run.command, || {
+        any_report_json(run, Some(&stats), false)
+    });
+    Ok(())
+}
+
+/// The model files as temporaries, sized, each with its header written.
+fn create_model_files(
+    out: &mut OutputSet,
+    layout: &Layout,
+    names: &[String],
+) -> Result<(Vec<std::fs::File>, Vec<PathBuf>)> {
     let mut files = Vec::with_capacity(layout.shards.len());
     let mut tmp_names = Vec::with_capacity(layout.shards.len());
-    for (shard, name) in layout.shards.iter().zip(&names) {
+    for (shard, name) in layout.shards.iter().zip(names) {
         let (file, tmp) = out.add(name)?;
         file.set_len(shard.len).map_err(|e| Error::io(&tmp, e))?;
         if shard.clone_from.is_none() {
@@ -316,25 +478,22 @@ fn convert_inner(
         files.push(file);
         tmp_names.push(tmp);
     }
-    let progress = (opts.progress != ProgressMode::Off).then(|| {
-        Progress::new(
-            command,
-            names[..layout.shards.len()].to_vec(),
-            run.progress_bytes(&layout.shards.iter().collect::<Vec<_>>()),
-            plan.total_tensor_bytes(),
-            opts.progress_interval,
-            opts.progress,
-        )
-    });
-    let cfg = run.pipeline_config(cancel, progress.clone());
-    let stats = pipeline::execute(&ckpt, &plan, &layout, &files, &tmp_names, &cfg)?;
-    if let Some(p) = &progress {
-        p.finish();
-    }
-    drop(files);
+    Ok((files, tmp_names))
+}
+
+/// Everything beside the model files: their checksums, the index, the side files (config.json
+/// as the plan edited it), generated files, and `SHA256SUMS` with the manifest.
+fn add_side_outputs(
+    run: &Prepared,
+    out: &mut OutputSet,
+    names: &[String],
+    tmp_names: &[PathBuf],
+    checksums: bool,
+) -> Result<()> {
+    let (plan, layout) = (run.plan, run.layout);
     let mut sums = Vec::new();
     if checksums {
-        for ((shard, name), tmp) in layout.shards.iter().zip(&names).zip(&tmp_names) {
+        for ((shard, name), tmp) in layout.shards.iter().zip(names).zip(tmp_names) {
             let ranges = shard
                 .tensors
                 .iter()
@@ -348,38 +507,33 @@ fn convert_inner(
             sums.push(hash_file(tmp, name, ranges)?);
         }
     }
-    if let Some(index) = layout.index_json(&plan) {
+    let add = |out: &mut OutputSet, name: &str, text: &[u8], sums: &mut Vec<_>| -> Result<()> {
         if checksums {
-            sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
+            sums.push(hash_bytes(name, text));
         }
-        out.add_bytes(INDEX_NAME, index.as_bytes())?;
+        out.add_bytes(name, text)
+    };
+    if let Some(index) = layout.index_json(plan) {
+        add(out, INDEX_NAME, index.as_bytes(), &mut sums)?;
     }
-    for side in &sides {
+    for side in run.sides {
         let name = side
             .file_name()
             .expect("listed files have names")
             .to_string_lossy();
-        if name == "config.json" {
-            if let Some(cfg) = &plan.config {
-                let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
-                text.push('\n');
-                if checksums {
-                    sums.push(hash_bytes("config.json", text.as_bytes()));
-                }
-                out.add_bytes("config.json", text.as_bytes())?;
-                continue;
-            }
+        if let (true, Some(cfg)) = (name == "config.json", &plan.config) {
+            let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
+            text.push('\n');
+            add(out, "config.json", text.as_bytes(), &mut sums)?;
+            continue;
         }
         if checksums {
             sums.push(hash_file(side, &name, Vec::new())?);
         }
         out.add_copy(&name, side)?;
     }
-    for (name, text) in generated {
-        if checksums {
-            sums.push(hash_bytes(name, text.as_bytes()));
-        }
-        out.add_bytes(name, text.as_bytes())?;
+    for (name, text) in generated_files(run) {
+        add(out, name, text.as_bytes(), &mut sums)?;
     }
     if checksums {
         out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
@@ -388,53 +542,72 @@ fn convert_inner(
         manifest.push('\n');
         out.add_bytes(MANIFEST_NAME, manifest.as_bytes())?;
     }
-    if cancel.is_raised() {
-        return Err(Error::Cancelled);
+    Ok(())
+}
+
+/// The line a finished run prints, and what it replaced or removed.
+fn print_summary(run: &Prepared, claim: &Claim, stats: &pipeline::RunStats) {
+    let (plan, layout) = (run.plan, run.layout);
+    let secs = run.started.elapsed().as_secs_f64();
+    println!(
+        "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} shared with the input (reflink), {} copied in the kernel, {} through memory, {} computed",
+        layout.shards.len(),
+        plan.tensors.len(),
+        human(layout.total_file_bytes()),
+        run.opts.output.display(),
+        secs,
+        human((plan.total_tensor_bytes() as f64 / secs.max(1e-9)) as u64),
+        human(stats.bytes_reflinked),
+        human(stats.bytes_copied_in_kernel),
+        human(stats.bytes_copied_user),
+        human(stats.bytes_computed),
+    );
+    if let (OutputSink::Gguf(_), false) = (run.sink, claim.replaced.is_empty()) {
+        println!("replaced {}", claim.replaced.join(", "));
     }
-    out.commit(&claim.deleted)?;
-    if !opts.quiet {
-        let secs = started.elapsed().as_secs_f64();
+    if !claim.deleted.is_empty() {
         println!(
-            "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} shared with the input (reflink), {} copied in the kernel, {} through memory, {} computed",
-            layout.shards.len(),
-            plan.tensors.len(),
-            human(layout.total_file_bytes()),
-            opts.output.display(),
-            secs,
-            human((plan.total_tensor_bytes() as f64 / secs.max(1e-9)) as u64),
-            human(stats.bytes_reflinked),
-            human(stats.bytes_copied_in_kernel),
-            human(stats.bytes_copied_user),
-            human(stats.bytes_computed),
+            "removed {} model file(s) of the earlier output: {}",
+            claim.deleted.len(),
+            claim.deleted.join(", ")
         );
-        if !claim.deleted.is_empty() {
-            println!(
-                "removed {} model file(s) of the earlier output: {}",
-                claim.deleted.len(),
-                claim.deleted.join(", ")
-            );
-        }
-        if plan.computed_count() > 0 {
-            println!("{}", device_line(&device));
-        }
-        if let Some(line) = crate::ops::quantize::requant::summary(&tensor_reports(&plan)) {
-            println!("{line}");
-        }
     }
-    if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.reflink_unavailable) {
+    if plan.computed_count() > 0 {
+        println!("{}", device_line(run.device));
+    }
+    if let Some(line) = crate::ops::quantize::requant::summary(&tensor_reports(plan)) {
+        println!("{line}");
+    }
+}
+
+/// `-v`: why untouched bytes were copied rather than shared, and why buffers were not
+/// registered with the GPU.
+fn print_verbose_notes(opts: &WriteOptions, out_fs: &str, stats: &pipeline::RunStats) {
+    if !opts.verbose || opts.quiet {
+        return;
+    }
+    if let Some(why) = &stats.reflink_unavailable {
         if sys::can_reflink(out_fs) {
             eprintln!("info: untouched tensors were copied, not shared with the input: {why}");
         } else {
             eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
         }
     }
-    if let (true, false, Some(why)) = (opts.verbose, opts.quiet, &stats.host_register_failed) {
+    if let Some(why) = &stats.host_register_failed {
         eprintln!("info: pool buffers not registered with the GPU driver, copies go through staging buffers: {why}");
     }
-    publish_report(opts.report.as_deref(), opts.progress, command, || {
-        report_json(&run, Some(&stats), false)
-    });
-    Ok(())
+}
+
+/// The report of a run, in its format's shape.
+pub(crate) fn any_report_json(
+    p: &Prepared,
+    stats: Option<&pipeline::RunStats>,
+    dry_run: bool,
+) -> Value {
+    match p.sink {
+        OutputSink::Gguf(g) => super::gguf::report_json(p, g, stats, dry_run),
+        OutputSink::Safetensors(_) => report_json(p, stats, dry_run),
+    }
 }
 
 /// After the commit: the report to `--report` and, with `--progress json`, as the last line
@@ -473,6 +646,7 @@ pub(crate) struct Prepared<'a> {
     pub sides: &'a [PathBuf],
     pub opts: &'a WriteOptions,
     pub device: &'a Device,
+    pub sink: &'a OutputSink,
     /// Memory for tensor data in flight.
     pub data_budget: u64,
     /// Whether untouched tensors will probably share extents with the input.
@@ -656,15 +830,16 @@ fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usize, u64, u64
 }
 
 /// Side files the plan generates (`hf_quant_config.json`), written beside a directory output.
-fn generated_names(p: &Prepared) -> Vec<String> {
-    if matches!(output_kind_for(&p.opts.output), OutputKind::File) {
-        return Vec::new();
+fn generated_files<'a>(p: &Prepared<'a>) -> &'a [(String, String)] {
+    if p.sink.as_sink().copies_side_files() {
+        &p.plan.generated_files
+    } else {
+        &[]
     }
-    p.plan
-        .generated_files
-        .iter()
-        .map(|(n, _)| n.clone())
-        .collect()
+}
+
+fn generated_names(p: &Prepared) -> Vec<String> {
+    generated_files(p).iter().map(|(n, _)| n.clone()).collect()
 }
 
 pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {

@@ -209,7 +209,7 @@ fn make_v4_example(dir: &Path) -> Result<()> {
 fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
     WriteOptions {
         output: output.into(),
-        max_shard_bytes,
+        format: super::convert::Format::Safetensors { max_shard_bytes },
         dry_run: false,
         threads: 2,
         io_threads: None,

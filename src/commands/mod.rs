@@ -380,8 +380,8 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             Ok(0)
         }
         Command::Gguf(a) => {
-            let opts = gguf::GgufOptions::from_args(a)?;
-            gguf::run(&input_path(&a.input)?, &opts, cancel)?;
+            let opts = WriteOptions::from_gguf_args(a, &arguments)?;
+            convert("gguf", &input_path(&a.input)?, &[], &opts, cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {

@@ -134,8 +134,8 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                 kind: OutputKind::Dir,
                 max_shard_bytes: None,
             };
-            let planned =
-                Plan::build(ckpt, &steps).and_then(|plan| sink.layout(ckpt, &plan).map(|_| plan));
+            let planned = Plan::build(ckpt, &steps)
+                .and_then(|plan| sink.layout(ckpt, &plan, false).map(|_| plan));
             match planned {
                 Err(e) => problems.push(format!("pipe: {e}")),
                 Ok(plan) => {

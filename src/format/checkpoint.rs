@@ -531,6 +531,11 @@ impl Checkpoint {
         find(&self.tensors, &self.by_name, name).map(|i| &self.tensors[i])
     }
 
+    /// Position of tensor `name` in [`Checkpoint::tensors`].
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        find(&self.tensors, &self.by_name, name)
+    }
+
     /// Bytes of the model's own tensors.
     pub fn total_bytes(&self) -> u64 {
         self.tensors[..self.base_count]

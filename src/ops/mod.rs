@@ -11,6 +11,7 @@ pub mod cast;
 pub mod dequant;
 pub mod fp4;
 pub mod fp8;
+pub mod gguf;
 pub mod int;
 pub mod kernel;
 pub mod lora;

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use crate::error::Result;
 use crate::format::checkpoint::Checkpoint;
-use crate::plan::{Plan, Recipe};
+use crate::plan::{Plan, Recipe, Step};
 
 pub use safetensors::Safetensors;
 
@@ -24,10 +24,20 @@ pub const CLONE_ALIGN_BYTES: u64 = 4096;
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5 << 30;
 
 /// An output format.
-pub trait Sink {
+pub trait Sink: Send + Sync + std::fmt::Debug {
+    /// Plan steps the format itself applies after the job's own (GGUF: every tensor's name,
+    /// type and transform), planned from the checkpoint's headers and small files.
+    fn steps(&self, _ckpt: &Checkpoint) -> Result<Vec<Step>> {
+        Ok(Vec::new())
+    }
     /// Lays out `plan`'s tensors in files; the result depends only on the inputs and the
-    /// arguments, never on the filesystem.
-    fn layout(&self, ckpt: &Checkpoint, plan: &Plan) -> Result<Layout>;
+    /// arguments, never on the filesystem. `sharing`: unchanged tensors will probably share
+    /// extents with the input, so a format with padding to spare may place them congruently.
+    fn layout(&self, ckpt: &Checkpoint, plan: &Plan, sharing: bool) -> Result<Layout>;
+    /// Whether the model's side files (config, tokenizer, …) go beside the output files.
+    fn copies_side_files(&self) -> bool {
+        true
+    }
 }
 
 #[derive(Clone, Debug)]

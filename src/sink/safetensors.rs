@@ -22,6 +22,7 @@ use crate::format::header::serialize_entries;
 use crate::plan::{Plan, PlannedTensor, Recipe};
 
 /// Safetensors output: one file, or a directory of shards with their index.
+#[derive(Debug)]
 pub struct Safetensors {
     pub kind: OutputKind,
     /// `--max-shard-size`; `None` keeps the input's shard boundaries.
@@ -29,7 +30,11 @@ pub struct Safetensors {
 }
 
 impl Sink for Safetensors {
-    fn layout(&self, ckpt: &Checkpoint, plan: &Plan) -> Result<Layout> {
+    fn copies_side_files(&self) -> bool {
+        matches!(self.kind, OutputKind::Dir)
+    }
+
+    fn layout(&self, ckpt: &Checkpoint, plan: &Plan, _sharing: bool) -> Result<Layout> {
         let mut metadata = ckpt.metadata().cloned().unwrap_or_default();
         metadata.remove("total_size");
         metadata.insert("format".into(), Value::from("pt"));

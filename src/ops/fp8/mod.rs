@@ -489,7 +489,7 @@ impl Derive for DequantDerive {
 }
 
 /// The op: one unit is one weight row (rows of all experts counted together).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantFp8 {
     pub weight_dtype: DType,
     pub scale_dtype: Option<DType>,

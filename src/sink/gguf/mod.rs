@@ -20,74 +20,12 @@ pub mod arch;
 pub mod kv;
 pub mod layout;
 mod pre_hashes;
-pub mod produce;
-pub mod quant;
 pub mod recipe;
+pub mod sink;
 pub mod tokenizer;
-pub mod transform;
 
-/// ggml tensor types this converter writes (`GGMLQuantizationType` in gguf-py).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GgmlType {
-    F32,
-    F16,
-    Q8_0,
-    Bf16,
-    Mxfp4,
-}
-
-impl GgmlType {
-    /// The type id stored in a tensor info.
-    pub fn id(self) -> u32 {
-        match self {
-            GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
-            GgmlType::Q8_0 => 8,
-            GgmlType::Bf16 => 30,
-            GgmlType::Mxfp4 => 39,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "F32",
-            GgmlType::F16 => "F16",
-            GgmlType::Q8_0 => "Q8_0",
-            GgmlType::Bf16 => "BF16",
-            GgmlType::Mxfp4 => "MXFP4",
-        }
-    }
-
-    /// `(elements per block, bytes per block)`, as `GGML_QUANT_SIZES`.
-    pub fn block(self) -> (u64, u64) {
-        match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::Bf16 => (1, 2),
-            GgmlType::Q8_0 => (
-                quant::Q8_0_BLOCK_ELEMS as u64,
-                quant::Q8_0_BLOCK_BYTES as u64,
-            ),
-            GgmlType::Mxfp4 => (
-                quant::MXFP4_BLOCK_ELEMS as u64,
-                quant::MXFP4_BLOCK_BYTES as u64,
-            ),
-        }
-    }
-
-    /// Bytes of a tensor of this type with `shape` (outermost first, as PyTorch), or `None` when
-    /// the innermost dimension is not a whole number of blocks or the size overflows.
-    pub fn byte_len(self, shape: &[u64]) -> Option<u64> {
-        let (elems, bytes) = self.block();
-        let inner = shape.last().copied().unwrap_or(1);
-        if inner % elems != 0 {
-            return None;
-        }
-        let rows = shape[..shape.len().saturating_sub(1)]
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))?;
-        rows.checked_mul(inner / elems)?.checked_mul(bytes)
-    }
-}
+pub use crate::ops::gguf::{produce, quant, transform, GgmlType};
+pub use sink::{GgufOptions as GgufSinkOptions, GgufSink};
 
 /// `general.file_type` values (`LlamaFileType` in gguf-py) for the output types we offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

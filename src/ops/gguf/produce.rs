@@ -6,7 +6,7 @@
 //! Sources are whole tensors (an mmap slice each); only the rows a chunk needs are touched.
 
 use super::quant::{self, MXFP4_BLOCK_BYTES, MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
-use super::recipe::{OutputTensor, Recipe};
+use super::tensor::{OutputTensor, Recipe};
 use super::GgmlType;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -27,11 +27,54 @@ fn src_err(t: &OutputTensor, msg: String) -> Error {
     }
 }
 
+/// A piece of a source tensor: `bytes` are its bytes from offset `base` on. The pipeline reads
+/// only the span a chunk of rows needs; whole tensors are windows at base 0.
+#[derive(Clone, Copy)]
+pub struct Window<'a> {
+    pub base: u64,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> Window<'a> {
+    /// Bytes `at..at + len` of the tensor, which must lie inside the window.
+    fn at(&self, at: u64, len: usize) -> std::result::Result<&'a [u8], String> {
+        at.checked_sub(self.base)
+            .and_then(|o| usize::try_from(o).ok())
+            .and_then(|o| self.bytes.get(o..o.checked_add(len)?))
+            .ok_or_else(|| {
+                format!(
+                    "bytes {at}..{} are outside the {} bytes read from {}",
+                    at + len as u64,
+                    self.bytes.len(),
+                    self.base
+                )
+            })
+    }
+}
+
 /// Writes output rows `[first, first + count)` of `t` into `out` (exactly that many rows'
 /// bytes). `source(name)` returns a source tensor's whole byte range.
 pub fn write_rows<'a>(
     t: &OutputTensor,
     source: &dyn Fn(&str) -> Option<&'a [u8]>,
+    first: u64,
+    count: u64,
+    out: &mut [u8],
+) -> Result<()> {
+    write_rows_from(
+        t,
+        &|name: &str| source(name).map(|bytes| Window { base: 0, bytes }),
+        first,
+        count,
+        out,
+    )
+}
+
+/// [`write_rows`] from windows of the sources: each must hold what rows `[first, first +
+/// count)` read.
+pub fn write_rows_from<'a>(
+    t: &OutputTensor,
+    source: &dyn Fn(&str) -> Option<Window<'a>>,
     first: u64,
     count: u64,
     out: &mut [u8],
@@ -61,9 +104,13 @@ pub fn write_rows<'a>(
         for (k, dst) in out.chunks_exact_mut(groups * MXFP4_BLOCK_BYTES).enumerate() {
             let r = first + k as u64;
             let src_row = map.map_or(r, |m| m.source_row(r)) as usize;
-            let bs =
-                &b[src_row * groups * MXFP4_SRC_BLOCK_BYTES..][..groups * MXFP4_SRC_BLOCK_BYTES];
-            let ss = &s[src_row * groups..][..groups];
+            let block_row = groups * MXFP4_SRC_BLOCK_BYTES;
+            let bs = b
+                .at((src_row * block_row) as u64, block_row)
+                .map_err(|m| src_err(t, m))?;
+            let ss = s
+                .at((src_row * groups) as u64, groups)
+                .map_err(|m| src_err(t, m))?;
             quant::repack_mxfp4(bs, ss, dst);
         }
         return Ok(());
@@ -85,7 +132,10 @@ pub fn write_rows<'a>(
     match &t.recipe {
         Recipe::Direct { src } => {
             let s = get(src)?;
-            elems.copy_from_slice(&s[first as usize * row_src..][..n * esize]);
+            elems.copy_from_slice(
+                s.at(first * row_src as u64, n * esize)
+                    .map_err(|m| src_err(t, m))?,
+            );
         }
         Recipe::Values(v) => {
             for (o, x) in elems
@@ -105,7 +155,7 @@ pub fn write_rows<'a>(
             let per_row = inner / row_elems;
             for (k, dst) in elems.chunks_exact_mut(unit).enumerate() {
                 let j = map.source_row(first * per_row + k as u64) as usize;
-                dst.copy_from_slice(&s[j * unit..][..unit]);
+                dst.copy_from_slice(s.at((j * unit) as u64, unit).map_err(|m| src_err(t, m))?);
             }
         }
         Recipe::Stack { srcs } => {
@@ -113,7 +163,8 @@ pub fn write_rows<'a>(
             for (k, dst) in elems.chunks_exact_mut(row_src).enumerate() {
                 let r = first + k as u64;
                 let s = get(&srcs[(r / per_expert) as usize])?;
-                dst.copy_from_slice(&s[(r % per_expert) as usize * row_src..][..row_src]);
+                let at = (r % per_expert) * row_src as u64;
+                dst.copy_from_slice(s.at(at, row_src).map_err(|m| src_err(t, m))?);
             }
         }
         Recipe::KvBK {
@@ -125,8 +176,9 @@ pub fn write_rows<'a>(
                 let r = first + k as u64;
                 let (h, l) = (r / lora, r % lora);
                 for n in 0..*nope {
-                    let at = (((h * (nope + v) + n) * lora + l) as usize) * esize;
-                    dst[n as usize * esize..][..esize].copy_from_slice(&s[at..at + esize]);
+                    let at = ((h * (nope + v) + n) * lora + l) * esize as u64;
+                    dst[n as usize * esize..][..esize]
+                        .copy_from_slice(s.at(at, esize).map_err(|m| src_err(t, m))?);
                 }
             }
         }

@@ -1,0 +1,482 @@
+//! The GGUF sink: from a checkpoint's headers, `config.json` and tokenizer to the GGUF model
+//! (metadata, every output tensor and its recipe), a plan step that puts those tensors in the
+//! plan (plain copies where the bytes are unchanged, a [`GgufTensorOp`] otherwise), and the
+//! layout of the `.gguf` file(s). The shared pipeline then writes it like any other output.
+//!
+//! Planned GGUF tensors are opaque bytes to the plan (`U8`, shape `[bytes]`): their ggml type
+//! and shape live in the model this sink keeps, which lays the headers out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use serde_json::{json, Map, Value as Json};
+
+use super::arch::{self, Config, InputTensor, OutputTensor, Recipe};
+use super::kv::Metadata;
+use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
+use super::{tokenizer, FileType};
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::ops::fp8::{config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode};
+use crate::ops::gguf::op::{source_names, Slot};
+use crate::ops::gguf::GgufTensorOp;
+use crate::plan::{Entry, FixedOp, Plan, PlanNotes, PlanStep, Recipe as PlanRecipe, Step};
+use crate::sink::{Layout, OutShard, OutputKind, Sink};
+
+/// What `tftf gguf` was asked for.
+#[derive(Debug, Clone)]
+pub struct GgufOptions {
+    /// Name of the output file (`OUT.gguf`); split files are named after it.
+    pub file_name: String,
+    /// `None`: `--outtype auto`.
+    pub file_type: Option<FileType>,
+    /// 0: no split.
+    pub split_max_bytes: u64,
+    pub arch: Option<String>,
+    pub vocab_pre: Option<String>,
+}
+
+/// The GGUF a checkpoint becomes: known from headers and small files only.
+#[derive(Debug)]
+pub struct GgufModel {
+    pub cfg: Config,
+    pub file_type: FileType,
+    pub metadata: Metadata,
+    pub outputs: Vec<OutputTensor>,
+    /// FP8 weights by name, with their scale and how they are dequantised.
+    fp8: HashMap<String, Fp8Weight>,
+}
+
+#[derive(Debug)]
+pub struct GgufSink {
+    pub opts: GgufOptions,
+    model: OnceLock<Arc<GgufModel>>,
+}
+
+impl GgufSink {
+    pub fn new(opts: GgufOptions) -> GgufSink {
+        GgufSink {
+            opts,
+            model: OnceLock::new(),
+        }
+    }
+
+    /// The model, once [`Sink::steps`] has planned it.
+    pub fn model(&self) -> &GgufModel {
+        self.model.get().expect("GgufSink::steps runs first")
+    }
+
+    /// Names of the output files, in order: the file itself, or its split files.
+    pub fn file_names(&self, count: usize) -> Vec<String> {
+        let name = &self.opts.file_name;
+        if count == 1 {
+            return vec![name.clone()];
+        }
+        let stem = name.strip_suffix(".gguf").unwrap_or(name);
+        (0..count)
+            .map(|i| layout::split_file_name(stem, i, count))
+            .collect()
+    }
+
+    /// Lays the files out from `plan`'s tensors; `reflink_block` pads unchanged tensors to
+    /// offsets congruent with the input's (see [`layout::LayoutOptions`]).
+    pub fn file_plans(
+        &self,
+        ckpt: &Checkpoint,
+        plan: &Plan,
+        sharing: bool,
+    ) -> Result<Vec<FilePlan>> {
+        let model = self.model();
+        let by_name: HashMap<&str, &OutputTensor> =
+            model.outputs.iter().map(|o| (o.name.as_str(), o)).collect();
+        let specs = plan
+            .tensors
+            .iter()
+            .map(|t| {
+                let o = by_name[t.name.as_str()];
+                let source = match t.recipe {
+                    PlanRecipe::Copy { src } => {
+                        ckpt.tensors[src]
+                            .contiguous()
+                            .map(|(file, offset)| SourceRange {
+                                file: file as u32,
+                                offset,
+                            })
+                    }
+                    _ => None,
+                };
+                TensorSpec {
+                    name: o.name.clone(),
+                    ty: o.ty,
+                    shape: o.shape.clone(),
+                    byte_len: o.byte_len(),
+                    source,
+                }
+            })
+            .collect();
+        layout::plan(
+            &model.metadata,
+            specs,
+            SplitLimits {
+                max_tensors: 0,
+                max_bytes: self.opts.split_max_bytes,
+            },
+            LayoutOptions {
+                reflink_block: sharing.then_some(layout::REFLINK_BLOCK_BYTES),
+                ..LayoutOptions::default()
+            },
+        )
+    }
+
+    fn plan_model(&self, ckpt: &Checkpoint) -> Result<GgufModel> {
+        let cfg = load_config(ckpt, self.opts.arch.as_deref())?;
+        let fp8 = fp8_weights(ckpt, &cfg)?;
+        let in_tensors = input_tensors(ckpt, &fp8);
+        let file_type = self
+            .opts
+            .file_type
+            .unwrap_or_else(|| arch::resolve_auto_file_type(&in_tensors));
+        let mut metadata = arch::model_kvs(&cfg, file_type, &model_name(ckpt))?;
+        let tok_json = ckpt.dir.join("tokenizer.json");
+        if !tok_json.is_file() {
+            return Err(Error::GgufTokenizer {
+                path: tok_json,
+                msg: "missing: the GGUF needs the model's tokenizer.json (a BPE tokenizer)".into(),
+            });
+        }
+        let vocab = tokenizer::vocab_kvs(
+            &ckpt.dir,
+            cfg.u64(&["vocab_size"]),
+            self.opts.vocab_pre.as_deref(),
+        )?;
+        for (k, v) in vocab.iter() {
+            metadata.set(k, v.clone());
+        }
+        let outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
+        refuse_unconvertible(&outputs)?;
+        Ok(GgufModel {
+            cfg,
+            file_type,
+            metadata,
+            outputs,
+            fp8,
+        })
+    }
+}
+
+impl Sink for GgufSink {
+    fn steps(&self, ckpt: &Checkpoint) -> Result<Vec<Step>> {
+        let model = Arc::new(self.plan_model(ckpt)?);
+        let _ = self.model.set(model.clone());
+        Ok(vec![Step::Op(Arc::new(GgufStep { model }))])
+    }
+
+    fn layout(&self, ckpt: &Checkpoint, plan: &Plan, sharing: bool) -> Result<Layout> {
+        let plans = self.file_plans(ckpt, plan, sharing)?;
+        let index: HashMap<&str, usize> = plan
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), i))
+            .collect();
+        let names = self.file_names(plans.len());
+        let shards = plans
+            .into_iter()
+            .zip(names)
+            .map(|(p, file_name)| OutShard {
+                file_name,
+                tensors: p
+                    .tensors
+                    .iter()
+                    .map(|t| index[t.spec.name.as_str()])
+                    .collect(),
+                offsets: p.tensors.iter().map(|t| t.offset).collect(),
+                len: p.file_len,
+                header: p.header,
+                clone_from: None,
+            })
+            .collect();
+        Ok(Layout {
+            kind: OutputKind::File,
+            shards,
+        })
+    }
+
+    fn copies_side_files(&self) -> bool {
+        false
+    }
+}
+
+/// Puts the GGUF model's tensors in the plan, in the file's order.
+#[derive(Debug)]
+struct GgufStep {
+    model: Arc<GgufModel>,
+}
+
+impl PlanStep for GgufStep {
+    fn apply(
+        &self,
+        ckpt: &Checkpoint,
+        _config: Option<&Map<String, Json>>,
+        entries: &mut Vec<Entry>,
+        _notes: &mut PlanNotes,
+    ) -> Result<bool> {
+        let index = |t: &OutputTensor, name: &str| {
+            ckpt.index_of(name).ok_or_else(|| Error::GgufTensor {
+                tensor: t.name.clone(),
+                msg: format!("source `{name}` is not in the checkpoint"),
+            })
+        };
+        let mut out = Vec::with_capacity(self.model.outputs.len());
+        for (id, o) in self.model.outputs.iter().enumerate() {
+            let copy = o.copy_source().and_then(|n| {
+                let i = ckpt.index_of(n)?;
+                let src = &ckpt.tensors[i].info;
+                (src.nbytes() == o.byte_len() && Some(src.dtype) == o.src_dtype).then_some(i)
+            });
+            let mut entry = Entry {
+                id,
+                name: o.name.clone(),
+                source: 0,
+                dtype: DType::U8,
+                shape: vec![o.byte_len()],
+                derive: None,
+                relabel: true,
+            };
+            if let Some(i) = copy {
+                entry.source = i;
+                out.push(entry);
+                continue;
+            }
+            let mut inputs = Vec::new();
+            let mut slots = Vec::new();
+            for name in source_names(o) {
+                let i = index(o, name)?;
+                inputs.push(i);
+                let fp8 = self.model.fp8.get(name);
+                if let Some(f) = fp8 {
+                    inputs.push(index(o, &f.scale)?);
+                }
+                slots.push(Slot {
+                    name: name.to_string(),
+                    fp8: fp8.map(|f| f.op.clone()),
+                    cols: *ckpt.tensors[i].info.shape.last().unwrap_or(&1),
+                });
+            }
+            entry.source = inputs.first().copied().unwrap_or(0);
+            entry.relabel = false;
+            entry.derive = Some(Arc::new(FixedOp {
+                inputs,
+                op: Arc::new(GgufTensorOp::new(o.clone(), slots)),
+            }));
+            out.push(entry);
+        }
+        *entries = out;
+        Ok(true)
+    }
+
+    fn edit_config(&self, _cfg: &mut Map<String, Json>) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn nothing_done(&self) -> String {
+        "no tensor to write".into()
+    }
+}
+
+/// Refuses a tensor whose source dtype the GGUF types cannot take.
+fn refuse_unconvertible(outputs: &[OutputTensor]) -> Result<()> {
+    for o in outputs {
+        let ok = match &o.recipe {
+            Recipe::Mxfp4 { .. } | Recipe::Values(_) => true,
+            _ => matches!(o.src_dtype, Some(DType::F32 | DType::F16 | DType::BF16)),
+        };
+        if !ok {
+            return Err(Error::GgufTensor {
+                tensor: o.name.clone(),
+                msg: format!(
+                    "source dtype {} cannot be written as {} (F32, F16 and BF16 sources only)",
+                    o.src_dtype.map_or("?".into(), |d| d.to_string()),
+                    o.ty.name()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint's tensors as the converter sees them: shard by shard, each shard's tensors in
+/// name order (safetensors' `keys()`, the order the reference emits them in and what `auto`
+/// looks at first), FP8 weights as f32 and their scales left out.
+fn input_tensors(ckpt: &Checkpoint, fp8: &HashMap<String, Fp8Weight>) -> Vec<InputTensor> {
+    let scales: std::collections::HashSet<&str> = fp8.values().map(|f| f.scale.as_str()).collect();
+    let shard_of = |t: &crate::format::checkpoint::TensorRef| t.shard();
+    let mut in_order: Vec<&crate::format::checkpoint::TensorRef> = ckpt.tensors.iter().collect();
+    in_order.sort_by(|a, b| (shard_of(a), a.name()).cmp(&(shard_of(b), b.name())));
+    in_order
+        .into_iter()
+        .filter(|t| !scales.contains(t.name()))
+        .map(|t| InputTensor {
+            name: t.name().to_string(),
+            // FP8 weights are dequantised in f32, as the reference does, then converted.
+            dtype: if fp8.contains_key(t.name()) {
+                DType::F32
+            } else {
+                t.info.dtype
+            },
+            shape: t.info.shape.clone(),
+        })
+        .collect()
+}
+
+/// `config.json` as the converter reads it, with `--arch` replacing `architectures`.
+fn load_config(ckpt: &Checkpoint, arch_override: Option<&str>) -> Result<Config> {
+    let path = ckpt.dir.join("config.json");
+    let map = ckpt.config()?.ok_or_else(|| Error::GgufConfig {
+        path: path.clone(),
+        msg:
+            "missing: the GGUF's architecture and hyperparameters come from the model's config.json"
+                .into(),
+    })?;
+    let mut json = Json::Object(map);
+    if let Some(a) = arch_override {
+        let spec = arch::ARCHS
+            .iter()
+            .find(|s| s.hf_classes.contains(&a))
+            .or_else(|| arch::ARCHS.iter().find(|s| s.gguf_arch == a));
+        let class = match spec {
+            Some(s) => s.hf_classes[0],
+            None => {
+                return Err(arch::lookup(a)
+                    .err()
+                    .unwrap_or_else(|| Error::Usage(format!("--arch {a}"))))
+            }
+        };
+        json["architectures"] = json!([class]);
+    }
+    Config::from_json(&path, json)
+}
+
+/// `general.name`: the model directory's name (the reference derives a display name from it).
+fn model_name(ckpt: &Checkpoint) -> String {
+    // The input directory exists: its canonical form names it even when given as `.`.
+    std::fs::canonicalize(&ckpt.dir)
+        .unwrap_or_else(|_| ckpt.dir.clone())
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// An FP8 weight and how it is dequantised (to f32, as the reference does before converting).
+#[derive(Debug)]
+struct Fp8Weight {
+    scale: String,
+    op: DequantFp8,
+}
+
+/// FP8 (E4M3/E5M2) weights with their scales (`X_scale_inv`, `X_scale`, `.scale`; blocks from
+/// `quantization_config.weight_block_size` or inferred from the shapes).
+fn fp8_weights(ckpt: &Checkpoint, cfg: &Config) -> Result<HashMap<String, Fp8Weight>> {
+    let block = config_block_size(&cfg.map).map_err(|msg| Error::GgufConfig {
+        path: cfg.path.clone(),
+        msg,
+    })?;
+    let mut out = HashMap::new();
+    for t in &ckpt.tensors {
+        if !matches!(t.info.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
+            continue;
+        }
+        let bad = |msg: String| Error::GgufTensor {
+            tensor: t.name().to_string(),
+            msg,
+        };
+        let found = scale_candidates(t.name(), ScaleMode::Multiply)
+            .into_iter()
+            .find_map(|(n, mode)| {
+                let s = ckpt.get(&n)?;
+                matches!(
+                    s.info.dtype,
+                    DType::F32 | DType::BF16 | DType::F16 | DType::F8_E8M0
+                )
+                .then_some((n, mode, s))
+            });
+        let Some((scale, mode, s)) = found else {
+            return Err(bad(format!(
+                "{} weight without a scale (`{}_scale_inv`)",
+                t.info.dtype,
+                t.name()
+            )));
+        };
+        let (layout, _) = resolve_layout(&t.info.shape, &s.info.shape, block).map_err(bad)?;
+        out.insert(
+            t.name().to_string(),
+            Fp8Weight {
+                scale,
+                op: DequantFp8 {
+                    weight_dtype: t.info.dtype,
+                    scale_dtype: Some(s.info.dtype),
+                    layout,
+                    mode,
+                    dst: DType::F32,
+                    allow_nonfinite: false,
+                },
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The GGUF-specific part of a run's report and dry-run plan: per file, per ggml type.
+pub fn report_fields(model: &GgufModel, plans: &[FilePlan], names: &[String]) -> Json {
+    let files: Vec<Json> = plans
+        .iter()
+        .zip(names)
+        .map(|(p, n)| {
+            let (c, s) = p.copied_and_congruent_bytes();
+            json!({
+                "name": n,
+                "tensors": p.tensors.len(),
+                "bytes": p.file_len,
+                "header_bytes": p.data_start,
+                "copied_bytes": c,
+                "congruent_bytes": s,
+            })
+        })
+        .collect();
+    let mut types: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+    for t in plans.iter().flat_map(|p| &p.tensors) {
+        let e = types.entry(t.spec.ty.name()).or_default();
+        e.0 += 1;
+        e.1 += t.spec.byte_len;
+    }
+    json!({
+        "architecture": model.cfg.spec.gguf_arch,
+        "outtype": file_type_name(model.file_type),
+        "file_type": model.file_type.id(),
+        "files": files,
+        "tensor_types": types.iter().map(|(k, (n, b))| json!({"type": k, "tensors": n, "bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+pub fn file_type_name(ft: FileType) -> &'static str {
+    match ft {
+        FileType::AllF32 => "f32",
+        FileType::MostlyF16 => "f16",
+        FileType::MostlyBf16 => "bf16",
+        FileType::MostlyQ8_0 => "q8_0",
+    }
+}
+
+/// How the dry run describes a tensor's recipe.
+pub fn recipe_kind(t: &OutputTensor) -> &'static str {
+    match &t.recipe {
+        Recipe::Direct { .. } if t.copy_source().is_some() => "copy",
+        Recipe::Direct { .. } => "cast",
+        Recipe::Rows { .. } => "rows",
+        Recipe::Stack { .. } => "stack",
+        Recipe::KvBK { .. } => "kv_b split",
+        Recipe::Mxfp4 { .. } => "mxfp4 repack",
+        Recipe::Values(_) => "computed",
+    }
+}
