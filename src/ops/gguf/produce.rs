@@ -215,12 +215,15 @@ fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
         out.copy_from_slice(elems);
         return;
     }
+    if ty == GgmlType::Q8_0 {
+        return quant::quantize_q8_0_from(elems, dtype, out);
+    }
     let f = to_f32(elems, dtype);
     match ty {
         GgmlType::F32 => write_as(DType::F32, f.into_iter(), out),
         GgmlType::F16 => write_as(DType::F16, f.into_iter(), out),
         GgmlType::Bf16 => write_as(DType::BF16, f.into_iter(), out),
-        GgmlType::Q8_0 => quant::quantize_q8_0(&f, out),
+        GgmlType::Q8_0 => unreachable!("quantised block by block above"),
         GgmlType::Mxfp4 => unreachable!("MXFP4 is only repacked"),
     }
 }

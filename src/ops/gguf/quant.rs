@@ -13,7 +13,8 @@
 //! in the high nibble of byte `k`: the repack is a nibble permutation, exact by construction
 //! (gpt_oss.py's `transform_nibble_layout` + `repack_mxfp4`).
 
-use crate::ops::cast::f32_to_f16;
+use crate::format::dtype::DType;
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_f16};
 
 pub const Q8_0_BLOCK_ELEMS: usize = 32;
 pub const Q8_0_BLOCK_BYTES: usize = 34;
@@ -68,6 +69,42 @@ pub fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Quantises whole rows of stored elements (`BF16`, `F16` or `F32` bytes, a multiple of 32
+/// elements) a block at a time: the same bytes as widening everything to f32 first and calling
+/// [`quantize_q8_0`], without the f32 copy of the chunk.
+pub fn quantize_q8_0_from(elems: &[u8], dtype: DType, out: &mut [u8]) {
+    let es = dtype.size().expect("a float dtype");
+    assert_eq!(
+        out.len(),
+        elems.len() / es / Q8_0_BLOCK_ELEMS * Q8_0_BLOCK_BYTES,
+        "Q8_0 output size"
+    );
+    let mut x = [0f32; Q8_0_BLOCK_ELEMS];
+    for (src, dst) in elems
+        .chunks_exact(Q8_0_BLOCK_ELEMS * es)
+        .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
+    {
+        match dtype {
+            DType::BF16 => {
+                for (v, c) in x.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            DType::F16 => {
+                for (v, c) in x.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            _ => {
+                for (v, c) in x.iter_mut().zip(src.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        }
+        quantize_q8_0_block(&x, dst);
+    }
+}
+
 /// Repacks safetensors MXFP4 into ggml blocks: `blocks` holds 16 bytes per block and `scales`
 /// one E8M0 byte per block (same block order), `out` 17 bytes per block.
 pub fn repack_mxfp4(blocks: &[u8], scales: &[u8], out: &mut [u8]) {
@@ -112,6 +149,45 @@ mod tests {
         let mut z = [0xAAu8; 34];
         quantize_q8_0_block(&[0.0; 32], &mut z);
         assert!(z.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn q8_0_from_stored_elements_is_q8_0_of_their_f32_values() {
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            seed
+        };
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let n = 4 * Q8_0_BLOCK_ELEMS;
+            let elems: Vec<u8> = match dtype {
+                DType::F32 => (0..n)
+                    .flat_map(|_| ((next() >> 8) as f32 / 1e4 - 800.0).to_le_bytes())
+                    .collect(),
+                _ => (0..n)
+                    .flat_map(|_| ((next() >> 16) as u16 & 0x7BFF).to_le_bytes())
+                    .collect(),
+            };
+            let f: Vec<f32> = match dtype {
+                DType::BF16 => elems
+                    .chunks_exact(2)
+                    .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+                DType::F16 => elems
+                    .chunks_exact(2)
+                    .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+                _ => elems
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+            };
+            let mut want = vec![0u8; 4 * Q8_0_BLOCK_BYTES];
+            quantize_q8_0(&f, &mut want);
+            let mut got = vec![0u8; 4 * Q8_0_BLOCK_BYTES];
+            quantize_q8_0_from(&elems, dtype, &mut got);
+            assert_eq!(got, want, "{dtype}");
+        }
     }
 
     #[test]
