@@ -252,3 +252,264 @@ impl Op for GgufTensorOp {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dtype::DType;
+    use crate::ops::fp8::{resolve_layout, ScaleMode};
+
+    /// Deterministic bytes: BF16/F16 values kept finite and small.
+    fn bytes(n: usize, seed: u32) -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|k| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let b = (s >> 24) as u8;
+                if k % 2 == 1 {
+                    b & 0x3B
+                } else {
+                    b
+                }
+            })
+            .collect()
+    }
+
+    fn plain(name: &str, cols: u64) -> Slot {
+        Slot {
+            name: name.into(),
+            fp8: None,
+            cols,
+        }
+    }
+
+    fn tensor(shape: &[u64], ty: GgmlType, recipe: Recipe, src: Option<DType>) -> OutputTensor {
+        OutputTensor {
+            name: "t".into(),
+            shape: shape.to_vec(),
+            ty,
+            recipe,
+            src_dtype: src,
+        }
+    }
+
+    /// Runs `op` over every chunking into runs of `g` granules (as the reader cuts), each chunk
+    /// fed only the input ranges it asks for, and checks the bytes equal `want`.
+    fn check_chunkings(op: &GgufTensorOp, inputs: &[Vec<u8>], want: &[u8]) {
+        let units = op.units();
+        let g = op.granularity();
+        let row = op.out_unit_bytes() as usize;
+        for per in 1..=units.div_ceil(g) {
+            let mut got = vec![0u8; want.len()];
+            let mut u = 0;
+            while u < units {
+                let end = (u + per * g).min(units);
+                let ranges = op.input_ranges(u..end);
+                assert_eq!(ranges.len(), inputs.len());
+                let pieces: Vec<&[u8]> = ranges
+                    .iter()
+                    .zip(inputs)
+                    .map(|(r, b)| &b[r.start as usize..r.end as usize])
+                    .collect();
+                op.compute(
+                    u..end,
+                    &pieces,
+                    &mut got[u as usize * row..end as usize * row],
+                )
+                .unwrap();
+                u = end;
+            }
+            assert_eq!(got, want, "chunks of {per} granules of {g}");
+        }
+    }
+
+    /// The oracle: every row at once from whole sources.
+    fn whole(t: &OutputTensor, sources: &[(&str, &[u8])]) -> Vec<u8> {
+        let (_, rows, row) = produce::row_geometry(t);
+        let mut out = vec![0u8; (rows * row) as usize];
+        let lookup = |n: &str| sources.iter().find(|(k, _)| *k == n).map(|(_, b)| *b);
+        produce::write_rows(t, &lookup, 0, rows, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn every_recipe_gives_the_same_bytes_however_its_rows_are_cut() {
+        let w = bytes(24 * 64 * 2, 1);
+        let cases: Vec<(OutputTensor, Vec<&str>)> = vec![
+            (
+                tensor(
+                    &[24, 64],
+                    GgmlType::Q8_0,
+                    Recipe::Direct { src: "w".into() },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+            (
+                tensor(
+                    &[24, 64],
+                    GgmlType::F16,
+                    Recipe::Rows {
+                        src: "w".into(),
+                        map: RowMap::QkPermute {
+                            rows: 24,
+                            n_head: 3,
+                        },
+                        row_elems: 64,
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+            (
+                tensor(
+                    &[12, 64],
+                    GgmlType::Q8_0,
+                    Recipe::Rows {
+                        src: "w".into(),
+                        map: RowMap::Interleaved {
+                            rows_out_per_expert: 4,
+                            half: 1,
+                        },
+                        row_elems: 64,
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+            (
+                tensor(
+                    &[3, 8, 64],
+                    GgmlType::Bf16,
+                    Recipe::Stack {
+                        srcs: vec!["a".into(), "b".into(), "c".into()],
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["a", "b", "c"],
+            ),
+            (
+                // kv_b_proj [2 heads × (nope 4 + v 8), lora 64]: attn_k_b is [2, 64, 4].
+                tensor(
+                    &[2, 64, 4],
+                    GgmlType::F32,
+                    Recipe::KvBK {
+                        src: "w".into(),
+                        n_head: 2,
+                        nope: 4,
+                        v: 8,
+                        lora: 64,
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+        ];
+        for (t, names) in cases {
+            let srcs: Vec<Vec<u8>> = names
+                .iter()
+                .enumerate()
+                .map(|(k, _)| {
+                    if names.len() == 1 {
+                        w.clone()
+                    } else {
+                        bytes(8 * 64 * 2, 10 + k as u32)
+                    }
+                })
+                .collect();
+            let named: Vec<(&str, &[u8])> = names
+                .iter()
+                .zip(&srcs)
+                .map(|(n, b)| (*n, b.as_slice()))
+                .collect();
+            let want = whole(&t, &named);
+            let slots = names.iter().map(|n| plain(n, 64)).collect();
+            check_chunkings(&GgufTensorOp::new(t, slots), &srcs, &want);
+        }
+    }
+
+    #[test]
+    fn mxfp4_experts_split_from_interleaved_rows_in_any_chunks() {
+        // 2 experts × 6 interleaved rows of 2 blocks: the up half is 6 rows.
+        let blocks = bytes(12 * 2 * 16, 3);
+        let scales = bytes(12 * 2, 4);
+        let t = tensor(
+            &[2, 3, 64],
+            GgmlType::Mxfp4,
+            Recipe::Mxfp4 {
+                blocks: "b".into(),
+                scales: "s".into(),
+                map: Some(RowMap::Interleaved {
+                    rows_out_per_expert: 3,
+                    half: 1,
+                }),
+            },
+            None,
+        );
+        let want = whole(&t, &[("b", &blocks), ("s", &scales)]);
+        let op = GgufTensorOp::new(t, vec![plain("b", 32), plain("s", 2)]);
+        check_chunkings(&op, &[blocks, scales], &want);
+    }
+
+    #[test]
+    fn fp8_sources_are_dequantised_per_chunk_as_the_whole_tensor_is() {
+        // A 256×64 E4M3 weight in 128×128 blocks (two block rows), to Q8_0.
+        let (rows, cols) = (256u64, 64u64);
+        let w: Vec<u8> = bytes((rows * cols) as usize, 5)
+            .into_iter()
+            .map(|b| b & 0x77)
+            .collect();
+        let scale: Vec<u8> = [0.5f32, 0.03125]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let (layout, _) = resolve_layout(&[rows, cols], &[2, 1], Some((128, 128))).unwrap();
+        let fp8 = DequantFp8 {
+            weight_dtype: DType::F8_E4M3,
+            scale_dtype: Some(DType::F32),
+            layout,
+            mode: ScaleMode::Multiply,
+            dst: DType::F32,
+            allow_nonfinite: false,
+        };
+        let mut f32s = vec![0u8; (rows * cols * 4) as usize];
+        fp8.compute(0..rows, &[&w, &scale], &mut f32s).unwrap();
+        let t = tensor(
+            &[rows, cols],
+            GgmlType::Q8_0,
+            Recipe::Direct { src: "w".into() },
+            Some(DType::F32),
+        );
+        let want = whole(&t, &[("w", &f32s)]);
+        let op = GgufTensorOp::new(
+            t,
+            vec![Slot {
+                name: "w".into(),
+                fp8: Some(fp8),
+                cols,
+            }],
+        );
+        // Every 37 rows and every 128 rows, across the block-row boundary.
+        for per in [37, 128, 256] {
+            let mut got = vec![0u8; want.len()];
+            let row = op.out_unit_bytes() as usize;
+            let mut u = 0;
+            while u < rows {
+                let end = (u + per).min(rows);
+                let r = op.input_ranges(u..end);
+                let pieces = [
+                    &w[r[0].start as usize..r[0].end as usize],
+                    &scale[r[1].start as usize..r[1].end as usize],
+                ];
+                op.compute(
+                    u..end,
+                    &pieces,
+                    &mut got[u as usize * row..end as usize * row],
+                )
+                .unwrap();
+                u = end;
+            }
+            assert_eq!(got, want, "chunks of {per} rows");
+        }
+    }
+}
