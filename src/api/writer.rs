@@ -92,27 +92,35 @@ impl Writer {
 
     /// The output path and format the driver takes; refuses options that do not apply.
     pub(crate) fn target(&self) -> Result<(PathBuf, Format)> {
-        let refuse = |what: &str| Err(Error::Usage(format!("{what} ({self:?})")));
-        if self.max_shard_bytes.is_some() && !matches!(self.kind, Kind::Sharded(_) | Kind::Null) {
-            return refuse("max_shard_size applies to a sharded writer");
+        let refuse = |why: String| Err(Error::Usage(why));
+        let (sharded, gguf) = (
+            matches!(self.kind, Kind::Sharded(_) | Kind::Null),
+            matches!(self.kind, Kind::Gguf(_)),
+        );
+        if self.max_shard_bytes.is_some() && !sharded {
+            return refuse("max_shard_size applies to a sharded writer".into());
         }
-        if self.outtype.is_some() && !matches!(self.kind, Kind::Gguf(_)) {
-            return refuse("outtype applies to a GGUF writer");
+        if self.outtype.is_some() && !gguf {
+            return refuse("outtype applies to a GGUF writer".into());
         }
         let safetensors = Format::Safetensors {
             max_shard_bytes: self.max_shard_bytes,
         };
         match &self.kind {
-            Kind::Sharded(dir) if matches!(output_kind_for(dir), OutputKind::Dir) => {
-                Ok((dir.clone(), safetensors))
-            }
-            Kind::Sharded(_) => {
-                refuse("a sharded writer takes a directory, not a .safetensors file")
-            }
-            Kind::File(path) if matches!(output_kind_for(path), OutputKind::File) => {
-                Ok((path.clone(), safetensors))
-            }
-            Kind::File(_) => refuse("a file writer's path ends in .safetensors"),
+            Kind::Sharded(dir) => match output_kind_for(dir) {
+                OutputKind::Dir => Ok((dir.clone(), safetensors)),
+                OutputKind::File => refuse(format!(
+                    "Writer::sharded({}): name a directory (Writer::file writes one .safetensors file)",
+                    dir.display()
+                )),
+            },
+            Kind::File(path) => match output_kind_for(path) {
+                OutputKind::File => Ok((path.clone(), safetensors)),
+                OutputKind::Dir => refuse(format!(
+                    "Writer::file({}): the file name ends in .safetensors",
+                    path.display()
+                )),
+            },
             Kind::Null => Ok((dry_run_output(), safetensors)),
             Kind::Gguf(path) => Ok((path.clone(), Format::Gguf(self.gguf_options(path)?))),
         }
@@ -141,4 +149,27 @@ impl Writer {
 /// there can stop the plan (nothing is created).
 fn dry_run_output() -> PathBuf {
     std::env::temp_dir().join(format!("tftf-dry-run-{}", std::process::id()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_that_do_not_apply_are_refused() {
+        let usage = |w: Writer| matches!(w.target(), Err(Error::Usage(_)));
+        assert!(usage(Writer::file("out")));
+        assert!(usage(Writer::sharded("out.safetensors")));
+        assert!(usage(Writer::file("m.safetensors").max_shard_size(1 << 20)));
+        assert!(usage(Writer::sharded("out").outtype(FileType::MostlyF16)));
+        assert!(!usage(Writer::null().max_shard_size(1 << 20)));
+        let (path, format) = Writer::gguf("dir/m.gguf")
+            .outtype(FileType::AllF32)
+            .target()
+            .unwrap();
+        assert_eq!(path, PathBuf::from("dir/m.gguf"));
+        assert!(
+            matches!(format, Format::Gguf(o) if o.file_name == "m.gguf" && o.file_type == Some(FileType::AllF32))
+        );
+    }
 }
