@@ -15,6 +15,9 @@
 //! run's report as the last line. The schema is versioned by its `tftf_progress` field and
 //! documented in the README; fields are only ever added.
 //!
+//! A library caller gets the same figures as [`Event`]s passed to its own [`Callback`]
+//! ([`Progress::with_callback`]) instead, and nothing is printed.
+//!
 //! Lines stop when the run finishes or when the last handle is dropped (a failed run), so no
 //! line follows the error message.
 
@@ -87,6 +90,21 @@ pub fn parse_mode(arg: Option<&str>, no_progress: bool, quiet: bool) -> Result<M
     })
 }
 
+/// One step of a run's progress, as a [`Callback`] receives it.
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    /// Bytes of tensor data written so far.
+    pub bytes_done: u64,
+    /// Bytes of tensor data the run writes in all.
+    pub bytes_total: u64,
+    /// The output file the latest bytes went to.
+    pub file: &'a str,
+}
+
+/// Receives a run's progress [`Event`]s, from the writer threads (so possibly from several at
+/// once).
+pub type Callback = Arc<dyn Fn(&Event) + Send + Sync>;
+
 /// A handle on one run's progress; clones share it.
 #[derive(Clone)]
 /// The `usize` is added to the file indices given to [`Progress::advance`], for a pipeline
@@ -110,8 +128,33 @@ struct Inner {
     shard_done: Vec<AtomicU64>,
     shard_reported: Vec<AtomicBool>,
     bar: Option<indicatif::ProgressBar>,
+    /// The library caller's callback, which gets every advance instead of lines.
+    callback: Option<Callback>,
     /// Dropping it (with the last handle) stops the ticker.
     _stop: Option<Sender<()>>,
+}
+
+impl Inner {
+    /// Progress that shows nothing yet: no bar, no ticker, no callback.
+    fn new(op: &str, shards: Vec<String>, shard_bytes: Vec<u64>, total: u64) -> Inner {
+        Inner {
+            op: op.into(),
+            shards,
+            total,
+            done: AtomicU64::new(0),
+            shard: AtomicUsize::new(0),
+            started: Instant::now(),
+            finished: AtomicBool::new(false),
+            printing: std::sync::Mutex::new(()),
+            json: false,
+            shard_done: shard_bytes.iter().map(|_| AtomicU64::new(0)).collect(),
+            shard_reported: shard_bytes.iter().map(|_| AtomicBool::new(false)).collect(),
+            shard_bytes,
+            bar: None,
+            callback: None,
+            _stop: None,
+        }
+    }
 }
 
 impl Progress {
@@ -140,20 +183,10 @@ impl Progress {
         let (stop, stopped) = bounded::<()>(0);
         let p = Progress(
             Arc::new(Inner {
-                op: op.into(),
-                shards,
-                total,
-                done: AtomicU64::new(0),
-                shard: AtomicUsize::new(0),
-                started: Instant::now(),
-                finished: AtomicBool::new(false),
-                printing: std::sync::Mutex::new(()),
                 json,
-                shard_done: shard_bytes.iter().map(|_| AtomicU64::new(0)).collect(),
-                shard_reported: shard_bytes.iter().map(|_| AtomicBool::new(false)).collect(),
-                shard_bytes,
                 bar,
                 _stop: (!terminal).then_some(stop),
+                ..Inner::new(op, shards, shard_bytes, total)
             }),
             0,
         );
@@ -180,11 +213,34 @@ impl Progress {
         p
     }
 
+    /// Progress of `op` over files `shards` (as for [`Progress::new`]) that prints nothing and
+    /// passes every advance to `callback`.
+    pub fn with_callback(
+        op: &str,
+        shards: Vec<String>,
+        shard_bytes: Vec<u64>,
+        total: u64,
+        callback: Callback,
+    ) -> Progress {
+        let inner = Inner {
+            callback: Some(callback),
+            ..Inner::new(op, shards, shard_bytes, total)
+        };
+        Progress(Arc::new(inner), 0)
+    }
+
     /// `n` more bytes done, in shard `shard`.
     pub fn advance(&self, shard: usize, n: u64) {
         let shard = shard + self.1;
         let i = &self.0;
-        i.done.fetch_add(n, Ordering::Relaxed);
+        let done = i.done.fetch_add(n, Ordering::Relaxed) + n;
+        if let Some(callback) = &i.callback {
+            callback(&Event {
+                bytes_done: done.min(i.total),
+                bytes_total: i.total,
+                file: i.shards.get(shard).map_or("", String::as_str),
+            });
+        }
         let previous = i.shard.swap(shard, Ordering::Relaxed);
         if i.json {
             if let (Some(done), Some(&want)) = (i.shard_done.get(shard), i.shard_bytes.get(shard)) {

@@ -37,7 +37,12 @@ pub struct WriteOptions {
     pub io_threads: Option<usize>,
     pub memory_budget: u64,
     pub quiet: bool,
+    /// Print nothing at all, not even the input's and the plan's warnings (the report keeps
+    /// them): runs through the library API.
+    pub silent: bool,
     pub progress: ProgressMode,
+    /// Progress events go to this callback, and nothing about progress to stderr.
+    pub on_progress: Option<crate::progress::Callback>,
     /// Seconds between progress lines when stderr is not a terminal.
     pub progress_interval: std::time::Duration,
     /// Informational notes on stderr (`-v`).
@@ -189,7 +194,9 @@ impl WriteOptions {
             io_threads: r.io_thread_count()?,
             memory_budget: r.budget()?,
             quiet: r.quiet,
+            silent: false,
             progress: r.progress_mode()?,
+            on_progress: None,
             progress_interval: r.progress_interval()?,
             verbose: r.verbose,
             allow_empty: false,
@@ -215,24 +222,19 @@ impl WriteOptions {
     }
 }
 
+/// Runs one writing job and returns its report (the JSON `--report` writes).
 pub fn convert(
     command: &str,
     input: &Path,
     steps: &[Step],
     opts: &WriteOptions,
     cancel: &Cancel,
-) -> Result<()> {
+) -> Result<Value> {
     let started = Instant::now();
     let mut inputs = None;
     let result = convert_inner(command, input, steps, opts, cancel, started, &mut inputs);
     if let (Err(e), Some(path)) = (&result, &opts.report) {
-        let report = json!({
-            "tftf_version": env!("CARGO_PKG_VERSION"),
-            "command": command,
-            "status": "error",
-            "error": e.to_string(),
-            "wall_seconds": started.elapsed().as_secs_f64(),
-        });
+        let report = error_report(command, e, started);
         // Never onto an input or over a file that is not an earlier report, even to say why
         // the run was refused.
         if check_report_path(path, inputs.as_ref()).is_ok() {
@@ -240,6 +242,17 @@ pub fn convert(
         }
     }
     result
+}
+
+/// The report of a run that failed with `e`.
+pub(crate) fn error_report(command: &str, e: &Error, started: Instant) -> Value {
+    json!({
+        "tftf_version": env!("CARGO_PKG_VERSION"),
+        "command": command,
+        "status": "error",
+        "error": e.to_string(),
+        "wall_seconds": started.elapsed().as_secs_f64(),
+    })
 }
 
 /// The sink a job's [`Format`] names.
@@ -297,14 +310,16 @@ fn convert_inner(
     cancel: &Cancel,
     started: Instant,
     inputs_seen: &mut Option<InputFiles>,
-) -> Result<()> {
+) -> Result<Value> {
     let mut ckpt = Checkpoint::open(input)?;
     for step in steps {
         if let Step::Op(op_step) = step {
             op_step.attach(&mut ckpt)?;
         }
     }
-    crate::escape::print_input_notes(&ckpt, opts.quiet);
+    if !opts.silent {
+        crate::escape::print_input_notes(&ckpt, opts.quiet);
+    }
     let sink = OutputSink::new(&opts.format, &opts.output);
     let all_sides = side_files(&ckpt);
     let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &all_sides));
@@ -312,7 +327,7 @@ fn convert_inner(
     let mut steps = steps.to_vec();
     steps.extend(sink.as_sink().steps(&ckpt)?);
     let plan = Plan::build(&ckpt, &steps)?;
-    for w in &plan.notes.warnings {
+    for w in plan.notes.warnings.iter().filter(|_| !opts.silent) {
         eprintln!(
             "warning: {}: {}",
             crate::escape::path(input),
@@ -397,7 +412,7 @@ fn claim(run: &Prepared, names: &[String]) -> Result<Claim> {
 }
 
 /// The dry run: prints the plan and writes the report, nothing else.
-fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Result<()> {
+fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Result<Value> {
     let opts = run.opts;
     if !opts.quiet {
         match run.sink {
@@ -409,14 +424,15 @@ fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Res
             println!("{}", device_line(run.device));
         }
     }
+    let report = any_report_json(run, None, true);
     if let Some(path) = &opts.report {
-        write_report(path, &any_report_json(run, None, true))?;
+        write_report(path, &report)?;
     }
-    Ok(())
+    Ok(report)
 }
 
 /// One run: every file written under a temporary name, then committed together.
-fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<()> {
+fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<Value> {
     let (plan, layout, target, opts) = (run.plan, run.layout, run.target, run.opts);
     let checksums = opts.checksums == Some(true);
     let names = output_names(run, checksums)?;
@@ -433,16 +449,11 @@ fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<()> {
     // Checked again under the lock: another run may have written here since.
     let claim = self::claim(run, &names)?;
     let (files, tmp_names) = create_model_files(&mut out, layout, &names)?;
-    let progress = (opts.progress != ProgressMode::Off).then(|| {
-        Progress::new(
-            run.command,
-            names[..layout.shards.len()].to_vec(),
-            run.progress_bytes(&layout.shards.iter().collect::<Vec<_>>()),
-            plan.total_tensor_bytes(),
-            opts.progress_interval,
-            opts.progress,
-        )
-    });
+    let progress = run.progress(
+        names[..layout.shards.len()].to_vec(),
+        run.progress_bytes(&layout.shards.iter().collect::<Vec<_>>()),
+        plan.total_tensor_bytes(),
+    );
     let cfg = run.pipeline_config(cancel, progress.clone());
     let stats = pipeline::execute(run.ckpt, plan, layout, &files, &tmp_names, &cfg)?;
     if let Some(p) = &progress {
@@ -458,10 +469,9 @@ fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<()> {
         print_summary(run, &claim, &stats);
     }
     print_verbose_notes(opts, out_fs, &stats);
-    publish_report(opts.report.as_deref(), opts.progress, run.command, || {
-        any_report_json(run, Some(&stats), false)
-    });
-    Ok(())
+    let report = any_report_json(run, Some(&stats), false);
+    publish_report(opts.report.as_deref(), opts.progress, run.command, &report);
+    Ok(report)
 }
 
 /// The model files as temporaries, sized, each with its header written.
@@ -621,15 +631,11 @@ pub(crate) fn publish_report(
     path: Option<&Path>,
     progress: ProgressMode,
     op: &str,
-    report: impl FnOnce() -> Value,
+    report: &Value,
 ) {
     let json = progress == ProgressMode::Json;
-    if path.is_none() && !json {
-        return;
-    }
-    let report = report();
     if let Some(path) = path {
-        if let Err(e) = write_report(path, &report) {
+        if let Err(e) = write_report(path, report) {
             eprintln!(
                 "warning: the output was written, but not the report: {}",
                 crate::escape::name(&e.to_string())
@@ -637,7 +643,7 @@ pub(crate) fn publish_report(
         }
     }
     if json {
-        eprintln!("{}", crate::progress::report_line(op, &report));
+        eprintln!("{}", crate::progress::report_line(op, report));
     }
 }
 
@@ -692,6 +698,32 @@ impl Prepared<'_> {
             gpu: self.device.gpu.clone(),
             io_threads: self.opts.io_threads,
         }
+    }
+
+    /// Progress over `files` receiving `file_bytes` each (`total` in all): to the caller's
+    /// callback when there is one, else on stderr unless it is off.
+    pub fn progress(
+        &self,
+        files: Vec<String>,
+        file_bytes: Vec<u64>,
+        total: u64,
+    ) -> Option<Progress> {
+        let opts = self.opts;
+        if let Some(callback) = &opts.on_progress {
+            let p =
+                Progress::with_callback(self.command, files, file_bytes, total, callback.clone());
+            return Some(p);
+        }
+        (opts.progress != ProgressMode::Off).then(|| {
+            Progress::new(
+                self.command,
+                files,
+                file_bytes,
+                total,
+                opts.progress_interval,
+                opts.progress,
+            )
+        })
     }
 
     /// Bytes each file of `shards` receives through the writer, for progress.

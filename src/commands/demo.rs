@@ -166,6 +166,39 @@ fn repack_step() -> Result<Step> {
     ))))
 }
 
+/// Writes a PEFT adapter for [`make_example`]'s model into `dir`: rank 4 on both layers'
+/// `up_proj`. Returns its tensors.
+pub fn make_example_adapter(dir: &Path) -> Result<Vec<Tensor>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut rng = Rng(11);
+    let mut factors = Vec::new();
+    for l in 0..LAYERS {
+        let m = format!("base_model.model.model.layers.{l}.mlp.up_proj");
+        let a: Vec<f32> = (0..4 * HIDDEN).map(|_| rng.normal_ish()).collect();
+        let b: Vec<f32> = (0..2 * HIDDEN * 4).map(|_| rng.normal_ish()).collect();
+        factors.push((
+            format!("{m}.lora_A.weight"),
+            DType::F32,
+            vec![4, HIDDEN],
+            a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+        factors.push((
+            format!("{m}.lora_B.weight"),
+            DType::F32,
+            vec![2 * HIDDEN, 4],
+            b.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    write_small(&dir.join("adapter_model.safetensors"), &factors)?;
+    let cfg_path = dir.join("adapter_config.json");
+    std::fs::write(
+        &cfg_path,
+        r#"{"r": 4, "lora_alpha": 8, "target_modules": ["up_proj"]}"#,
+    )
+    .map_err(|e| Error::io(&cfg_path, e))?;
+    Ok(factors)
+}
+
 /// Two MXFP4 experts (w1, w2, w3 of [32, 64]) and a [64, 64] E4M3 Engram table.
 fn make_v4_example(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
@@ -215,7 +248,9 @@ fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
         io_threads: None,
         memory_budget: 16 << 20,
         quiet: true,
+        silent: false,
         progress: crate::progress::Mode::Off,
+        on_progress: None,
         progress_interval: std::time::Duration::from_secs(30),
         verbose: false,
         allow_empty: false,
@@ -450,33 +485,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
 
     println!("\n5. merge-lora: an r=4 adapter on both layers' up_proj");
     let adapter = root.join("adapter");
-    std::fs::create_dir_all(&adapter).map_err(|e| Error::io(&adapter, e))?;
-    let mut rng = Rng(11);
-    let mut factors = Vec::new();
-    for l in 0..LAYERS {
-        let m = format!("base_model.model.model.layers.{l}.mlp.up_proj");
-        let a: Vec<f32> = (0..4 * HIDDEN).map(|_| rng.normal_ish()).collect();
-        let b: Vec<f32> = (0..2 * HIDDEN * 4).map(|_| rng.normal_ish()).collect();
-        factors.push((
-            format!("{m}.lora_A.weight"),
-            DType::F32,
-            vec![4, HIDDEN],
-            a.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ));
-        factors.push((
-            format!("{m}.lora_B.weight"),
-            DType::F32,
-            vec![2 * HIDDEN, 4],
-            b.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ));
-    }
-    write_small(&adapter.join("adapter_model.safetensors"), &factors)?;
-    let cfg_path = adapter.join("adapter_config.json");
-    std::fs::write(
-        &cfg_path,
-        r#"{"r": 4, "lora_alpha": 8, "target_modules": ["up_proj"]}"#,
-    )
-    .map_err(|e| Error::io(&cfg_path, e))?;
+    let factors = make_example_adapter(&adapter)?;
     let merged_dir = root.join("merged");
     let lora = Step::Op(std::sync::Arc::new(crate::ops::lora::LoraMergeStep::new(
         crate::ops::lora::LoraOptions {

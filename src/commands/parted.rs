@@ -21,7 +21,7 @@ use crate::output::parts::{
     ShardRecord,
 };
 use crate::pipeline::{self, Cancel, RunStats};
-use crate::progress::{Mode as ProgressMode, Progress};
+use crate::progress::Progress;
 use crate::sink::{Layout, OutputKind};
 use crate::size::human;
 
@@ -36,7 +36,7 @@ impl Drop for Temps {
     }
 }
 
-pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
+pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
     let opts = p.opts;
     let part = opts.part.unwrap_or(PartSpec { k: 1, n: 1 });
     let label = part.label();
@@ -98,12 +98,12 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
             print_plan(p, needed, free);
             print_assignment(p, part, &part_of);
         }
+        let mut r = report_json(p, None, true);
+        r["part"] = part_json(part, &mine, layout, &[], &[]);
         if let Some(path) = &opts.report {
-            let mut r = report_json(p, None, true);
-            r["part"] = part_json(part, &mine, layout, &[], &[]);
             crate::output::write_report(path, &r)?;
         }
-        return Ok(());
+        return Ok(r);
     }
     open_space_check(&dir, needed, free, cancel)?;
     // A commit a killed plain run journalled would be finished by the next plain run; the
@@ -175,13 +175,11 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<()> {
         }
         None
     };
-    publish_report(opts.report.as_deref(), opts.progress, p.command, || {
-        let mut r = report_json(p, Some(&stats), false);
-        r["part"] = part_json(part, &mine, layout, &written, &kept);
-        r["finalized"] = Value::from(finalized.is_some());
-        r
-    });
-    Ok(())
+    let mut r = report_json(p, Some(&stats), false);
+    r["part"] = part_json(part, &mine, layout, &written, &kept);
+    r["finalized"] = Value::from(finalized.is_some());
+    publish_report(opts.report.as_deref(), opts.progress, p.command, &r);
+    Ok(r)
 }
 
 pub(crate) fn print_finalized(dir: &Path, f: &Finalized) {
@@ -384,18 +382,18 @@ fn write_part(
         .collect();
     kept.retain(|s| !groups.iter().any(|g| g.contains(s)));
     let todo: Vec<usize> = groups.iter().flatten().copied().collect();
-    let progress = (opts.progress != ProgressMode::Off && !todo.is_empty()).then(|| {
+    let progress = if todo.is_empty() {
+        None
+    } else {
         let shards: Vec<&crate::sink::OutShard> = todo.iter().map(|&s| &layout.shards[s]).collect();
         let bytes = p.progress_bytes(&shards);
-        Progress::new(
-            p.command,
+        let total = bytes.iter().sum();
+        p.progress(
             shards.iter().map(|s| s.file_name.clone()).collect(),
-            bytes.clone(),
-            bytes.iter().sum(),
-            opts.progress_interval,
-            opts.progress,
+            bytes,
+            total,
         )
-    });
+    };
     let mut stats = RunStats::default();
     let mut first = 0;
     for group in &groups {

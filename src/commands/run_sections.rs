@@ -42,7 +42,7 @@ const KINDS: [&str; 7] = [
 const OWN_OPTIONS: [&str; 5] = ["dtype", "include", "exclude", "rule", "adapter"];
 
 /// `run`'s sections, split from the raw arguments but not yet parsed.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct RunSections {
     /// Each section: its flag and its tokens.
     sections: Vec<(&'static str, Vec<OsString>)>,
@@ -209,6 +209,23 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
 }
 
 impl RunSections {
+    /// Appends section `kind` (a section flag, `--merge-lora`) with its `tokens` as a command
+    /// line would give them: how the library's [`crate::api::Pipe`] builds `run`'s chain.
+    pub(crate) fn push(&mut self, kind: &'static str, tokens: Vec<OsString>) {
+        debug_assert!(KINDS.contains(&kind), "{kind} is a section flag");
+        self.sections.push((kind, tokens));
+    }
+
+    /// How many sections there are.
+    pub(crate) fn len(&self) -> usize {
+        self.sections.len()
+    }
+
+    /// Appends `other`'s sections after these.
+    pub(crate) fn append(&mut self, other: RunSections) {
+        self.sections.extend(other.sections);
+    }
+
     /// The steps, in the order the sections were written.
     pub fn steps(&self) -> Result<Vec<Step>> {
         let mut steps = Vec::new();

@@ -72,6 +72,8 @@ impl GgufTensorOp {
 
     /// The byte span of each source (of its elements as the recipe moves them) that output
     /// rows `rows` read; empty where a source is not read.
+    // One span per source: a recipe of one source gives a `Vec` of one range, on purpose.
+    #[allow(clippy::single_range_in_vec_init)]
     fn spans(&self, rows: &Range<u64>) -> Vec<Range<u64>> {
         if rows.is_empty() {
             return vec![0..0; self.slots.len()];
