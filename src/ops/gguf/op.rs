@@ -89,7 +89,7 @@ impl GgufTensorOp {
             lo * unit..hi * unit
         };
         match &t.recipe {
-            Recipe::Direct { .. } => std::iter::once(rows.start * row..rows.end * row).collect(),
+            Recipe::Direct { .. } => vec![rows.start * row..rows.end * row],
             Recipe::Rows { map, row_elems, .. } => {
                 let per_row = inner / row_elems;
                 let units = rows.start * per_row..rows.end * per_row;
@@ -112,7 +112,7 @@ impl GgufTensorOp {
             Recipe::KvBK { nope, v, lora, .. } => {
                 let (h0, h1) = (rows.start / lora, (rows.end - 1) / lora);
                 let head = nope + v;
-                std::iter::once(h0 * head * lora * es..(h1 * head + nope) * lora * es).collect()
+                vec![h0 * head * lora * es..(h1 * head + nope) * lora * es]
             }
             Recipe::Mxfp4 { map, .. } => {
                 let groups = inner / MXFP4_BLOCK_ELEMS as u64;
