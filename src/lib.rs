@@ -38,6 +38,7 @@ pub mod error;
 pub mod escape;
 pub mod format;
 pub mod gpu;
+pub mod job;
 pub mod ops;
 pub mod output;
 pub mod pipeline;

@@ -8,7 +8,7 @@
 //! go), put together in a [`Pipeline`] whose [`Pipeline::run`] returns a [`Report`].
 //!
 //! Nothing here reimplements the CLI: a pipeline runs through the same driver as every
-//! writing command (`commands::convert::convert`), and a pipe is built by the code that builds
+//! writing command (`job::Job::execute`), and a pipe is built by the code that builds
 //! `tftf run`'s sections, so a pipeline writes what `tftf run` with the same sections writes.
 //! A library run prints nothing; progress goes to [`Pipeline::on_progress`]'s callback.
 //!
@@ -122,8 +122,8 @@ pub use pipe::Pipe;
 pub use report::Report;
 pub use writer::Writer;
 
-use crate::commands::convert::{self, WriteOptions, MIN_BUDGET_BYTES};
 use crate::error::{Error, Result};
+use crate::job::{self, Job, WriteOptions, MIN_BUDGET_BYTES};
 use crate::progress::{Callback, Mode as ProgressMode, DEFAULT_INTERVAL_SECS};
 use crate::size::human;
 
@@ -256,12 +256,18 @@ impl Pipeline {
         let started = Instant::now();
         let result = self.write_options().and_then(|opts| {
             let steps = self.pipe.steps()?;
-            convert::convert(COMMAND, self.reader.path(), &steps, &opts, &self.cancel)
+            Job {
+                command: COMMAND,
+                source: self.reader.path(),
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(&self.cancel)
         });
         match result {
             Ok(json) => Ok(Report::new(json)),
             Err(e) if self.writer.is_null() && !matches!(e, Error::Cancelled) => {
-                Ok(Report::new(convert::error_report(COMMAND, &e, started)))
+                Ok(Report::new(job::error_report(COMMAND, &e, started)))
             }
             Err(e) => Err(e),
         }
@@ -284,7 +290,7 @@ impl Pipeline {
                 )))
             }
             Some(b) => b,
-            None => convert::default_budget(),
+            None => job::default_budget(),
         };
         Ok(WriteOptions {
             output,

@@ -6,8 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::commands::convert::Format;
 use crate::error::{Error, Result};
+use crate::job::Format;
 use crate::sink::gguf::{FileType, GgufSinkOptions};
 use crate::sink::{output_kind_for, OutputKind};
 

@@ -6,11 +6,11 @@ use std::path::Path;
 
 use serde_json::json;
 
-use crate::commands::convert::{convert, WriteOptions};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::format::write_small;
+use crate::job::{Job, WriteOptions};
 use crate::ops::cast::f32_to_bf16;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::pipeline::Cancel;
@@ -242,7 +242,7 @@ fn make_v4_example(dir: &Path) -> Result<()> {
 fn quiet_opts(output: &Path, max_shard_bytes: Option<u64>) -> WriteOptions {
     WriteOptions {
         output: output.into(),
-        format: super::convert::Format::Safetensors { max_shard_bytes },
+        format: crate::job::Format::Safetensors { max_shard_bytes },
         dry_run: false,
         threads: 2,
         io_threads: None,
@@ -309,16 +309,16 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
 
     let bf16_dir = root.join("bf16-resharded");
     println!("\n1. passthrough --dtype bf16 --max-shard-size 40KB");
-    convert(
-        "passthrough",
-        &src,
-        &[Step::Cast {
+    Job {
+        command: "passthrough",
+        source: &src,
+        steps: &[Step::Cast {
             dtype: DType::BF16,
             cast_ints: false,
         }],
-        &quiet_opts(&bf16_dir, Some(40_000)),
-        cancel,
-    )?;
+        options: &quiet_opts(&bf16_dir, Some(40_000)),
+    }
+    .execute(cancel)?;
     let out = Checkpoint::open(&bf16_dir)?;
     check(
         out.tensors.len() == input.tensors.len(),
@@ -359,16 +359,16 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
 
     let renamed = root.join("renamed.safetensors");
     println!("\n2. run --key-exclude '*.weight_scale_inv' --key-rename '^model\\.' '' -o renamed.safetensors");
-    convert(
-        "run",
-        &src,
-        &[
+    Job {
+        command: "run",
+        source: &src,
+        steps: &[
             Step::Exclude(vec![Glob::new("*.weight_scale_inv")?]),
             Step::Rename(Rename::new(r"^model\.", "")?),
         ],
-        &quiet_opts(&renamed, None),
-        cancel,
-    )?;
+        options: &quiet_opts(&renamed, None),
+    }
+    .execute(cancel)?;
     let out2 = Checkpoint::open(&renamed)?;
     check(
         out2.get("layers.0.mlp.up_proj.weight").is_some(),
@@ -388,10 +388,10 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
 
     let deq_dir = root.join("dequantized");
     println!("\n3. dequant-fp8 (FP8 E4M3 weights with F32 scales -> BF16)");
-    convert(
-        "dequant-fp8",
-        &src,
-        &[Step::Op(std::sync::Arc::new(DequantFp8Step {
+    Job {
+        command: "dequant-fp8",
+        source: &src,
+        steps: &[Step::Op(std::sync::Arc::new(DequantFp8Step {
             opts: DequantOptions {
                 dtype: DType::BF16,
                 block: None,
@@ -400,9 +400,9 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
                 allow_nonfinite: false,
             },
         }))],
-        &quiet_opts(&deq_dir, None),
-        cancel,
-    )?;
+        options: &quiet_opts(&deq_dir, None),
+    }
+    .execute(cancel)?;
     let out3 = Checkpoint::open(&deq_dir)?;
     let codes = tensor_bytes(&input, q)?;
     let scale = f32::from_le_bytes(
@@ -435,13 +435,13 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     make_v4_example(&v4)?;
     let fp4_dir = root.join("fp4-repacked");
     println!("\n4. repack-fp4 of a tiny DeepSeek-V4-style checkpoint (MXFP4 experts -> NVFP4, E4M3 Engram -> E2M1)");
-    convert(
-        "repack-fp4",
-        &v4,
-        &[repack_step()?],
-        &quiet_opts(&fp4_dir, None),
-        cancel,
-    )?;
+    Job {
+        command: "repack-fp4",
+        source: &v4,
+        steps: &[repack_step()?],
+        options: &quiet_opts(&fp4_dir, None),
+    }
+    .execute(cancel)?;
     let v4_in = Checkpoint::open(&v4)?;
     let out4 = Checkpoint::open(&fp4_dir)?;
     let mut exact = true;
@@ -497,13 +497,13 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
             rank_alpha: None,
         },
     )));
-    convert(
-        "merge-lora",
-        &src,
-        &[lora],
-        &quiet_opts(&merged_dir, None),
-        cancel,
-    )?;
+    Job {
+        command: "merge-lora",
+        source: &src,
+        steps: &[lora],
+        options: &quiet_opts(&merged_dir, None),
+    }
+    .execute(cancel)?;
     let out5 = Checkpoint::open(&merged_dir)?;
     let up = "model.layers.1.mlp.up_proj.weight";
     let (w0, w1) = (tensor_bytes(&input, up)?, tensor_bytes(&out5, up)?);

@@ -1,10 +1,8 @@
 //! Command implementations; `dispatch` turns parsed flags into validated requests once.
 
-pub mod convert;
 pub mod demo;
-pub mod gguf;
 pub mod info;
-pub mod parted;
+pub mod options;
 pub mod run_sections;
 pub mod selftest;
 pub mod semantic;
@@ -21,6 +19,7 @@ use std::sync::Arc;
 use crate::cli::{AdapterOpts, Cli, Command, Fp4RepackArgs, Fp8Args, InputArgs, PassthroughArgs};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::job::{Job, WriteOptions};
 use crate::ops::dequant::DequantStep;
 use crate::ops::fp4::repack::{
     RepackFp4Step, RepackOptions, ShardSelection, DEFAULT_ENGRAM_PATTERN, DEFAULT_EXPERT_PATTERN,
@@ -30,7 +29,6 @@ use crate::ops::lora::{AdapterSource, LoraMergeStep, LoraOptions};
 use crate::pipeline::Cancel;
 use crate::plan::Step;
 use crate::transform::{Glob, Rename};
-use convert::{convert, WriteOptions};
 
 fn input_path(a: &InputArgs) -> Result<PathBuf> {
     flag_or_positional(&a.input, &a.model)
@@ -271,13 +269,25 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         Command::Passthrough(a) => {
             let steps = passthrough_steps(a)?;
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert("passthrough", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Job {
+                command: "passthrough",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::Run(a) => {
             let steps = sections.steps()?;
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert("run", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Job {
+                command: "run",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::DequantFp8(a) => {
@@ -286,7 +296,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 steps.push(lora_step(adapter, &a.lora)?);
             }
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert("dequant", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Job {
+                command: "dequant",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::Quantize(a) => {
@@ -304,7 +320,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 !a.no_default_ignore,
             )?))];
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert("quantize", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Job {
+                command: "quantize",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::MergeLora(a) => {
@@ -317,7 +339,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 &a.dtype,
             )?);
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert("merge-lora", &input_path(&a.input)?, &steps, &opts, cancel)?;
+            Job {
+                command: "merge-lora",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::MergeDcpLora(a) => {
@@ -328,13 +356,13 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 &a.dtype,
             )?);
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert(
-                "merge-dcp-lora",
-                &input_path(&a.input)?,
-                &steps,
-                &opts,
-                cancel,
-            )?;
+            Job {
+                command: "merge-dcp-lora",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::MergeFsdpLora(a) => {
@@ -363,29 +391,41 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 &a.dtype,
             )?;
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            convert(
-                "merge-fsdp-lora",
-                &input_path(&a.input)?,
-                &steps,
-                &opts,
-                cancel,
-            )?;
+            Job {
+                command: "merge-fsdp-lora",
+                source: &input_path(&a.input)?,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::RepackFp4(a) => {
             let steps = vec![repack_step(&a.fp4)?];
             let opts = WriteOptions::from_args(&a.write, &arguments)?;
             let input = flag_or_positional(&a.src, &a.model)?;
-            convert("repack-fp4", &input, &steps, &opts, cancel)?;
+            Job {
+                command: "repack-fp4",
+                source: &input,
+                steps: &steps,
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::Gguf(a) => {
             let opts = WriteOptions::from_gguf_args(a, &arguments)?;
-            convert("gguf", &input_path(&a.input)?, &[], &opts, cancel)?;
+            Job {
+                command: "gguf",
+                source: &input_path(&a.input)?,
+                steps: &[],
+                options: &opts,
+            }
+            .execute(cancel)?;
             Ok(0)
         }
         Command::Validate(a) => {
-            let budget = convert::parse_budget(a.memory_budget.as_deref())?;
+            let budget = crate::job::parse_budget(a.memory_budget.as_deref())?;
             let ok = validate::run(a, &input_path(&a.input)?, budget, cancel)?;
             Ok(if ok { 0 } else { 1 })
         }
@@ -403,7 +443,7 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
         Command::Finalize(a) => {
             let f = crate::output::parts::finalize(&a.dir, a.force)?;
             if !a.quiet {
-                parted::print_finalized(&a.dir, &f);
+                crate::job::print_finalized(&a.dir, &f);
             }
             Ok(0)
         }

@@ -9,9 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::convert::{
-    device_line, open_space_check, print_plan, publish_report, report_json, Prepared,
-};
+use super::*;
 use crate::error::{Error, Result};
 use crate::output::checksum::{hash_file, TensorRange};
 use crate::output::commit::{crash_point, temp_final_name, temp_name, temporaries};
@@ -182,7 +180,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
     Ok(r)
 }
 
-pub(crate) fn print_finalized(dir: &Path, f: &Finalized) {
+pub fn print_finalized(dir: &Path, f: &Finalized) {
     println!(
         "finalized {}: {} part(s), {} shard(s), {}; wrote {}",
         dir.display(),

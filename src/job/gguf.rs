@@ -1,60 +1,19 @@
-//! `tftf gguf`: a Hugging Face checkpoint to a GGUF file (or `gguf-split` set) that llama.cpp
-//! loads. The command only builds a job with a GGUF sink ([`crate::sink::gguf::GgufSink`]): the
-//! sink plans the architecture, hyperparameters, tokenizer, tensors and file layout from the
-//! headers and `config.json`/`tokenizer.json` before any output exists, and the shared pipeline
-//! copies unchanged tensors (reflinked where their offsets are congruent with the source's) and
-//! computes the rest in row chunks ([`crate::ops::gguf::GgufTensorOp`]), within the memory
-//! budget, into temporary files committed atomically. What is GGUF-specific here is how the
-//! dry run and the report describe it.
+//! How the dry run and the report describe a GGUF job: architecture, every file and tensor
+//! with its ggml type and recipe, copied and congruent bytes.
 
 use std::collections::HashMap;
 
 use serde_json::{json, Value as Json};
 
-use super::convert::{print_disk_line, same_filesystem, Prepared};
-use crate::cli::GgufArgs;
-use crate::error::{Error, Result};
+use super::describe::print_disk_line;
+use super::prepared::{nearest_existing, same_filesystem, Prepared};
 use crate::output::resolve;
 use crate::pipeline::RunStats;
-use crate::sink::gguf::layout::{self, FilePlan};
+use crate::sink::gguf::layout::FilePlan;
 use crate::sink::gguf::recipe::OutputTensor;
 use crate::sink::gguf::sink::{file_type_name, recipe_kind, report_fields, GgufSink};
-use crate::sink::gguf::{FileType, GgufSinkOptions};
 use crate::size::human;
 use crate::sys;
-
-/// The GGUF sink's options from the command line.
-pub fn gguf_options(a: &GgufArgs) -> Result<GgufSinkOptions> {
-    let split_max_bytes = match &a.split_max_size {
-        None => 0,
-        Some(s) => match layout::parse_split_size(s) {
-            Some(0) | None => {
-                return Err(Error::Usage(format!(
-                    "--split-max-size `{s}`: give a positive number of bytes, optionally with K, M or G (powers of 1000)"
-                )))
-            }
-            Some(n) => n,
-        },
-    };
-    let Some(file_name) = a.output.file_name() else {
-        return Err(Error::Usage(format!(
-            "-o {}: name the output file (OUT.gguf)",
-            a.output.display()
-        )));
-    };
-    Ok(GgufSinkOptions {
-        file_name: file_name.to_string_lossy().into_owned(),
-        file_type: match a.outtype.as_str() {
-            "auto" => None,
-            t => Some(FileType::parse(t).ok_or_else(|| {
-                Error::Usage(format!("--outtype `{t}`: use auto, f32, f16, bf16 or q8_0"))
-            })?),
-        },
-        split_max_bytes,
-        arch: a.arch.clone(),
-        vocab_pre: a.vocab_pre.clone(),
-    })
-}
 
 /// The files as the GGUF layout planned them, with their names and byte counts.
 struct FilesInfo {
@@ -172,7 +131,7 @@ fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor
 }
 
 fn print_reflink_line(p: &Prepared, info: &FilesInfo) {
-    let out_fs = sys::filesystem_name(&super::convert::nearest_existing(&resolve(&p.target.dir)));
+    let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&p.target.dir)));
     if !p.opts.kernel_copy {
         println!("  reflink: off (--no-reflink): unchanged bytes are copied through memory");
     } else if !sys::can_reflink(out_fs) {
