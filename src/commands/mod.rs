@@ -261,169 +261,145 @@ fn merge_steps(
 pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -> Result<i32> {
     let cli = Cli::from_arg_matches(matches).map_err(|e| Error::Usage(e.to_string()))?;
     let arguments = arguments_text(matches, sections);
-    match &cli.command {
-        Command::Info(a) => {
-            info::run(a, &input_path(&a.input)?)?;
-            Ok(0)
-        }
-        Command::Passthrough(a) => {
-            let steps = passthrough_steps(a)?;
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
+    match writing_job(&cli.command, sections, &arguments)? {
+        Some(job) => {
             Job {
-                command: "passthrough",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
+                command: job.command,
+                source: &job.source,
+                steps: &job.steps,
+                options: &job.options,
             }
             .execute(cancel)?;
             Ok(0)
         }
-        Command::Run(a) => {
-            let steps = sections.steps()?;
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "run",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
-        }
+        None => run_other(&cli.command, cancel),
+    }
+}
+
+/// What a writing command's job is made of.
+struct JobParts {
+    command: &'static str,
+    source: PathBuf,
+    steps: Vec<Step>,
+    options: WriteOptions,
+}
+
+/// The job of a writing command (`None` for the others): its steps, then its options, then its
+/// input, each refused in that order.
+fn writing_job(
+    command: &Command,
+    sections: &RunSections,
+    arguments: &str,
+) -> Result<Option<JobParts>> {
+    let job = |command, steps, options, source: &dyn Fn() -> Result<PathBuf>| {
+        Ok(Some(JobParts {
+            command,
+            steps,
+            options,
+            source: source()?,
+        }))
+    };
+    let opts = |w| WriteOptions::from_args(w, arguments);
+    match command {
+        Command::Passthrough(a) => job(
+            "passthrough",
+            passthrough_steps(a)?,
+            opts(&a.write)?,
+            &|| input_path(&a.input),
+        ),
+        Command::Run(a) => job("run", sections.steps()?, opts(&a.write)?, &|| {
+            input_path(&a.input)
+        }),
         Command::DequantFp8(a) => {
             let mut steps = vec![dequant_step(&a.dtype, &a.fp8)?];
             if let Some(adapter) = &a.merge_lora {
                 steps.push(lora_step(adapter, &a.lora)?);
             }
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "dequant",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
+            job("dequant", steps, opts(&a.write)?, &|| input_path(&a.input))
         }
-        Command::Quantize(a) => {
-            let scheme = crate::ops::quantize::Scheme::parse(&a.scheme)?;
-            let ignore = a
-                .ignore
-                .iter()
-                .map(|p| crate::ops::quantize::IgnoreRule::new(p))
-                .collect::<Result<Vec<_>>>()?;
-            let format = crate::ops::quantize::Format::parse(&a.format)?;
-            let steps = vec![Step::Op(Arc::new(crate::ops::quantize::QuantizeStep::new(
-                scheme,
-                format,
-                ignore,
-                !a.no_default_ignore,
-            )?))];
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "quantize",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
-        }
+        Command::Quantize(a) => job("quantize", quantize_steps(a)?, opts(&a.write)?, &|| {
+            input_path(&a.input)
+        }),
         Command::MergeLora(a) => {
             // As in Python tftf, renames come first: the adapter is matched against the new
             // names.
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.extend(merge_steps(
-                lora_step(&a.adapter, &a.lora)?,
-                &a.requant_args,
-                &a.dtype,
-            )?);
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "merge-lora",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
+            let merge = lora_step(&a.adapter, &a.lora)?;
+            steps.extend(merge_steps(merge, &a.requant_args, &a.dtype)?);
+            job("merge-lora", steps, opts(&a.write)?, &|| {
+                input_path(&a.input)
+            })
         }
         Command::MergeDcpLora(a) => {
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            steps.extend(merge_steps(
-                lora_step(&a.checkpoint_dir, &a.lora)?,
-                &a.requant_args,
-                &a.dtype,
-            )?);
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "merge-dcp-lora",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
+            let merge = lora_step(&a.checkpoint_dir, &a.lora)?;
+            steps.extend(merge_steps(merge, &a.requant_args, &a.dtype)?);
+            job("merge-dcp-lora", steps, opts(&a.write)?, &|| {
+                input_path(&a.input)
+            })
         }
         Command::MergeFsdpLora(a) => {
-            let files = match &a.shard_dir {
-                Some(dir) => {
-                    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-                        .map_err(|e| Error::io(dir, e))?
-                        .flatten()
-                        .map(|e| e.path())
-                        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                        .collect();
-                    v.sort();
-                    if v.is_empty() {
-                        return Err(Error::NoModel {
-                            path: dir.clone(),
-                            msg: "no *.safetensors rank files".into(),
-                        });
-                    }
-                    v
-                }
-                None => a.shards.clone(),
-            };
-            let steps = merge_steps(
-                lora_step_from(AdapterSource::Ranks(files), &a.lora)?,
-                &a.requant_args,
-                &a.dtype,
-            )?;
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            Job {
-                command: "merge-fsdp-lora",
-                source: &input_path(&a.input)?,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
+            let merge = lora_step_from(AdapterSource::Ranks(rank_files(a)?), &a.lora)?;
+            let steps = merge_steps(merge, &a.requant_args, &a.dtype)?;
+            job("merge-fsdp-lora", steps, opts(&a.write)?, &|| {
+                input_path(&a.input)
+            })
         }
-        Command::RepackFp4(a) => {
-            let steps = vec![repack_step(&a.fp4)?];
-            let opts = WriteOptions::from_args(&a.write, &arguments)?;
-            let input = flag_or_positional(&a.src, &a.model)?;
-            Job {
-                command: "repack-fp4",
-                source: &input,
-                steps: &steps,
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
-        }
-        Command::Gguf(a) => {
-            let opts = WriteOptions::from_gguf_args(a, &arguments)?;
-            Job {
-                command: "gguf",
-                source: &input_path(&a.input)?,
-                steps: &[],
-                options: &opts,
-            }
-            .execute(cancel)?;
-            Ok(0)
-        }
+        Command::RepackFp4(a) => job(
+            "repack-fp4",
+            vec![repack_step(&a.fp4)?],
+            opts(&a.write)?,
+            &|| flag_or_positional(&a.src, &a.model),
+        ),
+        Command::Gguf(a) => job(
+            "gguf",
+            Vec::new(),
+            WriteOptions::from_gguf_args(a, arguments)?,
+            &|| input_path(&a.input),
+        ),
+        _ => Ok(None),
+    }
+}
+
+fn quantize_steps(a: &crate::cli::QuantizeArgs) -> Result<Vec<Step>> {
+    use crate::ops::quantize::{Format, IgnoreRule, QuantizeStep, Scheme};
+    let scheme = Scheme::parse(&a.scheme)?;
+    let ignore = a
+        .ignore
+        .iter()
+        .map(|p| IgnoreRule::new(p))
+        .collect::<Result<Vec<_>>>()?;
+    let format = Format::parse(&a.format)?;
+    let step = QuantizeStep::new(scheme, format, ignore, !a.no_default_ignore)?;
+    Ok(vec![Step::Op(Arc::new(step))])
+}
+
+/// `merge-fsdp-lora`'s rank files: `--shard-dir`'s `*.safetensors` in name order, or the
+/// files given.
+fn rank_files(a: &crate::cli::MergeFsdpArgs) -> Result<Vec<PathBuf>> {
+    let Some(dir) = &a.shard_dir else {
+        return Ok(a.shards.clone());
+    };
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    if v.is_empty() {
+        return Err(Error::NoModel {
+            path: dir.clone(),
+            msg: "no *.safetensors rank files".into(),
+        });
+    }
+    Ok(v)
+}
+
+/// The commands that write no model: inspection, checks, the part and commit helpers, demo.
+fn run_other(command: &Command, cancel: &Cancel) -> Result<i32> {
+    match command {
+        Command::Info(a) => info::run(a, &input_path(&a.input)?).map(|_| 0),
         Command::Validate(a) => {
             let budget = crate::job::parse_budget(a.memory_budget.as_deref())?;
             let ok = validate::run(a, &input_path(&a.input)?, budget, cancel)?;
@@ -447,26 +423,26 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
             }
             Ok(0)
         }
-        Command::Verify(a) => {
-            let v = crate::output::checksum::verify(&a.dir)?;
-            for p in &v.problems {
-                println!("{}: {p}", a.dir.display());
-            }
-            if v.problems.is_empty() {
-                println!(
-                    "{}: {} file(s), {} match tftf-manifest.json",
-                    a.dir.display(),
-                    v.files,
-                    crate::size::human(v.bytes)
-                );
-                Ok(0)
-            } else {
-                Ok(1)
-            }
-        }
-        Command::Demo(a) => {
-            demo::run(a.keep.as_deref(), cancel)?;
-            Ok(0)
-        }
+        Command::Verify(a) => verify(&a.dir),
+        Command::Demo(a) => demo::run(a.keep.as_deref(), cancel).map(|_| 0),
+        _ => unreachable!("writing commands are jobs"),
     }
+}
+
+/// `tftf verify DIR`: 0 when every file matches the manifest.
+fn verify(dir: &std::path::Path) -> Result<i32> {
+    let v = crate::output::checksum::verify(dir)?;
+    for p in &v.problems {
+        println!("{}: {p}", dir.display());
+    }
+    if !v.problems.is_empty() {
+        return Ok(1);
+    }
+    println!(
+        "{}: {} file(s), {} match tftf-manifest.json",
+        dir.display(),
+        v.files,
+        crate::size::human(v.bytes)
+    );
+    Ok(0)
 }
