@@ -18,14 +18,16 @@
 //! blocking call waits in short slices and checks the flag, so no thread stays stuck on a full
 //! channel or an empty pool.
 
+mod cancel;
 pub mod pool;
+pub use cancel::Cancel;
 pub use pool::PoolBuf;
 
 use std::collections::VecDeque;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,18 +52,6 @@ const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// (measured: merge-lora 1.45× passthrough with a 1 GiB window, 1.25× with 64 MiB).
 const WRITEBACK_WINDOW_MAX_BYTES: u64 = 64 << 20;
 const POLL: Duration = Duration::from_millis(50);
-
-#[derive(Clone, Default)]
-pub struct Cancel(Arc<AtomicBool>);
-
-impl Cancel {
-    pub fn raise(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-    pub fn is_raised(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-}
 
 pub struct PipelineConfig {
     pub threads: usize,
