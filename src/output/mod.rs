@@ -12,6 +12,7 @@
 pub mod checksum;
 pub mod commit;
 pub mod lock;
+pub mod names;
 pub mod parts;
 
 use std::collections::HashMap;
@@ -24,10 +25,10 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
-use commit::{finish_interrupted_commit, is_temp_name, temporaries, JOURNAL_NAME};
+use commit::{finish_interrupted_commit, is_temp_name, remove_dirs, temporaries, JOURNAL_NAME};
 use lock::{OutputLock, LOCK_FILE_NAME};
-
-pub const INDEX_NAME: &str = "model.safetensors.index.json";
+use names::is_model_file_name;
+pub use names::INDEX_NAME;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct FileId {
@@ -517,31 +518,6 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     Ok(notes)
 }
 
-/// Names tftf gives shards, indexes and checksums: `model.safetensors`,
-/// `model-0000i-of-0000N.safetensors`, `model.safetensors.index.json`, `SHA256SUMS`,
-/// `tftf-manifest.json`.
-pub(crate) fn is_model_file_name(name: &str) -> bool {
-    if name == "model.safetensors"
-        || name == INDEX_NAME
-        || name == checksum::SUMS_NAME
-        || name == checksum::MANIFEST_NAME
-    {
-        return true;
-    }
-    let Some(mid) = name
-        .strip_prefix("model-")
-        .and_then(|n| n.strip_suffix(".safetensors"))
-    else {
-        return false;
-    };
-    match mid.split_once("-of-") {
-        Some((i, n)) => [i, n]
-            .iter()
-            .all(|p| p.len() >= 5 && p.bytes().all(|b| b.is_ascii_digit())),
-        None => false,
-    }
-}
-
 /// Shard names an existing index lists (plain names only).
 fn old_index_shards(index: &Path) -> Vec<String> {
     let Some(v) = std::fs::read(index)
@@ -604,13 +580,6 @@ fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn remove_dirs_if_empty(dir: &Path, created: &[PathBuf]) {
     let _ = std::fs::remove_dir(parts::parts_dir(dir));
     remove_dirs(created);
-}
-
-/// Removes directories a run created, deepest first, where they are still empty.
-pub(crate) fn remove_dirs(created: &[PathBuf]) {
-    for d in created {
-        let _ = std::fs::remove_dir(d);
-    }
 }
 
 /// Files next to the weights that belong in the output: configs, tokenizer, chat templates,
