@@ -19,7 +19,8 @@ use std::fs::File;
 use std::path::{Component, Path};
 
 use super::archive::read_archive;
-use super::pickle::{Value, MAX_PICKLE_BYTES};
+use super::pickle::MAX_PICKLE_BYTES;
+use super::value::Value;
 use super::{dtype_of, unpickle_file, view_placement};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;

@@ -12,6 +12,7 @@ pub mod dcp;
 pub mod globals;
 pub mod legacy;
 pub mod pickle;
+pub mod value;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -22,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::format::dtype::{element_count, DType};
 use crate::format::source::{contiguous_strides, source_file, Placement, SourceDesc, SourceTensor};
 use archive::MemberRange;
-use pickle::{PickleError, TensorView, Value};
+use value::{PickleError, TensorView, Value};
 
 /// State dicts nested deeper than this are refused.
 pub const MAX_NESTING_DEPTH: usize = 64;
@@ -418,7 +419,7 @@ pub(crate) fn flatten(
 /// The dtype a `torch.<name>` global stands for (for messages and DCP properties).
 pub fn dtype_of(value: &Value) -> Option<DType> {
     match value {
-        Value::Global(pickle::Global::Dtype(d)) => Some(*d),
+        Value::Global(value::Global::Dtype(d)) => Some(*d),
         _ => None,
     }
 }
