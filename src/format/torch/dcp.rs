@@ -20,8 +20,8 @@ use std::path::{Component, Path};
 
 use super::archive::read_archive;
 use super::pickle::MAX_PICKLE_BYTES;
+use super::state_dict::{dtype_of, unpickle_file, view_placement};
 use super::value::Value;
-use super::{dtype_of, unpickle_file, view_placement};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::source::{

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use super::archive::MemberRange;
 use super::pickle::{self, MAX_PICKLE_BYTES};
+use super::state_dict::{flatten, pickle_error};
 use super::value::{PickleError, Value};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -46,7 +47,7 @@ pub fn read_legacy(
             {
                 want = (want * 2).min(file_len).min(MAX_PICKLE_BYTES);
             }
-            Err(e) => return Err(super::pickle_error(path, e)),
+            Err(e) => return Err(pickle_error(path, e)),
         }
     };
     let [magic, protocol, sys_info, main, keys] = values;
@@ -73,7 +74,7 @@ pub fn read_legacy(
     // Each storage's dtype comes from the tensors using it.
     let mut dtypes: HashMap<String, DType> = HashMap::new();
     let mut notes = Vec::new();
-    for (_, view) in super::flatten(path, &main, &mut notes)? {
+    for (_, view) in flatten(path, &main, &mut notes)? {
         let dtype = view.storage.dtype.unwrap_or(view.dtype);
         dtypes.insert(view.storage.key.clone(), dtype);
     }
