@@ -236,21 +236,12 @@ impl<'a> OutputTarget<'a> {
             }
             return Ok(claim);
         }
-        let mut present: Vec<String> = std::fs::read_dir(&self.dir)
-            .map_err(|e| Error::io(&self.dir, e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n != LOCK_FILE_NAME && n != JOURNAL_NAME && !is_temp_name(n))
-            .collect();
-        present.sort();
+        let present = self.entries_unless_forced(
+            |n| n != LOCK_FILE_NAME && n != JOURNAL_NAME && !is_temp_name(n),
+            force,
+        )?;
         if present.is_empty() {
             return Ok(claim);
-        }
-        if !force {
-            return Err(Error::OutputNotEmpty {
-                dir: self.dir.clone(),
-                entries: listing_excerpt(&present),
-            });
         }
         for name in names {
             let p = self.dir.join(name);
@@ -400,6 +391,29 @@ impl OutputTarget<'_> {
         }
     }
 
+    /// The names of the directory's entries that `counts` accepts, sorted; when there are any
+    /// and `force` is not given, the output is not empty and that is an error naming them.
+    fn entries_unless_forced(
+        &self,
+        counts: impl Fn(&str) -> bool,
+        force: bool,
+    ) -> Result<Vec<String>> {
+        let mut entries: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(&self.dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| counts(n))
+            .collect();
+        entries.sort();
+        if !entries.is_empty() && !force {
+            return Err(Error::OutputNotEmpty {
+                dir: self.dir.clone(),
+                entries: listing_excerpt(&entries),
+            });
+        }
+        Ok(entries)
+    }
+
     /// For a part: the directory's visible entries other than `ok` (this run's shards). Without
     /// `force` any of them is refused; with it, model files of an earlier output (the old index
     /// first of all) are deleted at once, before any shard of this run lands beside them, and
@@ -409,21 +423,10 @@ impl OutputTarget<'_> {
         ok: &std::collections::HashSet<String>,
         force: bool,
     ) -> Result<Vec<String>> {
-        let mut foreign: Vec<String> = std::fs::read_dir(&self.dir)
-            .map_err(|e| Error::io(&self.dir, e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| !n.starts_with('.') && !ok.contains(n))
-            .collect();
-        foreign.sort();
+        let mut foreign =
+            self.entries_unless_forced(|n| !n.starts_with('.') && !ok.contains(n), force)?;
         if foreign.is_empty() {
             return Ok(foreign);
-        }
-        if !force {
-            return Err(Error::OutputNotEmpty {
-                dir: self.dir.clone(),
-                entries: listing_excerpt(&foreign),
-            });
         }
         let old_index = old_index_shards(&self.dir.join(INDEX_NAME));
         let mut deleted = Vec::new();

@@ -249,6 +249,27 @@ fn recv<T>(rx: &Receiver<T>, cancel: &Cancel) -> Result<Option<T>> {
     }
 }
 
+/// Starts `count` threads of one stage between `rx` and `tx`. The handles passed in drop
+/// here, once every thread holds its clones, so a channel closes when the last thread on its
+/// sending side ends.
+fn start_stage<'scope, I, O>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    sh: &'scope Shared<'_>,
+    name: &str,
+    count: usize,
+    rx: Receiver<I>,
+    tx: Sender<O>,
+    stage: fn(&Shared, Receiver<I>, Sender<O>) -> Result<()>,
+) where
+    I: Send + 'scope,
+    O: Send + 'scope,
+{
+    for _ in 0..count {
+        let (rx, tx) = (rx.clone(), tx.clone());
+        start(scope, sh, name, move || stage(sh, rx, tx));
+    }
+}
+
 /// Starts one stage in `scope`. A thread that cannot start (no memory for its stack, a process
 /// limit) fails the run like any stage error: the closure is dropped with its channel ends, so
 /// the stages already running see a disconnect or the cancel flag and stop.
@@ -369,21 +390,17 @@ pub fn execute(
             start(scope, sh, "planner", move || {
                 read_stage(sh, chunk_bytes, true, read_tx)
             });
-            for _ in 0..io_threads {
-                let rx = read_rx.clone();
-                let tx = work_tx.clone();
-                start(scope, sh, "reader", move || reader(sh, rx, tx));
-            }
-            drop(read_rx);
-            drop(work_tx);
+            start_stage(scope, sh, "reader", io_threads, read_rx, work_tx, reader);
         }
-        for _ in 0..threads {
-            let rx = work_rx.clone();
-            let tx = done_tx.clone();
-            start(scope, sh, "compute", move || compute_stage(sh, rx, tx));
-        }
-        drop(work_rx);
-        drop(done_tx);
+        start_stage(
+            scope,
+            sh,
+            "compute",
+            threads,
+            work_rx,
+            done_tx,
+            compute_stage,
+        );
         for _ in 0..io_threads {
             let rx = done_rx.clone();
             let progress = cfg.progress.clone();
