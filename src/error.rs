@@ -315,6 +315,13 @@ impl Error {
     }
 }
 
+/// A size argument that does not parse is a usage error.
+impl From<crate::size::BadSize> for Error {
+    fn from(bad: crate::size::BadSize) -> Self {
+        Error::Usage(bad.0)
+    }
+}
+
 /// What kind of tensor lacks its scale, for the message and its advice.
 #[derive(Debug, Clone, Copy)]
 pub enum ScaleOf {

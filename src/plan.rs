@@ -196,7 +196,7 @@ pub trait PlanStep: Send + Sync + Debug {
 
 impl Plan {
     /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
-    /// produced. Where the tensors go (files, offsets, headers) is a sink's job (`crate::sink`).
+    /// produced. Where the tensors go (files, offsets, headers) is a sink's job.
     pub fn build(ckpt: &Checkpoint, steps: &[Step]) -> Result<Plan> {
         let mut entries: Vec<Entry> = ckpt.tensors[..ckpt.base_count]
             .iter()

@@ -1,11 +1,17 @@
 //! Byte sizes on the command line (`5GB`, `5GiB`, `500MB`, `1048576`) and in messages.
+//!
+//! Error messages print sizes with [`human`], so this module sits below the error type and
+//! names none of the crate: a size that does not parse comes back as a [`BadSize`], which the
+//! error module turns into a usage error.
 
-use crate::error::{Error, Result};
+/// Why a size argument was refused; the message is the whole sentence shown to the user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadSize(pub String);
 
 /// Parses `N`, `N{B,KB,MB,GB,TB}` (powers of 1000) or `N{KiB,MiB,GiB,TiB}` (powers of 1024),
 /// case-insensitive, fractions allowed (`1.5GiB`). Hugging Face's `max_shard_size` uses the
 /// same convention.
-pub fn parse_size(s: &str) -> Result<u64> {
+pub fn parse_size(s: &str) -> Result<u64, BadSize> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -33,13 +39,13 @@ pub fn parse_size(s: &str) -> Result<u64> {
             .ok_or_else(|| bad_size(s))?
     };
     if value == 0 {
-        return Err(Error::Usage(format!("size `{s}` must be larger than zero")));
+        return Err(BadSize(format!("size `{s}` must be larger than zero")));
     }
     Ok(value)
 }
 
-fn bad_size(s: &str) -> Error {
-    Error::Usage(format!(
+fn bad_size(s: &str) -> BadSize {
+    BadSize(format!(
         "invalid size `{s}`: use bytes or a number with B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB"
     ))
 }

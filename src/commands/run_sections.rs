@@ -100,112 +100,183 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, RunSections) {
     if args.get(1).map(OsString::as_os_str) != Some(OsStr::new("run")) {
         return (args, RunSections::default());
     }
-    let mut run = crate::cli::RunArgs::augment_args(Command::new("run"));
-    run.build();
-    let global_long = |name: &str| arity(&run, name, true);
-    let global_short = |c: char| {
-        run.get_arguments()
+    let mut splitter = Splitter::new(&args);
+    while splitter.i < args.len() {
+        splitter.route_next();
+    }
+    (splitter.clap_args, splitter.out)
+}
+
+/// [`split`]'s walk over `run`'s arguments: where each token goes.
+struct Splitter<'a> {
+    args: &'a [OsString],
+    /// `run`'s global options, for their arity.
+    run: Command,
+    /// Each section kind's options, for their arity.
+    commands: Vec<(&'static str, Command)>,
+    clap_args: Vec<OsString>,
+    out: RunSections,
+    /// The section being filled, an index into `out.sections`.
+    current: Option<usize>,
+    /// The next token.
+    i: usize,
+}
+
+impl<'a> Splitter<'a> {
+    fn new(args: &'a [OsString]) -> Self {
+        let mut run = crate::cli::RunArgs::augment_args(Command::new("run"));
+        run.build();
+        Splitter {
+            args,
+            run,
+            commands: KINDS.iter().map(|k| (*k, section_command(k))).collect(),
+            clap_args: args[..2].to_vec(),
+            out: RunSections::default(),
+            current: None,
+            i: 2,
+        }
+    }
+
+    /// Routes the token at `i`, with the values it takes, and moves past them.
+    fn route_next(&mut self) {
+        let args = self.args;
+        let Some(token) = args[self.i].to_str() else {
+            // Not UTF-8: a value (a path), never an option.
+            self.push_value();
+            return;
+        };
+        if self.open_section(token) {
+            return;
+        }
+        if matches!(token, "-h" | "--help" | "-V" | "--version") {
+            self.clap_args.push(args[self.i].clone());
+            self.i += 1;
+            return;
+        }
+        let routed = match long_name(token) {
+            Some((name, inline)) => self.long_option(name, inline),
+            None => self.short_option(token),
+        };
+        if !routed {
+            // A bare value, or an option no one knows: the section's parser names it, or
+            // before any section clap does (the input `MODEL`, or Python tftf's "Unexpected
+            // token").
+            self.push_value();
+        }
+    }
+
+    /// The token at `i` goes to the current section, or to clap before any section.
+    fn push_value(&mut self) {
+        let token = self.args[self.i].clone();
+        match self.current {
+            Some(c) => self.out.sections[c].1.push(token),
+            None => self.clap_args.push(token),
+        }
+        self.i += 1;
+    }
+
+    /// `--dtype-cast bf16`, or clap's `--dtype-cast=bf16` of the older grammar: a section
+    /// flag opens a section.
+    fn open_section(&mut self, token: &str) -> bool {
+        let (flag, inline_value) = token.split_once('=').unwrap_or((token, ""));
+        let Some(kind) = KINDS.iter().find(|k| **k == flag) else {
+            return false;
+        };
+        let values = if flag == token {
+            Vec::new()
+        } else {
+            vec![OsString::from(inline_value)]
+        };
+        self.out.sections.push((*kind, values));
+        self.current = Some(self.out.sections.len() - 1);
+        self.i += 1;
+        true
+    }
+
+    /// A long option goes to the current section when it is one of that section's own, else
+    /// to clap when `run` has it, else it is a default for every section kind that has it.
+    fn long_option(&mut self, name: &str, inline: bool) -> bool {
+        let values = |n: usize| if inline { 0 } else { n };
+        // The current section's own options first: `--dtype` inside `--dtype-cast`.
+        if let Some(c) = self.current {
+            let kind = self.out.sections[c].0;
+            let cmd = &self
+                .commands
+                .iter()
+                .find(|(k, _)| *k == kind)
+                .expect("known")
+                .1;
+            if let Some(n) = arity(cmd, name, true) {
+                let tokens = self.take(values(n));
+                self.out.sections[c].1.extend(tokens);
+                return true;
+            }
+        }
+        if let Some(n) = arity(&self.run, name, true) {
+            let tokens = self.take(values(n));
+            self.clap_args.extend(tokens);
+            return true;
+        }
+        let lenders: Vec<(&'static str, usize)> = self
+            .commands
+            .iter()
+            .filter_map(|(k, cmd)| Some((*k, arity(cmd, name, false)?)))
+            .collect();
+        let Some(&(_, n)) = lenders.first() else {
+            return false;
+        };
+        let tokens = self.take(values(n));
+        for (k, _) in lenders {
+            self.out
+                .defaults
+                .entry(k)
+                .or_default()
+                .extend(tokens.clone());
+        }
+        true
+    }
+
+    /// A short option of `run` (`-i`, `-o`, or `-iPATH` with its value attached) goes to clap.
+    fn short_option(&mut self, token: &str) -> bool {
+        let Some(c) = token
+            .strip_prefix('-')
+            .and_then(|r| r.chars().next())
+            .filter(|c| *c != '-')
+        else {
+            return false;
+        };
+        let Some(n) = self
+            .run
+            .get_arguments()
             .find(|a| {
                 a.get_short() == Some(c)
                     || a.get_all_short_aliases().is_some_and(|v| v.contains(&c))
             })
             .map(|a| usize::from(a.get_action().takes_values()))
-    };
-    let commands: Vec<(&'static str, Command)> =
-        KINDS.iter().map(|k| (*k, section_command(k))).collect();
-    let mut clap_args: Vec<OsString> = args[..2].to_vec();
-    let mut out = RunSections::default();
-    let mut current: Option<usize> = None;
-    let mut i = 2;
-    // An option and up to `n` values; as in Python tftf, a token starting with `--` is never a
-    // value (so `--dtype --key-filter` leaves `--dtype` without one).
-    let take = |i: &mut usize, n: usize, into: &mut Vec<OsString>| {
-        into.push(args[*i].clone());
-        *i += 1;
+        else {
+            return false;
+        };
+        let tokens = self.take(if token.len() > 2 { 0 } else { n });
+        self.clap_args.extend(tokens);
+        true
+    }
+
+    /// The option at `i` and up to `n` values after it; as in Python tftf, a token starting
+    /// with `--` is never a value (so `--dtype --key-filter` leaves `--dtype` without one).
+    fn take(&mut self, n: usize) -> Vec<OsString> {
+        let mut tokens = vec![self.args[self.i].clone()];
+        self.i += 1;
         for _ in 0..n {
-            match args.get(*i) {
+            match self.args.get(self.i) {
                 Some(v) if !v.to_str().is_some_and(|t| t.starts_with("--")) => {
-                    into.push(v.clone());
-                    *i += 1;
+                    tokens.push(v.clone());
+                    self.i += 1;
                 }
                 _ => break,
             }
         }
-    };
-    while i < args.len() {
-        let Some(token) = args[i].to_str() else {
-            // Not UTF-8: a value (a path), never an option.
-            match current {
-                Some(c) => out.sections[c].1.push(args[i].clone()),
-                None => clap_args.push(args[i].clone()),
-            }
-            i += 1;
-            continue;
-        };
-        // `--dtype-cast bf16`, or clap's `--dtype-cast=bf16` of the older grammar.
-        let (flag, inline_value) = token.split_once('=').unwrap_or((token, ""));
-        if let Some(kind) = KINDS.iter().find(|k| **k == flag) {
-            let values = if flag == token {
-                Vec::new()
-            } else {
-                vec![OsString::from(inline_value)]
-            };
-            out.sections.push((kind, values));
-            current = Some(out.sections.len() - 1);
-            i += 1;
-            continue;
-        }
-        if matches!(token, "-h" | "--help" | "-V" | "--version") {
-            clap_args.push(args[i].clone());
-            i += 1;
-            continue;
-        }
-        let current_cmd = current.map(|c| {
-            let kind = out.sections[c].0;
-            &commands.iter().find(|(k, _)| *k == kind).expect("known").1
-        });
-        if let Some((name, inline)) = long_name(token) {
-            // The current section's own options first: `--dtype` inside `--dtype-cast`.
-            if let Some(n) = current_cmd.and_then(|cmd| arity(cmd, name, true)) {
-                let c = current.expect("a section");
-                take(&mut i, if inline { 0 } else { n }, &mut out.sections[c].1);
-                continue;
-            }
-            if let Some(n) = global_long(name) {
-                take(&mut i, if inline { 0 } else { n }, &mut clap_args);
-                continue;
-            }
-            let lenders: Vec<(&'static str, usize)> = commands
-                .iter()
-                .filter_map(|(k, cmd)| Some((*k, arity(cmd, name, false)?)))
-                .collect();
-            if let Some(&(_, n)) = lenders.first() {
-                let mut tokens = Vec::new();
-                take(&mut i, if inline { 0 } else { n }, &mut tokens);
-                for (k, _) in lenders {
-                    out.defaults.entry(k).or_default().extend(tokens.clone());
-                }
-                continue;
-            }
-        } else if let Some(c) = token
-            .strip_prefix('-')
-            .and_then(|r| r.chars().next())
-            .filter(|c| *c != '-')
-        {
-            if let Some(n) = global_short(c) {
-                take(&mut i, if token.len() > 2 { 0 } else { n }, &mut clap_args);
-                continue;
-            }
-        }
-        // A bare value, or an option no one knows: the section's parser names it, or before any
-        // section clap does (the input `MODEL`, or Python tftf's "Unexpected token").
-        match current {
-            Some(c) => out.sections[c].1.push(args[i].clone()),
-            None => clap_args.push(args[i].clone()),
-        }
-        i += 1;
+        tokens
     }
-    (clap_args, out)
 }
 
 impl RunSections {
@@ -237,93 +308,21 @@ impl RunSections {
         let any_cast = self.sections.iter().any(|(k, _)| *k == "--dtype-cast");
         for (kind, tokens) in &self.sections {
             let m = self.parse(kind, tokens)?;
-            let usage = |msg: String| Error::Usage(format!("{kind}: {msg}"));
             match *kind {
-                "--key-filter" => {
-                    let s = KeyFilterSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    let include: Vec<String> = s.include.into_iter().chain(s.value).collect();
-                    if include.is_empty() && s.exclude.is_empty() {
-                        return Err(usage(
-                            "give a glob (or --include GLOB / --exclude GLOB)".into(),
-                        ));
-                    }
-                    if !include.is_empty() {
-                        steps.push(Step::Include(globs(&include)?));
-                    }
-                    if !s.exclude.is_empty() {
-                        steps.push(Step::Exclude(globs(&s.exclude)?));
-                    }
-                }
-                "--key-exclude" => {
-                    let s = KeyExcludeSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    let list: Vec<String> = s.exclude.into_iter().chain(s.value).collect();
-                    if list.is_empty() {
-                        return Err(usage("give a glob".into()));
-                    }
-                    steps.push(Step::Exclude(globs(&list)?));
-                }
-                "--key-rename" => {
-                    let s = KeyRenameSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    if s.value.len() % 2 == 1 {
-                        return Err(usage(format!(
-                            "rules are REGEX REPL pairs; `{}` has no replacement",
-                            s.value[s.value.len() - 1]
-                        )));
-                    }
-                    let rules: Vec<String> = s.rule.into_iter().chain(s.value).collect();
-                    if rules.is_empty() {
-                        return Err(usage(
-                            "give a rule: REGEX REPL (or --rule REGEX REPL)".into(),
-                        ));
-                    }
-                    steps.extend(renames(&rules)?.into_iter().map(Step::Rename));
-                }
-                "--dtype-cast" => {
-                    let s = DtypeCastSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    let d = s
-                        .dtype
-                        .or(s.value)
-                        .ok_or_else(|| usage("requires --dtype DTYPE (or a bare DTYPE)".into()))?;
-                    let dtype = cast_target(&d).map_err(|e| usage(e.to_string()))?;
-                    if dtype == DType::F64 && fp_op_before {
-                        return Err(usage(
-                            "float64 after --dequant-fp8 or --repack-fp4 is not supported: those ops write bf16, f16 or f32 (dequantise to f32)".into(),
-                        ));
-                    }
-                    steps.push(Step::Cast {
-                        dtype,
-                        cast_ints: s.cast_ints,
-                    });
-                }
+                "--key-filter" => steps.extend(key_filter_steps(kind, &m)?),
+                "--key-exclude" => steps.push(key_exclude_step(kind, &m)?),
+                "--key-rename" => steps.extend(key_rename_steps(kind, &m)?),
+                "--dtype-cast" => steps.push(dtype_cast_step(kind, &m, fp_op_before)?),
                 "--dequant-fp8" => {
                     let s = DequantSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
                     let d = s.dtype.or(s.value).unwrap_or_else(|| "bf16".into());
-                    steps.push(dequant_step(&d, &s.fp8).map_err(|e| usage(e.to_string()))?);
+                    steps.push(dequant_step(&d, &s.fp8).map_err(|e| usage(kind, e))?);
                     fp_op_before = true;
                 }
-                "--merge-lora" => {
-                    let s = MergeSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    let adapter = s
-                        .adapter
-                        .or(s.value)
-                        .ok_or_else(|| usage("requires --adapter PATH (or a bare PATH)".into()))?;
-                    if s.requant_args.requant && fp_op_before {
-                        return Err(usage(
-                            "--requant merges into the quantised base; after --dequant-fp8 or --repack-fp4 it is not quantised any more (drop --requant)".into(),
-                        ));
-                    }
-                    let step = lora_step(&adapter, &s.lora).map_err(|e| usage(e.to_string()))?;
-                    let step = if fp_op_before && !s.requant_args.requant {
-                        step
-                    } else {
-                        requant_step(step, &s.requant_args, any_cast)
-                            .map_err(|e| usage(e.to_string()))?
-                    };
-                    steps.push(step);
-                }
+                "--merge-lora" => steps.push(merge_step(kind, &m, fp_op_before, any_cast)?),
                 _ => {
                     let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
-                    steps.push(repack_step(&s.fp4).map_err(|e| usage(e.to_string()))?);
+                    steps.push(repack_step(&s.fp4).map_err(|e| usage(kind, e))?);
                     fp_op_before = true;
                 }
             }
@@ -367,7 +366,108 @@ impl RunSections {
 }
 
 fn clap_usage(kind: &'static str) -> impl Fn(clap::Error) -> Error {
-    move |e| Error::Usage(format!("{kind}: {e}"))
+    move |e| usage(kind, e)
+}
+
+/// A usage error in a section: `--merge-lora: requires …`.
+fn usage(kind: &str, msg: impl std::fmt::Display) -> Error {
+    Error::Usage(format!("{kind}: {msg}"))
+}
+
+fn key_filter_steps(kind: &'static str, m: &clap::ArgMatches) -> Result<Vec<Step>> {
+    let s = KeyFilterSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+    let include: Vec<String> = s.include.into_iter().chain(s.value).collect();
+    if include.is_empty() && s.exclude.is_empty() {
+        return Err(usage(
+            kind,
+            "give a glob (or --include GLOB / --exclude GLOB)",
+        ));
+    }
+    let mut steps = Vec::new();
+    if !include.is_empty() {
+        steps.push(Step::Include(globs(&include)?));
+    }
+    if !s.exclude.is_empty() {
+        steps.push(Step::Exclude(globs(&s.exclude)?));
+    }
+    Ok(steps)
+}
+
+fn key_exclude_step(kind: &'static str, m: &clap::ArgMatches) -> Result<Step> {
+    let s = KeyExcludeSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+    let list: Vec<String> = s.exclude.into_iter().chain(s.value).collect();
+    if list.is_empty() {
+        return Err(usage(kind, "give a glob"));
+    }
+    Ok(Step::Exclude(globs(&list)?))
+}
+
+fn key_rename_steps(kind: &'static str, m: &clap::ArgMatches) -> Result<Vec<Step>> {
+    let s = KeyRenameSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+    if s.value.len() % 2 == 1 {
+        return Err(usage(
+            kind,
+            format!(
+                "rules are REGEX REPL pairs; `{}` has no replacement",
+                s.value[s.value.len() - 1]
+            ),
+        ));
+    }
+    let rules: Vec<String> = s.rule.into_iter().chain(s.value).collect();
+    if rules.is_empty() {
+        return Err(usage(
+            kind,
+            "give a rule: REGEX REPL (or --rule REGEX REPL)",
+        ));
+    }
+    Ok(renames(&rules)?.into_iter().map(Step::Rename).collect())
+}
+
+/// `fp_op_before`: a dequant or repack section comes earlier (its outputs are never F64).
+fn dtype_cast_step(kind: &'static str, m: &clap::ArgMatches, fp_op_before: bool) -> Result<Step> {
+    let s = DtypeCastSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+    let d = s
+        .dtype
+        .or(s.value)
+        .ok_or_else(|| usage(kind, "requires --dtype DTYPE (or a bare DTYPE)"))?;
+    let dtype = cast_target(&d).map_err(|e| usage(kind, e))?;
+    if dtype == DType::F64 && fp_op_before {
+        return Err(usage(
+            kind,
+            "float64 after --dequant-fp8 or --repack-fp4 is not supported: those ops write bf16, f16 or f32 (dequantise to f32)",
+        ));
+    }
+    Ok(Step::Cast {
+        dtype,
+        cast_ints: s.cast_ints,
+    })
+}
+
+/// `fp_op_before`: a dequant or repack section comes earlier, so the base is no longer
+/// quantised; `any_cast`: some section casts.
+fn merge_step(
+    kind: &'static str,
+    m: &clap::ArgMatches,
+    fp_op_before: bool,
+    any_cast: bool,
+) -> Result<Step> {
+    let s = MergeSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+    let adapter = s
+        .adapter
+        .or(s.value)
+        .ok_or_else(|| usage(kind, "requires --adapter PATH (or a bare PATH)"))?;
+    if s.requant_args.requant && fp_op_before {
+        return Err(usage(
+            kind,
+            "--requant merges into the quantised base; after --dequant-fp8 or --repack-fp4 it is not quantised any more (drop --requant)",
+        ));
+    }
+    let step = lora_step(&adapter, &s.lora).map_err(|e| usage(kind, e))?;
+    if fp_op_before && !s.requant_args.requant {
+        Ok(step)
+    } else {
+        requant_step(step, &s.requant_args, any_cast).map_err(|e| usage(kind, e))
+    }
 }
 
 #[cfg(test)]

@@ -123,115 +123,174 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
             None
         }
     };
-    let mut scanned = 0u64;
-    let mut scanned_tensors = 0usize;
+    let mut scan = ValueScan::default();
     let mut findings = Vec::new();
     if let Some(ckpt) = &ckpt {
         findings = super::semantic::check(ckpt);
         problems.extend(findings.iter().map(|f| f.message.clone()));
         if !steps.is_empty() {
-            let sink = Safetensors {
-                kind: OutputKind::Dir,
-                max_shard_bytes: None,
-            };
-            let planned = Plan::build(ckpt, &steps)
-                .and_then(|plan| sink.layout(ckpt, &plan, false).map(|_| plan));
-            match planned {
-                Err(e) => problems.push(format!("pipe: {e}")),
-                Ok(plan) => {
-                    if let Some(why) = plan.nothing_to_do {
-                        problems.push(format!("pipe: {why}"));
-                    }
-                }
-            }
+            problems.extend(pipe_problem(ckpt, &steps));
         }
         if args.check_values {
-            let total: u64 = ckpt
-                .tensors
-                .iter()
-                .filter(|t| scannable(t.info.dtype))
-                .map(|t| t.info.nbytes())
-                .sum();
-            let mode =
-                crate::progress::parse_mode(args.progress.as_deref(), args.no_progress, false)?;
-            let progress = (mode != crate::progress::Mode::Off).then(|| {
-                let shards = ckpt
-                    .shards
-                    .iter()
-                    .map(|s| {
-                        s.path
-                            .file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy()
-                            .into_owned()
-                    })
-                    .collect();
-                // Nothing is written, so there are no per-file events.
-                Progress::new("validate", shards, Vec::new(), total, interval, mode)
-            });
-            let chunk = (budget / 2).clamp(1 << 20, 64 << 20) as usize;
-            let mut buf = vec![0u8; chunk];
-            for t in &ckpt.tensors {
-                if !scannable(t.info.dtype) {
-                    continue;
-                }
-                let size = t
-                    .info
-                    .dtype
-                    .size()
-                    .expect("scannable dtypes are whole bytes");
-                let step = chunk / size * size;
-                let mut acc = NonFinite::default();
-                let mut done = 0u64;
-                while done < t.info.nbytes() {
-                    if cancel.is_raised() {
-                        return Err(Error::Cancelled);
-                    }
-                    let n = (t.info.nbytes() - done).min(step as u64) as usize;
-                    ckpt.read_tensor_at(t, done, &mut buf[..n])?;
-                    scan_nonfinite(t.info.dtype, &buf[..n], done / size as u64, &mut acc);
-                    done += n as u64;
-                    if let Some(p) = &progress {
-                        p.advance(t.shard(), n as u64);
-                    }
-                }
-                scanned += t.info.nbytes();
-                scanned_tensors += 1;
-                if acc.count > 0 {
-                    problems.push(format!(
-                        "{}: tensor `{}`: {} non-finite value(s), first at element {}",
-                        crate::escape::path(&ckpt.shards[t.shard()].path),
-                        crate::escape::name(&t.info.name),
-                        acc.count,
-                        acc.first.unwrap_or(0)
-                    ));
-                }
-            }
-            if let Some(p) = &progress {
-                p.finish();
-            }
+            scan = scan_values(ckpt, args, budget, interval, cancel)?;
+            problems.append(&mut scan.problems);
         }
     }
-    let ok = problems.is_empty();
+    let report = Report {
+        input,
+        ckpt: ckpt.as_ref(),
+        args,
+        scan: &scan,
+        problems: &problems,
+    };
     if args.json {
+        report.print_json(&findings);
+    } else {
+        report.print_text();
+    }
+    Ok(problems.is_empty())
+}
+
+/// Why the dry plan of `--pipe` steps over the checkpoint fails or does nothing, if it does.
+fn pipe_problem(ckpt: &Checkpoint, steps: &[Step]) -> Option<String> {
+    let sink = Safetensors {
+        kind: OutputKind::Dir,
+        max_shard_bytes: None,
+    };
+    let planned =
+        Plan::build(ckpt, steps).and_then(|plan| sink.layout(ckpt, &plan, false).map(|_| plan));
+    match planned {
+        Err(e) => Some(format!("pipe: {e}")),
+        Ok(plan) => plan.nothing_to_do.map(|why| format!("pipe: {why}")),
+    }
+}
+
+/// What the `--check-values` scan read and found.
+#[derive(Default)]
+struct ValueScan {
+    bytes: u64,
+    tensors: usize,
+    /// One message per tensor holding NaN or Inf.
+    problems: Vec<String>,
+}
+
+/// Streams every float tensor through [`scan_nonfinite`] in chunks of at most half the budget,
+/// with progress on stderr unless turned off.
+fn scan_values(
+    ckpt: &Checkpoint,
+    args: &ValidateArgs,
+    budget: u64,
+    interval: std::time::Duration,
+    cancel: &Cancel,
+) -> Result<ValueScan> {
+    let total: u64 = ckpt
+        .tensors
+        .iter()
+        .filter(|t| scannable(t.info.dtype))
+        .map(|t| t.info.nbytes())
+        .sum();
+    let mode = crate::progress::parse_mode(args.progress.as_deref(), args.no_progress, false)?;
+    let progress = (mode != crate::progress::Mode::Off).then(|| {
+        let shards = ckpt
+            .shards
+            .iter()
+            .map(|s| {
+                s.path
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        // Nothing is written, so there are no per-file events.
+        Progress::new("validate", shards, Vec::new(), total, interval, mode)
+    });
+    let chunk = (budget / 2).clamp(1 << 20, 64 << 20) as usize;
+    let mut buf = vec![0u8; chunk];
+    let mut scan = ValueScan::default();
+    for t in ckpt.tensors.iter().filter(|t| scannable(t.info.dtype)) {
+        let acc = scan_tensor(ckpt, t, &mut buf, progress.as_ref(), cancel)?;
+        scan.bytes += t.info.nbytes();
+        scan.tensors += 1;
+        if acc.count > 0 {
+            scan.problems.push(format!(
+                "{}: tensor `{}`: {} non-finite value(s), first at element {}",
+                crate::escape::path(&ckpt.shards[t.shard()].path),
+                crate::escape::name(&t.info.name),
+                acc.count,
+                acc.first.unwrap_or(0)
+            ));
+        }
+    }
+    if let Some(p) = &progress {
+        p.finish();
+    }
+    Ok(scan)
+}
+
+/// Counts one tensor's non-finite values, reading it through `buf` in whole elements.
+fn scan_tensor(
+    ckpt: &Checkpoint,
+    t: &crate::format::checkpoint::TensorRef,
+    buf: &mut [u8],
+    progress: Option<&Progress>,
+    cancel: &Cancel,
+) -> Result<NonFinite> {
+    let size = t
+        .info
+        .dtype
+        .size()
+        .expect("scannable dtypes are whole bytes");
+    let step = buf.len() / size * size;
+    let mut acc = NonFinite::default();
+    let mut done = 0u64;
+    while done < t.info.nbytes() {
+        if cancel.is_raised() {
+            return Err(Error::Cancelled);
+        }
+        let n = (t.info.nbytes() - done).min(step as u64) as usize;
+        ckpt.read_tensor_at(t, done, &mut buf[..n])?;
+        scan_nonfinite(t.info.dtype, &buf[..n], done / size as u64, &mut acc);
+        done += n as u64;
+        if let Some(p) = progress {
+            p.advance(t.shard(), n as u64);
+        }
+    }
+    Ok(acc)
+}
+
+/// What `validate` prints: the checkpoint (when it opened), the scan and every problem found.
+struct Report<'a> {
+    input: &'a Path,
+    ckpt: Option<&'a Checkpoint>,
+    args: &'a ValidateArgs,
+    scan: &'a ValueScan,
+    problems: &'a [String],
+}
+
+impl Report<'_> {
+    fn print_json(&self, findings: &[super::semantic::Finding]) {
+        let ckpt = self.ckpt;
         let v = json!({
-            "path": input.to_string_lossy(),
-            "ok": ok,
-            "format": ckpt.as_ref().map(|c| c.format.name()),
-            "tensors": ckpt.as_ref().map(|c| c.tensors.len()),
-            "shards": ckpt.as_ref().map(|c| c.shards.len()),
-            "bytes": ckpt.as_ref().map(|c| c.total_bytes()),
-            "values_checked": args.check_values,
-            "tensors_scanned": scanned_tensors,
-            "bytes_scanned": scanned,
-            "problems": problems,
+            "path": self.input.to_string_lossy(),
+            "ok": self.problems.is_empty(),
+            "format": ckpt.map(|c| c.format.name()),
+            "tensors": ckpt.map(|c| c.tensors.len()),
+            "shards": ckpt.map(|c| c.shards.len()),
+            "bytes": ckpt.map(|c| c.total_bytes()),
+            "values_checked": self.args.check_values,
+            "tensors_scanned": self.scan.tensors,
+            "bytes_scanned": self.scan.bytes,
+            "problems": self.problems,
             "findings": findings,
-            "warnings": ckpt.as_ref().map(|c| c.warnings.clone()).unwrap_or_default(),
-            "notes": ckpt.as_ref().map(|c| c.notes.clone()).unwrap_or_default(),
+            "warnings": ckpt.map(|c| c.warnings.clone()).unwrap_or_default(),
+            "notes": ckpt.map(|c| c.notes.clone()).unwrap_or_default(),
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
-    } else {
-        if let Some(c) = &ckpt {
+    }
+
+    fn print_text(&self) {
+        if let Some(c) = self.ckpt {
             for w in &c.warnings {
                 println!("warning: {}", crate::escape::name(w));
             }
@@ -239,23 +298,24 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
                 println!("note: {}", crate::escape::name(n));
             }
         }
-        for p in &problems {
+        for p in self.problems {
             println!("problem: {}", crate::escape::name(p));
         }
-        if let Some(c) = ckpt.as_ref().filter(|c| c.format.name() != "safetensors") {
+        if let Some(c) = self.ckpt.filter(|c| c.format.name() != "safetensors") {
             println!("format: {}", c.format_line());
         }
-        match (&ckpt, ok) {
+        match (self.ckpt, self.problems.is_empty()) {
             (Some(c), true) => println!(
                 "ok: {} — {} tensors in {} shard(s), {}{}",
-                crate::escape::path(input),
+                crate::escape::path(self.input),
                 c.tensors.len(),
                 c.shards.len(),
                 human(c.total_bytes()),
-                if args.check_values {
+                if self.args.check_values {
                     format!(
-                        "; {scanned_tensors} float tensors ({}) scanned, all finite",
-                        human(scanned)
+                        "; {} float tensors ({}) scanned, all finite",
+                        self.scan.tensors,
+                        human(self.scan.bytes)
                     )
                 } else {
                     String::new()
@@ -263,10 +323,9 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
             ),
             _ => println!(
                 "invalid: {} — {} problem(s)",
-                crate::escape::path(input),
-                problems.len()
+                crate::escape::path(self.input),
+                self.problems.len()
             ),
         }
     }
-    Ok(ok)
 }

@@ -19,6 +19,11 @@ use super::source::{OpenSource, Placement, Region, SourceDesc};
 use super::torch;
 use crate::error::{Error, Result};
 
+/// The journal of an output commit in progress (`.tftf-commit.json`, written and replayed by
+/// the output module). It lives here, below the output module, because opening a directory
+/// that holds one must refuse it: its files are a mix of two runs until the commit finishes.
+pub const JOURNAL_NAME: &str = ".tftf-commit.json";
+
 /// What kind of input a checkpoint was read from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SourceFormat {
@@ -686,7 +691,7 @@ impl Layout {
         } else {
             parent_dir(input)
         };
-        if dir.join(crate::output::commit::JOURNAL_NAME).exists() {
+        if dir.join(JOURNAL_NAME).exists() {
             return Err(Error::NoModel {
                 path: dir.clone(),
                 msg: format!(

@@ -10,7 +10,7 @@
 //! buffers directly and no copies are queued at all.
 //!
 //! On a discrete GPU the pipeline's pool buffers are registered with the driver
-//! (`cuMemHostRegister`, see [`crate::pipeline::pool::HostRegistrar`]); a chunk whose inputs
+//! (`cuMemHostRegister`, see [`super::host::HostRegistrar`]); a chunk whose inputs
 //! and outputs lie in registered memory is copied by DMA straight from and into them, skipping
 //! the staging copies. `TFTF_NO_HOST_REGISTER=1` turns that off (for comparison), and a driver
 //! that refuses registration leaves the staging path in use.
@@ -314,7 +314,7 @@ impl Gpu {
     }
 }
 
-impl crate::pipeline::pool::HostRegistrar for Gpu {
+impl super::host::HostRegistrar for Gpu {
     fn register(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
         self.ctx
             .bind_to_thread()

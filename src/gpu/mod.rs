@@ -8,6 +8,7 @@
 //! cudarc panics when asked to load a library that is not there.
 
 pub mod cuda;
+pub mod host;
 
 use std::sync::Arc;
 

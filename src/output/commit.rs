@@ -17,7 +17,14 @@ use serde_json::{json, Value};
 use super::lock::OutputLock;
 use crate::error::{Error, Result};
 
-pub const JOURNAL_NAME: &str = ".tftf-commit.json";
+pub use crate::format::checkpoint::JOURNAL_NAME;
+
+/// Removes directories a run created, deepest first, where they are still empty.
+pub(crate) fn remove_dirs(created: &[PathBuf]) {
+    for d in created {
+        let _ = std::fs::remove_dir(d);
+    }
+}
 
 /// Temporary name of a file that becomes `name` on commit: hidden, marked with the pid.
 pub fn temp_name(name: &str) -> String {
@@ -165,7 +172,7 @@ impl Drop for OutputSet {
         }
         drop(self.lock.take());
         if !self.committed {
-            super::remove_dirs(&self.created_dirs);
+            remove_dirs(&self.created_dirs);
         }
     }
 }

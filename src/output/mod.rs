@@ -12,6 +12,7 @@
 pub mod checksum;
 pub mod commit;
 pub mod lock;
+pub mod names;
 pub mod parts;
 
 use std::collections::HashMap;
@@ -24,10 +25,10 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
-use commit::{finish_interrupted_commit, is_temp_name, temporaries, JOURNAL_NAME};
+use commit::{finish_interrupted_commit, is_temp_name, remove_dirs, temporaries, JOURNAL_NAME};
 use lock::{OutputLock, LOCK_FILE_NAME};
-
-pub const INDEX_NAME: &str = "model.safetensors.index.json";
+use names::is_model_file_name;
+pub use names::INDEX_NAME;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct FileId {
@@ -235,21 +236,12 @@ impl<'a> OutputTarget<'a> {
             }
             return Ok(claim);
         }
-        let mut present: Vec<String> = std::fs::read_dir(&self.dir)
-            .map_err(|e| Error::io(&self.dir, e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n != LOCK_FILE_NAME && n != JOURNAL_NAME && !is_temp_name(n))
-            .collect();
-        present.sort();
+        let present = self.entries_unless_forced(
+            |n| n != LOCK_FILE_NAME && n != JOURNAL_NAME && !is_temp_name(n),
+            force,
+        )?;
         if present.is_empty() {
             return Ok(claim);
-        }
-        if !force {
-            return Err(Error::OutputNotEmpty {
-                dir: self.dir.clone(),
-                entries: listing_excerpt(&present),
-            });
         }
         for name in names {
             let p = self.dir.join(name);
@@ -399,6 +391,29 @@ impl OutputTarget<'_> {
         }
     }
 
+    /// The names of the directory's entries that `counts` accepts, sorted; when there are any
+    /// and `force` is not given, the output is not empty and that is an error naming them.
+    fn entries_unless_forced(
+        &self,
+        counts: impl Fn(&str) -> bool,
+        force: bool,
+    ) -> Result<Vec<String>> {
+        let mut entries: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(&self.dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| counts(n))
+            .collect();
+        entries.sort();
+        if !entries.is_empty() && !force {
+            return Err(Error::OutputNotEmpty {
+                dir: self.dir.clone(),
+                entries: listing_excerpt(&entries),
+            });
+        }
+        Ok(entries)
+    }
+
     /// For a part: the directory's visible entries other than `ok` (this run's shards). Without
     /// `force` any of them is refused; with it, model files of an earlier output (the old index
     /// first of all) are deleted at once, before any shard of this run lands beside them, and
@@ -408,21 +423,10 @@ impl OutputTarget<'_> {
         ok: &std::collections::HashSet<String>,
         force: bool,
     ) -> Result<Vec<String>> {
-        let mut foreign: Vec<String> = std::fs::read_dir(&self.dir)
-            .map_err(|e| Error::io(&self.dir, e))?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| !n.starts_with('.') && !ok.contains(n))
-            .collect();
-        foreign.sort();
+        let mut foreign =
+            self.entries_unless_forced(|n| !n.starts_with('.') && !ok.contains(n), force)?;
         if foreign.is_empty() {
             return Ok(foreign);
-        }
-        if !force {
-            return Err(Error::OutputNotEmpty {
-                dir: self.dir.clone(),
-                entries: listing_excerpt(&foreign),
-            });
         }
         let old_index = old_index_shards(&self.dir.join(INDEX_NAME));
         let mut deleted = Vec::new();
@@ -517,31 +521,6 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     Ok(notes)
 }
 
-/// Names tftf gives shards, indexes and checksums: `model.safetensors`,
-/// `model-0000i-of-0000N.safetensors`, `model.safetensors.index.json`, `SHA256SUMS`,
-/// `tftf-manifest.json`.
-pub(crate) fn is_model_file_name(name: &str) -> bool {
-    if name == "model.safetensors"
-        || name == INDEX_NAME
-        || name == checksum::SUMS_NAME
-        || name == checksum::MANIFEST_NAME
-    {
-        return true;
-    }
-    let Some(mid) = name
-        .strip_prefix("model-")
-        .and_then(|n| n.strip_suffix(".safetensors"))
-    else {
-        return false;
-    };
-    match mid.split_once("-of-") {
-        Some((i, n)) => [i, n]
-            .iter()
-            .all(|p| p.len() >= 5 && p.bytes().all(|b| b.is_ascii_digit())),
-        None => false,
-    }
-}
-
 /// Shard names an existing index lists (plain names only).
 fn old_index_shards(index: &Path) -> Vec<String> {
     let Some(v) = std::fs::read(index)
@@ -604,13 +583,6 @@ fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn remove_dirs_if_empty(dir: &Path, created: &[PathBuf]) {
     let _ = std::fs::remove_dir(parts::parts_dir(dir));
     remove_dirs(created);
-}
-
-/// Removes directories a run created, deepest first, where they are still empty.
-pub(crate) fn remove_dirs(created: &[PathBuf]) {
-    for d in created {
-        let _ = std::fs::remove_dir(d);
-    }
 }
 
 /// Files next to the weights that belong in the output: configs, tokenizer, chat templates,

@@ -30,8 +30,11 @@ use std::time::{Duration, SystemTime};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::checksum::{FileSum, TensorRange};
-use super::commit::temp_name;
+use super::checksum::{
+    hash_bytes, hash_file, manifest_json, sums_text, FileSum, TensorRange, MANIFEST_NAME, SUMS_NAME,
+};
+use super::commit::{finish_interrupted_commit, temp_name, temporaries, OutputSet};
+use super::names::{is_model_file_name, INDEX_NAME};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::plan::{Plan, Recipe};
@@ -975,15 +978,43 @@ fn finalize_locked(
     lock: LeaseLock,
     records: Records,
 ) -> Result<Finalized> {
-    use super::checksum::{
-        hash_bytes, hash_file, manifest_json, sums_text, MANIFEST_NAME, SUMS_NAME,
-    };
     let first = records[0].1.clone();
-    let digest = first.fingerprint.digest();
-    let shards_total = first.shards_total;
-    let mut names: Vec<Option<String>> = vec![None; shards_total];
-    for (p, r) in &records {
-        if r.shards_total != shards_total
+    let names = assigned_shard_names(&records)?;
+    let shard_records = written_shard_records(dir, &records, &names)?;
+    let side_dir = staged_side_dir(dir);
+    check_side_files_staged(&side_dir, &first)?;
+    let foreign = foreign_model_files(dir, &names, &first, force)?;
+    finish_interrupted_commit(dir)?;
+    for t in temporaries(dir) {
+        let p = dir.join(&t);
+        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+    }
+    let mut out = OutputSet::unlocked(dir.to_path_buf());
+    let written = add_finished_files(&mut out, dir, &first, &shard_records, &side_dir)?;
+    out.commit(&foreign)?;
+    // The records go last: a crash before this leaves a finished output that finalize can
+    // rewrite to the same bytes.
+    let pd = parts_dir(dir);
+    remove_records_but_lock(dir, &pd);
+    drop(lock);
+    let _ = std::fs::remove_dir(&pd);
+    Ok(Finalized {
+        parts: first.part.n,
+        shards: first.shards_total,
+        written,
+        deleted: foreign,
+        bytes: shard_records.iter().map(|r| r.size).sum(),
+    })
+}
+
+/// Each output shard's name, from the parts' assignments, once every part's record agrees with
+/// the first on the shards, checksums and side files and no shard is assigned twice. A shard
+/// no part was assigned stays `None`.
+fn assigned_shard_names(records: &Records) -> Result<Vec<Option<String>>> {
+    let first = &records[0].1;
+    let mut names: Vec<Option<String>> = vec![None; first.shards_total];
+    for (p, r) in records {
+        if r.shards_total != first.shards_total
             || r.checksums != first.checksums
             || r.side_files != first.side_files
         {
@@ -1004,6 +1035,17 @@ fn finalize_locked(
             }
         }
     }
+    Ok(names)
+}
+
+/// The record of every shard, each checked to be this run's and to match the file's size on
+/// disk; an error names the part to rerun.
+fn written_shard_records(
+    dir: &Path,
+    records: &Records,
+    names: &[Option<String>],
+) -> Result<Vec<ShardRecord>> {
+    let digest = records[0].1.fingerprint.digest();
     let owner = |i: usize| {
         records
             .iter()
@@ -1011,7 +1053,7 @@ fn finalize_locked(
             .map(|(_, r)| r.part.label())
             .unwrap_or_default()
     };
-    let mut shard_records = Vec::with_capacity(shards_total);
+    let mut shard_records = Vec::with_capacity(names.len());
     for (i, name) in names.iter().enumerate() {
         let Some(name) = name else {
             return Err(Error::Other(format!(
@@ -1044,7 +1086,11 @@ fn finalize_locked(
         }
         shard_records.push(rec);
     }
-    let side_dir = staged_side_dir(dir);
+    Ok(shard_records)
+}
+
+/// Every side file part 1 was to stage is there.
+fn check_side_files_staged(side_dir: &Path, first: &PartRecord) -> Result<()> {
     for s in &first.side_files {
         if !side_dir.join(s).is_file() {
             return Err(Error::Other(format!(
@@ -1054,15 +1100,24 @@ fn finalize_locked(
             )));
         }
     }
-    // What else is in the directory: our own files from an interrupted finalize are replaced;
-    // model files of another output are removed only under --force.
+    Ok(())
+}
+
+/// Model files in `dir` that are not this run's (sorted), which the commit deletes; an error
+/// unless `force`. Our own files from an interrupted finalize are simply replaced.
+fn foreign_model_files(
+    dir: &Path,
+    names: &[Option<String>],
+    first: &PartRecord,
+    force: bool,
+) -> Result<Vec<String>> {
     let ours: std::collections::HashSet<String> = names
         .iter()
         .flatten()
         .cloned()
         .chain(first.side_files.iter().cloned())
         .chain([
-            super::INDEX_NAME.to_string(),
+            INDEX_NAME.to_string(),
             SUMS_NAME.to_string(),
             MANIFEST_NAME.to_string(),
         ])
@@ -1076,7 +1131,7 @@ fn finalize_locked(
         if name.starts_with('.') || ours.contains(&name) || e.path().is_dir() {
             continue;
         }
-        if super::is_model_file_name(&name) {
+        if is_model_file_name(&name) {
             foreign.push(name);
         }
     }
@@ -1088,16 +1143,23 @@ fn finalize_locked(
             foreign.join(", ")
         )));
     }
-    super::commit::finish_interrupted_commit(dir)?;
-    for t in super::commit::temporaries(dir) {
-        let p = dir.join(&t);
-        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-    }
-    let mut out = super::OutputSet::unlocked(dir.to_path_buf());
+    Ok(foreign)
+}
+
+/// Adds what finalize writes beside the shards to `out`: the index (of two or more shards),
+/// the staged side files and, when the run keeps checksums, the sums and manifest of every
+/// file. Returns their names.
+fn add_finished_files(
+    out: &mut OutputSet,
+    dir: &Path,
+    first: &PartRecord,
+    shard_records: &[ShardRecord],
+    side_dir: &Path,
+) -> Result<Vec<String>> {
     let mut sums = Vec::new();
     let mut written = Vec::new();
-    for r in &shard_records {
-        if first.checksums {
+    if first.checksums {
+        for r in shard_records {
             sums.push(r.file_sum().ok_or_else(|| {
                 Error::Other(format!(
                     "{}: the record of {} has no checksums, the others do; rerun its part",
@@ -1107,25 +1169,13 @@ fn finalize_locked(
             })?);
         }
     }
-    if shards_total >= 2 {
-        let pairs: Vec<(&str, &str)> = shard_records
-            .iter()
-            .flat_map(|r| {
-                r.tensors
-                    .iter()
-                    .map(move |(t, _)| (t.name.as_str(), r.name.as_str()))
-            })
-            .collect();
-        let total = shard_records
-            .iter()
-            .flat_map(|r| r.tensors.iter().map(|(t, _)| t.len))
-            .sum();
-        let index = crate::sink::index_text(pairs, total);
+    if first.shards_total >= 2 {
+        let index = index_of(shard_records);
         if first.checksums {
-            sums.push(hash_bytes(super::INDEX_NAME, index.as_bytes()));
+            sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
         }
-        out.add_bytes(super::INDEX_NAME, index.as_bytes())?;
-        written.push(super::INDEX_NAME.to_string());
+        out.add_bytes(INDEX_NAME, index.as_bytes())?;
+        written.push(INDEX_NAME.to_string());
     }
     for s in &first.side_files {
         let staged = side_dir.join(s);
@@ -1143,11 +1193,30 @@ fn finalize_locked(
         out.add_bytes(MANIFEST_NAME, manifest.as_bytes())?;
         written.extend([SUMS_NAME.to_string(), MANIFEST_NAME.to_string()]);
     }
-    out.commit(&foreign)?;
-    // The records go last: a crash before this leaves a finished output that finalize can
-    // rewrite to the same bytes.
-    let pd = parts_dir(dir);
-    if let Ok(rd) = std::fs::read_dir(&pd) {
+    Ok(written)
+}
+
+/// The index of a multi-shard output, from the shards' records.
+fn index_of(shard_records: &[ShardRecord]) -> String {
+    let pairs: Vec<(&str, &str)> = shard_records
+        .iter()
+        .flat_map(|r| {
+            r.tensors
+                .iter()
+                .map(move |(t, _)| (t.name.as_str(), r.name.as_str()))
+        })
+        .collect();
+    let total = shard_records
+        .iter()
+        .flat_map(|r| r.tensors.iter().map(|(t, _)| t.len))
+        .sum();
+    crate::sink::index_text(pairs, total)
+}
+
+/// Removes everything in the parts directory `pd` but the finalize lock, which its holder
+/// drops afterwards.
+fn remove_records_but_lock(dir: &Path, pd: &Path) {
+    if let Ok(rd) = std::fs::read_dir(pd) {
         for e in rd.flatten() {
             let p = e.path();
             if p == finalize_lock_path(dir) {
@@ -1160,15 +1229,6 @@ fn finalize_locked(
             };
         }
     }
-    drop(lock);
-    let _ = std::fs::remove_dir(&pd);
-    Ok(Finalized {
-        parts: first.part.n,
-        shards: shards_total,
-        written,
-        deleted: foreign,
-        bytes: shard_records.iter().map(|r| r.size).sum(),
-    })
 }
 
 #[cfg(test)]

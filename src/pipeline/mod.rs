@@ -18,14 +18,16 @@
 //! blocking call waits in short slices and checks the flag, so no thread stays stuck on a full
 //! channel or an empty pool.
 
+mod cancel;
 pub mod pool;
+pub use cancel::Cancel;
 pub use pool::PoolBuf;
 
 use std::collections::VecDeque;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,18 +52,6 @@ const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// (measured: merge-lora 1.45× passthrough with a 1 GiB window, 1.25× with 64 MiB).
 const WRITEBACK_WINDOW_MAX_BYTES: u64 = 64 << 20;
 const POLL: Duration = Duration::from_millis(50);
-
-#[derive(Clone, Default)]
-pub struct Cancel(Arc<AtomicBool>);
-
-impl Cancel {
-    pub fn raise(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-    pub fn is_raised(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-}
 
 pub struct PipelineConfig {
     pub threads: usize,
@@ -259,6 +249,27 @@ fn recv<T>(rx: &Receiver<T>, cancel: &Cancel) -> Result<Option<T>> {
     }
 }
 
+/// Starts `count` threads of one stage between `rx` and `tx`. The handles passed in drop
+/// here, once every thread holds its clones, so a channel closes when the last thread on its
+/// sending side ends.
+fn start_stage<'scope, I, O>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    sh: &'scope Shared<'_>,
+    name: &str,
+    count: usize,
+    rx: Receiver<I>,
+    tx: Sender<O>,
+    stage: fn(&Shared, Receiver<I>, Sender<O>) -> Result<()>,
+) where
+    I: Send + 'scope,
+    O: Send + 'scope,
+{
+    for _ in 0..count {
+        let (rx, tx) = (rx.clone(), tx.clone());
+        start(scope, sh, name, move || stage(sh, rx, tx));
+    }
+}
+
 /// Starts one stage in `scope`. A thread that cannot start (no memory for its stack, a process
 /// limit) fails the run like any stage error: the closure is dropped with its channel ends, so
 /// the stages already running see a disconnect or the cancel flag and stop.
@@ -379,21 +390,17 @@ pub fn execute(
             start(scope, sh, "planner", move || {
                 read_stage(sh, chunk_bytes, true, read_tx)
             });
-            for _ in 0..io_threads {
-                let rx = read_rx.clone();
-                let tx = work_tx.clone();
-                start(scope, sh, "reader", move || reader(sh, rx, tx));
-            }
-            drop(read_rx);
-            drop(work_tx);
+            start_stage(scope, sh, "reader", io_threads, read_rx, work_tx, reader);
         }
-        for _ in 0..threads {
-            let rx = work_rx.clone();
-            let tx = done_tx.clone();
-            start(scope, sh, "compute", move || compute_stage(sh, rx, tx));
-        }
-        drop(work_rx);
-        drop(done_tx);
+        start_stage(
+            scope,
+            sh,
+            "compute",
+            threads,
+            work_rx,
+            done_tx,
+            compute_stage,
+        );
         for _ in 0..io_threads {
             let rx = done_rx.clone();
             let progress = cfg.progress.clone();
@@ -892,7 +899,14 @@ fn write_stage(
                 offset,
                 len,
             } => {
-                copy_range(sh, src_shard, src_offset, shard, offset, len, &mut copy)?;
+                let span = CopySpan {
+                    src_shard,
+                    src_offset,
+                    shard,
+                    offset,
+                    len,
+                };
+                copy_range(sh, span, &mut copy)?;
                 (shard, offset, len)
             }
         };
@@ -917,18 +931,45 @@ struct CopyState {
     scratch_bytes: usize,
 }
 
-/// Copies an untouched range: the block-aligned middle is cloned when source and destination
-/// offsets are congruent modulo the block size, everything else goes through
-/// `copy_file_range`, or through a user-space buffer where that is unavailable.
-fn copy_range(
-    sh: &Shared,
+/// Untouched bytes to copy: `len` bytes at `src_offset` of input shard `src_shard` to
+/// `offset` of output shard `shard`.
+#[derive(Clone, Copy)]
+struct CopySpan {
     src_shard: usize,
     src_offset: u64,
     shard: usize,
     offset: u64,
     len: u64,
-    st: &mut CopyState,
-) -> Result<()> {
+}
+
+impl CopySpan {
+    /// The first `n` bytes of the span.
+    fn head(self, n: u64) -> CopySpan {
+        CopySpan { len: n, ..self }
+    }
+
+    /// The span without its first `n` bytes.
+    fn after(self, n: u64) -> CopySpan {
+        CopySpan {
+            src_offset: self.src_offset + n,
+            offset: self.offset + n,
+            len: self.len - n,
+            ..self
+        }
+    }
+}
+
+/// Copies an untouched range: the block-aligned middle is cloned when source and destination
+/// offsets are congruent modulo the block size, everything else goes through
+/// `copy_file_range`, or through a user-space buffer where that is unavailable.
+fn copy_range(sh: &Shared, span: CopySpan, st: &mut CopyState) -> Result<()> {
+    let CopySpan {
+        src_shard,
+        src_offset,
+        shard,
+        offset,
+        len,
+    } = span;
     let src = &sh.ckpt.shards[src_shard];
     let dst = &sh.outputs[shard];
     let block = sys::block_size(dst);
@@ -937,7 +978,7 @@ fn copy_range(
         let head = (block - src_offset % block) % block;
         let middle = (len.saturating_sub(head)) / block * block;
         if middle > 0 {
-            copy_plain(sh, src_shard, src_offset, shard, offset, head.min(len), st)?;
+            copy_plain(sh, span.head(head.min(len)), st)?;
             match sys::clone_range(&src.file, src_offset + head, dst, offset + head, middle) {
                 Ok(()) => {
                     sh.stats.reflinked.fetch_add(middle, Ordering::Relaxed);
@@ -959,33 +1000,19 @@ fn copy_range(
             }
         }
     }
-    copy_plain(
-        sh,
-        src_shard,
-        src_offset + done,
-        shard,
-        offset + done,
-        len - done,
-        st,
-    )?;
+    copy_plain(sh, span.after(done), st)?;
     sys::drop_cache(&src.file, src_offset, len);
     Ok(())
 }
 
-fn copy_plain(
-    sh: &Shared,
-    src_shard: usize,
-    src_offset: u64,
-    shard: usize,
-    offset: u64,
-    len: u64,
-    st: &mut CopyState,
-) -> Result<()> {
-    let src = &sh.ckpt.shards[src_shard];
-    let dst = &sh.outputs[shard];
-    let mut done = 0u64;
-    while done < len && st.kernel_copy {
-        match sys::copy_file_range(&src.file, src_offset + done, dst, offset + done, len - done) {
+/// Copies `span` with `copy_file_range`, or through the user-space buffer where that is not
+/// supported.
+fn copy_plain(sh: &Shared, mut span: CopySpan, st: &mut CopyState) -> Result<()> {
+    let src = &sh.ckpt.shards[span.src_shard];
+    let dst = &sh.outputs[span.shard];
+    let dst_name = &sh.output_names[span.shard];
+    while span.len > 0 && st.kernel_copy {
+        match sys::copy_file_range(&src.file, span.src_offset, dst, span.offset, span.len) {
             Ok(0) => {
                 return Err(Error::io(
                     &src.path,
@@ -996,24 +1023,24 @@ fn copy_plain(
                 ))
             }
             Ok(n) => {
-                done += n;
+                span = span.after(n);
                 sh.stats.copied_kernel.fetch_add(n, Ordering::Relaxed);
             }
             Err(e) if sys::is_unsupported(&e) => st.kernel_copy = false,
-            Err(e) => return Err(Error::io(&sh.output_names[shard], e)),
+            Err(e) => return Err(Error::io(dst_name, e)),
         }
     }
-    if done < len {
-        let piece = (len - done).min(st.scratch_bytes as u64) as usize;
+    if span.len > 0 {
+        let piece = span.len.min(st.scratch_bytes as u64) as usize;
         st.scratch.resize(piece, 0);
-        while done < len {
-            let n = ((len - done) as usize).min(piece);
+        while span.len > 0 {
+            let n = (span.len as usize).min(piece);
             src.file
-                .read_exact_at(&mut st.scratch[..n], src_offset + done)
+                .read_exact_at(&mut st.scratch[..n], span.src_offset)
                 .map_err(|e| Error::io(&src.path, e))?;
-            dst.write_all_at(&st.scratch[..n], offset + done)
-                .map_err(|e| Error::io(&sh.output_names[shard], e))?;
-            done += n as u64;
+            dst.write_all_at(&st.scratch[..n], span.offset)
+                .map_err(|e| Error::io(dst_name, e))?;
+            span = span.after(n as u64);
             sh.stats.copied_user.fetch_add(n as u64, Ordering::Relaxed);
         }
     }

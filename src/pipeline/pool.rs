@@ -12,18 +12,12 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::Cancel;
+use super::cancel::Cancel;
 use crate::error::{Error, Result};
+use crate::gpu::host::HostRegistrar;
 
 /// Host page size assumed for alignment; registration needs page-aligned memory.
 pub const PAGE: usize = 4096;
-
-/// Pins and unpins host memory for device DMA (the GPU backend).
-pub trait HostRegistrar: Send + Sync {
-    /// Registers `len` bytes at `ptr` (page-aligned, a whole number of pages); `Err` says why not.
-    fn register(&self, ptr: *mut u8, len: usize) -> std::result::Result<(), String>;
-    fn unregister(&self, ptr: *mut u8);
-}
 
 /// A page-aligned, zero-initialised byte buffer from the pool; every byte of its capacity stays
 /// initialised, so changing its length needs no zero-fill of reused memory.

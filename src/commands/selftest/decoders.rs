@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::table::{scale_values, Case, Lcg};
+use super::inputs::{scale_values, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::int::gptq::DequantGptq;
@@ -148,114 +148,142 @@ pub fn int4_modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
-/// Packed FP4 under every scheme: compressed-tensors NVFP4 (divides), ModelOpt NVFP4
-/// (multiplies, code 8 is +0), MXFP4 over every exponent (255 is infinite: only with
-/// `allow_nonfinite`, where 0 × inf is NaN), gpt-oss experts written transposed; odd rows and a
-/// ragged last block.
-pub fn fp4_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+/// One packed-FP4 scheme the selftest decodes.
+struct Fp4Scheme {
+    what: &'static str,
+    scale: BlockScale,
+    global: GlobalScale,
+    /// gpt-oss experts, written transposed.
+    transpose: bool,
+    negative_zero: bool,
+    dst: DType,
+    /// `--allow-nonfinite`: non-finite scales are kept (and reached).
+    allow: bool,
+}
+
+/// compressed-tensors NVFP4 (divides), ModelOpt NVFP4 (multiplies, code 8 is +0), MXFP4 over
+/// every exponent (255 is infinite: only with `allow_nonfinite`, where 0 × inf is NaN), gpt-oss
+/// experts written transposed.
+fn fp4_schemes() -> [Fp4Scheme; 6] {
+    use BlockScale::{E4M3, E8M0};
     use DType::{BF16, F16, F32};
-    let cases = [
-        (
+    let scheme = |what, scale, global, transpose, negative_zero, dst, allow| Fp4Scheme {
+        what,
+        scale,
+        global,
+        transpose,
+        negative_zero,
+        dst,
+        allow,
+    };
+    [
+        scheme(
             "compressed-tensors NVFP4",
-            BlockScale::E4M3,
+            E4M3,
             GlobalScale::Divide,
             false,
             true,
             BF16,
             false,
         ),
-        (
+        scheme(
             "ModelOpt NVFP4",
-            BlockScale::E4M3,
+            E4M3,
             GlobalScale::Multiply,
             false,
             false,
             F16,
             false,
         ),
-        (
+        scheme(
             "NVFP4, NaN scales kept",
-            BlockScale::E4M3,
+            E4M3,
             GlobalScale::Divide,
             false,
             true,
             F32,
             true,
         ),
-        (
-            "MXFP4",
-            BlockScale::E8M0,
-            GlobalScale::None,
-            false,
-            true,
-            BF16,
-            false,
-        ),
-        (
+        scheme("MXFP4", E8M0, GlobalScale::None, false, true, BF16, false),
+        scheme(
             "MXFP4, every exponent",
-            BlockScale::E8M0,
+            E8M0,
             GlobalScale::None,
             false,
             true,
             F32,
             true,
         ),
-        (
+        scheme(
             "gpt-oss MXFP4 experts",
-            BlockScale::E8M0,
+            E8M0,
             GlobalScale::None,
             true,
             true,
             BF16,
             false,
         ),
-    ];
-    for (what, scale, global, transpose, negative_zero, dst, allow) in cases {
-        let (experts, rows, cols, group) = match (scale, transpose) {
+    ]
+}
+
+/// Packed FP4 under every scheme of [`fp4_schemes`]; odd rows and a ragged last block.
+pub fn fp4_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    for s in fp4_schemes() {
+        let (experts, rows, cols, group) = match (s.scale, s.transpose) {
             (_, true) => (2u64, 5u64, 96u64, 32u64),
             (BlockScale::E4M3, _) => (1, 37, 80, 16),
             (BlockScale::E8M0, _) => (1, 37, 112, 32),
         };
         let all_rows = experts * rows;
-        let groups = cols.div_ceil(group);
         let mut codes = rng.bytes((all_rows * cols / 2) as usize);
         codes[..8].fill(0x88);
-        let n = (all_rows * groups) as usize;
-        let scales: Vec<u8> = match scale {
-            BlockScale::E8M0 if allow => (0..n).map(|i| (i % 256) as u8).collect(),
-            BlockScale::E8M0 => (0..n).map(|_| (rng.next_u32() % 120) as u8 + 60).collect(),
-            BlockScale::E4M3 => (0..n)
-                .map(|i| match rng.next_u32() as u8 & 0x7F {
-                    0x7F if !allow => 0x7E,
-                    _ if allow && i % 17 == 3 => 0xFF,
-                    c => c,
-                })
-                .collect(),
-        };
+        let scales = fp4_block_scales(
+            rng,
+            s.scale,
+            (all_rows * cols.div_ceil(group)) as usize,
+            s.allow,
+        );
         let mut inputs = vec![codes, scales];
         // Typical tensor scales: amax-derived for compressed-tensors, its inverse for ModelOpt.
-        match global {
+        match s.global {
             GlobalScale::Divide => inputs.push(1234.567f32.to_le_bytes().to_vec()),
             GlobalScale::Multiply => inputs.push(0.000_371_9f32.to_le_bytes().to_vec()),
             GlobalScale::None => {}
         }
+        let dst = s.dst;
         out.push(Case {
             kernel: "dequant-fp4",
-            what: format!("{what} → {dst}, {experts}×{rows}×{cols}"),
+            what: format!("{} → {dst}, {experts}×{rows}×{cols}", s.what),
             op: Arc::new(DequantFp4 {
                 experts,
                 rows,
                 cols,
                 group,
-                scale,
-                global,
-                transpose,
-                negative_zero,
+                scale: s.scale,
+                global: s.global,
+                transpose: s.transpose,
+                negative_zero: s.negative_zero,
                 dst,
-                allow_nonfinite: allow,
+                allow_nonfinite: s.allow,
             }),
             inputs,
             out_dtype: dst,
         });
+    }
+}
+
+/// `n` block scales of kind `scale`: with `allow`, every E8M0 exponent in turn or NaN E4M3
+/// scales among random ones; without, finite random scales.
+fn fp4_block_scales(rng: &mut Lcg, scale: BlockScale, n: usize, allow: bool) -> Vec<u8> {
+    match scale {
+        BlockScale::E8M0 if allow => (0..n).map(|i| (i % 256) as u8).collect(),
+        BlockScale::E8M0 => (0..n).map(|_| (rng.next_u32() % 120) as u8 + 60).collect(),
+        BlockScale::E4M3 => (0..n)
+            .map(|i| match rng.next_u32() as u8 & 0x7F {
+                0x7F if !allow => 0x7E,
+                _ if allow && i % 17 == 3 => 0xFF,
+                c => c,
+            })
+            .collect(),
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::table::{f32_bytes_as, Case, Lcg};
+use super::inputs::{f32_bytes_as, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::quantize::encode::{amax, modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};

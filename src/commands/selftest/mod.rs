@@ -2,6 +2,7 @@
 
 mod decoders;
 pub mod encoders;
+mod inputs;
 pub mod table;
 
 use crate::cli::SelftestArgs;

@@ -22,38 +22,8 @@ use crate::ops::kernel::Kernel;
 use crate::ops::lora::merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::Op;
 
-/// Deterministic generator (the vectors are the same on every run and machine).
-pub struct Lcg(pub u64);
-
-impl Lcg {
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 32) as u32
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next_u32() as u8).collect()
-    }
-    /// `n` finite f32s (little-endian bytes) over a wide spread of exponents, with exact BF16
-    /// ties and subnormals among them.
-    pub fn f32s(&mut self, n: usize) -> Vec<u8> {
-        (0..n)
-            .flat_map(|i| {
-                let v = match i % 7 {
-                    0 => f32::from_bits(0x3F80_8000 + ((self.next_u32() % 4) << 16)),
-                    1 => f32::from_bits(self.next_u32() & 0x007F_FFFF),
-                    _ => {
-                        let e = (self.next_u32() % 40) as i32 - 20;
-                        (self.next_u32() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(e)
-                    }
-                };
-                v.to_le_bytes()
-            })
-            .collect()
-    }
-}
+use super::inputs::scale_values;
+pub use super::inputs::{f32_bytes_as, Case, Lcg};
 
 /// f32 bit patterns that stress conversions: zeros, subnormal edges, infinities, NaNs with
 /// payloads and both signs, BF16/F16 rounding ties and overflow edges, every exponent.
@@ -193,15 +163,6 @@ pub fn cast_inputs(src: DType, rng: &mut Lcg) -> Vec<u8> {
     v
 }
 
-pub struct Case {
-    pub kernel: &'static str,
-    pub what: String,
-    pub op: Arc<dyn Op>,
-    /// Whole inputs for units `0..op.units()`.
-    pub inputs: Vec<Vec<u8>>,
-    pub out_dtype: DType,
-}
-
 /// A dequantisation test shape: experts × rows × cols with `br` × `bc` blocks (ragged edges
 /// allowed); `shared`: one scale for every expert.
 #[derive(Clone, Copy)]
@@ -244,7 +205,6 @@ pub fn dequant_cases(
 ) -> Vec<Case> {
     let mut out = Vec::new();
     for sh in shapes {
-        let (gr, gc) = (sh.rows.div_ceil(sh.br), sh.cols.div_ceil(sh.bc));
         for weight in [DType::F8_E4M3, DType::F8_E5M2] {
             for scale in [
                 None,
@@ -254,64 +214,8 @@ pub fn dequant_cases(
                 Some(DType::F8_E8M0),
             ] {
                 for dst in [DType::BF16, DType::F16, DType::F32] {
-                    for &(mode, allow) in modes {
-                        // Without a scale tensor the op sees one implicit scale for everything.
-                        let whole = scale.is_none();
-                        let one = whole || sh.shared;
-                        let layout = ScaleLayout {
-                            experts: sh.experts,
-                            rows: sh.rows,
-                            cols: sh.cols,
-                            expert_stride: if one { 0 } else { gr * gc },
-                            grid_cols: if whole { 1 } else { gc },
-                            block_rows: if whole { sh.rows } else { sh.br },
-                            block_cols: if whole { sh.cols } else { sh.bc },
-                        };
-                        let mut codes = rng.bytes((sh.experts * sh.rows * sh.cols) as usize);
-                        for (i, c) in codes.iter_mut().take(256).enumerate() {
-                            *c = i as u8;
-                        }
-                        if !allow {
-                            let special = |c: u8| match weight {
-                                DType::F8_E5M2 => c & 0x7C == 0x7C,
-                                _ => c & 0x7F == 0x7F,
-                            };
-                            codes
-                                .iter_mut()
-                                .filter(|c| special(**c))
-                                .for_each(|c| *c &= 0x3F);
-                        }
-                        let mut inputs = vec![codes];
-                        if let Some(d) = scale {
-                            let n = if one {
-                                1
-                            } else {
-                                (sh.experts * gr * gc) as usize
-                            };
-                            inputs.push(scale_values(d, n, rng, allow));
-                        }
-                        out.push(Case {
-                            kernel: "dequant-fp8",
-                            what: format!(
-                                "{weight} × {} → {dst}{}{}, {}×{}×{}",
-                                scale.map_or("none".into(), |d| d.to_string()),
-                                if mode == ScaleMode::Divide { " ÷" } else { "" },
-                                if allow { " nonfinite" } else { "" },
-                                sh.experts,
-                                sh.rows,
-                                sh.cols
-                            ),
-                            op: Arc::new(DequantFp8 {
-                                weight_dtype: weight,
-                                scale_dtype: scale,
-                                layout,
-                                mode,
-                                dst,
-                                allow_nonfinite: allow,
-                            }),
-                            inputs,
-                            out_dtype: dst,
-                        });
+                    for &mode in modes {
+                        out.push(dequant_case(rng, sh, weight, scale, dst, mode));
                     }
                 }
             }
@@ -320,37 +224,85 @@ pub fn dequant_cases(
     out
 }
 
-/// Scales across a wide range (and, when allowed, a NaN and an infinity), stored as `d`.
-pub fn scale_values(d: DType, n: usize, rng: &mut Lcg, nonfinite: bool) -> Vec<u8> {
-    if d == DType::F8_E8M0 {
-        return (0..n)
-            .map(|i| match i {
-                3 if nonfinite => 0xFF,
-                5 => 0,
-                _ => (rng.next_u32() % 60) as u8 + 97,
-            })
-            .collect();
+/// One FP8 dequantisation case: `weight` codes on shape `sh` under `scale` (or one implicit
+/// scale), into `dst`, with `(mode, --allow-nonfinite)`.
+fn dequant_case(
+    rng: &mut Lcg,
+    sh: &DequantShape,
+    weight: DType,
+    scale: Option<DType>,
+    dst: DType,
+    (mode, allow): (ScaleMode, bool),
+) -> Case {
+    let (gr, gc) = (sh.rows.div_ceil(sh.br), sh.cols.div_ceil(sh.bc));
+    // Without a scale tensor the op sees one implicit scale for everything.
+    let whole = scale.is_none();
+    let one = whole || sh.shared;
+    let layout = ScaleLayout {
+        experts: sh.experts,
+        rows: sh.rows,
+        cols: sh.cols,
+        expert_stride: if one { 0 } else { gr * gc },
+        grid_cols: if whole { 1 } else { gc },
+        block_rows: if whole { sh.rows } else { sh.br },
+        block_cols: if whole { sh.cols } else { sh.bc },
+    };
+    let mut inputs = vec![fp8_codes(
+        rng,
+        (sh.experts * sh.rows * sh.cols) as usize,
+        weight,
+        allow,
+    )];
+    if let Some(d) = scale {
+        let n = if one {
+            1
+        } else {
+            (sh.experts * gr * gc) as usize
+        };
+        inputs.push(scale_values(d, n, rng, allow));
     }
-    let vals: Vec<u8> = (0..n)
-        .flat_map(|i| {
-            let v = match i % 5 {
-                _ if nonfinite && i == 2 => f32::from_bits(0xFFC0_0001),
-                _ if nonfinite && i == 4 => f32::INFINITY,
-                0 => 2f32.powi((rng.next_u32() % 40) as i32 - 30),
-                1 => 1e-5 * (1.0 + (rng.next_u32() % 1000) as f32),
-                _ => (rng.next_u32() as f32 / u32::MAX as f32) * 8.0 + 1e-3,
-            };
-            v.to_le_bytes()
-        })
-        .collect();
-    f32_bytes_as(d, &vals)
+    Case {
+        kernel: "dequant-fp8",
+        what: format!(
+            "{weight} × {} → {dst}{}{}, {}×{}×{}",
+            scale.map_or("none".into(), |d| d.to_string()),
+            if mode == ScaleMode::Divide { " ÷" } else { "" },
+            if allow { " nonfinite" } else { "" },
+            sh.experts,
+            sh.rows,
+            sh.cols
+        ),
+        op: Arc::new(DequantFp8 {
+            weight_dtype: weight,
+            scale_dtype: scale,
+            layout,
+            mode,
+            dst,
+            allow_nonfinite: allow,
+        }),
+        inputs,
+        out_dtype: dst,
+    }
 }
 
-/// Little-endian f32 values stored as `dtype` (BF16, F16 or F32; F32 keeps every bit).
-pub fn f32_bytes_as(dtype: DType, f32_bytes: &[u8]) -> Vec<u8> {
-    let mut out = vec![0u8; f32_bytes.len() / 4 * (dtype.bits() / 8) as usize];
-    crate::ops::cast::cast_slice(DType::F32, dtype, f32_bytes, &mut out);
-    out
+/// `n` random FP8 codes of `weight`, the first 256 every code in order; without `allow` the
+/// non-finite codes are made finite.
+fn fp8_codes(rng: &mut Lcg, n: usize, weight: DType, allow: bool) -> Vec<u8> {
+    let mut codes = rng.bytes(n);
+    for (i, c) in codes.iter_mut().take(256).enumerate() {
+        *c = i as u8;
+    }
+    if !allow {
+        let special = |c: u8| match weight {
+            DType::F8_E5M2 => c & 0x7C == 0x7C,
+            _ => c & 0x7F == 0x7F,
+        };
+        codes
+            .iter_mut()
+            .filter(|c| special(**c))
+            .for_each(|c| *c &= 0x3F);
+    }
+    codes
 }
 
 fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
@@ -468,9 +420,34 @@ fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
 pub fn cases() -> Vec<Case> {
     let mut rng = Lcg(0x7f7f);
     let mut out = Vec::new();
+    cast_cases(&mut rng, &mut out);
+    out.extend(dequant_cases(
+        &mut rng,
+        &DEQUANT_SHAPES,
+        &[
+            (ScaleMode::Multiply, false),
+            (ScaleMode::Multiply, true),
+            (ScaleMode::Divide, true),
+        ],
+    ));
+    mxfp4_to_nvfp4_cases(&mut rng, &mut out);
+    engram_cases(&mut rng, &mut out);
+    super::decoders::int_cases(&mut rng, &mut out);
+    super::decoders::fp4_cases(&mut rng, &mut out);
+    lora_cases(&mut rng, &mut out);
+    grouped_lora_cases(&mut rng, &mut out);
+    super::encoders::quantize_cases(&mut rng, &mut out);
+    super::decoders::gptq_cases(&mut rng, &mut out);
+    super::decoders::int4_modelopt_cases(&mut rng, &mut out);
+    super::encoders::modelopt_cases(&mut rng, &mut out);
+    out
+}
+
+/// Every castable dtype into each 16- and 32-bit float.
+fn cast_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let sources = DType::all().filter(|d| d.is_castable_float() || d.is_castable_int());
     for src in sources {
-        let input = cast_inputs(src, &mut rng);
+        let input = cast_inputs(src, rng);
         for dst in [DType::BF16, DType::F16, DType::F32] {
             if src == dst {
                 continue;
@@ -485,15 +462,11 @@ pub fn cases() -> Vec<Case> {
             });
         }
     }
-    out.extend(dequant_cases(
-        &mut rng,
-        &DEQUANT_SHAPES,
-        &[
-            (ScaleMode::Multiply, false),
-            (ScaleMode::Multiply, true),
-            (ScaleMode::Divide, true),
-        ],
-    ));
+}
+
+/// MXFP4 → NVFP4: block scales and re-encoded codes under every E8M0 scale, at tensor scale
+/// exponents from the smallest to the largest.
+fn mxfp4_to_nvfp4_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let all_scales: Vec<u8> = (0..=254).collect();
     for g in [-140, -127, -30, -9, 0, 8, 40, 127] {
         out.push(Case {
@@ -521,6 +494,10 @@ pub fn cases() -> Vec<Case> {
             out_dtype: DType::U8,
         });
     }
+}
+
+/// Engram tables requantised from E4M3 to E2M1, with zero blocks and a zero scale.
+fn engram_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     for (rows, cols) in [(64u64, 256u64), (7, 7168)] {
         let mut codes = rng.bytes((rows * cols) as usize);
         codes
@@ -541,15 +518,6 @@ pub fn cases() -> Vec<Case> {
             out_dtype: DType::U8,
         });
     }
-    super::decoders::int_cases(&mut rng, &mut out);
-    super::decoders::fp4_cases(&mut rng, &mut out);
-    lora_cases(&mut rng, &mut out);
-    grouped_lora_cases(&mut rng, &mut out);
-    super::encoders::quantize_cases(&mut rng, &mut out);
-    super::decoders::gptq_cases(&mut rng, &mut out);
-    super::decoders::int4_modelopt_cases(&mut rng, &mut out);
-    super::encoders::modelopt_cases(&mut rng, &mut out);
-    out
 }
 
 /// Input slices of `op` for `units`, cut from whole inputs (as the reader would read them).
@@ -629,94 +597,119 @@ pub struct Row {
 
 /// Runs every case on `device` (or, on the CPU, whole vs chunked) and returns the table rows.
 pub fn run(device: &Device) -> Vec<Row> {
-    let mut rows = Vec::new();
-    for case in cases() {
-        let op = case.op.as_ref();
-        let n = op.units();
-        let mut cpu =
-            |op: &dyn Op, u: Range<u64>, i: &[&[u8]], o: &mut [&mut [u8]]| op.compute_all(u, i, o);
-        let want = compute_with(op, 0..n, &case.inputs, &mut cpu);
-        let t = Instant::now();
-        let got = match &device.gpu {
-            Some(gpu) => {
-                // A fresh op for the GPU run, so per-op statistics are gathered separately.
-                let gop = case_twin(&case);
-                let r = compute_with(
-                    gop.as_ref(),
-                    0..n,
-                    &case.inputs,
-                    &mut |op, u, i, o| match gpu.run(&kernel_of(op, &u), u, i, o) {
-                        Ok(Ran::Done(stats)) => {
-                            if let Some(stats) = stats {
-                                op.absorb(stats);
-                            }
-                            Ok(())
-                        }
-                        Ok(Ran::Refused) => Err("refused".into()),
-                        Err(e) => Err(e),
-                    },
-                );
-                r.map(|o| (o, gop.report()))
-            }
-            None => {
-                // Two chunks at a granularity boundary.
-                let g = op.granularity().max(1);
-                let cut = (n / 2 / g * g).clamp(g.min(n), n);
-                let gop = case_twin(&case);
-                let a = compute_with(gop.as_ref(), 0..cut, &case.inputs, &mut cpu);
-                let b = compute_with(gop.as_ref(), cut..n, &case.inputs, &mut cpu);
-                a.and_then(|a| {
-                    b.map(|b| {
-                        let joined = a
-                            .into_iter()
-                            .zip(b)
-                            .map(|(mut x, y)| {
-                                x.extend(y);
-                                x
-                            })
-                            .collect();
-                        (joined, None)
-                    })
-                })
-            }
-        };
-        let seconds = t.elapsed().as_secs_f64();
-        let bytes = case.inputs.iter().map(|i| i.len() as u64).sum();
-        let (ok, max_ulps, detail) = match (&want, &got) {
-            (Ok(w), Ok((g, report))) => {
-                let d: u64 = w
-                    .iter()
-                    .zip(g)
-                    .map(|(w, g)| ulp_distance(case.out_dtype, w, g))
-                    .max()
-                    .unwrap_or(0);
-                // Quality sums (Engram) must agree exactly too.
-                let same_report = report.is_none() || *report == op.report();
-                let ok = d == 0 && same_report;
-                let detail = if !same_report {
-                    "statistics differ".to_string()
-                } else if ok {
-                    String::new()
-                } else {
-                    format!("{d} ulp apart")
-                };
-                (ok, d, detail)
-            }
-            (Err(_), Err(_)) => (true, 0, "refused by both".into()),
-            (Ok(_), Err(e)) => (false, 0, format!("device: {e}")),
-            (Err(e), Ok(_)) => (false, 0, format!("CPU refused ({e}), device did not")),
-        };
-        rows.push(Row {
-            kernel: case.kernel,
-            what: case.what,
-            bytes,
-            max_ulps,
-            seconds,
-            ok,
-            detail,
-        });
+    cases()
+        .into_iter()
+        .map(|case| run_case(device, case))
+        .collect()
+}
+
+/// The outputs of one run of a case, with the op's statistics where it gathers them.
+type Outputs = Result<(Vec<Vec<u8>>, Option<serde_json::Value>), String>;
+
+/// Computes `case` whole on the CPU and again on the device (or in two chunks), and compares.
+fn run_case(device: &Device, case: Case) -> Row {
+    let op = case.op.as_ref();
+    let want = compute_with(op, 0..op.units(), &case.inputs, &mut cpu_compute);
+    let t = Instant::now();
+    let got = match &device.gpu {
+        Some(gpu) => compute_on_gpu(gpu, &case),
+        None => compute_in_two_chunks(&case),
+    };
+    let seconds = t.elapsed().as_secs_f64();
+    let (ok, max_ulps, detail) = compare(&case, &want, &got);
+    Row {
+        kernel: case.kernel,
+        bytes: case.inputs.iter().map(|i| i.len() as u64).sum(),
+        what: case.what,
+        max_ulps,
+        seconds,
+        ok,
+        detail,
     }
-    rows
+}
+
+/// A chunk computed by the CPU op itself.
+fn cpu_compute(
+    op: &dyn Op,
+    units: Range<u64>,
+    inputs: &[&[u8]],
+    outputs: &mut [&mut [u8]],
+) -> Result<(), String> {
+    op.compute_all(units, inputs, outputs)
+}
+
+/// The whole case on a GPU lane.
+fn compute_on_gpu(gpu: &crate::gpu::Gpu, case: &Case) -> Outputs {
+    // A fresh op for the GPU run, so per-op statistics are gathered separately.
+    let gop = case_twin(case);
+    let r = compute_with(
+        gop.as_ref(),
+        0..case.op.units(),
+        &case.inputs,
+        &mut |op, u, i, o| match gpu.run(&kernel_of(op, &u), u, i, o) {
+            Ok(Ran::Done(stats)) => {
+                if let Some(stats) = stats {
+                    op.absorb(stats);
+                }
+                Ok(())
+            }
+            Ok(Ran::Refused) => Err("refused".into()),
+            Err(e) => Err(e),
+        },
+    );
+    r.map(|o| (o, gop.report()))
+}
+
+/// The case on the CPU in two chunks cut at a granularity boundary, joined.
+fn compute_in_two_chunks(case: &Case) -> Outputs {
+    let n = case.op.units();
+    let g = case.op.granularity().max(1);
+    let cut = (n / 2 / g * g).clamp(g.min(n), n);
+    let gop = case_twin(case);
+    let a = compute_with(gop.as_ref(), 0..cut, &case.inputs, &mut cpu_compute);
+    let b = compute_with(gop.as_ref(), cut..n, &case.inputs, &mut cpu_compute);
+    a.and_then(|a| {
+        b.map(|b| {
+            let joined = a
+                .into_iter()
+                .zip(b)
+                .map(|(mut x, y)| {
+                    x.extend(y);
+                    x
+                })
+                .collect();
+            (joined, None)
+        })
+    })
+}
+
+/// Whether the two runs agree (bytes and statistics, or both refused), the largest ulp
+/// distance, and what the table says about a difference.
+fn compare(case: &Case, want: &Result<Vec<Vec<u8>>, String>, got: &Outputs) -> (bool, u64, String) {
+    match (want, got) {
+        (Ok(w), Ok((g, report))) => {
+            let d: u64 = w
+                .iter()
+                .zip(g)
+                .map(|(w, g)| ulp_distance(case.out_dtype, w, g))
+                .max()
+                .unwrap_or(0);
+            // Quality sums (Engram) must agree exactly too.
+            let same_report = report.is_none() || *report == case.op.report();
+            let ok = d == 0 && same_report;
+            let detail = if !same_report {
+                "statistics differ".to_string()
+            } else if ok {
+                String::new()
+            } else {
+                format!("{d} ulp apart")
+            };
+            (ok, d, detail)
+        }
+        (Err(_), Err(_)) => (true, 0, "refused by both".into()),
+        (Ok(_), Err(e)) => (false, 0, format!("device: {e}")),
+        (Err(e), Ok(_)) => (false, 0, format!("CPU refused ({e}), device did not")),
+    }
 }
 
 /// The op's kernel description for chunk `units`.

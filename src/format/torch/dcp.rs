@@ -19,8 +19,9 @@ use std::fs::File;
 use std::path::{Component, Path};
 
 use super::archive::read_archive;
-use super::pickle::{Value, MAX_PICKLE_BYTES};
-use super::{dtype_of, unpickle_file, view_placement};
+use super::pickle::MAX_PICKLE_BYTES;
+use super::state_dict::{dtype_of, unpickle_file, view_placement};
+use super::value::Value;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::source::{

@@ -10,32 +10,11 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use super::pickle::{
-    invalid, set_items, tuple, Object, PResult, PickleError, Seq, StorageRef, TensorView, Value,
-    MAX_TENSOR_RANK,
+use super::value::{
+    invalid, set_items, tuple, Global, Object, PResult, PickleError, Seq, StorageRef, TensorView,
+    Value, MAX_TENSOR_RANK,
 };
 use crate::format::dtype::DType;
-
-/// An allowed global.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Global {
-    RebuildTensorV2,
-    RebuildTensorV3,
-    RebuildParameter,
-    RebuildParameterWithState,
-    /// `torch._tensor._rebuild_from_type_v2(func, new_type, args, state)`: a tensor subclass.
-    RebuildFromTypeV2,
-    OrderedDict,
-    TorchSize,
-    /// `torch.FloatStorage` etc.: the dtype of a typed storage.
-    TypedStorage(DType),
-    /// `torch.storage.UntypedStorage`: bytes, typed by `_rebuild_tensor_v3`'s dtype argument.
-    UntypedStorage,
-    Dtype(DType),
-    /// A class or function whose call only records its arguments (DCP dataclasses,
-    /// `torch.serialization._get_layout`, `pathlib.PosixPath`, …).
-    Record(&'static str),
-}
 
 /// The allow-list (torch's `weights_only` set, plus what DCP `.metadata` files contain).
 pub fn resolve_global(module: &str, name: &str) -> PResult<Global> {

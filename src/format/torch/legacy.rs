@@ -13,7 +13,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::archive::MemberRange;
-use super::pickle::{self, Value, MAX_PICKLE_BYTES};
+use super::pickle::{self, MAX_PICKLE_BYTES};
+use super::state_dict::{flatten, pickle_error};
+use super::value::{PickleError, Value};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 
@@ -40,12 +42,12 @@ pub fn read_legacy(
             .map_err(|e| Error::io(path, e))?;
         match read_pickles(&head) {
             Ok(r) => break r,
-            Err(pickle::PickleError::Invalid(msg))
+            Err(PickleError::Invalid(msg))
                 if msg.starts_with("truncated") && want < file_len.min(MAX_PICKLE_BYTES) =>
             {
                 want = (want * 2).min(file_len).min(MAX_PICKLE_BYTES);
             }
-            Err(e) => return Err(super::pickle_error(path, e)),
+            Err(e) => return Err(pickle_error(path, e)),
         }
     };
     let [magic, protocol, sys_info, main, keys] = values;
@@ -72,7 +74,7 @@ pub fn read_legacy(
     // Each storage's dtype comes from the tensors using it.
     let mut dtypes: HashMap<String, DType> = HashMap::new();
     let mut notes = Vec::new();
-    for (_, view) in super::flatten(path, &main, &mut notes)? {
+    for (_, view) in flatten(path, &main, &mut notes)? {
         let dtype = view.storage.dtype.unwrap_or(view.dtype);
         dtypes.insert(view.storage.key.clone(), dtype);
     }
@@ -119,9 +121,9 @@ pub fn read_legacy(
 }
 
 /// The five pickles at the start of the stream and the bytes they take.
-fn read_pickles(head: &[u8]) -> std::result::Result<([Value; 5], usize), pickle::PickleError> {
+fn read_pickles(head: &[u8]) -> std::result::Result<([Value; 5], usize), PickleError> {
     let mut pos = 0;
-    let mut next = || -> std::result::Result<Value, pickle::PickleError> {
+    let mut next = || -> std::result::Result<Value, PickleError> {
         let (v, used) = pickle::unpickle(&head[pos..])?;
         pos += used;
         Ok(v)
