@@ -17,7 +17,9 @@ use std::ffi::{OsStr, OsString};
 
 use clap::{Args, Command, FromArgMatches};
 
-use super::{cast_target, dequant_step, globs, lora_step, renames, repack_step, requant_step};
+use super::steps::{
+    cast_target, dequant_step, globs, lora_step, renames, repack_step, requant_step,
+};
 use crate::cli::{
     DequantSection, DtypeCastSection, KeyExcludeSection, KeyFilterSection, KeyRenameSection,
     MergeSection, RepackSection,
@@ -281,7 +283,7 @@ impl<'a> Splitter<'a> {
 
 impl RunSections {
     /// Appends section `kind` (a section flag, `--merge-lora`) with its `tokens` as a command
-    /// line would give them: how the library's [`crate::api::Pipe`] builds `run`'s chain.
+    /// line would give them: how the library's `Pipe` (the library API) builds `run`'s chain.
     pub(crate) fn push(&mut self, kind: &'static str, tokens: Vec<OsString>) {
         debug_assert!(KINDS.contains(&kind), "{kind} is a section flag");
         self.sections.push((kind, tokens));
