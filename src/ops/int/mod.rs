@@ -14,7 +14,7 @@
 //! zero-point rows (b words per 32 weight rows) start too, so a chunk reads whole words.
 
 pub mod gptq;
-pub mod kernel;
+pub use crate::plan::kernel::int as kernel;
 pub mod modelopt;
 
 use std::ops::Range;

@@ -9,7 +9,7 @@
 //! accounted for at plan time — merged, used as a replacement, skipped as a base copy — and the
 //! rest is an error listing them, before any output exists.
 
-pub mod kernel;
+pub use crate::plan::kernel::lora as kernel;
 pub mod merge;
 
 use std::collections::BTreeMap;

@@ -1,5 +1,5 @@
 //! The quantisers' hot loops, written so the compiler turns them into SIMD lanes: the same
-//! operations as the scalar reference in `ops.rs` ([`super::ops::QuantizeRows::compute_reference`]),
+//! operations as the scalar reference in `ops.rs` (`QuantizeRows::compute_reference`),
 //! in the same order (every division stays a division, every rounding to the weight dtype
 //! stays), but with no data-dependent branch per element — E4M3 encoding computes its normal
 //! and subnormal results and selects one, the group maxima are integer maxima of the magnitude

@@ -37,7 +37,7 @@ use super::encode::{
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
 use super::ops::{decode_rows, rows_out_span, scale_unit_bytes};
-use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
+use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind, ScaledRows};
 use super::{
     default_ignore, linear_weights, list_tied_lm_head, module_order, nvfp4_globals,
     refuse_partial_groups, refuse_weight, Added, QuantizeStep, Scheme,
@@ -511,6 +511,12 @@ impl ModeloptRows {
             }
             _ => unreachable!("FP8 blocks are encoded a block row at a time"),
         }
+    }
+}
+
+impl ScaledRows for ModeloptRows {
+    fn scaled(self, s: f32) -> Self {
+        ModeloptRows { scale_2: s, ..self }
     }
 }
 

@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+pub use super::encode::BlockMath;
 use super::encode::{
     amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
@@ -192,71 +193,6 @@ pub(super) fn decode_rows(
         ));
     }
     Ok(x)
-}
-
-/// How FP8 blocks are scaled: compressed-tensors divides by `W(amax / 448)` in the weight
-/// dtype and stores that scale; transformers' `Fp8Quantize` (FineGrainedFP8, `--format
-/// fp8-native`) multiplies by `448 / amax` in f32 (1 for an all-zero block) and stores its
-/// reciprocal as `weight_scale_inv` F32 (byte-identical to transformers 5.24 on blocks it
-/// quantises; it leaves a weight whose sides 128 does not divide unquantised, which tftf
-/// quantises with ragged edge blocks as DeepSeek-V3 does).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockMath {
-    CompressedTensors,
-    Transformers,
-}
-
-impl BlockMath {
-    /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
-    pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
-        debug_assert!(!self.overflows(m), "refused by the callers");
-        match self {
-            BlockMath::CompressedTensors => {
-                let s = symmetric_scale(wt, m, E4M3_MAX);
-                (s, s)
-            }
-            BlockMath::Transformers => {
-                // `448 / amax` on a tensor is torch's `reciprocal(amax) * 448`: two roundings.
-                let mult = if m > 0.0 { (1.0 / m) * E4M3_MAX } else { 1.0 };
-                (1.0 / mult, mult)
-            }
-        }
-    }
-
-    /// Whether a block with amax `m` has no finite factor (transformers: 448 / amax overflows).
-    pub fn overflows(self, m: f32) -> bool {
-        self == BlockMath::Transformers && m > 0.0 && ((1.0 / m) * E4M3_MAX).is_infinite()
-    }
-
-    #[inline(always)]
-    pub fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
-        match self {
-            BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
-            BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
-        }
-    }
-
-    /// The stored scale's dtype.
-    pub fn scale_dtype(self, wt: WeightType) -> crate::format::dtype::DType {
-        match self {
-            BlockMath::CompressedTensors => wt.dtype(),
-            BlockMath::Transformers => crate::format::dtype::DType::F32,
-        }
-    }
-
-    pub fn scale_bytes(self, wt: WeightType) -> usize {
-        match self {
-            BlockMath::CompressedTensors => wt.bytes(),
-            BlockMath::Transformers => 4,
-        }
-    }
-
-    pub fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
-        match self {
-            BlockMath::CompressedTensors => wt.encode(s, out),
-            BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
-        }
-    }
 }
 
 /// (stored scale, encoder factor) of the 128×128 blocks of block row `bi`, whose rows are

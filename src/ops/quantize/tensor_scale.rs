@@ -18,7 +18,6 @@ use std::sync::{Arc, OnceLock};
 
 use super::encode::{modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use super::lanes;
-use super::modelopt::ModeloptRows;
 use super::ops::QuantizeRows;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
@@ -187,13 +186,7 @@ impl ScaledRows for QuantizeRows {
     }
 }
 
-impl ScaledRows for ModeloptRows {
-    fn scaled(self, s: f32) -> Self {
-        ModeloptRows { scale_2: s, ..self }
-    }
-}
-
-/// An NVFP4 encoder ([`QuantizeRows`], [`ModeloptRows`]), its tensor scale taken from a
+/// An NVFP4 encoder ([`QuantizeRows`], ModelOpt's `ModeloptRows`), its tensor scale taken from a
 /// [`TensorScale`] when a chunk is computed.
 #[derive(Debug)]
 pub struct Nvfp4Rows<R> {

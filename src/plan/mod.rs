@@ -1,6 +1,15 @@
 //! The plan: every output tensor bound to a recipe, assigned to a shard and an offset, from
 //! headers alone. Everything that can be known before data moves is checked here — name
 //! collisions, sizes, free space — so a bad request fails before an output file exists.
+//!
+//! Recipes hold ops, so the [`Op`] trait and the kernel descriptions it names live here, below
+//! the op families that implement them; the plan itself names no op. The one op planning makes
+//! on its own, the cast of a tensor a cast step retyped, comes in as a [`CastOp`] constructor.
+
+pub mod kernel;
+mod op;
+
+pub use op::Op;
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -11,8 +20,6 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::{element_count, DType};
-use crate::ops::cast::Cast;
-use crate::ops::Op;
 use crate::transform::{Glob, Rename};
 
 /// Bytes of one input tensor's record, its index entry and one output tensor's record, plus
@@ -163,6 +170,10 @@ pub struct PlanNotes {
     pub warnings: Vec<String>,
 }
 
+/// Makes the op converting a whole tensor of `elements` values from `src` to `dst` (one that a
+/// cast step retyped and no op computes), or `None` when no cast joins the two dtypes.
+pub type CastOp = fn(src: DType, dst: DType, elements: u64) -> Option<Arc<dyn Op>>;
+
 /// A step contributed by an op module: rewrites the entry list from headers alone.
 pub trait PlanStep: Send + Sync + Debug {
     /// Rewrites `entries`; returns whether anything changed (then `edit_config` runs). `notes`
@@ -196,8 +207,9 @@ pub trait PlanStep: Send + Sync + Debug {
 
 impl Plan {
     /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
-    /// produced. Where the tensors go (files, offsets, headers) is a sink's job (`crate::sink`).
-    pub fn build(ckpt: &Checkpoint, steps: &[Step]) -> Result<Plan> {
+    /// produced, `cast` making the op of each tensor a cast step retyped (`Plan::build`, beside
+    /// the cast op, passes it). Where the tensors go (files, offsets, headers) is a sink's job.
+    pub fn build_with_cast(ckpt: &Checkpoint, steps: &[Step], cast: CastOp) -> Result<Plan> {
         let mut entries: Vec<Entry> = ckpt.tensors[..ckpt.base_count]
             .iter()
             .enumerate()
@@ -376,18 +388,13 @@ impl Plan {
                     }
                 }
                 None if e.dtype == src.dtype || e.relabel => Recipe::Copy { src: e.source },
-                None if !Cast::supports(src.dtype, e.dtype) => {
-                    return Err(Error::Other(format!(
-                        "tensor `{}` is {} and cannot be converted to {}",
-                        src.name, src.dtype, e.dtype
-                    )))
-                }
                 None => Recipe::Compute {
-                    op: Arc::new(Cast {
-                        src: src.dtype,
-                        dst: e.dtype,
-                        elements,
-                    }),
+                    op: cast(src.dtype, e.dtype, elements).ok_or_else(|| {
+                        Error::Other(format!(
+                            "tensor `{}` is {} and cannot be converted to {}",
+                            src.name, src.dtype, e.dtype
+                        ))
+                    })?,
                     inputs: vec![e.source],
                     extra: Vec::new(),
                 },
