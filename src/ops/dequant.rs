@@ -40,7 +40,7 @@ use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode}
 use crate::ops::int::gptq::{self, GptqConfig};
 use crate::ops::int::DequantPackedInt;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{Derive, Entry, PlanStep, Planning};
 
 /// Activation and KV-cache scales: meaningless once the weights are dequantised.
 pub const ACTIVATION_SCALES: [&str; 6] = [
@@ -354,10 +354,12 @@ fn is_kv_scale(name: &str) -> bool {
 impl PlanStep for DequantStep {
     fn apply(
         &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
+        Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        }: Planning,
     ) -> Result<bool> {
         let declared = Declared::read(ckpt, config);
         let index: HashMap<String, usize> = entries
@@ -366,10 +368,9 @@ impl PlanStep for DequantStep {
             .filter(|(_, e)| e.derive.is_none())
             .map(|(i, e)| (e.name.clone(), i))
             .collect();
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
         let get = |name: &str| index.get(name).copied();
         let missing = |e: &Entry, looked: &[String]| Error::MissingScale {
-            path: path_of(e),
+            path: e.path(ckpt),
             of: ScaleOf::QuantWeight,
             tensor: e.name.clone(),
             looked: looked
@@ -405,7 +406,7 @@ impl PlanStep for DequantStep {
                     }
                     d => {
                         return Err(Error::BadScale {
-                            path: path_of(&entries[si]),
+                            path: entries[si].path(ckpt),
                             tensor: entries[si].name.clone(),
                             weight: e.name.clone(),
                             msg: format!(
@@ -480,7 +481,7 @@ impl PlanStep for DequantStep {
             };
             if !declared.allows(scheme) {
                 return Err(Error::TensorData {
-                    path: path_of(e),
+                    path: e.path(ckpt),
                     tensor: e.name.clone(),
                     msg: format!(
                         "laid out as {} but config.json's {}: cannot tell how to decode it; fix quantization_config",
@@ -508,7 +509,7 @@ impl PlanStep for DequantStep {
             let w = &entries[f.codes];
             let s = &entries[f.scales];
             let bad = |msg: String| Error::BadScale {
-                path: path_of(s),
+                path: s.path(ckpt),
                 tensor: s.name.clone(),
                 weight: w.name.clone(),
                 msg,
@@ -519,7 +520,7 @@ impl PlanStep for DequantStep {
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
                     return Err(Error::BadScale {
-                        path: path_of(g),
+                        path: g.path(ckpt),
                         tensor: g.name.clone(),
                         weight: w.name.clone(),
                         msg: format!(
@@ -537,12 +538,12 @@ impl PlanStep for DequantStep {
                 Scheme::CtInt => {
                     let h = &entries[f.global.expect("int weights have a weight_shape")];
                     let bad_w = |msg: String| Error::TensorData {
-                        path: path_of(w),
+                        path: w.path(ckpt),
                         tensor: w.name.clone(),
                         msg,
                     };
                     let (rows, cols) = read_shape(ckpt, h).map_err(|m| Error::TensorData {
-                        path: path_of(h),
+                        path: h.path(ckpt),
                         tensor: h.name.clone(),
                         msg: m,
                     })?;
@@ -591,7 +592,7 @@ impl PlanStep for DequantStep {
                         let want = [(rows * bits).div_ceil(32), groups];
                         if z.dtype != DType::I32 || z.shape != want {
                             return Err(Error::BadScale {
-                                path: path_of(z),
+                                path: z.path(ckpt),
                                 tensor: z.name.clone(),
                                 weight: w.name.clone(),
                                 msg: format!(
@@ -630,7 +631,7 @@ impl PlanStep for DequantStep {
                         gidx.map(|i| &entries[i]),
                     )
                     .map_err(|(t, msg)| Error::TensorData {
-                        path: path_of(t),
+                        path: t.path(ckpt),
                         tensor: t.name.clone(),
                         msg,
                     })?;
@@ -642,7 +643,7 @@ impl PlanStep for DequantStep {
                 Scheme::ModeloptInt4 => {
                     let [half, cols] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!(
                                 "ModelOpt INT4 codes must be [out/2, in], not {:?}",
@@ -671,7 +672,7 @@ impl PlanStep for DequantStep {
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!(
                                 "gpt-oss MXFP4 blocks are [experts, out, groups, 16], not {:?}",
@@ -705,7 +706,7 @@ impl PlanStep for DequantStep {
                 | Scheme::ModeloptMxfp4 => {
                     let [rows, half] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!("packed FP4 codes must be [out, in/2], not {:?}", w.shape),
                         });
@@ -770,7 +771,12 @@ impl PlanStep for DequantStep {
             i += 1;
             !consumed[i - 1]
         });
-        let fp8 = self.fp8.apply(ckpt, config, entries, notes)?;
+        let fp8 = self.fp8.apply(Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        })?;
         let changed = ours || fp8;
         if changed {
             let mut dropped = Vec::new();

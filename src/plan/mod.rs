@@ -13,6 +13,7 @@ pub use op::Op;
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -109,6 +110,22 @@ pub struct Entry {
     pub relabel: bool,
 }
 
+impl Entry {
+    /// The file holding the entry's source tensor, which errors about the entry name.
+    pub fn path(&self, ckpt: &Checkpoint) -> PathBuf {
+        ckpt.shards[ckpt.tensors[self.source].shard()].path.clone()
+    }
+}
+
+/// Every entry's position, by name: how a step finds a weight's scales and companions.
+pub fn index_by_name(entries: &[Entry]) -> HashMap<String, usize> {
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.name.clone(), i))
+        .collect()
+}
+
 /// A tensor computed by an op. The op is built only when the plan is final, because a later
 /// cast step may still change the output dtype.
 pub trait Derive: Send + Sync + Debug {
@@ -174,17 +191,21 @@ pub struct PlanNotes {
 /// cast step retyped and no op computes), or `None` when no cast joins the two dtypes.
 pub type CastOp = fn(src: DType, dst: DType, elements: u64) -> Option<Arc<dyn Op>>;
 
+/// What a planning step works on, as one argument (a step that runs another hands it on).
+pub struct Planning<'a> {
+    pub ckpt: &'a Checkpoint,
+    /// `config.json` as read, before any step edited it.
+    pub config: Option<&'a Map<String, Value>>,
+    /// The output tensors so far.
+    pub entries: &'a mut Vec<Entry>,
+    /// Collects facts worth reporting, such as inferred layouts.
+    pub notes: &'a mut PlanNotes,
+}
+
 /// A step contributed by an op module: rewrites the entry list from headers alone.
 pub trait PlanStep: Send + Sync + Debug {
-    /// Rewrites `entries`; returns whether anything changed (then `edit_config` runs). `notes`
-    /// collects facts worth reporting, such as inferred layouts.
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool>;
+    /// Rewrites the entries; returns whether anything changed (then `edit_config` runs).
+    fn apply(&self, p: Planning) -> Result<bool>;
     /// Updates `config.json` for the new format; returns human-readable changes.
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
     /// Why the step changed nothing when `apply` returned `false` ("no FP8 weight to
@@ -278,8 +299,12 @@ impl Plan {
                     }
                 }
                 Step::Op(op_step) => {
-                    let changed =
-                        op_step.apply(ckpt, original_config.as_ref(), &mut entries, &mut notes)?;
+                    let changed = op_step.apply(Planning {
+                        ckpt,
+                        config: original_config.as_ref(),
+                        entries: &mut entries,
+                        notes: &mut notes,
+                    })?;
                     if !changed && idle_op.is_none() {
                         idle_op = Some(op_step.nothing_done());
                     }

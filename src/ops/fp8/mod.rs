@@ -26,7 +26,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::ops::Op;
-use crate::plan::{edit_config_dtype, Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{edit_config_dtype, index_by_name, Derive, Entry, PlanStep, Planning};
 use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use kernel::DequantParams;
 
@@ -263,10 +263,12 @@ fn is_scale_dtype(d: DType) -> bool {
 impl PlanStep for DequantFp8Step {
     fn apply(
         &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
+        Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        }: Planning,
     ) -> Result<bool> {
         // A broken config value is an error unless --block-size replaces it.
         let from_config = match config.map(config_block_size).transpose() {
@@ -288,12 +290,7 @@ impl PlanStep for DequantFp8Step {
             }
             (c, b) => c.or(b),
         };
-        let index: std::collections::HashMap<String, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
+        let index = index_by_name(entries);
         let mut consumed = vec![false; entries.len()];
         let mut derived: Vec<(usize, Arc<dyn Derive>)> = Vec::new();
         let mut missing: Vec<(usize, String)> = Vec::new();
@@ -320,7 +317,7 @@ impl PlanStep for DequantFp8Step {
             };
             let s = &entries[si];
             let bad = |msg: String| Error::BadScale {
-                path: path_of(s),
+                path: s.path(ckpt),
                 tensor: s.name.clone(),
                 weight: w.name.clone(),
                 msg,
@@ -360,7 +357,7 @@ impl PlanStep for DequantFp8Step {
                 n => format!(" (and {} more weights)", n - 1),
             };
             return Err(Error::MissingScale {
-                path: path_of(&entries[*wi]),
+                path: entries[*wi].path(ckpt),
                 of: ScaleOf::Fp8Weight,
                 tensor: entries[*wi].name.clone(),
                 looked: looked.clone(),
@@ -390,7 +387,7 @@ impl PlanStep for DequantFp8Step {
             };
             if let Some(weight) = weight {
                 return Err(Error::OrphanScale {
-                    path: path_of(e),
+                    path: e.path(ckpt),
                     tensor: e.name.clone(),
                     weight,
                 });

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{index_by_name, Derive, Entry, PlanNotes, PlanStep, Planning};
 use merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 
 /// Where the adapter weights are.
@@ -1146,10 +1146,12 @@ impl PlanStep for LoraMergeStep {
 
     fn apply(
         &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
+        Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        }: Planning,
     ) -> Result<bool> {
         let model_type = config
             .and_then(|c| c.get("model_type"))
@@ -1206,11 +1208,7 @@ impl PlanStep for LoraMergeStep {
                 not_in_base.join(", ")
             ));
         }
-        let index: std::collections::HashMap<String, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
+        let index = index_by_name(entries);
         let info = |i: usize| &ckpt.tensors[i].info;
         let params = params_by_module(entries);
         check_patterns(cfg, entries, &params, &att.config_file, notes)?;

@@ -40,7 +40,7 @@ use serde_json::{json, Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
+use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanStep, Planning};
 use crate::transform::Glob;
 use encode::WeightType;
 use ops::{BlockMath, Constant, QuantizeRows};
@@ -471,7 +471,7 @@ pub(super) fn list_tied_lm_head(
 /// A refusal of chosen weight `e`, naming it and the `--ignore` that leaves it out.
 pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error {
     Error::TensorData {
-        path: ckpt.shards[ckpt.tensors[e.source].shard()].path.clone(),
+        path: e.path(ckpt),
         tensor: e.name.clone(),
         msg: format!(
             "{why}; leave it unquantised with --ignore '{}'",
@@ -560,14 +560,24 @@ fn refuse_quantized(ckpt: &Checkpoint, config: Option<&Map<String, Value>>) -> R
 impl PlanStep for QuantizeStep {
     fn apply(
         &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
+        Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        }: Planning,
     ) -> Result<bool> {
         refuse_quantized(ckpt, config)?;
         if self.format == Format::Modelopt {
-            let (changed, cfg, hf) = modelopt::plan(self, ckpt, config, entries, notes)?;
+            let (changed, cfg, hf) = modelopt::plan(
+                self,
+                Planning {
+                    ckpt,
+                    config,
+                    entries,
+                    notes,
+                },
+            )?;
             *self.config.lock().unwrap() = Some(cfg);
             *self.hf_quant_config.lock().unwrap() = Some(hf);
             return Ok(changed);

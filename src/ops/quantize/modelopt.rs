@@ -43,12 +43,11 @@ use super::{
     refuse_partial_groups, refuse_weight, Added, QuantizeStep, Scheme,
 };
 use crate::error::{Error, Result};
-use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes};
+use crate::plan::{Derive, ExtraOutput, FixedOp, Planning};
 
 /// The ModelOpt version whose export this matches (`producer.version`).
 pub const MODELOPT_VERSION: &str = "0.47.0";
@@ -277,10 +276,12 @@ pub fn python_json(v: &Value) -> String {
 /// config.json's `quantization_config` and the text of `hf_quant_config.json`.
 pub(super) fn plan(
     step: &QuantizeStep,
-    ckpt: &Checkpoint,
-    config: Option<&Map<String, Value>>,
-    entries: &mut Vec<Entry>,
-    notes: &mut PlanNotes,
+    Planning {
+        ckpt,
+        config,
+        entries,
+        notes,
+    }: Planning,
 ) -> Result<(bool, Value, String)> {
     let scheme = step.scheme;
     let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
