@@ -39,8 +39,7 @@ use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode};
 use crate::ops::int::gptq::{self, GptqConfig};
 use crate::ops::int::DequantPackedInt;
-use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanStep, Planning};
+use crate::plan::{DeferredDst, Derive, Entry, PlanStep, Planning};
 
 /// Activation and KV-cache scales: meaningless once the weights are dequantised.
 pub const ACTIVATION_SCALES: [&str; 6] = [
@@ -224,92 +223,6 @@ struct Found {
     name: String,
 }
 
-#[derive(Debug)]
-struct Fp4Derive {
-    inputs: Vec<usize>,
-    experts: u64,
-    rows: u64,
-    cols: u64,
-    group: u64,
-    scale: BlockScale,
-    global: GlobalScale,
-    transpose: bool,
-    negative_zero: bool,
-    allow_nonfinite: bool,
-}
-
-impl Derive for Fp4Derive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantFp4 {
-            experts: self.experts,
-            rows: self.rows,
-            cols: self.cols,
-            group: self.group,
-            scale: self.scale,
-            global: self.global,
-            transpose: self.transpose,
-            negative_zero: self.negative_zero,
-            dst,
-            allow_nonfinite: self.allow_nonfinite,
-        })
-    }
-}
-
-#[derive(Debug)]
-struct ModeloptInt4Derive {
-    inputs: Vec<usize>,
-    rows: u64,
-    cols: u64,
-    group: u64,
-}
-
-impl Derive for ModeloptInt4Derive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(crate::ops::int::modelopt::DequantModeloptInt4 {
-            rows: self.rows,
-            cols: self.cols,
-            group: self.group,
-            dst,
-        })
-    }
-}
-
-#[derive(Debug)]
-struct IntDerive {
-    inputs: Vec<usize>,
-    rows: u64,
-    cols: u64,
-    bits: u32,
-    words: u64,
-    group: u64,
-    scale_dtype: DType,
-    zero_point: bool,
-}
-
-impl Derive for IntDerive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantPackedInt {
-            rows: self.rows,
-            cols: self.cols,
-            bits: self.bits,
-            words: self.words,
-            group: self.group,
-            scale_dtype: self.scale_dtype,
-            zero_point: self.zero_point,
-            dst,
-        })
-    }
-}
-
 /// The `[out, in]` a `weight_shape` tensor (`I64`/`I32 [2]`) holds, read at plan time.
 fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), String> {
     let t = &ckpt.tensors[e.source];
@@ -352,15 +265,8 @@ fn is_kv_scale(name: &str) -> bool {
 }
 
 impl PlanStep for DequantStep {
-    fn apply(
-        &self,
-        Planning {
-            ckpt,
-            config,
-            entries,
-            notes,
-        }: Planning,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         let declared = Declared::read(ckpt, config);
         let index: HashMap<String, usize> = entries
             .iter()
@@ -604,15 +510,19 @@ impl PlanStep for DequantStep {
                         inputs.push(z.source);
                         consumed[zi] = true;
                     }
-                    let d = IntDerive {
+                    let d = DeferredDst {
                         inputs,
-                        rows,
-                        cols,
-                        bits: bits as u32,
-                        words,
-                        group: cols / groups,
-                        scale_dtype: s.dtype,
-                        zero_point: zero_point.is_some(),
+                        op: DequantPackedInt {
+                            rows,
+                            cols,
+                            bits: bits as u32,
+                            words,
+                            group: cols / groups,
+                            scale_dtype: s.dtype,
+                            zero_point: zero_point.is_some(),
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![rows, cols])
                 }
@@ -661,11 +571,15 @@ impl PlanStep for DequantStep {
                             )))
                         }
                     };
-                    let d = ModeloptInt4Derive {
+                    let d = DeferredDst {
                         inputs: vec![w.source, s.source],
-                        rows,
-                        cols,
-                        group,
+                        op: crate::ops::int::modelopt::DequantModeloptInt4 {
+                            rows,
+                            cols,
+                            group,
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![rows, cols])
                 }
@@ -686,17 +600,21 @@ impl PlanStep for DequantStep {
                             s.shape, w.shape
                         )));
                     }
-                    let d = Fp4Derive {
+                    let d = DeferredDst {
                         inputs: vec![w.source, s.source],
-                        experts: e,
-                        rows: out,
-                        cols: g * 32,
-                        group: 32,
-                        scale: BlockScale::E8M0,
-                        global: GlobalScale::None,
-                        transpose: true,
-                        negative_zero: true,
-                        allow_nonfinite,
+                        op: DequantFp4 {
+                            experts: e,
+                            rows: out,
+                            cols: g * 32,
+                            group: 32,
+                            scale: BlockScale::E8M0,
+                            global: GlobalScale::None,
+                            transpose: true,
+                            negative_zero: true,
+                            allow_nonfinite,
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![e, g * 32, out])
                 }
@@ -729,21 +647,25 @@ impl PlanStep for DequantStep {
                     }
                     let mut inputs = vec![w.source, s.source];
                     inputs.extend(f.global.map(|g| entries[g].source));
-                    let d = Fp4Derive {
+                    let d = DeferredDst {
                         inputs,
-                        experts: 1,
-                        rows,
-                        cols,
-                        group,
-                        scale,
-                        global: match f.scheme {
-                            Scheme::CtNvfp4 => GlobalScale::Divide,
-                            Scheme::ModeloptNvfp4 => GlobalScale::Multiply,
-                            _ => GlobalScale::None,
+                        op: DequantFp4 {
+                            experts: 1,
+                            rows,
+                            cols,
+                            group,
+                            scale,
+                            global: match f.scheme {
+                                Scheme::CtNvfp4 => GlobalScale::Divide,
+                                Scheme::ModeloptNvfp4 => GlobalScale::Multiply,
+                                _ => GlobalScale::None,
+                            },
+                            transpose: false,
+                            negative_zero: f.scheme != Scheme::ModeloptNvfp4,
+                            allow_nonfinite,
+                            // set by `build`
+                            dst: DType::F32,
                         },
-                        transpose: false,
-                        negative_zero: f.scheme != Scheme::ModeloptNvfp4,
-                        allow_nonfinite,
                     };
                     (Arc::new(d), vec![rows, cols])
                 }

@@ -155,6 +155,32 @@ impl Derive for FixedOp {
     }
 }
 
+/// A derived tensor whose op is fixed at plan time but for its output dtype, which a later cast
+/// step may still change: `op` holds every other field (its `dst` is a stand-in), and `build`
+/// sets the dtype.
+#[derive(Debug)]
+pub struct DeferredDst<T> {
+    pub inputs: Vec<usize>,
+    pub op: T,
+}
+
+/// An op whose output dtype is set last ([`DeferredDst`]).
+pub trait SetDst: Op + Clone + 'static {
+    /// The output dtype field.
+    fn dst_mut(&mut self) -> &mut DType;
+}
+
+impl<T: SetDst> Derive for DeferredDst<T> {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        let mut op = self.op.clone();
+        *op.dst_mut() = dst;
+        Arc::new(op)
+    }
+}
+
 /// A tensor that another entry's op writes as its extra output `output` (1-based): scales
 /// written with their codes.
 #[derive(Debug)]

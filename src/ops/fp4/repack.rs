@@ -506,15 +506,8 @@ impl RepackFp4Step {
 }
 
 impl PlanStep for RepackFp4Step {
-    fn apply(
-        &self,
-        Planning {
-            ckpt,
-            entries,
-            notes,
-            ..
-        }: Planning,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, entries, notes) = (p.ckpt, p.entries, p.notes);
         self.select_shards(ckpt, entries, notes)?;
         let experts = self.opts.experts && self.transcode_experts(ckpt, entries, notes)?;
         let engram = self.opts.engram && self.requant_engram(ckpt, entries)?;

@@ -26,7 +26,9 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::ops::Op;
-use crate::plan::{edit_config_dtype, index_by_name, Derive, Entry, PlanStep, Planning};
+use crate::plan::{
+    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning, SetDst,
+};
 use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use kernel::DequantParams;
 
@@ -261,15 +263,8 @@ fn is_scale_dtype(d: DType) -> bool {
 }
 
 impl PlanStep for DequantFp8Step {
-    fn apply(
-        &self,
-        Planning {
-            ckpt,
-            config,
-            entries,
-            notes,
-        }: Planning,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         // A broken config value is an error unless --block-size replaces it.
         let from_config = match config.map(config_block_size).transpose() {
             Ok(b) => b.flatten(),
@@ -307,7 +302,7 @@ impl PlanStep for DequantFp8Step {
             });
             let Some((si, mode)) = found else {
                 if self.opts.allow_unscaled {
-                    derived.push((wi, Arc::new(DequantDerive::unscaled(w, ckpt, &self.opts))));
+                    derived.push((wi, unscaled_derive(w, ckpt, &self.opts)));
                 } else {
                     let looked: Vec<String> =
                         candidates.iter().map(|(n, _)| format!("`{n}`")).collect();
@@ -341,14 +336,14 @@ impl PlanStep for DequantFp8Step {
             consumed[si] = true;
             derived.push((
                 wi,
-                Arc::new(DequantDerive {
-                    weight: w.source,
-                    weight_dtype: ckpt.tensors[w.source].info.dtype,
-                    scale: Some((s.source, s.dtype)),
+                dequant_derive(
+                    w,
+                    ckpt,
+                    Some((s.source, s.dtype)),
                     layout,
                     mode,
-                    allow_nonfinite: self.opts.allow_nonfinite,
-                }),
+                    self.opts.allow_nonfinite,
+                ),
             ));
         }
         if let Some((wi, looked)) = missing.first() {
@@ -420,30 +415,45 @@ impl PlanStep for DequantFp8Step {
     }
 }
 
-#[derive(Debug)]
-struct DequantDerive {
-    weight: usize,
-    weight_dtype: DType,
+/// The FP8 op reading `weight`, scaled by `scale` (the tensor and the dtype its bytes are read
+/// as) when there is one.
+fn dequant_derive(
+    weight: &Entry,
+    ckpt: &Checkpoint,
     scale: Option<(usize, DType)>,
     layout: ScaleLayout,
     mode: ScaleMode,
     allow_nonfinite: bool,
+) -> Arc<dyn Derive> {
+    Arc::new(DeferredDst {
+        inputs: std::iter::once(weight.source)
+            .chain(scale.map(|(s, _)| s))
+            .collect(),
+        op: DequantFp8 {
+            weight_dtype: ckpt.tensors[weight.source].info.dtype,
+            scale_dtype: scale.map(|(_, d)| d),
+            layout,
+            mode,
+            // set by `build`
+            dst: DType::F32,
+            allow_nonfinite,
+        },
+    })
 }
 
-impl DequantDerive {
-    fn unscaled(w: &Entry, ckpt: &Checkpoint, opts: &DequantOptions) -> DequantDerive {
-        let (layout, _) = resolve_layout(&w.shape, &[], None)
-            .or_else(|_| resolve_layout(&[w.shape.iter().product()], &[], None))
-            .expect("a single scale fits any weight");
-        DequantDerive {
-            weight: w.source,
-            weight_dtype: ckpt.tensors[w.source].info.dtype,
-            scale: None,
-            layout,
-            mode: ScaleMode::Multiply,
-            allow_nonfinite: opts.allow_nonfinite,
-        }
-    }
+/// The FP8 op for a weight without a scale (`--allow-unscaled`): its values as they are.
+fn unscaled_derive(w: &Entry, ckpt: &Checkpoint, opts: &DequantOptions) -> Arc<dyn Derive> {
+    let (layout, _) = resolve_layout(&w.shape, &[], None)
+        .or_else(|_| resolve_layout(&[w.shape.iter().product()], &[], None))
+        .expect("a single scale fits any weight");
+    dequant_derive(
+        w,
+        ckpt,
+        None,
+        layout,
+        ScaleMode::Multiply,
+        opts.allow_nonfinite,
+    )
 }
 
 /// MXFP8 (compressed-tensors `mxfp8-quantized`): an FP8 weight `[out, in]` with E8M0 exponents
@@ -457,36 +467,19 @@ pub fn mxfp8_derive(
     allow_nonfinite: bool,
 ) -> std::result::Result<Arc<dyn Derive>, String> {
     let (layout, _) = resolve_layout(&weight.shape, &scale.shape, Some((1, group)))?;
-    Ok(Arc::new(DequantDerive {
-        weight: weight.source,
-        weight_dtype: ckpt.tensors[weight.source].info.dtype,
-        scale: Some((scale.source, DType::F8_E8M0)),
+    let scale = Some((scale.source, DType::F8_E8M0));
+    Ok(dequant_derive(
+        weight,
+        ckpt,
+        scale,
         layout,
-        mode: ScaleMode::Multiply,
+        ScaleMode::Multiply,
         allow_nonfinite,
-    }))
-}
-
-impl Derive for DequantDerive {
-    fn inputs(&self) -> Vec<usize> {
-        let mut v = vec![self.weight];
-        v.extend(self.scale.map(|(s, _)| s));
-        v
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantFp8 {
-            weight_dtype: self.weight_dtype,
-            scale_dtype: self.scale.map(|(_, d)| d),
-            layout: self.layout.clone(),
-            mode: self.mode,
-            dst,
-            allow_nonfinite: self.allow_nonfinite,
-        })
-    }
+    ))
 }
 
 /// The op: one unit is one weight row (rows of all experts counted together).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantFp8 {
     pub weight_dtype: DType,
     pub scale_dtype: Option<DType>,
@@ -839,6 +832,12 @@ impl Op for DequantFp8 {
             }
         }
         Ok(())
+    }
+}
+
+impl SetDst for DequantFp8 {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
     }
 }
 

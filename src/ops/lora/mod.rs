@@ -993,15 +993,17 @@ struct GroupedDerive {
     f: LoraFactors,
 }
 
+/// A merge's inputs: the base's (the tensor, or the inputs of the op computing it), then A and B.
+fn merge_inputs(prev: &Option<Arc<dyn Derive>>, base: usize, a: usize, b: usize) -> Vec<usize> {
+    let mut v = prev.as_ref().map_or_else(|| vec![base], |p| p.inputs());
+    v.push(a);
+    v.push(b);
+    v
+}
+
 impl Derive for GroupedDerive {
     fn inputs(&self) -> Vec<usize> {
-        let mut v = self
-            .prev
-            .as_ref()
-            .map_or_else(|| vec![self.base], |p| p.inputs());
-        v.push(self.a);
-        v.push(self.b);
-        v
+        merge_inputs(&self.prev, self.base, self.a, self.b)
     }
     fn build(&self, dst: DType) -> Arc<dyn Op> {
         Arc::new(GroupedLoraMerge {
@@ -1033,12 +1035,7 @@ struct LoraDerive {
 
 impl Derive for LoraDerive {
     fn inputs(&self) -> Vec<usize> {
-        let mut v = self
-            .prev
-            .as_ref()
-            .map_or_else(|| vec![self.base], |p| p.inputs());
-        v.push(self.a);
-        v.push(self.b);
+        let mut v = merge_inputs(&self.prev, self.base, self.a, self.b);
         v.extend(self.m);
         v
     }
@@ -1144,15 +1141,8 @@ impl PlanStep for LoraMergeStep {
         Ok(())
     }
 
-    fn apply(
-        &self,
-        Planning {
-            ckpt,
-            config,
-            entries,
-            notes,
-        }: Planning,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         let model_type = config
             .and_then(|c| c.get("model_type"))
             .and_then(Value::as_str);

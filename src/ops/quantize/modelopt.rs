@@ -23,7 +23,7 @@
 //! `weight_scale_2` is shared by projections that read the same input (q/k/v, gate/up),
 //! which ModelOpt finds by running the model; here by name, as for compressed-tensors.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -37,10 +37,9 @@ use super::encode::{
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
 use super::ops::{decode_rows, rows_out_span, scale_unit_bytes};
-use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind, ScaledRows};
+use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
-    default_ignore, linear_weights, list_tied_lm_head, module_order, nvfp4_globals,
-    refuse_partial_groups, refuse_weight, Added, QuantizeStep, Scheme,
+    default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
 };
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -274,15 +273,8 @@ pub fn python_json(v: &Value) -> String {
 
 /// Plans `--format modelopt`: rewrites `entries`, returns whether anything is quantised,
 /// config.json's `quantization_config` and the text of `hf_quant_config.json`.
-pub(super) fn plan(
-    step: &QuantizeStep,
-    Planning {
-        ckpt,
-        config,
-        entries,
-        notes,
-    }: Planning,
-) -> Result<(bool, Value, String)> {
+pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, String)> {
+    let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
     let scheme = step.scheme;
     let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
     // Modules with a quantizer left alone: `Linear` (ignored) and embeddings.
@@ -302,9 +294,15 @@ pub(super) fn plan(
             chosen.push((i, module, wt));
         }
     }
-    list_tied_lm_head(config, step.default_ignore, entries, &mut unquantized);
-    unquantized.sort_by_cached_key(|m| module_order(m));
-    refuse_partial_groups(ckpt, entries, &chosen, scheme, group(scheme), "ModelOpt")?;
+    let scale_2 = settle_chosen(
+        step,
+        ckpt,
+        config,
+        entries,
+        &chosen,
+        &mut unquantized,
+        group(scheme),
+    )?;
     for &(i, _, _) in &chosen {
         let e = &entries[i];
         if scheme == Scheme::W4A16 && !e.shape[0].is_multiple_of(2) {
@@ -315,11 +313,6 @@ pub(super) fn plan(
             return Err(refuse_weight(ckpt, e, why));
         }
     }
-    let scale_2 = if scheme == Scheme::Nvfp4A16 {
-        nvfp4_globals(ckpt, entries, &chosen, ScaleKind::Modelopt)?
-    } else {
-        HashMap::new()
-    };
 
     let mut added = Added::new(entries);
     for &(i, ref module, wt) in &chosen {

@@ -116,10 +116,7 @@ impl QuantizeRows {
             }
             Scheme::Mxfp4A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 2));
-                    if s.is_infinite() {
-                        return Err(mx_overflow(wt, r, k, amax(xs)));
-                    }
+                    let s = mx_group_scale(wt, xs, 2, r, k)?;
                     scales[k] = mx_stored(s);
                     for (j, pair) in xs.chunks_exact(2).enumerate() {
                         let enc = |v: f32| f32_to_e2m1(wt.round(v / s).clamp(-E2M1_MAX, E2M1_MAX));
@@ -129,10 +126,7 @@ impl QuantizeRows {
             }
             Scheme::Mxfp8A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 8));
-                    if s.is_infinite() {
-                        return Err(mx_overflow(wt, r, k, amax(xs)));
-                    }
+                    let s = mx_group_scale(wt, xs, 8, r, k)?;
                     scales[k] = mx_stored(s);
                     for (c, &v) in codes[k * 32..(k + 1) * 32].iter_mut().zip(xs) {
                         *c = e4m3_code(wt, v, s);
@@ -148,6 +142,22 @@ impl QuantizeRows {
 /// Why MX group `k` of row `r` (amax `m`) cannot be encoded: its power-of-two scale rounds to
 /// infinity in the weight dtype (2^128 in BF16 and F32, from amax ≥ 2^127·1.5; 2^16 in F16, from
 /// amax ≥ 57344), where compressed-tensors would store a meaningless exponent and zero the group.
+/// The power-of-two scale of MX group `k` of row `r` (`xs`), for codes of `elem_offset`
+/// ([`mx_exponent`]: E2M1 2, E4M3 8); refused where it overflows the weight dtype.
+fn mx_group_scale(
+    wt: WeightType,
+    xs: &[f32],
+    elem_offset: i32,
+    r: u64,
+    k: usize,
+) -> Result<f32, String> {
+    let s = mx_scale(wt, mx_exponent(wt, amax(xs), elem_offset));
+    if s.is_infinite() {
+        return Err(mx_overflow(wt, r, k, amax(xs)));
+    }
+    Ok(s)
+}
+
 fn mx_overflow(wt: WeightType, r: u64, k: usize, m: f32) -> String {
     format!(
         "has amax {m:e} in the MX group at [{r}, {}..{}], whose power-of-two scale overflows {}: the group cannot be represented (compressed-tensors would write an infinite scale and zero it); leave the weight unquantised with --ignore",

@@ -207,13 +207,9 @@ fn plan_requant(
     step: &RequantMergeStep,
     base: BaseScheme,
     wt: WeightType,
-    Planning {
-        ckpt,
-        config,
-        entries,
-        notes,
-    }: Planning,
+    p: Planning,
 ) -> Result<bool> {
+    let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
     let orig = entries.clone();
     let mut work = entries.clone();
     // The two-step route, `dequant --merge-lora --dtype W`, planned on a copy: its notes
