@@ -311,14 +311,13 @@ impl PlanStep for DequantStep {
                         Some((Scheme::CtMxfp4, si, None, format!("{base}.weight")))
                     }
                     d => {
-                        return Err(Error::BadScale {
-                            path: entries[si].path(ckpt),
-                            tensor: entries[si].name.clone(),
-                            weight: e.name.clone(),
-                            msg: format!(
+                        return Err(entries[si].bad_scale(
+                            ckpt,
+                            &e.name,
+                            format!(
                                 "{d} block scales of packed U8 codes are neither NVFP4 (F8_E4M3) nor MXFP4 (U8 exponents)"
                             ),
-                        })
+                        ))
                     }
                 }
             } else if let (Some(base), DType::I32) = (n.strip_suffix(".weight_packed"), e.dtype) {
@@ -414,26 +413,20 @@ impl PlanStep for DequantStep {
         for f in &found {
             let w = &entries[f.codes];
             let s = &entries[f.scales];
-            let bad = |msg: String| Error::BadScale {
-                path: s.path(ckpt),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             if let (Some(gi), false) = (f.global, matches!(f.scheme, Scheme::CtInt | Scheme::Gptq))
             {
                 let g = &entries[gi];
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
-                    return Err(Error::BadScale {
-                        path: g.path(ckpt),
-                        tensor: g.name.clone(),
-                        weight: w.name.clone(),
-                        msg: format!(
+                    return Err(g.bad_scale(
+                        ckpt,
+                        &w.name,
+                        format!(
                             "a tensor scale must be one F32 value, not {} {:?}",
                             g.dtype, g.shape
                         ),
-                    });
+                    ));
                 }
             }
             let (derive, shape): (Arc<dyn Derive>, Vec<u64>) = match f.scheme {
@@ -497,15 +490,14 @@ impl PlanStep for DequantStep {
                         let z = &entries[zi];
                         let want = [(rows * bits).div_ceil(32), groups];
                         if z.dtype != DType::I32 || z.shape != want {
-                            return Err(Error::BadScale {
-                                path: z.path(ckpt),
-                                tensor: z.name.clone(),
-                                weight: w.name.clone(),
-                                msg: format!(
+                            return Err(z.bad_scale(
+                                ckpt,
+                                &w.name,
+                                format!(
                                     "packed zero points of {bits}-bit weights [{rows}, {cols}] in {groups} groups must be I32 {want:?}, not {} {:?}",
                                     z.dtype, z.shape
                                 ),
-                            });
+                            ));
                         }
                         inputs.push(z.source);
                         consumed[zi] = true;

@@ -9,7 +9,7 @@
 pub mod kernel;
 mod op;
 
-pub use op::Op;
+pub use op::{Op, Outs};
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -114,6 +114,16 @@ impl Entry {
     /// The file holding the entry's source tensor, which errors about the entry name.
     pub fn path(&self, ckpt: &Checkpoint) -> PathBuf {
         ckpt.shards[ckpt.tensors[self.source].shard()].path.clone()
+    }
+
+    /// The error for this entry as the scale (or zero points) of `weight`, wrong as `msg` says.
+    pub fn bad_scale(&self, ckpt: &Checkpoint, weight: &str, msg: String) -> Error {
+        Error::BadScale {
+            path: self.path(ckpt),
+            tensor: self.name.clone(),
+            weight: weight.to_string(),
+            msg,
+        }
     }
 }
 

@@ -7,6 +7,9 @@ use std::ops::Range;
 
 use super::kernel::{Kernel, KernelStats};
 
+/// The output buffers of one chunk, the main output first ([`Op::compute_all`]).
+pub type Outs<'a, 'b> = &'a mut [&'b mut [u8]];
+
 pub trait Op: Send + Sync + Debug {
     /// Short name for plans and reports (`cast`, `dequant-fp8`, …).
     fn name(&self) -> &'static str;
@@ -60,12 +63,7 @@ pub trait Op: Send + Sync + Debug {
         units.start * b..units.end * b
     }
     /// Fills every output; ops with extra outputs override this.
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         self.compute(units, inputs, outs[0])
     }
     /// The GPU kernel that computes chunk `units`, as a description; `None`: the op runs on

@@ -186,12 +186,7 @@ impl RepackFp4Step {
                 });
             };
             let s = &entries[si];
-            let bad = |msg: String| Error::BadScale {
-                path: s.path(ckpt),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             let (&[rows, half], &[srows, groups]) = (w.shape.as_slice(), s.shape.as_slice()) else {
                 return Err(bad(format!(
                     "expected a 2-D weight and scale, got {:?} and {:?}",
@@ -475,17 +470,16 @@ impl RepackFp4Step {
             };
             if cols % BLOCK as u64 != 0 || s.dtype != DType::F8_E8M0 || s.shape != [rows, cols / 32]
             {
-                return Err(Error::BadScale {
-                    path: s.path(ckpt),
-                    tensor: s.name.clone(),
-                    weight: w.name.clone(),
-                    msg: format!(
+                return Err(s.bad_scale(
+                    ckpt,
+                    &w.name,
+                    format!(
                         "expected F8_E8M0 [{rows}, {}] for a table of {cols} columns, got {} {:?}",
                         cols / 32,
                         s.dtype,
                         s.shape
                     ),
-                });
+                ));
             }
             let (wsrc, ssrc, wid) = (w.source, s.source, w.id);
             let w = &mut entries[wi];

@@ -311,12 +311,7 @@ impl PlanStep for DequantFp8Step {
                 continue;
             };
             let s = &entries[si];
-            let bad = |msg: String| Error::BadScale {
-                path: s.path(ckpt),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             if !is_scale_dtype(s.dtype) {
                 return Err(bad(format!(
                     "dtype {} is not a scale dtype (F32, BF16, F16, F8_E8M0)",

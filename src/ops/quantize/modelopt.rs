@@ -46,6 +46,7 @@ use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::Outs;
 use crate::plan::{Derive, ExtraOutput, FixedOp, Planning};
 
 /// The ModelOpt version whose export this matches (`producer.version`).
@@ -564,12 +565,7 @@ impl Op for ModeloptRows {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         lanes::encode(self, units, inputs, outs)
     }
 }
@@ -581,7 +577,7 @@ impl ModeloptRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
@@ -649,7 +645,7 @@ impl LaneEncoder for ModeloptRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let n = (units.end - units.start) as usize;

@@ -18,6 +18,7 @@ use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::Outs;
 
 /// FP8 block edge (`block_structure: [128, 128]`).
 pub const FP8_BLOCK: u64 = 128;
@@ -281,12 +282,7 @@ impl Op for QuantizeRows {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         lanes::encode(self, units, inputs, outs)
     }
 }
@@ -326,7 +322,7 @@ impl QuantizeRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
@@ -383,7 +379,7 @@ impl LaneEncoder for QuantizeRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let n = (units.end - units.start) as usize;

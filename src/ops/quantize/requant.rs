@@ -38,6 +38,7 @@ use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
+use crate::plan::Outs;
 use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep, Planning};
 
 /// A base layout that can be requantised.
@@ -630,12 +631,7 @@ impl Op for Requant {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         let rows = units.clone();
         let mut merged =
             vec![0u8; ((rows.end - rows.start) * self.inner.out_unit_bytes()) as usize];

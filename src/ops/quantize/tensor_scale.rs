@@ -21,6 +21,7 @@ use super::lanes;
 use super::ops::QuantizeRows;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::Outs;
 
 /// Bytes read at a time: this buffer lives outside the pool, one per compute thread at most.
 const READ_BYTES: u64 = 1 << 20;
@@ -235,12 +236,7 @@ impl<R: ScaledRows> Op for Nvfp4Rows<R> {
     fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
         self.rows.out_span(k, units)
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         self.with_scale()?.compute_all(units, inputs, outs)
     }
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
