@@ -8,6 +8,7 @@
 //! tensor is cut, which is what keeps output independent of chunk size and thread count.
 
 pub mod cast;
+pub mod constant;
 pub mod dequant;
 pub mod fp4;
 pub mod fp8;

@@ -16,10 +16,11 @@ use regex::Regex;
 use serde_json::{json, Map, Value};
 
 use super::engram::{EngramRequant, BLOCK};
-use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode, NvTensorScale};
+use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode};
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::constant::Constant;
 use crate::plan::{index_by_name, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep, Planning};
 
 pub const DEFAULT_EXPERT_PATTERN: &str =
@@ -419,7 +420,11 @@ impl RepackFp4Step {
                             shape: Vec::new(),
                             derive: Some(Arc::new(FixedOp {
                                 inputs: Vec::new(),
-                                op: Arc::new(NvTensorScale { g }),
+                                // 2^g with g ≥ -135 is an exact f32 (subnormal below 2^-126).
+                                op: Arc::new(Constant {
+                                    what: "mxfp4-to-nvfp4 tensor scale",
+                                    bytes: (2f64.powi(g) as f32).to_le_bytes().to_vec(),
+                                }),
                             })),
                             relabel: false,
                         },

@@ -40,10 +40,11 @@ use serde_json::{json, Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::constant::Constant;
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanStep, Planning};
 use crate::transform::Glob;
 use encode::WeightType;
-use ops::{BlockMath, Constant, QuantizeRows};
+use ops::{BlockMath, QuantizeRows};
 use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, ScaleKind, TensorScale};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).

@@ -36,7 +36,7 @@ use super::encode::{
 };
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
-use super::ops::{decode_rows, rows_out_span, scale_unit_bytes};
+use super::ops::{decode_rows, row_quantiser_op};
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
     default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
@@ -528,15 +528,6 @@ impl Op for ModeloptRows {
             self.scale_2,
         )))
     }
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.row_code_bytes()
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        self.cols * self.wt.bytes() as u64
-    }
     fn granularity(&self) -> u64 {
         match self.scheme {
             Scheme::Fp8Block => BLOCK,
@@ -544,30 +535,7 @@ impl Op for ModeloptRows {
             _ => 1,
         }
     }
-    fn scratch_unit_bytes(&self) -> u64 {
-        // None that grows with the chunk: one row decoded to f32, reused row after row.
-        0
-    }
-    fn extra_outputs(&self) -> usize {
-        1
-    }
-    fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        scale_unit_bytes(self.scheme, self.row_scale_bytes())
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
-        rows_out_span(self.scheme, k, units, code, scale)
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.in_unit_bytes();
-        std::iter::once(units.start * row..units.end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        self.compute_all(units, inputs, &mut [out])
-    }
-    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
-        lanes::encode(self, units, inputs, outs)
-    }
+    row_quantiser_op!();
 }
 
 impl ModeloptRows {

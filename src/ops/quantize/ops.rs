@@ -1,7 +1,7 @@
 //! The quantising ops: [`QuantizeRows`] turns rows of a weight into codes and (as its extra
 //! output) their scales in one read, for every scheme. FP8 blocks need all 128 rows of a block
 //! before their scale is known, so that scheme takes chunks of whole 128-row block rows and
-//! writes one scale row per block row ([`Op::out_span`]). [`Constant`] writes the small tensors
+//! writes one scale row per block row ([`Op::out_span`]). `Constant` writes the small tensors
 //! known at plan time (`weight_shape`, NVFP4's `weight_global_scale`). Every scheme has a GPU
 //! kernel (kernels/quantize.cuh, checked byte for byte against this file by tests/kernels.rs).
 
@@ -229,6 +229,60 @@ pub fn fp8_block_scales(
         .collect()
 }
 
+/// The `Op` methods the two row quantisers (this file's [`QuantizeRows`], ModelOpt's
+/// `ModeloptRows`) share, in their `impl Op`: whole rows of `cols` weights in (`rows` units);
+/// codes out, and scales as the extra output ([`rows_out_span`]), encoded by [`lanes::encode`].
+/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes` and `row_scale_bytes`.
+macro_rules! row_quantiser_op {
+    () => {
+        fn units(&self) -> u64 {
+            self.rows
+        }
+        fn out_unit_bytes(&self) -> u64 {
+            self.row_code_bytes()
+        }
+        fn in_unit_bytes(&self) -> u64 {
+            self.cols * self.wt.bytes() as u64
+        }
+        fn scratch_unit_bytes(&self) -> u64 {
+            // None that grows with the chunk: one row decoded to f32 (and the int schemes'
+            // codes of one row), reused row after row.
+            0
+        }
+        fn extra_outputs(&self) -> usize {
+            1
+        }
+        fn extra_unit_bytes(&self, _k: usize) -> u64 {
+            $crate::ops::quantize::ops::scale_unit_bytes(self.scheme, self.row_scale_bytes())
+        }
+        fn out_span(&self, k: usize, units: ::std::ops::Range<u64>) -> ::std::ops::Range<u64> {
+            let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
+            $crate::ops::quantize::ops::rows_out_span(self.scheme, k, units, code, scale)
+        }
+        fn input_ranges(&self, units: ::std::ops::Range<u64>) -> Vec<::std::ops::Range<u64>> {
+            let row = self.in_unit_bytes();
+            std::iter::once(units.start * row..units.end * row).collect()
+        }
+        fn compute(
+            &self,
+            units: ::std::ops::Range<u64>,
+            inputs: &[&[u8]],
+            out: &mut [u8],
+        ) -> Result<(), String> {
+            self.compute_all(units, inputs, &mut [out])
+        }
+        fn compute_all(
+            &self,
+            units: ::std::ops::Range<u64>,
+            inputs: &[&[u8]],
+            outs: $crate::plan::Outs,
+        ) -> Result<(), String> {
+            $crate::ops::quantize::lanes::encode(self, units, inputs, outs)
+        }
+    };
+}
+pub(super) use row_quantiser_op;
+
 impl Op for QuantizeRows {
     fn name(&self) -> &'static str {
         "quantize"
@@ -244,15 +298,6 @@ impl Op for QuantizeRows {
             self.block,
         )))
     }
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.row_code_bytes()
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        self.cols * self.wt.bytes() as u64
-    }
     fn granularity(&self) -> u64 {
         if self.scheme == Scheme::Fp8Block {
             FP8_BLOCK
@@ -260,31 +305,7 @@ impl Op for QuantizeRows {
             1
         }
     }
-    fn scratch_unit_bytes(&self) -> u64 {
-        // None that grows with the chunk: one row decoded to f32 (and the int schemes' codes of
-        // one row), reused row after row.
-        0
-    }
-    fn extra_outputs(&self) -> usize {
-        1
-    }
-    fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        scale_unit_bytes(self.scheme, self.row_scale_bytes())
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
-        rows_out_span(self.scheme, k, units, code, scale)
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.in_unit_bytes();
-        std::iter::once(units.start * row..units.end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        self.compute_all(units, inputs, &mut [out])
-    }
-    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
-        lanes::encode(self, units, inputs, outs)
-    }
+    row_quantiser_op!();
 }
 
 /// Scale bytes per unit (row) of a row quantiser whose scales take `scale_row` bytes a row, or
@@ -530,35 +551,6 @@ impl MxTable {
             *slot = (s, mx_stored(s));
         }
         MxTable(t)
-    }
-}
-
-/// A small tensor whose bytes are fixed at plan time.
-#[derive(Debug)]
-pub struct Constant {
-    pub what: &'static str,
-    pub bytes: Vec<u8>,
-}
-
-impl Op for Constant {
-    fn name(&self) -> &'static str {
-        self.what
-    }
-    fn units(&self) -> u64 {
-        1
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.bytes.len() as u64
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        0
-    }
-    fn input_ranges(&self, _units: Range<u64>) -> Vec<Range<u64>> {
-        Vec::new()
-    }
-    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        out.copy_from_slice(&self.bytes);
-        Ok(())
     }
 }
 
