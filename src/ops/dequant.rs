@@ -275,17 +275,8 @@ impl PlanStep for DequantStep {
             .map(|(i, e)| (e.name.clone(), i))
             .collect();
         let get = |name: &str| index.get(name).copied();
-        let missing = |e: &Entry, looked: &[String]| Error::MissingScale {
-            path: e.path(ckpt),
-            of: ScaleOf::QuantWeight,
-            tensor: e.name.clone(),
-            looked: looked
-                .iter()
-                .map(|n| format!("`{n}`"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            more: String::new(),
-        };
+        let missing =
+            |e: &Entry, looked: &[String]| e.missing_scale(ckpt, ScaleOf::QuantWeight, looked);
         let mut found: Vec<Found> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if e.derive.is_some() {

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::{element_count, DType};
 use crate::transform::{Glob, Rename};
@@ -114,6 +114,22 @@ impl Entry {
     /// The file holding the entry's source tensor, which errors about the entry name.
     pub fn path(&self, ckpt: &Checkpoint) -> PathBuf {
         ckpt.shards[ckpt.tensors[self.source].shard()].path.clone()
+    }
+
+    /// The error for this entry as a quantised weight whose `of` scales are missing (`looked`:
+    /// the names tried).
+    pub fn missing_scale(&self, ckpt: &Checkpoint, of: ScaleOf, looked: &[String]) -> Error {
+        Error::MissingScale {
+            path: self.path(ckpt),
+            of,
+            tensor: self.name.clone(),
+            looked: looked
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            more: String::new(),
+        }
     }
 
     /// The error for this entry as the scale (or zero points) of `weight`, wrong as `msg` says.

@@ -176,15 +176,8 @@ impl RepackFp4Step {
                 continue;
             }
             let (prefix, proj, scale_name) = expert_parts(&c);
-            let path = w.path(ckpt);
             let Some(&si) = index.get(scale_name.as_str()) else {
-                return Err(Error::MissingScale {
-                    path,
-                    of: ScaleOf::Mxfp4Expert,
-                    tensor: w.name.clone(),
-                    looked: format!("`{scale_name}`"),
-                    more: String::new(),
-                });
+                return Err(w.missing_scale(ckpt, ScaleOf::Mxfp4Expert, &[scale_name]));
             };
             let s = &entries[si];
             let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
@@ -457,13 +450,7 @@ impl RepackFp4Step {
             let path = w.path(ckpt);
             let scale_name = format!("{prefix}.scale");
             let Some(&si) = index.get(&scale_name) else {
-                return Err(Error::MissingScale {
-                    path,
-                    of: ScaleOf::EngramTable,
-                    tensor: w.name.clone(),
-                    looked: format!("`{scale_name}`"),
-                    more: String::new(),
-                });
+                return Err(w.missing_scale(ckpt, ScaleOf::EngramTable, &[scale_name]));
             };
             let s = &entries[si];
             let &[rows, cols] = w.shape.as_slice() else {
