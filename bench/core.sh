@@ -5,15 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-5}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
-cargo build --release -q --example gen_checkpoint
-cargo build --release -q
-BIN=target/release/tftf
-target/release/examples/gen_checkpoint "$D/in" core "$GIB" >/dev/null
-BYTES=$(du -sb "$D/in" | cut -f1)
+start 5 "$@"
+generate core "$D/in"
 
 t_cp=(); t_pt=(); t_cast=()
 for r in $(seq "$RUNS"); do

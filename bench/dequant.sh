@@ -6,13 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-4}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
-cargo build --release -q --example gen_checkpoint --example kernel_speed
-cargo build --release -q
-BIN=target/release/tftf
+EXAMPLES=kernel_speed start 4 "$@"
 for l in fp8 fp8-e8m0 fp8-as-bf16; do target/release/examples/gen_checkpoint "$D/$l" "$l" "$GIB" >/dev/null; done
 t_f32=(); t_e8=(); t_base=()
 for r in $(seq "$RUNS"); do

@@ -5,14 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-4}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
+EXAMPLES=kernel_speed start 4 "$@"
 trap 'rm -rf "$D"' EXIT
-cargo build --release -q --example gen_checkpoint --example kernel_speed
-cargo build --release -q
-BIN=target/release/tftf
 target/release/examples/gen_checkpoint "$D/m" lora "$GIB" >/dev/null
 t_pt=(); t_m=()
 for r in $(seq "$RUNS"); do

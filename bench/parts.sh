@@ -7,15 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-2}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
-cargo build --release -q --example gen_checkpoint
-cargo build --release -q
-BIN=target/release/tftf
-target/release/examples/gen_checkpoint "$D/in" core "$GIB" >/dev/null
-BYTES=$(du -sb "$D/in" | cut -f1)
+start 2 "$@"
+generate core "$D/in"
 ARGS=(--dtype bf16 --max-shard-size 256MiB -q)
 
 t_one=(); t_seq=(); t_par=(); t_fin=()

@@ -8,13 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-2}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
-cargo build --release -q --example gen_checkpoint
-cargo build --release -q
-BIN=target/release/tftf
+start 2 "$@"
 
 if [ -n "${PYTHON:-}" ]; then
     # Reference mode: `PYTHON=/path/to/python bench/quantize.sh [LAYERS] [RUNS]` (PYTHON with

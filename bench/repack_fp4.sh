@@ -6,16 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-GIB=${1:-4}
-RUNS=${2:-3}
-D=bench/data
-rm -rf "$D"; mkdir -p "$D"
+EXAMPLES=kernel_speed start 4 "$@"
 trap 'rm -rf "$D"' EXIT
-cargo build --release -q --example gen_checkpoint --example kernel_speed
-cargo build --release -q
-BIN=target/release/tftf
-target/release/examples/gen_checkpoint "$D/in" v4 "$GIB" >/dev/null
-BYTES=$(du -sb "$D/in" | cut -f1)
+generate v4 "$D/in"
 ENGRAM_SHARD=$(python3 -c "import json;m=json.load(open('$D/in/model.safetensors.index.json'))['weight_map'];print(','.join(sorted({m['layers.0.engram.embed.weight'], m['layers.0.engram.embed.scale']})))")
 ENGRAM_BYTES=$((524288 * 4096 + 524288 * 128))
 t_pt=(); t_exp=(); t_eng=(); t_all=()

@@ -39,8 +39,7 @@ use crate::ops::fp4::dequant::{BlockScale, DequantFp4, GlobalScale};
 use crate::ops::fp8::{mxfp8_derive, scale_candidates, DequantFp8Step, ScaleMode};
 use crate::ops::int::gptq::{self, GptqConfig};
 use crate::ops::int::DequantPackedInt;
-use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{DeferredDst, Derive, Entry, PlanStep, Planning};
 
 /// Activation and KV-cache scales: meaningless once the weights are dequantised.
 pub const ACTIVATION_SCALES: [&str; 6] = [
@@ -224,92 +223,6 @@ struct Found {
     name: String,
 }
 
-#[derive(Debug)]
-struct Fp4Derive {
-    inputs: Vec<usize>,
-    experts: u64,
-    rows: u64,
-    cols: u64,
-    group: u64,
-    scale: BlockScale,
-    global: GlobalScale,
-    transpose: bool,
-    negative_zero: bool,
-    allow_nonfinite: bool,
-}
-
-impl Derive for Fp4Derive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantFp4 {
-            experts: self.experts,
-            rows: self.rows,
-            cols: self.cols,
-            group: self.group,
-            scale: self.scale,
-            global: self.global,
-            transpose: self.transpose,
-            negative_zero: self.negative_zero,
-            dst,
-            allow_nonfinite: self.allow_nonfinite,
-        })
-    }
-}
-
-#[derive(Debug)]
-struct ModeloptInt4Derive {
-    inputs: Vec<usize>,
-    rows: u64,
-    cols: u64,
-    group: u64,
-}
-
-impl Derive for ModeloptInt4Derive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(crate::ops::int::modelopt::DequantModeloptInt4 {
-            rows: self.rows,
-            cols: self.cols,
-            group: self.group,
-            dst,
-        })
-    }
-}
-
-#[derive(Debug)]
-struct IntDerive {
-    inputs: Vec<usize>,
-    rows: u64,
-    cols: u64,
-    bits: u32,
-    words: u64,
-    group: u64,
-    scale_dtype: DType,
-    zero_point: bool,
-}
-
-impl Derive for IntDerive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantPackedInt {
-            rows: self.rows,
-            cols: self.cols,
-            bits: self.bits,
-            words: self.words,
-            group: self.group,
-            scale_dtype: self.scale_dtype,
-            zero_point: self.zero_point,
-            dst,
-        })
-    }
-}
-
 /// The `[out, in]` a `weight_shape` tensor (`I64`/`I32 [2]`) holds, read at plan time.
 fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), String> {
     let t = &ckpt.tensors[e.source];
@@ -352,13 +265,8 @@ fn is_kv_scale(name: &str) -> bool {
 }
 
 impl PlanStep for DequantStep {
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         let declared = Declared::read(ckpt, config);
         let index: HashMap<String, usize> = entries
             .iter()
@@ -366,19 +274,9 @@ impl PlanStep for DequantStep {
             .filter(|(_, e)| e.derive.is_none())
             .map(|(i, e)| (e.name.clone(), i))
             .collect();
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
         let get = |name: &str| index.get(name).copied();
-        let missing = |e: &Entry, looked: &[String]| Error::MissingScale {
-            path: path_of(e),
-            of: ScaleOf::QuantWeight,
-            tensor: e.name.clone(),
-            looked: looked
-                .iter()
-                .map(|n| format!("`{n}`"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            more: String::new(),
-        };
+        let missing =
+            |e: &Entry, looked: &[String]| e.missing_scale(ckpt, ScaleOf::QuantWeight, looked);
         let mut found: Vec<Found> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if e.derive.is_some() {
@@ -404,14 +302,13 @@ impl PlanStep for DequantStep {
                         Some((Scheme::CtMxfp4, si, None, format!("{base}.weight")))
                     }
                     d => {
-                        return Err(Error::BadScale {
-                            path: path_of(&entries[si]),
-                            tensor: entries[si].name.clone(),
-                            weight: e.name.clone(),
-                            msg: format!(
+                        return Err(entries[si].bad_scale(
+                            ckpt,
+                            &e.name,
+                            format!(
                                 "{d} block scales of packed U8 codes are neither NVFP4 (F8_E4M3) nor MXFP4 (U8 exponents)"
                             ),
-                        })
+                        ))
                     }
                 }
             } else if let (Some(base), DType::I32) = (n.strip_suffix(".weight_packed"), e.dtype) {
@@ -480,7 +377,7 @@ impl PlanStep for DequantStep {
             };
             if !declared.allows(scheme) {
                 return Err(Error::TensorData {
-                    path: path_of(e),
+                    path: e.path(ckpt),
                     tensor: e.name.clone(),
                     msg: format!(
                         "laid out as {} but config.json's {}: cannot tell how to decode it; fix quantization_config",
@@ -507,26 +404,20 @@ impl PlanStep for DequantStep {
         for f in &found {
             let w = &entries[f.codes];
             let s = &entries[f.scales];
-            let bad = |msg: String| Error::BadScale {
-                path: path_of(s),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             if let (Some(gi), false) = (f.global, matches!(f.scheme, Scheme::CtInt | Scheme::Gptq))
             {
                 let g = &entries[gi];
                 let n: u64 = g.shape.iter().product();
                 if g.dtype != DType::F32 || n != 1 {
-                    return Err(Error::BadScale {
-                        path: path_of(g),
-                        tensor: g.name.clone(),
-                        weight: w.name.clone(),
-                        msg: format!(
+                    return Err(g.bad_scale(
+                        ckpt,
+                        &w.name,
+                        format!(
                             "a tensor scale must be one F32 value, not {} {:?}",
                             g.dtype, g.shape
                         ),
-                    });
+                    ));
                 }
             }
             let (derive, shape): (Arc<dyn Derive>, Vec<u64>) = match f.scheme {
@@ -537,12 +428,12 @@ impl PlanStep for DequantStep {
                 Scheme::CtInt => {
                     let h = &entries[f.global.expect("int weights have a weight_shape")];
                     let bad_w = |msg: String| Error::TensorData {
-                        path: path_of(w),
+                        path: w.path(ckpt),
                         tensor: w.name.clone(),
                         msg,
                     };
                     let (rows, cols) = read_shape(ckpt, h).map_err(|m| Error::TensorData {
-                        path: path_of(h),
+                        path: h.path(ckpt),
                         tensor: h.name.clone(),
                         msg: m,
                     })?;
@@ -590,28 +481,31 @@ impl PlanStep for DequantStep {
                         let z = &entries[zi];
                         let want = [(rows * bits).div_ceil(32), groups];
                         if z.dtype != DType::I32 || z.shape != want {
-                            return Err(Error::BadScale {
-                                path: path_of(z),
-                                tensor: z.name.clone(),
-                                weight: w.name.clone(),
-                                msg: format!(
+                            return Err(z.bad_scale(
+                                ckpt,
+                                &w.name,
+                                format!(
                                     "packed zero points of {bits}-bit weights [{rows}, {cols}] in {groups} groups must be I32 {want:?}, not {} {:?}",
                                     z.dtype, z.shape
                                 ),
-                            });
+                            ));
                         }
                         inputs.push(z.source);
                         consumed[zi] = true;
                     }
-                    let d = IntDerive {
+                    let d = DeferredDst {
                         inputs,
-                        rows,
-                        cols,
-                        bits: bits as u32,
-                        words,
-                        group: cols / groups,
-                        scale_dtype: s.dtype,
-                        zero_point: zero_point.is_some(),
+                        op: DequantPackedInt {
+                            rows,
+                            cols,
+                            bits: bits as u32,
+                            words,
+                            group: cols / groups,
+                            scale_dtype: s.dtype,
+                            zero_point: zero_point.is_some(),
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![rows, cols])
                 }
@@ -630,7 +524,7 @@ impl PlanStep for DequantStep {
                         gidx.map(|i| &entries[i]),
                     )
                     .map_err(|(t, msg)| Error::TensorData {
-                        path: path_of(t),
+                        path: t.path(ckpt),
                         tensor: t.name.clone(),
                         msg,
                     })?;
@@ -642,7 +536,7 @@ impl PlanStep for DequantStep {
                 Scheme::ModeloptInt4 => {
                     let [half, cols] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!(
                                 "ModelOpt INT4 codes must be [out/2, in], not {:?}",
@@ -660,18 +554,22 @@ impl PlanStep for DequantStep {
                             )))
                         }
                     };
-                    let d = ModeloptInt4Derive {
+                    let d = DeferredDst {
                         inputs: vec![w.source, s.source],
-                        rows,
-                        cols,
-                        group,
+                        op: crate::ops::int::modelopt::DequantModeloptInt4 {
+                            rows,
+                            cols,
+                            group,
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![rows, cols])
                 }
                 Scheme::GptOssMxfp4 => {
                     let [e, out, g, 16] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!(
                                 "gpt-oss MXFP4 blocks are [experts, out, groups, 16], not {:?}",
@@ -685,17 +583,21 @@ impl PlanStep for DequantStep {
                             s.shape, w.shape
                         )));
                     }
-                    let d = Fp4Derive {
+                    let d = DeferredDst {
                         inputs: vec![w.source, s.source],
-                        experts: e,
-                        rows: out,
-                        cols: g * 32,
-                        group: 32,
-                        scale: BlockScale::E8M0,
-                        global: GlobalScale::None,
-                        transpose: true,
-                        negative_zero: true,
-                        allow_nonfinite,
+                        op: DequantFp4 {
+                            experts: e,
+                            rows: out,
+                            cols: g * 32,
+                            group: 32,
+                            scale: BlockScale::E8M0,
+                            global: GlobalScale::None,
+                            transpose: true,
+                            negative_zero: true,
+                            allow_nonfinite,
+                            // set by `build`
+                            dst: DType::F32,
+                        },
                     };
                     (Arc::new(d), vec![e, g * 32, out])
                 }
@@ -705,7 +607,7 @@ impl PlanStep for DequantStep {
                 | Scheme::ModeloptMxfp4 => {
                     let [rows, half] = w.shape[..] else {
                         return Err(Error::TensorData {
-                            path: path_of(w),
+                            path: w.path(ckpt),
                             tensor: w.name.clone(),
                             msg: format!("packed FP4 codes must be [out, in/2], not {:?}", w.shape),
                         });
@@ -728,21 +630,25 @@ impl PlanStep for DequantStep {
                     }
                     let mut inputs = vec![w.source, s.source];
                     inputs.extend(f.global.map(|g| entries[g].source));
-                    let d = Fp4Derive {
+                    let d = DeferredDst {
                         inputs,
-                        experts: 1,
-                        rows,
-                        cols,
-                        group,
-                        scale,
-                        global: match f.scheme {
-                            Scheme::CtNvfp4 => GlobalScale::Divide,
-                            Scheme::ModeloptNvfp4 => GlobalScale::Multiply,
-                            _ => GlobalScale::None,
+                        op: DequantFp4 {
+                            experts: 1,
+                            rows,
+                            cols,
+                            group,
+                            scale,
+                            global: match f.scheme {
+                                Scheme::CtNvfp4 => GlobalScale::Divide,
+                                Scheme::ModeloptNvfp4 => GlobalScale::Multiply,
+                                _ => GlobalScale::None,
+                            },
+                            transpose: false,
+                            negative_zero: f.scheme != Scheme::ModeloptNvfp4,
+                            allow_nonfinite,
+                            // set by `build`
+                            dst: DType::F32,
                         },
-                        transpose: false,
-                        negative_zero: f.scheme != Scheme::ModeloptNvfp4,
-                        allow_nonfinite,
                     };
                     (Arc::new(d), vec![rows, cols])
                 }
@@ -770,7 +676,12 @@ impl PlanStep for DequantStep {
             i += 1;
             !consumed[i - 1]
         });
-        let fp8 = self.fp8.apply(ckpt, config, entries, notes)?;
+        let fp8 = self.fp8.apply(Planning {
+            ckpt,
+            config,
+            entries,
+            notes,
+        })?;
         let changed = ours || fp8;
         if changed {
             let mut dropped = Vec::new();

@@ -11,12 +11,14 @@
 //! kernel writes F64 (the op runs on the CPU): it is a debugging format, not a speed path.
 
 use std::ops::Range;
+use std::sync::Arc;
 
+use crate::error::Result;
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry};
+use crate::plan::{Derive, Entry, Plan, Step};
 
 #[derive(Debug)]
 pub struct Cast {
@@ -28,6 +30,21 @@ pub struct Cast {
 impl Cast {
     pub fn supports(src: DType, dst: DType) -> bool {
         (src.is_castable_float() || src.is_castable_int()) && dst.is_castable_float() && src != dst
+    }
+
+    /// The cast of a whole tensor of `elements` values, when [`Cast::supports`] the pair: the
+    /// plan's [`CastOp`](crate::plan::CastOp).
+    fn whole_tensor(src: DType, dst: DType, elements: u64) -> Option<Arc<dyn Op>> {
+        Cast::supports(src, dst).then(|| Arc::new(Cast { src, dst, elements }) as Arc<dyn Op>)
+    }
+}
+
+impl Plan {
+    /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
+    /// produced ([`Plan::build_with_cast`] with [`Cast`] for the tensors a cast step retyped).
+    /// Defined here so that the plan module need not name the cast op.
+    pub fn build(ckpt: &Checkpoint, steps: &[Step]) -> Result<Plan> {
+        Plan::build_with_cast(ckpt, steps, Cast::whole_tensor)
     }
 }
 
@@ -132,8 +149,8 @@ impl Derive for RoundedBase {
     fn inputs(&self) -> Vec<usize> {
         vec![self.source]
     }
-    fn build(&self, dst: DType) -> std::sync::Arc<dyn Op> {
-        std::sync::Arc::new(RoundedRows {
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        Arc::new(RoundedRows {
             src: self.src,
             via: self.via,
             dst,

@@ -28,6 +28,7 @@ use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::SetDst;
 
 use super::kernel::Fp4Params;
 
@@ -50,7 +51,7 @@ pub enum GlobalScale {
     Multiply,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantFp4 {
     /// Experts (1 for a plain matrix), rows per expert (`out`), elements per row (`in`).
     pub experts: u64,
@@ -245,6 +246,12 @@ impl Op for DequantFp4 {
             }
         }
         Ok(())
+    }
+}
+
+impl SetDst for DequantFp4 {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
     }
 }
 

@@ -19,6 +19,7 @@ use super::kernel::RowSums;
 use crate::ops::fp8::codec::{e4m3_is_nan, e4m3_table};
 use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
+use crate::plan::Outs;
 
 pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 pub const BLOCK: usize = 32;
@@ -514,12 +515,7 @@ impl Op for EngramRequant {
     ) -> Result<(), String> {
         unreachable!("requant-e2m1 always writes its scale output too")
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         let cols = self.cols as usize;
         let nblocks = cols / BLOCK;
         let (codes_out, scales_out) = match outs {

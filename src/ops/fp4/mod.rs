@@ -5,6 +5,6 @@
 
 pub mod dequant;
 pub mod engram;
-pub mod kernel;
+pub use crate::plan::kernel::fp4 as kernel;
 pub mod nvfp4;
 pub mod repack;

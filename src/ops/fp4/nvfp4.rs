@@ -129,35 +129,6 @@ impl Op for NvBlockScales {
     }
 }
 
-/// `weight_scale_2`: the scalar `2^g`.
-#[derive(Debug)]
-pub struct NvTensorScale {
-    pub g: i32,
-}
-
-impl Op for NvTensorScale {
-    fn name(&self) -> &'static str {
-        "mxfp4-to-nvfp4 tensor scale"
-    }
-    fn units(&self) -> u64 {
-        1
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        4
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        0
-    }
-    fn input_ranges(&self, _units: Range<u64>) -> Vec<Range<u64>> {
-        Vec::new()
-    }
-    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        // 2^g with g ≥ -135 is an exact f32 (subnormal below 2^-126).
-        out.copy_from_slice(&(2f64.powi(self.g) as f32).to_le_bytes());
-        Ok(())
-    }
-}
-
 /// Packed nibbles with the blocks outside the window re-encoded (tensors that have any).
 #[derive(Debug)]
 pub struct NvReencode {

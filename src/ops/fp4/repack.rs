@@ -8,7 +8,7 @@
 //! already reports every tensor's `g`, exact and re-encoded block counts, and
 //! `--require-lossless` fails before writing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -16,11 +16,12 @@ use regex::Regex;
 use serde_json::{json, Map, Value};
 
 use super::engram::{EngramRequant, BLOCK};
-use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode, NvTensorScale};
+use super::nvfp4::{block_scale_code, choose_g, NvBlockScales, NvReencode};
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::plan::{Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
+use crate::ops::constant::Constant;
+use crate::plan::{index_by_name, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep, Planning};
 
 pub const DEFAULT_EXPERT_PATTERN: &str =
     r"^(?P<prefix>(?:.*\.)?(?:layers|mtp)\.\d+\.ffn\.experts\.\d+)\.(?P<proj>w[123])\.weight$";
@@ -165,11 +166,7 @@ impl RepackFp4Step {
         ckpt: &Checkpoint,
         entries: &[Entry],
     ) -> Result<BTreeMap<String, Vec<(String, Expert)>>> {
-        let index: HashMap<&str, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.as_str(), i))
-            .collect();
+        let index = index_by_name(entries);
         let mut found: BTreeMap<String, Vec<(String, Expert)>> = BTreeMap::new();
         for (wi, w) in entries.iter().enumerate() {
             let Some(c) = self.opts.expert_pattern.captures(&w.name) else {
@@ -179,23 +176,11 @@ impl RepackFp4Step {
                 continue;
             }
             let (prefix, proj, scale_name) = expert_parts(&c);
-            let path = ckpt.shards[ckpt.tensors[w.source].shard()].path.clone();
             let Some(&si) = index.get(scale_name.as_str()) else {
-                return Err(Error::MissingScale {
-                    path,
-                    of: ScaleOf::Mxfp4Expert,
-                    tensor: w.name.clone(),
-                    looked: format!("`{scale_name}`"),
-                    more: String::new(),
-                });
+                return Err(w.missing_scale(ckpt, ScaleOf::Mxfp4Expert, &[scale_name]));
             };
             let s = &entries[si];
-            let bad = |msg: String| Error::BadScale {
-                path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             let (&[rows, half], &[srows, groups]) = (w.shape.as_slice(), s.shape.as_slice()) else {
                 return Err(bad(format!(
                     "expected a 2-D weight and scale, got {:?} and {:?}",
@@ -242,7 +227,7 @@ impl RepackFp4Step {
             )?;
             if let Some(i) = bytes.iter().position(|&b| b == 0xFF) {
                 return Err(Error::TensorData {
-                    path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
+                    path: s.path(ckpt),
                     tensor: s.name.clone(),
                     msg: format!(
                         "scale at [{}, {}] is NaN (E8M0 0xff)",
@@ -373,7 +358,7 @@ impl RepackFp4Step {
                     let w_name = entries[x.weight].name.clone();
                     if self.opts.require_lossless && choice.reencoded > 0 {
                         return Err(Error::TensorData {
-                            path: ckpt.shards[ckpt.tensors[entries[x.weight].source].shard()].path.clone(),
+                            path: entries[x.weight].path(ckpt),
                             tensor: w_name,
                             msg: format!(
                                 "{} of {} blocks fall outside the 18 powers of two around 2^{g} and would be re-encoded (--require-lossless)",
@@ -428,7 +413,11 @@ impl RepackFp4Step {
                             shape: Vec::new(),
                             derive: Some(Arc::new(FixedOp {
                                 inputs: Vec::new(),
-                                op: Arc::new(NvTensorScale { g }),
+                                // 2^g with g ≥ -135 is an exact f32 (subnormal below 2^-126).
+                                op: Arc::new(Constant {
+                                    what: "mxfp4-to-nvfp4 tensor scale",
+                                    bytes: (2f64.powi(g) as f32).to_le_bytes().to_vec(),
+                                }),
                             })),
                             relabel: false,
                         },
@@ -447,11 +436,7 @@ impl RepackFp4Step {
     }
 
     fn requant_engram(&self, ckpt: &Checkpoint, entries: &mut [Entry]) -> Result<bool> {
-        let index: HashMap<String, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
+        let index = index_by_name(entries);
         let mut changed = false;
         for wi in 0..entries.len() {
             let w = &entries[wi];
@@ -462,16 +447,10 @@ impl RepackFp4Step {
                 continue;
             }
             let prefix = c.name("prefix").map_or("", |m| m.as_str()).to_string();
-            let path = ckpt.shards[ckpt.tensors[w.source].shard()].path.clone();
+            let path = w.path(ckpt);
             let scale_name = format!("{prefix}.scale");
             let Some(&si) = index.get(&scale_name) else {
-                return Err(Error::MissingScale {
-                    path,
-                    of: ScaleOf::EngramTable,
-                    tensor: w.name.clone(),
-                    looked: format!("`{scale_name}`"),
-                    more: String::new(),
-                });
+                return Err(w.missing_scale(ckpt, ScaleOf::EngramTable, &[scale_name]));
             };
             let s = &entries[si];
             let &[rows, cols] = w.shape.as_slice() else {
@@ -483,17 +462,16 @@ impl RepackFp4Step {
             };
             if cols % BLOCK as u64 != 0 || s.dtype != DType::F8_E8M0 || s.shape != [rows, cols / 32]
             {
-                return Err(Error::BadScale {
-                    path: ckpt.shards[ckpt.tensors[s.source].shard()].path.clone(),
-                    tensor: s.name.clone(),
-                    weight: w.name.clone(),
-                    msg: format!(
+                return Err(s.bad_scale(
+                    ckpt,
+                    &w.name,
+                    format!(
                         "expected F8_E8M0 [{rows}, {}] for a table of {cols} columns, got {} {:?}",
                         cols / 32,
                         s.dtype,
                         s.shape
                     ),
-                });
+                ));
             }
             let (wsrc, ssrc, wid) = (w.source, s.source, w.id);
             let w = &mut entries[wi];
@@ -514,13 +492,8 @@ impl RepackFp4Step {
 }
 
 impl PlanStep for RepackFp4Step {
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        _config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, entries, notes) = (p.ckpt, p.entries, p.notes);
         self.select_shards(ckpt, entries, notes)?;
         let experts = self.opts.experts && self.transcode_experts(ckpt, entries, notes)?;
         let engram = self.opts.engram && self.requant_engram(ckpt, entries)?;

@@ -13,7 +13,7 @@
 //! computed alone, so chunking never changes a byte.
 
 pub mod codec;
-pub mod kernel;
+pub use crate::plan::kernel::fp8 as kernel;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -26,7 +26,9 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::ops::Op;
-use crate::plan::{edit_config_dtype, Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{
+    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning, SetDst,
+};
 use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use kernel::DequantParams;
 
@@ -261,13 +263,8 @@ fn is_scale_dtype(d: DType) -> bool {
 }
 
 impl PlanStep for DequantFp8Step {
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         // A broken config value is an error unless --block-size replaces it.
         let from_config = match config.map(config_block_size).transpose() {
             Ok(b) => b.flatten(),
@@ -288,12 +285,7 @@ impl PlanStep for DequantFp8Step {
             }
             (c, b) => c.or(b),
         };
-        let index: std::collections::HashMap<String, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
-        let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
+        let index = index_by_name(entries);
         let mut consumed = vec![false; entries.len()];
         let mut derived: Vec<(usize, Arc<dyn Derive>)> = Vec::new();
         let mut missing: Vec<(usize, String)> = Vec::new();
@@ -310,7 +302,7 @@ impl PlanStep for DequantFp8Step {
             });
             let Some((si, mode)) = found else {
                 if self.opts.allow_unscaled {
-                    derived.push((wi, Arc::new(DequantDerive::unscaled(w, ckpt, &self.opts))));
+                    derived.push((wi, unscaled_derive(w, ckpt, &self.opts)));
                 } else {
                     let looked: Vec<String> =
                         candidates.iter().map(|(n, _)| format!("`{n}`")).collect();
@@ -319,12 +311,7 @@ impl PlanStep for DequantFp8Step {
                 continue;
             };
             let s = &entries[si];
-            let bad = |msg: String| Error::BadScale {
-                path: path_of(s),
-                tensor: s.name.clone(),
-                weight: w.name.clone(),
-                msg,
-            };
+            let bad = |msg: String| s.bad_scale(ckpt, &w.name, msg);
             if !is_scale_dtype(s.dtype) {
                 return Err(bad(format!(
                     "dtype {} is not a scale dtype (F32, BF16, F16, F8_E8M0)",
@@ -344,14 +331,14 @@ impl PlanStep for DequantFp8Step {
             consumed[si] = true;
             derived.push((
                 wi,
-                Arc::new(DequantDerive {
-                    weight: w.source,
-                    weight_dtype: ckpt.tensors[w.source].info.dtype,
-                    scale: Some((s.source, s.dtype)),
+                dequant_derive(
+                    w,
+                    ckpt,
+                    Some((s.source, s.dtype)),
                     layout,
                     mode,
-                    allow_nonfinite: self.opts.allow_nonfinite,
-                }),
+                    self.opts.allow_nonfinite,
+                ),
             ));
         }
         if let Some((wi, looked)) = missing.first() {
@@ -360,7 +347,7 @@ impl PlanStep for DequantFp8Step {
                 n => format!(" (and {} more weights)", n - 1),
             };
             return Err(Error::MissingScale {
-                path: path_of(&entries[*wi]),
+                path: entries[*wi].path(ckpt),
                 of: ScaleOf::Fp8Weight,
                 tensor: entries[*wi].name.clone(),
                 looked: looked.clone(),
@@ -390,7 +377,7 @@ impl PlanStep for DequantFp8Step {
             };
             if let Some(weight) = weight {
                 return Err(Error::OrphanScale {
-                    path: path_of(e),
+                    path: e.path(ckpt),
                     tensor: e.name.clone(),
                     weight,
                 });
@@ -423,30 +410,45 @@ impl PlanStep for DequantFp8Step {
     }
 }
 
-#[derive(Debug)]
-struct DequantDerive {
-    weight: usize,
-    weight_dtype: DType,
+/// The FP8 op reading `weight`, scaled by `scale` (the tensor and the dtype its bytes are read
+/// as) when there is one.
+fn dequant_derive(
+    weight: &Entry,
+    ckpt: &Checkpoint,
     scale: Option<(usize, DType)>,
     layout: ScaleLayout,
     mode: ScaleMode,
     allow_nonfinite: bool,
+) -> Arc<dyn Derive> {
+    Arc::new(DeferredDst {
+        inputs: std::iter::once(weight.source)
+            .chain(scale.map(|(s, _)| s))
+            .collect(),
+        op: DequantFp8 {
+            weight_dtype: ckpt.tensors[weight.source].info.dtype,
+            scale_dtype: scale.map(|(_, d)| d),
+            layout,
+            mode,
+            // set by `build`
+            dst: DType::F32,
+            allow_nonfinite,
+        },
+    })
 }
 
-impl DequantDerive {
-    fn unscaled(w: &Entry, ckpt: &Checkpoint, opts: &DequantOptions) -> DequantDerive {
-        let (layout, _) = resolve_layout(&w.shape, &[], None)
-            .or_else(|_| resolve_layout(&[w.shape.iter().product()], &[], None))
-            .expect("a single scale fits any weight");
-        DequantDerive {
-            weight: w.source,
-            weight_dtype: ckpt.tensors[w.source].info.dtype,
-            scale: None,
-            layout,
-            mode: ScaleMode::Multiply,
-            allow_nonfinite: opts.allow_nonfinite,
-        }
-    }
+/// The FP8 op for a weight without a scale (`--allow-unscaled`): its values as they are.
+fn unscaled_derive(w: &Entry, ckpt: &Checkpoint, opts: &DequantOptions) -> Arc<dyn Derive> {
+    let (layout, _) = resolve_layout(&w.shape, &[], None)
+        .or_else(|_| resolve_layout(&[w.shape.iter().product()], &[], None))
+        .expect("a single scale fits any weight");
+    dequant_derive(
+        w,
+        ckpt,
+        None,
+        layout,
+        ScaleMode::Multiply,
+        opts.allow_nonfinite,
+    )
 }
 
 /// MXFP8 (compressed-tensors `mxfp8-quantized`): an FP8 weight `[out, in]` with E8M0 exponents
@@ -460,32 +462,15 @@ pub fn mxfp8_derive(
     allow_nonfinite: bool,
 ) -> std::result::Result<Arc<dyn Derive>, String> {
     let (layout, _) = resolve_layout(&weight.shape, &scale.shape, Some((1, group)))?;
-    Ok(Arc::new(DequantDerive {
-        weight: weight.source,
-        weight_dtype: ckpt.tensors[weight.source].info.dtype,
-        scale: Some((scale.source, DType::F8_E8M0)),
+    let scale = Some((scale.source, DType::F8_E8M0));
+    Ok(dequant_derive(
+        weight,
+        ckpt,
+        scale,
         layout,
-        mode: ScaleMode::Multiply,
+        ScaleMode::Multiply,
         allow_nonfinite,
-    }))
-}
-
-impl Derive for DequantDerive {
-    fn inputs(&self) -> Vec<usize> {
-        let mut v = vec![self.weight];
-        v.extend(self.scale.map(|(s, _)| s));
-        v
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantFp8 {
-            weight_dtype: self.weight_dtype,
-            scale_dtype: self.scale.map(|(_, d)| d),
-            layout: self.layout.clone(),
-            mode: self.mode,
-            dst,
-            allow_nonfinite: self.allow_nonfinite,
-        })
-    }
+    ))
 }
 
 /// The op: one unit is one weight row (rows of all experts counted together).
@@ -842,6 +827,12 @@ impl Op for DequantFp8 {
             }
         }
         Ok(())
+    }
+}
+
+impl SetDst for DequantFp8 {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
     }
 }
 

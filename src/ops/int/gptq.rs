@@ -26,7 +26,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::{Derive, Entry};
+use crate::plan::{DeferredDst, Derive, Entry, SetDst};
 
 #[derive(Clone, Debug)]
 pub struct DequantGptq {
@@ -163,6 +163,12 @@ impl Op for DequantGptq {
     }
 }
 
+impl SetDst for DequantGptq {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
+    }
+}
+
 /// What `quantization_config` says about a GPTQ checkpoint.
 #[derive(Clone, Copy, Debug)]
 pub struct GptqConfig<'a> {
@@ -170,25 +176,6 @@ pub struct GptqConfig<'a> {
     /// -1 (or absent): one group per row.
     pub group_size: Option<i64>,
     pub checkpoint_format: Option<&'a str>,
-}
-
-#[derive(Debug)]
-struct GptqDerive {
-    inputs: Vec<usize>,
-    /// The op with every field but `dst`.
-    op: DequantGptq,
-}
-
-impl Derive for GptqDerive {
-    fn inputs(&self) -> Vec<usize> {
-        self.inputs.clone()
-    }
-    fn build(&self, dst: DType) -> Arc<dyn Op> {
-        Arc::new(DequantGptq {
-            dst,
-            ..self.op.clone()
-        })
-    }
 }
 
 /// A bound weight and its output shape, or the tensor at fault and why.
@@ -279,7 +266,7 @@ pub fn bind<'a>(
     };
     // Only gptq_v2 stores the zeros themselves; v1 (the default) stores zero - 1.
     let zero_offset = declared.checkpoint_format != Some("gptq_v2");
-    let d = GptqDerive {
+    let d = DeferredDst {
         inputs,
         op: DequantGptq {
             rows: out,
@@ -289,7 +276,7 @@ pub fn bind<'a>(
             scale_dtype: s.dtype,
             zero_offset,
             group_size,
-            // replaced by `build`
+            // set by `build`
             dst: DType::F32,
         },
     };

@@ -14,7 +14,7 @@
 //! zero-point rows (b words per 32 weight rows) start too, so a chunk reads whole words.
 
 pub mod gptq;
-pub mod kernel;
+pub use crate::plan::kernel::int as kernel;
 pub mod modelopt;
 
 use std::ops::Range;
@@ -23,9 +23,10 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::SetDst;
 use kernel::IntParams;
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantPackedInt {
     pub rows: u64,
     pub cols: u64,
@@ -177,6 +178,12 @@ impl Op for DequantPackedInt {
             }
         }
         Ok(())
+    }
+}
+
+impl SetDst for DequantPackedInt {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
     }
 }
 

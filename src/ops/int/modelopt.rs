@@ -14,8 +14,9 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{f32_to_bf16, f32_to_f16};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::SetDst;
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DequantModeloptInt4 {
     /// Weight rows (twice the packed rows) and columns.
     pub rows: u64,
@@ -100,6 +101,12 @@ impl Op for DequantModeloptInt4 {
             }
         }
         Ok(())
+    }
+}
+
+impl SetDst for DequantModeloptInt4 {
+    fn dst_mut(&mut self) -> &mut DType {
+        &mut self.dst
     }
 }
 

@@ -9,7 +9,7 @@
 //! accounted for at plan time — merged, used as a replacement, skipped as a base copy — and the
 //! rest is an error listing them, before any output exists.
 
-pub mod kernel;
+pub use crate::plan::kernel::lora as kernel;
 pub mod merge;
 
 use std::collections::BTreeMap;
@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, PlanNotes, PlanStep};
+use crate::plan::{index_by_name, Derive, Entry, PlanNotes, PlanStep, Planning};
 use merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
 
 /// Where the adapter weights are.
@@ -993,15 +993,17 @@ struct GroupedDerive {
     f: LoraFactors,
 }
 
+/// A merge's inputs: the base's (the tensor, or the inputs of the op computing it), then A and B.
+fn merge_inputs(prev: &Option<Arc<dyn Derive>>, base: usize, a: usize, b: usize) -> Vec<usize> {
+    let mut v = prev.as_ref().map_or_else(|| vec![base], |p| p.inputs());
+    v.push(a);
+    v.push(b);
+    v
+}
+
 impl Derive for GroupedDerive {
     fn inputs(&self) -> Vec<usize> {
-        let mut v = self
-            .prev
-            .as_ref()
-            .map_or_else(|| vec![self.base], |p| p.inputs());
-        v.push(self.a);
-        v.push(self.b);
-        v
+        merge_inputs(&self.prev, self.base, self.a, self.b)
     }
     fn build(&self, dst: DType) -> Arc<dyn Op> {
         Arc::new(GroupedLoraMerge {
@@ -1033,12 +1035,7 @@ struct LoraDerive {
 
 impl Derive for LoraDerive {
     fn inputs(&self) -> Vec<usize> {
-        let mut v = self
-            .prev
-            .as_ref()
-            .map_or_else(|| vec![self.base], |p| p.inputs());
-        v.push(self.a);
-        v.push(self.b);
+        let mut v = merge_inputs(&self.prev, self.base, self.a, self.b);
         v.extend(self.m);
         v
     }
@@ -1144,13 +1141,8 @@ impl PlanStep for LoraMergeStep {
         Ok(())
     }
 
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         let model_type = config
             .and_then(|c| c.get("model_type"))
             .and_then(Value::as_str);
@@ -1206,11 +1198,7 @@ impl PlanStep for LoraMergeStep {
                 not_in_base.join(", ")
             ));
         }
-        let index: std::collections::HashMap<String, usize> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
+        let index = index_by_name(entries);
         let info = |i: usize| &ckpt.tensors[i].info;
         let params = params_by_module(entries);
         check_patterns(cfg, entries, &params, &att.config_file, notes)?;

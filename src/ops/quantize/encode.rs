@@ -426,6 +426,71 @@ pub fn modelopt_nvfp4_block_scale(amax: f32, scale_2: f32) -> u8 {
     f32_to_e4m3(s.clamp(2f32.powi(-9), E4M3_MAX))
 }
 
+/// How FP8 blocks are scaled: compressed-tensors divides by `W(amax / 448)` in the weight
+/// dtype and stores that scale; transformers' `Fp8Quantize` (FineGrainedFP8, `--format
+/// fp8-native`) multiplies by `448 / amax` in f32 (1 for an all-zero block) and stores its
+/// reciprocal as `weight_scale_inv` F32 (byte-identical to transformers 5.24 on blocks it
+/// quantises; it leaves a weight whose sides 128 does not divide unquantised, which tftf
+/// quantises with ragged edge blocks as DeepSeek-V3 does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockMath {
+    CompressedTensors,
+    Transformers,
+}
+
+impl BlockMath {
+    /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
+    pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
+        debug_assert!(!self.overflows(m), "refused by the callers");
+        match self {
+            BlockMath::CompressedTensors => {
+                let s = symmetric_scale(wt, m, E4M3_MAX);
+                (s, s)
+            }
+            BlockMath::Transformers => {
+                // `448 / amax` on a tensor is torch's `reciprocal(amax) * 448`: two roundings.
+                let mult = if m > 0.0 { (1.0 / m) * E4M3_MAX } else { 1.0 };
+                (1.0 / mult, mult)
+            }
+        }
+    }
+
+    /// Whether a block with amax `m` has no finite factor (transformers: 448 / amax overflows).
+    pub fn overflows(self, m: f32) -> bool {
+        self == BlockMath::Transformers && m > 0.0 && ((1.0 / m) * E4M3_MAX).is_infinite()
+    }
+
+    #[inline(always)]
+    pub fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
+        match self {
+            BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
+            BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
+        }
+    }
+
+    /// The stored scale's dtype.
+    pub fn scale_dtype(self, wt: WeightType) -> DType {
+        match self {
+            BlockMath::CompressedTensors => wt.dtype(),
+            BlockMath::Transformers => DType::F32,
+        }
+    }
+
+    pub fn scale_bytes(self, wt: WeightType) -> usize {
+        match self {
+            BlockMath::CompressedTensors => wt.bytes(),
+            BlockMath::Transformers => 4,
+        }
+    }
+
+    pub fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
+        match self {
+            BlockMath::CompressedTensors => wt.encode(s, out),
+            BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,28 +1,12 @@
-//! The quantisers' kernel parameter block (kernels/quantize.cuh): one chunk of whole rows of a
-//! weight, of whole 128-row block rows for FP8_BLOCK, of whole row pairs for ModelOpt W4A16.
+//! The quantisers' kernel parameter block (kernels/quantize.cuh), built from a scheme: one chunk
+//! of whole rows of a weight, of whole 128-row block rows for FP8_BLOCK, of whole row pairs for
+//! ModelOpt W4A16. The block itself is declared with the other kernel descriptions (under the
+//! plan, which holds ops); what ties it to [`Scheme`] and the weight types stays here.
 
-use super::encode::WeightType;
-use super::ops::BlockMath;
+use super::encode::{BlockMath, WeightType};
 use super::Scheme;
-use crate::ops::kernel::kernel_dtype;
-
-/// `QuantParams` of kernels/quantize.cuh.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct QuantParams {
-    /// Rows in the chunk.
-    pub rows: u64,
-    pub cols: u64,
-    /// `QuantScheme`: see [`scheme_code`].
-    pub scheme: i32,
-    /// The weight dtype's kernel code (BF16, F16 or F32).
-    pub wt: i32,
-    /// NVFP4's tensor scale (compressed-tensors) or `weight_scale_2` (ModelOpt); 1 for other
-    /// schemes.
-    pub global: f32,
-    /// `QuantFlavour`: 0 compressed-tensors, 1 transformers (FP8_BLOCK), 2 ModelOpt.
-    pub flavour: i32,
-}
+use crate::plan::kernel::kernel_dtype;
+pub use crate::plan::kernel::quantize::QuantParams;
 
 const MODELOPT: i32 = 2;
 

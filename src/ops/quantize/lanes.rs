@@ -1,5 +1,5 @@
 //! The quantisers' hot loops, written so the compiler turns them into SIMD lanes: the same
-//! operations as the scalar reference in `ops.rs` ([`super::ops::QuantizeRows::compute_reference`]),
+//! operations as the scalar reference in `ops.rs` (`QuantizeRows::compute_reference`),
 //! in the same order (every division stays a division, every rounding to the weight dtype
 //! stays), but with no data-dependent branch per element — E4M3 encoding computes its normal
 //! and subnormal results and selects one, the group maxima are integer maxima of the magnitude
@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::encode::{WeightType, E2M1_MAX, E4M3_MAX};
 use crate::ops::cast::{bf16_to_f32, f32_to_bf16};
+use crate::plan::Outs;
 
 /// A weight dtype, as a type, so that each loop is compiled for one of them.
 pub trait Elem {
@@ -205,7 +206,7 @@ pub trait LaneEncoder {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String>;
 }
 
@@ -214,13 +215,13 @@ pub fn encode<T: LaneEncoder>(
     enc: &T,
     units: Range<u64>,
     inputs: &[&[u8]],
-    outs: &mut [&mut [u8]],
+    outs: Outs,
 ) -> Result<(), String> {
     fn dispatch<T: LaneEncoder, E: Elem>(
         enc: &T,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
@@ -229,7 +230,7 @@ pub fn encode<T: LaneEncoder>(
                 enc: &T,
                 units: Range<u64>,
                 inputs: &[&[u8]],
-                outs: &mut [&mut [u8]],
+                outs: Outs,
             ) -> Result<(), String> {
                 enc.encode_lanes::<E>(units, inputs, outs)
             }

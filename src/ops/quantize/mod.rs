@@ -40,10 +40,11 @@ use serde_json::{json, Map, Value};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes, PlanStep};
+use crate::ops::constant::Constant;
+use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanStep, Planning};
 use crate::transform::Glob;
 use encode::WeightType;
-use ops::{BlockMath, Constant, QuantizeRows};
+use ops::{BlockMath, QuantizeRows};
 use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, ScaleKind, TensorScale};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
@@ -449,7 +450,35 @@ pub(super) fn linear_weights(entries: &[Entry]) -> Vec<(usize, String, WeightTyp
 
 /// Adds `lm_head` to the modules left alone (`listed`) when the embeddings are tied and the
 /// default rules apply: a tied `lm_head` has no tensor but is still a `Linear` the libraries list.
-pub(super) fn list_tied_lm_head(
+/// What both formats do with the weights they chose: list a tied `lm_head` among the modules
+/// left alone (`left_alone`, then sorted as the libraries list them), refuse weights whose
+/// columns `group` does not divide, and read NVFP4's tensor scales (by entry index; none for the
+/// other schemes).
+pub(super) fn settle_chosen(
+    step: &QuantizeStep,
+    ckpt: &Checkpoint,
+    config: Option<&Map<String, Value>>,
+    entries: &[Entry],
+    chosen: &[(usize, String, WeightType)],
+    left_alone: &mut Vec<String>,
+    group: Option<u64>,
+) -> Result<HashMap<usize, Arc<TensorScale>>> {
+    let (tool, kind) = if step.format == Format::Modelopt {
+        ("ModelOpt", ScaleKind::Modelopt)
+    } else {
+        ("llm-compressor", ScaleKind::CompressedTensors)
+    };
+    list_tied_lm_head(config, step.default_ignore, entries, left_alone);
+    left_alone.sort_by_cached_key(|m| module_order(m));
+    refuse_partial_groups(ckpt, entries, chosen, step.scheme, group, tool)?;
+    if step.scheme == Scheme::Nvfp4A16 {
+        nvfp4_globals(ckpt, entries, chosen, kind)
+    } else {
+        Ok(HashMap::new())
+    }
+}
+
+fn list_tied_lm_head(
     config: Option<&Map<String, Value>>,
     default_rules: bool,
     entries: &[Entry],
@@ -471,7 +500,7 @@ pub(super) fn list_tied_lm_head(
 /// A refusal of chosen weight `e`, naming it and the `--ignore` that leaves it out.
 pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error {
     Error::TensorData {
-        path: ckpt.shards[ckpt.tensors[e.source].shard()].path.clone(),
+        path: e.path(ckpt),
         tensor: e.name.clone(),
         msg: format!(
             "{why}; leave it unquantised with --ignore '{}'",
@@ -482,7 +511,7 @@ pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error 
 
 /// Refuses a chosen weight whose column count `group` does not divide (`tool` refuses such
 /// layers too).
-pub(super) fn refuse_partial_groups(
+fn refuse_partial_groups(
     ckpt: &Checkpoint,
     entries: &[Entry],
     chosen: &[(usize, String, WeightType)],
@@ -558,16 +587,19 @@ fn refuse_quantized(ckpt: &Checkpoint, config: Option<&Map<String, Value>>) -> R
 }
 
 impl PlanStep for QuantizeStep {
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
         refuse_quantized(ckpt, config)?;
         if self.format == Format::Modelopt {
-            let (changed, cfg, hf) = modelopt::plan(self, ckpt, config, entries, notes)?;
+            let (changed, cfg, hf) = modelopt::plan(
+                self,
+                Planning {
+                    ckpt,
+                    config,
+                    entries,
+                    notes,
+                },
+            )?;
             *self.config.lock().unwrap() = Some(cfg);
             *self.hf_quant_config.lock().unwrap() = Some(hf);
             return Ok(changed);
@@ -589,21 +621,15 @@ impl PlanStep for QuantizeStep {
                 None => chosen.push((i, module, wt)),
             }
         }
-        list_tied_lm_head(config, self.default_ignore, entries, &mut ignored);
-        ignored.sort_by_cached_key(|m| module_order(m));
-        refuse_partial_groups(
+        let globals = settle_chosen(
+            self,
             ckpt,
+            config,
             entries,
             &chosen,
-            scheme,
+            &mut ignored,
             scheme.group(),
-            "llm-compressor",
         )?;
-        let globals = if scheme == Scheme::Nvfp4A16 {
-            nvfp4_globals(ckpt, entries, &chosen, ScaleKind::CompressedTensors)?
-        } else {
-            HashMap::new()
-        };
 
         let mut added = Added::new(entries);
         for &(i, ref module, wt) in &chosen {
@@ -782,7 +808,7 @@ pub(super) fn module_order(module: &str) -> (bool, Vec<(u64, String)>) {
 /// byte range per file, such as strided views, are read here at plan time). A fused group is
 /// the projections that read one input (q/k/v, gate/up): compressed-tensors fuses them only
 /// when all are quantised, ModelOpt whichever are.
-pub(super) fn nvfp4_globals(
+fn nvfp4_globals(
     ckpt: &Checkpoint,
     entries: &[Entry],
     chosen: &[(usize, String, WeightType)],

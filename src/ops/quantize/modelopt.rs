@@ -23,7 +23,7 @@
 //! `weight_scale_2` is shared by projections that read the same input (q/k/v, gate/up),
 //! which ModelOpt finds by running the model; here by name, as for compressed-tensors.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -36,19 +36,18 @@ use super::encode::{
 };
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, F32};
-use super::ops::{decode_rows, rows_out_span, scale_unit_bytes};
-use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaleKind};
+use super::ops::{decode_rows, row_quantiser_op};
+use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
-    default_ignore, linear_weights, list_tied_lm_head, module_order, nvfp4_globals,
-    refuse_partial_groups, refuse_weight, Added, QuantizeStep, Scheme,
+    default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
 };
 use crate::error::{Error, Result};
-use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanNotes};
+use crate::plan::Outs;
+use crate::plan::{Derive, ExtraOutput, FixedOp, Planning};
 
 /// The ModelOpt version whose export this matches (`producer.version`).
 pub const MODELOPT_VERSION: &str = "0.47.0";
@@ -275,13 +274,8 @@ pub fn python_json(v: &Value) -> String {
 
 /// Plans `--format modelopt`: rewrites `entries`, returns whether anything is quantised,
 /// config.json's `quantization_config` and the text of `hf_quant_config.json`.
-pub(super) fn plan(
-    step: &QuantizeStep,
-    ckpt: &Checkpoint,
-    config: Option<&Map<String, Value>>,
-    entries: &mut Vec<Entry>,
-    notes: &mut PlanNotes,
-) -> Result<(bool, Value, String)> {
+pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, String)> {
+    let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
     let scheme = step.scheme;
     let mut chosen: Vec<(usize, String, WeightType)> = Vec::new();
     // Modules with a quantizer left alone: `Linear` (ignored) and embeddings.
@@ -301,9 +295,15 @@ pub(super) fn plan(
             chosen.push((i, module, wt));
         }
     }
-    list_tied_lm_head(config, step.default_ignore, entries, &mut unquantized);
-    unquantized.sort_by_cached_key(|m| module_order(m));
-    refuse_partial_groups(ckpt, entries, &chosen, scheme, group(scheme), "ModelOpt")?;
+    let scale_2 = settle_chosen(
+        step,
+        ckpt,
+        config,
+        entries,
+        &chosen,
+        &mut unquantized,
+        group(scheme),
+    )?;
     for &(i, _, _) in &chosen {
         let e = &entries[i];
         if scheme == Scheme::W4A16 && !e.shape[0].is_multiple_of(2) {
@@ -314,11 +314,6 @@ pub(super) fn plan(
             return Err(refuse_weight(ckpt, e, why));
         }
     }
-    let scale_2 = if scheme == Scheme::Nvfp4A16 {
-        nvfp4_globals(ckpt, entries, &chosen, ScaleKind::Modelopt)?
-    } else {
-        HashMap::new()
-    };
 
     let mut added = Added::new(entries);
     for &(i, ref module, wt) in &chosen {
@@ -514,6 +509,12 @@ impl ModeloptRows {
     }
 }
 
+impl ScaledRows for ModeloptRows {
+    fn scaled(self, s: f32) -> Self {
+        ModeloptRows { scale_2: s, ..self }
+    }
+}
+
 impl Op for ModeloptRows {
     fn name(&self) -> &'static str {
         "quantize"
@@ -527,15 +528,6 @@ impl Op for ModeloptRows {
             self.scale_2,
         )))
     }
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.row_code_bytes()
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        self.cols * self.wt.bytes() as u64
-    }
     fn granularity(&self) -> u64 {
         match self.scheme {
             Scheme::Fp8Block => BLOCK,
@@ -543,35 +535,7 @@ impl Op for ModeloptRows {
             _ => 1,
         }
     }
-    fn scratch_unit_bytes(&self) -> u64 {
-        // None that grows with the chunk: one row decoded to f32, reused row after row.
-        0
-    }
-    fn extra_outputs(&self) -> usize {
-        1
-    }
-    fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        scale_unit_bytes(self.scheme, self.row_scale_bytes())
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
-        rows_out_span(self.scheme, k, units, code, scale)
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.in_unit_bytes();
-        std::iter::once(units.start * row..units.end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        self.compute_all(units, inputs, &mut [out])
-    }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        lanes::encode(self, units, inputs, outs)
-    }
+    row_quantiser_op!();
 }
 
 impl ModeloptRows {
@@ -581,7 +545,7 @@ impl ModeloptRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
@@ -649,7 +613,7 @@ impl LaneEncoder for ModeloptRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let n = (units.end - units.start) as usize;

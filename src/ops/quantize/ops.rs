@@ -1,12 +1,13 @@
 //! The quantising ops: [`QuantizeRows`] turns rows of a weight into codes and (as its extra
 //! output) their scales in one read, for every scheme. FP8 blocks need all 128 rows of a block
 //! before their scale is known, so that scheme takes chunks of whole 128-row block rows and
-//! writes one scale row per block row ([`Op::out_span`]). [`Constant`] writes the small tensors
+//! writes one scale row per block row ([`Op::out_span`]). `Constant` writes the small tensors
 //! known at plan time (`weight_shape`, NVFP4's `weight_global_scale`). Every scheme has a GPU
 //! kernel (kernels/quantize.cuh, checked byte for byte against this file by tests/kernels.rs).
 
 use std::ops::Range;
 
+pub use super::encode::BlockMath;
 use super::encode::{
     amax, e4m3_code, f32_to_e2m1, f32_to_e4m3, mx_exponent, mx_scale, mx_stored, pack_int_row,
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
@@ -17,6 +18,7 @@ use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::Outs;
 
 /// FP8 block edge (`block_structure: [128, 128]`).
 pub const FP8_BLOCK: u64 = 128;
@@ -115,10 +117,7 @@ impl QuantizeRows {
             }
             Scheme::Mxfp4A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 2));
-                    if s.is_infinite() {
-                        return Err(mx_overflow(wt, r, k, amax(xs)));
-                    }
+                    let s = mx_group_scale(wt, xs, 2, r, k)?;
                     scales[k] = mx_stored(s);
                     for (j, pair) in xs.chunks_exact(2).enumerate() {
                         let enc = |v: f32| f32_to_e2m1(wt.round(v / s).clamp(-E2M1_MAX, E2M1_MAX));
@@ -128,10 +127,7 @@ impl QuantizeRows {
             }
             Scheme::Mxfp8A16 => {
                 for (k, xs) in x.chunks_exact(32).enumerate() {
-                    let s = mx_scale(wt, mx_exponent(wt, amax(xs), 8));
-                    if s.is_infinite() {
-                        return Err(mx_overflow(wt, r, k, amax(xs)));
-                    }
+                    let s = mx_group_scale(wt, xs, 8, r, k)?;
                     scales[k] = mx_stored(s);
                     for (c, &v) in codes[k * 32..(k + 1) * 32].iter_mut().zip(xs) {
                         *c = e4m3_code(wt, v, s);
@@ -147,6 +143,22 @@ impl QuantizeRows {
 /// Why MX group `k` of row `r` (amax `m`) cannot be encoded: its power-of-two scale rounds to
 /// infinity in the weight dtype (2^128 in BF16 and F32, from amax ≥ 2^127·1.5; 2^16 in F16, from
 /// amax ≥ 57344), where compressed-tensors would store a meaningless exponent and zero the group.
+/// The power-of-two scale of MX group `k` of row `r` (`xs`), for codes of `elem_offset`
+/// ([`mx_exponent`]: E2M1 2, E4M3 8); refused where it overflows the weight dtype.
+fn mx_group_scale(
+    wt: WeightType,
+    xs: &[f32],
+    elem_offset: i32,
+    r: u64,
+    k: usize,
+) -> Result<f32, String> {
+    let s = mx_scale(wt, mx_exponent(wt, amax(xs), elem_offset));
+    if s.is_infinite() {
+        return Err(mx_overflow(wt, r, k, amax(xs)));
+    }
+    Ok(s)
+}
+
 fn mx_overflow(wt: WeightType, r: u64, k: usize, m: f32) -> String {
     format!(
         "has amax {m:e} in the MX group at [{r}, {}..{}], whose power-of-two scale overflows {}: the group cannot be represented (compressed-tensors would write an infinite scale and zero it); leave the weight unquantised with --ignore",
@@ -194,71 +206,6 @@ pub(super) fn decode_rows(
     Ok(x)
 }
 
-/// How FP8 blocks are scaled: compressed-tensors divides by `W(amax / 448)` in the weight
-/// dtype and stores that scale; transformers' `Fp8Quantize` (FineGrainedFP8, `--format
-/// fp8-native`) multiplies by `448 / amax` in f32 (1 for an all-zero block) and stores its
-/// reciprocal as `weight_scale_inv` F32 (byte-identical to transformers 5.24 on blocks it
-/// quantises; it leaves a weight whose sides 128 does not divide unquantised, which tftf
-/// quantises with ragged edge blocks as DeepSeek-V3 does).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockMath {
-    CompressedTensors,
-    Transformers,
-}
-
-impl BlockMath {
-    /// (the stored scale, the factor the encoder applies) of a block whose amax is `m`.
-    pub fn scale(self, wt: WeightType, m: f32) -> (f32, f32) {
-        debug_assert!(!self.overflows(m), "refused by the callers");
-        match self {
-            BlockMath::CompressedTensors => {
-                let s = symmetric_scale(wt, m, E4M3_MAX);
-                (s, s)
-            }
-            BlockMath::Transformers => {
-                // `448 / amax` on a tensor is torch's `reciprocal(amax) * 448`: two roundings.
-                let mult = if m > 0.0 { (1.0 / m) * E4M3_MAX } else { 1.0 };
-                (1.0 / mult, mult)
-            }
-        }
-    }
-
-    /// Whether a block with amax `m` has no finite factor (transformers: 448 / amax overflows).
-    pub fn overflows(self, m: f32) -> bool {
-        self == BlockMath::Transformers && m > 0.0 && ((1.0 / m) * E4M3_MAX).is_infinite()
-    }
-
-    #[inline(always)]
-    pub fn encode(self, wt: WeightType, x: f32, factor: f32) -> u8 {
-        match self {
-            BlockMath::CompressedTensors => e4m3_code(wt, x, factor),
-            BlockMath::Transformers => f32_to_e4m3((x * factor).clamp(-E4M3_MAX, E4M3_MAX)),
-        }
-    }
-
-    /// The stored scale's dtype.
-    pub fn scale_dtype(self, wt: WeightType) -> crate::format::dtype::DType {
-        match self {
-            BlockMath::CompressedTensors => wt.dtype(),
-            BlockMath::Transformers => crate::format::dtype::DType::F32,
-        }
-    }
-
-    pub fn scale_bytes(self, wt: WeightType) -> usize {
-        match self {
-            BlockMath::CompressedTensors => wt.bytes(),
-            BlockMath::Transformers => 4,
-        }
-    }
-
-    pub fn write(self, wt: WeightType, s: f32, out: &mut [u8]) {
-        match self {
-            BlockMath::CompressedTensors => wt.encode(s, out),
-            BlockMath::Transformers => out.copy_from_slice(&s.to_le_bytes()),
-        }
-    }
-}
-
 /// (stored scale, encoder factor) of the 128×128 blocks of block row `bi`, whose rows are
 /// `rows` (at most 128 of them), in block order.
 pub fn fp8_block_scales(
@@ -282,6 +229,60 @@ pub fn fp8_block_scales(
         .collect()
 }
 
+/// The `Op` methods the two row quantisers (this file's [`QuantizeRows`], ModelOpt's
+/// `ModeloptRows`) share, in their `impl Op`: whole rows of `cols` weights in (`rows` units);
+/// codes out, and scales as the extra output ([`rows_out_span`]), encoded by [`lanes::encode`].
+/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes` and `row_scale_bytes`.
+macro_rules! row_quantiser_op {
+    () => {
+        fn units(&self) -> u64 {
+            self.rows
+        }
+        fn out_unit_bytes(&self) -> u64 {
+            self.row_code_bytes()
+        }
+        fn in_unit_bytes(&self) -> u64 {
+            self.cols * self.wt.bytes() as u64
+        }
+        fn scratch_unit_bytes(&self) -> u64 {
+            // None that grows with the chunk: one row decoded to f32 (and the int schemes'
+            // codes of one row), reused row after row.
+            0
+        }
+        fn extra_outputs(&self) -> usize {
+            1
+        }
+        fn extra_unit_bytes(&self, _k: usize) -> u64 {
+            $crate::ops::quantize::ops::scale_unit_bytes(self.scheme, self.row_scale_bytes())
+        }
+        fn out_span(&self, k: usize, units: ::std::ops::Range<u64>) -> ::std::ops::Range<u64> {
+            let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
+            $crate::ops::quantize::ops::rows_out_span(self.scheme, k, units, code, scale)
+        }
+        fn input_ranges(&self, units: ::std::ops::Range<u64>) -> Vec<::std::ops::Range<u64>> {
+            let row = self.in_unit_bytes();
+            std::iter::once(units.start * row..units.end * row).collect()
+        }
+        fn compute(
+            &self,
+            units: ::std::ops::Range<u64>,
+            inputs: &[&[u8]],
+            out: &mut [u8],
+        ) -> Result<(), String> {
+            self.compute_all(units, inputs, &mut [out])
+        }
+        fn compute_all(
+            &self,
+            units: ::std::ops::Range<u64>,
+            inputs: &[&[u8]],
+            outs: $crate::plan::Outs,
+        ) -> Result<(), String> {
+            $crate::ops::quantize::lanes::encode(self, units, inputs, outs)
+        }
+    };
+}
+pub(super) use row_quantiser_op;
+
 impl Op for QuantizeRows {
     fn name(&self) -> &'static str {
         "quantize"
@@ -297,15 +298,6 @@ impl Op for QuantizeRows {
             self.block,
         )))
     }
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.row_code_bytes()
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        self.cols * self.wt.bytes() as u64
-    }
     fn granularity(&self) -> u64 {
         if self.scheme == Scheme::Fp8Block {
             FP8_BLOCK
@@ -313,36 +305,7 @@ impl Op for QuantizeRows {
             1
         }
     }
-    fn scratch_unit_bytes(&self) -> u64 {
-        // None that grows with the chunk: one row decoded to f32 (and the int schemes' codes of
-        // one row), reused row after row.
-        0
-    }
-    fn extra_outputs(&self) -> usize {
-        1
-    }
-    fn extra_unit_bytes(&self, _k: usize) -> u64 {
-        scale_unit_bytes(self.scheme, self.row_scale_bytes())
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        let (code, scale) = (self.out_unit_bytes(), self.row_scale_bytes());
-        rows_out_span(self.scheme, k, units, code, scale)
-    }
-    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
-        let row = self.in_unit_bytes();
-        std::iter::once(units.start * row..units.end * row).collect()
-    }
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        self.compute_all(units, inputs, &mut [out])
-    }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
-        lanes::encode(self, units, inputs, outs)
-    }
+    row_quantiser_op!();
 }
 
 /// Scale bytes per unit (row) of a row quantiser whose scales take `scale_row` bytes a row, or
@@ -380,7 +343,7 @@ impl QuantizeRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
@@ -437,7 +400,7 @@ impl LaneEncoder for QuantizeRows {
         &self,
         units: Range<u64>,
         inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
+        outs: Outs,
     ) -> Result<(), String> {
         let cols = self.cols as usize;
         let n = (units.end - units.start) as usize;
@@ -588,35 +551,6 @@ impl MxTable {
             *slot = (s, mx_stored(s));
         }
         MxTable(t)
-    }
-}
-
-/// A small tensor whose bytes are fixed at plan time.
-#[derive(Debug)]
-pub struct Constant {
-    pub what: &'static str,
-    pub bytes: Vec<u8>,
-}
-
-impl Op for Constant {
-    fn name(&self) -> &'static str {
-        self.what
-    }
-    fn units(&self) -> u64 {
-        1
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.bytes.len() as u64
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        0
-    }
-    fn input_ranges(&self, _units: Range<u64>) -> Vec<Range<u64>> {
-        Vec::new()
-    }
-    fn compute(&self, _units: Range<u64>, _inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        out.copy_from_slice(&self.bytes);
-        Ok(())
     }
 }
 

@@ -38,7 +38,8 @@ use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
-use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep};
+use crate::plan::Outs;
+use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep, Planning};
 
 /// A base layout that can be requantised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,31 +173,25 @@ impl PlanStep for RequantMergeStep {
         self.merge.attach(ckpt)
     }
 
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool> {
-        let base = match (detect(config), self.mode) {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let base = match (detect(p.config), self.mode) {
             (Ok(Some(b)), _) => b,
             (Ok(None), RequantMode::On) => {
                 return Err(Error::Other(format!(
                     "{}: --requant needs a quantised base, and config.json has no quantization_config (drop --requant)",
-                    crate::escape::path(&ckpt.input)
+                    crate::escape::path(&p.ckpt.input)
                 )))
             }
             (Err(scheme), RequantMode::On) => {
                 return Err(Error::Other(format!(
                     "{}: --requant supports FP8 128x128 blocks (compressed-tensors FP8_BLOCK, transformers fp8) and compressed-tensors NVFP4A16, not {scheme}; dequantise the base first (tftf dequant --merge-lora)",
-                    crate::escape::path(&ckpt.input)
+                    crate::escape::path(&p.ckpt.input)
                 )))
             }
-            (_, RequantMode::Auto) => return self.merge.apply(ckpt, config, entries, notes),
+            (_, RequantMode::Auto) => return self.merge.apply(p),
         };
-        let wt = base_float_dtype(config)?;
-        plan_requant(self, base, wt, ckpt, config, entries, notes)
+        let wt = base_float_dtype(p.config)?;
+        plan_requant(self, base, wt, p)
     }
 
     fn edit_config(&self, _cfg: &mut Map<String, Value>) -> Vec<String> {
@@ -213,11 +208,9 @@ fn plan_requant(
     step: &RequantMergeStep,
     base: BaseScheme,
     wt: WeightType,
-    ckpt: &Checkpoint,
-    config: Option<&Map<String, Value>>,
-    entries: &mut Vec<Entry>,
-    notes: &mut PlanNotes,
+    p: Planning,
 ) -> Result<bool> {
+    let (ckpt, config, entries, notes) = (p.ckpt, p.config, p.entries, p.notes);
     let orig = entries.clone();
     let mut work = entries.clone();
     // The two-step route, `dequant --merge-lora --dtype W`, planned on a copy: its notes
@@ -235,7 +228,12 @@ fn plan_requant(
         // Only the decode ops of the weights matter here; the copy's scales are thrown away.
         keep_kv_scales: false,
     };
-    dequant.apply(ckpt, config, &mut work, &mut PlanNotes::default())?;
+    dequant.apply(Planning {
+        ckpt,
+        config,
+        entries: &mut work,
+        notes: &mut PlanNotes::default(),
+    })?;
     let before: HashMap<usize, &Entry> = orig.iter().map(|e| (e.id, e)).collect();
     // Weights the dequant step bound to a decode op, by id.
     let decoded: HashMap<usize, Arc<dyn Derive>> = work
@@ -243,8 +241,12 @@ fn plan_requant(
         .filter(|e| before.get(&e.id).is_some_and(|o| o.derive.is_none()))
         .filter_map(|e| e.derive.clone().map(|d| (e.id, d)))
         .collect();
-    let changed = step.merge.apply(ckpt, config, &mut work, notes)?;
-    let path_of = |e: &Entry| ckpt.shards[ckpt.tensors[e.source].shard()].path.clone();
+    let changed = step.merge.apply(Planning {
+        ckpt,
+        config,
+        entries: &mut work,
+        notes,
+    })?;
     let by_name: HashMap<&str, &Entry> = orig.iter().map(|e| (e.name.as_str(), e)).collect();
     let math = base.math();
     let scheme = base.scheme();
@@ -257,7 +259,7 @@ fn plan_requant(
         };
         let o = before[&e.id];
         let bad = |msg: String| Error::TensorData {
-            path: path_of(o),
+            path: o.path(ckpt),
             tensor: o.name.clone(),
             msg,
         };
@@ -629,12 +631,7 @@ impl Op for Requant {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         let rows = units.clone();
         let mut merged =
             vec![0u8; ((rows.end - rows.start) * self.inner.out_unit_bytes()) as usize];

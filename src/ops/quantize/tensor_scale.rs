@@ -18,10 +18,10 @@ use std::sync::{Arc, OnceLock};
 
 use super::encode::{modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use super::lanes;
-use super::modelopt::ModeloptRows;
 use super::ops::QuantizeRows;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::Outs;
 
 /// Bytes read at a time: this buffer lives outside the pool, one per compute thread at most.
 const READ_BYTES: u64 = 1 << 20;
@@ -187,13 +187,7 @@ impl ScaledRows for QuantizeRows {
     }
 }
 
-impl ScaledRows for ModeloptRows {
-    fn scaled(self, s: f32) -> Self {
-        ModeloptRows { scale_2: s, ..self }
-    }
-}
-
-/// An NVFP4 encoder ([`QuantizeRows`], [`ModeloptRows`]), its tensor scale taken from a
+/// An NVFP4 encoder ([`QuantizeRows`], ModelOpt's `ModeloptRows`), its tensor scale taken from a
 /// [`TensorScale`] when a chunk is computed.
 #[derive(Debug)]
 pub struct Nvfp4Rows<R> {
@@ -242,12 +236,7 @@ impl<R: ScaledRows> Op for Nvfp4Rows<R> {
     fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
         self.rows.out_span(k, units)
     }
-    fn compute_all(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: &mut [&mut [u8]],
-    ) -> Result<(), String> {
+    fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         self.with_scale()?.compute_all(units, inputs, outs)
     }
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {

@@ -21,7 +21,7 @@ use crate::format::dtype::DType;
 use crate::ops::fp8::{config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode};
 use crate::ops::gguf::op::{source_names, Slot};
 use crate::ops::gguf::GgufTensorOp;
-use crate::plan::{Entry, FixedOp, Plan, PlanNotes, PlanStep, Recipe as PlanRecipe, Step};
+use crate::plan::{Entry, FixedOp, Plan, PlanStep, Planning, Recipe as PlanRecipe, Step};
 use crate::sink::{Layout, OutShard, OutputKind, Sink};
 
 /// What `tftf gguf` was asked for.
@@ -215,13 +215,8 @@ struct GgufStep {
 }
 
 impl PlanStep for GgufStep {
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        _config: Option<&Map<String, Json>>,
-        entries: &mut Vec<Entry>,
-        _notes: &mut PlanNotes,
-    ) -> Result<bool> {
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let (ckpt, entries) = (p.ckpt, p.entries);
         let index = |t: &OutputTensor, name: &str| {
             ckpt.index_of(name).ok_or_else(|| Error::GgufTensor {
                 tensor: t.name.clone(),

@@ -1,9 +1,9 @@
 //! The LoRA/DoRA merge kernels' description (kernels/lora.cuh): parameter blocks and the
 //! per-chunk launch.
 
+use super::fp4::Fp4Params;
+use super::fp8::DequantParams;
 use crate::format::dtype::DType;
-use crate::ops::fp4::kernel::Fp4Params;
-use crate::ops::fp8::kernel::DequantParams;
 
 /// A LoRA-style merge as the GPU runs it: `base (+ dequantised by base_dequant) + scale · Δ`,
 /// Δ summed in rank order from the operands `delta` describes, optionally DoRA-normalised.

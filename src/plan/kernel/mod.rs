@@ -4,13 +4,22 @@
 //! twins in `kernels/*.cuh`, which tests/kernels.rs checks by running the host build of the same
 //! code); the GPU backend executes descriptions and never sees an op. What a kernel gathers
 //! besides its outputs (quality sums) comes back as [`KernelStats`] for the op to fold in.
+//!
+//! The descriptions live under the plan, beside the [`Op`](super::Op) trait that names them, so
+//! the plan can hold ops; each op family re-exports its parameter blocks as its `kernel` module.
+
+pub mod fp4;
+pub mod fp8;
+pub mod int;
+pub mod lora;
+pub mod quantize;
 
 use crate::format::dtype::DType;
-use crate::ops::fp4::kernel::{Fp4Params, RowSums};
-use crate::ops::fp8::kernel::DequantParams;
-use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
-use crate::ops::lora::kernel::LoraLaunch;
-use crate::ops::quantize::kernel::QuantParams;
+use fp4::{Fp4Params, RowSums};
+use fp8::DequantParams;
+use int::{GptqParams, Int4Params, IntParams};
+use lora::LoraLaunch;
+use quantize::QuantParams;
 
 /// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
 #[derive(Clone, Debug)]

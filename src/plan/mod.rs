@@ -1,18 +1,26 @@
 //! The plan: every output tensor bound to a recipe, assigned to a shard and an offset, from
 //! headers alone. Everything that can be known before data moves is checked here — name
 //! collisions, sizes, free space — so a bad request fails before an output file exists.
+//!
+//! Recipes hold ops, so the [`Op`] trait and the kernel descriptions it names live here, below
+//! the op families that implement them; the plan itself names no op. The one op planning makes
+//! on its own, the cast of a tensor a cast step retyped, comes in as a [`CastOp`] constructor.
+
+pub mod kernel;
+mod op;
+
+pub use op::{Op, Outs};
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::{element_count, DType};
-use crate::ops::cast::Cast;
-use crate::ops::Op;
 use crate::transform::{Glob, Rename};
 
 /// Bytes of one input tensor's record, its index entry and one output tensor's record, plus
@@ -102,6 +110,48 @@ pub struct Entry {
     pub relabel: bool,
 }
 
+impl Entry {
+    /// The file holding the entry's source tensor, which errors about the entry name.
+    pub fn path(&self, ckpt: &Checkpoint) -> PathBuf {
+        ckpt.shards[ckpt.tensors[self.source].shard()].path.clone()
+    }
+
+    /// The error for this entry as a quantised weight whose `of` scales are missing (`looked`:
+    /// the names tried).
+    pub fn missing_scale(&self, ckpt: &Checkpoint, of: ScaleOf, looked: &[String]) -> Error {
+        Error::MissingScale {
+            path: self.path(ckpt),
+            of,
+            tensor: self.name.clone(),
+            looked: looked
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            more: String::new(),
+        }
+    }
+
+    /// The error for this entry as the scale (or zero points) of `weight`, wrong as `msg` says.
+    pub fn bad_scale(&self, ckpt: &Checkpoint, weight: &str, msg: String) -> Error {
+        Error::BadScale {
+            path: self.path(ckpt),
+            tensor: self.name.clone(),
+            weight: weight.to_string(),
+            msg,
+        }
+    }
+}
+
+/// Every entry's position, by name: how a step finds a weight's scales and companions.
+pub fn index_by_name(entries: &[Entry]) -> HashMap<String, usize> {
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.name.clone(), i))
+        .collect()
+}
+
 /// A tensor computed by an op. The op is built only when the plan is final, because a later
 /// cast step may still change the output dtype.
 pub trait Derive: Send + Sync + Debug {
@@ -128,6 +178,32 @@ impl Derive for FixedOp {
     }
     fn build(&self, _dst: DType) -> Arc<dyn Op> {
         self.op.clone()
+    }
+}
+
+/// A derived tensor whose op is fixed at plan time but for its output dtype, which a later cast
+/// step may still change: `op` holds every other field (its `dst` is a stand-in), and `build`
+/// sets the dtype.
+#[derive(Debug)]
+pub struct DeferredDst<T> {
+    pub inputs: Vec<usize>,
+    pub op: T,
+}
+
+/// An op whose output dtype is set last ([`DeferredDst`]).
+pub trait SetDst: Op + Clone + 'static {
+    /// The output dtype field.
+    fn dst_mut(&mut self) -> &mut DType;
+}
+
+impl<T: SetDst> Derive for DeferredDst<T> {
+    fn inputs(&self) -> Vec<usize> {
+        self.inputs.clone()
+    }
+    fn build(&self, dst: DType) -> Arc<dyn Op> {
+        let mut op = self.op.clone();
+        *op.dst_mut() = dst;
+        Arc::new(op)
     }
 }
 
@@ -163,17 +239,25 @@ pub struct PlanNotes {
     pub warnings: Vec<String>,
 }
 
+/// Makes the op converting a whole tensor of `elements` values from `src` to `dst` (one that a
+/// cast step retyped and no op computes), or `None` when no cast joins the two dtypes.
+pub type CastOp = fn(src: DType, dst: DType, elements: u64) -> Option<Arc<dyn Op>>;
+
+/// What a planning step works on, as one argument (a step that runs another hands it on).
+pub struct Planning<'a> {
+    pub ckpt: &'a Checkpoint,
+    /// `config.json` as read, before any step edited it.
+    pub config: Option<&'a Map<String, Value>>,
+    /// The output tensors so far.
+    pub entries: &'a mut Vec<Entry>,
+    /// Collects facts worth reporting, such as inferred layouts.
+    pub notes: &'a mut PlanNotes,
+}
+
 /// A step contributed by an op module: rewrites the entry list from headers alone.
 pub trait PlanStep: Send + Sync + Debug {
-    /// Rewrites `entries`; returns whether anything changed (then `edit_config` runs). `notes`
-    /// collects facts worth reporting, such as inferred layouts.
-    fn apply(
-        &self,
-        ckpt: &Checkpoint,
-        config: Option<&Map<String, Value>>,
-        entries: &mut Vec<Entry>,
-        notes: &mut PlanNotes,
-    ) -> Result<bool>;
+    /// Rewrites the entries; returns whether anything changed (then `edit_config` runs).
+    fn apply(&self, p: Planning) -> Result<bool>;
     /// Updates `config.json` for the new format; returns human-readable changes.
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String>;
     /// Why the step changed nothing when `apply` returned `false` ("no FP8 weight to
@@ -196,8 +280,9 @@ pub trait PlanStep: Send + Sync + Debug {
 
 impl Plan {
     /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
-    /// produced. Where the tensors go (files, offsets, headers) is a sink's job.
-    pub fn build(ckpt: &Checkpoint, steps: &[Step]) -> Result<Plan> {
+    /// produced, `cast` making the op of each tensor a cast step retyped (`Plan::build`, beside
+    /// the cast op, passes it). Where the tensors go (files, offsets, headers) is a sink's job.
+    pub fn build_with_cast(ckpt: &Checkpoint, steps: &[Step], cast: CastOp) -> Result<Plan> {
         let mut entries: Vec<Entry> = ckpt.tensors[..ckpt.base_count]
             .iter()
             .enumerate()
@@ -266,8 +351,12 @@ impl Plan {
                     }
                 }
                 Step::Op(op_step) => {
-                    let changed =
-                        op_step.apply(ckpt, original_config.as_ref(), &mut entries, &mut notes)?;
+                    let changed = op_step.apply(Planning {
+                        ckpt,
+                        config: original_config.as_ref(),
+                        entries: &mut entries,
+                        notes: &mut notes,
+                    })?;
                     if !changed && idle_op.is_none() {
                         idle_op = Some(op_step.nothing_done());
                     }
@@ -376,18 +465,13 @@ impl Plan {
                     }
                 }
                 None if e.dtype == src.dtype || e.relabel => Recipe::Copy { src: e.source },
-                None if !Cast::supports(src.dtype, e.dtype) => {
-                    return Err(Error::Other(format!(
-                        "tensor `{}` is {} and cannot be converted to {}",
-                        src.name, src.dtype, e.dtype
-                    )))
-                }
                 None => Recipe::Compute {
-                    op: Arc::new(Cast {
-                        src: src.dtype,
-                        dst: e.dtype,
-                        elements,
-                    }),
+                    op: cast(src.dtype, e.dtype, elements).ok_or_else(|| {
+                        Error::Other(format!(
+                            "tensor `{}` is {} and cannot be converted to {}",
+                            src.name, src.dtype, e.dtype
+                        ))
+                    })?,
                     inputs: vec![e.source],
                     extra: Vec::new(),
                 },
