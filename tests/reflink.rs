@@ -4,70 +4,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use common::xfs::xfs_or_skip;
 use common::*;
 use tftf::format::dtype::DType;
-
-struct Xfs {
-    mnt: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Xfs {
-    fn mount() -> Result<Xfs, String> {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let img = dir.path().join("xfs.img");
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        std::fs::File::create(&img)
-            .and_then(|f| f.set_len(1 << 30))
-            .map_err(|e| e.to_string())?;
-        let run = |cmd: &str, args: &[&str]| -> Result<(), String> {
-            let o = Command::new(cmd)
-                .args(args)
-                .output()
-                .map_err(|e| format!("{cmd}: {e}"))?;
-            if o.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{cmd} {}: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ))
-            }
-        };
-        run(
-            "mkfs.xfs",
-            &["-q", "-m", "reflink=1", img.to_str().unwrap()],
-        )?;
-        run(
-            "mount",
-            &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
-        )?;
-        run("filefrag", &["-V"]).map_err(|e| format!("filefrag missing: {e}"))?;
-        Ok(Xfs { mnt, _dir: dir })
-    }
-}
-
-impl Drop for Xfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
-    }
-}
-
-fn xfs_or_skip(test: &str) -> Option<Xfs> {
-    match Xfs::mount() {
-        Ok(x) => Some(x),
-        Err(why) => {
-            eprintln!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
-            println!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
-            None
-        }
-    }
-}
 
 /// Bytes of `file` in extents flagged shared (`filefrag -v`, FIEMAP underneath).
 fn shared_bytes(file: &Path) -> u64 {
@@ -135,8 +77,10 @@ fn untouched_shared_fraction(out: &Path, r: &serde_json::Value) -> f64 {
 
 #[test]
 fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
-    let Some(xfs) = xfs_or_skip("passthrough_rename_and_cast_share_untouched_extents_on_xfs")
-    else {
+    let Some(xfs) = xfs_or_skip(
+        "passthrough_rename_and_cast_share_untouched_extents_on_xfs",
+        true,
+    ) else {
         return;
     };
     let src = xfs.mnt.join("in");
@@ -188,15 +132,14 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
 
 #[test]
 fn no_reflink_copies_on_xfs() {
-    let Some(xfs) = xfs_or_skip("no_reflink_copies_on_xfs") else {
+    let Some(xfs) = xfs_or_skip("no_reflink_copies_on_xfs", true) else {
         return;
     };
     let src = xfs.mnt.join("in");
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &["-q", "--no-reflink", "--report", s(&rep)],
@@ -223,8 +166,7 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
     let tensors = model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    let o = convert(
-        "passthrough",
+    let o = passthrough(
         &src,
         &out,
         &["--report", s(&rep), "--rename", "^model", "m", "-v"],
@@ -244,12 +186,7 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
         "{}",
         stderr(&o)
     );
-    let dry = stdout(&convert(
-        "passthrough",
-        &src,
-        &d.path().join("x"),
-        &["--dry-run"],
-    ));
+    let dry = stdout(&passthrough(&src, &d.path().join("x"), &["--dry-run"]));
     assert!(
         dry.contains(&format!(
             "the output filesystem ({fs}) cannot share extents"

@@ -18,6 +18,10 @@
 //!   [`Rng`].
 #![allow(dead_code)]
 
+pub mod gguf;
+pub mod peft;
+pub mod xfs;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -408,6 +412,18 @@ pub fn merge_lora<'a>(
 /// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.
 pub fn convert(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
     tftf(&cmd(name, input, out, extra))
+}
+
+/// Runs `tftf passthrough -i INPUT -o OUT EXTRA...`, any exit.
+pub fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> Output {
+    convert("passthrough", input, out, extra)
+}
+
+/// A fresh [`tmp`] folder and the path `out` in it (not made).
+pub fn tmp_out() -> (tempfile::TempDir, PathBuf) {
+    let d = tmp();
+    let out = d.path().join("out");
+    (d, out)
 }
 
 /// Runs tftf and returns its exit code, stdout and stderr.
