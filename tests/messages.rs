@@ -5,7 +5,7 @@
 mod common;
 
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 use tftf::format::dtype::DType;
@@ -20,12 +20,18 @@ fn bf16_model(dir: &Path) {
         .write(dir);
 }
 
-#[test]
-fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
+/// A temporary folder with [`bf16_model`] in `in/`: (folder, `in/`, `out/` (not made)).
+fn bf16_in_tmp() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let d = tmp();
     let src = d.path().join("in");
     bf16_model(&src);
     let out = d.path().join("out");
+    (d, src, out)
+}
+
+#[test]
+fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
+    let (_d, src, out) = bf16_in_tmp();
     let args = cmd("passthrough", &src, &out, &["-q", "--include", "model.*"]);
     let err = fails(&args);
     assert_eq!(
@@ -48,10 +54,7 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
 
 #[test]
 fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
-    let d = tmp();
-    let src = d.path().join("in");
-    bf16_model(&src);
-    let out = d.path().join("out");
+    let (_d, src, out) = bf16_in_tmp();
     let args = cmd("dequant-fp8", &src, &out, &["-q"]);
     let err = fails(&args);
     assert_eq!(
@@ -65,10 +68,7 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
 
 #[test]
 fn report_that_cannot_be_written_after_commit_is_a_warning() {
-    let d = tmp();
-    let src = d.path().join("in");
-    bf16_model(&src);
-    let out = d.path().join("out");
+    let (d, src, out) = bf16_in_tmp();
     let report = d.path().join("no-such-dir").join("report.json");
     let (code, stdout, err) = exit_code(&cmd(
         "passthrough",
@@ -92,13 +92,10 @@ fn report_that_cannot_be_written_after_commit_is_a_warning() {
 fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(22);
     // Big enough for a block-aligned middle, so a clone is tried.
-    write_file(
-        &src.join("model.safetensors"),
-        &[rand_t(&mut rng, "w", DType::U8, &[1 << 20])],
-    );
+    Model::new()
+        .rand(&mut Rng(22), "w", DType::U8, &[1 << 20])
+        .write(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
     let args = cmd("passthrough", &src, &out, &["-q", "--report", s(&report)]);
@@ -112,7 +109,7 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
     }
     let fs = r["reflink_unavailable"].as_str().unwrap().to_string();
     std::fs::remove_dir_all(&out).unwrap();
-    let o = convert("passthrough", &src, &out, &["-v", "--no-progress"]);
+    let o = passthrough(&src, &out, &["-v", "--no-progress"]);
     ok(&o);
     let err = stderr(&o);
     let fs_name = fs
@@ -131,22 +128,19 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
 fn progress_lines_when_stderr_is_not_a_terminal() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
     let mut rng = Rng(23);
     let big: Vec<u8> = (0..24 << 18)
         .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
         .collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("big", DType::F32, &[24 << 18], big)],
-    );
+    Model::new()
+        .tensor("big", DType::F32, &[24 << 18], big)
+        .write(&src);
     let out = d.path().join("out");
     let line = regex::Regex::new(
         r"^progress: (passthrough|validate) model\.safetensors: [0-9.]+ (B|KiB|MiB) of (24|12)\.00 MiB \(\d{1,3}%\), [0-9.]+ (B|KiB|MiB|GiB)/s, ETA (unknown|\d+s|\d+m\d\ds)$",
     )
     .unwrap();
-    let o = convert(
-        "passthrough",
+    let o = passthrough(
         &src,
         &out,
         &[
@@ -199,12 +193,7 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
     ]);
     assert_eq!(stderr(&o), "");
     std::fs::remove_dir_all(&out).unwrap();
-    let o = convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--progress-interval", "0.001"],
-    );
+    let o = passthrough(&src, &out, &["-q", "--progress-interval", "0.001"]);
     assert_eq!(stderr(&o), "");
     let err = usage_error(&cmd(
         "passthrough",
@@ -404,7 +393,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
     )
     .unwrap();
     let out = d.path().join("out");
-    let o = convert("passthrough", &src, &out, &["--no-progress"]);
+    let o = passthrough(&src, &out, &["--no-progress"]);
     ok(&o);
     assert_eq!(
         stderr(&o),
@@ -428,24 +417,17 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     let d = tmp();
     let src = d.path().join("in");
     std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(27);
     let name = std::ffi::OsStr::from_bytes(b"gewichte-\xe4\x01.safetensors");
-    write_file(
-        &src.join(name),
-        &[rand_t(&mut rng, "a.weight", DType::BF16, &[4])],
-    );
+    Model::new()
+        .rand(&mut Rng(27), "a.weight", DType::BF16, &[4])
+        .write_file(&src.join(name));
     let o = tftf(&["info", s(&src), "--json"]);
     ok(&o);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--report", s(&report)],
-    ));
+    ok(&passthrough(&src, &out, &["-q", "--report", s(&report)]));
     assert_eq!(load_all(&out).len(), 1);
     let r = read_json(&report);
     assert!(
@@ -475,13 +457,10 @@ fn non_utf8_shard_names_work_and_print_escaped() {
 fn control_characters_in_names_are_printed_escaped() {
     let d = tmp();
     let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(28);
     let evil = "x\r\u{1b}[2Jy.weight";
-    write_file(
-        &src.join("model.safetensors"),
-        &[rand_t(&mut rng, evil, DType::F8_E4M3, &[4, 4])],
-    );
+    Model::new()
+        .rand(&mut Rng(28), evil, DType::F8_E4M3, &[4, 4])
+        .write(&src);
     let text = stdout(&tftf(&["info", s(&src)]));
     assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text:?}");
     assert!(text.contains("x\\r\\u{1b}[2Jy.weight  F8_E4M3"), "{text}");

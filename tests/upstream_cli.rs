@@ -69,17 +69,18 @@ fn lora_tensors(prefix: &str, rank: u64) -> Vec<T> {
 
 /// `_make_lora_adapter(directory, rank=4, alpha=8.0)`.
 fn make_lora_adapter(dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    write_file(
-        &dir.join("adapter_model.safetensors"),
-        &lora_tensors("model.layers.0.self_attn.q_proj", 4),
-    );
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 8.0}"#,
-    )
-    .unwrap();
-    dir.to_path_buf()
+    lora_adapter_on(dir, "model.layers.0.self_attn.q_proj", "8.0")
+}
+
+/// A rank-4 adapter of [`lora_tensors`] on `module` with `lora_alpha` `alpha` in `dir`.
+fn lora_adapter_on(dir: &Path, module: &str, alpha: &str) -> PathBuf {
+    Model::adapter()
+        .tensors(lora_tensors(module, 4))
+        .file(
+            "adapter_config.json",
+            format!(r#"{{"r": 4, "lora_alpha": {alpha}}}"#),
+        )
+        .write(dir)
 }
 
 /// `_make_regular_lora_checkpoint`: `adapter_config.json` at the training directory's top,
@@ -114,6 +115,11 @@ fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
     load_all(out)
 }
 
+/// [`run_ok`] of `base` into `name` in the folder `d`.
+fn run_to(d: &tempfile::TempDir, base: &Path, name: &str, args: &[&str]) -> Tensors {
+    run_ok(base, &d.path().join(name), args)
+}
+
 /// A temporary folder with [`make_base`] in `base/`.
 fn base_in_tmp() -> (tempfile::TempDir, PathBuf) {
     let d = tmp();
@@ -131,7 +137,7 @@ fn base_and_adapter() -> (tempfile::TempDir, PathBuf, PathBuf) {
 /// [`run_ok`] on a fresh [`make_base`].
 fn run_base(args: &[&str]) -> Tensors {
     let (d, base) = base_in_tmp();
-    run_ok(&base, &d.path().join("out"), args)
+    run_to(&d, &base, "out", args)
 }
 
 /// `tftf run` that must be refused as a usage error (exit 2) before any output exists;
@@ -214,15 +220,12 @@ fn parser_multiple_include_flags_accumulated() {
 fn parser_key_rename_single_rule() {
     let (d, base) = base_in_tmp();
     // Upstream's rule matches none of these names: they stay.
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-rename", "--rule", "^foo", "bar"],
-    );
+    let got = run_to(&d, &base, "out", &["--key-rename", "--rule", "^foo", "bar"]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out2"),
+        "out2",
         &["--key-rename", "--rule", "^model", "base"],
     );
     assert!(
@@ -235,9 +238,10 @@ fn parser_key_rename_single_rule() {
 #[test]
 fn parser_key_rename_multiple_rules() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--key-rename",
             "--rule",
@@ -249,9 +253,10 @@ fn parser_key_rename_multiple_rules() {
         ],
     );
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out2"),
+        "out2",
         &[
             "--key-rename",
             "--rule",
@@ -340,7 +345,7 @@ fn make_fp8_base(dir: &Path) -> PathBuf {
 fn parser_dequant_fp8_positional_dtype() {
     let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &["--dequant-fp8", "fp16"]);
+    let got = run_to(&d, &base, "out", &["--dequant-fp8", "fp16"]);
     assert_eq!(got[Q].0, "F16");
     assert!(!got.contains_key("model.layers.0.self_attn.q_proj.weight_scale_inv"));
 }
@@ -349,9 +354,10 @@ fn parser_dequant_fp8_positional_dtype() {
 fn parser_dequant_fp8_positional_then_named() {
     let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--dequant-fp8", "fp16", "--block-size", "64"],
     );
     assert_eq!(got[Q].0, "F16");
@@ -369,32 +375,26 @@ fn parser_dequant_fp8_positional_then_named() {
 #[test]
 fn parser_key_rename_positional_single_rule() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-rename", "^foo", "bar"],
-    );
+    let got = run_to(&d, &base, "out", &["--key-rename", "^foo", "bar"]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
-        &base,
-        &d.path().join("o2"),
-        &["--key-rename", "^model", "base"],
-    );
+    let got = run_to(&d, &base, "o2", &["--key-rename", "^model", "base"]);
     assert!(got.keys().all(|k| k.starts_with("base.")));
 }
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--key-rename", "^foo", "bar", "^baz", "qux"],
     );
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("o2"),
+        "o2",
         &["--key-rename", "^model", "base", "norm", "ln_f"],
     );
     assert!(got.contains_key("base.ln_f.weight"), "{:?}", names(&got));
@@ -435,9 +435,10 @@ fn run_key_filter_keeps_only_matching() {
 #[test]
 fn run_merge_lora_modifies_weights() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--merge-lora", "--adapter", s(&adapter)],
     );
     let want = base_map();
@@ -453,9 +454,10 @@ fn run_merge_lora_modifies_weights() {
 #[test]
 fn run_merge_lora_then_dtype_cast() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--merge-lora",
             "--adapter",
@@ -492,11 +494,12 @@ fn run_dry_run_creates_no_output() {
 #[test]
 fn run_positional_adapter_path() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(&base, &d.path().join("out"), &["--merge-lora", s(&adapter)]);
+    let got = run_to(&d, &base, "out", &["--merge-lora", s(&adapter)]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let named = run_ok(
+    let named = run_to(
+        &d,
         &base,
-        &d.path().join("named"),
+        "named",
         &["--merge-lora", "--adapter", s(&adapter)],
     );
     assert_eq!(got, named);
@@ -622,16 +625,11 @@ fn float64_casts_are_exact_everywhere() {
         .flat_map(|v| (*v as f64).to_le_bytes())
         .collect();
     let out = d.path().join("p");
-    ok(&convert(
-        "passthrough",
-        &base,
-        &out,
-        &["--dtype", "float64", "-q"],
-    ));
+    ok(&passthrough(&base, &out, &["--dtype", "float64", "-q"]));
     let got = load_all(&out);
     assert!(all_dtypes(&got, "F64"));
     assert_eq!(got[Q].2, want);
-    let got = run_ok(&base, &d.path().join("r"), &["--dtype-cast", "float64"]);
+    let got = run_to(&d, &base, "r", &["--dtype-cast", "float64"]);
     assert_eq!(got[Q].2, want);
     ok(&tftf(&["validate", s(&base), "--pipe", "dtype:float64"]));
     // A merged weight widens exactly too.
@@ -779,9 +777,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
     let (d, base, adapter) = base_and_adapter();
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
     let w = f32s_of(&base_map()[Q]);
-    let cast_first = run_ok(
+    let cast_first = run_to(
+        &d,
         &base,
-        &d.path().join("a"),
+        "a",
         &["--dtype-cast", "bf16", "--merge-lora", s(&adapter)],
     );
     let want: Vec<u8> = w
@@ -789,9 +788,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
         .flat_map(|v| bf16(bf16_to_f32(f32_to_bf16(*v)) + 8.0))
         .collect();
     assert_eq!(cast_first[Q].2, want);
-    let merge_first = run_ok(
+    let merge_first = run_to(
+        &d,
         &base,
-        &d.path().join("b"),
+        "b",
         &["--merge-lora", s(&adapter), "--dtype-cast", "bf16"],
     );
     let want: Vec<u8> = w.iter().flat_map(|v| bf16(v + 8.0)).collect();
@@ -805,9 +805,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 #[test]
 fn per_section_adapter_options() {
     let (d, base, adapter) = base_and_adapter();
-    let two = run_ok(
+    let two = run_to(
+        &d,
         &base,
-        &d.path().join("a"),
+        "a",
         &[
             "--merge-lora",
             "--adapter",
@@ -825,14 +826,16 @@ fn per_section_adapter_options() {
         .map(|w| (w + 4.0) + 2.0)
         .collect();
     assert_eq!(f32s_of(&two[Q].2), want);
-    let old_form = run_ok(
+    let old_form = run_to(
+        &d,
         &base,
-        &d.path().join("b"),
+        "b",
         &["--scale", "0.5", "--merge-lora", s(&adapter)],
     );
-    let new_form = run_ok(
+    let new_form = run_to(
+        &d,
         &base,
-        &d.path().join("c"),
+        "c",
         &["--merge-lora", s(&adapter), "--scale", "0.5"],
     );
     assert_eq!(old_form, new_form);
@@ -843,20 +846,15 @@ fn per_section_adapter_options() {
 fn two_adapters_merge_each_their_own_modules_once() {
     let (d, base) = base_in_tmp();
     let q = make_lora_adapter(&d.path().join("q"));
-    let v = d.path().join("v");
-    std::fs::create_dir_all(&v).unwrap();
-    write_file(
-        &v.join("adapter_model.safetensors"),
-        &lora_tensors("model.layers.0.self_attn.v_proj", 4),
+    let v = lora_adapter_on(
+        &d.path().join("v"),
+        "model.layers.0.self_attn.v_proj",
+        "4.0",
     );
-    std::fs::write(
-        v.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 4.0}"#,
-    )
-    .unwrap();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--merge-lora",
             s(&q),
@@ -924,67 +922,73 @@ fn allclose(a: &[f32], b: &[f32], atol: f32) -> bool {
             .all(|(x, y)| (x - y).abs() <= atol + 1e-5 * y.abs())
 }
 
+/// `case` (zero lora_B) merged: q_proj and v_proj are the base's within `atol`; returns
+/// (merged, base).
+fn assert_dcp_identity(case: &str, atol: f32) -> (Floats, Floats) {
+    let (got, base) = dcp_merge(case);
+    for k in [Q, V] {
+        assert!(
+            allclose(&got[k], &base[k], atol),
+            "{case}: {k} changed despite zero lora_B (should be near-identity)"
+        );
+    }
+    (got, base)
+}
+
+/// `case` (non-zero lora_B) merged: q_proj changes, the norm and the embeddings pass through
+/// unchanged; returns the merged tensors.
+fn assert_dcp_changes_q(case: &str) -> Floats {
+    let (got, base) = dcp_merge(case);
+    assert!(
+        !allclose(&got[Q], &base[Q], 1e-8),
+        "{case}: q_proj should have changed"
+    );
+    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
+        assert_eq!(got[k], base[k], "{case}: {k}");
+    }
+    got
+}
+
+/// `case` (target_modules: q_proj) merged: q_proj changes, v_proj does not.
+fn assert_dcp_q_only(case: &str) {
+    let (got, base) = dcp_merge(case);
+    assert!(
+        !allclose(&got[Q], &base[Q], 1e-8),
+        "{case}: q_proj (in target_modules) should be merged"
+    );
+    assert!(
+        allclose(&got[V], &base[V], 1e-8),
+        "{case}: v_proj (not in target_modules) should be unchanged"
+    );
+}
+
 #[test]
 fn dcp_lora_zero_b_is_identity() {
-    let (got, base) = dcp_merge("lora-zero-b");
+    let (got, base) = assert_dcp_identity("lora-zero-b", 1e-5);
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         base.keys().collect::<Vec<_>>()
     );
-    for k in [Q, V] {
-        assert!(
-            allclose(&got[k], &base[k], 1e-5),
-            "{k} changed despite zero lora_B"
-        );
-    }
 }
 
 #[test]
 fn dcp_lora_nonzero_b_changes_weight_and_non_lora_keys_pass_through() {
-    let (got, base) = dcp_merge("lora");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have changed"
-    );
-    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
-        assert_eq!(got[k], base[k], "{k}");
-    }
+    assert_dcp_changes_q("lora");
 }
 
 #[test]
 fn dcp_lora_target_modules_respected() {
-    let (got, base) = dcp_merge("lora-q-only");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have been merged"
-    );
-    assert!(
-        allclose(&got[V], &base[V], 1e-8),
-        "v_proj should NOT have been merged"
-    );
+    assert_dcp_q_only("lora-q-only");
 }
 
 #[test]
 fn dcp_dora_zero_b_is_identity() {
-    let (got, base) = dcp_merge("dora-zero-b");
-    for k in [Q, V] {
-        assert!(
-            allclose(&got[k], &base[k], 1e-4),
-            "{k}: zero lora_B DoRA via DCP should be near-identity"
-        );
-    }
+    assert_dcp_identity("dora-zero-b", 1e-4);
 }
 
 #[test]
 fn dcp_dora_nonzero_b_changes_weight_and_non_dora_keys_unchanged() {
-    let (got, base) = dcp_merge("dora");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have changed"
-    );
-    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
-        assert_eq!(got[k], base[k], "{k}");
-    }
+    let got = assert_dcp_changes_q("dora");
     // DoRA output differs from the plain LoRA merge of the same factors.
     let (lora, _) = dcp_merge("lora");
     assert!(!allclose(&got[Q], &lora[Q], 1e-6));
@@ -992,13 +996,5 @@ fn dcp_dora_nonzero_b_changes_weight_and_non_dora_keys_unchanged() {
 
 #[test]
 fn dcp_dora_target_modules_respected() {
-    let (got, base) = dcp_merge("dora-q-only");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj (in target_modules) should be merged"
-    );
-    assert!(
-        allclose(&got[V], &base[V], 1e-8),
-        "v_proj (not in target_modules) should be unchanged"
-    );
+    assert_dcp_q_only("dora-q-only");
 }
