@@ -17,7 +17,7 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&convert("passthrough", &src, &out, &["--quiet"]));
+    ok(&passthrough(&src, &out, &["--quiet"]));
     let got = load_all(&out);
     assert_eq!(got.len(), tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -50,8 +50,7 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     }
     // An explicit --max-shard-size repacks: everything fits one file, no index.
     let packed = d.path().join("packed");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &packed,
         &["--max-shard-size", "1GB", "-q"],
@@ -95,7 +94,7 @@ fn input_forms_file_dir_without_index_and_index_path() {
     // A single file, to a single file.
     let one = src.join("model-00001-of-00002.safetensors");
     let o3 = d.path().join("single.safetensors");
-    ok(&convert("passthrough", &one, &o3, &["-q"]));
+    ok(&passthrough(&one, &o3, &["-q"]));
     assert_eq!(load_all(&o3).len(), 5);
 }
 
@@ -114,12 +113,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     std::fs::create_dir_all(&src).unwrap();
     write_file(&src.join("model.safetensors"), &tensors);
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--max-shard-size", "6KB", "-q"],
-    ));
+    ok(&passthrough(&src, &out, &["--max-shard-size", "6KB", "-q"]));
     let names = listing(&out);
     assert_eq!(
         names,
@@ -147,7 +141,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     }
     // The output reads back as a checkpoint through its index.
     let again = d.path().join("again.safetensors");
-    ok(&convert("passthrough", &out, &again, &["-q"]));
+    ok(&passthrough(&out, &again, &["-q"]));
     assert_eq!(load_all(&again).len(), 5);
 }
 
@@ -155,12 +149,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--dtype", "bfloat16", "-q"],
-    ));
+    ok(&passthrough(&src, &out, &["--dtype", "bfloat16", "-q"]));
     let got = load_all(&out);
     for (name, dtype, _, data) in &tensors {
         let (gd, _, gdata) = &got[name];
@@ -198,8 +187,7 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
     // f16 target, and --cast-ints converting the I64 tensor.
     let out2 = d.path().join("out2");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out2,
         &["--dtype", "f16", "--cast-ints", "-q"],
@@ -231,8 +219,7 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out.safetensors");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &[
@@ -374,8 +361,7 @@ fn report_and_dry_run() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let report = d.path().join("plan.json");
-    let o = convert(
-        "passthrough",
+    let o = passthrough(
         &src,
         &out,
         &["--dtype", "bf16", "--dry-run", "--report", s(&report)],
@@ -398,8 +384,7 @@ fn report_and_dry_run() {
     assert_eq!(r["dry_run"], true);
 
     let report2 = d.path().join("run.json");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &["--dtype", "bf16", "-q", "--report", s(&report2)],
@@ -444,8 +429,7 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
         err.contains("not empty") && err.contains("--force"),
         "{err}"
     );
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &["--force", "-q", "--max-shard-size", "1GB"],

@@ -99,17 +99,12 @@ fn a_training_directory_uses_the_latest_checkpoint_and_says_so() {
     }
     // The run grammar, as upstream writes it.
     let out = d.path().join("out-run");
-    ok(&tftf(&[
+    ok(&tftf(&cmd(
         "run",
-        "-i",
-        s(&case("base")),
-        "-o",
-        s(&out),
-        "--merge-lora",
-        "--adapter",
-        s(&train),
-        "-q",
-    ]));
+        &case("base"),
+        &out,
+        &["--merge-lora", "--adapter", s(&train), "-q"],
+    )));
     assert_peft_merge(&out);
 }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{fixture, listing, load_all, s};
+use common::{cmd, fixture, listing, load_all, s};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -442,17 +442,12 @@ fn quantize_runs_its_kernels_and_equals_llm_compressor() {
         let r = tftf_with(
             fake,
             false,
-            &[
+            &cmd(
                 "quantize",
-                "-i",
-                s(&model),
-                "-o",
-                s(&out),
-                "--scheme",
-                "FP8_DYNAMIC",
-                "--device",
-                dev,
-            ],
+                &model,
+                &out,
+                &["--scheme", "FP8_DYNAMIC", "--device", dev],
+            ),
         );
         assert_eq!(r.status.code(), Some(1));
         let err = String::from_utf8_lossy(&r.stderr);

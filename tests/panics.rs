@@ -339,8 +339,7 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         ),
     );
     let budget = format!("{}", 2 * needed);
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &["--memory-budget", &budget, "-q"],
@@ -354,8 +353,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
     let (src, header) = many_tiny_tensors(d.path(), 200_000);
     let report = d.path().join("report.json");
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &[

@@ -15,8 +15,7 @@ fn lines(o: &std::process::Output) -> Vec<Value> {
 fn json_progress_gives_start_every_file_finish_and_the_report_last() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let o = convert(
-        "passthrough",
+    let o = passthrough(
         &src,
         &out,
         &[
@@ -73,15 +72,10 @@ fn json_progress_gives_start_every_file_finish_and_the_report_last() {
 fn quiet_silences_default_progress_and_a_bad_mode_is_a_usage_error() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let o = convert("passthrough", &src, &out, &["-q"]);
+    let o = passthrough(&src, &out, &["-q"]);
     ok(&o);
     assert!(stderr(&o).is_empty(), "{}", stderr(&o));
-    let o = convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--progress", "plain", "-q", "--force"],
-    );
+    let o = passthrough(&src, &out, &["--progress", "plain", "-q", "--force"]);
     ok(&o);
     assert!(
         stderr(&o).starts_with("progress: passthrough"),

@@ -78,16 +78,12 @@ fn dry_run_says_how_many_quantisation_tensors_are_kept() {
     let src = d.path().join("in");
     quantised_model(&src);
     let out = d.path().join("out");
-    let o = tftf(&[
+    let o = tftf(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bf16",
-        "--dry-run",
-    ]);
+        &src,
+        &out,
+        &["--dtype", "bf16", "--dry-run"],
+    ));
     ok(&o);
     assert!(
         stdout(&o).contains("kept 4 quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"),

@@ -298,17 +298,12 @@ fn default_no_requant_and_run_section() {
     );
     // run --merge-lora requantises the same way.
     let run = dir.path().join("run");
-    ok(&tftf(&[
+    ok(&tftf(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&run),
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-    ]));
+        &base,
+        &run,
+        &["--merge-lora", "--adapter", s(&a), "--requant"],
+    )));
     assert!(load_all(&explicit) == load_all(&run));
     // --no-requant keeps the old refusal.
     let err = fails(&merge_lora(
@@ -344,46 +339,41 @@ fn requant_with_dtype_is_a_usage_error() {
         err.contains("--dtype") || err.contains("--requant"),
         "{err}"
     );
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-        "--dtype-cast",
-        "bf16",
-    ]);
+        &base,
+        &out,
+        &[
+            "--merge-lora",
+            "--adapter",
+            s(&a),
+            "--requant",
+            "--dtype-cast",
+            "bf16",
+        ],
+    ));
     assert!(err.contains("--requant"), "{err}");
     // After --dequant-fp8 the base is not quantised any more.
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dequant-fp8",
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-    ]);
+        &base,
+        &out,
+        &[
+            "--dequant-fp8",
+            "--merge-lora",
+            "--adapter",
+            s(&a),
+            "--requant",
+        ],
+    ));
     assert!(err.contains("not quantised any more"), "{err}");
     // While dequant then merge without the flag is the float route, as before.
-    ok(&tftf(&[
+    ok(&tftf(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dequant-fp8",
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-    ]));
+        &base,
+        &out,
+        &["--dequant-fp8", "--merge-lora", "--adapter", s(&a)],
+    )));
     let got = load_all(&out);
     assert_eq!(got[&format!("{LAYER}.self_attn.q_proj.weight")].0, "BF16");
 }

@@ -51,7 +51,7 @@ fn single_file_output_with_force_replaces_that_file_only() {
     std::fs::write(shared.join("new.safetensors"), "previous output").unwrap();
     let before = snapshot(&shared);
     let out = shared.join("new.safetensors");
-    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
+    ok(&passthrough(&src, &out, &["--force", "-q"]));
     let after = snapshot(&shared);
     for (name, hash) in &before {
         if name != "new.safetensors" {
@@ -77,8 +77,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     write_file(&dir.join("mine.safetensors"), &tensors);
     write_file(&dir.join("sibling.safetensors"), &tensors);
     let before = snapshot(&dir);
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &dir.join("mine.safetensors"),
         &dir,
         &["--force", "-q"],
@@ -152,8 +151,7 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     // An earlier report is replaced.
     let report = d.path().join("report.json");
     for _ in 0..2 {
-        ok(&convert(
-            "passthrough",
+        ok(&passthrough(
             &src,
             &out,
             &["--force", "-q", "--report", s(&report)],
@@ -205,8 +203,7 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
+    ok(&passthrough(
         &src,
         &out,
         &["-q", "--max-shard-size", "5000"],
@@ -219,7 +216,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     std::fs::write(out.join("weights-v2.safetensors"), "another model").unwrap();
     let before = snapshot(&out);
-    let o = convert("passthrough", &src, &out, &["--force", "--dry-run"]);
+    let o = passthrough(&src, &out, &["--force", "--dry-run"]);
     ok(&o);
     let text = stdout(&o);
     let n = shards_before;
@@ -238,7 +235,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
         "{text}"
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
-    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
+    ok(&passthrough(&src, &out, &["--force", "-q"]));
     assert_eq!(
         listing(&out),
         [
@@ -397,7 +394,7 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
     let left: Vec<String> = hidden(&out);
     assert!(left.iter().any(|n| n.ends_with(".tmp")), "{left:?}");
     // No --force needed: nothing but the killed run's temporaries is there.
-    let o = convert("passthrough", &src, &out, &[]);
+    let o = passthrough(&src, &out, &[]);
     ok(&o);
     assert!(
         stderr(&o).contains("temporary file(s) left by a killed run"),
