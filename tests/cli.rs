@@ -28,16 +28,11 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     }
     // The input's shard boundaries are kept, and an unchanged shard is the input file byte for
     // byte (same header, so a reflink-capable filesystem shares all of it).
-    assert_eq!(
-        listing(&out),
-        [
-            "config.json",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json",
-            "modeling_x.py",
-            "tokenizer.json"
-        ]
+    assert_listing(
+        &out,
+        "config.json model-00001-of-00002.safetensors \
+         model-00002-of-00002.safetensors model.safetensors.index.json \
+         modeling_x.py tokenizer.json",
     );
     for shard in [
         "model-00001-of-00002.safetensors",
@@ -55,14 +50,9 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
         &packed,
         &["--max-shard-size", "1GB", "-q"],
     ));
-    assert_eq!(
-        listing(&packed),
-        [
-            "config.json",
-            "model.safetensors",
-            "modeling_x.py",
-            "tokenizer.json"
-        ]
+    assert_listing(
+        &packed,
+        "config.json model.safetensors modeling_x.py tokenizer.json",
     );
     assert_eq!(load_all(&packed).len(), tensors.len());
     // Unchanged config is copied verbatim.
@@ -425,25 +415,16 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
     std::fs::write(out.join("model-00001-of-00009.safetensors"), "stale").unwrap();
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     let err = fails(&cmd("passthrough", &src, &out, &[]));
-    assert!(
-        err.contains("not empty") && err.contains("--force"),
-        "{err}"
-    );
+    assert_mentions(&err, &["not empty", "--force"]);
     ok(&passthrough(
         &src,
         &out,
         &["--force", "-q", "--max-shard-size", "1GB"],
     ));
     // Stale shards are replaced; unrelated files stay.
-    assert_eq!(
-        listing(&out),
-        [
-            "config.json",
-            "model.safetensors",
-            "modeling_x.py",
-            "notes.txt",
-            "tokenizer.json"
-        ]
+    assert_listing(
+        &out,
+        "config.json model.safetensors modeling_x.py notes.txt tokenizer.json",
     );
     assert_eq!(load_all(&out).len(), 11);
 }
@@ -533,11 +514,9 @@ fn cross_shard_faults_are_caught_before_output() {
     write_file(&dup.join("x-1.safetensors"), std::slice::from_ref(&a));
     write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
     let err = fails(&cmd("passthrough", &dup, &out, &[]));
-    assert!(
-        err.contains("`a` is defined twice")
-            && err.contains("x-1.safetensors")
-            && err.contains("x-2.safetensors"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["`a` is defined twice", "x-1.safetensors", "x-2.safetensors"],
     );
 
     // Missing shard.
@@ -545,11 +524,9 @@ fn cross_shard_faults_are_caught_before_output() {
     write_sharded(&miss, &[vec![a.clone()], vec![b.clone()]]);
     std::fs::remove_file(miss.join("model-00002-of-00002.safetensors")).unwrap();
     let err = fails(&cmd("passthrough", &miss, &out, &[]));
-    assert!(
-        err.contains("shard `model-00002-of-00002.safetensors`")
-            && err.contains("`b`")
-            && err.contains("missing"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["shard `model-00002-of-00002.safetensors`", "`b`", "missing"],
     );
 
     // Index entry whose tensor is not in its shard.
@@ -562,11 +539,13 @@ fn cross_shard_faults_are_caught_before_output() {
     );
     std::fs::write(&idx, text).unwrap();
     let err = fails(&cmd("passthrough", &wrong, &out, &[]));
-    assert!(
-        err.contains("model-00001-of-00002.safetensors")
-            && err.contains("`b`")
-            && err.contains("does not contain"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &[
+            "model-00001-of-00002.safetensors",
+            "`b`",
+            "does not contain",
+        ],
     );
 
     // Index pointing outside the directory.
@@ -804,9 +783,6 @@ fn full_disk_is_refused_before_writing() {
     let out = small.join("out");
     let err = fails(&cmd("passthrough", &src, &out, &[]));
     let _ = std::process::Command::new("umount").arg(&small).status();
-    assert!(
-        err.contains("not enough space") && err.contains("out"),
-        "{err}"
-    );
+    assert_mentions(&err, &["not enough space", "out"]);
     assert!(!out.exists());
 }

@@ -57,8 +57,7 @@ fn training_dir(root: &Path) -> PathBuf {
 
 #[test]
 fn merge_dcp_lora_equals_peft_merge() {
-    let d = tmp();
-    let out = d.path().join("out");
+    let (_d, out) = tmp_out();
     let o = tftf(&[
         "merge-dcp-lora",
         "-b",

@@ -203,14 +203,8 @@ fn missing_and_orphan_scales_fail_before_output() {
         err.contains("model.safetensors: FP8 weight `a.weight` has no scale"),
         "{err}"
     );
-    assert!(
-        err.contains("`a.weight_scale_inv`") && err.contains("`a.scale`"),
-        "{err}"
-    );
-    assert!(
-        err.contains("(and 1 more weights)") && err.contains("--allow-unscaled-fp8"),
-        "{err}"
-    );
+    assert_mentions(&err, &["`a.weight_scale_inv`", "`a.scale`"]);
+    assert_mentions(&err, &["(and 1 more weights)", "--allow-unscaled-fp8"]);
     assert!(!out.exists());
     ok(&convert(
         "dequant-fp8",
@@ -265,10 +259,7 @@ fn bad_scales_fail_with_the_tensor_named() {
             .tensor("w.weight_scale_inv", sdtype, &sshape, sbytes)
             .write(&src);
         let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
-        assert!(
-            err.contains("scale `w.weight_scale_inv` of `w.weight`") && err.contains(needle),
-            "{err}"
-        );
+        assert_mentions(&err, &["scale `w.weight_scale_inv` of `w.weight`", needle]);
         assert!(!out.exists());
     }
     // A block size that contradicts config.json is a usage error.

@@ -31,8 +31,7 @@ const CASES: [&str; 16] = [
 
 /// Runs `tftf <cmd> -i <case>/model -o out` and checks the output against the library's.
 fn dequant_matches(cmd: &str, case: &str, extra: &[&str]) -> tempfile::TempDir {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let model = fixture(&format!("quant/{case}/model"));
     ok(&convert(cmd, &model, &out, &[&["-q"][..], extra].concat()));
     let got = load_all(&out);
@@ -84,8 +83,7 @@ fn chunking_and_threads_never_change_a_byte() {
 
 #[test]
 fn f32_output_is_the_same_values_unrounded() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     let model = fixture("quant/ct_mxfp4a16/model");
     ok(&convert("dequant", &model, &out, &["--dtype", "f32", "-q"]));
     let got = load_all(&out);
@@ -103,8 +101,7 @@ fn f32_output_is_the_same_values_unrounded() {
 
 #[test]
 fn activation_and_kv_scales_are_dropped_and_reported() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let report = dir.path().join("report.json");
     let model = fixture("quant/modelopt_nvfp4/model");
     ok(&convert(
@@ -224,11 +221,13 @@ fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
         r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
     std::fs::write(model.join("config.json"), cfg).unwrap();
     let err = refused(&model, &dir.path().join("out"));
-    assert!(
-        err.contains("model.layers.0.mlp.down_proj.weight_packed")
-            && err.contains("compressed-tensors NVFP4")
-            && err.contains("quant_method `fp8`"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &[
+            "model.layers.0.mlp.down_proj.weight_packed",
+            "compressed-tensors NVFP4",
+            "quant_method `fp8`",
+        ],
     );
 }
 
@@ -247,10 +246,7 @@ fn a_model_with_nothing_to_decode_is_an_error() {
     );
     let out = dir.path().join("out");
     let err = refused(&model, &out);
-    assert!(
-        err.contains("nothing to dequantise") && err.contains("--allow-empty"),
-        "{err}"
-    );
+    assert_mentions(&err, &["nothing to dequantise", "--allow-empty"]);
     ok(&convert("dequant", &model, &out, &["--allow-empty", "-q"]));
 }
 
@@ -260,10 +256,7 @@ fn a_scale_of_the_wrong_shape_is_refused() {
     let scale = "model.layers.0.mlp.up_proj.weight_scale";
     let model = edited_tensor("ct_mxfp4a16", dir.path(), scale, |t| t.2 = vec![32, 2]);
     let err = refused(&model, &dir.path().join("out"));
-    assert!(
-        err.contains(&format!("scale `{scale}`")) && err.contains("[16, 4]"),
-        "{err}"
-    );
+    assert_mentions(&err, &[&format!("scale `{scale}`"), "[16, 4]"]);
 }
 
 #[test]
@@ -283,10 +276,7 @@ fn a_gptq_group_index_outside_the_scales_is_an_error_naming_the_weight() {
         t.3[..4].copy_from_slice(&9i32.to_le_bytes())
     });
     let err = refused(&model, &dir.path().join("out"));
-    assert!(
-        err.contains("model.layers.0.self_attn.o_proj") && err.contains("g_idx[0] is 9"),
-        "{err}"
-    );
+    assert_mentions(&err, &["model.layers.0.self_attn.o_proj", "g_idx[0] is 9"]);
 }
 
 #[test]
@@ -297,26 +287,27 @@ fn gptq_bits_that_disagree_with_the_packing_are_refused() {
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, text.replace("\"bits\": 8", "\"bits\": 4")).unwrap();
     let err = fails(&cmd("dequant", &model, &dir.path().join("out"), &[]));
-    assert!(
-        err.contains("qweight") && err.contains("8-bit codes but config.json says bits 4"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["qweight", "8-bit codes but config.json says bits 4"],
     );
     assert!(!err.contains("--allow-unscaled-fp8"), "{err}");
 }
 
 #[test]
 fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let model = fixture("quant/modelopt_nvfp4/model");
     let report = dir.path().join("report.json");
     let extra = ["--keep-kv-scales", "--report", s(&report), "-q"];
     ok(&convert("dequant", &model, &out, &extra));
     let report = std::fs::read_to_string(&report).unwrap();
-    assert!(
-        report.contains("kept 2 KV-cache scales (--keep-kv-scales)")
-            && report.contains("model.layers.0.mlp.down_proj.input_scale"),
-        "{report}"
+    assert_mentions(
+        &report,
+        &[
+            "kept 2 KV-cache scales (--keep-kv-scales)",
+            "model.layers.0.mlp.down_proj.input_scale",
+        ],
     );
     let got = load_all(&out);
     let input = load_all(&model.join("model.safetensors"));

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{cmd, fixture, listing, load_all, s};
+use common::{assert_mentions, cmd, fixture, listing, load_all, s};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -710,10 +710,7 @@ fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_stagin
                 }
                 "refused" => {
                     assert_eq!((registers, direct), (0, Some(0)), "{name} {cmd}");
-                    assert!(
-                        err.contains(note) && err.contains("cuMemHostRegister"),
-                        "{err}"
-                    );
+                    assert_mentions(&err, &[note, "cuMemHostRegister"]);
                     assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0);
                 }
                 _ => {

@@ -6,6 +6,7 @@ mod common;
 
 use std::path::Path;
 
+use common::assert_mentions;
 use common::gguf::{gguf_fixture as fixture, read_gguf_fixture as read, read_header as parse};
 use serde_json::Value as Json;
 use tftf::error::Error;
@@ -395,6 +396,18 @@ fn llama3_rope_freqs_match_a_float32_port() {
     }
 }
 
+/// The architectures with config fixtures (`configs/{name}.*.json`).
+const ARCHS: [&str; 8] = [
+    "llama3",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "gptoss",
+    "deepseekv3",
+];
+
 fn config(name: &str) -> Config {
     Config::load(&fixture(&format!("configs/{name}.config.json"))).unwrap()
 }
@@ -427,16 +440,7 @@ fn config_defaults_match_transformers_to_dict() {
         "n_shared_experts",
         "routed_scaling_factor",
     ];
-    for name in [
-        "llama3",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen3",
-        "qwen3moe",
-        "gptoss",
-        "deepseekv3",
-    ] {
+    for name in ARCHS {
         let cfg = config(name);
         let td: Json =
             serde_json::from_slice(&read(&format!("configs/{name}.to_dict.json"))).unwrap();
@@ -765,10 +769,7 @@ fn an_unsupported_architecture_names_the_supported_ones() {
     let err = Config::from_json(Path::new("config.json"), json).unwrap_err();
     assert!(matches!(err, Error::GgufUnsupportedArch { .. }));
     let msg = err.to_string();
-    assert!(
-        msg.contains("FalconForCausalLM") && msg.contains("DeepseekV3ForCausalLM"),
-        "{msg}"
-    );
+    assert_mentions(&msg, &["FalconForCausalLM", "DeepseekV3ForCausalLM"]);
 }
 
 #[test]
@@ -782,10 +783,7 @@ fn pre_tokenizer_hash_matches_python_tokenizers() {
     let err = tokenizer::vocab_kvs(&dir, Some(410), None).unwrap_err();
     assert!(matches!(err, Error::GgufUnknownPreTokenizer { .. }));
     let msg = err.to_string();
-    assert!(
-        msg.contains(want.trim()) && msg.contains("--vocab-pre"),
-        "{msg}"
-    );
+    assert_mentions(&msg, &[want.trim(), "--vocab-pre"]);
 }
 
 #[test]
@@ -911,16 +909,7 @@ fn bad_config_and_tokenizer_files_are_named_in_the_error() {
 /// type to MOSTLY_MXFP4_MOE later, in `prepare_metadata`, once it has seen MXFP4 tensors.)
 #[test]
 fn hparam_kvs_equal_the_reference_set_gguf_parameters() {
-    for name in [
-        "llama3",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen3",
-        "qwen3moe",
-        "gptoss",
-        "deepseekv3",
-    ] {
+    for name in ARCHS {
         let cfg = config(name);
         let m = arch::model_kvs(&cfg, FileType::MostlyBf16, "x").unwrap();
         let want: Vec<Json> =

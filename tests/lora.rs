@@ -13,8 +13,7 @@ use tftf::format::dtype::DType;
 /// something is merged, and every adapter pair matched.
 fn check_case(case: &str) {
     let dir = peft_case(case);
-    let d = tmp();
-    let out = d.path().join("out");
+    let (d, out) = tmp_out();
     let rep = d.path().join("r.json");
     ok(&tftf(&merge_lora(
         &dir.join("base"),
@@ -62,8 +61,7 @@ fn peft_modules_to_save() {
     check_case("modules-to-save");
     // The replacement is PEFT's copy, bit for bit.
     let dir = peft_case("modules-to-save");
-    let d = tmp();
-    let out = d.path().join("out");
+    let (_d, out) = tmp_out();
     ok(&tftf(&merge_lora(
         &dir.join("base"),
         &dir.join("adapter"),
@@ -79,8 +77,7 @@ fn peft_modules_to_save() {
 #[test]
 fn bad_adapters_fail_before_any_output() {
     let case = peft_case("llama-lora-f32");
-    let d = tmp();
-    let out = d.path().join("out");
+    let (d, out) = tmp_out();
     let base = case.join("base");
 
     // Missing adapter_config.json.
@@ -92,10 +89,7 @@ fn bad_adapters_fail_before_any_output() {
     )
     .unwrap();
     let err = fails(&merge_lora(&base, &no_cfg, &out, &[]));
-    assert!(
-        err.contains("adapter_config.json not found") && err.contains("--adapter-config"),
-        "{err}"
-    );
+    assert_mentions(&err, &["adapter_config.json not found", "--adapter-config"]);
     assert!(!out.exists());
 
     // Unmatched keys: a LoRA pair for a module the base does not have, and a lone lora_A.
@@ -168,10 +162,7 @@ fn bad_adapters_fail_before_any_output() {
     )
     .unwrap();
     let err = fails(&merge_lora(&base, &wrong, &out, &[]));
-    assert!(
-        err.contains("lora_A has rank 4") && err.contains("says 8"),
-        "{err}"
-    );
+    assert_mentions(&err, &["lora_A has rank 4", "says 8"]);
     assert!(!out.exists());
 }
 
@@ -341,48 +332,32 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
         &whole,
         &["-q"],
     )));
+    let base = case.join("base");
+    // `merge-fsdp-lora -b BASE SHARDS... -o OUT EXTRA...`.
+    let fsdp = |shards: &[&str], out: &Path, extra: &[&str]| {
+        let args = [
+            &["merge-fsdp-lora", "-b", s(&base)][..],
+            shards,
+            &["-o", s(out)],
+        ];
+        tftf(&[&args.concat()[..], extra].concat())
+    };
     let by_dir = d.path().join("by-dir");
-    ok(&tftf(&[
-        "merge-fsdp-lora",
-        "-b",
-        s(&case.join("base")),
-        "--shard-dir",
-        s(&ranks),
-        "-o",
-        s(&by_dir),
-        "-q",
-    ]));
+    ok(&fsdp(&["--shard-dir", s(&ranks)], &by_dir, &["-q"]));
     assert_eq!(load_all(&by_dir), load_all(&whole));
     let by_files = d.path().join("by-files");
-    ok(&tftf(&[
-        "merge-fsdp-lora",
-        "-b",
-        s(&case.join("base")),
-        "-s",
-        s(&files[0]),
-        "-s",
-        s(&files[1]),
-        "-o",
-        s(&by_files),
-        "-q",
-    ]));
+    let in_order = ["-s", s(&files[0]), "-s", s(&files[1])];
+    ok(&fsdp(&in_order, &by_files, &["-q"]));
     assert_eq!(load_all(&by_files), load_all(&whole));
     // Wrong rank order changes the assembled tensors: the result must differ.
     let swapped = d.path().join("swapped");
-    ok(&tftf(&[
-        "merge-fsdp-lora",
-        "-b",
-        s(&case.join("base")),
-        "-s",
-        s(&files[1]),
-        "-s",
-        s(&files[0]),
-        "-o",
-        s(&swapped),
-        "-q",
-        "--adapter-config",
-        s(&ranks.join("adapter_config.json")),
-    ]));
+    let cfg = ranks.join("adapter_config.json");
+    let reversed = ["-s", s(&files[1]), "-s", s(&files[0])];
+    ok(&fsdp(
+        &reversed,
+        &swapped,
+        &["-q", "--adapter-config", s(&cfg)],
+    ));
     assert_ne!(load_all(&swapped), load_all(&whole));
     // A rank missing a slice is an error before output.
     let bad = d.path().join("bad");
@@ -403,19 +378,10 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     )
     .unwrap();
     let out = d.path().join("out");
-    let err = fails(&[
-        "merge-fsdp-lora",
-        "-b",
-        s(&case.join("base")),
-        "--shard-dir",
-        s(&bad),
-        "-o",
-        s(&out),
-    ]);
-    assert!(
-        err.contains("rank-1.safetensors") && err.contains("mismatched rank slices"),
-        "{err}"
-    );
+    let o = fsdp(&["--shard-dir", s(&bad)], &out, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_mentions(&err, &["rank-1.safetensors", "mismatched rank slices"]);
     assert!(!out.exists());
 }
 
@@ -594,8 +560,7 @@ fn run_section_merges_then_renames() {
 /// fit neither base layout. Named errors, no output.
 #[test]
 fn unmergeable_dora_and_grouped_factors_fail_before_output() {
-    let d = tmp();
-    let out = d.path().join("out");
+    let (d, out) = tmp_out();
 
     // GPT-2 (Conv1D, fan_in_fan_out) adapter plus a DoRA magnitude on c_attn.
     let case = peft_case("gpt2-fan-in-fan-out");

@@ -209,9 +209,9 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
     let at = changed.iter().position(|a| *a == "f32").unwrap();
     changed[at] = "f16";
     let e = fails(&changed);
-    assert!(
-        e.contains("cannot resume part 1/1") && e.contains("the arguments differ (dtype)"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["cannot resume part 1/1", "the arguments differ (dtype)"],
     );
     // A shard modified after its commit is written again, not kept.
     let first_shard = listing(&out)
@@ -244,11 +244,13 @@ fn parts_with_different_arguments_or_inputs_are_refused() {
     let at = other.iter().position(|a| *a == "f32").unwrap();
     other[at] = "bf16";
     let e = fails(&other);
-    assert!(
-        e.contains("part 1/2")
-            && e.contains("was run with different arguments or inputs")
-            && e.contains("dtype"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &[
+            "part 1/2",
+            "was run with different arguments or inputs",
+            "dtype",
+        ],
     );
     // Another part count.
     let e = fails(&run_args(&input, &out, &["--part", "2/3"]));
@@ -297,10 +299,7 @@ fn finalize_names_missing_damaged_and_changed_records() {
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() - 1]).unwrap();
     let e = fails(&["finalize", s(&out)]);
-    assert!(
-        e.contains(&name) && e.contains("rerun part") && e.contains("with --resume"),
-        "{e}"
-    );
+    assert_mentions(&e, &[&name, "rerun part", "with --resume"]);
     std::fs::write(&shard, &bytes).unwrap();
     // A damaged record.
     let hdr = out.join(".tftf-parts/part-00003-of-00003.json");
@@ -384,9 +383,9 @@ fn a_part_refuses_a_directory_with_an_interrupted_plain_commit() {
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join(".tftf-commit.json"), "{}").unwrap();
     let e = fails(&run_args(&input, &out, &["--part", "1/2"]));
-    assert!(
-        e.contains("holds a commit a killed run left half done") && e.contains("tftf recover"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["holds a commit a killed run left half done", "tftf recover"],
     );
     // Nothing written: no parts directory, no shard.
     assert_eq!(listing(&out), vec![".tftf-commit.json".to_string()]);

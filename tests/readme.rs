@@ -78,11 +78,13 @@ fn validate_pipe_rename_reports_name_collisions() {
     ]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let text = stdout(&o);
-    assert!(
-        text.contains("`model.layers.0.self_attn.q_proj.weight`")
-            && text.contains("`model.layers.1.self_attn.q_proj.weight`")
-            && text.contains("`blk.self_attn.q_proj.weight`"),
-        "{text}"
+    assert_mentions(
+        &text,
+        &[
+            "`model.layers.0.self_attn.q_proj.weight`",
+            "`model.layers.1.self_attn.q_proj.weight`",
+            "`blk.self_attn.q_proj.weight`",
+        ],
     );
 
     for bad in ["rename:no-replacement", r"rename:(unclosed=x"] {

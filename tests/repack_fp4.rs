@@ -313,9 +313,9 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     v4_model(&src);
     let out = d.path().join("out");
     let err = fails(&cmd("repack-fp4", &src, &out, &["--require-lossless"]));
-    assert!(
-        err.contains("`layers.0.ffn.experts.1.w1.weight`") && err.contains("2 of 256 blocks"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["`layers.0.ffn.experts.1.w1.weight`", "2 of 256 blocks"],
     );
     assert!(!out.exists());
     // Dry run reports the choice without writing.

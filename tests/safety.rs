@@ -103,10 +103,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
         &dir,
         &["--force"],
     ));
-    assert!(
-        err.contains("refusing to replace") && err.contains("model.safetensors"),
-        "{err}"
-    );
+    assert_mentions(&err, &["refusing to replace", "model.safetensors"]);
     assert_eq!(snapshot(&dir), before);
 }
 
@@ -117,9 +114,9 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     let out = d.path().join("out");
     let shard = src.join("model-00001-of-00002.safetensors");
     let err = usage_error(&cmd("passthrough", &src, &out, &["--report", s(&shard)]));
-    assert!(
-        err.contains("refusing to write the report over") && err.contains("model-00001-of-00002"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["refusing to write the report over", "model-00001-of-00002"],
     );
     assert!(!out.exists());
     // Also when the run is refused for another reason first.
@@ -173,10 +170,12 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
     }
     let before = snapshot(&real);
     let err = usage_error(&cmd("passthrough", &src, &real, &["--force"]));
-    assert!(
-        err.contains("refusing to replace")
-            && err.contains(s(&real.join("model-00001-of-00002.safetensors"))),
-        "{err}"
+    assert_mentions(
+        &err,
+        &[
+            "refusing to replace",
+            s(&real.join("model-00001-of-00002.safetensors")),
+        ],
     );
     assert_eq!(snapshot(&real), before);
 
@@ -236,18 +235,11 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
     ok(&passthrough(&src, &out, &["--force", "-q"]));
-    assert_eq!(
-        listing(&out),
-        [
-            "config.json",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json",
-            "modeling_x.py",
-            "notes.txt",
-            "tokenizer.json",
-            "weights-v2.safetensors"
-        ]
+    assert_listing(
+        &out,
+        "config.json model-00001-of-00002.safetensors \
+         model-00002-of-00002.safetensors model.safetensors.index.json \
+         modeling_x.py notes.txt tokenizer.json weights-v2.safetensors",
     );
 }
 

@@ -17,42 +17,13 @@ fn torch_fixture(rel: &str) -> PathBuf {
 
 type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
 
-/// Tensors of a safetensors file, or of every `.safetensors` file of a folder, through the
-/// `safetensors` crate (the expected twins carry no `format` metadata requirement).
+/// [`load_tensors`] without the `format` metadata requirement (the expected twins carry none).
 fn read_safetensors(path: &Path) -> Tensors {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
-    };
-    let mut out = BTreeMap::new();
-    for f in files {
-        let bytes = std::fs::read(&f).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
-        for (name, view) in st.tensors() {
-            let prev = out.insert(
-                name.clone(),
-                (
-                    format!("{:?}", view.dtype()),
-                    view.shape().to_vec(),
-                    view.data().to_vec(),
-                ),
-            );
-            assert!(prev.is_none(), "{name} twice");
-        }
-    }
-    out
+    load_tensors(path, false)
 }
 
 fn report(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    read_json(path)
 }
 
 /// `tftf passthrough input -o out --report …`; returns the report.
@@ -115,8 +86,7 @@ fn cases() -> Vec<(&'static str, PathBuf, PathBuf)> {
 #[test]
 fn passthrough_of_every_torch_input_equals_expected_twin() {
     for (name, input, expected) in cases() {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         let r = passthrough(&input, &out, &[]);
         let got = read_safetensors(&out);
         let want = read_safetensors(&expected);
@@ -159,8 +129,7 @@ fn single_file_output_under_the_smallest_budget_matches_too() {
 
 #[test]
 fn side_files_follow_the_weights() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     passthrough(&torch_fixture("bin/hf-sharded"), &out, &[]);
     assert_eq!(
         std::fs::read(out.join("config.json")).unwrap(),
@@ -179,8 +148,7 @@ fn side_files_follow_the_weights() {
         torch_fixture("dcp/lora-2rank"),
         torch_fixture("dcp/lora-2rank/pytorch_model_fsdp_0"),
     ] {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         passthrough(&input, &out, &[]);
         assert_eq!(listing(&out), ["model.safetensors"], "{}", input.display());
     }
@@ -342,8 +310,7 @@ fn casting_a_dcp_checkpoint_reads_its_chunks() {
 
 #[test]
 fn malicious_pickle_is_refused_and_nothing_is_created() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let input = torch_fixture("bin/malicious/pytorch_model.bin");
     for cmd in [
         vec!["passthrough", s(&input), "-o", s(&out)],

@@ -33,14 +33,13 @@ pub type T = (String, DType, Vec<u64>, Vec<u8>);
 /// `tests/fixtures/<rel>`, the golden data kept in the repository (its README says what made
 /// it); panics naming the path when it is missing.
 pub fn fixture(rel: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel);
-    assert!(
-        path.exists(),
-        "test fixture `{}` is missing (it is part of the repository: restore it with git)",
-        path.display()
-    );
+    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).join(rel);
+    if !path.exists() {
+        panic!(
+            "test fixture `{}` is missing (it is part of the repository: restore it with git)",
+            path.display()
+        );
+    }
     path
 }
 
@@ -188,6 +187,13 @@ pub fn ok(o: &Output) {
     );
 }
 
+/// Asserts that `text` (a message, an output) contains every one of `needles`.
+pub fn assert_mentions(text: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(text.contains(needle), "{needle:?} not in: {text}");
+    }
+}
+
 /// A fresh temporary directory, removed when dropped.
 pub fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
@@ -216,47 +222,65 @@ pub fn usage_error(args: &[&str]) -> String {
     exits_with(2, "a usage error", args)
 }
 
-/// All tensors of an output, read through the `safetensors` crate's strict loader.
+/// All tensors of an output, read through the `safetensors` crate's strict loader; every file
+/// must carry `format=pt` metadata.
 pub fn load_all(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .unwrap()
+    load_tensors(path, true)
+}
+
+/// Tensors of a safetensors file, or of every `.safetensors` file of a folder, through the
+/// `safetensors` crate: name -> (dtype, shape, bytes). With `format_pt`, each file must carry
+/// `format=pt` metadata.
+pub fn load_tensors(
+    path: &Path,
+    format_pt: bool,
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(path) {
+        Ok(rd) if path.is_dir() => rd
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
+            .collect(),
+        _ => vec![path.to_path_buf()],
     };
+    files.sort();
     let mut out = std::collections::BTreeMap::new();
     for f in files {
         let bytes = std::fs::read(&f).unwrap();
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(
-            meta.metadata()
-                .as_ref()
-                .and_then(|m| m.get("format"))
-                .map(String::as_str),
-            Some("pt"),
-            "{} lacks format=pt",
-            f.display()
-        );
+        if format_pt {
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            assert_eq!(
+                meta.metadata()
+                    .as_ref()
+                    .and_then(|m| m.get("format"))
+                    .map(String::as_str),
+                Some("pt"),
+                "{} lacks format=pt",
+                f.display()
+            );
+        }
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
         for (name, view) in st.tensors() {
-            let prev = out.insert(
-                name.clone(),
-                (
-                    format!("{:?}", view.dtype()),
-                    view.shape().to_vec(),
-                    view.data().to_vec(),
-                ),
+            let entry = (
+                format!("{:?}", view.dtype()),
+                view.shape().to_vec(),
+                view.data().to_vec(),
             );
-            assert!(prev.is_none(), "{name} twice");
+            assert!(out.insert(name.clone(), entry).is_none(), "{name} twice");
         }
     }
     out
+}
+
+/// Asserts that the names [`listing`] gives for `dir` are exactly the whitespace-separated
+/// names of `want`, in order.
+pub fn assert_listing(dir: &Path, want: &str) {
+    assert_eq!(
+        listing(dir),
+        want.split_whitespace().collect::<Vec<_>>(),
+        "files of {}",
+        dir.display()
+    );
 }
 
 /// Files (recursively) under `dir`, relative names, sorted.
