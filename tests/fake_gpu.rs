@@ -377,39 +377,42 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
     same_figures("nvfp4-requant");
 }
 
+/// The fixture input `quantize` takes for `scheme` (int schemes need columns that 128
+/// divides) and the kernels the scheme runs.
+fn quantize_case(scheme: &str) -> (PathBuf, &'static [&'static str]) {
+    let input = fixture(if scheme.starts_with('W') {
+        "quantize/input_even"
+    } else {
+        "quantize/input"
+    });
+    let kernels: &[&str] = if scheme.starts_with("FP8") {
+        &[
+            "tftf_quantize_fp8_amax",
+            "tftf_quantize_fp8_scales",
+            "tftf_quantize_fp8_codes",
+        ]
+    } else {
+        &["tftf_quantize_groups"]
+    };
+    (input, kernels)
+}
+
 /// `tftf quantize` on the GPU path: every scheme runs its kernels and writes
 /// llm-compressor's bytes, as the CPU does; a NaN weight is refused by the kernel and named by
 /// the CPU op.
 #[test]
 fn quantize_runs_its_kernels_and_equals_llm_compressor() {
-    for (scheme, kernels) in [
-        (
-            "FP8_DYNAMIC",
-            &[
-                "tftf_quantize_fp8_amax",
-                "tftf_quantize_fp8_scales",
-                "tftf_quantize_fp8_codes",
-            ][..],
-        ),
-        (
-            "FP8_BLOCK",
-            &[
-                "tftf_quantize_fp8_amax",
-                "tftf_quantize_fp8_scales",
-                "tftf_quantize_fp8_codes",
-            ][..],
-        ),
-        ("W8A16", &["tftf_quantize_groups"][..]),
-        ("W4A16", &["tftf_quantize_groups"][..]),
-        ("NVFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP8A16", &["tftf_quantize_groups"][..]),
-    ] {
-        let input = fixture(if scheme.starts_with('W') {
-            "quantize/input_even"
-        } else {
-            "quantize/input"
-        });
+    let schemes = [
+        "FP8_DYNAMIC",
+        "FP8_BLOCK",
+        "W8A16",
+        "W4A16",
+        "NVFP4A16",
+        "MXFP4A16",
+        "MXFP8A16",
+    ];
+    for scheme in schemes {
+        let (input, kernels) = quantize_case(scheme);
         let pairs = cpu_vs_gpu(
             &format!("quantize-{scheme}"),
             &["quantize", "-i", s(&input), "--scheme", scheme],
@@ -471,24 +474,16 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// ModelOpt's bytes; its W4A16 output dequantises on the GPU to ModelOpt's values.
 #[test]
 fn modelopt_quantize_and_int4_dequant_run_their_kernels_and_equal_modelopt() {
-    let fp8 = [
-        "tftf_quantize_fp8_amax",
-        "tftf_quantize_fp8_scales",
-        "tftf_quantize_fp8_codes",
+    let schemes = [
+        "FP8_BLOCK",
+        "FP8_DYNAMIC",
+        "NVFP4A16",
+        "MXFP4A16",
+        "MXFP8A16",
+        "W4A16",
     ];
-    for (scheme, kernels) in [
-        ("FP8_BLOCK", &fp8[..]),
-        ("FP8_DYNAMIC", &fp8[..]),
-        ("NVFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP8A16", &["tftf_quantize_groups"][..]),
-        ("W4A16", &["tftf_quantize_groups"][..]),
-    ] {
-        let input = fixture(if scheme.starts_with('W') {
-            "quantize/input_even"
-        } else {
-            "quantize/input"
-        });
+    for scheme in schemes {
+        let (input, kernels) = quantize_case(scheme);
         let name = format!("quantize-modelopt-{scheme}");
         let pairs = cpu_vs_gpu(
             &name,

@@ -26,6 +26,12 @@ fn check_case(case: &str) {
     assert_all_matched(case, &merge_lora_report(&rep));
 }
 
+/// Copies `from/adapter_config.json` into the folder `to`.
+fn copy_config(from: &Path, to: &Path) {
+    let name = "adapter_config.json";
+    std::fs::copy(from.join(name), to.join(name)).unwrap();
+}
+
 #[test]
 fn peft_llama_lora_f32() {
     check_case("llama-lora-f32");
@@ -116,11 +122,7 @@ fn bad_adapters_fail_before_any_output() {
             &[8, 64],
         )
         .write_file(&extra.join("more.safetensors"));
-    std::fs::copy(
-        case.join("adapter/adapter_config.json"),
-        extra.join("adapter_config.json"),
-    )
-    .unwrap();
+    copy_config(&case.join("adapter"), &extra);
     // Nothing in it matches: refused as a whole, with or without --allow-unmatched, unless
     // --allow-empty (then the model passes through).
     let more = extra.join("more.safetensors");
@@ -156,11 +158,7 @@ fn bad_adapters_fail_before_any_output() {
             &[64, 4],
         )
         .write(&wrong);
-    std::fs::copy(
-        case.join("adapter/adapter_config.json"),
-        wrong.join("adapter_config.json"),
-    )
-    .unwrap();
+    copy_config(&case.join("adapter"), &wrong);
     let err = fails(&merge_lora(&base, &wrong, &out, &[]));
     assert_mentions(&err, &["lora_A has rank 4", "says 8"]);
     assert!(!out.exists());
@@ -320,11 +318,7 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     let ranks = d.path().join("ranks");
     std::fs::create_dir_all(&ranks).unwrap();
     let files = split_ranks(&case.join("adapter/adapter_model.safetensors"), &ranks, 2);
-    std::fs::copy(
-        case.join("adapter/adapter_config.json"),
-        ranks.join("adapter_config.json"),
-    )
-    .unwrap();
+    copy_config(&case.join("adapter"), &ranks);
     let whole = d.path().join("whole");
     ok(&tftf(&merge_lora(
         &case.join("base"),
@@ -372,11 +366,7 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
             &[4, 64],
         )
         .write_file(&bad.join("rank-1.safetensors"));
-    std::fs::copy(
-        ranks.join("adapter_config.json"),
-        bad.join("adapter_config.json"),
-    )
-    .unwrap();
+    copy_config(&ranks, &bad);
     let out = d.path().join("out");
     let o = fsdp(&["--shard-dir", s(&bad)], &out, &[]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
@@ -589,11 +579,7 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     // An adapter file without tensors.
     let empty = d.path().join("empty");
     Model::adapter().write(&empty);
-    std::fs::copy(
-        case.join("adapter/adapter_config.json"),
-        empty.join("adapter_config.json"),
-    )
-    .unwrap();
+    copy_config(&case.join("adapter"), &empty);
     let err = fails(&merge_lora(&case.join("base"), &empty, &out, &[]));
     assert!(
         err.contains("adapter_model.safetensors: holds no tensors, so there is nothing to merge"),

@@ -124,6 +124,28 @@ fn q_adapter(dir: &Path, a: [u64; 2], b: [u64; 2], config: &str) -> PathBuf {
         .write(dir)
 }
 
+/// `merge-lora -i SRC --adapter ADAPTER -o OUT` in `dir`, ADAPTER a [`q_adapter`] of the
+/// `lora_A` and `lora_B` shapes `ab` and `config`: [`refused`] with the message
+/// `<adapter file>: <rest>`.
+fn q_merge_refused(dir: &Path, src: &Path, ab: [[u64; 2]; 2], config: &str, rest: &str) {
+    let adapter = q_adapter(&dir.join("adapter"), ab[0], ab[1], config);
+    let out = dir.join("out");
+    let file = adapter.join("adapter_model.safetensors");
+    refused(
+        &[
+            "merge-lora",
+            "-i",
+            s(src),
+            "--adapter",
+            s(&adapter),
+            "-o",
+            s(&out),
+        ],
+        &out,
+        &format!("{}: {rest}", file.display()),
+    );
+}
+
 #[test]
 fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
     let d = tmp();
@@ -131,20 +153,13 @@ fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
     Model::new()
         .tensor("model.q.weight", DType::BF16, &[4, 0], vec![])
         .write(&src);
-    let adapter = q_adapter(
-        &d.path().join("adapter"),
-        [2, 0],
-        [4, 2],
+    let adapter = [[2, 0], [4, 2]];
+    q_merge_refused(
+        d.path(),
+        &src,
+        adapter,
         r#"{"r": 2, "lora_alpha": 4}"#,
-    );
-    let out = d.path().join("out");
-    refused(
-        &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
-        &out,
-        &format!(
-            "{}: `model.q`: base weight `model.q.weight` is [4, 0] with rank 2: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
-            adapter.join("adapter_model.safetensors").display()
-        ),
+        "`model.q`: base weight `model.q.weight` is [4, 0] with rank 2: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
     );
 }
 
@@ -382,21 +397,8 @@ fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
     Model::new()
         .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
         .write(&src);
-    let adapter = q_adapter(
-        &d.path().join("adapter"),
-        [1, 2],
-        [2, 1],
-        r#"{"r": 1, "lora_alpha": 1e300}"#,
-    );
-    let out = d.path().join("out");
-    refused(
-        &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
-        &out,
-        &format!(
-            "{}: `model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json",
-            adapter.join("adapter_model.safetensors").display()
-        ),
-    );
+    let config = r#"{"r": 1, "lora_alpha": 1e300}"#;
+    q_merge_refused(d.path(), &src, [[1, 2], [2, 1]], config, "`model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json");
 }
 
 #[test]

@@ -70,6 +70,15 @@ fn refused(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
     err
 }
 
+/// `quantize -i INPUT -o OUT --scheme SCHEME EXTRA...` into a new temporary folder: a usage
+/// error (exit 2) with no `OUT`; returns stderr.
+fn usage_refused(scheme: &str, input: &Path, extra: &[&str]) -> String {
+    let (_dir, out) = tmp_out();
+    let err = usage_error(&quantize_args(scheme, input, &out, extra));
+    assert!(!out.exists(), "{scheme}: output left behind: {err}");
+    err
+}
+
 /// Quantises the fixture input of `scheme` ([`input_of`]) with `EXTRA` into `out` in a new
 /// temporary folder, asserting success: (folder, `out`).
 fn quantized(scheme: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
@@ -212,15 +221,12 @@ fn dry_run_lists_what_is_quantised_and_what_is_left_alone() {
 
 #[test]
 fn unknown_scheme_is_a_usage_error_naming_the_presets() {
-    let (_dir, out) = tmp_out();
-    let input = input_of("FP8_BLOCK");
-    let err = usage_error(&quantize_args("FP8_BLOCKS", &input, &out, &[]));
+    let err = usage_refused("FP8_BLOCKS", &input_of("FP8_BLOCK"), &[]);
     assert!(err.contains("unknown scheme `FP8_BLOCKS`"), "{err}");
     assert!(
         err.contains("FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16"),
         "{err}"
     );
-    assert!(!out.exists());
 }
 
 /// Scales that overflow are refused, naming the tensor and the group or block, where the
@@ -391,16 +397,9 @@ fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
 
 #[test]
 fn fp8_native_holds_fp8_block_only() {
-    let (_dir, out) = tmp_out();
     let input = input_of("FP8_DYNAMIC");
-    let err = usage_error(&quantize_args(
-        "FP8_DYNAMIC",
-        &input,
-        &out,
-        &["--format", "fp8-native"],
-    ));
+    let err = usage_refused("FP8_DYNAMIC", &input, &["--format", "fp8-native"]);
     assert!(err.contains("use --scheme FP8_BLOCK"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]
@@ -629,17 +628,9 @@ fn modelopt_nvfp4_refuses_an_all_zero_weight_naming_it() {
 
 #[test]
 fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
-    let (_dir, out) = tmp_out();
-    let input = input_of("W8A16");
-    let err = usage_error(&quantize_args(
-        "W8A16",
-        &input,
-        &out,
-        &["--format", "modelopt"],
-    ));
+    let err = usage_refused("W8A16", &input_of("W8A16"), &["--format", "modelopt"]);
     assert!(err.contains("--format modelopt cannot hold W8A16"), "{err}");
     assert!(err.contains("--format compressed-tensors"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]

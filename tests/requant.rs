@@ -24,6 +24,13 @@ fn adapter(dir: &Path) -> PathBuf {
     requant_adapter(dir)
 }
 
+/// A fresh temporary folder with [`adapter`] in `adapter/`: (folder, adapter).
+fn tmp_adapter() -> (tempfile::TempDir, PathBuf) {
+    let dir = tmp();
+    let a = adapter(&dir.path().join("adapter"));
+    (dir, a)
+}
+
 /// The fp8-native (transformers FineGrainedFP8) base, made by `tftf quantize`.
 fn native_base(dir: &Path) -> PathBuf {
     let out = dir.join("native");
@@ -98,8 +105,7 @@ fn check_against_base(base: &Path, out: &Path, scale: &str, nvfp4: bool) -> (Ten
 /// Runs `merge-lora --requant` and the two-step route for an FP8-block base and compares the
 /// merged modules.
 fn fp8_case(base: &Path, scale: &str, quantize_extra: &[&str]) {
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let report = dir.path().join("report.json");
     let o = tftf(&merge_lora(
@@ -194,8 +200,7 @@ fn fp8_native_equals_dequant_merge_then_quantize() {
 #[test]
 fn nvfp4_keeps_the_tensor_scale_and_equals_quantize_with_it() {
     let base = fixture("quantize/NVFP4A16");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let report = dir.path().join("report.json");
     // No flag: an NVFP4 base is requantised by default.
@@ -249,8 +254,7 @@ fn nvfp4_keeps_the_tensor_scale_and_equals_quantize_with_it() {
 #[test]
 fn default_no_requant_and_run_section() {
     let base = fixture("quantize/FP8_BLOCK");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let explicit = dir.path().join("explicit");
     ok(&tftf(&merge_lora(&base, &a, &explicit, &["--requant"])));
     // No flag on an FP8-block base: the same output, whatever threads, chunks and shards.
@@ -326,8 +330,7 @@ fn default_no_requant_and_run_section() {
 #[test]
 fn requant_with_dtype_is_a_usage_error() {
     let base = fixture("quantize/FP8_BLOCK");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let err = usage_error(&merge_lora(
         &base,
@@ -381,8 +384,7 @@ fn requant_with_dtype_is_a_usage_error() {
 #[test]
 fn unsupported_scheme_is_an_error_naming_it() {
     let base = fixture("quantize/FP8_DYNAMIC");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let err = fails(&merge_lora(&base, &a, &out, &["--requant"]));
     assert_mentions(&err, &["--requant supports", "per-channel"]);
