@@ -36,19 +36,12 @@ fn dequant_matches(cmd: &str, case: &str, extra: &[&str]) -> tempfile::TempDir {
     ok(&convert(cmd, &model, &out, &[&["-q"][..], extra].concat()));
     let got = load_all(&out);
     let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{case}: tensor names"
-    );
-    for (name, (dtype, shape, bytes)) in &want {
-        let (gd, gs, gb) = &got[name];
-        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
+    assert_same_tensors(case, &got, &want, |name, _, gb, bytes| {
         if gb != bytes {
             let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
             panic!("{case}: `{name}` differs from the library's decompression at byte {first}");
         }
-    }
+    });
     let cfg = read_json(&out.join("config.json"));
     assert!(cfg.get("quantization_config").is_none(), "{case}: {cfg}");
     assert!(!out.join("hf_quant_config.json").exists(), "{case}");

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{assert_mentions, cmd, fixture, listing, load_all, s};
+use common::{assert_mentions, assert_same_tensors, cmd, fixture, listing, load_all, s};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -187,16 +187,14 @@ fn cpu_vs_gpu(
             "{name}: nothing ran on the GPU"
         );
         assert_eq!(rep["gpu"]["ptx"], "committed");
-        assert_eq!(
-            cpu.keys().collect::<Vec<_>>(),
-            gpu.keys().collect::<Vec<_>>(),
-            "{name}: same tensors"
-        );
-        for (k, (dt, shape, bytes)) in &cpu {
-            let (gdt, gshape, gbytes) = &gpu[k];
-            assert_eq!((dt, shape), (gdt, gshape), "{name}: {k}");
-            pairs.push((k.clone(), dt.clone(), bytes.clone(), gbytes.clone()));
-        }
+        assert_same_tensors(name, &gpu, &cpu, |k, dt, gbytes, bytes| {
+            pairs.push((
+                k.to_string(),
+                dt.to_string(),
+                bytes.to_vec(),
+                gbytes.to_vec(),
+            ))
+        });
         // Unified memory: the kernels used the staging directly and no file differs.
         assert_eq!(
             listing(&work.join("cpu")),

@@ -119,16 +119,9 @@ fn assert_matches_library(case: &str, out: &Path) {
     let want_dir = fixture(&format!("quantize/{case}"));
     let got = load_all(out);
     let want = load_all(&want_dir.join("model.safetensors"));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{case}: tensor names"
-    );
-    for (name, (dtype, shape, bytes)) in &want {
-        let (gd, gs, gb) = &got[name];
-        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
-        assert_same_bytes(case, name, gb, bytes, "llm-compressor's");
-    }
+    assert_same_tensors(case, &got, &want, |name, _, gb, bytes| {
+        assert_same_bytes(case, name, gb, bytes, "llm-compressor's")
+    });
     assert_same_config(case, out, &want_dir);
 }
 

@@ -43,8 +43,6 @@ fn native_base(dir: &Path) -> PathBuf {
     out
 }
 
-type Tensors = std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
-
 fn names_of(module: &str, scale: &str, nvfp4: bool) -> Vec<String> {
     let p = format!("{LAYER}.{module}");
     if nvfp4 {

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
@@ -14,8 +13,6 @@ use common::*;
 fn torch_fixture(rel: &str) -> PathBuf {
     fixture(&format!("torch/{rel}"))
 }
-
-type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
 
 /// [`load_tensors`] without the `format` metadata requirement (the expected twins carry none).
 fn read_safetensors(path: &Path) -> Tensors {

@@ -23,8 +23,6 @@ const Q: &str = "model.layers.0.self_attn.q_proj.weight";
 const V: &str = "model.layers.0.self_attn.v_proj.weight";
 const NORM: &str = "model.norm.weight";
 
-type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
-
 /// `_BASE_TENSORS`: q_proj and v_proj [64, 32] and norm [32], F32 (`torch.randn`).
 fn base_tensors() -> Vec<T> {
     let mut rng = Rng(11);

@@ -283,6 +283,30 @@ pub fn assert_listing(dir: &Path, want: &str) {
     );
 }
 
+/// Tensors as [`load_all`] gives them: name -> (dtype, shape, bytes).
+pub type Tensors = std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+/// Asserts that `got` has exactly the tensor names of `want`, each with `want`'s dtype and
+/// shape (failures start with `what`), then calls `bytes(name, dtype, got, want)` with each
+/// tensor's data, in name order.
+pub fn assert_same_tensors(
+    what: &str,
+    got: &Tensors,
+    want: &Tensors,
+    mut bytes: impl FnMut(&str, &str, &[u8], &[u8]),
+) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: tensor names"
+    );
+    for (name, (dtype, shape, want_bytes)) in want {
+        let (gd, gs, gb) = &got[name];
+        assert_eq!((gd, gs), (dtype, shape), "{what}: `{name}` dtype and shape");
+        bytes(name, dtype, gb, want_bytes);
+    }
+}
+
 /// Files (recursively) under `dir`, relative names, sorted.
 pub fn listing(dir: &Path) -> Vec<String> {
     let mut v = Vec::new();

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{fixture, load_all, read_json};
+use super::{assert_same_tensors, fixture, load_all, read_json};
 
 /// The fixture case `tests/fixtures/peft/<name>`.
 pub fn peft_case(name: &str) -> PathBuf {
@@ -30,23 +30,16 @@ pub fn assert_matches_peft(name: &str, out: &Path) -> Vec<String> {
     let got = load_all(out);
     let want = load_all(&dir.join("merged/model.safetensors"));
     let base = load_all(&dir.join("base/model.safetensors"));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{name}: tensor names"
-    );
     let mut changed = Vec::new();
-    for (t, (dt, shape, bytes)) in &want {
-        let (gdt, gshape, gbytes) = &got[t];
-        assert_eq!((gdt, gshape), (dt, shape), "{name}: {t}");
-        if bytes == &base[t].2 {
+    assert_same_tensors(name, &got, &want, |t, dt, gbytes, bytes| {
+        if bytes == base[t].2 {
             assert_eq!(
                 gbytes, bytes,
                 "{name}: `{t}` PEFT left alone must be bit-identical"
             );
-            continue;
+            return;
         }
-        changed.push(t.clone());
+        changed.push(t.to_string());
         for (i, (x, y)) in floats(dt, gbytes).iter().zip(floats(dt, bytes)).enumerate() {
             if dt == "BF16" {
                 let ulps = (x.to_bits() as i64 - y.to_bits() as i64).abs();
@@ -58,7 +51,7 @@ pub fn assert_matches_peft(name: &str, out: &Path) -> Vec<String> {
                 );
             }
         }
-    }
+    });
     changed
 }
 
