@@ -90,8 +90,7 @@ fn input_forms_file_dir_without_index_and_index_path() {
 
 #[test]
 fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(3);
     let tensors = vec![
         rand_t(&mut rng, "a", DType::U8, &[3000]),
@@ -308,8 +307,7 @@ fn run_applies_sections_in_command_line_order() {
 
 #[test]
 fn output_is_identical_across_threads_budgets_and_copy_modes() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(9);
     // 24 MiB of f32 in one tensor: many chunks under a 16 MiB budget.
     let big = rand_t(&mut rng, "big", DType::F32, &[3 << 10, 2 << 10]);
@@ -432,8 +430,7 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
 /// Writes a model whose single shard has the given raw bytes and expects `passthrough` to fail
 /// with a message containing every `needle`, leaving no output behind.
 fn bad_input(raw: Vec<u8>, needles: &[&str]) {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("model.safetensors"), raw).unwrap();
     let out = d.path().join("out");
@@ -624,8 +621,7 @@ fn info_reports_sizes_totals_and_widest_layer() {
 
 #[test]
 fn validate_reports_non_finite_values_and_pipe_collisions() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     let mut vals: Vec<u8> = [1.0f32, 2.0, f32::NAN, 4.0, f32::INFINITY]
         .iter()
         .flat_map(|v| v.to_le_bytes())
@@ -669,8 +665,7 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
 
 #[test]
 fn validate_lists_every_broken_shard() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     let mut rng = Rng(8);
     Model::new()
         .rand(&mut rng, "a", DType::U8, &[4])
@@ -702,8 +697,7 @@ fn validate_lists_every_broken_shard() {
 
 #[test]
 fn ctrl_c_removes_temporary_output() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(2);
     std::fs::create_dir_all(&src).unwrap();
     // 96 MiB of f32 cast on one thread under a small budget takes well over the poll below.
@@ -760,8 +754,7 @@ fn demo_runs_and_checks_itself() {
 
 #[test]
 fn full_disk_is_refused_before_writing() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(12);
     std::fs::create_dir_all(&src).unwrap();
     write_file(

@@ -80,8 +80,7 @@ fn v3_model(dir: &std::path::Path) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
 
 #[test]
 fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
@@ -135,8 +134,7 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
 
 #[test]
 fn output_is_identical_across_threads_and_budgets() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(4);
     // 8 MiB of FP8 with 128x128 blocks: many chunks under a 16 MiB budget.
     let (rows, cols) = (2048usize, 4096usize);
@@ -272,8 +270,7 @@ fn bad_scales_fail_with_the_tensor_named() {
 
 #[test]
 fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut codes = vec![0x38u8; 2048 * 64];
     codes[1500 * 64 + 17] = 0x7F;
     Model::new()
@@ -312,8 +309,7 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
 
 #[test]
 fn compressed_tensors_weight_scale_multiplies_or_divides() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7F != 0x7F).collect();
     let n = codes.len() as u64; // 254 codes, one row each
     let scales: Vec<f32> = (0..n).map(|i| 0.01 * (i + 1) as f32).collect();
@@ -348,8 +344,7 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
 
 #[test]
 fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(11);
     // Dense E5M2 weight with 32x32 E8M0 blocks, and a 3-D expert stack with per-expert grids.
     let dense: Vec<u8> = (0..64 * 96)
@@ -439,8 +434,7 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
 
 #[test]
 fn run_section_order_dequant_then_cast() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out.safetensors");
     ok(&convert(

@@ -1067,12 +1067,12 @@ fn reference_fp8_blocks(
 ) -> Result<(Vec<u8>, Vec<u8>), String> {
     let rows = (weight.len() / wt.bytes()) as u64 / cols;
     let op = QuantizeRows {
+        block: math,
         scheme: Scheme::Fp8Block,
+        global: 1.0,
         rows,
         cols,
         wt,
-        global: 1.0,
-        block: math,
     };
     let len = |k| op.out_span(k, 0..rows).end as usize;
     let (mut codes, mut scales) = (vec![0u8; len(0)], vec![0u8; len(1)]);

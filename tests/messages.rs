@@ -22,8 +22,7 @@ fn bf16_model(dir: &Path) {
 
 /// A temporary folder with [`bf16_model`] in `in/`: (folder, `in/`, `out/` (not made)).
 fn bf16_in_tmp() -> (tempfile::TempDir, PathBuf, PathBuf) {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     bf16_model(&src);
     let out = d.path().join("out");
     (d, src, out)
@@ -90,8 +89,7 @@ fn report_that_cannot_be_written_after_commit_is_a_warning() {
 
 #[test]
 fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     // Big enough for a block-aligned middle, so a clone is tried.
     Model::new()
         .rand(&mut Rng(22), "w", DType::U8, &[1 << 20])
@@ -126,8 +124,7 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
 
 #[test]
 fn progress_lines_when_stderr_is_not_a_terminal() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(23);
     let big: Vec<u8> = (0..24 << 18)
         .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
@@ -236,8 +233,7 @@ fn validate_problems(dir: &Path, problems: &[&str], checks: &[&str]) {
 
 #[test]
 fn validate_finds_quantised_weights_without_scales() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     let mut rng = Rng(24);
     Model::new()
         .rand(&mut rng, "q.weight", DType::F8_E4M3, &[4, 4])
@@ -262,8 +258,7 @@ fn validate_finds_quantised_weights_without_scales() {
 
 #[test]
 fn validate_finds_a_quantization_config_the_tensors_do_not_match() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     bf16_model(&src);
     let cfg = r#"{"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
     std::fs::write(src.join("config.json"), cfg).unwrap();
@@ -288,8 +283,7 @@ fn validate_finds_a_quantization_config_the_tensors_do_not_match() {
 
 #[test]
 fn validate_finds_a_torch_dtype_no_tensor_has() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     bf16_model(&src);
     std::fs::write(src.join("config.json"), r#"{"torch_dtype": "float32"}"#).unwrap();
     validate_problems(
@@ -303,8 +297,7 @@ fn validate_finds_a_torch_dtype_no_tensor_has() {
 
 #[test]
 fn validate_finds_a_wrong_index_total_size() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(26);
     Model::new()
         .rand(&mut rng, "a", DType::U8, &[4])
@@ -333,8 +326,7 @@ fn validate_finds_a_wrong_index_total_size() {
 
 #[test]
 fn metadata_of_non_strings_says_so() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     std::fs::create_dir_all(&src).unwrap();
     let header = r#"{"__metadata__":{"format":"pt","step":1000},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
     let file = src.join("model.safetensors");
@@ -384,8 +376,7 @@ fn fifos_and_devices_as_input_say_what_they_are() {
 
 #[test]
 fn hidden_appledouble_files_are_ignored_with_a_note() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     bf16_model(&src);
     std::fs::write(
         src.join("._model.safetensors"),
@@ -414,8 +405,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
 
 #[test]
 fn non_utf8_shard_names_work_and_print_escaped() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     std::fs::create_dir_all(&src).unwrap();
     let name = std::ffi::OsStr::from_bytes(b"gewichte-\xe4\x01.safetensors");
     Model::new()
@@ -455,8 +445,7 @@ fn non_utf8_shard_names_work_and_print_escaped() {
 
 #[test]
 fn control_characters_in_names_are_printed_escaped() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let evil = "x\r\u{1b}[2Jy.weight";
     Model::new()
         .rand(&mut Rng(28), evil, DType::F8_E4M3, &[4, 4])

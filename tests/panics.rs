@@ -60,8 +60,7 @@ fn fp8_model(dir: &Path, config: &str) {
 
 #[test]
 fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
     fp8_model(
         &src,
@@ -148,8 +147,7 @@ fn q_merge_refused(dir: &Path, src: &Path, ab: [[u64; 2]; 2], config: &str, rest
 
 #[test]
 fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("model.q.weight", DType::BF16, &[4, 0], vec![])
         .write(&src);
@@ -195,8 +193,7 @@ fn scaled_model(dir: &Path, codes: [u8; 4], scale_name: &str, scale: f32) {
 
 #[test]
 fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
     scaled_model(&src, [0x00, 0x38, 0x38, 0x38], "w.weight_scale", 0.0);
     let args = cmd("dequant-fp8", &src, &out, &["--scale-mode", "divide"]);
@@ -222,8 +219,7 @@ fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
 
 #[test]
 fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
     let file = src.join("model.safetensors");
     // 448 × 1e38 overflows f32 itself.
@@ -275,8 +271,7 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
 
 #[test]
 fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])
         .write(&src);
@@ -392,8 +387,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
 
 #[test]
 fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
         .write(&src);
@@ -403,8 +397,7 @@ fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
 
 #[test]
 fn dequantising_an_empty_weight_of_2_pow_40_rows_finishes_at_once() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("w.weight", DType::F8_E4M3, &[1 << 40, 0], vec![])
         .tensor("w.weight_scale_inv", DType::F32, &[], f32_bytes(&[1.0]))

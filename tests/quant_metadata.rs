@@ -38,8 +38,7 @@ fn quantised_model(dir: &std::path::Path) -> Vec<T> {
 
 #[test]
 fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let tensors = quantised_model(&src);
     let out = d.path().join("out");
     for extra in [&[][..], &["--cast-ints"][..]] {
@@ -74,8 +73,7 @@ fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
 
 #[test]
 fn dry_run_says_how_many_quantisation_tensors_are_kept() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     quantised_model(&src);
     let out = d.path().join("out");
     let o = tftf(&cmd(

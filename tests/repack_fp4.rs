@@ -145,8 +145,7 @@ fn v4_model(dir: &std::path::Path) -> V4 {
 
 #[test]
 fn experts_transcode_losslessly_and_engram_requantises_exactly() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let m = v4_model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
@@ -308,8 +307,7 @@ fn experts_transcode_losslessly_and_engram_requantises_exactly() {
 
 #[test]
 fn require_lossless_fails_before_output_and_options_select_work() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     v4_model(&src);
     let out = d.path().join("out");
     let err = fails(&cmd("repack-fp4", &src, &out, &["--require-lossless"]));
@@ -374,8 +372,7 @@ fn require_lossless_fails_before_output_and_options_select_work() {
 
 #[test]
 fn engram_table_larger_than_the_budget_streams_with_identical_output() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(5);
     let (rows, cols) = (6144u64, 4096u64); // 24 MiB of E4M3
     let table: Vec<u8> = (0..rows * cols)
@@ -419,8 +416,7 @@ fn engram_table_larger_than_the_budget_streams_with_identical_output() {
 
 #[test]
 fn run_section_repacks() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     v4_model(&src);
     let out = d.path().join("out.safetensors");
     ok(&convert(

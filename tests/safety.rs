@@ -437,8 +437,7 @@ fn output_through_a_bind_mount_of_the_input_is_refused() {
 #[test]
 fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
     use tftf::format::dtype::DType;
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("w.weight", DType::F8_E4M3, &[2, 2], vec![0x38, 0x7F, 0, 0])
         .tensor(

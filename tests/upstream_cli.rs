@@ -154,6 +154,16 @@ fn usage_error_mentions(args: &[&str], needle: &str) {
     assert!(err.contains(needle), "{err}");
 }
 
+/// [`run_base`] with `args` writes every tensor as BF16.
+fn assert_all_bf16(args: &[&str]) {
+    let got = run_base(args);
+    assert!(
+        all_dtypes(&got, "BF16"),
+        "{args:?}: {:?}",
+        got.values().map(|v| &v.0).collect::<Vec<_>>()
+    );
+}
+
 fn all_dtypes(t: &Tensors, want: &str) -> bool {
     !t.is_empty() && t.values().all(|v| v.0 == want)
 }
@@ -178,8 +188,7 @@ fn parser_empty_returns_passthrough() {
 
 #[test]
 fn parser_single_dtype_cast() {
-    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
 }
 
 #[test]
@@ -315,8 +324,7 @@ fn parser_three_pipes_chained() {
 
 #[test]
 fn parser_dtype_cast_positional() {
-    let got = run_base(&["--dtype-cast", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "bfloat16"]);
 }
 
 /// An FP8 (E4M3) q_proj with a per-tensor `weight_scale_inv`, beside F32 tensors.
@@ -417,8 +425,7 @@ fn parser_no_positional_for_pipe_raises() {
 
 #[test]
 fn run_dtype_cast_changes_all_dtypes() {
-    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
 }
 
 #[test]
@@ -502,8 +509,7 @@ fn run_positional_adapter_path() {
 
 #[test]
 fn run_positional_dtype_cast() {
-    let got = run_base(&["--dtype-cast", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "bfloat16"]);
 }
 
 #[test]

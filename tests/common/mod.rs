@@ -467,6 +467,13 @@ pub fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> Output {
     convert("passthrough", input, out, extra)
 }
 
+/// A fresh [`tmp`] folder and the path `in` in it (not made).
+pub fn tmp_in() -> (tempfile::TempDir, PathBuf) {
+    let d = tmp();
+    let src = d.path().join("in");
+    (d, src)
+}
+
 /// A fresh [`tmp`] folder and the path `out` in it (not made).
 pub fn tmp_out() -> (tempfile::TempDir, PathBuf) {
     let d = tmp();
