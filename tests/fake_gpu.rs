@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{assert_mentions, assert_same_tensors, cmd, fixture, listing, load_all, s};
+use common::{
+    assert_mentions, assert_same_tensors, cmd, fixture, listing, load_all, s, MODELOPT_SCHEMES,
+    SCHEMES,
+};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -400,16 +403,7 @@ fn quantize_case(scheme: &str) -> (PathBuf, &'static [&'static str]) {
 /// the CPU op.
 #[test]
 fn quantize_runs_its_kernels_and_equals_llm_compressor() {
-    let schemes = [
-        "FP8_DYNAMIC",
-        "FP8_BLOCK",
-        "W8A16",
-        "W4A16",
-        "NVFP4A16",
-        "MXFP4A16",
-        "MXFP8A16",
-    ];
-    for scheme in schemes {
+    for scheme in SCHEMES {
         let (input, kernels) = quantize_case(scheme);
         let pairs = cpu_vs_gpu(
             &format!("quantize-{scheme}"),
@@ -472,15 +466,7 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// ModelOpt's bytes; its W4A16 output dequantises on the GPU to ModelOpt's values.
 #[test]
 fn modelopt_quantize_and_int4_dequant_run_their_kernels_and_equal_modelopt() {
-    let schemes = [
-        "FP8_BLOCK",
-        "FP8_DYNAMIC",
-        "NVFP4A16",
-        "MXFP4A16",
-        "MXFP8A16",
-        "W4A16",
-    ];
-    for scheme in schemes {
+    for scheme in MODELOPT_SCHEMES {
         let (input, kernels) = quantize_case(scheme);
         let name = format!("quantize-modelopt-{scheme}");
         let pairs = cpu_vs_gpu(

@@ -268,17 +268,28 @@ fn gathered(src: &[u8], row_bytes: usize, rows: u64, map: &RowMap) -> Vec<u8> {
     out
 }
 
-/// Half 0 and half 1 of `src`, each `rows` rows of `row_bytes` gathered as `map(half)` picks
+/// How gate and up rows are packed, with the rows out per expert.
+#[derive(Clone, Copy)]
+enum Split {
+    Interleaved(u64),
+    Halves(u64),
+}
+
+/// Half 0 and half 1 of `src`, each `rows` rows of `row_bytes` gathered as `split` picks
 /// them, equal the fixtures `want`.
-fn assert_halves(
-    src: &[u8],
-    row_bytes: usize,
-    rows: u64,
-    map: impl Fn(u64) -> RowMap,
-    want: [&str; 2],
-) {
+fn assert_halves(src: &[u8], row_bytes: usize, rows: u64, split: Split, want: [&str; 2]) {
     for (half, want) in (0..).zip(want) {
-        let out = gathered(src, row_bytes, rows, &map(half));
+        let map = match split {
+            Split::Interleaved(rows_out_per_expert) => RowMap::Interleaved {
+                rows_out_per_expert,
+                half,
+            },
+            Split::Halves(rows_out_per_expert) => RowMap::Halves {
+                rows_out_per_expert,
+                half,
+            },
+        };
+        let out = gathered(src, row_bytes, rows, &map);
         assert_eq!(out.len(), src.len() / 2, "{want}");
         assert_eq!(out, read(want), "{want}");
     }
@@ -324,17 +335,8 @@ fn gpt_oss_mxfp4_repack_and_gate_up_split_match_the_converter() {
         assert_eq!(out, read(want), "{want}");
     }
     let bias = read("gate_up_bias.in");
-    let map = |half| RowMap::Interleaved {
-        rows_out_per_expert: 4,
-        half,
-    };
-    assert_halves(
-        &bias,
-        2,
-        8,
-        map,
-        ["gate_up_bias_gate.out", "gate_up_bias_up.out"],
-    );
+    let want = ["gate_up_bias_gate.out", "gate_up_bias_up.out"];
+    assert_halves(&bias, 2, 8, Split::Interleaved(4), want);
 }
 
 #[test]
@@ -369,17 +371,8 @@ fn expert_stacking_and_packed_halves_match_the_converter() {
     }
     assert_eq!(out, read("experts.out"));
     let packed = read("gate_up_halves.in");
-    let map = |half| RowMap::Halves {
-        rows_out_per_expert: 3,
-        half,
-    };
-    assert_halves(
-        &packed,
-        8,
-        6,
-        map,
-        ["gate_up_halves_gate.out", "gate_up_halves_up.out"],
-    );
+    let want = ["gate_up_halves_gate.out", "gate_up_halves_up.out"];
+    assert_halves(&packed, 8, 6, Split::Halves(3), want);
 }
 
 #[test]

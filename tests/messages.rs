@@ -137,6 +137,13 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         r"^progress: (passthrough|validate) model\.safetensors: [0-9.]+ (B|KiB|MiB) of (24|12)\.00 MiB \(\d{1,3}%\), [0-9.]+ (B|KiB|MiB|GiB)/s, ETA (unknown|\d+s|\d+m\d\ds)$",
     )
     .unwrap();
+    // Every line of `err` is a progress line and starts with `prefix`.
+    let progress_lines = |err: &str, prefix: &str| {
+        for l in err.lines() {
+            assert!(line.is_match(l), "unexpected line: {l:?}");
+            assert!(l.starts_with(prefix), "{l}");
+        }
+    };
     let o = passthrough(
         &src,
         &out,
@@ -159,10 +166,7 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         ),
         "the first line comes at once: {err}"
     );
-    for l in err.lines() {
-        assert!(line.is_match(l), "unexpected line: {l:?}");
-        assert!(l.starts_with("progress: passthrough "), "{l}");
-    }
+    progress_lines(&err, "progress: passthrough ");
     let o = tftf(&[
         "validate",
         s(&src),
@@ -175,10 +179,7 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
     ok(&o);
     let err = stderr(&o);
     assert!(!err.is_empty(), "no progress line");
-    for l in err.lines() {
-        assert!(line.is_match(l), "unexpected line: {l:?}");
-        assert!(l.starts_with("progress: validate "), "{l}");
-    }
+    progress_lines(&err, "progress: validate ");
     // --no-progress and -q silence it; a zero interval is a usage error.
     let o = tftf(&[
         "validate",
@@ -298,12 +299,11 @@ fn validate_finds_a_torch_dtype_no_tensor_has() {
 #[test]
 fn validate_finds_a_wrong_index_total_size() {
     let (d, src) = tmp_in();
+    // Two shards of U8 tensors `a` [4] and `b` [6], drawn in that order.
     let mut rng = Rng(26);
-    Model::new()
-        .rand(&mut rng, "a", DType::U8, &[4])
-        .shard()
-        .rand(&mut rng, "b", DType::U8, &[6])
-        .write(&src);
+    let (a, b) = (rng.bytes(4), rng.bytes(6));
+    let model = Model::new().tensor("a", DType::U8, &[4], a);
+    model.shard().tensor("b", DType::U8, &[6], b).write(&src);
     ok(&tftf(&["validate", s(&src)]));
     let index = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index)

@@ -12,16 +12,6 @@ use std::path::{Path, PathBuf};
 use common::*;
 use tftf::format::dtype::DType;
 
-const SCHEMES: [&str; 7] = [
-    "FP8_DYNAMIC",
-    "FP8_BLOCK",
-    "W8A16",
-    "W4A16",
-    "NVFP4A16",
-    "MXFP4A16",
-    "MXFP8A16",
-];
-
 /// The input the library quantised for `case`: int schemes need columns that 128 divides.
 fn input_of(case: &str) -> PathBuf {
     let name = if case.starts_with('W') && case != "W4A16_ignore" {
@@ -452,15 +442,6 @@ fn parts_with_another_scheme_are_refused_naming_it() {
 // modelopt, made by its generate.py: tensors.json holds every tensor's dtype, shape and SHA-256,
 // scales.safetensors the scale tensors themselves, dequant.json the SHA-256 of each weight
 // dequantised in f32 and rounded once to bf16).
-
-const MODELOPT_SCHEMES: [&str; 6] = [
-    "FP8_BLOCK",
-    "FP8_DYNAMIC",
-    "NVFP4A16",
-    "MXFP4A16",
-    "MXFP8A16",
-    "W4A16",
-];
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};

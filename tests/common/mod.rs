@@ -519,6 +519,27 @@ pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// The `quantize --scheme` presets, as the compressed-tensors format writes them.
+pub const SCHEMES: [&str; 7] = [
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "W8A16",
+    "W4A16",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+];
+
+/// The presets `quantize --format modelopt` holds.
+pub const MODELOPT_SCHEMES: [&str; 6] = [
+    "FP8_BLOCK",
+    "FP8_DYNAMIC",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+    "W4A16",
+];
+
 /// The modules `requant_adapter` targets in layer 0 of the `quantize` fixtures (with their
 /// [out, in]). 320 rows and columns make ragged 128-blocks.
 pub const REQUANT_TARGETS: [(&str, u64, u64); 4] = [
