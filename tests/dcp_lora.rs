@@ -90,10 +90,7 @@ fn a_training_directory_uses_the_latest_checkpoint_and_says_so() {
         let o = tftf(&all);
         ok(&o);
         let err = stderr(&o);
-        assert!(
-            err.contains("using the latest training checkpoint, checkpoint-60 (PyTorch DCP pytorch_model_fsdp_0)"),
-            "{err}"
-        );
+        assert_mentions(&err, &["using the latest training checkpoint, checkpoint-60 (PyTorch DCP pytorch_model_fsdp_0)"]);
         assert_peft_merge(&out);
     }
     // The run grammar, as upstream writes it.

@@ -112,10 +112,7 @@ fn activation_and_kv_scales_are_dropped_and_reported() {
     ] {
         assert!(notes.contains(dropped), "{dropped} not in {notes}");
     }
-    assert!(
-        notes.contains("ModelOpt NVFP4: 2 weights decoded"),
-        "{notes}"
-    );
+    assert_mentions(&notes, &["ModelOpt NVFP4: 2 weights decoded"]);
 }
 
 /// Runs `dequant -i MODEL -o OUT`, expects exit 1 and no `OUT`; returns stderr.

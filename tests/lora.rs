@@ -568,11 +568,11 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     tensors.push(t(mag, DType::F32, &[192], vec![0; 192 * 4]));
     write_file(&file, &tensors);
     let err = fails(&merge_lora(&case.join("base"), &dora, &out, &[]));
-    assert!(
-        err.contains(&format!(
+    assert_mentions(
+        &err,
+        &[&format!(
             "`{mag}`: DoRA on transposed (Conv1D or embedding) weights is not supported"
-        )),
-        "{err}"
+        )],
     );
     assert!(!out.exists());
 
@@ -581,9 +581,9 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     Model::adapter().write(&empty);
     copy_config(&case.join("adapter"), &empty);
     let err = fails(&merge_lora(&case.join("base"), &empty, &out, &[]));
-    assert!(
-        err.contains("adapter_model.safetensors: holds no tensors, so there is nothing to merge"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["adapter_model.safetensors: holds no tensors, so there is nothing to merge"],
     );
     assert!(!out.exists());
 
@@ -610,9 +610,6 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
         )
         .write(&adapter);
     let err = fails(&merge_lora(&base, &adapter, &out, &[]));
-    assert!(
-        err.contains("factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"),
-        "{err}"
-    );
+    assert_mentions(&err, &["factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"]);
     assert!(!out.exists());
 }

@@ -163,9 +163,9 @@ fn same_shaped_nested_parameters_follow_the_listed_order_and_warn() {
     let adapter = d.path().join("adapter");
     let out = d.path().join("out");
     let (err, _) = merge(&dir.join("base"), &adapter, &out);
-    assert!(
-        err.contains("innermost first: layers.0.mlp.twin.w_up, layers.0.mlp.twin.w_gate"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["innermost first: layers.0.mlp.twin.w_up, layers.0.mlp.twin.w_gate"],
     );
     let got = load_all(&out);
     let want = load_all(&dir.join("merged/model.safetensors"));
@@ -261,9 +261,9 @@ fn exclude_matching_nothing_warns_and_absent_targets_take_the_file() {
         cfg["exclude_modules"] = serde_json::json!(["nonexistent"]);
     });
     let (err, lora) = merge_edited(&dir, &d);
-    assert!(
-        err.contains("exclude_modules [\"nonexistent\"] excludes no module of the base model"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["exclude_modules [\"nonexistent\"] excludes no module of the base model"],
     );
     assert_eq!(lora["merged"], 4, "{lora}");
 

@@ -222,12 +222,12 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     let deleted: Vec<String> = (1..=n)
         .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
         .collect();
-    assert!(
-        text.contains(&format!(
+    assert_mentions(
+        &text,
+        &[&format!(
             "deletes (model files of the earlier output): {}\n",
             deleted.join(", ")
-        )),
-        "{text}"
+        )],
     );
     assert!(
         !text.contains("notes.txt") && !text.contains("weights-v2"),
@@ -277,12 +277,12 @@ fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
             args.push("--force");
         }
         let err = fails(&args);
-        assert!(
-            err.contains(&format!(
+        assert_mentions(
+            &err,
+            &[&format!(
                 "is being written by another tftf run (pid {})",
                 first.id()
-            )),
-            "{err}"
+            )],
         );
     }
     // The holder's temporaries were left alone, and it finishes normally.
@@ -480,11 +480,9 @@ fn recover_refuses_what_it_cannot_finish_and_changes_nothing() {
     .unwrap();
     let before = snapshot(&out);
     let err = fails(&["recover", s(&out)]);
-    assert!(
-        err.contains(
-            "interrupted-commit journal is damaged (an entry is not a file name in this directory)"
-        ),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["interrupted-commit journal is damaged (an entry is not a file name in this directory)"],
     );
     assert_eq!(snapshot(&out), before);
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a directory");
