@@ -122,6 +122,13 @@ fn refused(model: &Path, out: &Path) -> String {
     err
 }
 
+/// [`refused`] on `case` with the tensor `name` edited by `edit`, in a new temporary folder.
+fn edited_refused(case: &str, name: &str, edit: impl Fn(&mut T)) -> String {
+    let dir = tmp();
+    let model = edited_tensor(case, dir.path(), name, edit);
+    refused(&model, &dir.path().join("out"))
+}
+
 /// [`edited_model`] with `edit` applied to the tensor `name` only.
 fn edited_tensor(case: &str, dir: &Path, name: &str, edit: impl Fn(&mut T)) -> std::path::PathBuf {
     edited_model(case, dir, |ts| {
@@ -242,30 +249,24 @@ fn a_model_with_nothing_to_decode_is_an_error() {
 
 #[test]
 fn a_scale_of_the_wrong_shape_is_refused() {
-    let dir = tmp();
     let scale = "model.layers.0.mlp.up_proj.weight_scale";
-    let model = edited_tensor("ct_mxfp4a16", dir.path(), scale, |t| t.2 = vec![32, 2]);
-    let err = refused(&model, &dir.path().join("out"));
+    let err = edited_refused("ct_mxfp4a16", scale, |t| t.2 = vec![32, 2]);
     assert_mentions(&err, &[&format!("scale `{scale}`"), "[16, 4]"]);
 }
 
 #[test]
 fn a_zero_point_of_the_wrong_shape_is_refused_naming_it() {
-    let dir = tmp();
     let zp = "model.layers.0.mlp.down_proj.weight_zero_point";
-    let model = edited_tensor("ct_w4a16_asym", dir.path(), zp, |t| t.2 = vec![2, 5]);
-    let err = refused(&model, &dir.path().join("out"));
+    let err = edited_refused("ct_w4a16_asym", zp, |t| t.2 = vec![2, 5]);
     assert!(err.contains(zp) && err.contains("I32 [5, 2]"), "{err}");
 }
 
 #[test]
 fn a_gptq_group_index_outside_the_scales_is_an_error_naming_the_weight() {
-    let dir = tmp();
     let g_idx = "model.layers.0.self_attn.o_proj.g_idx";
-    let model = edited_tensor("gptq_w4_act_order", dir.path(), g_idx, |t| {
+    let err = edited_refused("gptq_w4_act_order", g_idx, |t| {
         t.3[..4].copy_from_slice(&9i32.to_le_bytes())
     });
-    let err = refused(&model, &dir.path().join("out"));
     assert_mentions(&err, &["model.layers.0.self_attn.o_proj", "g_idx[0] is 9"]);
 }
 

@@ -62,30 +62,21 @@ fn fp8_model(dir: &Path, config: &str) {
 fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
     let (d, src) = tmp_in();
     let out = d.path().join("out");
-    fp8_model(
-        &src,
-        r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}"#,
-    );
-    refused(
-        &cmd("dequant-fp8", &src, &out, &[]),
-        &out,
-        &format!(
-            "{}: `quantization_config.weight_block_size` is [0, 128]: a block side cannot be 0; fix config.json or pass --block-size RxC",
-            src.join("config.json").display()
+    // Each config, and the message after `<config.json>: `.
+    for (config, rest) in [
+        (
+            r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}"#,
+            "`quantization_config.weight_block_size` is [0, 128]: a block side cannot be 0; fix config.json or pass --block-size RxC",
         ),
-    );
-    fp8_model(
-        &src,
-        r#"{"quantization_config": {"config_groups": {"g": {"weights": {"block_structure": [1, 0]}}}}}"#,
-    );
-    refused(
-        &cmd("dequant-fp8", &src, &out, &[]),
-        &out,
-        &format!(
-            "{}: `quantization_config.config_groups.*.weights.block_structure` is [1, 0]: a block side cannot be 0; fix config.json or pass --block-size RxC",
-            src.join("config.json").display()
+        (
+            r#"{"quantization_config": {"config_groups": {"g": {"weights": {"block_structure": [1, 0]}}}}}"#,
+            "`quantization_config.config_groups.*.weights.block_structure` is [1, 0]: a block side cannot be 0; fix config.json or pass --block-size RxC",
         ),
-    );
+    ] {
+        fp8_model(&src, config);
+        let want = format!("{}: {rest}", src.join("config.json").display());
+        refused(&cmd("dequant-fp8", &src, &out, &[]), &out, &want);
+    }
     // --block-size replaces the broken value.
     ok(&convert(
         "dequant-fp8",

@@ -33,24 +33,24 @@ fn quantize_args<'a>(
     [&args[..], extra].concat()
 }
 
+/// [`quantize_args`] with `-q` before `EXTRA`.
+fn quiet_args<'a>(
+    scheme: &'a str,
+    input: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    quantize_args(scheme, input, out, &[&["-q"][..], extra].concat())
+}
+
 /// Runs `tftf quantize -i INPUT -o OUT --scheme SCHEME -q EXTRA...`, any exit.
 fn quantize(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
-    tftf(&quantize_args(
-        scheme,
-        input,
-        out,
-        &[&["-q"][..], extra].concat(),
-    ))
+    tftf(&quiet_args(scheme, input, out, extra))
 }
 
 /// Runs `quantize` as [`quantize`] does, expects exit 1 and returns stderr.
 fn quantize_fails(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
-    fails(&quantize_args(
-        scheme,
-        input,
-        out,
-        &[&["-q"][..], extra].concat(),
-    ))
+    fails(&quiet_args(scheme, input, out, extra))
 }
 
 /// [`quantize_fails`], and asserts that `out` was not made (or was removed).

@@ -172,29 +172,27 @@ fn replace_all(bytes: &mut [u8], from: &[u8], to: &[u8]) -> usize {
     n
 }
 
+/// `bin/corners/pytorch_model.bin` with its `count` occurrences of `from` replaced by `to`,
+/// copied to a temporary folder and described, which fails: (folder, file, error).
+fn corners_patched(from: &[u8], to: &[u8], count: usize) -> (tempfile::TempDir, PathBuf, String) {
+    let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
+    assert_eq!(replace_all(&mut bytes, from, to), count);
+    let (d, p) = temp_copy(&bytes, "pytorch_model.bin");
+    let err = torch::describe(&p).unwrap_err().to_string();
+    (d, p, err)
+}
+
 #[test]
 fn missing_storage_member_names_file_and_tensor() {
-    let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
     // rename member data/11 (the tied storage) in the local and central headers
-    assert_eq!(
-        replace_all(&mut bytes, b"model/data/11", b"model/data/xx"),
-        2
-    );
-    let (_d, p) = temp_copy(&bytes, "pytorch_model.bin");
-    let err = torch::describe(&p).unwrap_err().to_string();
+    let (_d, p, err) = corners_patched(b"model/data/11", b"model/data/xx", 2);
     assert!(err.contains("`tied.a`") && err.contains("data/11"), "{err}");
     assert!(err.contains(&p.display().to_string()), "{err}");
 }
 
 #[test]
 fn bad_opcode_is_a_pickle_error() {
-    let mut bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
-    assert_eq!(
-        replace_all(&mut bytes, b"\x80\x02}q\x00(", b"\x80\x02\xffq\x00("),
-        1
-    );
-    let (_d, p) = temp_copy(&bytes, "pytorch_model.bin");
-    let err = torch::describe(&p).unwrap_err().to_string();
+    let (_d, p, err) = corners_patched(b"\x80\x02}q\x00(", b"\x80\x02\xffq\x00(", 1);
     assert!(err.contains("unsupported opcode 0xff"), "{err}");
     assert!(err.contains(&p.display().to_string()), "{err}");
 }
