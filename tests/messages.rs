@@ -144,20 +144,12 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
             assert!(l.starts_with(prefix), "{l}");
         }
     };
-    let o = passthrough(
-        &src,
-        &out,
-        &[
-            "--dtype",
-            "bf16",
-            "--threads",
-            "1",
-            "--memory-budget",
-            "16MiB",
-            "--progress-interval",
-            "0.001",
-        ],
+    let (budget, often) = (
+        ["--memory-budget", "16MiB"],
+        ["--progress-interval", "0.001"],
     );
+    let cast = [&["--dtype", "bf16", "--threads", "1"][..], &budget, &often].concat();
+    let o = passthrough(&src, &out, &cast);
     ok(&o);
     let err = stderr(&o);
     assert!(
@@ -167,31 +159,17 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         "the first line comes at once: {err}"
     );
     progress_lines(&err, "progress: passthrough ");
-    let o = tftf(&[
-        "validate",
-        s(&src),
-        "--check-values",
-        "--memory-budget",
-        "16MiB",
-        "--progress-interval",
-        "0.001",
-    ]);
+    let validate = ["validate", s(&src), "--check-values"];
+    let o = tftf(&[&validate[..], &budget, &often].concat());
     ok(&o);
     let err = stderr(&o);
     assert!(!err.is_empty(), "no progress line");
     progress_lines(&err, "progress: validate ");
     // --no-progress and -q silence it; a zero interval is a usage error.
-    let o = tftf(&[
-        "validate",
-        s(&src),
-        "--check-values",
-        "--no-progress",
-        "--progress-interval",
-        "0.001",
-    ]);
+    let o = tftf(&[&validate[..], &["--no-progress"], &often].concat());
     assert_eq!(stderr(&o), "");
     std::fs::remove_dir_all(&out).unwrap();
-    let o = passthrough(&src, &out, &["-q", "--progress-interval", "0.001"]);
+    let o = passthrough(&src, &out, &[&["-q"][..], &often].concat());
     assert_eq!(stderr(&o), "");
     let err = usage_error(&cmd(
         "passthrough",
