@@ -10,12 +10,18 @@
 //! - Run the binary: [`tftf`]`(&args)` returns the `Output` (any exit); [`ok`] asserts success;
 //!   [`fails`] / [`usage_error`] assert exit 1 / 2 and return stderr; [`exit_code`] gives
 //!   (code, stdout, stderr). Arguments: [`cmd`]`("passthrough", &src, &out, &["-q"])` is
-//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it, [`merge_lora`] is
-//!   `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an argument.
+//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it ([`passthrough`] for that command),
+//!   [`merge_lora`] is `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an
+//!   argument.
 //! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
-//!   via the `safetensors` crate), [`read_json`], [`listing`], [`stdout`], [`stderr`].
-//! - Misc: [`tmp`] (a temporary folder), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`],
-//!   [`Rng`].
+//!   via the `safetensors` crate; [`load_tensors`] without the `format=pt` check),
+//!   [`read_json`], [`listing`], [`stdout`], [`stderr`].
+//! - Check results: [`assert_mentions`] (every needle in a message), [`assert_listing`] (the
+//!   files of a folder), [`assert_same_tensors`] (names, dtypes and shapes, then the bytes).
+//! - Misc: [`tmp`] (a temporary folder; [`tmp_in`] / [`tmp_out`] with the path `in` / `out`
+//!   in it), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`], [`Rng`], [`SCHEMES`].
+//! - Submodules: [`gguf`] (the GGUF reader and `tftf gguf` models), [`peft`] (PEFT's merge
+//!   fixtures), [`xfs`] (a loop-mounted reflink XFS image).
 #![allow(dead_code)]
 
 pub mod gguf;
