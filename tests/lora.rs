@@ -423,43 +423,21 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
     let la = vals(&mut rng, r * 6);
     let lb = vals(&mut rng, 8 * r);
     let p = "base_model.model.model.layers";
-    Model::adapter()
-        .tensor(
-            &format!("{p}.0.mlp.experts.lora_A.weight"),
-            DType::F32,
-            &[(e * r) as u64, gin as u64],
-            fb(&ga),
-        )
-        .tensor(
-            &format!("{p}.0.mlp.experts.lora_B.weight"),
-            DType::F32,
-            &[gout as u64, (e * r) as u64],
-            fb(&gb),
-        )
-        .tensor(
-            &format!("{p}.1.mlp.experts.lora_A.weight"),
-            DType::F32,
-            &[(e * r) as u64, sin as u64],
-            fb(&sa),
-        )
-        .tensor(
-            &format!("{p}.1.mlp.experts.lora_B.weight"),
-            DType::F32,
-            &[sout as u64, (e * r) as u64],
-            fb(&sb),
-        )
-        .tensor(
-            &format!("{p}.2.ffn.experts.5.w1.lora_A.weight"),
-            DType::F32,
-            &[r as u64, 6],
-            fb(&la),
-        )
-        .tensor(
-            &format!("{p}.2.ffn.experts.5.w1.lora_B.weight"),
-            DType::F32,
-            &[8, r as u64],
-            fb(&lb),
-        )
+    // (module, lora_A shape and values, lora_B shape and values)
+    let (er, r64) = ((e * r) as u64, r as u64);
+    let (g_in, g_out, s_in, s_out) = (gin as u64, gout as u64, sin as u64, sout as u64);
+    let pairs = [
+        ("0.mlp.experts", [er, g_in], &ga, [g_out, er], &gb),
+        ("1.mlp.experts", [er, s_in], &sa, [s_out, er], &sb),
+        ("2.ffn.experts.5.w1", [r64, 6], &la, [8, r64], &lb),
+    ];
+    let mut lora = Model::adapter();
+    for (m, a_shape, a, b_shape, b) in pairs {
+        let name = |ab: &str| format!("{p}.{m}.lora_{ab}.weight");
+        lora = lora.tensor(&name("A"), DType::F32, &a_shape, fb(a));
+        lora = lora.tensor(&name("B"), DType::F32, &b_shape, fb(b));
+    }
+    lora
         .file(
             "adapter_config.json",
             r#"{"r": 2, "lora_alpha": 4, "target_modules": ["w1"], "target_parameters": ["mlp.experts.gate_up_proj", "experts.w13"]}"#,
