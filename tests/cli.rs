@@ -17,7 +17,7 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&passthrough(&src, &out, &["--quiet"]));
+    convert_ok("passthrough", &src, &out, &["--quiet"]);
     let got = load_all(&out);
     assert_eq!(got.len(), tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -45,11 +45,12 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     }
     // An explicit --max-shard-size repacks: everything fits one file, no index.
     let packed = d.path().join("packed");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &packed,
         &["--max-shard-size", "1GB", "-q"],
-    ));
+    );
     assert_listing(
         &packed,
         "config.json model.safetensors modeling_x.py tokenizer.json",
@@ -68,23 +69,23 @@ fn input_forms_file_dir_without_index_and_index_path() {
     let want = tensors.len();
     // Index file path.
     let o1 = d.path().join("o1");
-    ok(&tftf(&[
+    tftf_ok(&[
         "passthrough",
         s(&src.join("model.safetensors.index.json")),
         "-o",
         s(&o1),
         "-q",
-    ]));
+    ]);
     assert_eq!(load_all(&o1).len(), want);
     // Directory of shards without an index.
     std::fs::remove_file(src.join("model.safetensors.index.json")).unwrap();
     let o2 = d.path().join("o2");
-    ok(&tftf(&["passthrough", "-b", s(&src), "-o", s(&o2), "-q"]));
+    tftf_ok(&["passthrough", "-b", s(&src), "-o", s(&o2), "-q"]);
     assert_eq!(load_all(&o2).len(), want);
     // A single file, to a single file.
     let one = src.join("model-00001-of-00002.safetensors");
     let o3 = d.path().join("single.safetensors");
-    ok(&passthrough(&one, &o3, &["-q"]));
+    convert_ok("passthrough", &one, &o3, &["-q"]);
     assert_eq!(load_all(&o3).len(), 5);
 }
 
@@ -102,7 +103,12 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     std::fs::create_dir_all(&src).unwrap();
     write_file(&src.join("model.safetensors"), &tensors);
     let out = d.path().join("out");
-    ok(&passthrough(&src, &out, &["--max-shard-size", "6KB", "-q"]));
+    convert_ok(
+        "passthrough",
+        &src,
+        &out,
+        &["--max-shard-size", "6KB", "-q"],
+    );
     let names = listing(&out);
     assert_eq!(
         names,
@@ -130,7 +136,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     }
     // The output reads back as a checkpoint through its index.
     let again = d.path().join("again.safetensors");
-    ok(&passthrough(&out, &again, &["-q"]));
+    convert_ok("passthrough", &out, &again, &["-q"]);
     assert_eq!(load_all(&again).len(), 5);
 }
 
@@ -138,7 +144,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&passthrough(&src, &out, &["--dtype", "bfloat16", "-q"]));
+    convert_ok("passthrough", &src, &out, &["--dtype", "bfloat16", "-q"]);
     let got = load_all(&out);
     for (name, dtype, _, data) in &tensors {
         let (gd, _, gdata) = &got[name];
@@ -176,11 +182,12 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
     // f16 target, and --cast-ints converting the I64 tensor.
     let out2 = d.path().join("out2");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out2,
         &["--dtype", "f16", "--cast-ints", "-q"],
-    ));
+    );
     let got2 = load_all(&out2);
     let (_, _, _, f32_data) = tensors.iter().find(|t| t.0 == "model.norm.weight").unwrap();
     let want: Vec<u8> = f32_data
@@ -208,7 +215,8 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out.safetensors");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &[
@@ -225,7 +233,7 @@ fn filters_and_renames_follow_fnmatch_and_python_groups() {
             r"^model\.layers\.(\d+)\.",
             r"blk.\1.",
         ],
-    ));
+    );
     let names: Vec<String> = load_all(&out).into_keys().collect();
     assert_eq!(
         names,
@@ -261,7 +269,7 @@ fn run_applies_sections_in_command_line_order() {
     let (d, src, _) = tmp_small_model();
     // Rename first, then the filter sees the new names.
     let o1 = d.path().join("o1.safetensors");
-    ok(&convert(
+    convert_ok(
         "run",
         &src,
         &o1,
@@ -275,7 +283,7 @@ fn run_applies_sections_in_command_line_order() {
             "--dtype-cast",
             "bf16",
         ],
-    ));
+    );
     let got = load_all(&o1);
     assert_eq!(got.len(), 4);
     assert_eq!(got["layers.1.input_layernorm.weight"].0, "BF16");
@@ -301,7 +309,7 @@ fn run_applies_sections_in_command_line_order() {
         "error: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 11 input tensors: nothing to write; pass --allow-empty to write the output anyway\n"
     );
     assert!(!o2.exists());
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(load_all(&o2).len(), 0);
 }
 
@@ -331,7 +339,7 @@ fn output_is_identical_across_threads_budgets_and_copy_modes() {
             &["--dtype", "bf16", "-q", "--max-shard-size", "10MiB"],
         );
         args.extend(extra);
-        ok(&tftf(&args));
+        tftf_ok(&args);
         let files: Vec<Vec<u8>> = listing(&out)
             .iter()
             .map(|n| std::fs::read(out.join(n)).unwrap())
@@ -369,11 +377,12 @@ fn report_and_dry_run() {
     assert_eq!(r["dry_run"], true);
 
     let report2 = d.path().join("run.json");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &["--dtype", "bf16", "-q", "--report", s(&report2)],
-    ));
+    );
     let r: serde_json::Value = read_json(&report2);
     assert_eq!(r["status"], "ok");
     assert_eq!(r["tensors"]["written"], 11);
@@ -411,11 +420,12 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     let err = fails(&cmd("passthrough", &src, &out, &[]));
     assert_mentions(&err, &["not empty", "--force"]);
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &["--force", "-q", "--max-shard-size", "1GB"],
-    ));
+    );
     // Stale shards are replaced; unrelated files stay.
     assert_listing(
         &out,
@@ -644,7 +654,7 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
 
     vals.truncate(8);
     Model::new().tensor("x", DType::F32, &[2], vals).write(&src);
-    ok(&tftf(&[
+    tftf_ok(&[
         "validate",
         s(&src),
         "--check-values",
@@ -652,7 +662,7 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
         "dtype:bf16",
         "--pipe",
         "exclude:y*",
-    ]));
+    ]);
     let o = tftf(&["validate", s(&src), "--json", "--pipe", "nonsense"]);
     assert_eq!(o.status.code(), Some(2));
 }

@@ -95,12 +95,12 @@ fn a_training_directory_uses_the_latest_checkpoint_and_says_so() {
     }
     // The run grammar, as upstream writes it.
     let out = d.path().join("out-run");
-    ok(&tftf(&cmd(
+    tftf_ok(&cmd(
         "run",
         &case("base"),
         &out,
         &["--merge-lora", "--adapter", s(&train), "-q"],
-    )));
+    ));
     assert_peft_merge(&out);
 }
 

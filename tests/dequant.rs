@@ -84,12 +84,7 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--report", s(&report)],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--report", s(&report)]);
     let got = load_all(&out);
     assert_eq!(got.len(), 2, "the scale is dropped");
     let w = &got["model.layers.0.mlp.down_proj.weight"];
@@ -166,7 +161,7 @@ fn output_is_identical_across_threads_and_budgets() {
         let out = d.path().join(format!("o{i}"));
         let mut args = cmd("dequant-fp8", &src, &out, &["-q", "--block-size", "128"]);
         args.extend(extra.iter());
-        ok(&tftf(&args));
+        tftf_ok(&args);
         outs.push(std::fs::read(out.join("model.safetensors")).unwrap());
     }
     assert_eq!(outs[0], outs[1]);
@@ -204,12 +199,7 @@ fn missing_and_orphan_scales_fail_before_output() {
     assert_mentions(&err, &["`a.weight_scale_inv`", "`a.scale`"]);
     assert_mentions(&err, &["(and 1 more weights)", "--allow-unscaled-fp8"]);
     assert!(!out.exists());
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--allow-unscaled-fp8"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--allow-unscaled-fp8"]);
     let got = load_all(&out);
     assert_eq!(got["a.weight"].0, "BF16");
 
@@ -292,12 +282,7 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
         &["model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"],
     );
     assert!(!out.exists(), "left behind: {:?}", listing(&out));
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--allow-nonfinite"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--allow-nonfinite"]);
     let w = &load_all(&out)["w.weight"].2;
     let at = (1500 * 64 + 17) * 2;
     assert_eq!(&w[at..at + 2], &0x7FC0u16.to_le_bytes());
@@ -315,12 +300,12 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
         .write(&src);
     for (mode, divide) in [("multiply", false), ("divide", true)] {
         let out = d.path().join(mode);
-        ok(&convert(
+        convert_ok(
             "dequant-fp8",
             &src,
             &out,
             &["-q", "--dtype", "f32", "--scale-mode", mode],
-        ));
+        );
         let got = &load_all(&out)["x.weight"].2;
         let want: Vec<u8> = codes
             .iter()
@@ -433,7 +418,7 @@ fn run_section_order_dequant_then_cast() {
     let (d, src) = tmp_in();
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&convert(
+    convert_ok(
         "run",
         &src,
         &out,
@@ -446,7 +431,7 @@ fn run_section_order_dequant_then_cast() {
             r"^model\.",
             "",
         ],
-    ));
+    );
     let got = load_all(&out);
     let w = &got["layers.0.mlp.down_proj.weight"];
     assert_eq!(w.0, "F32");

@@ -33,7 +33,7 @@ const CASES: [&str; 16] = [
 fn dequant_matches(cmd: &str, case: &str, extra: &[&str]) -> tempfile::TempDir {
     let (dir, out) = tmp_out();
     let model = fixture(&format!("quant/{case}/model"));
-    ok(&convert(cmd, &model, &out, &[&["-q"][..], extra].concat()));
+    convert_ok(cmd, &model, &out, &[&["-q"][..], extra].concat());
     let got = load_all(&out);
     let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
     assert_same_tensors(case, &got, &want, |name, _, gb, bytes| {
@@ -78,7 +78,7 @@ fn chunking_and_threads_never_change_a_byte() {
 fn f32_output_is_the_same_values_unrounded() {
     let (_dir, out) = tmp_out();
     let model = fixture("quant/ct_mxfp4a16/model");
-    ok(&convert("dequant", &model, &out, &["--dtype", "f32", "-q"]));
+    convert_ok("dequant", &model, &out, &["--dtype", "f32", "-q"]);
     let got = load_all(&out);
     let want = load_all(&fixture("quant/ct_mxfp4a16/expected.safetensors"));
     // MXFP4 values are exact in BF16, so the F32 output rounds to the library's BF16 bit for bit.
@@ -97,12 +97,7 @@ fn activation_and_kv_scales_are_dropped_and_reported() {
     let (dir, out) = tmp_out();
     let report = dir.path().join("report.json");
     let model = fixture("quant/modelopt_nvfp4/model");
-    ok(&convert(
-        "dequant",
-        &model,
-        &out,
-        &["--report", s(&report), "-q"],
-    ));
+    convert_ok("dequant", &model, &out, &["--report", s(&report), "-q"]);
     let r = read_json(&report);
     let notes = r["notes"].to_string();
     for dropped in [
@@ -244,7 +239,7 @@ fn a_model_with_nothing_to_decode_is_an_error() {
     let out = dir.path().join("out");
     let err = refused(&model, &out);
     assert_mentions(&err, &["nothing to dequantise", "--allow-empty"]);
-    ok(&convert("dequant", &model, &out, &["--allow-empty", "-q"]));
+    convert_ok("dequant", &model, &out, &["--allow-empty", "-q"]);
 }
 
 #[test]
@@ -291,7 +286,7 @@ fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
     let model = fixture("quant/modelopt_nvfp4/model");
     let report = dir.path().join("report.json");
     let extra = ["--keep-kv-scales", "--report", s(&report), "-q"];
-    ok(&convert("dequant", &model, &out, &extra));
+    convert_ok("dequant", &model, &out, &extra);
     let report = std::fs::read_to_string(&report).unwrap();
     assert_mentions(
         &report,

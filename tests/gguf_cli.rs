@@ -124,12 +124,12 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
     let out = c.path("out/llama.gguf");
     let report = c.path("report.json");
     // The input given with `-i` rather than as the positional argument.
-    ok(&tftf(&cmd(
+    tftf_ok(&cmd(
         "gguf",
         &c.model,
         &out,
         &["--vocab-pre", "test-pre", "--report", s(&report), "-q"],
-    )));
+    ));
     let g = parse(&out);
     assert_eq!(g.str("general.architecture"), "llama");
     assert_eq!(g.str("general.name"), "llama3-model");
@@ -445,7 +445,7 @@ fn split_output_follows_gguf_split_and_holds_the_same_tensors() {
     std::fs::create_dir(&outdir).unwrap();
     let parts = outdir.join("m.gguf");
     let args = ["--vocab-pre", "test-pre", "-q", "--split-max-size", "60K"];
-    ok(&tftf(&gguf_args(&c.model, &parts, &args)));
+    tftf_ok(&gguf_args(&c.model, &parts, &args));
     let names = listing(&outdir);
     let n = names.len();
     assert!(n >= 3, "{names:?}");
@@ -544,7 +544,7 @@ fn bad_inputs_fail_before_any_output_exists() {
     // --arch overrides it.
     let ok_out = d.path().join("arch.gguf");
     let extra = ["--arch", "llama", "--vocab-pre", "x", "-q"];
-    ok(&tftf(&gguf_args(&m, &ok_out, &extra)));
+    tftf_ok(&gguf_args(&m, &ok_out, &extra));
     std::fs::remove_file(&ok_out).unwrap();
     let err = run(&m, &["--arch", "falcon", "--vocab-pre", "x"]);
     assert!(err.contains("supported"), "{err}");

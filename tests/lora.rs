@@ -15,12 +15,12 @@ fn check_case(case: &str) {
     let dir = peft_case(case);
     let (d, out) = tmp_out();
     let rep = d.path().join("r.json");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &dir.join("base"),
         &dir.join("adapter"),
         &out,
         &["-q", "--report", s(&rep)],
-    )));
+    );
     let changed = assert_matches_peft(case, &out);
     assert!(!changed.is_empty(), "{case}: nothing merged");
     assert_all_matched(case, &merge_lora_report(&rep));
@@ -68,12 +68,7 @@ fn peft_modules_to_save() {
     // The replacement is PEFT's copy, bit for bit.
     let dir = peft_case("modules-to-save");
     let (_d, out) = tmp_out();
-    ok(&tftf(&merge_lora(
-        &dir.join("base"),
-        &dir.join("adapter"),
-        &out,
-        &["-q"],
-    )));
+    lora_merged(&dir.join("base"), &dir.join("adapter"), &out, &["-q"]);
     assert_eq!(
         load_all(&out)["lm_head.weight"],
         load_all(&dir.join("merged/model.safetensors"))["lm_head.weight"]
@@ -139,7 +134,7 @@ fn bad_adapters_fail_before_any_output() {
     assert!(!out.exists());
     let err = fails(&[&args[..], &["--allow-unmatched"]].concat());
     assert!(err.contains("matches no tensor"), "{err}");
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     std::fs::remove_dir_all(&out).unwrap();
 
     // Wrong shapes: a rank that disagrees with the config.
@@ -179,23 +174,18 @@ fn training_output_uses_the_latest_checkpoint_and_scale_multiplies() {
     .unwrap();
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &case.join("base"),
         &train,
         &out,
         &["-q", "--report", s(&rep)],
-    )));
+    );
     assert!(std::fs::read_to_string(&rep)
         .unwrap()
         .contains("checkpoint-500"));
     // --scale 0 merges nothing: every tensor equals the base.
     let zero = d.path().join("zero");
-    ok(&tftf(&merge_lora(
-        &case.join("base"),
-        &train,
-        &zero,
-        &["-q", "--scale", "0"],
-    )));
+    lora_merged(&case.join("base"), &train, &zero, &["-q", "--scale", "0"]);
     assert_eq!(
         load_all(&zero),
         load_all(&case.join("base/model.safetensors"))
@@ -247,7 +237,7 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
         .file("adapter_config.json", r#"{"r": 4, "lora_alpha": 8}"#)
         .write(&adapter);
     let out = d.path().join("out");
-    ok(&convert(
+    convert_ok(
         "dequant-fp8",
         &src,
         &out,
@@ -260,7 +250,7 @@ fn fp8_base_is_dequantised_then_merged_in_one_pass() {
             "--block-size",
             "128",
         ],
-    ));
+    );
     let got = floats("F32", &load_all(&out)["m.proj.weight"].2);
     for i in 0..out_f as usize {
         for j in 0..in_f as usize {
@@ -320,12 +310,7 @@ fn fsdp_rank_shards_merge_like_the_whole_adapter() {
     let files = split_ranks(&case.join("adapter/adapter_model.safetensors"), &ranks, 2);
     copy_config(&case.join("adapter"), &ranks);
     let whole = d.path().join("whole");
-    ok(&tftf(&merge_lora(
-        &case.join("base"),
-        &case.join("adapter"),
-        &whole,
-        &["-q"],
-    )));
+    lora_merged(&case.join("base"), &case.join("adapter"), &whole, &["-q"]);
     let base = case.join("base");
     // `merge-fsdp-lora -b BASE SHARDS... -o OUT EXTRA...`.
     let fsdp = |shards: &[&str], out: &Path, extra: &[&str]| {
@@ -444,12 +429,7 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
         )
         .write(&adapter);
     let out = d.path().join("out");
-    ok(&tftf(&merge_lora(
-        &base,
-        &adapter,
-        &out,
-        &["-q", "--memory-budget", "16MiB"],
-    )));
+    lora_merged(&base, &adapter, &out, &["-q", "--memory-budget", "16MiB"]);
     let got = load_all(&out);
     let close =
         |g: f32, w: f64, what: &str| assert!((g as f64 - w).abs() < 1e-6, "{what}: {g} vs {w}");
@@ -500,7 +480,7 @@ fn run_section_merges_then_renames() {
     let case = peft_case("llama-lora-f32");
     let d = tmp();
     let out = d.path().join("out.safetensors");
-    ok(&convert(
+    convert_ok(
         "run",
         &case.join("base"),
         &out,
@@ -512,7 +492,7 @@ fn run_section_merges_then_renames() {
             r"^model\.",
             "",
         ],
-    ));
+    );
     let got = load_all(&out);
     let want = load_all(&case.join("merged/model.safetensors"));
     for (name, (_, _, bytes)) in &want {

@@ -46,7 +46,7 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
         "{text}"
     );
     // Allowed, the output is one loadable shard without tensors.
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(listing(&out), ["model.safetensors"]);
     assert!(load_all(&out).is_empty());
 }
@@ -61,7 +61,7 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
         format!("error: {}: dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
     );
     assert!(!out.exists());
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(load_all(&out).len(), 2);
 }
 
@@ -271,7 +271,7 @@ fn validate_finds_a_torch_dtype_no_tensor_has() {
         &["torch-dtype"],
     );
     std::fs::write(src.join("config.json"), r#"{"torch_dtype": "bfloat16"}"#).unwrap();
-    ok(&tftf(&["validate", s(&src)]));
+    tftf_ok(&["validate", s(&src)]);
 }
 
 #[test]
@@ -282,7 +282,7 @@ fn validate_finds_a_wrong_index_total_size() {
     let (a, b) = (rng.bytes(4), rng.bytes(6));
     let model = Model::new().tensor("a", DType::U8, &[4], a);
     model.shard().tensor("b", DType::U8, &[6], b).write(&src);
-    ok(&tftf(&["validate", s(&src)]));
+    tftf_ok(&["validate", s(&src)]);
     let index = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index)
         .unwrap()
@@ -299,7 +299,7 @@ fn validate_finds_a_wrong_index_total_size() {
     // The small model of the other tests is clean.
     let clean = d.path().join("clean");
     small_model(&clean);
-    ok(&tftf(&["validate", s(&clean)]));
+    tftf_ok(&["validate", s(&clean)]);
 }
 
 #[test]
@@ -395,7 +395,7 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&passthrough(&src, &out, &["-q", "--report", s(&report)]));
+    convert_ok("passthrough", &src, &out, &["-q", "--report", s(&report)]);
     assert_eq!(load_all(&out).len(), 1);
     let r = read_json(&report);
     assert!(

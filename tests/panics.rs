@@ -78,12 +78,7 @@ fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
         refused(&cmd("dequant-fp8", &src, &out, &[]), &out, &want);
     }
     // --block-size replaces the broken value.
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["--block-size", "1x4", "-q"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["--block-size", "1x4", "-q"]);
     let got = load_all(&out);
     let bf16 = |x: f32| half::bf16::from_f32(x).to_bits().to_le_bytes();
     let want: Vec<u8> = [1.0f32, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
@@ -198,7 +193,7 @@ fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
     );
     let mut allowed = args.to_vec();
     allowed.extend(["--allow-nonfinite", "-q", "--dtype", "f32"]);
-    ok(&tftf(&allowed));
+    tftf_ok(&allowed);
     // 0/0 is the canonical NaN, 1/0 is +inf.
     let inf = f32::INFINITY.to_bits();
     let want: Vec<u8> = [0x7FC0_0000u32, inf, inf, inf]
@@ -233,7 +228,7 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
             file.display()
         ),
     );
-    ok(&convert("dequant-fp8", &src, &out, &["-q"]));
+    convert_ok("dequant-fp8", &src, &out, &["-q"]);
     std::fs::remove_dir_all(&out).unwrap();
     // 65504 × 2 with a multiply by 65520 that rounds up to infinity in F16 (the largest finite
     // F16 is 65504; 65520 is the tie that rounds to infinity).
@@ -251,12 +246,12 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
             file.display()
         ),
     );
-    ok(&convert(
+    convert_ok(
         "dequant-fp8",
         &src,
         &out,
         &["--dtype", "f16", "--allow-nonfinite", "-q"],
-    ));
+    );
     assert_eq!(load_all(&out)["w.weight"].2, [0x00, 0x7C].repeat(4));
 }
 
@@ -282,7 +277,7 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
         )
         .write(&adapter);
     let out = d.path().join("out");
-    ok(&tftf(&[
+    tftf_ok(&[
         "merge-lora",
         "-i",
         s(&src),
@@ -291,7 +286,7 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
         "-o",
         s(&out),
         "-q",
-    ]));
+    ]);
     let got = load_all(&out);
     assert_eq!(got["lm_head.weight"].0, "BF16");
     assert_eq!(got["lm_head.weight"].2, replacement);
@@ -340,11 +335,12 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         ),
     );
     let budget = format!("{}", 2 * needed);
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &["--memory-budget", &budget, "-q"],
-    ));
+    );
     assert_eq!(load_all(&out).len(), 30_000);
 }
 
@@ -354,7 +350,8 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
     let (src, header) = many_tiny_tensors(d.path(), 200_000);
     let report = d.path().join("report.json");
     let out = d.path().join("out");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &[
@@ -365,7 +362,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
             "--report",
             s(&report),
         ],
-    ));
+    );
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let peak = r["peak_rss_bytes"].as_u64().unwrap();
     // A JSON value tree of the header, two copies of every name and a per-tensor map took

@@ -73,7 +73,7 @@ fn assert_same_dirs(want: &Path, got: &Path) {
 /// One run with checksums: what the parts must reproduce.
 fn reference(d: &Path, input: &Path, checksums: &str) -> std::path::PathBuf {
     let out = d.join("single");
-    ok(&tftf(&run_args(input, &out, &[checksums])));
+    tftf_ok(&run_args(input, &out, &[checksums]));
     assert!(listing(&out).len() >= 8, "{:?}", listing(&out));
     out
 }
@@ -102,7 +102,7 @@ fn three_parts_at_once_then_finalize_equal_one_run() {
     ok(&o);
     assert!(stdout(&o).contains("3 part(s)"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
-    ok(&tftf(&["verify", s(&out)]));
+    tftf_ok(&["verify", s(&out)]);
 }
 
 trait Spawn {
@@ -181,7 +181,7 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         // disk but unrecorded) is written again.
         let kept = if resume { "(1 kept" } else { "(0 kept" };
         assert!(stdout(&o).contains(kept), "{}", stdout(&o));
-        ok(&tftf(&["finalize", s(&out), "-q"]));
+        tftf_ok(&["finalize", s(&out), "-q"]);
         assert_same_dirs(&single, &out);
     }
 }
@@ -267,8 +267,8 @@ fn parts_with_different_arguments_or_inputs_are_refused() {
     let e = fails(&["finalize", s(&out)]);
     assert!(e.contains("part 1/2 has not run"), "{e}");
     ok(&part(&input, &out, &["--part", "1/2"]));
-    ok(&tftf(&["finalize", s(&out), "-q"]));
-    ok(&tftf(&["verify", s(&out)]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
+    tftf_ok(&["verify", s(&out)]);
 }
 
 #[test]
@@ -314,7 +314,7 @@ fn finalize_names_missing_damaged_and_changed_records() {
     let at = changed.len() - 3;
     changed[at] ^= 0x40;
     std::fs::write(&shard, &changed).unwrap();
-    ok(&tftf(&["finalize", s(&out), "-q"]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
     assert!(!out.join(".tftf-parts").exists());
     let o = tftf(&["verify", s(&out)]);
     assert_eq!(o.status.code(), Some(1));
@@ -334,7 +334,7 @@ fn checksums_off_gives_the_plain_output() {
     for k in ["2/2", "1/2"] {
         ok(&part(&input, &out, &["--part", k, "--checksums=off"]));
     }
-    ok(&tftf(&["finalize", s(&out), "-q"]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
     assert_same_dirs(&single, &out);
     assert!(!out.join("SHA256SUMS").exists());
 }

@@ -53,7 +53,7 @@ fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
         ];
         args.extend_from_slice(extra);
         args.extend_from_slice(&["--force", "-q"]);
-        ok(&tftf(&args));
+        tftf_ok(&args);
         let got = load_all(&out);
         for (name, dtype, _, data) in &tensors {
             let (got_dtype, _, got_data) = &got[name];

@@ -366,7 +366,7 @@ fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
     assert_eq!(q["modules_to_not_convert"], serde_json::json!(["lm_head"]));
     // tftf dequant reads it as the FP8 block format it is.
     let back = dir.path().join("back");
-    ok(&tftf(&cmd("dequant", &out, &back, &["-q"])));
+    tftf_ok(&cmd("dequant", &out, &back, &["-q"]));
     let back = load_all(&back);
     assert_eq!(back["model.layers.0.self_attn.k_proj.weight"].0, "BF16");
     assert!(!back.contains_key("model.layers.0.self_attn.k_proj.weight_scale_inv"));
@@ -395,7 +395,7 @@ fn quantisers_keep_the_whole_pool_as_their_scratch_is_one_row() {
             "--report",
             s(&report),
         ]);
-        ok(&tftf(&a));
+        tftf_ok(&a);
         let r = read_json(&report);
         (
             r["pool_bytes"].as_u64().unwrap(),
@@ -532,7 +532,7 @@ fn modelopt_output_dequantises_to_modelopts_own_values() {
     for scheme in MODELOPT_SCHEMES {
         let (dir, out) = quantized(scheme, &["--format", "modelopt"]);
         let back = dir.path().join("back");
-        ok(&tftf(&cmd("dequant", &out, &back, &["-q"])));
+        tftf_ok(&cmd("dequant", &out, &back, &["-q"]));
         let got = load_all(&back);
         let want = read_json(&fixture(&format!(
             "quantize/modelopt/{scheme}/dequant.json"

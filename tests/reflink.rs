@@ -98,7 +98,7 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
         let rep = xfs.mnt.join(format!("{name}.json"));
         let mut args = cmd("passthrough", &src, &out, &["-q", "--report", s(&rep)]);
         args.extend(extra);
-        ok(&tftf(&args));
+        tftf_ok(&args);
         let r = read_json(&rep);
         let frac = untouched_shared_fraction(&out, &r);
         assert!(
@@ -139,11 +139,12 @@ fn no_reflink_copies_on_xfs() {
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &["-q", "--no-reflink", "--report", s(&rep)],
-    ));
+    );
     let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], 0);

@@ -51,7 +51,7 @@ fn single_file_output_with_force_replaces_that_file_only() {
     std::fs::write(shared.join("new.safetensors"), "previous output").unwrap();
     let before = snapshot(&shared);
     let out = shared.join("new.safetensors");
-    ok(&passthrough(&src, &out, &["--force", "-q"]));
+    convert_ok("passthrough", &src, &out, &["--force", "-q"]);
     let after = snapshot(&shared);
     for (name, hash) in &before {
         if name != "new.safetensors" {
@@ -77,11 +77,12 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     write_file(&dir.join("mine.safetensors"), &tensors);
     write_file(&dir.join("sibling.safetensors"), &tensors);
     let before = snapshot(&dir);
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &dir.join("mine.safetensors"),
         &dir,
         &["--force", "-q"],
-    ));
+    );
     let after = snapshot(&dir);
     assert_eq!(
         after.get("mine.safetensors"),
@@ -148,11 +149,12 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     // An earlier report is replaced.
     let report = d.path().join("report.json");
     for _ in 0..2 {
-        ok(&passthrough(
+        convert_ok(
+            "passthrough",
             &src,
             &out,
             &["--force", "-q", "--report", s(&report)],
-        ));
+        );
     }
     assert!(hidden(d.path()).is_empty(), "{:?}", hidden(d.path()));
 }
@@ -202,11 +204,12 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&passthrough(
+    convert_ok(
+        "passthrough",
         &src,
         &out,
         &["-q", "--max-shard-size", "5000"],
-    ));
+    );
     let shards_before = listing(&out)
         .into_iter()
         .filter(|n| n.starts_with("model-"))
@@ -234,7 +237,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
         "{text}"
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
-    ok(&passthrough(&src, &out, &["--force", "-q"]));
+    convert_ok("passthrough", &src, &out, &["--force", "-q"]);
     assert_listing(
         &out,
         "config.json model-00001-of-00002.safetensors \
@@ -302,7 +305,7 @@ fn reference(src: &Path, d: &Path, args: &[&str]) -> BTreeMap<String, String> {
     let out = d.join("reference");
     let mut a = cmd("passthrough", src, &out, &["-q"]);
     a.extend_from_slice(args);
-    ok(&tftf(&a));
+    tftf_ok(&a);
     snapshot(&out)
 }
 
@@ -337,7 +340,7 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
             let out = d.path().join(format!("out-{point}-{finish_with_recover}"));
             let mut a = cmd("passthrough", &src, &out, &["-q"]);
             a.extend_from_slice(&old_args);
-            ok(&tftf(&a));
+            tftf_ok(&a);
             let mut a = cmd("passthrough", &src, &out, &["-q", "--force"]);
             a.extend_from_slice(&new_args);
             let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
@@ -360,12 +363,12 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
                 );
             }
             if finish_with_recover {
-                ok(&tftf(&["recover", s(&out)]));
+                tftf_ok(&["recover", s(&out)]);
                 let expect = if journalled { &new } else { &old };
                 assert_eq!(&snapshot(&out), expect, "{point}: after recover");
             } else {
                 // The next run cleans up and commits.
-                ok(&tftf(&a));
+                tftf_ok(&a);
                 assert_eq!(snapshot(&out), new, "{point}: after the rerun");
             }
         }

@@ -29,7 +29,7 @@ fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["passthrough", s(input), "-o", s(out), "-q"];
     args.extend(["--report", s(&rep)]);
     args.extend(extra);
-    ok(&tftf(&args));
+    tftf_ok(&args);
     report(&rep)
 }
 
@@ -277,7 +277,7 @@ fn validate_accepts_torch_inputs_and_scans_their_values() {
 fn casting_a_dcp_checkpoint_reads_its_chunks() {
     let dir = tmp();
     let out = dir.path().join("bf16");
-    ok(&tftf(&[
+    tftf_ok(&[
         "passthrough",
         s(&torch_fixture("dcp/full-2rank")),
         "-o",
@@ -285,7 +285,7 @@ fn casting_a_dcp_checkpoint_reads_its_chunks() {
         "-q",
         "--dtype",
         "bf16",
-    ]));
+    ]);
     let got = read_safetensors(&out);
     let want = read_safetensors(&torch_fixture("dcp/full-2rank/expected/model.safetensors"));
     assert_eq!(got.len(), want.len());
@@ -424,7 +424,7 @@ fn every_command_gives_the_same_tensors_from_torch_and_safetensors_inputs() {
             let run = |input: &Path, out: &Path| {
                 let mut args = vec![cmd[0], "-i", s(input), "-o", s(out), "-q"];
                 args.extend(&cmd[1..]);
-                ok(&tftf(&args));
+                tftf_ok(&args);
                 read_safetensors(out)
             };
             let base = dir.path().join(format!("{}-{k}", case.replace('/', "-")));

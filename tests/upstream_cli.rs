@@ -109,7 +109,7 @@ fn base_map() -> BTreeMap<String, Vec<u8>> {
 
 /// `tftf run -i BASE -o OUT ARGS...`; returns the output (loaded) or panics with stderr.
 fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
-    ok(&tftf(&[&cmd("run", base, out, &["-q"])[..], args].concat()));
+    tftf_ok(&[&cmd("run", base, out, &["-q"])[..], args].concat());
     load_all(out)
 }
 
@@ -522,7 +522,7 @@ fn run_unknown_pipe_flag_exits_nonzero() {
 // ---------------------------------------------------------------------------------------------
 
 fn merge(base: &Path, adapter: &Path, out: &Path) -> Tensors {
-    ok(&tftf(&merge_lora(base, adapter, out, &["-q"])));
+    lora_merged(base, adapter, out, &["-q"]);
     load_all(out)
 }
 
@@ -614,7 +614,7 @@ fn verbose_is_accepted_by_every_command() {
         &cmd("passthrough", &base, &d.path().join("p"), &["-v", "-q"]),
         &cmd("run", &base, &d.path().join("r"), &["-q", "-v"]),
     ] {
-        ok(&tftf(args));
+        tftf_ok(args);
     }
 }
 
@@ -626,22 +626,17 @@ fn float64_casts_are_exact_everywhere() {
         .flat_map(|v| (*v as f64).to_le_bytes())
         .collect();
     let out = d.path().join("p");
-    ok(&passthrough(&base, &out, &["--dtype", "float64", "-q"]));
+    convert_ok("passthrough", &base, &out, &["--dtype", "float64", "-q"]);
     let got = load_all(&out);
     assert!(all_dtypes(&got, "F64"));
     assert_eq!(got[Q].2, want);
     let got = run_to(&d, &base, "r", &["--dtype-cast", "float64"]);
     assert_eq!(got[Q].2, want);
-    ok(&tftf(&["validate", s(&base), "--pipe", "dtype:float64"]));
+    tftf_ok(&["validate", s(&base), "--pipe", "dtype:float64"]);
     // A merged weight widens exactly too.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("m");
-    ok(&tftf(&merge_lora(
-        &base,
-        &adapter,
-        &out,
-        &["--dtype", "float64", "-q"],
-    )));
+    lora_merged(&base, &adapter, &out, &["--dtype", "float64", "-q"]);
     let got = load_all(&out);
     let merged: Vec<u8> = f32s_of(&base_map()[Q])
         .iter()
@@ -683,7 +678,7 @@ fn dequant_fp8_takes_the_lora_spellings() {
     let file = adapter.join("adapter_model.safetensors");
     let dequant = |out: &str, opts: &[&str]| {
         let out = d.path().join(out);
-        ok(&tftf(
+        tftf_ok(
             &[
                 &cmd(
                     "dequant-fp8",
@@ -694,7 +689,7 @@ fn dequant_fp8_takes_the_lora_spellings() {
                 opts,
             ]
             .concat(),
-        ));
+        );
         load_all(&out)
     };
     let cfg = d.path().join("cfg.json");
@@ -736,7 +731,7 @@ fn merge_lora_renames_before_merging() {
     // The adapter is keyed by the new names, as after the rename.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("out");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &base,
         &adapter,
         &out,
@@ -746,7 +741,7 @@ fn merge_lora_renames_before_merging() {
             r"^transformer\.h\.(\d+)\.attn\.",
             r"model.layers.\1.self_attn.",
         ],
-    )));
+    );
     assert_merged_with(&load_all(&out), 1.0);
 }
 
@@ -763,9 +758,7 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
         &["adapter_config.json not found", "--rank R --lora-alpha A"],
     );
     assert!(!out.exists());
-    ok(&tftf(
-        &[&args[..], &["--rank", "4", "--lora-alpha", "8"]].concat(),
-    ));
+    tftf_ok(&[&args[..], &["--rank", "4", "--lora-alpha", "8"]].concat());
     assert_merged_with(&load_all(&out), 1.0);
     let o = tftf(&[&args[..], &["--rank", "4"]].concat());
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
@@ -902,7 +895,7 @@ fn dcp_merge(case: &str) -> (Floats, Floats) {
     if !dcp_case(case).join("adapter_config.json").exists() {
         args.extend(["--rank", "4", "--lora-alpha", "8"]);
     }
-    ok(&tftf(&args));
+    tftf_ok(&args);
     (floats_of(&out), floats_of(&base))
 }
 

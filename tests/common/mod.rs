@@ -463,6 +463,30 @@ pub fn merge_lora<'a>(
     .concat()
 }
 
+/// Runs `tftf merge-lora -b BASE -a ADAPTER -o OUT EXTRA...` ([`merge_lora`]), any exit.
+pub fn lora_merge(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf(&merge_lora(base, adapter, out, extra))
+}
+
+/// [`lora_merge`], asserting success ([`ok`]).
+pub fn lora_merged(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> Output {
+    let o = lora_merge(base, adapter, out, extra);
+    ok(&o);
+    o
+}
+
+/// [`tftf`], asserting success ([`ok`]).
+pub fn tftf_ok(args: &[&str]) -> Output {
+    let o = tftf(args);
+    ok(&o);
+    o
+}
+
+/// [`convert`], asserting success ([`ok`]).
+pub fn convert_ok(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf_ok(&cmd(name, input, out, extra))
+}
+
 /// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.
 pub fn convert(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
     tftf(&cmd(name, input, out, extra))
