@@ -433,30 +433,41 @@ fn moe_experts_per_module_and_grouped_through_target_parameters() {
     let got = load_all(&out);
     let close =
         |g: f32, w: f64, what: &str| assert!((g as f64 - w).abs() < 1e-6, "{what}: {g} vs {w}");
-    let g = floats("F32", &got["model.layers.0.mlp.experts.gate_up_proj"].2);
-    for x in 0..e {
-        for i in 0..gin {
-            for o in 0..gout {
-                let delta: f64 = (0..r)
-                    .map(|k| ga[(x * r + k) * gin + i] as f64 * gb[o * e * r + k * e + x] as f64)
-                    .sum();
-                let want = gate_up[(x * gin + i) * gout + o] as f64 + 2.0 * delta;
-                close(g[(x * gin + i) * gout + o], want, "gate_up_proj");
-            }
-        }
-    }
-    let g = floats("F32", &got["model.layers.1.mlp.experts.w13"].2);
-    for x in 0..e {
-        for o in 0..sout {
-            for i in 0..sin {
-                let delta: f64 = (0..r)
-                    .map(|k| sa[(x * r + k) * sin + i] as f64 * sb[o * e * r + k * e + x] as f64)
-                    .sum();
-                close(
-                    g[(x * sout + o) * sin + i],
-                    stack[(x * sout + o) * sin + i] as f64 + 2.0 * delta,
-                    "w13",
-                );
+    // Expert x's delta at (in i, out o) of grouped factors `a` [E·r, n_in] and `b` [n_out, E·r]
+    // (PEFT's layout: rank k of expert x at column k·E + x of `b`).
+    let delta = |a: &[f32], b: &[f32], n_in: usize, (x, i, o): (usize, usize, usize)| -> f64 {
+        (0..r)
+            .map(|k| a[(x * r + k) * n_in + i] as f64 * b[o * e * r + k * e + x] as f64)
+            .sum()
+    };
+    // (tensor, its input values, factors A and B, in, out, where element (expert, in, out)
+    // is): gate_up_proj is [E, in, out], w13 [E, out, in].
+    type Case<'a> = (
+        &'a str,
+        &'a [f32],
+        &'a [f32],
+        &'a [f32],
+        usize,
+        usize,
+        At<'a>,
+    );
+    type At<'a> = &'a dyn Fn(usize, usize, usize) -> usize;
+    let gu = "model.layers.0.mlp.experts.gate_up_proj";
+    let w13 = "model.layers.1.mlp.experts.w13";
+    let gu_at = |x: usize, i: usize, o: usize| (x * gin + i) * gout + o;
+    let w13_at = |x: usize, i: usize, o: usize| (x * sout + o) * sin + i;
+    let cases: [Case; 2] = [
+        (gu, &gate_up, &ga, &gb, gin, gout, &gu_at),
+        (w13, &stack, &sa, &sb, sin, sout, &w13_at),
+    ];
+    for (name, input, a, b, n_in, n_out, at) in cases {
+        let g = floats("F32", &got[name].2);
+        for x in 0..e {
+            for i in 0..n_in {
+                for o in 0..n_out {
+                    let want = input[at(x, i, o)] as f64 + 2.0 * delta(a, b, n_in, (x, i, o));
+                    close(g[at(x, i, o)], want, name);
+                }
             }
         }
     }
