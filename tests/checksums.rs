@@ -34,11 +34,7 @@ fn sums_match_sha256sum_and_verify_names_a_changed_tensor() {
     assert_eq!(listed, files);
     let o = tftf(&["verify", s(&out)]);
     ok(&o);
-    assert!(
-        stdout(&o).contains("match tftf-manifest.json"),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &["match tftf-manifest.json"]);
 
     // Change one byte inside one tensor: verify names the file and that tensor, exit 1.
     let m = read_json(&out.join("tftf-manifest.json"));

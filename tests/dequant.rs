@@ -115,16 +115,8 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
         &["--dtype", "f32", "--dry-run"],
     );
     ok(&o);
-    assert!(
-        stdout(&o).contains("quantization_config removed"),
-        "{}",
-        stdout(&o)
-    );
-    assert!(
-        stdout(&o).contains("torch_dtype \"bfloat16\" -> \"float32\""),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &["quantization_config removed"]);
+    assert_mentions(&stdout(&o), &["torch_dtype \"bfloat16\" -> \"float32\""]);
 }
 
 #[test]

@@ -82,13 +82,7 @@ fn bad_adapters_fail_before_any_output() {
     let base = case.join("base");
 
     // Missing adapter_config.json.
-    let no_cfg = d.path().join("no-cfg");
-    std::fs::create_dir_all(&no_cfg).unwrap();
-    std::fs::copy(
-        case.join("adapter/adapter_model.safetensors"),
-        no_cfg.join("adapter_model.safetensors"),
-    )
-    .unwrap();
+    let no_cfg = copy_adapter_weights(&case, &d.path().join("no-cfg"));
     let err = fails(&merge_lora(&base, &no_cfg, &out, &[]));
     assert_mentions(&err, &["adapter_config.json not found", "--adapter-config"]);
     assert!(!out.exists());

@@ -318,11 +318,7 @@ fn finalize_names_missing_damaged_and_changed_records() {
     assert!(!out.join(".tftf-parts").exists());
     let o = tftf(&["verify", s(&out)]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(
-        stdout(&o).contains(&format!("{name}: tensor `")),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &[&format!("{name}: tensor `")]);
 }
 
 #[test]

@@ -184,13 +184,7 @@ fn same_shaped_nested_parameters_follow_the_listed_order_and_warn() {
 
 fn with_config(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
     let d = tmp();
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    std::fs::copy(
-        dir.join("adapter/adapter_model.safetensors"),
-        adapter.join("adapter_model.safetensors"),
-    )
-    .unwrap();
+    let adapter = copy_adapter_weights(dir, &d.path().join("adapter"));
     let mut cfg = read_json(&dir.join("adapter/adapter_config.json"));
     edit(&mut cfg);
     std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();

@@ -391,11 +391,7 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
     // No --force needed: nothing but the killed run's temporaries is there.
     let o = passthrough(&src, &out, &[]);
     ok(&o);
-    assert!(
-        stderr(&o).contains("temporary file(s) left by a killed run"),
-        "{}",
-        stderr(&o)
-    );
+    assert_mentions(&stderr(&o), &["temporary file(s) left by a killed run"]);
     assert!(hidden(&out).is_empty(), "{:?}", hidden(&out));
     assert_eq!(load_all(&out).len(), 11);
 }

@@ -74,3 +74,12 @@ pub fn assert_all_matched(name: &str, lora: &serde_json::Value) {
         "{name}: {lora}"
     );
 }
+
+/// Copies the adapter weights (`adapter/adapter_model.safetensors`) of the case folder
+/// `case` into the folder `to` (created), without their adapter_config.json; returns `to`.
+pub fn copy_adapter_weights(case: &Path, to: &Path) -> PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    let name = "adapter_model.safetensors";
+    std::fs::copy(case.join("adapter").join(name), to.join(name)).unwrap();
+    to.to_path_buf()
+}
