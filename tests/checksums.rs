@@ -15,7 +15,7 @@ fn sums_match_sha256sum_and_verify_names_a_changed_tensor() {
     let (d, src, _) = tmp_small_model();
     std::fs::write(src.join("config.json"), SMALL_CONFIG).unwrap();
     let out = d.path().join("out");
-    convert_ok("passthrough", &src, &out, &["--checksums", "-q"]);
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
     // SHA256SUMS lists every file written, each with its real SHA-256.
     let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
     let mut listed: Vec<&str> = Vec::new();
@@ -80,14 +80,9 @@ fn verify_without_a_manifest_and_checksums_into_a_file_are_refused() {
 fn a_later_run_without_checksums_removes_the_stale_sums() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    convert_ok("passthrough", &src, &out, &["--checksums", "-q"]);
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
     assert!(out.join("SHA256SUMS").exists());
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["--dtype", "bf16", "--force", "-q"],
-    );
+    passthrough_ok(&src, &out, &["--dtype", "bf16", "--force", "-q"]);
     assert!(
         !out.join("SHA256SUMS").exists(),
         "sums of the old bytes would lie"

@@ -17,7 +17,7 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    convert_ok("passthrough", &src, &out, &["--quiet"]);
+    passthrough_ok(&src, &out, &["--quiet"]);
     let got = load_all(&out);
     assert_eq!(got.len(), tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -45,12 +45,7 @@ fn passthrough_round_trip_keeps_every_byte_and_side_files() {
     }
     // An explicit --max-shard-size repacks: everything fits one file, no index.
     let packed = d.path().join("packed");
-    convert_ok(
-        "passthrough",
-        &src,
-        &packed,
-        &["--max-shard-size", "1GB", "-q"],
-    );
+    passthrough_ok(&src, &packed, &["--max-shard-size", "1GB", "-q"]);
     assert_listing(
         &packed,
         "config.json model.safetensors modeling_x.py tokenizer.json",
@@ -85,7 +80,7 @@ fn input_forms_file_dir_without_index_and_index_path() {
     // A single file, to a single file.
     let one = src.join("model-00001-of-00002.safetensors");
     let o3 = d.path().join("single.safetensors");
-    convert_ok("passthrough", &one, &o3, &["-q"]);
+    passthrough_ok(&one, &o3, &["-q"]);
     assert_eq!(load_all(&o3).len(), 5);
 }
 
@@ -103,12 +98,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     std::fs::create_dir_all(&src).unwrap();
     write_file(&src.join("model.safetensors"), &tensors);
     let out = d.path().join("out");
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["--max-shard-size", "6KB", "-q"],
-    );
+    passthrough_ok(&src, &out, &["--max-shard-size", "6KB", "-q"]);
     let names = listing(&out);
     assert_eq!(
         names,
@@ -136,7 +126,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
     }
     // The output reads back as a checkpoint through its index.
     let again = d.path().join("again.safetensors");
-    convert_ok("passthrough", &out, &again, &["-q"]);
+    passthrough_ok(&out, &again, &["-q"]);
     assert_eq!(load_all(&again).len(), 5);
 }
 
@@ -144,7 +134,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
     let (d, src, tensors) = tmp_small_model();
     let out = d.path().join("out");
-    convert_ok("passthrough", &src, &out, &["--dtype", "bfloat16", "-q"]);
+    passthrough_ok(&src, &out, &["--dtype", "bfloat16", "-q"]);
     let got = load_all(&out);
     for (name, dtype, _, data) in &tensors {
         let (gd, _, gdata) = &got[name];
@@ -182,12 +172,7 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
     // f16 target, and --cast-ints converting the I64 tensor.
     let out2 = d.path().join("out2");
-    convert_ok(
-        "passthrough",
-        &src,
-        &out2,
-        &["--dtype", "f16", "--cast-ints", "-q"],
-    );
+    passthrough_ok(&src, &out2, &["--dtype", "f16", "--cast-ints", "-q"]);
     let got2 = load_all(&out2);
     let (_, _, _, f32_data) = tensors.iter().find(|t| t.0 == "model.norm.weight").unwrap();
     let want: Vec<u8> = f32_data
@@ -215,8 +200,7 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out.safetensors");
-    convert_ok(
-        "passthrough",
+    passthrough_ok(
         &src,
         &out,
         &[
@@ -377,8 +361,7 @@ fn report_and_dry_run() {
     assert_eq!(r["dry_run"], true);
 
     let report2 = d.path().join("run.json");
-    convert_ok(
-        "passthrough",
+    passthrough_ok(
         &src,
         &out,
         &["--dtype", "bf16", "-q", "--report", s(&report2)],
@@ -420,12 +403,7 @@ fn refuses_output_inside_input_and_non_empty_output_without_force() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     let err = fails(&cmd("passthrough", &src, &out, &[]));
     assert_mentions(&err, &["not empty", "--force"]);
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["--force", "-q", "--max-shard-size", "1GB"],
-    );
+    passthrough_ok(&src, &out, &["--force", "-q", "--max-shard-size", "1GB"]);
     // Stale shards are replaced; unrelated files stay.
     assert_listing(
         &out,

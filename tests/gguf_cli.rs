@@ -613,10 +613,7 @@ fn output_is_refused_inside_the_input_and_over_an_existing_file_without_force() 
 /// offsets (a padding KV moves the data start), cloned, and the file still reads the same.
 #[test]
 fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
-    let Some(xfs) = xfs_or_skip(
-        "on_xfs_copied_tensors_are_cloned_at_congruent_offsets",
-        false,
-    ) else {
+    let Some(xfs) = xfs_or_skip("on_xfs_copied_tensors_are_cloned_at_congruent_offsets") else {
         return;
     };
     let mut rng = Rng(29);

@@ -395,7 +395,7 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    convert_ok("passthrough", &src, &out, &["-q", "--report", s(&report)]);
+    passthrough_ok(&src, &out, &["-q", "--report", s(&report)]);
     assert_eq!(load_all(&out).len(), 1);
     let r = read_json(&report);
     assert!(

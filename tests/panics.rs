@@ -335,12 +335,7 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         ),
     );
     let budget = format!("{}", 2 * needed);
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["--memory-budget", &budget, "-q"],
-    );
+    passthrough_ok(&src, &out, &["--memory-budget", &budget, "-q"]);
     assert_eq!(load_all(&out).len(), 30_000);
 }
 
@@ -350,8 +345,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
     let (src, header) = many_tiny_tensors(d.path(), 200_000);
     let report = d.path().join("report.json");
     let out = d.path().join("out");
-    convert_ok(
-        "passthrough",
+    passthrough_ok(
         &src,
         &out,
         &[

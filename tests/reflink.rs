@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::xfs::xfs_or_skip;
+use common::xfs::xfs_with_filefrag_or_skip;
 use common::*;
 use tftf::format::dtype::DType;
 
@@ -77,10 +77,9 @@ fn untouched_shared_fraction(out: &Path, r: &serde_json::Value) -> f64 {
 
 #[test]
 fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
-    let Some(xfs) = xfs_or_skip(
-        "passthrough_rename_and_cast_share_untouched_extents_on_xfs",
-        true,
-    ) else {
+    let Some(xfs) =
+        xfs_with_filefrag_or_skip("passthrough_rename_and_cast_share_untouched_extents_on_xfs")
+    else {
         return;
     };
     let src = xfs.mnt.join("in");
@@ -132,19 +131,14 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
 
 #[test]
 fn no_reflink_copies_on_xfs() {
-    let Some(xfs) = xfs_or_skip("no_reflink_copies_on_xfs", true) else {
+    let Some(xfs) = xfs_with_filefrag_or_skip("no_reflink_copies_on_xfs") else {
         return;
     };
     let src = xfs.mnt.join("in");
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--no-reflink", "--report", s(&rep)],
-    );
+    passthrough_ok(&src, &out, &["-q", "--no-reflink", "--report", s(&rep)]);
     let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], 0);

@@ -51,7 +51,7 @@ fn single_file_output_with_force_replaces_that_file_only() {
     std::fs::write(shared.join("new.safetensors"), "previous output").unwrap();
     let before = snapshot(&shared);
     let out = shared.join("new.safetensors");
-    convert_ok("passthrough", &src, &out, &["--force", "-q"]);
+    passthrough_ok(&src, &out, &["--force", "-q"]);
     let after = snapshot(&shared);
     for (name, hash) in &before {
         if name != "new.safetensors" {
@@ -77,12 +77,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     write_file(&dir.join("mine.safetensors"), &tensors);
     write_file(&dir.join("sibling.safetensors"), &tensors);
     let before = snapshot(&dir);
-    convert_ok(
-        "passthrough",
-        &dir.join("mine.safetensors"),
-        &dir,
-        &["--force", "-q"],
-    );
+    passthrough_ok(&dir.join("mine.safetensors"), &dir, &["--force", "-q"]);
     let after = snapshot(&dir);
     assert_eq!(
         after.get("mine.safetensors"),
@@ -149,12 +144,7 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     // An earlier report is replaced.
     let report = d.path().join("report.json");
     for _ in 0..2 {
-        convert_ok(
-            "passthrough",
-            &src,
-            &out,
-            &["--force", "-q", "--report", s(&report)],
-        );
+        passthrough_ok(&src, &out, &["--force", "-q", "--report", s(&report)]);
     }
     assert!(hidden(d.path()).is_empty(), "{:?}", hidden(d.path()));
 }
@@ -204,12 +194,7 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    convert_ok(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--max-shard-size", "5000"],
-    );
+    passthrough_ok(&src, &out, &["-q", "--max-shard-size", "5000"]);
     let shards_before = listing(&out)
         .into_iter()
         .filter(|n| n.starts_with("model-"))
@@ -237,7 +222,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
         "{text}"
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
-    convert_ok("passthrough", &src, &out, &["--force", "-q"]);
+    passthrough_ok(&src, &out, &["--force", "-q"]);
     assert_listing(
         &out,
         "config.json model-00001-of-00002.safetensors \

@@ -626,7 +626,7 @@ fn float64_casts_are_exact_everywhere() {
         .flat_map(|v| (*v as f64).to_le_bytes())
         .collect();
     let out = d.path().join("p");
-    convert_ok("passthrough", &base, &out, &["--dtype", "float64", "-q"]);
+    passthrough_ok(&base, &out, &["--dtype", "float64", "-q"]);
     let got = load_all(&out);
     assert!(all_dtypes(&got, "F64"));
     assert_eq!(got[Q].2, want);

@@ -511,6 +511,11 @@ pub fn tmp_out() -> (tempfile::TempDir, PathBuf) {
     (d, out)
 }
 
+/// [`passthrough`], asserting success ([`ok`]).
+pub fn passthrough_ok(input: &Path, out: &Path, extra: &[&str]) -> Output {
+    convert_ok("passthrough", input, out, extra)
+}
+
 /// Runs tftf and returns its exit code, stdout and stderr.
 pub fn exit_code(args: &[&str]) -> (Option<i32>, String, String) {
     let o = tftf(args);

@@ -56,9 +56,19 @@ impl Drop for Xfs {
     }
 }
 
+/// [`Xfs::mount`] without the `filefrag` check: see [`xfs_or_skip_with`].
+pub fn xfs_or_skip(test: &str) -> Option<Xfs> {
+    xfs_or_skip_with(test, false)
+}
+
+/// [`Xfs::mount`] with the `filefrag` check: see [`xfs_or_skip_with`].
+pub fn xfs_with_filefrag_or_skip(test: &str) -> Option<Xfs> {
+    xfs_or_skip_with(test, true)
+}
+
 /// [`Xfs::mount`], or `None` after printing (to stdout and stderr) that `test` is skipped
 /// and why.
-pub fn xfs_or_skip(test: &str, filefrag: bool) -> Option<Xfs> {
+pub fn xfs_or_skip_with(test: &str, filefrag: bool) -> Option<Xfs> {
     match Xfs::mount(filefrag) {
         Ok(x) => Some(x),
         Err(why) => {
