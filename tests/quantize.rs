@@ -48,6 +48,11 @@ fn quantize(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::proc
     tftf(&quiet_args(scheme, input, out, extra))
 }
 
+/// [`quantize`], asserting success.
+fn quantize_ok(scheme: &str, input: &Path, out: &Path, extra: &[&str]) {
+    ok(&quantize(scheme, input, out, extra));
+}
+
 /// Runs `quantize` as [`quantize`] does, expects exit 1 and returns stderr.
 fn quantize_fails(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
     fails(&quiet_args(scheme, input, out, extra))
@@ -73,7 +78,7 @@ fn usage_refused(scheme: &str, input: &Path, extra: &[&str]) -> String {
 /// temporary folder, asserting success: (folder, `out`).
 fn quantized(scheme: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
     let (dir, out) = tmp_out();
-    ok(&quantize(scheme, &input_of(scheme), &out, extra));
+    quantize_ok(scheme, &input_of(scheme), &out, extra);
     (dir, out)
 }
 
@@ -162,21 +167,11 @@ fn ignore_rules_match_llm_compressor_ignore_list() {
     // (`re:`) quantises the rest, and the ignore list names it before lm_head, as the library.
     let (dir, out) = tmp_out();
     let input = input_of("W4A16_ignore");
-    ok(&quantize(
-        "W4A16",
-        &input,
-        &out,
-        &["--ignore", "re:.*down_proj$"],
-    ));
+    quantize_ok("W4A16", &input, &out, &["--ignore", "re:.*down_proj$"]);
     assert_matches_library("W4A16_ignore", &out);
     // A glob on the tensor name does the same.
     let out2 = dir.path().join("out2");
-    ok(&quantize(
-        "w4a16",
-        &input,
-        &out2,
-        &["--ignore", "*.down_proj.weight"],
-    ));
+    quantize_ok("w4a16", &input, &out2, &["--ignore", "*.down_proj.weight"]);
     assert_eq!(load_all(&out2), load_all(&out));
 }
 
@@ -329,12 +324,7 @@ fn nothing_to_quantise_is_refused() {
     let err = refused("FP8_DYNAMIC", &model, &out, &[]);
     assert!(err.contains("no Linear weight to quantise"), "{err}");
     // --no-default-ignore takes lm_head too.
-    ok(&quantize(
-        "FP8_DYNAMIC",
-        &model,
-        &out,
-        &["--no-default-ignore"],
-    ));
+    quantize_ok("FP8_DYNAMIC", &model, &out, &["--no-default-ignore"]);
     let got = load_all(&out);
     assert_eq!(got["lm_head.weight"].0, "F8_E4M3");
     assert_eq!(got["lm_head.weight_scale"].1, vec![2, 1]);
@@ -344,12 +334,7 @@ fn nothing_to_quantise_is_refused() {
 fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
     let (dir, out) = tmp_out();
     let input = fixture("quantize/input_even");
-    ok(&quantize(
-        "FP8_BLOCK",
-        &input,
-        &out,
-        &["--format", "fp8-native"],
-    ));
+    quantize_ok("FP8_BLOCK", &input, &out, &["--format", "fp8-native"]);
     let got = load_all(&out);
     // transformers' Fp8Quantize output, for every weight it quantises (128 divides both sides).
     let want = load_all(&fixture("quantize/FP8_BLOCK_native/model.safetensors"));
@@ -609,7 +594,7 @@ fn modelopt_format_in_parts_stages_hf_quant_config_and_finalizes_the_same_output
         for k in ["2/2", "1/2"] {
             let mut args = extra.to_vec();
             args.extend(["--part", k, "--finalize"]);
-            ok(&quantize(scheme, &input_of(scheme), &out, &args));
+            quantize_ok(scheme, &input_of(scheme), &out, &args);
         }
         assert!(!out.join(".tftf-parts").exists(), "{scheme}: finalized");
         assert_checksummed_modelopt(scheme, &out);

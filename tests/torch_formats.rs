@@ -293,21 +293,23 @@ fn dcp_chunk_past_end_names_file_and_tensor() {
     assert!(err.contains("tensor `model."), "{err}");
 }
 
+/// The fixture folder `rel` copied without its file `gone`, described: the error.
+fn describe_without(rel: &str, gone: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture(rel), dir.path());
+    std::fs::remove_file(dir.path().join(gone)).unwrap();
+    torch::describe(dir.path()).unwrap_err().to_string()
+}
+
 #[test]
 fn dcp_missing_distcp_names_it() {
-    let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fixture("dcp/full-2rank/pytorch_model_fsdp_0"), dir.path());
-    std::fs::remove_file(dir.path().join("__0_0.distcp")).unwrap();
-    let err = torch::describe(dir.path()).unwrap_err().to_string();
+    let err = describe_without("dcp/full-2rank/pytorch_model_fsdp_0", "__0_0.distcp");
     assert!(err.contains("__0_0.distcp"), "{err}");
 }
 
 #[test]
 fn sharded_index_naming_a_missing_shard_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fixture("bin/hf-sharded"), dir.path());
-    std::fs::remove_file(dir.path().join("pytorch_model-00002-of-00003.bin")).unwrap();
-    let err = torch::describe(dir.path()).unwrap_err().to_string();
+    let err = describe_without("bin/hf-sharded", "pytorch_model-00002-of-00003.bin");
     assert_mentions(&err, &["pytorch_model-00002-of-00003.bin", "missing"]);
 }
 
