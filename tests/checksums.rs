@@ -32,8 +32,7 @@ fn sums_match_sha256sum_and_verify_names_a_changed_tensor() {
     let mut files = listing(&out);
     files.retain(|f| f != "SHA256SUMS" && f != "tftf-manifest.json");
     assert_eq!(listed, files);
-    let o = tftf(&["verify", s(&out)]);
-    ok(&o);
+    let o = tftf_ok(&["verify", s(&out)]);
     assert_mentions(&stdout(&o), &["match tftf-manifest.json"]);
 
     // Change one byte inside one tensor: verify names the file and that tensor, exit 1.

@@ -341,12 +341,11 @@ fn report_and_dry_run() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
     let report = d.path().join("plan.json");
-    let o = passthrough(
+    let o = passthrough_ok(
         &src,
         &out,
         &["--dtype", "bf16", "--dry-run", "--report", s(&report)],
     );
-    ok(&o);
     let text = stdout(&o);
     assert!(text.contains("dry run: nothing written"), "{text}");
     assert!(text.contains("cast F32 -> BF16: 3 tensors"), "{text}");
@@ -570,8 +569,7 @@ fn usage_errors_exit_2() {
 #[test]
 fn info_reports_sizes_totals_and_widest_layer() {
     let (_d, src, _) = tmp_small_model();
-    let o = tftf(&["info", s(&src), "--json"]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(&src), "--json"]);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     let find = |n: &str| {
         v["tensors"]
@@ -614,8 +612,7 @@ fn validate_reports_non_finite_values_and_pipe_collisions() {
         .tensor("q", DType::F8_E4M3, &[3], fp8)
         .tensor("ok", DType::BF16, &[1], vec![0x80, 0x3F])
         .write(&src);
-    let o = tftf(&["validate", s(&src)]);
-    ok(&o);
+    let o = tftf_ok(&["validate", s(&src)]);
     assert!(stdout(&o).starts_with("ok:"), "{}", stdout(&o));
     let o = tftf(&["validate", s(&src), "--check-values"]);
     assert_eq!(o.status.code(), Some(1));
@@ -721,8 +718,7 @@ fn ctrl_c_removes_temporary_output() {
 
 #[test]
 fn demo_runs_and_checks_itself() {
-    let o = tftf(&["demo"]);
-    ok(&o);
+    let o = tftf_ok(&["demo"]);
     let text = stdout(&o);
     assert!(text.contains("demo finished: every check passed"), "{text}");
     assert!(!text.contains("failed"), "{text}");

@@ -58,7 +58,7 @@ fn training_dir(root: &Path) -> PathBuf {
 #[test]
 fn merge_dcp_lora_equals_peft_merge() {
     let (_d, out) = tmp_out();
-    let o = tftf(&[
+    tftf_ok(&[
         "merge-dcp-lora",
         "-b",
         s(&case("base")),
@@ -68,7 +68,6 @@ fn merge_dcp_lora_equals_peft_merge() {
         s(&out),
         "-q",
     ]);
-    ok(&o);
     assert_peft_merge(&out);
 }
 
@@ -87,8 +86,7 @@ fn a_training_directory_uses_the_latest_checkpoint_and_says_so() {
         let out = d.path().join(format!("out{k}"));
         let mut all = args.clone();
         all.extend(["-b", s(&base), "-o", s(&out)]);
-        let o = tftf(&all);
-        ok(&o);
+        let o = tftf_ok(&all);
         let err = stderr(&o);
         assert_mentions(&err, &["using the latest training checkpoint, checkpoint-60 (PyTorch DCP pytorch_model_fsdp_0)"]);
         assert_peft_merge(&out);

@@ -108,13 +108,12 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     assert_eq!(r["ops"][0]["bytes_out"], 300 * 260 * 2);
 
     // f32 output; dry-run shows the config edit.
-    let o = convert(
+    let o = convert_ok(
         "dequant-fp8",
         &src,
         &d.path().join("f32"),
         &["--dtype", "f32", "--dry-run"],
     );
-    ok(&o);
     assert_mentions(&stdout(&o), &["quantization_config removed"]);
     assert_mentions(&stdout(&o), &["torch_dtype \"bfloat16\" -> \"float32\""]);
 }
@@ -373,13 +372,12 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
         )
         .write(&src);
     let out = d.path().join("out");
-    let o = convert(
+    convert_ok(
         "dequant-fp8",
         &src,
         &out,
         &["--report", s(&d.path().join("r.json"))],
     );
-    ok(&o);
     let got = load_all(&out);
     let e8m0 = |b: u8| 2f32.powi(b as i32 - 127);
     let want_dense: Vec<u8> = (0..64 * 96)

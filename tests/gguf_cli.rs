@@ -500,8 +500,7 @@ fn dry_run_prints_the_plan_and_writes_nothing() {
         "--report",
         s(&report),
     ];
-    let o = tftf(&gguf_args(&c.model, &out, &extra));
-    ok(&o);
+    let o = tftf_ok(&gguf_args(&c.model, &out, &extra));
     let text = stdout(&o);
     for want in [
         "dry run",
@@ -1123,8 +1122,7 @@ fn json_progress_names_every_split_file_and_ends_with_the_report() {
         "json",
         "-q",
     ];
-    let o = tftf(&gguf_args(&c.model, &out, &extra));
-    ok(&o);
+    let o = tftf_ok(&gguf_args(&c.model, &out, &extra));
     let lines: Vec<Json> = stderr(&o)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))

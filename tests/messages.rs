@@ -107,8 +107,7 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
     }
     let fs = r["reflink_unavailable"].as_str().unwrap().to_string();
     std::fs::remove_dir_all(&out).unwrap();
-    let o = passthrough(&src, &out, &["-v", "--no-progress"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["-v", "--no-progress"]);
     let err = stderr(&o);
     let fs_name = fs
         .rsplit_once(" on ")
@@ -149,8 +148,7 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         ["--progress-interval", "0.001"],
     );
     let cast = [&["--dtype", "bf16", "--threads", "1"][..], &budget, &often].concat();
-    let o = passthrough(&src, &out, &cast);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &cast);
     let err = stderr(&o);
     assert!(
         err.starts_with(
@@ -160,8 +158,7 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
     );
     progress_lines(&err, "progress: passthrough ");
     let validate = ["validate", s(&src), "--check-values"];
-    let o = tftf(&[&validate[..], &budget, &often].concat());
-    ok(&o);
+    let o = tftf_ok(&[&validate[..], &budget, &often].concat());
     let err = stderr(&o);
     assert!(!err.is_empty(), "no progress line");
     progress_lines(&err, "progress: validate ");
@@ -362,8 +359,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
     )
     .unwrap();
     let out = d.path().join("out");
-    let o = passthrough(&src, &out, &["--no-progress"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["--no-progress"]);
     assert_eq!(
         stderr(&o),
         format!(
@@ -389,8 +385,7 @@ fn non_utf8_shard_names_work_and_print_escaped() {
     Model::new()
         .rand(&mut Rng(27), "a.weight", DType::BF16, &[4])
         .write_file(&src.join(name));
-    let o = tftf(&["info", s(&src), "--json"]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(&src), "--json"]);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");

@@ -32,8 +32,7 @@ fn info_prints_a_tensor_name_of_70_kib() {
     let name = "x".repeat(70_000);
     let f = d.path().join("m.safetensors");
     write_file(&f, &[t(&name, DType::U8, &[2], vec![1, 2])]);
-    let o = tftf(&["info", s(&f)]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(&f)]);
     let out = stdout(&o);
     let row = out.lines().nth(1).unwrap();
     assert_eq!(

@@ -98,8 +98,7 @@ fn three_parts_at_once_then_finalize_equal_one_run() {
     // No index before finalize: the directory is not yet a checkpoint a loader would open.
     assert!(!out.join("model.safetensors.index.json").exists());
     assert!(out.join(".tftf-parts").is_dir());
-    let o = tftf(&["finalize", s(&out)]);
-    ok(&o);
+    let o = tftf_ok(&["finalize", s(&out)]);
     assert!(stdout(&o).contains("3 part(s)"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
     tftf_ok(&["verify", s(&out)]);
@@ -128,12 +127,11 @@ fn the_last_part_with_finalize_completes_the_output_in_any_order() {
             .path()
             .join(format!("parts-{}", order[0].replace('/', "-")));
         for (i, k) in order.iter().enumerate() {
-            let o = tftf(&{
+            let o = tftf_ok(&{
                 let mut v = run_args(&input, &out, &["--part", k, "--finalize"]);
                 v.retain(|a| *a != "-q");
                 v
             });
-            ok(&o);
             let last = i == order.len() - 1;
             assert_eq!(
                 stdout(&o).contains("finalized"),
@@ -171,12 +169,11 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         } else {
             &["--part", "2/2"]
         };
-        let o = tftf(&{
+        let o = tftf_ok(&{
             let mut v = run_args(&input, &out, extra);
             v.retain(|a| *a != "-q");
             v
         });
-        ok(&o);
         // With --resume the first shard, committed and recorded, is kept; the second (on
         // disk but unrecorded) is written again.
         let kept = if resume { "(1 kept" } else { "(0 kept" };
@@ -223,12 +220,11 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&victim, &bytes).unwrap();
-    let o = tftf(&{
+    let o = tftf_ok(&{
         let mut v = run_args(&input, &out, &["--resume"]);
         v.retain(|a| *a != "-q");
         v
     });
-    ok(&o);
     assert!(stdout(&o).contains("(2 kept"), "{}", stdout(&o));
     assert!(stdout(&o).contains("finalized"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
@@ -352,12 +348,11 @@ fn part_flags_are_checked() {
     let e = usage_error(&run_args(&input, &out, &["--checksums=maybe"]));
     assert!(e.contains("--checksums=off"), "{e}");
     // A dry run says which shards the part writes and creates nothing.
-    let o = tftf(&{
+    let o = tftf_ok(&{
         let mut v = run_args(&input, &out, &["--part", "2/3", "--dry-run"]);
         v.retain(|a| *a != "-q");
         v
     });
-    ok(&o);
     assert!(stdout(&o).contains("part 2/3: writes"), "{}", stdout(&o));
     assert!(!out.exists());
     // A non-empty directory that is not this run's is refused before anything is written.

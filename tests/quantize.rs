@@ -179,8 +179,7 @@ fn ignore_rules_match_llm_compressor_ignore_list() {
 fn dry_run_lists_what_is_quantised_and_what_is_left_alone() {
     let (_dir, out) = tmp_out();
     let input = input_of("FP8_BLOCK");
-    let o = tftf(&quantize_args("FP8_BLOCK", &input, &out, &["--dry-run"]));
-    ok(&o);
+    let o = tftf_ok(&quantize_args("FP8_BLOCK", &input, &out, &["--dry-run"]));
     let text = format!("{}{}", stdout(&o), stderr(&o));
     assert_mentions(&text, &["FP8_BLOCK: 7 Linear weight(s) quantised"]);
     assert_mentions(
@@ -617,13 +616,12 @@ fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
 fn modelopt_dry_run_lists_exclude_modules_and_hf_quant_config() {
     let (_dir, out) = tmp_out();
     let input = input_of("NVFP4A16");
-    let o = tftf(&quantize_args(
+    let o = tftf_ok(&quantize_args(
         "NVFP4A16",
         &input,
         &out,
         &["--format", "modelopt", "--dry-run"],
     ));
-    ok(&o);
     let text = stdout(&o);
     assert_mentions(
         &text,

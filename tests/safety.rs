@@ -203,8 +203,7 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     std::fs::write(out.join("weights-v2.safetensors"), "another model").unwrap();
     let before = snapshot(&out);
-    let o = passthrough(&src, &out, &["--force", "--dry-run"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["--force", "--dry-run"]);
     let text = stdout(&o);
     let n = shards_before;
     let deleted: Vec<String> = (1..=n)
@@ -374,8 +373,7 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
     let left: Vec<String> = hidden(&out);
     assert!(left.iter().any(|n| n.ends_with(".tmp")), "{left:?}");
     // No --force needed: nothing but the killed run's temporaries is there.
-    let o = passthrough(&src, &out, &[]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &[]);
     assert_mentions(&stderr(&o), &["temporary file(s) left by a killed run"]);
     assert!(hidden(&out).is_empty(), "{:?}", hidden(&out));
     assert_eq!(load_all(&out).len(), 11);

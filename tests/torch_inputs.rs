@@ -195,14 +195,13 @@ fn contiguous_bin_tensors_move_in_the_kernel() {
     let through_memory = b["copied_through_memory"].as_u64().unwrap();
     assert!(through_memory > 0, "{r}");
     // The dry run says which bytes will be gathered.
-    let o = tftf(&[
+    let o = tftf_ok(&[
         "passthrough",
         s(&torch_fixture("bin/corners/pytorch_model.bin")),
         "-o",
         s(&dir.path().join("dry")),
         "--dry-run",
     ]);
-    ok(&o);
     assert_mentions(
         &stdout(&o),
         &[&format!(
@@ -226,20 +225,17 @@ fn info_names_the_format() {
         ("dcp/full-2rank", "format: PyTorch DCP (2 files)\n"),
         ("dcp/grid-synthetic", "format: PyTorch DCP (2 files)\n"),
     ] {
-        let o = tftf(&["info", s(&torch_fixture(input))]);
-        ok(&o);
+        let o = tftf_ok(&["info", s(&torch_fixture(input))]);
         assert!(stdout(&o).contains(line), "{input}: {}", stdout(&o));
     }
-    let o = tftf(&["info", "--json", s(&torch_fixture("dcp/full-2rank"))]);
-    ok(&o);
+    let o = tftf_ok(&["info", "--json", s(&torch_fixture("dcp/full-2rank"))]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["format"], "PyTorch DCP");
     assert_eq!(v["total_tensors"], 21);
     // Safetensors inputs say so.
     let dir = tmp();
     small_model(dir.path());
-    let o = tftf(&["info", s(dir.path())]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(dir.path())]);
     assert!(stdout(&o).contains("format: safetensors (2 files)\n"));
     // Skipped DCP entries are notes.
     let o = tftf(&["info", s(&torch_fixture("dcp/grid-synthetic"))]);
@@ -262,8 +258,7 @@ fn validate_accepts_torch_inputs_and_scans_their_values() {
         ),
         ("dcp/grid-synthetic", "PyTorch DCP (2 files)"),
     ] {
-        let o = tftf(&["validate", "--check-values", s(&torch_fixture(input))]);
-        ok(&o);
+        let o = tftf_ok(&["validate", "--check-values", s(&torch_fixture(input))]);
         assert!(
             stdout(&o).contains(&format!("format: {format}\n")),
             "{input}: {}",
@@ -342,8 +337,7 @@ fn a_folder_with_both_formats_reads_the_safetensors() {
     // transformers repositories often ship both; the safetensors ones win, as before.
     let dir = tmp();
     let tensors = small_model(dir.path());
-    let o = tftf(&["info", s(dir.path())]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(dir.path())]);
     assert!(stdout(&o).contains("format: safetensors"), "{}", stdout(&o));
     assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
 }
@@ -515,8 +509,7 @@ fn a_bin_folder_without_index_skips_trainer_state() {
     std::fs::write(model.join("training_args.bin"), "not a checkpoint").unwrap();
     std::fs::write(model.join("optimizer.pt"), "not a checkpoint").unwrap();
     let out = dir.path().join("out");
-    let o = tftf(&["passthrough", s(&model), "-o", s(&out)]);
-    ok(&o);
+    let o = tftf_ok(&["passthrough", s(&model), "-o", s(&out)]);
     assert_mentions(&stderr(&o), &["`training_args.bin` skipped"]);
     assert_eq!(
         read_safetensors(&out),
@@ -534,12 +527,10 @@ fn safetensors_beside_an_fsdp_checkpoint_win() {
         let p = e.unwrap().path();
         std::fs::copy(&p, fsdp.join(p.file_name().unwrap())).unwrap();
     }
-    let o = tftf(&["info", "--dtype-summary", s(dir.path())]);
-    ok(&o);
+    let o = tftf_ok(&["info", "--dtype-summary", s(dir.path())]);
     assert_mentions(&stdout(&o), &["format: safetensors (2 files)"]);
     assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
     // Named directly, the DCP folder is read, with the config one level up.
-    let o = tftf(&["info", "--dtype-summary", s(&fsdp)]);
-    ok(&o);
+    let o = tftf_ok(&["info", "--dtype-summary", s(&fsdp)]);
     assert_mentions(&stdout(&o), &["format: PyTorch DCP (2 files)"]);
 }
