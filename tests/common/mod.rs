@@ -98,59 +98,42 @@ pub const SMALL_CONFIG: &str = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\
 /// A small llama-like model of two shards with config and tokenizer files.
 pub fn small_model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(1);
-    let model = Model::new()
-        .rand(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.self_attn.q_proj.weight",
-            DType::F8_E4M3,
-            &[32, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.self_attn.q_proj.weight_scale_inv",
-            DType::F32,
-            &[1, 1],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.mlp.up_proj.weight",
-            DType::BF16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.input_layernorm.weight",
-            DType::F32,
-            &[32],
-        )
-        .shard()
-        .rand(
-            &mut rng,
-            "model.layers.1.mlp.up_proj.weight",
-            DType::F16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.1.input_layernorm.weight",
-            DType::F32,
-            &[32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.1.experts.packed",
-            DType::F4,
-            &[16, 32],
-        )
-        .rand(&mut rng, "model.layers.1.step", DType::I64, &[3])
-        .rand(&mut rng, "model.norm.weight", DType::F32, &[32])
-        .rand(&mut rng, "lm_head.weight", DType::BF16, &[64, 32])
+    // Two shards of (name, dtype, shape), drawn in this order.
+    let shards: [&[(&str, DType, &[u64])]; 2] = [
+        &[
+            ("model.embed_tokens.weight", DType::BF16, &[64, 32]),
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                DType::F8_E4M3,
+                &[32, 32],
+            ),
+            (
+                "model.layers.0.self_attn.q_proj.weight_scale_inv",
+                DType::F32,
+                &[1, 1],
+            ),
+            ("model.layers.0.mlp.up_proj.weight", DType::BF16, &[64, 32]),
+            ("model.layers.0.input_layernorm.weight", DType::F32, &[32]),
+        ],
+        &[
+            ("model.layers.1.mlp.up_proj.weight", DType::F16, &[64, 32]),
+            ("model.layers.1.input_layernorm.weight", DType::F32, &[32]),
+            ("model.layers.1.experts.packed", DType::F4, &[16, 32]),
+            ("model.layers.1.step", DType::I64, &[3]),
+            ("model.norm.weight", DType::F32, &[32]),
+            ("lm_head.weight", DType::BF16, &[64, 32]),
+        ],
+    ];
+    let mut model = Model::new();
+    for (k, shard) in shards.iter().enumerate() {
+        if k > 0 {
+            model = model.shard();
+        }
+        for &(name, dtype, shape) in shard.iter() {
+            model = model.rand(&mut rng, name, dtype, shape);
+        }
+    }
+    let model = model
         .config(SMALL_CONFIG)
         .file("tokenizer.json", "{}")
         .file("modeling_x.py", "# remote code\n")
