@@ -209,18 +209,14 @@ fn validate_problems(dir: &Path, problems: &[&str], checks: &[&str]) {
 
 #[test]
 fn validate_finds_quantised_weights_without_scales() {
+    use DType::I8;
     let (_d, src) = tmp_in();
     let mut rng = Rng(24);
     Model::new()
         .rand(&mut rng, "q.weight", DType::F8_E4M3, &[4, 4])
         .rand(&mut rng, "k.weight", DType::F8_E4M3, &[4, 4])
         .rand(&mut rng, "k.weight_scale_inv", DType::F32, &[1])
-        .rand(
-            &mut rng,
-            "layers.0.ffn.experts.0.w1.weight",
-            DType::I8,
-            &[4, 16],
-        )
+        .rand(&mut rng, "layers.0.ffn.experts.0.w1.weight", I8, &[4, 16])
         .write(&src);
     validate_problems(
         &src,

@@ -30,37 +30,28 @@ fn shared_bytes(file: &Path) -> u64 {
 /// Two shards of 1-4 MiB tensors, some with sizes that are not multiples of 4 KiB.
 fn model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(31);
-    let model = Model::new()
-        .rand(&mut rng, "model.embed.weight", DType::BF16, &[1024, 1024])
-        .rand(&mut rng, "model.layers.0.norm.weight", DType::F32, &[1000])
-        .rand(
-            &mut rng,
-            "model.layers.0.mlp.weight",
-            DType::BF16,
-            &[2048, 1024],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.attn.weight",
-            DType::F32,
-            &[512, 1024],
-        )
-        .shard()
-        .rand(
-            &mut rng,
-            "model.layers.1.mlp.weight",
-            DType::BF16,
-            &[2048, 1024],
-        )
-        .rand(&mut rng, "model.layers.1.norm.weight", DType::F32, &[1024])
-        .rand(
-            &mut rng,
-            "model.layers.1.attn.weight",
-            DType::F32,
-            &[512, 1024],
-        )
-        .rand(&mut rng, "lm_head.weight", DType::BF16, &[1024, 1024])
-        .config("{}");
+    let (bf16, f32) = (DType::BF16, DType::F32);
+    let mut model = Model::new();
+    for (k, (name, dtype, shape)) in [
+        ("model.embed.weight", bf16, &[1024u64, 1024][..]),
+        ("model.layers.0.norm.weight", f32, &[1000]),
+        ("model.layers.0.mlp.weight", bf16, &[2048, 1024]),
+        ("model.layers.0.attn.weight", f32, &[512, 1024]),
+        // The second shard.
+        ("model.layers.1.mlp.weight", bf16, &[2048, 1024]),
+        ("model.layers.1.norm.weight", f32, &[1024]),
+        ("model.layers.1.attn.weight", f32, &[512, 1024]),
+        ("lm_head.weight", bf16, &[1024, 1024]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if k == 4 {
+            model = model.shard();
+        }
+        model = model.rand(&mut rng, name, dtype, shape);
+    }
+    let model = model.config("{}");
     model.write(dir);
     model.all()
 }
