@@ -272,8 +272,7 @@ fn quantised_input_is_refused() {
         .tensor("a.weight", DType::F8_E4M3, &[2, 2], vec![0; 4])
         .tensor("a.weight_scale", DType::F32, &[1], f32_bytes(&[1.0]))
         .write(&dir.path().join("m"));
-    let out = dir.path().join("out");
-    let err = refused("W8A16", &model, &out, &[]);
+    let err = refused("W8A16", &model, &dir.path().join("out"), &[]);
     assert_mentions(&err, &["`a.weight`", "quantised already"]);
 }
 
@@ -293,8 +292,7 @@ fn a_failure_while_writing_leaves_no_output() {
         .tensor("m.b.weight", DType::F32, &[256, 256], f32_bytes(&w))
         .write(&dir.path().join("m"));
     for scheme in ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"] {
-        let out = dir.path().join("out");
-        let err = refused(scheme, &model, &out, &[]);
+        let err = refused(scheme, &model, &dir.path().join("out"), &[]);
         assert!(
             err.contains("m.b.weight") && err.contains("NaN at [200, 7]"),
             "{scheme}: {err}"
@@ -302,8 +300,7 @@ fn a_failure_while_writing_leaves_no_output() {
     }
     // NVFP4 reads a weight's tensor-scale group when its first chunk is computed: the NaN stops
     // the run there, naming the weight, and the output goes too.
-    let out = dir.path().join("out");
-    let err = refused("NVFP4A16", &model, &out, &[]);
+    let err = refused("NVFP4A16", &model, &dir.path().join("out"), &[]);
     assert_mentions(&err, &["m.b.weight", "holds NaN"]);
 }
 
@@ -570,8 +567,12 @@ fn modelopt_nvfp4_refuses_an_all_zero_weight_naming_it() {
             ),
         ],
     );
-    let out = dir.path().join("out");
-    let err = refused("NVFP4A16", &input, &out, &["--format", "modelopt"]);
+    let err = refused(
+        "NVFP4A16",
+        &input,
+        &dir.path().join("out"),
+        &["--format", "modelopt"],
+    );
     assert_mentions(
         &err,
         &["`model.layers.0.self_attn.k_proj.weight`", "all zeros"],
