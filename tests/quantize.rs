@@ -33,19 +33,10 @@ fn quantize_args<'a>(
     [&args[..], extra].concat()
 }
 
-/// [`quantize_args`] with `-q` before `EXTRA`.
-fn quiet_args<'a>(
-    scheme: &'a str,
-    input: &'a Path,
-    out: &'a Path,
-    extra: &[&'a str],
-) -> Vec<&'a str> {
-    quantize_args(scheme, input, out, &[&["-q"][..], extra].concat())
-}
-
 /// Runs `tftf quantize -i INPUT -o OUT --scheme SCHEME -q EXTRA...`, any exit.
 fn quantize(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
-    tftf(&quiet_args(scheme, input, out, extra))
+    let quiet = [&["-q"][..], extra].concat();
+    tftf(&quantize_args(scheme, input, out, &quiet))
 }
 
 /// [`quantize`], asserting success.
@@ -55,7 +46,9 @@ fn quantize_ok(scheme: &str, input: &Path, out: &Path, extra: &[&str]) {
 
 /// Runs `quantize` as [`quantize`] does, expects exit 1 and returns stderr.
 fn quantize_fails(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
-    fails(&quiet_args(scheme, input, out, extra))
+    let o = quantize(scheme, input, out, extra);
+    assert_eq!(o.status.code(), Some(1), "expected failure: {}", stderr(&o));
+    stderr(&o)
 }
 
 /// [`quantize_fails`], and asserts that `out` was not made (or was removed).
