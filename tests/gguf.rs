@@ -468,6 +468,13 @@ fn config_defaults_match_transformers_to_dict() {
     }
 }
 
+/// The config fixture `fixture_name` and the KVs of a BF16 file of it named `name`.
+fn bf16_kvs(fixture_name: &str, name: &str) -> (Config, Metadata) {
+    let cfg = config(fixture_name);
+    let m = arch::model_kvs(&cfg, FileType::MostlyBf16, name).unwrap();
+    (cfg, m)
+}
+
 fn kv(m: &Metadata, key: &str) -> Value {
     m.get(key)
         .unwrap_or_else(|| panic!("missing {key}"))
@@ -476,8 +483,7 @@ fn kv(m: &Metadata, key: &str) -> Value {
 
 #[test]
 fn llama3_hparams_and_tensors() {
-    let cfg = config("llama3");
-    let m = arch::model_kvs(&cfg, FileType::MostlyBf16, "tiny").unwrap();
+    let (cfg, m) = bf16_kvs("llama3", "tiny");
     for (k, v) in [
         ("general.architecture", Value::String("llama".into())),
         ("llama.block_count", Value::U32(2)),
@@ -576,8 +582,7 @@ fn llama3_hparams_and_tensors() {
 
 #[test]
 fn deepseek_v3_hparams_and_tensors() {
-    let cfg = config("deepseekv3");
-    let m = arch::model_kvs(&cfg, FileType::MostlyBf16, "ds").unwrap();
+    let (cfg, m) = bf16_kvs("deepseekv3", "ds");
     for (k, v) in [
         ("general.architecture", Value::String("deepseek2".into())),
         ("deepseek2.attention.head_count_kv", Value::U32(1)),
