@@ -15,7 +15,7 @@ fn sums_match_sha256sum_and_verify_names_a_changed_tensor() {
     let (d, src, _) = tmp_small_model();
     std::fs::write(src.join("config.json"), SMALL_CONFIG).unwrap();
     let out = d.path().join("out");
-    ok(&convert("passthrough", &src, &out, &["--checksums", "-q"]));
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
     // SHA256SUMS lists every file written, each with its real SHA-256.
     let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
     let mut listed: Vec<&str> = Vec::new();
@@ -32,13 +32,8 @@ fn sums_match_sha256sum_and_verify_names_a_changed_tensor() {
     let mut files = listing(&out);
     files.retain(|f| f != "SHA256SUMS" && f != "tftf-manifest.json");
     assert_eq!(listed, files);
-    let o = tftf(&["verify", s(&out)]);
-    ok(&o);
-    assert!(
-        stdout(&o).contains("match tftf-manifest.json"),
-        "{}",
-        stdout(&o)
-    );
+    let o = tftf_ok(&["verify", s(&out)]);
+    assert_mentions(&stdout(&o), &["match tftf-manifest.json"]);
 
     // Change one byte inside one tensor: verify names the file and that tensor, exit 1.
     let m = read_json(&out.join("tftf-manifest.json"));
@@ -84,14 +79,9 @@ fn verify_without_a_manifest_and_checksums_into_a_file_are_refused() {
 fn a_later_run_without_checksums_removes_the_stale_sums() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&convert("passthrough", &src, &out, &["--checksums", "-q"]));
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
     assert!(out.join("SHA256SUMS").exists());
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--dtype", "bf16", "--force", "-q"],
-    ));
+    passthrough_ok(&src, &out, &["--dtype", "bf16", "--force", "-q"]);
     assert!(
         !out.join("SHA256SUMS").exists(),
         "sums of the old bytes would lie"

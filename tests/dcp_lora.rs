@@ -57,9 +57,8 @@ fn training_dir(root: &Path) -> PathBuf {
 
 #[test]
 fn merge_dcp_lora_equals_peft_merge() {
-    let d = tmp();
-    let out = d.path().join("out");
-    let o = tftf(&[
+    let (_d, out) = tmp_out();
+    tftf_ok(&[
         "merge-dcp-lora",
         "-b",
         s(&case("base")),
@@ -69,7 +68,6 @@ fn merge_dcp_lora_equals_peft_merge() {
         s(&out),
         "-q",
     ]);
-    ok(&o);
     assert_peft_merge(&out);
 }
 
@@ -88,28 +86,19 @@ fn a_training_directory_uses_the_latest_checkpoint_and_says_so() {
         let out = d.path().join(format!("out{k}"));
         let mut all = args.clone();
         all.extend(["-b", s(&base), "-o", s(&out)]);
-        let o = tftf(&all);
-        ok(&o);
+        let o = tftf_ok(&all);
         let err = stderr(&o);
-        assert!(
-            err.contains("using the latest training checkpoint, checkpoint-60 (PyTorch DCP pytorch_model_fsdp_0)"),
-            "{err}"
-        );
+        assert_mentions(&err, &["using the latest training checkpoint, checkpoint-60 (PyTorch DCP pytorch_model_fsdp_0)"]);
         assert_peft_merge(&out);
     }
     // The run grammar, as upstream writes it.
     let out = d.path().join("out-run");
-    ok(&tftf(&[
+    tftf_ok(&cmd(
         "run",
-        "-i",
-        s(&case("base")),
-        "-o",
-        s(&out),
-        "--merge-lora",
-        "--adapter",
-        s(&train),
-        "-q",
-    ]));
+        &case("base"),
+        &out,
+        &["--merge-lora", "--adapter", s(&train), "-q"],
+    ));
     assert_peft_merge(&out);
 }
 

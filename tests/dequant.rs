@@ -80,17 +80,11 @@ fn v3_model(dir: &std::path::Path) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
 
 #[test]
 fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--report", s(&report)],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--report", s(&report)]);
     let got = load_all(&out);
     assert_eq!(got.len(), 2, "the scale is dropped");
     let w = &got["model.layers.0.mlp.down_proj.weight"];
@@ -114,29 +108,19 @@ fn deepseek_v3_blocks_across_shards_are_bit_exact_and_config_is_rewritten() {
     assert_eq!(r["ops"][0]["bytes_out"], 300 * 260 * 2);
 
     // f32 output; dry-run shows the config edit.
-    let o = convert(
+    let o = convert_ok(
         "dequant-fp8",
         &src,
         &d.path().join("f32"),
         &["--dtype", "f32", "--dry-run"],
     );
-    ok(&o);
-    assert!(
-        stdout(&o).contains("quantization_config removed"),
-        "{}",
-        stdout(&o)
-    );
-    assert!(
-        stdout(&o).contains("torch_dtype \"bfloat16\" -> \"float32\""),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &["quantization_config removed"]);
+    assert_mentions(&stdout(&o), &["torch_dtype \"bfloat16\" -> \"float32\""]);
 }
 
 #[test]
 fn output_is_identical_across_threads_and_budgets() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(4);
     // 8 MiB of FP8 with 128x128 blocks: many chunks under a 16 MiB budget.
     let (rows, cols) = (2048usize, 4096usize);
@@ -168,7 +152,7 @@ fn output_is_identical_across_threads_and_budgets() {
         let out = d.path().join(format!("o{i}"));
         let mut args = cmd("dequant-fp8", &src, &out, &["-q", "--block-size", "128"]);
         args.extend(extra.iter());
-        ok(&tftf(&args));
+        tftf_ok(&args);
         outs.push(std::fs::read(out.join("model.safetensors")).unwrap());
     }
     assert_eq!(outs[0], outs[1]);
@@ -199,25 +183,14 @@ fn missing_and_orphan_scales_fail_before_output() {
         )
         .write(&src);
     let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
-    assert!(
-        err.contains("model.safetensors: FP8 weight `a.weight` has no scale"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["model.safetensors: FP8 weight `a.weight` has no scale"],
     );
-    assert!(
-        err.contains("`a.weight_scale_inv`") && err.contains("`a.scale`"),
-        "{err}"
-    );
-    assert!(
-        err.contains("(and 1 more weights)") && err.contains("--allow-unscaled-fp8"),
-        "{err}"
-    );
+    assert_mentions(&err, &["`a.weight_scale_inv`", "`a.scale`"]);
+    assert_mentions(&err, &["(and 1 more weights)", "--allow-unscaled-fp8"]);
     assert!(!out.exists());
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--allow-unscaled-fp8"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--allow-unscaled-fp8"]);
     let got = load_all(&out);
     assert_eq!(got["a.weight"].0, "BF16");
 
@@ -228,11 +201,9 @@ fn missing_and_orphan_scales_fail_before_output() {
         .write(&src2);
     let out2 = d.path().join("out2");
     let err = fails(&cmd("dequant-fp8", &src2, &out2, &[]));
-    assert!(
-        err.contains(
-            "scale `a.weight_scale_inv` has no FP8 weight to apply to (expected `a.weight`)"
-        ),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["scale `a.weight_scale_inv` has no FP8 weight to apply to (expected `a.weight`)"],
     );
     assert!(!out2.exists());
 }
@@ -265,10 +236,7 @@ fn bad_scales_fail_with_the_tensor_named() {
             .tensor("w.weight_scale_inv", sdtype, &sshape, sbytes)
             .write(&src);
         let err = fails(&cmd("dequant-fp8", &src, &out, &[]));
-        assert!(
-            err.contains("scale `w.weight_scale_inv` of `w.weight`") && err.contains(needle),
-            "{err}"
-        );
+        assert_mentions(&err, &["scale `w.weight_scale_inv` of `w.weight`", needle]);
         assert!(!out.exists());
     }
     // A block size that contradicts config.json is a usage error.
@@ -281,8 +249,7 @@ fn bad_scales_fail_with_the_tensor_named() {
 
 #[test]
 fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut codes = vec![0x38u8; 2048 * 64];
     codes[1500 * 64 + 17] = 0x7F;
     Model::new()
@@ -301,19 +268,12 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
         &out,
         &["--memory-budget", "16MiB"],
     ));
-    assert!(
-        err.contains(
-            "model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"
-        ),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["model.safetensors: tensor `w.weight`: non-finite F8_E4M3 code 0x7f at [1500, 17]"],
     );
     assert!(!out.exists(), "left behind: {:?}", listing(&out));
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["-q", "--allow-nonfinite"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["-q", "--allow-nonfinite"]);
     let w = &load_all(&out)["w.weight"].2;
     let at = (1500 * 64 + 17) * 2;
     assert_eq!(&w[at..at + 2], &0x7FC0u16.to_le_bytes());
@@ -321,8 +281,7 @@ fn nan_codes_fail_naming_tensor_and_position_and_leave_nothing() {
 
 #[test]
 fn compressed_tensors_weight_scale_multiplies_or_divides() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7F != 0x7F).collect();
     let n = codes.len() as u64; // 254 codes, one row each
     let scales: Vec<f32> = (0..n).map(|i| 0.01 * (i + 1) as f32).collect();
@@ -332,12 +291,12 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
         .write(&src);
     for (mode, divide) in [("multiply", false), ("divide", true)] {
         let out = d.path().join(mode);
-        ok(&convert(
+        convert_ok(
             "dequant-fp8",
             &src,
             &out,
             &["-q", "--dtype", "f32", "--scale-mode", mode],
-        ));
+        );
         let got = &load_all(&out)["x.weight"].2;
         let want: Vec<u8> = codes
             .iter()
@@ -357,8 +316,7 @@ fn compressed_tensors_weight_scale_multiplies_or_divides() {
 
 #[test]
 fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(11);
     // Dense E5M2 weight with 32x32 E8M0 blocks, and a 3-D expert stack with per-expert grids.
     let dense: Vec<u8> = (0..64 * 96)
@@ -414,13 +372,12 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
         )
         .write(&src);
     let out = d.path().join("out");
-    let o = convert(
+    convert_ok(
         "dequant-fp8",
         &src,
         &out,
         &["--report", s(&d.path().join("r.json"))],
     );
-    ok(&o);
     let got = load_all(&out);
     let e8m0 = |b: u8| 2f32.powi(b as i32 - 127);
     let want_dense: Vec<u8> = (0..64 * 96)
@@ -448,11 +405,10 @@ fn deepseek_v4_e8m0_scales_on_expert_and_dense_weights() {
 
 #[test]
 fn run_section_order_dequant_then_cast() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let (codes, scales, norm) = v3_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&convert(
+    convert_ok(
         "run",
         &src,
         &out,
@@ -465,7 +421,7 @@ fn run_section_order_dequant_then_cast() {
             r"^model\.",
             "",
         ],
-    ));
+    );
     let got = load_all(&out);
     let w = &got["layers.0.mlp.down_proj.weight"];
     assert_eq!(w.0, "F32");

@@ -31,29 +31,18 @@ const CASES: [&str; 16] = [
 
 /// Runs `tftf <cmd> -i <case>/model -o out` and checks the output against the library's.
 fn dequant_matches(cmd: &str, case: &str, extra: &[&str]) -> tempfile::TempDir {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let model = fixture(&format!("quant/{case}/model"));
-    let mut args = vec![cmd, "-i", s(&model), "-o", s(&out), "-q"];
-    args.extend(extra);
-    ok(&tftf(&args));
+    convert_ok(cmd, &model, &out, &[&["-q"][..], extra].concat());
     let got = load_all(&out);
     let want = load_all(&fixture(&format!("quant/{case}/expected.safetensors")));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{case}: tensor names"
-    );
-    for (name, (dtype, shape, bytes)) in &want {
-        let (gd, gs, gb) = &got[name];
-        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
+    assert_same_tensors(case, &got, &want, |name, _, gb, bytes| {
         if gb != bytes {
             let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
             panic!("{case}: `{name}` differs from the library's decompression at byte {first}");
         }
-    }
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    });
+    let cfg = read_json(&out.join("config.json"));
     assert!(cfg.get("quantization_config").is_none(), "{case}: {cfg}");
     assert!(!out.join("hf_quant_config.json").exists(), "{case}");
     dir
@@ -87,19 +76,9 @@ fn chunking_and_threads_never_change_a_byte() {
 
 #[test]
 fn f32_output_is_the_same_values_unrounded() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     let model = fixture("quant/ct_mxfp4a16/model");
-    ok(&tftf(&[
-        "dequant",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--dtype",
-        "f32",
-        "-q",
-    ]));
+    convert_ok("dequant", &model, &out, &["--dtype", "f32", "-q"]);
     let got = load_all(&out);
     let want = load_all(&fixture("quant/ct_mxfp4a16/expected.safetensors"));
     // MXFP4 values are exact in BF16, so the F32 output rounds to the library's BF16 bit for bit.
@@ -115,22 +94,11 @@ fn f32_output_is_the_same_values_unrounded() {
 
 #[test]
 fn activation_and_kv_scales_are_dropped_and_reported() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let report = dir.path().join("report.json");
     let model = fixture("quant/modelopt_nvfp4/model");
-    ok(&tftf(&[
-        "dequant",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--report",
-        s(&report),
-        "-q",
-    ]));
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    convert_ok("dequant", &model, &out, &["--report", s(&report), "-q"]);
+    let r = read_json(&report);
     let notes = r["notes"].to_string();
     for dropped in [
         "model.layers.0.self_attn.k_scale",
@@ -139,10 +107,28 @@ fn activation_and_kv_scales_are_dropped_and_reported() {
     ] {
         assert!(notes.contains(dropped), "{dropped} not in {notes}");
     }
-    assert!(
-        notes.contains("ModelOpt NVFP4: 2 weights decoded"),
-        "{notes}"
-    );
+    assert_mentions(&notes, &["ModelOpt NVFP4: 2 weights decoded"]);
+}
+
+/// Runs `dequant -i MODEL -o OUT`, expects exit 1 and no `OUT`; returns stderr.
+fn refused(model: &Path, out: &Path) -> String {
+    let err = fails(&cmd("dequant", model, out, &[]));
+    assert!(!out.exists(), "output left behind: {err}");
+    err
+}
+
+/// [`refused`] on `case` with the tensor `name` edited by `edit`, in a new temporary folder.
+fn edited_refused(case: &str, name: &str, edit: impl Fn(&mut T)) -> String {
+    let dir = tmp();
+    let model = edited_tensor(case, dir.path(), name, edit);
+    refused(&model, &dir.path().join("out"))
+}
+
+/// [`edited_model`] with `edit` applied to the tensor `name` only.
+fn edited_tensor(case: &str, dir: &Path, name: &str, edit: impl Fn(&mut T)) -> std::path::PathBuf {
+    edited_model(case, dir, |ts| {
+        edit(ts.iter_mut().find(|t| t.0 == name).unwrap())
+    })
 }
 
 /// Copies a fixture's model into `dir`, rewriting its tensors through `edit`.
@@ -209,14 +195,12 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
     ] {
         let case_dir = dir.path().join(case);
         let model = edited_model(case, &case_dir, |ts| ts.retain(|t| t.0 != gone));
-        let out = case_dir.join("out");
-        let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+        let err = refused(&model, &case_dir.join("out"));
         assert!(
             err.contains(&format!("quantised weight `{weight}` has no scale"))
                 && err.contains(&format!("`{gone}`")),
             "{case}: {err}"
         );
-        assert!(!out.exists(), "{case}: output left behind");
         assert!(!err.contains("--allow-unscaled-fp8"), "{case}: {err}");
     }
 }
@@ -228,15 +212,15 @@ fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
     let cfg =
         r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
     std::fs::write(model.join("config.json"), cfg).unwrap();
-    let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains("model.layers.0.mlp.down_proj.weight_packed")
-            && err.contains("compressed-tensors NVFP4")
-            && err.contains("quant_method `fp8`"),
-        "{err}"
+    let err = refused(&model, &dir.path().join("out"));
+    assert_mentions(
+        &err,
+        &[
+            "model.layers.0.mlp.down_proj.weight_packed",
+            "compressed-tensors NVFP4",
+            "quant_method `fp8`",
+        ],
     );
-    assert!(!out.exists());
 }
 
 #[test]
@@ -253,69 +237,32 @@ fn a_model_with_nothing_to_decode_is_an_error() {
         ],
     );
     let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains("nothing to dequantise") && err.contains("--allow-empty"),
-        "{err}"
-    );
-    assert!(!out.exists());
-    ok(&tftf(&[
-        "dequant",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--allow-empty",
-        "-q",
-    ]));
+    let err = refused(&model, &out);
+    assert_mentions(&err, &["nothing to dequantise", "--allow-empty"]);
+    convert_ok("dequant", &model, &out, &["--allow-empty", "-q"]);
 }
 
 #[test]
 fn a_scale_of_the_wrong_shape_is_refused() {
-    let dir = tmp();
     let scale = "model.layers.0.mlp.up_proj.weight_scale";
-    let model = edited_model("ct_mxfp4a16", dir.path(), |ts| {
-        let t = ts.iter_mut().find(|t| t.0 == scale).unwrap();
-        t.2 = vec![32, 2];
-    });
-    let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains(&format!("scale `{scale}`")) && err.contains("[16, 4]"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    let err = edited_refused("ct_mxfp4a16", scale, |t| t.2 = vec![32, 2]);
+    assert_mentions(&err, &[&format!("scale `{scale}`"), "[16, 4]"]);
 }
 
 #[test]
 fn a_zero_point_of_the_wrong_shape_is_refused_naming_it() {
-    let dir = tmp();
     let zp = "model.layers.0.mlp.down_proj.weight_zero_point";
-    let model = edited_model("ct_w4a16_asym", dir.path(), |ts| {
-        let t = ts.iter_mut().find(|t| t.0 == zp).unwrap();
-        t.2 = vec![2, 5];
-    });
-    let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
+    let err = edited_refused("ct_w4a16_asym", zp, |t| t.2 = vec![2, 5]);
     assert!(err.contains(zp) && err.contains("I32 [5, 2]"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]
 fn a_gptq_group_index_outside_the_scales_is_an_error_naming_the_weight() {
-    let dir = tmp();
     let g_idx = "model.layers.0.self_attn.o_proj.g_idx";
-    let model = edited_model("gptq_w4_act_order", dir.path(), |ts| {
-        let t = ts.iter_mut().find(|t| t.0 == g_idx).unwrap();
-        t.3[..4].copy_from_slice(&9i32.to_le_bytes());
+    let err = edited_refused("gptq_w4_act_order", g_idx, |t| {
+        t.3[..4].copy_from_slice(&9i32.to_le_bytes())
     });
-    let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains("model.layers.0.self_attn.o_proj") && err.contains("g_idx[0] is 9"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    assert_mentions(&err, &["model.layers.0.self_attn.o_proj", "g_idx[0] is 9"]);
 }
 
 #[test]
@@ -325,36 +272,28 @@ fn gptq_bits_that_disagree_with_the_packing_are_refused() {
     let cfg = model.join("config.json");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, text.replace("\"bits\": 8", "\"bits\": 4")).unwrap();
-    let out = dir.path().join("out");
-    let err = fails(&["dequant", "-i", s(&model), "-o", s(&out)]);
-    assert!(
-        err.contains("qweight") && err.contains("8-bit codes but config.json says bits 4"),
-        "{err}"
+    let err = fails(&cmd("dequant", &model, &dir.path().join("out"), &[]));
+    assert_mentions(
+        &err,
+        &["qweight", "8-bit codes but config.json says bits 4"],
     );
     assert!(!err.contains("--allow-unscaled-fp8"), "{err}");
 }
 
 #[test]
 fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let model = fixture("quant/modelopt_nvfp4/model");
-    ok(&tftf(&[
-        "dequant",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--keep-kv-scales",
-        "--report",
-        s(&dir.path().join("report.json")),
-        "-q",
-    ]));
-    let report = std::fs::read_to_string(dir.path().join("report.json")).unwrap();
-    assert!(
-        report.contains("kept 2 KV-cache scales (--keep-kv-scales)")
-            && report.contains("model.layers.0.mlp.down_proj.input_scale"),
-        "{report}"
+    let report = dir.path().join("report.json");
+    let extra = ["--keep-kv-scales", "--report", s(&report), "-q"];
+    convert_ok("dequant", &model, &out, &extra);
+    let report = std::fs::read_to_string(&report).unwrap();
+    assert_mentions(
+        &report,
+        &[
+            "kept 2 KV-cache scales (--keep-kv-scales)",
+            "model.layers.0.mlp.down_proj.input_scale",
+        ],
     );
     let got = load_all(&out);
     let input = load_all(&model.join("model.safetensors"));
@@ -365,8 +304,7 @@ fn keep_kv_scales_keeps_k_and_v_scales_and_the_kv_cache_scheme() {
         assert_eq!(got.get(kv), input.get(kv), "{kv}");
     }
     assert!(!got.contains_key("model.layers.0.mlp.down_proj.input_scale"));
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let cfg = read_json(&out.join("config.json"));
     assert_eq!(
         cfg["quantization_config"],
         serde_json::json!({

@@ -31,7 +31,7 @@ fn auto_falls_back_to_the_cpu_and_cuda_is_refused_before_any_output() {
         .write(&model);
     let out = dir.path().join("o");
     let report = dir.path().join("r.json");
-    let r = tftf(&[
+    let r = tftf_ok(&[
         "passthrough",
         s(&model),
         "-o",
@@ -41,7 +41,6 @@ fn auto_falls_back_to_the_cpu_and_cuda_is_refused_before_any_output() {
         "--report",
         s(&report),
     ]);
-    ok(&r);
     let stdout = stdout(&r);
     assert!(
         stdout.contains("computed on the CPU (--device auto: no CUDA"),
@@ -79,8 +78,7 @@ fn selftest_checks_the_cpu_ops_without_a_gpu() {
     if gpu_present() {
         return;
     }
-    let r = tftf(&["selftest"]);
-    ok(&r);
+    let r = tftf_ok(&["selftest"]);
     let out = stdout(&r);
     assert!(out.contains("no GPU (no CUDA driver"), "{out}");
     for kernel in [

@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use common::{fixture, listing, load_all, s};
+use common::{
+    assert_mentions, assert_same_tensors, cmd, fixture, listing, load_all, s, MODELOPT_SCHEMES,
+    SCHEMES,
+};
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
 /// cudarc resolves (names read from the tftf binary), once per test run.
@@ -187,16 +190,14 @@ fn cpu_vs_gpu(
             "{name}: nothing ran on the GPU"
         );
         assert_eq!(rep["gpu"]["ptx"], "committed");
-        assert_eq!(
-            cpu.keys().collect::<Vec<_>>(),
-            gpu.keys().collect::<Vec<_>>(),
-            "{name}: same tensors"
-        );
-        for (k, (dt, shape, bytes)) in &cpu {
-            let (gdt, gshape, gbytes) = &gpu[k];
-            assert_eq!((dt, shape), (gdt, gshape), "{name}: {k}");
-            pairs.push((k.clone(), dt.clone(), bytes.clone(), gbytes.clone()));
-        }
+        assert_same_tensors(name, &gpu, &cpu, |k, dt, gbytes, bytes| {
+            pairs.push((
+                k.to_string(),
+                dt.to_string(),
+                bytes.to_vec(),
+                gbytes.to_vec(),
+            ))
+        });
         // Unified memory: the kernels used the staging directly and no file differs.
         assert_eq!(
             listing(&work.join("cpu")),
@@ -377,39 +378,33 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
     same_figures("nvfp4-requant");
 }
 
+/// The fixture input `quantize` takes for `scheme` (int schemes need columns that 128
+/// divides) and the kernels the scheme runs.
+fn quantize_case(scheme: &str) -> (PathBuf, &'static [&'static str]) {
+    let input = fixture(if scheme.starts_with('W') {
+        "quantize/input_even"
+    } else {
+        "quantize/input"
+    });
+    let kernels: &[&str] = if scheme.starts_with("FP8") {
+        &[
+            "tftf_quantize_fp8_amax",
+            "tftf_quantize_fp8_scales",
+            "tftf_quantize_fp8_codes",
+        ]
+    } else {
+        &["tftf_quantize_groups"]
+    };
+    (input, kernels)
+}
+
 /// `tftf quantize` on the GPU path: every scheme runs its kernels and writes
 /// llm-compressor's bytes, as the CPU does; a NaN weight is refused by the kernel and named by
 /// the CPU op.
 #[test]
 fn quantize_runs_its_kernels_and_equals_llm_compressor() {
-    for (scheme, kernels) in [
-        (
-            "FP8_DYNAMIC",
-            &[
-                "tftf_quantize_fp8_amax",
-                "tftf_quantize_fp8_scales",
-                "tftf_quantize_fp8_codes",
-            ][..],
-        ),
-        (
-            "FP8_BLOCK",
-            &[
-                "tftf_quantize_fp8_amax",
-                "tftf_quantize_fp8_scales",
-                "tftf_quantize_fp8_codes",
-            ][..],
-        ),
-        ("W8A16", &["tftf_quantize_groups"][..]),
-        ("W4A16", &["tftf_quantize_groups"][..]),
-        ("NVFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP8A16", &["tftf_quantize_groups"][..]),
-    ] {
-        let input = fixture(if scheme.starts_with('W') {
-            "quantize/input_even"
-        } else {
-            "quantize/input"
-        });
+    for scheme in SCHEMES {
+        let (input, kernels) = quantize_case(scheme);
         let pairs = cpu_vs_gpu(
             &format!("quantize-{scheme}"),
             &["quantize", "-i", s(&input), "--scheme", scheme],
@@ -442,17 +437,12 @@ fn quantize_runs_its_kernels_and_equals_llm_compressor() {
         let r = tftf_with(
             fake,
             false,
-            &[
+            &cmd(
                 "quantize",
-                "-i",
-                s(&model),
-                "-o",
-                s(&out),
-                "--scheme",
-                "FP8_DYNAMIC",
-                "--device",
-                dev,
-            ],
+                &model,
+                &out,
+                &["--scheme", "FP8_DYNAMIC", "--device", dev],
+            ),
         );
         assert_eq!(r.status.code(), Some(1));
         let err = String::from_utf8_lossy(&r.stderr);
@@ -476,24 +466,8 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// ModelOpt's bytes; its W4A16 output dequantises on the GPU to ModelOpt's values.
 #[test]
 fn modelopt_quantize_and_int4_dequant_run_their_kernels_and_equal_modelopt() {
-    let fp8 = [
-        "tftf_quantize_fp8_amax",
-        "tftf_quantize_fp8_scales",
-        "tftf_quantize_fp8_codes",
-    ];
-    for (scheme, kernels) in [
-        ("FP8_BLOCK", &fp8[..]),
-        ("FP8_DYNAMIC", &fp8[..]),
-        ("NVFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP4A16", &["tftf_quantize_groups"][..]),
-        ("MXFP8A16", &["tftf_quantize_groups"][..]),
-        ("W4A16", &["tftf_quantize_groups"][..]),
-    ] {
-        let input = fixture(if scheme.starts_with('W') {
-            "quantize/input_even"
-        } else {
-            "quantize/input"
-        });
+    for scheme in MODELOPT_SCHEMES {
+        let (input, kernels) = quantize_case(scheme);
         let name = format!("quantize-modelopt-{scheme}");
         let pairs = cpu_vs_gpu(
             &name,
@@ -550,9 +524,9 @@ fn modelopt_quantize_and_int4_dequant_run_their_kernels_and_equal_modelopt() {
 #[test]
 fn selftest_passes_on_the_fake_device_and_refused_values_are_named() {
     let out = ok(&tftf_with(true, false, &["selftest", "--device", "cuda"]));
-    assert!(
-        out.contains("selftest: cuda:0 (tftf fake CUDA device, sm_90) against the CPU ops"),
-        "{out}"
+    assert_mentions(
+        &out,
+        &["selftest: cuda:0 (tftf fake CUDA device, sm_90) against the CPU ops"],
     );
     assert!(out.contains("copy bandwidth (pinned, 256 MiB)"), "{out}");
     assert!(out.contains(" 0 failed (cuda:0"), "{out}");
@@ -715,10 +689,7 @@ fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_stagin
                 }
                 "refused" => {
                     assert_eq!((registers, direct), (0, Some(0)), "{name} {cmd}");
-                    assert!(
-                        err.contains(note) && err.contains("cuMemHostRegister"),
-                        "{err}"
-                    );
+                    assert_mentions(&err, &[note, "cuMemHostRegister"]);
                     assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0);
                 }
                 _ => {

@@ -1,159 +1,22 @@
 //! `tftf gguf` end to end: small models with the real tokenizer fixture, converted by the
-//! binary, read back with a GGUF parser written here, and checked against the converter's
-//! fixtures (hparam KVs, tokenizer KVs, transforms) and against bytes computed independently.
+//! binary, read back with the GGUF reader of `common::gguf`, and checked against the
+//! converter's fixtures (hparam KVs, tokenizer KVs, transforms) and against bytes computed
+//! independently.
 
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use common::gguf::*;
+use common::xfs::xfs_or_skip;
 use common::*;
 use serde_json::Value as Json;
 use tftf::format::dtype::DType;
 use tftf::sink::gguf::quant;
 
-fn gguf_fixture(name: &str) -> PathBuf {
-    fixture(&format!("gguf/{name}"))
-}
-
 fn read_fixture(name: &str) -> Vec<u8> {
-    std::fs::read(gguf_fixture(name)).unwrap()
-}
-
-/// A GGUF file read back as llama.cpp's loader reads it.
-struct Gguf {
-    /// Key → raw type id + value bytes, in file order.
-    kvs: Vec<(String, Vec<u8>)>,
-    /// Name → (shape outermost first, type id, data bytes).
-    tensors: BTreeMap<String, (Vec<u64>, u32, Vec<u8>)>,
-    order: Vec<String>,
-}
-
-impl Gguf {
-    fn kv(&self, key: &str) -> Option<&[u8]> {
-        self.kvs
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_slice())
-    }
-    fn u32(&self, key: &str) -> u32 {
-        let v = self.kv(key).unwrap_or_else(|| panic!("no {key}"));
-        assert_eq!(u32::from_le_bytes(v[..4].try_into().unwrap()), 4, "{key}");
-        u32::from_le_bytes(v[4..8].try_into().unwrap())
-    }
-    fn str(&self, key: &str) -> String {
-        let v = self.kv(key).unwrap_or_else(|| panic!("no {key}"));
-        assert_eq!(u32::from_le_bytes(v[..4].try_into().unwrap()), 8, "{key}");
-        String::from_utf8(v[12..].to_vec()).unwrap()
-    }
-    fn tensor(&self, name: &str) -> &(Vec<u64>, u32, Vec<u8>) {
-        self.tensors
-            .get(name)
-            .unwrap_or_else(|| panic!("no tensor {name}: {:?}", self.order))
-    }
-}
-
-fn type_size(ty: u32, elems: u64) -> u64 {
-    match ty {
-        0 => elems * 4,
-        1 | 30 => elems * 2,
-        8 => elems / 32 * 34,
-        39 => elems / 32 * 17,
-        t => panic!("type {t}"),
-    }
-}
-
-fn parse(path: &Path) -> Gguf {
-    let b = std::fs::read(path).unwrap();
-    let mut p = 0usize;
-    let u32_at = |p: &mut usize| {
-        let v = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
-        *p += 4;
-        v
-    };
-    let u64_at = |p: &mut usize| {
-        let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
-        *p += 8;
-        v
-    };
-    let str_at = |p: &mut usize| {
-        let n = u64_at(p) as usize;
-        let s = String::from_utf8(b[*p..*p + n].to_vec()).unwrap();
-        *p += n;
-        s
-    };
-    assert_eq!(&b[..4], b"GGUF");
-    p += 4;
-    assert_eq!(u32_at(&mut p), 3);
-    let n_tensors = u64_at(&mut p);
-    let n_kv = u64_at(&mut p);
-    fn skip_value(b: &[u8], p: &mut usize, ty: u32) {
-        let fixed = |t| match t {
-            0 | 1 | 7 => 1,
-            2 | 3 => 2,
-            4..=6 => 4,
-            10..=12 => 8,
-            t => panic!("kv type {t}"),
-        };
-        match ty {
-            8 => {
-                let n = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap()) as usize;
-                *p += 8 + n;
-            }
-            9 => {
-                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
-                let n = u64::from_le_bytes(b[*p + 4..*p + 12].try_into().unwrap());
-                *p += 12;
-                for _ in 0..n {
-                    skip_value(b, p, et);
-                }
-            }
-            t => *p += fixed(t),
-        }
-    }
-    let mut kvs = Vec::new();
-    for _ in 0..n_kv {
-        let key = str_at(&mut p);
-        let start = p;
-        let ty = u32_at(&mut p);
-        skip_value(&b, &mut p, ty);
-        kvs.push((key, b[start..p].to_vec()));
-    }
-    assert!(
-        !kvs.iter().any(|(k, _)| k == "general.alignment"),
-        "32-byte alignment is written as no key"
-    );
-    let mut infos = Vec::new();
-    for _ in 0..n_tensors {
-        let name = str_at(&mut p);
-        let nd = u32_at(&mut p);
-        let mut dims: Vec<u64> = (0..nd).map(|_| u64_at(&mut p)).collect();
-        dims.reverse();
-        let ty = u32_at(&mut p);
-        let off = u64_at(&mut p);
-        infos.push((name, dims, ty, off));
-    }
-    let data_start = (p as u64).div_ceil(32) * 32;
-    assert!(b[p..data_start as usize].iter().all(|&x| x == 0));
-    // gguf.cpp: each offset is the previous one plus the previous size padded to 32.
-    let mut expect = 0u64;
-    let mut tensors = BTreeMap::new();
-    let mut order = Vec::new();
-    for (name, dims, ty, off) in infos {
-        assert_eq!(off, expect, "{name}: offset");
-        let len = type_size(ty, dims.iter().product());
-        let at = (data_start + off) as usize;
-        let data = b[at..at + len as usize].to_vec();
-        expect = (off + len).div_ceil(32) * 32;
-        order.push(name.clone());
-        assert!(tensors.insert(name, (dims, ty, data)).is_none());
-    }
-    assert_eq!(b.len() as u64, data_start + expect, "file length");
-    Gguf {
-        kvs,
-        tensors,
-        order,
-    }
+    read_gguf_fixture(name)
 }
 
 /// Raw bytes (type + value) of a KV value, encoded as gguf-py encodes it.
@@ -187,58 +50,6 @@ fn permute(src: &[u8], rows: usize, n_head: usize) -> Vec<u8> {
         }
     }
     out
-}
-
-/// A model directory: `config.json` from the fixture `configs/{cfg}.config.json` with the
-/// tokenizer fixture's vocabulary size and special ids, the tokenizer fixture, and `tensors`.
-fn model_dir(root: &Path, cfg: &str, edit: impl FnOnce(&mut Json), tensors: &[T]) -> PathBuf {
-    let dir = root.join(format!("{cfg}-model"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut config: Json =
-        serde_json::from_slice(&read_fixture(&format!("configs/{cfg}.config.json"))).unwrap();
-    let m = config.as_object_mut().unwrap();
-    m.insert("vocab_size".into(), 410.into());
-    m.remove("bos_token_id");
-    m.insert("eos_token_id".into(), 1.into());
-    edit(&mut config);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), dir.join(f)).unwrap();
-    }
-    write_file(&dir.join("model.safetensors"), tensors);
-    dir
-}
-
-fn dense_layers(rng: &mut Rng, dtype: DType, q: u64, kv: u64, extra: &[(&str, &[u64])]) -> Vec<T> {
-    let mut v = vec![
-        rand_t(rng, "model.embed_tokens.weight", dtype, &[410, 64]),
-        rand_t(rng, "model.norm.weight", dtype, &[64]),
-        rand_t(rng, "lm_head.weight", dtype, &[410, 64]),
-    ];
-    for l in 0..2 {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        for (name, shape) in [
-            ("input_layernorm.weight", vec![64]),
-            ("post_attention_layernorm.weight", vec![64]),
-            ("self_attn.q_proj.weight", vec![q, 64]),
-            ("self_attn.k_proj.weight", vec![kv, 64]),
-            ("self_attn.v_proj.weight", vec![kv, 64]),
-            ("self_attn.o_proj.weight", vec![64, q]),
-            ("mlp.gate_proj.weight", vec![128, 64]),
-            ("mlp.up_proj.weight", vec![128, 64]),
-            ("mlp.down_proj.weight", vec![64, 128]),
-        ] {
-            v.push(rand_t(rng, &p(name), dtype, &shape));
-        }
-        for (name, shape) in extra {
-            v.push(rand_t(rng, &p(name), dtype, shape));
-        }
-    }
-    v
-}
-
-fn src<'a>(tensors: &'a [T], name: &str) -> &'a [u8] {
-    &tensors.iter().find(|t| t.0 == name).unwrap().3
 }
 
 /// The hparam KVs equal the reference's `set_gguf_parameters` (fixture), but for the
@@ -308,24 +119,17 @@ fn no_litter(dir: &Path) {
 
 #[test]
 fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
-    let d = tmp();
-    let mut rng = Rng(7);
-    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
-    let model = model_dir(d.path(), "llama3", |_| {}, &tensors);
-    let out = d.path().join("out").join("llama.gguf");
-    let report = d.path().join("report.json");
-    ok(&tftf(&[
+    let c = GgufCase::dense(7, "llama3");
+    let tensors = &c.tensors;
+    let out = c.path("out/llama.gguf");
+    let report = c.path("report.json");
+    // The input given with `-i` rather than as the positional argument.
+    tftf_ok(&cmd(
         "gguf",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "--report",
-        s(&report),
-        "-q",
-    ]));
+        &c.model,
+        &out,
+        &["--vocab-pre", "test-pre", "--report", s(&report), "-q"],
+    ));
     let g = parse(&out);
     assert_eq!(g.str("general.architecture"), "llama");
     assert_eq!(g.str("general.name"), "llama3-model");
@@ -346,11 +150,11 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
 
     let (shape, ty, data) = g.tensor("token_embd.weight");
     assert_eq!((shape.as_slice(), *ty), (&[410u64, 64][..], 30));
-    assert_eq!(data, src(&tensors, "model.embed_tokens.weight"));
-    assert_eq!(g.tensor("output.weight").2, src(&tensors, "lm_head.weight"));
+    assert_eq!(data, src(tensors, "model.embed_tokens.weight"));
+    assert_eq!(g.tensor("output.weight").2, src(tensors, "lm_head.weight"));
     let (_, ty, data) = g.tensor("output_norm.weight");
     assert_eq!(*ty, 0, "norms are F32");
-    assert_eq!(data, &bf16_to_f32_bytes(src(&tensors, "model.norm.weight")));
+    assert_eq!(data, &bf16_to_f32_bytes(src(tensors, "model.norm.weight")));
     for l in 0..2 {
         let h = |s: &str| format!("model.layers.{l}.{s}");
         let b = |s: &str| format!("blk.{l}.{s}");
@@ -358,14 +162,14 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
         assert_eq!((shape.as_slice(), *ty), (&[64u64, 64][..], 30));
         assert_eq!(
             data,
-            &permute(src(&tensors, &h("self_attn.q_proj.weight")), 64, 4)
+            &permute(src(tensors, &h("self_attn.q_proj.weight")), 64, 4)
         );
-        assert_ne!(data, src(&tensors, &h("self_attn.q_proj.weight")));
+        assert_ne!(data, src(tensors, &h("self_attn.q_proj.weight")));
         let (shape, _, data) = g.tensor(&b("attn_k.weight"));
         assert_eq!(shape, &[32, 64]);
         assert_eq!(
             data,
-            &permute(src(&tensors, &h("self_attn.k_proj.weight")), 32, 2)
+            &permute(src(tensors, &h("self_attn.k_proj.weight")), 32, 2)
         );
         for (hf, gg) in [
             ("self_attn.v_proj.weight", "attn_v.weight"),
@@ -376,7 +180,7 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
         ] {
             let (_, ty, data) = g.tensor(&b(gg));
             assert_eq!(*ty, 30, "{gg}");
-            assert_eq!(data, src(&tensors, &h(hf)), "{gg}");
+            assert_eq!(data, src(tensors, &h(hf)), "{gg}");
         }
         for (hf, gg) in [
             ("input_layernorm.weight", "attn_norm.weight"),
@@ -384,10 +188,10 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
         ] {
             let (_, ty, data) = g.tensor(&b(gg));
             assert_eq!(*ty, 0, "{gg}");
-            assert_eq!(data, &bf16_to_f32_bytes(src(&tensors, &h(hf))), "{gg}");
+            assert_eq!(data, &bf16_to_f32_bytes(src(tensors, &h(hf))), "{gg}");
         }
     }
-    let r: Json = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let r = read_json(&report);
     assert_eq!(r["status"], "ok");
     assert_eq!(r["command"], "gguf");
     assert!(r["bytes"]["copied_unchanged"].as_u64().unwrap() > 0);
@@ -417,39 +221,36 @@ fn the_test_permutation_is_the_converters() {
     }
 }
 
+/// Qwen3's per-head query and key norms, as `extra` for [`dense_layers`].
+const QK_NORMS: &[(&str, &[u64])] = &[
+    ("self_attn.q_norm.weight", &[32]),
+    ("self_attn.k_norm.weight", &[32]),
+];
+
 #[test]
 fn qwen3_q8_0_quantises_weights_keeps_norms_f32_and_does_not_permute() {
-    let d = tmp();
     let mut rng = Rng(11);
-    let extra: &[(&str, &[u64])] = &[
-        ("self_attn.q_norm.weight", &[32]),
-        ("self_attn.k_norm.weight", &[32]),
-    ];
-    let mut tensors = dense_layers(&mut rng, DType::F32, 128, 64, extra);
+    let mut tensors = dense_layers(&mut rng, DType::F32, 128, 64, QK_NORMS);
     // An output head big enough for several row chunks under the budget, on several threads.
     let head = tensors
         .iter_mut()
         .find(|t| t.0 == "lm_head.weight")
         .unwrap();
     *head = rand_t(&mut rng, "lm_head.weight", DType::F32, &[20000, 64]);
-    let model = model_dir(d.path(), "qwen3", |_| {}, &tensors);
-    let out = d.path().join("q.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--outtype",
-        "q8_0",
-        "--vocab-pre",
+    let c = GgufCase::new("qwen3", |_| {}, tensors);
+    let tensors = &c.tensors;
+    let g = c.convert(
+        "q.gguf",
         "test-pre",
-        "--memory-budget",
-        "16MiB",
-        "--threads",
-        "3",
-        "-q",
-    ]));
-    let g = parse(&out);
+        &[
+            "--outtype",
+            "q8_0",
+            "--memory-budget",
+            "16MiB",
+            "--threads",
+            "3",
+        ],
+    );
     assert_eq!(g.str("general.architecture"), "qwen3");
     assert_hparams(&g, "qwen3", 7);
     assert_tokenizer(&g);
@@ -468,48 +269,33 @@ fn qwen3_q8_0_quantises_weights_keeps_norms_f32_and_does_not_permute() {
     assert_eq!((shape.as_slice(), *ty), (&[128u64, 64][..], 8));
     assert_eq!(
         data,
-        &q8(src(&tensors, "model.layers.1.self_attn.q_proj.weight"))
+        &q8(src(tensors, "model.layers.1.self_attn.q_proj.weight"))
     );
     let (_, ty, data) = g.tensor("blk.0.attn_k_norm.weight");
     assert_eq!(*ty, 0);
-    assert_eq!(
-        data,
-        src(&tensors, "model.layers.0.self_attn.k_norm.weight")
-    );
+    assert_eq!(data, src(tensors, "model.layers.0.self_attn.k_norm.weight"));
     let (_, ty, data) = g.tensor("token_embd.weight");
     assert_eq!(*ty, 8);
-    assert_eq!(data, &q8(src(&tensors, "model.embed_tokens.weight")));
+    assert_eq!(data, &q8(src(tensors, "model.embed_tokens.weight")));
     let (sh, ty, data) = g.tensor("output.weight");
     assert_eq!((sh.as_slice(), *ty), (&[20000u64, 64][..], 8));
-    assert_eq!(data, &q8(src(&tensors, "lm_head.weight")));
+    assert_eq!(data, &q8(src(tensors, "lm_head.weight")));
 }
 
 #[test]
 fn f32_checkpoint_auto_becomes_f16_except_norms() {
-    let d = tmp();
-    let mut rng = Rng(3);
-    let extra: &[(&str, &[u64])] = &[
-        ("self_attn.q_norm.weight", &[32]),
-        ("self_attn.k_norm.weight", &[32]),
-    ];
-    let tensors = dense_layers(&mut rng, DType::F32, 128, 64, extra);
-    let model = model_dir(d.path(), "qwen3", |_| {}, &tensors);
-    let out = d.path().join("a.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "qwen2",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let c = GgufCase::new(
+        "qwen3",
+        |_| {},
+        dense_layers(&mut Rng(3), DType::F32, 128, 64, QK_NORMS),
+    );
+    let tensors = &c.tensors;
+    let g = c.convert("a.gguf", "qwen2", &[]);
     assert_eq!(g.u32("general.file_type"), 1);
     assert_eq!(g.str("tokenizer.ggml.pre"), "qwen2");
     let (_, ty, data) = g.tensor("blk.0.ffn_up.weight");
     assert_eq!(*ty, 1);
-    let want: Vec<u8> = src(&tensors, "model.layers.0.mlp.up_proj.weight")
+    let want: Vec<u8> = src(tensors, "model.layers.0.mlp.up_proj.weight")
         .chunks_exact(4)
         .flat_map(|c| {
             half::f16::from_f32(f32::from_le_bytes(c.try_into().unwrap()))
@@ -521,59 +307,40 @@ fn f32_checkpoint_auto_becomes_f16_except_norms() {
     assert_eq!(g.tensor("output_norm.weight").1, 0);
 }
 
+/// (name, shape) of the gate, up and down projections (32 wide) of each expert in `experts`:
+/// `{expert}.gate_proj.weight`, ...
+fn expert_mlps(experts: impl IntoIterator<Item = String>) -> Vec<(String, Vec<u64>)> {
+    let shapes = [
+        ("gate_proj", [32u64, 64]),
+        ("up_proj", [32, 64]),
+        ("down_proj", [64, 32]),
+    ];
+    experts
+        .into_iter()
+        .flat_map(|x| shapes.map(|(w, sh)| (format!("{x}.{w}.weight"), sh.to_vec())))
+        .collect()
+}
+
 #[test]
 fn qwen3_moe_experts_are_stacked_in_expert_order() {
-    let d = tmp();
     let mut rng = Rng(5);
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, 64],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
-    ];
+    let mut tensors = head(&mut rng, DType::BF16);
     for l in 0..2 {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        for (name, shape) in [
-            ("input_layernorm.weight", vec![64u64]),
-            ("post_attention_layernorm.weight", vec![64]),
-            ("self_attn.q_proj.weight", vec![64, 64]),
-            ("self_attn.k_proj.weight", vec![32, 64]),
-            ("self_attn.v_proj.weight", vec![32, 64]),
-            ("self_attn.o_proj.weight", vec![64, 64]),
-            ("self_attn.q_norm.weight", vec![16]),
-            ("self_attn.k_norm.weight", vec![16]),
-            ("mlp.gate.weight", vec![4, 64]),
-        ] {
-            tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
-        }
+        tensors.extend(attention_layer(
+            &mut rng,
+            l,
+            [
+                ("self_attn.q_norm.weight", vec![16]),
+                ("self_attn.k_norm.weight", vec![16]),
+                ("mlp.gate.weight", vec![4, 64]),
+            ],
+        ));
         // Experts written out of order: the GGUF stacks them by id.
-        for x in [2, 0, 3, 1] {
-            for (w, shape) in [
-                ("gate_proj", [32u64, 64]),
-                ("up_proj", [32, 64]),
-                ("down_proj", [64, 32]),
-            ] {
-                let name = p(&format!("mlp.experts.{x}.{w}.weight"));
-                tensors.push(rand_t(&mut rng, &name, DType::BF16, &shape));
-            }
-        }
+        let experts = expert_mlps([2, 0, 3, 1].map(|x| format!("mlp.experts.{x}")));
+        tensors.extend(layer(&mut rng, l, DType::BF16, experts));
     }
-    let model = model_dir(d.path(), "qwen3moe", |_| {}, &tensors);
-    let out = d.path().join("moe.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let c = GgufCase::new("qwen3moe", |_| {}, tensors);
+    let g = c.convert("moe.gguf", "test-pre", &[]);
     assert_hparams(&g, "qwen3moe", 32);
     for l in 0..2 {
         for (w, gg, shape) in [
@@ -583,15 +350,9 @@ fn qwen3_moe_experts_are_stacked_in_expert_order() {
         ] {
             let (sh, ty, data) = g.tensor(&format!("blk.{l}.{gg}.weight"));
             assert_eq!((sh.as_slice(), *ty), (&shape[..], 30));
-            let want: Vec<u8> = (0..4)
-                .flat_map(|x| {
-                    src(
-                        &tensors,
-                        &format!("model.layers.{l}.mlp.experts.{x}.{w}.weight"),
-                    )
-                    .to_vec()
-                })
-                .collect();
+            let want = stacked(&c.tensors, 4, |x| {
+                format!("model.layers.{l}.mlp.experts.{x}.{w}.weight")
+            });
             assert_eq!(data, &want, "{gg}");
         }
         let (sh, ty, _) = g.tensor(&format!("blk.{l}.ffn_gate_inp.weight"));
@@ -606,37 +367,22 @@ fn qwen3_moe_experts_are_stacked_in_expert_order() {
 
 #[test]
 fn gpt_oss_mxfp4_experts_are_repacked_as_the_converter_does() {
-    let d = tmp();
     let mut rng = Rng(9);
     let blocks = read_fixture("mxfp4_blocks.in");
     let scales = read_fixture("mxfp4_scales.in");
     let bias = read_fixture("gate_up_bias.in");
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, 64],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
-    ];
-    let l = 0;
-    let p = |s: &str| format!("model.layers.{l}.{s}");
-    for (name, shape) in [
-        ("input_layernorm.weight", vec![64u64]),
-        ("post_attention_layernorm.weight", vec![64]),
-        ("self_attn.q_proj.weight", vec![64, 64]),
-        ("self_attn.k_proj.weight", vec![32, 64]),
-        ("self_attn.v_proj.weight", vec![32, 64]),
-        ("self_attn.o_proj.weight", vec![64, 64]),
-        ("self_attn.sinks", vec![4]),
-        ("mlp.router.weight", vec![2, 64]),
-        ("mlp.router.bias", vec![2]),
-        ("mlp.experts.down_proj_bias", vec![2, 6]),
-    ] {
-        tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
-    }
+    let mut tensors = head(&mut rng, DType::BF16);
+    tensors.extend(attention_layer(
+        &mut rng,
+        0,
+        [
+            ("self_attn.sinks", vec![4]),
+            ("mlp.router.weight", vec![2, 64]),
+            ("mlp.router.bias", vec![2]),
+            ("mlp.experts.down_proj_bias", vec![2, 6]),
+        ],
+    ));
+    let p = |s: &str| format!("model.layers.0.{s}");
     for w in ["gate_up_proj", "down_proj"] {
         tensors.push(t(
             &p(&format!("mlp.experts.{w}_blocks")),
@@ -657,26 +403,11 @@ fn gpt_oss_mxfp4_experts_are_repacked_as_the_converter_does() {
         &[2, 8],
         bias.clone(),
     ));
-    let model = model_dir(
-        d.path(),
-        "gptoss",
-        |c| {
-            c["num_hidden_layers"] = 1.into();
-            c["num_local_experts"] = 2.into();
-        },
-        &tensors,
-    );
-    let out = d.path().join("oss.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let edit = |c: &mut Json| {
+        c["num_hidden_layers"] = 1.into();
+        c["num_local_experts"] = 2.into();
+    };
+    let g = GgufCase::new("gptoss", edit, tensors).convert("oss.gguf", "test-pre", &[]);
     assert_eq!(g.str("general.architecture"), "gpt-oss");
     assert_eq!(g.u32("general.file_type"), 38);
     for (name, want, shape) in [
@@ -707,35 +438,14 @@ fn gpt_oss_mxfp4_experts_are_repacked_as_the_converter_does() {
 
 #[test]
 fn split_output_follows_gguf_split_and_holds_the_same_tensors() {
-    let d = tmp();
-    let mut rng = Rng(13);
-    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
-    let model = model_dir(
-        d.path(),
-        "mistral",
-        |c| c["num_key_value_heads"] = 2.into(),
-        &tensors,
-    );
-    let whole = d.path().join("whole.gguf");
-    let outdir = d.path().join("split");
+    let tensors = dense_layers(&mut Rng(13), DType::BF16, 64, 32, &[]);
+    let c = GgufCase::new("mistral", |c| c["num_key_value_heads"] = 2.into(), tensors);
+    let whole = c.convert("whole.gguf", "test-pre", &[]);
+    let outdir = c.path("split");
     std::fs::create_dir(&outdir).unwrap();
     let parts = outdir.join("m.gguf");
-    for (o, extra) in [(&whole, None), (&parts, Some("60K"))] {
-        let mut args = vec![
-            "gguf",
-            s(&model),
-            "-o",
-            s(o),
-            "--vocab-pre",
-            "test-pre",
-            "-q",
-        ];
-        if let Some(x) = extra {
-            args.extend(["--split-max-size", x]);
-        }
-        ok(&tftf(&args));
-    }
-    let whole = parse(&whole);
+    let args = ["--vocab-pre", "test-pre", "-q", "--split-max-size", "60K"];
+    tftf_ok(&gguf_args(&c.model, &parts, &args));
     let names = listing(&outdir);
     let n = names.len();
     assert!(n >= 3, "{names:?}");
@@ -780,24 +490,17 @@ fn split_output_follows_gguf_split_and_holds_the_same_tensors() {
 
 #[test]
 fn dry_run_prints_the_plan_and_writes_nothing() {
-    let d = tmp();
-    let mut rng = Rng(17);
-    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
-    let model = model_dir(d.path(), "llama3", |_| {}, &tensors);
-    let out = d.path().join("out").join("x.gguf");
-    let report = d.path().join("r.json");
-    let o = tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
+    let c = GgufCase::dense(17, "llama3");
+    let out = c.path("out/x.gguf");
+    let report = c.path("r.json");
+    let extra = [
         "--vocab-pre",
         "llama-bpe",
         "--dry-run",
         "--report",
         s(&report),
-    ]);
-    ok(&o);
+    ];
+    let o = tftf_ok(&gguf_args(&c.model, &out, &extra));
     let text = stdout(&o);
     for want in [
         "dry run",
@@ -810,7 +513,7 @@ fn dry_run_prints_the_plan_and_writes_nothing() {
         assert!(text.contains(want), "{want}: {text}");
     }
     assert!(!out.parent().unwrap().exists());
-    let r: Json = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let r = read_json(&report);
     assert_eq!(r["dry_run"], true);
     assert!(r["shared_fraction"].is_number());
 }
@@ -824,9 +527,7 @@ fn bad_inputs_fail_before_any_output_exists() {
     let out_dir = d.path().join("out");
     let out = out_dir.join("x.gguf");
     let run = |model: &Path, extra: &[&str]| {
-        let mut args = vec!["gguf", s(model), "-o", s(&out)];
-        args.extend_from_slice(extra);
-        let err = fails(&args);
+        let err = fails(&gguf_args(model, &out, extra));
         assert!(!out_dir.exists(), "output created: {err}");
         err
     };
@@ -838,23 +539,11 @@ fn bad_inputs_fail_before_any_output_exists() {
         &tensors,
     );
     let err = run(&m, &["--vocab-pre", "x"]);
-    assert!(
-        err.contains("FalconForCausalLM") && err.contains("Qwen3ForCausalLM"),
-        "{err}"
-    );
+    assert_mentions(&err, &["FalconForCausalLM", "Qwen3ForCausalLM"]);
     // --arch overrides it.
     let ok_out = d.path().join("arch.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&m),
-        "-o",
-        s(&ok_out),
-        "--arch",
-        "llama",
-        "--vocab-pre",
-        "x",
-        "-q",
-    ]));
+    let extra = ["--arch", "llama", "--vocab-pre", "x", "-q"];
+    tftf_ok(&gguf_args(&m, &ok_out, &extra));
     std::fs::remove_file(&ok_out).unwrap();
     let err = run(&m, &["--arch", "falcon", "--vocab-pre", "x"]);
     assert!(err.contains("supported"), "{err}");
@@ -863,10 +552,7 @@ fn bad_inputs_fail_before_any_output_exists() {
     let m = model_dir(d.path(), "qwen3", |_| {}, &tensors);
     let err = run(&m, &[]);
     let hash = String::from_utf8(read_fixture("tokenizer/chkhsh.txt")).unwrap();
-    assert!(
-        err.contains(hash.trim()) && err.contains("--vocab-pre"),
-        "{err}"
-    );
+    assert_mentions(&err, &[hash.trim(), "--vocab-pre"]);
 
     std::fs::remove_file(m.join("tokenizer.json")).unwrap();
     let err = run(&m, &["--vocab-pre", "qwen2"]);
@@ -901,111 +587,55 @@ fn bad_inputs_fail_before_any_output_exists() {
 
 #[test]
 fn output_is_refused_inside_the_input_and_over_an_existing_file_without_force() {
-    let d = tmp();
-    let mut rng = Rng(23);
-    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
-    let m = model_dir(d.path(), "qwen3", |_| {}, &tensors);
+    let c = GgufCase::dense(23, "qwen3");
+    let m = &c.model;
     let inside = m.join("x.gguf");
-    let err = fails(&["gguf", s(&m), "-o", s(&inside), "--vocab-pre", "qwen2"]);
+    let err = fails(&gguf_args(m, &inside, &["--vocab-pre", "qwen2"]));
     assert!(err.contains("inside"), "{err}");
     assert!(!inside.exists());
 
-    let out = d.path().join("o.gguf");
+    let out = c.path("o.gguf");
     std::fs::write(&out, "keep me").unwrap();
-    let err = fails(&["gguf", s(&m), "-o", s(&out), "--vocab-pre", "qwen2"]);
+    let err = fails(&gguf_args(m, &out, &["--vocab-pre", "qwen2"]));
     assert!(err.contains("--force"), "{err}");
     assert_eq!(std::fs::read(&out).unwrap(), b"keep me");
-    ok(&tftf(&[
-        "gguf",
-        s(&m),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "qwen2",
-        "--force",
-        "-q",
-    ]));
-    parse(&out);
-    let left: Vec<String> = listing(d.path())
+    to_gguf(m, &out, "qwen2", &["--force"]);
+    let left: Vec<String> = listing(c.dir.path())
         .into_iter()
         .filter(|n| n.contains(".tftf-"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
-    no_litter(&m);
-}
-
-struct Xfs {
-    mnt: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Xfs {
-    /// A loop-mounted reflink XFS image (root and xfsprogs), or why not.
-    fn mount() -> Result<Xfs, String> {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let img = dir.path().join("xfs.img");
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        std::fs::File::create(&img)
-            .and_then(|f| f.set_len(1 << 30))
-            .map_err(|e| e.to_string())?;
-        let run = |cmd: &str, args: &[&str]| -> Result<(), String> {
-            let o = std::process::Command::new(cmd)
-                .args(args)
-                .output()
-                .map_err(|e| format!("{cmd}: {e}"))?;
-            if o.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{cmd}: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ))
-            }
-        };
-        run("mkfs.xfs", &["-q", "-m", "reflink=1", s(&img)])?;
-        run("mount", &["-o", "loop", s(&img), s(&mnt)])?;
-        Ok(Xfs { mnt, _dir: dir })
-    }
-}
-
-impl Drop for Xfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.mnt)
-            .status();
-    }
+    no_litter(m);
 }
 
 /// On a reflink filesystem the copied tensors are laid out congruent with their source
 /// offsets (a padding KV moves the data start), cloned, and the file still reads the same.
 #[test]
 fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
-    let xfs = match Xfs::mount() {
-        Ok(x) => x,
-        Err(why) => {
-            println!("SKIPPED: cannot mount a reflink XFS image: {why}");
-            return;
-        }
+    let Some(xfs) = xfs_or_skip("on_xfs_copied_tensors_are_cloned_at_congruent_offsets") else {
+        return;
     };
     let mut rng = Rng(29);
     let tensors = dense_layers(&mut rng, DType::BF16, 128, 64, &[]);
     let model = model_dir(&xfs.mnt, "qwen2", |_| {}, &tensors);
     // Data section at a multiple of 32, as GGUF's alignment needs for any congruence (the
     // Python writer pads headers to 8 only: one shard in four is so placed by chance).
-    let mut infos = Vec::new();
-    let mut begin = 0;
-    for (name, dtype, shape, data) in &tensors {
-        infos.push(tftf::format::header::TensorInfo {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.clone(),
-            begin,
-            end: begin + data.len() as u64,
-        });
-        begin += data.len() as u64;
-    }
+    let mut end = 0;
+    let infos: Vec<_> = tensors
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            end += data.len() as u64;
+            let begin = end - data.len() as u64;
+            let (name, dtype, shape) = (name.clone(), *dtype, shape.clone());
+            tftf::format::header::TensorInfo {
+                name,
+                dtype,
+                shape,
+                begin,
+                end,
+            }
+        })
+        .collect();
     let mut meta = serde_json::Map::new();
     meta.insert("format".into(), "pt".into());
     let mut bytes = tftf::format::header::serialize_header(&meta, &infos, 32);
@@ -1014,30 +644,15 @@ fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
     }
     std::fs::write(model.join("model.safetensors"), bytes).unwrap();
     let plain = tmp();
-    let want = plain.path().join("plain.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&want),
-        "--vocab-pre",
-        "qwen2",
-        "-q",
-    ]));
-    let out = xfs.mnt.join("out.gguf");
+    let b = to_gguf(&model, &plain.path().join("plain.gguf"), "qwen2", &[]);
     let report = xfs.mnt.join("r.json");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
+    let a = to_gguf(
+        &model,
+        &xfs.mnt.join("out.gguf"),
         "qwen2",
-        "--report",
-        s(&report),
-        "-q",
-    ]));
-    let r: Json = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        &["--report", s(&report)],
+    );
+    let r = read_json(&report);
     assert_eq!(r["reflink_layout"], true, "{r}");
     let copied = r["bytes"]["copied_unchanged"].as_u64().unwrap();
     let congruent = r["bytes"]["congruent"].as_u64().unwrap();
@@ -1045,7 +660,6 @@ fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
     println!("copied {copied}, congruent {congruent}, reflinked {reflinked}");
     assert!(copied > 0 && congruent > 0 && reflinked > 0, "{r}");
     assert!(r["shared_fraction"].as_f64().unwrap() > 0.5, "{r}");
-    let (a, b) = (parse(&out), parse(&want));
     assert_eq!(a.tensors, b.tensors);
     let strip = |g: &Gguf| -> Vec<(String, Vec<u8>)> {
         let mut v: Vec<_> = g
@@ -1062,20 +676,10 @@ fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
 
 fn deepseek_tensors() -> Vec<T> {
     let mut rng = Rng(31);
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, 64],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
-    ];
+    let mut tensors = head(&mut rng, DType::BF16);
     let kv_b = read_fixture("kv_b.in");
     for l in 0..3 {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        for (name, shape) in [
+        let names = [
             ("input_layernorm.weight", vec![64u64]),
             ("post_attention_layernorm.weight", vec![64]),
             ("self_attn.q_a_proj.weight", vec![24, 64]),
@@ -1084,9 +688,9 @@ fn deepseek_tensors() -> Vec<T> {
             ("self_attn.kv_a_proj_with_mqa.weight", vec![9, 64]),
             ("self_attn.kv_a_layernorm.weight", vec![5]),
             ("self_attn.o_proj.weight", vec![64, 6]),
-        ] {
-            tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
-        }
+        ];
+        tensors.extend(layer(&mut rng, l, DType::BF16, names));
+        let p = |s: &str| format!("model.layers.{l}.{s}");
         tensors.push(t(
             &p("self_attn.kv_b_proj.weight"),
             DType::BF16,
@@ -1094,56 +698,33 @@ fn deepseek_tensors() -> Vec<T> {
             kv_b.clone(),
         ));
         if l == 0 {
-            for (w, shape) in [
-                ("gate_proj", [128u64, 64]),
-                ("up_proj", [128, 64]),
-                ("down_proj", [64, 128]),
-            ] {
-                tensors.push(rand_t(
-                    &mut rng,
-                    &p(&format!("mlp.{w}.weight")),
-                    DType::BF16,
-                    &shape,
-                ));
-            }
+            let mlp = [
+                ("mlp.gate_proj.weight", [128u64, 64]),
+                ("mlp.up_proj.weight", [128, 64]),
+                ("mlp.down_proj.weight", [64, 128]),
+            ];
+            tensors.extend(layer(&mut rng, l, DType::BF16, mlp));
             continue;
         }
-        tensors.push(rand_t(
+        tensors.extend(layer(
             &mut rng,
-            &p("mlp.gate.weight"),
+            l,
             DType::BF16,
-            &[4, 64],
+            [("mlp.gate.weight", [4u64, 64])],
         ));
-        tensors.push(rand_t(
-            &mut rng,
-            &p("mlp.gate.e_score_correction_bias"),
-            DType::F32,
-            &[4],
-        ));
-        for x in ["shared_experts".to_string()]
+        let bias = [("mlp.gate.e_score_correction_bias", [4u64])];
+        tensors.extend(layer(&mut rng, l, DType::F32, bias));
+        let experts = ["mlp.shared_experts".to_string()]
             .into_iter()
-            .chain((0..4).map(|x| format!("experts.{x}")))
-        {
-            for (w, shape) in [
-                ("gate_proj", [32u64, 64]),
-                ("up_proj", [32, 64]),
-                ("down_proj", [64, 32]),
-            ] {
-                tensors.push(rand_t(
-                    &mut rng,
-                    &p(&format!("mlp.{x}.{w}.weight")),
-                    DType::BF16,
-                    &shape,
-                ));
-            }
-        }
+            .chain((0..4).map(|x| format!("mlp.experts.{x}")));
+        tensors.extend(layer(&mut rng, l, DType::BF16, expert_mlps(experts)));
     }
     // Layer 2 is the multi-token-prediction layer (num_hidden_layers 2).
-    tensors.push(rand_t(
+    tensors.extend(layer(
         &mut rng,
-        "model.layers.2.eh_proj.weight",
+        2,
         DType::BF16,
-        &[64, 128],
+        [("eh_proj.weight", [64u64, 128])],
     ));
     tensors
 }
@@ -1166,20 +747,8 @@ fn deepseek_config(c: &mut Json) {
 
 #[test]
 fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
-    let d = tmp();
-    let tensors = deepseek_tensors();
-    let model = model_dir(d.path(), "deepseekv3", deepseek_config, &tensors);
-    let out = d.path().join("ds.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let c = GgufCase::new("deepseekv3", deepseek_config, deepseek_tensors());
+    let g = c.convert("ds.gguf", "test-pre", &[]);
     assert_eq!(g.str("general.architecture"), "deepseek2");
     assert_eq!(g.u32("deepseek2.attention.head_count_kv"), 1);
     assert_eq!(g.u32("deepseek2.leading_dense_block_count"), 1);
@@ -1194,15 +763,9 @@ fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
     }
     let (sh, ty, data) = g.tensor("blk.1.ffn_down_exps.weight");
     assert_eq!((sh.as_slice(), *ty), (&[4u64, 64, 32][..], 30));
-    let want: Vec<u8> = (0..4)
-        .flat_map(|x| {
-            src(
-                &tensors,
-                &format!("model.layers.1.mlp.experts.{x}.down_proj.weight"),
-            )
-            .to_vec()
-        })
-        .collect();
+    let want = stacked(&c.tensors, 4, |x| {
+        format!("model.layers.1.mlp.experts.{x}.down_proj.weight")
+    });
     assert_eq!(data, &want);
     assert_eq!(g.tensor("blk.1.exp_probs_b.bias").1, 0);
     assert_eq!(g.tensor("blk.1.ffn_gate_shexp.weight").1, 30);
@@ -1215,38 +778,30 @@ fn deepseek_v3_splits_kv_b_stacks_experts_and_skips_mtp_layers() {
 
 #[test]
 fn qwen2_keeps_attention_biases_f32_and_unpermuted() {
-    let d = tmp();
     let mut rng = Rng(37);
     let mut tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
     for l in 0..2 {
-        for (w, n) in [("q_proj", 64u64), ("k_proj", 32), ("v_proj", 32)] {
-            let name = format!("model.layers.{l}.self_attn.{w}.bias");
-            tensors.push(rand_t(&mut rng, &name, DType::BF16, &[n]));
-        }
+        let biases = [
+            ("self_attn.q_proj.bias", [64u64]),
+            ("self_attn.k_proj.bias", [32]),
+            ("self_attn.v_proj.bias", [32]),
+        ];
+        tensors.extend(layer(&mut rng, l, DType::BF16, biases));
     }
-    let model = model_dir(d.path(), "qwen2", |_| {}, &tensors);
-    let out = d.path().join("q2.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let c = GgufCase::new("qwen2", |_| {}, tensors);
+    let tensors = &c.tensors;
+    let g = c.convert("q2.gguf", "test-pre", &[]);
     assert_hparams(&g, "qwen2", 32);
     assert_tokenizer(&g);
     let (sh, ty, data) = g.tensor("blk.1.attn_q.bias");
     assert_eq!((sh.as_slice(), *ty), (&[64u64][..], 0));
     assert_eq!(
         data,
-        &bf16_to_f32_bytes(src(&tensors, "model.layers.1.self_attn.q_proj.bias"))
+        &bf16_to_f32_bytes(src(tensors, "model.layers.1.self_attn.q_proj.bias"))
     );
     assert_eq!(
         g.tensor("blk.1.attn_q.weight").2,
-        src(&tensors, "model.layers.1.self_attn.q_proj.weight")
+        src(tensors, "model.layers.1.self_attn.q_proj.weight")
     );
 }
 
@@ -1265,7 +820,6 @@ fn e4m3(c: u8) -> f32 {
 /// as BF16, as the reference does with DeepSeek-V3's released checkpoint.
 #[test]
 fn deepseek_v3_fp8_weights_are_dequantised_to_bf16() {
-    let d = tmp();
     let mut rng = Rng(41);
     let mut tensors = deepseek_tensors();
     let fp8_names = [
@@ -1308,29 +862,13 @@ fn deepseek_v3_fp8_weights_are_dequantised_to_bf16() {
             scales.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ));
     }
-    let model = model_dir(
-        d.path(),
-        "deepseekv3",
-        |c| {
-            let q = c["quantization_config"].clone();
-            deepseek_config(c);
-            c["quantization_config"] = q;
-        },
-        &tensors,
-    );
-    let out = d.path().join("fp8.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "--memory-budget",
-        "16MiB",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let edit = |c: &mut Json| {
+        let q = c["quantization_config"].clone();
+        deepseek_config(c);
+        c["quantization_config"] = q;
+    };
+    let c = GgufCase::new("deepseekv3", edit, tensors);
+    let g = c.convert("fp8.gguf", "test-pre", &["--memory-budget", "16MiB"]);
     assert_eq!(g.u32("general.file_type"), 32);
     assert!(
         g.order.iter().all(|n| !n.contains("scale")),
@@ -1354,7 +892,6 @@ fn deepseek_v3_fp8_weights_are_dequantised_to_bf16() {
 /// read) leaves no file, no temporary and no created directory behind.
 #[test]
 fn a_failure_while_writing_leaves_nothing_behind() {
-    let d = tmp();
     let mut tensors = deepseek_tensors();
     let name = "model.layers.1.self_attn.q_a_proj.weight";
     let at = tensors.iter().position(|t| t.0 == name).unwrap();
@@ -1367,99 +904,51 @@ fn a_failure_while_writing_leaves_nothing_behind() {
         &[1, 1],
         1.0f32.to_le_bytes().to_vec(),
     ));
-    let model = model_dir(d.path(), "deepseekv3", deepseek_config, &tensors);
-    let out_dir = d.path().join("new").join("dir");
+    let c = GgufCase::new("deepseekv3", deepseek_config, tensors);
+    let out_dir = c.path("new/dir");
     let out = out_dir.join("x.gguf");
-    let err = fails(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "--split-max-size",
-        "20K",
-    ]);
+    let extra = ["--vocab-pre", "test-pre", "--split-max-size", "20K"];
+    let err = fails(&gguf_args(&c.model, &out, &extra));
     assert!(err.contains("q_a_proj") && err.contains("NaN"), "{err}");
-    assert!(!d.path().join("new").exists(), "{:?}", listing(&out_dir));
+    assert!(!c.path("new").exists(), "{:?}", listing(&out_dir));
 }
 
 #[test]
 fn mixtral_permutes_q_k_and_stacks_w1_w2_w3() {
-    let d = tmp();
     let mut rng = Rng(43);
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, 64],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 64]),
-    ];
+    let mut tensors = head(&mut rng, DType::BF16);
     for l in 0..2 {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        for (name, shape) in [
-            ("input_layernorm.weight", vec![64u64]),
-            ("post_attention_layernorm.weight", vec![64]),
-            ("self_attn.q_proj.weight", vec![64, 64]),
-            ("self_attn.k_proj.weight", vec![32, 64]),
-            ("self_attn.v_proj.weight", vec![32, 64]),
-            ("self_attn.o_proj.weight", vec![64, 64]),
-            ("block_sparse_moe.gate.weight", vec![4, 64]),
-        ] {
-            tensors.push(rand_t(&mut rng, &p(name), DType::BF16, &shape));
-        }
-        for x in 0..4 {
-            for (w, shape) in [("w1", [128u64, 64]), ("w2", [64, 128]), ("w3", [128, 64])] {
-                let name = p(&format!("block_sparse_moe.experts.{x}.{w}.weight"));
-                tensors.push(rand_t(&mut rng, &name, DType::BF16, &shape));
-            }
-        }
+        let router = [("block_sparse_moe.gate.weight", vec![4, 64])];
+        tensors.extend(attention_layer(&mut rng, l, router));
+        let experts = (0..4).flat_map(|x| {
+            [("w1", [128u64, 64]), ("w2", [64, 128]), ("w3", [128, 64])]
+                .map(|(w, sh)| (format!("block_sparse_moe.experts.{x}.{w}.weight"), sh))
+        });
+        tensors.extend(layer(&mut rng, l, DType::BF16, experts));
     }
-    let model = model_dir(
-        d.path(),
-        "mixtral",
-        |c| {
-            c["num_key_value_heads"] = 2.into();
-            c["num_local_experts"] = 4.into();
-        },
-        &tensors,
-    );
-    let out = d.path().join("mx.gguf");
-    ok(&tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
-        "--vocab-pre",
-        "test-pre",
-        "-q",
-    ]));
-    let g = parse(&out);
+    let edit = |c: &mut Json| {
+        c["num_key_value_heads"] = 2.into();
+        c["num_local_experts"] = 4.into();
+    };
+    let c = GgufCase::new("mixtral", edit, tensors);
+    let tensors = &c.tensors;
+    let g = c.convert("mx.gguf", "test-pre", &[]);
     assert_eq!(g.str("general.architecture"), "llama");
     assert_eq!(g.u32("llama.expert_count"), 4);
     for l in 0..2 {
         let h = |s: &str| format!("model.layers.{l}.{s}");
         assert_eq!(
             g.tensor(&format!("blk.{l}.attn_k.weight")).2,
-            permute(src(&tensors, &h("self_attn.k_proj.weight")), 32, 2)
+            permute(src(tensors, &h("self_attn.k_proj.weight")), 32, 2)
         );
         for (w, gg) in [
             ("w1", "ffn_gate_exps"),
             ("w2", "ffn_down_exps"),
             ("w3", "ffn_up_exps"),
         ] {
-            let want: Vec<u8> = (0..4)
-                .flat_map(|x| {
-                    src(
-                        &tensors,
-                        &h(&format!("block_sparse_moe.experts.{x}.{w}.weight")),
-                    )
-                    .to_vec()
-                })
-                .collect();
+            let want = stacked(tensors, 4, |x| {
+                h(&format!("block_sparse_moe.experts.{x}.{w}.weight"))
+            });
             let (sh, ty, data) = g.tensor(&format!("blk.{l}.{gg}.weight"));
             assert_eq!((sh.len(), *ty), (3, 30), "{gg}");
             assert_eq!(data, &want, "{gg}");
@@ -1533,29 +1022,18 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         let d = tmp();
         let model = d.path().join("model");
         std::fs::create_dir(&model).unwrap();
-        std::fs::write(
-            model.join("config.json"),
-            serde_json::to_vec(&spec["config"]).unwrap(),
-        )
-        .unwrap();
-        let mut tok: Json =
-            serde_json::from_slice(&read_fixture("tokenizer/tokenizer.json")).unwrap();
+        let write_json = |name: &str, v: &Json| {
+            std::fs::write(model.join(name), serde_json::to_vec(v).unwrap()).unwrap()
+        };
+        write_json("config.json", &spec["config"]);
+        let mut tok = read_json(&gguf_fixture("tokenizer/tokenizer.json"));
         for a in spec["added_tokens"].as_array().unwrap() {
             tok["added_tokens"].as_array_mut().unwrap().push(a.clone());
         }
-        std::fs::write(
-            model.join("tokenizer.json"),
-            serde_json::to_vec(&tok).unwrap(),
-        )
-        .unwrap();
-        let mut tc: Json =
-            serde_json::from_slice(&read_fixture("tokenizer/tokenizer_config.json")).unwrap();
+        write_json("tokenizer.json", &tok);
+        let mut tc = read_json(&gguf_fixture("tokenizer/tokenizer_config.json"));
         tc["tokenizer_class"] = "PreTrainedTokenizerFast".into();
-        std::fs::write(
-            model.join("tokenizer_config.json"),
-            serde_json::to_vec(&tc).unwrap(),
-        )
-        .unwrap();
+        write_json("tokenizer_config.json", &tc);
         let tensors: Vec<T> = spec["tensors"]
             .as_array()
             .unwrap()
@@ -1575,19 +1053,13 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
             })
             .collect();
         write_file(&model.join("model.safetensors"), &tensors);
-        let out = d.path().join("out.gguf");
-        ok(&tftf(&[
-            "gguf",
-            s(&model),
-            "-o",
-            s(&out),
-            "--outtype",
-            spec["outtype"].as_str().unwrap(),
-            "--vocab-pre",
+        let outtype = spec["outtype"].as_str().unwrap();
+        let g = to_gguf(
+            &model,
+            &d.path().join("out.gguf"),
             "test-pre",
-            "-q",
-        ]));
-        let g = parse(&out);
+            &["--outtype", outtype],
+        );
         let ours: BTreeMap<&str, String> = g
             .kvs
             .iter()
@@ -1639,16 +1111,9 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
 
 #[test]
 fn json_progress_names_every_split_file_and_ends_with_the_report() {
-    let d = tmp();
-    let mut rng = Rng(11);
-    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
-    let model = model_dir(d.path(), "llama3", |_| {}, &tensors);
-    let out = d.path().join("out").join("x.gguf");
-    let o = tftf(&[
-        "gguf",
-        s(&model),
-        "-o",
-        s(&out),
+    let c = GgufCase::dense(11, "llama3");
+    let out = c.path("out/x.gguf");
+    let extra = [
         "--vocab-pre",
         "test-pre",
         "--split-max-size",
@@ -1656,13 +1121,13 @@ fn json_progress_names_every_split_file_and_ends_with_the_report() {
         "--progress",
         "json",
         "-q",
-    ]);
-    ok(&o);
+    ];
+    let o = tftf_ok(&gguf_args(&c.model, &out, &extra));
     let lines: Vec<Json> = stderr(&o)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
         .collect();
-    let files = listing(&d.path().join("out"));
+    let files = listing(&c.path("out"));
     assert!(files.len() >= 2, "{files:?}");
     // Files are written in parallel: each is named once, in the order it was finished.
     let mut written: Vec<&str> = lines

@@ -135,7 +135,7 @@ fn output_bytes_do_not_depend_on_io_threads() {
                 "--report",
                 s(&report),
             ]);
-            ok(&tftf(&a));
+            tftf_ok(&a);
             let rep = read_json(&report);
             if io != "auto" {
                 assert_eq!(rep["io_threads"], io.parse::<u64>().unwrap(), "{name}");

@@ -851,21 +851,18 @@ fn quantizers_match_the_cpu_op_byte_for_byte() {
 /// effective scale exact (1, powers of two) or not.
 #[test]
 fn quantizers_match_the_cpu_op_on_more_shapes_and_scales() {
-    let shapes = [
-        (Scheme::Fp8Dynamic, 1u64),
-        (Scheme::Fp8Dynamic, 7),
-        (Scheme::Fp8Dynamic, 1000),
-        (Scheme::W8A16, 128),
-        (Scheme::W8A16, 512),
-        (Scheme::W4A16, 128),
-        (Scheme::W4A16, 640),
-        (Scheme::Nvfp4A16, 16),
-        (Scheme::Nvfp4A16, 272),
-        (Scheme::Mxfp4A16, 32),
-        (Scheme::Mxfp4A16, 320),
-        (Scheme::Mxfp8A16, 32),
-        (Scheme::Mxfp8A16, 224),
+    // Each scheme with its column counts, in this order.
+    let widths: [(Scheme, &[u64]); 6] = [
+        (Scheme::Fp8Dynamic, &[1, 7, 1000]),
+        (Scheme::W8A16, &[128, 512]),
+        (Scheme::W4A16, &[128, 640]),
+        (Scheme::Nvfp4A16, &[16, 272]),
+        (Scheme::Mxfp4A16, &[32, 320]),
+        (Scheme::Mxfp8A16, &[32, 224]),
     ];
+    let shapes = widths
+        .iter()
+        .flat_map(|&(scheme, cols)| cols.iter().map(move |&c| (scheme, c)));
     let mut rng = Rng(0x51);
     for (scheme, cols) in shapes {
         for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
@@ -1070,12 +1067,12 @@ fn reference_fp8_blocks(
 ) -> Result<(Vec<u8>, Vec<u8>), String> {
     let rows = (weight.len() / wt.bytes()) as u64 / cols;
     let op = QuantizeRows {
+        block: math,
         scheme: Scheme::Fp8Block,
+        global: 1.0,
         rows,
         cols,
         wt,
-        global: 1.0,
-        block: math,
     };
     let len = |k| op.out_span(k, 0..rows).end as usize;
     let (mut codes, mut scales) = (vec![0u8; len(0)], vec![0u8; len(1)]);

@@ -5,7 +5,7 @@
 mod common;
 
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 use tftf::format::dtype::DType;
@@ -20,12 +20,17 @@ fn bf16_model(dir: &Path) {
         .write(dir);
 }
 
-#[test]
-fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
-    let d = tmp();
-    let src = d.path().join("in");
+/// A temporary folder with [`bf16_model`] in `in/`: (folder, `in/`, `out/` (not made)).
+fn bf16_in_tmp() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let (d, src) = tmp_in();
     bf16_model(&src);
     let out = d.path().join("out");
+    (d, src, out)
+}
+
+#[test]
+fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
+    let (_d, src, out) = bf16_in_tmp();
     let args = cmd("passthrough", &src, &out, &["-q", "--include", "model.*"]);
     let err = fails(&args);
     assert_eq!(
@@ -41,17 +46,14 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
         "{text}"
     );
     // Allowed, the output is one loadable shard without tensors.
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(listing(&out), ["model.safetensors"]);
     assert!(load_all(&out).is_empty());
 }
 
 #[test]
 fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
-    let d = tmp();
-    let src = d.path().join("in");
-    bf16_model(&src);
-    let out = d.path().join("out");
+    let (_d, src, out) = bf16_in_tmp();
     let args = cmd("dequant-fp8", &src, &out, &["-q"]);
     let err = fails(&args);
     assert_eq!(
@@ -59,16 +61,13 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
         format!("error: {}: dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
     );
     assert!(!out.exists());
-    ok(&tftf(&[&args[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(load_all(&out).len(), 2);
 }
 
 #[test]
 fn report_that_cannot_be_written_after_commit_is_a_warning() {
-    let d = tmp();
-    let src = d.path().join("in");
-    bf16_model(&src);
-    let out = d.path().join("out");
+    let (d, src, out) = bf16_in_tmp();
     let report = d.path().join("no-such-dir").join("report.json");
     let (code, stdout, err) = exit_code(&cmd(
         "passthrough",
@@ -90,15 +89,11 @@ fn report_that_cannot_be_written_after_commit_is_a_warning() {
 
 #[test]
 fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
-    let d = tmp();
-    let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(22);
+    let (d, src) = tmp_in();
     // Big enough for a block-aligned middle, so a clone is tried.
-    write_file(
-        &src.join("model.safetensors"),
-        &[rand_t(&mut rng, "w", DType::U8, &[1 << 20])],
-    );
+    Model::new()
+        .rand(&mut Rng(22), "w", DType::U8, &[1 << 20])
+        .write(&src);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
     let args = cmd("passthrough", &src, &out, &["-q", "--report", s(&report)]);
@@ -112,8 +107,7 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
     }
     let fs = r["reflink_unavailable"].as_str().unwrap().to_string();
     std::fs::remove_dir_all(&out).unwrap();
-    let o = convert("passthrough", &src, &out, &["-v", "--no-progress"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["-v", "--no-progress"]);
     let err = stderr(&o);
     let fs_name = fs
         .rsplit_once(" on ")
@@ -129,38 +123,32 @@ fn reflink_fallback_is_a_one_line_info_only_with_verbose() {
 
 #[test]
 fn progress_lines_when_stderr_is_not_a_terminal() {
-    let d = tmp();
-    let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
+    let (d, src) = tmp_in();
     let mut rng = Rng(23);
     let big: Vec<u8> = (0..24 << 18)
         .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
         .collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("big", DType::F32, &[24 << 18], big)],
-    );
+    Model::new()
+        .tensor("big", DType::F32, &[24 << 18], big)
+        .write(&src);
     let out = d.path().join("out");
     let line = regex::Regex::new(
         r"^progress: (passthrough|validate) model\.safetensors: [0-9.]+ (B|KiB|MiB) of (24|12)\.00 MiB \(\d{1,3}%\), [0-9.]+ (B|KiB|MiB|GiB)/s, ETA (unknown|\d+s|\d+m\d\ds)$",
     )
     .unwrap();
-    let o = convert(
-        "passthrough",
-        &src,
-        &out,
-        &[
-            "--dtype",
-            "bf16",
-            "--threads",
-            "1",
-            "--memory-budget",
-            "16MiB",
-            "--progress-interval",
-            "0.001",
-        ],
+    // Every line of `err` is a progress line and starts with `prefix`.
+    let progress_lines = |err: &str, prefix: &str| {
+        for l in err.lines() {
+            assert!(line.is_match(l), "unexpected line: {l:?}");
+            assert!(l.starts_with(prefix), "{l}");
+        }
+    };
+    let (budget, often) = (
+        ["--memory-budget", "16MiB"],
+        ["--progress-interval", "0.001"],
     );
-    ok(&o);
+    let cast = [&["--dtype", "bf16", "--threads", "1"][..], &budget, &often].concat();
+    let o = passthrough_ok(&src, &out, &cast);
     let err = stderr(&o);
     assert!(
         err.starts_with(
@@ -168,43 +156,17 @@ fn progress_lines_when_stderr_is_not_a_terminal() {
         ),
         "the first line comes at once: {err}"
     );
-    for l in err.lines() {
-        assert!(line.is_match(l), "unexpected line: {l:?}");
-        assert!(l.starts_with("progress: passthrough "), "{l}");
-    }
-    let o = tftf(&[
-        "validate",
-        s(&src),
-        "--check-values",
-        "--memory-budget",
-        "16MiB",
-        "--progress-interval",
-        "0.001",
-    ]);
-    ok(&o);
+    progress_lines(&err, "progress: passthrough ");
+    let validate = ["validate", s(&src), "--check-values"];
+    let o = tftf_ok(&[&validate[..], &budget, &often].concat());
     let err = stderr(&o);
     assert!(!err.is_empty(), "no progress line");
-    for l in err.lines() {
-        assert!(line.is_match(l), "unexpected line: {l:?}");
-        assert!(l.starts_with("progress: validate "), "{l}");
-    }
+    progress_lines(&err, "progress: validate ");
     // --no-progress and -q silence it; a zero interval is a usage error.
-    let o = tftf(&[
-        "validate",
-        s(&src),
-        "--check-values",
-        "--no-progress",
-        "--progress-interval",
-        "0.001",
-    ]);
+    let o = tftf(&[&validate[..], &["--no-progress"], &often].concat());
     assert_eq!(stderr(&o), "");
     std::fs::remove_dir_all(&out).unwrap();
-    let o = convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--progress-interval", "0.001"],
-    );
+    let o = passthrough(&src, &out, &[&["-q"][..], &often].concat());
     assert_eq!(stderr(&o), "");
     let err = usage_error(&cmd(
         "passthrough",
@@ -247,19 +209,14 @@ fn validate_problems(dir: &Path, problems: &[&str], checks: &[&str]) {
 
 #[test]
 fn validate_finds_quantised_weights_without_scales() {
-    let d = tmp();
-    let src = d.path().join("in");
+    use DType::I8;
+    let (_d, src) = tmp_in();
     let mut rng = Rng(24);
     Model::new()
         .rand(&mut rng, "q.weight", DType::F8_E4M3, &[4, 4])
         .rand(&mut rng, "k.weight", DType::F8_E4M3, &[4, 4])
         .rand(&mut rng, "k.weight_scale_inv", DType::F32, &[1])
-        .rand(
-            &mut rng,
-            "layers.0.ffn.experts.0.w1.weight",
-            DType::I8,
-            &[4, 16],
-        )
+        .rand(&mut rng, "layers.0.ffn.experts.0.w1.weight", I8, &[4, 16])
         .write(&src);
     validate_problems(
         &src,
@@ -273,8 +230,7 @@ fn validate_finds_quantised_weights_without_scales() {
 
 #[test]
 fn validate_finds_a_quantization_config_the_tensors_do_not_match() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     bf16_model(&src);
     let cfg = r#"{"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
     std::fs::write(src.join("config.json"), cfg).unwrap();
@@ -299,8 +255,7 @@ fn validate_finds_a_quantization_config_the_tensors_do_not_match() {
 
 #[test]
 fn validate_finds_a_torch_dtype_no_tensor_has() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     bf16_model(&src);
     std::fs::write(src.join("config.json"), r#"{"torch_dtype": "float32"}"#).unwrap();
     validate_problems(
@@ -309,20 +264,18 @@ fn validate_finds_a_torch_dtype_no_tensor_has() {
         &["torch-dtype"],
     );
     std::fs::write(src.join("config.json"), r#"{"torch_dtype": "bfloat16"}"#).unwrap();
-    ok(&tftf(&["validate", s(&src)]));
+    tftf_ok(&["validate", s(&src)]);
 }
 
 #[test]
 fn validate_finds_a_wrong_index_total_size() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
+    // Two shards of U8 tensors `a` [4] and `b` [6], drawn in that order.
     let mut rng = Rng(26);
-    Model::new()
-        .rand(&mut rng, "a", DType::U8, &[4])
-        .shard()
-        .rand(&mut rng, "b", DType::U8, &[6])
-        .write(&src);
-    ok(&tftf(&["validate", s(&src)]));
+    let (a, b) = (rng.bytes(4), rng.bytes(6));
+    let model = Model::new().tensor("a", DType::U8, &[4], a);
+    model.shard().tensor("b", DType::U8, &[6], b).write(&src);
+    tftf_ok(&["validate", s(&src)]);
     let index = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index)
         .unwrap()
@@ -339,13 +292,12 @@ fn validate_finds_a_wrong_index_total_size() {
     // The small model of the other tests is clean.
     let clean = d.path().join("clean");
     small_model(&clean);
-    ok(&tftf(&["validate", s(&clean)]));
+    tftf_ok(&["validate", s(&clean)]);
 }
 
 #[test]
 fn metadata_of_non_strings_says_so() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (_d, src) = tmp_in();
     std::fs::create_dir_all(&src).unwrap();
     let header = r#"{"__metadata__":{"format":"pt","step":1000},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
     let file = src.join("model.safetensors");
@@ -395,8 +347,7 @@ fn fifos_and_devices_as_input_say_what_they_are() {
 
 #[test]
 fn hidden_appledouble_files_are_ignored_with_a_note() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     bf16_model(&src);
     std::fs::write(
         src.join("._model.safetensors"),
@@ -404,8 +355,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
     )
     .unwrap();
     let out = d.path().join("out");
-    let o = convert("passthrough", &src, &out, &["--no-progress"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["--no-progress"]);
     assert_eq!(
         stderr(&o),
         format!(
@@ -425,27 +375,18 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
 
 #[test]
 fn non_utf8_shard_names_work_and_print_escaped() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(27);
     let name = std::ffi::OsStr::from_bytes(b"gewichte-\xe4\x01.safetensors");
-    write_file(
-        &src.join(name),
-        &[rand_t(&mut rng, "a.weight", DType::BF16, &[4])],
-    );
-    let o = tftf(&["info", s(&src), "--json"]);
-    ok(&o);
+    Model::new()
+        .rand(&mut Rng(27), "a.weight", DType::BF16, &[4])
+        .write_file(&src.join(name));
+    let o = tftf_ok(&["info", s(&src), "--json"]);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["total_tensors"], 1);
     let out = d.path().join("out");
     let report = d.path().join("r.json");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--report", s(&report)],
-    ));
+    passthrough_ok(&src, &out, &["-q", "--report", s(&report)]);
     assert_eq!(load_all(&out).len(), 1);
     let r = read_json(&report);
     assert!(
@@ -473,15 +414,11 @@ fn non_utf8_shard_names_work_and_print_escaped() {
 
 #[test]
 fn control_characters_in_names_are_printed_escaped() {
-    let d = tmp();
-    let src = d.path().join("in");
-    std::fs::create_dir_all(&src).unwrap();
-    let mut rng = Rng(28);
+    let (d, src) = tmp_in();
     let evil = "x\r\u{1b}[2Jy.weight";
-    write_file(
-        &src.join("model.safetensors"),
-        &[rand_t(&mut rng, evil, DType::F8_E4M3, &[4, 4])],
-    );
+    Model::new()
+        .rand(&mut Rng(28), evil, DType::F8_E4M3, &[4, 4])
+        .write(&src);
     let text = stdout(&tftf(&["info", s(&src)]));
     assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text:?}");
     assert!(text.contains("x\\r\\u{1b}[2Jy.weight  F8_E4M3"), "{text}");

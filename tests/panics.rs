@@ -32,8 +32,7 @@ fn info_prints_a_tensor_name_of_70_kib() {
     let name = "x".repeat(70_000);
     let f = d.path().join("m.safetensors");
     write_file(&f, &[t(&name, DType::U8, &[2], vec![1, 2])]);
-    let o = tftf(&["info", s(&f)]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(&f)]);
     let out = stdout(&o);
     let row = out.lines().nth(1).unwrap();
     assert_eq!(
@@ -60,40 +59,25 @@ fn fp8_model(dir: &Path, config: &str) {
 
 #[test]
 fn a_zero_block_side_in_config_json_is_refused_naming_the_key() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
-    fp8_model(
-        &src,
-        r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}"#,
-    );
-    refused(
-        &cmd("dequant-fp8", &src, &out, &[]),
-        &out,
-        &format!(
-            "{}: `quantization_config.weight_block_size` is [0, 128]: a block side cannot be 0; fix config.json or pass --block-size RxC",
-            src.join("config.json").display()
+    // Each config, and the message after `<config.json>: `.
+    for (config, rest) in [
+        (
+            r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 128]}}"#,
+            "`quantization_config.weight_block_size` is [0, 128]: a block side cannot be 0; fix config.json or pass --block-size RxC",
         ),
-    );
-    fp8_model(
-        &src,
-        r#"{"quantization_config": {"config_groups": {"g": {"weights": {"block_structure": [1, 0]}}}}}"#,
-    );
-    refused(
-        &cmd("dequant-fp8", &src, &out, &[]),
-        &out,
-        &format!(
-            "{}: `quantization_config.config_groups.*.weights.block_structure` is [1, 0]: a block side cannot be 0; fix config.json or pass --block-size RxC",
-            src.join("config.json").display()
+        (
+            r#"{"quantization_config": {"config_groups": {"g": {"weights": {"block_structure": [1, 0]}}}}}"#,
+            "`quantization_config.config_groups.*.weights.block_structure` is [1, 0]: a block side cannot be 0; fix config.json or pass --block-size RxC",
         ),
-    );
+    ] {
+        fp8_model(&src, config);
+        let want = format!("{}: {rest}", src.join("config.json").display());
+        refused(&cmd("dequant-fp8", &src, &out, &[]), &out, &want);
+    }
     // --block-size replaces the broken value.
-    ok(&convert(
-        "dequant-fp8",
-        &src,
-        &out,
-        &["--block-size", "1x4", "-q"],
-    ));
+    convert_ok("dequant-fp8", &src, &out, &["--block-size", "1x4", "-q"]);
     let got = load_all(&out);
     let bf16 = |x: f32| half::bf16::from_f32(x).to_bits().to_le_bytes();
     let want: Vec<u8> = [1.0f32, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
@@ -124,27 +108,41 @@ fn q_adapter(dir: &Path, a: [u64; 2], b: [u64; 2], config: &str) -> PathBuf {
         .write(dir)
 }
 
+/// `merge-lora -i SRC --adapter ADAPTER -o OUT` in `dir`, ADAPTER a [`q_adapter`] of the
+/// `lora_A` and `lora_B` shapes `ab` and `config`: [`refused`] with the message
+/// `<adapter file>: <rest>`.
+fn q_merge_refused(dir: &Path, src: &Path, ab: [[u64; 2]; 2], config: &str, rest: &str) {
+    let adapter = q_adapter(&dir.join("adapter"), ab[0], ab[1], config);
+    let out = dir.join("out");
+    let file = adapter.join("adapter_model.safetensors");
+    refused(
+        &[
+            "merge-lora",
+            "-i",
+            s(src),
+            "--adapter",
+            s(&adapter),
+            "-o",
+            s(&out),
+        ],
+        &out,
+        &format!("{}: {rest}", file.display()),
+    );
+}
+
 #[test]
 fn merge_lora_into_a_base_with_an_input_dimension_of_0_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("model.q.weight", DType::BF16, &[4, 0], vec![])
         .write(&src);
-    let adapter = q_adapter(
-        &d.path().join("adapter"),
-        [2, 0],
-        [4, 2],
+    let adapter = [[2, 0], [4, 2]];
+    q_merge_refused(
+        d.path(),
+        &src,
+        adapter,
         r#"{"r": 2, "lora_alpha": 4}"#,
-    );
-    let out = d.path().join("out");
-    refused(
-        &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
-        &out,
-        &format!(
-            "{}: `model.q`: base weight `model.q.weight` is [4, 0] with rank 2: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
-            adapter.join("adapter_model.safetensors").display()
-        ),
+        "`model.q`: base weight `model.q.weight` is [4, 0] with rank 2: an empty matrix or a rank of 0 leaves nothing to merge; exclude the module from the adapter",
     );
 }
 
@@ -180,8 +178,7 @@ fn scaled_model(dir: &Path, codes: [u8; 4], scale_name: &str, scale: f32) {
 
 #[test]
 fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
     scaled_model(&src, [0x00, 0x38, 0x38, 0x38], "w.weight_scale", 0.0);
     let args = cmd("dequant-fp8", &src, &out, &["--scale-mode", "divide"]);
@@ -195,7 +192,7 @@ fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
     );
     let mut allowed = args.to_vec();
     allowed.extend(["--allow-nonfinite", "-q", "--dtype", "f32"]);
-    ok(&tftf(&allowed));
+    tftf_ok(&allowed);
     // 0/0 is the canonical NaN, 1/0 is +inf.
     let inf = f32::INFINITY.to_bits();
     let want: Vec<u8> = [0x7FC0_0000u32, inf, inf, inf]
@@ -207,8 +204,7 @@ fn scale_mode_divide_by_a_zero_scale_is_refused_unless_allowed() {
 
 #[test]
 fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let out = d.path().join("out");
     let file = src.join("model.safetensors");
     // 448 × 1e38 overflows f32 itself.
@@ -231,7 +227,7 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
             file.display()
         ),
     );
-    ok(&convert("dequant-fp8", &src, &out, &["-q"]));
+    convert_ok("dequant-fp8", &src, &out, &["-q"]);
     std::fs::remove_dir_all(&out).unwrap();
     // 65504 × 2 with a multiply by 65520 that rounds up to infinity in F16 (the largest finite
     // F16 is 65504; 65520 is the tie that rounds to infinity).
@@ -249,19 +245,18 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
             file.display()
         ),
     );
-    ok(&convert(
+    convert_ok(
         "dequant-fp8",
         &src,
         &out,
         &["--dtype", "f16", "--allow-nonfinite", "-q"],
-    ));
+    );
     assert_eq!(load_all(&out)["w.weight"].2, [0x00, 0x7C].repeat(4));
 }
 
 #[test]
 fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])
         .write(&src);
@@ -281,7 +276,7 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
         )
         .write(&adapter);
     let out = d.path().join("out");
-    ok(&tftf(&[
+    tftf_ok(&[
         "merge-lora",
         "-i",
         s(&src),
@@ -290,7 +285,7 @@ fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
         "-o",
         s(&out),
         "-q",
-    ]));
+    ]);
     let got = load_all(&out);
     assert_eq!(got["lm_head.weight"].0, "BF16");
     assert_eq!(got["lm_head.weight"].2, replacement);
@@ -339,12 +334,7 @@ fn a_plan_over_half_the_memory_budget_is_refused_naming_both() {
         ),
     );
     let budget = format!("{}", 2 * needed);
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--memory-budget", &budget, "-q"],
-    ));
+    passthrough_ok(&src, &out, &["--memory-budget", &budget, "-q"]);
     assert_eq!(load_all(&out).len(), 30_000);
 }
 
@@ -354,8 +344,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
     let (src, header) = many_tiny_tensors(d.path(), 200_000);
     let report = d.path().join("report.json");
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
+    passthrough_ok(
         &src,
         &out,
         &[
@@ -366,7 +355,7 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
             "--report",
             s(&report),
         ],
-    ));
+    );
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     let peak = r["peak_rss_bytes"].as_u64().unwrap();
     // A JSON value tree of the header, two copies of every name and a per-tensor map took
@@ -379,32 +368,17 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
 
 #[test]
 fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
         .write(&src);
-    let adapter = q_adapter(
-        &d.path().join("adapter"),
-        [1, 2],
-        [2, 1],
-        r#"{"r": 1, "lora_alpha": 1e300}"#,
-    );
-    let out = d.path().join("out");
-    refused(
-        &["merge-lora", "-i", s(&src), "--adapter", s(&adapter), "-o", s(&out)],
-        &out,
-        &format!(
-            "{}: `model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json",
-            adapter.join("adapter_model.safetensors").display()
-        ),
-    );
+    let config = r#"{"r": 1, "lora_alpha": 1e300}"#;
+    q_merge_refused(d.path(), &src, [[1, 2], [2, 1]], config, "`model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json");
 }
 
 #[test]
 fn dequantising_an_empty_weight_of_2_pow_40_rows_finishes_at_once() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("w.weight", DType::F8_E4M3, &[1 << 40, 0], vec![])
         .tensor("w.weight_scale_inv", DType::F32, &[], f32_bytes(&[1.0]))

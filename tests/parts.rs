@@ -73,7 +73,7 @@ fn assert_same_dirs(want: &Path, got: &Path) {
 /// One run with checksums: what the parts must reproduce.
 fn reference(d: &Path, input: &Path, checksums: &str) -> std::path::PathBuf {
     let out = d.join("single");
-    ok(&tftf(&run_args(input, &out, &[checksums])));
+    tftf_ok(&run_args(input, &out, &[checksums]));
     assert!(listing(&out).len() >= 8, "{:?}", listing(&out));
     out
 }
@@ -98,11 +98,10 @@ fn three_parts_at_once_then_finalize_equal_one_run() {
     // No index before finalize: the directory is not yet a checkpoint a loader would open.
     assert!(!out.join("model.safetensors.index.json").exists());
     assert!(out.join(".tftf-parts").is_dir());
-    let o = tftf(&["finalize", s(&out)]);
-    ok(&o);
+    let o = tftf_ok(&["finalize", s(&out)]);
     assert!(stdout(&o).contains("3 part(s)"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
-    ok(&tftf(&["verify", s(&out)]));
+    tftf_ok(&["verify", s(&out)]);
 }
 
 trait Spawn {
@@ -128,12 +127,11 @@ fn the_last_part_with_finalize_completes_the_output_in_any_order() {
             .path()
             .join(format!("parts-{}", order[0].replace('/', "-")));
         for (i, k) in order.iter().enumerate() {
-            let o = tftf(&{
+            let o = tftf_ok(&{
                 let mut v = run_args(&input, &out, &["--part", k, "--finalize"]);
                 v.retain(|a| *a != "-q");
                 v
             });
-            ok(&o);
             let last = i == order.len() - 1;
             assert_eq!(
                 stdout(&o).contains("finalized"),
@@ -171,17 +169,16 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         } else {
             &["--part", "2/2"]
         };
-        let o = tftf(&{
+        let o = tftf_ok(&{
             let mut v = run_args(&input, &out, extra);
             v.retain(|a| *a != "-q");
             v
         });
-        ok(&o);
         // With --resume the first shard, committed and recorded, is kept; the second (on
         // disk but unrecorded) is written again.
         let kept = if resume { "(1 kept" } else { "(0 kept" };
         assert!(stdout(&o).contains(kept), "{}", stdout(&o));
-        ok(&tftf(&["finalize", s(&out), "-q"]));
+        tftf_ok(&["finalize", s(&out), "-q"]);
         assert_same_dirs(&single, &out);
     }
 }
@@ -209,9 +206,9 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
     let at = changed.iter().position(|a| *a == "f32").unwrap();
     changed[at] = "f16";
     let e = fails(&changed);
-    assert!(
-        e.contains("cannot resume part 1/1") && e.contains("the arguments differ (dtype)"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["cannot resume part 1/1", "the arguments differ (dtype)"],
     );
     // A shard modified after its commit is written again, not kept.
     let first_shard = listing(&out)
@@ -223,12 +220,11 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&victim, &bytes).unwrap();
-    let o = tftf(&{
+    let o = tftf_ok(&{
         let mut v = run_args(&input, &out, &["--resume"]);
         v.retain(|a| *a != "-q");
         v
     });
-    ok(&o);
     assert!(stdout(&o).contains("(2 kept"), "{}", stdout(&o));
     assert!(stdout(&o).contains("finalized"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
@@ -244,11 +240,13 @@ fn parts_with_different_arguments_or_inputs_are_refused() {
     let at = other.iter().position(|a| *a == "f32").unwrap();
     other[at] = "bf16";
     let e = fails(&other);
-    assert!(
-        e.contains("part 1/2")
-            && e.contains("was run with different arguments or inputs")
-            && e.contains("dtype"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &[
+            "part 1/2",
+            "was run with different arguments or inputs",
+            "dtype",
+        ],
     );
     // Another part count.
     let e = fails(&run_args(&input, &out, &["--part", "2/3"]));
@@ -265,8 +263,8 @@ fn parts_with_different_arguments_or_inputs_are_refused() {
     let e = fails(&["finalize", s(&out)]);
     assert!(e.contains("part 1/2 has not run"), "{e}");
     ok(&part(&input, &out, &["--part", "1/2"]));
-    ok(&tftf(&["finalize", s(&out), "-q"]));
-    ok(&tftf(&["verify", s(&out)]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
+    tftf_ok(&["verify", s(&out)]);
 }
 
 #[test]
@@ -297,20 +295,14 @@ fn finalize_names_missing_damaged_and_changed_records() {
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(&shard, &bytes[..bytes.len() - 1]).unwrap();
     let e = fails(&["finalize", s(&out)]);
-    assert!(
-        e.contains(&name) && e.contains("rerun part") && e.contains("with --resume"),
-        "{e}"
-    );
+    assert_mentions(&e, &[&name, "rerun part", "with --resume"]);
     std::fs::write(&shard, &bytes).unwrap();
     // A damaged record.
     let hdr = out.join(".tftf-parts/part-00003-of-00003.json");
     let good = std::fs::read(&hdr).unwrap();
     std::fs::write(&hdr, b"{\"tftf_part\": 1, \"part\": ").unwrap();
     let e = fails(&["finalize", s(&out)]);
-    assert!(
-        e.contains("part-00003-of-00003.json: damaged part record"),
-        "{e}"
-    );
+    assert_mentions(&e, &["part-00003-of-00003.json: damaged part record"]);
     std::fs::write(&hdr, &good).unwrap();
     // A byte changed inside a shard after its commit (same size): finalize trusts the record,
     // and verify names the tensor.
@@ -318,15 +310,11 @@ fn finalize_names_missing_damaged_and_changed_records() {
     let at = changed.len() - 3;
     changed[at] ^= 0x40;
     std::fs::write(&shard, &changed).unwrap();
-    ok(&tftf(&["finalize", s(&out), "-q"]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
     assert!(!out.join(".tftf-parts").exists());
     let o = tftf(&["verify", s(&out)]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(
-        stdout(&o).contains(&format!("{name}: tensor `")),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &[&format!("{name}: tensor `")]);
 }
 
 #[test]
@@ -338,7 +326,7 @@ fn checksums_off_gives_the_plain_output() {
     for k in ["2/2", "1/2"] {
         ok(&part(&input, &out, &["--part", k, "--checksums=off"]));
     }
-    ok(&tftf(&["finalize", s(&out), "-q"]));
+    tftf_ok(&["finalize", s(&out), "-q"]);
     assert_same_dirs(&single, &out);
     assert!(!out.join("SHA256SUMS").exists());
 }
@@ -360,12 +348,11 @@ fn part_flags_are_checked() {
     let e = usage_error(&run_args(&input, &out, &["--checksums=maybe"]));
     assert!(e.contains("--checksums=off"), "{e}");
     // A dry run says which shards the part writes and creates nothing.
-    let o = tftf(&{
+    let o = tftf_ok(&{
         let mut v = run_args(&input, &out, &["--part", "2/3", "--dry-run"]);
         v.retain(|a| *a != "-q");
         v
     });
-    ok(&o);
     assert!(stdout(&o).contains("part 2/3: writes"), "{}", stdout(&o));
     assert!(!out.exists());
     // A non-empty directory that is not this run's is refused before anything is written.
@@ -384,9 +371,9 @@ fn a_part_refuses_a_directory_with_an_interrupted_plain_commit() {
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join(".tftf-commit.json"), "{}").unwrap();
     let e = fails(&run_args(&input, &out, &["--part", "1/2"]));
-    assert!(
-        e.contains("holds a commit a killed run left half done") && e.contains("tftf recover"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["holds a commit a killed run left half done", "tftf recover"],
     );
     // Nothing written: no parts directory, no shard.
     assert_eq!(listing(&out), vec![".tftf-commit.json".to_string()]);

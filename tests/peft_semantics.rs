@@ -9,104 +9,37 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use common::peft::*;
 use common::*;
 
 fn case(name: &str) -> PathBuf {
-    fixture(&format!("peft/{name}"))
-}
-
-fn floats(dtype: &str, bytes: &[u8]) -> Vec<f32> {
-    match dtype {
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        "BF16" => bytes
-            .chunks_exact(2)
-            .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
-            .collect(),
-        d => panic!("unexpected dtype {d}"),
-    }
+    peft_case(name)
 }
 
 /// Merges `base` + `adapter` of a fixture case; returns (stderr, the merge-lora report entry).
 fn merge(base: &Path, adapter: &Path, out: &Path) -> (String, serde_json::Value) {
     let rep = out.with_extension("report.json");
-    let o = tftf(&[
-        "merge-lora",
-        "-b",
-        s(base),
-        "-a",
-        s(adapter),
-        "-o",
-        s(out),
-        "-q",
-        "--report",
-        s(&rep),
-    ]);
+    let o = lora_merge(base, adapter, out, &["-q", "--report", s(&rep)]);
     ok(&o);
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&rep).unwrap()).unwrap();
-    let lora = r["tensor_reports"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["op"] == "merge-lora")
-        .unwrap()
-        .clone();
-    (stderr(&o), lora)
+    (stderr(&o), merge_lora_report(&rep))
 }
 
-/// Compares the merge of a fixture case with PEFT's `merged/`: f32 within 1e-6 (relative above
-/// 1), bf16 within one ulp; tensors PEFT left alone bit-identical. Returns the names PEFT changed.
-fn check_against_peft(name: &str, out: &Path) -> Vec<String> {
-    let dir = case(name);
-    let got = load_all(out);
-    let want = load_all(&dir.join("merged/model.safetensors"));
-    let base = load_all(&dir.join("base/model.safetensors"));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{name}: tensor names"
-    );
-    let mut changed = Vec::new();
-    for (t, (dt, shape, bytes)) in &want {
-        let (gdt, gshape, gbytes) = &got[t];
-        assert_eq!((gdt, gshape), (dt, shape), "{name}: {t}");
-        if bytes == &base[t].2 {
-            assert_eq!(
-                gbytes, bytes,
-                "{name}: `{t}` PEFT left alone must be bit-identical"
-            );
-            continue;
-        }
-        changed.push(t.clone());
-        for (i, (x, y)) in floats(dt, gbytes).iter().zip(floats(dt, bytes)).enumerate() {
-            if dt == "BF16" {
-                let ulps = (x.to_bits() as i64 - y.to_bits() as i64).abs();
-                assert!(ulps <= 1 << 16, "{name}: `{t}`[{i}] {x} vs PEFT {y}");
-            } else {
-                assert!(
-                    (x - y).abs() <= 1e-6 * y.abs().max(1.0),
-                    "{name}: `{t}`[{i}] {x} vs PEFT {y}"
-                );
-            }
-        }
-    }
-    changed
+/// [`merge`] of the case folder `dir`'s base and the adapter [`with_config`] made in `d`, into
+/// `d/out`.
+fn merge_edited(dir: &Path, d: &tempfile::TempDir) -> (String, serde_json::Value) {
+    merge(
+        &dir.join("base"),
+        &d.path().join("adapter"),
+        &d.path().join("out"),
+    )
 }
 
 fn run_case(name: &str) -> (Vec<String>, String, serde_json::Value) {
     let dir = case(name);
-    let d = tmp();
-    let out = d.path().join("out");
+    let (_d, out) = tmp_out();
     let (err, lora) = merge(&dir.join("base"), &dir.join("adapter"), &out);
-    let changed = check_against_peft(name, &out);
-    assert_eq!(
-        lora["unmatched"].as_array().unwrap().len(),
-        0,
-        "{name}: {lora}"
-    );
+    let changed = assert_matches_peft(name, &out);
+    assert_all_matched(name, &lora);
     (changed, err, lora)
 }
 
@@ -180,11 +113,13 @@ fn layers_to_transform_and_layers_pattern_match_peft() {
         ]
     );
     assert_eq!(strs(&lora["not_targeted"]).len(), 12, "{lora}");
-    assert!(
-        err.contains("layers_to_transform [0, 2]")
-            && err.contains("`model.layers.1.attn.q_proj` (not targeted)")
-            && err.contains("`model.layers.2.mlp.down` (excluded)"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &[
+            "layers_to_transform [0, 2]",
+            "`model.layers.1.attn.q_proj` (not targeted)",
+            "`model.layers.2.mlp.down` (excluded)",
+        ],
     );
 }
 
@@ -212,30 +147,20 @@ fn nested_target_parameters_match_peft() {
 #[test]
 fn same_shaped_nested_parameters_follow_the_listed_order_and_warn() {
     let dir = case("nested-target-parameters");
-    let d = tmp();
+    let d = with_config(&dir, |cfg| {
+        cfg["target_parameters"] = serde_json::json!([
+            "experts.gate_up_proj",
+            "experts.down_proj",
+            "twin.w_up",
+            "twin.w_gate"
+        ])
+    });
     let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    std::fs::copy(
-        dir.join("adapter/adapter_model.safetensors"),
-        adapter.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    let mut cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("adapter/adapter_config.json")).unwrap(),
-    )
-    .unwrap();
-    cfg["target_parameters"] = serde_json::json!([
-        "experts.gate_up_proj",
-        "experts.down_proj",
-        "twin.w_up",
-        "twin.w_gate"
-    ]);
-    std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
     let out = d.path().join("out");
     let (err, _) = merge(&dir.join("base"), &adapter, &out);
-    assert!(
-        err.contains("innermost first: layers.0.mlp.twin.w_up, layers.0.mlp.twin.w_gate"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["innermost first: layers.0.mlp.twin.w_up, layers.0.mlp.twin.w_gate"],
     );
     let got = load_all(&out);
     let want = load_all(&dir.join("merged/model.safetensors"));
@@ -259,17 +184,8 @@ fn same_shaped_nested_parameters_follow_the_listed_order_and_warn() {
 
 fn with_config(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
     let d = tmp();
-    let adapter = d.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    std::fs::copy(
-        dir.join("adapter/adapter_model.safetensors"),
-        adapter.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    let mut cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("adapter/adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let adapter = copy_adapter_weights(dir, &d.path().join("adapter"));
+    let mut cfg = read_json(&dir.join("adapter/adapter_config.json"));
     edit(&mut cfg);
     std::fs::write(adapter.join("adapter_config.json"), cfg.to_string()).unwrap();
     d
@@ -315,15 +231,8 @@ fn patterns_matching_nothing_fail_before_output() {
             }
         });
         let out = d.path().join("out");
-        let err = fails(&[
-            "merge-lora",
-            "-b",
-            s(&dir.join("base")),
-            "-a",
-            s(&d.path().join("adapter")),
-            "-o",
-            s(&out),
-        ]);
+        let adapter = d.path().join("adapter");
+        let err = fails(&merge_lora(&dir.join("base"), &adapter, &out, &[]));
         assert!(
             err.contains("adapter_config.json") && err.contains(want),
             "{name} {patch}: {err}"
@@ -340,14 +249,10 @@ fn exclude_matching_nothing_warns_and_absent_targets_take_the_file() {
     let d = with_config(&dir, |cfg| {
         cfg["exclude_modules"] = serde_json::json!(["nonexistent"]);
     });
-    let (err, lora) = merge(
-        &dir.join("base"),
-        &d.path().join("adapter"),
-        &d.path().join("out"),
-    );
-    assert!(
-        err.contains("exclude_modules [\"nonexistent\"] excludes no module of the base model"),
-        "{err}"
+    let (err, lora) = merge_edited(&dir, &d);
+    assert_mentions(
+        &err,
+        &["exclude_modules [\"nonexistent\"] excludes no module of the base model"],
     );
     assert_eq!(lora["merged"], 4, "{lora}");
 
@@ -362,11 +267,7 @@ fn exclude_matching_nothing_warns_and_absent_targets_take_the_file() {
             o.remove(k);
         }
     });
-    let (err, lora) = merge(
-        &dir.join("base"),
-        &d.path().join("adapter"),
-        &d.path().join("out"),
-    );
+    let (err, lora) = merge_edited(&dir, &d);
     assert!(err.is_empty(), "{err}");
     assert_eq!(lora["merged"], 9, "{lora}");
 }

@@ -15,8 +15,7 @@ fn lines(o: &std::process::Output) -> Vec<Value> {
 fn json_progress_gives_start_every_file_finish_and_the_report_last() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let o = convert(
-        "passthrough",
+    let o = passthrough_ok(
         &src,
         &out,
         &[
@@ -29,7 +28,6 @@ fn json_progress_gives_start_every_file_finish_and_the_report_last() {
             "-q",
         ],
     );
-    ok(&o);
     assert!(stdout(&o).is_empty(), "-q keeps stdout quiet");
     let ls = lines(&o);
     assert!(ls
@@ -73,24 +71,14 @@ fn json_progress_gives_start_every_file_finish_and_the_report_last() {
 fn quiet_silences_default_progress_and_a_bad_mode_is_a_usage_error() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    let o = convert("passthrough", &src, &out, &["-q"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["-q"]);
     assert!(stderr(&o).is_empty(), "{}", stderr(&o));
-    let o = convert(
-        "passthrough",
-        &src,
-        &out,
-        &["--progress", "plain", "-q", "--force"],
-    );
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["--progress", "plain", "-q", "--force"]);
     assert!(
         stderr(&o).starts_with("progress: passthrough"),
         "{}",
         stderr(&o)
     );
     let msg = usage_error(&cmd("passthrough", &src, &out, &["--progress", "loud"]));
-    assert!(
-        msg.contains("--progress `loud`: use auto, plain, json or none"),
-        "{msg}"
-    );
+    assert_mentions(&msg, &["--progress `loud`: use auto, plain, json or none"]);
 }

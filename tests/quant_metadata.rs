@@ -38,8 +38,7 @@ fn quantised_model(dir: &std::path::Path) -> Vec<T> {
 
 #[test]
 fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let tensors = quantised_model(&src);
     let out = d.path().join("out");
     for extra in [&[][..], &["--cast-ints"][..]] {
@@ -54,7 +53,7 @@ fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
         ];
         args.extend_from_slice(extra);
         args.extend_from_slice(&["--force", "-q"]);
-        ok(&tftf(&args));
+        tftf_ok(&args);
         let got = load_all(&out);
         for (name, dtype, _, data) in &tensors {
             let (got_dtype, _, got_data) = &got[name];
@@ -74,25 +73,15 @@ fn dtype_casts_weights_and_keeps_every_scale_and_code_as_stored() {
 
 #[test]
 fn dry_run_says_how_many_quantisation_tensors_are_kept() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     quantised_model(&src);
     let out = d.path().join("out");
-    let o = tftf(&[
+    let o = tftf_ok(&cmd(
         "passthrough",
-        "-i",
-        s(&src),
-        "-o",
-        s(&out),
-        "--dtype",
-        "bf16",
-        "--dry-run",
-    ]);
-    ok(&o);
-    assert!(
-        stdout(&o).contains("kept 4 quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"),
-        "{}",
-        stdout(&o)
-    );
+        &src,
+        &out,
+        &["--dtype", "bf16", "--dry-run"],
+    ));
+    assert_mentions(&stdout(&o), &["kept 4 quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"]);
     assert!(!out.exists());
 }

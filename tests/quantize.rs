@@ -12,16 +12,6 @@ use std::path::{Path, PathBuf};
 use common::*;
 use tftf::format::dtype::DType;
 
-const SCHEMES: [&str; 7] = [
-    "FP8_DYNAMIC",
-    "FP8_BLOCK",
-    "W8A16",
-    "W4A16",
-    "NVFP4A16",
-    "MXFP4A16",
-    "MXFP8A16",
-];
-
 /// The input the library quantised for `case`: int schemes need columns that 128 divides.
 fn input_of(case: &str) -> PathBuf {
     let name = if case.starts_with('W') && case != "W4A16_ignore" {
@@ -32,37 +22,76 @@ fn input_of(case: &str) -> PathBuf {
     fixture(&format!("quantize/{name}"))
 }
 
+/// The arguments `quantize -i INPUT -o OUT --scheme SCHEME EXTRA...`.
+fn quantize_args<'a>(
+    scheme: &'a str,
+    input: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let args = ["quantize", "-i", s(input), "-o", s(out), "--scheme", scheme];
+    [&args[..], extra].concat()
+}
+
+/// Runs `tftf quantize -i INPUT -o OUT --scheme SCHEME -q EXTRA...`, any exit.
+fn quantize(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    let quiet = [&["-q"][..], extra].concat();
+    tftf(&quantize_args(scheme, input, out, &quiet))
+}
+
+/// [`quantize`], asserting success.
+fn quantize_ok(scheme: &str, input: &Path, out: &Path, extra: &[&str]) {
+    ok(&quantize(scheme, input, out, extra));
+}
+
 /// Runs `quantize` as [`quantize`] does, expects exit 1 and returns stderr.
 fn quantize_fails(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
     let o = quantize(scheme, input, out, extra);
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    assert_eq!(o.status.code(), Some(1), "expected failure: {}", stderr(&o));
+    stderr(&o)
 }
 
-/// Asserts `out` holds exactly the library's tensors and config.json for `case`.
-fn assert_matches_library(case: &str, out: &Path) {
-    let want_dir = fixture(&format!("quantize/{case}"));
-    let got = load_all(out);
-    let want = load_all(&want_dir.join("model.safetensors"));
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{case}: tensor names"
-    );
-    for (name, (dtype, shape, bytes)) in &want {
-        let (gd, gs, gb) = &got[name];
-        assert_eq!((gd, gs), (dtype, shape), "{case}: `{name}` dtype and shape");
-        if gb != bytes {
-            let n = gb.iter().zip(bytes).filter(|(a, b)| a != b).count();
-            let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
-            panic!("{case}: `{name}`: {n} bytes differ from llm-compressor's, first at {first}");
-        }
+/// [`quantize_fails`], and asserts that `out` was not made (or was removed).
+fn refused(scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> String {
+    let err = quantize_fails(scheme, input, out, extra);
+    assert!(!out.exists(), "{scheme}: output left behind: {err}");
+    err
+}
+
+/// `quantize -i INPUT -o OUT --scheme SCHEME EXTRA...` into a new temporary folder: a usage
+/// error (exit 2) with no `OUT`; returns stderr.
+fn usage_refused(scheme: &str, input: &Path, extra: &[&str]) -> String {
+    let (_dir, out) = tmp_out();
+    let err = usage_error(&quantize_args(scheme, input, &out, extra));
+    assert!(!out.exists(), "{scheme}: output left behind: {err}");
+    err
+}
+
+/// Quantises the fixture input of `scheme` ([`input_of`]) with `EXTRA` into `out` in a new
+/// temporary folder, asserting success: (folder, `out`).
+fn quantized(scheme: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let (dir, out) = tmp_out();
+    quantize_ok(scheme, &input_of(scheme), &out, extra);
+    (dir, out)
+}
+
+/// Panics naming `case`, `name`, how many bytes differ from `whose` and where first, unless
+/// `got` and `want` are equal.
+fn assert_same_bytes(case: &str, name: &str, got: &[u8], want: &[u8], whose: &str) {
+    if got != want {
+        let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap();
+        panic!("{case}: `{name}`: {n} bytes differ from {whose}, first at {first}");
     }
+}
+
+/// Asserts that `out`'s config.json equals `want_dir`'s (its `quantization_config` first);
+/// returns both, parsed.
+fn assert_same_config(
+    case: &str,
+    out: &Path,
+    want_dir: &Path,
+) -> (serde_json::Value, serde_json::Value) {
     let got_cfg = read_json(&out.join("config.json"));
     let want_cfg = read_json(&want_dir.join("config.json"));
     assert_eq!(
@@ -70,29 +99,24 @@ fn assert_matches_library(case: &str, out: &Path) {
         "{case}: quantization_config"
     );
     assert_eq!(got_cfg, want_cfg, "{case}: config.json");
+    (got_cfg, want_cfg)
 }
 
-fn quantize(case_scheme: &str, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
-    let mut args = vec![
-        "quantize",
-        "-i",
-        s(input),
-        "-o",
-        s(out),
-        "--scheme",
-        case_scheme,
-        "-q",
-    ];
-    args.extend(extra);
-    tftf(&args)
+/// Asserts `out` holds exactly the library's tensors and config.json for `case`.
+fn assert_matches_library(case: &str, out: &Path) {
+    let want_dir = fixture(&format!("quantize/{case}"));
+    let got = load_all(out);
+    let want = load_all(&want_dir.join("model.safetensors"));
+    assert_same_tensors(case, &got, &want, |name, _, gb, bytes| {
+        assert_same_bytes(case, name, gb, bytes, "llm-compressor's")
+    });
+    assert_same_config(case, out, &want_dir);
 }
 
 #[test]
 fn every_preset_equals_llm_compressor_byte_for_byte() {
     for scheme in SCHEMES {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        ok(&quantize(scheme, &input_of(scheme), &out, &[]));
+        let (_dir, out) = quantized(scheme, &[]);
         assert_matches_library(scheme, &out);
     }
 }
@@ -104,8 +128,6 @@ fn output_does_not_depend_on_threads_chunks_or_shards() {
     // W4A16 packs two rows a byte (row pairs kept whole). Both formats.
     for modelopt in [false, true] {
         for scheme in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
-            let dir = tmp();
-            let out = dir.path().join("out");
             let mut extra = vec![
                 "--threads",
                 "3",
@@ -118,19 +140,13 @@ fn output_does_not_depend_on_threads_chunks_or_shards() {
             if modelopt {
                 extra.extend(["--format", "modelopt"]);
             }
-            ok(&quantize(scheme, &input_of(scheme), &out, &extra));
+            let (_dir, out) = quantized(scheme, &extra);
             assert!(
                 out.join("model.safetensors.index.json").exists(),
                 "{scheme}: sharded"
             );
             if modelopt {
-                assert!(
-                    std::fs::read_to_string(out.join("SHA256SUMS"))
-                        .unwrap()
-                        .contains("hf_quant_config.json"),
-                    "{scheme}: the generated file is in the checksums"
-                );
-                assert_matches_modelopt(scheme, &out);
+                assert_checksummed_modelopt(scheme, &out);
             } else {
                 assert_matches_library(scheme, &out);
             }
@@ -142,79 +158,39 @@ fn output_does_not_depend_on_threads_chunks_or_shards() {
 fn ignore_rules_match_llm_compressor_ignore_list() {
     // W4A16 cannot take the 320-column down_proj; ignoring it as llm-compressor spells it
     // (`re:`) quantises the rest, and the ignore list names it before lm_head, as the library.
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let input = input_of("W4A16_ignore");
-    ok(&quantize(
-        "W4A16",
-        &input,
-        &out,
-        &["--ignore", "re:.*down_proj$"],
-    ));
+    quantize_ok("W4A16", &input, &out, &["--ignore", "re:.*down_proj$"]);
     assert_matches_library("W4A16_ignore", &out);
     // A glob on the tensor name does the same.
     let out2 = dir.path().join("out2");
-    ok(&quantize(
-        "w4a16",
-        &input,
-        &out2,
-        &["--ignore", "*.down_proj.weight"],
-    ));
+    quantize_ok("w4a16", &input, &out2, &["--ignore", "*.down_proj.weight"]);
     assert_eq!(load_all(&out2), load_all(&out));
 }
 
 #[test]
 fn dry_run_lists_what_is_quantised_and_what_is_left_alone() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     let input = input_of("FP8_BLOCK");
-    let o = tftf(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "FP8_BLOCK",
-        "--dry-run",
-    ]);
-    ok(&o);
+    let o = tftf_ok(&quantize_args("FP8_BLOCK", &input, &out, &["--dry-run"]));
     let text = format!("{}{}", stdout(&o), stderr(&o));
-    assert!(
-        text.contains("FP8_BLOCK: 7 Linear weight(s) quantised"),
-        "{text}"
+    assert_mentions(&text, &["FP8_BLOCK: 7 Linear weight(s) quantised"]);
+    assert_mentions(
+        &text,
+        &["left unquantised (quantization_config.ignore): lm_head"],
     );
-    assert!(
-        text.contains("left unquantised (quantization_config.ignore): lm_head"),
-        "{text}"
-    );
-    assert!(
-        text.contains("left unquantised (not Linear weights): model.embed_tokens.weight"),
-        "{text}"
+    assert_mentions(
+        &text,
+        &["left unquantised (not Linear weights): model.embed_tokens.weight"],
     );
     assert!(!out.exists(), "dry run wrote {}", out.display());
 }
 
 #[test]
 fn unknown_scheme_is_a_usage_error_naming_the_presets() {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    let input = input_of("FP8_BLOCK");
-    let err = usage_error(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "FP8_BLOCKS",
-    ]);
+    let err = usage_refused("FP8_BLOCKS", &input_of("FP8_BLOCK"), &[]);
     assert!(err.contains("unknown scheme `FP8_BLOCKS`"), "{err}");
-    assert!(
-        err.contains("FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    assert_mentions(&err, &["FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16"]);
 }
 
 /// Scales that overflow are refused, naming the tensor and the group or block, where the
@@ -248,19 +224,8 @@ fn scales_that_overflow_are_refused_naming_the_group_or_block() {
         ),
     ] {
         let out = dir.path().join("out");
-        let mut args = vec![
-            "quantize",
-            "-i",
-            s(input),
-            "-o",
-            s(&out),
-            "--scheme",
-            scheme,
-        ];
-        if let Some(f) = extra {
-            args.extend(["--format", f]);
-        }
-        let err = fails(&args);
+        let format: Vec<&str> = extra.map_or(vec![], |f| vec!["--format", f]);
+        let err = fails(&quantize_args(scheme, input, &out, &format));
         assert!(
             err.contains("w.weight") && err.contains(want) && err.contains("--ignore"),
             "{scheme}: {err}"
@@ -273,10 +238,9 @@ fn scales_that_overflow_are_refused_naming_the_group_or_block() {
 fn columns_the_group_size_does_not_divide_are_refused_naming_the_tensor() {
     // llm-compressor refuses W4A16/W8A16 on 320 columns too ("not divisible by group_size").
     for scheme in ["W4A16", "W8A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         let input = fixture("quantize/input");
-        let err = quantize_fails(scheme, &input, &out, &[]);
+        let err = refused(scheme, &input, &out, &[]);
         assert!(
             err.contains("model.layers.0.mlp.down_proj.weight")
                 && err.contains("320 columns")
@@ -284,19 +248,16 @@ fn columns_the_group_size_does_not_divide_are_refused_naming_the_tensor() {
                 && err.contains("--ignore 'model.layers.0.mlp.down_proj'"),
             "{scheme}: {err}"
         );
-        assert!(!out.exists(), "{scheme}: output left behind");
     }
 }
 
 #[test]
 fn quantised_input_is_refused() {
     for case in ["FP8_BLOCK", "NVFP4A16", "W4A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         let input = fixture(&format!("quantize/{case}"));
-        let err = quantize_fails("FP8_BLOCK", &input, &out, &[]);
+        let err = refused("FP8_BLOCK", &input, &out, &[]);
         assert!(err.contains("quantised already"), "{case}: {err}");
-        assert!(!out.exists(), "{case}: output left behind");
     }
     // Without config.json, the tensors give it away.
     let dir = tmp();
@@ -304,13 +265,8 @@ fn quantised_input_is_refused() {
         .tensor("a.weight", DType::F8_E4M3, &[2, 2], vec![0; 4])
         .tensor("a.weight_scale", DType::F32, &[1], f32_bytes(&[1.0]))
         .write(&dir.path().join("m"));
-    let out = dir.path().join("out");
-    let err = quantize_fails("W8A16", &model, &out, &[]);
-    assert!(
-        err.contains("`a.weight`") && err.contains("quantised already"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    let err = refused("W8A16", &model, &dir.path().join("out"), &[]);
+    assert_mentions(&err, &["`a.weight`", "quantised already"]);
 }
 
 #[test]
@@ -329,23 +285,16 @@ fn a_failure_while_writing_leaves_no_output() {
         .tensor("m.b.weight", DType::F32, &[256, 256], f32_bytes(&w))
         .write(&dir.path().join("m"));
     for scheme in ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"] {
-        let out = dir.path().join("out");
-        let err = quantize_fails(scheme, &model, &out, &[]);
+        let err = refused(scheme, &model, &dir.path().join("out"), &[]);
         assert!(
             err.contains("m.b.weight") && err.contains("NaN at [200, 7]"),
             "{scheme}: {err}"
         );
-        assert!(!out.exists(), "{scheme}: output left behind");
     }
     // NVFP4 reads a weight's tensor-scale group when its first chunk is computed: the NaN stops
     // the run there, naming the weight, and the output goes too.
-    let out = dir.path().join("out");
-    let err = quantize_fails("NVFP4A16", &model, &out, &[]);
-    assert!(
-        err.contains("m.b.weight") && err.contains("holds NaN"),
-        "{err}"
-    );
-    assert!(!out.exists(), "NVFP4A16: output left behind");
+    let err = refused("NVFP4A16", &model, &dir.path().join("out"), &[]);
+    assert_mentions(&err, &["m.b.weight", "holds NaN"]);
 }
 
 #[test]
@@ -361,21 +310,10 @@ fn nothing_to_quantise_is_refused() {
         .tensor("norm.weight", DType::F32, &[16], f32_bytes(&[1.0; 16]))
         .write(&dir.path().join("m"));
     let out = dir.path().join("out");
-    let err = quantize_fails("FP8_DYNAMIC", &model, &out, &[]);
+    let err = refused("FP8_DYNAMIC", &model, &out, &[]);
     assert!(err.contains("no Linear weight to quantise"), "{err}");
-    assert!(!out.exists());
     // --no-default-ignore takes lm_head too.
-    ok(&tftf(&[
-        "quantize",
-        "-i",
-        s(&model),
-        "-o",
-        s(&out),
-        "--scheme",
-        "FP8_DYNAMIC",
-        "--no-default-ignore",
-        "-q",
-    ]));
+    quantize_ok("FP8_DYNAMIC", &model, &out, &["--no-default-ignore"]);
     let got = load_all(&out);
     assert_eq!(got["lm_head.weight"].0, "F8_E4M3");
     assert_eq!(got["lm_head.weight_scale"].1, vec![2, 1]);
@@ -383,15 +321,9 @@ fn nothing_to_quantise_is_refused() {
 
 #[test]
 fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let input = fixture("quantize/input_even");
-    ok(&quantize(
-        "FP8_BLOCK",
-        &input,
-        &out,
-        &["--format", "fp8-native"],
-    ));
+    quantize_ok("FP8_BLOCK", &input, &out, &["--format", "fp8-native"]);
     let got = load_all(&out);
     // transformers' Fp8Quantize output, for every weight it quantises (128 divides both sides).
     let want = load_all(&fixture("quantize/FP8_BLOCK_native/model.safetensors"));
@@ -408,7 +340,7 @@ fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
     assert_eq!(q["modules_to_not_convert"], serde_json::json!(["lm_head"]));
     // tftf dequant reads it as the FP8 block format it is.
     let back = dir.path().join("back");
-    ok(&tftf(&["dequant", "-i", s(&out), "-o", s(&back), "-q"]));
+    tftf_ok(&cmd("dequant", &out, &back, &["-q"]));
     let back = load_all(&back);
     assert_eq!(back["model.layers.0.self_attn.k_proj.weight"].0, "BF16");
     assert!(!back.contains_key("model.layers.0.self_attn.k_proj.weight_scale_inv"));
@@ -416,22 +348,9 @@ fn fp8_native_equals_transformers_fine_grained_fp8_and_dequantises_back() {
 
 #[test]
 fn fp8_native_holds_fp8_block_only() {
-    let dir = tmp();
-    let out = dir.path().join("out");
     let input = input_of("FP8_DYNAMIC");
-    let err = usage_error(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "FP8_DYNAMIC",
-        "--format",
-        "fp8-native",
-    ]);
+    let err = usage_refused("FP8_DYNAMIC", &input, &["--format", "fp8-native"]);
     assert!(err.contains("use --scheme FP8_BLOCK"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]
@@ -450,7 +369,7 @@ fn quantisers_keep_the_whole_pool_as_their_scratch_is_one_row() {
             "--report",
             s(&report),
         ]);
-        ok(&tftf(&a));
+        tftf_ok(&a);
         let r = read_json(&report);
         (
             r["pool_bytes"].as_u64().unwrap(),
@@ -462,22 +381,8 @@ fn quantisers_keep_the_whole_pool_as_their_scratch_is_one_row() {
         let input = input_of(scheme);
         let out = dir.path().join("out");
         let plain = dir.path().join("plain");
-        let copy = pool_of(
-            &["passthrough", "-i", s(&input), "-o", s(&plain)],
-            dir.path(),
-        );
-        let q = pool_of(
-            &[
-                "quantize",
-                "-i",
-                s(&input),
-                "-o",
-                s(&out),
-                "--scheme",
-                scheme,
-            ],
-            dir.path(),
-        );
+        let copy = pool_of(&cmd("passthrough", &input, &plain, &[]), dir.path());
+        let q = pool_of(&quantize_args(scheme, &input, &out, &[]), dir.path());
         // (The plan's own metadata takes a few KB of the budget; a reserve for chunk-sized
         // scratch would take 2 chunks, a quarter of it.)
         assert!(
@@ -491,22 +396,13 @@ fn quantisers_keep_the_whole_pool_as_their_scratch_is_one_row() {
 #[test]
 fn parts_with_another_scheme_are_refused_naming_it() {
     // quantize's arguments are in a partitioned run's fingerprint like every command's.
-    let dir = tmp();
-    let out = dir.path().join("out");
-    ok(&quantize(
-        "FP8_BLOCK",
-        &input_of("FP8_BLOCK"),
-        &out,
-        &["--part", "1/2"],
-    ));
-    let o = quantize(
+    let (_dir, out) = quantized("FP8_BLOCK", &["--part", "1/2"]);
+    let e = quantize_fails(
         "FP8_DYNAMIC",
         &input_of("FP8_BLOCK"),
         &out,
         &["--part", "2/2"],
     );
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    let e = stderr(&o);
     assert!(e.contains("the arguments differ (scheme)"), "{e}");
 }
 
@@ -514,15 +410,6 @@ fn parts_with_another_scheme_are_refused_naming_it() {
 // modelopt, made by its generate.py: tensors.json holds every tensor's dtype, shape and SHA-256,
 // scales.safetensors the scale tensors themselves, dequant.json the SHA-256 of each weight
 // dequantised in f32 and rounded once to bf16).
-
-const MODELOPT_SCHEMES: [&str; 6] = [
-    "FP8_BLOCK",
-    "FP8_DYNAMIC",
-    "NVFP4A16",
-    "MXFP4A16",
-    "MXFP8A16",
-    "W4A16",
-];
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
@@ -560,11 +447,7 @@ fn assert_matches_modelopt(case: &str, out: &Path) {
             "{case}: `{name}` dtype and shape"
         );
         if let Some((_, _, bytes)) = scales.get(name) {
-            if gb != bytes {
-                let n = gb.iter().zip(bytes).filter(|(a, b)| a != b).count();
-                let first = gb.iter().zip(bytes).position(|(a, b)| a != b).unwrap();
-                panic!("{case}: `{name}`: {n} bytes differ from ModelOpt's, first at {first}");
-            }
+            assert_same_bytes(case, name, gb, bytes, "ModelOpt's");
         }
         assert_eq!(
             sha256_hex(gb),
@@ -572,8 +455,7 @@ fn assert_matches_modelopt(case: &str, out: &Path) {
             "{case}: `{name}` differs from ModelOpt's"
         );
     }
-    let got_cfg = read_json(&out.join("config.json"));
-    let want_cfg = read_json(&want_dir.join("config.json"));
+    let (got_cfg, want_cfg) = assert_same_config(case, out, &want_dir);
     let keys = |v: &serde_json::Value| -> Vec<String> {
         v["quantization_config"]
             .as_object()
@@ -582,12 +464,7 @@ fn assert_matches_modelopt(case: &str, out: &Path) {
             .cloned()
             .collect()
     };
-    assert_eq!(
-        got_cfg["quantization_config"], want_cfg["quantization_config"],
-        "{case}: quantization_config"
-    );
     assert_eq!(keys(&got_cfg), keys(&want_cfg), "{case}: key order");
-    assert_eq!(got_cfg, want_cfg, "{case}: config.json");
     assert_eq!(
         std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap(),
         std::fs::read_to_string(want_dir.join("hf_quant_config.json")).unwrap(),
@@ -595,17 +472,21 @@ fn assert_matches_modelopt(case: &str, out: &Path) {
     );
 }
 
+/// [`assert_matches_modelopt`], and SHA256SUMS lists the generated hf_quant_config.json.
+fn assert_checksummed_modelopt(scheme: &str, out: &Path) {
+    assert!(
+        std::fs::read_to_string(out.join("SHA256SUMS"))
+            .unwrap()
+            .contains("hf_quant_config.json"),
+        "{scheme}: the generated file is in the checksums"
+    );
+    assert_matches_modelopt(scheme, out);
+}
+
 #[test]
 fn modelopt_format_equals_modelopt_export_byte_for_byte() {
     for scheme in MODELOPT_SCHEMES {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        ok(&quantize(
-            scheme,
-            &input_of(scheme),
-            &out,
-            &["--format", "modelopt"],
-        ));
+        let (_dir, out) = quantized(scheme, &["--format", "modelopt"]);
         assert_matches_modelopt(scheme, &out);
     }
 }
@@ -613,30 +494,19 @@ fn modelopt_format_equals_modelopt_export_byte_for_byte() {
 #[test]
 fn modelopt_exclude_modules_summarise_an_ignored_subtree_as_modelopt_does() {
     // ModelOpt with '*mlp*' disabled lists `model.layers.0.mlp*`, not the three projections.
-    let dir = tmp();
-    let out = dir.path().join("out");
-    ok(&quantize(
+    let (_dir, out) = quantized(
         "FP8_BLOCK",
-        &input_of("FP8_BLOCK"),
-        &out,
         &["--format", "modelopt", "--ignore", "*.mlp.*"],
-    ));
+    );
     assert_matches_modelopt("FP8_BLOCK_ignore_mlp", &out);
 }
 
 #[test]
 fn modelopt_output_dequantises_to_modelopts_own_values() {
     for scheme in MODELOPT_SCHEMES {
-        let dir = tmp();
-        let out = dir.path().join("out");
-        ok(&quantize(
-            scheme,
-            &input_of(scheme),
-            &out,
-            &["--format", "modelopt"],
-        ));
+        let (dir, out) = quantized(scheme, &["--format", "modelopt"]);
         let back = dir.path().join("back");
-        ok(&tftf(&["dequant", "-i", s(&out), "-o", s(&back), "-q"]));
+        tftf_ok(&cmd("dequant", &out, &back, &["-q"]));
         let got = load_all(&back);
         let want = read_json(&fixture(&format!(
             "quantize/modelopt/{scheme}/dequant.json"
@@ -690,55 +560,37 @@ fn modelopt_nvfp4_refuses_an_all_zero_weight_naming_it() {
             ),
         ],
     );
-    let out = dir.path().join("out");
-    let err = quantize_fails("NVFP4A16", &input, &out, &["--format", "modelopt"]);
-    assert!(
-        err.contains("`model.layers.0.self_attn.k_proj.weight`") && err.contains("all zeros"),
-        "{err}"
+    let err = refused(
+        "NVFP4A16",
+        &input,
+        &dir.path().join("out"),
+        &["--format", "modelopt"],
     );
-    assert!(!out.exists(), "output left behind");
+    assert_mentions(
+        &err,
+        &["`model.layers.0.self_attn.k_proj.weight`", "all zeros"],
+    );
 }
 
 #[test]
 fn modelopt_format_refuses_w8a16_naming_the_formats_that_hold_it() {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    let input = input_of("W8A16");
-    let err = usage_error(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
-        "W8A16",
-        "--format",
-        "modelopt",
-    ]);
+    let err = usage_refused("W8A16", &input_of("W8A16"), &["--format", "modelopt"]);
     assert!(err.contains("--format modelopt cannot hold W8A16"), "{err}");
     assert!(err.contains("--format compressed-tensors"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]
 fn modelopt_format_in_parts_stages_hf_quant_config_and_finalizes_the_same_output() {
     for scheme in ["FP8_BLOCK", "NVFP4A16"] {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         let extra = ["--format", "modelopt", "--max-shard-size", "300KB"];
         for k in ["2/2", "1/2"] {
             let mut args = extra.to_vec();
             args.extend(["--part", k, "--finalize"]);
-            ok(&quantize(scheme, &input_of(scheme), &out, &args));
+            quantize_ok(scheme, &input_of(scheme), &out, &args);
         }
         assert!(!out.join(".tftf-parts").exists(), "{scheme}: finalized");
-        assert!(
-            std::fs::read_to_string(out.join("SHA256SUMS"))
-                .unwrap()
-                .contains("hf_quant_config.json"),
-            "{scheme}: the generated file is in the checksums"
-        );
-        assert_matches_modelopt(scheme, &out);
+        assert_checksummed_modelopt(scheme, &out);
     }
 }
 
@@ -746,49 +598,33 @@ fn modelopt_format_in_parts_stages_hf_quant_config_and_finalizes_the_same_output
 fn modelopt_w4a16_refuses_partial_groups_naming_the_tensor() {
     // ModelOpt's pack_int4_in_uint8 refuses partial 128-blocks ("partial blocks are not
     // supported"): the 320-column down_proj.
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     let input = fixture("quantize/input");
-    let err = quantize_fails("W4A16", &input, &out, &["--format", "modelopt"]);
+    let err = refused("W4A16", &input, &out, &["--format", "modelopt"]);
     assert!(err.contains("model.layers.0.mlp.down_proj.weight"), "{err}");
     assert!(err.contains("ModelOpt refuses"), "{err}");
-    assert!(
-        err.contains("--ignore 'model.layers.0.mlp.down_proj'"),
-        "{err}"
-    );
-    assert!(!out.exists());
+    assert_mentions(&err, &["--ignore 'model.layers.0.mlp.down_proj'"]);
 }
 
 #[test]
 fn modelopt_dry_run_lists_exclude_modules_and_hf_quant_config() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     let input = input_of("NVFP4A16");
-    let o = tftf(&[
-        "quantize",
-        "-i",
-        s(&input),
-        "-o",
-        s(&out),
-        "--scheme",
+    let o = tftf_ok(&quantize_args(
         "NVFP4A16",
-        "--format",
-        "modelopt",
-        "--dry-run",
-    ]);
-    ok(&o);
+        &input,
+        &out,
+        &["--format", "modelopt", "--dry-run"],
+    ));
     let text = stdout(&o);
-    assert!(
-        text.contains("NVFP4A16: 7 Linear weight(s) quantised (ModelOpt W4A16_NVFP4 format)"),
-        "{text}"
+    assert_mentions(
+        &text,
+        &["NVFP4A16: 7 Linear weight(s) quantised (ModelOpt W4A16_NVFP4 format)"],
     );
-    assert!(
-        text.contains("(exclude_modules, embeddings included): lm_head, model.embed_tokens"),
-        "{text}"
+    assert_mentions(
+        &text,
+        &["(exclude_modules, embeddings included): lm_head, model.embed_tokens"],
     );
-    assert!(
-        text.contains("side files: config.json, hf_quant_config.json"),
-        "{text}"
-    );
+    assert_mentions(&text, &["side files: config.json, hf_quant_config.json"]);
     assert!(!out.exists());
 }

@@ -11,7 +11,7 @@ use common::*;
 /// and `v4-example/` (DeepSeek-V4-style MXFP4 experts and an E4M3 Engram table).
 fn demo_checkpoints(dir: &Path) -> PathBuf {
     let keep = dir.join("demo");
-    ok(&tftf(&["demo", "--keep", s(&keep)]));
+    tftf_ok(&["demo", "--keep", s(&keep)]);
     keep
 }
 
@@ -20,14 +20,7 @@ fn repack_fp4_takes_the_model_positionally_like_every_command() {
     let d = tmp();
     let v4 = demo_checkpoints(d.path()).join("v4-example");
     let by_flag = d.path().join("by-flag");
-    ok(&tftf(&[
-        "repack-fp4",
-        "--src",
-        s(&v4),
-        "--out",
-        s(&by_flag),
-        "-q",
-    ]));
+    tftf_ok(&["repack-fp4", "--src", s(&v4), "--out", s(&by_flag), "-q"]);
     let want = load_all(&by_flag);
     assert!(
         want.keys().any(|k| k.ends_with(".weight_scale_2")),
@@ -36,7 +29,7 @@ fn repack_fp4_takes_the_model_positionally_like_every_command() {
     );
     for form in [&["repack-fp4", s(&v4)][..], &["repack-fp4", "-b", s(&v4)]] {
         let out = d.path().join(format!("out-{}", form.len()));
-        ok(&tftf(&[form, &["-o", s(&out), "-q"]].concat()));
+        tftf_ok(&[form, &["-o", s(&out), "-q"]].concat());
         assert_eq!(load_all(&out), want, "{form:?}");
         assert_eq!(
             std::fs::read(out.join("config.json")).unwrap(),
@@ -59,13 +52,12 @@ fn validate_pipe_rename_reports_name_collisions() {
     let d = tmp();
     let model = demo_checkpoints(d.path()).join("example");
 
-    let o = tftf(&[
+    let o = tftf_ok(&[
         "validate",
         s(&model),
         "--pipe",
         r"rename:^model\.layers\.(\d+)\.=blk.\1.",
     ]);
-    ok(&o);
     assert!(stdout(&o).starts_with("ok:"), "{}", stdout(&o));
 
     let o = tftf(&[
@@ -78,11 +70,13 @@ fn validate_pipe_rename_reports_name_collisions() {
     ]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let text = stdout(&o);
-    assert!(
-        text.contains("`model.layers.0.self_attn.q_proj.weight`")
-            && text.contains("`model.layers.1.self_attn.q_proj.weight`")
-            && text.contains("`blk.self_attn.q_proj.weight`"),
-        "{text}"
+    assert_mentions(
+        &text,
+        &[
+            "`model.layers.0.self_attn.q_proj.weight`",
+            "`model.layers.1.self_attn.q_proj.weight`",
+            "`blk.self_attn.q_proj.weight`",
+        ],
     );
 
     for bad in ["rename:no-replacement", r"rename:(unclosed=x"] {

@@ -4,70 +4,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use common::xfs::xfs_with_filefrag_or_skip;
 use common::*;
 use tftf::format::dtype::DType;
-
-struct Xfs {
-    mnt: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Xfs {
-    fn mount() -> Result<Xfs, String> {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let img = dir.path().join("xfs.img");
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        std::fs::File::create(&img)
-            .and_then(|f| f.set_len(1 << 30))
-            .map_err(|e| e.to_string())?;
-        let run = |cmd: &str, args: &[&str]| -> Result<(), String> {
-            let o = Command::new(cmd)
-                .args(args)
-                .output()
-                .map_err(|e| format!("{cmd}: {e}"))?;
-            if o.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{cmd} {}: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ))
-            }
-        };
-        run(
-            "mkfs.xfs",
-            &["-q", "-m", "reflink=1", img.to_str().unwrap()],
-        )?;
-        run(
-            "mount",
-            &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
-        )?;
-        run("filefrag", &["-V"]).map_err(|e| format!("filefrag missing: {e}"))?;
-        Ok(Xfs { mnt, _dir: dir })
-    }
-}
-
-impl Drop for Xfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
-    }
-}
-
-fn xfs_or_skip(test: &str) -> Option<Xfs> {
-    match Xfs::mount() {
-        Ok(x) => Some(x),
-        Err(why) => {
-            eprintln!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
-            println!("SKIPPED {test}: cannot mount a reflink XFS image: {why}");
-            None
-        }
-    }
-}
 
 /// Bytes of `file` in extents flagged shared (`filefrag -v`, FIEMAP underneath).
 fn shared_bytes(file: &Path) -> u64 {
@@ -88,37 +30,28 @@ fn shared_bytes(file: &Path) -> u64 {
 /// Two shards of 1-4 MiB tensors, some with sizes that are not multiples of 4 KiB.
 fn model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(31);
-    let model = Model::new()
-        .rand(&mut rng, "model.embed.weight", DType::BF16, &[1024, 1024])
-        .rand(&mut rng, "model.layers.0.norm.weight", DType::F32, &[1000])
-        .rand(
-            &mut rng,
-            "model.layers.0.mlp.weight",
-            DType::BF16,
-            &[2048, 1024],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.attn.weight",
-            DType::F32,
-            &[512, 1024],
-        )
-        .shard()
-        .rand(
-            &mut rng,
-            "model.layers.1.mlp.weight",
-            DType::BF16,
-            &[2048, 1024],
-        )
-        .rand(&mut rng, "model.layers.1.norm.weight", DType::F32, &[1024])
-        .rand(
-            &mut rng,
-            "model.layers.1.attn.weight",
-            DType::F32,
-            &[512, 1024],
-        )
-        .rand(&mut rng, "lm_head.weight", DType::BF16, &[1024, 1024])
-        .config("{}");
+    let (bf16, f32) = (DType::BF16, DType::F32);
+    let mut model = Model::new();
+    for (k, (name, dtype, shape)) in [
+        ("model.embed.weight", bf16, &[1024u64, 1024][..]),
+        ("model.layers.0.norm.weight", f32, &[1000]),
+        ("model.layers.0.mlp.weight", bf16, &[2048, 1024]),
+        ("model.layers.0.attn.weight", f32, &[512, 1024]),
+        // The second shard.
+        ("model.layers.1.mlp.weight", bf16, &[2048, 1024]),
+        ("model.layers.1.norm.weight", f32, &[1024]),
+        ("model.layers.1.attn.weight", f32, &[512, 1024]),
+        ("lm_head.weight", bf16, &[1024, 1024]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if k == 4 {
+            model = model.shard();
+        }
+        model = model.rand(&mut rng, name, dtype, shape);
+    }
+    let model = model.config("{}");
     model.write(dir);
     model.all()
 }
@@ -135,7 +68,8 @@ fn untouched_shared_fraction(out: &Path, r: &serde_json::Value) -> f64 {
 
 #[test]
 fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
-    let Some(xfs) = xfs_or_skip("passthrough_rename_and_cast_share_untouched_extents_on_xfs")
+    let Some(xfs) =
+        xfs_with_filefrag_or_skip("passthrough_rename_and_cast_share_untouched_extents_on_xfs")
     else {
         return;
     };
@@ -154,7 +88,7 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
         let rep = xfs.mnt.join(format!("{name}.json"));
         let mut args = cmd("passthrough", &src, &out, &["-q", "--report", s(&rep)]);
         args.extend(extra);
-        ok(&tftf(&args));
+        tftf_ok(&args);
         let r = read_json(&rep);
         let frac = untouched_shared_fraction(&out, &r);
         assert!(
@@ -188,19 +122,14 @@ fn passthrough_rename_and_cast_share_untouched_extents_on_xfs() {
 
 #[test]
 fn no_reflink_copies_on_xfs() {
-    let Some(xfs) = xfs_or_skip("no_reflink_copies_on_xfs") else {
+    let Some(xfs) = xfs_with_filefrag_or_skip("no_reflink_copies_on_xfs") else {
         return;
     };
     let src = xfs.mnt.join("in");
     model(&src);
     let out = xfs.mnt.join("out");
     let rep = xfs.mnt.join("r.json");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--no-reflink", "--report", s(&rep)],
-    ));
+    passthrough_ok(&src, &out, &["-q", "--no-reflink", "--report", s(&rep)]);
     let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], 0);
@@ -223,13 +152,11 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
     let tensors = model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    let o = convert(
-        "passthrough",
+    let o = passthrough_ok(
         &src,
         &out,
         &["--report", s(&rep), "--rename", "^model", "m", "-v"],
     );
-    ok(&o);
     let r = read_json(&rep);
     assert_eq!(r["bytes"]["reflinked"], 0);
     assert_eq!(r["bytes"]["copied_in_kernel"], r["bytes"]["tensors"]);
@@ -244,17 +171,12 @@ fn fallback_on_a_filesystem_without_reflink_copies_in_the_kernel_and_says_so() {
         "{}",
         stderr(&o)
     );
-    let dry = stdout(&convert(
-        "passthrough",
-        &src,
-        &d.path().join("x"),
-        &["--dry-run"],
-    ));
-    assert!(
-        dry.contains(&format!(
+    let dry = stdout(&passthrough(&src, &d.path().join("x"), &["--dry-run"]));
+    assert_mentions(
+        &dry,
+        &[&format!(
             "the output filesystem ({fs}) cannot share extents"
-        )),
-        "{dry}"
+        )],
     );
     assert_eq!(load_all(&out).len(), tensors.len());
 }

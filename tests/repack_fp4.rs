@@ -145,12 +145,11 @@ fn v4_model(dir: &std::path::Path) -> V4 {
 
 #[test]
 fn experts_transcode_losslessly_and_engram_requantises_exactly() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let m = v4_model(&src);
     let out = d.path().join("out");
     let rep = d.path().join("r.json");
-    ok(&tftf(&[
+    tftf_ok(&[
         "repack-fp4",
         "--src",
         s(&src),
@@ -159,7 +158,7 @@ fn experts_transcode_losslessly_and_engram_requantises_exactly() {
         "-q",
         "--report",
         s(&rep),
-    ]));
+    ]);
     let got = load_all(&out);
     let r: serde_json::Value = read_json(&rep);
     let reports = r["tensor_reports"].as_array().unwrap();
@@ -308,35 +307,34 @@ fn experts_transcode_losslessly_and_engram_requantises_exactly() {
 
 #[test]
 fn require_lossless_fails_before_output_and_options_select_work() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     v4_model(&src);
     let out = d.path().join("out");
     let err = fails(&cmd("repack-fp4", &src, &out, &["--require-lossless"]));
-    assert!(
-        err.contains("`layers.0.ffn.experts.1.w1.weight`") && err.contains("2 of 256 blocks"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["`layers.0.ffn.experts.1.w1.weight`", "2 of 256 blocks"],
     );
     assert!(!out.exists());
     // Dry run reports the choice without writing.
     let rep = d.path().join("dry.json");
-    ok(&convert(
+    convert_ok(
         "repack-fp4",
         &src,
         &out,
         &["--dry-run", "--report", s(&rep)],
-    ));
+    );
     assert!(!out.exists());
     assert!(std::fs::read_to_string(&rep)
         .unwrap()
         .contains("\"reencoded_blocks\": 2"));
     // Keep the experts, only requantise Engram; leave config alone.
-    ok(&convert(
+    convert_ok(
         "repack-fp4",
         &src,
         &out,
         &["-q", "--experts", "keep", "--no-config-update"],
-    ));
+    );
     let got = load_all(&out);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight"].0, "I8");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
@@ -346,22 +344,22 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     );
     // Only the second shard.
     let o2 = d.path().join("o2");
-    ok(&convert(
+    convert_ok(
         "repack-fp4",
         &src,
         &o2,
         &["-q", "--shard-list", "model-00002-of-00002.safetensors"],
-    ));
+    );
     let got = load_all(&o2);
     assert!(got.keys().all(|k| !k.contains("experts")));
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     let o3 = d.path().join("o3");
-    ok(&convert(
+    convert_ok(
         "repack-fp4",
         &src,
         &o3,
         &["-q", "--only-shards", "1", "--engram", "keep"],
-    ));
+    );
     assert!(load_all(&o3)
         .keys()
         .all(|k| !k.contains("engram") && !k.contains("attn")));
@@ -374,8 +372,7 @@ fn require_lossless_fails_before_output_and_options_select_work() {
 
 #[test]
 fn engram_table_larger_than_the_budget_streams_with_identical_output() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     let mut rng = Rng(5);
     let (rows, cols) = (6144u64, 4096u64); // 24 MiB of E4M3
     let table: Vec<u8> = (0..rows * cols)
@@ -402,12 +399,12 @@ fn engram_table_larger_than_the_budget_streams_with_identical_output() {
     for (i, budget) in ["16MiB", "1GiB"].iter().enumerate() {
         let out = d.path().join(format!("o{i}"));
         let rep = d.path().join(format!("r{i}.json"));
-        ok(&convert(
+        convert_ok(
             "repack-fp4",
             &src,
             &out,
             &["-q", "--memory-budget", budget, "--report", s(&rep)],
-        ));
+        );
         files.push(std::fs::read(out.join("model.safetensors")).unwrap());
         let r: serde_json::Value = read_json(&rep);
         if i == 0 {
@@ -419,16 +416,15 @@ fn engram_table_larger_than_the_budget_streams_with_identical_output() {
 
 #[test]
 fn run_section_repacks() {
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     v4_model(&src);
     let out = d.path().join("out.safetensors");
-    ok(&convert(
+    convert_ok(
         "run",
         &src,
         &out,
         &["-q", "--repack-fp4", "--key-exclude", "embed.weight"],
-    ));
+    );
     let got = load_all(&out);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight_scale"].0, "F8_E4M3");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
@@ -513,7 +509,7 @@ fn missing_or_misshapen_scales_and_unknown_shards_fail_before_output() {
         err.contains("repack-fp4 found no MXFP4 expert weight (--expert-pattern) or E4M3 Engram table (--engram-pattern) to convert; pass --allow-empty"),
         "{err}"
     );
-    ok(&tftf(&[&keep[..], &["--allow-empty"]].concat()));
+    tftf_ok(&[&keep[..], &["--allow-empty"]].concat());
 
     let src = d.path().join("engram-no-scale");
     let out = d.path().join("list-out");

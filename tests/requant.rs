@@ -24,19 +24,24 @@ fn adapter(dir: &Path) -> PathBuf {
     requant_adapter(dir)
 }
 
+/// A fresh temporary folder with [`adapter`] in `adapter/`: (folder, adapter).
+fn tmp_adapter() -> (tempfile::TempDir, PathBuf) {
+    let dir = tmp();
+    let a = adapter(&dir.path().join("adapter"));
+    (dir, a)
+}
+
 /// The fp8-native (transformers FineGrainedFP8) base, made by `tftf quantize`.
 fn native_base(dir: &Path) -> PathBuf {
     let out = dir.join("native");
-    ok(&convert(
+    convert_ok(
         "quantize",
         &fixture("quantize/input"),
         &out,
         &["--scheme", "FP8_BLOCK", "--format", "fp8-native"],
-    ));
+    );
     out
 }
-
-type Tensors = std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
 
 fn names_of(module: &str, scale: &str, nvfp4: bool) -> Vec<String> {
     let p = format!("{LAYER}.{module}");
@@ -98,33 +103,23 @@ fn check_against_base(base: &Path, out: &Path, scale: &str, nvfp4: bool) -> (Ten
 /// Runs `merge-lora --requant` and the two-step route for an FP8-block base and compares the
 /// merged modules.
 fn fp8_case(base: &Path, scale: &str, quantize_extra: &[&str]) {
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let report = dir.path().join("report.json");
-    let o = tftf(&merge_lora(
-        base,
-        &a,
-        &out,
-        &["--requant", "--report", s(&report)],
-    ));
+    let o = lora_merge(base, &a, &out, &["--requant", "--report", s(&report)]);
     ok(&o);
-    assert!(
-        stdout(&o).contains("requant: 4 tensor(s) re-quantised"),
-        "{}",
-        stdout(&o)
-    );
+    assert_mentions(&stdout(&o), &["requant: 4 tensor(s) re-quantised"]);
     let (_, got) = check_against_base(base, &out, scale, false);
     let mid = dir.path().join("mid");
     let two = dir.path().join("two");
-    ok(&tftf(&cmd(
+    tftf_ok(&cmd(
         "dequant",
         base,
         &mid,
         &["--merge-lora", s(&a), "--dtype", "bf16"],
-    )));
+    ));
     let q = [&["--scheme", "FP8_BLOCK"][..], quantize_extra].concat();
-    ok(&convert("quantize", &mid, &two, &q));
+    convert_ok("quantize", &mid, &two, &q);
     let want = load_all(&two);
     for (m, _, _) in TARGETS {
         for n in names_of(m, scale, false) {
@@ -134,12 +129,12 @@ fn fp8_case(base: &Path, scale: &str, quantize_extra: &[&str]) {
     check_report(&report, &out);
     // A dry run measures nothing and reports no figures.
     let dry = dir.path().join("dry.json");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         base,
         &a,
         &dir.path().join("dry"),
         &["--requant", "--dry-run", "--report", s(&dry)],
-    )));
+    );
     let r = read_json(&dry);
     assert!(
         !r["tensor_reports"]
@@ -194,21 +189,20 @@ fn fp8_native_equals_dequant_merge_then_quantize() {
 #[test]
 fn nvfp4_keeps_the_tensor_scale_and_equals_quantize_with_it() {
     let base = fixture("quantize/NVFP4A16");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let report = dir.path().join("report.json");
     // No flag: an NVFP4 base is requantised by default.
-    let o = tftf(&merge_lora(&base, &a, &out, &["--report", s(&report)]));
+    let o = lora_merge(&base, &a, &out, &["--report", s(&report)]);
     ok(&o);
     let (b, got) = check_against_base(&base, &out, "weight_scale", true);
     let mid = dir.path().join("mid");
-    ok(&tftf(&cmd(
+    tftf_ok(&cmd(
         "dequant",
         &base,
         &mid,
         &["--merge-lora", s(&a), "--dtype", "bf16"],
-    )));
+    ));
     let merged = load_all(&mid);
     for (m, rows, cols) in TARGETS {
         let p = format!("{LAYER}.{m}");
@@ -249,13 +243,12 @@ fn nvfp4_keeps_the_tensor_scale_and_equals_quantize_with_it() {
 #[test]
 fn default_no_requant_and_run_section() {
     let base = fixture("quantize/FP8_BLOCK");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let explicit = dir.path().join("explicit");
-    ok(&tftf(&merge_lora(&base, &a, &explicit, &["--requant"])));
+    lora_merged(&base, &a, &explicit, &["--requant"]);
     // No flag on an FP8-block base: the same output, whatever threads, chunks and shards.
     let default = dir.path().join("default");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &base,
         &a,
         &default,
@@ -267,12 +260,12 @@ fn default_no_requant_and_run_section() {
             "--max-shard-size",
             "200KB",
         ],
-    )));
+    );
     assert!(load_all(&explicit) == load_all(&default));
     // The merged rows live outside the pool's buffers, a chunk per compute thread: the pool
     // gives that up, so pool and scratch together stay in the budget.
     let report = dir.path().join("r.json");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &base,
         &a,
         &dir.path().join("budget"),
@@ -284,7 +277,7 @@ fn default_no_requant_and_run_section() {
             "--report",
             s(&report),
         ],
-    )));
+    );
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let (pool, chunk, threads) = (
@@ -298,17 +291,12 @@ fn default_no_requant_and_run_section() {
     );
     // run --merge-lora requantises the same way.
     let run = dir.path().join("run");
-    ok(&tftf(&[
+    tftf_ok(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&run),
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-    ]));
+        &base,
+        &run,
+        &["--merge-lora", "--adapter", s(&a), "--requant"],
+    ));
     assert!(load_all(&explicit) == load_all(&run));
     // --no-requant keeps the old refusal.
     let err = fails(&merge_lora(
@@ -331,8 +319,7 @@ fn default_no_requant_and_run_section() {
 #[test]
 fn requant_with_dtype_is_a_usage_error() {
     let base = fixture("quantize/FP8_BLOCK");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let err = usage_error(&merge_lora(
         &base,
@@ -344,46 +331,41 @@ fn requant_with_dtype_is_a_usage_error() {
         err.contains("--dtype") || err.contains("--requant"),
         "{err}"
     );
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-        "--dtype-cast",
-        "bf16",
-    ]);
+        &base,
+        &out,
+        &[
+            "--merge-lora",
+            "--adapter",
+            s(&a),
+            "--requant",
+            "--dtype-cast",
+            "bf16",
+        ],
+    ));
     assert!(err.contains("--requant"), "{err}");
     // After --dequant-fp8 the base is not quantised any more.
-    let err = usage_error(&[
+    let err = usage_error(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dequant-fp8",
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-        "--requant",
-    ]);
+        &base,
+        &out,
+        &[
+            "--dequant-fp8",
+            "--merge-lora",
+            "--adapter",
+            s(&a),
+            "--requant",
+        ],
+    ));
     assert!(err.contains("not quantised any more"), "{err}");
     // While dequant then merge without the flag is the float route, as before.
-    ok(&tftf(&[
+    tftf_ok(&cmd(
         "run",
-        "-i",
-        s(&base),
-        "-o",
-        s(&out),
-        "--dequant-fp8",
-        "--merge-lora",
-        "--adapter",
-        s(&a),
-    ]));
+        &base,
+        &out,
+        &["--dequant-fp8", "--merge-lora", "--adapter", s(&a)],
+    ));
     let got = load_all(&out);
     assert_eq!(got[&format!("{LAYER}.self_attn.q_proj.weight")].0, "BF16");
 }
@@ -391,14 +373,10 @@ fn requant_with_dtype_is_a_usage_error() {
 #[test]
 fn unsupported_scheme_is_an_error_naming_it() {
     let base = fixture("quantize/FP8_DYNAMIC");
-    let dir = tmp();
-    let a = adapter(&dir.path().join("adapter"));
+    let (dir, a) = tmp_adapter();
     let out = dir.path().join("out");
     let err = fails(&merge_lora(&base, &a, &out, &["--requant"]));
-    assert!(
-        err.contains("--requant supports") && err.contains("per-channel"),
-        "{err}"
-    );
+    assert_mentions(&err, &["--requant supports", "per-channel"]);
     // Without the flag such a base keeps today's behaviour (merging into codes is refused).
     let err = fails(&merge_lora(&base, &a, &out, &[]));
     assert!(err.contains("dequantise it first"), "{err}");
@@ -456,21 +434,21 @@ fn same_bytes_and_figures_whatever_threads_and_chunks() {
         ("NVFP4A16", "compressed-tensors"),
     ] {
         let base = dir.path().join(format!("{scheme}-{format}"));
-        ok(&convert(
+        convert_ok(
             "quantize",
             &input,
             &base,
             &["--scheme", scheme, "--format", format],
-        ));
+        );
         let run = |name: &str, extra: &[&str]| {
             let out = dir.path().join(format!("{scheme}-{format}-{name}"));
             let report = dir.path().join(format!("{scheme}-{format}-{name}.json"));
-            ok(&tftf(&merge_lora(
+            lora_merged(
                 &base,
                 &a,
                 &out,
                 &[&["--report", s(&report)][..], extra].concat(),
-            )));
+            );
             let r = read_json(&report);
             assert!(r["chunk_bytes"].as_u64().unwrap() > 0);
             let figures: Vec<serde_json::Value> = r["tensor_reports"]
@@ -512,14 +490,14 @@ fn merge_dcp_lora_requantises_an_f32_base_like_the_two_step_route() {
     let cfg = case.join("adapter_config.json");
     let dir = tmp();
     let base = dir.path().join("base");
-    ok(&convert(
+    convert_ok(
         "quantize",
         &case.join("base"),
         &base,
         &["--scheme", "FP8_BLOCK"],
-    ));
+    );
     let out = dir.path().join("out");
-    ok(&tftf(&[
+    tftf_ok(&[
         "merge-dcp-lora",
         "-b",
         s(&base),
@@ -530,9 +508,9 @@ fn merge_dcp_lora_requantises_an_f32_base_like_the_two_step_route() {
         "-o",
         s(&out),
         "--requant",
-    ]));
+    ]);
     let mid = dir.path().join("mid");
-    ok(&tftf(&cmd(
+    tftf_ok(&cmd(
         "dequant",
         &base,
         &mid,
@@ -544,9 +522,9 @@ fn merge_dcp_lora_requantises_an_f32_base_like_the_two_step_route() {
             "--dtype",
             "f32",
         ],
-    )));
+    ));
     let two = dir.path().join("two");
-    ok(&convert("quantize", &mid, &two, &["--scheme", "FP8_BLOCK"]));
+    convert_ok("quantize", &mid, &two, &["--scheme", "FP8_BLOCK"]);
     let (b, got, want) = (load_all(&base), load_all(&out), load_all(&two));
     assert_eq!(got.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     let mut merged = 0;

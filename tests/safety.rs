@@ -51,7 +51,7 @@ fn single_file_output_with_force_replaces_that_file_only() {
     std::fs::write(shared.join("new.safetensors"), "previous output").unwrap();
     let before = snapshot(&shared);
     let out = shared.join("new.safetensors");
-    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
+    passthrough_ok(&src, &out, &["--force", "-q"]);
     let after = snapshot(&shared);
     for (name, hash) in &before {
         if name != "new.safetensors" {
@@ -77,12 +77,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
     write_file(&dir.join("mine.safetensors"), &tensors);
     write_file(&dir.join("sibling.safetensors"), &tensors);
     let before = snapshot(&dir);
-    ok(&convert(
-        "passthrough",
-        &dir.join("mine.safetensors"),
-        &dir,
-        &["--force", "-q"],
-    ));
+    passthrough_ok(&dir.join("mine.safetensors"), &dir, &["--force", "-q"]);
     let after = snapshot(&dir);
     assert_eq!(
         after.get("mine.safetensors"),
@@ -104,10 +99,7 @@ fn single_file_input_into_its_own_folder_never_deletes_it() {
         &dir,
         &["--force"],
     ));
-    assert!(
-        err.contains("refusing to replace") && err.contains("model.safetensors"),
-        "{err}"
-    );
+    assert_mentions(&err, &["refusing to replace", "model.safetensors"]);
     assert_eq!(snapshot(&dir), before);
 }
 
@@ -118,9 +110,9 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     let out = d.path().join("out");
     let shard = src.join("model-00001-of-00002.safetensors");
     let err = usage_error(&cmd("passthrough", &src, &out, &["--report", s(&shard)]));
-    assert!(
-        err.contains("refusing to write the report over") && err.contains("model-00001-of-00002"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["refusing to write the report over", "model-00001-of-00002"],
     );
     assert!(!out.exists());
     // Also when the run is refused for another reason first.
@@ -152,12 +144,7 @@ fn report_never_lands_on_an_input_or_an_output_file() {
     // An earlier report is replaced.
     let report = d.path().join("report.json");
     for _ in 0..2 {
-        ok(&convert(
-            "passthrough",
-            &src,
-            &out,
-            &["--force", "-q", "--report", s(&report)],
-        ));
+        passthrough_ok(&src, &out, &["--force", "-q", "--report", s(&report)]);
     }
     assert!(hidden(d.path()).is_empty(), "{:?}", hidden(d.path()));
 }
@@ -175,10 +162,12 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
     }
     let before = snapshot(&real);
     let err = usage_error(&cmd("passthrough", &src, &real, &["--force"]));
-    assert!(
-        err.contains("refusing to replace")
-            && err.contains(s(&real.join("model-00001-of-00002.safetensors"))),
-        "{err}"
+    assert_mentions(
+        &err,
+        &[
+            "refusing to replace",
+            s(&real.join("model-00001-of-00002.safetensors")),
+        ],
     );
     assert_eq!(snapshot(&real), before);
 
@@ -205,12 +194,7 @@ fn input_shards_symlinked_into_the_output_are_not_overwritten() {
 fn force_deletes_only_model_files_and_dry_run_lists_them() {
     let (d, src, _) = tmp_small_model();
     let out = d.path().join("out");
-    ok(&convert(
-        "passthrough",
-        &src,
-        &out,
-        &["-q", "--max-shard-size", "5000"],
-    ));
+    passthrough_ok(&src, &out, &["-q", "--max-shard-size", "5000"]);
     let shards_before = listing(&out)
         .into_iter()
         .filter(|n| n.starts_with("model-"))
@@ -219,38 +203,30 @@ fn force_deletes_only_model_files_and_dry_run_lists_them() {
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     std::fs::write(out.join("weights-v2.safetensors"), "another model").unwrap();
     let before = snapshot(&out);
-    let o = convert("passthrough", &src, &out, &["--force", "--dry-run"]);
-    ok(&o);
+    let o = passthrough_ok(&src, &out, &["--force", "--dry-run"]);
     let text = stdout(&o);
     let n = shards_before;
     let deleted: Vec<String> = (1..=n)
         .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
         .collect();
-    assert!(
-        text.contains(&format!(
+    assert_mentions(
+        &text,
+        &[&format!(
             "deletes (model files of the earlier output): {}\n",
             deleted.join(", ")
-        )),
-        "{text}"
+        )],
     );
     assert!(
         !text.contains("notes.txt") && !text.contains("weights-v2"),
         "{text}"
     );
     assert_eq!(snapshot(&out), before, "dry run changed the output");
-    ok(&convert("passthrough", &src, &out, &["--force", "-q"]));
-    assert_eq!(
-        listing(&out),
-        [
-            "config.json",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json",
-            "modeling_x.py",
-            "notes.txt",
-            "tokenizer.json",
-            "weights-v2.safetensors"
-        ]
+    passthrough_ok(&src, &out, &["--force", "-q"]);
+    assert_listing(
+        &out,
+        "config.json model-00001-of-00002.safetensors \
+         model-00002-of-00002.safetensors model.safetensors.index.json \
+         modeling_x.py notes.txt tokenizer.json weights-v2.safetensors",
     );
 }
 
@@ -288,12 +264,12 @@ fn a_second_run_on_the_same_output_fails_at_once_naming_the_first() {
             args.push("--force");
         }
         let err = fails(&args);
-        assert!(
-            err.contains(&format!(
+        assert_mentions(
+            &err,
+            &[&format!(
                 "is being written by another tftf run (pid {})",
                 first.id()
-            )),
-            "{err}"
+            )],
         );
     }
     // The holder's temporaries were left alone, and it finishes normally.
@@ -313,7 +289,7 @@ fn reference(src: &Path, d: &Path, args: &[&str]) -> BTreeMap<String, String> {
     let out = d.join("reference");
     let mut a = cmd("passthrough", src, &out, &["-q"]);
     a.extend_from_slice(args);
-    ok(&tftf(&a));
+    tftf_ok(&a);
     snapshot(&out)
 }
 
@@ -348,7 +324,7 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
             let out = d.path().join(format!("out-{point}-{finish_with_recover}"));
             let mut a = cmd("passthrough", &src, &out, &["-q"]);
             a.extend_from_slice(&old_args);
-            ok(&tftf(&a));
+            tftf_ok(&a);
             let mut a = cmd("passthrough", &src, &out, &["-q", "--force"]);
             a.extend_from_slice(&new_args);
             let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
@@ -371,12 +347,12 @@ fn a_kill_at_any_commit_point_leaves_the_old_output_or_the_new_one() {
                 );
             }
             if finish_with_recover {
-                ok(&tftf(&["recover", s(&out)]));
+                tftf_ok(&["recover", s(&out)]);
                 let expect = if journalled { &new } else { &old };
                 assert_eq!(&snapshot(&out), expect, "{point}: after recover");
             } else {
                 // The next run cleans up and commits.
-                ok(&tftf(&a));
+                tftf_ok(&a);
                 assert_eq!(snapshot(&out), new, "{point}: after the rerun");
             }
         }
@@ -397,13 +373,8 @@ fn temporaries_of_a_killed_first_run_do_not_block_the_next() {
     let left: Vec<String> = hidden(&out);
     assert!(left.iter().any(|n| n.ends_with(".tmp")), "{left:?}");
     // No --force needed: nothing but the killed run's temporaries is there.
-    let o = convert("passthrough", &src, &out, &[]);
-    ok(&o);
-    assert!(
-        stderr(&o).contains("temporary file(s) left by a killed run"),
-        "{}",
-        stderr(&o)
-    );
+    let o = passthrough_ok(&src, &out, &[]);
+    assert_mentions(&stderr(&o), &["temporary file(s) left by a killed run"]);
     assert!(hidden(&out).is_empty(), "{:?}", hidden(&out));
     assert_eq!(load_all(&out).len(), 11);
 }
@@ -448,8 +419,7 @@ fn output_through_a_bind_mount_of_the_input_is_refused() {
 #[test]
 fn a_run_failing_mid_stream_leaves_no_file_and_no_directory_it_created() {
     use tftf::format::dtype::DType;
-    let d = tmp();
-    let src = d.path().join("in");
+    let (d, src) = tmp_in();
     Model::new()
         .tensor("w.weight", DType::F8_E4M3, &[2, 2], vec![0x38, 0x7F, 0, 0])
         .tensor(
@@ -492,11 +462,9 @@ fn recover_refuses_what_it_cannot_finish_and_changes_nothing() {
     .unwrap();
     let before = snapshot(&out);
     let err = fails(&["recover", s(&out)]);
-    assert!(
-        err.contains(
-            "interrupted-commit journal is damaged (an entry is not a file name in this directory)"
-        ),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["interrupted-commit journal is damaged (an entry is not a file name in this directory)"],
     );
     assert_eq!(snapshot(&out), before);
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a directory");

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
@@ -15,44 +14,13 @@ fn torch_fixture(rel: &str) -> PathBuf {
     fixture(&format!("torch/{rel}"))
 }
 
-type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
-
-/// Tensors of a safetensors file, or of every `.safetensors` file of a folder, through the
-/// `safetensors` crate (the expected twins carry no `format` metadata requirement).
+/// [`load_tensors`] without the `format` metadata requirement (the expected twins carry none).
 fn read_safetensors(path: &Path) -> Tensors {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
-    };
-    let mut out = BTreeMap::new();
-    for f in files {
-        let bytes = std::fs::read(&f).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
-        for (name, view) in st.tensors() {
-            let prev = out.insert(
-                name.clone(),
-                (
-                    format!("{:?}", view.dtype()),
-                    view.shape().to_vec(),
-                    view.data().to_vec(),
-                ),
-            );
-            assert!(prev.is_none(), "{name} twice");
-        }
-    }
-    out
+    load_tensors(path, false)
 }
 
 fn report(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    read_json(path)
 }
 
 /// `tftf passthrough input -o out --report …`; returns the report.
@@ -61,7 +29,7 @@ fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["passthrough", s(input), "-o", s(out), "-q"];
     args.extend(["--report", s(&rep)]);
     args.extend(extra);
-    ok(&tftf(&args));
+    tftf_ok(&args);
     report(&rep)
 }
 
@@ -115,8 +83,7 @@ fn cases() -> Vec<(&'static str, PathBuf, PathBuf)> {
 #[test]
 fn passthrough_of_every_torch_input_equals_expected_twin() {
     for (name, input, expected) in cases() {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         let r = passthrough(&input, &out, &[]);
         let got = read_safetensors(&out);
         let want = read_safetensors(&expected);
@@ -159,8 +126,7 @@ fn single_file_output_under_the_smallest_budget_matches_too() {
 
 #[test]
 fn side_files_follow_the_weights() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (_dir, out) = tmp_out();
     passthrough(&torch_fixture("bin/hf-sharded"), &out, &[]);
     assert_eq!(
         std::fs::read(out.join("config.json")).unwrap(),
@@ -179,8 +145,7 @@ fn side_files_follow_the_weights() {
         torch_fixture("dcp/lora-2rank"),
         torch_fixture("dcp/lora-2rank/pytorch_model_fsdp_0"),
     ] {
-        let dir = tmp();
-        let out = dir.path().join("out");
+        let (_dir, out) = tmp_out();
         passthrough(&input, &out, &[]);
         assert_eq!(listing(&out), ["model.safetensors"], "{}", input.display());
     }
@@ -230,20 +195,18 @@ fn contiguous_bin_tensors_move_in_the_kernel() {
     let through_memory = b["copied_through_memory"].as_u64().unwrap();
     assert!(through_memory > 0, "{r}");
     // The dry run says which bytes will be gathered.
-    let o = tftf(&[
+    let o = tftf_ok(&[
         "passthrough",
         s(&torch_fixture("bin/corners/pytorch_model.bin")),
         "-o",
         s(&dir.path().join("dry")),
         "--dry-run",
     ]);
-    ok(&o);
-    assert!(
-        stdout(&o).contains(&format!(
+    assert_mentions(
+        &stdout(&o),
+        &[&format!(
             "gathered: {through_memory} B of the unchanged bytes"
-        )),
-        "{}",
-        stdout(&o)
+        )],
     );
     // A DCP tensor split along dim 0 over two files is copied as two kernel ranges.
     let r = passthrough(&torch_fixture("dcp/full-2rank"), &dir.path().join("d"), &[]);
@@ -262,20 +225,17 @@ fn info_names_the_format() {
         ("dcp/full-2rank", "format: PyTorch DCP (2 files)\n"),
         ("dcp/grid-synthetic", "format: PyTorch DCP (2 files)\n"),
     ] {
-        let o = tftf(&["info", s(&torch_fixture(input))]);
-        ok(&o);
+        let o = tftf_ok(&["info", s(&torch_fixture(input))]);
         assert!(stdout(&o).contains(line), "{input}: {}", stdout(&o));
     }
-    let o = tftf(&["info", "--json", s(&torch_fixture("dcp/full-2rank"))]);
-    ok(&o);
+    let o = tftf_ok(&["info", "--json", s(&torch_fixture("dcp/full-2rank"))]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["format"], "PyTorch DCP");
     assert_eq!(v["total_tensors"], 21);
     // Safetensors inputs say so.
     let dir = tmp();
     small_model(dir.path());
-    let o = tftf(&["info", s(dir.path())]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(dir.path())]);
     assert!(stdout(&o).contains("format: safetensors (2 files)\n"));
     // Skipped DCP entries are notes.
     let o = tftf(&["info", s(&torch_fixture("dcp/grid-synthetic"))]);
@@ -298,8 +258,7 @@ fn validate_accepts_torch_inputs_and_scans_their_values() {
         ),
         ("dcp/grid-synthetic", "PyTorch DCP (2 files)"),
     ] {
-        let o = tftf(&["validate", "--check-values", s(&torch_fixture(input))]);
-        ok(&o);
+        let o = tftf_ok(&["validate", "--check-values", s(&torch_fixture(input))]);
         assert!(
             stdout(&o).contains(&format!("format: {format}\n")),
             "{input}: {}",
@@ -312,7 +271,7 @@ fn validate_accepts_torch_inputs_and_scans_their_values() {
 fn casting_a_dcp_checkpoint_reads_its_chunks() {
     let dir = tmp();
     let out = dir.path().join("bf16");
-    ok(&tftf(&[
+    tftf_ok(&[
         "passthrough",
         s(&torch_fixture("dcp/full-2rank")),
         "-o",
@@ -320,7 +279,7 @@ fn casting_a_dcp_checkpoint_reads_its_chunks() {
         "-q",
         "--dtype",
         "bf16",
-    ]));
+    ]);
     let got = read_safetensors(&out);
     let want = read_safetensors(&torch_fixture("dcp/full-2rank/expected/model.safetensors"));
     assert_eq!(got.len(), want.len());
@@ -342,8 +301,7 @@ fn casting_a_dcp_checkpoint_reads_its_chunks() {
 
 #[test]
 fn malicious_pickle_is_refused_and_nothing_is_created() {
-    let dir = tmp();
-    let out = dir.path().join("out");
+    let (dir, out) = tmp_out();
     let input = torch_fixture("bin/malicious/pytorch_model.bin");
     for cmd in [
         vec!["passthrough", s(&input), "-o", s(&out)],
@@ -379,8 +337,7 @@ fn a_folder_with_both_formats_reads_the_safetensors() {
     // transformers repositories often ship both; the safetensors ones win, as before.
     let dir = tmp();
     let tensors = small_model(dir.path());
-    let o = tftf(&["info", s(dir.path())]);
-    ok(&o);
+    let o = tftf_ok(&["info", s(dir.path())]);
     assert!(stdout(&o).contains("format: safetensors"), "{}", stdout(&o));
     assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
 }
@@ -460,7 +417,7 @@ fn every_command_gives_the_same_tensors_from_torch_and_safetensors_inputs() {
             let run = |input: &Path, out: &Path| {
                 let mut args = vec![cmd[0], "-i", s(input), "-o", s(out), "-q"];
                 args.extend(&cmd[1..]);
-                ok(&tftf(&args));
+                tftf_ok(&args);
                 read_safetensors(out)
             };
             let base = dir.path().join(format!("{}-{k}", case.replace('/', "-")));
@@ -552,13 +509,8 @@ fn a_bin_folder_without_index_skips_trainer_state() {
     std::fs::write(model.join("training_args.bin"), "not a checkpoint").unwrap();
     std::fs::write(model.join("optimizer.pt"), "not a checkpoint").unwrap();
     let out = dir.path().join("out");
-    let o = tftf(&["passthrough", s(&model), "-o", s(&out)]);
-    ok(&o);
-    assert!(
-        stderr(&o).contains("`training_args.bin` skipped"),
-        "{}",
-        stderr(&o)
-    );
+    let o = tftf_ok(&["passthrough", s(&model), "-o", s(&out)]);
+    assert_mentions(&stderr(&o), &["`training_args.bin` skipped"]);
     assert_eq!(
         read_safetensors(&out),
         read_safetensors(&torch_fixture("bin/hf-sharded/expected/model.safetensors"))
@@ -575,20 +527,10 @@ fn safetensors_beside_an_fsdp_checkpoint_win() {
         let p = e.unwrap().path();
         std::fs::copy(&p, fsdp.join(p.file_name().unwrap())).unwrap();
     }
-    let o = tftf(&["info", "--dtype-summary", s(dir.path())]);
-    ok(&o);
-    assert!(
-        stdout(&o).contains("format: safetensors (2 files)"),
-        "{}",
-        stdout(&o)
-    );
+    let o = tftf_ok(&["info", "--dtype-summary", s(dir.path())]);
+    assert_mentions(&stdout(&o), &["format: safetensors (2 files)"]);
     assert!(stdout(&o).contains(&format!("{} tensors", tensors.len())));
     // Named directly, the DCP folder is read, with the config one level up.
-    let o = tftf(&["info", "--dtype-summary", s(&fsdp)]);
-    ok(&o);
-    assert!(
-        stdout(&o).contains("format: PyTorch DCP (2 files)"),
-        "{}",
-        stdout(&o)
-    );
+    let o = tftf_ok(&["info", "--dtype-summary", s(&fsdp)]);
+    assert_mentions(&stdout(&o), &["format: PyTorch DCP (2 files)"]);
 }

@@ -23,8 +23,6 @@ const Q: &str = "model.layers.0.self_attn.q_proj.weight";
 const V: &str = "model.layers.0.self_attn.v_proj.weight";
 const NORM: &str = "model.norm.weight";
 
-type Tensors = BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
-
 /// `_BASE_TENSORS`: q_proj and v_proj [64, 32] and norm [32], F32 (`torch.randn`).
 fn base_tensors() -> Vec<T> {
     let mut rng = Rng(11);
@@ -69,17 +67,18 @@ fn lora_tensors(prefix: &str, rank: u64) -> Vec<T> {
 
 /// `_make_lora_adapter(directory, rank=4, alpha=8.0)`.
 fn make_lora_adapter(dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    write_file(
-        &dir.join("adapter_model.safetensors"),
-        &lora_tensors("model.layers.0.self_attn.q_proj", 4),
-    );
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 8.0}"#,
-    )
-    .unwrap();
-    dir.to_path_buf()
+    lora_adapter_on(dir, "model.layers.0.self_attn.q_proj", "8.0")
+}
+
+/// A rank-4 adapter of [`lora_tensors`] on `module` with `lora_alpha` `alpha` in `dir`.
+fn lora_adapter_on(dir: &Path, module: &str, alpha: &str) -> PathBuf {
+    Model::adapter()
+        .tensors(lora_tensors(module, 4))
+        .file(
+            "adapter_config.json",
+            format!(r#"{{"r": 4, "lora_alpha": {alpha}}}"#),
+        )
+        .write(dir)
 }
 
 /// `_make_regular_lora_checkpoint`: `adapter_config.json` at the training directory's top,
@@ -110,8 +109,13 @@ fn base_map() -> BTreeMap<String, Vec<u8>> {
 
 /// `tftf run -i BASE -o OUT ARGS...`; returns the output (loaded) or panics with stderr.
 fn run_ok(base: &Path, out: &Path, args: &[&str]) -> Tensors {
-    ok(&tftf(&[&cmd("run", base, out, &["-q"])[..], args].concat()));
+    tftf_ok(&[&cmd("run", base, out, &["-q"])[..], args].concat());
     load_all(out)
+}
+
+/// [`run_ok`] of `base` into `name` in the folder `d`.
+fn run_to(d: &tempfile::TempDir, base: &Path, name: &str, args: &[&str]) -> Tensors {
+    run_ok(base, &d.path().join(name), args)
 }
 
 /// A temporary folder with [`make_base`] in `base/`.
@@ -131,7 +135,7 @@ fn base_and_adapter() -> (tempfile::TempDir, PathBuf, PathBuf) {
 /// [`run_ok`] on a fresh [`make_base`].
 fn run_base(args: &[&str]) -> Tensors {
     let (d, base) = base_in_tmp();
-    run_ok(&base, &d.path().join("out"), args)
+    run_to(&d, &base, "out", args)
 }
 
 /// `tftf run` that must be refused as a usage error (exit 2) before any output exists;
@@ -148,6 +152,16 @@ fn run_usage_error(args: &[&str]) -> String {
 fn usage_error_mentions(args: &[&str], needle: &str) {
     let err = run_usage_error(args);
     assert!(err.contains(needle), "{err}");
+}
+
+/// [`run_base`] with `args` writes every tensor as BF16.
+fn assert_all_bf16(args: &[&str]) {
+    let got = run_base(args);
+    assert!(
+        all_dtypes(&got, "BF16"),
+        "{args:?}: {:?}",
+        got.values().map(|v| &v.0).collect::<Vec<_>>()
+    );
 }
 
 fn all_dtypes(t: &Tensors, want: &str) -> bool {
@@ -174,8 +188,7 @@ fn parser_empty_returns_passthrough() {
 
 #[test]
 fn parser_single_dtype_cast() {
-    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
 }
 
 #[test]
@@ -214,15 +227,12 @@ fn parser_multiple_include_flags_accumulated() {
 fn parser_key_rename_single_rule() {
     let (d, base) = base_in_tmp();
     // Upstream's rule matches none of these names: they stay.
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-rename", "--rule", "^foo", "bar"],
-    );
+    let got = run_to(&d, &base, "out", &["--key-rename", "--rule", "^foo", "bar"]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out2"),
+        "out2",
         &["--key-rename", "--rule", "^model", "base"],
     );
     assert!(
@@ -235,9 +245,10 @@ fn parser_key_rename_single_rule() {
 #[test]
 fn parser_key_rename_multiple_rules() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--key-rename",
             "--rule",
@@ -249,9 +260,10 @@ fn parser_key_rename_multiple_rules() {
         ],
     );
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out2"),
+        "out2",
         &[
             "--key-rename",
             "--rule",
@@ -274,10 +286,7 @@ fn parser_token_before_any_pipe_flag_raises() {
 #[test]
 fn parser_unknown_option_for_pipe_raises() {
     let err = run_usage_error(&["--dtype-cast", "--typo", "bfloat16"]);
-    assert!(
-        err.contains("--dtype-cast") && err.contains("'--typo'") && err.contains("--dtype"),
-        "{err}"
-    );
+    assert_mentions(&err, &["--dtype-cast", "'--typo'", "--dtype"]);
 }
 
 #[test]
@@ -315,8 +324,7 @@ fn parser_three_pipes_chained() {
 
 #[test]
 fn parser_dtype_cast_positional() {
-    let got = run_base(&["--dtype-cast", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "bfloat16"]);
 }
 
 /// An FP8 (E4M3) q_proj with a per-tensor `weight_scale_inv`, beside F32 tensors.
@@ -340,7 +348,7 @@ fn make_fp8_base(dir: &Path) -> PathBuf {
 fn parser_dequant_fp8_positional_dtype() {
     let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
-    let got = run_ok(&base, &d.path().join("out"), &["--dequant-fp8", "fp16"]);
+    let got = run_to(&d, &base, "out", &["--dequant-fp8", "fp16"]);
     assert_eq!(got[Q].0, "F16");
     assert!(!got.contains_key("model.layers.0.self_attn.q_proj.weight_scale_inv"));
 }
@@ -349,9 +357,10 @@ fn parser_dequant_fp8_positional_dtype() {
 fn parser_dequant_fp8_positional_then_named() {
     let d = tmp();
     let base = make_fp8_base(&d.path().join("base"));
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--dequant-fp8", "fp16", "--block-size", "64"],
     );
     assert_eq!(got[Q].0, "F16");
@@ -369,32 +378,26 @@ fn parser_dequant_fp8_positional_then_named() {
 #[test]
 fn parser_key_rename_positional_single_rule() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
-        &base,
-        &d.path().join("out"),
-        &["--key-rename", "^foo", "bar"],
-    );
+    let got = run_to(&d, &base, "out", &["--key-rename", "^foo", "bar"]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
-        &base,
-        &d.path().join("o2"),
-        &["--key-rename", "^model", "base"],
-    );
+    let got = run_to(&d, &base, "o2", &["--key-rename", "^model", "base"]);
     assert!(got.keys().all(|k| k.starts_with("base.")));
 }
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
     let (d, base) = base_in_tmp();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--key-rename", "^foo", "bar", "^baz", "qux"],
     );
     assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("o2"),
+        "o2",
         &["--key-rename", "^model", "base", "norm", "ln_f"],
     );
     assert!(got.contains_key("base.ln_f.weight"), "{:?}", names(&got));
@@ -422,8 +425,7 @@ fn parser_no_positional_for_pipe_raises() {
 
 #[test]
 fn run_dtype_cast_changes_all_dtypes() {
-    let got = run_base(&["--dtype-cast", "--dtype", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
 }
 
 #[test]
@@ -435,9 +437,10 @@ fn run_key_filter_keeps_only_matching() {
 #[test]
 fn run_merge_lora_modifies_weights() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &["--merge-lora", "--adapter", s(&adapter)],
     );
     let want = base_map();
@@ -453,9 +456,10 @@ fn run_merge_lora_modifies_weights() {
 #[test]
 fn run_merge_lora_then_dtype_cast() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--merge-lora",
             "--adapter",
@@ -479,24 +483,24 @@ fn run_dry_run_creates_no_output() {
     let (d, base) = base_in_tmp();
     let out = d.path().join("out");
     // `--dry-run` after the sections is still run's own option.
-    let o = convert(
+    convert_ok(
         "run",
         &base,
         &out,
         &["--dtype-cast", "--dtype", "bfloat16", "--dry-run"],
     );
-    ok(&o);
     assert!(!out.exists());
 }
 
 #[test]
 fn run_positional_adapter_path() {
     let (d, base, adapter) = base_and_adapter();
-    let got = run_ok(&base, &d.path().join("out"), &["--merge-lora", s(&adapter)]);
+    let got = run_to(&d, &base, "out", &["--merge-lora", s(&adapter)]);
     assert_eq!(names(&got), [Q, V, NORM]);
-    let named = run_ok(
+    let named = run_to(
+        &d,
         &base,
-        &d.path().join("named"),
+        "named",
         &["--merge-lora", "--adapter", s(&adapter)],
     );
     assert_eq!(got, named);
@@ -504,8 +508,7 @@ fn run_positional_adapter_path() {
 
 #[test]
 fn run_positional_dtype_cast() {
-    let got = run_base(&["--dtype-cast", "bfloat16"]);
-    assert!(all_dtypes(&got, "BF16"));
+    assert_all_bf16(&["--dtype-cast", "bfloat16"]);
 }
 
 #[test]
@@ -518,7 +521,7 @@ fn run_unknown_pipe_flag_exits_nonzero() {
 // ---------------------------------------------------------------------------------------------
 
 fn merge(base: &Path, adapter: &Path, out: &Path) -> Tensors {
-    ok(&tftf(&merge_lora(base, adapter, out, &["-q"])));
+    lora_merged(base, adapter, out, &["-q"]);
     load_all(out)
 }
 
@@ -610,7 +613,7 @@ fn verbose_is_accepted_by_every_command() {
         &cmd("passthrough", &base, &d.path().join("p"), &["-v", "-q"]),
         &cmd("run", &base, &d.path().join("r"), &["-q", "-v"]),
     ] {
-        ok(&tftf(args));
+        tftf_ok(args);
     }
 }
 
@@ -622,27 +625,17 @@ fn float64_casts_are_exact_everywhere() {
         .flat_map(|v| (*v as f64).to_le_bytes())
         .collect();
     let out = d.path().join("p");
-    ok(&convert(
-        "passthrough",
-        &base,
-        &out,
-        &["--dtype", "float64", "-q"],
-    ));
+    passthrough_ok(&base, &out, &["--dtype", "float64", "-q"]);
     let got = load_all(&out);
     assert!(all_dtypes(&got, "F64"));
     assert_eq!(got[Q].2, want);
-    let got = run_ok(&base, &d.path().join("r"), &["--dtype-cast", "float64"]);
+    let got = run_to(&d, &base, "r", &["--dtype-cast", "float64"]);
     assert_eq!(got[Q].2, want);
-    ok(&tftf(&["validate", s(&base), "--pipe", "dtype:float64"]));
+    tftf_ok(&["validate", s(&base), "--pipe", "dtype:float64"]);
     // A merged weight widens exactly too.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("m");
-    ok(&tftf(&merge_lora(
-        &base,
-        &adapter,
-        &out,
-        &["--dtype", "float64", "-q"],
-    )));
+    lora_merged(&base, &adapter, &out, &["--dtype", "float64", "-q"]);
     let got = load_all(&out);
     let merged: Vec<u8> = f32s_of(&base_map()[Q])
         .iter()
@@ -684,7 +677,7 @@ fn dequant_fp8_takes_the_lora_spellings() {
     let file = adapter.join("adapter_model.safetensors");
     let dequant = |out: &str, opts: &[&str]| {
         let out = d.path().join(out);
-        ok(&tftf(
+        tftf_ok(
             &[
                 &cmd(
                     "dequant-fp8",
@@ -695,7 +688,7 @@ fn dequant_fp8_takes_the_lora_spellings() {
                 opts,
             ]
             .concat(),
-        ));
+        );
         load_all(&out)
     };
     let cfg = d.path().join("cfg.json");
@@ -737,7 +730,7 @@ fn merge_lora_renames_before_merging() {
     // The adapter is keyed by the new names, as after the rename.
     let adapter = make_lora_adapter(&d.path().join("adapter"));
     let out = d.path().join("out");
-    ok(&tftf(&merge_lora(
+    lora_merged(
         &base,
         &adapter,
         &out,
@@ -747,7 +740,7 @@ fn merge_lora_renames_before_merging() {
             r"^transformer\.h\.(\d+)\.attn\.",
             r"model.layers.\1.self_attn.",
         ],
-    )));
+    );
     assert_merged_with(&load_all(&out), 1.0);
 }
 
@@ -759,14 +752,12 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
     let args = merge_lora(&base, &adapter, &out, &["-q"]);
     // Python tftf would assume r=8, alpha=8 here; tftf asks.
     let err = fails(&args);
-    assert!(
-        err.contains("adapter_config.json not found") && err.contains("--rank R --lora-alpha A"),
-        "{err}"
+    assert_mentions(
+        &err,
+        &["adapter_config.json not found", "--rank R --lora-alpha A"],
     );
     assert!(!out.exists());
-    ok(&tftf(
-        &[&args[..], &["--rank", "4", "--lora-alpha", "8"]].concat(),
-    ));
+    tftf_ok(&[&args[..], &["--rank", "4", "--lora-alpha", "8"]].concat());
     assert_merged_with(&load_all(&out), 1.0);
     let o = tftf(&[&args[..], &["--rank", "4"]].concat());
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
@@ -779,9 +770,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
     let (d, base, adapter) = base_and_adapter();
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
     let w = f32s_of(&base_map()[Q]);
-    let cast_first = run_ok(
+    let cast_first = run_to(
+        &d,
         &base,
-        &d.path().join("a"),
+        "a",
         &["--dtype-cast", "bf16", "--merge-lora", s(&adapter)],
     );
     let want: Vec<u8> = w
@@ -789,9 +781,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
         .flat_map(|v| bf16(bf16_to_f32(f32_to_bf16(*v)) + 8.0))
         .collect();
     assert_eq!(cast_first[Q].2, want);
-    let merge_first = run_ok(
+    let merge_first = run_to(
+        &d,
         &base,
-        &d.path().join("b"),
+        "b",
         &["--merge-lora", s(&adapter), "--dtype-cast", "bf16"],
     );
     let want: Vec<u8> = w.iter().flat_map(|v| bf16(v + 8.0)).collect();
@@ -805,9 +798,10 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 #[test]
 fn per_section_adapter_options() {
     let (d, base, adapter) = base_and_adapter();
-    let two = run_ok(
+    let two = run_to(
+        &d,
         &base,
-        &d.path().join("a"),
+        "a",
         &[
             "--merge-lora",
             "--adapter",
@@ -825,14 +819,16 @@ fn per_section_adapter_options() {
         .map(|w| (w + 4.0) + 2.0)
         .collect();
     assert_eq!(f32s_of(&two[Q].2), want);
-    let old_form = run_ok(
+    let old_form = run_to(
+        &d,
         &base,
-        &d.path().join("b"),
+        "b",
         &["--scale", "0.5", "--merge-lora", s(&adapter)],
     );
-    let new_form = run_ok(
+    let new_form = run_to(
+        &d,
         &base,
-        &d.path().join("c"),
+        "c",
         &["--merge-lora", s(&adapter), "--scale", "0.5"],
     );
     assert_eq!(old_form, new_form);
@@ -843,20 +839,15 @@ fn per_section_adapter_options() {
 fn two_adapters_merge_each_their_own_modules_once() {
     let (d, base) = base_in_tmp();
     let q = make_lora_adapter(&d.path().join("q"));
-    let v = d.path().join("v");
-    std::fs::create_dir_all(&v).unwrap();
-    write_file(
-        &v.join("adapter_model.safetensors"),
-        &lora_tensors("model.layers.0.self_attn.v_proj", 4),
+    let v = lora_adapter_on(
+        &d.path().join("v"),
+        "model.layers.0.self_attn.v_proj",
+        "4.0",
     );
-    std::fs::write(
-        v.join("adapter_config.json"),
-        r#"{"r": 4, "lora_alpha": 4.0}"#,
-    )
-    .unwrap();
-    let got = run_ok(
+    let got = run_to(
+        &d,
         &base,
-        &d.path().join("out"),
+        "out",
         &[
             "--merge-lora",
             s(&q),
@@ -903,7 +894,7 @@ fn dcp_merge(case: &str) -> (Floats, Floats) {
     if !dcp_case(case).join("adapter_config.json").exists() {
         args.extend(["--rank", "4", "--lora-alpha", "8"]);
     }
-    ok(&tftf(&args));
+    tftf_ok(&args);
     (floats_of(&out), floats_of(&base))
 }
 
@@ -924,67 +915,73 @@ fn allclose(a: &[f32], b: &[f32], atol: f32) -> bool {
             .all(|(x, y)| (x - y).abs() <= atol + 1e-5 * y.abs())
 }
 
+/// `case` (zero lora_B) merged: q_proj and v_proj are the base's within `atol`; returns
+/// (merged, base).
+fn assert_dcp_identity(case: &str, atol: f32) -> (Floats, Floats) {
+    let (got, base) = dcp_merge(case);
+    for k in [Q, V] {
+        assert!(
+            allclose(&got[k], &base[k], atol),
+            "{case}: {k} changed despite zero lora_B (should be near-identity)"
+        );
+    }
+    (got, base)
+}
+
+/// `case` (non-zero lora_B) merged: q_proj changes, the norm and the embeddings pass through
+/// unchanged; returns the merged tensors.
+fn assert_dcp_changes_q(case: &str) -> Floats {
+    let (got, base) = dcp_merge(case);
+    assert!(
+        !allclose(&got[Q], &base[Q], 1e-8),
+        "{case}: q_proj should have changed"
+    );
+    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
+        assert_eq!(got[k], base[k], "{case}: {k}");
+    }
+    got
+}
+
+/// `case` (target_modules: q_proj) merged: q_proj changes, v_proj does not.
+fn assert_dcp_q_only(case: &str) {
+    let (got, base) = dcp_merge(case);
+    assert!(
+        !allclose(&got[Q], &base[Q], 1e-8),
+        "{case}: q_proj (in target_modules) should be merged"
+    );
+    assert!(
+        allclose(&got[V], &base[V], 1e-8),
+        "{case}: v_proj (not in target_modules) should be unchanged"
+    );
+}
+
 #[test]
 fn dcp_lora_zero_b_is_identity() {
-    let (got, base) = dcp_merge("lora-zero-b");
+    let (got, base) = assert_dcp_identity("lora-zero-b", 1e-5);
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         base.keys().collect::<Vec<_>>()
     );
-    for k in [Q, V] {
-        assert!(
-            allclose(&got[k], &base[k], 1e-5),
-            "{k} changed despite zero lora_B"
-        );
-    }
 }
 
 #[test]
 fn dcp_lora_nonzero_b_changes_weight_and_non_lora_keys_pass_through() {
-    let (got, base) = dcp_merge("lora");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have changed"
-    );
-    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
-        assert_eq!(got[k], base[k], "{k}");
-    }
+    assert_dcp_changes_q("lora");
 }
 
 #[test]
 fn dcp_lora_target_modules_respected() {
-    let (got, base) = dcp_merge("lora-q-only");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have been merged"
-    );
-    assert!(
-        allclose(&got[V], &base[V], 1e-8),
-        "v_proj should NOT have been merged"
-    );
+    assert_dcp_q_only("lora-q-only");
 }
 
 #[test]
 fn dcp_dora_zero_b_is_identity() {
-    let (got, base) = dcp_merge("dora-zero-b");
-    for k in [Q, V] {
-        assert!(
-            allclose(&got[k], &base[k], 1e-4),
-            "{k}: zero lora_B DoRA via DCP should be near-identity"
-        );
-    }
+    assert_dcp_identity("dora-zero-b", 1e-4);
 }
 
 #[test]
 fn dcp_dora_nonzero_b_changes_weight_and_non_dora_keys_unchanged() {
-    let (got, base) = dcp_merge("dora");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj should have changed"
-    );
-    for k in ["model.norm.weight", "model.embed_tokens.weight"] {
-        assert_eq!(got[k], base[k], "{k}");
-    }
+    let got = assert_dcp_changes_q("dora");
     // DoRA output differs from the plain LoRA merge of the same factors.
     let (lora, _) = dcp_merge("lora");
     assert!(!allclose(&got[Q], &lora[Q], 1e-6));
@@ -992,13 +989,5 @@ fn dcp_dora_nonzero_b_changes_weight_and_non_dora_keys_unchanged() {
 
 #[test]
 fn dcp_dora_target_modules_respected() {
-    let (got, base) = dcp_merge("dora-q-only");
-    assert!(
-        !allclose(&got[Q], &base[Q], 1e-8),
-        "q_proj (in target_modules) should be merged"
-    );
-    assert!(
-        allclose(&got[V], &base[V], 1e-8),
-        "v_proj (not in target_modules) should be unchanged"
-    );
+    assert_dcp_q_only("dora-q-only");
 }

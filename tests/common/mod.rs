@@ -10,13 +10,23 @@
 //! - Run the binary: [`tftf`]`(&args)` returns the `Output` (any exit); [`ok`] asserts success;
 //!   [`fails`] / [`usage_error`] assert exit 1 / 2 and return stderr; [`exit_code`] gives
 //!   (code, stdout, stderr). Arguments: [`cmd`]`("passthrough", &src, &out, &["-q"])` is
-//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it, [`merge_lora`] is
-//!   `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an argument.
+//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it ([`passthrough`] for that command),
+//!   [`merge_lora`] is `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an
+//!   argument.
 //! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
-//!   via the `safetensors` crate), [`read_json`], [`listing`], [`stdout`], [`stderr`].
-//! - Misc: [`tmp`] (a temporary folder), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`],
-//!   [`Rng`].
+//!   via the `safetensors` crate; [`load_tensors`] without the `format=pt` check),
+//!   [`read_json`], [`listing`], [`stdout`], [`stderr`].
+//! - Check results: [`assert_mentions`] (every needle in a message), [`assert_listing`] (the
+//!   files of a folder), [`assert_same_tensors`] (names, dtypes and shapes, then the bytes).
+//! - Misc: [`tmp`] (a temporary folder; [`tmp_in`] / [`tmp_out`] with the path `in` / `out`
+//!   in it), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`], [`Rng`], [`SCHEMES`].
+//! - Submodules: [`gguf`] (the GGUF reader and `tftf gguf` models), [`peft`] (PEFT's merge
+//!   fixtures), [`xfs`] (a loop-mounted reflink XFS image).
 #![allow(dead_code)]
+
+pub mod gguf;
+pub mod peft;
+pub mod xfs;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -29,14 +39,13 @@ pub type T = (String, DType, Vec<u64>, Vec<u8>);
 /// `tests/fixtures/<rel>`, the golden data kept in the repository (its README says what made
 /// it); panics naming the path when it is missing.
 pub fn fixture(rel: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel);
-    assert!(
-        path.exists(),
-        "test fixture `{}` is missing (it is part of the repository: restore it with git)",
-        path.display()
-    );
+    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).join(rel);
+    if !path.exists() {
+        panic!(
+            "test fixture `{}` is missing (it is part of the repository: restore it with git)",
+            path.display()
+        );
+    }
     path
 }
 
@@ -89,59 +98,42 @@ pub const SMALL_CONFIG: &str = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\
 /// A small llama-like model of two shards with config and tokenizer files.
 pub fn small_model(dir: &Path) -> Vec<T> {
     let mut rng = Rng(1);
-    let model = Model::new()
-        .rand(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.self_attn.q_proj.weight",
-            DType::F8_E4M3,
-            &[32, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.self_attn.q_proj.weight_scale_inv",
-            DType::F32,
-            &[1, 1],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.mlp.up_proj.weight",
-            DType::BF16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.input_layernorm.weight",
-            DType::F32,
-            &[32],
-        )
-        .shard()
-        .rand(
-            &mut rng,
-            "model.layers.1.mlp.up_proj.weight",
-            DType::F16,
-            &[64, 32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.1.input_layernorm.weight",
-            DType::F32,
-            &[32],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.1.experts.packed",
-            DType::F4,
-            &[16, 32],
-        )
-        .rand(&mut rng, "model.layers.1.step", DType::I64, &[3])
-        .rand(&mut rng, "model.norm.weight", DType::F32, &[32])
-        .rand(&mut rng, "lm_head.weight", DType::BF16, &[64, 32])
+    // Two shards of (name, dtype, shape), drawn in this order.
+    let shards: [&[(&str, DType, &[u64])]; 2] = [
+        &[
+            ("model.embed_tokens.weight", DType::BF16, &[64, 32]),
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                DType::F8_E4M3,
+                &[32, 32],
+            ),
+            (
+                "model.layers.0.self_attn.q_proj.weight_scale_inv",
+                DType::F32,
+                &[1, 1],
+            ),
+            ("model.layers.0.mlp.up_proj.weight", DType::BF16, &[64, 32]),
+            ("model.layers.0.input_layernorm.weight", DType::F32, &[32]),
+        ],
+        &[
+            ("model.layers.1.mlp.up_proj.weight", DType::F16, &[64, 32]),
+            ("model.layers.1.input_layernorm.weight", DType::F32, &[32]),
+            ("model.layers.1.experts.packed", DType::F4, &[16, 32]),
+            ("model.layers.1.step", DType::I64, &[3]),
+            ("model.norm.weight", DType::F32, &[32]),
+            ("lm_head.weight", DType::BF16, &[64, 32]),
+        ],
+    ];
+    let mut model = Model::new();
+    for (k, shard) in shards.iter().enumerate() {
+        if k > 0 {
+            model = model.shard();
+        }
+        for &(name, dtype, shape) in shard.iter() {
+            model = model.rand(&mut rng, name, dtype, shape);
+        }
+    }
+    let model = model
         .config(SMALL_CONFIG)
         .file("tokenizer.json", "{}")
         .file("modeling_x.py", "# remote code\n")
@@ -184,6 +176,13 @@ pub fn ok(o: &Output) {
     );
 }
 
+/// Asserts that `text` (a message, an output) contains every one of `needles`.
+pub fn assert_mentions(text: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(text.contains(needle), "{needle:?} not in: {text}");
+    }
+}
+
 /// A fresh temporary directory, removed when dropped.
 pub fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
@@ -212,47 +211,89 @@ pub fn usage_error(args: &[&str]) -> String {
     exits_with(2, "a usage error", args)
 }
 
-/// All tensors of an output, read through the `safetensors` crate's strict loader.
+/// All tensors of an output, read through the `safetensors` crate's strict loader; every file
+/// must carry `format=pt` metadata.
 pub fn load_all(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
-            .unwrap()
+    load_tensors(path, true)
+}
+
+/// Tensors of a safetensors file, or of every `.safetensors` file of a folder, through the
+/// `safetensors` crate: name -> (dtype, shape, bytes). With `format_pt`, each file must carry
+/// `format=pt` metadata.
+pub fn load_tensors(
+    path: &Path,
+    format_pt: bool,
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(path) {
+        Ok(rd) if path.is_dir() => rd
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![path.to_path_buf()]
+            .collect(),
+        _ => vec![path.to_path_buf()],
     };
+    files.sort();
     let mut out = std::collections::BTreeMap::new();
     for f in files {
         let bytes = std::fs::read(&f).unwrap();
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(
-            meta.metadata()
-                .as_ref()
-                .and_then(|m| m.get("format"))
-                .map(String::as_str),
-            Some("pt"),
-            "{} lacks format=pt",
-            f.display()
-        );
+        if format_pt {
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            assert_eq!(
+                meta.metadata()
+                    .as_ref()
+                    .and_then(|m| m.get("format"))
+                    .map(String::as_str),
+                Some("pt"),
+                "{} lacks format=pt",
+                f.display()
+            );
+        }
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .unwrap_or_else(|e| panic!("{} rejected by safetensors: {e:?}", f.display()));
         for (name, view) in st.tensors() {
-            let prev = out.insert(
-                name.clone(),
-                (
-                    format!("{:?}", view.dtype()),
-                    view.shape().to_vec(),
-                    view.data().to_vec(),
-                ),
+            let entry = (
+                format!("{:?}", view.dtype()),
+                view.shape().to_vec(),
+                view.data().to_vec(),
             );
-            assert!(prev.is_none(), "{name} twice");
+            assert!(out.insert(name.clone(), entry).is_none(), "{name} twice");
         }
     }
     out
+}
+
+/// Asserts that the names [`listing`] gives for `dir` are exactly the whitespace-separated
+/// names of `want`, in order.
+pub fn assert_listing(dir: &Path, want: &str) {
+    assert_eq!(
+        listing(dir),
+        want.split_whitespace().collect::<Vec<_>>(),
+        "files of {}",
+        dir.display()
+    );
+}
+
+/// Tensors as [`load_all`] gives them: name -> (dtype, shape, bytes).
+pub type Tensors = std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+/// Asserts that `got` has exactly the tensor names of `want`, each with `want`'s dtype and
+/// shape (failures start with `what`), then calls `bytes(name, dtype, got, want)` with each
+/// tensor's data, in name order.
+pub fn assert_same_tensors(
+    what: &str,
+    got: &Tensors,
+    want: &Tensors,
+    mut bytes: impl FnMut(&str, &str, &[u8], &[u8]),
+) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: tensor names"
+    );
+    for (name, (dtype, shape, want_bytes)) in want {
+        let (gd, gs, gb) = &got[name];
+        assert_eq!((gd, gs), (dtype, shape), "{what}: `{name}` dtype and shape");
+        bytes(name, dtype, gb, want_bytes);
+    }
 }
 
 /// Files (recursively) under `dir`, relative names, sorted.
@@ -405,9 +446,57 @@ pub fn merge_lora<'a>(
     .concat()
 }
 
+/// Runs `tftf merge-lora -b BASE -a ADAPTER -o OUT EXTRA...` ([`merge_lora`]), any exit.
+pub fn lora_merge(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf(&merge_lora(base, adapter, out, extra))
+}
+
+/// [`lora_merge`], asserting success ([`ok`]).
+pub fn lora_merged(base: &Path, adapter: &Path, out: &Path, extra: &[&str]) -> Output {
+    let o = lora_merge(base, adapter, out, extra);
+    ok(&o);
+    o
+}
+
+/// [`tftf`], asserting success ([`ok`]).
+pub fn tftf_ok(args: &[&str]) -> Output {
+    let o = tftf(args);
+    ok(&o);
+    o
+}
+
+/// [`convert`], asserting success ([`ok`]).
+pub fn convert_ok(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
+    tftf_ok(&cmd(name, input, out, extra))
+}
+
 /// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.
 pub fn convert(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
     tftf(&cmd(name, input, out, extra))
+}
+
+/// Runs `tftf passthrough -i INPUT -o OUT EXTRA...`, any exit.
+pub fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> Output {
+    convert("passthrough", input, out, extra)
+}
+
+/// A fresh [`tmp`] folder and the path `in` in it (not made).
+pub fn tmp_in() -> (tempfile::TempDir, PathBuf) {
+    let d = tmp();
+    let src = d.path().join("in");
+    (d, src)
+}
+
+/// A fresh [`tmp`] folder and the path `out` in it (not made).
+pub fn tmp_out() -> (tempfile::TempDir, PathBuf) {
+    let d = tmp();
+    let out = d.path().join("out");
+    (d, out)
+}
+
+/// [`passthrough`], asserting success ([`ok`]).
+pub fn passthrough_ok(input: &Path, out: &Path, extra: &[&str]) -> Output {
+    convert_ok("passthrough", input, out, extra)
 }
 
 /// Runs tftf and returns its exit code, stdout and stderr.
@@ -447,6 +536,27 @@ pub fn f32s_of(bytes: &[u8]) -> Vec<f32> {
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect()
 }
+
+/// The `quantize --scheme` presets, as the compressed-tensors format writes them.
+pub const SCHEMES: [&str; 7] = [
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "W8A16",
+    "W4A16",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+];
+
+/// The presets `quantize --format modelopt` holds.
+pub const MODELOPT_SCHEMES: [&str; 6] = [
+    "FP8_BLOCK",
+    "FP8_DYNAMIC",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP8A16",
+    "W4A16",
+];
 
 /// The modules `requant_adapter` targets in layer 0 of the `quantize` fixtures (with their
 /// [out, in]). 320 rows and columns make ragged 128-blocks.

@@ -1,0 +1,364 @@
+//! GGUF helpers: one reader for every test, and small models for `tftf gguf`.
+//!
+//! - Read: [`read_header`] (KVs and tensor infos of a header, as llama.cpp's loader reads
+//!   them), [`Gguf::read`] / [`parse`] (a whole file, its layout checked, tensors with data).
+//! - Write and convert: [`GgufCase`] (a temporary folder with a model made by [`model_dir`]:
+//!   config fixture, tokenizer fixture, tensors), [`GgufCase::convert`] runs
+//!   `tftf gguf MODEL -o OUT --vocab-pre PRE EXTRA... -q` and reads the output back;
+//!   [`dense_layers`] / [`head`] make Llama-like tensors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value as Json;
+use tftf::format::dtype::DType;
+
+use super::{fixture, ok, rand_t, s, tftf, tmp, write_file, Rng, T};
+
+/// `tests/fixtures/gguf/<name>`.
+pub fn gguf_fixture(name: &str) -> PathBuf {
+    fixture(&format!("gguf/{name}"))
+}
+
+/// The bytes of `tests/fixtures/gguf/<name>`.
+pub fn read_gguf_fixture(name: &str) -> Vec<u8> {
+    let path = gguf_fixture(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The header of a GGUF file: KVs as (key, encoded type + value), tensor infos as
+/// (name, dims innermost first as stored, type id, offset), and where the data starts
+/// (`general.alignment`, 32 by default).
+pub struct Header {
+    pub kvs: Vec<(String, Vec<u8>)>,
+    pub tensors: Vec<(String, Vec<u64>, u32, u64)>,
+    pub data_start: u64,
+    /// Where the tensor infos end.
+    pub end: usize,
+}
+
+/// Reads the header of the GGUF bytes `b` (version 3), following llama.cpp's loader rules.
+pub fn read_header(b: &[u8]) -> Header {
+    let mut p = 0usize;
+    let u32_at = |p: &mut usize| {
+        let v = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
+        *p += 4;
+        v
+    };
+    let u64_at = |p: &mut usize| {
+        let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
+        *p += 8;
+        v
+    };
+    let str_at = |p: &mut usize| {
+        let n = u64_at(p) as usize;
+        let s = String::from_utf8(b[*p..*p + n].to_vec()).unwrap();
+        *p += n;
+        s
+    };
+    assert_eq!(&b[..4], b"GGUF");
+    p += 4;
+    assert_eq!(u32_at(&mut p), 3);
+    let n_tensors = u64_at(&mut p);
+    let n_kv = u64_at(&mut p);
+    fn skip_value(b: &[u8], p: &mut usize, ty: u32) {
+        let fixed = |t| match t {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            t => panic!("kv type {t}"),
+        };
+        match ty {
+            8 => {
+                let n = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap()) as usize;
+                *p += 8 + n;
+            }
+            9 => {
+                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
+                let n = u64::from_le_bytes(b[*p + 4..*p + 12].try_into().unwrap());
+                *p += 12;
+                for _ in 0..n {
+                    skip_value(b, p, et);
+                }
+            }
+            t => *p += fixed(t),
+        }
+    }
+    let mut kvs = Vec::new();
+    for _ in 0..n_kv {
+        let key = str_at(&mut p);
+        let start = p;
+        let ty = u32_at(&mut p);
+        skip_value(b, &mut p, ty);
+        kvs.push((key, b[start..p].to_vec()));
+    }
+    let align = kvs
+        .iter()
+        .find(|(k, _)| k == "general.alignment")
+        .map(|(_, v)| u32::from_le_bytes(v[4..8].try_into().unwrap()) as u64)
+        .unwrap_or(32);
+    let mut tensors = Vec::new();
+    for _ in 0..n_tensors {
+        let name = str_at(&mut p);
+        let nd = u32_at(&mut p);
+        let dims: Vec<u64> = (0..nd).map(|_| u64_at(&mut p)).collect();
+        let ty = u32_at(&mut p);
+        let off = u64_at(&mut p);
+        tensors.push((name, dims, ty, off));
+    }
+    Header {
+        kvs,
+        tensors,
+        data_start: (p as u64).div_ceil(align) * align,
+        end: p,
+    }
+}
+
+/// A GGUF file read back as llama.cpp's loader reads it.
+pub struct Gguf {
+    /// Key → raw type id + value bytes, in file order.
+    pub kvs: Vec<(String, Vec<u8>)>,
+    /// Name → (shape outermost first, type id, data bytes).
+    pub tensors: BTreeMap<String, (Vec<u64>, u32, Vec<u8>)>,
+    pub order: Vec<String>,
+}
+
+/// Bytes of `elems` elements of the ggml type `ty` (the types the tests write).
+fn type_size(ty: u32, elems: u64) -> u64 {
+    match ty {
+        0 => elems * 4,
+        1 | 30 => elems * 2,
+        8 => elems / 32 * 34,
+        39 => elems / 32 * 17,
+        t => panic!("type {t}"),
+    }
+}
+
+impl Gguf {
+    /// Reads the file at `path`, checking the layout: no `general.alignment` (32 bytes), zero
+    /// padding to the data, each offset the previous one plus its size padded to 32 (as
+    /// gguf.cpp), and the file ending with the last tensor.
+    pub fn read(path: &Path) -> Gguf {
+        let b = std::fs::read(path).unwrap();
+        let h = read_header(&b);
+        assert!(
+            !h.kvs.iter().any(|(k, _)| k == "general.alignment"),
+            "32-byte alignment is written as no key"
+        );
+        assert!(b[h.end..h.data_start as usize].iter().all(|&x| x == 0));
+        let mut expect = 0u64;
+        let mut tensors = BTreeMap::new();
+        let mut order = Vec::new();
+        for (name, mut dims, ty, off) in h.tensors {
+            dims.reverse();
+            assert_eq!(off, expect, "{name}: offset");
+            let len = type_size(ty, dims.iter().product());
+            let at = (h.data_start + off) as usize;
+            let data = b[at..at + len as usize].to_vec();
+            expect = (off + len).div_ceil(32) * 32;
+            order.push(name.clone());
+            assert!(tensors.insert(name, (dims, ty, data)).is_none());
+        }
+        assert_eq!(b.len() as u64, h.data_start + expect, "file length");
+        Gguf {
+            kvs: h.kvs,
+            tensors,
+            order,
+        }
+    }
+
+    pub fn kv(&self, key: &str) -> Option<&[u8]> {
+        self.kvs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    pub fn u32(&self, key: &str) -> u32 {
+        let v = self.kv(key).unwrap_or_else(|| panic!("no {key}"));
+        assert_eq!(u32::from_le_bytes(v[..4].try_into().unwrap()), 4, "{key}");
+        u32::from_le_bytes(v[4..8].try_into().unwrap())
+    }
+
+    pub fn str(&self, key: &str) -> String {
+        let v = self.kv(key).unwrap_or_else(|| panic!("no {key}"));
+        assert_eq!(u32::from_le_bytes(v[..4].try_into().unwrap()), 8, "{key}");
+        String::from_utf8(v[12..].to_vec()).unwrap()
+    }
+
+    pub fn tensor(&self, name: &str) -> &(Vec<u64>, u32, Vec<u8>) {
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("no tensor {name}: {:?}", self.order))
+    }
+}
+
+/// [`Gguf::read`].
+pub fn parse(path: &Path) -> Gguf {
+    Gguf::read(path)
+}
+
+/// A model directory `root/{cfg}-model`: `config.json` from the fixture
+/// `configs/{cfg}.config.json` with the tokenizer fixture's vocabulary size and special ids
+/// (then `edit`), the tokenizer fixture, and `tensors` as `model.safetensors`.
+pub fn model_dir(root: &Path, cfg: &str, edit: impl FnOnce(&mut Json), tensors: &[T]) -> PathBuf {
+    let dir = root.join(format!("{cfg}-model"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: Json =
+        serde_json::from_slice(&read_gguf_fixture(&format!("configs/{cfg}.config.json"))).unwrap();
+    let m = config.as_object_mut().unwrap();
+    m.insert("vocab_size".into(), 410.into());
+    m.remove("bos_token_id");
+    m.insert("eos_token_id".into(), 1.into());
+    edit(&mut config);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), dir.join(f)).unwrap();
+    }
+    write_file(&dir.join("model.safetensors"), tensors);
+    dir
+}
+
+/// Embeddings `[410, 64]`, final norm `[64]` and output head `[410, 64]` of `dtype`.
+pub fn head(rng: &mut Rng, dtype: DType) -> Vec<T> {
+    vec![
+        rand_t(rng, "model.embed_tokens.weight", dtype, &[410, 64]),
+        rand_t(rng, "model.norm.weight", dtype, &[64]),
+        rand_t(rng, "lm_head.weight", dtype, &[410, 64]),
+    ]
+}
+
+/// The norms and attention of a layer of hidden size 64: (name in the layer, shape).
+pub fn attention(q: u64, kv: u64) -> Vec<(&'static str, Vec<u64>)> {
+    vec![
+        ("input_layernorm.weight", vec![64]),
+        ("post_attention_layernorm.weight", vec![64]),
+        ("self_attn.q_proj.weight", vec![q, 64]),
+        ("self_attn.k_proj.weight", vec![kv, 64]),
+        ("self_attn.v_proj.weight", vec![kv, 64]),
+        ("self_attn.o_proj.weight", vec![64, q]),
+    ]
+}
+
+/// Random `model.layers.{layer}.{name}` tensors of `dtype` for each (name, shape).
+pub fn layer<N: AsRef<str>, S: AsRef<[u64]>>(
+    rng: &mut Rng,
+    layer: usize,
+    dtype: DType,
+    names: impl IntoIterator<Item = (N, S)>,
+) -> Vec<T> {
+    names
+        .into_iter()
+        .map(|(name, shape)| {
+            let name = format!("model.layers.{layer}.{}", name.as_ref());
+            rand_t(rng, &name, dtype, shape.as_ref())
+        })
+        .collect()
+}
+
+/// Layer `l` of BF16: [`attention`] with 64 query and 32 key/value rows, then `extra`.
+pub fn attention_layer(
+    rng: &mut Rng,
+    l: usize,
+    extra: impl IntoIterator<Item = (&'static str, Vec<u64>)>,
+) -> Vec<T> {
+    let mut names = attention(64, 32);
+    names.extend(extra);
+    layer(rng, l, DType::BF16, names)
+}
+
+/// A two-layer Llama-like model of hidden size 64: [`head`], then per layer [`attention`]
+/// with `q` / `kv` rows, a 128-wide MLP and `extra` tensors, all of `dtype`.
+pub fn dense_layers(
+    rng: &mut Rng,
+    dtype: DType,
+    q: u64,
+    kv: u64,
+    extra: &[(&str, &[u64])],
+) -> Vec<T> {
+    let mut v = head(rng, dtype);
+    for l in 0..2 {
+        let mut names = attention(q, kv);
+        names.extend([
+            ("mlp.gate_proj.weight", vec![128, 64]),
+            ("mlp.up_proj.weight", vec![128, 64]),
+            ("mlp.down_proj.weight", vec![64, 128]),
+        ]);
+        names.extend(extra.iter().map(|(n, sh)| (*n, sh.to_vec())));
+        v.extend(layer(rng, l, dtype, names));
+    }
+    v
+}
+
+/// The bytes of the tensor `name` in `tensors`.
+pub fn src<'a>(tensors: &'a [T], name: &str) -> &'a [u8] {
+    &tensors
+        .iter()
+        .find(|t| t.0 == name)
+        .unwrap_or_else(|| panic!("no source tensor {name}"))
+        .3
+}
+
+/// The bytes of `n` tensors named `name(0)`, `name(1)`, ... one after another (stacked
+/// experts).
+pub fn stacked(tensors: &[T], n: usize, name: impl Fn(usize) -> String) -> Vec<u8> {
+    (0..n)
+        .flat_map(|x| src(tensors, &name(x)).to_vec())
+        .collect()
+}
+
+/// The arguments `gguf MODEL -o OUT EXTRA...`.
+pub fn gguf_args<'a>(model: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    [&["gguf", s(model), "-o", s(out)][..], extra].concat()
+}
+
+/// Runs `tftf gguf MODEL -o OUT --vocab-pre PRE EXTRA... -q`, asserts success and reads the
+/// output back.
+pub fn to_gguf(model: &Path, out: &Path, pre: &str, extra: &[&str]) -> Gguf {
+    let args = [&["--vocab-pre", pre][..], extra, &["-q"]].concat();
+    ok(&tftf(&gguf_args(model, out, &args)));
+    parse(out)
+}
+
+/// A temporary folder with a model written by [`model_dir`].
+pub struct GgufCase {
+    pub dir: tempfile::TempDir,
+    pub model: PathBuf,
+    pub tensors: Vec<T>,
+}
+
+impl GgufCase {
+    /// `tensors` with the config fixture `cfg` (changed by `edit`) in a fresh folder.
+    pub fn new(cfg: &str, edit: impl FnOnce(&mut Json), tensors: Vec<T>) -> Self {
+        let dir = tmp();
+        let model = model_dir(dir.path(), cfg, edit, &tensors);
+        GgufCase {
+            dir,
+            model,
+            tensors,
+        }
+    }
+
+    /// [`dense_layers`] of BF16 (64 query rows, 32 key/value rows) drawn from `Rng(seed)`
+    /// with the config fixture `cfg`.
+    pub fn dense(seed: u64, cfg: &str) -> Self {
+        let tensors = dense_layers(&mut Rng(seed), DType::BF16, 64, 32, &[]);
+        Self::new(cfg, |_| {}, tensors)
+    }
+
+    /// `rel` in the temporary folder.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// [`to_gguf`] of the model into `rel` in the temporary folder.
+    pub fn convert(&self, rel: &str, pre: &str, extra: &[&str]) -> Gguf {
+        to_gguf(&self.model, &self.path(rel), pre, extra)
+    }
+
+    /// The bytes of the source tensor `name`.
+    pub fn src(&self, name: &str) -> &[u8] {
+        src(&self.tensors, name)
+    }
+}
