@@ -1,0 +1,174 @@
+//! `tftf gguf` as a job on the shared pipeline: the same bytes whatever the threads, readers,
+//! writers and chunk sizes; the output policy every writing command has (checksums, report,
+//! device); what it refuses before anything is written.
+
+mod common;
+use common::gguf::*;
+use common::*;
+
+use serde_json::Value as Json;
+use tftf::format::dtype::DType;
+
+/// A two-layer Llama of hidden size 1024 (4 heads of 256, 2 KV heads): its Q/K permutations
+/// and Q8_0 rows are several pipeline chunks each at the smallest memory budget.
+fn wide_llama() -> GgufCase {
+    const H: u64 = 1024;
+    let mut rng = Rng(23);
+    let mut tensors = vec![
+        rand_t(
+            &mut rng,
+            "model.embed_tokens.weight",
+            DType::BF16,
+            &[410, H],
+        ),
+        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[H]),
+        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, H]),
+    ];
+    for l in 0..2 {
+        tensors.extend(layer(
+            &mut rng,
+            l,
+            DType::BF16,
+            [
+                ("input_layernorm.weight", vec![H]),
+                ("post_attention_layernorm.weight", vec![H]),
+                ("self_attn.q_proj.weight", vec![H, H]),
+                ("self_attn.k_proj.weight", vec![H / 2, H]),
+                ("self_attn.v_proj.weight", vec![H / 2, H]),
+                ("self_attn.o_proj.weight", vec![H, H]),
+                ("mlp.gate_proj.weight", vec![256, H]),
+                ("mlp.up_proj.weight", vec![256, H]),
+                ("mlp.down_proj.weight", vec![H, 256]),
+            ],
+        ));
+    }
+    GgufCase::new(
+        "llama3",
+        |c| {
+            c["hidden_size"] = H.into();
+            c["intermediate_size"] = 256.into();
+        },
+        tensors,
+    )
+}
+
+#[test]
+fn threads_readers_writers_and_chunk_sizes_change_no_byte() {
+    let c = wide_llama();
+    for outtype in ["q8_0", "f16"] {
+        let runs: [&[&str]; 4] = [
+            &[],
+            &[
+                "--threads",
+                "1",
+                "--io-threads",
+                "1",
+                "--memory-budget",
+                "16MiB",
+            ],
+            &[
+                "--threads",
+                "3",
+                "--io-threads",
+                "4",
+                "--memory-budget",
+                "16MiB",
+            ],
+            &["--threads", "2", "--device", "cpu", "--no-reflink"],
+        ];
+        let mut first: Option<Vec<u8>> = None;
+        for (k, extra) in runs.iter().enumerate() {
+            let out = c.path(&format!("{outtype}-{k}.gguf"));
+            let args = [&["--outtype", outtype][..], extra].concat();
+            c.convert(&format!("{outtype}-{k}.gguf"), "llama-bpe", &args);
+            let bytes = std::fs::read(&out).unwrap();
+            match &first {
+                None => first = Some(bytes),
+                Some(want) => assert!(bytes == *want, "{outtype}: run {k} ({extra:?}) differs"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_smallest_budget_streams_a_tensor_in_several_chunks() {
+    let c = wide_llama();
+    let report = c.path("r.json");
+    c.convert(
+        "q.gguf",
+        "llama-bpe",
+        &[
+            "--outtype",
+            "q8_0",
+            "--memory-budget",
+            "16MiB",
+            "--report",
+            s(&report),
+        ],
+    );
+    let r = read_json(&report);
+    let chunk = r["chunk_bytes"].as_u64().unwrap();
+    // q_proj is 2 MiB of BF16: more than one chunk, so chunks really were cut mid-tensor.
+    assert!(chunk < 2 << 20, "{r}");
+    assert!(r["pool_peak_bytes"].as_u64().unwrap() <= 16 << 20, "{r}");
+    assert_eq!(r["device"], "cpu", "{r}");
+}
+
+#[test]
+fn checksums_go_beside_the_gguf_and_verify_checks_them() {
+    let c = GgufCase::dense(5, "qwen3");
+    let out = c.path("out/m.gguf");
+    c.convert("out/m.gguf", "qwen2", &["--checksums", "--outtype", "q8_0"]);
+    assert_listing(&c.path("out"), "SHA256SUMS m.gguf tftf-manifest.json");
+    let sums = std::fs::read_to_string(c.path("out/SHA256SUMS")).unwrap();
+    assert!(sums.contains("  m.gguf"), "{sums}");
+    let manifest: Json = read_json(&c.path("out/tftf-manifest.json"));
+    assert!(
+        manifest.to_string().contains("blk.0.attn_q.weight"),
+        "{manifest}"
+    );
+    tftf_ok(&["verify", s(&c.path("out"))]);
+    // One flipped byte in the last tensor: verify names the file and fails.
+    let mut bytes = std::fs::read(&out).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&out, bytes).unwrap();
+    let (code, stdout, _) = exit_code(&["verify", s(&c.path("out"))]);
+    assert_eq!(code, Some(1));
+    assert_mentions(&stdout, &["m.gguf"]);
+}
+
+#[test]
+fn parts_and_resume_are_refused_before_any_output_exists() {
+    let c = GgufCase::dense(6, "qwen3");
+    for extra in [&["--part", "1/2"][..], &["--resume"]] {
+        let out = c.path("out/m.gguf");
+        let args = [
+            gguf_args(&c.model, &out, &["--vocab-pre", "qwen2"]),
+            extra.to_vec(),
+        ]
+        .concat();
+        let err = usage_error(&args);
+        assert_mentions(&err, &["--part and --resume", "GGUF"]);
+        assert!(!c.path("out").exists(), "{extra:?} created the output");
+    }
+}
+
+#[test]
+fn the_report_counts_what_was_copied_and_computed() {
+    let c = GgufCase::dense(8, "qwen3");
+    let report = c.path("r.json");
+    c.convert("m.gguf", "qwen2", &["--report", s(&report)]);
+    let r = read_json(&report);
+    let bytes = &r["bytes"];
+    // BF16 weights stay BF16 (copied); the norms become F32 (computed).
+    assert!(bytes["copied_unchanged"].as_u64().unwrap() > 0, "{r}");
+    assert!(bytes["computed"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(
+        bytes["tensors"].as_u64().unwrap(),
+        bytes["copied_unchanged"].as_u64().unwrap() + bytes["computed"].as_u64().unwrap(),
+        "{r}"
+    );
+    assert_eq!(r["input"]["format"], "safetensors", "{r}");
+    assert!(r["io_threads"].as_u64().unwrap() >= 1, "{r}");
+}
