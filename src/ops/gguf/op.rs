@@ -491,27 +491,6 @@ mod tests {
                 cols,
             }],
         );
-        // Every 37 rows and every 128 rows, across the block-row boundary.
-        for per in [37, 128, 256] {
-            let mut got = vec![0u8; want.len()];
-            let row = op.out_unit_bytes() as usize;
-            let mut u = 0;
-            while u < rows {
-                let end = (u + per).min(rows);
-                let r = op.input_ranges(u..end);
-                let pieces = [
-                    &w[r[0].start as usize..r[0].end as usize],
-                    &scale[r[1].start as usize..r[1].end as usize],
-                ];
-                op.compute(
-                    u..end,
-                    &pieces,
-                    &mut got[u as usize * row..end as usize * row],
-                )
-                .unwrap();
-                u = end;
-            }
-            assert_eq!(got, want, "chunks of {per} rows");
-        }
+        check_chunkings(&op, &[w, scale], &want);
     }
 }

@@ -10,7 +10,7 @@ use super::tensor::{OutputTensor, Recipe};
 use super::GgmlType;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::ops::cast::{bf16_to_f32, f16_to_f32, write_as};
+use crate::ops::cast::write_as;
 
 /// Elements per row, rows, and bytes per output row of `t`.
 pub fn row_geometry(t: &OutputTensor) -> (u64, u64, u64) {
@@ -189,20 +189,9 @@ pub fn write_rows_from<'a>(
 }
 
 fn to_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
-    match dtype {
-        DType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-    }
+    let mut f = vec![0f32; bytes.len() / dtype.size().unwrap_or(4)];
+    quant::decode_f32(bytes, dtype, &mut f);
+    f
 }
 
 /// Source elements → output type, rounding once (the reference widens to f32 first, exactly).

@@ -84,24 +84,29 @@ pub fn quantize_q8_0_from(elems: &[u8], dtype: DType, out: &mut [u8]) {
         .chunks_exact(Q8_0_BLOCK_ELEMS * es)
         .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
     {
-        match dtype {
-            DType::BF16 => {
-                for (v, c) in x.iter_mut().zip(src.chunks_exact(2)) {
-                    *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-                }
-            }
-            DType::F16 => {
-                for (v, c) in x.iter_mut().zip(src.chunks_exact(2)) {
-                    *v = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-                }
-            }
-            _ => {
-                for (v, c) in x.iter_mut().zip(src.chunks_exact(4)) {
-                    *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+        decode_f32(src, dtype, &mut x);
+        quantize_q8_0_block(&x, dst);
+    }
+}
+
+/// Widens stored `BF16`, `F16` or `F32` elements to f32, exactly.
+pub fn decode_f32(src: &[u8], dtype: DType, out: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for (v, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
             }
         }
-        quantize_q8_0_block(&x, dst);
+        DType::F16 => {
+            for (v, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *v = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        _ => {
+            for (v, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
     }
 }
 
@@ -168,20 +173,8 @@ mod tests {
                     .flat_map(|_| ((next() >> 16) as u16 & 0x7BFF).to_le_bytes())
                     .collect(),
             };
-            let f: Vec<f32> = match dtype {
-                DType::BF16 => elems
-                    .chunks_exact(2)
-                    .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-                    .collect(),
-                DType::F16 => elems
-                    .chunks_exact(2)
-                    .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-                    .collect(),
-                _ => elems
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            };
+            let mut f = vec![0f32; n];
+            decode_f32(&elems, dtype, &mut f);
             let mut want = vec![0u8; 4 * Q8_0_BLOCK_BYTES];
             quantize_q8_0(&f, &mut want);
             let mut got = vec![0u8; 4 * Q8_0_BLOCK_BYTES];
