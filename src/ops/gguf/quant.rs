@@ -31,9 +31,17 @@ pub fn q8_0_fits(row_len: u64) -> bool {
 /// Quantises one block of 32 values into `out` (34 bytes).
 #[inline]
 pub fn quantize_q8_0_block(x: &[f32], out: &mut [u8]) {
-    debug_assert_eq!(x.len(), Q8_0_BLOCK_ELEMS);
-    debug_assert_eq!(out.len(), Q8_0_BLOCK_BYTES);
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let x: &[f32; Q8_0_BLOCK_ELEMS] = x.try_into().expect("a block of 32 values");
+    let out: &mut [u8; Q8_0_BLOCK_BYTES] = out.try_into().expect("a block of 34 bytes");
+    // `f32::max` of the magnitudes, NaNs skipped as `max` skips them: the largest of a set,
+    // whatever the order, so it is taken in 8 lanes (a compare and select each) that vectorise.
+    let mut lanes = [0.0f32; 8];
+    for row in x.chunks_exact(8) {
+        for (m, v) in lanes.iter_mut().zip(row) {
+            *m = if v.abs() > *m { v.abs() } else { *m };
+        }
+    }
+    let amax = lanes.iter().fold(0.0f32, |m, &v| if v > m { v } else { m });
     let d = amax / 127.0;
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     out[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
@@ -181,6 +189,21 @@ mod tests {
             quantize_q8_0_from(&elems, dtype, &mut got);
             assert_eq!(got, want, "{dtype}");
         }
+    }
+
+    #[test]
+    fn the_block_maximum_skips_nans_as_f32_max_does() {
+        let mut x = [0.25f32; 32];
+        x[3] = f32::NAN;
+        x[7] = -3.0;
+        let (mut a, mut b) = ([0u8; 34], [0u8; 34]);
+        quantize_q8_0_block(&x, &mut a);
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(amax, 3.0);
+        b[..2].copy_from_slice(&f32_to_f16(amax / 127.0).to_le_bytes());
+        assert_eq!(a[..2], b[..2]);
+        assert_eq!(a[2 + 7] as i8, -127);
+        assert_eq!(a[2 + 3], 0);
     }
 
     #[test]
