@@ -424,14 +424,11 @@ pub struct RequantArgs {
     pub no_requant: bool,
 }
 
+/// What the three merge commands (`merge-lora`, `merge-dcp-lora`, `merge-fsdp-lora`) take after
+/// their adapter source: the output, the adapter options, requantisation and the cast of the
+/// merged weights. One struct, so the flags cannot drift apart between the commands.
 #[derive(Args, Debug)]
-pub struct MergeArgs {
-    #[command(flatten)]
-    pub input: InputArgs,
-    /// Adapter: a .safetensors file, a directory with adapter_model.safetensors, or a training
-    /// output directory (the highest checkpoint-N is used)
-    #[arg(short = 'a', long = "adapter", value_name = "ADAPTER")]
-    pub adapter: PathBuf,
+pub struct MergeOutputArgs {
     #[command(flatten)]
     pub write: WriteArgs,
     #[command(flatten)]
@@ -441,6 +438,18 @@ pub struct MergeArgs {
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
     #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Adapter: a .safetensors file, a directory with adapter_model.safetensors, or a training
+    /// output directory (the highest checkpoint-N is used)
+    #[arg(short = 'a', long = "adapter", value_name = "ADAPTER")]
+    pub adapter: PathBuf,
+    #[command(flatten)]
+    pub merge: MergeOutputArgs,
     /// Rename tensors: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
     pub rename: Vec<String>,
@@ -461,14 +470,7 @@ pub struct MergeDcpArgs {
     )]
     pub checkpoint_dir: PathBuf,
     #[command(flatten)]
-    pub write: WriteArgs,
-    #[command(flatten)]
-    pub lora: AdapterOpts,
-    #[command(flatten)]
-    pub requant_args: RequantArgs,
-    /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
-    pub dtype: Option<String>,
+    pub merge: MergeOutputArgs,
     /// Rename tensors before merging: regex and replacement, as in passthrough
     #[arg(long, num_args = 2, value_names = ["REGEX", "REPL"], allow_hyphen_values = true)]
     pub rename: Vec<String>,
@@ -490,14 +492,7 @@ pub struct MergeFsdpArgs {
     #[arg(long, value_name = "DIR", conflicts_with = "shards")]
     pub shard_dir: Option<PathBuf>,
     #[command(flatten)]
-    pub write: WriteArgs,
-    #[command(flatten)]
-    pub lora: AdapterOpts,
-    #[command(flatten)]
-    pub requant_args: RequantArgs,
-    /// Cast float tensors (the merged ones included) to bf16, f16 or f32
-    #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
-    pub dtype: Option<String>,
+    pub merge: MergeOutputArgs,
 }
 
 #[derive(Args, Debug)]

@@ -155,24 +155,24 @@ fn writing_job(
             // As in Python tftf, renames come first: the adapter is matched against the new
             // names.
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            let merge = lora_step(&a.adapter, &a.lora)?;
-            steps.extend(merge_steps(merge, &a.requant_args, &a.dtype)?);
-            job("merge-lora", steps, opts(&a.write)?, &|| {
+            let merge = lora_step(&a.adapter, &a.merge.lora)?;
+            steps.extend(merge_steps(merge, &a.merge)?);
+            job("merge-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
             })
         }
         Command::MergeDcpLora(a) => {
             let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            let merge = lora_step(&a.checkpoint_dir, &a.lora)?;
-            steps.extend(merge_steps(merge, &a.requant_args, &a.dtype)?);
-            job("merge-dcp-lora", steps, opts(&a.write)?, &|| {
+            let merge = lora_step(&a.checkpoint_dir, &a.merge.lora)?;
+            steps.extend(merge_steps(merge, &a.merge)?);
+            job("merge-dcp-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
             })
         }
         Command::MergeFsdpLora(a) => {
-            let merge = lora_step_from(AdapterSource::Ranks(rank_files(a)?), &a.lora)?;
-            let steps = merge_steps(merge, &a.requant_args, &a.dtype)?;
-            job("merge-fsdp-lora", steps, opts(&a.write)?, &|| {
+            let merge = lora_step_from(AdapterSource::Ranks(rank_files(a)?), &a.merge.lora)?;
+            let steps = merge_steps(merge, &a.merge)?;
+            job("merge-fsdp-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
             })
         }

@@ -169,13 +169,9 @@ pub(crate) fn requant_step(
 
 /// A merge command's steps after its renames: the merge (requantising a quantised base unless
 /// told otherwise), then the `--dtype` cast.
-pub(crate) fn merge_steps(
-    merge: Step,
-    r: &crate::cli::RequantArgs,
-    dtype: &Option<String>,
-) -> Result<Vec<Step>> {
-    let mut steps = vec![requant_step(merge, r, dtype.is_some())?];
-    if let Some(d) = dtype {
+pub(crate) fn merge_steps(merge: Step, m: &crate::cli::MergeOutputArgs) -> Result<Vec<Step>> {
+    let mut steps = vec![requant_step(merge, &m.requant_args, m.dtype.is_some())?];
+    if let Some(d) = &m.dtype {
         steps.push(Step::Cast {
             dtype: cast_target(d)?,
             cast_ints: false,
