@@ -1,6 +1,6 @@
 //! `tftf gguf` as a job on the shared pipeline: the same bytes whatever the threads, readers,
 //! writers and chunk sizes; the output policy every writing command has (checksums, report,
-//! device); what it refuses before anything is written.
+//! device, `--part K/N` + `finalize`, `--resume`).
 
 mod common;
 use common::gguf::*;
@@ -138,19 +138,52 @@ fn checksums_go_beside_the_gguf_and_verify_checks_them() {
     assert_mentions(&stdout, &["m.gguf"]);
 }
 
+/// The split files of `dir` and their bytes, by name.
+fn split_files(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    listing(dir)
+        .into_iter()
+        .filter(|n| n.ends_with(".gguf"))
+        .map(|n| {
+            let bytes = std::fs::read(dir.join(&n)).unwrap();
+            (n, bytes)
+        })
+        .collect()
+}
+
 #[test]
-fn parts_and_resume_are_refused_before_any_output_exists() {
+fn split_files_written_as_parts_and_finalized_equal_one_run() {
     let c = GgufCase::dense(6, "qwen3");
-    for extra in [&["--part", "1/2"][..], &["--resume"]] {
-        let out = c.path("out/m.gguf");
-        let args = [
-            gguf_args(&c.model, &out, &["--vocab-pre", "qwen2"]),
-            extra.to_vec(),
-        ]
-        .concat();
-        let err = usage_error(&args);
-        assert_mentions(&err, &["--part and --resume", "GGUF"]);
-        assert!(!c.path("out").exists(), "{extra:?} created the output");
+    let split = ["--split-max-size", "20K", "--outtype", "q8_0"];
+    let quiet = [&split[..], &["--vocab-pre", "qwen2", "-q"]].concat();
+    tftf_ok(&gguf_args(&c.model, &c.path("one/m.gguf"), &quiet));
+    let want = split_files(&c.path("one"));
+    assert!(
+        want.len() >= 3,
+        "{:?}",
+        want.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    // Two jobs of an array, then finalize; and one resumable run.
+    let out = c.path("parts/m.gguf");
+    for part in ["1/2", "2/2"] {
+        let args = [&split[..], &["--vocab-pre", "qwen2", "--part", part, "-q"]].concat();
+        tftf_ok(&gguf_args(&c.model, &out, &args));
+    }
+    assert!(c.path("parts/.tftf-parts").is_dir());
+    tftf_ok(&["finalize", s(&c.path("parts")), "-q"]);
+    let resumed = c.path("resumed/m.gguf");
+    let args = [&split[..], &["--vocab-pre", "qwen2", "--resume", "-q"]].concat();
+    tftf_ok(&gguf_args(&c.model, &resumed, &args));
+    for dir in ["parts", "resumed"] {
+        assert!(
+            split_files(&c.path(dir)) == want,
+            "{dir}: the split files differ"
+        );
+        // No safetensors index beside GGUF split files; checksums are on for parts.
+        let mut names: Vec<String> = want.iter().map(|f| f.0.clone()).collect();
+        names.extend(["SHA256SUMS".into(), "tftf-manifest.json".into()]);
+        names.sort();
+        assert_eq!(listing(&c.path(dir)), names, "{dir}");
+        tftf_ok(&["verify", s(&c.path(dir))]);
     }
 }
 

@@ -70,11 +70,6 @@ impl WriteOptions {
 
     /// Options of `tftf gguf`: the same policy, a GGUF sink.
     pub fn from_gguf_args(a: &GgufArgs, arguments: &str) -> Result<WriteOptions> {
-        if a.policy.part.is_some() || a.policy.resume {
-            return Err(Error::Usage(
-                "--part and --resume write directories of safetensors shards; a GGUF output is written in one run".into(),
-            ));
-        }
         let mut opts = Self::common(
             &a.output,
             &a.run,

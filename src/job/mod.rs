@@ -16,7 +16,7 @@ pub(crate) use describe::*;
 pub use parts::print_finalized;
 pub(crate) use prepared::*;
 pub(crate) use report::*;
-pub(crate) use run::OutputSink;
+pub(crate) use run::{output_names, print_any_plan, OutputSink};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -39,7 +39,9 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
     let part = opts.part.unwrap_or(PartSpec { k: 1, n: 1 });
     let label = part.label();
     let finalize_after = opts.finalize || opts.part.is_none();
-    if p.target.file_name().is_some() || !matches!(p.target.kind, OutputKind::Dir) {
+    let safetensors_file =
+        p.target.file_name().is_some() || !matches!(p.target.kind, OutputKind::Dir);
+    if matches!(p.sink, OutputSink::Safetensors(_)) && safetensors_file {
         return Err(Error::Usage(
             "--part and --resume write a directory of shards: give a directory as -o".into(),
         ));
@@ -78,8 +80,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
         .chain(p.plan.generated_files.iter().map(|(n, _)| n.clone()))
         .collect();
     if let Some(report) = &opts.report {
-        let mut names = p.target.names(layout, p.sides);
-        names.extend(p.plan.generated_files.iter().map(|(n, _)| n.clone()));
+        let mut names = output_names(p, false)?;
         names.push(parts::PARTS_DIR.into());
         p.target.check_report(report, &names)?;
     }
@@ -93,10 +94,10 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
 
     if opts.dry_run {
         if !opts.quiet {
-            print_plan(p, needed, free);
+            print_any_plan(p, needed, free);
             print_assignment(p, part, &part_of);
         }
-        let mut r = report_json(p, None, true);
+        let mut r = any_report_json(p, None, true);
         r["part"] = part_json(part, &mine, layout, &[], &[]);
         if let Some(path) = &opts.report {
             crate::output::write_report(path, &r)?;
@@ -173,7 +174,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
         }
         None
     };
-    let mut r = report_json(p, Some(&stats), false);
+    let mut r = any_report_json(p, Some(&stats), false);
     r["part"] = part_json(part, &mine, layout, &written, &kept);
     r["finalized"] = Value::from(finalized.is_some());
     publish_report(opts.report.as_deref(), opts.progress, p.command, &r);
@@ -355,6 +356,7 @@ fn write_part(
         fingerprint: fp.clone(),
         checksums,
         shards_total: layout.shards.len(),
+        index: layout.has_index(),
         assigned: mine
             .iter()
             .map(|&s| (s, layout.shards[s].file_name.clone()))

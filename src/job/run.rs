@@ -151,7 +151,7 @@ pub(super) fn run(
 
 /// Names of the files a single run commits, the model files first; refuses checksums beside
 /// a single `.safetensors` file.
-fn output_names(run: &Prepared, checksums: bool) -> Result<Vec<String>> {
+pub(crate) fn output_names(run: &Prepared, checksums: bool) -> Result<Vec<String>> {
     let (target, layout) = (run.target, run.layout);
     let mut names = match run.sink {
         OutputSink::Gguf(_) => layout.shards.iter().map(|s| s.file_name.clone()).collect(),
@@ -182,10 +182,7 @@ fn claim(run: &Prepared, names: &[String]) -> Result<Claim> {
 fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Result<Value> {
     let opts = run.opts;
     if !opts.quiet {
-        match run.sink {
-            OutputSink::Gguf(g) => super::gguf::print_plan(run, g, needed, free),
-            OutputSink::Safetensors(_) => print_plan(run, needed, free),
-        }
+        print_any_plan(run, needed, free);
         print_claim(claim);
         if run.plan.computed_count() > 0 {
             println!("{}", device_line(run.device));
@@ -196,6 +193,14 @@ fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Res
         write_report(path, &report)?;
     }
     Ok(report)
+}
+
+/// The dry run's plan, in its format's shape.
+pub(crate) fn print_any_plan(run: &Prepared, needed: u64, free: Option<u64>) {
+    match run.sink {
+        OutputSink::Gguf(g) => super::gguf::print_plan(run, g, needed, free),
+        OutputSink::Safetensors(_) => print_plan(run, needed, free),
+    }
 }
 
 /// One run: every file written under a temporary name, then committed together.

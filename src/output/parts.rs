@@ -595,6 +595,9 @@ pub struct PartRecord {
     pub fingerprint: Fingerprint,
     pub checksums: bool,
     pub shards_total: usize,
+    /// Whether finalize writes `model.safetensors.index.json` (safetensors shards; not GGUF
+    /// split files, which carry their own split keys).
+    pub index: bool,
     /// (layout index, file name) of the shards assigned to this part.
     pub assigned: Vec<(usize, String)>,
     /// Side files (part 1 stages them); the same list in every part.
@@ -611,6 +614,7 @@ impl PartRecord {
             "fingerprint": self.fingerprint.to_json(),
             "checksums": self.checksums,
             "shards_total": self.shards_total,
+            "index": self.index,
             "assigned": self.assigned.iter().map(|(i, n)| json!({"index": i, "name": n})).collect::<Vec<_>>(),
             "side_files": self.side_files,
             "complete": self.complete,
@@ -669,6 +673,8 @@ impl PartRecord {
             shards_total: v["shards_total"]
                 .as_u64()
                 .ok_or_else(|| bad("no `shards_total`"))? as usize,
+            // Records written before GGUF parts: safetensors, indexed from two shards on.
+            index: v["index"].as_bool().unwrap_or(true),
             assigned,
             side_files,
             complete: v["complete"].as_bool().unwrap_or(false),
@@ -1169,7 +1175,7 @@ fn add_finished_files(
             })?);
         }
     }
-    if first.shards_total >= 2 {
+    if first.index && first.shards_total >= 2 {
         let index = index_of(shard_records);
         if first.checksums {
             sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
