@@ -137,12 +137,8 @@ def logits(bf16, name, ours, lib):
 
 
 if __name__ == "__main__":
-    cmd = sys.argv[1]
-    if cmd == "gen":
-        gen(sys.argv[2], int(sys.argv[3]))
-    elif cmd == "fp8native":
-        fp8native(sys.argv[2], sys.argv[3])
-    elif cmd == "logits":
-        sys.exit(logits(*sys.argv[2:6]))
-    else:
-        sys.exit(f"unknown command {cmd}")
+    import quantize_reference
+
+    quantize_reference.main(
+        {"gen": lambda path, layers: gen(path, int(layers)), "fp8native": fp8native, "logits": logits}
+    )

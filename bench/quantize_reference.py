@@ -149,13 +149,16 @@ def compare(a, b):
     return 0 if same else 1
 
 
-if __name__ == "__main__":
+def main(commands):
+    """Runs the command named by the first argument: `commands` maps its name to a function of
+    the remaining arguments (strings); what the function returns is the exit status."""
     cmd = sys.argv[1]
-    if cmd == "gen":
-        gen(sys.argv[2], int(sys.argv[3]))
-    elif cmd == "oneshot":
-        oneshot(sys.argv[2], sys.argv[3], sys.argv[4])
-    elif cmd == "compare":
-        sys.exit(compare(sys.argv[2], sys.argv[3]))
-    else:
+    if cmd not in commands:
         sys.exit(f"unknown command {cmd}")
+    sys.exit(commands[cmd](*sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    main(
+        {"gen": lambda path, layers: gen(path, int(layers)), "oneshot": oneshot, "compare": compare}
+    )

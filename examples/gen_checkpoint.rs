@@ -15,25 +15,22 @@
 use std::io::Write;
 use std::path::Path;
 
+use tftf::commands::selftest::table::Lcg;
 use tftf::format::dtype::DType;
 use tftf::format::header::{serialize_header, TensorInfo};
 use tftf::ops::cast::f32_to_bf16;
 
-struct Gen(u64);
+/// The library's generator, drawn as bytes (its top 8 bits) and small floats (its top 24).
+struct Gen(Lcg);
 impl Gen {
+    fn new(seed: u64) -> Gen {
+        Gen(Lcg(seed))
+    }
     fn byte(&mut self) -> u8 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 56) as u8
+        (self.0.next_u32() >> 24) as u8
     }
     fn value(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let u = (self.0 >> 40) as u32; // 24 random bits
+        let u = self.0.next_u32() >> 8; // 24 random bits
         (u as f32 / (1u32 << 24) as f32 - 0.5) * 0.1
     }
 }
@@ -124,7 +121,7 @@ fn lora_adapter(out: &Path, names: &[String], r: u64) {
     write_shard(
         &out.join("adapter_model.safetensors"),
         &tensors,
-        &mut Gen(99),
+        &mut Gen::new(99),
     );
     std::fs::write(
         out.join("adapter_config.json"),
@@ -326,7 +323,7 @@ fn v4_layout(out: &Path, gib: u64) {
 fn finish(out: &Path, shards: Vec<Vec<(String, DType, Vec<u64>)>>, total: u64, config: &str) {
     let n = shards.len();
     let mut map = serde_json::Map::new();
-    let mut gen = Gen(12345);
+    let mut gen = Gen::new(12345);
     for (i, s) in shards.iter().enumerate() {
         let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
         write_shard(&out.join(&name), s, &mut gen);

@@ -5,6 +5,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
+use tftf::commands::selftest::table::slices;
 use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
 use tftf::ops::fp4::engram::{requant_row_scalar, EngramRequant, BLOCK};
@@ -27,7 +28,7 @@ fn best_of<F: FnMut()>(mut f: F) -> f64 {
 }
 
 /// Runs `op` over all its units, split between `threads` threads by row blocks.
-fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) {
+fn run_threads(op: &DequantFp8, inputs: &[Vec<u8>], out: &mut [u8], threads: u64) {
     let units = op.units();
     let per = units.div_ceil(threads).div_ceil(128) * 128;
     let ob = op.out_unit_bytes() as usize;
@@ -38,14 +39,8 @@ fn run_threads(op: &DequantFp8, inputs: &[&[u8]], out: &mut [u8], threads: u64) 
             let end = (u + per).min(units);
             let (mine, tail) = rest.split_at_mut((end - u) as usize * ob);
             rest = tail;
-            let r: Range<u64> = u..end;
-            let ranges = op.input_ranges(r.clone());
-            let ins: Vec<&[u8]> = inputs
-                .iter()
-                .zip(&ranges)
-                .map(|(i, r)| &i[r.start as usize..r.end as usize])
-                .collect();
-            s.spawn(move || op.compute(r, &ins, mine).unwrap());
+            let ins = slices(op, u..end, inputs);
+            s.spawn(move || op.compute(u..end, &ins, mine).unwrap());
             u = end;
         }
     });
@@ -233,8 +228,10 @@ fn main() {
     let codes: Vec<u8> = (0..rows * cols)
         .map(|i| (i * 7 % 251) as u8 & 0xFE)
         .collect();
+    // Codes and scales, as `run_threads` takes them.
+    let mut inputs = [codes, Vec::new()];
     for (sd, sbytes) in [(DType::F32, 4usize), (DType::F8_E8M0, 1)] {
-        let scales: Vec<u8> = (0..64 * 64 * sbytes)
+        inputs[1] = (0..64 * 64 * sbytes)
             .map(|i| {
                 if sbytes == 1 {
                     120
@@ -254,20 +251,18 @@ fn main() {
         };
         let mut out = vec![0u8; (rows * cols * 2) as usize];
         for threads in [1, 2] {
-            let [t] = medians(&mut [&mut || {
-                run_threads(&op, &[&codes, &scales], &mut out, threads as u64)
-            }]);
+            let [t] = medians(&mut [&mut || run_threads(&op, &inputs, &mut out, threads as u64)]);
             report(
                 &format!("dequant-fp8 e4m3->bf16, {sd} scales"),
                 threads,
-                rows * cols + scales.len() as u64,
+                rows * cols + inputs[1].len() as u64,
                 rows * cols * 2,
                 t,
                 &memcpy_t,
             );
         }
     }
-    drop(codes);
+    drop(inputs);
     // Engram requant of a [8192, 4096] table: the scalar reference twin (the kernel before the
     // lane-parallel path) against `EngramRequant::compute_all` as the converter runs it.
     let (rows, cols) = (8192u64, 4096u64);

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::*;
 use tftf::format::dtype::DType;
 use tftf::ops::cast::{f32_to_bf16, f32_to_f16};
@@ -242,10 +244,15 @@ fn rename_collision_names_both_sources_and_writes_nothing() {
         &out,
         &["--rename", r"layers\.\d+\.", "L."],
     ));
-    assert!(err.contains("`model.layers.0.mlp.up_proj.weight`"), "{err}");
-    assert!(err.contains("`model.layers.1.mlp.up_proj.weight`"), "{err}");
-    assert!(err.contains("`model.L.mlp.up_proj.weight`"), "{err}");
-    assert!(!out.exists());
+    assert_refused(
+        &err,
+        &[
+            "`model.layers.0.mlp.up_proj.weight`",
+            "`model.layers.1.mlp.up_proj.weight`",
+            "`model.L.mlp.up_proj.weight`",
+        ],
+        &out,
+    );
 }
 
 #[test]
@@ -488,15 +495,18 @@ fn cross_shard_faults_are_caught_before_output() {
     let a = rand_t(&mut rng, "a", DType::U8, &[4]);
     let b = rand_t(&mut rng, "b", DType::U8, &[4]);
     let out = d.path().join("out");
+    // Each faulty input is refused naming the fault.
+    let refused = |input: &Path, needles: &[&str]| {
+        assert_mentions(&fails(&cmd("passthrough", input, &out, &[])), needles)
+    };
 
     // Duplicate tensor across shards (no index).
     let dup = d.path().join("dup");
     std::fs::create_dir_all(&dup).unwrap();
     write_file(&dup.join("x-1.safetensors"), std::slice::from_ref(&a));
     write_file(&dup.join("x-2.safetensors"), &[a.clone(), b.clone()]);
-    let err = fails(&cmd("passthrough", &dup, &out, &[]));
-    assert_mentions(
-        &err,
+    refused(
+        &dup,
         &["`a` is defined twice", "x-1.safetensors", "x-2.safetensors"],
     );
 
@@ -504,9 +514,8 @@ fn cross_shard_faults_are_caught_before_output() {
     let miss = d.path().join("miss");
     write_sharded(&miss, &[vec![a.clone()], vec![b.clone()]]);
     std::fs::remove_file(miss.join("model-00002-of-00002.safetensors")).unwrap();
-    let err = fails(&cmd("passthrough", &miss, &out, &[]));
-    assert_mentions(
-        &err,
+    refused(
+        &miss,
         &["shard `model-00002-of-00002.safetensors`", "`b`", "missing"],
     );
 
@@ -519,9 +528,8 @@ fn cross_shard_faults_are_caught_before_output() {
         r#""b":"model-00001-of-00002.safetensors""#,
     );
     std::fs::write(&idx, text).unwrap();
-    let err = fails(&cmd("passthrough", &wrong, &out, &[]));
-    assert_mentions(
-        &err,
+    refused(
+        &wrong,
         &[
             "model-00001-of-00002.safetensors",
             "`b`",
@@ -537,14 +545,12 @@ fn cross_shard_faults_are_caught_before_output() {
         r#"{"weight_map":{"a":"../x.safetensors"}}"#,
     )
     .unwrap();
-    let err = fails(&cmd("passthrough", &esc, &out, &[]));
-    assert!(err.contains("not a file in this directory"), "{err}");
+    refused(&esc, &["not a file in this directory"]);
 
     // Nothing to read.
     let empty = d.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let err = fails(&cmd("passthrough", &empty, &out, &[]));
-    assert!(err.contains("no *.safetensors files"), "{err}");
+    refused(&empty, &["no *.safetensors files"]);
     assert!(!out.exists());
 }
 

@@ -117,6 +117,5 @@ fn a_dcp_adapter_without_its_config_is_refused_before_any_output() {
         "-o",
         s(&out),
     ]);
-    assert!(msg.contains("adapter_config.json not found"), "{msg}");
-    assert!(!out.exists());
+    assert_refused(&msg, &["adapter_config.json not found"], &out);
 }

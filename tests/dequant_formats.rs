@@ -226,16 +226,11 @@ fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
 #[test]
 fn a_model_with_nothing_to_decode_is_an_error() {
     let dir = tmp();
-    let model = dir.path().join("model");
-    std::fs::create_dir_all(&model).unwrap();
     let mut rng = Rng(3);
-    write_file(
-        &model.join("model.safetensors"),
-        &[
-            rand_t(&mut rng, "model.norm.weight", DType::BF16, &[64]),
-            rand_t(&mut rng, "lm_head.weight", DType::BF16, &[8, 64]),
-        ],
-    );
+    let model = Model::new()
+        .rand(&mut rng, "model.norm.weight", DType::BF16, &[64])
+        .rand(&mut rng, "lm_head.weight", DType::BF16, &[8, 64])
+        .write(&dir.path().join("model"));
     let out = dir.path().join("out");
     let err = refused(&model, &out);
     assert_mentions(&err, &["nothing to dequantise", "--allow-empty"]);

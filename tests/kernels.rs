@@ -101,6 +101,19 @@ fn host_cast(src: DType, dst: DType, input: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The selftest's cases whose op, over all its units, has a kernel of the tuple variant
+/// `$variant`, each with that kernel's parameters.
+macro_rules! cases_with {
+    ($variant:path) => {
+        selftest::cases().into_iter().filter_map(|case| {
+            match case.op.kernel(&(0..case.op.units())) {
+                Some($variant(p)) => Some((case, p)),
+                _ => None,
+            }
+        })
+    };
+}
+
 fn hex_diff(what: &str, got: &[u8], want: &[u8], elem: usize) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     if let Some(i) =
@@ -552,11 +565,8 @@ fn int_dequant_matches_the_cpu_op_bit_for_bit() {
         fn(*const u8, *const u8, *const u8, *mut u8, u64, *const IntParams) -> ()
     );
     let mut n = 0;
-    for case in selftest::cases() {
+    for (case, p) in cases_with!(Kernel::DequantInt) {
         let op = case.op.as_ref();
-        let Some(Kernel::DequantInt(p)) = op.kernel(&(0..op.units())) else {
-            continue;
-        };
         let g = op.granularity();
         let mut cuts: Vec<u64> = (0..op.units()).step_by(g as usize).collect();
         cuts.push(op.units());
@@ -627,11 +637,8 @@ fn gptq_dequant_matches_the_cpu_op_bit_for_bit() {
         fn(*const u8, *const u8, *const u8, *const u8, *mut u8, u64, *const GptqParams) -> c_int
     );
     let (mut n, mut refused) = (0, 0);
-    for case in selftest::cases() {
+    for (case, p) in cases_with!(Kernel::DequantGptq) {
         let op = case.op.as_ref();
-        let Some(Kernel::DequantGptq(p)) = op.kernel(&(0..op.units())) else {
-            continue;
-        };
         let ins = selftest::slices(op, 0..1, &case.inputs);
         let len = op.out_unit_bytes() as usize;
         let mut want = vec![0u8; len];
@@ -668,11 +675,8 @@ fn modelopt_int4_dequant_matches_the_cpu_op_bit_for_bit() {
         fn(*const u8, *const u8, *mut u8, u64, *const Int4Params) -> c_int
     );
     let (mut n, mut refused) = (0, 0);
-    for case in selftest::cases() {
+    for (case, p) in cases_with!(Kernel::DequantInt4Modelopt) {
         let op = case.op.as_ref();
-        let Some(Kernel::DequantInt4Modelopt(p)) = op.kernel(&(0..op.units())) else {
-            continue;
-        };
         let whole = 0..op.units();
         let pieces: Vec<Range<u64>> = (0..op.units()).map(|u| u..u + 1).collect();
         for units in std::iter::once(whole).chain(pieces) {
@@ -734,11 +738,8 @@ fn fp4_dequant_matches_the_cpu_op_bit_for_bit() {
         (cpu.map(|_| want), ok == 1, got)
     };
     let mut n = 0;
-    for case in selftest::cases() {
+    for (case, p) in cases_with!(Kernel::DequantFp4) {
         let op = case.op.as_ref();
-        let Some(Kernel::DequantFp4(p)) = op.kernel(&(0..op.units())) else {
-            continue;
-        };
         let (want, ok, got) = run(op, &p, &case.inputs);
         assert!(ok, "{}: kernel refused, CPU said {want:?}", case.what);
         hex_diff(

@@ -256,10 +256,8 @@ fn a_product_that_overflows_f32_or_the_output_dtype_is_refused() {
 
 #[test]
 fn modules_to_save_replacing_an_fp8_base_tensor_is_copied_not_cast() {
-    let (d, src) = tmp_in();
-    Model::new()
-        .tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4])
-        .write(&src);
+    let (d, src) =
+        tmp_model(Model::new().tensor("lm_head.weight", DType::F8_E4M3, &[2, 2], vec![0x38; 4]));
     let adapter = d.path().join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     let replacement = vec![1, 2, 3, 4, 5, 6, 7, 8];
@@ -368,10 +366,8 @@ fn planning_a_header_of_200k_tiny_tensors_stays_within_10x_its_size() {
 
 #[test]
 fn a_lora_scale_that_is_not_a_finite_f32_is_refused() {
-    let (d, src) = tmp_in();
-    Model::new()
-        .tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16])
-        .write(&src);
+    let (d, src) =
+        tmp_model(Model::new().tensor("model.q.weight", DType::F32, &[2, 2], vec![0; 16]));
     let config = r#"{"r": 1, "lora_alpha": 1e300}"#;
     q_merge_refused(d.path(), &src, [[1, 2], [2, 1]], config, "`model.q`: the merge scale (lora_alpha / r, times --scale) is 1e300 x 1.0, which is not a finite f32; fix adapter_config.json");
 }

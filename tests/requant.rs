@@ -387,8 +387,7 @@ fn unsupported_scheme_is_an_error_naming_it() {
         &out,
         &["--requant"],
     ));
-    assert!(err.contains("needs a quantised base"), "{err}");
-    assert!(!out.exists());
+    assert_refused(&err, &["needs a quantised base"], &out);
 }
 
 #[test]

@@ -16,10 +16,12 @@
 //! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
 //!   via the `safetensors` crate; [`load_tensors`] without the `format=pt` check),
 //!   [`read_json`], [`listing`], [`stdout`], [`stderr`].
-//! - Check results: [`assert_mentions`] (every needle in a message), [`assert_listing`] (the
-//!   files of a folder), [`assert_same_tensors`] (names, dtypes and shapes, then the bytes).
+//! - Check results: [`assert_mentions`] (every needle in a message), [`assert_refused`] (and no
+//!   output left), [`assert_listing`] (the files of a folder), [`assert_same_tensors`] (names,
+//!   dtypes and shapes, then the bytes).
 //! - Misc: [`tmp`] (a temporary folder; [`tmp_in`] / [`tmp_out`] with the path `in` / `out`
-//!   in it), [`fixture`], [`copy_dir`], [`f32_bytes`], [`f32s_of`], [`Rng`], [`SCHEMES`].
+//!   in it, [`tmp_model`] with a [`Model`] written to `in`), [`fixture`], [`copy_dir`],
+//!   [`f32_bytes`], [`f32s_of`], [`Rng`], [`SCHEMES`].
 //! - Submodules: [`gguf`] (the GGUF reader and `tftf gguf` models), [`peft`] (PEFT's merge
 //!   fixtures), [`xfs`] (a loop-mounted reflink XFS image).
 #![allow(dead_code)]
@@ -181,6 +183,13 @@ pub fn assert_mentions(text: &str, needles: &[&str]) {
     for needle in needles {
         assert!(text.contains(needle), "{needle:?} not in: {text}");
     }
+}
+
+/// Asserts that a refusal's message `msg` mentions every one of `needles` ([`assert_mentions`])
+/// and that the refused command left no `out`.
+pub fn assert_refused(msg: &str, needles: &[&str], out: &Path) {
+    assert_mentions(msg, needles);
+    assert!(!out.exists(), "{} exists after: {msg}", out.display());
 }
 
 /// A fresh temporary directory, removed when dropped.
@@ -484,6 +493,13 @@ pub fn passthrough(input: &Path, out: &Path, extra: &[&str]) -> Output {
 pub fn tmp_in() -> (tempfile::TempDir, PathBuf) {
     let d = tmp();
     let src = d.path().join("in");
+    (d, src)
+}
+
+/// [`tmp_in`] with `model` written to the path `in`.
+pub fn tmp_model(model: Model) -> (tempfile::TempDir, PathBuf) {
+    let (d, src) = tmp_in();
+    model.write(&src);
     (d, src)
 }
 

@@ -35,6 +35,17 @@ bool is_pinned(const void* p, size_t n) {
     return false;
 }
 
+// Drops the range of `list` that starts at `p` (under the lock); false when there is none.
+bool remove_range(std::vector<std::pair<char*, size_t>>& list, void* p) {
+    std::lock_guard<std::mutex> g(lock);
+    for (size_t i = 0; i < list.size(); i++)
+        if (list[i].first == p) {
+            list.erase(list.begin() + i);
+            return true;
+        }
+    return false;
+}
+
 void log_line(const std::string& line) {
     if (const char* log = getenv("TFTF_FAKE_CUDA_LOG"))
         if (FILE* l = fopen(log, "a")) {
@@ -166,14 +177,9 @@ int cuMemHostAlloc(void** p, size_t n, unsigned flags) {
     return 0;
 }
 int cuMemFreeHost(void* p) {
-    std::lock_guard<std::mutex> g(lock);
-    for (size_t i = 0; i < pinned.size(); i++)
-        if (pinned[i].first == p) {
-            pinned.erase(pinned.begin() + i);
-            free(p);
-            return 0;
-        }
-    return 1;
+    if (!remove_range(pinned, p)) return 1;
+    free(p);
+    return 0;
 }
 int cuMemHostRegister_v2(void* p, size_t n, unsigned) {
     if (getenv("TFTF_FAKE_CUDA_NO_REGISTER")) return 801;  // CUDA_ERROR_NOT_SUPPORTED
@@ -190,13 +196,10 @@ int cuMemHostRegister_v2(void* p, size_t n, unsigned) {
     return 0;
 }
 int cuMemHostUnregister(void* p) {
-    std::lock_guard<std::mutex> g(lock);
-    for (size_t i = 0; i < registered.size(); i++)
-        if (registered[i].first == p) {
-            registered.erase(registered.begin() + i);
-            log_line("unregister");
-            return 0;
-        }
+    if (remove_range(registered, p)) {
+        log_line("unregister");
+        return 0;
+    }
     fprintf(stderr, "fake CUDA: cuMemHostUnregister of memory not registered\n");
     return 713;  // CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
 }
