@@ -152,19 +152,13 @@ fn writing_job(
             input_path(&a.input)
         }),
         Command::MergeLora(a) => {
-            // As in Python tftf, renames come first: the adapter is matched against the new
-            // names.
-            let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            let merge = lora_step(&a.adapter, &a.merge.lora)?;
-            steps.extend(merge_steps(merge, &a.merge)?);
+            let steps = renamed_merge(&a.rename, &a.adapter, &a.merge)?;
             job("merge-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
             })
         }
         Command::MergeDcpLora(a) => {
-            let mut steps: Vec<Step> = renames(&a.rename)?.into_iter().map(Step::Rename).collect();
-            let merge = lora_step(&a.checkpoint_dir, &a.merge.lora)?;
-            steps.extend(merge_steps(merge, &a.merge)?);
+            let steps = renamed_merge(&a.rename, &a.checkpoint_dir, &a.merge)?;
             job("merge-dcp-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
             })
@@ -190,6 +184,18 @@ fn writing_job(
         ),
         _ => Ok(None),
     }
+}
+
+/// A merge command's steps: its renames first (as in Python tftf, the adapter is matched
+/// against the new names), then the merge of `adapter`.
+fn renamed_merge(
+    rename: &[String],
+    adapter: &std::path::Path,
+    merge: &crate::cli::MergeOutputArgs,
+) -> Result<Vec<Step>> {
+    let mut steps: Vec<Step> = renames(rename)?.into_iter().map(Step::Rename).collect();
+    steps.extend(merge_steps(lora_step(adapter, &merge.lora)?, merge)?);
+    Ok(steps)
 }
 
 fn quantize_steps(a: &crate::cli::QuantizeArgs) -> Result<Vec<Step>> {
