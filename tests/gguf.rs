@@ -481,11 +481,18 @@ fn kv(m: &Metadata, key: &str) -> Value {
         .clone()
 }
 
+/// `general.architecture` is `arch` and each key in `want` has its value.
+fn assert_kvs(m: &Metadata, arch: &str, want: &[(&str, Value)]) {
+    assert_eq!(kv(m, "general.architecture"), Value::String(arch.into()));
+    for (k, v) in want {
+        assert_eq!(&kv(m, k), v, "{k}");
+    }
+}
+
 #[test]
 fn llama3_hparams_and_tensors() {
     let (cfg, m) = bf16_kvs("llama3", "tiny");
-    for (k, v) in [
-        ("general.architecture", Value::String("llama".into())),
+    let want = [
         ("llama.block_count", Value::U32(2)),
         ("llama.context_length", Value::U32(131072)),
         ("llama.embedding_length", Value::U32(64)),
@@ -500,9 +507,8 @@ fn llama3_hparams_and_tensors() {
         ("llama.vocab_size", Value::U32(128256)),
         ("llama.rope.dimension_count", Value::U32(16)),
         ("general.quantization_version", Value::U32(2)),
-    ] {
-        assert_eq!(kv(&m, k), v, "{k}");
-    }
+    ];
+    assert_kvs(&m, "llama", &want);
     assert!(m.get("llama.rope.scaling.type").is_none());
 
     let t = |name: &str, dtype, shape: &[u64]| InputTensor {
@@ -583,8 +589,7 @@ fn llama3_hparams_and_tensors() {
 #[test]
 fn deepseek_v3_hparams_and_tensors() {
     let (cfg, m) = bf16_kvs("deepseekv3", "ds");
-    for (k, v) in [
-        ("general.architecture", Value::String("deepseek2".into())),
+    let want = [
         ("deepseek2.attention.head_count_kv", Value::U32(1)),
         ("deepseek2.rope.scaling.type", Value::String("yarn".into())),
         ("deepseek2.rope.scaling.factor", Value::F32(40.0)),
@@ -614,9 +619,8 @@ fn deepseek_v3_hparams_and_tensors() {
         ("deepseek2.expert_weights_scale", Value::F32(2.5)),
         ("deepseek2.expert_weights_norm", Value::Bool(true)),
         ("deepseek2.rope.dimension_count", Value::U32(4)),
-    ] {
-        assert_eq!(kv(&m, k), v, "{k}");
-    }
+    ];
+    assert_kvs(&m, "deepseek2", &want);
     let keys: Vec<&str> = m.iter().map(|(k, _)| k).collect();
     let pos = |k: &str| keys.iter().position(|x| *x == k).unwrap();
     // Overwritten in place, where the generic code first wrote head_dim.

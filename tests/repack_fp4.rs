@@ -143,6 +143,15 @@ fn v4_model(dir: &std::path::Path) -> V4 {
     }
 }
 
+/// `tftf repack-fp4 -i SRC -o OUT -q ARGS...`, then the output's tensors.
+fn repacked(
+    src: &std::path::Path,
+    out: &std::path::Path,
+    args: &[&str],
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    converted("repack-fp4", src, out, &[&["-q"], args].concat())
+}
+
 #[test]
 fn experts_transcode_losslessly_and_engram_requantises_exactly() {
     let (d, src) = tmp_in();
@@ -329,13 +338,7 @@ fn require_lossless_fails_before_output_and_options_select_work() {
         .unwrap()
         .contains("\"reencoded_blocks\": 2"));
     // Keep the experts, only requantise Engram; leave config alone.
-    convert_ok(
-        "repack-fp4",
-        &src,
-        &out,
-        &["-q", "--experts", "keep", "--no-config-update"],
-    );
-    let got = load_all(&out);
+    let got = repacked(&src, &out, &["--experts", "keep", "--no-config-update"]);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight"].0, "I8");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     assert_eq!(
@@ -344,23 +347,16 @@ fn require_lossless_fails_before_output_and_options_select_work() {
     );
     // Only the second shard.
     let o2 = d.path().join("o2");
-    convert_ok(
-        "repack-fp4",
+    let got = repacked(
         &src,
         &o2,
-        &["-q", "--shard-list", "model-00002-of-00002.safetensors"],
+        &["--shard-list", "model-00002-of-00002.safetensors"],
     );
-    let got = load_all(&o2);
     assert!(got.keys().all(|k| !k.contains("experts")));
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     let o3 = d.path().join("o3");
-    convert_ok(
-        "repack-fp4",
-        &src,
-        &o3,
-        &["-q", "--only-shards", "1", "--engram", "keep"],
-    );
-    assert!(load_all(&o3)
+    let got = repacked(&src, &o3, &["--only-shards", "1", "--engram", "keep"]);
+    assert!(got
         .keys()
         .all(|k| !k.contains("engram") && !k.contains("attn")));
     let o4 = d.path().join("o4");
@@ -419,13 +415,12 @@ fn run_section_repacks() {
     let (d, src) = tmp_in();
     v4_model(&src);
     let out = d.path().join("out.safetensors");
-    convert_ok(
+    let got = converted(
         "run",
         &src,
         &out,
         &["-q", "--repack-fp4", "--key-exclude", "embed.weight"],
     );
-    let got = load_all(&out);
     assert_eq!(got["layers.0.ffn.experts.0.w1.weight_scale"].0, "F8_E4M3");
     assert_eq!(got["layers.0.engram.embed.weight"].0, "U8");
     assert!(!got.contains_key("embed.weight"));

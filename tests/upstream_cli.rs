@@ -132,6 +132,30 @@ fn base_and_adapter() -> (tempfile::TempDir, PathBuf, PathBuf) {
     (d, base, adapter)
 }
 
+/// A [`base_and_adapter`] folder to run `tftf run` on.
+struct Lora {
+    d: tempfile::TempDir,
+    base: PathBuf,
+    adapter: PathBuf,
+}
+
+impl Lora {
+    fn new() -> Lora {
+        let (d, base, adapter) = base_and_adapter();
+        Lora { d, base, adapter }
+    }
+
+    /// [`run_to`] `name` with `args`, a command line split at spaces in which `ADAPTER` stands
+    /// for the adapter's folder.
+    fn run(&self, name: &str, args: &str) -> Tensors {
+        let words: Vec<&str> = args
+            .split_whitespace()
+            .map(|w| if w == "ADAPTER" { s(&self.adapter) } else { w })
+            .collect();
+        run_to(&self.d, &self.base, name, &words)
+    }
+}
+
 /// [`run_ok`] on a fresh [`make_base`].
 fn run_base(args: &[&str]) -> Tensors {
     let (d, base) = base_in_tmp();
@@ -436,13 +460,8 @@ fn run_key_filter_keeps_only_matching() {
 
 #[test]
 fn run_merge_lora_modifies_weights() {
-    let (d, base, adapter) = base_and_adapter();
-    let got = run_to(
-        &d,
-        &base,
-        "out",
-        &["--merge-lora", "--adapter", s(&adapter)],
-    );
+    let lora = Lora::new();
+    let got = lora.run("out", "--merge-lora --adapter ADAPTER");
     let want = base_map();
     assert_eq!(
         names(&got),
@@ -455,19 +474,10 @@ fn run_merge_lora_modifies_weights() {
 
 #[test]
 fn run_merge_lora_then_dtype_cast() {
-    let (d, base, adapter) = base_and_adapter();
-    let got = run_to(
-        &d,
-        &base,
+    let lora = Lora::new();
+    let got = lora.run(
         "out",
-        &[
-            "--merge-lora",
-            "--adapter",
-            s(&adapter),
-            "--dtype-cast",
-            "--dtype",
-            "bfloat16",
-        ],
+        "--merge-lora --adapter ADAPTER --dtype-cast --dtype bfloat16",
     );
     assert!(all_dtypes(&got, "BF16"));
 }
@@ -494,15 +504,10 @@ fn run_dry_run_creates_no_output() {
 
 #[test]
 fn run_positional_adapter_path() {
-    let (d, base, adapter) = base_and_adapter();
-    let got = run_to(&d, &base, "out", &["--merge-lora", s(&adapter)]);
+    let lora = Lora::new();
+    let got = lora.run("out", "--merge-lora ADAPTER");
     assert_eq!(names(&got), [Q, V, NORM]);
-    let named = run_to(
-        &d,
-        &base,
-        "named",
-        &["--merge-lora", "--adapter", s(&adapter)],
-    );
+    let named = lora.run("named", "--merge-lora --adapter ADAPTER");
     assert_eq!(got, named);
 }
 
@@ -766,26 +771,16 @@ fn rank_and_alpha_stand_in_for_a_missing_adapter_config() {
 /// tftf's pipes do), a cast after it rounds the merged value once.
 #[test]
 fn a_cast_before_a_merge_rounds_the_base_first() {
-    let (d, base, adapter) = base_and_adapter();
+    let lora = Lora::new();
     let bf16 = |v: f32| f32_to_bf16(v).to_le_bytes();
     let w = f32s_of(&base_map()[Q]);
-    let cast_first = run_to(
-        &d,
-        &base,
-        "a",
-        &["--dtype-cast", "bf16", "--merge-lora", s(&adapter)],
-    );
+    let cast_first = lora.run("a", "--dtype-cast bf16 --merge-lora ADAPTER");
     let want: Vec<u8> = w
         .iter()
         .flat_map(|v| bf16(bf16_to_f32(f32_to_bf16(*v)) + 8.0))
         .collect();
     assert_eq!(cast_first[Q].2, want);
-    let merge_first = run_to(
-        &d,
-        &base,
-        "b",
-        &["--merge-lora", s(&adapter), "--dtype-cast", "bf16"],
-    );
+    let merge_first = lora.run("b", "--merge-lora ADAPTER --dtype-cast bf16");
     let want: Vec<u8> = w.iter().flat_map(|v| bf16(v + 8.0)).collect();
     assert_eq!(merge_first[Q].2, want);
     // Unmerged tensors are plain casts either way.
@@ -796,40 +791,18 @@ fn a_cast_before_a_merge_rounds_the_base_first() {
 /// sections is a default for all of them (the older grammar).
 #[test]
 fn per_section_adapter_options() {
-    let (d, base, adapter) = base_and_adapter();
-    let two = run_to(
-        &d,
-        &base,
+    let lora = Lora::new();
+    let two = lora.run(
         "a",
-        &[
-            "--merge-lora",
-            "--adapter",
-            s(&adapter),
-            "--scale",
-            "0.5",
-            "--merge-lora",
-            s(&adapter),
-            "--scale",
-            "0.25",
-        ],
+        "--merge-lora --adapter ADAPTER --scale 0.5 --merge-lora ADAPTER --scale 0.25",
     );
     let want: Vec<f32> = f32s_of(&base_map()[Q])
         .iter()
         .map(|w| (w + 4.0) + 2.0)
         .collect();
     assert_eq!(f32s_of(&two[Q].2), want);
-    let old_form = run_to(
-        &d,
-        &base,
-        "b",
-        &["--scale", "0.5", "--merge-lora", s(&adapter)],
-    );
-    let new_form = run_to(
-        &d,
-        &base,
-        "c",
-        &["--merge-lora", s(&adapter), "--scale", "0.5"],
-    );
+    let old_form = lora.run("b", "--scale 0.5 --merge-lora ADAPTER");
+    let new_form = lora.run("c", "--merge-lora ADAPTER --scale 0.5");
     assert_eq!(old_form, new_form);
 }
 

@@ -186,23 +186,21 @@ mod tests {
 
     #[test]
     fn layer_names() {
-        assert_eq!(
-            layer_of("model.layers.12.mlp.up_proj.weight").as_deref(),
-            Some("model.layers.12")
-        );
-        assert_eq!(
-            layer_of("layers.3.ffn.experts.5.w1.weight").as_deref(),
-            Some("layers.3")
-        );
-        assert_eq!(
-            layer_of("transformer.h.0.attn.c_attn.weight").as_deref(),
-            Some("transformer.h.0")
-        );
-        assert_eq!(
-            layer_of("mtp.0.ffn.experts.1.w2.scale").as_deref(),
-            Some("mtp.0")
-        );
-        assert_eq!(layer_of("model.embed_tokens.weight"), None);
-        assert_eq!(layer_of("lm_head.weight"), None);
+        for (name, layer) in [
+            (
+                "model.layers.12.mlp.up_proj.weight",
+                Some("model.layers.12"),
+            ),
+            ("layers.3.ffn.experts.5.w1.weight", Some("layers.3")),
+            (
+                "transformer.h.0.attn.c_attn.weight",
+                Some("transformer.h.0"),
+            ),
+            ("mtp.0.ffn.experts.1.w2.scale", Some("mtp.0")),
+            ("model.embed_tokens.weight", None),
+            ("lm_head.weight", None),
+        ] {
+            assert_eq!(layer_of(name).as_deref(), layer, "{name}");
+        }
     }
 }

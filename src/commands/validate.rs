@@ -191,17 +191,7 @@ fn scan_values(
         .sum();
     let mode = crate::progress::parse_mode(args.progress.as_deref(), args.no_progress, false)?;
     let progress = (mode != crate::progress::Mode::Off).then(|| {
-        let shards = ckpt
-            .shards
-            .iter()
-            .map(|s| {
-                s.path
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
+        let shards = ckpt.shard_names();
         // Nothing is written, so there are no per-file events.
         Progress::new("validate", shards, Vec::new(), total, interval, mode)
     });

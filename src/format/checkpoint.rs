@@ -163,6 +163,20 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// The file name of each shard, in shard order (lossy where not UTF-8).
+    pub fn shard_names(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .map(|s| {
+                s.path
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect()
+    }
+
     pub fn open(input: &Path) -> Result<Checkpoint> {
         Self::open_all_errors(input).map_err(|mut errs| errs.swap_remove(0))
     }
@@ -260,9 +274,31 @@ impl Checkpoint {
                 shard.span = None;
             }
         }
-        Ok(Checkpoint {
+        let mut ckpt = Self::model(
+            input,
+            SourceFormat::Safetensors,
+            layout,
+            shards,
+            tensors,
+            by_name,
+        );
+        ckpt.warnings = warnings;
+        Ok(ckpt)
+    }
+
+    /// The checkpoint of a model alone (no attached inputs): `tensors` in `shards`, found
+    /// through `by_name`; no extra inputs or warnings yet, and the layout's notes.
+    fn model(
+        input: &Path,
+        format: SourceFormat,
+        layout: Layout,
+        shards: Vec<Shard>,
+        tensors: Vec<TensorRef>,
+        by_name: Vec<u32>,
+    ) -> Checkpoint {
+        Checkpoint {
             input: input.to_path_buf(),
-            format: SourceFormat::Safetensors,
+            format,
             dir: layout.dir,
             index_path: layout.index_path,
             shards,
@@ -270,9 +306,9 @@ impl Checkpoint {
             tensors,
             by_name,
             extra_inputs: Vec::new(),
-            warnings,
+            warnings: Vec::new(),
             notes: layout.notes,
-        })
+        }
     }
 
     /// A PyTorch checkpoint, described by [`torch`]: every file opened once, every tensor
@@ -363,25 +399,13 @@ impl Checkpoint {
                 });
             }
         }
-        let mut notes = layout.notes;
-        notes.extend(desc.notes);
-        let mut extra_inputs = Vec::new();
-        if kind == TorchKind::Dcp {
-            extra_inputs.push(layout.torch_root.join(torch::dcp::METADATA_NAME));
-        }
-        Ok(Checkpoint {
-            input: input.to_path_buf(),
-            format,
-            dir: layout.dir,
-            index_path: layout.index_path,
-            shards,
-            base_count: tensors.len(),
-            tensors,
-            by_name,
-            extra_inputs,
-            warnings: Vec::new(),
-            notes,
-        })
+        // A Distributed Checkpoint's `.metadata` is read too.
+        let metadata =
+            (kind == TorchKind::Dcp).then(|| layout.torch_root.join(torch::dcp::METADATA_NAME));
+        let mut ckpt = Self::model(input, format, layout, shards, tensors, by_name);
+        ckpt.notes.extend(desc.notes);
+        ckpt.extra_inputs.extend(metadata);
+        Ok(ckpt)
     }
 
     /// `format: …` for `tftf info`: the format, and how many files when more than one.
@@ -944,6 +968,11 @@ mod tests {
         }
     }
 
+    /// A tensor of `shape` stored as two regions.
+    fn split(shape: &[u64], a: Region, b: Region) -> TensorRef {
+        tensor(shape, Placement::Regions(vec![a, b]))
+    }
+
     #[test]
     fn only_ranges_and_dim0_slices_are_pieces() {
         let plain = tensor(
@@ -957,23 +986,19 @@ mod tests {
         assert_eq!(plain.contiguous(), Some((1, 64)));
         assert_eq!(plain.pieces(), Some(vec![(1, 64, 24)]));
         // Dim-0 slices over two files, listed out of order: concatenated in row order.
-        let slices = tensor(
+        let slices = split(
             &[4, 3],
-            Placement::Regions(vec![
-                region(&[2, 0], &[2, 3], 1, 0),
-                region(&[0, 0], &[2, 3], 0, 100),
-            ]),
+            region(&[2, 0], &[2, 3], 1, 0),
+            region(&[0, 0], &[2, 3], 0, 100),
         );
-        assert_eq!(slices.contiguous(), None);
         assert_eq!(slices.pieces(), Some(vec![(0, 100, 24), (1, 0, 24)]));
+        assert_eq!(slices.contiguous(), None);
         assert_eq!(slices.shard(), 0);
         // A column split is a grid: gathered, not concatenated.
-        let grid = tensor(
+        let grid = split(
             &[2, 4],
-            Placement::Regions(vec![
-                region(&[0, 0], &[2, 2], 0, 0),
-                region(&[0, 2], &[2, 2], 1, 0),
-            ]),
+            region(&[0, 0], &[2, 2], 0, 0),
+            region(&[0, 2], &[2, 2], 1, 0),
         );
         assert_eq!(grid.pieces(), None);
         let strided = tensor(

@@ -215,22 +215,22 @@ fn parse_tensor(path: &Path, name: String, entry: Value) -> Result<TensorInfo> {
         tensor: name.clone(),
         dtype: dtype_str.to_string(),
     })?;
-    let shape: Vec<u64> = obj
-        .get("shape")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("missing or non-array `shape`"))?
-        .iter()
-        .map(Value::as_u64)
-        .collect::<Option<_>>()
-        .ok_or_else(|| bad("`shape` holds a value that is not a non-negative integer"))?;
-    let offsets: Vec<u64> = obj
-        .get("data_offsets")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("missing or non-array `data_offsets`"))?
-        .iter()
-        .map(Value::as_u64)
-        .collect::<Option<_>>()
-        .ok_or_else(|| bad("`data_offsets` holds a value that is not a non-negative integer"))?;
+    // The non-negative integers of array `key`.
+    let u64s = |key: &str| -> Result<Vec<u64>> {
+        obj.get(key)
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad(&format!("missing or non-array `{key}`")))?
+            .iter()
+            .map(Value::as_u64)
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                bad(&format!(
+                    "`{key}` holds a value that is not a non-negative integer"
+                ))
+            })
+    };
+    let shape = u64s("shape")?;
+    let offsets = u64s("data_offsets")?;
     let [begin, end] = offsets[..] else {
         return Err(bad("`data_offsets` must hold exactly two numbers"));
     };

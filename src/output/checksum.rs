@@ -134,11 +134,20 @@ pub fn manifest_json(files: &[FileSum]) -> Value {
             "name": f.name,
             "size": f.size,
             "sha256": f.sha256,
-            "tensors": f.tensors.iter().map(|(t, h)| json!({
-                "name": t.name, "offset": t.offset, "len": t.len, "sha256": h,
-            })).collect::<Vec<_>>(),
+            "tensors": tensors_json(&f.tensors),
         })).collect::<Vec<_>>(),
     })
+}
+
+/// The `tensors` list of a manifest entry or a part's shard record: name, offset, length and
+/// hash (`null` where there is none) of each tensor.
+pub fn tensors_json<H: serde::Serialize>(tensors: &[(TensorRange, H)]) -> Value {
+    json!(tensors
+        .iter()
+        .map(|(t, h)| json!({
+            "name": t.name, "offset": t.offset, "len": t.len, "sha256": h,
+        }))
+        .collect::<Vec<_>>())
 }
 
 fn parse_manifest(path: &Path, v: &Value) -> Result<Vec<FileSum>> {

@@ -213,16 +213,26 @@ impl<'a> OutputTarget<'a> {
         v
     }
 
+    /// A claim on the directory as a killed run left it: its orphaned temporaries and whether
+    /// a commit was interrupted; `None` while there is no directory.
+    fn leftovers(&self) -> Option<Claim> {
+        if !self.dir.is_dir() {
+            return None;
+        }
+        Some(Claim {
+            orphans: temporaries(&self.dir),
+            interrupted_commit: self.dir.join(JOURNAL_NAME).exists(),
+            ..Claim::default()
+        })
+    }
+
     /// What committing files `names` does to the directory's current contents, refusing when
     /// that would replace or delete an input, or when the output is not empty and `force` is
     /// not given. Read-only.
     pub fn claim(&self, names: &[String], force: bool) -> Result<Claim> {
-        let mut claim = Claim::default();
-        if !self.dir.is_dir() {
-            return Ok(claim);
-        }
-        claim.orphans = temporaries(&self.dir);
-        claim.interrupted_commit = self.dir.join(JOURNAL_NAME).exists();
+        let Some(mut claim) = self.leftovers() else {
+            return Ok(Claim::default());
+        };
         if let Some(f) = self.file_name() {
             if self.path.exists() {
                 if !force {
@@ -273,12 +283,9 @@ impl<'a> OutputTarget<'a> {
     /// be a checkpoint layout (split GGUF files): existing ones are replaced only with `force`
     /// and never when they are inputs; nothing else in the directory is touched.
     pub fn claim_files(&self, names: &[String], force: bool) -> Result<Claim> {
-        let mut claim = Claim::default();
-        if !self.dir.is_dir() {
-            return Ok(claim);
-        }
-        claim.orphans = temporaries(&self.dir);
-        claim.interrupted_commit = self.dir.join(JOURNAL_NAME).exists();
+        let Some(mut claim) = self.leftovers() else {
+            return Ok(Claim::default());
+        };
         for name in names {
             let p = self.dir.join(name);
             if std::fs::symlink_metadata(&p).is_err() {

@@ -31,7 +31,8 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::checksum::{
-    hash_bytes, hash_file, manifest_json, sums_text, FileSum, TensorRange, MANIFEST_NAME, SUMS_NAME,
+    hash_bytes, hash_file, manifest_json, sums_text, tensors_json, FileSum, TensorRange,
+    MANIFEST_NAME, SUMS_NAME,
 };
 use super::commit::{finish_interrupted_commit, temp_name, temporaries, OutputSet};
 use super::names::{is_model_file_name, INDEX_NAME};
@@ -706,9 +707,7 @@ impl ShardRecord {
             "name": self.name,
             "size": self.size,
             "sha256": self.sha256,
-            "tensors": self.tensors.iter().map(|(t, h)| json!({
-                "name": t.name, "offset": t.offset, "len": t.len, "sha256": h,
-            })).collect::<Vec<_>>(),
+            "tensors": tensors_json(&self.tensors),
         });
         let text = serde_json::to_string(&v).expect("JSON value");
         write_atomic(&shard_record_path(dir, self.index), text.as_bytes())
@@ -795,20 +794,7 @@ impl ShardRecord {
 
 /// Every part header record in `dir`'s parts directory, by file name.
 pub fn read_part_records(dir: &Path) -> Result<Vec<(PathBuf, PartRecord)>> {
-    let pd = parts_dir(dir);
-    let Ok(rd) = std::fs::read_dir(&pd) else {
-        return Ok(Vec::new());
-    };
-    let mut paths: Vec<PathBuf> = rd
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p.file_name().unwrap_or_default().to_string_lossy();
-            n.starts_with("part-") && n.ends_with(".json")
-        })
-        .collect();
-    paths.sort();
-    paths
+    part_files(dir, ".json")
         .into_iter()
         .map(|p| PartRecord::read(&p).map(|r| (p, r)))
         .collect()
@@ -816,6 +802,11 @@ pub fn read_part_records(dir: &Path) -> Result<Vec<(PathBuf, PartRecord)>> {
 
 /// Lock files of parts (`part-*.lock`) in the parts directory.
 pub fn part_locks(dir: &Path) -> Vec<PathBuf> {
+    part_files(dir, ".lock")
+}
+
+/// The files `part-*{suffix}` in the parts directory, sorted (none without the directory).
+fn part_files(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     let Ok(rd) = std::fs::read_dir(parts_dir(dir)) else {
         return Vec::new();
     };
@@ -824,7 +815,7 @@ pub fn part_locks(dir: &Path) -> Vec<PathBuf> {
         .map(|e| e.path())
         .filter(|p| {
             let n = p.file_name().unwrap_or_default().to_string_lossy();
-            n.starts_with("part-") && n.ends_with(".lock")
+            n.starts_with("part-") && n.ends_with(suffix)
         })
         .collect();
     v.sort();

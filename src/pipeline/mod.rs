@@ -135,13 +135,7 @@ enum Work {
         /// Destination (shard, offset) and buffer of each op output.
         outs: Vec<(Destination, PoolBuf)>,
     },
-    Copy {
-        src_shard: usize,
-        src_offset: u64,
-        shard: usize,
-        offset: u64,
-        len: u64,
-    },
+    Copy(CopySpan),
     /// Untouched bytes read through user memory (a tensor that is not one range).
     Gathered {
         shard: usize,
@@ -158,13 +152,7 @@ enum Done {
         /// Copied untouched data rather than an op's output (for the byte counters).
         copied: bool,
     },
-    Copy {
-        src_shard: usize,
-        src_offset: u64,
-        shard: usize,
-        offset: u64,
-        len: u64,
-    },
+    Copy(CopySpan),
 }
 
 struct Shared<'a> {
@@ -588,13 +576,13 @@ fn emit_copy(
         }
         send(
             tx,
-            Work::Copy {
+            Work::Copy(CopySpan {
                 src_shard,
                 src_offset: src_off + done,
                 shard,
                 offset: dst_off + done,
                 len: piece,
-            },
+            }),
             &sh.cancel,
         )?;
         done += piece;
@@ -799,19 +787,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 }
                 main.expect("the main output always has a destination")
             }
-            Work::Copy {
-                src_shard,
-                src_offset,
-                shard,
-                offset,
-                len,
-            } => Done::Copy {
-                src_shard,
-                src_offset,
-                shard,
-                offset,
-                len,
-            },
+            Work::Copy(span) => Done::Copy(span),
             Work::Gathered { shard, offset, buf } => Done::Data {
                 shard,
                 offset,
@@ -892,22 +868,9 @@ fn write_stage(
                 counter.fetch_add(len, Ordering::Relaxed);
                 (shard, offset, len)
             }
-            Done::Copy {
-                src_shard,
-                src_offset,
-                shard,
-                offset,
-                len,
-            } => {
-                let span = CopySpan {
-                    src_shard,
-                    src_offset,
-                    shard,
-                    offset,
-                    len,
-                };
+            Done::Copy(span) => {
                 copy_range(sh, span, &mut copy)?;
-                (shard, offset, len)
+                (span.shard, span.offset, span.len)
             }
         };
         wb.push(sh, shard, offset, len)?;

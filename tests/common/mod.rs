@@ -10,7 +10,8 @@
 //! - Run the binary: [`tftf`]`(&args)` returns the `Output` (any exit); [`ok`] asserts success;
 //!   [`fails`] / [`usage_error`] assert exit 1 / 2 and return stderr; [`exit_code`] gives
 //!   (code, stdout, stderr). Arguments: [`cmd`]`("passthrough", &src, &out, &["-q"])` is
-//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it ([`passthrough`] for that command),
+//!   `passthrough -i SRC -o OUT -q`, [`convert`] runs it ([`passthrough`] for that command;
+//!   [`converted`] loads what it wrote),
 //!   [`merge_lora`] is `merge-lora -b BASE -a ADAPTER -o OUT ..`; [`s`] turns a path into an
 //!   argument.
 //! - Read results: [`load_all`] (name -> (dtype, shape, bytes) of a file or a folder of shards,
@@ -477,6 +478,17 @@ pub fn tftf_ok(args: &[&str]) -> Output {
 /// [`convert`], asserting success ([`ok`]).
 pub fn convert_ok(name: &str, input: &Path, out: &Path, extra: &[&str]) -> Output {
     tftf_ok(&cmd(name, input, out, extra))
+}
+
+/// [`convert_ok`], then the output's tensors ([`load_all`]).
+pub fn converted(
+    name: &str,
+    input: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    convert_ok(name, input, out, extra);
+    load_all(out)
 }
 
 /// Runs `tftf CMD -i INPUT -o OUT EXTRA...`, any exit.

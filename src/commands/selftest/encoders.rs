@@ -11,6 +11,7 @@ use crate::ops::quantize::encode::{amax, modelopt_nvfp4_scale_2, nvfp4_global_sc
 use crate::ops::quantize::modelopt::ModeloptRows;
 use crate::ops::quantize::ops::{BlockMath, QuantizeRows};
 use crate::ops::quantize::Scheme;
+use crate::ops::Op;
 
 /// Values that sit on a rounding boundary when the scale is 1: E4M3 midpoints (ties of the FP8
 /// encoders), E2M1 midpoints, and half integers (ties of the int encoders). All are exact in
@@ -125,21 +126,36 @@ pub fn quantize_op(
     }
 }
 
+/// A `quantize` case of a `rows`×`cols` weight ([`quantize_weight`]) of each weight dtype
+/// (BF16, F16, F32), named `label` and the dtype, quantised by `op(dtype, weight)`.
+fn weight_dtype_cases<O: Op + 'static>(
+    rng: &mut Lcg,
+    out: &mut Vec<Case>,
+    label: &str,
+    rows: u64,
+    cols: u64,
+    op: impl Fn(WeightType, &[u8]) -> O,
+) {
+    for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
+        let weight = quantize_weight(wt, rows, cols, rng);
+        out.push(Case {
+            kernel: "quantize",
+            what: format!("{label} {}, {rows}×{cols}", wt.dtype()),
+            op: Arc::new(op(wt, &weight)),
+            inputs: vec![weight],
+            out_dtype: DType::U8,
+        });
+    }
+}
+
 /// Every row-local scheme × weight dtype, 48 rows (each row kind six times), and FP8 blocks in
 /// both block arithmetics (ragged rows and columns).
 pub fn quantize_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let rows = 48u64;
     for (scheme, cols) in QUANTIZE_SHAPES {
-        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
-            let weight = quantize_weight(wt, rows, cols, rng);
-            out.push(Case {
-                kernel: "quantize",
-                what: format!("{} {}, {rows}×{cols}", scheme.name(), wt.dtype()),
-                op: Arc::new(quantize_op(scheme, wt, rows, cols, &weight)),
-                inputs: vec![weight],
-                out_dtype: DType::U8,
-            });
-        }
+        weight_dtype_cases(rng, out, scheme.name(), rows, cols, |wt, weight| {
+            quantize_op(scheme, wt, rows, cols, weight)
+        });
     }
     // 300 rows: two whole block rows and a short one; 300 columns: a ragged last block.
     let (rows, cols) = (300u64, 300u64);
@@ -199,15 +215,9 @@ pub fn modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
         .map(|(s, c)| (s, 48u64, c))
         .chain([(Scheme::Fp8Block, 300, 300)]);
     for (scheme, rows, cols) in shapes {
-        for wt in [WeightType::BF16, WeightType::F16, WeightType::F32] {
-            let weight = quantize_weight(wt, rows, cols, rng);
-            out.push(Case {
-                kernel: "quantize",
-                what: format!("ModelOpt {} {}, {rows}×{cols}", scheme.name(), wt.dtype()),
-                op: Arc::new(modelopt_op(scheme, wt, rows, cols, &weight)),
-                inputs: vec![weight],
-                out_dtype: DType::U8,
-            });
-        }
+        let label = format!("ModelOpt {}", scheme.name());
+        weight_dtype_cases(rng, out, &label, rows, cols, |wt, weight| {
+            modelopt_op(scheme, wt, rows, cols, weight)
+        });
     }
 }

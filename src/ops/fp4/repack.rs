@@ -129,17 +129,7 @@ impl RepackFp4Step {
         let Some(sel) = &self.opts.shards else {
             return Ok(());
         };
-        let names: Vec<String> = ckpt
-            .shards
-            .iter()
-            .map(|s| {
-                s.path
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
+        let names = ckpt.shard_names();
         let keep: Vec<bool> = match sel {
             ShardSelection::First(n) => (0..names.len()).map(|i| i < *n).collect(),
             ShardSelection::Names(list) => {
