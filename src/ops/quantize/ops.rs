@@ -13,7 +13,7 @@ use super::encode::{
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
 use super::kernel::QuantParams;
-use super::lanes::{self, Elem, LaneEncoder};
+use super::lanes::{self, Elem, LaneEncoder, RowChunk};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
@@ -37,29 +37,6 @@ pub struct QuantizeRows {
 }
 
 impl QuantizeRows {
-    fn row_code_bytes(&self) -> u64 {
-        let c = self.cols;
-        match self.scheme {
-            Scheme::Fp8Dynamic | Scheme::Fp8Block | Scheme::Mxfp8A16 => c,
-            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => c / 2,
-            Scheme::W8A16 | Scheme::W4A16 => 4 * (c * self.scheme.int_bits() as u64).div_ceil(32),
-        }
-    }
-
-    /// Scale bytes per row; for FP8 blocks, per block row of 128 weight rows.
-    fn row_scale_bytes(&self) -> u64 {
-        let w = self.wt.bytes() as u64;
-        match self.scheme {
-            Scheme::Fp8Dynamic => w,
-            Scheme::Fp8Block => {
-                self.cols.div_ceil(FP8_BLOCK) * self.block.scale_bytes(self.wt) as u64
-            }
-            Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
-            Scheme::Nvfp4A16 => self.cols / 16,
-            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
-        }
-    }
-
     /// Encodes row `r` (`x`: its values) into `codes` and `scales`; refuses an MX group whose
     /// scale overflows.
     fn row(
@@ -345,14 +322,22 @@ impl QuantizeRows {
         inputs: &[&[u8]],
         outs: Outs,
     ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
-        let n = (units.end - units.start) as usize;
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
+        self.reference(RowChunk::new(self, units, inputs, outs))
+    }
+
+    /// [`Self::compute_reference`] of one chunk.
+    fn reference(&self, c: RowChunk) -> Result<(), String> {
+        let RowChunk {
+            units,
+            n,
+            cols,
+            cb,
+            sb,
+            codes,
+            scales,
+            ..
+        } = c;
+        let x = decode_rows(self.wt, self.cols, units.start, c.input)?;
         if self.scheme == Scheme::Fp8Block {
             let (wt, math) = (self.wt, self.block);
             let wb = math.scale_bytes(wt);
@@ -392,27 +377,48 @@ impl LaneEncoder for QuantizeRows {
     fn weight_type(&self) -> WeightType {
         self.wt
     }
+    fn cols(&self) -> u64 {
+        self.cols
+    }
+    fn row_code_bytes(&self) -> u64 {
+        let c = self.cols;
+        match self.scheme {
+            Scheme::Fp8Dynamic | Scheme::Fp8Block | Scheme::Mxfp8A16 => c,
+            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => c / 2,
+            Scheme::W8A16 | Scheme::W4A16 => 4 * (c * self.scheme.int_bits() as u64).div_ceil(32),
+        }
+    }
+
+    /// Scale bytes per row; for FP8 blocks, per block row of 128 weight rows.
+    fn row_scale_bytes(&self) -> u64 {
+        let w = self.wt.bytes() as u64;
+        match self.scheme {
+            Scheme::Fp8Dynamic => w,
+            Scheme::Fp8Block => {
+                self.cols.div_ceil(FP8_BLOCK) * self.block.scale_bytes(self.wt) as u64
+            }
+            Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
+            Scheme::Nvfp4A16 => self.cols / 16,
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
+        }
+    }
 
     /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic, group by group,
     /// a row at a time (each row decoded into a buffer that stays in cache).
     #[inline(always)]
-    fn encode_lanes<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let n = (units.end - units.start) as usize;
-        let wt = E::WT;
-        let wb = wt.bytes();
-        let ib = cols * wb;
-        let input = inputs[0];
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
+    fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String> {
+        let RowChunk {
+            units,
+            input,
+            n,
+            cols,
+            ib,
+            cb,
+            sb,
+            codes,
+            scales,
+        } = c;
+        let (wt, wb) = (E::WT, E::WT.bytes());
         // Rare: the scalar decoder names the non-finite element.
         let refuse = || match decode_rows(wt, self.cols, units.start, input) {
             Err(e) => Err(e),
@@ -557,7 +563,6 @@ impl MxTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::quantize::lanes::{Bf16, F16, F32};
 
     /// Runs `op` over `cuts` (consecutive unit ranges) into whole-tensor outputs placed by
     /// `out_span`.
@@ -647,31 +652,8 @@ mod tests {
                         },
                         block,
                     };
-                    let len = |k| op.out_span(k, 0..rows).end as usize;
-                    let run = |f: &dyn Fn(&mut [&mut [u8]])| {
-                        let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
-                        f(&mut [&mut c, &mut s]);
-                        (c, s)
-                    };
-                    let want = run(&|o| op.compute_reference(0..rows, &[&input], o).unwrap());
-                    let lanes = run(&|o| {
-                        match wt {
-                            WeightType::BF16 => op.encode_lanes::<Bf16>(0..rows, &[&input], o),
-                            WeightType::F16 => op.encode_lanes::<F16>(0..rows, &[&input], o),
-                            WeightType::F32 => op.encode_lanes::<F32>(0..rows, &[&input], o),
-                        }
-                        .unwrap()
-                    });
-                    let dispatched = run(&|o| op.compute_all(0..rows, &[&input], o).unwrap());
                     let what = format!("{} {wt:?} {block:?}", scheme.name());
-                    assert!(
-                        want.0 == lanes.0 && want.1 == lanes.1,
-                        "{what}: baseline lanes"
-                    );
-                    assert!(
-                        want.0 == dispatched.0 && want.1 == dispatched.1,
-                        "{what}: dispatched"
-                    );
+                    lanes::assert_lanes_agree(&op, rows, &input, |c| op.reference(c), &what);
                 }
             }
         }
