@@ -36,7 +36,7 @@ use super::encode::{
 };
 use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, RowChunk, F32};
-use super::ops::{decode_rows, row_quantiser_op};
+use super::ops::{decode_rows, nonfinite_rows, row_lane_fields, row_quantiser_op};
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
     default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
@@ -521,15 +521,8 @@ impl ModeloptRows {
     /// The scalar encoder, element by element as ModelOpt's arithmetic reads: the reference the
     /// lane-parallel encoder is tested against.
     pub fn compute_reference(&self, c: RowChunk) -> Result<(), String> {
-        let RowChunk {
-            n,
-            cols,
-            cb,
-            sb,
-            codes,
-            scales,
-            ..
-        } = c;
+        let (n, cols, cb, sb) = (c.n, c.cols, c.cb, c.sb);
+        let (codes, scales) = (c.codes, c.scales);
         let x = decode_rows(self.wt, self.cols, c.units.start, c.input)?;
         if self.scheme == Scheme::Fp8Block {
             let b = BLOCK as usize;
@@ -578,12 +571,7 @@ impl ModeloptRows {
 }
 
 impl LaneEncoder for ModeloptRows {
-    fn weight_type(&self) -> WeightType {
-        self.wt
-    }
-    fn cols(&self) -> u64 {
-        self.cols
-    }
+    row_lane_fields!();
     /// Code bytes per row (W4A16: half of a packed row of two).
     fn row_code_bytes(&self) -> u64 {
         match self.scheme {
@@ -608,22 +596,9 @@ impl LaneEncoder for ModeloptRows {
     /// row decoded into a buffer that stays in cache), group scales first and codes after.
     #[inline(always)]
     fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String> {
-        let RowChunk {
-            units,
-            input,
-            n,
-            cols,
-            ib,
-            cb,
-            sb,
-            codes,
-            scales,
-        } = c;
-        // Rare: the scalar decoder names the non-finite element.
-        let refuse = || match decode_rows(self.wt, self.cols, units.start, input) {
-            Err(e) => Err(e),
-            Ok(_) => unreachable!("a non-finite element was seen"),
-        };
+        let (input, n, cols, ib) = (c.input, c.n, c.cols, c.ib);
+        let (cb, sb, codes, scales) = (c.cb, c.sb, c.codes, c.scales);
+        let refuse = || nonfinite_rows(self.wt, self.cols, c.units.start, input);
         let mut x = vec![0f32; cols];
         if self.scheme == Scheme::Fp8Block {
             let bs = BLOCK as usize;

@@ -260,6 +260,19 @@ macro_rules! row_quantiser_op {
 }
 pub(super) use row_quantiser_op;
 
+/// The `LaneEncoder` methods the two row quantisers read straight from their `wt` and `cols`.
+macro_rules! row_lane_fields {
+    () => {
+        fn weight_type(&self) -> WeightType {
+            self.wt
+        }
+        fn cols(&self) -> u64 {
+            self.cols
+        }
+    };
+}
+pub(super) use row_lane_fields;
+
 impl Op for QuantizeRows {
     fn name(&self) -> &'static str {
         "quantize"
@@ -313,6 +326,20 @@ pub(super) fn rows_out_span(
     }
 }
 
+/// The error for rows `input` (from row `first`) in which a lane decoder saw a NaN or an
+/// infinity: the scalar decoder's, which names the non-finite element. Rare.
+pub(super) fn nonfinite_rows(
+    wt: WeightType,
+    cols: u64,
+    first: u64,
+    input: &[u8],
+) -> Result<(), String> {
+    match decode_rows(wt, cols, first, input) {
+        Err(e) => Err(e),
+        Ok(_) => unreachable!("a non-finite element was seen"),
+    }
+}
+
 impl QuantizeRows {
     /// The scalar encoder, element by element as the library's arithmetic reads: the
     /// reference the lane-parallel encoder ([`super::lanes`]) is tested against.
@@ -327,16 +354,8 @@ impl QuantizeRows {
 
     /// [`Self::compute_reference`] of one chunk.
     fn reference(&self, c: RowChunk) -> Result<(), String> {
-        let RowChunk {
-            units,
-            n,
-            cols,
-            cb,
-            sb,
-            codes,
-            scales,
-            ..
-        } = c;
+        let (units, n, cols, cb, sb) = (c.units, c.n, c.cols, c.cb, c.sb);
+        let (codes, scales) = (c.codes, c.scales);
         let x = decode_rows(self.wt, self.cols, units.start, c.input)?;
         if self.scheme == Scheme::Fp8Block {
             let (wt, math) = (self.wt, self.block);
@@ -374,12 +393,7 @@ impl QuantizeRows {
 }
 
 impl LaneEncoder for QuantizeRows {
-    fn weight_type(&self) -> WeightType {
-        self.wt
-    }
-    fn cols(&self) -> u64 {
-        self.cols
-    }
+    row_lane_fields!();
     fn row_code_bytes(&self) -> u64 {
         let c = self.cols;
         match self.scheme {
@@ -407,23 +421,9 @@ impl LaneEncoder for QuantizeRows {
     /// a row at a time (each row decoded into a buffer that stays in cache).
     #[inline(always)]
     fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String> {
-        let RowChunk {
-            units,
-            input,
-            n,
-            cols,
-            ib,
-            cb,
-            sb,
-            codes,
-            scales,
-        } = c;
-        let (wt, wb) = (E::WT, E::WT.bytes());
-        // Rare: the scalar decoder names the non-finite element.
-        let refuse = || match decode_rows(wt, self.cols, units.start, input) {
-            Err(e) => Err(e),
-            Ok(_) => unreachable!("a non-finite element was seen"),
-        };
+        let (wt, wb, n, cols, ib) = (E::WT, E::WT.bytes(), c.n, c.cols, c.ib);
+        let (input, cb, sb, codes, scales) = (c.input, c.cb, c.sb, c.codes, c.scales);
+        let refuse = || nonfinite_rows(wt, self.cols, c.units.start, input);
         let mut x = vec![0f32; cols];
         let (mut q, mut eff) = (Vec::new(), Vec::new());
         if self.scheme == Scheme::Fp8Block {
@@ -440,7 +440,7 @@ impl LaneEncoder for QuantizeRows {
                 for (j, (&mj, f)) in m.iter().zip(factors.iter_mut()).enumerate() {
                     let mj = E::from_mag(mj);
                     if math.overflows(mj) {
-                        let bi = (units.start / FP8_BLOCK) as usize + b;
+                        let bi = (c.units.start / FP8_BLOCK) as usize + b;
                         return Err(fp8_block_overflow(bi, j, mj));
                     }
                     let (s, factor) = math.scale(wt, mj);
@@ -518,7 +518,7 @@ impl LaneEncoder for QuantizeRows {
                         let e = mx_exponent(wt, m, if fp4 { 2 } else { 8 });
                         let (s, stored) = table.0[e as usize];
                         if s.is_infinite() {
-                            return Err(mx_overflow(wt, units.start + r as u64, k, m));
+                            return Err(mx_overflow(wt, c.units.start + r as u64, k, m));
                         }
                         *sc = stored;
                         eff.push(s);
