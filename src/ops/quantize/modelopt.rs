@@ -24,7 +24,6 @@
 //! which ModelOpt finds by running the model; here by name, as for compressed-tensors.
 
 use std::collections::{BTreeSet, HashSet};
-use std::ops::Range;
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
@@ -44,7 +43,6 @@ use super::{
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
-use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::{Derive, ExtraOutput, FixedOp, Planning};
 
@@ -442,6 +440,11 @@ pub struct ModeloptRows {
 }
 
 impl ModeloptRows {
+    /// The kernel's parameters for a chunk of `rows` rows.
+    fn quant_params(&self, rows: u64) -> QuantParams {
+        QuantParams::modelopt(self.scheme, rows, self.cols, self.wt, self.scale_2)
+    }
+
     fn row(&self, x: &[f32], codes: &mut [u8], scales: &mut [u8]) {
         match self.scheme {
             Scheme::Fp8Dynamic => {
@@ -495,18 +498,6 @@ impl ScaledRows for ModeloptRows {
 }
 
 impl Op for ModeloptRows {
-    fn name(&self) -> &'static str {
-        "quantize"
-    }
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::Quantize(QuantParams::modelopt(
-            self.scheme,
-            units.end - units.start,
-            self.cols,
-            self.wt,
-            self.scale_2,
-        )))
-    }
     fn granularity(&self) -> u64 {
         match self.scheme {
             Scheme::Fp8Block => BLOCK,
@@ -702,6 +693,7 @@ impl LaneEncoder for ModeloptRows {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ops::Range;
 
     fn v(xs: &[&str]) -> Vec<String> {
         xs.iter().map(|s| s.to_string()).collect()

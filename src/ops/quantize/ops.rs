@@ -16,7 +16,6 @@ use super::kernel::QuantParams;
 use super::lanes::{self, Elem, LaneEncoder, RowChunk};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
-use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::Outs;
 
@@ -209,9 +208,17 @@ pub fn fp8_block_scales(
 /// The `Op` methods the two row quantisers (this file's [`QuantizeRows`], ModelOpt's
 /// `ModeloptRows`) share, in their `impl Op`: whole rows of `cols` weights in (`rows` units);
 /// codes out, and scales as the extra output ([`rows_out_span`]), encoded by [`lanes::encode`].
-/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes` and `row_scale_bytes`.
+/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes`, `row_scale_bytes` and
+/// `quant_params` (its kernel's parameters for a chunk of `rows` rows).
 macro_rules! row_quantiser_op {
     () => {
+        fn name(&self) -> &'static str {
+            "quantize"
+        }
+        fn kernel(&self, units: &::std::ops::Range<u64>) -> Option<$crate::ops::kernel::Kernel> {
+            let params = self.quant_params(units.end - units.start);
+            Some($crate::ops::kernel::Kernel::Quantize(params))
+        }
         fn units(&self) -> u64 {
             self.rows
         }
@@ -274,20 +281,6 @@ macro_rules! row_lane_fields {
 pub(super) use row_lane_fields;
 
 impl Op for QuantizeRows {
-    fn name(&self) -> &'static str {
-        "quantize"
-    }
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        // FP8 blocks: chunks hold whole 128-row block rows, the kernel's unit too.
-        Some(Kernel::Quantize(QuantParams::new(
-            self.scheme,
-            units.end - units.start,
-            self.cols,
-            self.wt,
-            self.global,
-            self.block,
-        )))
-    }
     fn granularity(&self) -> u64 {
         if self.scheme == Scheme::Fp8Block {
             FP8_BLOCK
@@ -341,6 +334,19 @@ pub(super) fn nonfinite_rows(
 }
 
 impl QuantizeRows {
+    /// The kernel's parameters for a chunk of `rows` rows (FP8 blocks: chunks hold whole
+    /// 128-row block rows, the kernel's unit too).
+    fn quant_params(&self, rows: u64) -> QuantParams {
+        QuantParams::new(
+            self.scheme,
+            rows,
+            self.cols,
+            self.wt,
+            self.global,
+            self.block,
+        )
+    }
+
     /// The scalar encoder, element by element as the library's arithmetic reads: the
     /// reference the lane-parallel encoder ([`super::lanes`]) is tested against.
     pub fn compute_reference(
