@@ -28,7 +28,6 @@ use crate::ops::cast::store_f32;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 
 use super::kernel::Fp4Params;
 
@@ -240,11 +239,7 @@ impl Op for DequantFp4 {
     }
 }
 
-impl SetDst for DequantFp4 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantFp4);
 
 #[cfg(test)]
 mod tests {

@@ -27,7 +27,7 @@ use crate::ops::cast::{f32_to_bf16, f32_to_f16, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::ops::Op;
 use crate::plan::{
-    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning, SetDst,
+    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning,
 };
 use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use kernel::DequantParams;
@@ -820,11 +820,7 @@ impl Op for DequantFp8 {
     }
 }
 
-impl SetDst for DequantFp8 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantFp8);
 
 #[cfg(test)]
 mod tests;

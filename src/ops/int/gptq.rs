@@ -26,7 +26,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::{DeferredDst, Derive, Entry, SetDst};
+use crate::plan::{DeferredDst, Derive, Entry};
 
 #[derive(Clone, Debug)]
 pub struct DequantGptq {
@@ -155,11 +155,7 @@ impl Op for DequantGptq {
     }
 }
 
-impl SetDst for DequantGptq {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantGptq);
 
 /// What `quantization_config` says about a GPTQ checkpoint.
 #[derive(Clone, Copy, Debug)]

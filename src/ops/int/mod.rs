@@ -23,7 +23,6 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 use kernel::IntParams;
 
 #[derive(Clone, Debug)]
@@ -175,11 +174,7 @@ impl Op for DequantPackedInt {
     }
 }
 
-impl SetDst for DequantPackedInt {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantPackedInt);
 
 #[cfg(test)]
 mod tests {

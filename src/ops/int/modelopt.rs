@@ -14,7 +14,6 @@ use crate::format::dtype::DType;
 use crate::ops::cast::store_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 
 #[derive(Clone, Debug)]
 pub struct DequantModeloptInt4 {
@@ -96,11 +95,7 @@ impl Op for DequantModeloptInt4 {
     }
 }
 
-impl SetDst for DequantModeloptInt4 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantModeloptInt4);
 
 #[cfg(test)]
 mod tests {
