@@ -196,6 +196,18 @@ pub trait SetDst: Op + Clone + 'static {
     fn dst_mut(&mut self) -> &mut DType;
 }
 
+/// `impl SetDst` for an op whose output dtype is its `dst` field.
+macro_rules! set_dst_field {
+    ($t:ty) => {
+        impl $crate::plan::SetDst for $t {
+            fn dst_mut(&mut self) -> &mut $crate::format::dtype::DType {
+                &mut self.dst
+            }
+        }
+    };
+}
+pub(crate) use set_dst_field;
+
 impl<T: SetDst> Derive for DeferredDst<T> {
     fn inputs(&self) -> Vec<usize> {
         self.inputs.clone()

@@ -160,6 +160,16 @@ impl Derive for RoundedBase {
     }
 }
 
+/// Writes `v` converted to `dst` (BF16, F16, else F32) as element `k` of `out`.
+#[inline(always)]
+pub fn store_f32(dst: DType, out: &mut [u8], k: usize, v: f32) {
+    match dst {
+        DType::BF16 => out[2 * k..2 * k + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
+        DType::F16 => out[2 * k..2 * k + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
+        _ => out[4 * k..4 * k + 4].copy_from_slice(&v.to_le_bytes()),
+    }
+}
+
 /// Round to nearest even, NaN → `0x7FC0`.
 #[inline(always)]
 pub fn f32_to_bf16(x: f32) -> u16 {

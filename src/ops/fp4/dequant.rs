@@ -24,11 +24,10 @@ use std::ops::Range;
 
 use super::engram::e2m1_to_f32;
 use crate::format::dtype::DType;
-use crate::ops::cast::{f32_to_bf16, f32_to_f16};
+use crate::ops::cast::store_f32;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 
 use super::kernel::Fp4Params;
 
@@ -100,15 +99,6 @@ impl DequantFp4 {
         } else {
             format!("[{lr}, {j}]")
         }
-    }
-}
-
-#[inline(always)]
-fn put(dst: DType, out: &mut [u8], k: usize, v: f32) {
-    match dst {
-        DType::BF16 => out[2 * k..2 * k + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
-        DType::F16 => out[2 * k..2 * k + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
-        _ => out[4 * k..4 * k + 4].copy_from_slice(&v.to_le_bytes()),
     }
 }
 
@@ -236,12 +226,12 @@ impl Op for DequantFp4 {
                 let base = e * cols * self.rows as usize;
                 let o = &mut out[base * size..];
                 for (j, &v) in row_vals.iter().enumerate() {
-                    put(self.dst, o, j * self.rows as usize + lr, canonical(v));
+                    store_f32(self.dst, o, j * self.rows as usize + lr, canonical(v));
                 }
             } else {
                 let o = &mut out[k * cols * size..(k + 1) * cols * size];
                 for (j, &v) in row_vals.iter().enumerate() {
-                    put(self.dst, o, j, canonical(v));
+                    store_f32(self.dst, o, j, canonical(v));
                 }
             }
         }
@@ -249,11 +239,7 @@ impl Op for DequantFp4 {
     }
 }
 
-impl SetDst for DequantFp4 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantFp4);
 
 #[cfg(test)]
 mod tests {

@@ -156,78 +156,87 @@ impl EngramRequant {
     }
 }
 
-/// Requantises row `r` (`codes`: E4M3, `scales`: E8M0 per 32) into packed E2M1 and new scales;
-/// returns its sums and the number of blocks raised to the smallest scale.
-///
-/// Runs [`LANES`] blocks at a time through the lane-parallel path (AVX2 where the CPU has it,
-/// chosen at run time; the same portable code, auto-vectorised for the baseline target,
-/// elsewhere). Bytes, sums and errors are those of [`requant_row_scalar`], bit for bit.
-pub fn requant_row(
+/// One row's requantisation: row `r`'s E4M3 `codes` and E8M0 `scales` in, packed E2M1 `out`
+/// and `new_scales` out.
+struct Row<'a> {
     r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
-) -> Result<(RowSums, u64), String> {
+    codes: &'a [u8],
+    scales: &'a [u8],
+    out: &'a mut [u8],
+    new_scales: &'a mut [u8],
+}
+
+/// A public row function with the five-argument signature tests and benchmarks call, over the
+/// private function `$body` of one [`Row`].
+macro_rules! row_fn {
+    ($(#[$doc:meta])* fn $name:ident => $body:ident) => {
+        $(#[$doc])*
+        pub fn $name(
+            r: u64,
+            codes: &[u8],
+            scales: &[u8],
+            out: &mut [u8],
+            new_scales: &mut [u8],
+        ) -> Result<(RowSums, u64), String> {
+            $body(Row { r, codes, scales, out, new_scales })
+        }
+    };
+}
+
+row_fn! {
+    /// Requantises row `r` (`codes`: E4M3, `scales`: E8M0 per 32) into packed E2M1 and new
+    /// scales; returns its sums and the number of blocks raised to the smallest scale.
+    ///
+    /// Runs [`LANES`] blocks at a time through the lane-parallel path (AVX2 where the CPU has
+    /// it, chosen at run time; the same portable code, auto-vectorised for the baseline target,
+    /// elsewhere). Bytes, sums and errors are those of [`requant_row_scalar`], bit for bit.
+    fn requant_row => requant_row_dispatch
+}
+
+fn requant_row_dispatch(row: Row) -> Result<(RowSums, u64), String> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2, checked just above.
-        return unsafe { requant_row_avx2(r, codes, scales, out, new_scales) };
+        return unsafe { requant_row_avx2(row) };
     }
-    requant_row_portable(r, codes, scales, out, new_scales)
+    requant_row_lanes(row)
 }
 
-/// [`requant_row`]'s lane-parallel path compiled for the baseline target (SSE2 on x86_64,
-/// NEON on aarch64), whatever the CPU has; public so tests and benchmarks can pin it.
-pub fn requant_row_portable(
-    r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
-) -> Result<(RowSums, u64), String> {
-    requant_row_lanes(r, codes, scales, out, new_scales)
+row_fn! {
+    /// [`requant_row`]'s lane-parallel path compiled for the baseline target (SSE2 on x86_64,
+    /// NEON on aarch64), whatever the CPU has; public so tests and benchmarks can pin it.
+    fn requant_row_portable => requant_row_lanes
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn requant_row_avx2(
-    r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
-) -> Result<(RowSums, u64), String> {
-    requant_row_lanes(r, codes, scales, out, new_scales)
+fn requant_row_avx2(row: Row) -> Result<(RowSums, u64), String> {
+    requant_row_lanes(row)
 }
 
-/// The reference twin of [`requant_row`]: one block and one element at a time, through the
-/// E4M3 table and [`f32_to_e2m1`] (the arithmetic of `engram_block` in kernels/fp4.cuh). Kept
-/// for the tests and `examples/kernel_speed.rs`; the lane path falls back to it for the blocks
-/// it does not take itself.
-pub fn requant_row_scalar(
-    r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
-) -> Result<(RowSums, u64), String> {
-    let mut acc = (RowSums::default(), 0);
-    requant_blocks_scalar(r, codes, scales, out, new_scales, 0..scales.len(), &mut acc)?;
+row_fn! {
+    /// The reference twin of [`requant_row`]: one block and one element at a time, through the
+    /// E4M3 table and [`f32_to_e2m1`] (the arithmetic of `engram_block` in kernels/fp4.cuh).
+    /// Kept for the tests and `examples/kernel_speed.rs`; the lane path falls back to it for the
+    /// blocks it does not take itself.
+    fn requant_row_scalar => requant_row_scalar_of
+}
+
+fn requant_row_scalar_of(mut row: Row) -> Result<(RowSums, u64), String> {
+    let (mut acc, blocks) = ((RowSums::default(), 0), 0..row.scales.len());
+    requant_blocks_scalar(&mut row, blocks, &mut acc)?;
     Ok(acc)
 }
 
-/// Blocks `blocks` of row `r`, one at a time, added in order to `acc` (row sums, clamped
+/// Blocks `blocks` of `row`, one at a time, added in order to `acc` (row sums, clamped
 /// blocks).
 fn requant_blocks_scalar(
-    r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
+    row: &mut Row,
     blocks: Range<usize>,
     acc: &mut (RowSums, u64),
 ) -> Result<(), String> {
+    let (r, codes, scales) = (row.r, row.codes, row.scales);
+    let (out, new_scales) = (&mut *row.out, &mut *row.new_scales);
     let lut = e4m3_table();
     // Locals, as in the loop this twin keeps, so its speed stays the old kernel's.
     let (mut row, mut clamped) = *acc;
@@ -400,13 +409,8 @@ fn group_body(
 }
 
 #[inline(always)]
-fn requant_row_lanes(
-    r: u64,
-    codes: &[u8],
-    scales: &[u8],
-    out: &mut [u8],
-    new_scales: &mut [u8],
-) -> Result<(RowSums, u64), String> {
+fn requant_row_lanes(mut row: Row) -> Result<(RowSums, u64), String> {
+    let (codes, scales) = (row.codes, row.scales);
     let exps = scale_exponents();
     let mut acc = (RowSums::default(), 0);
     let groups = scales.len() / LANES;
@@ -453,22 +457,22 @@ fn requant_row_lanes(
         }
         if !regular {
             let blocks = b0..b0 + LANES;
-            requant_blocks_scalar(r, codes, scales, out, new_scales, blocks, &mut acc)?;
+            requant_blocks_scalar(&mut row, blocks, &mut acc)?;
             continue;
         }
         acc.1 += clamped;
         let mut sums = [[0f32; LANES]; 3];
-        let gout = (&mut out[b0 * BLOCK / 2..(b0 + LANES) * BLOCK / 2])
+        let gout = (&mut row.out[b0 * BLOCK / 2..(b0 + LANES) * BLOCK / 2])
             .try_into()
             .expect("whole blocks");
         group_body(gcodes, &lanes, gout, &mut sums);
         for (j, &p) in ps.iter().enumerate() {
-            new_scales[b0 + j] = (p + 127) as u8;
+            row.new_scales[b0 + j] = (p + 127) as u8;
             add_block(&mut acc.0, sums[0][j], sums[1][j], sums[2][j], p);
         }
     }
     let tail = groups * LANES..scales.len();
-    requant_blocks_scalar(r, codes, scales, out, new_scales, tail, &mut acc)?;
+    requant_blocks_scalar(&mut row, tail, &mut acc)?;
     Ok(acc)
 }
 

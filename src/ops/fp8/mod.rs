@@ -23,11 +23,11 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result, ScaleOf};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::ops::cast::{f32_to_bf16, f32_to_f16};
+use crate::ops::cast::{f32_to_bf16, f32_to_f16, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::ops::Op;
 use crate::plan::{
-    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning, SetDst,
+    edit_config_dtype, index_by_name, DeferredDst, Derive, Entry, PlanStep, Planning,
 };
 use codec::{e4m3_is_nan, e4m3_table, e5m2_is_nonfinite, e5m2_table, e8m0_to_f32};
 use kernel::DequantParams;
@@ -573,16 +573,6 @@ impl DequantFp8 {
     }
 }
 
-/// Writes `vals` converted to `dst` into `out`.
-#[inline(always)]
-fn store(dst: DType, out: &mut [u8], j: usize, v: f32) {
-    match dst {
-        DType::BF16 => out[2 * j..2 * j + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
-        DType::F16 => out[2 * j..2 * j + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
-        _ => out[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()),
-    }
-}
-
 /// E4M3/E5M2 → f32 without a table, so the loop vectorises. A normal code's exponent and
 /// mantissa bits, moved into an f32's fields, need only the exponent bias added (an integer
 /// add); a subnormal code is `m · 2^-9` (E4M3) or `m · 2^-16` (E5M2), an exact int→float
@@ -664,7 +654,7 @@ fn dequant_row<const DIVIDE: bool, const E5M2: bool>(
                 .filter(|(_, &c)| fp8_special::<E5M2>(c))
             {
                 let w = lut[c as usize];
-                store(dst, out, base + k, if DIVIDE { w / s } else { w * s });
+                store_f32(dst, out, base + k, if DIVIDE { w / s } else { w * s });
             }
         }
     }
@@ -830,11 +820,7 @@ impl Op for DequantFp8 {
     }
 }
 
-impl SetDst for DequantFp8 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantFp8);
 
 #[cfg(test)]
 mod tests;

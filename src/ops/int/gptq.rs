@@ -23,10 +23,10 @@ use std::sync::Arc;
 
 use super::kernel::GptqParams;
 use crate::format::dtype::DType;
-use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::{DeferredDst, Derive, Entry, SetDst};
+use crate::plan::{DeferredDst, Derive, Entry};
 
 #[derive(Clone, Debug)]
 pub struct DequantGptq {
@@ -148,26 +148,14 @@ impl Op for DequantGptq {
             for (i, &g) in g_of.iter().enumerate() {
                 let q = word(inputs[0], (i / p) * rows + o) >> ((i % p) as u32 * b) & mask;
                 let v = scales[g] * (q as i32 - zeros[g]) as f32;
-                match self.dst {
-                    DType::BF16 => {
-                        row[2 * i..2 * i + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes())
-                    }
-                    DType::F16 => {
-                        row[2 * i..2 * i + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes())
-                    }
-                    _ => row[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-                }
+                store_f32(self.dst, row, i, v);
             }
         }
         Ok(())
     }
 }
 
-impl SetDst for DequantGptq {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantGptq);
 
 /// What `quantization_config` says about a GPTQ checkpoint.
 #[derive(Clone, Copy, Debug)]
@@ -286,6 +274,7 @@ pub fn bind<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::cast::f32_to_f16;
 
     /// A 4-bit [8, 8] matrix in one group: qweight [1, 8], qzeros [1, 1], scales F16 [1, 8].
     #[test]

@@ -20,10 +20,9 @@ pub mod modelopt;
 use std::ops::Range;
 
 use crate::format::dtype::DType;
-use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 use kernel::IntParams;
 
 #[derive(Clone, Debug)]
@@ -168,24 +167,14 @@ impl Op for DequantPackedInt {
             for j in 0..cols {
                 let q = unpack_code(words, j, self.bits) as i32 - zeros[j / group];
                 let v = q as f32 * scales[j / group];
-                match self.dst {
-                    DType::BF16 => {
-                        o[2 * j..2 * j + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes())
-                    }
-                    DType::F16 => o[2 * j..2 * j + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes()),
-                    _ => o[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()),
-                }
+                store_f32(self.dst, o, j, v);
             }
         }
         Ok(())
     }
 }
 
-impl SetDst for DequantPackedInt {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantPackedInt);
 
 #[cfg(test)]
 mod tests {

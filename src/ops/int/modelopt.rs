@@ -11,10 +11,9 @@ use std::ops::Range;
 
 use super::kernel::Int4Params;
 use crate::format::dtype::DType;
-use crate::ops::cast::{f32_to_bf16, f32_to_f16};
+use crate::ops::cast::store_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::SetDst;
 
 #[derive(Clone, Debug)]
 pub struct DequantModeloptInt4 {
@@ -88,15 +87,7 @@ impl Op for DequantModeloptInt4 {
                         let row = units.start as usize * 2 + r;
                         return Err(format!("scale {s} of row {row}, group {g} is not finite"));
                     }
-                    match self.dst {
-                        DType::BF16 => {
-                            orow[2 * c..2 * c + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes())
-                        }
-                        DType::F16 => {
-                            orow[2 * c..2 * c + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes())
-                        }
-                        _ => orow[4 * c..4 * c + 4].copy_from_slice(&v.to_le_bytes()),
-                    }
+                    store_f32(self.dst, orow, c, v);
                 }
             }
         }
@@ -104,11 +95,7 @@ impl Op for DequantModeloptInt4 {
     }
 }
 
-impl SetDst for DequantModeloptInt4 {
-    fn dst_mut(&mut self) -> &mut DType {
-        &mut self.dst
-    }
-}
+crate::plan::set_dst_field!(DequantModeloptInt4);
 
 #[cfg(test)]
 mod tests {

@@ -197,17 +197,67 @@ pub fn decode<E: Elem>(bytes: &[u8], out: &mut [f32]) -> bool {
     bad != 0
 }
 
+/// One chunk of whole weight rows to encode, with its two outputs split: built once by
+/// [`encode`] (or [`RowChunk::new`]) so that every encoder starts from the same counts.
+pub struct RowChunk<'a> {
+    /// The chunk's rows, as units of the op.
+    pub units: Range<u64>,
+    /// The rows' weights (`inputs[0]`).
+    pub input: &'a [u8],
+    /// Rows in the chunk.
+    pub n: usize,
+    /// Weights per row.
+    pub cols: usize,
+    /// Input bytes per row.
+    pub ib: usize,
+    /// Code bytes per row ([`LaneEncoder::row_code_bytes`]).
+    pub cb: usize,
+    /// Scale bytes per row ([`LaneEncoder::row_scale_bytes`]).
+    pub sb: usize,
+    /// Output 0.
+    pub codes: &'a mut [u8],
+    /// Output 1.
+    pub scales: &'a mut [u8],
+}
+
+impl<'a> RowChunk<'a> {
+    /// The chunk `units` of `enc`: `inputs[0]` its rows, `outs` its codes and scales.
+    pub fn new<'b, T: LaneEncoder + ?Sized>(
+        enc: &T,
+        units: Range<u64>,
+        inputs: &[&'a [u8]],
+        outs: &'a mut [&'b mut [u8]],
+    ) -> Self {
+        let [codes, scales] = outs else {
+            unreachable!("codes and scales")
+        };
+        let cols = enc.cols() as usize;
+        RowChunk {
+            n: (units.end - units.start) as usize,
+            units,
+            input: inputs[0],
+            cols,
+            ib: cols * enc.weight_type().bytes(),
+            cb: enc.row_code_bytes() as usize,
+            sb: enc.row_scale_bytes() as usize,
+            codes,
+            scales,
+        }
+    }
+}
+
 /// An encoder of weight rows written once over the lane primitives, built per weight dtype
 /// and, where the CPU has it, for AVX2 by [`encode`].
 pub trait LaneEncoder {
     fn weight_type(&self) -> WeightType;
-    /// Encodes chunk `units` (`inputs[0]`: its rows) into codes (`outs[0]`) and scales.
-    fn encode_lanes<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String>;
+    /// Weights per row.
+    fn cols(&self) -> u64;
+    /// Code bytes per row.
+    fn row_code_bytes(&self) -> u64;
+    /// Scale bytes per row (FP8 blocks: per 128-row block row).
+    fn row_scale_bytes(&self) -> u64;
+    /// Encodes chunk `c` (its rows) into its codes and scales.
+    fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String>;
 }
 
 /// Runs `enc`'s encoder built for its weight dtype, in its AVX2 build where the CPU has it.
@@ -217,33 +267,54 @@ pub fn encode<T: LaneEncoder>(
     inputs: &[&[u8]],
     outs: Outs,
 ) -> Result<(), String> {
-    fn dispatch<T: LaneEncoder, E: Elem>(
-        enc: &T,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String> {
+    fn dispatch<T: LaneEncoder, E: Elem>(enc: &T, c: RowChunk) -> Result<(), String> {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             #[target_feature(enable = "avx2")]
-            fn avx2<T: LaneEncoder, E: Elem>(
-                enc: &T,
-                units: Range<u64>,
-                inputs: &[&[u8]],
-                outs: Outs,
-            ) -> Result<(), String> {
-                enc.encode_lanes::<E>(units, inputs, outs)
+            fn avx2<T: LaneEncoder, E: Elem>(enc: &T, c: RowChunk) -> Result<(), String> {
+                enc.encode_lanes::<E>(c)
             }
             // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { avx2::<T, E>(enc, units, inputs, outs) };
+            return unsafe { avx2::<T, E>(enc, c) };
         }
-        enc.encode_lanes::<E>(units, inputs, outs)
+        enc.encode_lanes::<E>(c)
     }
+    let c = RowChunk::new(enc, units, inputs, outs);
     match enc.weight_type() {
-        WeightType::BF16 => dispatch::<T, Bf16>(enc, units, inputs, outs),
-        WeightType::F16 => dispatch::<T, F16>(enc, units, inputs, outs),
-        WeightType::F32 => dispatch::<T, F32>(enc, units, inputs, outs),
+        WeightType::BF16 => dispatch::<T, Bf16>(enc, c),
+        WeightType::F16 => dispatch::<T, F16>(enc, c),
+        WeightType::F32 => dispatch::<T, F32>(enc, c),
     }
+}
+
+/// Tests that `op`'s lane encoder, in each weight dtype's baseline build and as dispatched,
+/// writes the bytes of its scalar `reference` for `rows` rows of `input`.
+#[cfg(test)]
+pub(super) fn assert_lanes_agree<T: LaneEncoder + crate::ops::Op>(
+    op: &T,
+    rows: u64,
+    input: &[u8],
+    reference: impl Fn(RowChunk) -> Result<(), String>,
+    what: &str,
+) {
+    let len = |k| op.out_span(k, 0..rows).end as usize;
+    let run = |f: &dyn Fn(Outs) -> Result<(), String>| {
+        let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
+        f(&mut [&mut c, &mut s]).unwrap();
+        (c, s)
+    };
+    let want = run(&|o| reference(RowChunk::new(op, 0..rows, &[input], o)));
+    let lanes = run(&|o| {
+        let c = RowChunk::new(op, 0..rows, &[input], o);
+        match op.weight_type() {
+            WeightType::BF16 => op.encode_lanes::<Bf16>(c),
+            WeightType::F16 => op.encode_lanes::<F16>(c),
+            WeightType::F32 => op.encode_lanes::<F32>(c),
+        }
+    });
+    let dispatched = run(&|o| op.compute_all(0..rows, &[input], o));
+    assert!(want == lanes, "{what}: baseline lanes");
+    assert!(want == dispatched, "{what}: dispatched");
 }
 
 /// The largest magnitude bits of each 128-column block of the rows `rows` (whole rows of

@@ -24,7 +24,6 @@
 //! which ModelOpt finds by running the model; here by name, as for compressed-tensors.
 
 use std::collections::{BTreeSet, HashSet};
-use std::ops::Range;
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
@@ -35,8 +34,8 @@ use super::encode::{
     modelopt_nvfp4_block_scale, pow2_f32, WeightType, E2M1_MAX, E4M3_MAX,
 };
 use super::kernel::QuantParams;
-use super::lanes::{self, Elem, LaneEncoder, F32};
-use super::ops::{decode_rows, row_quantiser_op};
+use super::lanes::{self, Elem, LaneEncoder, RowChunk, F32};
+use super::ops::{decode_rows, nonfinite_rows, row_lane_fields, row_quantiser_op};
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
     default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
@@ -44,9 +43,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
-use crate::ops::kernel::Kernel;
 use crate::ops::Op;
-use crate::plan::Outs;
 use crate::plan::{Derive, ExtraOutput, FixedOp, Planning};
 
 /// The ModelOpt version whose export this matches (`producer.version`).
@@ -443,24 +440,9 @@ pub struct ModeloptRows {
 }
 
 impl ModeloptRows {
-    /// Code bytes per row (W4A16: half of a packed row of two).
-    fn row_code_bytes(&self) -> u64 {
-        match self.scheme {
-            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 | Scheme::W4A16 => self.cols / 2,
-            _ => self.cols,
-        }
-    }
-
-    /// Scale bytes per row (FP8 blocks: per 128-row block row).
-    fn row_scale_bytes(&self) -> u64 {
-        match self.scheme {
-            Scheme::Fp8Block => 4 * self.cols.div_ceil(BLOCK),
-            Scheme::Fp8Dynamic => 4,
-            Scheme::Nvfp4A16 => self.cols / 16,
-            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
-            Scheme::W4A16 => 4 * self.cols / 128,
-            _ => 0,
-        }
+    /// The kernel's parameters for a chunk of `rows` rows.
+    fn quant_params(&self, rows: u64) -> QuantParams {
+        QuantParams::modelopt(self.scheme, rows, self.cols, self.wt, self.scale_2)
     }
 
     fn row(&self, x: &[f32], codes: &mut [u8], scales: &mut [u8]) {
@@ -516,18 +498,6 @@ impl ScaledRows for ModeloptRows {
 }
 
 impl Op for ModeloptRows {
-    fn name(&self) -> &'static str {
-        "quantize"
-    }
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::Quantize(QuantParams::modelopt(
-            self.scheme,
-            units.end - units.start,
-            self.cols,
-            self.wt,
-            self.scale_2,
-        )))
-    }
     fn granularity(&self) -> u64 {
         match self.scheme {
             Scheme::Fp8Block => BLOCK,
@@ -541,20 +511,10 @@ impl Op for ModeloptRows {
 impl ModeloptRows {
     /// The scalar encoder, element by element as ModelOpt's arithmetic reads: the reference the
     /// lane-parallel encoder is tested against.
-    pub fn compute_reference(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
-        let n = (units.end - units.start) as usize;
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
+    pub fn compute_reference(&self, c: RowChunk) -> Result<(), String> {
+        let (n, cols, cb, sb) = (c.n, c.cols, c.cb, c.sb);
+        let (codes, scales) = (c.codes, c.scales);
+        let x = decode_rows(self.wt, self.cols, c.units.start, c.input)?;
         if self.scheme == Scheme::Fp8Block {
             let b = BLOCK as usize;
             for r0 in (0..n).step_by(b) {
@@ -602,34 +562,34 @@ impl ModeloptRows {
 }
 
 impl LaneEncoder for ModeloptRows {
-    fn weight_type(&self) -> WeightType {
-        self.wt
+    row_lane_fields!();
+    /// Code bytes per row (W4A16: half of a packed row of two).
+    fn row_code_bytes(&self) -> u64 {
+        match self.scheme {
+            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 | Scheme::W4A16 => self.cols / 2,
+            _ => self.cols,
+        }
+    }
+
+    /// Scale bytes per row (FP8 blocks: per 128-row block row).
+    fn row_scale_bytes(&self) -> u64 {
+        match self.scheme {
+            Scheme::Fp8Block => 4 * self.cols.div_ceil(BLOCK),
+            Scheme::Fp8Dynamic => 4,
+            Scheme::Nvfp4A16 => self.cols / 16,
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
+            Scheme::W4A16 => 4 * self.cols / 128,
+            _ => 0,
+        }
     }
 
     /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic a row at a time (each
     /// row decoded into a buffer that stays in cache), group scales first and codes after.
     #[inline(always)]
-    fn encode_lanes<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let n = (units.end - units.start) as usize;
-        let wb = E::WT.bytes();
-        let ib = cols * wb;
-        let input = inputs[0];
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
-        // Rare: the scalar decoder names the non-finite element.
-        let refuse = || match decode_rows(self.wt, self.cols, units.start, input) {
-            Err(e) => Err(e),
-            Ok(_) => unreachable!("a non-finite element was seen"),
-        };
+    fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String> {
+        let (input, n, cols, ib) = (c.input, c.n, c.cols, c.ib);
+        let (cb, sb, codes, scales) = (c.cb, c.sb, c.codes, c.scales);
+        let refuse = || nonfinite_rows(self.wt, self.cols, c.units.start, input);
         let mut x = vec![0f32; cols];
         if self.scheme == Scheme::Fp8Block {
             let bs = BLOCK as usize;
@@ -733,6 +693,7 @@ impl LaneEncoder for ModeloptRows {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ops::Range;
 
     fn v(xs: &[&str]) -> Vec<String> {
         xs.iter().map(|s| s.to_string()).collect()
@@ -822,7 +783,6 @@ mod tests {
     #[test]
     fn lane_encoders_equal_the_scalar_reference() {
         use super::super::encode::modelopt_nvfp4_scale_2;
-        use super::super::lanes::{Bf16, F16};
         use crate::commands::selftest::encoders::quantize_weight;
         use crate::commands::selftest::table::Lcg;
         let mut rng = Lcg(0x5eed);
@@ -846,25 +806,9 @@ mod tests {
                     wt,
                     scale_2: modelopt_nvfp4_scale_2(amax(&x)),
                 };
-                let len = |k| op.out_span(k, 0..rows).end as usize;
-                let run = |f: &dyn Fn(&mut [&mut [u8]])| {
-                    let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
-                    f(&mut [&mut c, &mut s]);
-                    (c, s)
-                };
-                let want = run(&|o| op.compute_reference(0..rows, &[&input], o).unwrap());
-                let lanes = run(&|o| {
-                    match wt {
-                        WeightType::BF16 => op.encode_lanes::<Bf16>(0..rows, &[&input], o),
-                        WeightType::F16 => op.encode_lanes::<F16>(0..rows, &[&input], o),
-                        WeightType::F32 => op.encode_lanes::<F32>(0..rows, &[&input], o),
-                    }
-                    .unwrap()
-                });
-                let dispatched = run(&|o| op.compute_all(0..rows, &[&input], o).unwrap());
                 let what = format!("{} {wt:?}", scheme.name());
-                assert!(want == lanes, "{what}: baseline lanes");
-                assert!(want == dispatched, "{what}: dispatched");
+                let reference = |c: RowChunk| op.compute_reference(c);
+                lanes::assert_lanes_agree(&op, rows, &input, reference, &what);
             }
         }
     }

@@ -13,10 +13,9 @@ use super::encode::{
     symmetric_scale, WeightType, E2M1_MAX, E4M3_MAX, E4M3_ZERO_SCALE,
 };
 use super::kernel::QuantParams;
-use super::lanes::{self, Elem, LaneEncoder};
+use super::lanes::{self, Elem, LaneEncoder, RowChunk};
 use super::Scheme;
 use crate::ops::fp8::codec::e4m3_to_f32;
-use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::Outs;
 
@@ -37,29 +36,6 @@ pub struct QuantizeRows {
 }
 
 impl QuantizeRows {
-    fn row_code_bytes(&self) -> u64 {
-        let c = self.cols;
-        match self.scheme {
-            Scheme::Fp8Dynamic | Scheme::Fp8Block | Scheme::Mxfp8A16 => c,
-            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => c / 2,
-            Scheme::W8A16 | Scheme::W4A16 => 4 * (c * self.scheme.int_bits() as u64).div_ceil(32),
-        }
-    }
-
-    /// Scale bytes per row; for FP8 blocks, per block row of 128 weight rows.
-    fn row_scale_bytes(&self) -> u64 {
-        let w = self.wt.bytes() as u64;
-        match self.scheme {
-            Scheme::Fp8Dynamic => w,
-            Scheme::Fp8Block => {
-                self.cols.div_ceil(FP8_BLOCK) * self.block.scale_bytes(self.wt) as u64
-            }
-            Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
-            Scheme::Nvfp4A16 => self.cols / 16,
-            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
-        }
-    }
-
     /// Encodes row `r` (`x`: its values) into `codes` and `scales`; refuses an MX group whose
     /// scale overflows.
     fn row(
@@ -232,9 +208,17 @@ pub fn fp8_block_scales(
 /// The `Op` methods the two row quantisers (this file's [`QuantizeRows`], ModelOpt's
 /// `ModeloptRows`) share, in their `impl Op`: whole rows of `cols` weights in (`rows` units);
 /// codes out, and scales as the extra output ([`rows_out_span`]), encoded by [`lanes::encode`].
-/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes` and `row_scale_bytes`.
+/// The type supplies `rows`, `cols`, `wt`, `scheme`, `row_code_bytes`, `row_scale_bytes` and
+/// `quant_params` (its kernel's parameters for a chunk of `rows` rows).
 macro_rules! row_quantiser_op {
     () => {
+        fn name(&self) -> &'static str {
+            "quantize"
+        }
+        fn kernel(&self, units: &::std::ops::Range<u64>) -> Option<$crate::ops::kernel::Kernel> {
+            let params = self.quant_params(units.end - units.start);
+            Some($crate::ops::kernel::Kernel::Quantize(params))
+        }
         fn units(&self) -> u64 {
             self.rows
         }
@@ -283,21 +267,37 @@ macro_rules! row_quantiser_op {
 }
 pub(super) use row_quantiser_op;
 
+/// The `LaneEncoder` methods the two row quantisers read straight from their `wt` and `cols`.
+macro_rules! row_lane_fields {
+    () => {
+        fn weight_type(&self) -> WeightType {
+            self.wt
+        }
+        fn cols(&self) -> u64 {
+            self.cols
+        }
+    };
+}
+pub(super) use row_lane_fields;
+
+/// The `Op` methods of an op whose outputs (codes and their extra outputs) are those of the op
+/// in its field `$op`.
+macro_rules! outputs_of {
+    ($op:ident) => {
+        fn extra_outputs(&self) -> usize {
+            self.$op.extra_outputs()
+        }
+        fn extra_unit_bytes(&self, k: usize) -> u64 {
+            self.$op.extra_unit_bytes(k)
+        }
+        fn out_span(&self, k: usize, units: ::std::ops::Range<u64>) -> ::std::ops::Range<u64> {
+            self.$op.out_span(k, units)
+        }
+    };
+}
+pub(super) use outputs_of;
+
 impl Op for QuantizeRows {
-    fn name(&self) -> &'static str {
-        "quantize"
-    }
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        // FP8 blocks: chunks hold whole 128-row block rows, the kernel's unit too.
-        Some(Kernel::Quantize(QuantParams::new(
-            self.scheme,
-            units.end - units.start,
-            self.cols,
-            self.wt,
-            self.global,
-            self.block,
-        )))
-    }
     fn granularity(&self) -> u64 {
         if self.scheme == Scheme::Fp8Block {
             FP8_BLOCK
@@ -336,7 +336,34 @@ pub(super) fn rows_out_span(
     }
 }
 
+/// The error for rows `input` (from row `first`) in which a lane decoder saw a NaN or an
+/// infinity: the scalar decoder's, which names the non-finite element. Rare.
+pub(super) fn nonfinite_rows(
+    wt: WeightType,
+    cols: u64,
+    first: u64,
+    input: &[u8],
+) -> Result<(), String> {
+    match decode_rows(wt, cols, first, input) {
+        Err(e) => Err(e),
+        Ok(_) => unreachable!("a non-finite element was seen"),
+    }
+}
+
 impl QuantizeRows {
+    /// The kernel's parameters for a chunk of `rows` rows (FP8 blocks: chunks hold whole
+    /// 128-row block rows, the kernel's unit too).
+    fn quant_params(&self, rows: u64) -> QuantParams {
+        QuantParams::new(
+            self.scheme,
+            rows,
+            self.cols,
+            self.wt,
+            self.global,
+            self.block,
+        )
+    }
+
     /// The scalar encoder, element by element as the library's arithmetic reads: the
     /// reference the lane-parallel encoder ([`super::lanes`]) is tested against.
     pub fn compute_reference(
@@ -345,14 +372,14 @@ impl QuantizeRows {
         inputs: &[&[u8]],
         outs: Outs,
     ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let x = decode_rows(self.wt, self.cols, units.start, inputs[0])?;
-        let n = (units.end - units.start) as usize;
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
+        self.reference(RowChunk::new(self, units, inputs, outs))
+    }
+
+    /// [`Self::compute_reference`] of one chunk.
+    fn reference(&self, c: RowChunk) -> Result<(), String> {
+        let (units, n, cols, cb, sb) = (c.units, c.n, c.cols, c.cb, c.sb);
+        let (codes, scales) = (c.codes, c.scales);
+        let x = decode_rows(self.wt, self.cols, units.start, c.input)?;
         if self.scheme == Scheme::Fp8Block {
             let (wt, math) = (self.wt, self.block);
             let wb = math.scale_bytes(wt);
@@ -389,35 +416,37 @@ impl QuantizeRows {
 }
 
 impl LaneEncoder for QuantizeRows {
-    fn weight_type(&self) -> WeightType {
-        self.wt
+    row_lane_fields!();
+    fn row_code_bytes(&self) -> u64 {
+        let c = self.cols;
+        match self.scheme {
+            Scheme::Fp8Dynamic | Scheme::Fp8Block | Scheme::Mxfp8A16 => c,
+            Scheme::Nvfp4A16 | Scheme::Mxfp4A16 => c / 2,
+            Scheme::W8A16 | Scheme::W4A16 => 4 * (c * self.scheme.int_bits() as u64).div_ceil(32),
+        }
+    }
+
+    /// Scale bytes per row; for FP8 blocks, per block row of 128 weight rows.
+    fn row_scale_bytes(&self) -> u64 {
+        let w = self.wt.bytes() as u64;
+        match self.scheme {
+            Scheme::Fp8Dynamic => w,
+            Scheme::Fp8Block => {
+                self.cols.div_ceil(FP8_BLOCK) * self.block.scale_bytes(self.wt) as u64
+            }
+            Scheme::W8A16 | Scheme::W4A16 => w * self.cols / 128,
+            Scheme::Nvfp4A16 => self.cols / 16,
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => self.cols / 32,
+        }
     }
 
     /// The lane-parallel encoder: [`Self::compute_reference`]'s arithmetic, group by group,
     /// a row at a time (each row decoded into a buffer that stays in cache).
     #[inline(always)]
-    fn encode_lanes<E: Elem>(
-        &self,
-        units: Range<u64>,
-        inputs: &[&[u8]],
-        outs: Outs,
-    ) -> Result<(), String> {
-        let cols = self.cols as usize;
-        let n = (units.end - units.start) as usize;
-        let wt = E::WT;
-        let wb = wt.bytes();
-        let ib = cols * wb;
-        let input = inputs[0];
-        let cb = self.row_code_bytes() as usize;
-        let sb = self.row_scale_bytes() as usize;
-        let [codes, scales] = outs else {
-            unreachable!("codes and scales")
-        };
-        // Rare: the scalar decoder names the non-finite element.
-        let refuse = || match decode_rows(wt, self.cols, units.start, input) {
-            Err(e) => Err(e),
-            Ok(_) => unreachable!("a non-finite element was seen"),
-        };
+    fn encode_lanes<E: Elem>(&self, c: RowChunk) -> Result<(), String> {
+        let (wt, wb, n, cols, ib) = (E::WT, E::WT.bytes(), c.n, c.cols, c.ib);
+        let (input, cb, sb, codes, scales) = (c.input, c.cb, c.sb, c.codes, c.scales);
+        let refuse = || nonfinite_rows(wt, self.cols, c.units.start, input);
         let mut x = vec![0f32; cols];
         let (mut q, mut eff) = (Vec::new(), Vec::new());
         if self.scheme == Scheme::Fp8Block {
@@ -434,7 +463,7 @@ impl LaneEncoder for QuantizeRows {
                 for (j, (&mj, f)) in m.iter().zip(factors.iter_mut()).enumerate() {
                     let mj = E::from_mag(mj);
                     if math.overflows(mj) {
-                        let bi = (units.start / FP8_BLOCK) as usize + b;
+                        let bi = (c.units.start / FP8_BLOCK) as usize + b;
                         return Err(fp8_block_overflow(bi, j, mj));
                     }
                     let (s, factor) = math.scale(wt, mj);
@@ -512,7 +541,7 @@ impl LaneEncoder for QuantizeRows {
                         let e = mx_exponent(wt, m, if fp4 { 2 } else { 8 });
                         let (s, stored) = table.0[e as usize];
                         if s.is_infinite() {
-                            return Err(mx_overflow(wt, units.start + r as u64, k, m));
+                            return Err(mx_overflow(wt, c.units.start + r as u64, k, m));
                         }
                         *sc = stored;
                         eff.push(s);
@@ -557,7 +586,6 @@ impl MxTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::quantize::lanes::{Bf16, F16, F32};
 
     /// Runs `op` over `cuts` (consecutive unit ranges) into whole-tensor outputs placed by
     /// `out_span`.
@@ -647,31 +675,8 @@ mod tests {
                         },
                         block,
                     };
-                    let len = |k| op.out_span(k, 0..rows).end as usize;
-                    let run = |f: &dyn Fn(&mut [&mut [u8]])| {
-                        let (mut c, mut s) = (vec![0u8; len(0)], vec![0u8; len(1)]);
-                        f(&mut [&mut c, &mut s]);
-                        (c, s)
-                    };
-                    let want = run(&|o| op.compute_reference(0..rows, &[&input], o).unwrap());
-                    let lanes = run(&|o| {
-                        match wt {
-                            WeightType::BF16 => op.encode_lanes::<Bf16>(0..rows, &[&input], o),
-                            WeightType::F16 => op.encode_lanes::<F16>(0..rows, &[&input], o),
-                            WeightType::F32 => op.encode_lanes::<F32>(0..rows, &[&input], o),
-                        }
-                        .unwrap()
-                    });
-                    let dispatched = run(&|o| op.compute_all(0..rows, &[&input], o).unwrap());
                     let what = format!("{} {wt:?} {block:?}", scheme.name());
-                    assert!(
-                        want.0 == lanes.0 && want.1 == lanes.1,
-                        "{what}: baseline lanes"
-                    );
-                    assert!(
-                        want.0 == dispatched.0 && want.1 == dispatched.1,
-                        "{what}: dispatched"
-                    );
+                    lanes::assert_lanes_agree(&op, rows, &input, |c| op.reference(c), &what);
                 }
             }
         }

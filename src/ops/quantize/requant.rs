@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Map, Value};
 
 use super::encode::{amax, WeightType, E2M1_MAX, E4M3_MAX};
-use super::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
+use super::ops::{outputs_of, BlockMath, QuantizeRows, FP8_BLOCK};
 use super::Scheme;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
@@ -616,15 +616,7 @@ impl Op for Requant {
         }
         gran
     }
-    fn extra_outputs(&self) -> usize {
-        self.outer.extra_outputs()
-    }
-    fn extra_unit_bytes(&self, k: usize) -> u64 {
-        self.outer.extra_unit_bytes(k)
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        self.outer.out_span(k, units)
-    }
+    outputs_of!(outer);
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         self.inner.input_ranges(units)
     }

@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::encode::{modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use super::lanes;
-use super::ops::QuantizeRows;
+use super::ops::{outputs_of, QuantizeRows};
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::Outs;
@@ -227,15 +227,7 @@ impl<R: ScaledRows> Op for Nvfp4Rows<R> {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.with_scale()?.compute(units, inputs, out)
     }
-    fn extra_outputs(&self) -> usize {
-        self.rows.extra_outputs()
-    }
-    fn extra_unit_bytes(&self, k: usize) -> u64 {
-        self.rows.extra_unit_bytes(k)
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        self.rows.out_span(k, units)
-    }
+    outputs_of!(rows);
     fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         self.with_scale()?.compute_all(units, inputs, outs)
     }
