@@ -462,15 +462,15 @@ fn lora_merge_matches_the_cpu_op_bit_for_bit() {
         let mut want = vec![0u8; (tr * op.out_unit_bytes()) as usize];
         op.compute(units.clone(), &ins, &mut want).unwrap();
         assert!(f.base_dequant.is_none() && f.base_inputs == 1);
-        let a = tftf::ops::lora::merge::to_f32(f.a_dtype, ins[1]);
-        let b = tftf::ops::lora::merge::to_f32(f.b_dtype, ins[2]);
+        let a = tftf::ops::cast::to_f32(f.a_dtype, ins[1]);
+        let b = tftf::ops::cast::to_f32(f.b_dtype, ins[2]);
         let (coef, vecs) = if f.coef_is_a { (&a, &b) } else { (&b, &a) };
         let mut delta = vec![0f32; (tr * f.delta.cols) as usize];
         let (c, v, d) = (coef.as_ptr(), vecs.as_ptr(), delta.as_mut_ptr());
         unsafe { delta_fn(c, v, d, tr, &f.delta) };
         let mag = f
             .m_dtype
-            .map(|d| tftf::ops::lora::merge::to_f32(d, ins[3]))
+            .map(|d| tftf::ops::cast::to_f32(d, ins[3]))
             .unwrap_or_default();
         let p = LoraParams {
             cols: f.delta.cols,
@@ -516,7 +516,7 @@ fn lora_epilogue_matches_the_cpu_merge_bit_for_bit() {
                     .map(|_| rng.next_u32() as f32 / u32::MAX as f32 + 0.01)
                     .collect();
                 let s = 0.37f32;
-                let mut w = tftf::ops::lora::merge::to_f32(base_dtype, &base);
+                let mut w = tftf::ops::cast::to_f32(base_dtype, &base);
                 let mut want = vec![0u8; rows * cols * (dst.bits() / 8) as usize];
                 tftf::ops::lora::merge::merge_epilogue(
                     &mut w,

@@ -217,6 +217,38 @@ pub fn f16_to_f32(b: u16) -> f32 {
     half::f16::from_bits(b).to_f32()
 }
 
+/// Any castable dtype as f32, rounding as `cast` does for an F32 target.
+pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(4))
+            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap())),
+        DType::BF16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, c)| {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+            }),
+        DType::F16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        _ => {
+            let mut f32_bytes = vec![0u8; out.len() * 4];
+            cast_slice(dtype, DType::F32, bytes, &mut f32_bytes);
+            decode_into(DType::F32, &f32_bytes, out);
+        }
+    }
+}
+
+/// Any castable dtype's elements as f32 ([`decode_into`]).
+pub fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+    let mut v = vec![0f32; bytes.len() / (dtype.bits() / 8) as usize];
+    decode_into(dtype, bytes, &mut v);
+    v
+}
+
 /// f64 → f32 rounded to odd: an inexact result gets an odd last bit, so rounding it again to a
 /// format with at most 22 significant bits gives the correctly rounded value.
 #[inline(always)]

@@ -10,7 +10,7 @@ use super::tensor::{OutputTensor, Recipe};
 use super::GgmlType;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::ops::cast::write_as;
+use crate::ops::cast::{to_f32, write_as};
 
 /// Elements per row, rows, and bytes per output row of `t`.
 pub fn row_geometry(t: &OutputTensor) -> (u64, u64, u64) {
@@ -188,12 +188,6 @@ pub fn write_rows_from<'a>(
     Ok(())
 }
 
-fn to_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
-    let mut f = vec![0f32; bytes.len() / dtype.size().unwrap_or(4)];
-    quant::decode_f32(bytes, dtype, &mut f);
-    f
-}
-
 /// Source elements → output type, rounding once (the reference widens to f32 first, exactly).
 fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
     let same = matches!(
@@ -207,7 +201,7 @@ fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
     if ty == GgmlType::Q8_0 {
         return quant::quantize_q8_0_from(elems, dtype, out);
     }
-    let f = to_f32(elems, dtype);
+    let f = to_f32(dtype, elems);
     match ty {
         GgmlType::F32 => write_as(DType::F32, f.into_iter(), out),
         GgmlType::F16 => write_as(DType::F16, f.into_iter(), out),

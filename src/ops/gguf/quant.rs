@@ -14,7 +14,7 @@
 //! (gpt_oss.py's `transform_nibble_layout` + `repack_mxfp4`).
 
 use crate::format::dtype::DType;
-use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_f16};
+use crate::ops::cast::{decode_into, f32_to_f16};
 
 pub const Q8_0_BLOCK_ELEMS: usize = 32;
 pub const Q8_0_BLOCK_BYTES: usize = 34;
@@ -92,29 +92,8 @@ pub fn quantize_q8_0_from(elems: &[u8], dtype: DType, out: &mut [u8]) {
         .chunks_exact(Q8_0_BLOCK_ELEMS * es)
         .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
     {
-        decode_f32(src, dtype, &mut x);
+        decode_into(dtype, src, &mut x);
         quantize_q8_0_block(&x, dst);
-    }
-}
-
-/// Widens stored `BF16`, `F16` or `F32` elements to f32, exactly.
-pub fn decode_f32(src: &[u8], dtype: DType, out: &mut [f32]) {
-    match dtype {
-        DType::BF16 => {
-            for (v, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *v = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        DType::F16 => {
-            for (v, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *v = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        _ => {
-            for (v, c) in out.iter_mut().zip(src.chunks_exact(4)) {
-                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
     }
 }
 
@@ -182,7 +161,7 @@ mod tests {
                     .collect(),
             };
             let mut f = vec![0f32; n];
-            decode_f32(&elems, dtype, &mut f);
+            decode_into(dtype, &elems, &mut f);
             let mut want = vec![0u8; 4 * Q8_0_BLOCK_BYTES];
             quantize_q8_0(&f, &mut want);
             let mut got = vec![0u8; 4 * Q8_0_BLOCK_BYTES];

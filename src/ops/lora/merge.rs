@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::kernel::{BaseDequant, DeltaParams, LoraLaunch};
 use crate::format::dtype::DType;
-use crate::ops::cast::{cast_slice, f32_to_bf16, write_as};
+use crate::ops::cast::{decode_into, f32_to_bf16, to_f32, write_as};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
 
@@ -39,12 +39,6 @@ pub struct LoraMerge {
     pub base_dtype: DType,
     pub f: LoraFactors,
     pub dst: DType,
-}
-
-pub fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
-    let mut v = vec![0f32; bytes.len() / size(dtype) as usize];
-    decode_into(dtype, bytes, &mut v);
-    v
 }
 
 /// Input ranges of the base rows: the computing op's (FP8 dequantisation), or the stored rows.
@@ -390,31 +384,6 @@ fn delta_rows_body(coef: &[f32], vecs: &[f32], r: usize, cols: usize, delta: &mu
 
 /// f32 elements per row tile: 256 KiB of working set per buffer.
 const TILE_ELEMENTS: usize = 64 << 10;
-
-/// Any castable dtype as f32, rounding as `cast` does for an F32 target.
-pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::F32 => out
-            .iter_mut()
-            .zip(bytes.chunks_exact(4))
-            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap())),
-        DType::BF16 => out
-            .iter_mut()
-            .zip(bytes.chunks_exact(2))
-            .for_each(|(o, c)| {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
-            }),
-        DType::F16 => out
-            .iter_mut()
-            .zip(bytes.chunks_exact(2))
-            .for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        _ => {
-            let mut f32_bytes = vec![0u8; out.len() * 4];
-            cast_slice(dtype, DType::F32, bytes, &mut f32_bytes);
-            decode_into(DType::F32, &f32_bytes, out);
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
