@@ -16,19 +16,17 @@ use crate::size::human;
 use crate::sys;
 
 /// The files as the GGUF layout planned them, with their names and byte counts.
-struct FilesInfo {
-    plans: Vec<FilePlan>,
+struct FilesInfo<'a> {
+    plans: &'a [FilePlan],
     names: Vec<String>,
     /// Bytes of tensors copied unchanged, and of those at offsets congruent with the source.
     copied: u64,
     congruent: u64,
 }
 
-impl FilesInfo {
-    fn of(p: &Prepared, g: &GgufSink) -> FilesInfo {
-        let plans = g
-            .file_plans(p.ckpt, p.plan, p.sharing)
-            .expect("laid out once already");
+impl FilesInfo<'_> {
+    fn of(g: &GgufSink) -> FilesInfo<'_> {
+        let plans = g.laid_out();
         let names = g.file_names(plans.len());
         let (copied, congruent) = plans.iter().fold((0, 0), |(a, b), f| {
             let (c, s) = f.copied_and_congruent_bytes();
@@ -62,7 +60,7 @@ impl FilesInfo {
 /// The dry run's plan of a GGUF job: architecture, every file and tensor, bytes, reflink.
 pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u64>) {
     let model = g.model();
-    let info = FilesInfo::of(p, g);
+    let info = FilesInfo::of(g);
     let n: usize = info.plans.iter().map(|f| f.tensors.len()).sum();
     println!(
         "plan: {} input tensors -> {} GGUF tensors in {} file(s) in {} (dry run: nothing written)",
@@ -157,8 +155,8 @@ pub(crate) fn report_json(
     dry_run: bool,
 ) -> Json {
     let (ckpt, opts) = (p.ckpt, p.opts);
-    let info = FilesInfo::of(p, g);
-    let mut gguf = report_fields(g.model(), &info.plans, &info.names);
+    let info = FilesInfo::of(g);
+    let mut gguf = report_fields(g.model(), info.plans, &info.names);
     let files = gguf["files"].take();
     let mut report = json!({
         "tftf_version": env!("CARGO_PKG_VERSION"),

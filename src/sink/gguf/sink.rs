@@ -52,6 +52,9 @@ pub struct GgufModel {
 pub struct GgufSink {
     pub opts: GgufOptions,
     model: OnceLock<Arc<GgufModel>>,
+    /// The files as [`Sink::layout`] planned them, for the dry run and the report; their
+    /// header bytes moved into the layout's shards (held once).
+    files: OnceLock<Vec<FilePlan>>,
 }
 
 impl GgufSink {
@@ -59,12 +62,18 @@ impl GgufSink {
         GgufSink {
             opts,
             model: OnceLock::new(),
+            files: OnceLock::new(),
         }
     }
 
     /// The model, once [`Sink::steps`] has planned it.
     pub fn model(&self) -> &GgufModel {
         self.model.get().expect("GgufSink::steps runs first")
+    }
+
+    /// The files, once [`Sink::layout`] has planned them (headers left out: see `files`).
+    pub fn laid_out(&self) -> &[FilePlan] {
+        self.files.get().expect("GgufSink::layout runs first")
     }
 
     /// Names of the output files, in order: the file itself, or its split files.
@@ -81,12 +90,7 @@ impl GgufSink {
 
     /// Lays the files out from `plan`'s tensors; `reflink_block` pads unchanged tensors to
     /// offsets congruent with the input's (see [`layout::LayoutOptions`]).
-    pub fn file_plans(
-        &self,
-        ckpt: &Checkpoint,
-        plan: &Plan,
-        sharing: bool,
-    ) -> Result<Vec<FilePlan>> {
+    fn file_plans(&self, ckpt: &Checkpoint, plan: &Plan, sharing: bool) -> Result<Vec<FilePlan>> {
         let model = self.model();
         let by_name: HashMap<&str, &OutputTensor> =
             model.outputs.iter().map(|o| (o.name.as_str(), o)).collect();
@@ -181,8 +185,9 @@ impl Sink for GgufSink {
             .map(|(i, t)| (t.name.as_str(), i))
             .collect();
         let names = self.file_names(plans.len());
-        let shards = plans
-            .into_iter()
+        let mut files = plans;
+        let shards = files
+            .iter_mut()
             .zip(names)
             .map(|(p, file_name)| OutShard {
                 file_name,
@@ -193,10 +198,11 @@ impl Sink for GgufSink {
                     .collect(),
                 offsets: p.tensors.iter().map(|t| t.offset).collect(),
                 len: p.file_len,
-                header: p.header,
+                header: std::mem::take(&mut p.header),
                 clone_from: None,
             })
             .collect();
+        let _ = self.files.set(files);
         Ok(Layout {
             kind: OutputKind::File,
             shards,
