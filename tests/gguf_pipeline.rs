@@ -205,3 +205,66 @@ fn the_report_counts_what_was_copied_and_computed() {
     assert_eq!(r["input"]["format"], "safetensors", "{r}");
     assert!(r["io_threads"].as_u64().unwrap() >= 1, "{r}");
 }
+
+#[test]
+fn gguf_parts_leave_the_files_beside_them_alone() {
+    let c = GgufCase::dense(9, "qwen3");
+    let dir = c.path("out");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Another model's files in the same folder: not this run's to remove, even with --force.
+    for (name, text) in [("model.safetensors", "other model"), ("notes.txt", "mine")] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let out = dir.join("m.gguf");
+    let split = [
+        "--split-max-size",
+        "20K",
+        "--vocab-pre",
+        "qwen2",
+        "-q",
+        "--force",
+    ];
+    for part in ["1/2", "2/2"] {
+        let args = [&split[..], &["--part", part]].concat();
+        tftf_ok(&gguf_args(&c.model, &out, &args));
+    }
+    tftf_ok(&["finalize", s(&dir), "--force", "-q"]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("model.safetensors")).unwrap(),
+        "other model"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
+    assert!(listing(&dir)
+        .iter()
+        .any(|n| n == "m-00001-of-00002.gguf" || n.starts_with("m-00001-of-")));
+    tftf_ok(&["verify", s(&dir)]);
+}
+
+#[test]
+fn a_gguf_part_does_not_replace_an_existing_file_without_force() {
+    let c = GgufCase::dense(10, "qwen3");
+    let dir = c.path("out");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("m.gguf"), "an earlier file").unwrap();
+    let args = ["--vocab-pre", "qwen2", "--part", "1/1"];
+    let err = fails(&gguf_args(&c.model, &dir.join("m.gguf"), &args));
+    assert_mentions(&err, &["m.gguf", "exists", "--force"]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("m.gguf")).unwrap(),
+        "an earlier file"
+    );
+    assert_listing(&dir, "m.gguf");
+}
+
+#[test]
+fn a_directory_named_as_the_gguf_output_is_refused() {
+    let c = GgufCase::dense(11, "qwen3");
+    let dir = c.path("out.gguf");
+    std::fs::create_dir_all(&dir).unwrap();
+    let err = fails(&gguf_args(&c.model, &dir, &["--vocab-pre", "qwen2"]));
+    assert_mentions(&err, &["out.gguf", "is a directory"]);
+    assert_listing(&dir, "");
+}

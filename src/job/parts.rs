@@ -337,7 +337,21 @@ fn write_part(
     if own_prev.is_some() {
         ok.extend(my_names.iter().cloned());
     }
-    let deleted = p.target.claim_for_part(&ok, opts.force)?;
+    let deleted = match p.sink {
+        OutputSink::Safetensors(_) => p.target.claim_for_part(&ok, opts.force)?,
+        // GGUF files sit among other files: as in a single GGUF run, only this part's own
+        // files are claimed (an existing one replaced only with --force), nothing is deleted.
+        OutputSink::Gguf(_) => {
+            let mut claimed: Vec<String> = my_names
+                .iter()
+                .filter(|n| !ok.contains(*n))
+                .cloned()
+                .collect();
+            claimed.sort();
+            p.target.claim_files(&claimed, opts.force)?;
+            Vec::new()
+        }
+    };
     if !deleted.is_empty() && !opts.quiet {
         println!(
             "removed {} model file(s) of the earlier output: {}",
@@ -356,7 +370,7 @@ fn write_part(
         fingerprint: fp.clone(),
         checksums,
         shards_total: layout.shards.len(),
-        index: layout.has_index(),
+        safetensors: matches!(p.sink, OutputSink::Safetensors(_)),
         assigned: mine
             .iter()
             .map(|&s| (s, layout.shards[s].file_name.clone()))

@@ -47,7 +47,8 @@ impl OutputSink {
         }
     }
 
-    /// Where the output goes: a `.gguf` file is always a file, in a directory.
+    /// Where the output goes: a `.gguf` file is always a file (an existing directory there is
+    /// refused by `resolve_as`), in a directory.
     fn target<'a>(
         &self,
         output: &Path,
@@ -56,16 +57,7 @@ impl OutputSink {
     ) -> Result<OutputTarget<'a>> {
         match self {
             OutputSink::Safetensors(_) => OutputTarget::resolve(output, ckpt, inputs),
-            OutputSink::Gguf(_) => {
-                let target = OutputTarget::resolve_as(output, OutputKind::File, ckpt, inputs)?;
-                if output.is_dir() {
-                    return Err(Error::Other(format!(
-                        "output {} is a directory; name the .gguf file",
-                        output.display()
-                    )));
-                }
-                Ok(target)
-            }
+            OutputSink::Gguf(_) => OutputTarget::resolve_as(output, OutputKind::File, ckpt, inputs),
         }
     }
 }

@@ -596,9 +596,10 @@ pub struct PartRecord {
     pub fingerprint: Fingerprint,
     pub checksums: bool,
     pub shards_total: usize,
-    /// Whether finalize writes `model.safetensors.index.json` (safetensors shards; not GGUF
-    /// split files, which carry their own split keys).
-    pub index: bool,
+    /// Whether the output is a safetensors checkpoint directory: finalize then writes its index
+    /// (of two shards or more) and removes the model files of an earlier output. GGUF files sit
+    /// among other files and carry their own split keys: neither.
+    pub safetensors: bool,
     /// (layout index, file name) of the shards assigned to this part.
     pub assigned: Vec<(usize, String)>,
     /// Side files (part 1 stages them); the same list in every part.
@@ -615,7 +616,7 @@ impl PartRecord {
             "fingerprint": self.fingerprint.to_json(),
             "checksums": self.checksums,
             "shards_total": self.shards_total,
-            "index": self.index,
+            "safetensors": self.safetensors,
             "assigned": self.assigned.iter().map(|(i, n)| json!({"index": i, "name": n})).collect::<Vec<_>>(),
             "side_files": self.side_files,
             "complete": self.complete,
@@ -674,8 +675,8 @@ impl PartRecord {
             shards_total: v["shards_total"]
                 .as_u64()
                 .ok_or_else(|| bad("no `shards_total`"))? as usize,
-            // Records written before GGUF parts: safetensors, indexed from two shards on.
-            index: v["index"].as_bool().unwrap_or(true),
+            // Records written before GGUF parts are safetensors ones.
+            safetensors: v["safetensors"].as_bool().unwrap_or(true),
             assigned,
             side_files,
             complete: v["complete"].as_bool().unwrap_or(false),
@@ -980,7 +981,11 @@ fn finalize_locked(
     let shard_records = written_shard_records(dir, &records, &names)?;
     let side_dir = staged_side_dir(dir);
     check_side_files_staged(&side_dir, &first)?;
-    let foreign = foreign_model_files(dir, &names, &first, force)?;
+    let foreign = if first.safetensors {
+        foreign_model_files(dir, &names, &first, force)?
+    } else {
+        Vec::new()
+    };
     finish_interrupted_commit(dir)?;
     for t in temporaries(dir) {
         let p = dir.join(&t);
@@ -1166,7 +1171,7 @@ fn add_finished_files(
             })?);
         }
     }
-    if first.index && first.shards_total >= 2 {
+    if first.safetensors && first.shards_total >= 2 {
         let index = index_of(shard_records);
         if first.checksums {
             sums.push(hash_bytes(INDEX_NAME, index.as_bytes()));
