@@ -307,39 +307,10 @@ fn f32_checkpoint_auto_becomes_f16_except_norms() {
     assert_eq!(g.tensor("output_norm.weight").1, 0);
 }
 
-/// (name, shape) of the gate, up and down projections (32 wide) of each expert in `experts`:
-/// `{expert}.gate_proj.weight`, ...
-fn expert_mlps(experts: impl IntoIterator<Item = String>) -> Vec<(String, Vec<u64>)> {
-    let shapes = [
-        ("gate_proj", [32u64, 64]),
-        ("up_proj", [32, 64]),
-        ("down_proj", [64, 32]),
-    ];
-    experts
-        .into_iter()
-        .flat_map(|x| shapes.map(|(w, sh)| (format!("{x}.{w}.weight"), sh.to_vec())))
-        .collect()
-}
-
 #[test]
 fn qwen3_moe_experts_are_stacked_in_expert_order() {
-    let mut rng = Rng(5);
-    let mut tensors = head(&mut rng, DType::BF16);
-    for l in 0..2 {
-        tensors.extend(attention_layer(
-            &mut rng,
-            l,
-            [
-                ("self_attn.q_norm.weight", vec![16]),
-                ("self_attn.k_norm.weight", vec![16]),
-                ("mlp.gate.weight", vec![4, 64]),
-            ],
-        ));
-        // Experts written out of order: the GGUF stacks them by id.
-        let experts = expert_mlps([2, 0, 3, 1].map(|x| format!("mlp.experts.{x}")));
-        tensors.extend(layer(&mut rng, l, DType::BF16, experts));
-    }
-    let c = GgufCase::new("qwen3moe", |_| {}, tensors);
+    // Experts written out of order: the GGUF stacks them by id.
+    let c = GgufCase::qwen3_moe(5);
     let g = c.convert("moe.gguf", "test-pre", &[]);
     assert_hparams(&g, "qwen3moe", 32);
     for l in 0..2 {

@@ -31,6 +31,7 @@ use crate::ops::fp4::kernel::Fp4Params;
 use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
 use crate::ops::fp8::kernel::DequantParams;
 use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
+use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{BaseDequant, DeltaParams, LoraLaunch, LoraParams};
 use crate::ops::quantize::kernel::QuantParams;
@@ -51,6 +52,7 @@ unsafe impl DeviceRepr for GptqParams {}
 unsafe impl DeviceRepr for Int4Params {}
 unsafe impl DeviceRepr for Fp4Params {}
 unsafe impl DeviceRepr for QuantParams {}
+unsafe impl DeviceRepr for GgufParams {}
 
 struct Kernels {
     cast: CudaFunction,
@@ -70,6 +72,7 @@ struct Kernels {
     quantize_fp8_amax: CudaFunction,
     quantize_fp8_scales: CudaFunction,
     quantize_fp8_codes: CudaFunction,
+    gguf: CudaFunction,
 }
 
 /// Counters for reports and benchmarks.
@@ -199,6 +202,7 @@ impl Gpu {
             quantize_fp8_amax: f("tftf_quantize_fp8_amax")?,
             quantize_fp8_scales: f("tftf_quantize_fp8_scales")?,
             quantize_fp8_codes: f("tftf_quantize_fp8_codes")?,
+            gguf: f("tftf_gguf")?,
         };
         let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
@@ -529,17 +533,27 @@ impl Lane {
             self.direct += data.len() as u64;
             return Ok(dptr);
         }
-        let p = self.pinned(slot, data.len())?;
+        self.upload_joined(slot, &[data])
+    }
+
+    /// Stages `parts`, one after the other, into slot `slot` and queues their copy as one
+    /// buffer; returns its device address.
+    fn upload_joined(&mut self, slot: usize, parts: &[&[u8]]) -> Result<CUdeviceptr, String> {
+        let len = parts.iter().map(|p| p.len()).sum();
+        let p = self.pinned(slot, len)?;
         // SAFETY: the previous chunk's copies finished (each chunk ends synchronised).
-        unsafe { p.slice_mut(data.len()) }.copy_from_slice(data);
-        let dptr = self.device(slot, data.len())?;
+        let staged = unsafe { p.slice_mut(len) };
+        let mut at = 0;
+        for part in parts {
+            staged[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        let dptr = self.device(slot, len)?;
         if !self.mapped {
             let p = self.host[slot].as_ref().expect("staged");
             // SAFETY: the pinned source stays untouched until the chunk's final sync.
-            unsafe {
-                result::memcpy_htod_async(dptr, p.slice(data.len()), self.stream.cu_stream())
-            }
-            .map_err(|e| driver_err("host-to-device copy", e))?;
+            unsafe { result::memcpy_htod_async(dptr, p.slice(len), self.stream.cu_stream()) }
+                .map_err(|e| driver_err("host-to-device copy", e))?;
         }
         Ok(dptr)
     }
@@ -619,6 +633,7 @@ impl Lane {
                 unsafe { b.launch(launch_config(nunits)) }
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
+            Kernel::Gguf(l) => self.gguf(k, l, inputs, outs[0].len())?,
             Kernel::DequantFp8(p) => {
                 let o = self.device(OUT, outs[0].len())?;
                 flag = Some(self.dequant(k, p, inputs, o)?);
@@ -816,6 +831,34 @@ impl Lane {
             return Ok(Ran::Done(Some(KernelStats::Engram { rows, clamped })));
         }
         Ok(Ran::Done(None))
+    }
+
+    /// Queues a GGUF chunk: the inputs joined in order, the unit map beside them, into the
+    /// `out_len` bytes of output slot `OUT`.
+    fn gguf(
+        &mut self,
+        k: &Kernels,
+        l: &GgufLaunch,
+        inputs: &[&[u8]],
+        out_len: usize,
+    ) -> Result<(), String> {
+        let i = match inputs {
+            [one] => self.upload(IN, one)?,
+            parts => self.upload_joined(IN, parts)?,
+        };
+        let map: Vec<u8> = l.map.iter().flat_map(|u| u.to_le_bytes()).collect();
+        let m = match map.is_empty() {
+            true => 0,
+            false => self.upload(IN + 1, &map)?,
+        };
+        let o = self.device(OUT, out_len)?;
+        let n = l.items;
+        let mut b = self.stream.launch_builder(&k.gguf);
+        b.arg(&i).arg(&m).arg(&o).arg(&n).arg(&l.params);
+        // SAFETY: argument types match tftf_gguf; the joined input holds every element the
+        // map names, `o` holds n items (Q8_0 blocks or elements) of the output type.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf", e))?;
+        Ok(())
     }
 
     /// Queues FP8 dequantisation of a chunk (`inputs`: codes, then the scales if any) into

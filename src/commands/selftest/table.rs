@@ -440,6 +440,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::gptq_cases(&mut rng, &mut out);
     super::decoders::int4_modelopt_cases(&mut rng, &mut out);
     super::encoders::modelopt_cases(&mut rng, &mut out);
+    super::encoders::gguf_cases(&mut rng, &mut out);
     out
 }
 
