@@ -536,6 +536,16 @@ impl Lane {
         self.upload_joined(slot, &[data])
     }
 
+    /// Uploads `inputs` to slots `IN`, `IN + 1`, ...: the device addresses of the first `N`, 0
+    /// for an optional input the chunk does not have.
+    fn upload_n<const N: usize>(&mut self, inputs: &[&[u8]]) -> Result<[CUdeviceptr; N], String> {
+        let mut at = [0; N];
+        for (k, data) in inputs.iter().take(N).enumerate() {
+            at[k] = self.upload(IN + k, data)?;
+        }
+        Ok(at)
+    }
+
     /// Stages `parts`, one after the other, into slot `slot` and queues their copy as one
     /// buffer; returns its device address.
     fn upload_joined(&mut self, slot: usize, parts: &[&[u8]]) -> Result<CUdeviceptr, String> {
@@ -643,12 +653,7 @@ impl Lane {
                 flag = Some(self.dequant_fp4(k, p, inputs, o)?);
             }
             Kernel::DequantInt(p) => {
-                let w = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
-                let z = match inputs.get(2) {
-                    Some(z) => self.upload(IN + 2, z)?,
-                    None => 0,
-                };
+                let [w, s, z] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let n = nunits * p.cols;
                 let mut b = self.stream.launch_builder(&k.dequant_int);
@@ -659,13 +664,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_dequant_int", e))?;
             }
             Kernel::DequantGptq(p) => {
-                let w = self.upload(IN, inputs[0])?;
-                let z = self.upload(IN + 1, inputs[1])?;
-                let s = self.upload(IN + 2, inputs[2])?;
-                let g = match inputs.get(3) {
-                    Some(g) => self.upload(IN + 3, g)?,
-                    None => 0,
-                };
+                let [w, z, s, g] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let f = self.zero(FLAG, 4)?;
                 flag = Some(f);
@@ -685,8 +684,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_dequant_gptq", e))?;
             }
             Kernel::DequantInt4Modelopt(p) => {
-                let c = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
+                let [c, s] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let f = self.zero(FLAG, 4)?;
                 flag = Some(f);
@@ -711,8 +709,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_nv_block_scales", e))?;
             }
             Kernel::NvReencode { g } => {
-                let w = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
+                let [w, s] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let blocks = inputs[1].len() as u64;
                 let mut b = self.stream.launch_builder(&k.nv_reencode);
@@ -722,8 +719,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_nv_reencode", e))?;
             }
             Kernel::Engram { cols } => {
-                let codes = self.upload(IN, inputs[0])?;
-                let scales = self.upload(IN + 1, inputs[1])?;
+                let [codes, scales] = self.upload_n(inputs)?;
                 let blocks = inputs[1].len() as u64;
                 let per_row = cols / 32;
                 let o_codes = self.device(OUT, outs[0].len())?;
@@ -870,11 +866,7 @@ impl Lane {
         inputs: &[&[u8]],
         out: CUdeviceptr,
     ) -> Result<CUdeviceptr, String> {
-        let c = self.upload(IN, inputs[0])?;
-        let s = match inputs.get(1) {
-            Some(s) => self.upload(IN + 1, s)?,
-            None => 0,
-        };
+        let [c, s] = self.upload_n(inputs)?;
         let flag = self.zero(FLAG, 4)?;
         let n = inputs[0].len() as u64;
         let mut b = self.stream.launch_builder(&k.dequant);
@@ -893,12 +885,7 @@ impl Lane {
         inputs: &[&[u8]],
         out: CUdeviceptr,
     ) -> Result<CUdeviceptr, String> {
-        let c = self.upload(IN, inputs[0])?;
-        let s = self.upload(IN + 1, inputs[1])?;
-        let g = match inputs.get(2) {
-            Some(g) => self.upload(IN + 2, g)?,
-            None => 0,
-        };
+        let [c, s, g] = self.upload_n(inputs)?;
         let f = self.zero(FLAG, 4)?;
         let n = 2 * inputs[0].len() as u64;
         let mut b = self.stream.launch_builder(&k.dequant_fp4);
