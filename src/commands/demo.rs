@@ -503,6 +503,7 @@ impl Demo<'_> {
                 scale: 1.0,
                 allow_unmatched: false,
                 rank_alpha: None,
+                allow_nonfinite: false,
             },
         )));
         Job {

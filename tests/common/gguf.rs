@@ -241,6 +241,18 @@ pub fn attention(q: u64, kv: u64) -> Vec<(&'static str, Vec<u64>)> {
     ]
 }
 
+/// Query and key/value rows of an attention layer under the config fixture `cfg`: heads (and
+/// key/value heads) times `head_dim`, or times hidden size / heads without one.
+pub fn attention_rows(cfg: &str) -> (u64, u64) {
+    let c: Json =
+        serde_json::from_slice(&read_gguf_fixture(&format!("configs/{cfg}.config.json"))).unwrap();
+    let get = |k: &str| c.get(k).and_then(Json::as_u64);
+    let heads = get("num_attention_heads").unwrap();
+    let head_dim = get("head_dim").unwrap_or(get("hidden_size").unwrap() / heads);
+    let kv = get("num_key_value_heads").unwrap_or(heads);
+    (heads * head_dim, kv * head_dim)
+}
+
 /// Random `model.layers.{layer}.{name}` tensors of `dtype` for each (name, shape).
 pub fn layer<N: AsRef<str>, S: AsRef<[u64]>>(
     rng: &mut Rng,
@@ -354,10 +366,11 @@ impl GgufCase {
         }
     }
 
-    /// [`dense_layers`] of BF16 (64 query rows, 32 key/value rows) drawn from `Rng(seed)`
-    /// with the config fixture `cfg`.
+    /// [`dense_layers`] of BF16 drawn from `Rng(seed)` with the config fixture `cfg`, whose
+    /// heads and head size give the query and key/value rows (64 and 32 for head size 16).
     pub fn dense(seed: u64, cfg: &str) -> Self {
-        let tensors = dense_layers(&mut Rng(seed), DType::BF16, 64, 32, &[]);
+        let (q, kv) = attention_rows(cfg);
+        let tensors = dense_layers(&mut Rng(seed), DType::BF16, q, kv, &[]);
         Self::new(cfg, |_| {}, tensors)
     }
 
