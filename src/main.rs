@@ -6,8 +6,8 @@ fn main() {
     let on_signal = cancel.clone();
     // Before any thread starts: every thread inherits the blocked signals.
     if let Err(e) = tftf::signals::install(move || on_signal.raise()) {
-        tftf::errln!("error: cannot take over SIGINT and SIGTERM: {e}");
-        std::process::exit(1);
+        // The run can go on: a signal then ends it at once, as it does most programs.
+        tftf::errln!("warning: cannot take over SIGINT and SIGTERM ({e}); a signal will end the run without removing its temporary files");
     }
     // `run`'s pipe sections are split off first: clap cannot express them.
     let (args, sections) = tftf::commands::run_sections::split(std::env::args_os().collect());

@@ -20,6 +20,10 @@ use std::time::Duration;
 /// How long a run may take to stop after a signal before it is ended from outside.
 pub const GRACE: Duration = Duration::from_secs(3);
 
+/// Stack of the signal threads: they only wait, print a line and remove files (a fixed size
+/// also keeps `RUST_MIN_STACK` from stopping them).
+const SIGNAL_THREAD_STACK_BYTES: usize = 256 << 10;
+
 /// The signals that end a run.
 const ENDING: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
@@ -67,7 +71,8 @@ fn label(signal: i32) -> &'static str {
 
 /// Takes over SIGINT, SIGTERM and SIGHUP (see the module docs) and ignores SIGPIPE. `cancel`
 /// is called at the first signal. Call it first thing in `main`, before any thread starts, so
-/// that every thread inherits the blocked signals.
+/// that every thread inherits the blocked signals. When the signal thread cannot start, the
+/// signals keep their default action (they end the process at once) and the error says why.
 pub fn install(cancel: impl Fn() + Send + 'static) -> std::io::Result<()> {
     let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
     // SAFETY: sigemptyset initialises the set it is given; sigaddset and pthread_sigmask read
@@ -85,8 +90,9 @@ pub fn install(cancel: impl Fn() + Send + 'static) -> std::io::Result<()> {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         set
     };
-    std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("signals".into())
+        .stack_size(SIGNAL_THREAD_STACK_BYTES)
         .spawn(move || loop {
             let mut signal: libc::c_int = 0;
             // SAFETY: `set` is an initialised sigset_t; sigwait writes one int.
@@ -100,13 +106,20 @@ pub fn install(cancel: impl Fn() + Send + 'static) -> std::io::Result<()> {
                 end_now(signal, "a second signal came");
             }
             // The deadline first: printing the message can block (a full pipe on stderr).
-            let _ = std::thread::Builder::new().spawn(move || {
+            let deadline = std::thread::Builder::new().stack_size(SIGNAL_THREAD_STACK_BYTES);
+            let _ = deadline.spawn(move || {
                 std::thread::sleep(GRACE);
                 end_now(signal, "the run did not stop in time");
             });
             crate::errln!("{}: stopping and removing temporary output…", label(signal));
             cancel();
-        })?;
+        });
+    if let Err(e) = spawned {
+        // Nobody would take the blocked signals: give them back their default action.
+        // SAFETY: as above.
+        unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
+        return Err(e);
+    }
     Ok(())
 }
 

@@ -247,46 +247,44 @@ fn mkfifo(path: &Path) {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
 }
 
+/// Replaces `path` with a FIFO (`"fifo"`) or a symlink to the device `make`; returns what the
+/// refusal calls it.
+fn make_special(path: &Path, make: &str) -> &'static str {
+    let _ = std::fs::remove_file(path);
+    if make == "fifo" {
+        mkfifo(path);
+        "a FIFO (named pipe)"
+    } else {
+        symlink(make, path).unwrap();
+        "a symlink to a character device"
+    }
+}
+
 #[test]
 fn special_side_files_are_refused_before_any_output() {
     let d = tmp();
     let src = d.path().join("in");
     model(&src);
     let out = d.path().join("out");
-    let side = src.join("tokenizer_config.json");
-    mkfifo(&side);
-    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
-    assert_eq!(code, Some(1));
-    assert_eq!(
-        err,
-        format!(
-            "error: {}: a FIFO (named pipe), not a regular file\n",
-            side.display()
-        )
-    );
-    assert!(!out.exists());
-    std::fs::remove_file(&side).unwrap();
-    symlink("/dev/zero", &side).unwrap();
-    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
-    assert_eq!(code, Some(1));
-    assert_eq!(
-        err,
-        format!(
-            "error: {}: a symlink to a character device, not a regular file\n",
-            side.display()
-        )
-    );
-    assert!(!out.exists());
-    // A FIFO `config.json` is not taken for a missing one.
-    std::fs::remove_file(&side).unwrap();
-    mkfifo(&src.join("config.json"));
-    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
-    assert_eq!(code, Some(1));
-    assert_mentions(
-        &err,
-        &["config.json: a FIFO (named pipe), not a regular file"],
-    );
-    assert!(!out.exists());
+    // A FIFO `config.json` is not taken for a missing one either.
+    for (name, make) in [
+        ("tokenizer_config.json", "fifo"),
+        ("tokenizer_config.json", "/dev/zero"),
+        ("config.json", "fifo"),
+    ] {
+        let side = src.join(name);
+        let saved = std::fs::read(&side).unwrap();
+        let what = make_special(&side, make);
+        let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
+        assert_eq!(code, Some(1), "{name} as {make}");
+        assert_eq!(
+            err,
+            format!("error: {}: {what}, not a regular file\n", side.display())
+        );
+        assert!(!out.exists(), "{name} as {make}");
+        std::fs::remove_file(&side).unwrap();
+        std::fs::write(&side, saved).unwrap();
+    }
 }
 
 #[test]
@@ -300,14 +298,7 @@ fn gguf_refuses_a_fifo_or_a_device_as_a_tokenizer_file() {
     ] {
         let file = case.model.join(name);
         let saved = std::fs::read(&file).unwrap();
-        std::fs::remove_file(&file).unwrap();
-        let what = if make == "fifo" {
-            mkfifo(&file);
-            "a FIFO (named pipe)"
-        } else {
-            symlink(make, &file).unwrap();
-            "a symlink to a character device"
-        };
+        let what = make_special(&file, make);
         let (code, _, err) = run_bounded(&[
             "gguf",
             s(&case.model),
@@ -337,56 +328,24 @@ fn verify_refuses_special_files_in_place_of_listed_files() {
     std::fs::write(src.join("README.md"), "").unwrap();
     let out = d.path().join("out");
     passthrough_ok(&src, &out, &["--checksums", "-q"]);
-    let listed = |name: &str| out.join(name);
-    std::fs::remove_file(listed("README.md")).unwrap();
-    symlink("/dev/urandom", listed("README.md")).unwrap();
-    let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
-    assert_eq!(code, Some(1));
-    assert_eq!(
-        stdout_text,
-        format!(
-            "{}: README.md: a symlink to a character device, not a regular file\n",
-            out.display()
-        )
-    );
-    std::fs::remove_file(listed("README.md")).unwrap();
-    std::fs::write(listed("README.md"), "").unwrap();
-    std::fs::remove_file(listed("tokenizer_config.json")).unwrap();
-    mkfifo(&listed("tokenizer_config.json"));
-    let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
-    assert_eq!(code, Some(1));
-    assert_eq!(
-        stdout_text,
-        format!(
-            "{}: tokenizer_config.json: a FIFO (named pipe), not a regular file\n",
-            out.display()
-        )
-    );
+    tftf_ok(&["verify", s(&out)]);
+    for (name, make) in [
+        ("README.md", "/dev/urandom"),
+        ("tokenizer_config.json", "fifo"),
+    ] {
+        let file = out.join(name);
+        let saved = std::fs::read(&file).unwrap();
+        let what = make_special(&file, make);
+        let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
+        assert_eq!(code, Some(1), "{name} as {make}");
+        assert_eq!(
+            stdout_text,
+            format!("{}: {name}: {what}, not a regular file\n", out.display())
+        );
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, saved).unwrap();
+    }
 }
-
-/// A model big enough that a single-threaded cast under a small budget runs for seconds.
-fn big_model(dir: &Path) {
-    let mut rng = Rng(2);
-    std::fs::create_dir_all(dir).unwrap();
-    let big: Vec<u8> = (0..96 << 18)
-        .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
-        .collect();
-    write_file(
-        &dir.join("model.safetensors"),
-        &[t("big", DType::F32, &[96 << 18], big)],
-    );
-}
-
-const SLOW: [&str; 8] = [
-    "--dtype",
-    "bf16",
-    "--threads",
-    "1",
-    "--memory-budget",
-    "16MiB",
-    "--progress",
-    "json",
-];
 
 fn wait_for_temporaries(out: &Path, child: &mut Child) {
     let started = Instant::now();
@@ -408,9 +367,9 @@ fn sigterm(child: &Child) {
 fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
     let d = tmp();
     let src = d.path().join("in");
-    big_model(&src);
+    slow_cast_model(&src);
     let out = d.path().join("out");
-    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW[..6]))
+    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
         .arg("-q")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -431,12 +390,12 @@ fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
 fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
     let d = tmp();
     let src = d.path().join("in");
-    big_model(&src);
+    slow_cast_model(&src);
     let out = d.path().join("out");
     // Progress lines every 0.1 ms fill the pipe at once; nobody reads it, so the next line
     // blocks the writer, and no cancel check is ever reached.
-    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW))
-        .args(["--progress-interval", "0.0001"])
+    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
+        .args(["--progress", "json", "--progress-interval", "0.0001"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

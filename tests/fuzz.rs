@@ -605,8 +605,8 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-#[test]
-fn mutated_corpus_never_panics() {
+/// The case directories of `tests/fuzz-corpus`, sorted.
+fn corpus_cases() -> Vec<PathBuf> {
     let mut cases: Vec<PathBuf> = std::fs::read_dir(CORPUS)
         .expect("tests/fuzz-corpus")
         .flatten()
@@ -614,6 +614,20 @@ fn mutated_corpus_never_panics() {
         .filter(|p| p.is_dir())
         .collect();
     cases.sort();
+    cases
+}
+
+/// Runs [`exercise`] over the copy of a case in `work` (its `model/` and, where there is one,
+/// `adapter/`), writing into `scratch`.
+fn exercise_case(work: &Path, scratch: &Path) -> Result<(), String> {
+    let adapter = work.join("adapter");
+    let adapter = adapter.is_dir().then_some(adapter.as_path());
+    exercise(&work.join("model"), adapter, scratch)
+}
+
+#[test]
+fn mutated_corpus_never_panics() {
+    let cases = corpus_cases();
     assert!(cases.len() >= 5, "corpus has {} cases", cases.len());
     let mut rng = Rng(seed());
     let iterations = bound("TFTF_FUZZ_MUTATIONS", 600);
@@ -632,10 +646,7 @@ fn mutated_corpus_never_panics() {
             std::fs::write(f, &bytes).unwrap();
             edited.push(f.strip_prefix(&work).unwrap().display().to_string());
         }
-        let model = work.join("model");
-        let adapter = work.join("adapter");
-        let adapter = adapter.is_dir().then_some(adapter.as_path());
-        if let Err(e) = exercise(&model, adapter, d.path()) {
+        if let Err(e) = exercise_case(&work, d.path()) {
             panic!(
                 "iteration {it} on {} (edited {edited:?}): {e}",
                 case.file_name().unwrap().to_string_lossy()
@@ -673,13 +684,7 @@ fn make_special(path: &Path, kind: &str) {
 /// must end — with exit 0, 1 or 2 and no panic — within [`COMMAND_LIMIT`].
 #[test]
 fn special_files_in_place_of_inputs_never_hang_or_panic() {
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(CORPUS)
-        .expect("tests/fuzz-corpus")
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
+    let cases = corpus_cases();
     let mut rng = Rng(seed() ^ 0x5bec_1a1f);
     for case in &cases {
         let count = files_under(case).len();
@@ -690,10 +695,7 @@ fn special_files_in_place_of_inputs_never_hang_or_panic() {
             let file = &files_under(&work)[k];
             let kind = SPECIAL_FILES[rng.next_u32() as usize % SPECIAL_FILES.len()];
             make_special(file, kind);
-            let model = work.join("model");
-            let adapter = work.join("adapter");
-            let adapter = adapter.is_dir().then_some(adapter.as_path());
-            if let Err(e) = exercise(&model, adapter, d.path()) {
+            if let Err(e) = exercise_case(&work, d.path()) {
                 panic!(
                     "{} with {} as {kind}: {e}",
                     case.file_name().unwrap().to_string_lossy(),
