@@ -235,6 +235,16 @@ fn info_validate_verify_and_dry_runs_whose_output_is_lost_exit_1() {
         assert_eq!(o.code(), Some(1), "{args:?}");
     }
     assert!(!dry.exists());
+    // `recover` changes the directory whatever it could print: its lost line is only noted.
+    let o = tftf_cmd(&["recover", s(&out)])
+        .stdout(full_device())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert_eq!(
+        stderr(&o),
+        "note: stdout could not be written (No space left on device (os error 28)); the lines after that were dropped\n"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
