@@ -298,6 +298,32 @@ fn special_side_files_are_refused_before_any_output() {
 }
 
 #[test]
+fn a_fifo_as_the_report_or_as_the_old_index_of_the_output_does_not_block() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let out = d.path().join("out");
+    let report = d.path().join("report.json");
+    mkfifo(&report);
+    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &["--report", s(&report)]));
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        err,
+        format!(
+            "error: --report {} exists and is not a tftf report; remove it or choose another path\n",
+            report.display()
+        )
+    );
+    assert!(!out.exists());
+    // An earlier output's index that is a FIFO is replaced under --force, not read forever.
+    std::fs::create_dir(&out).unwrap();
+    mkfifo(&out.join("model.safetensors.index.json"));
+    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &["--force", "-q"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert_converted(&out, &tensors);
+}
+
+#[test]
 fn gguf_refuses_a_fifo_or_a_device_as_a_tokenizer_file() {
     let case = gguf::GgufCase::dense(3, "llama3");
     let out = case.path("out.gguf");

@@ -271,7 +271,7 @@ impl Journal {
                 path.display()
             ))
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::sys::read_regular_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let v: Value = serde_json::from_str(&text).map_err(|_| bad("not JSON"))?;
         let names = |key: &str| -> Result<Vec<Value>> {
             v.get(key)

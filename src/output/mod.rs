@@ -481,7 +481,7 @@ pub fn check_report_path(report: &Path, inputs: Option<&InputFiles>) -> Result<(
 }
 
 fn is_tftf_report(path: &Path) -> bool {
-    std::fs::read(path)
+    crate::sys::read_regular(path)
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
         .is_some_and(|v| v.get("tftf_version").is_some() && v.get("status").is_some())
@@ -530,7 +530,7 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
 
 /// Shard names an existing index lists (plain names only).
 fn old_index_shards(index: &Path) -> Vec<String> {
-    let Some(v) = std::fs::read(index)
+    let Some(v) = crate::sys::read_regular(index)
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
     else {
