@@ -258,6 +258,14 @@ pub enum Error {
     #[error("interrupted; temporary output removed")]
     Cancelled,
 
+    /// The command's printed output could not be written (a closed pipe, a full device), so
+    /// what reached the reader is incomplete.
+    #[error("cannot write to {stream}: {reason}; the output printed so far is incomplete")]
+    OutputLost {
+        stream: &'static str,
+        reason: String,
+    },
+
     /// A filter that keeps no tensor, or an op that finds nothing to do: almost surely the
     /// wrong input or pattern (`--allow-empty` accepts it).
     #[error("{0}; pass --allow-empty to write the output anyway")]

@@ -62,11 +62,11 @@ fn push_escaped(out: &mut String, s: &str) {
 /// The input's warnings and notes on stderr (notes only without `quiet`), escaped.
 pub fn print_input_notes(ckpt: &crate::Checkpoint, quiet: bool) {
     for w in &ckpt.warnings {
-        eprintln!("warning: {}: {}", path(&ckpt.input), name(w));
+        errln!("warning: {}: {}", path(&ckpt.input), name(w));
     }
     if !quiet {
         for n in &ckpt.notes {
-            eprintln!("note: {}: {}", path(&ckpt.input), name(n));
+            errln!("note: {}: {}", path(&ckpt.input), name(n));
         }
     }
 }

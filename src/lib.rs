@@ -31,6 +31,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[macro_use]
+pub mod console;
 pub mod api;
 pub mod cli;
 pub mod commands;
@@ -45,6 +47,7 @@ pub mod output;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
+pub mod signals;
 pub mod sink;
 pub mod size;
 pub mod sys;

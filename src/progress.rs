@@ -303,9 +303,9 @@ impl Progress {
 
     fn print(&self, event: &str) {
         if self.0.json {
-            eprintln!("{}", self.json_line(event));
+            errln!("{}", self.json_line(event));
         } else {
-            eprintln!("{}", self.line());
+            errln!("{}", self.line());
         }
     }
 

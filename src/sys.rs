@@ -251,14 +251,80 @@ pub fn can_reflink(fs: &str) -> bool {
     matches!(fs, "xfs" | "btrfs" | "bcachefs" | "zfs")
 }
 
-/// Lets a closed stdout (`tftf info … | head`) end the process quietly, as it does for other
-/// command-line tools, instead of a panic in `println!`. Stdout is written only after outputs
-/// are committed, so no temporary file can be left by it.
-pub fn default_sigpipe() {
-    // SAFETY: restoring the default disposition of one signal.
+/// Opens an input file for reading, refusing anything but a regular file (symlinks followed):
+/// a FIFO would block `open` and `read` forever, and a device (`/dev/urandom`, `/dev/zero`)
+/// would never end or would pass for a file of zero bytes. The type is checked before the open,
+/// the open itself does not block (`O_NONBLOCK`, dropped again once the file is known to be
+/// regular) and the opened file is checked again, so a file swapped in between is caught too.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    refuse_special(path, &std::fs::metadata(path)?)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    refuse_special(path, &file.metadata()?)?;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on an fd valid for `file`'s life, with integer flags.
     unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
+    Ok(file)
+}
+
+/// [`std::fs::read`] through [`open_regular`].
+pub fn read_regular(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = open_regular(path)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// [`std::fs::read_to_string`] through [`open_regular`].
+pub fn read_regular_to_string(path: &Path) -> io::Result<String> {
+    String::from_utf8(read_regular(path)?).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            "stream did not contain valid UTF-8",
+        )
+    })
+}
+
+/// An error unless `meta` (of `path`, symlinks followed) is a regular file; the message says
+/// what it is instead.
+pub fn refuse_special(path: &Path, meta: &std::fs::Metadata) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_file() {
+        return Ok(());
+    }
+    let what = if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "a special file"
+    };
+    let link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let what = if link {
+        format!("a symlink to {what}")
+    } else {
+        what.to_string()
+    };
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file"),
+    ))
 }
 
 /// Whether `path` lives on a rotational disk, from `/sys/dev/block/MAJ:MIN/queue/rotational`

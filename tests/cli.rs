@@ -703,32 +703,12 @@ fn validate_lists_every_broken_shard() {
 #[test]
 fn ctrl_c_removes_temporary_output() {
     let (d, src) = tmp_in();
-    let mut rng = Rng(2);
-    std::fs::create_dir_all(&src).unwrap();
-    // 96 MiB of f32 cast on one thread under a small budget takes well over the poll below.
-    let big: Vec<u8> = (0..96 << 18)
-        .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
-        .collect();
-    write_file(
-        &src.join("model.safetensors"),
-        &[t("big", DType::F32, &[96 << 18], big)],
-    );
+    // It takes well over the poll below.
+    slow_cast_model(&src);
     let out = d.path().join("out");
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
-        .args(cmd(
-            "passthrough",
-            &src,
-            &out,
-            &[
-                "--dtype",
-                "bf16",
-                "--threads",
-                "1",
-                "--memory-budget",
-                "16MiB",
-                "-q",
-            ],
-        ))
+        .args(cmd("passthrough", &src, &out, &SLOW_CAST))
+        .arg("-q")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();

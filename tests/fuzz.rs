@@ -61,6 +61,8 @@ fn exit_code(args: &[String]) -> Result<i32, String> {
         Ok(m) => m,
         Err(e) => return Ok(if e.use_stderr() { 2 } else { 0 }),
     };
+    // Judged by exit codes: thousands of commands' lines would only bury the test's output.
+    tftf::console::set_silent(true);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let cancel = tftf::pipeline::Cancel::default();
@@ -97,6 +99,10 @@ fn outputs_load(out: &Path) -> Result<(), String> {
         vec![out.to_path_buf()]
     };
     for f in files {
+        // A FIFO would block this read forever (the special-file cases put one here).
+        if !std::fs::metadata(&f).is_ok_and(|m| m.is_file()) {
+            return Err(format!("{} is not a regular file", f.display()));
+        }
         let bytes = std::fs::read(&f).map_err(|e| e.to_string())?;
         safetensors::SafeTensors::deserialize(&bytes)
             .map_err(|e| format!("{} does not load: {e:?}", f.display()))?;
@@ -623,8 +629,8 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-#[test]
-fn mutated_corpus_never_panics() {
+/// The case directories of `tests/fuzz-corpus`, sorted.
+fn corpus_cases() -> Vec<PathBuf> {
     let mut cases: Vec<PathBuf> = std::fs::read_dir(CORPUS)
         .expect("tests/fuzz-corpus")
         .flatten()
@@ -632,6 +638,20 @@ fn mutated_corpus_never_panics() {
         .filter(|p| p.is_dir())
         .collect();
     cases.sort();
+    cases
+}
+
+/// Runs [`exercise`] over the copy of a case in `work` (its `model/` and, where there is one,
+/// `adapter/`), writing into `scratch`.
+fn exercise_case(work: &Path, scratch: &Path) -> Result<(), String> {
+    let adapter = work.join("adapter");
+    let adapter = adapter.is_dir().then_some(adapter.as_path());
+    exercise(&work.join("model"), adapter, scratch)
+}
+
+#[test]
+fn mutated_corpus_never_panics() {
+    let cases = corpus_cases();
     assert!(cases.len() >= 5, "corpus has {} cases", cases.len());
     let mut rng = Rng(seed());
     let iterations = bound("TFTF_FUZZ_MUTATIONS", 600);
@@ -650,14 +670,62 @@ fn mutated_corpus_never_panics() {
             std::fs::write(f, &bytes).unwrap();
             edited.push(f.strip_prefix(&work).unwrap().display().to_string());
         }
-        let model = work.join("model");
-        let adapter = work.join("adapter");
-        let adapter = adapter.is_dir().then_some(adapter.as_path());
-        if let Err(e) = exercise(&model, adapter, d.path()) {
+        if let Err(e) = exercise_case(&work, d.path()) {
             panic!(
                 "iteration {it} on {} (edited {edited:?}): {e}",
                 case.file_name().unwrap().to_string_lossy()
             );
+        }
+    }
+}
+
+/// What the special-file cases put in place of an input file.
+const SPECIAL_FILES: &[&str] = &[
+    "fifo",
+    "/dev/zero",
+    "/dev/urandom",
+    "/dev/null",
+    "directory",
+];
+
+/// Replaces `path` with the special file `kind` (one of [`SPECIAL_FILES`]).
+fn make_special(path: &Path, kind: &str) {
+    std::fs::remove_file(path).unwrap();
+    match kind {
+        "fifo" => {
+            let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: mkfifo reads a NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
+        }
+        "directory" => std::fs::create_dir(path).unwrap(),
+        device => std::os::unix::fs::symlink(device, path).unwrap(),
+    }
+}
+
+/// Issue 24: a FIFO or a device in place of a shard, an index, a config or a side file
+/// blocked a run forever or passed for an empty file. Every file of every corpus case is
+/// replaced in turn by one of [`SPECIAL_FILES`] (drawn with the fixed seed), and every command
+/// must end — with exit 0, 1 or 2 and no panic — within [`COMMAND_LIMIT`].
+#[test]
+fn special_files_in_place_of_inputs_never_hang_or_panic() {
+    let cases = corpus_cases();
+    let mut rng = Rng(seed() ^ 0x5bec_1a1f);
+    for case in &cases {
+        let count = files_under(case).len();
+        for k in 0..count {
+            let d = tempfile::tempdir().unwrap();
+            let work = d.path().join("case");
+            copy_dir(case, &work);
+            let file = &files_under(&work)[k];
+            let kind = SPECIAL_FILES[rng.next_u32() as usize % SPECIAL_FILES.len()];
+            make_special(file, kind);
+            if let Err(e) = exercise_case(&work, d.path()) {
+                panic!(
+                    "{} with {} as {kind}: {e}",
+                    case.file_name().unwrap().to_string_lossy(),
+                    file.strip_prefix(&work).unwrap().display()
+                );
+            }
         }
     }
 }

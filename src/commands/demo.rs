@@ -262,7 +262,7 @@ fn tensor_bytes(ckpt: &Checkpoint, name: &str) -> Result<Vec<u8>> {
 
 fn check(cond: bool, what: &str) -> Result<()> {
     if cond {
-        println!("  ok  {what}");
+        outln!("  ok  {what}");
         Ok(())
     } else {
         Err(Error::Other(format!("demo check failed: {what}")))
@@ -281,7 +281,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
     let src = root.join("example");
     make_example(&src)?;
     let input = Checkpoint::open(&src)?;
-    println!(
+    outln!(
         "example checkpoint: {} tensors in {} shards, {} bytes ({})",
         input.tensors.len(),
         input.shards.len(),
@@ -302,7 +302,7 @@ pub fn run(keep: Option<&Path>, cancel: &Cancel) -> Result<()> {
         demo.merge_lora()?,
     ];
     validate_outputs(&outputs)?;
-    println!(
+    outln!(
         "\ndemo finished: every check passed{}",
         match keep {
             Some(d) => format!("; files kept in {}", d.display()),
@@ -328,7 +328,7 @@ impl Demo<'_> {
     fn passthrough_bf16(&self) -> Result<PathBuf> {
         let (input, src) = (self.input, self.src);
         let bf16_dir = self.root.join("bf16-resharded");
-        println!("\n1. passthrough --dtype bf16 --max-shard-size 40KB");
+        outln!("\n1. passthrough --dtype bf16 --max-shard-size 40KB");
         Job {
             command: "passthrough",
             source: src,
@@ -380,7 +380,7 @@ impl Demo<'_> {
 
     fn exclude_and_rename(&self) -> Result<PathBuf> {
         let renamed = self.root.join("renamed.safetensors");
-        println!("\n2. run --key-exclude '*.weight_scale_inv' --key-rename '^model\\.' '' -o renamed.safetensors");
+        outln!("\n2. run --key-exclude '*.weight_scale_inv' --key-rename '^model\\.' '' -o renamed.safetensors");
         Job {
             command: "run",
             source: self.src,
@@ -413,7 +413,7 @@ impl Demo<'_> {
     fn dequant_fp8(&self) -> Result<PathBuf> {
         let input = self.input;
         let deq_dir = self.root.join("dequantized");
-        println!("\n3. dequant-fp8 (FP8 E4M3 weights with F32 scales -> BF16)");
+        outln!("\n3. dequant-fp8 (FP8 E4M3 weights with F32 scales -> BF16)");
         Job {
             command: "dequant-fp8",
             source: self.src,
@@ -459,7 +459,7 @@ impl Demo<'_> {
         let v4 = self.root.join("v4-example");
         make_v4_example(&v4)?;
         let fp4_dir = self.root.join("fp4-repacked");
-        println!("\n4. repack-fp4 of a tiny DeepSeek-V4-style checkpoint (MXFP4 experts -> NVFP4, E4M3 Engram -> E2M1)");
+        outln!("\n4. repack-fp4 of a tiny DeepSeek-V4-style checkpoint (MXFP4 experts -> NVFP4, E4M3 Engram -> E2M1)");
         Job {
             command: "repack-fp4",
             source: &v4,
@@ -491,7 +491,7 @@ impl Demo<'_> {
     }
 
     fn merge_lora(&self) -> Result<PathBuf> {
-        println!("\n5. merge-lora: an r=4 adapter on both layers' up_proj");
+        outln!("\n5. merge-lora: an r=4 adapter on both layers' up_proj");
         let adapter = self.root.join("adapter");
         let factors = make_example_adapter(&adapter)?;
         let merged_dir = self.root.join("merged");
@@ -613,7 +613,7 @@ fn worst_merge_ulp(w0: &[u8], w1: &[u8], a: &[u8], b: &[u8]) -> f64 {
 
 /// Step 6: every output opens (its structure is valid) and holds only finite values.
 fn validate_outputs(dirs: &[PathBuf]) -> Result<()> {
-    println!("\n6. validate --check-values on every output");
+    outln!("\n6. validate --check-values on every output");
     for dir in dirs {
         let c = Checkpoint::open(dir)?;
         let mut bad = 0;

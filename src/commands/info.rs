@@ -97,7 +97,7 @@ impl Summary {
 
     /// The text summary: totals, format, bytes per dtype and the layer breakdown.
     fn print(&self, ckpt: &Checkpoint, tensor_count: usize) {
-        println!(
+        outln!(
             "{}: {} tensors in {} shard(s), {} elements, {} ({} bytes)",
             crate::escape::path(&ckpt.input),
             tensor_count,
@@ -106,20 +106,20 @@ impl Summary {
             human(self.bytes),
             self.bytes
         );
-        println!("format: {}", ckpt.format_line());
-        println!("dtypes:");
+        outln!("format: {}", ckpt.format_line());
+        outln!("dtypes:");
         for (d, (n, b, _)) in &self.by_dtype {
-            println!("  {d:<11} {n:>7} tensors  {:>12}", human(*b));
+            outln!("  {d:<11} {n:>7} tensors  {:>12}", human(*b));
         }
         match &self.widest {
-            Some((name, n, bytes)) => println!(
+            Some((name, n, bytes)) => outln!(
                 "layers: {}; widest: {} ({}, {n} tensors); outside layers: {}",
                 self.layers.len(),
                 crate::escape::name(name),
                 human(*bytes),
                 human(self.outside)
             ),
-            None => println!(
+            None => outln!(
                 "layers: none recognised; {} outside layers",
                 human(self.outside)
             ),
@@ -149,7 +149,7 @@ fn print_json(ckpt: &Checkpoint, tensors: &[&TensorRef], summary: &Summary) {
         "warnings": ckpt.warnings,
         "notes": ckpt.notes,
     });
-    println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+    outln!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
 }
 
 /// One line per tensor: name, dtype, shape, bytes.
@@ -164,12 +164,15 @@ fn print_table(tensors: &[&TensorRef]) {
         .max()
         .unwrap_or(4)
         .clamp(4, NAME_COLUMN_MAX_CHARS);
-    println!(
+    outln!(
         "{:<w$}  {:<11}  {:<22}  {:>12}",
-        "NAME", "DTYPE", "SHAPE", "BYTES"
+        "NAME",
+        "DTYPE",
+        "SHAPE",
+        "BYTES"
     );
     for (t, name) in tensors.iter().zip(&names) {
-        println!(
+        outln!(
             "{:<w$}  {:<11}  {:<22}  {:>12}",
             name,
             t.info.dtype.name(),
@@ -177,7 +180,7 @@ fn print_table(tensors: &[&TensorRef]) {
             t.info.nbytes()
         );
     }
-    println!();
+    outln!();
 }
 
 #[cfg(test)]

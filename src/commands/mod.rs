@@ -101,9 +101,21 @@ pub fn dispatch(matches: &ArgMatches, sections: &RunSections, cancel: &Cancel) -
                 options: &job.options,
             }
             .execute(cancel)?;
+            // A dry run's plan is its result; a conversion's result is its output, which
+            // lines that could not be printed do not change (the report notes them).
+            if job.options.dry_run {
+                crate::console::require_stdout()?;
+            }
             Ok(0)
         }
-        None => run_other(&cli.command, cancel),
+        None => {
+            let code = run_other(&cli.command, cancel)?;
+            // `recover` and `finalize` change the output, which a lost line does not undo.
+            if !matches!(cli.command, Command::Recover(_) | Command::Finalize(_)) {
+                crate::console::require_stdout()?;
+            }
+            Ok(code)
+        }
     }
 }
 
@@ -251,10 +263,10 @@ fn run_other(command: &Command, cancel: &Cancel) -> Result<i32> {
         Command::Recover(a) => {
             let notes = crate::output::recover(&a.dir)?;
             if notes.is_empty() {
-                println!("{}: nothing to recover", a.dir.display());
+                outln!("{}: nothing to recover", a.dir.display());
             }
             for n in notes {
-                println!("{}: {n}", a.dir.display());
+                outln!("{}: {n}", a.dir.display());
             }
             Ok(0)
         }
@@ -275,12 +287,12 @@ fn run_other(command: &Command, cancel: &Cancel) -> Result<i32> {
 fn verify(dir: &std::path::Path) -> Result<i32> {
     let v = crate::output::checksum::verify(dir)?;
     for p in &v.problems {
-        println!("{}: {p}", dir.display());
+        outln!("{}: {p}", dir.display());
     }
     if !v.problems.is_empty() {
         return Ok(1);
     }
-    println!(
+    outln!(
         "{}: {} file(s), {} match tftf-manifest.json",
         dir.display(),
         v.files,

@@ -286,26 +286,26 @@ impl Report<'_> {
                 .chain(self.notes.iter().cloned())
                 .collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+        outln!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
     }
 
     fn print_text(&self) {
         if let Some(c) = self.ckpt {
             for w in &c.warnings {
-                println!("warning: {}", crate::escape::name(w));
+                outln!("warning: {}", crate::escape::name(w));
             }
             for n in c.notes.iter().chain(self.notes) {
-                println!("note: {}", crate::escape::name(n));
+                outln!("note: {}", crate::escape::name(n));
             }
         }
         for p in self.problems {
-            println!("problem: {}", crate::escape::name(p));
+            outln!("problem: {}", crate::escape::name(p));
         }
         if let Some(c) = self.ckpt.filter(|c| c.format.name() != "safetensors") {
-            println!("format: {}", c.format_line());
+            outln!("format: {}", c.format_line());
         }
         match (self.ckpt, self.problems.is_empty()) {
-            (Some(c), true) => println!(
+            (Some(c), true) => outln!(
                 "ok: {} — {} tensors in {} shard(s), {}{}",
                 crate::escape::path(self.input),
                 c.tensors.len(),
@@ -321,7 +321,7 @@ impl Report<'_> {
                     String::new()
                 }
             ),
-            _ => println!(
+            _ => outln!(
                 "invalid: {} — {} problem(s)",
                 crate::escape::path(self.input),
                 self.problems.len()

@@ -322,7 +322,7 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(desc.files.len());
         let (mut zips, mut legacy) = (0, 0);
         for f in &desc.files {
-            let file = File::open(&f.path).map_err(|e| Error::io(&f.path, e))?;
+            let file = crate::sys::open_regular(&f.path).map_err(|e| Error::io(&f.path, e))?;
             if kind != TorchKind::Dcp {
                 let mut magic = [0u8; 4];
                 use std::os::unix::fs::FileExt;
@@ -587,10 +587,11 @@ impl Checkpoint {
     /// `config.json` beside the weights, parsed, if present.
     pub fn config(&self) -> Result<Option<Map<String, Value>>> {
         let path = self.dir.join("config.json");
-        if !path.is_file() || !self.has_model_dir() {
+        // A FIFO or a device in its place is refused by the read, not taken for no config.
+        if !path.exists() || !self.has_model_dir() {
             return Ok(None);
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::sys::read_regular_to_string(&path).map_err(|e| Error::io(&path, e))?;
         match serde_json::from_str(&text) {
             Ok(Value::Object(m)) => Ok(Some(m)),
             Ok(_) => Err(Error::Other(format!(
@@ -644,7 +645,7 @@ fn find(tensors: &[TensorRef], by_name: &[u32], name: &str) -> Option<usize> {
 }
 
 fn open_shard(path: &Path) -> Result<Shard> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::sys::open_regular(path).map_err(|e| Error::io(path, e))?;
     let header = read_header(path, &file)?;
     Ok(Shard {
         path: path.to_path_buf(),
@@ -887,7 +888,7 @@ impl Layout {
             path: index.into(),
             msg,
         };
-        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let text = crate::sys::read_regular_to_string(index).map_err(|e| Error::io(index, e))?;
         let value: Value = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
         let map = value
             .get("weight_map")

@@ -115,7 +115,7 @@ impl SourceDesc {
         let files = self
             .files
             .iter()
-            .map(|f| File::open(&f.path).map_err(|e| Error::io(&f.path, e)))
+            .map(|f| crate::sys::open_regular(&f.path).map_err(|e| Error::io(&f.path, e)))
             .collect::<Result<Vec<_>>>()?;
         Ok(OpenSource {
             paths: self.files.iter().map(|f| f.path.as_path()).collect(),

@@ -9,20 +9,20 @@ use crate::sys;
 /// What `--force` will do to the existing output, for `--dry-run`.
 pub(crate) fn print_claim(claim: &Claim) {
     if claim.interrupted_commit {
-        println!("  first finishes the commit a killed run left half done in the output");
+        outln!("  first finishes the commit a killed run left half done in the output");
     }
     if !claim.orphans.is_empty() {
-        println!(
+        outln!(
             "  first removes {} temporary file(s) of killed runs: {}",
             claim.orphans.len(),
             claim.orphans.join(", ")
         );
     }
     if !claim.replaced.is_empty() {
-        println!("  replaces: {}", claim.replaced.join(", "));
+        outln!("  replaces: {}", claim.replaced.join(", "));
     }
     if !claim.deleted.is_empty() {
-        println!(
+        outln!(
             "  deletes (model files of the earlier output): {}",
             claim.deleted.join(", ")
         );
@@ -32,7 +32,7 @@ pub(crate) fn print_claim(claim: &Claim) {
 pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
     let (ckpt, plan, layout, target, sides, opts) =
         (p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts);
-    println!(
+    outln!(
         "plan: {} of {} input tensors -> {} file(s) in {} (dry run: nothing written)",
         plan.tensors.len(),
         ckpt.base_count,
@@ -41,7 +41,7 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
     );
     let out_dir = target.dir.as_path();
     for s in &layout.shards {
-        println!(
+        outln!(
             "  {:<40} {:>12}  {} tensors",
             target.file_name().unwrap_or_else(|| s.file_name.clone()),
             human(s.len),
@@ -49,20 +49,20 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
         );
     }
     if layout.has_index() {
-        println!("  model.safetensors.index.json");
+        outln!("  model.safetensors.index.json");
     }
     for (k, n, a, b) in dtype_changes(ckpt, plan) {
-        println!("  {k}: {n} tensors, {} -> {}", human(a), human(b));
+        outln!("  {k}: {n} tensors, {} -> {}", human(a), human(b));
     }
-    println!("  renamed {}, dropped {}", plan.renamed, plan.dropped.len());
-    println!(
+    outln!("  renamed {}, dropped {}", plan.renamed, plan.dropped.len());
+    outln!(
         "  bytes: {} copied unchanged, {} computed",
         human(plan.copied_bytes()),
         human(plan.total_tensor_bytes() - plan.copied_bytes())
     );
     let gathered = plan.gathered_bytes(ckpt);
     if gathered > 0 {
-        println!(
+        outln!(
             "  gathered: {} of the unchanged bytes are strided views or chunk grids, read through memory",
             human(gathered)
         );
@@ -70,16 +70,16 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
     let fs = sys::filesystem_name(&nearest_existing(&resolve(out_dir)));
     let shareable = layout.shareable_bytes(ckpt, plan);
     if !opts.kernel_copy {
-        println!("  reflink: off (--no-reflink): untouched bytes are copied through memory");
+        outln!("  reflink: off (--no-reflink): untouched bytes are copied through memory");
     } else if !sys::can_reflink(fs) {
-        println!(
+        outln!(
             "  reflink: the output filesystem ({fs}) cannot share extents; {} will be copied in the kernel",
             human(plan.copied_bytes() - gathered)
         );
     } else if !same_filesystem(&ckpt.dir, out_dir) {
-        println!("  reflink: input and output are on different filesystems; untouched bytes will be copied");
+        outln!("  reflink: input and output are on different filesystems; untouched bytes will be copied");
     } else {
-        println!(
+        outln!(
             "  reflink: {} of {} untouched bytes can share extents ({fs})",
             human(shareable),
             human(plan.copied_bytes() - gathered)
@@ -96,15 +96,15 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
         .chain(generated_names(p))
         .collect();
     if !names.is_empty() {
-        println!("  side files: {}", names.join(", "));
+        outln!("  side files: {}", names.join(", "));
     }
     for c in &plan.config_changes {
-        println!("  {c}");
+        outln!("  {c}");
     }
     for n in &plan.notes.lines {
-        println!("  note: {}", crate::escape::name(n));
+        outln!("  note: {}", crate::escape::name(n));
     }
-    println!(
+    outln!(
         "  memory: budget {} ({} threads); peak stays near the budget",
         human(opts.memory_budget),
         opts.threads
@@ -115,13 +115,13 @@ pub(crate) fn print_plan(p: &Prepared, needed: u64, free: Option<u64>) {
 /// The dry run's free-space line.
 pub(crate) fn print_disk_line(needed: u64, free: Option<u64>) {
     match free {
-        Some(f) => println!(
+        Some(f) => outln!(
             "  disk: needs {}, {} free: {}",
             human(needed),
             human(f),
             if f >= needed { "ok" } else { "NOT ENOUGH" }
         ),
-        None => println!("  disk: needs {}, free space unknown", human(needed)),
+        None => outln!("  disk: needs {}, free space unknown", human(needed)),
     }
 }
 

@@ -62,14 +62,14 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
     let model = g.model();
     let info = FilesInfo::of(g);
     let n: usize = info.plans.iter().map(|f| f.tensors.len()).sum();
-    println!(
+    outln!(
         "plan: {} input tensors -> {} GGUF tensors in {} file(s) in {} (dry run: nothing written)",
         p.ckpt.tensors.len(),
         n,
         info.plans.len(),
         p.target.dir.display()
     );
-    println!(
+    outln!(
         "  architecture: {} ({}), outtype {}, general.file_type {}",
         model.cfg.spec.gguf_arch,
         model
@@ -87,7 +87,7 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
     for (plan, name) in info.plans.iter().zip(&info.names) {
         print_file(plan, name, &by_name);
     }
-    println!(
+    outln!(
         "  bytes: {} copied unchanged ({} at offsets congruent with the input: shared fraction {:.3}), {} computed",
         human(info.copied),
         human(info.congruent),
@@ -95,7 +95,7 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
         human(info.tensor_bytes() - info.copied)
     );
     print_reflink_line(p, &info);
-    println!(
+    outln!(
         "  memory: budget {} ({} threads)",
         human(p.opts.memory_budget),
         p.opts.threads
@@ -104,7 +104,7 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
 }
 
 fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor>) {
-    println!(
+    outln!(
         "  {:<40} {:>12}  {} tensors, header {}",
         name,
         human(plan.file_len),
@@ -117,7 +117,7 @@ fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor
             (Some(_), false) => "copy",
             (None, _) => recipe_kind(by_name[t.spec.name.as_str()]),
         };
-        println!(
+        outln!(
             "    {:<36} {:<6} {:<20} {:>10}  {}",
             t.spec.name,
             t.spec.ty.name(),
@@ -131,15 +131,15 @@ fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor
 fn print_reflink_line(p: &Prepared, info: &FilesInfo) {
     let out_fs = sys::filesystem_name(&nearest_existing(&resolve(&p.target.dir)));
     if !p.opts.kernel_copy {
-        println!("  reflink: off (--no-reflink): unchanged bytes are copied through memory");
+        outln!("  reflink: off (--no-reflink): unchanged bytes are copied through memory");
     } else if !sys::can_reflink(out_fs) {
-        println!(
+        outln!(
             "  reflink: the output filesystem ({out_fs}) cannot share extents; unchanged bytes are copied in the kernel"
         );
     } else if !same_filesystem(&p.ckpt.dir, &p.target.dir) {
-        println!("  reflink: input and output are on different filesystems; unchanged bytes will be copied");
+        outln!("  reflink: input and output are on different filesystems; unchanged bytes will be copied");
     } else {
-        println!(
+        outln!(
             "  reflink: {} of {} unchanged bytes can share extents ({out_fs})",
             human(info.congruent),
             human(info.copied),

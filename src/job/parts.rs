@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use super::*;
 use crate::error::{Error, Result};
 use crate::output::checksum::{hash_file, TensorRange};
-use crate::output::commit::{crash_point, temp_final_name, temp_name, temporaries};
+use crate::output::commit::{crash_point, is_temp_for, temp_name, temporaries};
 use crate::output::parts::{
     self, assign, lock_path, read_part_records, refuse_while_finalizing, shard_groups,
     staged_side_dir, Finalized, Fingerprint, LeaseLock, NotReady, PartRecord, PartSpec,
@@ -24,12 +24,29 @@ use crate::sink::{Layout, OutputKind};
 use crate::size::human;
 
 /// Temporaries of one group of shards, removed unless committed.
+/// A part's shard temporaries: removed when dropped before [`Temps::keep`], and if a signal
+/// ends the process.
 struct Temps(Vec<PathBuf>);
+
+impl Temps {
+    fn push(&mut self, tmp: PathBuf) {
+        crate::signals::remove_on_exit(&tmp);
+        self.0.push(tmp);
+    }
+
+    /// The temporaries are renamed into place: nothing to remove any more.
+    fn keep(&mut self) {
+        for t in self.0.drain(..) {
+            crate::signals::keep_on_exit(&t);
+        }
+    }
+}
 
 impl Drop for Temps {
     fn drop(&mut self) {
         for t in &self.0 {
             let _ = std::fs::remove_file(t);
+            crate::signals::keep_on_exit(t);
         }
     }
 }
@@ -126,7 +143,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
     let secs = p.started.elapsed().as_secs_f64();
     if !opts.quiet {
         let bytes: u64 = written.iter().map(|&s| layout.shards[s].len).sum();
-        println!(
+        outln!(
             "{label}: wrote {} of its {} shard(s) ({} kept from the earlier run), {} to {} in {secs:.2} s",
             written.len(),
             mine.len(),
@@ -135,7 +152,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
             dir.display(),
         );
         if p.plan.computed_count() > 0 && !written.is_empty() {
-            println!("{}", device_line(p.device));
+            outln!("{}", device_line(p.device));
         }
     }
     let finalized = if finalize_after {
@@ -153,20 +170,20 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
             }
             Err(NotReady::Waiting(why)) => {
                 if !opts.quiet {
-                    println!("{label}: not finalizing yet: {why}; the last part to finish with --finalize (or `tftf finalize {}`) completes the output", dir.display());
+                    outln!("{label}: not finalizing yet: {why}; the last part to finish with --finalize (or `tftf finalize {}`) completes the output", dir.display());
                 }
                 None
             }
             Err(NotReady::Elsewhere(why)) => {
                 if !opts.quiet {
-                    println!("{label}: {why}");
+                    outln!("{label}: {why}");
                 }
                 None
             }
         }
     } else {
         if !opts.quiet {
-            println!(
+            outln!(
                 "{label}: done; when all {} parts are, run `tftf finalize {}`",
                 part.n,
                 dir.display()
@@ -182,7 +199,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
 }
 
 pub fn print_finalized(dir: &Path, f: &Finalized) {
-    println!(
+    outln!(
         "finalized {}: {} part(s), {} shard(s), {}; wrote {}",
         dir.display(),
         f.parts,
@@ -195,7 +212,7 @@ pub fn print_finalized(dir: &Path, f: &Finalized) {
         }
     );
     if !f.deleted.is_empty() {
-        println!(
+        outln!(
             "removed {} model file(s) of the earlier output: {}",
             f.deleted.len(),
             f.deleted.join(", ")
@@ -231,7 +248,7 @@ fn print_assignment(p: &Prepared, part: PartSpec, part_of: &[usize]) {
         load[k].0 += 1;
         load[k].1 += parts::shard_cost(p.ckpt, p.plan, layout, s);
     }
-    println!(
+    outln!(
         "  {}: writes {} of {} shard(s):",
         part.label(),
         load[part.k - 1].0,
@@ -239,7 +256,7 @@ fn print_assignment(p: &Prepared, part: PartSpec, part_of: &[usize]) {
     );
     for (s, &k) in part_of.iter().enumerate() {
         if k == part.k - 1 {
-            println!("    {}", layout.shards[s].file_name);
+            outln!("    {}", layout.shards[s].file_name);
         }
     }
     let costs: Vec<String> = load
@@ -247,9 +264,9 @@ fn print_assignment(p: &Prepared, part: PartSpec, part_of: &[usize]) {
         .enumerate()
         .map(|(k, (n, c))| format!("{}: {n} ({})", k + 1, human(*c)))
         .collect();
-    println!("  parts (shards, work): {}", costs.join(", "));
+    outln!("  parts (shards, work): {}", costs.join(", "));
     if load[part.k - 1].0 == 0 {
-        println!(
+        outln!(
             "  note: this part has nothing to write (the output has {} shard(s)); --max-shard-size makes more",
             layout.shards.len()
         );
@@ -275,7 +292,7 @@ fn write_part(
     let label = part.label();
     let lock = LeaseLock::acquire(&lock_path(dir, part), &label)?;
     if let (Some(n), false) = (&lock.note, opts.quiet) {
-        eprintln!("note: {}: {n}", dir.display());
+        errln!("note: {}: {n}", dir.display());
     }
     refuse_while_finalizing(dir)?;
     if crate::output::lock::is_held(dir) {
@@ -324,7 +341,7 @@ fn write_part(
         std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
     }
     if own_prev.is_none() && opts.resume && !opts.quiet {
-        eprintln!(
+        errln!(
             "note: {}: nothing to resume for {label} (no record of an earlier run); writing all its shards",
             dir.display()
         );
@@ -353,14 +370,14 @@ fn write_part(
         }
     };
     if !deleted.is_empty() && !opts.quiet {
-        println!(
+        outln!(
             "removed {} model file(s) of the earlier output: {}",
             deleted.len(),
             deleted.join(", ")
         );
     }
     for t in temporaries(dir) {
-        if temp_final_name(&t).is_some_and(|n| my_names.contains(n)) {
+        if my_names.iter().any(|n| is_temp_for(&t, n)) {
             let path = dir.join(&t);
             std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
         }
@@ -511,7 +528,7 @@ fn write_group(
             .truncate(true)
             .open(&tmp)
             .map_err(|e| Error::io(&tmp, e))?;
-        temps.0.push(tmp.clone());
+        temps.push(tmp.clone());
         file.set_len(shard.len).map_err(|e| Error::io(&tmp, e))?;
         if shard.clone_from.is_none() {
             file.write_all_at(&shard.header, 0)
@@ -568,7 +585,7 @@ fn write_group(
         }
         .write(dir)?;
     }
-    temps.0.clear();
+    temps.keep();
     Ok(stats)
 }
 

@@ -120,7 +120,7 @@ pub(crate) fn open_output(
     let (out, notes) = target.begin()?;
     if !quiet {
         for n in &notes {
-            eprintln!("note: {}: {n}", target.dir.display());
+            errln!("note: {}: {n}", target.dir.display());
         }
     }
     Ok(out)

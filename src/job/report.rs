@@ -35,17 +35,35 @@ pub(crate) fn publish_report(
     report: &Value,
 ) {
     let json = progress == ProgressMode::Json;
+    let noted = with_lost_output_notes(report);
+    let report = noted.as_ref().unwrap_or(report);
     if let Some(path) = path {
         if let Err(e) = write_report(path, report) {
-            eprintln!(
+            errln!(
                 "warning: the output was written, but not the report: {}",
                 crate::escape::name(&e.to_string())
             );
         }
     }
     if json {
-        eprintln!("{}", crate::progress::report_line(op, report));
+        errln!("{}", crate::progress::report_line(op, report));
     }
+}
+
+/// The report with a note for each of stdout and stderr that stopped taking lines during the
+/// run (`None` when both took every line).
+fn with_lost_output_notes(report: &Value) -> Option<Value> {
+    let lost = crate::console::notes();
+    if lost.is_empty() {
+        return None;
+    }
+    let mut noted = report.clone();
+    let fields = noted.as_object_mut()?;
+    let notes = fields.entry("notes").or_insert_with(|| json!([]));
+    if let Some(notes) = notes.as_array_mut() {
+        notes.extend(lost.into_iter().map(Value::from));
+    }
+    Some(noted)
 }
 
 /// Per-tensor figures: those known at plan time, then those the ops gathered while running.

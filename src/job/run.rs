@@ -80,14 +80,14 @@ pub(super) fn run(
         crate::escape::print_input_notes(&ckpt, opts.quiet);
     }
     let sink = OutputSink::new(&opts.format, &opts.output);
-    let all_sides = side_files(&ckpt);
+    let all_sides = side_files(&ckpt)?;
     let inputs = inputs_seen.insert(InputFiles::of(&ckpt, &all_sides));
     let target = sink.target(&opts.output, &ckpt, inputs)?;
     let mut steps = steps.to_vec();
     steps.extend(sink.as_sink().steps(&ckpt)?);
     let plan = Plan::build(&ckpt, &steps)?;
     for w in plan.notes.warnings.iter().filter(|_| !opts.silent) {
-        eprintln!(
+        errln!(
             "warning: {}: {}",
             crate::escape::path(input),
             crate::escape::name(w)
@@ -177,7 +177,7 @@ fn dry_run(run: &Prepared, claim: &Claim, needed: u64, free: Option<u64>) -> Res
         print_any_plan(run, needed, free);
         print_claim(claim);
         if run.plan.computed_count() > 0 {
-            println!("{}", device_line(run.device));
+            outln!("{}", device_line(run.device));
         }
     }
     let report = any_report_json(run, None, true);
@@ -328,7 +328,7 @@ fn add_side_outputs(
 fn print_summary(run: &Prepared, claim: &Claim, stats: &pipeline::RunStats) {
     let (plan, layout) = (run.plan, run.layout);
     let secs = run.started.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "wrote {} file(s), {} tensors, {} to {} in {:.2} s ({}/s): {} shared with the input (reflink), {} copied in the kernel, {} through memory, {} computed",
         layout.shards.len(),
         plan.tensors.len(),
@@ -342,20 +342,20 @@ fn print_summary(run: &Prepared, claim: &Claim, stats: &pipeline::RunStats) {
         human(stats.bytes_computed),
     );
     if let (OutputSink::Gguf(_), false) = (run.sink, claim.replaced.is_empty()) {
-        println!("replaced {}", claim.replaced.join(", "));
+        outln!("replaced {}", claim.replaced.join(", "));
     }
     if !claim.deleted.is_empty() {
-        println!(
+        outln!(
             "removed {} model file(s) of the earlier output: {}",
             claim.deleted.len(),
             claim.deleted.join(", ")
         );
     }
     if plan.computed_count() > 0 {
-        println!("{}", device_line(run.device));
+        outln!("{}", device_line(run.device));
     }
     if let Some(line) = crate::ops::quantize::requant::summary(&tensor_reports(plan)) {
-        println!("{line}");
+        outln!("{line}");
     }
 }
 
@@ -367,12 +367,12 @@ fn print_verbose_notes(opts: &WriteOptions, out_fs: &str, stats: &pipeline::RunS
     }
     if let Some(why) = &stats.reflink_unavailable {
         if sys::can_reflink(out_fs) {
-            eprintln!("info: untouched tensors were copied, not shared with the input: {why}");
+            errln!("info: untouched tensors were copied, not shared with the input: {why}");
         } else {
-            eprintln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
+            errln!("info: untouched tensors were copied; the output filesystem ({out_fs}) cannot share extents with the input");
         }
     }
     if let Some(why) = &stats.host_register_failed {
-        eprintln!("info: pool buffers not registered with the GPU driver, copies go through staging buffers: {why}");
+        errln!("info: pool buffers not registered with the GPU driver, copies go through staging buffers: {why}");
     }
 }

@@ -116,7 +116,7 @@ impl Declared {
         // ModelOpt's own file, read when config.json does not say.
         if d.method.is_empty() {
             let path = ckpt.dir.join("hf_quant_config.json");
-            if let Ok(text) = std::fs::read_to_string(path) {
+            if let Ok(text) = crate::sys::read_regular_to_string(&path) {
                 if let Ok(v) = serde_json::from_str::<Value>(&text) {
                     if let Some(q) = v.get("quantization") {
                         take(&mut d, q);

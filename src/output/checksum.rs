@@ -6,7 +6,6 @@
 //! format) holds the file hashes; `tftf-manifest.json` adds sizes and each tensor's range and
 //! hash, so `tftf verify` can name the first tensor that changed, not just the file.
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -46,7 +45,7 @@ fn hex(d: &[u8]) -> String {
 /// Hashes `path` whole and each range of `tensors` (sorted by offset, not overlapping), in one
 /// sequential read.
 pub fn hash_file(path: &Path, name: &str, mut tensors: Vec<TensorRange>) -> Result<FileSum> {
-    let f = File::open(path).map_err(|e| Error::io(path, e))?;
+    let f = crate::sys::open_regular(path).map_err(|e| Error::io(path, e))?;
     let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
     tensors.sort_by_key(|t| t.offset);
     let mut whole = Sha256::new();
@@ -201,7 +200,7 @@ pub struct Verified {
 /// Re-hashes every file `DIR/tftf-manifest.json` lists and compares.
 pub fn verify(dir: &Path) -> Result<Verified> {
     let mpath = dir.join(MANIFEST_NAME);
-    let text = std::fs::read_to_string(&mpath).map_err(|e| match e.kind() {
+    let text = crate::sys::read_regular_to_string(&mpath).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::Other(format!(
             "{}: no {MANIFEST_NAME}; write the checkpoint with --checksums to make one",
             dir.display()
@@ -215,7 +214,14 @@ pub fn verify(dir: &Path) -> Result<Verified> {
     for w in &want {
         let path = dir.join(&w.name);
         let size = match std::fs::metadata(&path) {
-            Ok(m) => m.len(),
+            Ok(m) => match crate::sys::refuse_special(&path, &m) {
+                Ok(()) => m.len(),
+                // A FIFO would block the hashing forever; `/dev/urandom` passed for an empty file.
+                Err(e) => {
+                    out.problems.push(format!("{}: {e}", w.name));
+                    continue;
+                }
+            },
             Err(_) => {
                 out.problems.push(format!("{}: missing", w.name));
                 continue;

@@ -26,18 +26,45 @@ pub(crate) fn remove_dirs(created: &[PathBuf]) {
     }
 }
 
-/// Temporary name of a file that becomes `name` on commit: hidden, marked with the pid.
-pub fn temp_name(name: &str) -> String {
-    format!(".{name}.tftf-{}.tmp", std::process::id())
+/// The longest file name Linux filesystems take (`NAME_MAX`), in bytes.
+const NAME_MAX_BYTES: usize = 255;
+/// Bytes a temporary's name adds to its stem: `.`, `.tftf-`, a pid of up to 10 digits, `.tmp`.
+const TEMP_OVERHEAD_BYTES: usize = 1 + 6 + 10 + 4;
+/// Hex digits of the final name's SHA-256 that stand in for the cut-off end of a long name.
+const TEMP_HASH_DIGITS: usize = 16;
+
+/// The part of a temporary's name that stands for its final name: the name itself, or, where
+/// that would make the temporary longer than `NAME_MAX` (a legal 240-byte name), its head and
+/// `~` and a hash of the whole name.
+fn temp_stem(name: &str) -> std::borrow::Cow<'_, str> {
+    let room = NAME_MAX_BYTES - TEMP_OVERHEAD_BYTES;
+    if name.len() <= room {
+        return name.into();
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(name.as_bytes());
+    let hash: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let mut cut = room - 1 - TEMP_HASH_DIGITS;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}~{}", &name[..cut], &hash[..TEMP_HASH_DIGITS]).into()
 }
 
-/// The final name of a tftf temporary (`.NAME.tftf-PID.tmp` → `NAME`).
-pub fn temp_final_name(tmp: &str) -> Option<&str> {
+/// Temporary name of a file that becomes `name` on commit: hidden, marked with the pid, and
+/// never longer than `NAME_MAX` when `name` is not.
+pub fn temp_name(name: &str) -> String {
+    format!(".{}.tftf-{}.tmp", temp_stem(name), std::process::id())
+}
+
+/// Whether the tftf temporary `tmp` (`.STEM.tftf-PID.tmp`, any pid) is one for `name`.
+pub fn is_temp_for(tmp: &str, name: &str) -> bool {
     if !is_temp_name(tmp) {
-        return None;
+        return false;
     }
     let rest = &tmp[1..tmp.len() - 4];
-    rest.rfind(".tftf-").map(|at| &rest[..at])
+    rest.rfind(".tftf-")
+        .is_some_and(|at| rest[..at] == *temp_stem(name))
 }
 
 /// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
@@ -92,7 +119,8 @@ impl OutputSet {
         &self.dir
     }
 
-    /// Opens a new temporary file that becomes `name` on commit.
+    /// Opens a new temporary file that becomes `name` on commit (an error names `name`: the
+    /// temporary is ours, not the user's).
     pub fn add(&mut self, name: &str) -> Result<(File, PathBuf)> {
         let tmp = self.dir.join(temp_name(name));
         let file = OpenOptions::new()
@@ -100,7 +128,8 @@ impl OutputSet {
             .write(true)
             .create_new(true)
             .open(&tmp)
-            .map_err(|e| Error::io(&tmp, e))?;
+            .map_err(|e| Error::io(self.dir.join(name), e))?;
+        crate::signals::remove_on_exit(&tmp);
         self.files.push((tmp.clone(), name.to_string()));
         crash_point("tmp");
         Ok((file, tmp))
@@ -121,11 +150,10 @@ impl OutputSet {
     /// Copies a side file: shared with the input where the filesystem can, else copied in the
     /// kernel.
     pub fn add_copy(&mut self, name: &str, src: &Path) -> Result<()> {
-        let (dst, tmp) = self.add(name)?;
-        let from = File::open(src).map_err(|e| Error::io(src, e))?;
+        let (mut dst, _) = self.add(name)?;
+        let mut from = crate::sys::open_regular(src).map_err(|e| Error::io(src, e))?;
         if crate::sys::clone_file(&from, &dst).is_err() {
-            drop(dst);
-            std::fs::copy(src, &tmp).map_err(|e| Error::io(src, e))?;
+            std::io::copy(&mut from, &mut dst).map_err(|e| Error::io(self.dir.join(name), e))?;
         }
         Ok(())
     }
@@ -150,6 +178,9 @@ impl OutputSet {
                 .collect(),
             deletes: delete.to_vec(),
         };
+        // From the journal on, the temporaries belong to the commit (a later run finishes it):
+        // a signal ending the process must not remove them.
+        self.keep_on_exit();
         journal.write(&self.dir)?;
         crash_point("journal");
         journal.apply(&self.dir)?;
@@ -160,6 +191,20 @@ impl OutputSet {
             .iter()
             .map(|(_, name)| self.dir.join(name))
             .collect())
+    }
+}
+
+impl OutputSet {
+    /// Forgets the temporaries and created directories registered for removal at a signal.
+    fn keep_on_exit(&self) {
+        for p in self
+            .files
+            .iter()
+            .map(|(tmp, _)| tmp)
+            .chain(&self.created_dirs)
+        {
+            crate::signals::keep_on_exit(p);
+        }
     }
 }
 
@@ -174,6 +219,7 @@ impl Drop for OutputSet {
         if !self.committed {
             remove_dirs(&self.created_dirs);
         }
+        self.keep_on_exit();
     }
 }
 
@@ -225,7 +271,7 @@ impl Journal {
                 path.display()
             ))
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::sys::read_regular_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let v: Value = serde_json::from_str(&text).map_err(|_| bad("not JSON"))?;
         let names = |key: &str| -> Result<Vec<Value>> {
             v.get(key)
@@ -373,6 +419,8 @@ mod tests {
     fn temp_names() {
         assert!(is_temp_name(&temp_name("model.safetensors")));
         assert!(is_temp_name(".x.tftf-12.tmp"));
+        assert!(is_temp_for(".x.tftf-12.tmp", "x"));
+        assert!(!is_temp_for(".x.tftf-12.tmp", "y"));
         for not in [
             "x.tftf-12.tmp",
             ".tftf-12.tmp",
@@ -384,5 +432,27 @@ mod tests {
         ] {
             assert!(!is_temp_name(not), "{not}");
         }
+    }
+
+    #[test]
+    fn temporaries_of_names_up_to_name_max_fit_in_name_max() {
+        // Issue 24: a legal 240-byte name made a temporary longer than NAME_MAX.
+        for len in [200, 234, 235, 240, 255] {
+            let name = format!("{}.safetensors", "w".repeat(len - 12));
+            let tmp = temp_name(&name);
+            assert!(tmp.len() <= NAME_MAX_BYTES, "{len}: {} bytes", tmp.len());
+            assert!(is_temp_name(&tmp) && is_temp_for(&tmp, &name), "{tmp}");
+            let other = format!("{}.safetensors", "v".repeat(len - 12));
+            assert!(!is_temp_for(&tmp, &other), "{tmp}");
+        }
+        // Two long names that differ only past the cut get different temporaries.
+        let a = format!("{}a", "w".repeat(250));
+        let b = format!("{}b", "w".repeat(250));
+        assert_ne!(temp_name(&a), temp_name(&b));
+        assert!(!is_temp_for(&temp_name(&a), &b));
+        // A cut inside a multi-byte character moves back to its start.
+        let wide = "é".repeat(127);
+        assert!(temp_name(&wide).len() <= NAME_MAX_BYTES);
+        assert!(is_temp_for(&temp_name(&wide), &wide));
     }
 }

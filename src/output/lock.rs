@@ -58,6 +58,7 @@ impl OutputLock {
             file.set_len(0).map_err(|e| Error::io(&path, e))?;
             file.rewind().map_err(|e| Error::io(&path, e))?;
             writeln!(file, "pid {}", std::process::id()).map_err(|e| Error::io(&path, e))?;
+            crate::signals::remove_on_exit(&path);
             return Ok(OutputLock {
                 path,
                 file: Some(file),
@@ -84,6 +85,7 @@ pub fn is_held(dir: &Path) -> bool {
 impl Drop for OutputLock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        crate::signals::keep_on_exit(&self.path);
         drop(self.file.take());
     }
 }

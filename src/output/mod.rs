@@ -481,7 +481,7 @@ pub fn check_report_path(report: &Path, inputs: Option<&InputFiles>) -> Result<(
 }
 
 fn is_tftf_report(path: &Path) -> bool {
-    std::fs::read(path)
+    crate::sys::read_regular(path)
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
         .is_some_and(|v| v.get("tftf_version").is_some() && v.get("status").is_some())
@@ -530,7 +530,7 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
 
 /// Shard names an existing index lists (plain names only).
 fn old_index_shards(index: &Path) -> Vec<String> {
-    let Some(v) = std::fs::read(index)
+    let Some(v) = crate::sys::read_regular(index)
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
     else {
@@ -573,7 +573,10 @@ fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut created = Vec::new();
     for d in missing.iter().rev() {
         match std::fs::create_dir(d) {
-            Ok(()) => created.push(d.clone()),
+            Ok(()) => {
+                crate::signals::remove_on_exit(d);
+                created.push(d.clone());
+            }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && d.is_dir() => {}
             Err(e) => {
                 remove_dirs(&created);
@@ -594,22 +597,31 @@ pub fn remove_dirs_if_empty(dir: &Path, created: &[PathBuf]) {
 
 /// Files next to the weights that belong in the output: configs, tokenizer, chat templates,
 /// remote code, README. Weights of any format, indexes and adapter files are left out, as are
-/// hidden files and subdirectories.
-pub fn side_files(ckpt: &Checkpoint) -> Vec<PathBuf> {
+/// hidden files and subdirectories. A side file that is a FIFO, a device or a socket (or a
+/// symlink to one) is refused, before any output exists: copying it would block forever or
+/// never end, and leaving it out would drop the file without a word.
+pub fn side_files(ckpt: &Checkpoint) -> Result<Vec<PathBuf>> {
     if !ckpt.has_model_dir() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let Ok(rd) = std::fs::read_dir(&ckpt.dir) else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
-    let mut out: Vec<PathBuf> = rd
-        .flatten()
-        .filter(|e| e.path().is_file())
-        .filter(|e| is_side_file(&e.file_name().to_string_lossy()))
-        .map(|e| e.path())
-        .collect();
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let path = e.path();
+        // Dangling symlinks and subdirectories are not side files.
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if meta.is_dir() || !is_side_file(&e.file_name().to_string_lossy()) {
+            continue;
+        }
+        crate::sys::refuse_special(&path, &meta).map_err(|err| Error::io(&path, err))?;
+        out.push(path);
+    }
     out.sort();
-    out
+    Ok(out)
 }
 
 pub fn is_side_file(name: &str) -> bool {

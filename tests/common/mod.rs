@@ -146,6 +146,30 @@ pub fn small_model(dir: &Path) -> Vec<T> {
     model.all()
 }
 
+/// A model a run takes seconds over with [`SLOW_CAST`]: one 96 MiB F32 tensor, for tests that
+/// signal or stall a run while it writes.
+pub fn slow_cast_model(dir: &Path) {
+    let mut rng = Rng(2);
+    std::fs::create_dir_all(dir).unwrap();
+    let big: Vec<u8> = (0..96 << 18)
+        .flat_map(|_| (rng.next_u32() as f32).to_le_bytes())
+        .collect();
+    write_file(
+        &dir.join("model.safetensors"),
+        &[t("big", DType::F32, &[96 << 18], big)],
+    );
+}
+
+/// A cast of [`slow_cast_model`] on one thread under a small budget: well over a second.
+pub const SLOW_CAST: [&str; 6] = [
+    "--dtype",
+    "bf16",
+    "--threads",
+    "1",
+    "--memory-budget",
+    "16MiB",
+];
+
 /// A fresh [`tmp`] folder with [`small_model`] written into `in/`: (folder, `in/`, tensors).
 pub fn tmp_small_model() -> (tempfile::TempDir, PathBuf, Vec<T>) {
     let d = tmp();

@@ -18,12 +18,12 @@ pub fn run(a: &SelftestArgs) -> Result<i32> {
         (None, None) => "CPU ops in one chunk against two chunks".into(),
     };
     if !a.quiet {
-        println!("selftest: {mode}");
+        outln!("selftest: {mode}");
     }
     if let Some(gpu) = &device.gpu {
         if let Ok((h2d, d2h)) = gpu.copy_bandwidth(256 << 20) {
             if !a.quiet {
-                println!(
+                outln!(
                     "copy bandwidth (pinned, 256 MiB): host→device {}/s, device→host {}/s",
                     human(h2d as u64),
                     human(d2h as u64)
@@ -33,9 +33,13 @@ pub fn run(a: &SelftestArgs) -> Result<i32> {
     }
     let rows = table::run(&device);
     if !a.quiet {
-        println!(
+        outln!(
             "{:<22} {:<38} {:>10} {:>5} {:>10}  result",
-            "kernel", "case", "input", "ulps", "time"
+            "kernel",
+            "case",
+            "input",
+            "ulps",
+            "time"
         );
     }
     let failed = rows.iter().filter(|r| !r.ok).count();
@@ -43,7 +47,7 @@ pub fn run(a: &SelftestArgs) -> Result<i32> {
         if a.quiet && r.ok {
             continue;
         }
-        println!(
+        outln!(
             "{:<22} {:<38} {:>10} {:>5} {:>8.2}ms  {}{}",
             r.kernel,
             r.what,
@@ -58,7 +62,7 @@ pub fn run(a: &SelftestArgs) -> Result<i32> {
             }
         );
     }
-    println!(
+    outln!(
         "selftest: {} cases, {} failed ({})",
         rows.len(),
         failed,

@@ -53,7 +53,7 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
             "{len} bytes, more than the limit of {MAX_PICKLE_BYTES}"
         )));
     }
-    let bytes = std::fs::read(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
+    let bytes = crate::sys::read_regular(&meta_path).map_err(|e| Error::io(&meta_path, e))?;
     let root = unpickle_file(&meta_path, &bytes)?;
     if root.class() != Some("Metadata") {
         return Err(bad(format!(
@@ -259,7 +259,7 @@ fn chunk_placement(
         });
     }
     if !files.contains_key(&info.relative_path) {
-        let f = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let f = crate::sys::open_regular(&path).map_err(|e| Error::io(&path, e))?;
         desc.files.push(source_file(&path)?);
         files.insert(info.relative_path.clone(), (desc.files.len() - 1, f));
     }

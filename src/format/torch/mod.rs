@@ -16,7 +16,6 @@ pub mod state_dict;
 pub mod value;
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -178,7 +177,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         path: path.into(),
         msg,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::sys::read_regular_to_string(path).map_err(|e| Error::io(path, e))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
     let Some(map) = value.get("weight_map").and_then(|m| m.as_object()) else {
@@ -196,7 +195,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
 
 /// Appends one torch.save file (zip or legacy) to `desc`.
 fn add_torch_file(desc: &mut SourceDesc, path: &Path) -> Result<()> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::sys::open_regular(path).map_err(|e| Error::io(path, e))?;
     let info = source_file(path)?;
     let mut magic = [0u8; 4];
     let n = std::os::unix::fs::FileExt::read_at(&file, &mut magic, 0)

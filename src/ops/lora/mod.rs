@@ -153,7 +153,7 @@ impl LoraConfig {
             path: path.into(),
             msg,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::sys::read_regular_to_string(path).map_err(|e| Error::io(path, e))?;
         let v: Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
         Self::parse_value(path, &v)

@@ -283,7 +283,7 @@ pub struct Config {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::sys::read_regular_to_string(path).map_err(|e| Error::io(path, e))?;
         let json: Json = serde_json::from_str(&text).map_err(|e| Error::GgufConfig {
             path: path.into(),
             msg: format!("not valid JSON: {e}"),

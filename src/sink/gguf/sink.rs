@@ -143,7 +143,8 @@ impl GgufSink {
             .unwrap_or_else(|| arch::resolve_auto_file_type(&in_tensors));
         let mut metadata = arch::model_kvs(&cfg, file_type, &model_name(ckpt))?;
         let tok_json = ckpt.dir.join("tokenizer.json");
-        if !tok_json.is_file() {
+        // Only a missing file is missing: a FIFO or a device there is refused when read.
+        if !tok_json.exists() {
             return Err(Error::GgufTokenizer {
                 path: tok_json,
                 msg: "missing: the GGUF needs the model's tokenizer.json (a BPE tokenizer)".into(),

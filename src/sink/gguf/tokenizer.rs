@@ -46,7 +46,9 @@ fn tok_err(path: &Path, msg: impl Into<String>) -> Error {
 }
 
 fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
-    tokenizers::Tokenizer::from_file(path).map_err(|e| tok_err(path, e.to_string()))
+    let text = crate::sys::read_regular_to_string(path).map_err(|e| Error::io(path, e))?;
+    text.parse::<tokenizers::Tokenizer>()
+        .map_err(|e| tok_err(path, e.to_string()))
 }
 
 /// The converter's `chkhsh` for a `tokenizer.json`.
@@ -82,7 +84,7 @@ fn looks_special(t: &str) -> bool {
 }
 
 fn read_json(path: &Path) -> Result<Option<Json>> {
-    match std::fs::read_to_string(path) {
+    match crate::sys::read_regular_to_string(path) {
         Ok(s) => serde_json::from_str(&s)
             .map(Some)
             .map_err(|e| tok_err(path, format!("not valid JSON: {e}"))),
@@ -463,7 +465,7 @@ fn chat_template(
         return of(v, tc_path);
     }
     let jinja: PathBuf = dir.join("chat_template.jinja");
-    match std::fs::read_to_string(&jinja) {
+    match crate::sys::read_regular_to_string(&jinja) {
         Ok(s) => return additional_templates(dir, s).map(Some),
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&jinja, e)),
         Err(_) => {}
@@ -496,7 +498,7 @@ fn additional_templates(dir: &Path, default: String) -> Result<ChatTemplate> {
     files.sort();
     let mut list = vec![serde_json::json!({"name": "default", "template": default})];
     for f in files {
-        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
+        let text = crate::sys::read_regular_to_string(&f).map_err(|e| Error::io(&f, e))?;
         let name = f.file_stem().map(|s| s.to_string_lossy().into_owned());
         list.push(serde_json::json!({"name": name, "template": text}));
     }

@@ -1,0 +1,477 @@
+//! The environment fails, the conversion must not (issue 24, items 9, 10 and 12): stdout and
+//! stderr that cannot be written (a closed pipe, a full device), special files where the run
+//! reads files (FIFOs, devices), signals, and output names as long as the filesystem allows.
+
+mod common;
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::symlink;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use tftf::format::dtype::DType;
+
+/// A small two-shard model with a tokenizer config, and its tensors.
+fn model(dir: &Path) -> Vec<T> {
+    let mut rng = Rng(24);
+    let m = Model::new()
+        .rand(
+            &mut rng,
+            "model.embed_tokens.weight",
+            DType::BF16,
+            &[64, 32],
+        )
+        .shard()
+        .rand(&mut rng, "lm_head.weight", DType::F32, &[64, 32])
+        .config(r#"{"model_type": "llama"}"#)
+        .file("tokenizer_config.json", r#"{"eos_token": "</s>"}"#);
+    m.write(dir);
+    m.all()
+}
+
+/// The write end of a pipe whose read end is already closed: every write to it fails with
+/// EPIPE, as `| head -1` does once head has its line.
+fn closed_pipe() -> OwnedFd {
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills two fds, which we then own.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both fds were just returned by pipe(2) and are owned by nobody else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    write
+}
+
+fn full_device() -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full")
+}
+
+fn tftf_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
+    c.args(args).env("NO_COLOR", "1").stdin(Stdio::null());
+    c
+}
+
+/// Waits for `child` at most `limit`; kills it and fails when it is still running then.
+fn wait_at_most(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {limit:?} (blocked)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs tftf with `args` (stdout and stderr captured) for at most 20 s: a run that blocks fails
+/// the test instead of hanging it.
+fn run_bounded(args: &[&str]) -> (Option<i32>, String, String) {
+    let mut child = tftf_cmd(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_at_most(&mut child, Duration::from_secs(20), &args.join(" "));
+    let o = child.wait_with_output().unwrap();
+    (status.code(), stdout(&o), stderr(&o))
+}
+
+/// The tensors of `out` (a file or a folder) are exactly `tensors`, byte for byte.
+fn assert_holds(out: &Path, tensors: &[T]) {
+    let got = load_all(out);
+    let want: std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            let shape = shape.iter().map(|&d| d as usize).collect();
+            (
+                name.clone(),
+                (dtype.name().to_string(), shape, bytes.clone()),
+            )
+        })
+        .collect();
+    assert_eq!(got, want);
+}
+
+/// The output holds exactly the model's tensors, and nothing of the run is left beside it.
+fn assert_converted(out: &Path, tensors: &[T]) {
+    assert_holds(out, tensors);
+    let names = listing(out);
+    assert!(
+        names.iter().all(|n| !n.starts_with('.')),
+        "temporaries or the lock left behind: {names:?}"
+    );
+}
+
+fn report_notes(path: &Path) -> Vec<String> {
+    read_json(path)["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item 9: stdout and stderr that cannot be written.
+
+#[test]
+fn progress_into_a_closed_pipe_finishes_the_conversion_and_notes_it() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let (out, report) = (d.path().join("out"), d.path().join("report.json"));
+    // `tftf … --progress json 2>&1 | head -1` once head has gone.
+    let pipe = closed_pipe();
+    let status = tftf_cmd(&cmd(
+        "passthrough",
+        &src,
+        &out,
+        &[
+            "--progress",
+            "json",
+            "--progress-interval",
+            "0.001",
+            "--report",
+            s(&report),
+        ],
+    ))
+    .stdout(pipe.try_clone().unwrap())
+    .stderr(pipe)
+    .status()
+    .unwrap();
+    assert_eq!(status.code(), Some(0), "killed or failed: {status:?}");
+    assert_converted(&out, &tensors);
+    assert_eq!(
+        report_notes(&report),
+        [
+            "stdout could not be written (Broken pipe (os error 32)); the lines after that were dropped",
+            "stderr could not be written (Broken pipe (os error 32)); the lines after that were dropped",
+        ]
+    );
+}
+
+#[test]
+fn full_stdout_and_stderr_do_not_stop_a_conversion() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let (out, report) = (d.path().join("out"), d.path().join("report.json"));
+    let o = tftf_cmd(&cmd("passthrough", &src, &out, &["--report", s(&report)]))
+        .stdout(full_device())
+        .stderr(full_device())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "panicked or failed: {o:?}");
+    assert_converted(&out, &tensors);
+    let enospc = "No space left on device (os error 28)";
+    assert_eq!(
+        report_notes(&report),
+        [
+            format!("stdout could not be written ({enospc}); the lines after that were dropped"),
+            format!("stderr could not be written ({enospc}); the lines after that were dropped"),
+        ]
+    );
+    // Stdout alone full: the summary is lost, and stderr says so.
+    let out2 = d.path().join("out2");
+    let o = tftf_cmd(&cmd("passthrough", &src, &out2, &["--progress", "none"]))
+        .stdout(full_device())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert_eq!(
+        stderr(&o),
+        format!(
+            "note: stdout could not be written ({enospc}); the lines after that were dropped\n"
+        )
+    );
+    assert_converted(&out2, &tensors);
+}
+
+#[test]
+fn info_validate_verify_and_dry_runs_whose_output_is_lost_exit_1() {
+    let d = tmp();
+    let src = d.path().join("in");
+    model(&src);
+    let out = d.path().join("out");
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
+    let dry = d.path().join("dry");
+    let commands: [Vec<&str>; 5] = [
+        vec!["info", s(&src)],
+        vec!["info", s(&src), "--json"],
+        vec!["validate", s(&src)],
+        vec!["verify", s(&out)],
+        cmd("passthrough", &src, &dry, &["--dry-run"]),
+    ];
+    for args in &commands {
+        let o = tftf_cmd(args).stdout(full_device()).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
+        assert_eq!(
+            stderr(&o),
+            "error: cannot write to stdout: No space left on device (os error 28); the output printed so far is incomplete\n",
+            "{args:?}"
+        );
+        let o = tftf_cmd(args).stdout(closed_pipe()).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
+        assert_eq!(
+            stderr(&o),
+            "error: cannot write to stdout: Broken pipe (os error 32); the output printed so far is incomplete\n",
+            "{args:?}"
+        );
+        // Nowhere to say it either: still exit 1, not a panic's 101 or SIGPIPE.
+        let o = tftf_cmd(args)
+            .stdout(full_device())
+            .stderr(full_device())
+            .status()
+            .unwrap();
+        assert_eq!(o.code(), Some(1), "{args:?}");
+    }
+    assert!(!dry.exists());
+    // `recover` changes the directory whatever it could print: its lost line is only noted.
+    let o = tftf_cmd(&["recover", s(&out)])
+        .stdout(full_device())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    assert_eq!(
+        stderr(&o),
+        "note: stdout could not be written (No space left on device (os error 28)); the lines after that were dropped\n"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item 10: FIFOs and devices where files are read; signals.
+
+fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo");
+}
+
+/// Replaces `path` with a FIFO (`"fifo"`) or a symlink to the device `make`; returns what the
+/// refusal calls it.
+fn make_special(path: &Path, make: &str) -> &'static str {
+    let _ = std::fs::remove_file(path);
+    if make == "fifo" {
+        mkfifo(path);
+        "a FIFO (named pipe)"
+    } else {
+        symlink(make, path).unwrap();
+        "a symlink to a character device"
+    }
+}
+
+#[test]
+fn special_side_files_are_refused_before_any_output() {
+    let d = tmp();
+    let src = d.path().join("in");
+    model(&src);
+    let out = d.path().join("out");
+    // A FIFO `config.json` is not taken for a missing one either.
+    for (name, make) in [
+        ("tokenizer_config.json", "fifo"),
+        ("tokenizer_config.json", "/dev/zero"),
+        ("config.json", "fifo"),
+    ] {
+        let side = src.join(name);
+        let saved = std::fs::read(&side).unwrap();
+        let what = make_special(&side, make);
+        let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
+        assert_eq!(code, Some(1), "{name} as {make}");
+        assert_eq!(
+            err,
+            format!("error: {}: {what}, not a regular file\n", side.display())
+        );
+        assert!(!out.exists(), "{name} as {make}");
+        std::fs::remove_file(&side).unwrap();
+        std::fs::write(&side, saved).unwrap();
+    }
+}
+
+#[test]
+fn a_fifo_as_the_report_or_as_the_old_index_of_the_output_does_not_block() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let out = d.path().join("out");
+    let report = d.path().join("report.json");
+    mkfifo(&report);
+    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &["--report", s(&report)]));
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        err,
+        format!(
+            "error: --report {} exists and is not a tftf report; remove it or choose another path\n",
+            report.display()
+        )
+    );
+    assert!(!out.exists());
+    // An earlier output's index that is a FIFO is replaced under --force, not read forever.
+    std::fs::create_dir(&out).unwrap();
+    mkfifo(&out.join("model.safetensors.index.json"));
+    let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &["--force", "-q"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert_converted(&out, &tensors);
+}
+
+#[test]
+fn gguf_refuses_a_fifo_or_a_device_as_a_tokenizer_file() {
+    let case = gguf::GgufCase::dense(3, "llama3");
+    let out = case.path("out.gguf");
+    for (name, make) in [
+        ("tokenizer_config.json", "fifo"),
+        ("tokenizer.json", "fifo"),
+        ("tokenizer.json", "/dev/urandom"),
+    ] {
+        let file = case.model.join(name);
+        let saved = std::fs::read(&file).unwrap();
+        let what = make_special(&file, make);
+        let (code, _, err) = run_bounded(&[
+            "gguf",
+            s(&case.model),
+            "-o",
+            s(&out),
+            "--vocab-pre",
+            "llama-bpe",
+        ]);
+        assert_eq!(code, Some(1), "{name}: {err}");
+        assert_mentions(
+            &err,
+            &[&format!("{}: {what}, not a regular file", file.display())],
+        );
+        assert!(!out.exists(), "{name}");
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, saved).unwrap();
+    }
+}
+
+#[test]
+fn verify_refuses_special_files_in_place_of_listed_files() {
+    let d = tmp();
+    let src = d.path().join("in");
+    std::fs::create_dir_all(&src).unwrap();
+    model(&src);
+    // An empty side file: a device that reads as nothing passed for it.
+    std::fs::write(src.join("README.md"), "").unwrap();
+    let out = d.path().join("out");
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
+    tftf_ok(&["verify", s(&out)]);
+    for (name, make) in [
+        ("README.md", "/dev/urandom"),
+        ("tokenizer_config.json", "fifo"),
+    ] {
+        let file = out.join(name);
+        let saved = std::fs::read(&file).unwrap();
+        let what = make_special(&file, make);
+        let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
+        assert_eq!(code, Some(1), "{name} as {make}");
+        assert_eq!(
+            stdout_text,
+            format!("{}: {name}: {what}, not a regular file\n", out.display())
+        );
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, saved).unwrap();
+    }
+}
+
+fn wait_for_temporaries(out: &Path, child: &mut Child) {
+    let started = Instant::now();
+    while listing(out).is_empty() {
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("no output appeared");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn sigterm(child: &Child) {
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+}
+
+#[test]
+fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
+    let d = tmp();
+    let src = d.path().join("in");
+    slow_cast_model(&src);
+    let out = d.path().join("out");
+    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
+        .arg("-q")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_temporaries(&out, &mut child);
+    sigterm(&child);
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(143), "128 + SIGTERM");
+    assert_eq!(
+        stderr(&o),
+        "terminated: stopping and removing temporary output…\nerror: interrupted; temporary output removed\n"
+    );
+    assert!(!out.exists(), "left behind: {:?}", listing(&out));
+}
+
+#[test]
+fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
+    let d = tmp();
+    let src = d.path().join("in");
+    slow_cast_model(&src);
+    let out = d.path().join("out");
+    // Progress lines every 0.1 ms fill the pipe at once; nobody reads it, so the next line
+    // blocks the writer, and no cancel check is ever reached.
+    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
+        .args(["--progress", "json", "--progress-interval", "0.0001"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_temporaries(&out, &mut child);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "the run was not stuck");
+    let signalled = Instant::now();
+    sigterm(&child);
+    let status = wait_at_most(&mut child, Duration::from_secs(15), "after SIGTERM");
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(143), "128 + SIGTERM");
+    assert!(
+        took >= tftf::signals::GRACE - Duration::from_millis(100),
+        "ended after {took:?}: the run was not stuck"
+    );
+    assert!(!out.exists(), "left behind: {:?}", listing(&out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item 12: names as long as the filesystem allows.
+
+#[test]
+fn output_and_side_file_names_of_240_bytes_are_written() {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let side = format!("{}.json", "s".repeat(235));
+    std::fs::write(src.join(&side), "{}").unwrap();
+    let file = d
+        .path()
+        .join("file")
+        .join(format!("{}.safetensors", "f".repeat(228)));
+    assert_eq!(file.file_name().unwrap().len(), 240);
+    passthrough_ok(&src, &file, &["-q"]);
+    assert_holds(&file, &tensors);
+    assert_eq!(listing(file.parent().unwrap()).len(), 1);
+    let out = d.path().join("dir");
+    passthrough_ok(&src, &out, &["-q", "--checksums"]);
+    assert_eq!(std::fs::read(out.join(&side)).unwrap(), b"{}");
+    assert_converted(&out, &tensors);
+    tftf_ok(&["verify", s(&out)]);
+}
