@@ -19,7 +19,7 @@ use crate::ops::fp4::engram::EngramRequant;
 use crate::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use crate::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use crate::ops::kernel::Kernel;
-use crate::ops::lora::merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
+use crate::ops::lora::merge::{ExpertSlice, GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::Op;
 
 use super::inputs::scale_values;
@@ -329,6 +329,7 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 m_dtype: dora.then_some(DType::F32),
                 scale: 2.0,
                 transposed,
+                delta_dtype: None,
             };
             let floats = |n: u64, dtype: DType, rng: &mut Lcg, spread: f32| {
                 let v: Vec<u8> = (0..n)
@@ -358,6 +359,7 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 op: Arc::new(LoraMerge {
                     rows,
                     cols,
+                    expert: ExpertSlice::WHOLE,
                     base_op: None,
                     base_inputs: 1,
                     base_dtype: base,
@@ -383,6 +385,7 @@ fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
             m_dtype: None,
             scale: 0.5,
             transposed: false,
+            delta_dtype: None,
         };
         let inputs = vec![
             f32_bytes_as(base, &rng.f32s((experts * x * y) as usize)),
