@@ -303,17 +303,23 @@ fn fused_expert_adapters_merge_per_expert_like_peft() {
 }
 
 /// On a bfloat16 base PEFT's ParamWrapper casts s·Δ to bfloat16 before adding it (an nn.Linear
-/// adds it in float32): merge-lora does the same and writes PEFT's bytes, where rounding once
-/// would miss 321 of the 1536 merged elements, some by many ulps where W + s·Δ cancels.
+/// adds it in float32): merge-lora does the same and writes PEFT's bytes, per expert or fused,
+/// where rounding once would miss 321 of 1536 and 176 of 2304 merged elements, some by many
+/// ulps where W + s·Δ cancels.
 #[test]
-fn bf16_fused_expert_merge_writes_peft_bytes() {
-    let dir = case("qwen3-moe-experts-bf16");
-    let (_d, out) = tmp_out();
-    lora_merged(&dir.join("base"), &dir.join("adapter"), &out, &["-q"]);
-    assert_eq!(
-        load_all(&out),
-        load_all(&dir.join("merged/model.safetensors"))
-    );
+fn bf16_parameter_merges_write_peft_bytes() {
+    for name in ["qwen3-moe-experts-bf16", "nested-target-parameters-bf16"] {
+        let dir = case(name);
+        let (_d, out) = tmp_out();
+        lora_merged(&dir.join("base"), &dir.join("adapter"), &out, &["-q"]);
+        let got = load_all(&out);
+        assert!(got.values().all(|t| t.0 == "BF16"), "{name}");
+        assert_eq!(
+            got,
+            load_all(&dir.join("merged/model.safetensors")),
+            "{name}"
+        );
+    }
 }
 
 /// `case`'s base with `edit` applied to its tensors, written to `d/base`.
