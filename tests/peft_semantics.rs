@@ -380,3 +380,24 @@ fn per_expert_bases_that_do_not_fit_fail_before_output() {
         assert_refused(&err, &["adapter_model.safetensors", &want], &out);
     }
 }
+
+/// Without adapter_config.json (`--rank/--lora-alpha`) nothing names the fused parameters the
+/// grouped pairs are for: they are unmatched, an error listing them before any output exists,
+/// not a merge that leaves the experts out.
+#[test]
+fn fused_expert_pairs_without_a_config_are_unmatched() {
+    let dir = case("qwen3-moe-experts");
+    let d = tmp();
+    let adapter = copy_adapter_weights(&dir, &d.path().join("adapter"));
+    let out = d.path().join("out");
+    let args = ["--rank", "2", "--lora-alpha", "4"];
+    let err = fails(&merge_lora(&dir.join("base"), &adapter, &out, &args));
+    assert_refused(
+        &err,
+        &[
+            "4 adapter tensor(s) match nothing in the base model",
+            "`base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight`",
+        ],
+        &out,
+    );
+}

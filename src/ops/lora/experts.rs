@@ -16,8 +16,8 @@ use std::sync::{Arc, OnceLock};
 
 use regex::Regex;
 
-use super::merge::{wrapper_rounding, ExpertSlice, LoraFactors};
-use super::{float_base, float_factors, merge_scale, LoraConfig, LoraDerive};
+use super::merge::{ExpertSlice, LoraFactors};
+use super::{float_base, float_factors, merge_scale, wrapper_rounding, LoraConfig, LoraDerive};
 use crate::format::checkpoint::Checkpoint;
 use crate::ops::cast::RoundedBase;
 use crate::plan::Entry;
@@ -232,6 +232,7 @@ pub fn merge_per_expert(
     for (index, ids) in (0..).zip(&param.experts) {
         let mut first_row = 0;
         for &wi in ids {
+            let delta_dtype = wrapper_rounding(&entries[wi]);
             // A base an earlier cast step rounded is merged rounded, as elsewhere.
             if let Some(rounded) = RoundedBase::of(&entries[wi], ckpt) {
                 entries[wi].derive = Some(Arc::new(rounded));
@@ -252,7 +253,7 @@ pub fn merge_per_expert(
                 b,
                 m: None,
                 f: LoraFactors {
-                    delta_dtype: wrapper_rounding(w.dtype),
+                    delta_dtype,
                     ..f.clone()
                 },
             };

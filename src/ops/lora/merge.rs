@@ -31,14 +31,8 @@ pub struct LoraFactors {
     /// PEFT's ParamWrapper (`target_parameters`) casts `s·Δ` to the parameter's dtype before
     /// adding it: `Some(BF16 | F16)` rounds it there first, as PEFT does — two roundings where
     /// an `nn.Linear` merge has one, and results that differ by many ulps where `W + s·Δ`
-    /// cancels. [`wrapper_rounding`] says when.
+    /// cancels. `ops::lora::wrapper_rounding` says when.
     pub delta_dtype: Option<DType>,
-}
-
-/// The dtype PEFT's ParamWrapper rounds `s·Δ` to for a parameter held as `param`: its own, when
-/// narrower than f32 (a cast to f32 or f64 changes nothing).
-pub fn wrapper_rounding(param: DType) -> Option<DType> {
-    matches!(param, DType::BF16 | DType::F16).then_some(param)
 }
 
 /// `s·Δ` as PEFT's ParamWrapper adds it: rounded to `dtype` (see [`LoraFactors::delta_dtype`]).

@@ -26,7 +26,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::Op;
 use crate::plan::{index_by_name, Derive, Entry, PlanNotes, PlanStep, Planning};
-use merge::{wrapper_rounding, ExpertSlice, GroupedLoraMerge, LoraFactors, LoraMerge};
+use merge::{ExpertSlice, GroupedLoraMerge, LoraFactors, LoraMerge};
 use params::{assign_wrapped, ParamTable};
 
 /// Where the adapter weights are.
@@ -808,9 +808,17 @@ fn grouped_derive(
             m_dtype: None,
             scale,
             transposed: false,
-            delta_dtype: wrapper_rounding(w.dtype),
+            delta_dtype: None,
         },
     })
+}
+
+/// The dtype PEFT's ParamWrapper rounds `s·Δ` to before adding it to the wrapped parameter `w`
+/// ([`LoraFactors::delta_dtype`]): the dtype `w` is held in (stored, or as an earlier cast step
+/// rounds it) when narrower than f32. A computed base (dequantised FP8), which PEFT adds to in
+/// high precision, is not rounded. Read before the merge puts a rounding derive on `w`.
+fn wrapper_rounding(w: &Entry) -> Option<DType> {
+    (w.derive.is_none() && matches!(w.dtype, DType::BF16 | DType::F16)).then_some(w.dtype)
 }
 
 /// The stored dtype of the base `w` that a merge into `module` reads: a float, or anything an
@@ -1137,9 +1145,16 @@ impl PlanStep for LoraMergeStep {
                 },
                 (Some(_), Targeted::Excluded) => Err(Some(format!("`{module}` (excluded)"))),
                 (Some(_), _) => Err(Some(format!("`{module}` (not targeted)"))),
-                (None, _) if params.has_module(module) => Err(Some(format!(
-                    "`{module}` (no parameter of it in target_parameters)"
-                ))),
+                // Fused experts without target_parameters (no adapter_config.json): nothing says
+                // which parameter a pair is for, so the pair stays unmatched.
+                (None, _)
+                    if params.stores_module(module)
+                        || (params.has_module(module) && !cfg.target_parameters.is_empty()) =>
+                {
+                    Err(Some(format!(
+                        "`{module}` (no parameter of it in target_parameters)"
+                    )))
+                }
                 (None, _) => Err(None),
             };
             let wi = match target {
@@ -1174,6 +1189,7 @@ impl PlanStep for LoraMergeStep {
             }
             let module = module.to_string();
             let module = module.as_str();
+            let delta_dtype = wrapper.then(|| wrapper_rounding(&entries[wi])).flatten();
             // A base an earlier cast step rounded is merged rounded, as Python tftf does.
             if let Some(r) = crate::ops::cast::RoundedBase::of(&entries[wi], ckpt) {
                 entries[wi].derive = Some(Arc::new(r));
@@ -1183,7 +1199,7 @@ impl PlanStep for LoraMergeStep {
             // B·A over the flattened kernel, the plain LoRA merge of [out, in·k…].
             let conv = entries[wi].shape.len() >= 3 && ai.shape.len() == entries[wi].shape.len();
             if entries[wi].shape.len() == 3 && !conv {
-                let derive = grouped_derive(
+                let mut derive = grouped_derive(
                     &entries[wi],
                     ckpt,
                     module,
@@ -1194,6 +1210,7 @@ impl PlanStep for LoraMergeStep {
                     model_type,
                 )
                 .map_err(bad)?;
+                derive.f.delta_dtype = delta_dtype;
                 entries[wi].derive = Some(Arc::new(derive));
                 merged += 1;
                 continue;
@@ -1307,7 +1324,7 @@ impl PlanStep for LoraMergeStep {
                     m_dtype,
                     scale,
                     transposed,
-                    delta_dtype: wrapper.then(|| wrapper_rounding(w.dtype)).flatten(),
+                    delta_dtype,
                 },
             };
             entries[wi].derive = Some(Arc::new(derive));

@@ -70,6 +70,13 @@ impl ParamTable {
         self.by_module.contains_key(module)
     }
 
+    /// Whether `module` holds a stored tensor directly (not only fused parameters).
+    pub fn stores_module(&self, module: &str) -> bool {
+        self.by_module
+            .get(module)
+            .is_some_and(|v| v.iter().any(|&i| i < self.stored))
+    }
+
     /// Whether a `target_parameters` entry names some parameter (PEFT's suffix match).
     pub fn any_named(&self, target: &str) -> bool {
         self.names.iter().any(|n| suffix_match(n, target))
