@@ -419,6 +419,47 @@ fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// One expert's block of grouped factors merged into a base stored per expert (a fused
+/// `gate_up_proj` adapter into `experts.1.up_proj`: rows from 4 of the fused output): B's
+/// coefficients strided by the expert count, read from the expert's first.
+fn expert_slice_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (experts, rows, cols, rank, fused_rows) = (3u64, 12u64, 40u64, 4u64, 16u64);
+    let f = LoraFactors {
+        rank,
+        a_dtype: DType::F32,
+        b_dtype: DType::F32,
+        m_dtype: None,
+        scale: 0.5,
+        transposed: false,
+        delta_dtype: None,
+    };
+    let inputs = vec![
+        f32_bytes_as(DType::BF16, &rng.f32s((rows * cols) as usize)),
+        rng.f32s((experts * rank * cols) as usize),
+        rng.f32s((fused_rows * experts * rank) as usize),
+    ];
+    out.push(Case {
+        kernel: "merge-lora",
+        what: "BF16, expert 1 of 3, rows 4.. of the fused delta".into(),
+        op: Arc::new(LoraMerge {
+            rows,
+            cols,
+            expert: ExpertSlice {
+                experts,
+                index: 1,
+                first_row: fused_rows - rows,
+            },
+            base_op: None,
+            base_inputs: 1,
+            base_dtype: DType::BF16,
+            f,
+            dst: DType::BF16,
+        }),
+        inputs,
+        out_dtype: DType::BF16,
+    });
+}
+
 /// Every case the selftest runs.
 pub fn cases() -> Vec<Case> {
     let mut rng = Lcg(0x7f7f);
@@ -439,6 +480,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::fp4_cases(&mut rng, &mut out);
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
+    expert_slice_cases(&mut rng, &mut out);
     super::encoders::quantize_cases(&mut rng, &mut out);
     super::decoders::gptq_cases(&mut rng, &mut out);
     super::decoders::int4_modelopt_cases(&mut rng, &mut out);
