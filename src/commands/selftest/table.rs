@@ -373,20 +373,25 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// F32 grouped factors of rank `rank` (per expert), scale 0.5.
+fn expert_factors(rank: u64) -> LoraFactors {
+    LoraFactors {
+        rank,
+        a_dtype: DType::F32,
+        b_dtype: DType::F32,
+        m_dtype: None,
+        scale: 0.5,
+        transposed: false,
+        delta_dtype: None,
+    }
+}
+
 /// Grouped expert merges (PEFT `target_parameters`): 3 experts, both base orientations.
 fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let (experts, x, y, rank) = (3u64, 12u64, 40u64, 4u64);
     for (in_out, base) in [(true, DType::BF16), (false, DType::F32)] {
         let (inn, outd) = if in_out { (x, y) } else { (y, x) };
-        let f = LoraFactors {
-            rank,
-            a_dtype: DType::F32,
-            b_dtype: DType::F32,
-            m_dtype: None,
-            scale: 0.5,
-            transposed: false,
-            delta_dtype: None,
-        };
+        let f = expert_factors(rank);
         let inputs = vec![
             f32_bytes_as(base, &rng.f32s((experts * x * y) as usize)),
             rng.f32s((experts * rank * inn) as usize),
@@ -424,15 +429,7 @@ fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
 /// coefficients strided by the expert count, read from the expert's first.
 fn expert_slice_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let (experts, rows, cols, rank, fused_rows) = (3u64, 12u64, 40u64, 4u64, 16u64);
-    let f = LoraFactors {
-        rank,
-        a_dtype: DType::F32,
-        b_dtype: DType::F32,
-        m_dtype: None,
-        scale: 0.5,
-        transposed: false,
-        delta_dtype: None,
-    };
+    let f = expert_factors(rank);
     let inputs = vec![
         f32_bytes_as(DType::BF16, &rng.f32s((rows * cols) as usize)),
         rng.f32s((experts * rank * cols) as usize),
