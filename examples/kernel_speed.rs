@@ -10,7 +10,7 @@ use tftf::format::dtype::DType;
 use tftf::ops::cast::cast_slice;
 use tftf::ops::fp4::engram::{requant_row_scalar, EngramRequant, BLOCK};
 use tftf::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
-use tftf::ops::lora::merge::{LoraFactors, LoraMerge};
+use tftf::ops::lora::merge::{ExpertSlice, LoraFactors, LoraMerge};
 use tftf::ops::quantize::encode::WeightType;
 use tftf::ops::quantize::modelopt::ModeloptRows;
 use tftf::ops::quantize::ops::{BlockMath, QuantizeRows};
@@ -402,6 +402,7 @@ fn main() {
     let op = LoraMerge {
         rows: n,
         cols: n,
+        expert: ExpertSlice::WHOLE,
         base_op: None,
         base_inputs: 1,
         base_dtype: DType::BF16,
@@ -412,6 +413,7 @@ fn main() {
             m_dtype: None,
             scale: 2.0,
             transposed: false,
+            delta_dtype: None,
         },
         dst: DType::BF16,
     };

@@ -305,6 +305,21 @@ fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
         &["tftf_dequant_fp8", "tftf_lora_delta", "tftf_lora"],
     );
     assert_identical("fp8-lora", &pairs);
+    // A LoRA on transformers 5's fused experts into a base stored per expert: each expert's
+    // block of the grouped factors, read in place by the same kernels.
+    let mixtral = fixture("peft/mixtral-experts");
+    let pairs = cpu_vs_gpu(
+        "experts-lora",
+        &[
+            "merge-lora",
+            "-b",
+            s(&mixtral.join("base")),
+            "-a",
+            s(&mixtral.join("adapter")),
+        ],
+        &["tftf_lora_delta", "tftf_lora"],
+    );
+    assert_identical("experts-lora", &pairs);
     // An FP8-block base requantised (the default): dequantised, merged and quantised again on
     // the device, with the same error figures as the CPU's.
     let dir = tempfile::tempdir().unwrap();

@@ -5,8 +5,9 @@
 //!   dtypes, shapes (0, 1, ragged, 2^40, near `u64::MAX`), offsets with gaps and overlaps,
 //!   metadata of the wrong type, index files, `config.json` quantisation settings (FP8 ones and
 //!   GPTQ/NVFP4 ones that FP8 tensors contradict), fused FP8 expert scales and LoRA adapters
-//!   with odd ranks — and drives every command over them in-process, a rename to a group its
-//!   regex lacks included (always a usage error), and `gguf` where there is a tokenizer.
+//!   with odd ranks, some on fused experts over per-expert tensors — and drives every command
+//!   over them in-process, a rename to a group its regex lacks included (always a usage error),
+//!   and `gguf` where there is a tokenizer.
 //! - `mutated_corpus_never_panics`: a fixed-seed mutator flips, overwrites, inserts and deletes
 //!   bytes (and swaps JSON numbers for extreme ones) in the real files of `tests/fuzz-corpus/`.
 //!
@@ -246,6 +247,9 @@ const NAMES: &[&str] = &[
     "model.layers.0.mlp.up_proj.scale",
     "layers.0.ffn.experts.0.w1.weight",
     "layers.0.ffn.experts.0.w1.scale",
+    "model.layers.0.mlp.experts.0.gate_proj.weight",
+    "model.layers.0.mlp.experts.1.up_proj.weight",
+    "model.layers.0.block_sparse_moe.experts.0.w2.weight",
     "layers.0.engram.embed.weight",
     "layers.0.engram.embed.scale",
     "model.embed_tokens.weight",
@@ -407,20 +411,24 @@ const ADAPTER_NAMES: &[&str] = &[
     "base_model.model.model.embed_tokens.lora_embedding_A",
     "base_model.model.model.embed_tokens.lora_embedding_B",
     "base_model.model.lm_head.weight",
+    "base_model.model.model.layers.0.mlp.experts.lora_A.weight",
+    "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight",
 ];
 
 fn adapter() -> impl Strategy<Value = Option<(Vec<GenTensor>, Value)>> {
     prop::option::of((
         prop::collection::vec(tensor(ADAPTER_NAMES), 0..4),
-        (odd_value(), odd_value(), any::<[bool; 3]>(), odd_value()),
+        (odd_value(), odd_value(), any::<[bool; 4]>(), odd_value()),
     ))
     .prop_map(|a| {
-        a.map(|(t, (r, alpha, [rslora, fan, dora], pattern))| {
+        a.map(|(t, (r, alpha, [rslora, fan, dora, experts], pattern))| {
+            // Fused expert parameters, which a base stored per expert has only as its parts.
+            let params = experts.then(|| json!(["mlp.experts.gate_up_proj", "experts.down_proj"]));
             (
                 t,
                 json!({"r": r, "lora_alpha": alpha, "use_rslora": rslora, "fan_in_fan_out": fan,
                     "use_dora": dora, "rank_pattern": {"up_proj": pattern},
-                    "modules_to_save": ["lm_head"]}),
+                    "modules_to_save": ["lm_head"], "target_parameters": params}),
             )
         })
     })

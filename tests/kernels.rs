@@ -493,7 +493,7 @@ fn lora_merge_matches_the_cpu_op_bit_for_bit() {
         hex_diff(&case.what, &got, &want, (f.dst.bits() / 8) as usize);
         n += 1;
     }
-    assert_eq!(n, 14, "every LoRA and grouped-expert case");
+    assert_eq!(n, 15, "every LoRA, grouped-expert and expert-slice case");
 }
 
 #[test]

@@ -19,7 +19,7 @@ use crate::ops::fp4::engram::EngramRequant;
 use crate::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use crate::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
 use crate::ops::kernel::Kernel;
-use crate::ops::lora::merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
+use crate::ops::lora::merge::{ExpertSlice, GroupedLoraMerge, LoraFactors, LoraMerge};
 use crate::ops::Op;
 
 use super::inputs::scale_values;
@@ -329,6 +329,7 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 m_dtype: dora.then_some(DType::F32),
                 scale: 2.0,
                 transposed,
+                delta_dtype: None,
             };
             let floats = |n: u64, dtype: DType, rng: &mut Lcg, spread: f32| {
                 let v: Vec<u8> = (0..n)
@@ -358,6 +359,7 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                 op: Arc::new(LoraMerge {
                     rows,
                     cols,
+                    expert: ExpertSlice::WHOLE,
                     base_op: None,
                     base_inputs: 1,
                     base_dtype: base,
@@ -371,19 +373,25 @@ fn lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// F32 grouped factors of rank `rank` (per expert), scale 0.5.
+fn expert_factors(rank: u64) -> LoraFactors {
+    LoraFactors {
+        rank,
+        a_dtype: DType::F32,
+        b_dtype: DType::F32,
+        m_dtype: None,
+        scale: 0.5,
+        transposed: false,
+        delta_dtype: None,
+    }
+}
+
 /// Grouped expert merges (PEFT `target_parameters`): 3 experts, both base orientations.
 fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let (experts, x, y, rank) = (3u64, 12u64, 40u64, 4u64);
     for (in_out, base) in [(true, DType::BF16), (false, DType::F32)] {
         let (inn, outd) = if in_out { (x, y) } else { (y, x) };
-        let f = LoraFactors {
-            rank,
-            a_dtype: DType::F32,
-            b_dtype: DType::F32,
-            m_dtype: None,
-            scale: 0.5,
-            transposed: false,
-        };
+        let f = expert_factors(rank);
         let inputs = vec![
             f32_bytes_as(base, &rng.f32s((experts * x * y) as usize)),
             rng.f32s((experts * rank * inn) as usize),
@@ -416,6 +424,39 @@ fn grouped_lora_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// One expert's block of grouped factors merged into a base stored per expert (a fused
+/// `gate_up_proj` adapter into `experts.1.up_proj`: rows from 4 of the fused output): B's
+/// coefficients strided by the expert count, read from the expert's first.
+fn expert_slice_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (experts, rows, cols, rank, fused_rows) = (3u64, 12u64, 40u64, 4u64, 16u64);
+    let f = expert_factors(rank);
+    let inputs = vec![
+        f32_bytes_as(DType::BF16, &rng.f32s((rows * cols) as usize)),
+        rng.f32s((experts * rank * cols) as usize),
+        rng.f32s((fused_rows * experts * rank) as usize),
+    ];
+    out.push(Case {
+        kernel: "merge-lora",
+        what: "BF16, expert 1 of 3, rows 4.. of the fused delta".into(),
+        op: Arc::new(LoraMerge {
+            rows,
+            cols,
+            expert: ExpertSlice {
+                experts,
+                index: 1,
+                first_row: fused_rows - rows,
+            },
+            base_op: None,
+            base_inputs: 1,
+            base_dtype: DType::BF16,
+            f,
+            dst: DType::BF16,
+        }),
+        inputs,
+        out_dtype: DType::BF16,
+    });
+}
+
 /// Every case the selftest runs.
 pub fn cases() -> Vec<Case> {
     let mut rng = Lcg(0x7f7f);
@@ -436,6 +477,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::fp4_cases(&mut rng, &mut out);
     lora_cases(&mut rng, &mut out);
     grouped_lora_cases(&mut rng, &mut out);
+    expert_slice_cases(&mut rng, &mut out);
     super::encoders::quantize_cases(&mut rng, &mut out);
     super::decoders::gptq_cases(&mut rng, &mut out);
     super::decoders::int4_modelopt_cases(&mut rng, &mut out);

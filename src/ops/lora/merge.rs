@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use super::kernel::{BaseDequant, DeltaParams, LoraLaunch};
 use crate::format::dtype::DType;
-use crate::ops::cast::{decode_into, f32_to_bf16, to_f32, write_as};
+use crate::ops::cast::{
+    bf16_to_f32, decode_into, f16_to_f32, f32_to_bf16, f32_to_f16, to_f32, write_as,
+};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
 
@@ -26,12 +28,51 @@ pub struct LoraFactors {
     pub m_dtype: Option<DType>,
     pub scale: f32,
     pub transposed: bool,
+    /// PEFT's ParamWrapper (`target_parameters`) casts `s·Δ` to the parameter's dtype before
+    /// adding it: `Some(BF16 | F16)` rounds it there first, as PEFT does — two roundings where
+    /// an `nn.Linear` merge has one, and results that differ by many ulps where `W + s·Δ`
+    /// cancels. `ops::lora::wrapper_rounding` says when.
+    pub delta_dtype: Option<DType>,
+}
+
+/// `s·Δ` as PEFT's ParamWrapper adds it: rounded to `dtype` (see [`LoraFactors::delta_dtype`]).
+fn round_delta(dtype: Option<DType>, delta: f32, s: f32) -> f32 {
+    let d = delta * s;
+    match dtype {
+        Some(DType::BF16) => bf16_to_f32(f32_to_bf16(d)),
+        Some(DType::F16) => f16_to_f32(f32_to_f16(d)),
+        _ => d,
+    }
+}
+
+/// The block of grouped expert factors (PEFT `target_parameters`: A `[E·r, in]` expert-outer,
+/// B `[out, E·r]` expert-inner, see [`GroupedLoraMerge`]) that a plain merge reads: expert
+/// `index` of `experts`, output rows from `first_row` on. It merges a fused expert parameter
+/// into a base stored per expert (`gate_proj` is the first rows of `gate_up_proj`'s delta,
+/// `up_proj` the rest), reading A's `r` rows of the expert and B's column `k·E + index` in
+/// place. [`ExpertSlice::WHOLE`] is an ordinary LoRA pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertSlice {
+    pub experts: u64,
+    pub index: u64,
+    pub first_row: u64,
+}
+
+impl ExpertSlice {
+    pub const WHOLE: ExpertSlice = ExpertSlice {
+        experts: 1,
+        index: 0,
+        first_row: 0,
+    };
 }
 
 #[derive(Debug)]
 pub struct LoraMerge {
     pub rows: u64,
     pub cols: u64,
+    /// Which block of the factors to read; not [`ExpertSlice::WHOLE`] only untransposed
+    /// without DoRA.
+    pub expert: ExpertSlice,
     /// Produces the base rows as f32 when the base is itself computed (FP8 dequantisation);
     /// `None` reads the base tensor directly in `base_dtype`.
     pub base_op: Option<Arc<dyn Op>>,
@@ -122,9 +163,10 @@ fn lora_launch(
     }
 }
 
-/// Plain: Δ = B's rows (tr × r) times A (r × cols). Transposed (Conv1D, embeddings): row g's
-/// coefficients are A's column g (stride `rows`), the vectors Bᵀ (B is cols × r) — the operands
-/// `compute` gathers, read in place.
+/// Plain: Δ = B's rows (tr × r) times A (r × cols); of an expert's block, B's row i has the
+/// coefficients at `i·E·r + k·E` from the expert's first (the input starts there). Transposed
+/// (Conv1D, embeddings): row g's coefficients are A's column g (stride `rows`), the vectors Bᵀ
+/// (B is cols × r) — the operands `compute` gathers, read in place.
 impl LoraMerge {
     fn launch(&self, units: &Range<u64>) -> LoraLaunch {
         let (r, cols) = (self.f.rank, self.cols);
@@ -145,9 +187,10 @@ impl LoraMerge {
             };
             (d, true)
         } else {
+            let e_n = self.expert.experts;
             let d = DeltaParams {
-                ci: r,
-                ck: 1,
+                ci: e_n * r,
+                ck: e_n,
                 vk: cols,
                 vj: 1,
                 ..one_group
@@ -161,9 +204,9 @@ impl LoraMerge {
 
 impl Op for LoraMerge {
     /// The GPU also dequantises an FP8 or FP4 base (to f32, as `base_op` is built) before
-    /// merging.
+    /// merging; PEFT's rounding of a ParamWrapper's delta is done on the CPU only.
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64)
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64 && self.f.delta_dtype.is_none())
             .then(|| Kernel::Lora(self.launch(units)))
     }
     fn name(&self) -> &'static str {
@@ -195,9 +238,16 @@ impl Op for LoraMerge {
             v.push(0..r * self.rows * a);
             v.push(0..self.cols * r * b);
         } else {
-            // A [r, cols]: whole; B [rows, r]: the chunk's rows.
-            v.push(0..r * self.cols * a);
-            v.push(units.start * r * b..units.end * r * b);
+            // A [r, cols]: whole (an expert's r rows); B [rows, r]: the chunk's rows (of an
+            // expert block, from the expert's first coefficient).
+            let ExpertSlice {
+                experts: e_n,
+                index: e,
+                first_row: x0,
+            } = self.expert;
+            v.push(e * r * self.cols * a..(e + 1) * r * self.cols * a);
+            let er = e_n * r;
+            v.push(((x0 + units.start) * er + e) * b..(x0 + units.end) * er * b);
         }
         if let Some(m) = self.f.m_dtype {
             v.push(units.start * size(m)..units.end * size(m));
@@ -250,7 +300,14 @@ impl Op for LoraMerge {
             }
             let coef = &coefs[t0 * r..(t0 + tr) * r];
             delta_rows(coef, &vecs, r, cols, delta);
-            let s = self.f.scale;
+            let mut s = self.f.scale;
+            if self.f.delta_dtype.is_some() {
+                // PEFT's ParamWrapper: s·Δ rounded to the parameter's dtype, then added.
+                delta
+                    .iter_mut()
+                    .for_each(|d| *d = round_delta(self.f.delta_dtype, *d, s));
+                s = 1.0;
+            }
             if fused {
                 let base = &inputs[0][t0 * cols * 2..(t0 + tr) * cols * 2];
                 let o = &mut out[t0 * cols * 2..(t0 + tr) * cols * 2];
@@ -397,6 +454,7 @@ mod tests {
         LoraMerge {
             rows,
             cols,
+            expert: ExpertSlice::WHOLE,
             base_op: None,
             base_inputs: 1,
             base_dtype: DType::F32,
@@ -407,6 +465,7 @@ mod tests {
                 m_dtype: dora.then_some(DType::F32),
                 scale: 2.0,
                 transposed,
+                delta_dtype: None,
             },
             dst: DType::F32,
         }
@@ -503,6 +562,81 @@ mod tests {
             }
         }
     }
+
+    /// A fused expert parameter merged into a base stored per expert gives, tensor by tensor,
+    /// the rows of the fused merge (`[E, out, in]`) bit for bit, however it is chunked: expert
+    /// `e`'s block split at row 5 as gate and up are. PEFT's ParamWrapper rounding of `s·Δ`
+    /// changes the bytes (checked), the same way in both.
+    #[test]
+    fn expert_slices_equal_the_fused_merge_split_per_expert() {
+        let (e_n, out, inn, r) = (3u64, 9u64, 7u64, 2u64);
+        let vals = |n: u64, k: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 + k) * 0.37).sin() * 0.2)
+                .collect()
+        };
+        let (w, a, b) = (
+            vals(e_n * out * inn, 1.0),
+            vals(e_n * r * inn, 2.0),
+            vals(out * e_n * r, 3.0),
+        );
+        // Also with PEFT's ParamWrapper rounding of s·Δ (to bf16 here).
+        let mut wants = Vec::new();
+        for delta_dtype in [None, Some(DType::BF16)] {
+            let f = LoraFactors {
+                delta_dtype,
+                ..op(1, 1, r, false, false).f
+            };
+            let fused = GroupedLoraMerge {
+                experts: e_n,
+                x: out,
+                y: inn,
+                in_out: false,
+                base_op: None,
+                base_inputs: 1,
+                base_dtype: DType::F32,
+                f: f.clone(),
+                dst: DType::F32,
+            };
+            let all = [f32s(&w), f32s(&a), f32s(&b)];
+            let ins: Vec<&[u8]> = fused
+                .input_ranges(0..e_n * out)
+                .iter()
+                .zip(&all)
+                .map(|(rg, src)| &src[rg.start as usize..rg.end as usize])
+                .collect();
+            let mut want = vec![0u8; (e_n * out * inn * 4) as usize];
+            fused.compute(0..e_n * out, &ins, &mut want).unwrap();
+            let row_bytes = (inn * 4) as usize;
+            for e in 0..e_n {
+                for (first_row, rows) in [(0, 5), (5, out - 5)] {
+                    let slice = LoraMerge {
+                        rows,
+                        cols: inn,
+                        expert: ExpertSlice {
+                            experts: e_n,
+                            index: e,
+                            first_row,
+                        },
+                        f: f.clone(),
+                        ..op(rows, inn, r, false, false)
+                    };
+                    let at = ((e * out + first_row) as usize) * row_bytes;
+                    let base = &all[0][at..at + rows as usize * row_bytes];
+                    for cuts in [&[][..], &[1, 3]] {
+                        let got = run(&slice, base, &all[1], &all[2], &[], cuts);
+                        assert_eq!(
+                            got,
+                            want[at..at + got.len()],
+                            "expert {e} rows {first_row}+{rows}"
+                        );
+                    }
+                }
+            }
+            wants.push(want);
+        }
+        assert_ne!(wants[0], wants[1], "rounding s·Δ to bf16 changes nothing");
+    }
 }
 
 /// Grouped expert weights targeted through PEFT's `target_parameters`: base `[E, X, Y]`,
@@ -568,7 +702,7 @@ impl GroupedLoraMerge {
 
 impl Op for GroupedLoraMerge {
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64)
+        (base_on_gpu(&self.base_op) && self.dst != DType::F64 && self.f.delta_dtype.is_none())
             .then(|| Kernel::Lora(self.launch(units)))
     }
     fn name(&self) -> &'static str {
@@ -644,9 +778,9 @@ impl Op for GroupedLoraMerge {
                     }
                 }
             }
-            let s = self.f.scale;
-            for (wv, d) in w[k_row * y..(k_row + 1) * y].iter_mut().zip(&acc) {
-                *wv += d * s;
+            let (s, dd) = (self.f.scale, self.f.delta_dtype);
+            for (wv, &d) in w[k_row * y..(k_row + 1) * y].iter_mut().zip(&acc) {
+                *wv += round_delta(dd, d, s);
             }
         }
         write_as(self.dst, w.iter().copied(), out);

@@ -10,8 +10,10 @@
 //! rest is an error listing them, before any output exists.
 
 pub use crate::plan::kernel::lora as kernel;
+mod experts;
 mod finite;
 pub mod merge;
+mod params;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,7 +27,8 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::Op;
 use crate::plan::{index_by_name, Derive, Entry, PlanNotes, PlanStep, Planning};
-use merge::{GroupedLoraMerge, LoraFactors, LoraMerge};
+use merge::{ExpertSlice, GroupedLoraMerge, LoraFactors, LoraMerge};
+use params::{assign_wrapped, ParamTable};
 
 /// Where the adapter weights are.
 #[derive(Debug, Clone)]
@@ -416,153 +419,6 @@ fn unwrap_base_layers(key: &str) -> (&str, usize) {
     (module, depth)
 }
 
-/// Entry indices of the base tensors directly under each module (`module.param`).
-fn params_by_module(entries: &[Entry]) -> std::collections::HashMap<String, Vec<usize>> {
-    let mut map: std::collections::HashMap<String, Vec<usize>> = std::collections::HashMap::new();
-    for (i, e) in entries.iter().enumerate() {
-        if let Some((module, _)) = e.name.rsplit_once('.') {
-            map.entry(module.to_string()).or_default().push(i);
-        }
-    }
-    map
-}
-
-/// The base parameters of `module` that `target_parameters` names, in the order their
-/// entries in `target_parameters` are listed (then by name).
-fn wrapped_parameters(
-    cfg: &LoraConfig,
-    module: &str,
-    params: &std::collections::HashMap<String, Vec<usize>>,
-    entries: &[Entry],
-) -> Vec<usize> {
-    let mut v: Vec<(usize, &str, usize)> = params
-        .get(module)
-        .into_iter()
-        .flatten()
-        .filter_map(|&i| {
-            let name = entries[i].name.as_str();
-            let pos = cfg
-                .target_parameters
-                .iter()
-                .position(|t| suffix_match(name, t))?;
-            Some((pos, name, i))
-        })
-        .collect();
-    v.sort();
-    v.into_iter().map(|(_, _, i)| i).collect()
-}
-
-/// Whether the factors `a`, `b` can be merged into parameter `w` as PEFT's ParamWrapper does:
-/// 2-D `[out, in]` with A `[r, in]`, B `[out, r]`; 3-D `[E, X, Y]` with A `[E·r, in]`,
-/// B `[out, E·r]` and `{in, out} = {X, Y}`.
-fn wrapper_fits(w: &[u64], a: &[u64], b: &[u64]) -> bool {
-    match (w, a, b) {
-        ([out, inn], [ra, a_in], [b_out, rb]) => ra == rb && a_in == inn && b_out == out,
-        ([e, x, y], [ra, a_in], [b_out, rb]) => {
-            ra == rb
-                && *e > 0
-                && ra % e == 0
-                && ((a_in, b_out) == (y, x) || (a_in, b_out) == (x, y))
-        }
-        _ => false,
-    }
-}
-
-/// Which parameter each nested pair of `module` belongs to. PEFT wraps a module's targeted
-/// parameters in the order the module registers them, each wrapper around the previous one,
-/// so the outermost pair (depth 0) belongs to the last registered parameter. A safetensors
-/// file does not keep registration order, so the factor shapes decide; when several
-/// parameters have the same shape, the order `target_parameters` lists them stands in for
-/// registration order, with a warning.
-#[allow(clippy::type_complexity)]
-fn assign_wrapped(
-    module: &str,
-    pairs: &[(usize, usize, usize)],
-    wrapped: &[usize],
-    entries: &[Entry],
-    ckpt: &Checkpoint,
-) -> std::result::Result<(Vec<(usize, usize)>, Option<String>), String> {
-    let n = wrapped.len();
-    if let Some(&(depth, a, _)) = pairs.iter().find(|p| p.0 >= n) {
-        return Err(format!(
-            "`{}` is nested {depth} wrapper(s) deep but target_parameters names only {n} parameter(s) of `{module}`",
-            ckpt.tensors[a].info.name
-        ));
-    }
-    // One parameter: nothing to choose (the merge itself checks the shapes, naming them).
-    if n == 1 {
-        return Ok((pairs.iter().map(|p| (p.0, wrapped[0])).collect(), None));
-    }
-    let shape = |i: usize| ckpt.tensors[i].info.shape.clone();
-    let fits = |order: &[usize]| {
-        pairs.iter().all(|&(depth, a, b)| {
-            wrapper_fits(&entries[order[n - 1 - depth]].shape, &shape(a), &shape(b))
-        })
-    };
-    // Every registration order (a module has a handful of parameters at most).
-    let mut orders = Vec::new();
-    permutations(&mut wrapped.to_vec(), 0, &mut orders);
-    let assignment = |order: &[usize]| -> Vec<(usize, usize)> {
-        let mut v: Vec<(usize, usize)> = pairs.iter().map(|p| (p.0, order[n - 1 - p.0])).collect();
-        v.sort();
-        v
-    };
-    let mut fitting: Vec<Vec<(usize, usize)>> = orders
-        .iter()
-        .filter(|o| fits(o))
-        .map(|o| assignment(o))
-        .collect();
-    fitting.sort();
-    fitting.dedup();
-    let listed = assignment(wrapped);
-    match fitting.len() {
-        0 => Err(format!(
-            "`{module}`: the nested LoRA factors {} fit none of its targeted parameters {} in any nesting order",
-            pairs
-                .iter()
-                .map(|&(d, a, b)| format!("(depth {d}: lora_A {:?}, lora_B {:?})", shape(a), shape(b)))
-                .collect::<Vec<_>>()
-                .join(" "),
-            wrapped
-                .iter()
-                .map(|&i| format!("`{}` {:?}", entries[i].name, entries[i].shape))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )),
-        1 => Ok((fitting.pop().expect("one"), None)),
-        _ => {
-            let chosen = if fitting.contains(&listed) {
-                listed
-            } else {
-                fitting.swap_remove(0)
-            };
-            let order: Vec<&str> = chosen
-                .iter()
-                .rev()
-                .map(|&(_, i)| entries[i].name.as_str())
-                .collect();
-            let warning = format!(
-                "merge-lora: `{module}`: its targeted parameters have the same shapes, so which nested LoRA pair belongs to which cannot be read from the files (PEFT nests them in the order the module registers its parameters); assumed the order target_parameters lists them, innermost first: {}",
-                order.join(", ")
-            );
-            Ok((chosen, Some(warning)))
-        }
-    }
-}
-
-/// All orderings of `v[k..]` (with `v[..k]` fixed), appended to `out`.
-fn permutations(v: &mut Vec<usize>, k: usize, out: &mut Vec<Vec<usize>>) {
-    if k >= v.len() || out.len() >= 5040 {
-        out.push(v.clone());
-        return;
-    }
-    for i in k..v.len() {
-        v.swap(k, i);
-        permutations(v, k + 1, out);
-        v.swap(k, i);
-    }
-}
-
 /// Checks adapter_config.json's patterns against the base before anything is merged: every
 /// `target_modules` entry (or its regex) and every `target_parameters` entry must name
 /// something in the base model, and the whole must target at least one module. An
@@ -570,7 +426,7 @@ fn permutations(v: &mut Vec<usize>, k: usize, out: &mut Vec<Vec<usize>>) {
 fn check_patterns(
     cfg: &LoraConfig,
     entries: &[Entry],
-    params: &std::collections::HashMap<String, Vec<usize>>,
+    params: &ParamTable,
     config_file: &Path,
     notes: &mut PlanNotes,
 ) -> Result<()> {
@@ -608,7 +464,7 @@ fn check_patterns(
         _ => {}
     }
     for t in &cfg.target_parameters {
-        if !entries.iter().any(|e| suffix_match(&e.name, t)) {
+        if !params.any_named(t) {
             return Err(bad(format!(
                 "target_parameters entry `{t}` matches no parameter of the base model"
             )));
@@ -628,7 +484,7 @@ fn check_patterns(
         && cfg.target_parameters.is_empty()
         && !modules
             .iter()
-            .any(|m| params.contains_key(*m) && cfg.targets(m) == Targeted::Yes)
+            .any(|m| params.has_module(m) && cfg.targets(m) == Targeted::Yes)
     {
         return Err(bad(format!(
             "targets no module of the base model: {}",
@@ -937,18 +793,7 @@ fn grouped_derive(
             w.name, w.shape
         ));
     };
-    let base_dtype = ckpt.tensors[w.source].info.dtype;
-    if w.derive.is_none()
-        && !matches!(
-            base_dtype,
-            DType::F32 | DType::BF16 | DType::F16 | DType::F64
-        )
-    {
-        return Err(format!(
-            "`{module}`: base `{}` is {base_dtype}; dequantise it first",
-            w.name
-        ));
-    }
+    let base_dtype = float_base(w, ckpt, module)?;
     Ok(GroupedDerive {
         prev: w.derive.clone(),
         base: w.source,
@@ -966,8 +811,48 @@ fn grouped_derive(
             m_dtype: None,
             scale,
             transposed: false,
+            delta_dtype: None,
         },
     })
+}
+
+/// The dtype PEFT's ParamWrapper rounds `s·Δ` to before adding it to the wrapped parameter `w`
+/// ([`LoraFactors::delta_dtype`]): the dtype `w` is held in (stored, or as an earlier cast step
+/// rounds it) when narrower than f32. A computed base (dequantised FP8), which PEFT adds to in
+/// high precision, is not rounded. Read before the merge puts a rounding derive on `w`.
+fn wrapper_rounding(w: &Entry) -> Option<DType> {
+    (w.derive.is_none() && matches!(w.dtype, DType::BF16 | DType::F16)).then_some(w.dtype)
+}
+
+/// The stored dtype of the base `w` that a merge into `module` reads: a float, or anything an
+/// earlier step computes (FP8 dequantisation).
+fn float_base(w: &Entry, ckpt: &Checkpoint, module: &str) -> std::result::Result<DType, String> {
+    let base_dtype = ckpt.tensors[w.source].info.dtype;
+    let float = matches!(
+        base_dtype,
+        DType::F32 | DType::BF16 | DType::F16 | DType::F64
+    );
+    if w.derive.is_none() && !float {
+        return Err(format!(
+            "`{module}`: base `{}` is {base_dtype}; dequantise it first (dequant-fp8 --merge-lora)",
+            w.name
+        ));
+    }
+    Ok(base_dtype)
+}
+
+/// Refuses LoRA factors (or a DoRA magnitude) of `module` stored in anything but a float.
+fn float_factors(
+    module: &str,
+    dtypes: impl IntoIterator<Item = DType>,
+) -> std::result::Result<(), String> {
+    match dtypes
+        .into_iter()
+        .find(|d| !matches!(d, DType::F32 | DType::BF16 | DType::F16))
+    {
+        Some(d) => Err(format!("`{module}`: adapter dtype {d} is not a float")),
+        None => Ok(()),
+    }
 }
 
 /// `alpha / r` (or `/ sqrt(r)`) times `--scale`, as the f32 the merge multiplies by; one that
@@ -1030,6 +915,7 @@ struct LoraDerive {
     base_dtype: DType,
     rows: u64,
     cols: u64,
+    expert: ExpertSlice,
     a: usize,
     b: usize,
     m: Option<usize>,
@@ -1047,6 +933,7 @@ impl Derive for LoraDerive {
         Arc::new(LoraMerge {
             rows: self.rows,
             cols: self.cols,
+            expert: self.expert,
             base_inputs: self.prev.as_ref().map_or(1, |p| p.inputs().len()),
             base_op,
             base_dtype: self.base_dtype,
@@ -1203,7 +1090,7 @@ impl PlanStep for LoraMergeStep {
         }
         let index = index_by_name(entries);
         let info = |i: usize| &ckpt.tensors[i].info;
-        let params = params_by_module(entries);
+        let params = ParamTable::new(entries);
         check_patterns(cfg, entries, &params, &att.config_file, notes)?;
         // Parameters targeted through target_parameters, per (module, nesting depth).
         let mut by_module: BTreeMap<&str, Vec<(usize, usize, usize)>> = BTreeMap::new();
@@ -1216,7 +1103,7 @@ impl PlanStep for LoraMergeStep {
         let mut wrapped_at: std::collections::HashMap<(String, usize), usize> =
             std::collections::HashMap::new();
         for (module, pairs) in by_module {
-            let wrapped = wrapped_parameters(cfg, module, &params, entries);
+            let wrapped = params.wrapped(cfg, module);
             let weight_pair = pairs.iter().any(|p| p.0 == 0)
                 && index.contains_key(&format!("{module}.weight"))
                 && cfg.targets(module) == Targeted::Yes;
@@ -1224,7 +1111,7 @@ impl PlanStep for LoraMergeStep {
                 continue;
             }
             let (assigned, warning) =
-                assign_wrapped(module, &pairs, &wrapped, entries, ckpt).map_err(&bad)?;
+                assign_wrapped(module, &pairs, &wrapped, &params, ckpt).map_err(&bad)?;
             notes.warnings.extend(warning);
             for (depth, wi) in assigned {
                 wrapped_at.insert((module.to_string(), depth), wi);
@@ -1254,7 +1141,7 @@ impl PlanStep for LoraMergeStep {
                 .get(&format!("{module}.weight"))
                 .copied()
                 .filter(|_| depth == 0);
-            let wrapped = wrapped_parameters(cfg, module, &params, entries);
+            let wrapped = params.wrapped(cfg, module);
             let target = match (weight, cfg.targets(module)) {
                 (Some(wi), Targeted::Yes) => Ok(wi),
                 _ if !wrapped.is_empty() => match wrapped_at.get(&(module.to_string(), depth)) {
@@ -1263,9 +1150,16 @@ impl PlanStep for LoraMergeStep {
                 },
                 (Some(_), Targeted::Excluded) => Err(Some(format!("`{module}` (excluded)"))),
                 (Some(_), _) => Err(Some(format!("`{module}` (not targeted)"))),
-                (None, _) if params.contains_key(module) => Err(Some(format!(
-                    "`{module}` (no parameter of it in target_parameters)"
-                ))),
+                // Fused experts without target_parameters (no adapter_config.json): nothing says
+                // which parameter a pair is for, so the pair stays unmatched.
+                (None, _)
+                    if params.stores_module(module)
+                        || (params.has_module(module) && !cfg.target_parameters.is_empty()) =>
+                {
+                    Err(Some(format!(
+                        "`{module}` (no parameter of it in target_parameters)"
+                    )))
+                }
                 (None, _) => Err(None),
             };
             let wi = match target {
@@ -1279,11 +1173,9 @@ impl PlanStep for LoraMergeStep {
                     continue;
                 }
             };
-            let module = if wrapped.contains(&wi) {
-                entries[wi].name.as_str()
-            } else {
-                module
-            };
+            // A parameter PEFT wraps in a ParamWrapper (target_parameters), not a layer.
+            let wrapper = wrapped.contains(&wi);
+            let module = if wrapper { params.name(wi) } else { module };
             if wrapped.contains(&wi) {
                 if let Some(mi) = m.magnitude {
                     return Err(bad(format!(
@@ -1292,8 +1184,18 @@ impl PlanStep for LoraMergeStep {
                     )));
                 }
             }
+            // A fused expert parameter of a base stored per expert: merged into each expert.
+            if let Some(fused) = params.fused(wi) {
+                let scale = self.opts.scale;
+                experts::merge_per_expert(fused, entries, ckpt, cfg, (a, b), scale)
+                    .map_err(&bad)?;
+                merged += 1;
+                merged_from.extend([a, b]);
+                continue;
+            }
             let module = module.to_string();
             let module = module.as_str();
+            let delta_dtype = wrapper.then(|| wrapper_rounding(&entries[wi])).flatten();
             // A base an earlier cast step rounded is merged rounded, as Python tftf does.
             if let Some(r) = crate::ops::cast::RoundedBase::of(&entries[wi], ckpt) {
                 entries[wi].derive = Some(Arc::new(r));
@@ -1303,7 +1205,7 @@ impl PlanStep for LoraMergeStep {
             // B·A over the flattened kernel, the plain LoRA merge of [out, in·k…].
             let conv = entries[wi].shape.len() >= 3 && ai.shape.len() == entries[wi].shape.len();
             if entries[wi].shape.len() == 3 && !conv {
-                let derive = grouped_derive(
+                let mut derive = grouped_derive(
                     &entries[wi],
                     ckpt,
                     module,
@@ -1314,6 +1216,7 @@ impl PlanStep for LoraMergeStep {
                     model_type,
                 )
                 .map_err(bad)?;
+                derive.f.delta_dtype = delta_dtype;
                 entries[wi].derive = Some(Arc::new(derive));
                 merged += 1;
                 merged_from.extend([a, b]);
@@ -1409,29 +1312,15 @@ impl PlanStep for LoraMergeStep {
                 Some(mi) => Some(info(mi).dtype),
                 None => None,
             };
-            let base_dtype = ckpt.tensors[w.source].info.dtype;
-            let float_base = w.derive.is_some()
-                || matches!(
-                    base_dtype,
-                    DType::F32 | DType::BF16 | DType::F16 | DType::F64
-                );
-            if !float_base {
-                return Err(bad(format!(
-                    "`{module}`: base `{}` is {base_dtype}; dequantise it first (dequant-fp8 --merge-lora)",
-                    w.name
-                )));
-            }
-            for d in [ai.dtype, bi.dtype].into_iter().chain(m_dtype) {
-                if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
-                    return Err(bad(format!("`{module}`: adapter dtype {d} is not a float")));
-                }
-            }
+            let base_dtype = float_base(w, ckpt, module).map_err(&bad)?;
+            float_factors(module, [ai.dtype, bi.dtype].into_iter().chain(m_dtype)).map_err(&bad)?;
             let derive = LoraDerive {
                 prev: w.derive.clone(),
                 base: w.source,
                 base_dtype,
                 rows: w_rows,
                 cols: w_cols,
+                expert: ExpertSlice::WHOLE,
                 a,
                 b,
                 m: m.magnitude,
@@ -1442,6 +1331,7 @@ impl PlanStep for LoraMergeStep {
                     m_dtype,
                     scale,
                     transposed,
+                    delta_dtype,
                 },
             };
             entries[wi].derive = Some(Arc::new(derive));

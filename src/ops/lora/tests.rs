@@ -1,3 +1,4 @@
+use super::params::wrapper_fits;
 use super::*;
 
 #[test]
