@@ -182,6 +182,10 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
 }
 
 pub fn print_finalized(dir: &Path, f: &Finalized) {
+    if let Some(note) = &f.finished_interrupted {
+        println!("finalized {}: {note}", dir.display());
+        return;
+    }
     println!(
         "finalized {}: {} part(s), {} shard(s), {}; wrote {}",
         dir.display(),

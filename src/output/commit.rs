@@ -6,6 +6,11 @@
 //! (or `tftf recover`) rolls forward. So after a crash at any instant the output is the old one
 //! or, once finished, the new one — never a mix that a loader would take for a checkpoint.
 //!
+//! A commit may also retire a hidden bookkeeping directory (finalize's `.tftf-parts`): the
+//! journal names it, and applying the journal renames it aside, then empties and removes it,
+//! before the journal goes. So the bookkeeping outlives the commit by no instant that a rerun
+//! or `tftf recover` cannot finish.
+//!
 //! Dropping an uncommitted `OutputSet` (an error, a panic unwinding, Ctrl-C) removes every
 //! temporary, then the directories this run created for the output, where empty.
 
@@ -62,6 +67,8 @@ pub struct OutputSet {
     files: Vec<(PathBuf, String)>,
     committed: bool,
     lock: Option<OutputLock>,
+    /// A directory in `dir` the commit removes after its renames and deletions.
+    retire: Option<String>,
 }
 
 impl OutputSet {
@@ -73,19 +80,14 @@ impl OutputSet {
             files: Vec::new(),
             committed: false,
             lock: Some(lock),
+            retire: None,
         }
     }
 
-    /// An output set in `dir` for a caller that holds the directory's lease lock itself
-    /// (finalize of a partitioned run).
-    pub fn unlocked(dir: PathBuf) -> OutputSet {
-        OutputSet {
-            dir,
-            created_dirs: Vec::new(),
-            files: Vec::new(),
-            committed: false,
-            lock: None,
-        }
+    /// Makes the commit remove the hidden directory `name` (`.tftf-…`, a plain name in the
+    /// output directory) once every file is in place, as part of the journalled commit.
+    pub fn retire_after_commit(&mut self, name: &str) {
+        self.retire = Some(name.to_string());
     }
 
     pub fn dir(&self) -> &Path {
@@ -149,6 +151,7 @@ impl OutputSet {
                 .map(|(tmp, name)| (file_name(tmp), name.clone()))
                 .collect(),
             deletes: delete.to_vec(),
+            retire: self.retire.clone(),
         };
         journal.write(&self.dir)?;
         crash_point("journal");
@@ -190,6 +193,8 @@ struct Journal {
     /// (temporary name, final name)
     renames: Vec<(String, String)>,
     deletes: Vec<String>,
+    /// A hidden directory removed last ([`OutputSet::retire_after_commit`]).
+    retire: Option<String>,
 }
 
 impl Journal {
@@ -199,6 +204,7 @@ impl Journal {
             "pid": self.pid,
             "renames": self.renames,
             "deletes": self.deletes,
+            "retire": self.retire,
         });
         let path = dir.join(JOURNAL_NAME);
         let tmp = dir.join(temp_name(JOURNAL_NAME));
@@ -258,10 +264,18 @@ impl Journal {
             .iter()
             .map(plain)
             .collect::<Result<Vec<_>>>()?;
+        let retire = match v.get("retire") {
+            None | Some(Value::Null) => None,
+            Some(d) => match plain(d)? {
+                d if d.starts_with(".tftf-") => Some(d),
+                _ => return Err(bad("the directory to retire is not tftf's")),
+            },
+        };
         Ok(Journal {
             pid: v.get("pid").and_then(Value::as_u64).unwrap_or(0) as u32,
             renames,
             deletes,
+            retire,
         })
     }
 
@@ -283,9 +297,53 @@ impl Journal {
                 Err(e) => return Err(Error::io(&p, e)),
             }
         }
+        if let Some(name) = &self.retire {
+            retire_dir(dir, name)?;
+        }
         sync_dir(dir)?;
         crash_point("applied");
         Ok(())
+    }
+}
+
+/// Removes the directory `name` in `dir`: renamed aside to `NAME.retired` first (one atomic
+/// step: no reader sees it half emptied), then emptied and removed. Idempotent.
+fn retire_dir(dir: &Path, name: &str) -> Result<()> {
+    let live = dir.join(name);
+    let aside = dir.join(format!("{name}.retired"));
+    if live.is_dir() {
+        remove_tree(&aside)?;
+        std::fs::rename(&live, &aside).map_err(|e| Error::io(&live, e))?;
+        sync_dir(dir)?;
+        crash_point("retire");
+    }
+    remove_tree(&aside)
+}
+
+/// Removes `path` and everything under it, symlinks as links; a missing entry is no error.
+fn remove_tree(path: &Path) -> Result<()> {
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let entries = match std::fs::read_dir(path) {
+        Ok(rd) => rd,
+        Err(e) if gone(&e) => return Ok(()),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(path, e))?;
+        let p = entry.path();
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&p)?;
+            continue;
+        }
+        match std::fs::remove_file(&p) {
+            Ok(()) => crash_point("unrecord"),
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(Error::io(&p, e)),
+        }
+    }
+    match std::fs::remove_dir(path) {
+        Err(e) if !gone(&e) => Err(Error::io(path, e)),
+        _ => Ok(()),
     }
 }
 
@@ -301,6 +359,15 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::io(dir, e))
 }
 
+/// The directory the commit journalled in `dir` retires (finalize's), if there is such a
+/// journal: a commit that finalize began.
+pub fn interrupted_commit_retires(dir: &Path) -> Option<String> {
+    if !dir.join(JOURNAL_NAME).exists() {
+        return None;
+    }
+    Journal::read(dir).ok()?.retire
+}
+
 /// Finishes the commit a killed run left journalled in `dir` (call with the lock held).
 /// Returns a note saying what was done, or `None` when there was nothing to finish.
 pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
@@ -310,8 +377,12 @@ pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
     let journal = Journal::read(dir)?;
     journal.apply(dir)?;
     remove_journal(dir)?;
+    let retired = journal
+        .retire
+        .as_ref()
+        .map_or(String::new(), |d| format!(", {d} removed"));
     Ok(Some(format!(
-        "finished the commit that tftf pid {} was making when it stopped ({} file(s) renamed into place, {} removed)",
+        "finished the commit that tftf pid {} was making when it stopped ({} file(s) renamed into place, {} removed{retired})",
         journal.pid,
         journal.renames.len(),
         journal.deletes.len()
@@ -336,8 +407,8 @@ pub fn temporaries(dir: &Path) -> Vec<String> {
 /// Test hooks: `TFTF_TEST_CRASH_AT=POINT[:N]` kills the process with SIGKILL (no destructors,
 /// no cleanup, as the OOM killer or a power cut would) the N-th time (default 1st) it reaches
 /// `POINT`: `tmp` (a temporary created), `written` (all data written, nothing committed),
-/// `journal` (journal durable), `rename`, `delete`, `applied` (all renamed and deleted, journal
-/// still there). `TFTF_TEST_STOP_AT=POINT[:N]` stops it (SIGSTOP) there instead, holding the
+/// `journal` (journal durable), `rename`, `delete`, `retire` (the retired directory renamed
+/// aside), `unrecord` (a file in it removed), `applied` (all done but the journal's removal). `TFTF_TEST_STOP_AT=POINT[:N]` stops it (SIGSTOP) there instead, holding the
 /// output's lock, so a test can start a second run against a live one.
 pub fn crash_point(point: &str) {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -384,5 +455,35 @@ mod tests {
         ] {
             assert!(!is_temp_name(not), "{not}");
         }
+    }
+
+    #[test]
+    fn a_journal_retires_only_a_tftf_directory_and_finishing_it_twice_is_harmless() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        std::fs::create_dir_all(dir.join("weights")).unwrap();
+        let journal = |retire: &str| {
+            let text = format!(
+                r#"{{"tftf_commit": 1, "pid": 7, "renames": [], "deletes": [], "retire": "{retire}"}}"#
+            );
+            std::fs::write(dir.join(JOURNAL_NAME), text).unwrap();
+        };
+        journal("weights");
+        let e = finish_interrupted_commit(dir).unwrap_err().to_string();
+        assert!(e.contains("the directory to retire is not tftf's"), "{e}");
+        assert!(dir.join("weights").is_dir());
+        // A retired directory half removed by a killed commit, with nested files.
+        std::fs::create_dir_all(dir.join(".tftf-parts.retired/side")).unwrap();
+        std::fs::write(dir.join(".tftf-parts.retired/side/config.json"), "{}").unwrap();
+        journal(".tftf-parts");
+        assert_eq!(
+            interrupted_commit_retires(dir).as_deref(),
+            Some(".tftf-parts")
+        );
+        let note = finish_interrupted_commit(dir).unwrap().unwrap();
+        assert!(note.contains(".tftf-parts removed"), "{note}");
+        assert!(!dir.join(".tftf-parts.retired").exists());
+        assert!(!dir.join(JOURNAL_NAME).exists());
+        assert!(finish_interrupted_commit(dir).unwrap().is_none());
     }
 }

@@ -313,6 +313,9 @@ impl<'a> OutputTarget<'a> {
     /// killed run left half done and removes killed runs' temporaries. Returns the empty output
     /// set and notes on what was cleaned up.
     pub fn begin(&self) -> Result<(OutputSet, Vec<String>)> {
+        let mut notes: Vec<String> = parts::finish_interrupted_finalize(&self.dir)?
+            .into_iter()
+            .collect();
         refuse_partitioned(&self.dir)?;
         let created_dirs = create_dirs(&self.dir)?;
         let lock = match OutputLock::acquire(&self.dir) {
@@ -323,7 +326,6 @@ impl<'a> OutputTarget<'a> {
             }
         };
         let set = OutputSet::new(self.dir.clone(), created_dirs, lock);
-        let mut notes = Vec::new();
         if let Some(note) = finish_interrupted_commit(&self.dir)? {
             notes.push(note);
         }
@@ -374,9 +376,10 @@ impl<'a> OutputTarget<'a> {
 fn refuse_partitioned(dir: &Path) -> Result<()> {
     if parts::parts_dir(dir).is_dir() {
         return Err(Error::Other(format!(
-            "{} holds an unfinished partitioned run ({}): finish its parts and run `tftf finalize`, continue it with the same --part/--resume command, or remove the directory",
+            "{} holds an unfinished partitioned run ({}): finish its parts and run `tftf finalize`, or continue it with the same --part/--resume command; to discard it, remove {} and rerun with --force",
             dir.display(),
-            parts::PARTS_DIR
+            parts::PARTS_DIR,
+            parts::parts_dir(dir).display()
         )));
     }
     Ok(())
@@ -507,14 +510,20 @@ pub fn write_report(path: &Path, report: &Value) -> Result<()> {
     })
 }
 
-/// Finishes an interrupted commit in `dir` and removes killed runs' temporaries, under the
-/// directory's lock (`tftf recover`). Returns what was done.
+/// Finishes an interrupted commit in `dir` (a finalize's too) and removes killed runs'
+/// temporaries, under the directory's lock (`tftf recover`); in a partitioned run that is not
+/// finalized, only the temporaries. Returns what was done.
 pub fn recover(dir: &Path) -> Result<Vec<String>> {
     if !dir.is_dir() {
         return Err(Error::Usage(format!(
             "{} is not a directory",
             dir.display()
         )));
+    }
+    if parts::parts_dir(dir).is_dir()
+        && commit::interrupted_commit_retires(dir).as_deref() != Some(parts::PARTS_DIR)
+    {
+        return parts::recover_unfinished(dir);
     }
     let no_inputs = InputFiles::default();
     let target = OutputTarget {
