@@ -118,12 +118,76 @@ pub fn hash_bytes(name: &str, bytes: &[u8]) -> FileSum {
     }
 }
 
-/// `SHA256SUMS`: `HASH  NAME` per file, as `sha256sum` writes it.
+/// `SHA256SUMS`: `HASH  NAME` per file, as GNU `sha256sum` writes it: a name holding a
+/// backslash, newline or carriage return is written with those as `\\`, `\n`, `\r` and the
+/// line starts with a backslash, so that `sha256sum -c` reads every name back.
 pub fn sums_text(files: &[FileSum]) -> String {
     files
         .iter()
-        .map(|f| format!("{}  {}\n", f.sha256, f.name))
+        .map(|f| {
+            if !f.name.contains(['\\', '\n', '\r']) {
+                return format!("{}  {}\n", f.sha256, f.name);
+            }
+            let name = f
+                .name
+                .replace('\\', "\\\\")
+                .replace('\n', "\\n")
+                .replace('\r', "\\r");
+            format!("\\{}  {name}\n", f.sha256)
+        })
         .collect()
+}
+
+/// The (name, hash) entries of a `SHA256SUMS` file, escaped names decoded; an error names the
+/// first line that is not `HASH  NAME` (or `HASH *NAME`).
+fn parse_sums(path: &Path, text: &str) -> Result<Vec<(String, String)>> {
+    let mut entries = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let bad = |what: &str| {
+            Error::Other(format!(
+                "{}: line {} is not `HASH  NAME` ({what})",
+                path.display(),
+                i + 1
+            ))
+        };
+        let (escaped, line) = match line.strip_prefix('\\') {
+            Some(rest) => (true, rest),
+            None => (false, line),
+        };
+        let (hash, name) = line.split_at_checked(64).ok_or_else(|| bad("too short"))?;
+        if !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad("the hash is not 64 hex digits"));
+        }
+        let name = name
+            .strip_prefix("  ")
+            .or_else(|| name.strip_prefix(" *"))
+            .ok_or_else(|| bad("no two-space separator"))?;
+        let name = if escaped {
+            unescape_sums_name(name).ok_or_else(|| bad("a bad escape in the name"))?
+        } else {
+            name.to_string()
+        };
+        entries.push((name, hash.to_ascii_lowercase()));
+    }
+    Ok(entries)
+}
+
+/// Decodes a `SHA256SUMS` name written with `\\`, `\n` and `\r` escapes.
+fn unescape_sums_name(name: &str) -> Option<String> {
+    let mut out = String::with_capacity(name.len());
+    let mut chars = name.chars();
+    while let Some(c) = chars.next() {
+        out.push(match c {
+            '\\' => match chars.next()? {
+                '\\' => '\\',
+                'n' => '\n',
+                'r' => '\r',
+                _ => return None,
+            },
+            c => c,
+        });
+    }
+    Some(out)
 }
 
 pub fn manifest_json(files: &[FileSum]) -> Value {
@@ -198,8 +262,45 @@ pub struct Verified {
     pub problems: Vec<String>,
 }
 
-/// Re-hashes every file `DIR/tftf-manifest.json` lists and compares.
+/// Re-hashes every file `DIR/tftf-manifest.json` and `DIR/SHA256SUMS` list and compares;
+/// checks that the two lists agree and that every data file in `DIR` is on them.
 pub fn verify(dir: &Path) -> Result<Verified> {
+    let want = read_manifest(dir)?;
+    let mut out = Verified::default();
+    for w in &want {
+        check_file(dir, w, &mut out)?;
+    }
+    let spath = dir.join(SUMS_NAME);
+    let sums = match std::fs::read(&spath) {
+        Ok(b) => {
+            let text = String::from_utf8(b)
+                .map_err(|_| Error::Other(format!("{}: not UTF-8 text", spath.display())))?;
+            parse_sums(&spath, &text)?
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            out.problems.push(format!(
+                "{SUMS_NAME}: missing (--checksums writes it beside {MANIFEST_NAME})"
+            ));
+            Vec::new()
+        }
+        Err(e) => return Err(Error::io(&spath, e)),
+    };
+    compare_sums(dir, &want, &sums, &mut out)?;
+    let listed: Vec<&str> = want
+        .iter()
+        .map(|w| w.name.as_str())
+        .chain(sums.iter().map(|(n, _)| n.as_str()))
+        .collect();
+    for name in super::unlisted_data_files(dir, &listed)? {
+        out.problems.push(format!(
+            "{}: a data file that neither {SUMS_NAME} nor {MANIFEST_NAME} lists (added, or its entries removed, after the checksums were written)",
+            crate::escape::bytes(&name)
+        ));
+    }
+    Ok(out)
+}
+
+fn read_manifest(dir: &Path) -> Result<Vec<FileSum>> {
     let mpath = dir.join(MANIFEST_NAME);
     let text = std::fs::read_to_string(&mpath).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::Other(format!(
@@ -210,49 +311,95 @@ pub fn verify(dir: &Path) -> Result<Verified> {
     })?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| Error::Other(format!("{}: invalid JSON: {e}", mpath.display())))?;
-    let want = parse_manifest(&mpath, &v)?;
-    let mut out = Verified::default();
-    for w in &want {
-        let path = dir.join(&w.name);
-        let size = match std::fs::metadata(&path) {
-            Ok(m) => m.len(),
-            Err(_) => {
-                out.problems.push(format!("{}: missing", w.name));
-                continue;
-            }
-        };
-        if size != w.size {
-            out.problems.push(format!(
-                "{}: {size} bytes, the manifest says {}",
-                w.name, w.size
-            ));
-            continue;
+    parse_manifest(&mpath, &v)
+}
+
+/// Re-hashes the manifest's file `w` and records what differs.
+fn check_file(dir: &Path, w: &FileSum, out: &mut Verified) -> Result<()> {
+    let shown = crate::escape::name(&w.name);
+    let path = dir.join(&w.name);
+    let size = match std::fs::metadata(&path) {
+        Ok(m) => m.len(),
+        Err(_) => {
+            out.problems.push(format!("{shown}: missing"));
+            return Ok(());
         }
-        let ranges = w.tensors.iter().map(|(t, _)| t.clone()).collect();
-        let got = hash_file(&path, &w.name, ranges)?;
-        out.files += 1;
-        out.bytes += size;
-        if got.sha256 == w.sha256 {
-            continue;
-        }
-        let first = w
-            .tensors
-            .iter()
-            .zip(&got.tensors)
-            .find(|((_, a), (_, b))| a != b)
-            .map(|((t, _), _)| t);
-        out.problems.push(match first {
-            Some(t) => format!(
-                "{}: tensor `{}` (bytes {}..{}) differs from the manifest",
-                w.name,
-                crate::escape::name(&t.name),
-                t.offset,
-                t.offset + t.len
-            ),
-            None => format!("{}: the header differs from the manifest", w.name),
-        });
+    };
+    if size != w.size {
+        out.problems.push(format!(
+            "{shown}: {size} bytes, the manifest says {}",
+            w.size
+        ));
+        return Ok(());
     }
-    Ok(out)
+    let ranges = w.tensors.iter().map(|(t, _)| t.clone()).collect();
+    let got = hash_file(&path, &w.name, ranges)?;
+    out.files += 1;
+    out.bytes += size;
+    if got.sha256 == w.sha256 {
+        return Ok(());
+    }
+    let first = w
+        .tensors
+        .iter()
+        .zip(&got.tensors)
+        .find(|((_, a), (_, b))| a != b)
+        .map(|((t, _), _)| t);
+    out.problems.push(match first {
+        Some(t) => format!(
+            "{shown}: tensor `{}` (bytes {}..{}) differs from the manifest",
+            crate::escape::name(&t.name),
+            t.offset,
+            t.offset + t.len
+        ),
+        None => format!("{shown}: the header differs from the manifest"),
+    });
+    Ok(())
+}
+
+/// Compares `SHA256SUMS` with the manifest, entry by entry; a file only `SHA256SUMS` lists is
+/// re-hashed against it.
+fn compare_sums(
+    dir: &Path,
+    want: &[FileSum],
+    sums: &[(String, String)],
+    out: &mut Verified,
+) -> Result<()> {
+    for (name, hash) in sums {
+        let shown = crate::escape::name(name);
+        if let Some(w) = want.iter().find(|w| &w.name == name) {
+            if &w.sha256 != hash {
+                out.problems.push(format!(
+                    "{shown}: {SUMS_NAME} and {MANIFEST_NAME} give different hashes"
+                ));
+            }
+            continue;
+        }
+        out.problems.push(format!(
+            "{shown}: in {SUMS_NAME} but not in {MANIFEST_NAME}"
+        ));
+        let path = dir.join(name);
+        if !path.is_file() {
+            out.problems.push(format!("{shown}: missing"));
+            continue;
+        }
+        let got = hash_file(&path, name, Vec::new())?;
+        out.files += 1;
+        out.bytes += got.size;
+        if &got.sha256 != hash {
+            out.problems
+                .push(format!("{shown}: differs from its hash in {SUMS_NAME}"));
+        }
+    }
+    for w in want {
+        if !sums.iter().any(|(n, _)| n == &w.name) {
+            out.problems.push(format!(
+                "{}: in {MANIFEST_NAME} but not in {SUMS_NAME}",
+                crate::escape::name(&w.name)
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

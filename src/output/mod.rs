@@ -537,6 +537,28 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     Ok(notes)
 }
 
+/// Names (as bytes) of the data files in `dir` that `listed` does not hold: weights of any
+/// format, indexes and adapter files, and the files the index lists, hidden files aside.
+pub(crate) fn unlisted_data_files(dir: &Path, listed: &[&str]) -> Result<Vec<Vec<u8>>> {
+    use std::os::unix::ffi::OsStrExt;
+    let indexed = old_index_shards(&dir.join(INDEX_NAME));
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+    {
+        let raw = e.file_name();
+        let lossy = raw.to_string_lossy();
+        let data = !is_side_file(&lossy) || indexed.iter().any(|i| *i == lossy);
+        let unlisted = raw.to_str().is_none_or(|n| !listed.contains(&n));
+        if data && unlisted && !lossy.starts_with('.') && !e.path().is_dir() {
+            v.push(raw.as_bytes().to_vec());
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
 /// Shard names an existing index lists (plain names only).
 fn old_index_shards(index: &Path) -> Vec<String> {
     let Some(v) = std::fs::read(index)
