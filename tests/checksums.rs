@@ -215,3 +215,75 @@ fn sums_escape_names_as_sha256sum_does() {
         Err(e) => eprintln!("SKIPPED the sha256sum -c half: {e}"),
     }
 }
+
+/// Issue #24 item 14: a side file whose name is not UTF-8 is copied under its own bytes (not
+/// with U+FFFD for the bad byte), by a single run, through a journalled commit a kill
+/// interrupted, and by parts and finalize; SHA256SUMS lists it under those bytes.
+#[test]
+fn a_side_file_named_in_another_encoding_keeps_its_name_byte_for_byte() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::ExitStatusExt;
+    let (d, src, _) = tmp_small_model();
+    let latin1 = OsStr::from_bytes(b"tok\xe9n.txt");
+    std::fs::write(src.join(latin1), b"latin-1").unwrap();
+    let names = |dir: &std::path::Path| -> Vec<Vec<u8>> {
+        let mut v: Vec<Vec<u8>> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().as_bytes().to_vec())
+            .collect();
+        v.sort();
+        v
+    };
+    let check = |out: &std::path::Path| {
+        assert_eq!(std::fs::read(out.join(latin1)).unwrap(), b"latin-1");
+        // No file under a name with U+FFFD in it.
+        let fffd = "\u{FFFD}".as_bytes();
+        assert!(!names(out).iter().any(|n| n.windows(3).any(|w| w == fffd)));
+        let sums = std::fs::read(out.join("SHA256SUMS")).unwrap();
+        let line = [
+            &hex(&Sha256::digest(b"latin-1")).into_bytes()[..],
+            b"  tok\xe9n.txt\n",
+        ]
+        .concat();
+        assert!(
+            sums.windows(line.len()).any(|w| w == line),
+            "{}",
+            String::from_utf8_lossy(&sums)
+        );
+        tftf_ok(&["verify", s(out)]);
+        if let Ok(o) = std::process::Command::new("sha256sum")
+            .args(["-c", "--strict", "SHA256SUMS"])
+            .current_dir(out)
+            .output()
+        {
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+        }
+    };
+    let out = d.path().join("out");
+    passthrough_ok(&src, &out, &["--checksums", "-q"]);
+    check(&out);
+    // Killed once the journal is durable: recover renames the temporary to the same bytes.
+    let killed = d.path().join("killed");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+        .args(cmd("passthrough", &src, &killed, &["--checksums", "-q"]))
+        .env("TFTF_TEST_CRASH_AT", "journal")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.signal(), Some(9));
+    tftf_ok(&["recover", s(&killed)]);
+    check(&killed);
+    assert_eq!(names(&killed), names(&out));
+    // Parts stage it and finalize copies it.
+    let parted = d.path().join("parted");
+    for k in ["1/2", "2/2"] {
+        passthrough_ok(
+            &src,
+            &parted,
+            &["--part", k, "--max-shard-size", "5000", "-q"],
+        );
+    }
+    tftf_ok(&["finalize", s(&parted), "-q"]);
+    check(&parted);
+}

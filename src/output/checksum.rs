@@ -6,13 +6,16 @@
 //! format) holds the file hashes; `tftf-manifest.json` adds sizes and each tensor's range and
 //! hash, so `tftf verify` can name the first tensor that changed, not just the file.
 
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use super::names::{name_from_json, name_json};
 use crate::error::{Error, Result};
 
 pub const SUMS_NAME: &str = "SHA256SUMS";
@@ -32,7 +35,8 @@ pub struct TensorRange {
 /// One hashed file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileSum {
-    pub name: String,
+    /// The file's name, byte for byte.
+    pub name: OsString,
     pub size: u64,
     pub sha256: String,
     /// Tensors in file order with their hashes.
@@ -45,7 +49,11 @@ fn hex(d: &[u8]) -> String {
 
 /// Hashes `path` whole and each range of `tensors` (sorted by offset, not overlapping), in one
 /// sequential read.
-pub fn hash_file(path: &Path, name: &str, mut tensors: Vec<TensorRange>) -> Result<FileSum> {
+pub fn hash_file(
+    path: &Path,
+    name: impl AsRef<OsStr>,
+    mut tensors: Vec<TensorRange>,
+) -> Result<FileSum> {
     let f = File::open(path).map_err(|e| Error::io(path, e))?;
     let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
     tensors.sort_by_key(|t| t.offset);
@@ -101,7 +109,7 @@ pub fn hash_file(path: &Path, name: &str, mut tensors: Vec<TensorRange>) -> Resu
         sums.push((t.clone(), hex(&Sha256::digest([]))));
     }
     Ok(FileSum {
-        name: name.into(),
+        name: name.as_ref().to_os_string(),
         size,
         sha256: hex(&whole.finalize()),
         tensors: sums,
@@ -118,31 +126,38 @@ pub fn hash_bytes(name: &str, bytes: &[u8]) -> FileSum {
     }
 }
 
-/// `SHA256SUMS`: `HASH  NAME` per file, as GNU `sha256sum` writes it: a name holding a
-/// backslash, newline or carriage return is written with those as `\\`, `\n`, `\r` and the
-/// line starts with a backslash, so that `sha256sum -c` reads every name back.
-pub fn sums_text(files: &[FileSum]) -> String {
-    files
-        .iter()
-        .map(|f| {
-            if !f.name.contains(['\\', '\n', '\r']) {
-                return format!("{}  {}\n", f.sha256, f.name);
+/// `SHA256SUMS`: `HASH  NAME` per file, as GNU `sha256sum` writes it: names byte for byte,
+/// except that a name holding a backslash, newline or carriage return is written with those as
+/// `\\`, `\n`, `\r` and the line starts with a backslash, so that `sha256sum -c` reads every
+/// name back.
+pub fn sums_text(files: &[FileSum]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for f in files {
+        let name = f.name.as_bytes();
+        if name.iter().any(|b| matches!(b, b'\\' | b'\n' | b'\r')) {
+            out.push(b'\\');
+        }
+        out.extend_from_slice(f.sha256.as_bytes());
+        out.extend_from_slice(b"  ");
+        for &b in name {
+            match b {
+                b'\\' => out.extend_from_slice(b"\\\\"),
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                b => out.push(b),
             }
-            let name = f
-                .name
-                .replace('\\', "\\\\")
-                .replace('\n', "\\n")
-                .replace('\r', "\\r");
-            format!("\\{}  {name}\n", f.sha256)
-        })
-        .collect()
+        }
+        out.push(b'\n');
+    }
+    out
 }
 
 /// The (name, hash) entries of a `SHA256SUMS` file, escaped names decoded; an error names the
 /// first line that is not `HASH  NAME` (or `HASH *NAME`).
-fn parse_sums(path: &Path, text: &str) -> Result<Vec<(String, String)>> {
+fn parse_sums(path: &Path, text: &[u8]) -> Result<Vec<(OsString, String)>> {
     let mut entries = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    let text = text.strip_suffix(b"\n").unwrap_or(text);
+    for (i, line) in text.split(|&b| b == b'\n').enumerate() {
         let bad = |what: &str| {
             Error::Other(format!(
                 "{}: line {} is not `HASH  NAME` ({what})",
@@ -150,41 +165,42 @@ fn parse_sums(path: &Path, text: &str) -> Result<Vec<(String, String)>> {
                 i + 1
             ))
         };
-        let (escaped, line) = match line.strip_prefix('\\') {
+        let (escaped, line) = match line.strip_prefix(b"\\") {
             Some(rest) => (true, rest),
             None => (false, line),
         };
         let (hash, name) = line.split_at_checked(64).ok_or_else(|| bad("too short"))?;
-        if !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if !hash.iter().all(u8::is_ascii_hexdigit) {
             return Err(bad("the hash is not 64 hex digits"));
         }
         let name = name
-            .strip_prefix("  ")
-            .or_else(|| name.strip_prefix(" *"))
+            .strip_prefix(b"  ")
+            .or_else(|| name.strip_prefix(b" *"))
             .ok_or_else(|| bad("no two-space separator"))?;
         let name = if escaped {
             unescape_sums_name(name).ok_or_else(|| bad("a bad escape in the name"))?
         } else {
-            name.to_string()
+            name.to_vec()
         };
-        entries.push((name, hash.to_ascii_lowercase()));
+        let hash = String::from_utf8_lossy(hash).to_ascii_lowercase();
+        entries.push((OsString::from_vec(name), hash));
     }
     Ok(entries)
 }
 
 /// Decodes a `SHA256SUMS` name written with `\\`, `\n` and `\r` escapes.
-fn unescape_sums_name(name: &str) -> Option<String> {
-    let mut out = String::with_capacity(name.len());
-    let mut chars = name.chars();
-    while let Some(c) = chars.next() {
-        out.push(match c {
-            '\\' => match chars.next()? {
-                '\\' => '\\',
-                'n' => '\n',
-                'r' => '\r',
+fn unescape_sums_name(name: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(name.len());
+    let mut bytes = name.iter();
+    while let Some(&b) = bytes.next() {
+        out.push(match b {
+            b'\\' => match bytes.next()? {
+                b'\\' => b'\\',
+                b'n' => b'\n',
+                b'r' => b'\r',
                 _ => return None,
             },
-            c => c,
+            b => b,
         });
     }
     Some(out)
@@ -195,7 +211,7 @@ pub fn manifest_json(files: &[FileSum]) -> Value {
         "tftf_manifest": MANIFEST_VERSION,
         "tftf_version": env!("CARGO_PKG_VERSION"),
         "files": files.iter().map(|f| json!({
-            "name": f.name,
+            "name": name_json(&f.name),
             "size": f.size,
             "sha256": f.sha256,
             "tensors": tensors_json(&f.tensors),
@@ -239,10 +255,7 @@ fn parse_manifest(path: &Path, v: &Value) -> Result<Vec<FileSum>> {
                     Ok((range, h.to_string()))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let name = s("name")?;
-            if name.contains('/') || name == ".." || name.is_empty() {
-                return Err(bad("a file name with a path"));
-            }
+            let name = name_from_json(&f["name"]).ok_or_else(|| bad("a file name with a path"))?;
             Ok(FileSum {
                 name,
                 size: f["size"].as_u64().ok_or_else(|| bad("size"))?,
@@ -272,11 +285,7 @@ pub fn verify(dir: &Path) -> Result<Verified> {
     }
     let spath = dir.join(SUMS_NAME);
     let sums = match std::fs::read(&spath) {
-        Ok(b) => {
-            let text = String::from_utf8(b)
-                .map_err(|_| Error::Other(format!("{}: not UTF-8 text", spath.display())))?;
-            parse_sums(&spath, &text)?
-        }
+        Ok(b) => parse_sums(&spath, &b)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             out.problems.push(format!(
                 "{SUMS_NAME}: missing (--checksums writes it beside {MANIFEST_NAME})"
@@ -286,10 +295,10 @@ pub fn verify(dir: &Path) -> Result<Verified> {
         Err(e) => return Err(Error::io(&spath, e)),
     };
     compare_sums(dir, &want, &sums, &mut out)?;
-    let listed: Vec<&str> = want
+    let listed: Vec<&OsStr> = want
         .iter()
-        .map(|w| w.name.as_str())
-        .chain(sums.iter().map(|(n, _)| n.as_str()))
+        .map(|w| w.name.as_os_str())
+        .chain(sums.iter().map(|(n, _)| n.as_os_str()))
         .collect();
     for name in super::unlisted_data_files(dir, &listed)? {
         out.problems.push(format!(
@@ -316,7 +325,7 @@ fn read_manifest(dir: &Path) -> Result<Vec<FileSum>> {
 
 /// Re-hashes the manifest's file `w` and records what differs.
 fn check_file(dir: &Path, w: &FileSum, out: &mut Verified) -> Result<()> {
-    let shown = crate::escape::name(&w.name);
+    let shown = crate::escape::bytes(w.name.as_bytes());
     let path = dir.join(&w.name);
     let size = match std::fs::metadata(&path) {
         Ok(m) => m.len(),
@@ -362,11 +371,11 @@ fn check_file(dir: &Path, w: &FileSum, out: &mut Verified) -> Result<()> {
 fn compare_sums(
     dir: &Path,
     want: &[FileSum],
-    sums: &[(String, String)],
+    sums: &[(OsString, String)],
     out: &mut Verified,
 ) -> Result<()> {
     for (name, hash) in sums {
-        let shown = crate::escape::name(name);
+        let shown = crate::escape::bytes(name.as_bytes());
         if let Some(w) = want.iter().find(|w| &w.name == name) {
             if &w.sha256 != hash {
                 out.problems.push(format!(
@@ -395,7 +404,7 @@ fn compare_sums(
         if !sums.iter().any(|(n, _)| n == &w.name) {
             out.problems.push(format!(
                 "{}: in {MANIFEST_NAME} but not in {SUMS_NAME}",
-                crate::escape::name(&w.name)
+                crate::escape::bytes(w.name.as_bytes())
             ));
         }
     }

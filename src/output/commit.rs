@@ -14,12 +14,15 @@
 //! Dropping an uncommitted `OutputSet` (an error, a panic unwinding, Ctrl-C) removes every
 //! temporary, then the directories this run created for the output, where empty.
 
+use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
 use super::lock::OutputLock;
+use super::names::{name_from_json, name_json};
 use crate::error::{Error, Result};
 
 pub use crate::format::checkpoint::JOURNAL_NAME;
@@ -36,6 +39,14 @@ pub fn temp_name(name: &str) -> String {
     format!(".{name}.tftf-{}.tmp", std::process::id())
 }
 
+/// [`temp_name`] of a name that may not be UTF-8, byte for byte.
+pub(crate) fn temp_os_name(name: &OsStr) -> OsString {
+    let mut b = vec![b'.'];
+    b.extend_from_slice(name.as_bytes());
+    b.extend_from_slice(format!(".tftf-{}.tmp", std::process::id()).as_bytes());
+    OsString::from_vec(b)
+}
+
 /// The final name of a tftf temporary (`.NAME.tftf-PID.tmp` → `NAME`).
 pub fn temp_final_name(tmp: &str) -> Option<&str> {
     if !is_temp_name(tmp) {
@@ -47,13 +58,22 @@ pub fn temp_final_name(tmp: &str) -> Option<&str> {
 
 /// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
 pub fn is_temp_name(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+    is_temp_bytes(name.as_bytes())
+}
+
+/// [`is_temp_name`] of a name as bytes (NAME need not be UTF-8).
+fn is_temp_bytes(name: &[u8]) -> bool {
+    let Some(rest) = name
+        .strip_prefix(b".")
+        .and_then(|n| n.strip_suffix(b".tmp"))
+    else {
         return false;
     };
-    match rest.rfind(".tftf-") {
+    let marker = b".tftf-";
+    match rest.windows(marker.len()).rposition(|w| w == marker) {
         Some(at) => {
-            let pid = &rest[at + 6..];
-            at > 0 && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+            let pid = &rest[at + marker.len()..];
+            at > 0 && !pid.is_empty() && pid.iter().all(u8::is_ascii_digit)
         }
         None => false,
     }
@@ -64,7 +84,7 @@ pub struct OutputSet {
     /// Directories this run created for the output, deepest first.
     created_dirs: Vec<PathBuf>,
     /// (temporary path, final name), in the order added.
-    files: Vec<(PathBuf, String)>,
+    files: Vec<(PathBuf, OsString)>,
     committed: bool,
     lock: Option<OutputLock>,
     /// A directory in `dir` the commit removes after its renames and deletions.
@@ -95,21 +115,22 @@ impl OutputSet {
     }
 
     /// Opens a new temporary file that becomes `name` on commit.
-    pub fn add(&mut self, name: &str) -> Result<(File, PathBuf)> {
-        let tmp = self.dir.join(temp_name(name));
+    pub fn add(&mut self, name: impl AsRef<OsStr>) -> Result<(File, PathBuf)> {
+        let name = name.as_ref();
+        let tmp = self.dir.join(temp_os_name(name));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(&tmp)
             .map_err(|e| Error::io(&tmp, e))?;
-        self.files.push((tmp.clone(), name.to_string()));
+        self.files.push((tmp.clone(), name.to_os_string()));
         crash_point("tmp");
         Ok((file, tmp))
     }
 
     /// Writes a whole small file (index, config).
-    pub fn add_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+    pub fn add_bytes(&mut self, name: impl AsRef<OsStr>, bytes: &[u8]) -> Result<()> {
         let (file, tmp) = self.add(name)?;
         use std::io::Write;
         let mut w = std::io::BufWriter::new(file);
@@ -121,8 +142,8 @@ impl OutputSet {
     }
 
     /// Copies a side file: shared with the input where the filesystem can, else copied in the
-    /// kernel.
-    pub fn add_copy(&mut self, name: &str, src: &Path) -> Result<()> {
+    /// kernel. `name` is taken byte for byte.
+    pub fn add_copy(&mut self, name: impl AsRef<OsStr>, src: &Path) -> Result<()> {
         let (dst, tmp) = self.add(name)?;
         let from = File::open(src).map_err(|e| Error::io(src, e))?;
         if crate::sys::clone_file(&from, &dst).is_err() {
@@ -142,13 +163,20 @@ impl OutputSet {
         }
         // Loaders find a checkpoint through its index: it appears only after its shards.
         self.files
-            .sort_by_key(|(_, name)| name.ends_with(".index.json"));
+            .sort_by_key(|(_, name)| name.as_bytes().ends_with(b".index.json"));
         let journal = Journal {
             pid: std::process::id(),
             renames: self
                 .files
                 .iter()
-                .map(|(tmp, name)| (file_name(tmp), name.clone()))
+                .map(|(tmp, name)| {
+                    (
+                        tmp.file_name()
+                            .expect("temporaries have names")
+                            .to_os_string(),
+                        name.clone(),
+                    )
+                })
                 .collect(),
             deletes: delete.to_vec(),
             retire: self.retire.clone(),
@@ -180,18 +208,11 @@ impl Drop for OutputSet {
     }
 }
 
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .expect("temporaries have names")
-        .to_string_lossy()
-        .into_owned()
-}
-
 /// The renames and deletions a commit makes, written down before it makes them.
 struct Journal {
     pid: u32,
-    /// (temporary name, final name)
-    renames: Vec<(String, String)>,
+    /// (temporary name, final name), as bytes.
+    renames: Vec<(OsString, OsString)>,
     deletes: Vec<String>,
     /// A hidden directory removed last ([`OutputSet::retire_after_commit`]).
     retire: Option<String>,
@@ -202,7 +223,7 @@ impl Journal {
         let value = json!({
             "tftf_commit": 1,
             "pid": self.pid,
-            "renames": self.renames,
+            "renames": self.renames.iter().map(|(t, f)| [name_json(t), name_json(f)]).collect::<Vec<_>>(),
             "deletes": self.deletes,
             "retire": self.retire,
         });
@@ -247,15 +268,18 @@ impl Journal {
                 _ => Err(bad("an entry is not a file name in this directory")),
             }
         };
+        let plain_os = |n: &Value| {
+            name_from_json(n).ok_or_else(|| bad("an entry is not a file name in this directory"))
+        };
         let mut renames = Vec::new();
         for pair in names("renames")? {
             match pair.as_array().map(Vec::as_slice) {
                 Some([tmp, fin]) => {
-                    let tmp = plain(tmp)?;
-                    if !is_temp_name(&tmp) {
+                    let tmp = plain_os(tmp)?;
+                    if !is_temp_bytes(tmp.as_bytes()) {
                         return Err(bad("a rename source is not a tftf temporary"));
                     }
-                    renames.push((tmp, plain(fin)?));
+                    renames.push((tmp, plain_os(fin)?));
                 }
                 _ => return Err(bad("a rename is not a pair")),
             }
@@ -389,19 +413,41 @@ pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
     )))
 }
 
-/// tftf temporaries in `dir` (names, sorted). With the directory's lock held they are orphans
-/// of killed runs.
+/// tftf temporaries in `dir` (names, sorted, as they are printed). With the directory's lock
+/// held they are orphans of killed runs.
 pub fn temporaries(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| is_temp_name(n))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut v: Vec<String> = raw_temporaries(dir)
+        .iter()
+        .map(|n| crate::escape::bytes(n.as_bytes()).into_owned())
+        .collect();
     v.sort();
     v
+}
+
+fn raw_temporaries(dir: &Path) -> Vec<OsString> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| is_temp_bytes(n.as_bytes()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes the tftf temporaries in `dir` (call with its lock held: they are orphans of killed
+/// runs); returns their names as printed, sorted.
+pub fn remove_temporaries(dir: &Path) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for name in raw_temporaries(dir) {
+        let p = dir.join(&name);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&p, e)),
+            _ => removed.push(crate::escape::bytes(name.as_bytes()).into_owned()),
+        }
+    }
+    removed.sort();
+    Ok(removed)
 }
 
 /// Test hooks: `TFTF_TEST_CRASH_AT=POINT[:N]` kills the process with SIGKILL (no destructors,

@@ -25,7 +25,10 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
-use commit::{finish_interrupted_commit, is_temp_name, remove_dirs, temporaries, JOURNAL_NAME};
+use commit::{
+    finish_interrupted_commit, is_temp_name, remove_dirs, remove_temporaries, temporaries,
+    JOURNAL_NAME,
+};
 use lock::{OutputLock, LOCK_FILE_NAME};
 use names::is_model_file_name;
 pub use names::INDEX_NAME;
@@ -329,11 +332,7 @@ impl<'a> OutputTarget<'a> {
         if let Some(note) = finish_interrupted_commit(&self.dir)? {
             notes.push(note);
         }
-        let orphans = temporaries(&self.dir);
-        for name in &orphans {
-            let p = self.dir.join(name);
-            std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-        }
+        let orphans = remove_temporaries(&self.dir)?;
         if !orphans.is_empty() {
             notes.push(format!(
                 "removed {} temporary file(s) left by a killed run: {}",
@@ -537,10 +536,17 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     Ok(notes)
 }
 
-/// Names (as bytes) of the data files in `dir` that `listed` does not hold: weights of any
-/// format, indexes and adapter files, and the files the index lists, hidden files aside.
-pub(crate) fn unlisted_data_files(dir: &Path, listed: &[&str]) -> Result<Vec<Vec<u8>>> {
-    use std::os::unix::ffi::OsStrExt;
+/// Names (as bytes) of the data files in `dir` that `listed` (an output's checksummed files)
+/// does not hold. A safetensors checkpoint directory is the output's own: there every weight
+/// file of any format, index, adapter file and file the index lists counts. GGUF files sit
+/// among other files: there only the split files of a listed split GGUF (`STEM-NNNNN-of-
+/// MMMMM.gguf`, the same stem and count) count. Hidden files never do.
+pub(crate) fn unlisted_data_files(dir: &Path, listed: &[&std::ffi::OsStr]) -> Result<Vec<Vec<u8>>> {
+    let listed_str: Vec<&str> = listed.iter().filter_map(|n| n.to_str()).collect();
+    let checkpoint_dir = listed_str
+        .iter()
+        .any(|n| n.ends_with(".safetensors") || *n == INDEX_NAME);
+    let splits: Vec<(&str, &str)> = listed_str.iter().filter_map(|n| gguf_split(n)).collect();
     let indexed = old_index_shards(&dir.join(INDEX_NAME));
     let mut v = Vec::new();
     for e in std::fs::read_dir(dir)
@@ -548,15 +554,25 @@ pub(crate) fn unlisted_data_files(dir: &Path, listed: &[&str]) -> Result<Vec<Vec
         .flatten()
     {
         let raw = e.file_name();
-        let lossy = raw.to_string_lossy();
-        let data = !is_side_file(&lossy) || indexed.iter().any(|i| *i == lossy);
-        let unlisted = raw.to_str().is_none_or(|n| !listed.contains(&n));
-        if data && unlisted && !lossy.starts_with('.') && !e.path().is_dir() {
-            v.push(raw.as_bytes().to_vec());
+        let name = raw.to_string_lossy();
+        let data = (checkpoint_dir && (!is_side_file(&name) || indexed.iter().any(|i| *i == name)))
+            || gguf_split(&name).is_some_and(|k| splits.contains(&k));
+        let unlisted = !listed.contains(&raw.as_os_str());
+        if data && unlisted && !name.starts_with('.') && !e.path().is_dir() {
+            v.push(std::os::unix::ffi::OsStrExt::as_bytes(raw.as_os_str()).to_vec());
         }
     }
     v.sort();
     Ok(v)
+}
+
+/// (stem, count) of a split GGUF file name `STEM-NNNNN-of-MMMMM.gguf`.
+fn gguf_split(name: &str) -> Option<(&str, &str)> {
+    let rest = name.strip_suffix(".gguf")?;
+    let (head, count) = rest.rsplit_once("-of-")?;
+    let (stem, index) = head.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(index) && digits(count)).then_some((stem, count))
 }
 
 /// Shard names an existing index lists (plain names only).

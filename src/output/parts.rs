@@ -35,10 +35,10 @@ use super::checksum::{
     MANIFEST_NAME, SUMS_NAME,
 };
 use super::commit::{
-    finish_interrupted_commit, interrupted_commit_retires, temp_name, temporaries, OutputSet,
+    finish_interrupted_commit, interrupted_commit_retires, remove_temporaries, temp_name, OutputSet,
 };
 use super::lock::OutputLock;
-use super::names::{is_model_file_name, INDEX_NAME};
+use super::names::{is_model_file_name, name_from_json, name_json, INDEX_NAME};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::plan::{Plan, Recipe};
@@ -606,7 +606,8 @@ pub struct PartRecord {
     /// (layout index, file name) of the shards assigned to this part.
     pub assigned: Vec<(usize, String)>,
     /// Side files (part 1 stages them); the same list in every part.
-    pub side_files: Vec<String>,
+    /// Their names byte for byte.
+    pub side_files: Vec<std::ffi::OsString>,
     pub complete: bool,
 }
 
@@ -621,7 +622,7 @@ impl PartRecord {
             "shards_total": self.shards_total,
             "safetensors": self.safetensors,
             "assigned": self.assigned.iter().map(|(i, n)| json!({"index": i, "name": n})).collect::<Vec<_>>(),
-            "side_files": self.side_files,
+            "side_files": self.side_files.iter().map(|n| name_json(n)).collect::<Vec<_>>(),
             "complete": self.complete,
         });
         let mut text = serde_json::to_string_pretty(&v).expect("JSON value");
@@ -664,10 +665,7 @@ impl PartRecord {
             .as_array()
             .ok_or_else(|| bad("no `side_files`"))?
             .iter()
-            .map(|s| match s.as_str() {
-                Some(n) if plain_name(n) => Ok(n.to_string()),
-                _ => Err(bad("a side file name with a path")),
-            })
+            .map(|n| name_from_json(n).ok_or_else(|| bad("a side file name with a path")))
             .collect::<Result<Vec<_>>>()?;
         Ok(PartRecord {
             part: PartSpec { k, n },
@@ -784,7 +782,7 @@ impl ShardRecord {
 
     pub fn file_sum(&self) -> Option<FileSum> {
         Some(FileSum {
-            name: self.name.clone(),
+            name: self.name.clone().into(),
             size: self.size,
             sha256: self.sha256.clone()?,
             tensors: self
@@ -939,11 +937,7 @@ pub fn recover_unfinished(dir: &Path) -> Result<Vec<String>> {
         )));
     }
     let mut notes: Vec<String> = lease.note.iter().cloned().collect();
-    let orphans = temporaries(dir);
-    for t in &orphans {
-        let p = dir.join(t);
-        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-    }
+    let orphans = remove_temporaries(dir)?;
     if !orphans.is_empty() {
         notes.push(format!(
             "removed {} temporary file(s) left by killed jobs of the partitioned run",
@@ -1054,10 +1048,7 @@ fn finalize_locked(
     };
     let mut out = OutputSet::new(dir.to_path_buf(), Vec::new(), OutputLock::acquire(dir)?);
     finish_interrupted_commit(dir)?;
-    for t in temporaries(dir) {
-        let p = dir.join(&t);
-        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-    }
+    remove_temporaries(dir)?;
     let written = add_finished_files(&mut out, dir, &first, &shard_records, &side_dir)?;
     // The records go last, in the journalled commit: a kill before the journal leaves them
     // for finalize to run again; one after it, a journal that recover or finalize finishes.
@@ -1161,8 +1152,9 @@ fn check_side_files_staged(side_dir: &Path, first: &PartRecord) -> Result<()> {
     for s in &first.side_files {
         if !side_dir.join(s).is_file() {
             return Err(Error::Other(format!(
-                "{}: side file {s} was not staged by part 1/{}; rerun part 1 with --resume",
+                "{}: side file {} was not staged by part 1/{}; rerun part 1 with --resume",
                 side_dir.display(),
+                crate::escape::path(Path::new(s)),
                 first.part.n
             )));
         }
@@ -1182,7 +1174,13 @@ fn foreign_model_files(
         .iter()
         .flatten()
         .cloned()
-        .chain(first.side_files.iter().cloned())
+        .chain(
+            first
+                .side_files
+                .iter()
+                .filter_map(|n| n.to_str())
+                .map(String::from),
+        )
         .chain([
             INDEX_NAME.to_string(),
             SUMS_NAME.to_string(),
@@ -1250,10 +1248,10 @@ fn add_finished_files(
             sums.push(hash_file(&staged, s, Vec::new())?);
         }
         out.add_copy(s, &staged)?;
-        written.push(s.clone());
+        written.push(crate::escape::path(Path::new(s)).to_string());
     }
     if first.checksums {
-        out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
+        out.add_bytes(SUMS_NAME, &sums_text(&sums))?;
         let mut manifest =
             serde_json::to_string_pretty(&manifest_json(&sums)).expect("JSON object");
         manifest.push('\n');
