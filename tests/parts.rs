@@ -164,6 +164,16 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         assert_eq!(o.status.code(), None, "killed by a signal");
         let e = fails(&["finalize", s(&out)]);
         assert!(e.contains("part 2/2 has not finished"), "{e}");
+        // recover keeps what the parts did and says what is left to do.
+        let o = tftf_ok(&["recover", s(&out)]);
+        assert_mentions(
+            &stdout(&o),
+            &[
+                "not finalized: part 2/2 has not finished (killed? rerun it with --resume)",
+                "when every part is done, run `tftf finalize",
+            ],
+        );
+        assert!(out.join(".tftf-parts/part-00002-of-00002.json").exists());
         let extra: &[&str] = if resume {
             &["--part", "2/2", "--resume"]
         } else {

@@ -944,12 +944,12 @@ pub fn recover_unfinished(dir: &Path) -> Result<Vec<String>> {
             orphans.len()
         ));
     }
-    let next = match done_parts(dir)? {
-        Ok(_) => "every part is done".to_string(),
-        Err(why) => format!("{why}; rerun the unfinished parts with --resume"),
+    let state = match done_parts(dir)? {
+        Ok(_) => "every part is done; run".to_string(),
+        Err(why) => format!("{why}; when every part is done, run"),
     };
     notes.push(format!(
-        "the partitioned run is not finalized: {next}, then run `tftf finalize {}`",
+        "the partitioned run is not finalized: {state} `tftf finalize {}`",
         dir.display()
     ));
     Ok(notes)
