@@ -10,8 +10,10 @@
 //! holds the run's fingerprint and the shards assigned to it, and says `complete` at the end.
 //! Part 1 also stages the side files (the edited config, tokenizer…) in `.tftf-parts/side/`.
 //! No part writes the index: until finalize writes it, the directory is not a loadable
-//! multi-shard checkpoint. Finalize checks every part's record against the others, writes the
-//! index, side files and checksums through the journalled commit, then removes `.tftf-parts`.
+//! multi-shard checkpoint. Finalize checks every part's record against the others and writes
+//! the index, side files and checksums through the journalled commit, whose last step removes
+//! `.tftf-parts`: a kill at any instant leaves either the records (finalize runs again) or a
+//! journal that `recover`, `finalize` or the next run rolls forward.
 //!
 //! Locks are lease files created with `O_EXCL` (atomic on local filesystems and on NFS v3+,
 //! Lustre and GPFS), not `flock`, which network filesystems do not all honour. A holder
