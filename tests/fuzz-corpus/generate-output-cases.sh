@@ -10,8 +10,9 @@ args="--max-shard-size 200 --dtype f32 -q"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp "$src"/* "$tmp/"
-# A side file whose name SHA256SUMS must escape.
+# Side files whose names SHA256SUMS must escape, and one that is not UTF-8 (Latin-1 é).
 printf 'odd name\n' > "$tmp/back\\slash.txt"
+printf 'latin-1\n' > "$tmp/$(printf 'tok\351n.txt')"
 rm -rf "$corpus/checksums" "$corpus/parts-unfinalized" "$corpus/finalize-killed"
 # shellcheck disable=SC2086
 "$tftf" passthrough -i "$tmp" -o "$corpus/checksums/model" $args --checksums
