@@ -19,53 +19,27 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-TFTF_HD u32 f2u(float x) {
+// Bit casts and a leading-zero count: intrinsics on the device, memcpy (which compilers turn
+// into register moves) on the host.
 #ifdef __CUDA_ARCH__
-    return __float_as_uint(x);
+TFTF_HD u32 f2u(float x) { return __float_as_uint(x); }
+TFTF_HD float u2f(u32 u) { return __uint_as_float(u); }
+TFTF_HD u64 d2u(double x) { return (u64)__double_as_longlong(x); }
+TFTF_HD double u2d(u64 u) { return __longlong_as_double((long long)u); }
+TFTF_HD int clz64(u64 x) { return __clzll((long long)x); }
 #else
-    u32 u;
-    __builtin_memcpy(&u, &x, 4);
-    return u;
-#endif
+template <typename To, typename From>
+TFTF_HD To tftf_bit_cast(From x) {
+    To t;
+    __builtin_memcpy(&t, &x, sizeof(To));
+    return t;
 }
-
-TFTF_HD float u2f(u32 u) {
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(u);
-#else
-    float x;
-    __builtin_memcpy(&x, &u, 4);
-    return x;
+TFTF_HD u32 f2u(float x) { return tftf_bit_cast<u32>(x); }
+TFTF_HD float u2f(u32 u) { return tftf_bit_cast<float>(u); }
+TFTF_HD u64 d2u(double x) { return tftf_bit_cast<u64>(x); }
+TFTF_HD double u2d(u64 u) { return tftf_bit_cast<double>(u); }
+TFTF_HD int clz64(u64 x) { return __builtin_clzll(x); }
 #endif
-}
-
-TFTF_HD u64 d2u(double x) {
-#ifdef __CUDA_ARCH__
-    return (u64)__double_as_longlong(x);
-#else
-    u64 u;
-    __builtin_memcpy(&u, &x, 8);
-    return u;
-#endif
-}
-
-TFTF_HD double u2d(u64 u) {
-#ifdef __CUDA_ARCH__
-    return __longlong_as_double((long long)u);
-#else
-    double x;
-    __builtin_memcpy(&x, &u, 8);
-    return x;
-#endif
-}
-
-TFTF_HD int clz64(u64 x) {
-#ifdef __CUDA_ARCH__
-    return __clzll((long long)x);
-#else
-    return __builtin_clzll(x);
-#endif
-}
 
 TFTF_HD bool is_nan_f32(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 TFTF_HD bool is_finite_f32(float x) { return (f2u(x) & 0x7F800000u) != 0x7F800000u; }

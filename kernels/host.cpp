@@ -1,6 +1,7 @@
 // Host build of the kernels' arithmetic for the test suite (tests/kernels.rs): the same .cuh
 // functions the CUDA kernels call, looped over the same indices, behind a C ABI.
 #include "fp4_dequant.cuh"
+#include "gguf.cuh"
 #include "int.cuh"
 #include "lora.cuh"
 #include "quantize.cuh"
@@ -9,6 +10,10 @@ extern "C" {
 
 void tftf_host_cast(const u8* in, u8* out, u64 n, int src, int dst) {
     for (u64 i = 0; i < n; i++) cast_element(src, dst, in, out, i);
+}
+
+void tftf_host_gguf(const u8* in, const u32* map, u8* out, u64 n, const GgufParams* p) {
+    for (u64 i = 0; i < n; i++) gguf_item(*p, in, map, out, i);
 }
 
 int tftf_host_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,

@@ -319,14 +319,29 @@ TFTF_HD u8 quant_modelopt_int4_code(float x, float s) {
     return (u8)((int)y) & 0x0Fu;
 }
 
+// Where group `g` of a chunk lies: its size, groups per row, its row and index in the row, and
+// its first element.
+struct QuantGroupAt {
+    u64 group, groups, r, k, first;
+};
+
+TFTF_HD QuantGroupAt quant_group_at(const QuantParams& p, u64 g) {
+    QuantGroupAt at;
+    at.group = quant_group(p.scheme);
+    at.groups = p.cols / at.group;
+    at.r = g / at.groups;
+    at.k = g - at.r * at.groups;
+    at.first = at.r * p.cols + at.k * at.group;
+    return at;
+}
+
 // Group `g` of a ModelOpt chunk: its codes and scale as `ModeloptRows` writes them (W4A16: group
 // g of a row pair, both rows). Returns false when the group holds a non-finite value.
 TFTF_HD bool quant_modelopt_group(const QuantParams& p, const u8* in, u8* codes, u8* scales,
                                   u64 g) {
     const int wt = p.wt;
-    const u64 group = quant_group(p.scheme);
-    const u64 groups = p.cols / group;
-    const u64 r = g / groups, k = g - r * groups;
+    const QuantGroupAt at = quant_group_at(p, g);
+    const u64 group = at.group, groups = at.groups, r = at.r, k = at.k;
     if (p.scheme == QS_W4A16) {
         // r is the pair: rows 2r (low nibbles) and 2r + 1 (high nibbles) of packed row r.
         u8* packed = codes + r * p.cols + k * group;
@@ -343,11 +358,10 @@ TFTF_HD bool quant_modelopt_group(const QuantParams& p, const u8* in, u8* codes,
         }
         return true;
     }
-    const u64 first = r * p.cols + k * group;
+    const u64 first = at.first;
     float m;
     if (!quant_amax(wt, in, first, group, &m)) return false;
-    const u64 cb = quant_row_code_bytes(p);
-    u8* row_codes = codes + r * cb;
+    u8* row_codes = codes + r * quant_row_code_bytes(p);
     switch (p.scheme) {
         case QS_NVFP4: {
             float s2 = p.global;
@@ -395,10 +409,8 @@ TFTF_HD bool quant_group_encode(const QuantParams& p, const u8* in, u8* codes, u
                                 u64 g) {
     if (quant_modelopt(p)) return quant_modelopt_group(p, in, codes, scales, g);
     const int wt = p.wt;
-    const u64 group = quant_group(p.scheme);
-    const u64 groups = p.cols / group;
-    const u64 r = g / groups, k = g - r * groups;
-    const u64 first = r * p.cols + k * group;
+    const QuantGroupAt at = quant_group_at(p, g);
+    const u64 group = at.group, groups = at.groups, r = at.r, k = at.k, first = at.first;
     float m;
     if (!quant_amax(wt, in, first, group, &m)) return false;
     const u64 cb = quant_row_code_bytes(p);

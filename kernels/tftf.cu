@@ -4,6 +4,7 @@
 // memory-bound, so there is no shared-memory tiling; a kernel that meets a value its op refuses
 // raises `bad` and the host lets the CPU op produce the error message.
 #include "fp4_dequant.cuh"
+#include "gguf.cuh"
 #include "int.cuh"
 #include "lora.cuh"
 #include "quantize.cuh"
@@ -14,6 +15,11 @@
 
 extern "C" __global__ void tftf_cast(const u8* in, u8* out, u64 n, int src, int dst) {
     GRID_STRIDE(i, n) { cast_element(src, dst, in, out, i); }
+}
+
+// GGUF encodings: one thread per output element, or per Q8_0 block.
+extern "C" __global__ void tftf_gguf(const u8* in, const u32* map, u8* out, u64 n, GgufParams p) {
+    GRID_STRIDE(i, n) { gguf_item(p, in, map, out, i); }
 }
 
 extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,

@@ -274,7 +274,8 @@ pub struct Fp8Args {
     /// Decode FP8 weights that have no scale as plain casts instead of failing
     #[arg(long)]
     pub allow_unscaled_fp8: bool,
-    /// Keep NaN/Inf FP8 codes (as NaN) instead of failing
+    /// Keep NaN/Inf FP8 codes (as NaN) instead of failing (with --merge-lora: merge adapter
+    /// tensors holding NaN/Inf too)
     #[arg(long)]
     pub allow_nonfinite: bool,
     /// Keep the KV-cache scales (`k_scale`, `v_scale`) and quantization_config's
@@ -438,6 +439,9 @@ pub struct MergeOutputArgs {
     /// Cast float tensors (the merged ones included) to bf16, f16 or f32
     #[arg(long, value_name = "DTYPE", conflicts_with = "requant")]
     pub dtype: Option<String>,
+    /// Merge adapter tensors that hold NaN or infinity instead of failing
+    #[arg(long)]
+    pub allow_nonfinite: bool,
 }
 
 #[derive(Args, Debug)]
@@ -547,7 +551,7 @@ Pipe sections, applied in the order written; options after a section flag belong
   --dequant-fp8 [[--dtype] DTYPE] [--block-size R[xC]] [--scale-mode M]
                 [--allow-unscaled-fp8] [--allow-nonfinite]
   --merge-lora  [--adapter] PATH [--adapter-config FILE] [--adapter-name NAME] [--scale F]
-                [--rank R --lora-alpha A] [--allow-unmatched]
+                [--rank R --lora-alpha A] [--allow-unmatched] [--allow-nonfinite]
   --repack-fp4  [--experts M] [--engram M] [--only-shards N] [--shard-list A,B]
                 [--require-lossless] [--expert-pattern RE] [--engram-pattern RE]
                 [--no-config-update]
@@ -635,6 +639,9 @@ pub struct MergeSection {
     pub lora: AdapterOpts,
     #[command(flatten)]
     pub requant_args: RequantArgs,
+    /// Merge adapter tensors that hold NaN or infinity instead of failing
+    #[arg(long)]
+    pub allow_nonfinite: bool,
 }
 
 /// `run --repack-fp4`.

@@ -39,6 +39,7 @@ pub mod escape;
 pub mod format;
 pub mod gpu;
 pub mod job;
+pub mod lcg;
 pub mod ops;
 pub mod output;
 pub mod pipeline;

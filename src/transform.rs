@@ -100,10 +100,22 @@ impl Rename {
     pub fn new(pattern: &str, replacement: &str) -> Result<Rename> {
         let regex = Regex::new(pattern)
             .map_err(|e| Error::Usage(format!("invalid --rename regex `{pattern}`: {e}")))?;
+        let rust_replacement = python_replacement(replacement).ok_or_else(|| {
+            Error::Usage(format!(
+                "rename replacement `{replacement}` has `\\g<` without a closing `>`"
+            ))
+        })?;
+        if let Some(group) = missing_group(&regex, &rust_replacement) {
+            return Err(Error::Usage(format!(
+                "rename replacement `{replacement}` refers to group `{group}`, which regex \
+                 `{pattern}` does not have ({}); Python's re.sub refuses it too",
+                groups_of(&regex)
+            )));
+        }
         Ok(Rename {
             pattern: pattern.into(),
             replacement: replacement.into(),
-            rust_replacement: python_replacement(replacement),
+            rust_replacement,
             regex,
         })
     }
@@ -116,7 +128,60 @@ impl Rename {
     }
 }
 
-fn python_replacement(repl: &str) -> String {
+/// The first group `replacement` (in the regex crate's `$N`, `$name`, `${name}` syntax, `$$`
+/// a literal `$`) refers to that `regex` lacks. The regex crate would expand it to nothing,
+/// rewriting every name silently (`model.layers.0.w` → `.layers.0.w`).
+fn missing_group(regex: &Regex, replacement: &str) -> Option<String> {
+    let is_name = |c: char| c == '_' || c.is_ascii_alphanumeric();
+    let mut rest = replacement;
+    while let Some(at) = rest.find('$') {
+        rest = &rest[at + 1..];
+        let name = if let Some(after) = rest.strip_prefix('$') {
+            rest = after;
+            continue;
+        } else if let Some(braced) = rest.strip_prefix('{') {
+            match braced.find('}') {
+                Some(end) => {
+                    rest = &braced[end + 1..];
+                    &braced[..end]
+                }
+                None => continue,
+            }
+        } else {
+            let end = rest.find(|c| !is_name(c)).unwrap_or(rest.len());
+            let name = &rest[..end];
+            rest = &rest[end..];
+            name
+        };
+        let known = match name.parse::<usize>() {
+            Ok(index) => index < regex.captures_len(),
+            Err(_) => name.is_empty() || regex.capture_names().any(|n| n == Some(name)),
+        };
+        if !known {
+            return Some(name.to_string());
+        }
+    }
+    None
+}
+
+/// `groups 0–2, named head` for the error above.
+fn groups_of(regex: &Regex) -> String {
+    let last = regex.captures_len() - 1;
+    let numbered = if last == 0 {
+        "only group 0, the whole match".to_string()
+    } else {
+        format!("groups 0–{last}")
+    };
+    let names: Vec<&str> = regex.capture_names().flatten().collect();
+    if names.is_empty() {
+        numbered
+    } else {
+        format!("{numbered}, named {}", names.join(", "))
+    }
+}
+
+/// The regex crate's form of a Python replacement; `None` for an unterminated `\g<`.
+fn python_replacement(repl: &str) -> Option<String> {
     let chars: Vec<char> = repl.chars().collect();
     let mut out = String::new();
     let mut i = 0;
@@ -135,12 +200,11 @@ fn python_replacement(repl: &str) -> String {
                 continue;
             }
             if n == 'g' && chars.get(i + 2) == Some(&'<') {
-                if let Some(end) = chars[i + 3..].iter().position(|&ch| ch == '>') {
-                    let group: String = chars[i + 3..i + 3 + end].iter().collect();
-                    out.push_str(&format!("${{{group}}}"));
-                    i += 4 + end;
-                    continue;
-                }
+                let end = chars[i + 3..].iter().position(|&ch| ch == '>')?;
+                let group: String = chars[i + 3..i + 3 + end].iter().collect();
+                out.push_str(&format!("${{{group}}}"));
+                i += 4 + end;
+                continue;
             }
             if n == '\\' {
                 out.push('\\');
@@ -151,7 +215,7 @@ fn python_replacement(repl: &str) -> String {
         out.push(c);
         i += 1;
     }
-    out
+    Some(out)
 }
 
 #[cfg(test)]
@@ -182,5 +246,35 @@ mod tests {
         assert_eq!(r.apply("xa"), "xa1");
         let r = Rename::new("_proj", "").unwrap();
         assert_eq!(r.apply("q_proj.k_proj"), "q.k");
+        let r = Rename::new(r"(?P<n>\d+)", "$$${n}$").unwrap();
+        assert_eq!(r.apply("l7"), "l$7$");
+    }
+
+    /// Issue #24 item 2: a reference to a group the regex lacks is refused, naming the group,
+    /// whatever the syntax; Python's `re.sub` raises for each of these.
+    #[test]
+    fn references_to_missing_groups_are_refused() {
+        for (pattern, replacement, group) in [
+            (r"^model\.", r"\g<prefix>", "prefix"),
+            (r"^(model)\.", r"\2.", "2"),
+            (r"^(?P<head>model)\.", r"\g<hed>.", "hed"),
+            (r"^model\.", "${name}", "name"),
+            (r"^(model)\.", "$1a", "1a"),
+            (r"^model\.", "x$1", "1"),
+        ] {
+            let err = Rename::new(pattern, replacement).unwrap_err();
+            assert_eq!(err.exit_code(), 2);
+            let text = err.to_string();
+            assert!(
+                text.contains(&format!("group `{group}`")) && text.contains(pattern),
+                "{pattern} {replacement}: {text}"
+            );
+        }
+        let text = Rename::new(r"(?P<head>lm)_(x)", r"\g<nope>")
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("groups 0–2, named head"), "{text}");
+        let text = Rename::new("a", r"\g<1").unwrap_err().to_string();
+        assert!(text.contains("without a closing `>`"), "{text}");
     }
 }

@@ -255,6 +255,32 @@ fn rename_collision_names_both_sources_and_writes_nothing() {
     );
 }
 
+/// Issue #24 item 2: a replacement naming a group the regex lacks would rewrite every name
+/// (`model.layers.0.w` → `.layers.0.w`); it is a usage error naming the group, in every syntax
+/// and through `passthrough --rename`, `run --key-rename` and `validate --pipe rename:`.
+#[test]
+fn rename_to_a_group_the_regex_lacks_is_a_usage_error() {
+    let (d, src, _) = tmp_small_model();
+    let out = d.path().join("out");
+    for (extra, group) in [
+        (&["--rename", r"^model\.", r"\g<prefix>."][..], "prefix"),
+        (&["--rename", r"^(model)\.", r"\2."], "2"),
+        (&["--rename", r"^model\.", "${name}."], "name"),
+    ] {
+        let err = usage_error(&cmd("passthrough", &src, &out, extra));
+        assert_refused(&err, &[&format!("group `{group}`"), extra[1]], &out);
+    }
+    let err = usage_error(&cmd(
+        "run",
+        &src,
+        &out,
+        &["--key-rename", r"^(?P<head>model)\.", r"\g<hed>."],
+    ));
+    assert_refused(&err, &["group `hed`", "named head"], &out);
+    let err = usage_error(&["validate", s(&src), "--pipe", r"rename:^model\.=\g<x>"]);
+    assert_mentions(&err, &["group `x`"]);
+}
+
 #[test]
 fn run_applies_sections_in_command_line_order() {
     let (d, src, _) = tmp_small_model();

@@ -223,6 +223,43 @@ fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
     );
 }
 
+/// Issue #24 item 5: FP8 block weights in a checkpoint whose config says NVFP4, MXFP4 or GPTQ
+/// are refused (naming the FP8 tensor and the config), not decoded as if the config said `fp8`.
+#[test]
+fn fp8_weights_the_config_does_not_name_are_refused() {
+    let dir = tmp();
+    let fp8 = "model.layers.0.mlp.extra_proj.weight";
+    // An FP8 weight [4, 8] of `dtype` (finite codes 0..32) with a DeepSeek-V3 scale of 1.
+    let with_fp8 = |case: &str, dtype: DType| {
+        edited_model(case, &dir.path().join(case), |ts| {
+            ts.push(t(fp8, dtype, &[4, 8], (0..32).collect()));
+            let one = 1f32.to_le_bytes().to_vec();
+            ts.push(t(&format!("{fp8}_scale_inv"), DType::F32, &[1, 1], one));
+        })
+    };
+    for (case, method) in [
+        (
+            "ct_nvfp4a16",
+            "quant_method `compressed-tensors` with nvfp4-pack-quantized",
+        ),
+        ("gptq_w4_act_order", "quant_method `gptq`"),
+        ("modelopt_nvfp4", "quant_method `modelopt` with nvfp4"),
+        ("gpt_oss_mxfp4", "quant_method `mxfp4`"),
+    ] {
+        let model = with_fp8(case, DType::F8_E4M3);
+        let err = refused(&model, &dir.path().join(case).join("out"));
+        assert_mentions(
+            &err,
+            &[&format!("`{fp8}`"), "an FP8 (F8_E4M3) tensor", method],
+        );
+    }
+    // Where the config names FP8 (ModelOpt's FP8 blocks), the same kind of weight decodes.
+    let model = with_fp8("modelopt_fp8_pb_wo", DType::F8_E5M2);
+    let out = dir.path().join("out");
+    convert_ok("dequant", &model, &out, &["-q"]);
+    assert_eq!(load_all(&out)[fp8].0, "BF16");
+}
+
 #[test]
 fn a_model_with_nothing_to_decode_is_an_error() {
     let dir = tmp();

@@ -706,3 +706,60 @@ fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_stagin
         assert!(want == got, "{what}: bytes differ from the CPU's");
     }
 }
+
+/// `tftf gguf` on the fake GPU: the Q8_0 blocks and casts of a Llama's permuted Q/K rows and of
+/// a Qwen3-MoE's stacked experts run as `tftf_gguf` and give the CPU's file byte for byte, with
+/// copies and with unified memory.
+#[test]
+fn gguf_encodes_on_the_gpu_with_the_cpus_bytes() {
+    use common::gguf::{gguf_args, GgufCase};
+    let cases = [
+        ("llama", GgufCase::dense(3, "llama3")),
+        ("moe", GgufCase::qwen3_moe(9)),
+    ];
+    for (name, c) in &cases {
+        for outtype in ["q8_0", "f16", "f32"] {
+            let run = |dev: &str, integrated: bool| {
+                let tag = format!("{name}-{outtype}-{dev}-{integrated}");
+                let (out, log, report) = (
+                    c.path(&format!("{tag}.gguf")),
+                    c.path(&format!("{tag}.log")),
+                    c.path(&format!("{tag}.json")),
+                );
+                let extra = [
+                    "--outtype",
+                    outtype,
+                    "--vocab-pre",
+                    "test-pre",
+                    "--device",
+                    dev,
+                    "--report",
+                    s(&report),
+                    "-q",
+                ];
+                ok(&tftf_logged(
+                    Some(fake_libs()),
+                    integrated,
+                    Some(&log),
+                    &gguf_args(&c.model, &out, &extra),
+                ));
+                let rep: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+                let launched = std::fs::read_to_string(&log).unwrap_or_default();
+                (std::fs::read(&out).unwrap(), rep, launched)
+            };
+            let (cpu, rep, launched) = run("cpu", false);
+            assert_eq!(rep["device"], "cpu");
+            assert!(launched.is_empty(), "{launched}");
+            for integrated in [false, true] {
+                let (gpu, rep, launched) = run("cuda", integrated);
+                assert!(
+                    launched.lines().any(|l| l == "tftf_gguf"),
+                    "{name} {outtype}: tftf_gguf was not launched"
+                );
+                assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0, "{rep}");
+                assert!(gpu == cpu, "{name} {outtype}: the GPU's GGUF differs");
+            }
+        }
+    }
+}

@@ -3,8 +3,10 @@
 //!
 //! - `generated_checkpoints_never_panic`: proptest builds whole inputs — headers with odd
 //!   dtypes, shapes (0, 1, ragged, 2^40, near `u64::MAX`), offsets with gaps and overlaps,
-//!   metadata of the wrong type, index files, `config.json` quantisation settings and LoRA
-//!   adapters with odd ranks — and drives every command over them in-process.
+//!   metadata of the wrong type, index files, `config.json` quantisation settings (FP8 ones and
+//!   GPTQ/NVFP4 ones that FP8 tensors contradict), fused FP8 expert scales and LoRA adapters
+//!   with odd ranks — and drives every command over them in-process, a rename to a group its
+//!   regex lacks included (always a usage error), and `gguf` where there is a tokenizer.
 //! - `mutated_corpus_never_panics`: a fixed-seed mutator flips, overwrites, inserts and deletes
 //!   bytes (and swaps JSON numbers for extreme ones) in the real files of `tests/fuzz-corpus/`.
 //!
@@ -158,6 +160,18 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
             "f32",
         ],
     ];
+    // A replacement naming a group the regex lacks: a usage error, whatever the input.
+    commands.push(vec![
+        "passthrough",
+        m,
+        "--rename",
+        r"^(model)\.",
+        r"\g<gone>.",
+    ]);
+    // GGUF conversion where the model has a tokenizer (its config, chat templates, shapes).
+    if model.join("tokenizer.json").is_file() {
+        commands.push(vec!["gguf", m, "--vocab-pre", "llama-bpe"]);
+    }
     if let Some(a) = adapter.and_then(Path::to_str) {
         commands.push(vec![
             "merge-lora",
@@ -200,7 +214,8 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
             cmd[0],
             "info" | "validate" | "verify" | "recover" | "finalize"
         );
-        let out = scratch.join(format!("out{k}"));
+        let gguf = cmd[0] == "gguf";
+        let out = scratch.join(format!("out{k}{}", if gguf { ".gguf" } else { "" }));
         let mut args: Vec<String> = cmd.iter().map(|s| s.to_string()).collect();
         if writes {
             args.extend(["-o".into(), out.to_str().unwrap().into()]);
@@ -211,10 +226,14 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
         if !(0..=2).contains(&code) {
             return Err(format!("`tftf {}` exited {code}", args.join(" ")));
         }
-        if writes && code == 0 && check_outputs {
+        if cmd[0] == "passthrough" && cmd.contains(&"--rename") && code != 2 {
+            return Err(format!("`tftf {}` exited {code}, not 2", args.join(" ")));
+        }
+        if writes && !gguf && code == 0 && check_outputs {
             outputs_load(&out).map_err(|e| format!("`tftf {}`: {e}", args.join(" ")))?;
         }
         let _ = std::fs::remove_dir_all(&out);
+        let _ = std::fs::remove_file(&out);
     }
     Ok(())
 }
@@ -233,6 +252,9 @@ const NAMES: &[&str] = &[
     "layers.0.engram.embed.scale",
     "model.embed_tokens.weight",
     "lm_head.weight",
+    // transformers' fused FineGrainedFP8 experts: the scale is named after the parameter.
+    "model.layers.0.mlp.experts.down_proj",
+    "model.layers.0.mlp.experts.down_proj_scale_inv",
     "x",
 ];
 
@@ -366,14 +388,16 @@ fn odd_value() -> impl Strategy<Value = Value> {
 
 fn config() -> impl Strategy<Value = Option<Value>> {
     prop::option::of(
-        (odd_value(), odd_value(), any::<bool>()).prop_map(|(a, b, groups)| {
-            if groups {
-                json!({"quantization_config": {"quant_method": "compressed-tensors",
-                "config_groups": {"g": {"weights": {"block_structure": a}}}}, "torch_dtype": b})
-            } else {
-                json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": a,
-                "fmt": "e4m3"}, "torch_dtype": "bfloat16", "x": b})
-            }
+        (odd_value(), odd_value(), 0u8..4).prop_map(|(a, b, kind)| match kind {
+            0 => json!({"quantization_config": {"quant_method": "compressed-tensors",
+                "config_groups": {"g": {"weights": {"block_structure": a}}}}, "torch_dtype": b}),
+            1 => json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": a,
+                "fmt": "e4m3"}, "torch_dtype": "bfloat16", "x": b}),
+            // Configs that name no FP8 scheme: FP8 tensors contradict them.
+            2 => json!({"quantization_config": {"quant_method": "gptq", "bits": a,
+                "group_size": b}}),
+            _ => json!({"quantization_config": {"quant_method": "modelopt",
+                "quant_algo": "NVFP4", "group_size": a}, "torch_dtype": b}),
         }),
     )
 }

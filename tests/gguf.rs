@@ -450,7 +450,7 @@ fn config_defaults_match_transformers_to_dict() {
                 (g, w) => panic!("{name}.{key}: ours {g:?}, transformers {w:?}"),
             }
         }
-        let experts = cfg.u64(&["num_local_experts", "num_experts"]);
+        let experts = cfg.u64(&["num_local_experts", "num_experts"]).unwrap();
         assert_eq!(experts, td["num_local_experts"].as_u64(), "{name} experts");
         let rp = &td["rope_parameters"];
         for key in [

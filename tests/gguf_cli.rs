@@ -53,8 +53,9 @@ fn permute(src: &[u8], rows: usize, n_head: usize) -> Vec<u8> {
 }
 
 /// The hparam KVs equal the reference's `set_gguf_parameters` (fixture), but for the
-/// vocabulary size and file type, which the test model changes.
-fn assert_hparams(g: &Gguf, cfg: &str, file_type: u32) {
+/// vocabulary size and file type, which the test model changes, and the u32 KVs ending with a
+/// suffix in `changed` (what a test's config edit changes).
+fn assert_hparams(g: &Gguf, cfg: &str, file_type: u32, changed: &[(&str, u32)]) {
     let want: Vec<Json> =
         serde_json::from_slice(&read_fixture(&format!("configs/{cfg}.kvs.json"))).unwrap();
     for w in &want {
@@ -63,6 +64,9 @@ fn assert_hparams(g: &Gguf, cfg: &str, file_type: u32) {
         let want_bytes = match (w[1].as_str().unwrap(), &w[2]) {
             _ if key == "general.file_type" => enc_u32(file_type),
             _ if key.ends_with(".vocab_size") => enc_u32(410),
+            _ if changed.iter().any(|(k, _)| key.ends_with(k)) => {
+                enc_u32(changed.iter().find(|(k, _)| key.ends_with(k)).unwrap().1)
+            }
             ("UINT32", v) => enc_u32(v.as_u64().unwrap() as u32),
             ("FLOAT32", v) => [
                 6u32.to_le_bytes(),
@@ -133,7 +137,7 @@ fn llama_bf16_has_permuted_q_k_reference_kvs_and_copied_bytes() {
     let g = parse(&out);
     assert_eq!(g.str("general.architecture"), "llama");
     assert_eq!(g.str("general.name"), "llama3-model");
-    assert_hparams(&g, "llama3", 32);
+    assert_hparams(&g, "llama3", 32, &[]);
     assert_tokenizer(&g);
     assert_eq!(g.str("tokenizer.ggml.pre"), "test-pre");
 
@@ -231,13 +235,17 @@ const QK_NORMS: &[(&str, &[u64])] = &[
 fn qwen3_q8_0_quantises_weights_keeps_norms_f32_and_does_not_permute() {
     let mut rng = Rng(11);
     let mut tensors = dense_layers(&mut rng, DType::F32, 128, 64, QK_NORMS);
-    // An output head big enough for several row chunks under the budget, on several threads.
-    let head = tensors
-        .iter_mut()
-        .find(|t| t.0 == "lm_head.weight")
-        .unwrap();
-    *head = rand_t(&mut rng, "lm_head.weight", DType::F32, &[20000, 64]);
-    let c = GgufCase::new("qwen3", |_| {}, tensors);
+    // A feed-forward weight big enough for several row chunks under the budget, on several
+    // threads (intermediate_size says 20000: llama.cpp checks the shapes against it).
+    for t in tensors.iter_mut().filter(|t| t.0.contains(".mlp.")) {
+        let shape = if t.0.ends_with("down_proj.weight") {
+            [64, 20000]
+        } else {
+            [20000, 64]
+        };
+        *t = rand_t(&mut rng, &t.0.clone(), DType::F32, &shape);
+    }
+    let c = GgufCase::new("qwen3", |c| c["intermediate_size"] = 20000.into(), tensors);
     let tensors = &c.tensors;
     let g = c.convert(
         "q.gguf",
@@ -252,7 +260,7 @@ fn qwen3_q8_0_quantises_weights_keeps_norms_f32_and_does_not_permute() {
         ],
     );
     assert_eq!(g.str("general.architecture"), "qwen3");
-    assert_hparams(&g, "qwen3", 7);
+    assert_hparams(&g, "qwen3", 7, &[(".feed_forward_length", 20000)]);
     assert_tokenizer(&g);
     assert!(!g.tensors.contains_key("rope_freqs.weight"));
     assert_eq!(g.tensors.len(), 3 + 2 * 11);
@@ -277,9 +285,9 @@ fn qwen3_q8_0_quantises_weights_keeps_norms_f32_and_does_not_permute() {
     let (_, ty, data) = g.tensor("token_embd.weight");
     assert_eq!(*ty, 8);
     assert_eq!(data, &q8(src(tensors, "model.embed_tokens.weight")));
-    let (sh, ty, data) = g.tensor("output.weight");
+    let (sh, ty, data) = g.tensor("blk.1.ffn_up.weight");
     assert_eq!((sh.as_slice(), *ty), (&[20000u64, 64][..], 8));
-    assert_eq!(data, &q8(src(tensors, "lm_head.weight")));
+    assert_eq!(data, &q8(src(tensors, "model.layers.1.mlp.up_proj.weight")));
 }
 
 #[test]
@@ -307,41 +315,12 @@ fn f32_checkpoint_auto_becomes_f16_except_norms() {
     assert_eq!(g.tensor("output_norm.weight").1, 0);
 }
 
-/// (name, shape) of the gate, up and down projections (32 wide) of each expert in `experts`:
-/// `{expert}.gate_proj.weight`, ...
-fn expert_mlps(experts: impl IntoIterator<Item = String>) -> Vec<(String, Vec<u64>)> {
-    let shapes = [
-        ("gate_proj", [32u64, 64]),
-        ("up_proj", [32, 64]),
-        ("down_proj", [64, 32]),
-    ];
-    experts
-        .into_iter()
-        .flat_map(|x| shapes.map(|(w, sh)| (format!("{x}.{w}.weight"), sh.to_vec())))
-        .collect()
-}
-
 #[test]
 fn qwen3_moe_experts_are_stacked_in_expert_order() {
-    let mut rng = Rng(5);
-    let mut tensors = head(&mut rng, DType::BF16);
-    for l in 0..2 {
-        tensors.extend(attention_layer(
-            &mut rng,
-            l,
-            [
-                ("self_attn.q_norm.weight", vec![16]),
-                ("self_attn.k_norm.weight", vec![16]),
-                ("mlp.gate.weight", vec![4, 64]),
-            ],
-        ));
-        // Experts written out of order: the GGUF stacks them by id.
-        let experts = expert_mlps([2, 0, 3, 1].map(|x| format!("mlp.experts.{x}")));
-        tensors.extend(layer(&mut rng, l, DType::BF16, experts));
-    }
-    let c = GgufCase::new("qwen3moe", |_| {}, tensors);
+    // Experts written out of order: the GGUF stacks them by id.
+    let c = GgufCase::qwen3_moe(5);
     let g = c.convert("moe.gguf", "test-pre", &[]);
-    assert_hparams(&g, "qwen3moe", 32);
+    assert_hparams(&g, "qwen3moe", 32, &[]);
     for l in 0..2 {
         for (w, gg, shape) in [
             ("gate_proj", "ffn_gate_exps", [4u64, 32, 64]),
@@ -616,7 +595,7 @@ fn on_xfs_copied_tensors_are_cloned_at_congruent_offsets() {
         return;
     };
     let mut rng = Rng(29);
-    let tensors = dense_layers(&mut rng, DType::BF16, 128, 64, &[]);
+    let tensors = dense_layers(&mut rng, DType::BF16, 64, 32, &[]);
     let model = model_dir(&xfs.mnt, "qwen2", |_| {}, &tensors);
     // Data section at a multiple of 32, as GGUF's alignment needs for any congruence (the
     // Python writer pads headers to 8 only: one shard in four is so placed by chance).
@@ -791,7 +770,7 @@ fn qwen2_keeps_attention_biases_f32_and_unpermuted() {
     let c = GgufCase::new("qwen2", |_| {}, tensors);
     let tensors = &c.tensors;
     let g = c.convert("q2.gguf", "test-pre", &[]);
-    assert_hparams(&g, "qwen2", 32);
+    assert_hparams(&g, "qwen2", 32, &[]);
     assert_tokenizer(&g);
     let (sh, ty, data) = g.tensor("blk.1.attn_q.bias");
     assert_eq!((sh.as_slice(), *ty), (&[64u64][..], 0));

@@ -17,7 +17,9 @@ use tftf::ops::fp4::kernel::RowSums;
 use tftf::ops::fp4::nvfp4::{NvBlockScales, NvReencode};
 use tftf::ops::fp8::kernel::DequantParams;
 use tftf::ops::fp8::{DequantFp8, ScaleLayout, ScaleMode};
+use tftf::ops::gguf::GgmlType;
 use tftf::ops::int::kernel::{GptqParams, Int4Params, IntParams};
+use tftf::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use tftf::ops::kernel::{kernel_dtype, Kernel};
 use tftf::ops::lora::kernel::{DeltaParams, LoraParams};
 use tftf::ops::quantize::encode::{modelopt_mx_exponent, WeightType};
@@ -1193,6 +1195,7 @@ fn committed_ptx_is_built_from_the_current_sources() {
         "tftf_quantize_fp8_amax",
         "tftf_quantize_fp8_scales",
         "tftf_quantize_fp8_codes",
+        "tftf_gguf",
     ] {
         assert!(
             ptx.contains(&format!(".entry {entry}(")),
@@ -1207,4 +1210,72 @@ fn committed_ptx_is_built_from_the_current_sources() {
         !ptx.contains("fma.rn.f32") && !ptx.contains("fma.rn.f64"),
         "contracted multiply-adds would break bit-exactness"
     );
+}
+
+fn host_gguf(l: &GgufLaunch, inputs: &[&[u8]], out_len: usize) -> Vec<u8> {
+    let joined = inputs.concat();
+    let mut out = vec![0u8; out_len];
+    let f = host_fn!(
+        "tftf_host_gguf",
+        fn(*const u8, *const u32, *mut u8, u64, *const GgufParams) -> ()
+    );
+    let map = if l.map.is_empty() {
+        std::ptr::null()
+    } else {
+        l.map.as_ptr()
+    };
+    unsafe { f(joined.as_ptr(), map, out.as_mut_ptr(), l.items, &l.params) };
+    out
+}
+
+/// gguf-py's own Q8_0 quantiser (tests/fixtures/gguf/q8_0_*: random blocks at three scales and
+/// the edge blocks: ties, scales that underflow, overflow or are subnormal in f16) gives the
+/// bytes the kernel gives.
+#[test]
+fn gguf_q8_0_kernel_equals_gguf_py() {
+    let input = std::fs::read("tests/fixtures/gguf/q8_0_input.f32").unwrap();
+    let want = std::fs::read("tests/fixtures/gguf/q8_0_output.bin").unwrap();
+    let l = GgufLaunch {
+        params: GgufParams {
+            src: kernel_dtype(DType::F32),
+            ty: GgmlType::Q8_0.id() as i32,
+            unit: 0,
+        },
+        map: Vec::new(),
+        items: input.len() as u64 / 4 / 32,
+    };
+    hex_diff("q8_0", &host_gguf(&l, &[&input], want.len()), &want, 34);
+}
+
+/// The selftest's GGUF cases (every recipe the kernel takes, to every type it writes, from every
+/// float source with random bits: NaNs, infinities, subnormals), each chunked every way: the
+/// kernel's bytes are the CPU op's.
+#[test]
+fn gguf_kernel_matches_the_cpu_op_bit_for_bit() {
+    let mut checked = 0;
+    for case in selftest::cases().into_iter().filter(|c| c.kernel == "gguf") {
+        let op = &*case.op;
+        let units = op.units();
+        for per in [1, 3, units] {
+            let mut u = 0;
+            while u < units {
+                let chunk = u..(u + per).min(units);
+                u = chunk.end;
+                let Some(Kernel::Gguf(l)) = op.kernel(&chunk) else {
+                    panic!("{}: no kernel for {chunk:?}", case.what);
+                };
+                let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
+                let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
+                let got = host_gguf(&l, &pieces, want.len());
+                let elem = if l.params.ty == GgmlType::Q8_0.id() as i32 {
+                    34
+                } else {
+                    1
+                };
+                hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 100, "{checked} chunks compared");
 }

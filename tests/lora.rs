@@ -576,3 +576,71 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     assert_mentions(&err, &["factors for in=5, out=7 do not fit base `model.layers.0.mlp.experts.gate_up_proj` [3, 16, 24]"]);
     assert!(!out.exists());
 }
+
+/// Issue #24 item 6: one NaN or infinity in an adapter factor would make a whole row of the
+/// merged weight NaN; the merge is refused naming the adapter tensor and the element, before
+/// any output exists, unless `--allow-nonfinite` (in `merge-lora` and `run --merge-lora`).
+#[test]
+fn nonfinite_adapter_values_are_refused_naming_tensor_and_element() {
+    let case = peft_case("llama-lora-f32");
+    let base = case.join("base");
+    let d = tmp();
+    let factor = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight";
+    let weight = "model.layers.0.mlp.down_proj.weight";
+    let tensors = load_all(&case.join("adapter/adapter_model.safetensors"));
+    // lora_B is [64, 8]: element 1·8 + 2 is [1, 2].
+    let with = |value: f32, dir: &Path| -> PathBuf {
+        let edited: Vec<T> = tensors
+            .iter()
+            .map(|(name, (dtype, shape, bytes))| {
+                let mut bytes = bytes.clone();
+                if name == factor {
+                    bytes[10 * 4..11 * 4].copy_from_slice(&value.to_le_bytes());
+                }
+                let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+                t(name, dtype.parse::<DType>().unwrap(), &shape, bytes)
+            })
+            .collect();
+        let adapter = Model::adapter().tensors(edited).write(dir);
+        copy_config(&case.join("adapter"), &adapter);
+        adapter
+    };
+    for (value, shown) in [(f32::NAN, "NaN"), (f32::NEG_INFINITY, "-inf")] {
+        let adapter = with(value, &d.path().join(shown));
+        let out = d.path().join(format!("out-{shown}"));
+        let err = fails(&merge_lora(&base, &adapter, &out, &["-q"]));
+        assert_refused(
+            &err,
+            &[
+                &format!("tensor `{factor}`: holds {shown} at [1, 2]"),
+                "adapter_model.safetensors",
+                "--allow-nonfinite",
+            ],
+            &out,
+        );
+        let err = fails(&[
+            "run",
+            "-i",
+            s(&base),
+            "-o",
+            s(&out),
+            "--merge-lora",
+            s(&adapter),
+        ]);
+        assert_refused(&err, &[factor, "[1, 2]"], &out);
+    }
+    // --allow-nonfinite merges it as asked: row 1 of the merged weight is NaN, row 0 is not.
+    let adapter = with(f32::NAN, &d.path().join("allowed"));
+    let out = d.path().join("out");
+    tftf_ok(&merge_lora(
+        &base,
+        &adapter,
+        &out,
+        &["-q", "--allow-nonfinite"],
+    ));
+    let (dtype, shape, bytes) = &load_all(&out)[weight];
+    let w = floats(dtype, bytes);
+    let cols = shape[1];
+    assert!(w[cols..2 * cols].iter().all(|v| v.is_nan()));
+    assert!(w[..cols].iter().all(|v| v.is_finite()));
+}

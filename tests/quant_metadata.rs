@@ -10,10 +10,12 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 }
 
 /// An FP8 block-scaled layer (F32 `weight_scale_inv` whose values BF16 cannot hold), a
-/// ModelOpt NVFP4 layer, a DeepSeek-V4 `X.scale`, a KV-cache scale, and plain F32 weights.
+/// ModelOpt NVFP4 layer, a DeepSeek-V4 `X.scale`, a KV-cache scale, transformers' fused
+/// FineGrainedFP8 experts (`experts.down_proj` with `experts.down_proj_scale_inv`: issue #24
+/// item 17), and plain F32 weights.
 fn quantised_model(dir: &std::path::Path) -> Vec<T> {
     let scale = f32s(&[1.0 + f32::EPSILON, 3.000_001, 0.123_456_79, 7.777_777]);
-    let tensors = vec![
+    let mut tensors = vec![
         t("fp8.weight", DType::F8_E4M3, &[4, 4], vec![0x38; 16]),
         t("fp8.weight_scale_inv", DType::F32, &[2, 2], scale.clone()),
         t("nv.weight", DType::U8, &[2, 8], vec![0x21; 16]),
@@ -31,6 +33,20 @@ fn quantised_model(dir: &std::path::Path) -> Vec<T> {
         t("norm.weight", DType::F32, &[4], scale),
         t("norm.scale", DType::F32, &[1], f32s(&[1.000_000_1])),
     ];
+    for (p, fused, code) in [
+        ("down_proj", [2, 2, 4], 0x38),
+        ("gate_up_proj", [2, 4, 2], 0x40),
+    ] {
+        let name = format!("mlp.experts.{p}");
+        let scale = f32s(&[0.001_234_567_8 * code as f32, 3.000_001]);
+        tensors.push(t(&name, DType::F8_E4M3, &fused, vec![code; 16]));
+        tensors.push(t(
+            &format!("{name}_scale_inv"),
+            DType::F32,
+            &[2, 1, 1],
+            scale,
+        ));
+    }
     std::fs::create_dir_all(dir).unwrap();
     write_file(&dir.join("model.safetensors"), &tensors);
     tensors
@@ -82,6 +98,6 @@ fn dry_run_says_how_many_quantisation_tensors_are_kept() {
         &out,
         &["--dtype", "bf16", "--dry-run"],
     ));
-    assert_mentions(&stdout(&o), &["kept 4 quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"]);
+    assert_mentions(&stdout(&o), &["kept 6 quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"]);
     assert!(!out.exists());
 }

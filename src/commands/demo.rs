@@ -11,6 +11,7 @@ use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::format::write_small;
 use crate::job::{Job, WriteOptions};
+use crate::lcg::Lcg;
 use crate::ops::cast::f32_to_bf16;
 use crate::ops::fp8::codec::{e4m3_to_f32, e8m0_to_f32};
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
@@ -21,14 +22,11 @@ use crate::transform::{Glob, Rename};
 const HIDDEN: u64 = 64;
 const LAYERS: usize = 2;
 
-struct Rng(u64);
+struct Rng(Lcg);
 impl Rng {
+    /// 31 random bits.
     fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) as u32
+        self.0.next_u32() >> 1
     }
     fn normal_ish(&mut self) -> f32 {
         (0..4)
@@ -68,7 +66,7 @@ fn fp8_tensor(name: &str, shape: Vec<u64>, rng: &mut Rng) -> Tensor {
 /// Writes the example checkpoint into `dir`.
 pub fn make_example(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut rng = Rng(42);
+    let mut rng = Rng(Lcg(42));
     let h = HIDDEN;
     let mut shard1 = vec![bf16_tensor(
         "model.embed_tokens.weight",
@@ -186,7 +184,7 @@ fn repack_step() -> Result<Step> {
 /// Two MXFP4 experts (w1, w2, w3 of [32, 64]) and a [64, 64] E4M3 Engram table.
 fn make_v4_example(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut rng = Rng(7);
+    let mut rng = Rng(Lcg(7));
     let mut tensors = Vec::new();
     for e in 0..2 {
         for w in ["w1", "w2", "w3"] {
@@ -505,6 +503,7 @@ impl Demo<'_> {
                 scale: 1.0,
                 allow_unmatched: false,
                 rank_alpha: None,
+                allow_nonfinite: false,
             },
         )));
         Job {
@@ -562,7 +561,7 @@ fn experts_repacked_exactly(v4_in: &Checkpoint, out4: &Checkpoint) -> Result<boo
 /// `up_proj`. Returns its factors (A then B for each layer).
 pub fn make_example_adapter(adapter: &Path) -> Result<Vec<Tensor>> {
     std::fs::create_dir_all(adapter).map_err(|e| Error::io(adapter, e))?;
-    let mut rng = Rng(11);
+    let mut rng = Rng(Lcg(11));
     let mut factors = Vec::new();
     for l in 0..LAYERS {
         let m = format!("base_model.model.model.layers.{l}.mlp.up_proj");

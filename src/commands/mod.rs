@@ -144,7 +144,7 @@ fn writing_job(
         Command::DequantFp8(a) => {
             let mut steps = vec![dequant_step(&a.dtype, &a.fp8)?];
             if let Some(adapter) = &a.merge_lora {
-                steps.push(lora_step(adapter, &a.lora)?);
+                steps.push(lora_step(adapter, &a.lora, a.fp8.allow_nonfinite)?);
             }
             job("dequant", steps, opts(&a.write)?, &|| input_path(&a.input))
         }
@@ -164,7 +164,11 @@ fn writing_job(
             })
         }
         Command::MergeFsdpLora(a) => {
-            let merge = lora_step_from(AdapterSource::Ranks(rank_files(a)?), &a.merge.lora)?;
+            let merge = lora_step_from(
+                AdapterSource::Ranks(rank_files(a)?),
+                &a.merge.lora,
+                a.merge.allow_nonfinite,
+            )?;
             let steps = merge_steps(merge, &a.merge)?;
             job("merge-fsdp-lora", steps, opts(&a.merge.write)?, &|| {
                 input_path(&a.input)
@@ -194,7 +198,8 @@ fn renamed_merge(
     merge: &crate::cli::MergeOutputArgs,
 ) -> Result<Vec<Step>> {
     let mut steps: Vec<Step> = renames(rename)?.into_iter().map(Step::Rename).collect();
-    steps.extend(merge_steps(lora_step(adapter, &merge.lora)?, merge)?);
+    let step = lora_step(adapter, &merge.lora, merge.allow_nonfinite)?;
+    steps.extend(merge_steps(step, merge)?);
     Ok(steps)
 }
 

@@ -464,7 +464,7 @@ fn merge_step(
             "--requant merges into the quantised base; after --dequant-fp8 or --repack-fp4 it is not quantised any more (drop --requant)",
         ));
     }
-    let step = lora_step(&adapter, &s.lora).map_err(|e| usage(kind, e))?;
+    let step = lora_step(&adapter, &s.lora, s.allow_nonfinite).map_err(|e| usage(kind, e))?;
     if fp_op_before && !s.requant_args.requant {
         Ok(step)
     } else {

@@ -1,8 +1,10 @@
 //! `validate`'s checks of checkpoints that parse but would load wrong: quantised weights
 //! without their scales, a `quantization_config` that no longer describes the tensors, a
-//! `torch_dtype` that none of the tensors has, and an index whose `total_size` is not the sum
-//! of the tensor bytes. These are what a conversion by a tool that forgot one of the side files
-//! leaves behind (a dequantised model still claiming FP8, a filter that dropped the scales).
+//! `torch_dtype` that none of the tensors has. These are what a conversion by a tool that forgot
+//! one of the side files leaves behind (a dequantised model still claiming FP8, a filter that
+//! dropped the scales). An index whose `total_size` is not the sum of the tensor bytes is only
+//! a note ([`notes`]): transformers, vLLM and safetensors read `weight_map` alone, and
+//! llm-compressor's `save_pretrained` writes such indexes.
 //!
 //! The scale conventions are the ops' own: [`scale_candidates`] is what `dequant-fp8` tries,
 //! [`mxfp4_expert_scale`] what `repack-fp4` needs, [`resolve_layout`] what binds a scale grid
@@ -43,8 +45,12 @@ pub fn check(ckpt: &Checkpoint) -> Vec<Finding> {
         quantization_config(ckpt, cfg, &mut out);
         torch_dtype(ckpt, cfg, &mut out);
     }
-    index_total_size(ckpt, &mut out);
     out
+}
+
+/// What `validate` notes without calling it a problem: a stale index `total_size`.
+pub fn notes(ckpt: &Checkpoint) -> Vec<String> {
+    index_total_size(ckpt).into_iter().collect()
 }
 
 fn is_fp8(d: DType) -> bool {
@@ -247,20 +253,14 @@ fn torch_dtype(ckpt: &Checkpoint, cfg: &Map<String, Value>, out: &mut Vec<Findin
     }
 }
 
-/// The index's `metadata.total_size` against the bytes of the tensors it lists.
-fn index_total_size(ckpt: &Checkpoint, out: &mut Vec<Finding>) {
-    let Some(index) = &ckpt.index_path else {
-        return;
-    };
-    let Ok(text) = std::fs::read_to_string(index) else {
-        return;
-    };
-    let Ok(v) = serde_json::from_str::<Value>(&text) else {
-        return;
-    };
-    let Some(total) = v.pointer("/metadata/total_size") else {
-        return;
-    };
+/// The index's `metadata.total_size` against the bytes of the tensors it lists. Loaders never
+/// read it (transformers' `load_sharded_checkpoint` and `from_pretrained` take `weight_map`
+/// only), so a difference is a note.
+fn index_total_size(ckpt: &Checkpoint) -> Option<String> {
+    let index = ckpt.index_path.as_ref()?;
+    let text = std::fs::read_to_string(index).ok()?;
+    let v = serde_json::from_str::<Value>(&text).ok()?;
+    let total = v.pointer("/metadata/total_size")?;
     let actual = ckpt.total_bytes();
     let claimed = total.as_u64().or_else(|| {
         total
@@ -268,13 +268,10 @@ fn index_total_size(ckpt: &Checkpoint, out: &mut Vec<Finding>) {
             .filter(|f| f.fract() == 0.0)
             .map(|f| f as u64)
     });
-    if claimed != Some(actual) {
-        out.push(Finding {
-            check: "index-total-size",
-            message: format!(
-                "{}: metadata.total_size is {total} but the tensors it lists hold {actual} bytes",
-                escape::path(index)
-            ),
-        });
-    }
+    (claimed != Some(actual)).then(|| {
+        format!(
+            "{}: metadata.total_size is {total} but the tensors it lists hold {actual} bytes; loaders read only weight_map, so the checkpoint loads (tftf writes the sum)",
+            escape::path(index)
+        )
+    })
 }

@@ -119,11 +119,24 @@ pub(crate) fn repack_step(a: &Fp4RepackArgs) -> Result<Step> {
     }))))
 }
 
-pub(crate) fn lora_step(adapter: &std::path::Path, a: &AdapterOpts) -> Result<Step> {
-    lora_step_from(AdapterSource::Path(adapter.to_path_buf()), a)
+/// `allow_nonfinite`: merge adapter tensors holding NaN or infinity (`--allow-nonfinite`).
+pub(crate) fn lora_step(
+    adapter: &std::path::Path,
+    a: &AdapterOpts,
+    allow_nonfinite: bool,
+) -> Result<Step> {
+    lora_step_from(
+        AdapterSource::Path(adapter.to_path_buf()),
+        a,
+        allow_nonfinite,
+    )
 }
 
-pub(crate) fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Result<Step> {
+pub(crate) fn lora_step_from(
+    source: AdapterSource,
+    a: &AdapterOpts,
+    allow_nonfinite: bool,
+) -> Result<Step> {
     let rank_alpha = match (a.rank, a.lora_alpha) {
         (Some(r), Some(alpha)) if r > 0 => Some((r, alpha)),
         (None, None) => None,
@@ -140,6 +153,7 @@ pub(crate) fn lora_step_from(source: AdapterSource, a: &AdapterOpts) -> Result<S
         scale: a.scale,
         allow_unmatched: a.allow_unmatched,
         rank_alpha,
+        allow_nonfinite,
     }))))
 }
 

@@ -125,8 +125,10 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
     };
     let mut scan = ValueScan::default();
     let mut findings = Vec::new();
+    let mut notes = Vec::new();
     if let Some(ckpt) = &ckpt {
         findings = super::semantic::check(ckpt);
+        notes = super::semantic::notes(ckpt);
         problems.extend(findings.iter().map(|f| f.message.clone()));
         if !steps.is_empty() {
             problems.extend(pipe_problem(ckpt, &steps));
@@ -142,6 +144,7 @@ pub fn run(args: &ValidateArgs, input: &Path, budget: u64, cancel: &Cancel) -> R
         args,
         scan: &scan,
         problems: &problems,
+        notes: &notes,
     };
     if args.json {
         report.print_json(&findings);
@@ -256,6 +259,8 @@ struct Report<'a> {
     args: &'a ValidateArgs,
     scan: &'a ValueScan,
     problems: &'a [String],
+    /// `validate`'s own notes (a stale index `total_size`), after the checkpoint's.
+    notes: &'a [String],
 }
 
 impl Report<'_> {
@@ -274,7 +279,12 @@ impl Report<'_> {
             "problems": self.problems,
             "findings": findings,
             "warnings": ckpt.map(|c| c.warnings.clone()).unwrap_or_default(),
-            "notes": ckpt.map(|c| c.notes.clone()).unwrap_or_default(),
+            "notes": ckpt
+                .map(|c| c.notes.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .chain(self.notes.iter().cloned())
+                .collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
     }
@@ -284,7 +294,7 @@ impl Report<'_> {
             for w in &c.warnings {
                 println!("warning: {}", crate::escape::name(w));
             }
-            for n in &c.notes {
+            for n in c.notes.iter().chain(self.notes) {
                 println!("note: {}", crate::escape::name(n));
             }
         }

@@ -36,6 +36,18 @@ const METADATA_SEGMENTS: &[&str] = &[
     "g_idx",
 ];
 
+/// Suffixes of metadata named after a fused parameter `X` (`X` + one of these), metadata when
+/// `X` is quantised.
+const FUSED_SCALE_SUFFIXES: &[&str] = &[
+    "_scale",
+    "_scales",
+    "_scale_2",
+    "_global_scale",
+    "_zero_point",
+    "_input_scale",
+    "_activation_scale",
+];
+
 /// Scale names a quantised `X.weight` is stored beside (`X.` + one of these).
 const WEIGHT_SCALE_SEGMENTS: &[&str] = &["weight_scale", "weight_scale_inv", "scale"];
 
@@ -62,6 +74,20 @@ pub fn is_metadata(name: &str, dtype: DType, dtype_of: &dyn Fn(&str) -> Option<D
         }
     }
     let quantised = |d: DType| !d.is_castable_float();
+    // An inverse scale is never a weight, whatever it is the inverse scale of.
+    if last.ends_with("_scale_inv") {
+        return true;
+    }
+    // Fused layouts name the scale after the parameter: transformers' FineGrainedFP8 experts
+    // store `mlp.experts.down_proj` (F8_E4M3 `[E, out, in]`) with `down_proj_scale_inv`, and
+    // other tools `X_scale`, `X_scale_2`, `X_zero_point` beside a quantised `X`.
+    for suffix in FUSED_SCALE_SUFFIXES {
+        if let Some(stem) = last.strip_suffix(suffix) {
+            if !stem.is_empty() && sibling(stem).is_some_and(quantised) {
+                return true;
+            }
+        }
+    }
     match last {
         // DeepSeek-V4: `X.scale` beside an FP8/FP4 `X.weight`.
         "scale" => sibling("weight").is_some_and(quantised),
@@ -103,6 +129,13 @@ mod tests {
             ("g.scales", DType::F16),
             ("attn.k_scale", DType::F32),
             ("lm_head.weight", DType::BF16),
+            ("mlp.experts.down_proj", DType::F8_E4M3),
+            ("mlp.experts.down_proj_scale_inv", DType::F32),
+            ("mlp.experts.gate_up_proj", DType::F8_E4M3),
+            ("mlp.experts.gate_up_proj_scale", DType::F32),
+            ("mlp.experts.up_scale_inv", DType::F32),
+            ("mlp.experts.bf16_proj", DType::BF16),
+            ("mlp.experts.bf16_proj_scale", DType::F32),
         ];
         let is = with(&t);
         for meta in [
@@ -119,6 +152,9 @@ mod tests {
             "g.qweight",
             "g.scales",
             "attn.k_scale",
+            "mlp.experts.down_proj_scale_inv",
+            "mlp.experts.gate_up_proj_scale",
+            "mlp.experts.up_scale_inv",
         ] {
             assert!(is(meta), "{meta} is metadata");
         }
@@ -127,6 +163,8 @@ mod tests {
             "norm.scale",
             "e.gate_up_proj_bias",
             "lm_head.weight",
+            "mlp.experts.bf16_proj",
+            "mlp.experts.bf16_proj_scale",
         ] {
             assert!(!is(weight), "{weight} is a weight");
         }

@@ -31,6 +31,7 @@ use crate::ops::fp4::kernel::Fp4Params;
 use crate::ops::fp4::kernel::{RowSums, BLOCK_SUMS_BYTES};
 use crate::ops::fp8::kernel::DequantParams;
 use crate::ops::int::kernel::{GptqParams, Int4Params, IntParams};
+use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{BaseDequant, DeltaParams, LoraLaunch, LoraParams};
 use crate::ops::quantize::kernel::QuantParams;
@@ -51,6 +52,7 @@ unsafe impl DeviceRepr for GptqParams {}
 unsafe impl DeviceRepr for Int4Params {}
 unsafe impl DeviceRepr for Fp4Params {}
 unsafe impl DeviceRepr for QuantParams {}
+unsafe impl DeviceRepr for GgufParams {}
 
 struct Kernels {
     cast: CudaFunction,
@@ -70,6 +72,7 @@ struct Kernels {
     quantize_fp8_amax: CudaFunction,
     quantize_fp8_scales: CudaFunction,
     quantize_fp8_codes: CudaFunction,
+    gguf: CudaFunction,
 }
 
 /// Counters for reports and benchmarks.
@@ -199,6 +202,7 @@ impl Gpu {
             quantize_fp8_amax: f("tftf_quantize_fp8_amax")?,
             quantize_fp8_scales: f("tftf_quantize_fp8_scales")?,
             quantize_fp8_codes: f("tftf_quantize_fp8_codes")?,
+            gguf: f("tftf_gguf")?,
         };
         let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
@@ -529,17 +533,37 @@ impl Lane {
             self.direct += data.len() as u64;
             return Ok(dptr);
         }
-        let p = self.pinned(slot, data.len())?;
+        self.upload_joined(slot, &[data])
+    }
+
+    /// Uploads `inputs` to slots `IN`, `IN + 1`, ...: the device addresses of the first `N`, 0
+    /// for an optional input the chunk does not have.
+    fn upload_n<const N: usize>(&mut self, inputs: &[&[u8]]) -> Result<[CUdeviceptr; N], String> {
+        let mut at = [0; N];
+        for (k, data) in inputs.iter().take(N).enumerate() {
+            at[k] = self.upload(IN + k, data)?;
+        }
+        Ok(at)
+    }
+
+    /// Stages `parts`, one after the other, into slot `slot` and queues their copy as one
+    /// buffer; returns its device address.
+    fn upload_joined(&mut self, slot: usize, parts: &[&[u8]]) -> Result<CUdeviceptr, String> {
+        let len = parts.iter().map(|p| p.len()).sum();
+        let p = self.pinned(slot, len)?;
         // SAFETY: the previous chunk's copies finished (each chunk ends synchronised).
-        unsafe { p.slice_mut(data.len()) }.copy_from_slice(data);
-        let dptr = self.device(slot, data.len())?;
+        let staged = unsafe { p.slice_mut(len) };
+        let mut at = 0;
+        for part in parts {
+            staged[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        let dptr = self.device(slot, len)?;
         if !self.mapped {
             let p = self.host[slot].as_ref().expect("staged");
             // SAFETY: the pinned source stays untouched until the chunk's final sync.
-            unsafe {
-                result::memcpy_htod_async(dptr, p.slice(data.len()), self.stream.cu_stream())
-            }
-            .map_err(|e| driver_err("host-to-device copy", e))?;
+            unsafe { result::memcpy_htod_async(dptr, p.slice(len), self.stream.cu_stream()) }
+                .map_err(|e| driver_err("host-to-device copy", e))?;
         }
         Ok(dptr)
     }
@@ -619,6 +643,7 @@ impl Lane {
                 unsafe { b.launch(launch_config(nunits)) }
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
+            Kernel::Gguf(l) => self.gguf(k, l, inputs, outs[0].len())?,
             Kernel::DequantFp8(p) => {
                 let o = self.device(OUT, outs[0].len())?;
                 flag = Some(self.dequant(k, p, inputs, o)?);
@@ -628,12 +653,7 @@ impl Lane {
                 flag = Some(self.dequant_fp4(k, p, inputs, o)?);
             }
             Kernel::DequantInt(p) => {
-                let w = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
-                let z = match inputs.get(2) {
-                    Some(z) => self.upload(IN + 2, z)?,
-                    None => 0,
-                };
+                let [w, s, z] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let n = nunits * p.cols;
                 let mut b = self.stream.launch_builder(&k.dequant_int);
@@ -644,13 +664,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_dequant_int", e))?;
             }
             Kernel::DequantGptq(p) => {
-                let w = self.upload(IN, inputs[0])?;
-                let z = self.upload(IN + 1, inputs[1])?;
-                let s = self.upload(IN + 2, inputs[2])?;
-                let g = match inputs.get(3) {
-                    Some(g) => self.upload(IN + 3, g)?,
-                    None => 0,
-                };
+                let [w, z, s, g] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let f = self.zero(FLAG, 4)?;
                 flag = Some(f);
@@ -670,8 +684,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_dequant_gptq", e))?;
             }
             Kernel::DequantInt4Modelopt(p) => {
-                let c = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
+                let [c, s] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let f = self.zero(FLAG, 4)?;
                 flag = Some(f);
@@ -696,8 +709,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_nv_block_scales", e))?;
             }
             Kernel::NvReencode { g } => {
-                let w = self.upload(IN, inputs[0])?;
-                let s = self.upload(IN + 1, inputs[1])?;
+                let [w, s] = self.upload_n(inputs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let blocks = inputs[1].len() as u64;
                 let mut b = self.stream.launch_builder(&k.nv_reencode);
@@ -707,8 +719,7 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_nv_reencode", e))?;
             }
             Kernel::Engram { cols } => {
-                let codes = self.upload(IN, inputs[0])?;
-                let scales = self.upload(IN + 1, inputs[1])?;
+                let [codes, scales] = self.upload_n(inputs)?;
                 let blocks = inputs[1].len() as u64;
                 let per_row = cols / 32;
                 let o_codes = self.device(OUT, outs[0].len())?;
@@ -818,6 +829,34 @@ impl Lane {
         Ok(Ran::Done(None))
     }
 
+    /// Queues a GGUF chunk: the inputs joined in order, the unit map beside them, into the
+    /// `out_len` bytes of output slot `OUT`.
+    fn gguf(
+        &mut self,
+        k: &Kernels,
+        l: &GgufLaunch,
+        inputs: &[&[u8]],
+        out_len: usize,
+    ) -> Result<(), String> {
+        let i = match inputs {
+            [one] => self.upload(IN, one)?,
+            parts => self.upload_joined(IN, parts)?,
+        };
+        let map: Vec<u8> = l.map.iter().flat_map(|u| u.to_le_bytes()).collect();
+        let m = match map.is_empty() {
+            true => 0,
+            false => self.upload(IN + 1, &map)?,
+        };
+        let o = self.device(OUT, out_len)?;
+        let n = l.items;
+        let mut b = self.stream.launch_builder(&k.gguf);
+        b.arg(&i).arg(&m).arg(&o).arg(&n).arg(&l.params);
+        // SAFETY: argument types match tftf_gguf; the joined input holds every element the
+        // map names, `o` holds n items (Q8_0 blocks or elements) of the output type.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf", e))?;
+        Ok(())
+    }
+
     /// Queues FP8 dequantisation of a chunk (`inputs`: codes, then the scales if any) into
     /// device buffer `out`; returns the refusal flag's address.
     fn dequant(
@@ -827,11 +866,7 @@ impl Lane {
         inputs: &[&[u8]],
         out: CUdeviceptr,
     ) -> Result<CUdeviceptr, String> {
-        let c = self.upload(IN, inputs[0])?;
-        let s = match inputs.get(1) {
-            Some(s) => self.upload(IN + 1, s)?,
-            None => 0,
-        };
+        let [c, s] = self.upload_n(inputs)?;
         let flag = self.zero(FLAG, 4)?;
         let n = inputs[0].len() as u64;
         let mut b = self.stream.launch_builder(&k.dequant);
@@ -850,12 +885,7 @@ impl Lane {
         inputs: &[&[u8]],
         out: CUdeviceptr,
     ) -> Result<CUdeviceptr, String> {
-        let c = self.upload(IN, inputs[0])?;
-        let s = self.upload(IN + 1, inputs[1])?;
-        let g = match inputs.get(2) {
-            Some(g) => self.upload(IN + 2, g)?,
-            None => 0,
-        };
+        let [c, s, g] = self.upload_n(inputs)?;
         let f = self.zero(FLAG, 4)?;
         let n = 2 * inputs[0].len() as u64;
         let mut b = self.stream.launch_builder(&k.dequant_fp4);

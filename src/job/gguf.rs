@@ -187,6 +187,8 @@ pub(crate) fn report_json(
         "reflink_layout": p.sharing,
         "reflink_unavailable": stats.and_then(|s| s.reflink_unavailable.clone()),
         "device": p.device.name,
+        "device_note": p.device.note,
+        "gpu": super::report::gpu_json(p.device, stats),
         "threads": opts.threads,
         "io_threads": stats.map(|s| s.io_threads),
         "memory_budget_bytes": opts.memory_budget,

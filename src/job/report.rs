@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::format::checkpoint::Checkpoint;
+use crate::gpu::Device;
 use crate::output::write_report;
 use crate::pipeline::{self};
 use crate::plan::{Plan, Recipe};
@@ -87,15 +88,9 @@ pub(crate) fn dtype_changes(ckpt: &Checkpoint, plan: &Plan) -> Vec<(String, usiz
     map.into_iter().map(|(k, (n, a, b))| (k, n, a, b)).collect()
 }
 
-pub(crate) fn report_json(
-    p: &Prepared,
-    stats: Option<&pipeline::RunStats>,
-    dry_run: bool,
-) -> Value {
-    let (command, ckpt, plan, layout, target, sides, opts, device, started) = (
-        p.command, p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts, p.device, p.started,
-    );
-    let gpu = device.gpu.as_ref().map(|g| {
+/// The report's `gpu` section: what the device's lanes did (`null` on the CPU).
+pub(crate) fn gpu_json(device: &Device, stats: Option<&pipeline::RunStats>) -> Option<Value> {
+    device.gpu.as_ref().map(|g| {
         let c = &g.counters;
         let busy = c.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9;
         json!({
@@ -110,7 +105,18 @@ pub(crate) fn report_json(
             "unified_memory": g.integrated,
             "ptx": g.ptx,
         })
-    });
+    })
+}
+
+pub(crate) fn report_json(
+    p: &Prepared,
+    stats: Option<&pipeline::RunStats>,
+    dry_run: bool,
+) -> Value {
+    let (command, ckpt, plan, layout, target, sides, opts, device, started) = (
+        p.command, p.ckpt, p.plan, p.layout, p.target, p.sides, p.opts, p.device, p.started,
+    );
+    let gpu = gpu_json(device, stats);
     let ops: Vec<Value> = dtype_changes(ckpt, plan)
         .into_iter()
         .map(|(k, n, a, b)| json!({"op": k, "tensors": n, "bytes_in": a, "bytes_out": b}))

@@ -158,6 +158,30 @@ impl Declared {
         }
     }
 
+    /// Whether the config names only schemes without FP8 weights (GPTQ, AWQ, gpt-oss MXFP4, and
+    /// compressed-tensors or ModelOpt NVFP4, MXFP4 and int formats), so an FP8 tensor
+    /// contradicts it. Mixed and unknown formats do not rule FP8 out.
+    fn rules_out_fp8(&self) -> bool {
+        const NOT_FP8: [&str; 8] = [
+            "nvfp4-pack-quantized",
+            "mxfp4-pack-quantized",
+            "pack-quantized",
+            "nvfp4",
+            "w4a16_nvfp4",
+            "mxfp4",
+            "w4a16_awq",
+            "int4_awq",
+        ];
+        match self.method.as_str() {
+            "gptq" | "awq" | "mxfp4" | "bitsandbytes" => true,
+            "compressed-tensors" | "modelopt" => {
+                !self.formats.is_empty()
+                    && self.formats.iter().all(|f| NOT_FP8.contains(&f.as_str()))
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the config names a ModelOpt FP4 algorithm, whose `X.weight` U8 are codes.
     fn fp4_codes_named(&self) -> bool {
         self.method == "modelopt"
@@ -395,6 +419,29 @@ impl PlanStep for DequantStep {
             });
         }
 
+        if declared.rules_out_fp8() {
+            let bound = |i: usize| {
+                found
+                    .iter()
+                    .any(|f| f.codes == i || f.scales == i || f.global == Some(i))
+            };
+            let fp8 = entries.iter().enumerate().find(|&(i, e)| {
+                e.derive.is_none()
+                    && matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2)
+                    && !bound(i)
+            });
+            if let Some((_, e)) = fp8 {
+                return Err(Error::TensorData {
+                    path: e.path(ckpt),
+                    tensor: e.name.clone(),
+                    msg: format!(
+                        "an FP8 ({}) tensor, but config.json's {}, which has no FP8 weights: cannot tell how to decode it; fix quantization_config",
+                        e.dtype,
+                        declared.describe()
+                    ),
+                });
+            }
+        }
         let allow_nonfinite = self.fp8.opts.allow_nonfinite;
         let mut consumed = vec![false; entries.len()];
         // (codes entry, output name, output shape, recipe)

@@ -241,6 +241,18 @@ pub fn attention(q: u64, kv: u64) -> Vec<(&'static str, Vec<u64>)> {
     ]
 }
 
+/// Query and key/value rows of an attention layer under the config fixture `cfg`: heads (and
+/// key/value heads) times `head_dim`, or times hidden size / heads without one.
+pub fn attention_rows(cfg: &str) -> (u64, u64) {
+    let c: Json =
+        serde_json::from_slice(&read_gguf_fixture(&format!("configs/{cfg}.config.json"))).unwrap();
+    let get = |k: &str| c.get(k).and_then(Json::as_u64);
+    let heads = get("num_attention_heads").unwrap();
+    let head_dim = get("head_dim").unwrap_or(get("hidden_size").unwrap() / heads);
+    let kv = get("num_key_value_heads").unwrap_or(heads);
+    (heads * head_dim, kv * head_dim)
+}
+
 /// Random `model.layers.{layer}.{name}` tensors of `dtype` for each (name, shape).
 pub fn layer<N: AsRef<str>, S: AsRef<[u64]>>(
     rng: &mut Rng,
@@ -308,6 +320,20 @@ pub fn stacked(tensors: &[T], n: usize, name: impl Fn(usize) -> String) -> Vec<u
         .collect()
 }
 
+/// (name, shape) of the gate, up and down projections (32 wide) of each expert in `experts`:
+/// `{expert}.gate_proj.weight`, ...
+pub fn expert_mlps(experts: impl IntoIterator<Item = String>) -> Vec<(String, Vec<u64>)> {
+    let shapes = [
+        ("gate_proj", [32u64, 64]),
+        ("up_proj", [32, 64]),
+        ("down_proj", [64, 32]),
+    ];
+    experts
+        .into_iter()
+        .flat_map(|x| shapes.map(|(w, sh)| (format!("{x}.{w}.weight"), sh.to_vec())))
+        .collect()
+}
+
 /// The arguments `gguf MODEL -o OUT EXTRA...`.
 pub fn gguf_args<'a>(model: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     [&["gguf", s(model), "-o", s(out)][..], extra].concat()
@@ -340,11 +366,33 @@ impl GgufCase {
         }
     }
 
-    /// [`dense_layers`] of BF16 (64 query rows, 32 key/value rows) drawn from `Rng(seed)`
-    /// with the config fixture `cfg`.
+    /// [`dense_layers`] of BF16 drawn from `Rng(seed)` with the config fixture `cfg`, whose
+    /// heads and head size give the query and key/value rows (64 and 32 for head size 16).
     pub fn dense(seed: u64, cfg: &str) -> Self {
-        let tensors = dense_layers(&mut Rng(seed), DType::BF16, 64, 32, &[]);
+        let (q, kv) = attention_rows(cfg);
+        let tensors = dense_layers(&mut Rng(seed), DType::BF16, q, kv, &[]);
         Self::new(cfg, |_| {}, tensors)
+    }
+
+    /// A two-layer Qwen3-MoE of BF16 drawn from `Rng(seed)`, its four experts per layer
+    /// written out of order (2, 0, 3, 1).
+    pub fn qwen3_moe(seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        let mut tensors = head(&mut rng, DType::BF16);
+        for l in 0..2 {
+            tensors.extend(attention_layer(
+                &mut rng,
+                l,
+                [
+                    ("self_attn.q_norm.weight", vec![16]),
+                    ("self_attn.k_norm.weight", vec![16]),
+                    ("mlp.gate.weight", vec![4, 64]),
+                ],
+            ));
+            let experts = expert_mlps([2, 0, 3, 1].map(|x| format!("mlp.experts.{x}")));
+            tensors.extend(layer(&mut rng, l, DType::BF16, experts));
+        }
+        Self::new("qwen3moe", |_| {}, tensors)
     }
 
     /// `rel` in the temporary folder.

@@ -7,6 +7,10 @@ use std::sync::Arc;
 use super::inputs::{f32_bytes_as, Case, Lcg};
 use crate::format::dtype::DType;
 use crate::ops::fp8::codec::e4m3_to_f32;
+use crate::ops::gguf::op::Slot;
+use crate::ops::gguf::produce;
+use crate::ops::gguf::tensor::{OutputTensor, Recipe, RowMap};
+use crate::ops::gguf::{GgmlType, GgufTensorOp};
 use crate::ops::quantize::encode::{amax, modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use crate::ops::quantize::modelopt::ModeloptRows;
 use crate::ops::quantize::ops::{BlockMath, QuantizeRows};
@@ -219,5 +223,82 @@ pub fn modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
         weight_dtype_cases(rng, out, &label, rows, cols, |wt, weight| {
             modelopt_op(scheme, wt, rows, cols, weight)
         });
+    }
+}
+
+/// GGUF tensors (ops::gguf) from random bits of every float source (NaNs, infinities and
+/// subnormals among them) to each type the kernel writes, for each recipe it takes: elements
+/// in order, Q/K-permuted rows, one half of interleaved rows, stacked experts.
+pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (rows, cols) = (16u64, 64u64);
+    let rows_of = |map| Recipe::Rows {
+        src: "s0".into(),
+        map,
+        row_elems: cols,
+    };
+    let recipes = [
+        (
+            "direct",
+            Recipe::Direct { src: "s0".into() },
+            vec![rows, cols],
+        ),
+        (
+            "Q/K permute",
+            rows_of(RowMap::QkPermute { rows, n_head: 4 }),
+            vec![rows, cols],
+        ),
+        (
+            "interleaved up",
+            rows_of(RowMap::Interleaved {
+                rows_out_per_expert: rows / 2,
+                half: 1,
+            }),
+            vec![rows / 2, cols],
+        ),
+        (
+            "3 experts",
+            Recipe::Stack {
+                srcs: (0..3).map(|k| format!("s{k}")).collect(),
+            },
+            vec![3, rows, cols],
+        ),
+    ];
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let elem = dtype.size().expect("a float dtype");
+        for (what, recipe, shape) in &recipes {
+            for ty in [GgmlType::Q8_0, GgmlType::F16, GgmlType::Bf16, GgmlType::F32] {
+                let copy = matches!(recipe, Recipe::Direct { .. } | Recipe::Stack { .. });
+                if copy && produce::same_type(dtype, ty) {
+                    continue; // a plain copy, which has no kernel
+                }
+                let sources = match recipe {
+                    Recipe::Stack { srcs } => srcs.len(),
+                    _ => 1,
+                };
+                let slots = (0..sources)
+                    .map(|k| Slot {
+                        name: format!("s{k}"),
+                        fp8: None,
+                        cols,
+                    })
+                    .collect();
+                let tensor = OutputTensor {
+                    name: format!("gguf {what}"),
+                    shape: shape.clone(),
+                    ty,
+                    recipe: recipe.clone(),
+                    src_dtype: Some(dtype),
+                };
+                out.push(Case {
+                    kernel: "gguf",
+                    what: format!("{what}, {dtype} → {}", ty.name()),
+                    op: Arc::new(GgufTensorOp::new(tensor, slots)),
+                    inputs: (0..sources)
+                        .map(|_| rng.bytes((rows * cols) as usize * elem))
+                        .collect(),
+                    out_dtype: DType::U8,
+                });
+            }
+        }
     }
 }

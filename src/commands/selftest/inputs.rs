@@ -7,20 +7,9 @@ use std::sync::Arc;
 use crate::format::dtype::DType;
 use crate::ops::Op;
 
-/// Deterministic generator (the vectors are the same on every run and machine).
-pub struct Lcg(pub u64);
+pub use crate::lcg::Lcg;
 
 impl Lcg {
-    pub fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 32) as u32
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next_u32() as u8).collect()
-    }
     /// `n` finite f32s (little-endian bytes) over a wide spread of exponents, with exact BF16
     /// ties and subnormals among them.
     pub fn f32s(&mut self, n: usize) -> Vec<u8> {

@@ -440,6 +440,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::gptq_cases(&mut rng, &mut out);
     super::decoders::int4_modelopt_cases(&mut rng, &mut out);
     super::encoders::modelopt_cases(&mut rng, &mut out);
+    super::encoders::gguf_cases(&mut rng, &mut out);
     out
 }
 
@@ -469,30 +470,26 @@ fn cast_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
 fn mxfp4_to_nvfp4_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     let all_scales: Vec<u8> = (0..=254).collect();
     for g in [-140, -127, -30, -9, 0, 8, 40, 127] {
-        out.push(Case {
-            kernel: "mxfp4→nvfp4 scales",
-            what: format!("all 255 scales, g={g}"),
-            op: Arc::new(NvBlockScales {
-                rows: 5,
-                groups: 51,
-                g,
-            }),
-            inputs: vec![all_scales.clone()],
-            out_dtype: DType::U8,
-        });
         let mut packed = rng.bytes(16 * 255);
         packed[16..32].fill(0x88);
-        out.push(Case {
-            kernel: "mxfp4→nvfp4 re-encode",
+        let (rows, groups) = (5, 51);
+        let case = |kernel, op: Arc<dyn Op>, inputs| Case {
+            kernel,
             what: format!("all 255 scales, g={g}"),
-            op: Arc::new(NvReencode {
-                rows: 5,
-                groups: 51,
-                g,
-            }),
-            inputs: vec![packed, all_scales.clone()],
+            op,
+            inputs,
             out_dtype: DType::U8,
-        });
+        };
+        out.push(case(
+            "mxfp4→nvfp4 scales",
+            Arc::new(NvBlockScales { rows, groups, g }),
+            vec![all_scales.clone()],
+        ));
+        out.push(case(
+            "mxfp4→nvfp4 re-encode",
+            Arc::new(NvReencode { rows, groups, g }),
+            vec![packed, all_scales.clone()],
+        ));
     }
 }
 

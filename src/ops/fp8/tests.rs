@@ -1,16 +1,7 @@
 use super::*;
 use crate::ops::fp8::codec::{e4m3_to_f32, e5m2_to_f32};
 
-struct Lcg(u64);
-impl Lcg {
-    fn next_u32(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 32) as u32
-    }
-}
+use crate::lcg::Lcg;
 
 #[test]
 fn layouts() {

@@ -14,7 +14,10 @@ use super::produce::{self, Window};
 use super::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe, RowMap};
 use super::GgmlType;
+use crate::format::dtype::DType;
 use crate::ops::fp8::DequantFp8;
+use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
+use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
 
 /// One source tensor of a recipe, and how its stored bytes become the elements it moves.
@@ -198,6 +201,48 @@ impl Op for GgufTensorOp {
         let (inner, _, _) = produce::row_geometry(&self.tensor);
         let fp8 = self.slots.iter().any(|s| s.fp8.is_some()) as u64;
         inner * (self.elem_bytes() + 4 + 4 * fp8)
+    }
+
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        let t = &self.tensor;
+        let src = t.src_dtype?;
+        if self.slots.iter().any(|s| s.fp8.is_some())
+            || !matches!(src, DType::F32 | DType::F16 | DType::BF16)
+            || !matches!(
+                t.ty,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0
+            )
+        {
+            return None;
+        }
+        let (inner, _, _) = produce::row_geometry(t);
+        let (unit, map) = match &t.recipe {
+            // Unchanged elements in order are a copy, cheaper on the CPU.
+            Recipe::Direct { .. } | Recipe::Stack { .. } if produce::same_type(src, t.ty) => {
+                return None
+            }
+            Recipe::Direct { .. } | Recipe::Stack { .. } => (0, Vec::new()),
+            Recipe::Rows { map, row_elems, .. } => {
+                let per_row = inner / row_elems;
+                let unit_bytes = row_elems * self.elem_bytes();
+                let first = self.spans(units)[0].start / unit_bytes;
+                let map = (units.start * per_row..units.end * per_row)
+                    .map(|k| u32::try_from(map.source_row(k) - first).ok())
+                    .collect::<Option<Vec<u32>>>()?;
+                (*row_elems, map)
+            }
+            _ => return None,
+        };
+        let (block, _) = t.ty.block();
+        Some(Kernel::Gguf(GgufLaunch {
+            params: GgufParams {
+                src: kernel_dtype(src),
+                ty: t.ty.id() as i32,
+                unit,
+            },
+            map,
+            items: (units.end - units.start) * inner / block,
+        }))
     }
 
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {

@@ -188,13 +188,17 @@ pub fn write_rows_from<'a>(
     Ok(())
 }
 
-/// Source elements → output type, rounding once (the reference widens to f32 first, exactly).
-fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
-    let same = matches!(
+/// Whether elements of `dtype` are stored unchanged as `ty`.
+pub fn same_type(dtype: DType, ty: GgmlType) -> bool {
+    matches!(
         (dtype, ty),
         (DType::F32, GgmlType::F32) | (DType::F16, GgmlType::F16) | (DType::BF16, GgmlType::Bf16)
-    );
-    if same {
+    )
+}
+
+/// Source elements → output type, rounding once (the reference widens to f32 first, exactly).
+fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
+    if same_type(dtype, ty) {
         out.copy_from_slice(elems);
         return;
     }

@@ -10,6 +10,7 @@
 //! rest is an error listing them, before any output exists.
 
 pub use crate::plan::kernel::lora as kernel;
+mod finite;
 pub mod merge;
 
 use std::collections::BTreeMap;
@@ -45,6 +46,8 @@ pub struct LoraOptions {
     pub allow_unmatched: bool,
     /// `(r, lora_alpha)` given on the command line, used when there is no adapter_config.json.
     pub rank_alpha: Option<(u64, f64)>,
+    /// Merge adapter tensors holding NaN or infinity instead of refusing them.
+    pub allow_nonfinite: bool,
 }
 
 /// `target_modules` / `exclude_modules` of adapter_config.json: a list of names (PEFT's suffix
@@ -1228,6 +1231,8 @@ impl PlanStep for LoraMergeStep {
             }
         }
         let (mut merged, mut dora) = (0, 0);
+        // Adapter tensors that reach the output: scanned for NaN and infinity below.
+        let mut merged_from: Vec<usize> = Vec::new();
         // Pairs PEFT would not have put on the model: (tensor names, why).
         let mut not_targeted: Vec<(Vec<String>, String)> = Vec::new();
         for (key, m) in &modules {
@@ -1311,6 +1316,7 @@ impl PlanStep for LoraMergeStep {
                 .map_err(bad)?;
                 entries[wi].derive = Some(Arc::new(derive));
                 merged += 1;
+                merged_from.extend([a, b]);
                 continue;
             }
             let w = &entries[wi];
@@ -1441,6 +1447,7 @@ impl PlanStep for LoraMergeStep {
             entries[wi].derive = Some(Arc::new(derive));
             merged += 1;
             dora += m.magnitude.is_some() as usize;
+            merged_from.extend([a, b].into_iter().chain(m.magnitude));
         }
         let mut replaced = 0;
         for (target, i) in replacements {
@@ -1465,6 +1472,15 @@ impl PlanStep for LoraMergeStep {
             entries[wi].source = i;
             entries[wi].derive = None;
             replaced += 1;
+            merged_from.push(i);
+        }
+        if !self.opts.allow_nonfinite {
+            for &i in merged_from
+                .iter()
+                .filter(|&&i| info(i).dtype.is_castable_float())
+            {
+                finite::refuse_nonfinite(ckpt, i)?;
+            }
         }
         // An adapter that matches nothing at all is refused as a whole (the wrong base model,
         // most likely), by the plan's `nothing_done` check rather than per tensor.

@@ -688,12 +688,8 @@ impl PlanStep for QuantizeStep {
                     (DType::I32, vec![rows, words])
                 }
                 Scheme::Nvfp4A16 => {
-                    extra(
-                        "weight_scale",
-                        DType::F8_E4M3,
-                        vec![rows, cols / 16],
-                        secondary,
-                    );
+                    let (d, shape) = group_scale(scheme, rows, cols);
+                    extra("weight_scale", d, shape, secondary);
                     let g_op = Arc::new(GlobalScaleTensor(
                         tensor_scale
                             .clone()
@@ -710,13 +706,13 @@ impl PlanStep for QuantizeStep {
                     );
                     (DType::U8, vec![rows, cols / 2])
                 }
-                Scheme::Mxfp4A16 => {
-                    extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
-                    (DType::U8, vec![rows, cols / 2])
-                }
-                Scheme::Mxfp8A16 => {
-                    extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
-                    (DType::F8_E4M3, vec![rows, cols])
+                Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
+                    let (d, shape) = group_scale(scheme, rows, cols);
+                    extra("weight_scale", d, shape, secondary);
+                    match scheme {
+                        Scheme::Mxfp4A16 => (DType::U8, vec![rows, cols / 2]),
+                        _ => (DType::F8_E4M3, vec![rows, cols]),
+                    }
                 }
             };
             let e = &mut entries[i];
@@ -919,4 +915,13 @@ fn nvfp4_globals(
         pair[0].read_ahead(&pair[1]);
     }
     Ok(out)
+}
+
+/// The `weight_scale` of the FP4/FP8 group schemes (NVFP4: E4M3 per 16; MXFP4, MXFP8: E8M0 per
+/// 32), as every format stores it.
+pub(crate) fn group_scale(scheme: Scheme, rows: u64, cols: u64) -> (DType, Vec<u64>) {
+    match scheme {
+        Scheme::Nvfp4A16 => (DType::F8_E4M3, vec![rows, cols / 16]),
+        _ => (DType::U8, vec![rows, cols / 32]),
+    }
 }

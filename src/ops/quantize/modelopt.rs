@@ -38,7 +38,8 @@ use super::lanes::{self, Elem, LaneEncoder, RowChunk, F32};
 use super::ops::{decode_rows, nonfinite_rows, row_lane_fields, row_quantiser_op};
 use super::tensor_scale::{GlobalScaleTensor, Nvfp4Rows, ScaledRows};
 use super::{
-    default_ignore, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep, Scheme,
+    default_ignore, group_scale, linear_weights, refuse_weight, settle_chosen, Added, QuantizeStep,
+    Scheme,
 };
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -336,12 +337,8 @@ pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, Str
                 DType::F8_E4M3
             }
             Scheme::Nvfp4A16 => {
-                extra(
-                    "weight_scale",
-                    DType::F8_E4M3,
-                    vec![rows, cols / 16],
-                    secondary,
-                );
+                let (d, shape) = group_scale(scheme, rows, cols);
+                extra("weight_scale", d, shape, secondary);
                 let s2 = GlobalScaleTensor(s2.clone().expect("NVFP4 weights have a scale"));
                 extra(
                     "weight_scale_2",
@@ -351,13 +348,13 @@ pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, Str
                 );
                 DType::U8
             }
-            Scheme::Mxfp4A16 => {
-                extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
-                DType::U8
-            }
-            Scheme::Mxfp8A16 => {
-                extra("weight_scale", DType::U8, vec![rows, cols / 32], secondary);
-                DType::F8_E4M3
+            Scheme::Mxfp4A16 | Scheme::Mxfp8A16 => {
+                let (d, shape) = group_scale(scheme, rows, cols);
+                extra("weight_scale", d, shape, secondary);
+                match scheme {
+                    Scheme::Mxfp4A16 => DType::U8,
+                    _ => DType::F8_E4M3,
+                }
             }
             Scheme::W4A16 => {
                 extra(

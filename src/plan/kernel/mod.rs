@@ -10,6 +10,7 @@
 
 pub mod fp4;
 pub mod fp8;
+pub mod gguf;
 pub mod int;
 pub mod lora;
 pub mod quantize;
@@ -17,6 +18,7 @@ pub mod quantize;
 use crate::format::dtype::DType;
 use fp4::{Fp4Params, RowSums};
 use fp8::DequantParams;
+use gguf::GgufLaunch;
 use int::{GptqParams, Int4Params, IntParams};
 use lora::LoraLaunch;
 use quantize::QuantParams;
@@ -47,6 +49,9 @@ pub enum Kernel {
     Engram { cols: u64 },
     /// LoRA/DoRA merge (kernels/lora.cuh).
     Lora(LoraLaunch),
+    /// A GGUF tensor's chunk (kernels/gguf.cuh): source elements, gathered through a unit map,
+    /// to F32/F16/BF16 elements or Q8_0 blocks.
+    Gguf(GgufLaunch),
     /// Weight-only quantisation (kernels/quantize.cuh): weight rows → codes (output 0) and
     /// scales (output 1); refuses non-finite weights.
     Quantize(QuantParams),

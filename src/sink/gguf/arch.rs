@@ -376,17 +376,37 @@ impl Config {
             .find_map(|k| self.map.get(*k).filter(|v| !v.is_null()))
     }
 
-    pub fn u64(&self, keys: &[&str]) -> Option<u64> {
-        self.find(keys).and_then(Json::as_u64)
+    /// The first of `keys` present and not null, as an unsigned integer; any other value (`4.5`,
+    /// `"4"`, `-1`) is an error naming the key, not a field left out of the GGUF.
+    pub fn u64(&self, keys: &[&str]) -> Result<Option<u64>> {
+        self.typed(keys, Json::as_u64, "an unsigned integer")
     }
 
-    pub fn f64(&self, keys: &[&str]) -> Option<f64> {
-        self.find(keys).and_then(Json::as_f64)
+    /// As [`Config::u64`], for a number.
+    pub fn f64(&self, keys: &[&str]) -> Result<Option<f64>> {
+        self.typed(keys, Json::as_f64, "a number")
+    }
+
+    fn typed<T>(
+        &self,
+        keys: &[&str],
+        get: fn(&Json) -> Option<T>,
+        what: &str,
+    ) -> Result<Option<T>> {
+        let Some((key, v)) = keys
+            .iter()
+            .find_map(|k| self.map.get(*k).filter(|v| !v.is_null()).map(|v| (k, v)))
+        else {
+            return Ok(None);
+        };
+        get(v)
+            .map(Some)
+            .ok_or_else(|| self.err(format!("`{key}` is {v}, not {what}")))
     }
 
     pub fn need_u64(&self, key: &str) -> Result<u64> {
-        self.u64(&[key])
-            .ok_or_else(|| self.err(format!("`{key}` is missing or not an unsigned integer")))
+        self.u64(&[key])?
+            .ok_or_else(|| self.err(format!("`{key}` is missing")))
     }
 
     fn u32_kv(&self, key: &str, v: u64) -> Result<Value> {
@@ -396,7 +416,7 @@ impl Config {
     }
 
     pub fn block_count(&self) -> Result<u64> {
-        self.u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])
+        self.u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])?
             .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))
     }
 
@@ -453,11 +473,11 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         ),
     ];
     for (keys, gguf) in u32s {
-        if let Some(v) = cfg.u64(keys) {
+        if let Some(v) = cfg.u64(keys)? {
             m.set(k(gguf), cfg.u32_kv(keys[0], v)?);
         }
     }
-    if let Some(v) = n_kv_override.or(cfg.u64(&["num_key_value_heads", "n_kv_heads"])) {
+    if let Some(v) = n_kv_override.or(cfg.u64(&["num_key_value_heads", "n_kv_heads"])?) {
         m.set(
             k("attention.head_count_kv"),
             cfg.u32_kv("num_key_value_heads", v)?,
@@ -510,7 +530,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
     if let Some(theta) = cfg.rope_f64("rope_theta") {
         m.set(k("rope.freq_base"), Value::F32(theta as f32));
     }
-    if let Some(eps) = cfg.f64(&["rms_norm_eps", "norm_eps"]) {
+    if let Some(eps) = cfg.f64(&["rms_norm_eps", "norm_eps"])? {
         m.set(
             k("attention.layer_norm_rms_epsilon"),
             Value::F32(eps as f32),
@@ -533,7 +553,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         (&["topk_group"], "expert_group_used_count"),
     ];
     for (keys, gguf) in counts {
-        if let Some(v) = cfg.u64(keys) {
+        if let Some(v) = cfg.u64(keys)? {
             m.set(k(gguf), cfg.u32_kv(keys[0], v)?);
         }
     }
@@ -546,7 +566,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         };
         m.set(k("expert_gating_func"), Value::U32(id));
     }
-    if let Some(hd) = cfg.u64(&["head_dim"]) {
+    if let Some(hd) = cfg.u64(&["head_dim"])? {
         m.set(k("attention.key_length"), cfg.u32_kv("head_dim", hd)?);
         m.set(k("attention.value_length"), cfg.u32_kv("head_dim", hd)?);
     }
@@ -572,13 +592,13 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         }
         Family::Qwen2 | Family::Qwen3 => {}
         Family::Qwen3Moe => {
-            if let Some(v) = cfg.u64(&["moe_intermediate_size"]) {
+            if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {
                 m.set(
                     k("expert_feed_forward_length"),
                     cfg.u32_kv("moe_intermediate_size", v)?,
                 );
             }
-            if let Some(v) = cfg.u64(&["shared_expert_intermediate_size"]) {
+            if let Some(v) = cfg.u64(&["shared_expert_intermediate_size"])? {
                 m.set(
                     k("expert_shared_feed_forward_length"),
                     cfg.u32_kv("shared_expert_intermediate_size", v)?,
@@ -609,15 +629,15 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
 pub const MXFP4_MOE_FILE_TYPE: u32 = 38;
 
 fn rope_dim(cfg: &Config) -> Result<u64> {
-    match cfg.u64(&["head_dim"]) {
+    match cfg.u64(&["head_dim"])? {
         Some(d) => Ok(d),
         None => Ok(cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1)),
     }
 }
 
 fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> Result<()> {
-    let has_moe = cfg.u64(&["n_routed_experts"]).is_some();
-    let dense = match cfg.u64(&["first_k_dense_replace"]) {
+    let has_moe = cfg.u64(&["n_routed_experts"])?.is_some();
+    let dense = match cfg.u64(&["first_k_dense_replace"])? {
         Some(v) => v,
         None if has_moe => 0,
         None => cfg.need_u64("num_hidden_layers")?,
@@ -626,12 +646,12 @@ fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> R
         k("leading_dense_block_count"),
         cfg.u32_kv("first_k_dense_replace", dense)?,
     );
-    let kv_lora = cfg.u64(&["kv_lora_rank"]).unwrap_or(512);
+    let kv_lora = cfg.u64(&["kv_lora_rank"])?.unwrap_or(512);
     m.set(
         k("vocab_size"),
         cfg.u32_kv("vocab_size", cfg.need_u64("vocab_size")?)?,
     );
-    if let Some(q) = cfg.u64(&["q_lora_rank"]) {
+    if let Some(q) = cfg.u64(&["q_lora_rank"])? {
         m.set(k("attention.q_lora_rank"), cfg.u32_kv("q_lora_rank", q)?);
     }
     let rope = cfg.need_u64("qk_rope_head_dim")?;
@@ -658,23 +678,23 @@ fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> R
         cfg.u32_kv("v_head_dim", v)?,
     );
     let moe_ff = cfg
-        .u64(&["moe_intermediate_size", "intermediate_size"])
+        .u64(&["moe_intermediate_size", "intermediate_size"])?
         .ok_or_else(|| cfg.err("`moe_intermediate_size` is missing".into()))?;
     m.set(
         k("expert_feed_forward_length"),
         cfg.u32_kv("moe_intermediate_size", moe_ff)?,
     );
-    if let Some(n) = cfg.u64(&["n_routed_experts"]) {
+    if let Some(n) = cfg.u64(&["n_routed_experts"])? {
         m.set(k("expert_count"), cfg.u32_kv("n_routed_experts", n)?);
     }
     m.set(
         k("expert_shared_count"),
         cfg.u32_kv(
             "n_shared_experts",
-            cfg.u64(&["n_shared_experts"]).unwrap_or(0),
+            cfg.u64(&["n_shared_experts"])?.unwrap_or(0),
         )?,
     );
-    if let Some(s) = cfg.f64(&["routed_scaling_factor"]) {
+    if let Some(s) = cfg.f64(&["routed_scaling_factor"])? {
         m.set(k("expert_weights_scale"), Value::F32(s as f32));
     }
     if cfg.find(&["norm_topk_prob"]).and_then(Json::as_bool) == Some(true) {

@@ -17,6 +17,7 @@
 //!    the source range for copies; zero padding to the alignment after each tensor.
 
 pub mod arch;
+mod check;
 pub mod kv;
 pub mod layout;
 mod pre_hashes;

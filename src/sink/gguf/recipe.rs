@@ -89,7 +89,7 @@ pub fn plan_tensors(
     type Group = (&'static str, BTreeMap<u64, String>);
     let mut experts: BTreeMap<(u64, &'static str), Group> = BTreeMap::new();
     let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
-    let n_experts = cfg.u64(&["num_local_experts", "num_experts", "n_routed_experts"]);
+    let n_experts = cfg.u64(&["num_local_experts", "num_experts", "n_routed_experts"])?;
     let tied = cfg.find(&["tie_word_embeddings"]).and_then(Json::as_bool) == Some(true);
 
     for t in inputs {
@@ -223,7 +223,7 @@ pub fn plan_tensors(
             (Family::Llama, "self_attn.q_proj" | "self_attn.k_proj") => {
                 let heads = cfg.need_u64("num_attention_heads")?;
                 let n_head = if base == "self_attn.k_proj" {
-                    cfg.u64(&["num_key_value_heads"]).unwrap_or(heads)
+                    cfg.u64(&["num_key_value_heads"])?.unwrap_or(heads)
                 } else {
                     heads
                 };
@@ -498,7 +498,7 @@ fn llama3_rope_freqs(cfg: &Config) -> Result<Option<Vec<f32>>> {
         return Ok(None);
     }
     let get = |k: &str, d: f64| cfg.rope.get(k).and_then(Json::as_f64).unwrap_or(d);
-    let dim = match cfg.u64(&["head_dim"]) {
+    let dim = match cfg.u64(&["head_dim"])? {
         Some(d) => d,
         None => cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1),
     };

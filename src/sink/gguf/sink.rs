@@ -151,7 +151,7 @@ impl GgufSink {
         }
         let vocab = tokenizer::vocab_kvs(
             &ckpt.dir,
-            cfg.u64(&["vocab_size"]),
+            cfg.u64(&["vocab_size"])?,
             self.opts.vocab_pre.as_deref(),
         )?;
         for (k, v) in vocab.iter() {
@@ -159,6 +159,7 @@ impl GgufSink {
         }
         let outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
         refuse_unconvertible(&outputs)?;
+        super::check::refuse_incomplete(&cfg, &outputs)?;
         Ok(GgufModel {
             cfg,
             file_type,

@@ -286,8 +286,81 @@ fn special_vocab(dir: &Path, tj_path: &Path, n_vocab: u64, m: &mut Metadata) -> 
             m.set(format!("tokenizer.ggml.add_{typ}_token"), Value::Bool(v));
         }
     }
-    if let Some(t) = chat_template(dir, tc_obj)? {
-        m.set("tokenizer.chat_template", Value::String(t));
+    if let Some(t) = chat_template(dir, tc_obj, &tc_path)? {
+        set_chat_template(m, t, &tc_path)?;
+    }
+    Ok(())
+}
+
+/// A chat template as transformers stores it: one string, or a list of `{"name", "template"}`
+/// (several templates, the one named `default` used when none is asked for).
+enum ChatTemplate {
+    One(String),
+    Named(Vec<Json>),
+}
+
+/// gguf-py's `add_chat_template`: each named template as `tokenizer.chat_template.NAME` (the
+/// name's characters other than ASCII letters and digits become `_`), their names as
+/// `tokenizer.chat_templates` (in the list's order: gguf-py's comes from a set, whose order
+/// varies from run to run), then `default` as `tokenizer.chat_template`. Entries without a
+/// name or template are skipped as gguf-py skips them; an entry that is not such an object, or
+/// two templates of one name (gguf-py fails on the duplicate key), is an error naming `path`.
+fn set_chat_template(m: &mut Metadata, t: ChatTemplate, path: &Path) -> Result<()> {
+    let list = match t {
+        ChatTemplate::One(s) => {
+            m.set("tokenizer.chat_template", Value::String(s));
+            return Ok(());
+        }
+        ChatTemplate::Named(list) => list,
+    };
+    let bad = |i: usize, what: &str| {
+        tok_err(
+            path,
+            format!("chat_template entry {i} {what}; each must be {{\"name\": string, \"template\": string}}"),
+        )
+    };
+    let (mut default, mut names) = (None, Vec::<String>::new());
+    for (i, choice) in list.iter().enumerate() {
+        let Some(choice) = choice.as_object() else {
+            return Err(bad(i, &format!("is {choice}")));
+        };
+        let name = match choice.get("name") {
+            None => "",
+            Some(Json::String(n)) => n.as_str(),
+            Some(other) => return Err(bad(i, &format!("has the name {other}"))),
+        };
+        let template = match choice.get("template") {
+            None | Some(Json::Null) => None,
+            Some(Json::String(t)) => Some(t.clone()),
+            Some(other) => return Err(bad(i, &format!("has the template {other}"))),
+        };
+        let name: String = name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let Some(template) = template.filter(|_| !name.is_empty()) else {
+            continue;
+        };
+        if name == "default" && default.is_none() {
+            default = Some(template);
+        } else if name == "default" || names.contains(&name) {
+            return Err(bad(i, &format!("repeats the name `{name}`")));
+        } else {
+            m.set(
+                format!("tokenizer.chat_template.{name}"),
+                Value::String(template),
+            );
+            names.push(name);
+        }
+    }
+    if !names.is_empty() {
+        m.set(
+            "tokenizer.chat_templates",
+            Value::Array(Array::String(names)),
+        );
+    }
+    if let Some(d) = default {
+        m.set("tokenizer.chat_template", Value::String(d));
     }
     Ok(())
 }
@@ -364,24 +437,70 @@ fn template_processing(p: &Json, known: &SpecialContents) -> Vec<(&'static str, 
     out
 }
 
-fn chat_template(dir: &Path, tc: Option<&Map<String, Json>>) -> Result<Option<String>> {
-    if let Some(t) = tc
-        .and_then(|tc| tc.get("chat_template"))
-        .and_then(Json::as_str)
-    {
-        return Ok(Some(t.to_string()));
-    }
-    if tc.is_none() {
+/// `SpecialVocab`'s chat template: `tokenizer_config.json`'s `chat_template` when it has the
+/// key (null: none), else `chat_template.jinja` (with `additional_chat_templates/*.jinja` as
+/// named ones, sorted by name), else `chat_template.json`'s. Nothing without a tokenizer config
+/// (an empty one included). A value that is neither a string, a list nor null is an error
+/// naming the file (gguf-py drops it with a warning, leaving a model without its template).
+fn chat_template(
+    dir: &Path,
+    tc: Option<&Map<String, Json>>,
+    tc_path: &Path,
+) -> Result<Option<ChatTemplate>> {
+    let Some(tc) = tc.filter(|tc| !tc.is_empty()) else {
         return Ok(None);
+    };
+    let of = |v: &Json, path: &Path| match v {
+        Json::String(s) => Ok(Some(ChatTemplate::One(s.clone()))),
+        Json::Array(a) => Ok(Some(ChatTemplate::Named(a.clone()))),
+        Json::Null => Ok(None),
+        other => Err(tok_err(
+            path,
+            format!("chat_template is {other}, neither a string nor a list of named templates"),
+        )),
+    };
+    if let Some(v) = tc.get("chat_template") {
+        return of(v, tc_path);
     }
     let jinja: PathBuf = dir.join("chat_template.jinja");
     match std::fs::read_to_string(&jinja) {
-        Ok(s) => return Ok(Some(s)),
+        Ok(s) => return additional_templates(dir, s).map(Some),
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&jinja, e)),
         Err(_) => {}
     }
-    Ok(read_json(&dir.join("chat_template.json"))?
-        .and_then(|j| j.get("chat_template")?.as_str().map(str::to_string)))
+    let json = dir.join("chat_template.json");
+    match read_json(&json)?
+        .as_ref()
+        .and_then(|j| j.get("chat_template"))
+    {
+        Some(v) => of(v, &json),
+        None => Ok(None),
+    }
+}
+
+/// `chat_template.jinja` (text `default`) with the templates of
+/// `additional_chat_templates/*.jinja`, named by file stem, when there are any.
+fn additional_templates(dir: &Path, default: String) -> Result<ChatTemplate> {
+    let extra = dir.join("additional_chat_templates");
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&extra) {
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "jinja") && p.is_file())
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    if files.is_empty() {
+        return Ok(ChatTemplate::One(default));
+    }
+    files.sort();
+    let mut list = vec![serde_json::json!({"name": "default", "template": default})];
+    for f in files {
+        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
+        let name = f.file_stem().map(|s| s.to_string_lossy().into_owned());
+        list.push(serde_json::json!({"name": name, "template": text}));
+    }
+    Ok(ChatTemplate::Named(list))
 }
 
 #[cfg(test)]
