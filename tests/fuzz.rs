@@ -131,6 +131,11 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
     let mut commands: Vec<Vec<&str>> = vec![
         vec!["info", m],
         vec!["info", m, "--json"],
+        // Outputs in the corpus (checksums, parts, a killed finalize): checked, recovered and
+        // finalized in place, then converted like any input.
+        vec!["verify", m],
+        vec!["recover", m],
+        vec!["finalize", m],
         vec!["validate", m, "--check-values", "--pipe", "dtype:f16"],
         vec!["passthrough", m, "--dtype", "bf16", "--cast-ints"],
         vec!["dequant-fp8", "-i", m],
@@ -212,7 +217,10 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
         ]);
     }
     for (k, cmd) in commands.iter().enumerate() {
-        let writes = !matches!(cmd[0], "info" | "validate");
+        let writes = !matches!(
+            cmd[0],
+            "info" | "validate" | "verify" | "recover" | "finalize"
+        );
         let gguf = cmd[0] == "gguf";
         let out = scratch.join(format!("out{k}{}", if gguf { ".gguf" } else { "" }));
         let mut args: Vec<String> = cmd.iter().map(|s| s.to_string()).collect();

@@ -241,6 +241,32 @@ fn gguf_parts_leave_the_files_beside_them_alone() {
         .iter()
         .any(|n| n == "m-00001-of-00002.gguf" || n.starts_with("m-00001-of-")));
     tftf_ok(&["verify", s(&dir)]);
+    // A split file whose entries are removed from both lists is named; the other model's
+    // files beside the GGUF are not.
+    let second = listing(&dir)
+        .into_iter()
+        .find(|n| n.starts_with("m-00002-of-"))
+        .unwrap();
+    let sums = std::fs::read_to_string(dir.join("SHA256SUMS")).unwrap();
+    let kept: String = sums
+        .lines()
+        .filter(|l| !l.ends_with(&second))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(dir.join("SHA256SUMS"), kept).unwrap();
+    let mut m = read_json(&dir.join("tftf-manifest.json"));
+    m["files"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|f| f["name"] != second.as_str());
+    std::fs::write(dir.join("tftf-manifest.json"), m.to_string()).unwrap();
+    let o = tftf(&["verify", s(&dir)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_mentions(
+        &stdout(&o),
+        &[&format!("{second}: a data file that neither")],
+    );
+    assert!(!stdout(&o).contains("model.safetensors"), "{}", stdout(&o));
 }
 
 #[test]

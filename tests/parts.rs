@@ -164,6 +164,16 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         assert_eq!(o.status.code(), None, "killed by a signal");
         let e = fails(&["finalize", s(&out)]);
         assert!(e.contains("part 2/2 has not finished"), "{e}");
+        // recover keeps what the parts did and says what is left to do.
+        let o = tftf_ok(&["recover", s(&out)]);
+        assert_mentions(
+            &stdout(&o),
+            &[
+                "not finalized: part 2/2 has not finished (killed? rerun it with --resume)",
+                "when every part is done, run `tftf finalize",
+            ],
+        );
+        assert!(out.join(".tftf-parts/part-00002-of-00002.json").exists());
         let extra: &[&str] = if resume {
             &["--part", "2/2", "--resume"]
         } else {
@@ -287,6 +297,17 @@ fn finalize_names_missing_damaged_and_changed_records() {
         e.contains("part 2/3 is still running (host another-node, pid 1"),
         "{e}"
     );
+    // And recover, which would remove the running part's temporaries.
+    std::fs::write(
+        out.join(".model-00002-of-00008.safetensors.tftf-1.tmp"),
+        "x",
+    )
+    .unwrap();
+    let e = fails(&["recover", s(&out)]);
+    assert_mentions(&e, &["part 2/3 is still running", "wait for it"]);
+    assert!(out
+        .join(".model-00002-of-00008.safetensors.tftf-1.tmp")
+        .exists());
     std::fs::remove_file(&lock).unwrap();
     // A shard that lost bytes after its part recorded it.
     let rec = read_json(&out.join(".tftf-parts/shard-00000.json"));
@@ -377,4 +398,105 @@ fn a_part_refuses_a_directory_with_an_interrupted_plain_commit() {
     );
     // Nothing written: no parts directory, no shard.
     assert_eq!(listing(&out), vec![".tftf-commit.json".to_string()]);
+}
+
+/// Files under `dir`, recursively.
+fn file_count(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| match e.path().is_dir() {
+            true => file_count(&e.path()),
+            false => 1,
+        })
+        .sum()
+}
+
+/// Issue #24 item 11: a SIGKILL at any step of finalize (writing, the journalled commit, the
+/// removal of `.tftf-parts`) leaves a directory that `tftf recover`, `tftf finalize` or a
+/// `--force` run turns into the single run's output, with nothing of the parts left behind.
+#[test]
+fn a_kill_at_any_step_of_finalize_is_finished_by_recover_finalize_or_force() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = tmp();
+    let input = model(d.path());
+    let single = reference(d.path(), &input, "--checksums");
+    let parted = d.path().join("parted");
+    for k in ["1/2", "2/2"] {
+        ok(&part(&input, &parted, &["--part", k]));
+    }
+    // Part records and staged side files, and finalize's lock.
+    let bookkeeping = file_count(&parted.join(".tftf-parts")) + 1;
+    let last_unrecord = format!("unrecord:{bookkeeping}");
+    // Index, config, tokenizer, sums, manifest.
+    let points = [
+        ("tmp:1", false),
+        ("tmp:5", false),
+        ("written", false),
+        ("journal", true),
+        ("rename:1", true),
+        ("rename:5", true),
+        ("delete:1", true),
+        ("retire", true),
+        ("unrecord:1", true),
+        (last_unrecord.as_str(), true),
+        ("applied", true),
+    ];
+    for (point, journalled) in points {
+        for finish in ["recover", "finalize", "force"] {
+            let out = d.path().join(format!("out-{point}-{finish}"));
+            let cp = Command::new("cp")
+                .args(["-a", s(&parted), s(&out)])
+                .status();
+            assert!(cp.unwrap().success());
+            // An earlier output's shard, which the commit deletes.
+            std::fs::write(out.join("model.safetensors"), b"old").unwrap();
+            let killed = Command::new(env!("CARGO_BIN_EXE_tftf"))
+                .args(["finalize", s(&out), "--force", "-q"])
+                .env("TFTF_TEST_CRASH_AT", point)
+                .output()
+                .unwrap();
+            assert_eq!(killed.status.signal(), Some(9), "{point}: not killed");
+            assert_eq!(
+                out.join(".tftf-commit.json").exists(),
+                journalled,
+                "{point}"
+            );
+            if journalled {
+                let e = fails(&["info", s(&out)]);
+                assert!(e.contains(&format!("tftf recover {}", s(&out))), "{e}");
+            }
+            match (finish, journalled) {
+                ("recover", _) => {
+                    let o = tftf_ok(&["recover", s(&out)]);
+                    if !journalled {
+                        assert_mentions(
+                            &stdout(&o),
+                            &[
+                                "removed",
+                                "not finalized: every part is done",
+                                "tftf finalize",
+                            ],
+                        );
+                        assert!(listing(&out).iter().all(|n| !n.ends_with(".tmp")));
+                        tftf_ok(&["finalize", s(&out), "--force", "-q"]);
+                    }
+                }
+                ("force", true) => {
+                    tftf_ok(&run_args(&input, &out, &["--checksums", "--force"]));
+                }
+                ("force", false) => {
+                    let e = fails(&run_args(&input, &out, &["--checksums", "--force"]));
+                    assert_mentions(&e, &["unfinished partitioned run", "tftf finalize"]);
+                    assert!(!e.contains("remove the directory"), "{e}");
+                    tftf_ok(&["finalize", s(&out), "--force", "-q"]);
+                }
+                _ => {
+                    tftf_ok(&["finalize", s(&out), "--force", "-q"]);
+                }
+            }
+            assert_same_dirs(&single, &out);
+            tftf_ok(&["verify", s(&out)]);
+        }
+    }
 }

@@ -3,6 +3,7 @@
 //! or `--finalize` on the last part) finalizes. See [`crate::output::parts`].
 
 use std::collections::HashSet;
+use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use serde_json::{json, Value};
 use super::*;
 use crate::error::{Error, Result};
 use crate::output::checksum::{hash_file, TensorRange};
-use crate::output::commit::{crash_point, is_temp_for, temp_name, temporaries};
+use crate::output::commit::{crash_point, is_temp_for, temp_name, temp_os_name, temporaries};
 use crate::output::parts::{
     self, assign, lock_path, read_part_records, refuse_while_finalizing, shard_groups,
     staged_side_dir, Finalized, Fingerprint, LeaseLock, NotReady, PartRecord, PartSpec,
@@ -85,16 +86,11 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
         .filter(|&s| part_of[s] == part.k - 1)
         .collect();
     // Side files: the input's (config.json as edited), then those the plan generates.
-    let side_names: Vec<String> = p
+    let side_names: Vec<OsString> = p
         .sides
         .iter()
-        .map(|s| {
-            s.file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .chain(p.plan.generated_files.iter().map(|(n, _)| n.clone()))
+        .map(|s| s.file_name().unwrap_or_default().to_os_string())
+        .chain(p.plan.generated_files.iter().map(|(n, _)| n.into()))
         .collect();
     if let Some(report) = &opts.report {
         let mut names = output_names(p, false)?;
@@ -199,6 +195,10 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
 }
 
 pub fn print_finalized(dir: &Path, f: &Finalized) {
+    if let Some(note) = &f.finished_interrupted {
+        outln!("finalized {}: {note}", dir.display());
+        return;
+    }
     outln!(
         "finalized {}: {} part(s), {} shard(s), {}; wrote {}",
         dir.display(),
@@ -283,7 +283,7 @@ fn write_part(
     fp: &Fingerprint,
     digest: &str,
     mine: &[usize],
-    side_names: &[String],
+    side_names: &[OsString],
     checksums: bool,
 ) -> Result<PartOutcome> {
     let opts = p.opts;
@@ -591,7 +591,7 @@ fn write_group(
 
 /// Part 1 stages the side files (the edited config as written, the others copied) for
 /// finalize, which may run without the input.
-fn stage_sides(p: &Prepared, dir: &Path, names: &[String]) -> Result<()> {
+fn stage_sides(p: &Prepared, dir: &Path, names: &[OsString]) -> Result<()> {
     let side_dir = staged_side_dir(dir);
     match std::fs::create_dir(&side_dir) {
         Ok(()) => {}
@@ -605,9 +605,13 @@ fn stage_sides(p: &Prepared, dir: &Path, names: &[String]) -> Result<()> {
         .chain(p.plan.generated_files.iter().map(|_| None));
     for (src, name) in sources.zip(names) {
         let dst = side_dir.join(name);
-        let tmp = side_dir.join(temp_name(name));
-        let generated = p.plan.generated_files.iter().find(|(n, _)| n == name);
-        let written = match (src, name.as_str(), &p.plan.config) {
+        let tmp = side_dir.join(temp_os_name(name));
+        let generated = p
+            .plan
+            .generated_files
+            .iter()
+            .find(|(n, _)| name.as_os_str() == n.as_str());
+        let written = match (src, name.to_str().unwrap_or_default(), &p.plan.config) {
             (None, _, _) => std::fs::write(&tmp, &generated.expect("a generated file").1),
             (Some(_), "config.json", Some(cfg)) => {
                 let mut t = serde_json::to_string_pretty(cfg).expect("JSON object");

@@ -296,10 +296,8 @@ fn add_side_outputs(
         add(out, INDEX_NAME, index.as_bytes(), &mut sums)?;
     }
     for side in run.sides {
-        let name = side
-            .file_name()
-            .expect("listed files have names")
-            .to_string_lossy();
+        // The name byte for byte: a side file named in another encoding keeps its name.
+        let name = side.file_name().expect("listed files have names");
         if let (true, Some(cfg)) = (name == "config.json", &plan.config) {
             let mut text = serde_json::to_string_pretty(cfg).expect("JSON object");
             text.push('\n');
@@ -307,15 +305,15 @@ fn add_side_outputs(
             continue;
         }
         if checksums {
-            sums.push(hash_file(side, &name, Vec::new())?);
+            sums.push(hash_file(side, name, Vec::new())?);
         }
-        out.add_copy(&name, side)?;
+        out.add_copy(name, side)?;
     }
     for (name, text) in generated_files(run) {
         add(out, name, text.as_bytes(), &mut sums)?;
     }
     if checksums {
-        out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
+        out.add_bytes(SUMS_NAME, &sums_text(&sums))?;
         let mut manifest =
             serde_json::to_string_pretty(&manifest_json(&sums)).expect("JSON object");
         manifest.push('\n');

@@ -6,12 +6,15 @@
 //! format) holds the file hashes; `tftf-manifest.json` adds sizes and each tensor's range and
 //! hash, so `tftf verify` can name the first tensor that changed, not just the file.
 
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use super::names::{name_from_json, name_json};
 use crate::error::{Error, Result};
 
 pub const SUMS_NAME: &str = "SHA256SUMS";
@@ -31,7 +34,8 @@ pub struct TensorRange {
 /// One hashed file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileSum {
-    pub name: String,
+    /// The file's name, byte for byte.
+    pub name: OsString,
     pub size: u64,
     pub sha256: String,
     /// Tensors in file order with their hashes.
@@ -44,7 +48,11 @@ fn hex(d: &[u8]) -> String {
 
 /// Hashes `path` whole and each range of `tensors` (sorted by offset, not overlapping), in one
 /// sequential read.
-pub fn hash_file(path: &Path, name: &str, mut tensors: Vec<TensorRange>) -> Result<FileSum> {
+pub fn hash_file(
+    path: &Path,
+    name: impl AsRef<OsStr>,
+    mut tensors: Vec<TensorRange>,
+) -> Result<FileSum> {
     let f = crate::sys::open_regular(path).map_err(|e| Error::io(path, e))?;
     let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
     tensors.sort_by_key(|t| t.offset);
@@ -100,7 +108,7 @@ pub fn hash_file(path: &Path, name: &str, mut tensors: Vec<TensorRange>) -> Resu
         sums.push((t.clone(), hex(&Sha256::digest([]))));
     }
     Ok(FileSum {
-        name: name.into(),
+        name: name.as_ref().to_os_string(),
         size,
         sha256: hex(&whole.finalize()),
         tensors: sums,
@@ -117,12 +125,84 @@ pub fn hash_bytes(name: &str, bytes: &[u8]) -> FileSum {
     }
 }
 
-/// `SHA256SUMS`: `HASH  NAME` per file, as `sha256sum` writes it.
-pub fn sums_text(files: &[FileSum]) -> String {
-    files
-        .iter()
-        .map(|f| format!("{}  {}\n", f.sha256, f.name))
-        .collect()
+/// `SHA256SUMS`: `HASH  NAME` per file, as GNU `sha256sum` writes it: names byte for byte,
+/// except that a name holding a backslash, newline or carriage return is written with those as
+/// `\\`, `\n`, `\r` and the line starts with a backslash, so that `sha256sum -c` reads every
+/// name back.
+pub fn sums_text(files: &[FileSum]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for f in files {
+        let name = f.name.as_bytes();
+        if name.iter().any(|b| matches!(b, b'\\' | b'\n' | b'\r')) {
+            out.push(b'\\');
+        }
+        out.extend_from_slice(f.sha256.as_bytes());
+        out.extend_from_slice(b"  ");
+        for &b in name {
+            match b {
+                b'\\' => out.extend_from_slice(b"\\\\"),
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                b => out.push(b),
+            }
+        }
+        out.push(b'\n');
+    }
+    out
+}
+
+/// The (name, hash) entries of a `SHA256SUMS` file, escaped names decoded; an error names the
+/// first line that is not `HASH  NAME` (or `HASH *NAME`).
+fn parse_sums(path: &Path, text: &[u8]) -> Result<Vec<(OsString, String)>> {
+    let mut entries = Vec::new();
+    let text = text.strip_suffix(b"\n").unwrap_or(text);
+    for (i, line) in text.split(|&b| b == b'\n').enumerate() {
+        let bad = |what: &str| {
+            Error::Other(format!(
+                "{}: line {} is not `HASH  NAME` ({what})",
+                path.display(),
+                i + 1
+            ))
+        };
+        let (escaped, line) = match line.strip_prefix(b"\\") {
+            Some(rest) => (true, rest),
+            None => (false, line),
+        };
+        let (hash, name) = line.split_at_checked(64).ok_or_else(|| bad("too short"))?;
+        if !hash.iter().all(u8::is_ascii_hexdigit) {
+            return Err(bad("the hash is not 64 hex digits"));
+        }
+        let name = name
+            .strip_prefix(b"  ")
+            .or_else(|| name.strip_prefix(b" *"))
+            .ok_or_else(|| bad("no two-space separator"))?;
+        let name = if escaped {
+            unescape_sums_name(name).ok_or_else(|| bad("a bad escape in the name"))?
+        } else {
+            name.to_vec()
+        };
+        let hash = String::from_utf8_lossy(hash).to_ascii_lowercase();
+        entries.push((OsString::from_vec(name), hash));
+    }
+    Ok(entries)
+}
+
+/// Decodes a `SHA256SUMS` name written with `\\`, `\n` and `\r` escapes.
+fn unescape_sums_name(name: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(name.len());
+    let mut bytes = name.iter();
+    while let Some(&b) = bytes.next() {
+        out.push(match b {
+            b'\\' => match bytes.next()? {
+                b'\\' => b'\\',
+                b'n' => b'\n',
+                b'r' => b'\r',
+                _ => return None,
+            },
+            b => b,
+        });
+    }
+    Some(out)
 }
 
 pub fn manifest_json(files: &[FileSum]) -> Value {
@@ -130,7 +210,7 @@ pub fn manifest_json(files: &[FileSum]) -> Value {
         "tftf_manifest": MANIFEST_VERSION,
         "tftf_version": env!("CARGO_PKG_VERSION"),
         "files": files.iter().map(|f| json!({
-            "name": f.name,
+            "name": name_json(&f.name),
             "size": f.size,
             "sha256": f.sha256,
             "tensors": tensors_json(&f.tensors),
@@ -174,10 +254,7 @@ fn parse_manifest(path: &Path, v: &Value) -> Result<Vec<FileSum>> {
                     Ok((range, h.to_string()))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let name = s("name")?;
-            if name.contains('/') || name == ".." || name.is_empty() {
-                return Err(bad("a file name with a path"));
-            }
+            let name = name_from_json(&f["name"]).ok_or_else(|| bad("a file name with a path"))?;
             Ok(FileSum {
                 name,
                 size: f["size"].as_u64().ok_or_else(|| bad("size"))?,
@@ -197,8 +274,41 @@ pub struct Verified {
     pub problems: Vec<String>,
 }
 
-/// Re-hashes every file `DIR/tftf-manifest.json` lists and compares.
+/// Re-hashes every file `DIR/tftf-manifest.json` and `DIR/SHA256SUMS` list and compares;
+/// checks that the two lists agree and that every data file in `DIR` is on them.
 pub fn verify(dir: &Path) -> Result<Verified> {
+    let want = read_manifest(dir)?;
+    let mut out = Verified::default();
+    for w in &want {
+        check_file(dir, w, &mut out)?;
+    }
+    let spath = dir.join(SUMS_NAME);
+    let sums = match crate::sys::read_regular(&spath) {
+        Ok(b) => parse_sums(&spath, &b)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            out.problems.push(format!(
+                "{SUMS_NAME}: missing (--checksums writes it beside {MANIFEST_NAME})"
+            ));
+            Vec::new()
+        }
+        Err(e) => return Err(Error::io(&spath, e)),
+    };
+    compare_sums(dir, &want, &sums, &mut out)?;
+    let listed: Vec<&OsStr> = want
+        .iter()
+        .map(|w| w.name.as_os_str())
+        .chain(sums.iter().map(|(n, _)| n.as_os_str()))
+        .collect();
+    for name in super::unlisted_data_files(dir, &listed)? {
+        out.problems.push(format!(
+            "{}: a data file that neither {SUMS_NAME} nor {MANIFEST_NAME} lists (added, or its entries removed, after the checksums were written)",
+            crate::escape::bytes(&name)
+        ));
+    }
+    Ok(out)
+}
+
+fn read_manifest(dir: &Path) -> Result<Vec<FileSum>> {
     let mpath = dir.join(MANIFEST_NAME);
     let text = crate::sys::read_regular_to_string(&mpath).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::Other(format!(
@@ -209,56 +319,102 @@ pub fn verify(dir: &Path) -> Result<Verified> {
     })?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| Error::Other(format!("{}: invalid JSON: {e}", mpath.display())))?;
-    let want = parse_manifest(&mpath, &v)?;
-    let mut out = Verified::default();
-    for w in &want {
-        let path = dir.join(&w.name);
-        let size = match std::fs::metadata(&path) {
-            Ok(m) => match crate::sys::refuse_special(&path, &m) {
-                Ok(()) => m.len(),
-                // A FIFO would block the hashing forever; `/dev/urandom` passed for an empty file.
-                Err(e) => {
-                    out.problems.push(format!("{}: {e}", w.name));
-                    continue;
-                }
-            },
-            Err(_) => {
-                out.problems.push(format!("{}: missing", w.name));
-                continue;
+    parse_manifest(&mpath, &v)
+}
+
+/// Re-hashes the manifest's file `w` and records what differs.
+fn check_file(dir: &Path, w: &FileSum, out: &mut Verified) -> Result<()> {
+    let shown = crate::escape::bytes(w.name.as_bytes());
+    let path = dir.join(&w.name);
+    let size = match std::fs::metadata(&path) {
+        Ok(m) => match crate::sys::refuse_special(&path, &m) {
+            Ok(()) => m.len(),
+            // A FIFO would block the hashing forever; `/dev/urandom` passed for an empty file.
+            Err(e) => {
+                out.problems.push(format!("{shown}: {e}"));
+                return Ok(());
             }
-        };
-        if size != w.size {
-            out.problems.push(format!(
-                "{}: {size} bytes, the manifest says {}",
-                w.name, w.size
-            ));
-            continue;
+        },
+        Err(_) => {
+            out.problems.push(format!("{shown}: missing"));
+            return Ok(());
         }
-        let ranges = w.tensors.iter().map(|(t, _)| t.clone()).collect();
-        let got = hash_file(&path, &w.name, ranges)?;
-        out.files += 1;
-        out.bytes += size;
-        if got.sha256 == w.sha256 {
-            continue;
-        }
-        let first = w
-            .tensors
-            .iter()
-            .zip(&got.tensors)
-            .find(|((_, a), (_, b))| a != b)
-            .map(|((t, _), _)| t);
-        out.problems.push(match first {
-            Some(t) => format!(
-                "{}: tensor `{}` (bytes {}..{}) differs from the manifest",
-                w.name,
-                crate::escape::name(&t.name),
-                t.offset,
-                t.offset + t.len
-            ),
-            None => format!("{}: the header differs from the manifest", w.name),
-        });
+    };
+    if size != w.size {
+        out.problems.push(format!(
+            "{shown}: {size} bytes, the manifest says {}",
+            w.size
+        ));
+        return Ok(());
     }
-    Ok(out)
+    let ranges = w.tensors.iter().map(|(t, _)| t.clone()).collect();
+    let got = hash_file(&path, &w.name, ranges)?;
+    out.files += 1;
+    out.bytes += size;
+    if got.sha256 == w.sha256 {
+        return Ok(());
+    }
+    let first = w
+        .tensors
+        .iter()
+        .zip(&got.tensors)
+        .find(|((_, a), (_, b))| a != b)
+        .map(|((t, _), _)| t);
+    out.problems.push(match first {
+        Some(t) => format!(
+            "{shown}: tensor `{}` (bytes {}..{}) differs from the manifest",
+            crate::escape::name(&t.name),
+            t.offset,
+            t.offset + t.len
+        ),
+        None => format!("{shown}: the header differs from the manifest"),
+    });
+    Ok(())
+}
+
+/// Compares `SHA256SUMS` with the manifest, entry by entry; a file only `SHA256SUMS` lists is
+/// re-hashed against it.
+fn compare_sums(
+    dir: &Path,
+    want: &[FileSum],
+    sums: &[(OsString, String)],
+    out: &mut Verified,
+) -> Result<()> {
+    for (name, hash) in sums {
+        let shown = crate::escape::bytes(name.as_bytes());
+        if let Some(w) = want.iter().find(|w| &w.name == name) {
+            if &w.sha256 != hash {
+                out.problems.push(format!(
+                    "{shown}: {SUMS_NAME} and {MANIFEST_NAME} give different hashes"
+                ));
+            }
+            continue;
+        }
+        out.problems.push(format!(
+            "{shown}: in {SUMS_NAME} but not in {MANIFEST_NAME}"
+        ));
+        let path = dir.join(name);
+        if !path.is_file() {
+            out.problems.push(format!("{shown}: missing"));
+            continue;
+        }
+        let got = hash_file(&path, name, Vec::new())?;
+        out.files += 1;
+        out.bytes += got.size;
+        if &got.sha256 != hash {
+            out.problems
+                .push(format!("{shown}: differs from its hash in {SUMS_NAME}"));
+        }
+    }
+    for w in want {
+        if !sums.iter().any(|(n, _)| n == &w.name) {
+            out.problems.push(format!(
+                "{}: in {MANIFEST_NAME} but not in {SUMS_NAME}",
+                crate::escape::bytes(w.name.as_bytes())
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -6,15 +6,23 @@
 //! (or `tftf recover`) rolls forward. So after a crash at any instant the output is the old one
 //! or, once finished, the new one — never a mix that a loader would take for a checkpoint.
 //!
+//! A commit may also retire a hidden bookkeeping directory (finalize's `.tftf-parts`): the
+//! journal names it, and applying the journal renames it aside, then empties and removes it,
+//! before the journal goes. So the bookkeeping outlives the commit by no instant that a rerun
+//! or `tftf recover` cannot finish.
+//!
 //! Dropping an uncommitted `OutputSet` (an error, a panic unwinding, Ctrl-C) removes every
 //! temporary, then the directories this run created for the output, where empty.
 
+use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
 use super::lock::OutputLock;
+use super::names::{name_from_json, name_json};
 use crate::error::{Error, Result};
 
 pub use crate::format::checkpoint::JOURNAL_NAME;
@@ -35,26 +43,41 @@ const TEMP_HASH_DIGITS: usize = 16;
 
 /// The part of a temporary's name that stands for its final name: the name itself, or, where
 /// that would make the temporary longer than `NAME_MAX` (a legal 240-byte name), its head and
-/// `~` and a hash of the whole name.
-fn temp_stem(name: &str) -> std::borrow::Cow<'_, str> {
+/// `~` and a hash of the whole name. Bytes, as names need not be UTF-8; a UTF-8 name is cut at a
+/// character boundary, so its stem stays UTF-8.
+fn temp_stem(name: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     let room = NAME_MAX_BYTES - TEMP_OVERHEAD_BYTES;
     if name.len() <= room {
         return name.into();
     }
     use sha2::Digest;
-    let digest = sha2::Sha256::digest(name.as_bytes());
+    let digest = sha2::Sha256::digest(name);
     let hash: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     let mut cut = room - 1 - TEMP_HASH_DIGITS;
-    while !name.is_char_boundary(cut) {
-        cut -= 1;
+    if let Ok(text) = std::str::from_utf8(name) {
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
     }
-    format!("{}~{}", &name[..cut], &hash[..TEMP_HASH_DIGITS]).into()
+    let mut stem = name[..cut].to_vec();
+    stem.push(b'~');
+    stem.extend_from_slice(&hash.as_bytes()[..TEMP_HASH_DIGITS]);
+    stem.into()
 }
 
 /// Temporary name of a file that becomes `name` on commit: hidden, marked with the pid, and
 /// never longer than `NAME_MAX` when `name` is not.
 pub fn temp_name(name: &str) -> String {
-    format!(".{}.tftf-{}.tmp", temp_stem(name), std::process::id())
+    String::from_utf8(temp_os_name(OsStr::new(name)).into_vec())
+        .expect("the stem of a UTF-8 name is UTF-8")
+}
+
+/// [`temp_name`] of a name that may not be UTF-8, byte for byte.
+pub(crate) fn temp_os_name(name: &OsStr) -> OsString {
+    let mut b = vec![b'.'];
+    b.extend_from_slice(&temp_stem(name.as_bytes()));
+    b.extend_from_slice(format!(".tftf-{}.tmp", std::process::id()).as_bytes());
+    OsString::from_vec(b)
 }
 
 /// Whether the tftf temporary `tmp` (`.STEM.tftf-PID.tmp`, any pid) is one for `name`.
@@ -64,18 +87,27 @@ pub fn is_temp_for(tmp: &str, name: &str) -> bool {
     }
     let rest = &tmp[1..tmp.len() - 4];
     rest.rfind(".tftf-")
-        .is_some_and(|at| rest[..at] == *temp_stem(name))
+        .is_some_and(|at| rest[..at].as_bytes() == &*temp_stem(name.as_bytes()))
 }
 
 /// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
 pub fn is_temp_name(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+    is_temp_bytes(name.as_bytes())
+}
+
+/// [`is_temp_name`] of a name as bytes (NAME need not be UTF-8).
+fn is_temp_bytes(name: &[u8]) -> bool {
+    let Some(rest) = name
+        .strip_prefix(b".")
+        .and_then(|n| n.strip_suffix(b".tmp"))
+    else {
         return false;
     };
-    match rest.rfind(".tftf-") {
+    let marker = b".tftf-";
+    match rest.windows(marker.len()).rposition(|w| w == marker) {
         Some(at) => {
-            let pid = &rest[at + 6..];
-            at > 0 && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+            let pid = &rest[at + marker.len()..];
+            at > 0 && !pid.is_empty() && pid.iter().all(u8::is_ascii_digit)
         }
         None => false,
     }
@@ -86,9 +118,11 @@ pub struct OutputSet {
     /// Directories this run created for the output, deepest first.
     created_dirs: Vec<PathBuf>,
     /// (temporary path, final name), in the order added.
-    files: Vec<(PathBuf, String)>,
+    files: Vec<(PathBuf, OsString)>,
     committed: bool,
     lock: Option<OutputLock>,
+    /// A directory in `dir` the commit removes after its renames and deletions.
+    retire: Option<String>,
 }
 
 impl OutputSet {
@@ -100,19 +134,14 @@ impl OutputSet {
             files: Vec::new(),
             committed: false,
             lock: Some(lock),
+            retire: None,
         }
     }
 
-    /// An output set in `dir` for a caller that holds the directory's lease lock itself
-    /// (finalize of a partitioned run).
-    pub fn unlocked(dir: PathBuf) -> OutputSet {
-        OutputSet {
-            dir,
-            created_dirs: Vec::new(),
-            files: Vec::new(),
-            committed: false,
-            lock: None,
-        }
+    /// Makes the commit remove the hidden directory `name` (`.tftf-…`, a plain name in the
+    /// output directory) once every file is in place, as part of the journalled commit.
+    pub fn retire_after_commit(&mut self, name: &str) {
+        self.retire = Some(name.to_string());
     }
 
     pub fn dir(&self) -> &Path {
@@ -121,8 +150,9 @@ impl OutputSet {
 
     /// Opens a new temporary file that becomes `name` on commit (an error names `name`: the
     /// temporary is ours, not the user's).
-    pub fn add(&mut self, name: &str) -> Result<(File, PathBuf)> {
-        let tmp = self.dir.join(temp_name(name));
+    pub fn add(&mut self, name: impl AsRef<OsStr>) -> Result<(File, PathBuf)> {
+        let name = name.as_ref();
+        let tmp = self.dir.join(temp_os_name(name));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -130,13 +160,13 @@ impl OutputSet {
             .open(&tmp)
             .map_err(|e| Error::io(self.dir.join(name), e))?;
         crate::signals::remove_on_exit(&tmp);
-        self.files.push((tmp.clone(), name.to_string()));
+        self.files.push((tmp.clone(), name.to_os_string()));
         crash_point("tmp");
         Ok((file, tmp))
     }
 
     /// Writes a whole small file (index, config).
-    pub fn add_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+    pub fn add_bytes(&mut self, name: impl AsRef<OsStr>, bytes: &[u8]) -> Result<()> {
         let (file, tmp) = self.add(name)?;
         use std::io::Write;
         let mut w = std::io::BufWriter::new(file);
@@ -148,8 +178,9 @@ impl OutputSet {
     }
 
     /// Copies a side file: shared with the input where the filesystem can, else copied in the
-    /// kernel.
-    pub fn add_copy(&mut self, name: &str, src: &Path) -> Result<()> {
+    /// kernel. `name` is taken byte for byte.
+    pub fn add_copy(&mut self, name: impl AsRef<OsStr>, src: &Path) -> Result<()> {
+        let name = name.as_ref();
         let (mut dst, _) = self.add(name)?;
         let mut from = crate::sys::open_regular(src).map_err(|e| Error::io(src, e))?;
         if crate::sys::clone_file(&from, &dst).is_err() {
@@ -168,15 +199,23 @@ impl OutputSet {
         }
         // Loaders find a checkpoint through its index: it appears only after its shards.
         self.files
-            .sort_by_key(|(_, name)| name.ends_with(".index.json"));
+            .sort_by_key(|(_, name)| name.as_bytes().ends_with(b".index.json"));
         let journal = Journal {
             pid: std::process::id(),
             renames: self
                 .files
                 .iter()
-                .map(|(tmp, name)| (file_name(tmp), name.clone()))
+                .map(|(tmp, name)| {
+                    (
+                        tmp.file_name()
+                            .expect("temporaries have names")
+                            .to_os_string(),
+                        name.clone(),
+                    )
+                })
                 .collect(),
             deletes: delete.to_vec(),
+            retire: self.retire.clone(),
         };
         // From the journal on, the temporaries belong to the commit (a later run finishes it):
         // a signal ending the process must not remove them.
@@ -223,19 +262,14 @@ impl Drop for OutputSet {
     }
 }
 
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .expect("temporaries have names")
-        .to_string_lossy()
-        .into_owned()
-}
-
 /// The renames and deletions a commit makes, written down before it makes them.
 struct Journal {
     pid: u32,
-    /// (temporary name, final name)
-    renames: Vec<(String, String)>,
+    /// (temporary name, final name), as bytes.
+    renames: Vec<(OsString, OsString)>,
     deletes: Vec<String>,
+    /// A hidden directory removed last ([`OutputSet::retire_after_commit`]).
+    retire: Option<String>,
 }
 
 impl Journal {
@@ -243,8 +277,9 @@ impl Journal {
         let value = json!({
             "tftf_commit": 1,
             "pid": self.pid,
-            "renames": self.renames,
+            "renames": self.renames.iter().map(|(t, f)| [name_json(t), name_json(f)]).collect::<Vec<_>>(),
             "deletes": self.deletes,
+            "retire": self.retire,
         });
         let path = dir.join(JOURNAL_NAME);
         let tmp = dir.join(temp_name(JOURNAL_NAME));
@@ -287,15 +322,18 @@ impl Journal {
                 _ => Err(bad("an entry is not a file name in this directory")),
             }
         };
+        let plain_os = |n: &Value| {
+            name_from_json(n).ok_or_else(|| bad("an entry is not a file name in this directory"))
+        };
         let mut renames = Vec::new();
         for pair in names("renames")? {
             match pair.as_array().map(Vec::as_slice) {
                 Some([tmp, fin]) => {
-                    let tmp = plain(tmp)?;
-                    if !is_temp_name(&tmp) {
+                    let tmp = plain_os(tmp)?;
+                    if !is_temp_bytes(tmp.as_bytes()) {
                         return Err(bad("a rename source is not a tftf temporary"));
                     }
-                    renames.push((tmp, plain(fin)?));
+                    renames.push((tmp, plain_os(fin)?));
                 }
                 _ => return Err(bad("a rename is not a pair")),
             }
@@ -304,10 +342,18 @@ impl Journal {
             .iter()
             .map(plain)
             .collect::<Result<Vec<_>>>()?;
+        let retire = match v.get("retire") {
+            None | Some(Value::Null) => None,
+            Some(d) => match plain(d)? {
+                d if d.starts_with(".tftf-") => Some(d),
+                _ => return Err(bad("the directory to retire is not tftf's")),
+            },
+        };
         Ok(Journal {
             pid: v.get("pid").and_then(Value::as_u64).unwrap_or(0) as u32,
             renames,
             deletes,
+            retire,
         })
     }
 
@@ -329,9 +375,53 @@ impl Journal {
                 Err(e) => return Err(Error::io(&p, e)),
             }
         }
+        if let Some(name) = &self.retire {
+            retire_dir(dir, name)?;
+        }
         sync_dir(dir)?;
         crash_point("applied");
         Ok(())
+    }
+}
+
+/// Removes the directory `name` in `dir`: renamed aside to `NAME.retired` first (one atomic
+/// step: no reader sees it half emptied), then emptied and removed. Idempotent.
+fn retire_dir(dir: &Path, name: &str) -> Result<()> {
+    let live = dir.join(name);
+    let aside = dir.join(format!("{name}.retired"));
+    if live.is_dir() {
+        remove_tree(&aside)?;
+        std::fs::rename(&live, &aside).map_err(|e| Error::io(&live, e))?;
+        sync_dir(dir)?;
+        crash_point("retire");
+    }
+    remove_tree(&aside)
+}
+
+/// Removes `path` and everything under it, symlinks as links; a missing entry is no error.
+fn remove_tree(path: &Path) -> Result<()> {
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+    let entries = match std::fs::read_dir(path) {
+        Ok(rd) => rd,
+        Err(e) if gone(&e) => return Ok(()),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(path, e))?;
+        let p = entry.path();
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&p)?;
+            continue;
+        }
+        match std::fs::remove_file(&p) {
+            Ok(()) => crash_point("unrecord"),
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(Error::io(&p, e)),
+        }
+    }
+    match std::fs::remove_dir(path) {
+        Err(e) if !gone(&e) => Err(Error::io(path, e)),
+        _ => Ok(()),
     }
 }
 
@@ -347,6 +437,15 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::io(dir, e))
 }
 
+/// The directory the commit journalled in `dir` retires (finalize's), if there is such a
+/// journal: a commit that finalize began.
+pub fn interrupted_commit_retires(dir: &Path) -> Option<String> {
+    if !dir.join(JOURNAL_NAME).exists() {
+        return None;
+    }
+    Journal::read(dir).ok()?.retire
+}
+
 /// Finishes the commit a killed run left journalled in `dir` (call with the lock held).
 /// Returns a note saying what was done, or `None` when there was nothing to finish.
 pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
@@ -356,34 +455,60 @@ pub fn finish_interrupted_commit(dir: &Path) -> Result<Option<String>> {
     let journal = Journal::read(dir)?;
     journal.apply(dir)?;
     remove_journal(dir)?;
+    let retired = journal
+        .retire
+        .as_ref()
+        .map_or(String::new(), |d| format!(", {d} removed"));
     Ok(Some(format!(
-        "finished the commit that tftf pid {} was making when it stopped ({} file(s) renamed into place, {} removed)",
+        "finished the commit that tftf pid {} was making when it stopped ({} file(s) renamed into place, {} removed{retired})",
         journal.pid,
         journal.renames.len(),
         journal.deletes.len()
     )))
 }
 
-/// tftf temporaries in `dir` (names, sorted). With the directory's lock held they are orphans
-/// of killed runs.
+/// tftf temporaries in `dir` (names, sorted, as they are printed). With the directory's lock
+/// held they are orphans of killed runs.
 pub fn temporaries(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| is_temp_name(n))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut v: Vec<String> = raw_temporaries(dir)
+        .iter()
+        .map(|n| crate::escape::bytes(n.as_bytes()).into_owned())
+        .collect();
     v.sort();
     v
+}
+
+fn raw_temporaries(dir: &Path) -> Vec<OsString> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| is_temp_bytes(n.as_bytes()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes the tftf temporaries in `dir` (call with its lock held: they are orphans of killed
+/// runs); returns their names as printed, sorted.
+pub fn remove_temporaries(dir: &Path) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for name in raw_temporaries(dir) {
+        let p = dir.join(&name);
+        match std::fs::remove_file(&p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&p, e)),
+            _ => removed.push(crate::escape::bytes(name.as_bytes()).into_owned()),
+        }
+    }
+    removed.sort();
+    Ok(removed)
 }
 
 /// Test hooks: `TFTF_TEST_CRASH_AT=POINT[:N]` kills the process with SIGKILL (no destructors,
 /// no cleanup, as the OOM killer or a power cut would) the N-th time (default 1st) it reaches
 /// `POINT`: `tmp` (a temporary created), `written` (all data written, nothing committed),
-/// `journal` (journal durable), `rename`, `delete`, `applied` (all renamed and deleted, journal
-/// still there). `TFTF_TEST_STOP_AT=POINT[:N]` stops it (SIGSTOP) there instead, holding the
+/// `journal` (journal durable), `rename`, `delete`, `retire` (the retired directory renamed
+/// aside), `unrecord` (a file in it removed), `applied` (all done but the journal's removal). `TFTF_TEST_STOP_AT=POINT[:N]` stops it (SIGSTOP) there instead, holding the
 /// output's lock, so a test can start a second run against a live one.
 pub fn crash_point(point: &str) {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -454,5 +579,35 @@ mod tests {
         let wide = "é".repeat(127);
         assert!(temp_name(&wide).len() <= NAME_MAX_BYTES);
         assert!(is_temp_for(&temp_name(&wide), &wide));
+    }
+
+    #[test]
+    fn a_journal_retires_only_a_tftf_directory_and_finishing_it_twice_is_harmless() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        std::fs::create_dir_all(dir.join("weights")).unwrap();
+        let journal = |retire: &str| {
+            let text = format!(
+                r#"{{"tftf_commit": 1, "pid": 7, "renames": [], "deletes": [], "retire": "{retire}"}}"#
+            );
+            std::fs::write(dir.join(JOURNAL_NAME), text).unwrap();
+        };
+        journal("weights");
+        let e = finish_interrupted_commit(dir).unwrap_err().to_string();
+        assert!(e.contains("the directory to retire is not tftf's"), "{e}");
+        assert!(dir.join("weights").is_dir());
+        // A retired directory half removed by a killed commit, with nested files.
+        std::fs::create_dir_all(dir.join(".tftf-parts.retired/side")).unwrap();
+        std::fs::write(dir.join(".tftf-parts.retired/side/config.json"), "{}").unwrap();
+        journal(".tftf-parts");
+        assert_eq!(
+            interrupted_commit_retires(dir).as_deref(),
+            Some(".tftf-parts")
+        );
+        let note = finish_interrupted_commit(dir).unwrap().unwrap();
+        assert!(note.contains(".tftf-parts removed"), "{note}");
+        assert!(!dir.join(".tftf-parts.retired").exists());
+        assert!(!dir.join(JOURNAL_NAME).exists());
+        assert!(finish_interrupted_commit(dir).unwrap().is_none());
     }
 }

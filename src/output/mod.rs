@@ -25,7 +25,10 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
-use commit::{finish_interrupted_commit, is_temp_name, remove_dirs, temporaries, JOURNAL_NAME};
+use commit::{
+    finish_interrupted_commit, is_temp_name, remove_dirs, remove_temporaries, temporaries,
+    JOURNAL_NAME,
+};
 use lock::{OutputLock, LOCK_FILE_NAME};
 use names::is_model_file_name;
 pub use names::INDEX_NAME;
@@ -313,6 +316,9 @@ impl<'a> OutputTarget<'a> {
     /// killed run left half done and removes killed runs' temporaries. Returns the empty output
     /// set and notes on what was cleaned up.
     pub fn begin(&self) -> Result<(OutputSet, Vec<String>)> {
+        let mut notes: Vec<String> = parts::finish_interrupted_finalize(&self.dir)?
+            .into_iter()
+            .collect();
         refuse_partitioned(&self.dir)?;
         let created_dirs = create_dirs(&self.dir)?;
         let lock = match OutputLock::acquire(&self.dir) {
@@ -323,15 +329,10 @@ impl<'a> OutputTarget<'a> {
             }
         };
         let set = OutputSet::new(self.dir.clone(), created_dirs, lock);
-        let mut notes = Vec::new();
         if let Some(note) = finish_interrupted_commit(&self.dir)? {
             notes.push(note);
         }
-        let orphans = temporaries(&self.dir);
-        for name in &orphans {
-            let p = self.dir.join(name);
-            std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-        }
+        let orphans = remove_temporaries(&self.dir)?;
         if !orphans.is_empty() {
             notes.push(format!(
                 "removed {} temporary file(s) left by a killed run: {}",
@@ -374,9 +375,10 @@ impl<'a> OutputTarget<'a> {
 fn refuse_partitioned(dir: &Path) -> Result<()> {
     if parts::parts_dir(dir).is_dir() {
         return Err(Error::Other(format!(
-            "{} holds an unfinished partitioned run ({}): finish its parts and run `tftf finalize`, continue it with the same --part/--resume command, or remove the directory",
+            "{} holds an unfinished partitioned run ({}): finish its parts and run `tftf finalize`, or continue it with the same --part/--resume command; to discard it, remove {} and rerun with --force",
             dir.display(),
-            parts::PARTS_DIR
+            parts::PARTS_DIR,
+            parts::parts_dir(dir).display()
         )));
     }
     Ok(())
@@ -507,14 +509,20 @@ pub fn write_report(path: &Path, report: &Value) -> Result<()> {
     })
 }
 
-/// Finishes an interrupted commit in `dir` and removes killed runs' temporaries, under the
-/// directory's lock (`tftf recover`). Returns what was done.
+/// Finishes an interrupted commit in `dir` (a finalize's too) and removes killed runs'
+/// temporaries, under the directory's lock (`tftf recover`); in a partitioned run that is not
+/// finalized, only the temporaries. Returns what was done.
 pub fn recover(dir: &Path) -> Result<Vec<String>> {
     if !dir.is_dir() {
         return Err(Error::Usage(format!(
             "{} is not a directory",
             dir.display()
         )));
+    }
+    if parts::parts_dir(dir).is_dir()
+        && commit::interrupted_commit_retires(dir).as_deref() != Some(parts::PARTS_DIR)
+    {
+        return parts::recover_unfinished(dir);
     }
     let no_inputs = InputFiles::default();
     let target = OutputTarget {
@@ -526,6 +534,45 @@ pub fn recover(dir: &Path) -> Result<Vec<String>> {
     let (set, notes) = target.begin()?;
     drop(set);
     Ok(notes)
+}
+
+/// Names (as bytes) of the data files in `dir` that `listed` (an output's checksummed files)
+/// does not hold. A safetensors checkpoint directory is the output's own: there every weight
+/// file of any format, index, adapter file and file the index lists counts. GGUF files sit
+/// among other files: there only the split files of a listed split GGUF (`STEM-NNNNN-of-
+/// MMMMM.gguf`, the same stem and count) count. Hidden files never do.
+pub(crate) fn unlisted_data_files(dir: &Path, listed: &[&std::ffi::OsStr]) -> Result<Vec<Vec<u8>>> {
+    let listed_str: Vec<&str> = listed.iter().filter_map(|n| n.to_str()).collect();
+    let checkpoint_dir = listed_str
+        .iter()
+        .any(|n| n.ends_with(".safetensors") || *n == INDEX_NAME);
+    let splits: Vec<(&str, &str)> = listed_str.iter().filter_map(|n| gguf_split(n)).collect();
+    let indexed = old_index_shards(&dir.join(INDEX_NAME));
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+    {
+        let raw = e.file_name();
+        let name = raw.to_string_lossy();
+        let data = (checkpoint_dir && (!is_side_file(&name) || indexed.iter().any(|i| *i == name)))
+            || gguf_split(&name).is_some_and(|k| splits.contains(&k));
+        let unlisted = !listed.contains(&raw.as_os_str());
+        if data && unlisted && !name.starts_with('.') && !e.path().is_dir() {
+            v.push(std::os::unix::ffi::OsStrExt::as_bytes(raw.as_os_str()).to_vec());
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// (stem, count) of a split GGUF file name `STEM-NNNNN-of-MMMMM.gguf`.
+fn gguf_split(name: &str) -> Option<(&str, &str)> {
+    let rest = name.strip_suffix(".gguf")?;
+    let (head, count) = rest.rsplit_once("-of-")?;
+    let (stem, index) = head.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(index) && digits(count)).then_some((stem, count))
 }
 
 /// Shard names an existing index lists (plain names only).

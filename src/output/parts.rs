@@ -10,8 +10,10 @@
 //! holds the run's fingerprint and the shards assigned to it, and says `complete` at the end.
 //! Part 1 also stages the side files (the edited config, tokenizer…) in `.tftf-parts/side/`.
 //! No part writes the index: until finalize writes it, the directory is not a loadable
-//! multi-shard checkpoint. Finalize checks every part's record against the others, writes the
-//! index, side files and checksums through the journalled commit, then removes `.tftf-parts`.
+//! multi-shard checkpoint. Finalize checks every part's record against the others and writes
+//! the index, side files and checksums through the journalled commit, whose last step removes
+//! `.tftf-parts`: a kill at any instant leaves either the records (finalize runs again) or a
+//! journal that `recover`, `finalize` or the next run rolls forward.
 //!
 //! Locks are lease files created with `O_EXCL` (atomic on local filesystems and on NFS v3+,
 //! Lustre and GPFS), not `flock`, which network filesystems do not all honour. A holder
@@ -34,8 +36,11 @@ use super::checksum::{
     hash_bytes, hash_file, manifest_json, sums_text, tensors_json, FileSum, TensorRange,
     MANIFEST_NAME, SUMS_NAME,
 };
-use super::commit::{finish_interrupted_commit, temp_name, temporaries, OutputSet};
-use super::names::{is_model_file_name, INDEX_NAME};
+use super::commit::{
+    finish_interrupted_commit, interrupted_commit_retires, remove_temporaries, temp_name, OutputSet,
+};
+use super::lock::OutputLock;
+use super::names::{is_model_file_name, name_from_json, name_json, INDEX_NAME};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::plan::{Plan, Recipe};
@@ -603,7 +608,8 @@ pub struct PartRecord {
     /// (layout index, file name) of the shards assigned to this part.
     pub assigned: Vec<(usize, String)>,
     /// Side files (part 1 stages them); the same list in every part.
-    pub side_files: Vec<String>,
+    /// Their names byte for byte.
+    pub side_files: Vec<std::ffi::OsString>,
     pub complete: bool,
 }
 
@@ -618,7 +624,7 @@ impl PartRecord {
             "shards_total": self.shards_total,
             "safetensors": self.safetensors,
             "assigned": self.assigned.iter().map(|(i, n)| json!({"index": i, "name": n})).collect::<Vec<_>>(),
-            "side_files": self.side_files,
+            "side_files": self.side_files.iter().map(|n| name_json(n)).collect::<Vec<_>>(),
             "complete": self.complete,
         });
         let mut text = serde_json::to_string_pretty(&v).expect("JSON value");
@@ -661,10 +667,7 @@ impl PartRecord {
             .as_array()
             .ok_or_else(|| bad("no `side_files`"))?
             .iter()
-            .map(|s| match s.as_str() {
-                Some(n) if plain_name(n) => Ok(n.to_string()),
-                _ => Err(bad("a side file name with a path")),
-            })
+            .map(|n| name_from_json(n).ok_or_else(|| bad("a side file name with a path")))
             .collect::<Result<Vec<_>>>()?;
         Ok(PartRecord {
             part: PartSpec { k, n },
@@ -781,7 +784,7 @@ impl ShardRecord {
 
     pub fn file_sum(&self) -> Option<FileSum> {
         Some(FileSum {
-            name: self.name.clone(),
+            name: self.name.clone().into(),
             size: self.size,
             sha256: self.sha256.clone()?,
             tensors: self
@@ -848,6 +851,9 @@ pub struct Finalized {
     /// Model files of an earlier output removed under `--force`.
     pub deleted: Vec<String>,
     pub bytes: u64,
+    /// Set when this finalize only finished the commit a killed finalize had journalled: what
+    /// it did.
+    pub finished_interrupted: Option<String>,
 }
 
 /// Why finalize cannot run yet (another part unfinished or running), as opposed to an error.
@@ -881,6 +887,12 @@ pub fn try_finalize(dir: &Path, force: bool) -> Result<std::result::Result<Final
 
 /// `tftf finalize DIR`.
 pub fn finalize(dir: &Path, force: bool) -> Result<Finalized> {
+    if let Some(note) = finish_interrupted_finalize(dir)? {
+        return Ok(Finalized {
+            finished_interrupted: Some(note),
+            ..Finalized::default()
+        });
+    }
     if !parts_dir(dir).is_dir() {
         return Err(Error::Other(format!(
             "{}: nothing to finalize: no {PARTS_DIR} directory (run the parts with --part K/N first; a finalized output has none)",
@@ -897,21 +909,62 @@ pub fn finalize(dir: &Path, force: bool) -> Result<Finalized> {
     }
 }
 
+/// Rolls forward the commit a killed finalize journalled in `dir` (its files written, the
+/// parts directory still to be removed), under the directory's lock and finalize's lease.
+/// Returns what was done, or `None` when no finalize was interrupted there.
+pub fn finish_interrupted_finalize(dir: &Path) -> Result<Option<String>> {
+    if interrupted_commit_retires(dir).as_deref() != Some(PARTS_DIR) {
+        return Ok(None);
+    }
+    let _output = OutputLock::acquire(dir)?;
+    // Until the journal retires it, the parts directory holds finalize's lease.
+    let _lease = match parts_dir(dir).is_dir() {
+        true => Some(finalize_lock(dir)?),
+        false => None,
+    };
+    Ok(finish_interrupted_commit(dir)?
+        .map(|note| format!("a finalize was killed while committing; {note}")))
+}
+
+/// `tftf recover` on a partitioned run that is not finalized: with no part and no finalize
+/// running, removes the temporaries killed jobs left (finalize's and the parts'), then says
+/// what the run still needs. The parts' records and committed shards stay for `--resume` and
+/// `tftf finalize`.
+pub fn recover_unfinished(dir: &Path) -> Result<Vec<String>> {
+    let lease = finalize_lock(dir)?;
+    if let Some(why) = running_part(dir) {
+        return Err(Error::Other(format!(
+            "{}: {why}; wait for it",
+            dir.display()
+        )));
+    }
+    let mut notes: Vec<String> = lease.note.iter().cloned().collect();
+    let orphans = remove_temporaries(dir)?;
+    if !orphans.is_empty() {
+        notes.push(format!(
+            "removed {} temporary file(s) left by killed jobs of the partitioned run",
+            orphans.len()
+        ));
+    }
+    let state = match done_parts(dir)? {
+        Ok(_) => "every part is done; run".to_string(),
+        Err(why) => format!("{why}; when every part is done, run"),
+    };
+    notes.push(format!(
+        "the partitioned run is not finalized: {state} `tftf finalize {}`",
+        dir.display()
+    ));
+    Ok(notes)
+}
+
 /// Part records with the files they were read from.
 type Records = Vec<(PathBuf, PartRecord)>;
 
 /// Every part's record when all parts are done; otherwise the first reason they are not: one
 /// running, missing or unfinished.
 fn done_parts(dir: &Path) -> Result<std::result::Result<Records, String>> {
-    for l in part_locks(dir) {
-        if let Some(h) = live_holder(&l) {
-            let stem = l
-                .file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            return Ok(Err(format!("{} is still running ({h})", part_label(&stem))));
-        }
+    if let Some(why) = running_part(dir) {
+        return Ok(Err(why));
     }
     let records = read_part_records(dir)?;
     let Some((first_path, first)) = records.first() else {
@@ -954,6 +1007,15 @@ fn done_parts(dir: &Path) -> Result<std::result::Result<Records, String>> {
     Ok(Ok(records))
 }
 
+/// "part K/N is still running (holder)" for the first part whose lock is live.
+fn running_part(dir: &Path) -> Option<String> {
+    part_locks(dir).into_iter().find_map(|l| {
+        let h = live_holder(&l)?;
+        let stem = l.file_stem().unwrap_or_default().to_string_lossy();
+        Some(format!("{} is still running ({h})", part_label(&stem)))
+    })
+}
+
 fn part_label(stem: &str) -> String {
     let parse = |s: &str| s.parse::<usize>().ok();
     stem.strip_prefix("part-")
@@ -986,26 +1048,22 @@ fn finalize_locked(
     } else {
         Vec::new()
     };
+    let mut out = OutputSet::new(dir.to_path_buf(), Vec::new(), OutputLock::acquire(dir)?);
     finish_interrupted_commit(dir)?;
-    for t in temporaries(dir) {
-        let p = dir.join(&t);
-        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-    }
-    let mut out = OutputSet::unlocked(dir.to_path_buf());
+    remove_temporaries(dir)?;
     let written = add_finished_files(&mut out, dir, &first, &shard_records, &side_dir)?;
+    // The records go last, in the journalled commit: a kill before the journal leaves them
+    // for finalize to run again; one after it, a journal that recover or finalize finishes.
+    out.retire_after_commit(PARTS_DIR);
     out.commit(&foreign)?;
-    // The records go last: a crash before this leaves a finished output that finalize can
-    // rewrite to the same bytes.
-    let pd = parts_dir(dir);
-    remove_records_but_lock(dir, &pd);
     drop(lock);
-    let _ = std::fs::remove_dir(&pd);
     Ok(Finalized {
         parts: first.part.n,
         shards: first.shards_total,
         written,
         deleted: foreign,
         bytes: shard_records.iter().map(|r| r.size).sum(),
+        finished_interrupted: None,
     })
 }
 
@@ -1096,8 +1154,9 @@ fn check_side_files_staged(side_dir: &Path, first: &PartRecord) -> Result<()> {
     for s in &first.side_files {
         if !side_dir.join(s).is_file() {
             return Err(Error::Other(format!(
-                "{}: side file {s} was not staged by part 1/{}; rerun part 1 with --resume",
+                "{}: side file {} was not staged by part 1/{}; rerun part 1 with --resume",
                 side_dir.display(),
+                crate::escape::path(Path::new(s)),
                 first.part.n
             )));
         }
@@ -1117,7 +1176,13 @@ fn foreign_model_files(
         .iter()
         .flatten()
         .cloned()
-        .chain(first.side_files.iter().cloned())
+        .chain(
+            first
+                .side_files
+                .iter()
+                .filter_map(|n| n.to_str())
+                .map(String::from),
+        )
         .chain([
             INDEX_NAME.to_string(),
             SUMS_NAME.to_string(),
@@ -1185,10 +1250,10 @@ fn add_finished_files(
             sums.push(hash_file(&staged, s, Vec::new())?);
         }
         out.add_copy(s, &staged)?;
-        written.push(s.clone());
+        written.push(crate::escape::path(Path::new(s)).to_string());
     }
     if first.checksums {
-        out.add_bytes(SUMS_NAME, sums_text(&sums).as_bytes())?;
+        out.add_bytes(SUMS_NAME, &sums_text(&sums))?;
         let mut manifest =
             serde_json::to_string_pretty(&manifest_json(&sums)).expect("JSON object");
         manifest.push('\n');
@@ -1213,24 +1278,6 @@ fn index_of(shard_records: &[ShardRecord]) -> String {
         .flat_map(|r| r.tensors.iter().map(|(t, _)| t.len))
         .sum();
     crate::sink::index_text(pairs, total)
-}
-
-/// Removes everything in the parts directory `pd` but the finalize lock, which its holder
-/// drops afterwards.
-fn remove_records_but_lock(dir: &Path, pd: &Path) {
-    if let Ok(rd) = std::fs::read_dir(pd) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p == finalize_lock_path(dir) {
-                continue;
-            }
-            let _ = if p.is_dir() {
-                std::fs::remove_dir_all(&p)
-            } else {
-                std::fs::remove_file(&p)
-            };
-        }
-    }
 }
 
 #[cfg(test)]
