@@ -87,7 +87,7 @@ pub fn is_temp_for(tmp: &str, name: &str) -> bool {
     }
     let rest = &tmp[1..tmp.len() - 4];
     rest.rfind(".tftf-")
-        .is_some_and(|at| &rest.as_bytes()[..at] == &*temp_stem(name.as_bytes()))
+        .is_some_and(|at| rest.as_bytes()[..at] == *temp_stem(name.as_bytes()))
 }
 
 /// Whether a directory entry is a tftf temporary (`.NAME.tftf-PID.tmp`).
