@@ -28,6 +28,10 @@ impl OutputLock {
     pub fn acquire(dir: &Path) -> Result<OutputLock> {
         let path = dir.join(LOCK_FILE_NAME);
         loop {
+            // A FIFO or a device in the lock's place would be read forever below.
+            if let Ok(m) = std::fs::metadata(&path) {
+                crate::sys::refuse_special(&path, &m).map_err(|e| Error::io(&path, e))?;
+            }
             let mut file = OpenOptions::new()
                 .read(true)
                 .write(true)

@@ -166,7 +166,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::sys::read_regular_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| {
         Error::Other(format!(
             "{}: damaged part record ({e}); remove it and rerun that part",
@@ -192,7 +192,12 @@ fn inspect(path: &Path) -> Holder {
     let Ok(meta) = std::fs::metadata(path) else {
         return Holder::Gone;
     };
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // Something else in the lock's place (a FIFO, a device) is nobody's lock, and is never read:
+    // it counts as held, so nothing takes it over or removes it.
+    if let Err(e) = crate::sys::refuse_special(path, &meta) {
+        return Holder::Live(e.to_string());
+    }
+    let text = crate::sys::read_regular_to_string(path).unwrap_or_default();
     let mut host = "";
     let mut pid = None;
     let mut words = text.split_whitespace();
