@@ -197,18 +197,23 @@ fn bad_opcode_is_a_pickle_error() {
     assert!(err.contains(&p.display().to_string()), "{err}");
 }
 
-/// A torch.save-style zip holding `pickle` as `archive/data.pkl` and one 16-byte storage.
-fn zip_with_pickle(pickle: &[u8]) -> Vec<u8> {
+/// A zip of stored members, in order.
+fn zip_of(members: &[(&str, &[u8])]) -> Vec<u8> {
     let mut buf = std::io::Cursor::new(Vec::new());
     let mut z = zip::ZipWriter::new(&mut buf);
     let opts =
         zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
-    z.start_file("archive/data.pkl", opts).unwrap();
-    z.write_all(pickle).unwrap();
-    z.start_file("archive/data/0", opts).unwrap();
-    z.write_all(&[0u8; 16]).unwrap();
+    for (name, bytes) in members {
+        z.start_file(*name, opts).unwrap();
+        z.write_all(bytes).unwrap();
+    }
     z.finish().unwrap();
     buf.into_inner()
+}
+
+/// A torch.save-style zip holding `pickle` as `archive/data.pkl` and one 16-byte storage.
+fn zip_with_pickle(pickle: &[u8]) -> Vec<u8> {
+    zip_of(&[("archive/data.pkl", pickle), ("archive/data/0", &[0u8; 16])])
 }
 
 /// `{'w': _rebuild_tensor_v2(storage('0', FloatStorage), offset, size, stride, False, {})}`
@@ -274,6 +279,42 @@ fn compressed_storage_is_refused() {
     let (_d, p) = temp_copy(&bytes, "m.pt");
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("compressed"), "{err}");
+}
+
+/// Issue #24: two members of one name. torch.load reads the first copy, the zip reader the
+/// last; either way the weights would differ from torch's, so both repeats are refused.
+#[test]
+fn repeated_member_names_are_refused() {
+    let pickle = tensor_pickle(0, &[4], &[1]);
+    let (first, last) = ([1u8; 16], [2u8; 16]);
+    // the writer refuses repeated names: write a stand-in name and rename it in both headers
+    let mut storage_twice = zip_of(&[
+        ("archive/data.pkl", &pickle),
+        ("archive/data/0", &first),
+        ("archive/data/Z", &last),
+    ]);
+    assert_eq!(replace_all(&mut storage_twice, b"data/Z", b"data/0"), 2);
+    let mut pickle_twice = zip_of(&[
+        ("archive/data.pkl", &pickle),
+        ("archive/data/0", &first),
+        ("archive/dataZpkl", &tensor_pickle(4, &[0], &[1])),
+    ]);
+    assert_eq!(replace_all(&mut pickle_twice, b"dataZpkl", b"data.pkl"), 2);
+    for (bytes, member) in [
+        (storage_twice, "archive/data/0"),
+        (pickle_twice, "archive/data.pkl"),
+    ] {
+        let (_d, p) = temp_copy(&bytes, "m.pt");
+        let err = torch::describe(&p).unwrap_err().to_string();
+        assert_mentions(
+            &err,
+            &[
+                &format!("member `{member}` appears more than once"),
+                "torch.load reads the first",
+            ],
+        );
+        assert!(err.contains(&p.display().to_string()), "{err}");
+    }
 }
 
 #[test]
