@@ -530,3 +530,104 @@ fn dcp_chunks_through_storage_extensions_are_refused() {
     assert_mentions(&err, &["stream.zstd", "`model.grid`"]);
     assert!(err.contains(".metadata"), "{err}");
 }
+
+/// Issue #24: a plain `torch.distributed.checkpoint.save` of a model whose own names start with
+/// `model.` keeps them (no accelerate wrapper in `planner_data`), and `optimus_head.weight` is a
+/// tensor, not optimizer state.
+#[test]
+fn plain_dcp_keeps_model_prefix_and_optimus_head() {
+    let desc = check_against(
+        &fixture("dcp/plain-hf"),
+        &fixture("dcp/plain-hf/expected/model.safetensors"),
+    );
+    assert!(desc.tensor("model.embed_tokens.weight").is_some());
+    assert!(desc.tensor("optimus_head.weight").is_some());
+    assert_eq!(desc.notes, Vec::<String>::new());
+}
+
+/// Issue #24: accelerate's `{"model": …}` wrapper is dropped, the real Adam state under `optim`
+/// (int parameter ids in its paths) is skipped, and `optimus_head.weight` stays.
+#[test]
+fn wrapped_dcp_drops_the_wrapper_and_the_optimizer_by_structure() {
+    let desc = check_against(
+        &fixture("dcp/wrapped-optim"),
+        &fixture("dcp/wrapped-optim/expected/model.safetensors"),
+    );
+    assert!(desc.tensor("optimus_head.weight").is_some());
+    assert!(desc
+        .notes
+        .iter()
+        .any(|n| n == "`optim.state.0.exp_avg` skipped: optimizer state"));
+    assert!(
+        desc.notes
+            .iter()
+            .all(|n| n.starts_with("`optim.") && n.contains("skipped")),
+        "{:?}",
+        desc.notes
+    );
+}
+
+/// Issue #24: `float4_e2m1fn_x2` reads as `F4` with the element shape the safetensors package
+/// writes (a row slice included), and `nn.Parameter`s are their tensors.
+#[test]
+fn packed_fp4_and_parameters_read_as_safetensors_writes_them() {
+    let path = fixture("bin/fp4-params/pytorch_model.bin");
+    let desc = torch::describe(&path).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    let bytes = std::fs::read(fixture("bin/fp4-params/expected/model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(desc.tensors.len(), st.len());
+    for (name, view) in st.tensors() {
+        let t = desc.tensor(&name).unwrap();
+        assert_eq!(t.dtype.name(), format!("{:?}", view.dtype()), "{name}");
+        let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+        assert_eq!(t.shape, shape, "{name}");
+        let Placement::Contiguous { offset, len, .. } = t.placement else {
+            panic!("{name}: {:?}", t.placement)
+        };
+        assert_eq!(
+            &file[offset as usize..(offset + len) as usize],
+            view.data(),
+            "{name}"
+        );
+    }
+    let fp4 = desc.tensor("fp4.rows").unwrap();
+    assert_eq!((fp4.dtype.name(), &fp4.shape[..]), ("F4", &[2, 12][..]));
+}
+
+/// Issue #24: a complex128 tensor is an unsupported dtype, named with its file and tensor, not
+/// a pickle that "could run code".
+#[test]
+fn complex128_is_an_unsupported_dtype() {
+    let path = fixture("bin/complex128/pytorch_model.bin");
+    let err = torch::describe(&path).unwrap_err().to_string();
+    assert_mentions(&err, &["`freqs`", "unsupported dtype complex128"]);
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(!err.contains("code"), "{err}");
+}
+
+/// Issue #24: `torch.nn.Parameter(tensor, requires_grad)` called directly (REDUCE or NEWOBJ), as
+/// `torch.load(weights_only=True)` accepts it, is the tensor; without a tensor it is refused.
+#[test]
+fn parameter_calls_are_tensors() {
+    let t = tensor_pickle(0, &[4], &[1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    for call in [&b"R"[..], b"\x81"] {
+        let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(".to_vec();
+        p.extend(tensor_expr);
+        p.extend(b"\x88t");
+        p.extend(call);
+        p.extend(b"s.");
+        let (_d, path) = temp_copy(&zip_with_pickle(&p), "m.pt");
+        let desc = torch::describe(&path).unwrap();
+        assert_eq!(desc.tensors.len(), 1, "{:?}", desc.notes);
+        assert_eq!(
+            (desc.tensors[0].name.as_str(), &desc.tensors[0].shape[..]),
+            ("w", &[4][..])
+        );
+    }
+    let p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n)Rs.";
+    let (_d, path) = temp_copy(&zip_with_pickle(p), "m.pt");
+    let err = torch::describe(&path).unwrap_err().to_string();
+    assert!(err.contains("parameter rebuilt without a tensor"), "{err}");
+}
