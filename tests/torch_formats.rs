@@ -631,3 +631,57 @@ fn parameter_calls_are_tensors() {
     let err = torch::describe(&path).unwrap_err().to_string();
     assert!(err.contains("parameter rebuilt without a tensor"), "{err}");
 }
+
+/// Issue #24: a pickle that shares one dict through its memo under two keys, level upon level,
+/// fans 20 KiB out to 2^24 names of 24 KB each. It is refused once the names pass what a
+/// safetensors header may hold, in bounded time and memory (measured on the `tftf` process).
+#[test]
+fn memo_shared_dicts_are_refused_within_a_header_budget() {
+    let t = tensor_pickle(0, &[4], &[1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let mut p = b"\x80\x02".to_vec();
+    p.extend(tensor_expr);
+    p.extend(b"q\x00");
+    let key = |c: u8| {
+        let mut k = vec![b'X'];
+        k.extend(1000u32.to_le_bytes());
+        k.extend(std::iter::repeat_n(b'k', 999));
+        k.push(c);
+        k
+    };
+    for level in 1..=24u8 {
+        p.extend(b"}(");
+        for c in [b'a', b'b'] {
+            p.extend(key(c));
+            p.extend([b'h', level - 1]);
+        }
+        p.extend([b'u', b'q', level]);
+    }
+    p.push(b'.');
+    let (_d, path) = temp_copy(&zip_with_pickle(&p), "pytorch_model.bin");
+    let started = std::time::Instant::now();
+    // reaped by `wait4` below, which also reports the child's peak memory
+    #[allow(clippy::zombie_processes)]
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+        .args(["info", path.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: waits for our own child, writing into locals of the types wait4 expects.
+    let waited = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(waited, child.id() as i32);
+    assert_mentions(
+        &stderr,
+        &[
+            "names add up to more than 100000000 bytes",
+            "pytorch_model.bin",
+        ],
+    );
+    let peak_mib = usage.ru_maxrss / 1024;
+    assert!(peak_mib < 384, "peak RSS {peak_mib} MiB");
+    assert!(started.elapsed().as_secs() < 20, "{:?}", started.elapsed());
+}

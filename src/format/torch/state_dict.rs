@@ -11,12 +11,19 @@ use super::pickle;
 use super::value::{PickleError, TensorView, Value};
 use crate::error::{Error, Result};
 use crate::format::dtype::element_count;
+use crate::format::header::MAX_HEADER_BYTES;
 use crate::format::source::{contiguous_strides, Placement};
 
 /// State dicts nested deeper than this are refused.
 pub const MAX_NESTING_DEPTH: usize = 64;
 /// Entries visited while flattening a state dict (tensors plus skipped values).
 pub const MAX_STATE_DICT_ENTRIES: usize = 1 << 24;
+/// The names a state dict flattens to, in bytes all together: what a safetensors header may
+/// hold ([`MAX_HEADER_BYTES`]). A pickle can share one dict through its memo under many keys,
+/// and each level of sharing doubles the names, so a few KiB of pickle would otherwise expand
+/// to gigabytes of names; this bound makes it cost what a safetensors header of those names
+/// would.
+pub const MAX_STATE_DICT_NAME_BYTES: u64 = MAX_HEADER_BYTES;
 
 /// Runs the restricted unpickler, naming `path` in its errors.
 pub(crate) fn unpickle_file(path: &Path, bytes: &[u8]) -> Result<Value> {
@@ -134,6 +141,7 @@ pub(crate) fn flatten(
     let mut out: Vec<(String, Rc<TensorView>)> = Vec::new();
     let mut names = std::collections::HashSet::new();
     let mut visited = 0usize;
+    let mut name_bytes = 0u64;
     let mut work = vec![(String::new(), value.clone(), 0usize)];
     while let Some((prefix, v, depth)) = work.pop() {
         visited += 1;
@@ -174,6 +182,23 @@ pub(crate) fn flatten(
                             continue;
                         }
                     };
+                    name_bytes += (prefix.len() + 1 + key.len()) as u64;
+                    if name_bytes > MAX_STATE_DICT_NAME_BYTES {
+                        let mut shown: String = prefix.chars().take(120).collect();
+                        if shown.len() < prefix.len() {
+                            shown.push('…');
+                        }
+                        return Err(Error::TorchArchive {
+                            path: path.into(),
+                            msg: format!(
+                                "the state dict's names add up to more than \
+                                 {MAX_STATE_DICT_NAME_BYTES} bytes (the safetensors header \
+                                 limit), reached under `{}`; a pickle sharing dicts \
+                                 through its memo multiplies them",
+                                shown
+                            ),
+                        });
+                    }
                     let name = if prefix.is_empty() {
                         key
                     } else {
