@@ -37,7 +37,7 @@ pub const METADATA_NAME: &str = ".metadata";
 /// The folder accelerate saves an FSDP model's DCP into.
 pub const FSDP_MODEL_DIR: &str = "pytorch_model_fsdp_0";
 /// Chunks of one tensor beyond this are refused.
-pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 16;
+pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 18;
 
 struct StorageInfo {
     relative_path: String,
