@@ -158,6 +158,54 @@ impl Declared {
         }
     }
 
+    /// Whether the config allows FP8 weights with float scales (block, channel or tensor):
+    /// no config, an FP8 method, or one whose formats are not all of other schemes. Unknown
+    /// methods are given the benefit of the doubt; the others named here store no FP8 weights.
+    fn allows_fp8(&self) -> bool {
+        const NOT_FP8_METHODS: [&str; 12] = [
+            "gptq",
+            "awq",
+            "mxfp4",
+            "bitsandbytes",
+            "hqq",
+            "aqlm",
+            "eetq",
+            "exl2",
+            "higgs",
+            "vptq",
+            "spqr",
+            "bitnet",
+        ];
+        const NOT_FP8_CT_FORMATS: [&str; 6] = [
+            "nvfp4-pack-quantized",
+            "mxfp4-pack-quantized",
+            "mxfp8-quantized",
+            "pack-quantized",
+            "int-quantized",
+            "marlin-24",
+        ];
+        if !self.present {
+            return true;
+        }
+        match self.method.as_str() {
+            "compressed-tensors" => {
+                self.formats.is_empty()
+                    || self
+                        .formats
+                        .iter()
+                        .any(|f| !NOT_FP8_CT_FORMATS.contains(&f.as_str()))
+            }
+            "modelopt" => {
+                self.formats.is_empty()
+                    || self
+                        .formats
+                        .iter()
+                        .any(|f| f.starts_with("fp8") || f == "mixed_precision")
+            }
+            m => !NOT_FP8_METHODS.contains(&m),
+        }
+    }
+
     /// Whether the config names a ModelOpt FP4 algorithm, whose `X.weight` U8 are codes.
     fn fp4_codes_named(&self) -> bool {
         self.method == "modelopt"
@@ -676,6 +724,21 @@ impl PlanStep for DequantStep {
             i += 1;
             !consumed[i - 1]
         });
+        // What is left in FP8 would be decoded by the FP8 path: the config must allow it.
+        let fp8_left = entries
+            .iter()
+            .find(|e| e.derive.is_none() && matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2));
+        if let (Some(e), false) = (fp8_left, declared.allows_fp8()) {
+            return Err(Error::TensorData {
+                path: e.path(ckpt),
+                tensor: e.name.clone(),
+                msg: format!(
+                    "an FP8 ({}) weight, but config.json's {}: cannot tell how to decode it; fix quantization_config",
+                    e.dtype,
+                    declared.describe()
+                ),
+            });
+        }
         let fp8 = self.fp8.apply(Planning {
             ckpt,
             config,
