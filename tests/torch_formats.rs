@@ -503,6 +503,17 @@ fn dcp_chunk_grid_reads_row_major() {
     }
 }
 
+/// `dcp/many-chunks` (also `make_grid_dcp.py`): a [4, 6] tensor in 24 one-element chunks
+/// alternating between two files, read back in row-major order.
+#[test]
+fn dcp_one_element_chunks_read_row_major() {
+    let desc = torch::describe(&fixture("dcp/many-chunks")).unwrap();
+    let want: Vec<u8> = (0..24).flat_map(|v| (v as f32).to_le_bytes()).collect();
+    for chunk in [1, 5, 24] {
+        assert_eq!(read_tensor(&desc, "cells", chunk), want, "by {chunk}");
+    }
+}
+
 #[test]
 fn bin_folder_without_index_reads_every_shard() {
     let dir = tempfile::tempdir().unwrap();
