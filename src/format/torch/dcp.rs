@@ -134,10 +134,11 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
         }
     };
     let is_optimizer = |fqn: &str| is_optimizer_path(&path_of(fqn));
+    // Only tensors count: a `{"model": …, "step": 5}` save still wraps its model.
     let wrapped = !paths.is_empty()
         && entries
             .iter()
-            .filter(|(fqn, _)| !is_optimizer(fqn))
+            .filter(|(fqn, md)| !is_optimizer(fqn) && md.class() == Some("TensorStorageMetadata"))
             .all(|(fqn, _)| path_of(fqn).len() >= 2 && path_of(fqn)[0] == "model");
 
     let mut seen = std::collections::HashSet::new();
