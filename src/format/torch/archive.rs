@@ -220,9 +220,8 @@ fn first_repeated_name(mut r: Window<'_>, at: u64, count: u64) -> Option<String>
         r.read_exact(&mut name).ok()?;
         r.seek(SeekFrom::Current((le16(30) + le16(32)) as i64))
             .ok()?;
-        let name = String::from_utf8_lossy(&name).into_owned();
         if !seen.insert(name.clone()) {
-            return Some(name);
+            return Some(crate::escape::bytes(&name).into_owned());
         }
     }
     None

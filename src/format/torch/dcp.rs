@@ -17,7 +17,7 @@
 //! `optimizer` entry) is skipped with a note, as are non-tensor entries. A name alone never
 //! decides: a plain save of a model whose own names start with `model.` keeps them, and
 //! `optimus_head.weight` is a tensor. Without `planner_data` (a custom planner) the dotted name
-//! stands for the path.
+//! stands for the path of optimizer state, and no wrapper is assumed.
 
 use std::collections::HashMap;
 use std::fs::File;

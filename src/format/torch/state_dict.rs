@@ -184,8 +184,9 @@ pub(crate) fn flatten(
                     };
                     name_bytes += (prefix.len() + 1 + key.len()) as u64;
                     if name_bytes > MAX_STATE_DICT_NAME_BYTES {
-                        let mut shown: String = prefix.chars().take(120).collect();
-                        if shown.len() < prefix.len() {
+                        let escaped = crate::escape::name(&prefix);
+                        let mut shown: String = escaped.chars().take(120).collect();
+                        if shown.len() < escaped.len() {
                             shown.push('…');
                         }
                         return Err(Error::TorchArchive {
