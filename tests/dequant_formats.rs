@@ -250,7 +250,7 @@ fn fp8_weights_the_config_does_not_name_are_refused() {
         let err = refused(&model, &dir.path().join(case).join("out"));
         assert_mentions(
             &err,
-            &[&format!("`{fp8}`"), "an FP8 (F8_E4M3) tensor", method],
+            &[&format!("`{fp8}`"), "an FP8 (F8_E4M3) weight", method],
         );
     }
     // Where the config names FP8 (ModelOpt's FP8 blocks), the same kind of weight decodes.
@@ -258,6 +258,42 @@ fn fp8_weights_the_config_does_not_name_are_refused() {
     let out = dir.path().join("out");
     convert_ok("dequant", &model, &out, &["-q"]);
     assert_eq!(load_all(&out)[fp8].0, "BF16");
+}
+
+/// Issue #24: FP8 weights with float scales are not decoded when the config says the
+/// checkpoint is something else (GPTQ, ModelOpt NVFP4, compressed-tensors NVFP4): the README
+/// promises an error naming the tensor when config and tensors disagree.
+#[test]
+fn fp8_weights_under_a_non_fp8_config_are_an_error_naming_the_tensor() {
+    for (config, says) in [
+        (
+            r#"{"quant_method": "gptq", "bits": 4, "group_size": 128}"#,
+            "quant_method `gptq`",
+        ),
+        (
+            r#"{"quant_method": "modelopt", "quant_algo": "NVFP4"}"#,
+            "quant_method `modelopt` with nvfp4",
+        ),
+        (
+            r#"{"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}"#,
+            "with nvfp4-pack-quantized",
+        ),
+    ] {
+        let dir = tmp();
+        let model = edited_model("modelopt_fp8_pb_wo", dir.path(), |_| {});
+        std::fs::remove_file(model.join("hf_quant_config.json")).unwrap();
+        let cfg = format!(r#"{{"quantization_config": {config}}}"#);
+        std::fs::write(model.join("config.json"), cfg).unwrap();
+        let err = refused(&model, &dir.path().join("out"));
+        assert_mentions(
+            &err,
+            &[
+                "model.layers.0.mlp.down_proj.weight",
+                "an FP8 (F8_E4M3) weight",
+                says,
+            ],
+        );
+    }
 }
 
 #[test]

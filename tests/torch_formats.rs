@@ -197,18 +197,23 @@ fn bad_opcode_is_a_pickle_error() {
     assert!(err.contains(&p.display().to_string()), "{err}");
 }
 
-/// A torch.save-style zip holding `pickle` as `archive/data.pkl` and one 16-byte storage.
-fn zip_with_pickle(pickle: &[u8]) -> Vec<u8> {
+/// A zip of stored members, in order.
+fn zip_of(members: &[(&str, &[u8])]) -> Vec<u8> {
     let mut buf = std::io::Cursor::new(Vec::new());
     let mut z = zip::ZipWriter::new(&mut buf);
     let opts =
         zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
-    z.start_file("archive/data.pkl", opts).unwrap();
-    z.write_all(pickle).unwrap();
-    z.start_file("archive/data/0", opts).unwrap();
-    z.write_all(&[0u8; 16]).unwrap();
+    for (name, bytes) in members {
+        z.start_file(*name, opts).unwrap();
+        z.write_all(bytes).unwrap();
+    }
     z.finish().unwrap();
     buf.into_inner()
+}
+
+/// A torch.save-style zip holding `pickle` as `archive/data.pkl` and one 16-byte storage.
+fn zip_with_pickle(pickle: &[u8]) -> Vec<u8> {
+    zip_of(&[("archive/data.pkl", pickle), ("archive/data/0", &[0u8; 16])])
 }
 
 /// `{'w': _rebuild_tensor_v2(storage('0', FloatStorage), offset, size, stride, False, {})}`
@@ -274,6 +279,42 @@ fn compressed_storage_is_refused() {
     let (_d, p) = temp_copy(&bytes, "m.pt");
     let err = torch::describe(&p).unwrap_err().to_string();
     assert!(err.contains("compressed"), "{err}");
+}
+
+/// Issue #24: two members of one name. torch.load reads the first copy, the zip reader the
+/// last; either way the weights would differ from torch's, so both repeats are refused.
+#[test]
+fn repeated_member_names_are_refused() {
+    let pickle = tensor_pickle(0, &[4], &[1]);
+    let (first, last) = ([1u8; 16], [2u8; 16]);
+    // the writer refuses repeated names: write a stand-in name and rename it in both headers
+    let mut storage_twice = zip_of(&[
+        ("archive/data.pkl", &pickle),
+        ("archive/data/0", &first),
+        ("archive/data/Z", &last),
+    ]);
+    assert_eq!(replace_all(&mut storage_twice, b"data/Z", b"data/0"), 2);
+    let mut pickle_twice = zip_of(&[
+        ("archive/data.pkl", &pickle),
+        ("archive/data/0", &first),
+        ("archive/dataZpkl", &tensor_pickle(4, &[0], &[1])),
+    ]);
+    assert_eq!(replace_all(&mut pickle_twice, b"dataZpkl", b"data.pkl"), 2);
+    for (bytes, member) in [
+        (storage_twice, "archive/data/0"),
+        (pickle_twice, "archive/data.pkl"),
+    ] {
+        let (_d, p) = temp_copy(&bytes, "m.pt");
+        let err = torch::describe(&p).unwrap_err().to_string();
+        assert_mentions(
+            &err,
+            &[
+                &format!("member `{member}` appears more than once"),
+                "torch.load reads the first",
+            ],
+        );
+        assert!(err.contains(&p.display().to_string()), "{err}");
+    }
 }
 
 #[test]
@@ -462,6 +503,17 @@ fn dcp_chunk_grid_reads_row_major() {
     }
 }
 
+/// `dcp/many-chunks` (also `make_grid_dcp.py`): a [4, 6] tensor in 24 one-element chunks
+/// alternating between two files, read back in row-major order.
+#[test]
+fn dcp_one_element_chunks_read_row_major() {
+    let desc = torch::describe(&fixture("dcp/many-chunks")).unwrap();
+    let want: Vec<u8> = (0..24).flat_map(|v| (v as f32).to_le_bytes()).collect();
+    for chunk in [1, 5, 24] {
+        assert_eq!(read_tensor(&desc, "cells", chunk), want, "by {chunk}");
+    }
+}
+
 #[test]
 fn bin_folder_without_index_reads_every_shard() {
     let dir = tempfile::tempdir().unwrap();
@@ -488,4 +540,280 @@ fn dcp_chunks_through_storage_extensions_are_refused() {
         .to_string();
     assert_mentions(&err, &["stream.zstd", "`model.grid`"]);
     assert!(err.contains(".metadata"), "{err}");
+}
+
+/// Issue #24: a plain `torch.distributed.checkpoint.save` of a model whose own names start with
+/// `model.` keeps them (no accelerate wrapper in `planner_data`), and `optimus_head.weight` is a
+/// tensor, not optimizer state.
+#[test]
+fn plain_dcp_keeps_model_prefix_and_optimus_head() {
+    let desc = check_against(
+        &fixture("dcp/plain-hf"),
+        &fixture("dcp/plain-hf/expected/model.safetensors"),
+    );
+    assert!(desc.tensor("model.embed_tokens.weight").is_some());
+    assert!(desc.tensor("optimus_head.weight").is_some());
+    assert_eq!(desc.notes, Vec::<String>::new());
+}
+
+/// Issue #24: accelerate's `{"model": …}` wrapper is dropped, the real Adam state under `optim`
+/// (int parameter ids in its paths) is skipped, and `optimus_head.weight` stays.
+#[test]
+fn wrapped_dcp_drops_the_wrapper_and_the_optimizer_by_structure() {
+    let desc = check_against(
+        &fixture("dcp/wrapped-optim"),
+        &fixture("dcp/wrapped-optim/expected/model.safetensors"),
+    );
+    assert!(desc.tensor("optimus_head.weight").is_some());
+    assert!(desc
+        .notes
+        .iter()
+        .any(|n| n == "`optim.state.0.exp_avg` skipped: optimizer state"));
+    assert!(
+        desc.notes
+            .iter()
+            .all(|n| n.starts_with("`optim.") && n.contains("skipped")),
+        "{:?}",
+        desc.notes
+    );
+}
+
+/// Issue #24: `float4_e2m1fn_x2` reads as `F4` with the element shape the safetensors package
+/// writes (a row slice included), and `nn.Parameter`s are their tensors.
+#[test]
+fn packed_fp4_and_parameters_read_as_safetensors_writes_them() {
+    let path = fixture("bin/fp4-params/pytorch_model.bin");
+    let desc = torch::describe(&path).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    let bytes = std::fs::read(fixture("bin/fp4-params/expected/model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(desc.tensors.len(), st.len());
+    for (name, view) in st.tensors() {
+        let t = desc.tensor(&name).unwrap();
+        assert_eq!(t.dtype.name(), format!("{:?}", view.dtype()), "{name}");
+        let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+        assert_eq!(t.shape, shape, "{name}");
+        let Placement::Contiguous { offset, len, .. } = t.placement else {
+            panic!("{name}: {:?}", t.placement)
+        };
+        assert_eq!(
+            &file[offset as usize..(offset + len) as usize],
+            view.data(),
+            "{name}"
+        );
+    }
+    let fp4 = desc.tensor("fp4.rows").unwrap();
+    assert_eq!((fp4.dtype.name(), &fp4.shape[..]), ("F4", &[2, 12][..]));
+}
+
+/// Issue #24: a complex128 tensor is an unsupported dtype, named with its file and tensor, not
+/// a pickle that "could run code".
+#[test]
+fn complex128_is_an_unsupported_dtype() {
+    let path = fixture("bin/complex128/pytorch_model.bin");
+    let err = torch::describe(&path).unwrap_err().to_string();
+    assert_mentions(&err, &["`freqs`", "unsupported dtype complex128"]);
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(!err.contains("code"), "{err}");
+}
+
+/// Issue #24: `torch.nn.Parameter(tensor, requires_grad)` called directly (REDUCE or NEWOBJ), as
+/// `torch.load(weights_only=True)` accepts it, is the tensor; without a tensor it is refused.
+#[test]
+fn parameter_calls_are_tensors() {
+    let t = tensor_pickle(0, &[4], &[1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    for call in [&b"R"[..], b"\x81"] {
+        let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(".to_vec();
+        p.extend(tensor_expr);
+        p.extend(b"\x88t");
+        p.extend(call);
+        p.extend(b"s.");
+        let (_d, path) = temp_copy(&zip_with_pickle(&p), "m.pt");
+        let desc = torch::describe(&path).unwrap();
+        assert_eq!(desc.tensors.len(), 1, "{:?}", desc.notes);
+        assert_eq!(
+            (desc.tensors[0].name.as_str(), &desc.tensors[0].shape[..]),
+            ("w", &[4][..])
+        );
+    }
+    let p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n)Rs.";
+    let (_d, path) = temp_copy(&zip_with_pickle(p), "m.pt");
+    let err = torch::describe(&path).unwrap_err().to_string();
+    assert!(err.contains("parameter rebuilt without a tensor"), "{err}");
+}
+
+/// Issue #24: a pickle that shares one dict through its memo under two keys, level upon level,
+/// fans 20 KiB out to 2^24 names of 24 KB each. It is refused once the names pass what a
+/// safetensors header may hold, in bounded time and within 1 GiB of data (`RLIMIT_DATA`).
+#[test]
+fn memo_shared_dicts_are_refused_within_a_header_budget() {
+    let t = tensor_pickle(0, &[4], &[1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let mut p = b"\x80\x02".to_vec();
+    p.extend(tensor_expr);
+    p.extend(b"q\x00");
+    let key = |c: u8| {
+        let mut k = vec![b'X'];
+        k.extend(1000u32.to_le_bytes());
+        k.extend(std::iter::repeat_n(b'k', 999));
+        k.push(c);
+        k
+    };
+    for level in 1..=24u8 {
+        p.extend(b"}(");
+        for c in [b'a', b'b'] {
+            p.extend(key(c));
+            p.extend([b'h', level - 1]);
+        }
+        p.extend([b'u', b'q', level]);
+    }
+    p.push(b'.');
+    let (_d, path) = temp_copy(&zip_with_pickle(&p), "pytorch_model.bin");
+    let started = std::time::Instant::now();
+    let mut info = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"));
+    info.args(["info", path.to_str().unwrap()]);
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut info, || {
+            // 1 GiB of data: the names alone would take gigabytes
+            let limit = libc::rlimit {
+                rlim_cur: 1 << 30,
+                rlim_max: 1 << 30,
+            };
+            if libc::setrlimit(libc::RLIMIT_DATA, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        })
+    };
+    let out = info.output().unwrap();
+    assert_mentions(
+        &String::from_utf8_lossy(&out.stderr),
+        &[
+            "names add up to more than 100000000 bytes",
+            "pytorch_model.bin",
+        ],
+    );
+    assert!(started.elapsed().as_secs() < 20, "{:?}", started.elapsed());
+}
+
+/// Writes pickles of DCP metadata for tests: objects as `GLOBAL; NEWOBJ(); BUILD(dict)`, the
+/// way `pickle` writes the dataclasses.
+struct Pickler(Vec<u8>);
+
+impl Pickler {
+    fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.0.extend(bytes);
+        self
+    }
+
+    fn str(&mut self, s: &str) -> &mut Self {
+        self.0.push(b'X');
+        self.0.extend((s.len() as u32).to_le_bytes());
+        self.raw(s.as_bytes())
+    }
+
+    fn int(&mut self, v: u64) -> &mut Self {
+        self.0.push(b'J');
+        self.raw(&i32::try_from(v).unwrap().to_le_bytes())
+    }
+
+    fn ints(&mut self, v: &[u64]) -> &mut Self {
+        self.0.push(b'(');
+        for x in v {
+            self.int(*x);
+        }
+        self.raw(b"t")
+    }
+
+    /// An instance of `module.class` whose state dict `fields` writes as key, value, ….
+    fn object(&mut self, module: &str, class: &str, fields: impl FnOnce(&mut Self)) -> &mut Self {
+        self.raw(format!("c{module}\n{class}\n").as_bytes());
+        self.raw(b")\x81}(");
+        fields(self);
+        self.raw(b"ub")
+    }
+}
+
+/// A DCP folder holding one F32 tensor `w` of `shape` whose element values are their row-major
+/// indices, saved as one-element chunks, each in its own torch.save archive.
+fn one_element_chunks_dcp(dir: &Path, shape: [u64; 2]) {
+    const MD: &str = "torch.distributed.checkpoint.metadata";
+    let t = tensor_pickle(0, &[1, 1], &[1, 1]);
+    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let mut chunk_pickle = b"\x80\x02".to_vec();
+    chunk_pickle.extend(tensor_expr);
+    chunk_pickle.push(b'.');
+    let cells: Vec<[u64; 2]> = (0..shape[0])
+        .flat_map(|i| (0..shape[1]).map(move |j| [i, j]))
+        .collect();
+    let mut distcp = Vec::new();
+    let mut at = Vec::with_capacity(cells.len());
+    for (n, _) in cells.iter().enumerate() {
+        let archive = zip_of(&[
+            ("archive/data.pkl", &chunk_pickle),
+            ("archive/data/0", &(n as f32).to_le_bytes()),
+        ]);
+        at.push((distcp.len() as u64, archive.len() as u64));
+        distcp.extend(archive);
+    }
+    std::fs::write(dir.join("__0_0.distcp"), distcp).unwrap();
+    let mut p = Pickler(b"\x80\x02".to_vec());
+    p.object(MD, "Metadata", |p| {
+        p.str("state_dict_metadata").raw(b"}(").str("w");
+        p.object(MD, "TensorStorageMetadata", |p| {
+            p.str("properties").object(MD, "TensorProperties", |p| {
+                p.str("dtype").raw(b"ctorch\nfloat32\n");
+            });
+            p.str("size").ints(&shape).str("chunks").raw(b"](");
+            for c in &cells {
+                p.object(MD, "ChunkStorageMetadata", |p| {
+                    p.str("offsets").ints(c).str("sizes").ints(&[1, 1]);
+                });
+            }
+            p.raw(b"e");
+        });
+        p.raw(b"u").str("storage_data").raw(b"}(");
+        for (c, (offset, length)) in cells.iter().zip(&at) {
+            p.object(MD, "MetadataIndex", |p| {
+                p.str("fqn").str("w").str("offset").ints(c);
+            });
+            p.object(
+                "torch.distributed.checkpoint.filesystem",
+                "_StorageInfo",
+                |p| {
+                    p.str("relative_path").str("__0_0.distcp");
+                    p.str("offset").int(*offset).str("length").int(*length);
+                },
+            );
+        }
+        p.raw(b"u");
+    });
+    p.raw(b".");
+    std::fs::write(dir.join(".metadata"), &p.0).unwrap();
+}
+
+/// Issue #24: 10^5 one-element chunks (a [250, 400] grid, each chunk its own archive) are
+/// described and read back in seconds: the chunks are checked and found through the grid their
+/// boundaries cut, not pairwise (65,536 such chunks took over a minute).
+#[test]
+fn a_hundred_thousand_chunks_assemble_in_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    one_element_chunks_dcp(dir.path(), [250, 400]);
+    let started = std::time::Instant::now();
+    let desc = torch::describe(dir.path()).unwrap();
+    let described = started.elapsed();
+    let want: Vec<u8> = (0..100_000)
+        .flat_map(|v| (v as f32).to_le_bytes())
+        .collect();
+    assert_eq!(read_tensor(&desc, "w", 100_000), want);
+    assert_eq!(read_tensor(&desc, "w", 4_099)[..], want[..]);
+    let elapsed = started.elapsed();
+    eprintln!(
+        "described in {described:?}, read in {:?}",
+        elapsed - described
+    );
+    assert!(elapsed.as_secs() < 20, "{elapsed:?}");
 }

@@ -77,6 +77,21 @@ fn cases() -> Vec<(&'static str, PathBuf, PathBuf)> {
             torch_fixture("dcp/lora-2rank"),
             expected("dcp/lora-2rank"),
         ),
+        (
+            "fp4-params",
+            torch_fixture("bin/fp4-params/pytorch_model.bin"),
+            expected("bin/fp4-params"),
+        ),
+        (
+            "dcp-plain",
+            torch_fixture("dcp/plain-hf"),
+            expected("dcp/plain-hf"),
+        ),
+        (
+            "dcp-wrapped-optim",
+            torch_fixture("dcp/wrapped-optim"),
+            expected("dcp/wrapped-optim"),
+        ),
     ]
 }
 

@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod header;
 pub mod quant;
 pub mod source;
+pub mod tiling;
 pub mod torch;
 
 use std::io::Write;

@@ -17,6 +17,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::dtype::{element_count, DType};
+pub use super::tiling::check_regions_tile;
+use super::tiling::RegionGrid;
 use crate::error::{Error, Result};
 
 /// A strided run whose storage span fits in this many bytes is read in one call and gathered;
@@ -460,21 +462,13 @@ impl<'a> OpenSource<'a> {
         out: &mut [u8],
     ) -> Result<(), ReadError> {
         let count = out.len() as u64 / es;
+        let grid = RegionGrid::new(shape, regions).map_err(ReadError::Layout)?;
         let mut idx = unravel(first, shape);
         let mut done = 0u64;
         while done < count {
-            let region = regions
-                .iter()
-                .find(|r| {
-                    r.offsets.len() == idx.len()
-                        && idx
-                            .iter()
-                            .zip(r.offsets.iter().zip(&r.sizes))
-                            .all(|(i, (o, s))| *i >= *o && i - o < *s)
-                })
-                .ok_or_else(|| {
-                    ReadError::Layout(format!("no chunk holds element index {idx:?}"))
-                })?;
+            let region = grid.find(&idx).map(|k| &regions[k]).ok_or_else(|| {
+                ReadError::Layout(format!("no chunk holds element index {idx:?}"))
+            })?;
             // The run may cross rows while the region spans every later dimension whole.
             let rank = shape.len();
             let mut j = rank.saturating_sub(1);
@@ -563,48 +557,6 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
         strides[d] = strides[d + 1].saturating_mul(shape[d + 1]);
     }
     strides
-}
-
-/// Checks that `regions` tile `shape` exactly: each inside it, none overlapping, together
-/// covering every element. `Err` says what is wrong.
-pub fn check_regions_tile(shape: &[u64], regions: &[Region]) -> std::result::Result<(), String> {
-    let total = element_count(shape).ok_or("element count overflows")?;
-    let mut covered = 0u64;
-    for (k, r) in regions.iter().enumerate() {
-        if r.offsets.len() != shape.len() || r.sizes.len() != shape.len() {
-            return Err(format!(
-                "chunk {k} has rank {} but the tensor has rank {}",
-                r.offsets.len(),
-                shape.len()
-            ));
-        }
-        for d in 0..shape.len() {
-            if r.offsets[d]
-                .checked_add(r.sizes[d])
-                .is_none_or(|e| e > shape[d])
-            {
-                return Err(format!(
-                    "chunk {k} (offsets {:?}, sizes {:?}) lies outside shape {shape:?}",
-                    r.offsets, r.sizes
-                ));
-            }
-        }
-        for (m, q) in regions[..k].iter().enumerate() {
-            let overlap = (0..shape.len()).all(|d| {
-                r.offsets[d] < q.offsets[d] + q.sizes[d] && q.offsets[d] < r.offsets[d] + r.sizes[d]
-            });
-            if overlap && element_count(&r.sizes) != Some(0) && element_count(&q.sizes) != Some(0) {
-                return Err(format!("chunks {m} and {k} overlap"));
-            }
-        }
-        covered = covered
-            .checked_add(element_count(&r.sizes).ok_or("element count overflows")?)
-            .ok_or("element count overflows")?;
-    }
-    if covered != total {
-        return Err(format!("chunks cover {covered} of its {total} elements"));
-    }
-    Ok(())
 }
 
 /// The file's length, for [`SourceFile`].

@@ -116,7 +116,7 @@ impl Declared {
         // ModelOpt's own file, read when config.json does not say.
         if d.method.is_empty() {
             let path = ckpt.dir.join("hf_quant_config.json");
-            if let Ok(text) = crate::sys::read_regular_to_string(&path) {
+            if let Ok(text) = std::fs::read_to_string(path) {
                 if let Ok(v) = serde_json::from_str::<Value>(&text) {
                     if let Some(q) = v.get("quantization") {
                         take(&mut d, q);
@@ -158,27 +158,51 @@ impl Declared {
         }
     }
 
-    /// Whether the config names only schemes without FP8 weights (GPTQ, AWQ, gpt-oss MXFP4, and
-    /// compressed-tensors or ModelOpt NVFP4, MXFP4 and int formats), so an FP8 tensor
-    /// contradicts it. Mixed and unknown formats do not rule FP8 out.
-    fn rules_out_fp8(&self) -> bool {
-        const NOT_FP8: [&str; 8] = [
+    /// Whether the config allows FP8 weights with float scales (block, channel or tensor):
+    /// no config, an FP8 method, or one whose formats are not all of other schemes. Unknown
+    /// methods are given the benefit of the doubt; the others named here store no FP8 weights.
+    fn allows_fp8(&self) -> bool {
+        const NOT_FP8_METHODS: [&str; 12] = [
+            "gptq",
+            "awq",
+            "mxfp4",
+            "bitsandbytes",
+            "hqq",
+            "aqlm",
+            "eetq",
+            "exl2",
+            "higgs",
+            "vptq",
+            "spqr",
+            "bitnet",
+        ];
+        const NOT_FP8_CT_FORMATS: [&str; 6] = [
             "nvfp4-pack-quantized",
             "mxfp4-pack-quantized",
+            "mxfp8-quantized",
             "pack-quantized",
-            "nvfp4",
-            "w4a16_nvfp4",
-            "mxfp4",
-            "w4a16_awq",
-            "int4_awq",
+            "int-quantized",
+            "marlin-24",
         ];
+        if !self.present {
+            return true;
+        }
         match self.method.as_str() {
-            "gptq" | "awq" | "mxfp4" | "bitsandbytes" => true,
-            "compressed-tensors" | "modelopt" => {
-                !self.formats.is_empty()
-                    && self.formats.iter().all(|f| NOT_FP8.contains(&f.as_str()))
+            "compressed-tensors" => {
+                self.formats.is_empty()
+                    || self
+                        .formats
+                        .iter()
+                        .any(|f| !NOT_FP8_CT_FORMATS.contains(&f.as_str()))
             }
-            _ => false,
+            "modelopt" => {
+                self.formats.is_empty()
+                    || self
+                        .formats
+                        .iter()
+                        .any(|f| f.starts_with("fp8") || f == "mixed_precision")
+            }
+            m => !NOT_FP8_METHODS.contains(&m),
         }
     }
 
@@ -419,29 +443,6 @@ impl PlanStep for DequantStep {
             });
         }
 
-        if declared.rules_out_fp8() {
-            let bound = |i: usize| {
-                found
-                    .iter()
-                    .any(|f| f.codes == i || f.scales == i || f.global == Some(i))
-            };
-            let fp8 = entries.iter().enumerate().find(|&(i, e)| {
-                e.derive.is_none()
-                    && matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2)
-                    && !bound(i)
-            });
-            if let Some((_, e)) = fp8 {
-                return Err(Error::TensorData {
-                    path: e.path(ckpt),
-                    tensor: e.name.clone(),
-                    msg: format!(
-                        "an FP8 ({}) tensor, but config.json's {}, which has no FP8 weights: cannot tell how to decode it; fix quantization_config",
-                        e.dtype,
-                        declared.describe()
-                    ),
-                });
-            }
-        }
         let allow_nonfinite = self.fp8.opts.allow_nonfinite;
         let mut consumed = vec![false; entries.len()];
         // (codes entry, output name, output shape, recipe)
@@ -723,6 +724,21 @@ impl PlanStep for DequantStep {
             i += 1;
             !consumed[i - 1]
         });
+        // What is left in FP8 would be decoded by the FP8 path: the config must allow it.
+        let fp8_left = entries
+            .iter()
+            .find(|e| e.derive.is_none() && matches!(e.dtype, DType::F8_E4M3 | DType::F8_E5M2));
+        if let (Some(e), false) = (fp8_left, declared.allows_fp8()) {
+            return Err(Error::TensorData {
+                path: e.path(ckpt),
+                tensor: e.name.clone(),
+                msg: format!(
+                    "an FP8 ({}) weight, but config.json's {}: cannot tell how to decode it; fix quantization_config",
+                    e.dtype,
+                    declared.describe()
+                ),
+            });
+        }
         let fp8 = self.fp8.apply(Planning {
             ckpt,
             config,

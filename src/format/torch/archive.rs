@@ -38,6 +38,7 @@ pub struct Archive {
 }
 
 /// A `Read + Seek` window onto part of a file, for the zip reader.
+#[derive(Clone)]
 struct Window<'a> {
     file: &'a File,
     start: u64,
@@ -82,7 +83,7 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
         path: path.into(),
         msg,
     };
-    check_member_count(file, start, len).map_err(bad)?;
+    let announced = check_member_count(file, start, len).map_err(bad)?;
     let window = Window {
         file,
         start,
@@ -91,6 +92,11 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
     };
     let mut zip = zip::ZipArchive::new(window)
         .map_err(|e| bad(format!("not a readable zip archive ({e}); file truncated?")))?;
+    // The zip reader keeps one entry per name (the last): a repeated name shows as fewer
+    // entries than the directory announces.
+    if announced.is_some_and(|n| n > zip.len() as u64) {
+        return Err(bad(repeated_member(&zip, announced.unwrap_or(0))));
+    }
     let mut pickle = None;
     let mut members = Vec::with_capacity(zip.len());
     for i in 0..zip.len() {
@@ -179,10 +185,56 @@ pub fn read_archive(path: &Path, file: &File, start: u64, len: u64) -> Result<Ar
     })
 }
 
+/// Why an archive whose directory lists more members than the zip reader kept is refused:
+/// the first name listed twice. torch.load reads the first copy of a name and the zip reader
+/// the last, so the same file would give other weights here than in torch.
+fn repeated_member(zip: &zip::ZipArchive<Window<'_>>, announced: u64) -> String {
+    let at = zip.central_directory_start();
+    let reader = zip.clone().into_inner();
+    let advice = "torch.load reads the first copy and other zip readers the last, so the \
+                  weights are ambiguous; re-save the checkpoint with torch.save";
+    match first_repeated_name(reader, at, announced) {
+        Some(name) => {
+            format!("member `{name}` appears more than once in the zip directory: {advice}")
+        }
+        None => format!(
+            "its zip directory announces {announced} members but only {} distinct ones were \
+             read: a member name is repeated ({advice})",
+            zip.len()
+        ),
+    }
+}
+
+/// Walks `count` central-directory headers from `at` and returns the first name seen twice.
+fn first_repeated_name(mut r: Window<'_>, at: u64, count: u64) -> Option<String> {
+    r.seek(SeekFrom::Start(at)).ok()?;
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..count {
+        let mut head = [0u8; 46];
+        r.read_exact(&mut head).ok()?;
+        if head[..4] != *b"PK\x01\x02" {
+            return None;
+        }
+        let le16 = |i: usize| u16::from_le_bytes([head[i], head[i + 1]]) as usize;
+        let mut name = vec![0u8; le16(28)];
+        r.read_exact(&mut name).ok()?;
+        r.seek(SeekFrom::Current((le16(30) + le16(32)) as i64))
+            .ok()?;
+        if !seen.insert(name.clone()) {
+            return Some(crate::escape::bytes(&name).into_owned());
+        }
+    }
+    None
+}
+
 /// Refuses an archive whose end-of-central-directory record (or its zip64 twin) announces more
-/// than [`MAX_ARCHIVE_MEMBERS`] members. A record that cannot be found is left to the zip
-/// reader to report.
-fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<(), String> {
+/// than [`MAX_ARCHIVE_MEMBERS`] members, and returns the count announced. A record that cannot
+/// be found is left to the zip reader to report.
+fn check_member_count(
+    file: &File,
+    start: u64,
+    len: u64,
+) -> std::result::Result<Option<u64>, String> {
     // torch.save writes no archive comment, so the record normally ends the archive: try the
     // last 42 bytes (record and zip64 locator) before searching the longest comment's span.
     let read_tail = |n: u64| {
@@ -202,7 +254,7 @@ fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<
         .and_then(find)
         .or_else(|| read_tail(MAX_EOCD_SEARCH_BYTES).and_then(find))
     else {
-        return Ok(());
+        return Ok(None);
     };
     let le16 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]) as u64;
     let mut count = le16(&tail[eocd + 10..]);
@@ -224,5 +276,5 @@ fn check_member_count(file: &File, start: u64, len: u64) -> std::result::Result<
              {MAX_ARCHIVE_MEMBERS}"
         ));
     }
-    Ok(())
+    Ok(Some(count))
 }

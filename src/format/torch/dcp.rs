@@ -10,9 +10,14 @@
 //! of its chunks (dim-0 shards for FSDP, any N-d grid in general), each placed at the storage
 //! bytes inside its embedded archive; a tensor saved as one chunk becomes a plain range.
 //!
-//! accelerate wraps the model as `{"model": state_dict}`: when every kept name starts with
-//! `model.`, that prefix is dropped. Optimizer state (`optimizer.*`, `optim.*`) and non-tensor
-//! entries are skipped with a note.
+//! Entries are told apart by where they sat in the saved state dict, which DefaultSavePlanner
+//! records in `planner_data` (flattened name → path): accelerate's `{"model": state_dict}`
+//! wrapper (every model entry under a top-level `model`, `model.model.…`) is dropped from the
+//! names, and optimizer state (the `state` and `param_groups` of a top-level `optim` or
+//! `optimizer` entry) is skipped with a note, as are non-tensor entries. A name alone never
+//! decides: a plain save of a model whose own names start with `model.` keeps them, and
+//! `optimus_head.weight` is a tensor. Without `planner_data` (a custom planner) the dotted name
+//! stands for the path of optimizer state, and no wrapper is assumed.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,8 +25,8 @@ use std::path::{Component, Path};
 
 use super::archive::read_archive;
 use super::pickle::MAX_PICKLE_BYTES;
-use super::state_dict::{dtype_of, unpickle_file, view_placement};
-use super::value::Value;
+use super::state_dict::{unpickle_file, unsupported_dtype, view_placement};
+use super::value::{Global, Value};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::source::{
@@ -32,7 +37,7 @@ pub const METADATA_NAME: &str = ".metadata";
 /// The folder accelerate saves an FSDP model's DCP into.
 pub const FSDP_MODEL_DIR: &str = "pytorch_model_fsdp_0";
 /// Chunks of one tensor beyond this are refused.
-pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 16;
+pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 18;
 
 struct StorageInfo {
     relative_path: String,
@@ -71,6 +76,11 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
 
     let mut storage: HashMap<(String, Vec<u64>), StorageInfo> = HashMap::new();
     for (k, v) in storage_data.borrow().iter() {
+        // A bytes entry (`BytesStorageMetadata`: optimizer settings, any pickled object) is
+        // indexed without an offset (None, which newer torch leaves out); only tensors are read.
+        if matches!(k.attr("offset"), None | Some(Value::None)) {
+            continue;
+        }
         let (Some(fqn), Some(offset)) = (
             k.attr("fqn").and_then(|f| f.as_str().map(String::from)),
             k.attr("offset").and_then(|o| o.as_u64s()),
@@ -115,15 +125,21 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
         .iter()
         .filter_map(|(k, v)| k.as_str().map(|k| (k.to_string(), v.clone())))
         .collect();
-    let is_optimizer = |fqn: &str| {
-        fqn.split('.')
-            .next()
-            .is_some_and(|t| t.starts_with("optim"))
+    let paths = saved_paths(&root);
+    let path_of = |fqn: &str| -> Vec<String> {
+        match (paths.is_empty(), paths.get(fqn)) {
+            (true, _) => fqn.split('.').map(String::from).collect(),
+            (false, Some(p)) => p.clone(),
+            (false, None) => vec![fqn.to_string()],
+        }
     };
-    let strip_model = entries
-        .iter()
-        .filter(|(fqn, _)| !is_optimizer(fqn))
-        .all(|(fqn, _)| fqn.starts_with("model."));
+    let is_optimizer = |fqn: &str| is_optimizer_path(&path_of(fqn));
+    // Only tensors count: a `{"model": …, "step": 5}` save still wraps its model.
+    let wrapped = !paths.is_empty()
+        && entries
+            .iter()
+            .filter(|(fqn, md)| !is_optimizer(fqn) && md.class() == Some("TensorStorageMetadata"))
+            .all(|(fqn, _)| path_of(fqn).len() >= 2 && path_of(fqn)[0] == "model");
 
     let mut seen = std::collections::HashSet::new();
     if let Some((fqn, _)) = entries.iter().find(|(fqn, _)| !seen.insert(fqn.as_str())) {
@@ -151,21 +167,40 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
                 continue;
             }
         }
-        let name = match fqn.strip_prefix("model.") {
-            Some(rest) if strip_model => rest.to_string(),
-            _ => fqn.clone(),
+        let name = if wrapped {
+            path_of(&fqn)[1..].join(".")
+        } else {
+            fqn.clone()
         };
         let tensor_bad = |msg: String| Error::InvalidTensor {
             path: meta_path.clone(),
             tensor: fqn.clone(),
             msg,
         };
-        let dtype =
-            properties_dtype(&md).ok_or_else(|| tensor_bad("no dtype in its properties".into()))?;
-        let shape = md
+        let dtype = match properties_dtype(&md) {
+            Some(Value::Global(Global::Dtype(d))) => d,
+            Some(Value::Global(Global::Unsupported(d))) => {
+                return Err(unsupported_dtype(&meta_path, fqn.clone(), d))
+            }
+            _ => return Err(tensor_bad("no dtype in its properties".into())),
+        };
+        let mut shape = md
             .attr("size")
             .and_then(|s| s.as_u64s())
             .ok_or_else(|| tensor_bad("size is not a torch.Size".into()))?;
+        // float4_e2m1fn_x2 counts byte pairs; F4 counts elements (see `globals`).
+        let fp4_pairs = |v: &mut Vec<u64>| -> Result<()> {
+            if dtype == DType::F4 {
+                let last = v.last_mut().ok_or_else(|| {
+                    tensor_bad("a 0-d float4_e2m1fn_x2 tensor has no F4 shape".into())
+                })?;
+                *last = last
+                    .checked_mul(2)
+                    .ok_or_else(|| tensor_bad("size overflows".into()))?;
+            }
+            Ok(())
+        };
+        fp4_pairs(&mut shape)?;
         let chunks = md
             .attr("chunks")
             .and_then(|c| c.items())
@@ -189,6 +224,9 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
                     "chunk at offsets {offsets:?} has no entry in `storage_data`"
                 )));
             };
+            let (mut offsets, mut sizes) = (offsets, sizes);
+            fp4_pairs(&mut offsets)?;
+            fp4_pairs(&mut sizes)?;
             let placement = chunk_placement(dir, &fqn, dtype, &sizes, info, &mut desc, &mut files)?;
             regions.push(Region {
                 offsets,
@@ -216,18 +254,55 @@ pub fn describe_dcp(dir: &Path) -> Result<SourceDesc> {
     Ok(desc)
 }
 
-/// `TensorProperties` pickles its state as the tuple `(dtype, layout, requires_grad,
-/// memory_format, pin_memory)`; older versions as a dict with a `dtype` key.
-fn properties_dtype(md: &Value) -> Option<DType> {
+/// Top-level entries whose `state` and `param_groups` hold optimizer state.
+const OPTIMIZER_ENTRIES: [&str; 2] = ["optim", "optimizer"];
+const OPTIMIZER_PARTS: [&str; 2] = ["state", "param_groups"];
+
+/// Whether an entry at `path` in the saved state dict is optimizer state.
+fn is_optimizer_path(path: &[String]) -> bool {
+    path.len() >= 3
+        && OPTIMIZER_ENTRIES.contains(&path[0].as_str())
+        && OPTIMIZER_PARTS.contains(&path[1].as_str())
+}
+
+/// `planner_data`: each flattened name's path in the saved state dict (`("model",
+/// "model.embed_tokens.weight")`), as DefaultSavePlanner records it; empty when it is absent or
+/// not such a mapping (a custom planner's data).
+fn saved_paths(root: &Value) -> HashMap<String, Vec<String>> {
+    let Some(Value::Dict(map)) = root.attr("planner_data") else {
+        return HashMap::new();
+    };
+    let path = |v: &Value| -> Option<Vec<String>> {
+        v.items()?
+            .iter()
+            .map(|p| match p {
+                Value::Str(s) => Some(s.to_string()),
+                Value::Int(i) => Some(i.to_string()),
+                _ => None,
+            })
+            .collect()
+    };
+    let map = map.borrow();
+    let paths: Option<HashMap<String, Vec<String>>> = map
+        .iter()
+        .map(|(k, v)| Some((k.as_str()?.to_string(), path(v).filter(|p| !p.is_empty())?)))
+        .collect();
+    paths.unwrap_or_default()
+}
+
+/// The dtype global of a `TensorProperties`, which pickles its state as the tuple `(dtype,
+/// layout, requires_grad, memory_format, pin_memory)`; older versions as a dict with a `dtype`
+/// key.
+fn properties_dtype(md: &Value) -> Option<Value> {
     let props = md.attr("properties")?;
     if let Some(d) = props.attr("dtype") {
-        return dtype_of(&d);
+        return Some(d);
     }
     let Value::Object(o) = &props else {
         return None;
     };
     let state = o.borrow().state.clone()?;
-    dtype_of(state.items()?.first()?)
+    state.items()?.first().cloned()
 }
 
 /// Reads the embedded archive of one chunk and returns where its elements lie.
@@ -279,6 +354,9 @@ fn chunk_placement(
     }
     let archive = read_archive(&path, file, info.offset, info.length)?;
     let value = unpickle_file(&path, &archive.pickle)?;
+    if let Value::UnsupportedTensor(d) = value {
+        return Err(unsupported_dtype(&path, fqn.into(), d));
+    }
     let Value::Tensor(view) = value else {
         return Err(bad(format!(
             "chunk archive at byte {} holds a {}, not a tensor",

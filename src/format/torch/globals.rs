@@ -25,18 +25,20 @@ pub fn resolve_global(module: &str, name: &str) -> PResult<Global> {
         ("torch._utils", "_rebuild_parameter") => RebuildParameter,
         ("torch._utils", "_rebuild_parameter_with_state") => RebuildParameterWithState,
         ("torch._tensor", "_rebuild_from_type_v2") => RebuildFromTypeV2,
-        ("torch.nn.parameter", "Parameter") => Record("Parameter"),
+        ("torch.nn.parameter", "Parameter") | ("torch.nn", "Parameter") => Parameter,
         ("torch", "Tensor") => Record("Tensor"),
         ("collections", "OrderedDict") => OrderedDict,
         ("torch", "Size") => TorchSize,
         ("torch.storage", "UntypedStorage") | ("torch", "UntypedStorage") => UntypedStorage,
-        ("torch", n) if n.ends_with("Storage") => match storage_dtype(n) {
-            Some(d) => TypedStorage(d),
-            None => return Err(PickleError::Forbidden(format!("{module}.{name}"))),
+        ("torch", n) if n.ends_with("Storage") => match (storage_dtype(n), unsupported(n)) {
+            (Some(d), _) => TypedStorage(d),
+            (None, Some(torch_name)) => Unsupported(torch_name),
+            (None, None) => return Err(PickleError::Forbidden(format!("{module}.{name}"))),
         },
-        ("torch", n) => match torch_dtype(n) {
-            Some(d) => Dtype(d),
-            None => return Err(PickleError::Forbidden(format!("{module}.{name}"))),
+        ("torch", n) => match (torch_dtype(n), unsupported(n)) {
+            (Some(d), _) => Dtype(d),
+            (None, Some(torch_name)) => Unsupported(torch_name),
+            (None, None) => return Err(PickleError::Forbidden(format!("{module}.{name}"))),
         },
         ("torch.distributed.checkpoint.metadata", n) => Record(match n {
             "Metadata" => "Metadata",
@@ -77,7 +79,45 @@ fn storage_dtype(class: &str) -> Option<DType> {
     })
 }
 
-/// `torch.<name>` dtypes that safetensors can hold.
+/// Torch dtypes (and their storage classes) that safetensors cannot hold, by torch's name:
+/// legitimate in a checkpoint, so refused as an unsupported dtype rather than as a global
+/// that could run code.
+fn unsupported(name: &str) -> Option<&'static str> {
+    const DTYPES: [(&str, &str); 20] = [
+        ("complex128", "complex128"),
+        ("cdouble", "complex128"),
+        ("ComplexDoubleStorage", "complex128"),
+        ("complex32", "complex32"),
+        ("chalf", "complex32"),
+        ("quint8", "quint8"),
+        ("QUInt8Storage", "quint8"),
+        ("qint8", "qint8"),
+        ("QInt8Storage", "qint8"),
+        ("qint32", "qint32"),
+        ("QInt32Storage", "qint32"),
+        ("quint4x2", "quint4x2"),
+        ("QUInt4x2Storage", "quint4x2"),
+        ("quint2x4", "quint2x4"),
+        ("QUInt2x4Storage", "quint2x4"),
+        ("bits1x8", "bits1x8"),
+        ("bits2x4", "bits2x4"),
+        ("bits4x2", "bits4x2"),
+        ("bits8", "bits8"),
+        ("bits16", "bits16"),
+    ];
+    const SUB_BYTE_INTS: [&str; 14] = [
+        "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "int1", "int2", "int3",
+        "int4", "int5", "int6", "int7",
+    ];
+    DTYPES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, torch_name)| *torch_name)
+        .or_else(|| SUB_BYTE_INTS.iter().find(|n| **n == name).copied())
+}
+
+/// `torch.<name>` dtypes that safetensors can hold. `float4_e2m1fn_x2` (two E2M1 codes a byte,
+/// the even element in the low nibble) is read as `F4`, as the safetensors package writes it.
 pub fn torch_dtype(name: &str) -> Option<DType> {
     Some(match name {
         "float32" | "float" => DType::F32,
@@ -99,6 +139,7 @@ pub fn torch_dtype(name: &str) -> Option<DType> {
         "float8_e4m3fnuz" => DType::F8_E4M3FNUZ,
         "float8_e5m2fnuz" => DType::F8_E5M2FNUZ,
         "float8_e8m0fnu" => DType::F8_E8M0,
+        "float4_e2m1fn_x2" => DType::F4,
         _ => return None,
     })
 }
@@ -111,9 +152,10 @@ pub(super) fn persistent_load(pid: &Value) -> PResult<Value> {
     if !(t.len() == 5 || t.len() == 6) || t[0].as_str() != Some("storage") {
         return invalid("persistent id is not a ('storage', …) tuple");
     }
-    let dtype = match &t[1] {
-        Value::Global(Global::TypedStorage(d)) => Some(*d),
-        Value::Global(Global::UntypedStorage) => None,
+    let (dtype, unsupported) = match &t[1] {
+        Value::Global(Global::TypedStorage(d)) => (Some(*d), None),
+        Value::Global(Global::UntypedStorage) => (None, None),
+        Value::Global(Global::Unsupported(name)) => (None, Some(*name)),
         other => {
             return invalid(format!(
                 "persistent id names a {} instead of a storage class",
@@ -133,6 +175,7 @@ pub(super) fn persistent_load(pid: &Value) -> PResult<Value> {
     Ok(Value::Storage(StorageRef {
         key: key.to_string(),
         dtype,
+        unsupported,
         numel,
     }))
 }
@@ -140,10 +183,14 @@ pub(super) fn persistent_load(pid: &Value) -> PResult<Value> {
 pub(super) fn call(g: &Global, args: &[Value]) -> PResult<Value> {
     match g {
         Global::RebuildTensorV2 | Global::RebuildTensorV3 => rebuild_tensor(g, args),
-        Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
-            Some(t @ Value::Tensor(_)) => Ok(t.clone()),
-            _ => invalid("_rebuild_parameter without a tensor"),
-        },
+        // `torch.nn.Parameter(data, requires_grad)` (REDUCE or NEWOBJ) is a tensor to
+        // `torch.load(weights_only=True)` too.
+        Global::RebuildParameter | Global::RebuildParameterWithState | Global::Parameter => {
+            match args.first() {
+                Some(t @ (Value::Tensor(_) | Value::UnsupportedTensor(_))) => Ok(t.clone()),
+                _ => invalid("a parameter rebuilt without a tensor"),
+            }
+        }
         Global::RebuildFromTypeV2 => match args {
             [Value::Global(f), Value::Global(_), Value::Tuple(inner), ..]
                 if matches!(f, Global::RebuildTensorV2 | Global::RebuildTensorV3) =>
@@ -174,7 +221,10 @@ pub(super) fn call(g: &Global, args: &[Value]) -> PResult<Value> {
             [dims] if dims.as_u64s().is_some() => Ok(tuple(dims.items().unwrap_or_default())),
             _ => invalid("torch.Size of something other than non-negative ints"),
         },
-        Global::TypedStorage(_) | Global::UntypedStorage | Global::Dtype(_) => {
+        Global::TypedStorage(_)
+        | Global::UntypedStorage
+        | Global::Dtype(_)
+        | Global::Unsupported(_) => {
             invalid("storages and dtypes are never constructed by a torch.save pickle")
         }
         Global::Record(class) => Ok(Value::Object(Rc::new(RefCell::new(Object {
@@ -211,19 +261,48 @@ fn rebuild_tensor(g: &Global, args: &[Value]) -> PResult<Value> {
     let dtype = if *g == Global::RebuildTensorV3 {
         match args.get(6) {
             Some(Value::Global(Global::Dtype(d))) => *d,
+            Some(Value::Global(Global::Unsupported(name))) => {
+                return Ok(Value::UnsupportedTensor(name))
+            }
             _ => return invalid("_rebuild_tensor_v3 without a dtype"),
         }
     } else {
-        match storage.dtype {
-            Some(d) => d,
-            None => return invalid("untyped storage rebuilt without a dtype"),
+        match (storage.dtype, storage.unsupported) {
+            (Some(d), _) => d,
+            (None, Some(name)) => return Ok(Value::UnsupportedTensor(name)),
+            (None, None) => return invalid("untyped storage rebuilt without a dtype"),
         }
     };
-    Ok(Value::Tensor(Rc::new(TensorView {
+    let view = TensorView {
         storage: storage.clone(),
         dtype,
         storage_offset,
         shape,
         strides,
-    })))
+    };
+    let view = if dtype == DType::F4 {
+        unpack_fp4_pairs(view)?
+    } else {
+        view
+    };
+    Ok(Value::Tensor(Rc::new(view)))
+}
+
+/// A `float4_e2m1fn_x2` view (one element a byte, two codes in it) in `F4` elements, as
+/// safetensors counts them: the last dimension and every offset and stride doubled. The pair in
+/// a byte stays together, so the last dimension keeps stride 1 (a view with another last
+/// stride is refused when it is placed, as sub-byte strided views are).
+fn unpack_fp4_pairs(mut view: TensorView) -> PResult<TensorView> {
+    let overflow = || PickleError::Invalid("float4_e2m1fn_x2 view offsets overflow".into());
+    let Some(last) = view.shape.len().checked_sub(1) else {
+        return invalid("a 0-d float4_e2m1fn_x2 tensor (one byte, two codes) has no F4 shape");
+    };
+    view.shape[last] = view.shape[last].checked_mul(2).ok_or_else(overflow)?;
+    view.storage_offset = view.storage_offset.checked_mul(2).ok_or_else(overflow)?;
+    for (d, s) in view.strides.iter_mut().enumerate() {
+        if d != last || *s != 1 {
+            *s = s.checked_mul(2).ok_or_else(overflow)?;
+        }
+    }
+    Ok(view)
 }

@@ -75,7 +75,11 @@ pub fn read_legacy(
     let mut dtypes: HashMap<String, DType> = HashMap::new();
     let mut notes = Vec::new();
     for (_, view) in flatten(path, &main, &mut notes)? {
-        let dtype = view.storage.dtype.unwrap_or(view.dtype);
+        // A storage counts torch elements: one byte each for packed FP4 (float4_e2m1fn_x2).
+        let dtype = match view.storage.dtype.unwrap_or(view.dtype) {
+            DType::F4 => DType::U8,
+            d => d,
+        };
         dtypes.insert(view.storage.key.clone(), dtype);
     }
     let mut storages = HashMap::with_capacity(keys.len());

@@ -373,7 +373,7 @@ impl Machine<'_> {
                         }
                         // `_rebuild_parameter_with_state` and OrderedDict subclasses: the
                         // state (hooks, attributes) does not change the tensor or its items.
-                        Value::Tensor(_) | Value::Dict(_) => {}
+                        Value::Tensor(_) | Value::UnsupportedTensor(_) | Value::Dict(_) => {}
                         other => {
                             return invalid(format!("BUILD on a {} at offset {at}", other.kind()))
                         }

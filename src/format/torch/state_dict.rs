@@ -8,15 +8,22 @@ use std::rc::Rc;
 
 use super::archive::MemberRange;
 use super::pickle;
-use super::value::{Global, PickleError, TensorView, Value};
+use super::value::{PickleError, TensorView, Value};
 use crate::error::{Error, Result};
-use crate::format::dtype::{element_count, DType};
+use crate::format::dtype::element_count;
+use crate::format::header::MAX_HEADER_BYTES;
 use crate::format::source::{contiguous_strides, Placement};
 
 /// State dicts nested deeper than this are refused.
 pub const MAX_NESTING_DEPTH: usize = 64;
 /// Entries visited while flattening a state dict (tensors plus skipped values).
 pub const MAX_STATE_DICT_ENTRIES: usize = 1 << 24;
+/// The names a state dict flattens to, in bytes all together: what a safetensors header may
+/// hold ([`MAX_HEADER_BYTES`]). A pickle can share one dict through its memo under many keys,
+/// and each level of sharing doubles the names, so a few KiB of pickle would otherwise expand
+/// to gigabytes of names; this bound makes it cost what a safetensors header of those names
+/// would.
+pub const MAX_STATE_DICT_NAME_BYTES: u64 = MAX_HEADER_BYTES;
 
 /// Runs the restricted unpickler, naming `path` in its errors.
 pub(crate) fn unpickle_file(path: &Path, bytes: &[u8]) -> Result<Value> {
@@ -51,11 +58,9 @@ pub(crate) fn view_placement(
         tensor: name.into(),
         msg,
     };
-    let es = view
-        .dtype
-        .size()
-        .ok_or_else(|| bad(format!("{} is not a whole-byte dtype", view.dtype)))?
-        as u64;
+    // Bits, not bytes: packed FP4 (`F4`, from float4_e2m1fn_x2) has two elements a byte.
+    let bits = view.dtype.bits();
+    let bytes_of = |n: u64| n.checked_mul(bits).map(|b| b.div_ceil(8));
     let elements = element_count(&view.shape)
         .ok_or_else(|| bad(format!("shape {:?} overflows", view.shape)))?;
     if elements == 0 {
@@ -75,7 +80,7 @@ pub(crate) fn view_placement(
     }
     let reach = last
         .checked_add(1)
-        .and_then(|x| x.checked_mul(es))
+        .and_then(bytes_of)
         .ok_or_else(|| bad("view offsets overflow".into()))?;
     if reach > storage.len {
         return Err(bad(format!(
@@ -98,9 +103,14 @@ pub(crate) fn view_placement(
     if contiguous {
         Ok(Placement::Contiguous {
             file,
-            offset: storage.offset + view.storage_offset * es,
-            len: elements * es,
+            offset: storage.offset + view.storage_offset * bits / 8,
+            len: elements * bits / 8,
         })
+    } else if !bits.is_multiple_of(8) {
+        Err(bad(format!(
+            "a non-contiguous view (stride {:?}) of packed {}: save it with .contiguous()",
+            view.strides, view.dtype
+        )))
     } else {
         Ok(Placement::Strided {
             file,
@@ -131,6 +141,7 @@ pub(crate) fn flatten(
     let mut out: Vec<(String, Rc<TensorView>)> = Vec::new();
     let mut names = std::collections::HashSet::new();
     let mut visited = 0usize;
+    let mut name_bytes = 0u64;
     let mut work = vec![(String::new(), value.clone(), 0usize)];
     while let Some((prefix, v, depth)) = work.pop() {
         visited += 1;
@@ -171,6 +182,24 @@ pub(crate) fn flatten(
                             continue;
                         }
                     };
+                    name_bytes += (prefix.len() + 1 + key.len()) as u64;
+                    if name_bytes > MAX_STATE_DICT_NAME_BYTES {
+                        let escaped = crate::escape::name(&prefix);
+                        let mut shown: String = escaped.chars().take(120).collect();
+                        if shown.len() < escaped.len() {
+                            shown.push('…');
+                        }
+                        return Err(Error::TorchArchive {
+                            path: path.into(),
+                            msg: format!(
+                                "the state dict's names add up to more than \
+                                 {MAX_STATE_DICT_NAME_BYTES} bytes (the safetensors header \
+                                 limit), reached under `{}`; a pickle sharing dicts \
+                                 through its memo multiplies them",
+                                shown
+                            ),
+                        });
+                    }
                     let name = if prefix.is_empty() {
                         key
                     } else {
@@ -179,6 +208,7 @@ pub(crate) fn flatten(
                     work.push((name, item.clone(), depth + 1));
                 }
             }
+            Value::UnsupportedTensor(dtype) => return Err(unsupported_dtype(path, prefix, dtype)),
             other => notes.push(format!(
                 "`{prefix}` ({}) skipped: not a tensor",
                 other.kind()
@@ -188,10 +218,14 @@ pub(crate) fn flatten(
     Ok(out)
 }
 
-/// The dtype a `torch.<name>` global stands for (for messages and DCP properties).
-pub fn dtype_of(value: &Value) -> Option<DType> {
-    match value {
-        Value::Global(Global::Dtype(d)) => Some(*d),
-        _ => None,
+/// The error for a tensor of a torch dtype safetensors cannot hold.
+pub(crate) fn unsupported_dtype(path: &Path, tensor: String, dtype: &str) -> Error {
+    Error::InvalidTensor {
+        path: path.into(),
+        tensor,
+        msg: format!(
+            "unsupported dtype {dtype}: safetensors has no such type; convert the tensor in \
+             torch (e.g. to a supported dtype, or with torch.view_as_real) and save again"
+        ),
     }
 }

@@ -107,8 +107,10 @@ pub struct TensorView {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StorageRef {
     pub key: String,
-    /// `None` for an `UntypedStorage`.
+    /// `None` for an `UntypedStorage` (and an unsupported one).
     pub dtype: Option<DType>,
+    /// The torch dtype of a typed storage safetensors cannot hold (`complex128`).
+    pub unsupported: Option<&'static str>,
     pub numel: u64,
 }
 
@@ -133,6 +135,8 @@ pub enum Value {
     Global(Global),
     Storage(StorageRef),
     Tensor(Rc<TensorView>),
+    /// A tensor of a torch dtype safetensors cannot hold (`complex128`, quantised types).
+    UnsupportedTensor(&'static str),
     Object(Rc<RefCell<Object>>),
 }
 
@@ -151,7 +155,7 @@ impl Value {
             Value::Dict(_) => "dict",
             Value::Global(_) => "class",
             Value::Storage(_) => "storage",
-            Value::Tensor(_) => "tensor",
+            Value::Tensor(_) | Value::UnsupportedTensor(_) => "tensor",
             Value::Object(_) => "object",
         }
     }
@@ -232,6 +236,10 @@ pub enum Global {
     /// `torch.storage.UntypedStorage`: bytes, typed by `_rebuild_tensor_v3`'s dtype argument.
     UntypedStorage,
     Dtype(DType),
+    /// A torch dtype or storage class safetensors cannot hold, by its torch dtype name.
+    Unsupported(&'static str),
+    /// `torch.nn.Parameter`: called with a tensor, it is that tensor.
+    Parameter,
     /// A class or function whose call only records its arguments (DCP dataclasses,
     /// `torch.serialization._get_layout`, `pathlib.PosixPath`, …).
     Record(&'static str),
