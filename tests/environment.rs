@@ -270,6 +270,15 @@ fn make_special(path: &Path, make: &str) -> &'static str {
     }
 }
 
+/// Runs `check` with `path` replaced by the special file `make` (given what the refusal calls
+/// it), then puts the file back.
+fn with_special(path: &Path, make: &str, check: impl FnOnce(&str)) {
+    let saved = std::fs::read(path).unwrap();
+    check(make_special(path, make));
+    std::fs::remove_file(path).unwrap();
+    std::fs::write(path, saved).unwrap();
+}
+
 #[test]
 fn special_side_files_are_refused_before_any_output() {
     let d = tmp();
@@ -283,17 +292,15 @@ fn special_side_files_are_refused_before_any_output() {
         ("config.json", "fifo"),
     ] {
         let side = src.join(name);
-        let saved = std::fs::read(&side).unwrap();
-        let what = make_special(&side, make);
-        let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
-        assert_eq!(code, Some(1), "{name} as {make}");
-        assert_eq!(
-            err,
-            format!("error: {}: {what}, not a regular file\n", side.display())
-        );
-        assert!(!out.exists(), "{name} as {make}");
-        std::fs::remove_file(&side).unwrap();
-        std::fs::write(&side, saved).unwrap();
+        with_special(&side, make, |what| {
+            let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &[]));
+            assert_eq!(code, Some(1), "{name} as {make}");
+            assert_eq!(
+                err,
+                format!("error: {}: {what}, not a regular file\n", side.display())
+            );
+            assert!(!out.exists(), "{name} as {make}");
+        });
     }
 }
 
@@ -333,24 +340,22 @@ fn gguf_refuses_a_fifo_or_a_device_as_a_tokenizer_file() {
         ("tokenizer.json", "/dev/urandom"),
     ] {
         let file = case.model.join(name);
-        let saved = std::fs::read(&file).unwrap();
-        let what = make_special(&file, make);
-        let (code, _, err) = run_bounded(&[
-            "gguf",
-            s(&case.model),
-            "-o",
-            s(&out),
-            "--vocab-pre",
-            "llama-bpe",
-        ]);
-        assert_eq!(code, Some(1), "{name}: {err}");
-        assert_mentions(
-            &err,
-            &[&format!("{}: {what}, not a regular file", file.display())],
-        );
-        assert!(!out.exists(), "{name}");
-        std::fs::remove_file(&file).unwrap();
-        std::fs::write(&file, saved).unwrap();
+        with_special(&file, make, |what| {
+            let (code, _, err) = run_bounded(&[
+                "gguf",
+                s(&case.model),
+                "-o",
+                s(&out),
+                "--vocab-pre",
+                "llama-bpe",
+            ]);
+            assert_eq!(code, Some(1), "{name}: {err}");
+            assert_mentions(
+                &err,
+                &[&format!("{}: {what}, not a regular file", file.display())],
+            );
+            assert!(!out.exists(), "{name}");
+        });
     }
 }
 
@@ -370,16 +375,14 @@ fn verify_refuses_special_files_in_place_of_listed_files() {
         ("tokenizer_config.json", "fifo"),
     ] {
         let file = out.join(name);
-        let saved = std::fs::read(&file).unwrap();
-        let what = make_special(&file, make);
-        let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
-        assert_eq!(code, Some(1), "{name} as {make}");
-        assert_eq!(
-            stdout_text,
-            format!("{}: {name}: {what}, not a regular file\n", out.display())
-        );
-        std::fs::remove_file(&file).unwrap();
-        std::fs::write(&file, saved).unwrap();
+        with_special(&file, make, |what| {
+            let (code, stdout_text, _) = run_bounded(&["verify", s(&out)]);
+            assert_eq!(code, Some(1), "{name} as {make}");
+            assert_eq!(
+                stdout_text,
+                format!("{}: {name}: {what}, not a regular file\n", out.display())
+            );
+        });
     }
 }
 
