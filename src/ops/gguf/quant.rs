@@ -29,7 +29,7 @@ pub fn q8_0_fits(row_len: u64) -> bool {
 }
 
 /// Quantises one block of 32 values into `out` (34 bytes).
-#[inline]
+#[inline(always)]
 pub fn quantize_q8_0_block(x: &[f32], out: &mut [u8]) {
     let x: &[f32; Q8_0_BLOCK_ELEMS] = x.try_into().expect("a block of 32 values");
     let out: &mut [u8; Q8_0_BLOCK_BYTES] = out.try_into().expect("a block of 34 bytes");
@@ -87,12 +87,56 @@ pub fn quantize_q8_0_from(elems: &[u8], dtype: DType, out: &mut [u8]) {
         elems.len() / es / Q8_0_BLOCK_ELEMS * Q8_0_BLOCK_BYTES,
         "Q8_0 output size"
     );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { q8_0_blocks_avx2(elems, dtype, out) };
+    }
+    q8_0_blocks(elems, dtype, out)
+}
+
+/// [`q8_0_blocks`] compiled for AVX2: twice the lanes for the same operations. Rust's float
+/// semantics (no contraction, defined conversions) make the bytes those of any other build.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_blocks_avx2(elems: &[u8], dtype: DType, out: &mut [u8]) {
+    q8_0_blocks(elems, dtype, out)
+}
+
+/// The block loop of [`quantize_q8_0_from`], the dtype chosen once, outside it.
+#[inline(always)]
+fn q8_0_blocks(elems: &[u8], dtype: DType, out: &mut [u8]) {
+    match dtype {
+        DType::BF16 => blocks_from(elems, 2, out, |src, x| {
+            for (o, c) in x.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }),
+        DType::F32 => blocks_from(elems, 4, out, |src, x| {
+            for (o, c) in x.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }),
+        _ => {
+            let es = dtype.size().expect("a float dtype");
+            blocks_from(elems, es, out, |src, x| decode_into(dtype, src, x))
+        }
+    }
+}
+
+#[inline(always)]
+fn blocks_from(
+    elems: &[u8],
+    elem_bytes: usize,
+    out: &mut [u8],
+    decode: impl Fn(&[u8], &mut [f32; Q8_0_BLOCK_ELEMS]),
+) {
     let mut x = [0f32; Q8_0_BLOCK_ELEMS];
     for (src, dst) in elems
-        .chunks_exact(Q8_0_BLOCK_ELEMS * es)
+        .chunks_exact(Q8_0_BLOCK_ELEMS * elem_bytes)
         .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
     {
-        decode_into(dtype, src, &mut x);
+        decode(src, &mut x);
         quantize_q8_0_block(&x, dst);
     }
 }
