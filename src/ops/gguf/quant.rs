@@ -103,20 +103,13 @@ unsafe fn q8_0_blocks_avx2(elems: &[u8], dtype: DType, out: &mut [u8]) {
     q8_0_blocks(elems, dtype, out)
 }
 
-/// The block loop of [`quantize_q8_0_from`], the dtype chosen once, outside it.
+/// The block loop of [`quantize_q8_0_from`], the dtype chosen once, outside it (each arm's
+/// constant dtype lets the widening inline into the loop).
 #[inline(always)]
 fn q8_0_blocks(elems: &[u8], dtype: DType, out: &mut [u8]) {
     match dtype {
-        DType::BF16 => blocks_from(elems, 2, out, |src, x| {
-            for (o, c) in x.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-            }
-        }),
-        DType::F32 => blocks_from(elems, 4, out, |src, x| {
-            for (o, c) in x.iter_mut().zip(src.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }),
+        DType::BF16 => blocks_from(elems, 2, out, |src, x| decode_into(DType::BF16, src, x)),
+        DType::F32 => blocks_from(elems, 4, out, |src, x| decode_into(DType::F32, src, x)),
         _ => {
             let es = dtype.size().expect("a float dtype");
             blocks_from(elems, es, out, |src, x| decode_into(dtype, src, x))
