@@ -6,7 +6,7 @@ mod common;
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -386,6 +386,22 @@ fn verify_refuses_special_files_in_place_of_listed_files() {
     }
 }
 
+/// A slow passthrough (`extra` added) of a model made in `dir`, stdout discarded and stderr
+/// piped, returned once its temporaries exist, with its output path.
+fn slow_run_writing(dir: &Path, extra: &[&str]) -> (Child, PathBuf) {
+    let src = dir.join("in");
+    slow_cast_model(&src);
+    let out = dir.join("out");
+    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_temporaries(&out, &mut child);
+    (child, out)
+}
+
 fn wait_for_temporaries(out: &Path, child: &mut Child) {
     let started = Instant::now();
     while listing(out).is_empty() {
@@ -405,16 +421,7 @@ fn sigterm(child: &Child) {
 #[test]
 fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
     let d = tmp();
-    let src = d.path().join("in");
-    slow_cast_model(&src);
-    let out = d.path().join("out");
-    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
-        .arg("-q")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_temporaries(&out, &mut child);
+    let (child, out) = slow_run_writing(d.path(), &["-q"]);
     sigterm(&child);
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(143), "128 + SIGTERM");
@@ -428,18 +435,12 @@ fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
 #[test]
 fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
     let d = tmp();
-    let src = d.path().join("in");
-    slow_cast_model(&src);
-    let out = d.path().join("out");
     // Progress lines every 0.1 ms fill the pipe at once; nobody reads it, so the next line
     // blocks the writer, and no cancel check is ever reached.
-    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
-        .args(["--progress", "json", "--progress-interval", "0.0001"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_temporaries(&out, &mut child);
+    let (mut child, out) = slow_run_writing(
+        d.path(),
+        &["--progress", "json", "--progress-interval", "0.0001"],
+    );
     std::thread::sleep(Duration::from_millis(500));
     assert!(child.try_wait().unwrap().is_none(), "the run was not stuck");
     let signalled = Instant::now();
