@@ -24,7 +24,6 @@ use crate::progress::Progress;
 use crate::sink::{Layout, OutputKind};
 use crate::size::human;
 
-/// Temporaries of one group of shards, removed unless committed.
 /// A part's shard temporaries: removed when dropped before [`Temps::keep`], and if a signal
 /// ends the process.
 struct Temps(Vec<PathBuf>);
