@@ -15,6 +15,7 @@ pub mod fp8;
 pub mod gguf;
 pub mod int;
 pub mod lora;
+pub mod merge;
 pub mod quantize;
 
 pub use crate::plan::kernel;
