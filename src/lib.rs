@@ -36,6 +36,7 @@ pub mod console;
 pub mod api;
 pub mod cli;
 pub mod commands;
+pub mod entry;
 pub mod error;
 pub mod escape;
 pub mod format;

@@ -119,6 +119,14 @@ impl BitOr for Pipe {
     }
 }
 
+impl From<RunSections> for Pipe {
+    /// The sections of a `tftf run` command line, from [`crate::commands::run_sections::split`]:
+    /// for front ends (the Python package) that offer every option a section takes.
+    fn from(sections: RunSections) -> Pipe {
+        Pipe { sections }
+    }
+}
+
 /// `--dtype=NAME` in the spelling the command line takes (`bf16`); dtypes it does not take
 /// are refused, naming them, when the steps are built.
 fn dtype_arg(dtype: DType) -> OsString {

@@ -1,0 +1,284 @@
+//! `tftf._core`: the Rust core as the Python package sees it.
+//!
+//! Four doors into the main crate, and nothing else: the command line ([`cli_main`], for the
+//! `tftf` console command), a whole conversion ([`run_pipeline`], the library API's
+//! `Pipeline::run` with the GIL released), a checkpoint reader ([`Checkpoint`], for upstream's
+//! readers' `iter_records`), and single-tensor ops ([`cast`], [`dequant_fp8`]) for a pipe's
+//! `process` on in-memory records. The Python modules in `python/tftf/` build upstream's API
+//! on these.
+
+mod ops;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyFileExistsError, PyFileNotFoundError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+use tftf::api::{DeviceRequest, GgufFileType, Pipe, Pipeline, Reader, Writer};
+use tftf::commands::run_sections;
+use tftf::{Cancel, Error};
+
+create_exception!(
+    _core,
+    TftfError,
+    PyRuntimeError,
+    "A conversion failed: unreadable input, a pipe that cannot apply, no space, … The message names the file and tensor."
+);
+
+/// How often a waiting run looks for Ctrl-C (Python's signal handlers run on the main thread
+/// only when it holds the GIL).
+const SIGNAL_POLL: Duration = Duration::from_millis(100);
+
+/// Turns a core error into the Python exception a Python user expects for it.
+pub(crate) fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        Error::Usage(_) => PyValueError::new_err(msg),
+        Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            PyFileNotFoundError::new_err(msg)
+        }
+        Error::OutputNotEmpty { .. } => PyFileExistsError::new_err(msg),
+        _ => TftfError::new_err(msg),
+    }
+}
+
+/// Runs the `tftf` command line on `argv` (`argv[0]` is the program name) and returns its exit
+/// code. For a process's entry point: it takes SIGINT and SIGTERM over as the binary does.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<OsString>) -> i32 {
+    py.allow_threads(|| tftf::entry::run(argv))
+}
+
+/// Runs the `tftf` command line on `argv` in-process, keeping Python's signal handling: Ctrl-C
+/// stops the run (its temporaries removed) and raises `KeyboardInterrupt`. Returns the exit code.
+#[pyfunction]
+fn cli_run(py: Python<'_>, argv: Vec<OsString>) -> PyResult<i32> {
+    let cancel = Cancel::default();
+    let raised = Mutex::new(None);
+    let code = run_watching_signals(py, &cancel, &raised, || {
+        tftf::entry::run_with(argv, &cancel)
+    });
+    match raised.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(err) => Err(err),
+        None => Ok(code),
+    }
+}
+
+/// Where a pipeline writes: the writer kind (`sharded`, `file`, `null`, `gguf`) and its options.
+#[derive(FromPyObject)]
+struct WriterSpec {
+    #[pyo3(item)]
+    kind: String,
+    #[pyo3(item)]
+    path: Option<PathBuf>,
+    #[pyo3(item)]
+    max_shard_size: Option<u64>,
+    #[pyo3(item)]
+    outtype: Option<String>,
+    #[pyo3(item)]
+    force: bool,
+}
+
+impl WriterSpec {
+    fn writer(&self) -> PyResult<Writer> {
+        let path = || {
+            self.path.clone().ok_or_else(|| {
+                PyValueError::new_err(format!("a {} writer needs a path", self.kind))
+            })
+        };
+        let mut writer = match self.kind.as_str() {
+            "sharded" => Writer::sharded(path()?),
+            "file" => Writer::file(path()?),
+            "null" => Writer::null(),
+            "gguf" => Writer::gguf(path()?),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown writer kind `{other}`"
+                )))
+            }
+        };
+        if let Some(bytes) = self.max_shard_size {
+            writer = writer.max_shard_size(bytes);
+        }
+        match self.outtype.as_deref() {
+            None | Some("auto") => {}
+            Some(t) => {
+                let file_type = GgufFileType::parse(t).ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "unknown GGUF outtype `{t}` (f32, f16, bf16, q8_0, auto)"
+                    ))
+                })?;
+                writer = writer.outtype(file_type);
+            }
+        }
+        Ok(writer.force(self.force))
+    }
+}
+
+/// Runs one conversion: `input` through the `tftf run` sections in `sections` (the tokens after
+/// `tftf run`, e.g. `["--dequant-fp8", "--dtype=bf16"]`) into `writer`. Returns the report as
+/// JSON text. The GIL is released while it runs; Ctrl-C stops it (its output left as it was)
+/// and raises `KeyboardInterrupt`; an exception in `progress` stops it and is raised.
+#[pyfunction]
+#[pyo3(signature = (input, sections, writer, threads=None, memory_budget=None, device="auto", progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn run_pipeline(
+    py: Python<'_>,
+    input: PathBuf,
+    sections: Vec<OsString>,
+    writer: WriterSpec,
+    threads: Option<usize>,
+    memory_budget: Option<u64>,
+    device: &str,
+    progress: Option<PyObject>,
+) -> PyResult<String> {
+    let mut argv = vec![OsString::from("tftf"), OsString::from("run")];
+    argv.extend(sections);
+    let (_, sections) = run_sections::split(argv);
+    let cancel = Cancel::default();
+    let mut pipeline = Pipeline::new(
+        Reader::from_path(input),
+        Pipe::from(sections),
+        writer.writer()?,
+    )
+    .device(DeviceRequest::parse(device).map_err(to_py)?)
+    .cancel(cancel.clone());
+    if let Some(n) = threads {
+        pipeline = pipeline.threads(n);
+    }
+    if let Some(bytes) = memory_budget {
+        pipeline = pipeline.memory_budget(bytes);
+    }
+    let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
+    if let Some(callback) = progress {
+        let (raised, cancel) = (raised.clone(), cancel.clone());
+        pipeline = pipeline.on_progress(move |e| {
+            Python::with_gil(|py| {
+                if let Err(err) =
+                    callback.call1(py, (e.bytes_done, e.bytes_total, e.file.to_string()))
+                {
+                    lock(&raised).get_or_insert(err);
+                    cancel.raise();
+                }
+            })
+        });
+    }
+    let result = run_watching_signals(py, &cancel, &raised, || pipeline.run());
+    if let Some(err) = lock(&raised).take() {
+        return Err(err);
+    }
+    let report = result.map_err(to_py)?;
+    Ok(report.json().to_string())
+}
+
+/// Runs `work` on a thread of its own without the GIL, while this thread takes the GIL every
+/// [`SIGNAL_POLL`] to let Python see Ctrl-C; a signal's exception is kept in `raised` and
+/// stops the work through `cancel`. Returns what `work` returned.
+fn run_watching_signals<T: Send>(
+    py: Python<'_>,
+    cancel: &Cancel,
+    raised: &Mutex<Option<PyErr>>,
+    work: impl FnOnce() -> T + Send,
+) -> T {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    // A receiver is not `Sync`; the lock lets the GIL-free closure borrow it.
+    let done_rx = Mutex::new(done_rx);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let _ = done_tx.send(work());
+        });
+        loop {
+            match py.allow_threads(|| lock(&done_rx).recv_timeout(SIGNAL_POLL)) {
+                Ok(result) => return result,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if let Err(err) = py.check_signals() {
+                        lock(raised).get_or_insert(err);
+                        cancel.raise();
+                    }
+                }
+                // The worker panicked; pyo3 turns the panic into a Python exception.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("the run's thread panicked")
+                }
+            }
+        }
+    })
+}
+
+/// Locks `m`, also after a panic elsewhere poisoned it (the value is still whole).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A checkpoint opened by the Rust reader (safetensors file or shards, PyTorch `.bin`, DCP):
+/// names, dtypes and shapes from the headers, and each tensor's bytes on request.
+#[pyclass(module = "tftf._core", frozen)]
+struct Checkpoint {
+    inner: tftf::Checkpoint,
+}
+
+#[pymethods]
+impl Checkpoint {
+    #[new]
+    fn open(py: Python<'_>, path: PathBuf) -> PyResult<Checkpoint> {
+        let inner = py
+            .allow_threads(|| tftf::Checkpoint::open(&path))
+            .map_err(to_py)?;
+        Ok(Checkpoint { inner })
+    }
+
+    /// `(name, dtype, shape)` of every tensor, in file order; dtypes in safetensors spelling.
+    fn tensors(&self) -> Vec<(String, &'static str, Vec<u64>)> {
+        let infos = self.inner.tensors.iter().map(|t| &t.info);
+        infos
+            .map(|i| (i.name.clone(), i.dtype.name(), i.shape.clone()))
+            .collect()
+    }
+
+    /// The `__metadata__` of the (first) safetensors header, as JSON text, if any.
+    fn metadata_json(&self) -> Option<String> {
+        self.inner
+            .metadata()
+            .map(|m| serde_json::Value::Object(m.clone()).to_string())
+    }
+
+    /// The files the tensors come from.
+    fn files(&self) -> Vec<PathBuf> {
+        self.inner.shards.iter().map(|s| s.path.clone()).collect()
+    }
+
+    /// Tensor `name`'s bytes, read into a new `bytearray`.
+    fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
+        let t = self
+            .inner
+            .get(name)
+            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))?;
+        let mut failed = None;
+        let out = PyByteArray::new_with(py, t.info.nbytes() as usize, |buf| {
+            if let Err(e) = self.inner.read_tensor_at(t, 0, buf) {
+                failed = Some(e);
+            }
+            Ok(())
+        })?;
+        match failed {
+            Some(e) => Err(to_py(e)),
+            None => Ok(out),
+        }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("TftfError", m.py().get_type::<TftfError>())?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_run, m)?)?;
+    m.add_function(wrap_pyfunction!(run_pipeline, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::cast, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::dequant_fp8, m)?)?;
+    m.add_class::<Checkpoint>()?;
+    Ok(())
+}

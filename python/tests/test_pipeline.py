@@ -1,0 +1,151 @@
+"""The Python API: built-in pipelines run as one Rust job and write what the command line
+writes; user pipes run in the stream; failures leave no output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import read_safetensors, write_safetensors
+
+import tftf
+from tftf import (DTypeCastPipe, KeyFilterPipe, KeyRenamePipe, NullWriter, Pipe, Pipeline, SafetensorsReader,
+                  ShardedWriter, StreamingWriter, TensorRecord)
+from tftf import _tensor
+
+
+def _values(tensor):
+    return np.asarray(tensor.float().numpy() if hasattr(tensor, "float") else tensor, dtype=np.float32)
+
+
+def test_builtin_pipeline_is_one_rust_job_with_the_cli_bytes(model, tmp_path):
+    pipe = KeyRenamePipe([(r"^model\.", "")]) | DTypeCastPipe("f16")
+    out = tmp_path / "api.safetensors"
+    pipeline = Pipeline(SafetensorsReader(model), pipe, StreamingWriter(out))
+    assert pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    assert pipeline.report["status"] == "ok"
+    cli_out = tmp_path / "cli.safetensors"
+    subprocess.run([sys.executable, "-m", "tftf", "run", str(model), "-o", str(cli_out), "--quiet",
+                    "--key-rename", "--rule", r"^model\.", "", "--dtype-cast", "f16"], check=True)
+    assert out.read_bytes() == cli_out.read_bytes()
+    got = read_safetensors(out)
+    assert got["layers.0.q_proj.weight"][0] == "F16"
+    assert got["position_ids"][0] == "I64"
+
+
+class Scale(Pipe):
+    """A user pipe: doubles every float tensor and records the order it saw."""
+
+    def __init__(self):
+        self.seen = []
+
+    def process(self, records):
+        for r in records:
+            self.seen.append(r.key)
+            t = r.tensor
+            yield TensorRecord(r.key, t * 2 if _tensor.dtype_of(t) == "F32" else t)
+
+
+def test_user_pipe_runs_in_the_stream_between_rust_ops(model, tmp_path):
+    user = Scale()
+    out = tmp_path / "out.safetensors"
+    pipeline = Pipeline(SafetensorsReader(model), user | DTypeCastPipe("f32") | KeyFilterPipe(exclude=["*k_proj*"]),
+                        StreamingWriter(out))
+    assert not pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    src, got = read_safetensors(model), read_safetensors(out)
+    assert user.seen == list(src)
+    assert list(got) == ["model.layers.0.q_proj.weight", "model.position_ids"]
+    want = np.frombuffer(src["model.layers.0.q_proj.weight"][2], np.float32) * 2
+    assert got["model.layers.0.q_proj.weight"][2] == want.tobytes()
+    assert got["model.position_ids"] == src["model.position_ids"]
+
+
+class Boom(Pipe):
+    def process(self, records):
+        for i, r in enumerate(records):
+            if i == 1:
+                raise KeyError(f"boom at {r.key}")
+            yield r
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_user_pipe_exception_is_raised_and_leaves_no_output(model, tmp_path, sharded):
+    out = tmp_path / ("out" if sharded else "out.safetensors")
+    writer = ShardedWriter(out, max_shard_bytes=600) if sharded else StreamingWriter(out)
+    with pytest.raises(KeyError, match="boom at model.layers.0.k_proj.weight"):
+        Pipeline(SafetensorsReader(model), Boom(), writer).run(show_progress=False)
+    leftovers = sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.parent != model.parent)
+    assert leftovers == []
+
+
+def test_existing_output_is_refused_without_force(model, tmp_path):
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"keep me")
+    for pipe in (DTypeCastPipe("f16"), Scale()):
+        with pytest.raises(FileExistsError):
+            Pipeline(SafetensorsReader(model), pipe, StreamingWriter(out)).run(show_progress=False)
+        assert out.read_bytes() == b"keep me"
+    Pipeline(SafetensorsReader(model), Scale(), StreamingWriter(out, force=True)).run(show_progress=False)
+    assert len(read_safetensors(out)) == 3
+
+
+def test_process_meta_and_process_must_agree(model, tmp_path):
+    class Liar(Pipe):
+        def process(self, records):
+            for r in records:
+                yield TensorRecord(r.key, r.tensor[:1])
+
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match="model.layers.0.q_proj.weight"):
+        Pipeline(SafetensorsReader(model), Liar(), StreamingWriter(out)).run(show_progress=False)
+    assert not out.exists() and list(tmp_path.glob(".*")) == []
+
+
+def test_dtype_cast_process_on_records_rounds_like_numpy(tmp_path):
+    values = np.array([1.0, 1 / 3, 65504.0, 70000.0, -2.5e-8, np.nan], np.float32)
+    record = TensorRecord("w", _tensor.from_buffer(bytearray(values.tobytes()), "F32", values.shape))
+    (out,) = DTypeCastPipe("float16").process(iter([record]))
+    assert _tensor.dtype_of(out.tensor) == "F16"
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16)
+    assert bytes(_tensor.raw_bytes(out.tensor)) == want.tobytes()
+
+
+def test_fp8_dequant_process_on_records(tmp_path):
+    # E4M3: 0x38 = 1.0, 0x40 = 2.0, 0xB8 = -1.0; one 2x2 block per scale.
+    weight = np.array([[0x38, 0x40, 0x38, 0x38], [0xB8, 0x38, 0x40, 0x40]], np.uint8)
+    scale = np.array([[0.5, 3.0]], np.float32)
+    path = write_safetensors(tmp_path / "fp8.safetensors", {"m.weight": weight, "m.weight_scale_inv": scale},
+                             dtypes={"m.weight": "F8_E4M3"})
+    pipe = tftf.FP8DequantPipe("f32", block_size=2)
+    reader = SafetensorsReader(path)
+    metas = list(pipe.process_meta(reader.iter_meta()))
+    assert [m.key for m in metas] == ["m.weight"]
+    (out,) = pipe.process(reader.iter_records())
+    assert _values(out.tensor).tolist() == [[0.5, 1.0, 3.0, 3.0], [-0.5, 0.5, 6.0, 6.0]]
+
+
+def test_dry_run_reports_problems_without_writing(model, tmp_path):
+    writer = NullWriter()
+    Pipeline(SafetensorsReader(model), DTypeCastPipe("bf16"), writer).run(show_progress=False)
+    assert writer.report.ok, writer.report.summary()
+    assert writer.report.n_tensors == 3
+    assert writer.report.dtype_counts == {"BF16": 2, "I64": 1}
+    with open(model, "r+b") as f:
+        f.truncate(model.stat().st_size - 4)
+    writer = NullWriter()
+    Pipeline(SafetensorsReader(model), DTypeCastPipe("bf16"), writer).run(show_progress=False)
+    assert not writer.report.ok
+    assert "model.safetensors" in writer.report.summary()
+
+
+def test_core_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(tftf.TftfError, match="bad.safetensors"):
+        Pipeline(SafetensorsReader(bad), DTypeCastPipe("f16"), StreamingWriter(tmp_path / "o.safetensors")).run()
+    assert not (tmp_path / "o.safetensors").exists()

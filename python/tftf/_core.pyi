@@ -1,0 +1,41 @@
+"""Type stubs of the Rust extension (``python/src/``)."""
+
+from typing import Callable, List, Optional, Sequence, Tuple, TypedDict
+
+class TftfError(RuntimeError): ...
+
+class WriterSpec(TypedDict):
+    kind: str
+    path: Optional[str]
+    max_shard_size: Optional[int]
+    outtype: Optional[str]
+    force: bool
+
+def cli_main(argv: Sequence[str]) -> int: ...
+def run_pipeline(
+    input: str,
+    sections: Sequence[str],
+    writer: WriterSpec,
+    threads: Optional[int] = ...,
+    memory_budget: Optional[int] = ...,
+    device: str = ...,
+    progress: Optional[Callable[[int, int, str], None]] = ...,
+) -> str: ...
+def cast(data: bytes, src: str, dst: str) -> bytearray: ...
+def dequant_fp8(
+    weight: bytes,
+    fmt: str,
+    rows: int,
+    cols: int,
+    scale: List[float],
+    scale_cols: int,
+    block: Tuple[int, int],
+    dst: str,
+) -> bytearray: ...
+
+class Checkpoint:
+    def __init__(self, path: str) -> None: ...
+    def tensors(self) -> List[Tuple[str, str, List[int]]]: ...
+    def metadata_json(self) -> Optional[str]: ...
+    def files(self) -> List[str]: ...
+    def read(self, name: str) -> bytearray: ...
