@@ -139,3 +139,10 @@ def _resolve_adapter(path):
     if (latest / "adapter_model.safetensors").exists():
         return latest, "lora", hint
     raise _bad_parameter(f"{path} does not appear to be a training directory with mergeable adapters.", "-a / --adapter")
+
+
+def _parse_pipe_chain(tokens):
+    """Upstream's ``run`` chain parser: section tokens → a pipe (see :mod:`tftf._chain`)."""
+    from tftf._chain import parse_pipe_chain
+
+    return parse_pipe_chain(tokens)
