@@ -149,3 +149,32 @@ def test_core_errors_name_the_file(tmp_path):
     with pytest.raises(tftf.TftfError, match="bad.safetensors"):
         Pipeline(SafetensorsReader(bad), DTypeCastPipe("f16"), StreamingWriter(tmp_path / "o.safetensors")).run()
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_an_exception_in_the_progress_callback_stops_the_rust_run(model, tmp_path):
+    from tftf import _core
+
+    out = tmp_path / "out"
+
+    def progress(done, total, file):
+        raise InterruptedError(f"stop at {done} of {total}")
+
+    spec = {"kind": "sharded", "path": str(out), "max_shard_size": 256, "outtype": None, "force": False}
+    with pytest.raises(InterruptedError, match="stop at"):
+        _core.run_pipeline(str(model), ["--dtype-cast", "--dtype=f16"], spec, threads=1, progress=progress)
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_run_chain_tokens_build_the_same_pipeline(model, tmp_path):
+    from tftf.cli import _parse_pipe_chain
+
+    pipe = _parse_pipe_chain(["--key-filter", "*q_proj*", "--dtype-cast", "bf16"])
+    dtype = "bfloat16" if _tensor.HAVE_TORCH else "BF16"
+    assert repr(pipe) == f"(KeyFilterPipe(include=['*q_proj*']) | DTypeCastPipe('{dtype}'))"
+    out = tmp_path / "o.safetensors"
+    pipeline = Pipeline(SafetensorsReader(model), pipe, StreamingWriter(out))
+    assert pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    assert {k: v[0] for k, v in read_safetensors(out).items()} == {"model.layers.0.q_proj.weight": "BF16"}
+    with pytest.raises(Exception, match="Unknown option '--typo'"):
+        _parse_pipe_chain(["--dtype-cast", "--typo", "bf16"])
