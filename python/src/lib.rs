@@ -251,7 +251,7 @@ impl Checkpoint {
         self.inner.shards.iter().map(|s| s.path.clone()).collect()
     }
 
-    /// Tensor `name`'s bytes, read into a new `bytearray`.
+    /// Tensor `name`'s bytes, read into a new `bytearray` with the GIL released.
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
         let t = self
             .inner
@@ -259,9 +259,10 @@ impl Checkpoint {
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))?;
         let mut failed = None;
         let out = PyByteArray::new_with(py, t.info.nbytes() as usize, |buf| {
-            if let Err(e) = self.inner.read_tensor_at(t, 0, buf) {
-                failed = Some(e);
-            }
+            // No other Python code can see the new bytearray yet: the read runs without the GIL.
+            failed = py
+                .allow_threads(|| self.inner.read_tensor_at(t, 0, buf))
+                .err();
             Ok(())
         })?;
         match failed {
