@@ -178,3 +178,18 @@ def test_run_chain_tokens_build_the_same_pipeline(model, tmp_path):
     assert {k: v[0] for k, v in read_safetensors(out).items()} == {"model.layers.0.q_proj.weight": "BF16"}
     with pytest.raises(Exception, match="Unknown option '--typo'"):
         _parse_pipe_chain(["--dtype-cast", "--typo", "bf16"])
+
+
+def test_gguf_writer_runs_the_rust_gguf_writer(tmp_path):
+    # A checkpoint the GGUF writer cannot describe: its refusal names config.json's missing
+    # key, and nothing is written.
+    model = write_safetensors(tmp_path / "m" / "model.safetensors", {"w": np.ones((2, 2), np.float32)})
+    (model.parent / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    out = tmp_path / "out" / "m.gguf"
+    pipeline = Pipeline(SafetensorsReader(model.parent), tftf.PassthroughPipe(), tftf.GGUFWriter(out, outtype="q8_0"))
+    assert pipeline.runs_in_rust()
+    with pytest.raises(tftf.TftfError, match="config.json"):
+        pipeline.run(show_progress=False)
+    assert not out.parent.exists()
+    with pytest.raises(ValueError, match="GGUFWriter needs"):
+        Pipeline(SafetensorsReader(model), Scale(), tftf.GGUFWriter(out)).run(show_progress=False)
