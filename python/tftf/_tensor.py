@@ -97,10 +97,12 @@ def to_dtype(name: str) -> Any:
 
 
 def itemsize(name: str) -> int:
+    """Bytes per element of safetensors dtype *name*."""
     return _ST[name][0]
 
 
 def nbytes(dtype: Any, shape) -> int:
+    """Bytes of a tensor of *dtype* and *shape*."""
     n = itemsize(st_name(dtype))
     for d in shape:
         n *= int(d)
@@ -143,6 +145,7 @@ def raw_bytes(tensor: Any) -> memoryview:
 
 
 def shape_of(tensor: Any) -> tuple:
+    """*tensor*'s shape as a tuple of ints."""
     return tuple(int(d) for d in tensor.shape)
 
 

@@ -1,0 +1,1 @@
+"""Readers and writers: checkpoints in, safetensors (or GGUF) out."""

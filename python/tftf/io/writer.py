@@ -56,6 +56,7 @@ def header_bytes(planned: List[Planned], file_metadata: Optional[Dict[str, str]]
 
 
 def temp_path(path: Path) -> Path:
+    """The hidden temporary file *path* is written as until it is committed."""
     return path.with_name(f".{path.name}.tftf-partial")
 
 

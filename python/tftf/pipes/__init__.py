@@ -1,0 +1,1 @@
+"""Pipes: the built-in transformations and the base class of user pipes."""

@@ -1,0 +1,1 @@
+"""Helpers: LoRA/DoRA merging, FP8 dequantisation, DCP loading."""
