@@ -6,6 +6,10 @@
 //! caller rounds once to the output dtype). Accumulations run in `f64` in a fixed order, so the
 //! result never depends on thread count or chunking.
 
+pub mod sce;
+pub mod sparse;
+pub mod sparsify;
+
 use std::collections::BTreeMap;
 
 /// Parameters resolved for one tensor: mergekit's names (`weight`, `density`, `epsilon`,

@@ -1,0 +1,514 @@
+//! mergekit 0.1.5's generalized task arithmetic with sparsification and sign consensus
+//! (`mergekit/merge_methods/generalized_task_arithmetic.py`): ties, breadcrumbs,
+//! breadcrumbs_ties, dare_linear, dare_ties, della and della_linear.
+//!
+//! For each model `i` (config order, base excluded) the task vector `δᵢ = modelᵢ - base` is
+//! sparsified ([`super::sparsify`]), optionally rescaled to keep its L1 norm (`rescale`), and
+//! multiplied by its `weight` `wᵢ`. With sign consensus (the `*_ties` methods, `ties`, `della`)
+//! each element elects the sign of `Σ wᵢδᵢ` (`≥ 0` elects `+`) and keeps only the terms of that
+//! sign (zeros never agree), dividing by the kept weights `Σ wᵢ` (1 when that sum is 0);
+//! without, it sums every term and divides by `Σ wᵢ` over all models (1 when below `1e-8` in
+//! magnitude). The division happens only with `normalize`; the sum is then multiplied by
+//! `lambda`, and the result is `base + λ·merged`.
+//!
+//! mergekit computes all of this in the input dtype (bf16 deltas, bf16 weights, bf16 sums);
+//! here every step is in `f64` in model order and rounded once to `f32`, so each element is
+//! the formula's value correctly rounded to `f32` (up to the ranking's tie order and the
+//! compensated L1 sums). A bf16 output is then a second rounding (f64 → f32 → bf16): a value
+//! just off a bf16 midpoint can land one ulp from the once-rounded result (3 of the 3,664 bf16
+//! elements of the mergekit fixtures; mergekit agrees with us on each). `int8_mask` only changes the dtype of mergekit's mask, never a value:
+//! it is accepted and has no effect. Inputs holding NaN or infinity are refused: a magnitude
+//! ranking, a sign election or an L1 norm has no meaningful answer with them (mergekit would
+//! spread one NaN over the whole tensor once `rescale` sums it).
+
+use super::sparsify::{survivors, Sparsification, Sparsify, Survivors, TaskVector};
+use super::{ModelTensor, Params};
+
+/// How one of mergekit's generalized task arithmetic methods is configured
+/// (`mergekit/merge_methods/registry.py`).
+#[derive(Clone, Copy, Debug)]
+pub struct Generalized {
+    pub name: &'static str,
+    pub sparsification: Sparsification,
+    /// Sign consensus by sum (mergekit's `ConsensusMethod.sum`).
+    pub consensus: bool,
+    pub default_normalize: bool,
+    pub default_rescale: bool,
+}
+
+impl Generalized {
+    /// The parameters mergekit accepts for this method: global, then per model.
+    pub fn parameters(&self) -> (&'static [&'static str], &'static [&'static str]) {
+        let global: &[&str] = &["int8_mask", "normalize", "rescale", "lambda"];
+        let per_model: &[&str] = match self.sparsification {
+            Sparsification::MagnitudeOutliers => &["weight", "density", "gamma"],
+            Sparsification::DellaMagprune => &["weight", "density", "epsilon"],
+            _ => &["weight", "density"],
+        };
+        (global, per_model)
+    }
+}
+
+const fn method(
+    name: &'static str,
+    sparsification: Sparsification,
+    consensus: bool,
+    default_normalize: bool,
+    default_rescale: bool,
+) -> Generalized {
+    Generalized {
+        name,
+        sparsification,
+        consensus,
+        default_normalize,
+        default_rescale,
+    }
+}
+
+use Sparsification::{DellaMagprune, MagnitudeOutliers, Random};
+
+pub const TIES: Generalized = method("ties", Sparsification::Magnitude, true, true, false);
+pub const DARE_TIES: Generalized = method("dare_ties", Random, true, false, true);
+pub const DARE_LINEAR: Generalized = method("dare_linear", Random, false, false, true);
+pub const BREADCRUMBS: Generalized = method("breadcrumbs", MagnitudeOutliers, false, false, false);
+pub const BREADCRUMBS_TIES: Generalized =
+    method("breadcrumbs_ties", MagnitudeOutliers, true, false, false);
+pub const DELLA: Generalized = method("della", DellaMagprune, true, true, true);
+pub const DELLA_LINEAR: Generalized = method("della_linear", DellaMagprune, false, false, true);
+
+/// Defines `pub fn $name(base, models, global, shape, seed, out)`, the method `$how` with
+/// the signature every merge method shares.
+macro_rules! method_fn {
+    ($(#[$doc:meta])* $name:ident = $how:ident) => {
+        $(#[$doc])*
+        pub fn $name(
+            base: &[f32],
+            models: &[ModelTensor],
+            global: &Params,
+            shape: &[usize],
+            seed: u64,
+            out: &mut [f32],
+        ) -> Result<(), String> {
+            generalized(&$how, base, models, global, shape, seed, out)
+        }
+    };
+}
+
+method_fn! {
+    /// TIES: magnitude pruning to `density` (default 1), sign consensus by sum; `normalize`
+    /// defaults to true, `rescale` to false. Deterministic (`seed` unused).
+    ties = TIES
+}
+
+method_fn! {
+    /// Model breadcrumbs: drop the `gamma` (default 0.01) fraction of largest magnitudes and keep
+    /// the next `density` (default 1) fraction; no consensus; `normalize` and `rescale` default to
+    /// false. Deterministic (`seed` unused).
+    breadcrumbs = BREADCRUMBS
+}
+
+method_fn! {
+    /// Breadcrumbs' pruning with sign consensus by sum; `normalize` and `rescale` default to
+    /// false. Deterministic (`seed` unused).
+    breadcrumbs_ties = BREADCRUMBS_TIES
+}
+
+method_fn! {
+    /// DARE: keep each element with probability `density` (default 1), drawn from
+    /// `uniform(seed, model, element)`; no consensus; `rescale` (default true) restores each task
+    /// vector's L1 norm, as mergekit does (not a 1/density factor); `normalize` defaults to false.
+    dare_linear = DARE_LINEAR
+}
+
+method_fn! {
+    /// DARE's random pruning with sign consensus by sum; `rescale` defaults to true,
+    /// `normalize` to false.
+    dare_ties = DARE_TIES
+}
+
+method_fn! {
+    /// DELLA: keep each element with a probability from `density - epsilon` (smallest magnitude
+    /// of its row) to `density + epsilon` (largest), `epsilon` defaulting to 0.15 and both ends
+    /// required inside (0, 1); sign consensus by sum; `normalize` and `rescale` default to true.
+    della = DELLA
+}
+
+method_fn! {
+    /// DELLA's pruning without consensus; `rescale` defaults to true, `normalize` to false.
+    della_linear = DELLA_LINEAR
+}
+
+/// Any of the methods above, by its configuration.
+pub fn generalized(
+    how: &Generalized,
+    base: &[f32],
+    models: &[ModelTensor],
+    global: &Params,
+    shape: &[usize],
+    seed: u64,
+    out: &mut [f32],
+) -> Result<(), String> {
+    check_inputs(base, models, shape, out)?;
+    let normalize = global.flag("normalize", how.default_normalize);
+    let lambda = finite(global, "lambda", 1.0)?;
+    let mut weights = Vec::with_capacity(models.len());
+    let mut kept = Vec::with_capacity(models.len());
+    for (index, model) in models.iter().enumerate() {
+        let sparsify = sparsify_params(how, model.params, global)
+            .map_err(|e| format!("models[{index}]: {e}"))?;
+        weights.push(weight(model.params).map_err(|e| format!("models[{index}]: {e}"))?);
+        let tv = TaskVector {
+            model: model.values,
+            base,
+        };
+        kept.push(
+            survivors(tv, shape, &sparsify, seed, index as u64)
+                .map_err(|e| format!("models[{index}]: {e}"))?,
+        );
+    }
+    let combine = Combine {
+        base,
+        models,
+        weights: &weights,
+        kept: &kept,
+        consensus: how.consensus,
+        normalize,
+        lambda,
+    };
+    combine.run(out);
+    Ok(())
+}
+
+/// The per-element combination of the sparsified, weighted task vectors.
+struct Combine<'a> {
+    base: &'a [f32],
+    models: &'a [ModelTensor<'a>],
+    weights: &'a [f64],
+    kept: &'a [Survivors],
+    consensus: bool,
+    normalize: bool,
+    lambda: f64,
+}
+
+impl Combine<'_> {
+    fn run(&self, out: &mut [f32]) {
+        let total: f64 = self.weights.iter().sum();
+        let linear_divisor = if total.abs() < 1e-8 { 1.0 } else { total };
+        let mut terms = vec![0f64; self.models.len()];
+        for (j, slot) in out.iter_mut().enumerate() {
+            let base = f64::from(self.base[j]);
+            for (i, term) in terms.iter_mut().enumerate() {
+                let survivor = &self.kept[i];
+                *term = if survivor.kept(j) {
+                    (f64::from(self.models[i].values[j]) - base) * survivor.scale * self.weights[i]
+                } else {
+                    0.0
+                };
+            }
+            let (mut merged, divisor) = if self.consensus {
+                elect(&terms, self.weights)
+            } else {
+                (terms.iter().sum(), linear_divisor)
+            };
+            if self.normalize {
+                merged /= divisor;
+            }
+            if self.lambda != 1.0 {
+                merged *= self.lambda;
+            }
+            *slot = (base + merged) as f32;
+        }
+    }
+}
+
+/// mergekit's `get_mask(method="sum")` applied: the sum of the terms whose sign is that of
+/// their total (`≥ 0` elects `+`; zero terms never agree), and the sum of their weights (1
+/// when 0).
+fn elect(terms: &[f64], weights: &[f64]) -> (f64, f64) {
+    let positive = terms.iter().sum::<f64>() >= 0.0;
+    let (mut merged, mut divisor) = (0.0, 0.0);
+    for (term, weight) in terms.iter().zip(weights) {
+        if *term != 0.0 && (*term > 0.0) == positive {
+            merged += term;
+            divisor += weight;
+        }
+    }
+    (merged, if divisor == 0.0 { 1.0 } else { divisor })
+}
+
+fn sparsify_params(
+    how: &Generalized,
+    params: &Params,
+    global: &Params,
+) -> Result<Sparsify, String> {
+    let density = finite(params, "density", 1.0)?;
+    if density < 0.0 {
+        return Err(format!("`density` must be at least 0, got {density}"));
+    }
+    let gamma = finite(params, "gamma", 0.01)?;
+    if !(0.0..=1.0).contains(&gamma) {
+        return Err(format!("`gamma` must be in [0, 1], got {gamma}"));
+    }
+    Ok(Sparsify {
+        method: how.sparsification,
+        density,
+        gamma,
+        epsilon: finite(params, "epsilon", 0.15)?,
+        rescale: global.flag("rescale", how.default_rescale),
+    })
+}
+
+/// The model's `weight`, which mergekit requires for these methods.
+fn weight(params: &Params) -> Result<f64, String> {
+    if !params.0.contains_key("weight") {
+        return Err("missing `weight`".to_string());
+    }
+    finite(params, "weight", 0.0)
+}
+
+/// The parameter `name` (or `default`), refused when NaN or infinite.
+pub(crate) fn finite(params: &Params, name: &str, default: f64) -> Result<f64, String> {
+    let value = params.get(name, default);
+    if value.is_finite() {
+        Ok(value)
+    } else {
+        Err(format!("`{name}` must be a finite number, got {value}"))
+    }
+}
+
+/// Lengths agree with `shape`, and no input holds NaN or infinity.
+pub(crate) fn check_inputs(
+    base: &[f32],
+    models: &[ModelTensor],
+    shape: &[usize],
+    out: &[f32],
+) -> Result<(), String> {
+    let len = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    let inputs = std::iter::once(("base".to_string(), base)).chain(
+        models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (format!("models[{i}]"), m.values)),
+    );
+    for (name, values) in inputs {
+        if values.len() != len {
+            return Err(format!(
+                "{name} has {} elements, shape {shape:?} needs {len}",
+                values.len()
+            ));
+        }
+        if let Some(j) = values.iter().position(|v| !v.is_finite()) {
+            return Err(format!(
+                "{name} has a non-finite value ({}) at element {j}",
+                values[j]
+            ));
+        }
+    }
+    if out.len() != len {
+        return Err(format!(
+            "output has {} elements, shape {shape:?} needs {len}",
+            out.len()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Method =
+        fn(&[f32], &[ModelTensor], &Params, &[usize], u64, &mut [f32]) -> Result<(), String>;
+
+    const ALL: [Method; 7] = [
+        ties,
+        breadcrumbs,
+        breadcrumbs_ties,
+        dare_linear,
+        dare_ties,
+        della,
+        della_linear,
+    ];
+
+    fn merge(
+        method: Method,
+        base: &[f32],
+        models: &[(&[f32], Params)],
+        global: &Params,
+    ) -> Result<Vec<f32>, String> {
+        let tensors: Vec<ModelTensor> = models
+            .iter()
+            .map(|(values, params)| ModelTensor { values, params })
+            .collect();
+        let mut out = vec![f32::NAN; base.len()];
+        method(base, &tensors, global, &[base.len()], 7, &mut out)?;
+        Ok(out)
+    }
+
+    fn weighted(weight: f64, density: f64) -> Params {
+        Params::default()
+            .with("weight", weight)
+            .with("density", density)
+    }
+
+    #[test]
+    fn ties_elects_the_sign_of_the_weighted_sum_and_divides_by_the_agreeing_weights() {
+        let base = [0.5f32, 0.5, 0.5];
+        let a = [1.5f32, 2.5, -2.5];
+        let b = [-1.5f32, 1.5, 1.5];
+        let out = merge(
+            ties,
+            &base,
+            &[(&a, weighted(1.0, 1.0)), (&b, weighted(1.0, 1.0))],
+            &Params::default(),
+        );
+        // Deltas (1, 2, -3) and (-2, 1, 1): sums -1, 3, -2 elect -, +, -.
+        assert_eq!(out.unwrap(), [0.5 - 2.0, 0.5 + 1.5, 0.5 - 3.0]);
+        let unnormalized = Params::default().with("normalize", 0.0).with("lambda", 0.5);
+        let out = merge(
+            ties,
+            &base,
+            &[(&a, weighted(1.0, 1.0)), (&b, weighted(1.0, 1.0))],
+            &unnormalized,
+        );
+        assert_eq!(out.unwrap(), [0.5 - 1.0, 0.5 + 1.5, 0.5 - 1.5]);
+    }
+
+    #[test]
+    fn zero_weight_sums_divide_by_one() {
+        let base = [1f32, 1.0];
+        let a = [2f32, 3.0];
+        let b = [0f32, 0.0];
+        let opposite = [(&a[..], weighted(1.0, 1.0)), (&b[..], weighted(-1.0, 1.0))];
+        let normalize = Params::default().with("normalize", 1.0);
+        // Linear: Σw = 0 < 1e-8, so divisor 1: base + 1·(1, 2) - 1·(-1, -1).
+        assert_eq!(
+            merge(breadcrumbs, &base, &opposite, &normalize).unwrap(),
+            [3.0, 4.0]
+        );
+        // Consensus: both weighted terms are positive, their weights sum to 0, divisor 1.
+        assert_eq!(
+            merge(breadcrumbs_ties, &base, &opposite, &normalize).unwrap(),
+            [3.0, 4.0]
+        );
+    }
+
+    #[test]
+    fn unchanged_models_and_density_zero_give_the_base() {
+        let base: Vec<f32> = (0..50).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let model: Vec<f32> = base.iter().map(|v| v * 2.0 + 1.0).collect();
+        for method in ALL {
+            let same = merge(
+                method,
+                &base,
+                &[(&base, weighted(0.7, 0.5))],
+                &Params::default(),
+            );
+            assert_eq!(same.unwrap(), base);
+            let empty = merge(
+                method,
+                &base,
+                &[(&model, weighted(0.7, 0.0))],
+                &Params::default(),
+            );
+            assert_eq!(empty.unwrap(), base);
+            assert_eq!(merge(method, &base, &[], &Params::default()).unwrap(), base);
+        }
+    }
+
+    #[test]
+    fn density_one_is_plain_weighted_task_arithmetic() {
+        let base = [0.25f32, -1.0, 2.0];
+        let model = [1.0f32, 1.0, 1.0];
+        let models = [(&model[..], weighted(0.5, 1.0))];
+        let expected = [0.25 + 0.375, -1.0 + 1.0, 2.0 - 0.5];
+        for method in [breadcrumbs, dare_linear, della_linear] {
+            assert_eq!(
+                merge(method, &base, &models, &Params::default()).unwrap(),
+                expected
+            );
+        }
+        // With normalize (ties' default), one model's weight divides itself out.
+        assert_eq!(
+            merge(ties, &base, &models, &Params::default()).unwrap(),
+            [1.0; 3]
+        );
+    }
+
+    #[test]
+    fn dare_draws_depend_on_the_seed_only() {
+        let base = vec![0f32; 4096];
+        let model: Vec<f32> = (0..4096).map(|i| (i % 7) as f32 - 3.0).collect();
+        let models = [(&model[..], weighted(1.0, 0.5))];
+        let tensors: Vec<ModelTensor> = models
+            .iter()
+            .map(|(values, params)| ModelTensor { values, params })
+            .collect();
+        let run = |seed| {
+            let mut out = vec![0f32; 4096];
+            dare_ties(
+                &base,
+                &tensors,
+                &Params::default(),
+                &[64, 64],
+                seed,
+                &mut out,
+            )
+            .unwrap();
+            out
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn bad_inputs_and_parameters_are_refused_with_their_name() {
+        let base = [0f32, 0.0, 0.0];
+        let good = [1f32, 2.0, 3.0];
+        let nan = [1f32, 2.0, f32::NAN];
+        let none = Params::default();
+        let err = |models: &[(&[f32], Params)], global: &Params| {
+            merge(ties, &base, models, global).unwrap_err()
+        };
+        assert_eq!(
+            err(
+                &[(&good, weighted(1.0, 1.0)), (&nan, weighted(1.0, 1.0))],
+                &none
+            ),
+            "models[1] has a non-finite value (NaN) at element 2"
+        );
+        assert_eq!(
+            err(&[(&good, Params::default())], &none),
+            "models[0]: missing `weight`"
+        );
+        assert_eq!(
+            err(&[(&good, weighted(1.0, -0.5))], &none),
+            "models[0]: `density` must be at least 0, got -0.5"
+        );
+        assert_eq!(
+            err(&[(&good, weighted(1.0, 0.5).with("gamma", 1.5))], &none),
+            "models[0]: `gamma` must be in [0, 1], got 1.5"
+        );
+        assert_eq!(
+            err(&[(&good, weighted(f64::INFINITY, 0.5))], &none),
+            "models[0]: `weight` must be a finite number, got inf"
+        );
+        assert_eq!(
+            err(&[(&good[..2], weighted(1.0, 0.5))], &none),
+            "models[0] has 2 elements, shape [3] needs 3"
+        );
+        let lambda = Params::default().with("lambda", f64::NAN);
+        assert_eq!(
+            err(&[(&good, weighted(1.0, 0.5))], &lambda),
+            "`lambda` must be a finite number, got NaN"
+        );
+        let della_err = merge(della, &base, &[(&good, weighted(1.0, 0.1))], &none).unwrap_err();
+        assert!(
+            della_err.starts_with("models[0]: `epsilon` must leave"),
+            "{della_err}"
+        );
+    }
+}
