@@ -320,3 +320,74 @@ fn inputs_of_the_wrong_length_are_refused_not_a_panic() {
     .unwrap_err();
     assert_eq!(err, "shape [3] does not hold 2 values");
 }
+
+/// A value a checkpoint or a config might hold, the hostile ones included.
+fn odd_f32() -> impl proptest::strategy::Strategy<Value = f32> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => -2.0f32..2.0,
+        1 => Just(0.0f32),
+        1 => Just(f32::NAN),
+        1 => Just(f32::INFINITY),
+        1 => Just(-f32::MAX),
+        1 => Just(1e-40f32),
+    ]
+}
+
+fn odd_param() -> impl proptest::strategy::Strategy<Value = f64> {
+    use proptest::prelude::*;
+    prop_oneof![4 => -1.0f64..2.0, 1 => Just(0.0), 1 => Just(f64::NAN), 1 => Just(1e300), 1 => Just(3.0)]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 1000, ..Default::default() })]
+
+    /// Every method ends with Ok or a message on any values, shapes and parameters, and gives
+    /// the same bits twice.
+    #[test]
+    fn methods_never_panic_and_are_deterministic(
+        rows in 1usize..4,
+        cols in 0usize..6,
+        count in 1usize..4,
+        values in proptest::collection::vec(odd_f32(), 4 * 3 * 5),
+        p in proptest::collection::vec(odd_param(), 8),
+    ) {
+        let n = rows * cols;
+        let inputs: Vec<&[f32]> = (0..=count).map(|m| &values[m * n..(m + 1) * n]).collect();
+        let per_model: Vec<Params> = (0..count).map(|m| Params::default().with("weight", p[m])).collect();
+        let models: Vec<ModelTensor> =
+            (0..count).map(|m| ModelTensor { values: inputs[m + 1], params: &per_model[m] }).collect();
+        let global = Params::default()
+            .with("t", p[3]).with("epsilon", p[4].abs() * 1e-4).with("eps", p[4].abs() * 1e-6)
+            .with("r", p[5]).with("alpha", p[6]).with("tol", p[7].abs() * 1e-3)
+            .with("max_iter", (p[7].abs() * 10.0).round().min(50.0))
+            .with("filter_wise", (p[5] > 0.5) as u8 as f64)
+            .with("nuslerp_flatten", (p[6] > 0.5) as u8 as f64)
+            .with("nuslerp_row_wise", (p[7] > 0.5) as u8 as f64)
+            .with("normalize_weights", (p[3] > 0.5) as u8 as f64);
+        let (base, shape) = (inputs[0], [rows, cols]);
+        let all: Vec<ModelTensor> = std::iter::once(ModelTensor { values: base, params: &global })
+            .chain(models.iter().copied())
+            .collect();
+        let run = |method: usize| {
+            let mut out = vec![0.0f32; n];
+            let o = &mut out;
+            match method {
+                0 => slerp::slerp(base, &models, &global, o),
+                1 => slerp::nuslerp(Some(base), &models, &global, &shape, o),
+                2 => slerp::multislerp(Some(base), &models, &global, o),
+                3 => karcher::karcher(&all, &global, o),
+                4 => model_stock::model_stock(base, &models, &global, &shape, o),
+                5 => misc::nearswap(base, &models, &global, o),
+                6 => misc::arcee_fusion(base, &models, &shape, 9, o),
+                7 => misc::ram(base, &models, &global, o),
+                _ => misc::ramplus_tl(base, &models, &global, o),
+            }
+            .map(|_| out.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        };
+        for method in 0..9 {
+            let first = run(method);
+            proptest::prop_assert_eq!(&first, &run(method), "method {}", method);
+        }
+    }
+}

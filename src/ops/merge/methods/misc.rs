@@ -6,7 +6,8 @@
 //! exact differences and round once. NaN inputs give NaN exactly where mergekit's do.
 
 use super::support::{
-    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, BlockSum,
+    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
+    BlockSum,
 };
 use super::{uniform, ModelTensor, Params};
 
@@ -138,7 +139,8 @@ pub fn ram(
 /// mergekit's ramplus_tl: ram with each model's unique changes scaled by
 /// `1 + r · clamp(ρ, 0, alpha)`, `ρ` being the model's count of changed elements that others
 /// changed too over its count of elements only it changed (the latter at least `epsilon`), in
-/// this tensor. Defaults: `r` 0.1, `alpha` 0.2, `epsilon` 1e-5.
+/// this tensor. Defaults: `r` 0.1, `alpha` 0.2, `epsilon` 1e-5; a negative `alpha` clamps every
+/// `ρ` to it, as torch's `clamp` does.
 pub fn ramplus_tl(
     base: &[f32],
     models: &[ModelTensor],
@@ -163,7 +165,7 @@ pub fn ramplus_tl(
     let lambda: Vec<f64> = (0..models.len())
         .map(|i| {
             let rho = shared[i] as f64 / clamp_min(unique[i] as f64, epsilon);
-            1.0 + r * rho.clamp(0.0, alpha)
+            1.0 + r * torch_clamp(rho, 0.0, alpha)
         })
         .collect();
     rescaled_ram(base, models, epsilon, Some(&lambda), out)
@@ -247,6 +249,9 @@ mod tests {
         assert_eq!(out[..3], [1.02, 0.0, 2.0]);
         let wide = none.clone().with("r", 1.0).with("alpha", 5.0);
         assert_eq!(run(ramplus_tl, &base, &[&a, &b], &wide).unwrap()[0], 2.0);
+        // alpha < 0: torch's clamp(0, alpha) gives alpha, so λ = 1 + r · alpha.
+        let crossed = none.clone().with("r", 1.0).with("alpha", -0.5);
+        assert_eq!(run(ramplus_tl, &base, &[&a, &b], &crossed).unwrap()[0], 0.5);
         assert_eq!(run(ram, &base, &[], &none).unwrap(), base);
     }
 

@@ -44,6 +44,17 @@ pub fn clamp_min(x: f64, floor: f64) -> f64 {
     }
 }
 
+/// torch's `clamp(x, lo, hi)`: `min(max(x, lo), hi)`, so `hi` wins when `lo > hi` (where
+/// `f64::clamp` panics) and NaN stays NaN.
+pub fn torch_clamp(x: f64, lo: f64, hi: f64) -> f64 {
+    let y = clamp_min(x, lo);
+    if y > hi {
+        hi
+    } else {
+        y
+    }
+}
+
 /// A global parameter the method cannot default, refused when absent or not finite.
 pub fn required(global: &Params, name: &str) -> Result<f64, String> {
     match global.0.get(name) {
@@ -179,10 +190,14 @@ mod tests {
     }
 
     #[test]
-    fn clamp_min_keeps_nan() {
+    fn clamps_keep_nan_and_follow_torch_when_the_bounds_cross() {
         assert!(clamp_min(f64::NAN, 1e-6).is_nan());
         assert_eq!(clamp_min(0.0, 1e-6), 1e-6);
         assert_eq!(clamp_min(2.0, 1e-6), 2.0);
+        assert!(torch_clamp(f64::NAN, 0.0, 1.0).is_nan());
+        assert_eq!(torch_clamp(0.5, 0.0, -1.0), -1.0);
+        assert_eq!(torch_clamp(-0.5, 0.0, -1.0), -1.0);
+        assert_eq!(torch_clamp(0.5, 0.0, 0.2), 0.2);
     }
 
     #[test]
