@@ -85,34 +85,29 @@ pub fn nuslerp(
         split_axis(shape, shape.len().saturating_sub(1))
     };
     let value = |m: usize, k: usize| models[m].values[k] as f64 - base.map_or(0.0, |b| b[k] as f64);
+    // Vectors (o, ·, i) for all i at once, so both sweeps read memory in order even when the
+    // vectors run down columns.
+    let mut stats = vec![[BlockSum::default(); 3]; inner];
+    let mut coefs = vec![(0.0, 0.0); inner];
     for o in 0..outer {
-        for i in 0..inner {
-            let at = |l: usize| (o * length + l) * inner + i;
-            let (mut aa, mut bb, mut ab) = (
-                BlockSum::default(),
-                BlockSum::default(),
-                BlockSum::default(),
-            );
-            for l in 0..length {
-                let (a, b) = (value(0, at(l)), value(1, at(l)));
+        let rows = (o * length * inner..(o + 1) * length * inner).step_by(inner.max(1));
+        stats.iter_mut().for_each(|s| *s = [BlockSum::default(); 3]);
+        for row in rows.clone() {
+            for (i, [aa, bb, ab]) in stats.iter_mut().enumerate() {
+                let (a, b) = (value(0, row + i), value(1, row + i));
                 aa.add(a * a);
                 bb.add(b * b);
                 ab.add(a * b);
             }
-            let (na, nb) = (
-                clamp_min(aa.value().sqrt(), 1e-7),
-                clamp_min(bb.value().sqrt(), 1e-7),
-            );
-            let cos = (ab.value() / na / nb).clamp(-1.0, 1.0);
-            let (ca, cb) = if 1.0 - cos * cos <= 1e-16 {
-                (1.0 - t, t)
-            } else {
-                let theta = cos.acos();
-                let sin = theta.sin();
-                (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
-            };
-            for l in 0..length {
-                let k = at(l);
+        }
+        for (c, [aa, bb, ab]) in coefs.iter_mut().zip(&stats) {
+            let na = clamp_min(aa.value().sqrt(), 1e-7);
+            let nb = clamp_min(bb.value().sqrt(), 1e-7);
+            *c = coefficients((ab.value() / na / nb).clamp(-1.0, 1.0), t);
+        }
+        for row in rows {
+            for (i, &(ca, cb)) in coefs.iter().enumerate() {
+                let k = row + i;
                 let back = base.map_or(0.0, |b| b[k] as f64);
                 out[k] = (back + ca * value(0, k) + cb * value(1, k)) as f32;
             }
@@ -206,6 +201,17 @@ pub fn multislerp(
         *o = (mean(k) / mean_norm * cos + tangent(k) * sinc + back(k)) as f32;
     }
     Ok(())
+}
+
+/// nuslerp's weights of the two vectors at cosine `cos`: linear when they are collinear
+/// (`1 − cos² ≤ 1e-16`), else `sin((1 − t) θ) / sin θ` and `sin(t θ) / sin θ`.
+fn coefficients(cos: f64, t: f64) -> (f64, f64) {
+    if 1.0 - cos * cos <= 1e-16 {
+        return (1.0 - t, t);
+    }
+    let theta = cos.acos();
+    let sin = theta.sin();
+    (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
 }
 
 /// `count` block sums over elements `0..n`, `add(k, sums)` adding element `k`'s terms.
