@@ -12,6 +12,12 @@ pub mod sparsify;
 
 use std::collections::BTreeMap;
 
+pub mod karcher;
+pub mod misc;
+pub mod model_stock;
+pub mod slerp;
+pub mod support;
+
 /// Parameters resolved for one tensor: mergekit's names (`weight`, `density`, `epsilon`,
 /// `lambda`, `t`, …) to values; booleans (`normalize`, `rescale`, `int8_mask`) are 0 or 1.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -1,0 +1,320 @@
+//! The element-wise and mask-based methods of mergekit 0.1.5: `nearswap`, `arcee_fusion`, `ram`
+//! and `ramplus_tl`.
+//!
+//! mergekit computes their differences, masks and sums in the input dtype (so a `bf16` task
+//! vector is rounded before it is compared with `epsilon`); we compute each in `f64` from the
+//! exact differences and round once. NaN inputs give NaN exactly where mergekit's do.
+
+use super::support::{
+    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
+    BlockSum,
+};
+use super::{uniform, ModelTensor, Params};
+
+/// mergekit's nearswap: `base` and one model; each element moves from the base towards the
+/// model by `clamp(t / max(|base − model|, 1e-6), 0, 1)`, so values closer than `t` (required)
+/// take the model's value and others move by `t`.
+pub fn nearswap(
+    base: &[f32],
+    models: &[ModelTensor],
+    global: &Params,
+    out: &mut [f32],
+) -> Result<(), String> {
+    model_count("nearswap", models.len(), 1, 1)?;
+    same_lengths(Some(base), models, out)?;
+    let t = required(global, "t")?;
+    for ((o, &a), &b) in out.iter_mut().zip(base).zip(models[0].values) {
+        let (a, b) = (a as f64, b as f64);
+        let weight = (t / clamp_min((a - b).abs(), 1e-6)).clamp(0.0, 1.0);
+        *o = (weight * b + (1.0 - weight) * a) as f32;
+    }
+    Ok(())
+}
+
+/// Elements above which arcee_fusion estimates its quantiles from a sample (mergekit's
+/// `_QUANTILE_SAMPLE_SIZE`).
+pub const FUSION_SAMPLE: usize = 1_000_000;
+
+/// mergekit's arcee_fusion: `base` and one model. Each element's importance is
+/// `|model − base|` times its row's KL divergence `Σ p log(p / q)` between the softmaxes
+/// (along the last axis, plus 1e-8) of the model's and the base's row; elements whose
+/// importance reaches `median + 1.5 (q₃ − q₁)` take the model's value, the others keep the
+/// base's. Quantile `q` is element `⌊q (m − 1)⌋` of the `m` sorted importances (NaN last);
+/// above [`FUSION_SAMPLE`] elements they come from that many elements drawn with replacement
+/// through [`uniform`]`(seed, 0, draw)`, as mergekit draws them with `torch.randint`.
+pub fn arcee_fusion(
+    base: &[f32],
+    models: &[ModelTensor],
+    shape: &[usize],
+    seed: u64,
+    out: &mut [f32],
+) -> Result<(), String> {
+    model_count("arcee_fusion", models.len(), 1, 1)?;
+    same_lengths(Some(base), models, out)?;
+    shape_holds(shape, out.len())?;
+    let model = models[0].values;
+    let row = split_axis(shape, shape.len().saturating_sub(1)).1;
+    if out.is_empty() {
+        return Ok(());
+    }
+    let kl: Vec<f64> = base
+        .chunks(row)
+        .zip(model.chunks(row))
+        .map(|(b, m)| divergence(m, b))
+        .collect();
+    let importance = |k: usize| (model[k] as f64 - base[k] as f64).abs() * kl[k / row];
+    let threshold = fusion_threshold(&importance, out.len(), seed, FUSION_SAMPLE);
+    for (k, o) in out.iter_mut().enumerate() {
+        let (b, m) = (base[k] as f64, model[k] as f64);
+        let keep = if importance(k) >= threshold { 1.0 } else { 0.0 };
+        *o = (b + (m - b) * keep) as f32;
+    }
+    Ok(())
+}
+
+/// `median + 1.5 (q₃ − q₁)` of `importance` over `0..n`, from `sample` draws above that many
+/// elements.
+fn fusion_threshold(importance: &dyn Fn(usize) -> f64, n: usize, seed: u64, sample: usize) -> f64 {
+    let mut values: Vec<f64> = if n > sample {
+        (0..sample as u64)
+            .map(|d| importance(((uniform(seed, 0, d) * n as f64) as usize).min(n - 1)))
+            .collect()
+    } else {
+        (0..n).map(importance).collect()
+    };
+    values.sort_unstable_by(|a, b| match (a.is_nan(), b.is_nan()) {
+        (false, false) => a.total_cmp(b),
+        (x, y) => x.cmp(&y),
+    });
+    let quantile = |q: f64| values[(q * (values.len() - 1) as f64) as usize];
+    quantile(0.5) + 1.5 * (quantile(0.75) - quantile(0.25))
+}
+
+/// `Σ p log(p / q)` for `p = softmax(model) + 1e-8`, `q = softmax(base) + 1e-8`.
+fn divergence(model: &[f32], base: &[f32]) -> f64 {
+    let (p, q) = (Softmax::of(model), Softmax::of(base));
+    let mut sum = BlockSum::default();
+    for (&m, &b) in model.iter().zip(base) {
+        let (p, q) = (p.at(m) + 1e-8, q.at(b) + 1e-8);
+        sum.add(p * (p / q).ln());
+    }
+    sum.value()
+}
+
+/// A row's softmax: its maximum and the sum of `exp(x − max)`.
+struct Softmax {
+    max: f64,
+    sum: f64,
+}
+
+impl Softmax {
+    fn of(row: &[f32]) -> Self {
+        let max = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
+        let mut sum = BlockSum::default();
+        row.iter().for_each(|&x| sum.add((x as f64 - max).exp()));
+        Softmax {
+            max,
+            sum: sum.value(),
+        }
+    }
+
+    fn at(&self, x: f32) -> f64 {
+        (x as f64 - self.max).exp() / self.sum
+    }
+}
+
+/// mergekit's ram (Reinforced Agent Merging): `base` plus, per element, the task vector
+/// `model − base` of the one model that changed it by more than `epsilon` (default 1e-5), or
+/// the mean of those that did when several did; no change when none did.
+pub fn ram(
+    base: &[f32],
+    models: &[ModelTensor],
+    global: &Params,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let epsilon = optional(global, "epsilon", 1e-5)?;
+    rescaled_ram(base, models, epsilon, None, out)
+}
+
+/// mergekit's ramplus_tl: ram with each model's unique changes scaled by
+/// `1 + r · clamp(ρ, 0, alpha)`, `ρ` being the model's count of changed elements that others
+/// changed too over its count of elements only it changed (the latter at least `epsilon`), in
+/// this tensor. Defaults: `r` 0.1, `alpha` 0.2, `epsilon` 1e-5; a negative `alpha` clamps every
+/// `ρ` to it, as torch's `clamp` does.
+pub fn ramplus_tl(
+    base: &[f32],
+    models: &[ModelTensor],
+    global: &Params,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let r = optional(global, "r", 0.1)?;
+    let alpha = optional(global, "alpha", 0.2)?;
+    let epsilon = optional(global, "epsilon", 1e-5)?;
+    same_lengths(Some(base), models, out)?;
+    let (mut shared, mut unique) = (vec![0usize; models.len()], vec![0usize; models.len()]);
+    let changed = |m: &ModelTensor, k: usize| (m.values[k] as f64 - base[k] as f64).abs() > epsilon;
+    for k in 0..out.len() {
+        let count = models.iter().filter(|m| changed(m, k)).count();
+        let tally = if count == 1 { &mut unique } else { &mut shared };
+        for (i, m) in models.iter().enumerate() {
+            if changed(m, k) {
+                tally[i] += 1;
+            }
+        }
+    }
+    let lambda: Vec<f64> = (0..models.len())
+        .map(|i| {
+            let rho = shared[i] as f64 / clamp_min(unique[i] as f64, epsilon);
+            1.0 + r * torch_clamp(rho, 0.0, alpha)
+        })
+        .collect();
+    rescaled_ram(base, models, epsilon, Some(&lambda), out)
+}
+
+/// ram's sum, with each model's unique changes times `lambda` (ramplus_tl) when given. A NaN
+/// task vector makes its element NaN (mergekit multiplies it by its zero mask).
+fn rescaled_ram(
+    base: &[f32],
+    models: &[ModelTensor],
+    epsilon: f64,
+    lambda: Option<&[f64]>,
+    out: &mut [f32],
+) -> Result<(), String> {
+    same_lengths(Some(base), models, out)?;
+    for (k, o) in out.iter_mut().enumerate() {
+        let b = base[k] as f64;
+        let tv = |m: &ModelTensor| m.values[k] as f64 - b;
+        let count = models.iter().filter(|m| tv(m).abs() > epsilon).count();
+        let mut merged = 0.0;
+        for (i, m) in models.iter().enumerate() {
+            let keep = if tv(m).abs() > epsilon { 1.0 } else { 0.0 };
+            let scale = match count {
+                0 => 0.0,
+                1 => lambda.map_or(1.0, |l| l[i]),
+                c => 1.0 / c as f64,
+            };
+            merged += tv(m) * keep * scale;
+        }
+        *o = (b + merged) as f32;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::support::run_plain;
+    use super::*;
+
+    type Method = fn(&[f32], &[ModelTensor], &Params, &mut [f32]) -> Result<(), String>;
+
+    fn run(
+        method: Method,
+        base: &[f32],
+        inputs: &[&[f32]],
+        global: &Params,
+    ) -> Result<Vec<f32>, String> {
+        run_plain(base.len(), inputs, |models, out| {
+            method(base, models, global, out)
+        })
+    }
+
+    #[test]
+    fn nearswap_takes_close_values_and_moves_others_by_t() {
+        let t = Params::default().with("t", 0.5);
+        let out = run(
+            nearswap,
+            &[0.0, 0.0, 0.0, 1.0],
+            &[&[0.25, 2.0, -1.0, 1.0]],
+            &t,
+        )
+        .unwrap();
+        assert_eq!(out, [0.25, 0.5, -0.5, 1.0]);
+        let out = run(nearswap, &[0.0, f32::NAN], &[&[0.25, 1.0]], &t).unwrap();
+        assert_eq!(out[0], 0.25);
+        assert!(out[1].is_nan());
+        let err = run(nearswap, &[0.0], &[&[1.0]], &Params::default()).unwrap_err();
+        assert_eq!(err, "missing parameter `t`");
+    }
+
+    #[test]
+    fn ram_keeps_unique_changes_and_averages_shared_ones() {
+        let none = Params::default();
+        let base = [0.0, 0.0, 0.0, 0.0];
+        let (a, b) = ([1.0, 1e-6, 1.0, f32::NAN], [0.0, 0.0, 3.0, 0.0]);
+        let out = run(ram, &base, &[&a, &b], &none).unwrap();
+        assert_eq!(out[..3], [1.0, 0.0, 2.0]);
+        assert!(out[3].is_nan());
+        // Model a changed one element alone and one with b: ρ = 1, λ = 1 + 0.1 · min(1, 0.2).
+        let out = run(ramplus_tl, &base, &[&a, &b], &none).unwrap();
+        assert_eq!(out[..3], [1.02, 0.0, 2.0]);
+        let wide = none.clone().with("r", 1.0).with("alpha", 5.0);
+        assert_eq!(run(ramplus_tl, &base, &[&a, &b], &wide).unwrap()[0], 2.0);
+        // alpha < 0: torch's clamp(0, alpha) gives alpha, so λ = 1 + r · alpha.
+        let crossed = none.clone().with("r", 1.0).with("alpha", -0.5);
+        assert_eq!(run(ramplus_tl, &base, &[&a, &b], &crossed).unwrap()[0], 0.5);
+        assert_eq!(run(ram, &base, &[], &none).unwrap(), base);
+    }
+
+    #[test]
+    fn arcee_fusion_threshold_from_a_sample_keeps_the_same_fraction() {
+        // Exponential importances: the exact threshold keeps e^-(ln 2 + 1.5 ln 3) ≈ 9.6 %.
+        let n = 1_200_000;
+        let importance = |k: usize| -(1.0 - uniform(99, 1, k as u64)).ln();
+        let kept = |threshold: f64| {
+            (0..n).filter(|&k| importance(k) >= threshold).count() as f64 / n as f64
+        };
+        let exact = kept(fusion_threshold(&importance, n, 0, n));
+        assert!((exact - 0.0962).abs() < 0.002, "{exact}");
+        let a = fusion_threshold(&importance, n, 7, FUSION_SAMPLE);
+        assert_eq!(
+            a.to_bits(),
+            fusion_threshold(&importance, n, 7, FUSION_SAMPLE).to_bits()
+        );
+        let b = fusion_threshold(&importance, n, 8, FUSION_SAMPLE);
+        assert_ne!(a, b);
+        for sampled in [a, b] {
+            // The sampled quantiles' error is ~1e-3 in kept fraction; allow 5 standard errors.
+            assert!(
+                (kept(sampled) - exact).abs() < 0.004,
+                "{} vs {exact}",
+                kept(sampled)
+            );
+        }
+    }
+
+    #[test]
+    fn arcee_fusion_above_the_sample_size_is_reproducible_and_picks_base_or_model() {
+        let (rows, cols) = (1_100, 1_000);
+        let base: Vec<f32> = (0..rows * cols)
+            .map(|k| (uniform(1, 0, k as u64) - 0.5) as f32)
+            .collect();
+        let model: Vec<f32> = base
+            .iter()
+            .enumerate()
+            .map(|(k, b)| {
+                // Exponentially distributed changes, so the threshold keeps some (~10 %).
+                let size = -0.01 * (1.0 - uniform(2, 0, k as u64)).ln();
+                b + if k % 2 == 0 { size } else { -size } as f32
+            })
+            .collect();
+        let none = Params::default();
+        let fuse = |seed| {
+            let mut out = vec![0.0; base.len()];
+            let models = [ModelTensor {
+                values: &model,
+                params: &none,
+            }];
+            arcee_fusion(&base, &models, &[rows, cols], seed, &mut out).unwrap();
+            out
+        };
+        let first = fuse(3);
+        assert_eq!(first, fuse(3));
+        assert!(first
+            .iter()
+            .zip(&base)
+            .zip(&model)
+            .all(|((o, b), m)| o == b || o == m));
+        let taken = first.iter().zip(&model).filter(|(o, m)| o == m).count();
+        assert!(taken > base.len() / 20 && taken < base.len() / 5, "{taken}");
+    }
+}

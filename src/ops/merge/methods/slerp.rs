@@ -1,0 +1,326 @@
+//! Spherical interpolation: `slerp` (two models, one angle per tensor), `nuslerp` (per row,
+//! column or tensor, optionally of task vectors) and `multislerp` (N models through the
+//! tangent space at their mean).
+//!
+//! mergekit 0.1.5 computes slerp in `f32` for `bf16`/`f32` inputs, its norms from 1M-element
+//! chunks, and nuslerp/multislerp in the input dtype. We evaluate each formula in `f64` (norms
+//! and dot products as fixed-order [`BlockSum`]s, exact for `f32` products) and round once,
+//! which the golden tests in `tests/merge_methods.rs` hold against mergekit's own `f64` run.
+//! A NaN in an input turns whatever mergekit's turns into NaN (the whole tensor, or vector).
+
+use super::support::{
+    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
+    BlockSum,
+};
+use super::{ModelTensor, Params};
+
+/// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
+/// along the great circle through the two whole tensors. Norms at or below `1e-8` count as 1;
+/// when `|cos θ| > 0.9995` (near-collinear) it interpolates linearly.
+pub fn slerp(
+    base: &[f32],
+    models: &[ModelTensor],
+    global: &Params,
+    out: &mut [f32],
+) -> Result<(), String> {
+    model_count("slerp", models.len(), 1, 1)?;
+    same_lengths(Some(base), models, out)?;
+    let t = required(global, "t")?;
+    let other = models[0].values;
+    let (mut aa, mut bb, mut ab) = (
+        BlockSum::default(),
+        BlockSum::default(),
+        BlockSum::default(),
+    );
+    for (&a, &b) in base.iter().zip(other) {
+        let (a, b) = (a as f64, b as f64);
+        aa.add(a * a);
+        bb.add(b * b);
+        ab.add(a * b);
+    }
+    let unit = |norm: f64| if norm > 1e-8 { norm } else { 1.0 };
+    let (na, nb) = (unit(aa.value().sqrt()), unit(bb.value().sqrt()));
+    let dot = (ab.value() / na / nb).clamp(-1.0, 1.0);
+    let (ca, cb) = if dot.abs() > 0.9995 {
+        (1.0 - t, t)
+    } else {
+        let theta = dot.acos();
+        let sin = theta.sin();
+        (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
+    };
+    for ((o, &a), &b) in out.iter_mut().zip(base).zip(other) {
+        *o = (ca * a as f64 + cb * b as f64) as f32;
+    }
+    Ok(())
+}
+
+/// mergekit's nuslerp: two models with per-model `weight` (required); `t = w₁ / (w₀ + w₁)`, or
+/// 0.5 when `|w₀ + w₁| < 1e-6`. With a `base`, it interpolates the task vectors `model − base`
+/// and adds the base back. `nuslerp_flatten` (default 1) takes the whole tensor as one vector;
+/// otherwise each row (vectors along the last axis) or, with `nuslerp_row_wise`, each vector
+/// along axis 0. Norms are clamped to ≥ 1e-7; vectors with `1 − cos² θ ≤ 1e-16` are
+/// interpolated linearly.
+pub fn nuslerp(
+    base: Option<&[f32]>,
+    models: &[ModelTensor],
+    global: &Params,
+    shape: &[usize],
+    out: &mut [f32],
+) -> Result<(), String> {
+    model_count("nuslerp", models.len(), 2, 2)?;
+    same_lengths(base, models, out)?;
+    shape_holds(shape, out.len())?;
+    let w = weights(models)?;
+    let total = w[0] + w[1];
+    let t = if total.abs() < 1e-6 {
+        0.5
+    } else {
+        w[1] / total
+    };
+    let (outer, length, inner) = if global.flag("nuslerp_flatten", true) {
+        (1, out.len(), 1)
+    } else if global.flag("nuslerp_row_wise", false) {
+        split_axis(shape, 0)
+    } else {
+        split_axis(shape, shape.len().saturating_sub(1))
+    };
+    let value = |m: usize, k: usize| models[m].values[k] as f64 - base.map_or(0.0, |b| b[k] as f64);
+    // Vectors (o, ·, i) for all i at once, so both sweeps read memory in order even when the
+    // vectors run down columns.
+    let mut stats = vec![[BlockSum::default(); 3]; inner];
+    let mut coefs = vec![(0.0, 0.0); inner];
+    for o in 0..outer {
+        let rows = (o * length * inner..(o + 1) * length * inner).step_by(inner.max(1));
+        stats.iter_mut().for_each(|s| *s = [BlockSum::default(); 3]);
+        for row in rows.clone() {
+            for (i, [aa, bb, ab]) in stats.iter_mut().enumerate() {
+                let (a, b) = (value(0, row + i), value(1, row + i));
+                aa.add(a * a);
+                bb.add(b * b);
+                ab.add(a * b);
+            }
+        }
+        for (c, [aa, bb, ab]) in coefs.iter_mut().zip(&stats) {
+            let na = clamp_min(aa.value().sqrt(), 1e-7);
+            let nb = clamp_min(bb.value().sqrt(), 1e-7);
+            *c = coefficients((ab.value() / na / nb).clamp(-1.0, 1.0), t);
+        }
+        for row in rows {
+            for (i, &(ca, cb)) in coefs.iter().enumerate() {
+                let k = row + i;
+                let back = base.map_or(0.0, |b| b[k] as f64);
+                out[k] = (back + ca * value(0, k) + cb * value(1, k)) as f32;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// mergekit's multislerp: barycentric interpolation of N ≥ 1 models (task vectors when there
+/// is a `base`) on the unit sphere. Per-model `weight` (required), divided by their sum unless
+/// `normalize_weights` is 0; `eps` (default 1e-8). Each vector is scaled to unit length
+/// (`v / (‖v‖ + eps)`), their weighted mean `m` normalised, the tangent vectors
+/// `u − (u·m) m` averaged with the weights and mapped back with the exponential map, then
+/// scaled by the weighted mean of the norms. One model is returned unchanged. When the mean is
+/// shorter than `eps`, two models are averaged linearly; more are refused (as mergekit does).
+/// Weights summing to zero are refused (mergekit divides by zero).
+pub fn multislerp(
+    base: Option<&[f32]>,
+    models: &[ModelTensor],
+    global: &Params,
+    out: &mut [f32],
+) -> Result<(), String> {
+    model_count("multislerp", models.len(), 1, usize::MAX)?;
+    same_lengths(base, models, out)?;
+    let mut w = weights(models)?;
+    let eps = optional(global, "eps", 1e-8)?;
+    if models.len() == 1 {
+        out.copy_from_slice(models[0].values);
+        return Ok(());
+    }
+    if global.flag("normalize_weights", true) {
+        let sum: f64 = w.iter().sum();
+        if sum == 0.0 {
+            return Err("the models' `weight`s sum to zero".into());
+        }
+        w.iter_mut().for_each(|x| *x /= sum);
+    }
+    let back = |k: usize| base.map_or(0.0, |b| b[k] as f64);
+    let value = |m: usize, k: usize| models[m].values[k] as f64 - back(k);
+    let norms = sums(models.len(), out.len(), |k, acc| {
+        for (m, a) in acc.iter_mut().enumerate() {
+            a.add(value(m, k) * value(m, k));
+        }
+    })
+    .into_iter()
+    .map(f64::sqrt)
+    .collect::<Vec<_>>();
+    // The unit vectors' weighted mean, not yet normalised.
+    let scale: Vec<f64> = (0..models.len()).map(|m| w[m] / (norms[m] + eps)).collect();
+    let mean = |k: usize| {
+        (0..models.len())
+            .map(|m| scale[m] * value(m, k))
+            .sum::<f64>()
+    };
+    // Its squared length (last) and each unit vector's dot product with it.
+    let stats = sums(models.len() + 1, out.len(), |k, acc| {
+        let mk = mean(k);
+        for m in 0..models.len() {
+            acc[m].add(value(m, k) / (norms[m] + eps) * mk);
+        }
+        acc[models.len()].add(mk * mk);
+    });
+    let mean_norm = stats[models.len()].sqrt();
+    if mean_norm < eps {
+        if models.len() != 2 {
+            return Err(
+                "the weighted mean of the models is zero (antipodal models whose weights \
+                        cancel); use other weights"
+                    .into(),
+            );
+        }
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = (w[0] * value(0, k) + w[1] * value(1, k) + back(k)) as f32;
+        }
+        return Ok(());
+    }
+    let dots: Vec<f64> = stats[..models.len()]
+        .iter()
+        .map(|d| d / mean_norm)
+        .collect();
+    let tangent = |k: usize| {
+        let mk = mean(k) / mean_norm;
+        (0..models.len())
+            .map(|m| w[m] * (value(m, k) / (norms[m] + eps) - dots[m] * mk))
+            .sum::<f64>()
+    };
+    let tn = sums(1, out.len(), |k, acc| acc[0].add(tangent(k) * tangent(k)))[0].sqrt() + eps;
+    let avg_norm: f64 = norms.iter().zip(&w).map(|(n, w)| n * w).sum();
+    let (cos, sinc) = (tn.cos() * avg_norm, tn.sin() / tn * avg_norm);
+    for (k, o) in out.iter_mut().enumerate() {
+        *o = (mean(k) / mean_norm * cos + tangent(k) * sinc + back(k)) as f32;
+    }
+    Ok(())
+}
+
+/// nuslerp's weights of the two vectors at cosine `cos`: linear when they are collinear
+/// (`1 − cos² ≤ 1e-16`), else `sin((1 − t) θ) / sin θ` and `sin(t θ) / sin θ`.
+fn coefficients(cos: f64, t: f64) -> (f64, f64) {
+    if 1.0 - cos * cos <= 1e-16 {
+        return (1.0 - t, t);
+    }
+    let theta = cos.acos();
+    let sin = theta.sin();
+    (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
+}
+
+/// `count` block sums over elements `0..n`, `add(k, sums)` adding element `k`'s terms.
+fn sums(count: usize, n: usize, mut add: impl FnMut(usize, &mut [BlockSum])) -> Vec<f64> {
+    let mut acc = vec![BlockSum::default(); count];
+    for k in 0..n {
+        add(k, &mut acc);
+    }
+    acc.iter().map(BlockSum::value).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model<'a>(values: &'a [f32], params: &'a Params) -> ModelTensor<'a> {
+        ModelTensor { values, params }
+    }
+
+    #[test]
+    fn slerp_of_orthogonal_unit_vectors_follows_the_circle() {
+        let (a, b) = ([1.0f32, 0.0], [0.0f32, 1.0]);
+        let none = Params::default();
+        let mut out = [0.0f32; 2];
+        slerp(
+            &a,
+            &[model(&b, &none)],
+            &none.clone().with("t", 0.5),
+            &mut out,
+        )
+        .unwrap();
+        let h = std::f32::consts::FRAC_1_SQRT_2;
+        assert_eq!(out, [h, h]);
+        let err = slerp(&a, &[model(&b, &none)], &none, &mut out).unwrap_err();
+        assert_eq!(err, "missing parameter `t`");
+    }
+
+    #[test]
+    fn slerp_of_zero_tensors_is_zero_and_nan_spreads_to_the_whole_tensor() {
+        let none = Params::default();
+        let t = none.clone().with("t", 0.3);
+        let mut out = [1.0f32; 3];
+        slerp(&[0.0; 3], &[model(&[0.0; 3], &none)], &t, &mut out).unwrap();
+        assert_eq!(out, [0.0; 3]);
+        slerp(
+            &[1.0, f32::NAN, 2.0],
+            &[model(&[1.0, 2.0, 3.0], &none)],
+            &t,
+            &mut out,
+        )
+        .unwrap();
+        assert!(out.iter().all(|x| x.is_nan()), "{out:?}");
+    }
+
+    #[test]
+    fn nuslerp_needs_a_weight_per_model_and_zero_total_means_halfway() {
+        let w = Params::default().with("weight", 1.0);
+        let none = Params::default();
+        let mut out = [0.0f32; 2];
+        let err = nuslerp(
+            None,
+            &[model(&[1.0, 0.0], &w), model(&[0.0, 1.0], &none)],
+            &none,
+            &[2],
+            &mut out,
+        )
+        .unwrap_err();
+        assert_eq!(err, "missing parameter `weight` for model 1");
+        let neg = Params::default().with("weight", -1.0);
+        nuslerp(
+            None,
+            &[model(&[2.0, 0.0], &w), model(&[0.0, 2.0], &neg)],
+            &none,
+            &[2],
+            &mut out,
+        )
+        .unwrap();
+        let h = std::f32::consts::SQRT_2;
+        assert_eq!(out, [h, h]);
+    }
+
+    #[test]
+    fn multislerp_refuses_weights_summing_to_zero_and_cancelling_models() {
+        let (p, n) = (
+            Params::default().with("weight", 1.0),
+            Params::default().with("weight", -1.0),
+        );
+        let none = Params::default();
+        let mut out = [0.0f32; 2];
+        let err = multislerp(
+            None,
+            &[model(&[1.0, 0.0], &p), model(&[0.0, 1.0], &n)],
+            &none,
+            &mut out,
+        )
+        .unwrap_err();
+        assert_eq!(err, "the models' `weight`s sum to zero");
+        let three = [
+            model(&[1.0, 0.0], &p),
+            model(&[-1.0, 0.0], &p),
+            model(&[0.0, 0.0], &p),
+        ];
+        let err = multislerp(None, &three, &none, &mut out).unwrap_err();
+        assert!(
+            err.starts_with("the weighted mean of the models is zero"),
+            "{err}"
+        );
+        // Two antipodal models fall back to the linear average, as in mergekit.
+        multislerp(None, &three[..2], &none, &mut out).unwrap();
+        assert_eq!(out, [0.0, 0.0]);
+    }
+}
