@@ -37,12 +37,12 @@ pub unsafe fn q8_0_blocks(elems: &[u8], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::BF16 => {
             for (src, dst) in pairs(elems, 2, out) {
-                block(load_bf16(src), dst);
+                block(load_16::<true>(src), dst);
             }
         }
         DType::F16 => {
             for (src, dst) in pairs(elems, 2, out) {
-                block(load_f16(src), dst);
+                block(load_16::<false>(src), dst);
             }
         }
         DType::F32 => {
@@ -73,27 +73,21 @@ fn pairs<'a>(
 
 type Block = [__m256; 4];
 
+/// 32 16-bit floats widened to f32: BF16 by a 16-bit shift (`BF16`), else F16 by
+/// `vcvtph2ps`.
 #[inline]
-#[target_feature(enable = "avx2")]
-fn load_bf16(src: &[u8]) -> Block {
-    let src: &[u8; 2 * Q8_0_BLOCK_ELEMS] = src.try_into().expect("32 bf16");
+#[target_feature(enable = "avx2,f16c")]
+fn load_16<const BF16: bool>(src: &[u8]) -> Block {
+    let src: &[u8; 2 * Q8_0_BLOCK_ELEMS] = src.try_into().expect("32 16-bit floats");
     let mut x = [_mm256_setzero_ps(); 4];
     for (k, v) in x.iter_mut().enumerate() {
         // SAFETY: 16 bytes at 16k < 64, inside `src`; an unaligned load.
         let h = unsafe { _mm_loadu_si128(src.as_ptr().add(16 * k).cast()) };
-        *v = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
-    }
-    x
-}
-
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn load_f16(src: &[u8]) -> Block {
-    let src: &[u8; 2 * Q8_0_BLOCK_ELEMS] = src.try_into().expect("32 f16");
-    let mut x = [_mm256_setzero_ps(); 4];
-    for (k, v) in x.iter_mut().enumerate() {
-        // SAFETY: 16 bytes at 16k < 64, inside `src`; an unaligned load.
-        *v = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(src.as_ptr().add(16 * k).cast()) });
+        *v = if BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        };
     }
     x
 }
