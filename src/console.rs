@@ -106,7 +106,7 @@ pub fn require_stdout() -> Result<()> {
     }
 }
 
-/// `println!` that never panics: see [`line`].
+/// `println!` that never panics: see [`line`](fn@line).
 #[macro_export]
 macro_rules! outln {
     ($($arg:tt)*) => {
@@ -114,7 +114,7 @@ macro_rules! outln {
     };
 }
 
-/// `eprintln!` that never panics: see [`line`].
+/// `eprintln!` that never panics: see [`line`](fn@line).
 #[macro_export]
 macro_rules! errln {
     ($($arg:tt)*) => {
