@@ -106,24 +106,30 @@ pub fn require_stdout() -> Result<()> {
     }
 }
 
-/// `println!` that never panics: see [`line`].
+/// `println!` that never panics: see [`line`](fn@line).
 #[macro_export]
 macro_rules! outln {
-    () => {
-        $crate::console::line($crate::console::Stream::Out, format_args!(""))
-    };
     ($($arg:tt)*) => {
-        $crate::console::line($crate::console::Stream::Out, format_args!($($arg)*))
+        $crate::console_line!(Out, $($arg)*)
     };
 }
 
-/// `eprintln!` that never panics: see [`line`].
+/// `eprintln!` that never panics: see [`line`](fn@line).
 #[macro_export]
 macro_rules! errln {
-    () => {
-        $crate::console::line($crate::console::Stream::Err, format_args!(""))
-    };
     ($($arg:tt)*) => {
-        $crate::console::line($crate::console::Stream::Err, format_args!($($arg)*))
+        $crate::console_line!(Err, $($arg)*)
+    };
+}
+
+/// The body of [`outln!`] and [`errln!`]: an empty or a formatted line to a [`Stream`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! console_line {
+    ($stream:ident,) => {
+        $crate::console::line($crate::console::Stream::$stream, format_args!(""))
+    };
+    ($stream:ident, $($arg:tt)*) => {
+        $crate::console::line($crate::console::Stream::$stream, format_args!($($arg)*))
     };
 }

@@ -4,6 +4,7 @@ mod common;
 
 use std::path::Path;
 
+use common::interrupt::*;
 use common::*;
 use tftf::format::dtype::DType;
 use tftf::ops::cast::{f32_to_bf16, f32_to_f16};
@@ -702,30 +703,7 @@ fn validate_lists_every_broken_shard() {
 
 #[test]
 fn ctrl_c_removes_temporary_output() {
-    let (d, src) = tmp_in();
-    // It takes well over the poll below.
-    slow_cast_model(&src);
-    let out = d.path().join("out");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
-        .args(cmd("passthrough", &src, &out, &SLOW_CAST))
-        .arg("-q")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    while !out.exists() || listing(&out).is_empty() {
-        assert!(started.elapsed().as_secs() < 20, "no output appeared");
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    // SAFETY: plain kill(2) on our child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(130), "interrupted: 128 + SIGINT");
-    assert_eq!(
-        stderr(&o),
-        "interrupt: stopping and removing temporary output…\nerror: interrupted; temporary output removed\n"
-    );
-    assert!(!out.exists(), "left behind: {:?}", listing(&out));
+    assert_a_slow_run_stops_on(libc::SIGINT, "interrupt");
 }
 
 #[test]

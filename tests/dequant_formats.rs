@@ -117,6 +117,14 @@ fn refused(model: &Path, out: &Path) -> String {
     err
 }
 
+/// Writes `config.json` saying `{"quantization_config": CONFIG}` into `model`, then
+/// [`refused`] into `dir/out`; asserts the message names every one of `needles`.
+fn refused_under_config(model: &Path, dir: &Path, config: &str, needles: &[&str]) {
+    let cfg = format!(r#"{{"quantization_config": {config}}}"#);
+    std::fs::write(model.join("config.json"), cfg).unwrap();
+    assert_mentions(&refused(model, &dir.join("out")), needles);
+}
+
 /// [`refused`] on `case` with the tensor `name` edited by `edit`, in a new temporary folder.
 fn edited_refused(case: &str, name: &str, edit: impl Fn(&mut T)) -> String {
     let dir = tmp();
@@ -209,12 +217,10 @@ fn a_missing_scale_names_the_weight_and_the_scale() {
 fn a_layout_the_config_does_not_name_is_an_error_naming_the_tensor() {
     let dir = tmp();
     let model = edited_model("ct_nvfp4a16", dir.path(), |_| {});
-    let cfg =
-        r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}"#;
-    std::fs::write(model.join("config.json"), cfg).unwrap();
-    let err = refused(&model, &dir.path().join("out"));
-    assert_mentions(
-        &err,
+    refused_under_config(
+        &model,
+        dir.path(),
+        r#"{"quant_method": "fp8", "weight_block_size": [128, 128]}"#,
         &[
             "model.layers.0.mlp.down_proj.weight_packed",
             "compressed-tensors NVFP4",
@@ -282,11 +288,10 @@ fn fp8_weights_under_a_non_fp8_config_are_an_error_naming_the_tensor() {
         let dir = tmp();
         let model = edited_model("modelopt_fp8_pb_wo", dir.path(), |_| {});
         std::fs::remove_file(model.join("hf_quant_config.json")).unwrap();
-        let cfg = format!(r#"{{"quantization_config": {config}}}"#);
-        std::fs::write(model.join("config.json"), cfg).unwrap();
-        let err = refused(&model, &dir.path().join("out"));
-        assert_mentions(
-            &err,
+        refused_under_config(
+            &model,
+            dir.path(),
+            config,
             &[
                 "model.layers.0.mlp.down_proj.weight",
                 "an FP8 (F8_E4M3) weight",

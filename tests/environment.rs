@@ -7,9 +7,10 @@ mod common;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use common::interrupt::*;
 use common::*;
 use tftf::format::dtype::DType;
 
@@ -31,6 +32,16 @@ fn model(dir: &Path) -> Vec<T> {
     m.all()
 }
 
+/// A temporary folder with [`model`] written to its `in`, the model's tensors, and the paths
+/// `out` and `report.json` in the folder.
+fn model_case() -> (tempfile::TempDir, PathBuf, Vec<T>, PathBuf, PathBuf) {
+    let d = tmp();
+    let src = d.path().join("in");
+    let tensors = model(&src);
+    let (out, report) = (d.path().join("out"), d.path().join("report.json"));
+    (d, src, tensors, out, report)
+}
+
 /// The write end of a pipe whose read end is already closed: every write to it fails with
 /// EPIPE, as `| head -1` does once head has its line.
 fn closed_pipe() -> OwnedFd {
@@ -48,12 +59,6 @@ fn full_device() -> std::fs::File {
         .write(true)
         .open("/dev/full")
         .expect("/dev/full")
-}
-
-fn tftf_cmd(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
-    c.args(args).env("NO_COLOR", "1").stdin(Stdio::null());
-    c
 }
 
 /// Waits for `child` at most `limit`; kills it and fails when it is still running then.
@@ -125,10 +130,7 @@ fn report_notes(path: &Path) -> Vec<String> {
 
 #[test]
 fn progress_into_a_closed_pipe_finishes_the_conversion_and_notes_it() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = model(&src);
-    let (out, report) = (d.path().join("out"), d.path().join("report.json"));
+    let (_d, src, tensors, out, report) = model_case();
     // `tftf … --progress json 2>&1 | head -1` once head has gone.
     let pipe = closed_pipe();
     let status = tftf_cmd(&cmd(
@@ -159,12 +161,21 @@ fn progress_into_a_closed_pipe_finishes_the_conversion_and_notes_it() {
     );
 }
 
+/// What a run whose stdout is full says about it on stderr.
+const STDOUT_FULL_NOTE: &str = "note: stdout could not be written (No space left on device \
+    (os error 28)); the lines after that were dropped\n";
+
+/// Runs `args` with stdout on a full device; asserts that the run succeeds and returns its
+/// stderr.
+fn stderr_of_a_run_with_stdout_full(args: &[&str]) -> String {
+    let o = tftf_cmd(args).stdout(full_device()).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    stderr(&o)
+}
+
 #[test]
 fn full_stdout_and_stderr_do_not_stop_a_conversion() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = model(&src);
-    let (out, report) = (d.path().join("out"), d.path().join("report.json"));
+    let (d, src, tensors, out, report) = model_case();
     let o = tftf_cmd(&cmd("passthrough", &src, &out, &["--report", s(&report)]))
         .stdout(full_device())
         .stderr(full_device())
@@ -182,26 +193,14 @@ fn full_stdout_and_stderr_do_not_stop_a_conversion() {
     );
     // Stdout alone full: the summary is lost, and stderr says so.
     let out2 = d.path().join("out2");
-    let o = tftf_cmd(&cmd("passthrough", &src, &out2, &["--progress", "none"]))
-        .stdout(full_device())
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{o:?}");
-    assert_eq!(
-        stderr(&o),
-        format!(
-            "note: stdout could not be written ({enospc}); the lines after that were dropped\n"
-        )
-    );
+    let args = cmd("passthrough", &src, &out2, &["--progress", "none"]);
+    assert_eq!(stderr_of_a_run_with_stdout_full(&args), STDOUT_FULL_NOTE);
     assert_converted(&out2, &tensors);
 }
 
 #[test]
 fn info_validate_verify_and_dry_runs_whose_output_is_lost_exit_1() {
-    let d = tmp();
-    let src = d.path().join("in");
-    model(&src);
-    let out = d.path().join("out");
+    let (d, src, _, out, _) = model_case();
     passthrough_ok(&src, &out, &["--checksums", "-q"]);
     let dry = d.path().join("dry");
     let commands: [Vec<&str>; 5] = [
@@ -212,20 +211,23 @@ fn info_validate_verify_and_dry_runs_whose_output_is_lost_exit_1() {
         cmd("passthrough", &src, &dry, &["--dry-run"]),
     ];
     for args in &commands {
-        let o = tftf_cmd(args).stdout(full_device()).output().unwrap();
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
-        assert_eq!(
-            stderr(&o),
-            "error: cannot write to stdout: No space left on device (os error 28); the output printed so far is incomplete\n",
-            "{args:?}"
-        );
-        let o = tftf_cmd(args).stdout(closed_pipe()).output().unwrap();
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
-        assert_eq!(
-            stderr(&o),
-            "error: cannot write to stdout: Broken pipe (os error 32); the output printed so far is incomplete\n",
-            "{args:?}"
-        );
+        for (stdout, why) in [
+            (
+                Stdio::from(full_device()),
+                "No space left on device (os error 28)",
+            ),
+            (Stdio::from(closed_pipe()), "Broken pipe (os error 32)"),
+        ] {
+            let o = tftf_cmd(args).stdout(stdout).output().unwrap();
+            assert_eq!(o.status.code(), Some(1), "{args:?}: {o:?}");
+            assert_eq!(
+                stderr(&o),
+                format!(
+                    "error: cannot write to stdout: {why}; the output printed so far is incomplete\n"
+                ),
+                "{args:?}"
+            );
+        }
         // Nowhere to say it either: still exit 1, not a panic's 101 or SIGPIPE.
         let o = tftf_cmd(args)
             .stdout(full_device())
@@ -236,15 +238,8 @@ fn info_validate_verify_and_dry_runs_whose_output_is_lost_exit_1() {
     }
     assert!(!dry.exists());
     // `recover` changes the directory whatever it could print: its lost line is only noted.
-    let o = tftf_cmd(&["recover", s(&out)])
-        .stdout(full_device())
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{o:?}");
-    assert_eq!(
-        stderr(&o),
-        "note: stdout could not be written (No space left on device (os error 28)); the lines after that were dropped\n"
-    );
+    let o = stderr_of_a_run_with_stdout_full(&["recover", s(&out)]);
+    assert_eq!(o, STDOUT_FULL_NOTE);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,10 +276,7 @@ fn with_special(path: &Path, make: &str, check: impl FnOnce(&str)) {
 
 #[test]
 fn special_side_files_are_refused_before_any_output() {
-    let d = tmp();
-    let src = d.path().join("in");
-    model(&src);
-    let out = d.path().join("out");
+    let (_d, src, _, out, _) = model_case();
     // A FIFO `config.json` is not taken for a missing one either.
     for (name, make) in [
         ("tokenizer_config.json", "fifo"),
@@ -306,11 +298,7 @@ fn special_side_files_are_refused_before_any_output() {
 
 #[test]
 fn a_fifo_as_the_report_or_as_the_old_index_of_the_output_does_not_block() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = model(&src);
-    let out = d.path().join("out");
-    let report = d.path().join("report.json");
+    let (_d, src, tensors, out, report) = model_case();
     mkfifo(&report);
     let (code, _, err) = run_bounded(&cmd("passthrough", &src, &out, &["--report", s(&report)]));
     assert_eq!(code, Some(2));
@@ -386,50 +374,9 @@ fn verify_refuses_special_files_in_place_of_listed_files() {
     }
 }
 
-/// A slow passthrough (`extra` added) of a model made in `dir`, stdout discarded and stderr
-/// piped, returned once its temporaries exist, with its output path.
-fn slow_run_writing(dir: &Path, extra: &[&str]) -> (Child, PathBuf) {
-    let src = dir.join("in");
-    slow_cast_model(&src);
-    let out = dir.join("out");
-    let mut child = tftf_cmd(&cmd("passthrough", &src, &out, &SLOW_CAST))
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_temporaries(&out, &mut child);
-    (child, out)
-}
-
-fn wait_for_temporaries(out: &Path, child: &mut Child) {
-    let started = Instant::now();
-    while listing(out).is_empty() {
-        if started.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("no output appeared");
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-fn sigterm(child: &Child) {
-    // SAFETY: plain kill(2) on our child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-}
-
 #[test]
 fn sigterm_ends_a_run_with_143_and_removes_its_temporaries() {
-    let d = tmp();
-    let (child, out) = slow_run_writing(d.path(), &["-q"]);
-    sigterm(&child);
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(143), "128 + SIGTERM");
-    assert_eq!(
-        stderr(&o),
-        "terminated: stopping and removing temporary output…\nerror: interrupted; temporary output removed\n"
-    );
-    assert!(!out.exists(), "left behind: {:?}", listing(&out));
+    assert_a_slow_run_stops_on(libc::SIGTERM, "terminated");
 }
 
 #[test]
@@ -444,7 +391,7 @@ fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(child.try_wait().unwrap().is_none(), "the run was not stuck");
     let signalled = Instant::now();
-    sigterm(&child);
+    signal(&child, libc::SIGTERM);
     let status = wait_at_most(&mut child, Duration::from_secs(15), "after SIGTERM");
     let took = signalled.elapsed();
     assert_eq!(status.code(), Some(143), "128 + SIGTERM");
@@ -460,9 +407,7 @@ fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
 
 #[test]
 fn output_and_side_file_names_of_240_bytes_are_written() {
-    let d = tmp();
-    let src = d.path().join("in");
-    let tensors = model(&src);
+    let (d, src, tensors, _, _) = model_case();
     let side = format!("{}.json", "s".repeat(235));
     std::fs::write(src.join(&side), "{}").unwrap();
     let file = d

@@ -44,6 +44,17 @@ fn template_keys(g: &Gguf) -> Vec<&str> {
         .collect()
 }
 
+/// Asserts `g`'s default chat template, each named one (`tokenizer.chat_template.NAME`) and
+/// the list of names, in order.
+fn assert_templates(g: &Gguf, default: &str, named: &[(&str, &str)]) {
+    assert_eq!(g.str("tokenizer.chat_template"), default);
+    for (name, text) in named {
+        assert_eq!(g.str(&format!("tokenizer.chat_template.{name}")), *text);
+    }
+    let names = string_array(&named.iter().map(|n| n.0).collect::<Vec<_>>());
+    assert_eq!(g.kv("tokenizer.chat_templates"), Some(names.as_slice()));
+}
+
 #[test]
 fn a_list_of_named_chat_templates_gives_one_kv_per_name_and_the_default() {
     let c = GgufCase::dense(31, "llama3");
@@ -58,11 +69,7 @@ fn a_list_of_named_chat_templates_gives_one_kv_per_name_and_the_default() {
         ])),
     );
     let g = c.convert("t.gguf", "test-pre", &[]);
-    assert_eq!(g.str("tokenizer.chat_template"), "D {{ messages }}");
-    assert_eq!(g.str("tokenizer.chat_template.tool_use"), "T");
-    assert_eq!(g.str("tokenizer.chat_template.rag"), "R");
-    let names = string_array(&["tool_use", "rag"]);
-    assert_eq!(g.kv("tokenizer.chat_templates"), Some(names.as_slice()));
+    assert_templates(&g, "D {{ messages }}", &[("tool_use", "T"), ("rag", "R")]);
     // gguf-py's order: each named template, the names, then the default.
     assert_eq!(
         template_keys(&g),
@@ -82,11 +89,7 @@ fn a_list_of_named_chat_templates_gives_one_kv_per_name_and_the_default() {
     std::fs::write(extra.join("b-2.jinja"), "B").unwrap();
     std::fs::write(extra.join("a.jinja"), "A").unwrap();
     let g = c.convert("j.gguf", "test-pre", &[]);
-    assert_eq!(g.str("tokenizer.chat_template"), "J");
-    assert_eq!(g.str("tokenizer.chat_template.a"), "A");
-    assert_eq!(g.str("tokenizer.chat_template.b_2"), "B");
-    let names = string_array(&["a", "b_2"]);
-    assert_eq!(g.kv("tokenizer.chat_templates"), Some(names.as_slice()));
+    assert_templates(&g, "J", &[("a", "A"), ("b_2", "B")]);
 }
 
 #[test]

@@ -146,6 +146,12 @@ fn temp_copy(bytes: &[u8], name: &str) -> (tempfile::TempDir, PathBuf) {
     (dir, p)
 }
 
+/// `torch::describe` of an `m.pt` zip archive holding the pickle `p`.
+fn describe_pt(p: &[u8]) -> tftf::error::Result<SourceDesc> {
+    let (_d, path) = temp_copy(&zip_with_pickle(p), "m.pt");
+    torch::describe(&path)
+}
+
 #[test]
 fn truncated_archives_name_the_file() {
     let bytes = std::fs::read(fixture("bin/corners/pytorch_model.bin")).unwrap();
@@ -233,6 +239,13 @@ fn tensor_pickle(offset: u8, size: &[u8], stride: &[u8]) -> Vec<u8> {
     p
 }
 
+/// The `_rebuild_tensor_v2(..)` expression of [`tensor_pickle`]`(0, size, stride)` alone, to
+/// build other pickles around.
+fn rebuild_expr(size: &[u8], stride: &[u8]) -> Vec<u8> {
+    let t = tensor_pickle(0, size, stride);
+    t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2].to_vec()
+}
+
 #[test]
 fn handmade_archive_views_are_checked() {
     let ok = zip_with_pickle(&tensor_pickle(1, &[3], &[1]));
@@ -243,8 +256,9 @@ fn handmade_archive_views_are_checked() {
         Placement::Contiguous { len: 12, .. }
     ));
     // a view reaching past its 16-byte storage
-    let (_d, p) = temp_copy(&zip_with_pickle(&tensor_pickle(2, &[3], &[1])), "m.pt");
-    let err = torch::describe(&p).unwrap_err().to_string();
+    let err = describe_pt(&tensor_pickle(2, &[3], &[1]))
+        .unwrap_err()
+        .to_string();
     assert_mentions(&err, &["`w`", "reaches byte 20"]);
     // a name given twice
     let mut twice = tensor_pickle(0, &[2], &[1]);
@@ -252,8 +266,7 @@ fn handmade_archive_views_are_checked() {
     twice.truncate(twice.len() - 1);
     twice.extend(&body);
     twice.push(b'.');
-    let (_d, p) = temp_copy(&zip_with_pickle(&twice), "m.pt");
-    let err = torch::describe(&p).unwrap_err().to_string();
+    let err = describe_pt(&twice).unwrap_err().to_string();
     assert!(err.contains("`w`: defined twice"), "{err}");
     // a rank over the cap
     let (_d, p) = temp_copy(
@@ -459,13 +472,11 @@ fn member_count_over_the_cap_is_refused() {
 #[test]
 fn nested_dicts_flatten_and_non_tensors_are_noted() {
     // {'outer': {'w': <tensor>}, 'step': 7}
-    let t = tensor_pickle(0, &[2], &[1]);
-    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let tensor_expr = &rebuild_expr(&[2], &[1]);
     let mut p = b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w".to_vec();
     p.extend(tensor_expr);
     p.extend(b"sX\x04\x00\x00\x00stepK\x07u.");
-    let (_d, path) = temp_copy(&zip_with_pickle(&p), "m.pt");
-    let desc = torch::describe(&path).unwrap();
+    let desc = describe_pt(&p).unwrap();
     let names: Vec<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["outer.w"]);
     assert_eq!(desc.notes, ["`step` (int) skipped: not a tensor"]);
@@ -621,16 +632,14 @@ fn complex128_is_an_unsupported_dtype() {
 /// `torch.load(weights_only=True)` accepts it, is the tensor; without a tensor it is refused.
 #[test]
 fn parameter_calls_are_tensors() {
-    let t = tensor_pickle(0, &[4], &[1]);
-    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let tensor_expr = &rebuild_expr(&[4], &[1]);
     for call in [&b"R"[..], b"\x81"] {
         let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(".to_vec();
         p.extend(tensor_expr);
         p.extend(b"\x88t");
         p.extend(call);
         p.extend(b"s.");
-        let (_d, path) = temp_copy(&zip_with_pickle(&p), "m.pt");
-        let desc = torch::describe(&path).unwrap();
+        let desc = describe_pt(&p).unwrap();
         assert_eq!(desc.tensors.len(), 1, "{:?}", desc.notes);
         assert_eq!(
             (desc.tensors[0].name.as_str(), &desc.tensors[0].shape[..]),
@@ -638,8 +647,7 @@ fn parameter_calls_are_tensors() {
         );
     }
     let p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n)Rs.";
-    let (_d, path) = temp_copy(&zip_with_pickle(p), "m.pt");
-    let err = torch::describe(&path).unwrap_err().to_string();
+    let err = describe_pt(p).unwrap_err().to_string();
     assert!(err.contains("parameter rebuilt without a tensor"), "{err}");
 }
 
@@ -648,8 +656,7 @@ fn parameter_calls_are_tensors() {
 /// safetensors header may hold, in bounded time and within 1 GiB of data (`RLIMIT_DATA`).
 #[test]
 fn memo_shared_dicts_are_refused_within_a_header_budget() {
-    let t = tensor_pickle(0, &[4], &[1]);
-    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let tensor_expr = &rebuild_expr(&[4], &[1]);
     let mut p = b"\x80\x02".to_vec();
     p.extend(tensor_expr);
     p.extend(b"q\x00");
@@ -741,8 +748,7 @@ impl Pickler {
 /// indices, saved as one-element chunks, each in its own torch.save archive.
 fn one_element_chunks_dcp(dir: &Path, shape: [u64; 2]) {
     const MD: &str = "torch.distributed.checkpoint.metadata";
-    let t = tensor_pickle(0, &[1, 1], &[1, 1]);
-    let tensor_expr = &t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2];
+    let tensor_expr = &rebuild_expr(&[1, 1], &[1, 1]);
     let mut chunk_pickle = b"\x80\x02".to_vec();
     chunk_pickle.extend(tensor_expr);
     chunk_pickle.push(b'.');

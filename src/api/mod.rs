@@ -105,6 +105,20 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+/// Builder methods that each set one field and return the builder: a doc comment, then
+/// `name(arg: Type) => field = value;` per method.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $arg: $t) -> Self {
+                self.$field = $value;
+                self
+            }
+        )*
+    };
+}
+
 mod pipe;
 mod report;
 mod writer;
@@ -211,23 +225,17 @@ impl Pipeline {
         }
     }
 
-    /// Compute threads (`--threads`); at least 1.
-    pub fn threads(mut self, n: usize) -> Pipeline {
-        self.threads = Some(n);
-        self
-    }
-
-    /// Memory for tensor data in flight (`--memory-budget`); at least 16 MiB.
-    pub fn memory_budget(mut self, bytes: u64) -> Pipeline {
-        self.memory_budget = Some(bytes);
-        self
-    }
-
-    /// Where ops compute (`--device`): [`DeviceRequest::Auto`] uses a CUDA GPU when there is
-    /// one and an op has a kernel for it.
-    pub fn device(mut self, device: DeviceRequest) -> Pipeline {
-        self.device = device;
-        self
+    setters! {
+        /// Compute threads (`--threads`); at least 1.
+        threads(n: usize) => threads = Some(n);
+        /// Memory for tensor data in flight (`--memory-budget`); at least 16 MiB.
+        memory_budget(bytes: u64) => memory_budget = Some(bytes);
+        /// Where ops compute (`--device`): [`DeviceRequest::Auto`] uses a CUDA GPU when there
+        /// is one and an op has a kernel for it.
+        device(device: DeviceRequest) => device = device;
+        /// Stops the run when `flag` is raised (from any thread): [`Pipeline::run`] then
+        /// returns [`Error::Cancelled`] and the output is left as it was.
+        cancel(flag: Cancel) => cancel = flag;
     }
 
     /// Calls `callback` as output bytes are written, from the writer threads: bytes done,
@@ -237,13 +245,6 @@ impl Pipeline {
         callback: impl Fn(&ProgressEvent) + Send + Sync + 'static,
     ) -> Pipeline {
         self.on_progress = Some(Arc::new(callback));
-        self
-    }
-
-    /// Stops the run when `flag` is raised (from any thread): [`Pipeline::run`] then returns
-    /// [`Error::Cancelled`] and the output is left as it was.
-    pub fn cancel(mut self, flag: Cancel) -> Pipeline {
-        self.cancel = flag;
         self
     }
 

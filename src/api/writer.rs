@@ -58,22 +58,13 @@ impl Writer {
         Writer::of(Kind::Gguf(path.into()))
     }
 
-    /// Shards of at most `bytes` bytes (sharded output only).
-    pub fn max_shard_size(mut self, bytes: u64) -> Writer {
-        self.max_shard_bytes = Some(bytes);
-        self
-    }
-
-    /// The GGUF tensor type (`--outtype`; GGUF output only).
-    pub fn outtype(mut self, file_type: FileType) -> Writer {
-        self.outtype = Some(file_type);
-        self
-    }
-
-    /// Replace an existing output (`--force`); without it an existing output is refused.
-    pub fn force(mut self, force: bool) -> Writer {
-        self.force = force;
-        self
+    setters! {
+        /// Shards of at most `bytes` bytes (sharded output only).
+        max_shard_size(bytes: u64) => max_shard_bytes = Some(bytes);
+        /// The GGUF tensor type (`--outtype`; GGUF output only).
+        outtype(file_type: FileType) => outtype = Some(file_type);
+        /// Replace an existing output (`--force`); without it an existing output is refused.
+        force(force: bool) => force = force;
     }
 
     fn of(kind: Kind) -> Writer {

@@ -49,18 +49,26 @@ impl RunOpts {
     }
 }
 
+/// [`WriteOptions::common`] for a writing command's arguments `$args`, which hold `output`,
+/// `run`, `policy`, `force`, `no_reflink` and `device` alike.
+macro_rules! common_options {
+    ($args:expr, $arguments:expr) => {
+        WriteOptions::common(
+            &$args.output,
+            &$args.run,
+            &$args.policy,
+            ($args.force, $args.no_reflink),
+            &$args.device,
+            $arguments,
+        )
+    };
+}
+
 impl WriteOptions {
     /// `arguments`: the command and its output-relevant arguments ([`super::arguments_text`]),
     /// which a partitioned or resumed run's fingerprint includes.
     pub fn from_args(w: &WriteArgs, arguments: &str) -> Result<WriteOptions> {
-        let mut opts = Self::common(
-            &w.output,
-            &w.run,
-            &w.policy,
-            (w.force, w.no_reflink),
-            &w.device,
-            arguments,
-        )?;
+        let mut opts = common_options!(w, arguments)?;
         opts.allow_empty = w.allow_empty;
         opts.format = Format::Safetensors {
             max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
@@ -70,14 +78,7 @@ impl WriteOptions {
 
     /// Options of `tftf gguf`: the same policy, a GGUF sink.
     pub fn from_gguf_args(a: &GgufArgs, arguments: &str) -> Result<WriteOptions> {
-        let mut opts = Self::common(
-            &a.output,
-            &a.run,
-            &a.policy,
-            (a.force, a.no_reflink),
-            &a.device,
-            arguments,
-        )?;
+        let mut opts = common_options!(a, arguments)?;
         opts.format = Format::Gguf(gguf_options(a)?);
         Ok(opts)
     }

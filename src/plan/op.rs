@@ -82,3 +82,19 @@ pub trait Op: Send + Sync + Debug {
         None
     }
 }
+
+/// [`Op::name`] and [`Op::kernel`] for an op whose kernel describes every chunk alike, in its
+/// `impl Op`: `op_name_and_kernel!("dequant-int", |op| Kernel::DequantInt(..))`, `op` being
+/// `self` in the description.
+macro_rules! op_name_and_kernel {
+    ($name:literal, |$op:ident| $kernel:expr) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+        fn kernel(&self, _units: &::std::ops::Range<u64>) -> Option<$crate::plan::kernel::Kernel> {
+            let $op = self;
+            Some($kernel)
+        }
+    };
+}
+pub(crate) use op_name_and_kernel;

@@ -28,6 +28,7 @@ use crate::ops::cast::store_f32;
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::op_name_and_kernel;
 
 use super::kernel::Fp4Params;
 
@@ -112,27 +113,22 @@ fn canonical(v: f32) -> f32 {
 }
 
 impl Op for DequantFp4 {
-    fn name(&self) -> &'static str {
-        "dequant-fp4"
-    }
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::DequantFp4(Fp4Params {
-            cols: self.cols,
-            rows: self.rows,
-            group: self.group,
-            groups: self.groups(),
-            e8m0: (self.scale == BlockScale::E8M0) as i32,
-            global: match self.global {
-                GlobalScale::None => 0,
-                GlobalScale::Divide => 1,
-                GlobalScale::Multiply => 2,
-            },
-            transpose: self.transpose as i32,
-            negative_zero: self.negative_zero as i32,
-            dst: kernel_dtype(self.dst),
-            allow_nonfinite: self.allow_nonfinite as i32,
-        }))
-    }
+    op_name_and_kernel!("dequant-fp4", |op| Kernel::DequantFp4(Fp4Params {
+        cols: op.cols,
+        rows: op.rows,
+        group: op.group,
+        groups: op.groups(),
+        e8m0: (op.scale == BlockScale::E8M0) as i32,
+        global: match op.global {
+            GlobalScale::None => 0,
+            GlobalScale::Divide => 1,
+            GlobalScale::Multiply => 2,
+        },
+        transpose: op.transpose as i32,
+        negative_zero: op.negative_zero as i32,
+        dst: kernel_dtype(op.dst),
+        allow_nonfinite: op.allow_nonfinite as i32,
+    }));
     fn units(&self) -> u64 {
         if self.transpose {
             self.experts

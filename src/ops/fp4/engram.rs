@@ -19,7 +19,7 @@ use super::kernel::RowSums;
 use crate::ops::fp8::codec::{e4m3_is_nan, e4m3_table};
 use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
-use crate::plan::Outs;
+use crate::plan::{op_name_and_kernel, Outs};
 
 pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 pub const BLOCK: usize = 32;
@@ -477,17 +477,12 @@ fn requant_row_lanes(mut row: Row) -> Result<(RowSums, u64), String> {
 }
 
 impl Op for EngramRequant {
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::Engram { cols: self.cols })
-    }
+    op_name_and_kernel!("requant-e2m1", |op| Kernel::Engram { cols: op.cols });
     fn absorb(&self, stats: KernelStats) {
         let KernelStats::Engram { rows, clamped } = stats else {
             unreachable!("the Engram kernel's figures")
         };
         self.add_rows(&rows, clamped);
-    }
-    fn name(&self) -> &'static str {
-        "requant-e2m1"
     }
     fn units(&self) -> u64 {
         self.rows
@@ -556,6 +551,33 @@ impl Op for EngramRequant {
     }
 }
 
+/// The midpoints between neighbouring E2M1 magnitudes and the code each rounds to (the even
+/// one), for the tests of every E2M1 encoder.
+#[cfg(test)]
+pub(crate) const E2M1_TIES: [(f32, u8); 7] = [
+    (0.25, 0),
+    (0.75, 2),
+    (1.25, 2),
+    (1.75, 4),
+    (2.5, 4),
+    (3.5, 6),
+    (5.0, 6),
+];
+
+/// Asserts that `code(y)` is `c` and `code(-y)` is `c` with the sign bit (8), for each case.
+#[cfg(test)]
+pub(crate) fn assert_signed_codes<T>(
+    code: impl Fn(T) -> u8,
+    cases: impl IntoIterator<Item = (T, u8)>,
+) where
+    T: Copy + std::ops::Neg<Output = T> + std::fmt::Display,
+{
+    for (y, c) in cases {
+        assert_eq!(code(y), c, "{y}");
+        assert_eq!(code(-y), c | 8, "-{y}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -612,20 +634,8 @@ mod tests {
             let back = f64_to_e2m1(e2m1_to_f32(c) as f64);
             assert_eq!(back, c, "code {c}");
         }
-        for (x, idx) in [
-            (0.25, 0),
-            (0.75, 2),
-            (1.25, 2),
-            (1.75, 4),
-            (2.5, 4),
-            (3.5, 6),
-            (5.0, 6),
-            (7.0, 7),
-            (1e9, 7),
-        ] {
-            assert_eq!(f64_to_e2m1(x), idx, "{x}");
-            assert_eq!(f64_to_e2m1(-x), idx | 8, "-{x}");
-        }
+        let ties = E2M1_TIES.map(|(x, c)| (x as f64, c));
+        assert_signed_codes(f64_to_e2m1, ties.into_iter().chain([(7.0, 7), (1e9, 7)]));
     }
 
     #[test]

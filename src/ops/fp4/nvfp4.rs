@@ -17,6 +17,7 @@ use super::engram::{e2m1_to_f32, f64_to_e2m1};
 use crate::ops::fp8::codec::e4m3_to_f32;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
+use crate::plan::op_name_and_kernel;
 
 /// Powers of two an E4M3 block scale holds exactly: 2^-9 … 2^8.
 pub const WINDOW_LOW: i32 = -9;
@@ -78,12 +79,9 @@ pub struct NvBlockScales {
 }
 
 impl Op for NvBlockScales {
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::NvBlockScales { g: self.g })
-    }
-    fn name(&self) -> &'static str {
-        "mxfp4-to-nvfp4 scales"
-    }
+    op_name_and_kernel!("mxfp4-to-nvfp4 scales", |op| Kernel::NvBlockScales {
+        g: op.g
+    });
     fn units(&self) -> u64 {
         self.rows
     }
@@ -138,12 +136,9 @@ pub struct NvReencode {
 }
 
 impl Op for NvReencode {
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::NvReencode { g: self.g })
-    }
-    fn name(&self) -> &'static str {
-        "mxfp4-to-nvfp4 re-encode"
-    }
+    op_name_and_kernel!("mxfp4-to-nvfp4 re-encode", |op| Kernel::NvReencode {
+        g: op.g
+    });
     fn units(&self) -> u64 {
         self.rows
     }

@@ -5,6 +5,8 @@
 
 pub mod op;
 pub mod produce;
+#[cfg(target_arch = "x86_64")]
+pub mod q8_0_avx2;
 pub mod quant;
 pub mod tensor;
 pub mod transform;

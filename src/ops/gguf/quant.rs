@@ -88,25 +88,17 @@ pub fn quantize_q8_0_from(elems: &[u8], dtype: DType, out: &mut [u8]) {
         "Q8_0 output size"
     );
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, checked just above.
-        return unsafe { q8_0_blocks_avx2(elems, dtype, out) };
+    if super::q8_0_avx2::available() {
+        // SAFETY: the CPU has AVX2 and F16C, checked just above.
+        return unsafe { super::q8_0_avx2::q8_0_blocks(elems, dtype, out) };
     }
     q8_0_blocks(elems, dtype, out)
 }
 
-/// [`q8_0_blocks`] compiled for AVX2: twice the lanes for the same operations. Rust's float
-/// semantics (no contraction, defined conversions) make the bytes those of any other build.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn q8_0_blocks_avx2(elems: &[u8], dtype: DType, out: &mut [u8]) {
-    q8_0_blocks(elems, dtype, out)
-}
-
-/// The block loop of [`quantize_q8_0_from`], the dtype chosen once, outside it (each arm's
-/// constant dtype lets the widening inline into the loop).
-#[inline(always)]
-fn q8_0_blocks(elems: &[u8], dtype: DType, out: &mut [u8]) {
+/// The portable block loop of [`quantize_q8_0_from`] (`q8_0_avx2` where the CPU has AVX2),
+/// the dtype chosen once, outside it (each arm's constant dtype lets the widening inline into
+/// the loop).
+pub(super) fn q8_0_blocks(elems: &[u8], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::BF16 => blocks_from(elems, 2, out, |src, x| decode_into(DType::BF16, src, x)),
         DType::F32 => blocks_from(elems, 4, out, |src, x| decode_into(DType::F32, src, x)),

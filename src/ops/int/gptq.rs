@@ -26,7 +26,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
-use crate::plan::{DeferredDst, Derive, Entry};
+use crate::plan::{op_name_and_kernel, DeferredDst, Derive, Entry};
 
 #[derive(Clone, Debug)]
 pub struct DequantGptq {
@@ -71,21 +71,16 @@ fn word(bytes: &[u8], k: usize) -> u32 {
 }
 
 impl Op for DequantGptq {
-    fn name(&self) -> &'static str {
-        "dequant-gptq"
-    }
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::DequantGptq(GptqParams {
-            rows: self.rows,
-            cols: self.cols,
-            groups: self.groups,
-            group_size: self.group_size.unwrap_or(0),
-            bits: self.bits as i32,
-            scale_dtype: kernel_dtype(self.scale_dtype),
-            dst: kernel_dtype(self.dst),
-            zero_offset: self.zero_offset as i32,
-        }))
-    }
+    op_name_and_kernel!("dequant-gptq", |op| Kernel::DequantGptq(GptqParams {
+        rows: op.rows,
+        cols: op.cols,
+        groups: op.groups,
+        group_size: op.group_size.unwrap_or(0),
+        bits: op.bits as i32,
+        scale_dtype: kernel_dtype(op.scale_dtype),
+        dst: kernel_dtype(op.dst),
+        zero_offset: op.zero_offset as i32,
+    }));
     fn units(&self) -> u64 {
         1
     }

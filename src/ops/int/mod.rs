@@ -23,6 +23,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, store_f32};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::op_name_and_kernel;
 use kernel::IntParams;
 
 #[derive(Clone, Debug)]
@@ -69,21 +70,16 @@ pub fn unpack_code(words: &[u8], i: usize, bits: u32) -> u32 {
 }
 
 impl Op for DequantPackedInt {
-    fn name(&self) -> &'static str {
-        "dequant-int"
-    }
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::DequantInt(IntParams {
-            cols: self.cols,
-            words: self.words,
-            group: self.group,
-            groups: self.groups(),
-            bits: self.bits as i32,
-            scale_dtype: kernel_dtype(self.scale_dtype),
-            dst: kernel_dtype(self.dst),
-            zero_point: self.zero_point as i32,
-        }))
-    }
+    op_name_and_kernel!("dequant-int", |op| Kernel::DequantInt(IntParams {
+        cols: op.cols,
+        words: op.words,
+        group: op.group,
+        groups: op.groups(),
+        bits: op.bits as i32,
+        scale_dtype: kernel_dtype(op.scale_dtype),
+        dst: kernel_dtype(op.dst),
+        zero_point: op.zero_point as i32,
+    }));
     fn units(&self) -> u64 {
         self.rows
     }

@@ -14,6 +14,7 @@ use crate::format::dtype::DType;
 use crate::ops::cast::store_f32;
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
+use crate::plan::op_name_and_kernel;
 
 #[derive(Clone, Debug)]
 pub struct DequantModeloptInt4 {
@@ -35,18 +36,15 @@ impl DequantModeloptInt4 {
 }
 
 impl Op for DequantModeloptInt4 {
-    fn name(&self) -> &'static str {
-        "dequant-int4-modelopt"
-    }
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
-        Some(Kernel::DequantInt4Modelopt(Int4Params {
-            cols: self.cols,
-            group: self.group,
-            groups: self.groups(),
-            dst: kernel_dtype(self.dst),
+    op_name_and_kernel!("dequant-int4-modelopt", |op| Kernel::DequantInt4Modelopt(
+        Int4Params {
+            cols: op.cols,
+            group: op.group,
+            groups: op.groups(),
+            dst: kernel_dtype(op.dst),
             pad: 0,
-        }))
-    }
+        }
+    ));
     fn units(&self) -> u64 {
         self.rows / 2
     }

@@ -494,6 +494,7 @@ impl BlockMath {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::fp4::engram::{assert_signed_codes, E2M1_TIES};
     use crate::ops::fp8::codec::e4m3_to_f32;
 
     #[test]
@@ -520,22 +521,8 @@ mod tests {
 
     #[test]
     fn e2m1_ties_go_to_even_and_negative_zero_keeps_its_sign() {
-        let cases = [
-            (0.25, 0),
-            (0.2500001, 1),
-            (0.75, 2),
-            (1.25, 2),
-            (1.75, 4),
-            (2.5, 4),
-            (3.5, 6),
-            (5.0, 6),
-            (5.01, 7),
-            (6.0, 7),
-        ];
-        for (y, code) in cases {
-            assert_eq!(f32_to_e2m1(y), code, "{y}");
-            assert_eq!(f32_to_e2m1(-y), code | 8, "-{y}");
-        }
+        let beside_ties = [(0.2500001, 1), (5.01, 7), (6.0, 7)];
+        assert_signed_codes(f32_to_e2m1, E2M1_TIES.into_iter().chain(beside_ties));
         assert_eq!(f32_to_e2m1(0.0), 0);
         assert_eq!(f32_to_e2m1(-0.0), 0, "an exact -0 has sign(x) = 0");
         assert_eq!(f32_to_e2m1(-0.1), 8);
@@ -633,10 +620,7 @@ mod tests {
             (5.0, 6),
             (6.0, 7),
         ];
-        for (y, c) in cases {
-            assert_eq!(modelopt_mxfp4_code(y), c, "{y}");
-            assert_eq!(modelopt_mxfp4_code(-y), c | 8, "-{y}");
-        }
+        assert_signed_codes(modelopt_mxfp4_code, cases);
         assert_eq!(modelopt_mxfp4_code(0.0), 8);
         assert_eq!(modelopt_mxfp4_code(-0.0), 8);
         assert_eq!(modelopt_int4_scale(0.0), 1.0);

@@ -33,46 +33,39 @@ pub struct Bf16;
 pub struct F16;
 pub struct F32;
 
-impl Elem for Bf16 {
-    const WT: WeightType = WeightType::BF16;
-    #[inline(always)]
-    fn load(b: &[u8]) -> f32 {
-        bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))
-    }
-    #[inline(always)]
-    fn round(x: f32) -> f32 {
-        bf16_to_f32(f32_to_bf16(x))
-    }
-    #[inline(always)]
-    fn mag(b: &[u8]) -> u32 {
-        u16::from_le_bytes([b[0], b[1]]) as u32 & 0x7FFF
-    }
-    const MAG_INF: u32 = 0x7F80;
-    #[inline(always)]
-    fn from_mag(m: u32) -> f32 {
-        bf16_to_f32(m as u16)
-    }
+/// `Elem` for a 16-bit dtype, from the decoder of its bits and its rounding: the magnitude is
+/// the bits without the sign, and the value of magnitude bits their decoding.
+macro_rules! half_elem {
+    ($t:ident, $wt:expr, $mag_inf:expr, $decode:path, $round:path) => {
+        impl Elem for $t {
+            const WT: WeightType = $wt;
+            #[inline(always)]
+            fn load(b: &[u8]) -> f32 {
+                $decode(u16::from_le_bytes([b[0], b[1]]))
+            }
+            #[inline(always)]
+            fn round(x: f32) -> f32 {
+                $round(x)
+            }
+            #[inline(always)]
+            fn mag(b: &[u8]) -> u32 {
+                u16::from_le_bytes([b[0], b[1]]) as u32 & 0x7FFF
+            }
+            const MAG_INF: u32 = $mag_inf;
+            #[inline(always)]
+            fn from_mag(m: u32) -> f32 {
+                $decode(m as u16)
+            }
+        }
+    };
 }
 
-impl Elem for F16 {
-    const WT: WeightType = WeightType::F16;
-    #[inline(always)]
-    fn load(b: &[u8]) -> f32 {
-        f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
-    }
-    #[inline(always)]
-    fn round(x: f32) -> f32 {
-        round_to_f16(x)
-    }
-    #[inline(always)]
-    fn mag(b: &[u8]) -> u32 {
-        u16::from_le_bytes([b[0], b[1]]) as u32 & 0x7FFF
-    }
-    const MAG_INF: u32 = 0x7C00;
-    #[inline(always)]
-    fn from_mag(m: u32) -> f32 {
-        f16_bits_to_f32(m as u16)
-    }
+half_elem!(Bf16, WeightType::BF16, 0x7F80, bf16_to_f32, round_to_bf16);
+half_elem!(F16, WeightType::F16, 0x7C00, f16_bits_to_f32, round_to_f16);
+
+#[inline(always)]
+fn round_to_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
 }
 
 impl Elem for F32 {
