@@ -23,6 +23,7 @@ pub mod layout;
 mod pre_hashes;
 pub mod recipe;
 pub mod sink;
+pub mod size_label;
 pub mod tokenizer;
 
 pub use crate::ops::gguf::{produce, quant, transform, GgmlType};

@@ -12,9 +12,9 @@ use std::sync::{Arc, OnceLock};
 use serde_json::{json, Map, Value as Json};
 
 use super::arch::{self, Config, InputTensor, OutputTensor, Recipe};
-use super::kv::Metadata;
+use super::kv::{Metadata, Value};
 use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
-use super::{tokenizer, FileType};
+use super::{size_label, tokenizer, FileType};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -155,10 +155,18 @@ impl GgufSink {
             cfg.u64(&["vocab_size"])?,
             self.opts.vocab_pre.as_deref(),
         )?;
+        if cfg.spec.family == arch::Family::Llama {
+            if let Some(b) = tokenizer::add_space_prefix(&ckpt.dir)? {
+                metadata.set("tokenizer.ggml.add_space_prefix", Value::Bool(b));
+            }
+        }
         for (k, v) in vocab.iter() {
             metadata.set(k, v.clone());
         }
         let outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
+        if let Some(label) = size_label::size_label(&outputs) {
+            metadata.insert_after("general.name", "general.size_label", Value::String(label));
+        }
         refuse_unconvertible(&outputs)?;
         super::check::refuse_incomplete(&cfg, &outputs)?;
         Ok(GgufModel {
