@@ -618,3 +618,191 @@ fn mixed_type(
     }
     Ok(ty)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dense(n_layer: u64) -> ModelFacts {
+        ModelFacts {
+            n_layer,
+            n_gqa: 1,
+            n_expert: 0,
+            is_70b: false,
+        }
+    }
+
+    fn types(
+        mix: Mix,
+        facts: &ModelFacts,
+        opts: &MixOptions,
+        ts: &[(&str, &[u64])],
+    ) -> Vec<&'static str> {
+        let tensors: Vec<MixTensor> = ts
+            .iter()
+            .map(|(name, shape)| MixTensor {
+                name,
+                shape,
+                ty: T::F32,
+            })
+            .collect();
+        choose_types(mix, facts, opts, &tensors)
+            .unwrap()
+            .into_iter()
+            .map(GgmlType::name)
+            .collect()
+    }
+
+    #[test]
+    fn rows_that_are_not_whole_blocks_fall_back_as_llama_quantize() {
+        for (ty, cols, want) in [
+            (T::Q4_K, 96, T::Q5_0),
+            (T::Q5_K, 64, T::Q5_1),
+            (T::Q6_K, 64, T::Q8_0),
+            (T::Q2_K, 32, T::Q4_0),
+            (T::IQ4_XS, 32, T::IQ4_NL),
+            (T::Q3_K, 48, T::F16),
+            (T::Q4_0, 48, T::F16),
+            (T::Q4_K, 512, T::Q4_K),
+        ] {
+            assert_eq!(fallback("t", cols, ty).unwrap(), want, "{ty:?} {cols}");
+        }
+    }
+
+    #[test]
+    fn the_loader_orders_global_tensors_first_then_blocks_by_number() {
+        let names = [
+            "blk.10.x",
+            "blk.2.a",
+            "token_embd.weight",
+            "output.weight",
+            "blk.2.B",
+        ];
+        let got: Vec<&str> = quantize_order(&names).iter().map(|&i| names[i]).collect();
+        assert_eq!(
+            got,
+            [
+                "output.weight",
+                "token_embd.weight",
+                "blk.2.B",
+                "blk.2.a",
+                "blk.10.x"
+            ]
+        );
+    }
+
+    #[test]
+    fn more_bits_go_to_the_first_and_last_eighth_and_every_third_layer() {
+        let more: Vec<u64> = (0..16).filter(|&i| use_more_bits(i, 16)).collect();
+        assert_eq!(more, [0, 1, 4, 7, 10, 13, 14, 15]);
+    }
+
+    #[test]
+    fn q4_k_m_promotes_attn_v_and_ffn_down_by_layer_and_keeps_norms_f32() {
+        let mut ts: Vec<(String, Vec<u64>)> = Vec::new();
+        for l in 0..8 {
+            ts.push((format!("blk.{l}.attn_norm.weight"), vec![256]));
+            ts.push((format!("blk.{l}.attn_v.weight"), vec![256, 256]));
+            ts.push((format!("blk.{l}.ffn_down.weight"), vec![256, 512]));
+        }
+        let refs: Vec<(&str, &[u64])> =
+            ts.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+        let got = types(Mix::Q4_K_M, &dense(8), &MixOptions::default(), &refs);
+        for l in 0..8usize {
+            let want = if [0, 3, 6, 7].contains(&l) {
+                "Q6_K"
+            } else {
+                "Q4_K"
+            };
+            assert_eq!(got[3 * l], "F32");
+            assert_eq!((got[3 * l + 1], got[3 * l + 2]), (want, want), "layer {l}");
+        }
+    }
+
+    #[test]
+    fn tied_embeddings_take_the_output_rule_and_options_override_it() {
+        let ts: [(&str, &[u64]); 2] = [
+            ("token_embd.weight", &[1000, 256]),
+            ("blk.0.attn_q.weight", &[256, 256]),
+        ];
+        assert_eq!(
+            types(Mix::Q4_0, &dense(1), &MixOptions::default(), &ts),
+            ["Q6_K", "Q4_0"]
+        );
+        let opts = MixOptions {
+            token_embedding_type: Some(T::Q8_0),
+            tensor_types: vec![parse_tensor_type("ATTN_Q=q5_1").unwrap()],
+            ..MixOptions::default()
+        };
+        assert_eq!(types(Mix::Q4_0, &dense(1), &opts, &ts), ["Q8_0", "Q5_1"]);
+        let pure = MixOptions {
+            pure: true,
+            ..MixOptions::default()
+        };
+        // --pure skips every choice of the mix, the tied output rule included.
+        assert_eq!(types(Mix::Q4_K_M, &dense(1), &pure, &ts), ["Q4_K", "Q4_K"]);
+    }
+
+    #[test]
+    fn eight_experts_put_attn_v_and_attn_k_in_q8_0() {
+        let facts = ModelFacts {
+            n_expert: 8,
+            ..dense(2)
+        };
+        let ts: [(&str, &[u64]); 3] = [
+            ("blk.1.attn_k.weight", &[256, 256]),
+            ("blk.1.attn_v.weight", &[256, 256]),
+            ("blk.1.ffn_down_exps.weight", &[8, 256, 512]),
+        ];
+        assert_eq!(
+            types(Mix::Q4_K_M, &facts, &MixOptions::default(), &ts),
+            ["Q8_0", "Q8_0", "Q6_K"]
+        );
+    }
+
+    #[test]
+    fn single_row_tensors_and_output_left_alone_are_not_quantised() {
+        assert_eq!(n_dims(&[1, 64]), 1);
+        assert_eq!(n_dims(&[8, 1, 64]), 3);
+        let opts = MixOptions {
+            leave_output: true,
+            ..MixOptions::default()
+        };
+        let ts: [(&str, &[u64]); 2] = [
+            ("output.weight", &[1000, 256]),
+            ("blk.0.ffn_gate_inp_shexp.weight", &[1, 256]),
+        ];
+        assert_eq!(types(Mix::Q6_K, &dense(1), &opts, &ts), ["F32", "F32"]);
+    }
+
+    #[test]
+    fn iq2_mixes_are_refused_without_an_importance_matrix_naming_the_tensor() {
+        let t = [MixTensor {
+            name: "blk.0.attn_q.weight",
+            shape: &[256, 256],
+            ty: T::F32,
+        }];
+        let opts = MixOptions::default();
+        let types = choose_types(Mix::IQ2_XXS, &dense(1), &opts, &t).unwrap();
+        let err = check_imatrix(Mix::IQ2_XXS, &opts, &t, &types)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`blk.0.attn_q.weight` would be IQ2_XXS") && err.contains("--imatrix"),
+            "{err}"
+        );
+        let with = MixOptions {
+            has_imatrix: true,
+            ..opts
+        };
+        assert!(check_imatrix(Mix::IQ2_XXS, &with, &t, &types).is_ok());
+    }
+
+    #[test]
+    fn mix_names_parse_in_any_case_with_llama_quantizes_aliases() {
+        assert_eq!(Mix::parse("Q4_K"), Some(Mix::Q4_K_M));
+        assert_eq!(Mix::parse("iq4_XS"), Some(Mix::IQ4_XS));
+        assert_eq!(Mix::parse("q4_k_x"), None);
+        assert_eq!(Mix::Q4_K_M.ftype(), 15);
+    }
+}
