@@ -1124,3 +1124,54 @@ fn json_progress_names_every_split_file_and_ends_with_the_report() {
     assert_eq!(last["event"], "report");
     assert_eq!(last["report"]["status"], "ok");
 }
+
+/// Issue 25: a Llama-family `tokenizer_config.json` with `add_prefix_space` gives
+/// `tokenizer.ggml.add_space_prefix` (a bool) before the other tokenizer KVs, a Qwen one does
+/// not, and a value that is not a boolean is refused naming the file.
+#[test]
+fn add_prefix_space_becomes_add_space_prefix_for_llama_tokenizers_only() {
+    for (cfg, value, want) in [
+        ("llama3", Json::Bool(true), Some(1u8)),
+        ("qwen3", Json::Bool(true), None),
+        ("llama3", Json::Null, None),
+    ] {
+        let c = GgufCase::dense(12, cfg);
+        let tc_path = c.model.join("tokenizer_config.json");
+        let mut tc = read_json(&tc_path);
+        tc["add_prefix_space"] = value;
+        std::fs::write(&tc_path, serde_json::to_vec(&tc).unwrap()).unwrap();
+        let g = to_gguf(&c.model, &c.path("o.gguf"), "test-pre", &[]);
+        let kv = g.kv("tokenizer.ggml.add_space_prefix");
+        assert_eq!(
+            kv.map(|v| (v[..4].to_vec(), v[4])),
+            want.map(|b| (7u32.to_le_bytes().to_vec(), b)),
+            "{cfg}"
+        );
+        if want.is_some() {
+            let keys: Vec<&str> = g.kvs.iter().map(|(k, _)| k.as_str()).collect();
+            let at = keys
+                .iter()
+                .position(|k| *k == "tokenizer.ggml.add_space_prefix")
+                .unwrap();
+            assert_eq!(keys[at + 1], "tokenizer.ggml.model");
+        }
+    }
+    let c = GgufCase::dense(12, "llama3");
+    let tc_path = c.model.join("tokenizer_config.json");
+    let mut tc = read_json(&tc_path);
+    tc["add_prefix_space"] = "yes".into();
+    std::fs::write(&tc_path, serde_json::to_vec(&tc).unwrap()).unwrap();
+    let out = c.path("o.gguf");
+    let o = tftf(&gguf_args(
+        &c.model,
+        &out,
+        &["--vocab-pre", "test-pre", "-q"],
+    ));
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("`add_prefix_space` is \"yes\""),
+        "{err}"
+    );
+    assert!(!out.exists());
+}
