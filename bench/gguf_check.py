@@ -3,7 +3,7 @@
 safetensors checkpoint it came from: the file loads (gguf-py validates offsets and alignment),
 every tensor's byte size matches its type and shape, and tensors kept in their source type
 without a transform have the source bytes. With a second GGUF (the reference converter's
-output), compares KVs (but `general.*` naming and `tftf.*`) and every tensor's name, type,
+output), compares KVs (all but the folder-derived naming fields and `tftf.*`) and every tensor's name, type,
 shape and bytes. Usage: gguf_check.py MODEL_DIR OURS.gguf [REFERENCE.gguf]"""
 import json, os, struct, sys
 import numpy as np
@@ -57,8 +57,8 @@ print(f"gguf-py read every tensor; {checked} unchanged tensors equal their sourc
 
 if ref:
     rr, rts = tensors(ref)
-    skip = lambda k: k.startswith("general.") and k not in ("general.architecture", "general.file_type",
-                                                            "general.quantization_version") or k.startswith("tftf.")
+    naming = ("general.name", "general.basename", "general.finetune", "general.version", "general.quantized_by")
+    skip = lambda k: k in naming or k.startswith("tftf.")
     kv = lambda rd: {k: (f.types, [bytes(f.parts[i]) for i in f.data]) for k, f in rd.fields.items()
                      if not skip(k) and not k.startswith("GGUF.")}
     a, b = kv(r), kv(rr)

@@ -241,12 +241,16 @@ def build(name, make):
     # (Qwen2Tokenizer adds its default `<|endoftext|>` when tokenizer.json lacks it).
     tc = json.load(open(os.path.join(FX, "tokenizer", "tokenizer_config.json")))
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # Llama-family converters copy `add_prefix_space` into tokenizer.ggml.add_space_prefix.
+    build.tc_extra = {"add_prefix_space": False} if name == "llama" else {}
+    tc.update(build.tc_extra)
     json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=1)
     return d
 
 
-NAMING = ("general.name", "general.basename", "general.size_label", "general.finetune", "general.version",
-          "general.quantized_by", "general.type")
+# Fields the converter derives from the folder name or a model card; every other KV, the
+# parameter count's `general.size_label` included, must be equal.
+NAMING = ("general.name", "general.basename", "general.finetune", "general.version", "general.quantized_by")
 
 
 def kvs(r):
@@ -287,7 +291,8 @@ def record(arch, ot, ref):
           if not k.startswith("GGUF.") and k not in NAMING}
     out = {t.name: [[int(x) for x in t.shape], int(t.tensor_type), sha(np.asarray(t.data).tobytes())] for t in r.tensors}
     os.makedirs(FIXTURES, exist_ok=True)
-    json.dump({"outtype": ot, "config": c, "added_tokens": build.added, "order": [t.name for t in r.tensors],
+    json.dump({"outtype": ot, "config": c, "added_tokens": build.added,
+               "tokenizer_config": build.tc_extra, "order": [t.name for t in r.tensors],
                "tensors": [[n, ST[d], s] for n, (d, s) in tensors.items()], "kvs": kv, "out": out},
               open(os.path.join(FIXTURES, f"{arch}.{ot}.json"), "w"), indent=0, sort_keys=True)
 

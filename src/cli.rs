@@ -661,6 +661,27 @@ pub struct DemoArgs {
     pub verbose: bool,
 }
 
+/// llama-quantize's options, for `--outtype` of a llama-quantize type.
+#[derive(Args, Debug, Default)]
+pub struct GgufQuantizeArgs {
+    /// Keep output.weight as it is (F32), as llama-quantize --leave-output-tensor
+    #[arg(long)]
+    pub leave_output_tensor: bool,
+    /// Type of output.weight (a ggml type name: q8_0, q6_k, f16 …)
+    #[arg(long, value_name = "TYPE")]
+    pub output_tensor_type: Option<String>,
+    /// Type of token_embd.weight
+    #[arg(long, value_name = "TYPE")]
+    pub token_embedding_type: Option<String>,
+    /// Type of the tensors whose name a regular expression matches (PATTERN=TYPE, e.g.
+    /// attn_v=q8_0); repeatable, the first match wins
+    #[arg(long, value_name = "PATTERN=TYPE")]
+    pub tensor_type: Vec<String>,
+    /// Every quantised tensor gets the type's default type, without the mix's choices
+    #[arg(long)]
+    pub pure: bool,
+}
+
 #[derive(Args, Debug)]
 pub struct GgufArgs {
     #[command(flatten)]
@@ -669,9 +690,15 @@ pub struct GgufArgs {
     #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT.gguf")]
     pub output: PathBuf,
     /// Tensor type: auto (keep BF16/F16 as the checkpoint has them; F32 becomes F16), f32,
-    /// f16, bf16 or q8_0. Norms, biases and routers stay F32; MXFP4 experts stay MXFP4
-    #[arg(long, value_name = "TYPE", default_value = "auto", value_parser = ["auto", "f32", "f16", "bf16", "q8_0"])]
+    /// f16, bf16 or q8_0 as convert_hf_to_gguf.py writes them (norms, biases and routers stay
+    /// F32; MXFP4 experts stay MXFP4); or a llama-quantize type, with its per-tensor choices:
+    /// q4_0, q4_1, q5_0, q5_1, q2_k, q2_k_s, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s,
+    /// q5_k_m, q6_k, iq4_nl, iq4_xs, tq1_0, tq2_0, iq2_xxs, iq2_xs, iq2_s, iq2_m, iq3_xxs,
+    /// iq3_xs, iq3_s, iq3_m, iq1_s, iq1_m (q3_k, q4_k, q5_k: the _m ones)
+    #[arg(long, value_name = "TYPE", default_value = "auto")]
     pub outtype: String,
+    #[command(flatten)]
+    pub quantize: GgufQuantizeArgs,
     /// Split into files of at most SIZE tensor bytes (decimal: 500M, 5G, or bytes), as
     /// llama.cpp's gguf-split names and keys them
     #[arg(long, value_name = "SIZE")]

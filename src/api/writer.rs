@@ -127,6 +127,7 @@ impl Writer {
             split_max_bytes: 0,
             arch: None,
             vocab_pre: None,
+            mix: Default::default(),
         })
     }
 

@@ -10,7 +10,8 @@ use crate::job::{parse_budget, Format, WriteOptions};
 use crate::output::parts::PartSpec;
 use crate::progress::Mode as ProgressMode;
 use crate::sink::gguf::layout;
-use crate::sink::gguf::{FileType, GgufSinkOptions};
+use crate::sink::gguf::quant_mix::{self, MixOptions};
+use crate::sink::gguf::{FileType, GgmlType, GgufSinkOptions};
 use crate::size::parse_size;
 
 impl RunOpts {
@@ -159,11 +160,53 @@ pub fn gguf_options(a: &GgufArgs) -> Result<GgufSinkOptions> {
         file_type: match a.outtype.as_str() {
             "auto" => None,
             t => Some(FileType::parse(t).ok_or_else(|| {
-                Error::Usage(format!("--outtype `{t}`: use auto, f32, f16, bf16 or q8_0"))
+                Error::Usage(format!(
+                    "--outtype `{t}`: use auto, f32, f16, bf16, q8_0 or a llama-quantize type (q4_0, q4_k_m, q6_k, iq4_xs … see --help)"
+                ))
             })?),
         },
         split_max_bytes,
         arch: a.arch.clone(),
         vocab_pre: a.vocab_pre.clone(),
+        mix: mix_options(a)?,
     })
+}
+
+/// llama-quantize's options, refused unless `--outtype` is a llama-quantize type.
+fn mix_options(a: &GgufArgs) -> Result<MixOptions> {
+    let q = &a.quantize;
+    let ggml = |flag: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(|t| {
+                GgmlType::parse(t).ok_or_else(|| {
+                    Error::Usage(format!("{flag} `{t}`: not a ggml type (q8_0, q6_k, f16 …)"))
+                })
+            })
+            .transpose()
+    };
+    let opts = MixOptions {
+        leave_output: q.leave_output_tensor,
+        output_type: ggml("--output-tensor-type", &q.output_tensor_type)?,
+        token_embedding_type: ggml("--token-embedding-type", &q.token_embedding_type)?,
+        tensor_types: q
+            .tensor_type
+            .iter()
+            .map(|t| quant_mix::parse_tensor_type(t).map_err(Error::Usage))
+            .collect::<Result<_>>()?,
+        pure: q.pure,
+        has_imatrix: false,
+    };
+    let any = opts.leave_output
+        || opts.output_type.is_some()
+        || opts.token_embedding_type.is_some()
+        || !opts.tensor_types.is_empty()
+        || opts.pure;
+    let is_mix = matches!(FileType::parse(&a.outtype), Some(FileType::Quant(_)));
+    if any && !is_mix {
+        return Err(Error::Usage(format!(
+            "--outtype {}: --leave-output-tensor, --output-tensor-type, --token-embedding-type, --tensor-type and --pure apply to llama-quantize types (q4_0 … q6_k, iq4_xs …)",
+            a.outtype
+        )));
+    }
+    Ok(opts)
 }

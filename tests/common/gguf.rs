@@ -131,6 +131,10 @@ fn type_size(ty: u32, elems: u64) -> u64 {
         1 | 30 => elems * 2,
         8 => elems / 32 * 34,
         39 => elems / 32 * 17,
+        2 | 20 => elems / 32 * 18,
+        3 => elems / 32 * 20,
+        6 => elems / 32 * 22,
+        7 => elems / 32 * 24,
         t => panic!("type {t}"),
     }
 }

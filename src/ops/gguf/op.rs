@@ -151,6 +151,7 @@ impl Op for GgufTensorOp {
             GgmlType::Bf16 => "gguf-bf16",
             GgmlType::Q8_0 => "gguf-q8_0",
             GgmlType::Mxfp4 => "gguf-mxfp4",
+            _ => "gguf-quant",
         }
     }
 

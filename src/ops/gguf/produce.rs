@@ -5,6 +5,7 @@
 //! blocks), so any row range is independent and a chunked writer can call this per chunk.
 //! Sources are whole tensors (an mmap slice each); only the rows a chunk needs are touched.
 
+use super::encode;
 use super::quant::{self, MXFP4_BLOCK_BYTES, MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe};
 use super::GgmlType;
@@ -184,7 +185,7 @@ pub fn write_rows_from<'a>(
         }
         Recipe::Mxfp4 { .. } => unreachable!("handled above"),
     }
-    convert(&elems, dtype, t.ty, out);
+    convert(&elems, dtype, t.ty, inner as usize, out);
     Ok(())
 }
 
@@ -196,8 +197,9 @@ pub fn same_type(dtype: DType, ty: GgmlType) -> bool {
     )
 }
 
-/// Source elements → output type, rounding once (the reference widens to f32 first, exactly).
-fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
+/// Source elements (rows of `inner`) → output type, rounding once (the reference widens to f32
+/// first, exactly); block types through their row encoder ([`encode::row_encoder`]).
+fn convert(elems: &[u8], dtype: DType, ty: GgmlType, inner: usize, out: &mut [u8]) {
     if same_type(dtype, ty) {
         out.copy_from_slice(elems);
         return;
@@ -210,7 +212,14 @@ fn convert(elems: &[u8], dtype: DType, ty: GgmlType, out: &mut [u8]) {
         GgmlType::F32 => write_as(DType::F32, f.into_iter(), out),
         GgmlType::F16 => write_as(DType::F16, f.into_iter(), out),
         GgmlType::Bf16 => write_as(DType::BF16, f.into_iter(), out),
-        GgmlType::Q8_0 => unreachable!("quantised block by block above"),
         GgmlType::Mxfp4 => unreachable!("MXFP4 is only repacked"),
+        _ => {
+            let encode = encode::row_encoder(ty).expect("planning refuses types without encoder");
+            let (be, bb) = ty.block();
+            let row_bytes = inner / be as usize * bb as usize;
+            for (src, dst) in f.chunks_exact(inner).zip(out.chunks_exact_mut(row_bytes)) {
+                encode(src, dst, None);
+            }
+        }
     }
 }

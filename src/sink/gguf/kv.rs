@@ -189,6 +189,19 @@ impl Metadata {
         }
     }
 
+    /// Sets `key` right after `after` (at the end when `after` is absent); an existing `key`
+    /// is replaced in place, as [`Metadata::set`] does.
+    pub fn insert_after(&mut self, after: &str, key: impl Into<String>, value: Value) {
+        let key = key.into();
+        if self.get(&key).is_some() {
+            return self.set(key, value);
+        }
+        match self.entries.iter().position(|(k, _)| k == after) {
+            Some(i) => self.entries.insert(i + 1, (key, value)),
+            None => self.entries.push((key, value)),
+        }
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }

@@ -21,8 +21,11 @@ mod check;
 pub mod kv;
 pub mod layout;
 mod pre_hashes;
+pub mod quant_mix;
+mod quant_plan;
 pub mod recipe;
 pub mod sink;
+pub mod size_label;
 pub mod tokenizer;
 
 pub use crate::ops::gguf::{produce, quant, transform, GgmlType};
@@ -35,6 +38,9 @@ pub enum FileType {
     MostlyF16,
     MostlyQ8_0,
     MostlyBf16,
+    /// A llama-quantize mix (`q4_k_m` …): planned as the converter's F32 file, then each
+    /// tensor typed by [`quant_mix::choose_types`].
+    Quant(quant_mix::Mix),
 }
 
 impl FileType {
@@ -44,6 +50,7 @@ impl FileType {
             FileType::MostlyF16 => 1,
             FileType::MostlyQ8_0 => 7,
             FileType::MostlyBf16 => 32,
+            FileType::Quant(mix) => mix.ftype(),
         }
     }
 
@@ -54,18 +61,20 @@ impl FileType {
             FileType::MostlyF16 => GgmlType::F16,
             FileType::MostlyQ8_0 => GgmlType::Q8_0,
             FileType::MostlyBf16 => GgmlType::Bf16,
+            FileType::Quant(_) => GgmlType::F32,
         }
     }
 
-    /// `--outtype` spelling: `f32`, `f16`, `bf16`, `q8_0`; `auto` is resolved by
+    /// `--outtype` spelling: `f32`, `f16`, `bf16`, `q8_0` (the converter's), or a
+    /// llama-quantize mix name (any case); `auto` is resolved by
     /// [`arch::resolve_auto_file_type`].
     pub fn parse(s: &str) -> Option<FileType> {
-        match s {
+        match s.to_ascii_lowercase().as_str() {
             "f32" => Some(FileType::AllF32),
             "f16" => Some(FileType::MostlyF16),
             "bf16" => Some(FileType::MostlyBf16),
             "q8_0" => Some(FileType::MostlyQ8_0),
-            _ => None,
+            other => quant_mix::Mix::parse(other).map(FileType::Quant),
         }
     }
 }

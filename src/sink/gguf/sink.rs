@@ -12,9 +12,10 @@ use std::sync::{Arc, OnceLock};
 use serde_json::{json, Map, Value as Json};
 
 use super::arch::{self, Config, InputTensor, OutputTensor, Recipe};
-use super::kv::Metadata;
+use super::kv::{Metadata, Value};
 use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
-use super::{tokenizer, FileType};
+use super::quant_mix::MixOptions;
+use super::{quant_plan, size_label, tokenizer, FileType};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -35,6 +36,8 @@ pub struct GgufOptions {
     pub split_max_bytes: u64,
     pub arch: Option<String>,
     pub vocab_pre: Option<String>,
+    /// llama-quantize's options for a [`FileType::Quant`] mix.
+    pub mix: MixOptions,
 }
 
 /// The GGUF a checkpoint becomes: known from headers and small files only.
@@ -155,10 +158,21 @@ impl GgufSink {
             cfg.u64(&["vocab_size"])?,
             self.opts.vocab_pre.as_deref(),
         )?;
+        if cfg.spec.family == arch::Family::Llama {
+            if let Some(b) = tokenizer::add_space_prefix(&ckpt.dir)? {
+                metadata.set("tokenizer.ggml.add_space_prefix", Value::Bool(b));
+            }
+        }
         for (k, v) in vocab.iter() {
             metadata.set(k, v.clone());
         }
-        let outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
+        let mut outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
+        if let FileType::Quant(mix) = file_type {
+            quant_plan::apply(mix, &self.opts.mix, &cfg, &mut metadata, &mut outputs)?;
+        }
+        if let Some(label) = size_label::size_label(&outputs) {
+            metadata.insert_after("general.name", "general.size_label", Value::String(label));
+        }
         refuse_unconvertible(&outputs)?;
         super::check::refuse_incomplete(&cfg, &outputs)?;
         Ok(GgufModel {
@@ -468,6 +482,7 @@ pub fn file_type_name(ft: FileType) -> &'static str {
         FileType::MostlyF16 => "f16",
         FileType::MostlyBf16 => "bf16",
         FileType::MostlyQ8_0 => "q8_0",
+        FileType::Quant(mix) => mix.name(),
     }
 }
 

@@ -93,6 +93,24 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
     }
 }
 
+/// `tokenizer.ggml.add_space_prefix` as `LlamaModel.set_vocab` writes it: `tokenizer_config.json`'s
+/// `add_prefix_space` when the file has it and it is not null (the converter copies it, before
+/// any other tokenizer KV); anything but a boolean there is refused, naming the file.
+pub fn add_space_prefix(dir: &Path) -> Result<Option<bool>> {
+    let path = dir.join("tokenizer_config.json");
+    let Some(tc) = read_json(&path)? else {
+        return Ok(None);
+    };
+    match tc.get("add_prefix_space") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Bool(b)) => Ok(Some(*b)),
+        Some(other) => Err(tok_err(
+            &path,
+            format!("`add_prefix_space` is {other}, not true or false"),
+        )),
+    }
+}
+
 /// Tokenizer KVs for the model directory `dir` (`tokenizer.json`, `tokenizer_config.json`,
 /// `config.json`, `chat_template.jinja`/`.json`). `vocab_size` is `config.json`'s, when it has
 /// one; `pre_override` replaces the hash lookup (`--vocab-pre`).

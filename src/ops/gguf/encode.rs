@@ -1,0 +1,40 @@
+//! The one table from a ggml block type to its row encoder, in the row form every encoder has:
+//! `fn(src_row, dst_row, quant_weights)` (`quant_weights`: one importance weight per column,
+//! or `None`). A type missing here is refused by name before any output exists
+//! ([`row_encoder`] returns `None`), so a mix that needs it fails early and whole.
+
+use super::legacy;
+use super::quant::quantize_q8_0;
+use super::GgmlType;
+
+/// One row of f32 values to one row of blocks.
+pub type RowEncoder = fn(&[f32], &mut [u8], Option<&[f32]>);
+
+/// ggml's `quantize_q8_0` ignores quant weights.
+fn q8_0_row(src: &[f32], dst: &mut [u8], _quant_weights: Option<&[f32]>) {
+    quantize_q8_0(src, dst)
+}
+
+const ENCODERS: &[(GgmlType, RowEncoder)] = &[
+    (GgmlType::Q4_0, legacy::quantize_row_q4_0),
+    (GgmlType::Q4_1, legacy::quantize_row_q4_1),
+    (GgmlType::Q5_0, legacy::quantize_row_q5_0),
+    (GgmlType::Q5_1, legacy::quantize_row_q5_1),
+    (GgmlType::Q8_0, q8_0_row),
+    // The k-quant, i-quant and ternary encoders (`kquants`) plug in here, one row each:
+    // Q2_K … Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, IQ2_*, IQ3_*, IQ1_*.
+];
+
+/// The row encoder of a block type, `None` for a type tftf cannot write yet (and for the
+/// float types, which are converted, not encoded).
+pub fn row_encoder(ty: GgmlType) -> Option<RowEncoder> {
+    ENCODERS.iter().find(|(t, _)| *t == ty).map(|(_, f)| *f)
+}
+
+/// Whether tftf can write tensors of `ty`.
+pub fn can_write(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Mxfp4
+    ) || row_encoder(ty).is_some()
+}

@@ -1,0 +1,99 @@
+//! A llama-quantize mix applied to the converter's F32 plan: what `llama-quantize ref.gguf
+//! out.gguf MIX` does to `convert_hf_to_gguf.py --outtype f32`'s file, without the file.
+//!
+//! The reference copies the F32 file's KVs, then sets `general.quantization_version` and
+//! `general.file_type` (each removed and appended, so they end the list), and writes the
+//! tensors in its loader's order ([`quantize_order`]) with the types of
+//! [`quant_mix::choose_types`]. Every type is checked writable here, before any output exists.
+
+use super::arch::{Config, OutputTensor, Recipe, GGML_QUANT_VERSION};
+use super::kv::{Metadata, Value};
+use super::quant_mix::{self, quantize_order, Mix, MixOptions, MixTensor, ModelFacts};
+use crate::error::{Error, Result};
+use crate::ops::gguf::encode;
+
+/// Retypes and reorders `outputs` and rewrites `metadata` as llama-quantize would.
+pub fn apply(
+    mix: Mix,
+    opts: &MixOptions,
+    cfg: &Config,
+    metadata: &mut Metadata,
+    outputs: &mut Vec<OutputTensor>,
+) -> Result<()> {
+    if let Some(t) = outputs
+        .iter()
+        .find(|o| matches!(o.recipe, Recipe::Mxfp4 { .. }))
+    {
+        return Err(Error::GgufTensor {
+            tensor: t.name.clone(),
+            msg: format!(
+                "an MXFP4 tensor would be requantised to {}; llama-quantize refuses that (write the MXFP4 experts unchanged with --outtype bf16, f16 or q8_0)",
+                mix.name()
+            ),
+        });
+    }
+    let names: Vec<&str> = outputs.iter().map(|o| o.name.as_str()).collect();
+    let order = quantize_order(&names);
+    let mut sorted: Vec<OutputTensor> = order.iter().map(|&i| outputs[i].clone()).collect();
+    let facts = model_facts(cfg.spec.gguf_arch, metadata);
+    let tensors: Vec<MixTensor> = sorted
+        .iter()
+        .map(|o| MixTensor {
+            name: &o.name,
+            shape: &o.shape,
+            ty: o.ty,
+        })
+        .collect();
+    let types = quant_mix::choose_types(mix, &facts, opts, &tensors)?;
+    quant_mix::check_imatrix(mix, opts, &tensors, &types)?;
+    for (o, ty) in sorted.iter_mut().zip(types) {
+        if !encode::can_write(ty) {
+            return Err(Error::GgufTensor {
+                tensor: o.name.clone(),
+                msg: format!(
+                    "--outtype {} gives it type {}, which tftf cannot write yet",
+                    mix.name(),
+                    ty.name()
+                ),
+            });
+        }
+        o.ty = ty;
+    }
+    *outputs = sorted;
+    metadata.remove("general.quantization_version");
+    metadata.remove("general.file_type");
+    metadata.set(
+        "general.quantization_version",
+        Value::U32(GGML_QUANT_VERSION),
+    );
+    metadata.set("general.file_type", Value::U32(mix.ftype()));
+    Ok(())
+}
+
+/// The hyperparameters the rules read, from the KVs llama.cpp's loader reads them from.
+pub fn model_facts(arch: &str, metadata: &Metadata) -> ModelFacts {
+    let u = |k: &str| match metadata.get(&format!("{arch}.{k}")) {
+        Some(Value::U32(v)) => *v as u64,
+        _ => 0,
+    };
+    let (n_layer, n_head, n_head_kv) = (
+        u("block_count"),
+        u("attention.head_count"),
+        u("attention.head_count_kv"),
+    );
+    let n_head_kv = if metadata
+        .get(&format!("{arch}.attention.head_count_kv"))
+        .is_some()
+    {
+        n_head_kv
+    } else {
+        n_head
+    };
+    let n_expert = u("expert_count");
+    ModelFacts {
+        n_layer,
+        n_gqa: n_head.checked_div(n_head_kv).unwrap_or(0),
+        n_expert: if n_expert <= 1 { 0 } else { n_expert },
+        is_70b: n_layer == 80 && ((arch == "llama" && n_head != n_head_kv) || arch == "qwen2"),
+    }
+}

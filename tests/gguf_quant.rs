@@ -1,0 +1,218 @@
+//! `tftf gguf --outtype <llama-quantize type>` against llama-quantize itself (llama.cpp 0c1e570):
+//! goldens in tests/fixtures/gguf_quant/ (scripts/gen-gguf-quant-goldens.py), no Python here.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::gguf::*;
+use common::*;
+use serde_json::Value as Json;
+use tftf::sink::gguf::quant_mix::{
+    check_imatrix, choose_types, quantize_order, Mix, MixOptions, MixTensor, ModelFacts,
+};
+use tftf::sink::gguf::GgmlType;
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+fn golden(name: &str) -> Json {
+    read_json(&fixture(&format!("gguf_quant/{name}")))
+}
+
+/// The 4-layer Llama of the goldens in `dir/model`, with the GGUF tokenizer fixture.
+fn llama_model(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture(&format!("gguf_quant/llama/{f}")), model.join(f)).unwrap();
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), model.join(f)).unwrap();
+    }
+    model
+}
+
+const NAMING: [&str; 5] = [
+    "general.name",
+    "general.basename",
+    "general.finetune",
+    "general.version",
+    "general.quantized_by",
+];
+
+/// Every case of e2e.json (each legacy and k-quant mix, and the options --pure, --tensor-type,
+/// --output-tensor-type, --token-embedding-type, --leave-output-tensor): the same KVs in the
+/// same order, and every tensor's name, type, shape and bytes in the same order as
+/// `llama-quantize` applied to the converter's F32 file.
+#[test]
+fn every_case_equals_llama_quantize_byte_for_byte() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let cases = golden("e2e.json");
+    let cases = cases.as_array().unwrap();
+    assert!(cases.len() >= 20, "{}", cases.len());
+    for case in cases {
+        let mix = case["mix"].as_str().unwrap();
+        let args: Vec<&str> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let what = format!("{mix} {args:?}");
+        let out = d.path().join("out.gguf");
+        let extra = [&["--outtype", mix, "--force"][..], &args].concat();
+        let g = to_gguf(&model, &out, "test-pre", &extra);
+        let kvs: Vec<(String, String)> = g
+            .kvs
+            .iter()
+            .filter(|(k, _)| !NAMING.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), sha256_hex(v)))
+            .collect();
+        let want: Vec<(String, String)> = case["kvs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e[0].as_str().unwrap().into(), e[1].as_str().unwrap().into()))
+            .collect();
+        assert_eq!(kvs, want, "{what}: KVs");
+        let want = case["tensors"].as_array().unwrap();
+        let names: Vec<&str> = want.iter().map(|t| t[0].as_str().unwrap()).collect();
+        assert_eq!(g.order, names, "{what}: tensor order");
+        for t in want {
+            let name = t[0].as_str().unwrap();
+            let (shape, ty, data) = g.tensor(name);
+            let mut wshape: Vec<u64> = serde_json::from_value(t[2].clone()).unwrap();
+            wshape.reverse();
+            assert_eq!(
+                (*ty as u64, shape),
+                (t[1].as_u64().unwrap(), &wshape),
+                "{what}: {name} type/shape"
+            );
+            assert_eq!(sha256_hex(data), t[3].as_str().unwrap(), "{what}: {name}");
+        }
+    }
+}
+
+/// types.json: models with 256-wide rows (a dense Llama with GQA 4 and 8 layers, a Mixtral with
+/// 8 experts), every mix llama-quantize offers: the type of each tensor equals `llama-quantize
+/// --dry-run`'s, and the mixes it would refuse without an importance matrix are refused.
+#[test]
+fn every_mix_picks_llama_quantizes_type_for_every_tensor() {
+    let models = golden("types.json");
+    for (model, e) in models.as_object().unwrap() {
+        let n = |k: &str| e[k].as_u64().unwrap();
+        let facts = ModelFacts {
+            n_layer: n("n_layer"),
+            n_gqa: n("n_head") / n("n_head_kv"),
+            n_expert: if n("n_expert") <= 1 { 0 } else { n("n_expert") },
+            is_70b: false,
+        };
+        let raw: Vec<(String, Vec<u64>, GgmlType)> = e["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let shape: Vec<u64> = serde_json::from_value(t[1].clone()).unwrap();
+                let ty = GgmlType::parse(t[2].as_str().unwrap()).unwrap();
+                (t[0].as_str().unwrap().to_string(), shape, ty)
+            })
+            .collect();
+        let names: Vec<&str> = raw.iter().map(|t| t.0.as_str()).collect();
+        let tensors: Vec<MixTensor> = quantize_order(&names)
+            .into_iter()
+            .map(|i| MixTensor {
+                name: &raw[i].0,
+                shape: &raw[i].1,
+                ty: raw[i].2,
+            })
+            .collect();
+        let mixes = e["mixes"].as_object().unwrap();
+        assert_eq!(mixes.len(), 28, "{model}");
+        for (mix_name, want) in mixes {
+            let mix = Mix::parse(mix_name).unwrap();
+            let opts = MixOptions::default();
+            let types = choose_types(mix, &facts, &opts, &tensors).unwrap();
+            let got: BTreeMap<&str, &str> = tensors
+                .iter()
+                .zip(&types)
+                .map(|(t, ty)| (t.name, ty.name()))
+                .collect();
+            let want_types: BTreeMap<&str, &str> = want["types"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str().unwrap()))
+                .collect();
+            assert_eq!(got, want_types, "{model} {mix_name}");
+            let refused = check_imatrix(mix, &opts, &tensors, &types);
+            assert_eq!(
+                refused.is_err(),
+                want["needs_imatrix"].as_bool().unwrap(),
+                "{model} {mix_name}: {refused:?}"
+            );
+        }
+    }
+}
+
+/// A mix whose types tftf cannot all write yet (IQ4_NL here, the i-quant encoders not being
+/// in) fails naming the first such tensor and its type, and leaves no output behind.
+#[test]
+fn a_type_tftf_cannot_write_yet_is_refused_by_name_before_any_output() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let out = d.path().join("out/x.gguf");
+    let o = tftf(&gguf_args(
+        &model,
+        &out,
+        &["--outtype", "iq4_nl", "--vocab-pre", "test-pre", "-q"],
+    ));
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("`token_embd.weight`")
+            && err.contains("IQ4_NL")
+            && err.contains("cannot write yet"),
+        "{err}"
+    );
+    assert!(!d.path().join("out").exists() || listing(&d.path().join("out")).is_empty());
+}
+
+#[test]
+fn unknown_types_and_misplaced_options_are_usage_errors() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let out = d.path().join("x.gguf");
+    for (extra, want) in [
+        (vec!["--outtype", "q4_k_x"], "--outtype `q4_k_x`"),
+        (
+            vec!["--outtype", "bf16", "--pure"],
+            "apply to llama-quantize types",
+        ),
+        (
+            vec!["--outtype", "q4_0", "--output-tensor-type", "q9"],
+            "--output-tensor-type `q9`: not a ggml type",
+        ),
+        (
+            vec!["--outtype", "q4_0", "--tensor-type", "attn_v"],
+            "give PATTERN=TYPE",
+        ),
+        (
+            vec!["--outtype", "q4_0", "--tensor-type", "attn_v=q7_0"],
+            "unknown type `q7_0`",
+        ),
+    ] {
+        let args = [&extra[..], &["--vocab-pre", "test-pre", "-q"]].concat();
+        let o = tftf(&gguf_args(&model, &out, &args));
+        assert!(!o.status.success(), "{extra:?}");
+        assert!(stderr(&o).contains(want), "{extra:?}: {}", stderr(&o));
+        assert!(!out.exists());
+    }
+}
