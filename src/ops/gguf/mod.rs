@@ -3,6 +3,7 @@
 //! tensor computed in row chunks by [`GgufTensorOp`] on the shared pipeline. Which tensors a GGUF
 //! holds and where they lie in the file is `sink::gguf`'s business; this module only makes bytes.
 
+pub mod kquants;
 pub mod op;
 pub mod produce;
 pub mod quant;
