@@ -11,7 +11,7 @@ use safetensors::SafeTensors;
 use tftf::ops::gguf::kquants::{row_bytes, KQuant};
 
 /// Cases the generator writes; a fixture missing one fails rather than shrinking the test.
-const CASES: [&str; 11] = [
+const CASES: [&str; 13] = [
     "gaussian",
     "bf16_gaussian",
     "heavy_tailed",
@@ -22,6 +22,8 @@ const CASES: [&str; 11] = [
     "negative",
     "mixed_sign",
     "grid",
+    "wide",
+    "varied",
     "dead_columns",
 ];
 
