@@ -119,6 +119,11 @@ fn iq4_xs_rows_are_byte_identical_to_ggml() {
 }
 
 #[test]
+fn iq3_xxs_rows_are_byte_identical_to_ggml() {
+    assert_matches_ggml(KQuant::Iq3Xxs);
+}
+
+#[test]
 fn tq1_0_rows_are_byte_identical_to_ggml() {
     assert_matches_ggml(KQuant::Tq1_0);
 }

@@ -21,6 +21,7 @@
 //! or 32 elements), so the lanes would run over independent sub-blocks or candidate scales,
 //! not over the elements of one sum.
 
+mod iq3;
 mod iq4;
 mod q2_k;
 mod q3_k;
@@ -29,6 +30,7 @@ mod q6_k;
 mod search;
 mod ternary;
 
+pub use iq3::quantize_row_iq3_xxs;
 pub use iq4::{quantize_row_iq4_nl, quantize_row_iq4_xs};
 pub use q2_k::quantize_row_q2_k;
 pub use q3_k::quantize_row_q3_k;
@@ -53,12 +55,13 @@ pub enum KQuant {
     Q6K,
     Iq4Nl,
     Iq4Xs,
+    Iq3Xxs,
     Tq1_0,
     Tq2_0,
 }
 
 impl KQuant {
-    pub const ALL: [KQuant; 9] = [
+    pub const ALL: [KQuant; 10] = [
         KQuant::Q2K,
         KQuant::Q3K,
         KQuant::Q4K,
@@ -66,6 +69,7 @@ impl KQuant {
         KQuant::Q6K,
         KQuant::Iq4Nl,
         KQuant::Iq4Xs,
+        KQuant::Iq3Xxs,
         KQuant::Tq1_0,
         KQuant::Tq2_0,
     ];
@@ -80,6 +84,7 @@ impl KQuant {
             KQuant::Q6K => "Q6_K",
             KQuant::Iq4Nl => "IQ4_NL",
             KQuant::Iq4Xs => "IQ4_XS",
+            KQuant::Iq3Xxs => "IQ3_XXS",
             KQuant::Tq1_0 => "TQ1_0",
             KQuant::Tq2_0 => "TQ2_0",
         }
@@ -95,6 +100,7 @@ impl KQuant {
             KQuant::Q6K => 14,
             KQuant::Iq4Nl => 20,
             KQuant::Iq4Xs => 23,
+            KQuant::Iq3Xxs => 18,
             KQuant::Tq1_0 => 34,
             KQuant::Tq2_0 => 35,
         }
@@ -110,6 +116,7 @@ impl KQuant {
             KQuant::Q6K => (QK_K, 210),
             KQuant::Iq4Nl => (QK4_NL, 18),
             KQuant::Iq4Xs => (QK_K, 136),
+            KQuant::Iq3Xxs => (QK_K, 98),
             KQuant::Tq1_0 => (QK_K, 54),
             KQuant::Tq2_0 => (QK_K, 66),
         }
@@ -125,6 +132,7 @@ impl KQuant {
             KQuant::Q6K => quantize_row_q6_k,
             KQuant::Iq4Nl => quantize_row_iq4_nl,
             KQuant::Iq4Xs => quantize_row_iq4_xs,
+            KQuant::Iq3Xxs => quantize_row_iq3_xxs,
             KQuant::Tq1_0 => quantize_row_tq1_0,
             KQuant::Tq2_0 => quantize_row_tq2_0,
         };
