@@ -11,7 +11,7 @@ use safetensors::SafeTensors;
 use tftf::ops::gguf::kquants::{row_bytes, KQuant};
 
 /// Cases the generator writes; a fixture missing one fails rather than shrinking the test.
-const CASES: [&str; 13] = [
+const CASES: [&str; 14] = [
     "gaussian",
     "bf16_gaussian",
     "heavy_tailed",
@@ -25,6 +25,7 @@ const CASES: [&str; 13] = [
     "wide",
     "varied",
     "dead_columns",
+    "zero_sub_blocks",
 ];
 
 fn golden() -> Vec<u8> {
@@ -121,6 +122,11 @@ fn iq4_xs_rows_are_byte_identical_to_ggml() {
 #[test]
 fn iq3_xxs_rows_are_byte_identical_to_ggml() {
     assert_matches_ggml(KQuant::Iq3Xxs);
+}
+
+#[test]
+fn iq3_s_rows_are_byte_identical_to_ggml() {
+    assert_matches_ggml(KQuant::Iq3S);
 }
 
 #[test]

@@ -30,7 +30,7 @@ mod q6_k;
 mod search;
 mod ternary;
 
-pub use iq3::quantize_row_iq3_xxs;
+pub use iq3::{quantize_row_iq3_s, quantize_row_iq3_xxs};
 pub use iq4::{quantize_row_iq4_nl, quantize_row_iq4_xs};
 pub use q2_k::quantize_row_q2_k;
 pub use q3_k::quantize_row_q3_k;
@@ -56,12 +56,13 @@ pub enum KQuant {
     Iq4Nl,
     Iq4Xs,
     Iq3Xxs,
+    Iq3S,
     Tq1_0,
     Tq2_0,
 }
 
 impl KQuant {
-    pub const ALL: [KQuant; 10] = [
+    pub const ALL: [KQuant; 11] = [
         KQuant::Q2K,
         KQuant::Q3K,
         KQuant::Q4K,
@@ -70,6 +71,7 @@ impl KQuant {
         KQuant::Iq4Nl,
         KQuant::Iq4Xs,
         KQuant::Iq3Xxs,
+        KQuant::Iq3S,
         KQuant::Tq1_0,
         KQuant::Tq2_0,
     ];
@@ -85,6 +87,7 @@ impl KQuant {
             KQuant::Iq4Nl => "IQ4_NL",
             KQuant::Iq4Xs => "IQ4_XS",
             KQuant::Iq3Xxs => "IQ3_XXS",
+            KQuant::Iq3S => "IQ3_S",
             KQuant::Tq1_0 => "TQ1_0",
             KQuant::Tq2_0 => "TQ2_0",
         }
@@ -101,6 +104,7 @@ impl KQuant {
             KQuant::Iq4Nl => 20,
             KQuant::Iq4Xs => 23,
             KQuant::Iq3Xxs => 18,
+            KQuant::Iq3S => 21,
             KQuant::Tq1_0 => 34,
             KQuant::Tq2_0 => 35,
         }
@@ -117,6 +121,7 @@ impl KQuant {
             KQuant::Iq4Nl => (QK4_NL, 18),
             KQuant::Iq4Xs => (QK_K, 136),
             KQuant::Iq3Xxs => (QK_K, 98),
+            KQuant::Iq3S => (QK_K, 110),
             KQuant::Tq1_0 => (QK_K, 54),
             KQuant::Tq2_0 => (QK_K, 66),
         }
@@ -133,6 +138,7 @@ impl KQuant {
             KQuant::Iq4Nl => quantize_row_iq4_nl,
             KQuant::Iq4Xs => quantize_row_iq4_xs,
             KQuant::Iq3Xxs => quantize_row_iq3_xxs,
+            KQuant::Iq3S => quantize_row_iq3_s,
             KQuant::Tq1_0 => quantize_row_tq1_0,
             KQuant::Tq2_0 => quantize_row_tq2_0,
         };
@@ -157,6 +163,26 @@ fn check_row(ty: KQuant, src: &[f32], dst: &[u8], quant_weights: Option<&[f32]>)
     );
     if let Some(w) = quant_weights {
         assert_eq!(w.len(), src.len(), "{}: one weight per column", ty.name());
+    }
+}
+
+/// Checks the row contract, then calls `block(x, qw, y)` per block with its values, its
+/// columns' weights (when given) and its bytes.
+fn for_each_block(
+    ty: KQuant,
+    src: &[f32],
+    dst: &mut [u8],
+    quant_weights: Option<&[f32]>,
+    mut block: impl FnMut(&[f32], Option<&[f32]>, &mut [u8]),
+) {
+    check_row(ty, src, dst, quant_weights);
+    let (elems, bytes) = ty.block();
+    for (i, (x, y)) in src
+        .chunks_exact(elems)
+        .zip(dst.chunks_exact_mut(bytes))
+        .enumerate()
+    {
+        block(x, quant_weights.map(|w| &w[elems * i..elems * (i + 1)]), y);
     }
 }
 

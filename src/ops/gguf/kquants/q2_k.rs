@@ -4,11 +4,10 @@
 
 use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
 use super::{
-    check_row, f16_bytes, imatrix_weights, nearest_int, pack_2bit, read_f16, sum_squares, KQuant,
-    QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, sum_squares,
+    KQuant, QK_K,
 };
 
-const BLOCK_BYTES: usize = 84;
 const SCALES: usize = 0;
 const QS: usize = 16;
 const D: usize = 80;
@@ -17,20 +16,15 @@ const D: usize = 80;
 /// 0c1e570's `quantize_q2_K` (quant weights given: `quantize_row_q2_K_impl`; none:
 /// `quantize_row_q2_K_ref`).
 pub fn quantize_row_q2_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(KQuant::Q2K, src, dst, quant_weights);
-    for (i, (x, y)) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-        .enumerate()
-    {
+    for_each_block(KQuant::Q2K, src, dst, quant_weights, |x, qw, y| {
         let mut levels = [0u8; QK_K];
-        match quant_weights {
+        match qw {
             None => fit_ref(x, &mut levels, y),
-            Some(w) => fit_imatrix(x, &w[QK_K * i..QK_K * (i + 1)], &mut levels, y),
+            Some(w) => fit_imatrix(x, w, &mut levels, y),
         }
         requantize(x, &mut levels, y);
         pack_2bit(&levels, &mut y[QS..QS + 64]);
-    }
+    });
 }
 
 /// `quantize_row_q2_K_ref`'s scales: each sub-block fitted with weights `|x|` by absolute

@@ -7,11 +7,10 @@
 
 use super::search::{make_q3_quants, make_qx_quants};
 use super::{
-    check_row, f16_bytes, imatrix_weights, nearest_int, pack_2bit, read_f16, signed_max,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, signed_max,
     sum_squares, KQuant, QK_K,
 };
 
-const BLOCK_BYTES: usize = 110;
 const HMASK: usize = 0;
 const QS: usize = 32;
 const SCALES: usize = 96;
@@ -21,16 +20,11 @@ const D: usize = 108;
 /// 0c1e570's `quantize_q3_K` (quant weights given: `quantize_row_q3_K_impl`; none:
 /// `quantize_row_q3_K_ref`).
 pub fn quantize_row_q3_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(KQuant::Q3K, src, dst, quant_weights);
-    for (i, (x, y)) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-        .enumerate()
-    {
+    for_each_block(KQuant::Q3K, src, dst, quant_weights, |x, qw, y| {
         let mut levels = [0i8; QK_K];
-        match quant_weights {
+        match qw {
             None => fit_ref(x, &mut levels, y),
-            Some(w) => fit_imatrix(x, &w[QK_K * i..QK_K * (i + 1)], &mut levels, y),
+            Some(w) => fit_imatrix(x, w, &mut levels, y),
         }
         requantize(x, &mut levels, y);
         let hmask = &mut y[HMASK..HMASK + 32];
@@ -45,7 +39,7 @@ pub fn quantize_row_q3_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
             *lo = l;
         }
         pack_2bit(&low, &mut y[QS..QS + 64]);
-    }
+    });
 }
 
 /// Sets sub-block `j`'s 6-bit biased scale `l` (in `0..64`) in the 12 scale bytes.

@@ -7,7 +7,7 @@
 
 use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
 use super::{
-    check_row, f16_bytes, imatrix_weights, nearest_int, read_f16, sum_squares, KQuant, QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, read_f16, sum_squares, KQuant, QK_K,
 };
 
 /// What differs between the two types.
@@ -69,17 +69,11 @@ pub fn quantize_row_q5_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 }
 
 fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(v.ty, src, dst, quant_weights);
-    let block_bytes = v.ty.block().1;
-    for (i, (x, y)) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(block_bytes))
-        .enumerate()
-    {
+    for_each_block(v.ty, src, dst, quant_weights, |x, qw, y| {
         let mut levels = [0u8; QK_K];
-        match quant_weights {
+        match qw {
             None => fit_ref(v, x, &mut levels, y),
-            Some(w) => fit_imatrix(v, x, &w[QK_K * i..QK_K * (i + 1)], &mut levels, y),
+            Some(w) => fit_imatrix(v, x, w, &mut levels, y),
         }
         requantize(v.nmax, x, &mut levels, y);
         if v.nmax == 15 {
@@ -87,7 +81,7 @@ fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<
         } else {
             pack_q5(&levels, &mut y[16..]);
         }
-    }
+    });
 }
 
 /// `quantize_row_q{4,5}_K_ref`'s scales: each sub-block fitted with weights `av_x + |x|`, the

@@ -5,7 +5,7 @@
 //! (`k >= 2` in the high nibble) and its high bits at `2k` of `qh[32h + l]`.
 
 use super::search::{make_qx_quants, GROUP_MAX_EPS};
-use super::{check_row, f16_bytes, f16_round, nearest_int, signed_max, KQuant, QK_K};
+use super::{f16_bytes, f16_round, for_each_block, nearest_int, signed_max, KQuant, QK_K};
 
 const BLOCK_BYTES: usize = 210;
 
@@ -13,15 +13,9 @@ const BLOCK_BYTES: usize = 210;
 /// 0c1e570's `quantize_q6_K` (quant weights given: `quantize_row_q6_K_impl`, which fits each
 /// sub-block with the imatrix as weights; none: `quantize_row_q6_K_ref`, with `x²`).
 pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(KQuant::Q6K, src, dst, quant_weights);
-    for (i, (x, y)) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-        .enumerate()
-    {
-        let qw = quant_weights.map(|w| &w[QK_K * i..QK_K * (i + 1)]);
-        quantize_block(x, y.try_into().expect("a Q6_K block"), qw);
-    }
+    for_each_block(KQuant::Q6K, src, dst, quant_weights, |x, qw, y| {
+        quantize_block(x, y.try_into().expect("a Q6_K block"), qw)
+    });
 }
 
 fn quantize_block(x: &[f32], y: &mut [u8; BLOCK_BYTES], qw: Option<&[f32]>) {
