@@ -4,6 +4,7 @@
 //! holds and where they lie in the file is `sink::gguf`'s business; this module only makes bytes.
 
 pub mod encode;
+pub mod kquants;
 pub mod legacy;
 pub mod op;
 pub mod produce;
