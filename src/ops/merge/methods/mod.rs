@@ -6,6 +6,9 @@
 //! caller rounds once to the output dtype). Accumulations run in `f64` in a fixed order, so the
 //! result never depends on thread count or chunking.
 
+pub mod linear;
+pub mod task_arithmetic;
+
 use std::collections::BTreeMap;
 
 /// Parameters resolved for one tensor: mergekit's names (`weight`, `density`, `epsilon`,
