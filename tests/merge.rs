@@ -448,3 +448,61 @@ fn the_short_form_merges_a_lora_adapter_as_merge_lora_scale_does() {
     // The adapter changed something: a scale of 0.5 is not a copy of the base.
     assert_ne!(load_all(&short), load_all(&case.join("base")));
 }
+
+#[test]
+fn tokenizer_source_is_refused_when_vocabularies_differ_and_taken_when_they_match() {
+    let dir = tmp();
+    let (a, b) = two_models(dir.path(), |m| m.file("tokenizer.json", "{\"b\": 1}"));
+    std::fs::write(a.join("tokenizer.json"), "{\"a\": 1}").unwrap();
+    let text = linear_config(&a, &b, "tokenizer_source: union\n");
+    refused(
+        dir.path(),
+        &text,
+        &[
+            "`tokenizer_source`",
+            s(&b),
+            "remapping embedding rows",
+            "not implemented",
+        ],
+    );
+    std::fs::write(a.join("tokenizer.json"), "{\"b\": 1}").unwrap();
+    let out = dir.path().join("same");
+    ok(&merge(&write_config(dir.path(), &text), &out, &[]));
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        b"{\"b\": 1}"
+    );
+}
+
+#[test]
+fn a_chat_template_is_written_and_a_template_name_is_refused() {
+    let dir = tmp();
+    let (a, b) = two_models(dir.path(), |m| m);
+    let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
+    let text = linear_config(&a, &b, &format!("chat_template: \"{template}\"\n"));
+    let out = dir.path().join("written");
+    ok(&merge(&write_config(dir.path(), &text), &out, &[]));
+    assert_eq!(
+        std::fs::read_to_string(out.join("chat_template.jinja")).unwrap(),
+        template
+    );
+    refused(
+        dir.path(),
+        &linear_config(&a, &b, "chat_template: chatml\n"),
+        &["`chat_template: chatml`", "named templates"],
+    );
+}
+
+#[test]
+fn no_copy_tokenizer_leaves_the_tokenizer_files_out() {
+    let dir = tmp();
+    let (a, b) = two_models(dir.path(), |m| m);
+    std::fs::write(a.join("tokenizer.json"), "{}").unwrap();
+    let cfg = write_config(dir.path(), &linear_config(&a, &b, ""));
+    let (with, without) = (dir.path().join("with"), dir.path().join("without"));
+    ok(&merge(&cfg, &with, &[]));
+    ok(&merge(&cfg, &without, &["--no-copy-tokenizer"]));
+    assert!(with.join("tokenizer.json").exists());
+    assert!(!without.join("tokenizer.json").exists());
+    assert!(without.join("config.json").exists());
+}

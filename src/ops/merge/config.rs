@@ -159,11 +159,7 @@ impl MergeConfig {
             dtype: dtype_key(map, "dtype").map_err(&bad)?,
             out_dtype: dtype_key(map, "out_dtype").map_err(&bad)?,
             tokenizer_source: tokenizer(map).map_err(&bad)?,
-            chat_template: match map.get("chat_template") {
-                None | Some(Value::Null) => None,
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(_) => return Err(bad("`chat_template` must be text".into())),
-            },
+            chat_template: chat_template(map).map_err(&bad)?,
         };
         config.check_parameters().map_err(&bad)?;
         config.method.check_inputs(&config).map_err(&bad)?;
@@ -485,6 +481,20 @@ fn tokenizer(map: &serde_yaml::Mapping) -> std::result::Result<Option<TokenizerS
                 None => Ok(Some(TokenizerSource::Union)),
             }
         }
+    }
+}
+
+/// `chat_template`: a Jinja template, written as the output's `chat_template.jinja`.
+/// mergekit's named templates (`chatml`, …) and `auto` (the most common template of the
+/// models) are refused: tftf does not ship mergekit's template files.
+fn chat_template(map: &serde_yaml::Mapping) -> std::result::Result<Option<String>, String> {
+    match map.get("chat_template") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.contains('{') && s.len() >= 20 => Ok(Some(s.clone())),
+        Some(Value::String(s)) => Err(format!(
+            "`chat_template: {s}`: give the template itself (Jinja text); mergekit's named templates and `auto` are not supported"
+        )),
+        Some(_) => Err("`chat_template` must be text".into()),
     }
 }
 

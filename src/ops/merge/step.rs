@@ -101,6 +101,39 @@ impl MergeStep {
         Ok(())
     }
 
+    /// `tokenizer_source` (base, union or a model) builds a vocabulary and remaps embedding
+    /// and `lm_head` rows to it in mergekit. tftf does not remap rows yet: it accepts the key
+    /// when every model's tokenizer files are the same (nothing to remap; the donor's files
+    /// are copied) and refuses it otherwise, rather than write rows of one vocabulary under
+    /// another's tokens.
+    fn check_tokenizers(&self, models: &[Model]) -> Result<()> {
+        if self.config.tokenizer_source.is_none() {
+            return Ok(());
+        }
+        let files = |m: &Model| {
+            let dir = if m.path.is_dir() {
+                m.path.clone()
+            } else {
+                m.path.parent().map(Path::to_path_buf).unwrap_or_default()
+            };
+            ["tokenizer.json", "tokenizer.model"].map(|f| std::fs::read(dir.join(f)).ok())
+        };
+        let donor = files(&models[0]);
+        for m in &models[1..] {
+            if files(m) != donor || donor.iter().all(Option::is_none) {
+                return Err(Error::InvalidConfig {
+                    path: self.config.path.clone(),
+                    msg: format!(
+                        "`tokenizer_source`: the tokenizer of {} differs from that of {} (or there is none); remapping embedding rows between vocabularies is not implemented in tftf yet: drop `tokenizer_source` to merge rows by token id",
+                        m.path.display(),
+                        models[0].path.display()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Every slice source's layer range within its model.
     fn check_ranges(&self, models: &[Model]) -> Result<()> {
         for (i, s) in self.config.slices.iter().enumerate() {
@@ -174,6 +207,7 @@ impl PlanStep for MergeStep {
         let models = self.models.lock().unwrap();
         self.check_architectures(&models)?;
         self.check_ranges(&models)?;
+        self.check_tokenizers(&models)?;
         let donor = &models[0];
         // Tensors outside the layers, in the donor's order: the embeddings before the layers,
         // the rest (final norm, lm_head) after them.
