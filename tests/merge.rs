@@ -506,3 +506,57 @@ fn no_copy_tokenizer_leaves_the_tokenizer_files_out() {
     assert!(!without.join("tokenizer.json").exists());
     assert!(without.join("config.json").exists());
 }
+
+/// Bytes that change a YAML document's structure.
+const YAML_BYTES: &[u8] = b"[]{}:-, \n\"'0.9e-x#&*!|>";
+
+/// mergekit configs are a new kind of input: the fixture configs (and one with every kind of
+/// setting), mutated byte by byte with a fixed seed, must parse or be refused with a message,
+/// never panic; a sample of them also runs through the binary (exit 1 or 0, never a crash).
+#[test]
+fn mutated_configs_never_panic() {
+    use tftf::ops::merge::MergeConfig;
+    let mut texts: Vec<String> = [
+        "linear_bf16",
+        "linear_f32",
+        "task_arithmetic_bf16",
+        "task_arithmetic_f32",
+        "passthrough_slices",
+    ]
+    .iter()
+    .map(|n| std::fs::read_to_string(config(n)).unwrap())
+    .collect();
+    texts.push(
+        "merge_method: task_arithmetic\nbase_model: tests/fixtures/merge/models/a_bf16\nslices:\n  - sources:\n      - model: tests/fixtures/merge/models/a_bf16\n        layer_range: [0, 4]\n      - model: tests/fixtures/merge/models/b_bf16\n        layer_range: [0, 4]\n        parameters: {weight: [1e-3, \"2\", yes], lambda: {filter: mlp, value: 2}}\n    parameters: {normalize: [true, false]}\ntokenizer: {source: base}\nchat_template: \"{{ x }}{{ y }}{{ z }}{{ w }}\"\n".into(),
+    );
+    let mut rng = Rng(0x6d65_7267);
+    let dir = tmp();
+    for it in 0..600u32 {
+        let mut bytes = texts[it as usize % texts.len()].clone().into_bytes();
+        for _ in 0..1 + rng.next_u32() % 3 {
+            let at = rng.next_u32() as usize % bytes.len();
+            match rng.next_u32() % 4 {
+                0 => bytes[at] ^= 1 << (rng.next_u32() % 8),
+                1 => bytes[at] = YAML_BYTES[rng.next_u32() as usize % YAML_BYTES.len()],
+                2 => bytes.insert(at, YAML_BYTES[rng.next_u32() as usize % YAML_BYTES.len()]),
+                _ => {
+                    bytes.remove(at);
+                }
+            }
+        }
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let parsed = std::panic::catch_unwind(|| MergeConfig::parse(Path::new("m.yml"), &text));
+        let Ok(result) = parsed else {
+            panic!("iteration {it}: parsing panicked on:\n{text}");
+        };
+        if it % 50 == 0 || result.is_ok() && it % 5 == 0 {
+            let cfg = write_config(dir.path(), &text);
+            let out = dir.path().join(format!("out{it}"));
+            let code = merge(&cfg, &out, &[]).status.code();
+            assert!(
+                matches!(code, Some(0 | 1)),
+                "iteration {it}: exit {code:?} on:\n{text}"
+            );
+        }
+    }
+}

@@ -327,6 +327,60 @@ mod tests {
         assert_eq!(round_to(DType::BF16, x), lo + ulp);
     }
 
+    /// A stand-in whole-tensor method: base plus the first model's values times its weight,
+    /// plus the seed's parity, checking what the engine hands over.
+    fn toy(
+        base: &[f32],
+        models: &[ModelTensor],
+        global: &Params,
+        shape: &[usize],
+        seed: u64,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        assert_eq!(shape, [2, 2]);
+        assert_eq!(global.get("lambda", 0.0), 2.0);
+        let w = models[0].params.get("weight", 0.0) as f32;
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = base[i] + w * models[0].values[i] + (seed % 2) as f32;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn whole_tensor_methods_get_the_base_apart_and_round_once_to_the_output() {
+        let op = MergeOp {
+            method: "toy",
+            formula: Formula::Whole {
+                f: toy,
+                global: Params::default().with("lambda", 2.0),
+                models: vec![Params::default(), Params::default().with("weight", 0.5)],
+                has_base: true,
+                shape: vec![2, 2],
+                seed: 3,
+            },
+            in_dtypes: vec![DType::F32, DType::BF16],
+            compute_dtype: None,
+            elements: 4,
+            dst: DType::BF16,
+        };
+        assert_eq!(op.granularity(), 4);
+        let base: Vec<u8> = [1.0f32, 2.0, 3.0, 1.0 + 2f32.powi(-10)]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let model: Vec<u8> = [2.0f32, 4.0, -2.0, 0.0]
+            .iter()
+            .flat_map(|x| f32_to_bf16(*x).to_le_bytes())
+            .collect();
+        let mut out = [0u8; 8];
+        op.compute(0..4, &[&base, &model], &mut out).unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(2)
+            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        assert_eq!(got, [3.0, 5.0, 3.0, 2.0]);
+    }
+
     #[test]
     fn seeds_differ_per_tensor_and_per_seed() {
         assert_ne!(tensor_seed(0, "a"), tensor_seed(0, "b"));
