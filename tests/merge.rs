@@ -560,3 +560,24 @@ fn mutated_configs_never_panic() {
         }
     }
 }
+
+#[test]
+fn parts_of_one_merge_must_share_the_config_contents_not_only_its_path() {
+    let dir = tmp();
+    let (a, b) = two_models(dir.path(), |m| m);
+    let text = linear_config(&a, &b, "");
+    let cfg = write_config(dir.path(), &text);
+    let out = dir.path().join("out");
+    ok(&merge(&cfg, &out, &["--part", "1/2"]));
+    std::fs::write(&cfg, text.replacen("weight: 1.0", "weight: 2.0", 1)).unwrap();
+    let err = fails(&[
+        "merge",
+        s(&cfg),
+        s(&out),
+        "-q",
+        "--part",
+        "2/2",
+        "--finalize",
+    ]);
+    assert_mentions(&err, &["the arguments differ (merge_config)"]);
+}

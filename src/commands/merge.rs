@@ -53,11 +53,14 @@ pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
     })?;
     let config = MergeConfig::read(path)?;
     let source = config.donor().to_path_buf();
+    // Parts and resumed runs must share the config's contents, not only its path.
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let arguments = format!("{arguments}\nmerge_config={text:?}");
     let step = MergeStep::new(config, a.allow_crimes, !a.no_copy_tokenizer, a.random_seed);
     Ok(MergeJob {
         source,
         steps: vec![Step::Op(Arc::new(step))],
-        options: WriteOptions::from_args(&write, arguments)?,
+        options: WriteOptions::from_args(&write, &arguments)?,
     })
 }
 
