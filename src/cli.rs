@@ -33,6 +33,9 @@ pub enum Command {
     /// tables to E2M1
     #[command(name = "repack-fp4")]
     RepackFp4(Box<RepackArgs>),
+    /// Merge models as a mergekit YAML config describes (mergekit's methods and configs,
+    /// unchanged), streaming tensor by tensor; or, with --weights and --lora, merge an adapter
+    Merge(Box<MergeKitArgs>),
     /// Merge a PEFT LoRA/DoRA adapter into a base model, streaming
     #[command(name = "merge-lora")]
     MergeLora(Box<MergeArgs>),
@@ -724,6 +727,70 @@ pub struct GgufArgs {
     pub no_reflink: bool,
     /// Where ops compute: auto (a CUDA GPU when a driver and device exist and an op has a
     /// kernel, else the CPU), cpu, cuda or cuda:N
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
+}
+
+/// `tftf merge CONFIG.yml OUT`, mergekit-yaml's options, and the short LoRA form
+/// `tftf merge --weights BASE --lora ADAPTER --alpha A --output OUT`.
+#[derive(Args, Debug)]
+pub struct MergeKitArgs {
+    /// The mergekit YAML configuration
+    #[arg(value_name = "CONFIG", required_unless_present = "weights")]
+    pub config: Option<PathBuf>,
+    /// The output directory (or give it as -o OUT)
+    #[arg(value_name = "OUT", conflicts_with = "output")]
+    pub out: Option<PathBuf>,
+    /// Output directory, or a file name ending in .safetensors for a single file
+    #[arg(short = 'o', long = "output", value_name = "OUT")]
+    pub output: Option<PathBuf>,
+    /// Seed of the stochastic methods (DARE, DELLA, ...): the same bytes for any thread count
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub random_seed: u64,
+    /// Shards of at most SIZE: mergekit's 5B, 500M (powers of 1000), or tftf's 5GB, 5GiB, bytes
+    /// (default 5B for config merges; the short form keeps the base's shards)
+    #[arg(long, value_name = "SIZE")]
+    pub out_shard_size: Option<String>,
+    /// Copy the donor's tokenizer files (base model, else the first model): the default
+    #[arg(long, overrides_with = "no_copy_tokenizer")]
+    pub copy_tokenizer: bool,
+    /// Do not copy tokenizer files
+    #[arg(long)]
+    pub no_copy_tokenizer: bool,
+    /// Merge models whose architectures differ
+    #[arg(long)]
+    pub allow_crimes: bool,
+    /// Short form: the base model to merge the --lora adapter into
+    #[arg(
+        long,
+        value_name = "BASE",
+        requires = "lora",
+        conflicts_with = "config"
+    )]
+    pub weights: Option<PathBuf>,
+    /// Short form: the adapter (as merge-lora -a)
+    #[arg(long, value_name = "ADAPTER", requires = "weights")]
+    pub lora: Option<PathBuf>,
+    /// Short form: the adapter's scale (as merge-lora --scale)
+    #[arg(
+        long,
+        value_name = "A",
+        default_value_t = 1.0,
+        allow_negative_numbers = true,
+        requires = "weights"
+    )]
+    pub alpha: f64,
+    #[command(flatten)]
+    pub run: RunOpts,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// Replace the model files of a non-empty output directory
+    #[arg(long)]
+    pub force: bool,
+    /// Copy untouched tensors through user memory instead of copy_file_range
+    #[arg(long)]
+    pub no_reflink: bool,
+    /// Where ops compute: auto, cpu, cuda or cuda:N (the merge methods compute on the CPU)
     #[arg(long, value_name = "DEVICE", default_value = "auto")]
     pub device: String,
 }

@@ -2,6 +2,7 @@
 
 pub mod demo;
 pub mod info;
+pub mod merge;
 pub mod options;
 pub mod run_sections;
 pub mod selftest;
@@ -163,6 +164,10 @@ fn writing_job(
         Command::Quantize(a) => job("quantize", quantize_steps(a)?, opts(&a.write)?, &|| {
             input_path(&a.input)
         }),
+        Command::Merge(a) => {
+            let m = merge::job(a, arguments)?;
+            job("merge", m.steps, m.options, &|| Ok(m.source.clone()))
+        }
         Command::MergeLora(a) => {
             let steps = renamed_merge(&a.rename, &a.adapter, &a.merge)?;
             job("merge-lora", steps, opts(&a.merge.write)?, &|| {

@@ -252,7 +252,7 @@ pub fn to_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
 /// f64 → f32 rounded to odd: an inexact result gets an odd last bit, so rounding it again to a
 /// format with at most 22 significant bits gives the correctly rounded value.
 #[inline(always)]
-fn f64_to_f32_odd(x: f64) -> f32 {
+pub(crate) fn f64_to_f32_odd(x: f64) -> f32 {
     let f = x as f32;
     if f.is_finite() && f as f64 != x && f.to_bits() & 1 == 0 {
         let away = x.abs() > (f as f64).abs();

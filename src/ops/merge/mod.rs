@@ -1,4 +1,13 @@
 //! Model merging (`tftf merge`): mergekit's merge methods applied tensor by tensor across N
 //! source checkpoints. `methods` holds the arithmetic of each method on one tensor's values.
 
+pub mod config;
+pub mod layers;
 pub mod methods;
+pub mod op;
+pub mod resolve;
+pub mod spec;
+pub mod step;
+
+pub use config::MergeConfig;
+pub use step::MergeStep;

@@ -9,6 +9,8 @@
 pub mod sce;
 pub mod sparse;
 pub mod sparsify;
+pub mod linear;
+pub mod task_arithmetic;
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,126 @@
+//! `tftf merge`: a mergekit YAML config (or the short LoRA form) turned into a job. The donor
+//! model (the base, else the first model) is the job's source; the merge step attaches the
+//! other models to it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::cli::{AdapterOpts, MergeKitArgs, MergeOutputArgs, RequantArgs, WriteArgs};
+use crate::error::{Error, Result};
+use crate::job::WriteOptions;
+use crate::ops::merge::{MergeConfig, MergeStep};
+use crate::plan::Step;
+use crate::size::parse_size;
+
+use super::steps::{lora_step, merge_steps};
+
+/// mergekit's default `--out-shard-size`.
+const DEFAULT_SHARD_SIZE: &str = "5B";
+
+/// What `tftf merge` runs: its source, steps and options.
+pub(crate) struct MergeJob {
+    pub source: PathBuf,
+    pub steps: Vec<Step>,
+    pub options: WriteOptions,
+}
+
+/// `tftf merge CONFIG OUT` or `tftf merge --weights BASE --lora ADAPTER --alpha A -o OUT`.
+pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
+    let output = a.out.clone().or_else(|| a.output.clone()).ok_or_else(|| {
+        Error::Usage("no output: give `tftf merge CONFIG.yml OUT` or -o OUT".into())
+    })?;
+    let shard = match (&a.out_shard_size, &a.weights) {
+        (Some(s), _) => Some(shard_bytes(s)?.to_string()),
+        (None, Some(_)) => None,
+        (None, None) => Some(shard_bytes(DEFAULT_SHARD_SIZE)?.to_string()),
+    };
+    let write = WriteArgs {
+        output,
+        max_shard_size: shard,
+        sharded: false,
+        run: a.run.clone(),
+        policy: a.policy.clone(),
+        allow_empty: false,
+        force: a.force,
+        no_reflink: a.no_reflink,
+        device: a.device.clone(),
+    };
+    if let (Some(base), Some(adapter)) = (&a.weights, &a.lora) {
+        return lora_job(base, adapter, a.alpha, write, arguments);
+    }
+    let path = a.config.as_ref().ok_or_else(|| {
+        Error::Usage("give the mergekit config: tftf merge CONFIG.yml OUT".into())
+    })?;
+    let config = MergeConfig::read(path)?;
+    let source = config.donor().to_path_buf();
+    // Parts and resumed runs must share the config's contents, not only its path.
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let arguments = format!("{arguments}\nmerge_config={text:?}");
+    let step = MergeStep::new(config, a.allow_crimes, !a.no_copy_tokenizer, a.random_seed);
+    Ok(MergeJob {
+        source,
+        steps: vec![Step::Op(Arc::new(step))],
+        options: WriteOptions::from_args(&write, &arguments)?,
+    })
+}
+
+/// The short form: `merge-lora BASE -a ADAPTER --scale ALPHA`.
+fn lora_job(
+    base: &std::path::Path,
+    adapter: &std::path::Path,
+    alpha: f64,
+    write: WriteArgs,
+    arguments: &str,
+) -> Result<MergeJob> {
+    let m = MergeOutputArgs {
+        write,
+        lora: AdapterOpts {
+            scale: alpha,
+            adapter_config: None,
+            adapter_name: "default".into(),
+            allow_unmatched: false,
+            rank: None,
+            lora_alpha: None,
+        },
+        requant_args: RequantArgs::default(),
+        dtype: None,
+        allow_nonfinite: false,
+    };
+    let steps = merge_steps(lora_step(adapter, &m.lora, false)?, &m)?;
+    Ok(MergeJob {
+        source: base.to_path_buf(),
+        steps,
+        options: WriteOptions::from_args(&m.write, arguments)?,
+    })
+}
+
+/// mergekit's shard sizes (`5B`, `500M`, `100K`: powers of 1000), else tftf's (`5GB`, `5GiB`,
+/// bytes).
+fn shard_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (digits, factor) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1e3),
+        Some('M') => (&t[..t.len() - 1], 1e6),
+        Some('B') if t[..t.len() - 1].parse::<f64>().is_ok() => (&t[..t.len() - 1], 1e9),
+        _ => return Ok(parse_size(t)?),
+    };
+    match digits.parse::<f64>() {
+        Ok(x) if x > 0.0 && (x * factor).is_finite() => Ok((x * factor) as u64),
+        _ => Err(Error::Usage(format!(
+            "--out-shard-size {s}: give a size such as 5B, 500M, 5GB or 5GiB"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_sizes_read_as_mergekit_and_tftf_write_them() {
+        assert_eq!(shard_bytes("5B").unwrap(), 5_000_000_000);
+        assert_eq!(shard_bytes("500M").unwrap(), 500_000_000);
+        assert_eq!(shard_bytes("1GiB").unwrap(), 1 << 30);
+        assert!(shard_bytes("-1M").is_err());
+    }
+}

@@ -1,0 +1,390 @@
+//! The op that merges one tensor: reads the same range of every model's tensor, widens it,
+//! applies the method and rounds once to the output dtype.
+//!
+//! `linear`, `task_arithmetic` and a scaled `passthrough` are elementwise: any chunk of any
+//! size computes the same bytes, so big tensors stream in chunks within the memory budget, the
+//! values widened to f64 a block of [`BLOCK`] elements at a time. The other methods need the
+//! whole tensor of every model (thresholds, norms, iterations): one chunk, f32 values.
+
+use std::ops::Range;
+
+use super::config::MergeConfig;
+use super::methods::{self, ModelTensor, Params};
+use super::resolve::{Inputs, Resolved};
+use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::dtype::DType;
+use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
+use crate::ops::cast::{decode_into, store_f32, write_as};
+use crate::plan::Op;
+
+/// Elements widened to f64 at a time per input in elementwise methods.
+pub const BLOCK: usize = 4096;
+
+/// The elementwise formulas, their coefficients fixed at plan time.
+#[derive(Clone, Debug)]
+enum Formula {
+    /// `Σ w_i x_i / denominator`.
+    Linear { weights: Vec<f64>, denominator: f64 },
+    /// `x_0 + scale · Σ_{i≥1} w_i (x_i − x_0)`.
+    TaskArithmetic { weights: Vec<f64>, scale: f64 },
+    /// A method that needs whole tensors.
+    Whole {
+        f: WholeTensorFn,
+        global: Params,
+        models: Vec<Params>,
+        has_base: bool,
+        shape: Vec<usize>,
+        seed: u64,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct MergeOp {
+    method: &'static str,
+    formula: Formula,
+    in_dtypes: Vec<DType>,
+    /// mergekit's `dtype`: inputs are rounded to it before merging, as mergekit loads them.
+    compute_dtype: Option<DType>,
+    elements: u64,
+    pub dst: DType,
+}
+
+crate::plan::set_dst_field!(MergeOp);
+
+/// The random stream of tensor `name` under `--random-seed seed` (FNV-1a of the name, mixed
+/// with the seed): the same for any thread count, chunking or device.
+pub fn tensor_seed(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl MergeOp {
+    /// The op merging `inputs` with `method` under parameters `p`. Non-float inputs and
+    /// parameters the formula cannot use (weights summing to 0 under `normalize`) are refused.
+    pub fn new(
+        config: &MergeConfig,
+        inputs: &Inputs,
+        p: Resolved,
+        ckpt: &Checkpoint,
+        seed: u64,
+    ) -> Result<MergeOp> {
+        let method: &'static MethodSpec = config.method;
+        let mut in_dtypes = Vec::new();
+        for (k, &t) in inputs.tensors.iter().enumerate() {
+            let d = ckpt.tensors[t].info.dtype;
+            if !matches!(d, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+                return Err(Error::InvalidTensor {
+                    path: inputs.models[k].clone(),
+                    tensor: inputs.names[k].clone(),
+                    msg: format!(
+                        "is {d}; `{}` merges float tensors (bf16, f16, f32, f64): dequantise a quantised model first (`tftf dequant`)",
+                        method.name
+                    ),
+                });
+            }
+            in_dtypes.push(d);
+        }
+        let weights = |from: usize| -> Vec<f64> {
+            p.models[from..]
+                .iter()
+                .map(|m| m.get("weight", 0.0))
+                .collect()
+        };
+        let formula = match method.arithmetic {
+            Arithmetic::Passthrough => Formula::Linear {
+                weights: vec![p.models[0].get("scale", 1.0)],
+                denominator: 1.0,
+            },
+            Arithmetic::Linear => {
+                let w = weights(0);
+                let sum: f64 = w.iter().sum();
+                let normalize = p.global.flag("normalize", true);
+                if normalize && sum == 0.0 {
+                    return Err(Error::InvalidConfig {
+                        path: config.path.clone(),
+                        msg: format!(
+                            "tensor `{}`: the models' weights sum to 0, and `normalize` divides by that sum; set `normalize: false` or change the weights",
+                            inputs.names[0]
+                        ),
+                    });
+                }
+                Formula::Linear {
+                    weights: w,
+                    denominator: if normalize { sum } else { 1.0 },
+                }
+            }
+            Arithmetic::TaskArithmetic => {
+                let w = weights(1);
+                let scale = methods::task_arithmetic::delta_scale(
+                    &w,
+                    p.global.flag("normalize", false),
+                    p.global.get("lambda", 1.0),
+                );
+                Formula::TaskArithmetic { weights: w, scale }
+            }
+            Arithmetic::WholeTensor(f) => Formula::Whole {
+                f,
+                global: p.global,
+                models: p.models,
+                has_base: inputs.has_base,
+                shape: ckpt.tensors[inputs.tensors[0]]
+                    .info
+                    .shape
+                    .iter()
+                    .map(|&d| d as usize)
+                    .collect(),
+                seed,
+            },
+            Arithmetic::Missing => unreachable!("refused when the config was read"),
+        };
+        let elements =
+            crate::format::dtype::element_count(&ckpt.tensors[inputs.tensors[0]].info.shape)
+                .unwrap_or(0);
+        Ok(MergeOp {
+            method: method.name,
+            formula,
+            in_dtypes,
+            compute_dtype: config.dtype,
+            elements,
+            dst: DType::F32,
+        })
+    }
+
+    /// Element range `units` of every input, widened to f64 (and rounded to the compute
+    /// dtype), `BLOCK` elements from `at`.
+    fn widen(&self, inputs: &[&[u8]], at: usize, n: usize, bufs: &mut [Vec<f64>]) {
+        let mut f32s = [0f32; BLOCK];
+        for ((bytes, &d), buf) in inputs.iter().zip(&self.in_dtypes).zip(bufs.iter_mut()) {
+            let size = d.size().expect("float dtypes have a size");
+            let bytes = &bytes[at * size..(at + n) * size];
+            buf.clear();
+            if d == DType::F64 {
+                buf.extend(
+                    bytes
+                        .chunks_exact(8)
+                        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))),
+                );
+            } else {
+                decode_into(d, bytes, &mut f32s[..n]);
+                buf.extend(f32s[..n].iter().map(|&x| x as f64));
+            }
+            if let Some(c) = self.compute_dtype {
+                buf.iter_mut().for_each(|x| *x = round_to(c, *x));
+            }
+        }
+    }
+
+    fn compute_elementwise(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) {
+        let total = (units.end - units.start) as usize;
+        let mut bufs = vec![Vec::with_capacity(BLOCK); inputs.len()];
+        let mut res = vec![0f64; BLOCK];
+        let mut at = 0;
+        while at < total {
+            let n = BLOCK.min(total - at);
+            self.widen(inputs, at, n, &mut bufs);
+            let views: Vec<&[f64]> = bufs.iter().map(Vec::as_slice).collect();
+            match &self.formula {
+                Formula::Linear {
+                    weights,
+                    denominator,
+                } => methods::linear::linear(&views, weights, *denominator, &mut res[..n]),
+                Formula::TaskArithmetic { weights, scale } => {
+                    methods::task_arithmetic::task_arithmetic(
+                        views[0],
+                        &views[1..],
+                        weights,
+                        *scale,
+                        &mut res[..n],
+                    )
+                }
+                Formula::Whole { .. } => unreachable!("whole-tensor methods compute elsewhere"),
+            }
+            for (k, &v) in res[..n].iter().enumerate() {
+                store_f64(self.dst, out, at + k, v);
+            }
+            at += n;
+        }
+    }
+}
+
+/// Rounds `x` to `dtype` (nearest even), as a cast to it and back would.
+fn round_to(dtype: DType, x: f64) -> f64 {
+    match dtype {
+        DType::F32 => x as f32 as f64,
+        DType::BF16 => bf16_to_f32(f32_to_bf16(f64_to_f32_odd(x))) as f64,
+        DType::F16 => f16_to_f32(f32_to_f16(f64_to_f32_odd(x))) as f64,
+        _ => x,
+    }
+}
+
+/// Writes `v` rounded once to `dst` as element `k` of `out`.
+fn store_f64(dst: DType, out: &mut [u8], k: usize, v: f64) {
+    match dst {
+        DType::F64 => out[8 * k..8 * k + 8].copy_from_slice(&v.to_le_bytes()),
+        DType::F32 => store_f32(dst, out, k, v as f32),
+        _ => store_f32(dst, out, k, f64_to_f32_odd(v)),
+    }
+}
+
+impl Op for MergeOp {
+    fn name(&self) -> &'static str {
+        self.method
+    }
+    fn units(&self) -> u64 {
+        self.elements
+    }
+    fn out_unit_bytes(&self) -> u64 {
+        self.dst.size().map_or(4, |s| s as u64)
+    }
+    fn in_unit_bytes(&self) -> u64 {
+        self.in_dtypes
+            .iter()
+            .map(|d| d.size().map_or(4, |s| s as u64))
+            .sum()
+    }
+    fn granularity(&self) -> u64 {
+        match self.formula {
+            Formula::Whole { .. } => self.elements.max(1),
+            _ => 1,
+        }
+    }
+    fn scratch_unit_bytes(&self) -> u64 {
+        match self.formula {
+            // Every input and the result as f32.
+            Formula::Whole { .. } => 4 * (self.in_dtypes.len() as u64 + 1),
+            _ => 0,
+        }
+    }
+    fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
+        self.in_dtypes
+            .iter()
+            .map(|d| {
+                let s = d.size().map_or(4, |s| s as u64);
+                units.start * s..units.end * s
+            })
+            .collect()
+    }
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let Formula::Whole {
+            f,
+            global,
+            models,
+            has_base,
+            shape,
+            seed,
+        } = &self.formula
+        else {
+            self.compute_elementwise(units, inputs, out);
+            return Ok(());
+        };
+        let n = (units.end - units.start) as usize;
+        let values: Vec<Vec<f32>> = inputs
+            .iter()
+            .zip(&self.in_dtypes)
+            .map(|(bytes, &d)| {
+                let mut v = vec![0f32; n];
+                decode_into(d, bytes, &mut v);
+                if let Some(c) = self.compute_dtype {
+                    v.iter_mut()
+                        .for_each(|x| *x = round_to(c, *x as f64) as f32);
+                }
+                v
+            })
+            .collect();
+        let first = usize::from(*has_base);
+        let tensors: Vec<ModelTensor> = values[first..]
+            .iter()
+            .zip(&models[first..])
+            .map(|(v, params)| ModelTensor { values: v, params })
+            .collect();
+        let base: &[f32] = if *has_base { &values[0] } else { &[] };
+        let mut merged = vec![0f32; n];
+        f(base, &tensors, global, shape, *seed, &mut merged)?;
+        write_as(self.dst, merged.into_iter(), out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_rounding_from_f64_to_bf16_is_the_nearest() {
+        // Halfway between two bf16 values plus a hair: f32 first would round to the tie and
+        // then to even; once from f64 gives the upper neighbour.
+        let lo = 1.0f64;
+        let ulp = 2f64.powi(-7);
+        let x = lo + ulp / 2.0 + 2f64.powi(-40);
+        let mut out = [0u8; 2];
+        store_f64(DType::BF16, &mut out, 0, x);
+        assert_eq!(u16::from_le_bytes(out), f32_to_bf16((lo + ulp) as f32));
+        assert_eq!(round_to(DType::BF16, x), lo + ulp);
+    }
+
+    /// A stand-in whole-tensor method: base plus the first model's values times its weight,
+    /// plus the seed's parity, checking what the engine hands over.
+    fn toy(
+        base: &[f32],
+        models: &[ModelTensor],
+        global: &Params,
+        shape: &[usize],
+        seed: u64,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        assert_eq!(shape, [2, 2]);
+        assert_eq!(global.get("lambda", 0.0), 2.0);
+        let w = models[0].params.get("weight", 0.0) as f32;
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = base[i] + w * models[0].values[i] + (seed % 2) as f32;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn whole_tensor_methods_get_the_base_apart_and_round_once_to_the_output() {
+        let op = MergeOp {
+            method: "toy",
+            formula: Formula::Whole {
+                f: toy,
+                global: Params::default().with("lambda", 2.0),
+                models: vec![Params::default(), Params::default().with("weight", 0.5)],
+                has_base: true,
+                shape: vec![2, 2],
+                seed: 3,
+            },
+            in_dtypes: vec![DType::F32, DType::BF16],
+            compute_dtype: None,
+            elements: 4,
+            dst: DType::BF16,
+        };
+        assert_eq!(op.granularity(), 4);
+        let base: Vec<u8> = [1.0f32, 2.0, 3.0, 1.0 + 2f32.powi(-10)]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let model: Vec<u8> = [2.0f32, 4.0, -2.0, 0.0]
+            .iter()
+            .flat_map(|x| f32_to_bf16(*x).to_le_bytes())
+            .collect();
+        let mut out = [0u8; 8];
+        op.compute(0..4, &[&base, &model], &mut out).unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(2)
+            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        assert_eq!(got, [3.0, 5.0, 3.0, 2.0]);
+    }
+
+    #[test]
+    fn seeds_differ_per_tensor_and_per_seed() {
+        assert_ne!(tensor_seed(0, "a"), tensor_seed(0, "b"));
+        assert_ne!(tensor_seed(0, "a"), tensor_seed(1, "a"));
+        assert_eq!(tensor_seed(7, "a"), tensor_seed(7, "a"));
+    }
+}

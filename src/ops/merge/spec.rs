@@ -1,0 +1,315 @@
+//! mergekit 0.1.5's 20 merge methods: their parameters (name, scope, default) and what inputs
+//! they accept (`merge_methods/registry.py` and each method's `spec`), and which arithmetic
+//! computes each. A method whose arithmetic tftf lacks is still recognised, so its config is
+//! checked, and refused by name.
+
+use super::config::MergeConfig;
+use super::methods::{ModelTensor, Params};
+
+/// Where a parameter is given: once for all models, per model, or per model except the base.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    Shared,
+    Input,
+    NonBase,
+}
+
+/// One parameter of a method; `default: None` means required.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamSpec {
+    pub name: &'static str,
+    pub scope: Scope,
+    pub default: Option<f64>,
+}
+
+/// How a method treats the base model (mergekit's `BasePolicy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Base {
+    /// The base is one more input, like any other (`linear`, `karcher`).
+    Ignored,
+    Optional,
+    Required,
+}
+
+/// A whole-tensor method, as the files under `methods/` define them: `base` (empty when the
+/// method has none), each model's tensor and parameters, the shared parameters, the shape, the
+/// tensor's random stream, and `out` to fill.
+pub type WholeTensorFn =
+    fn(&[f32], &[ModelTensor], &Params, &[usize], u64, &mut [f32]) -> Result<(), String>;
+
+/// The arithmetic a method runs.
+#[derive(Clone, Copy, Debug)]
+pub enum Arithmetic {
+    /// Weighted sum, chunked element by element (`methods/linear.rs`).
+    Linear,
+    /// Base plus weighted deltas, chunked (`methods/task_arithmetic.rs`).
+    TaskArithmetic,
+    /// One source's tensor, copied or scaled.
+    Passthrough,
+    /// Needs the whole tensor of every model (thresholds, norms, iterations).
+    WholeTensor(WholeTensorFn),
+    /// Recognised, not implemented in tftf yet.
+    Missing,
+}
+
+#[derive(Debug)]
+pub struct MethodSpec {
+    pub name: &'static str,
+    pub params: &'static [ParamSpec],
+    pub base: Base,
+    /// Inputs per tensor, base included: at least, at most.
+    pub inputs: (usize, Option<usize>),
+    pub arithmetic: Arithmetic,
+}
+
+const fn p(name: &'static str, scope: Scope, default: Option<f64>) -> ParamSpec {
+    ParamSpec {
+        name,
+        scope,
+        default,
+    }
+}
+
+use Scope::{Input, NonBase, Shared};
+
+const LINEAR: &[ParamSpec] = &[p("weight", Input, None), p("normalize", Shared, Some(1.0))];
+
+/// The generalized task arithmetic family's parameters, its `normalize` and `rescale` defaults
+/// given per method.
+macro_rules! gta {
+    ($normalize:expr, $rescale:expr $(, $extra:expr)*) => {
+        &[
+            p("int8_mask", Shared, Some(0.0)),
+            p("normalize", Shared, Some($normalize)),
+            p("rescale", Shared, Some($rescale)),
+            p("lambda", Shared, Some(1.0)),
+            p("weight", NonBase, None),
+            p("density", NonBase, Some(1.0)),
+            $($extra,)*
+        ]
+    };
+}
+
+const fn method(
+    name: &'static str,
+    params: &'static [ParamSpec],
+    base: Base,
+    inputs: (usize, Option<usize>),
+    arithmetic: Arithmetic,
+) -> MethodSpec {
+    MethodSpec {
+        name,
+        params,
+        base,
+        inputs,
+        arithmetic,
+    }
+}
+
+use Arithmetic::Missing;
+use Base::{Ignored, Optional, Required};
+
+const GAMMA: ParamSpec = p("gamma", NonBase, Some(0.01));
+const EPSILON: ParamSpec = p("epsilon", NonBase, Some(0.15));
+
+/// mergekit 0.1.5's registry, in its order.
+pub static METHODS: &[MethodSpec] = &[
+    method(
+        "multislerp",
+        &[
+            p("weight", NonBase, None),
+            p("normalize_weights", Shared, Some(1.0)),
+            p("eps", Shared, Some(1e-8)),
+        ],
+        Optional,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "nearswap",
+        &[p("t", Shared, None)],
+        Required,
+        (2, None),
+        Missing,
+    ),
+    method(
+        "ram",
+        &[p("epsilon", Shared, Some(1e-5))],
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "ramplus_tl",
+        &[
+            p("r", Shared, Some(0.1)),
+            p("alpha", Shared, Some(0.2)),
+            p("epsilon", Shared, Some(1e-5)),
+        ],
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "sce",
+        &[
+            p("int8_mask", Shared, Some(0.0)),
+            p("select_topk", Shared, Some(1.0)),
+        ],
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method("linear", LINEAR, Ignored, (1, None), Arithmetic::Linear),
+    method(
+        "slerp",
+        &[p("t", Shared, None)],
+        Required,
+        (2, Some(2)),
+        Missing,
+    ),
+    method(
+        "nuslerp",
+        &[
+            p("weight", NonBase, None),
+            p("nuslerp_row_wise", Shared, Some(0.0)),
+            p("nuslerp_flatten", Shared, Some(1.0)),
+        ],
+        Optional,
+        (2, Some(3)),
+        Missing,
+    ),
+    method(
+        "passthrough",
+        &[p("scale", Input, Some(f64::NAN))],
+        Ignored,
+        (1, Some(1)),
+        Arithmetic::Passthrough,
+    ),
+    method(
+        "model_stock",
+        &[p("filter_wise", Shared, Some(0.0))],
+        Required,
+        (3, None),
+        Missing,
+    ),
+    method("arcee_fusion", &[], Required, (2, Some(2)), Missing),
+    method(
+        "karcher",
+        &[
+            p("max_iter", Shared, Some(10.0)),
+            p("tol", Shared, Some(1e-5)),
+        ],
+        Ignored,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "task_arithmetic",
+        gta!(0.0, 0.0),
+        Required,
+        (1, None),
+        Arithmetic::TaskArithmetic,
+    ),
+    method("ties", gta!(1.0, 0.0), Required, (1, None), Missing),
+    method("dare_ties", gta!(0.0, 1.0), Required, (1, None), Missing),
+    method("dare_linear", gta!(0.0, 1.0), Required, (1, None), Missing),
+    method(
+        "breadcrumbs",
+        gta!(0.0, 0.0, GAMMA),
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "breadcrumbs_ties",
+        gta!(0.0, 0.0, GAMMA),
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "della",
+        gta!(1.0, 1.0, EPSILON),
+        Required,
+        (1, None),
+        Missing,
+    ),
+    method(
+        "della_linear",
+        gta!(0.0, 1.0, EPSILON),
+        Required,
+        (1, None),
+        Missing,
+    ),
+];
+
+impl MethodSpec {
+    pub fn get(name: &str) -> Option<&'static MethodSpec> {
+        METHODS.iter().find(|m| m.name == name)
+    }
+
+    pub fn names() -> Vec<&'static str> {
+        METHODS.iter().map(|m| m.name).collect()
+    }
+
+    pub fn param(&self, name: &str) -> Option<&'static ParamSpec> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
+    /// `; it takes: a, b` (or `; it takes none`), for messages.
+    pub fn parameter_list(&self) -> String {
+        if self.params.is_empty() {
+            return "; it takes none".into();
+        }
+        let names: Vec<&str> = self.params.iter().map(|p| p.name).collect();
+        format!("; it takes: {}", names.join(", "))
+    }
+
+    /// Checks each slice's inputs against the method's contract (mergekit's
+    /// `validate_inputs`, done before any tensor is planned).
+    pub fn check_inputs(&self, config: &MergeConfig) -> Result<(), String> {
+        if let Arithmetic::Missing = self.arithmetic {
+            return Err(format!(
+                "merge method `{}` is recognised but not implemented in tftf yet; implemented: {}",
+                self.name,
+                METHODS
+                    .iter()
+                    .filter(|m| !matches!(m.arithmetic, Missing))
+                    .map(|m| m.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        for (i, s) in config.slices.iter().enumerate() {
+            let base = s.base_model.as_ref().or(config.base_model.as_ref());
+            let at = if config.sliced {
+                format!("slices[{i}]")
+            } else {
+                "models".into()
+            };
+            if self.base == Required
+                && !base.is_some_and(|b| s.sources.iter().any(|m| m.model == *b))
+            {
+                return Err(format!(
+                    "{at}: `{}` needs a `base_model` among the models it merges",
+                    self.name
+                ));
+            }
+            let n = s.sources.len();
+            let (lo, hi) = self.inputs;
+            if n < lo || hi.is_some_and(|h| n > h) {
+                let range = match hi {
+                    Some(h) if h == lo => format!("exactly {lo}"),
+                    Some(h) => format!("{lo} to {h}"),
+                    None => format!("at least {lo}"),
+                };
+                return Err(format!(
+                    "{at}: `{}` merges {range} model(s) per tensor, not {n}",
+                    self.name
+                ));
+            }
+        }
+        Ok(())
+    }
+}

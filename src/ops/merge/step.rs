@@ -1,0 +1,419 @@
+//! The merge as a planning step: the donor model (the base, else the first model) is the job's
+//! checkpoint; every other model is opened and attached to it, so the one pipeline reads all of
+//! them within the one memory budget. Planning then binds each output tensor to its inputs
+//! (one per model, by name and layer) and to the op that merges them, and checks from headers
+//! alone — names, shapes, dtypes, architectures, layer ranges, parameters — so a bad merge
+//! fails before any output exists.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{Map, Value};
+
+use super::config::{MergeConfig, OutputSlice};
+use super::layers::{layer_count, split_layer, LayerName};
+use super::op::MergeOp;
+use super::resolve::{resolve_tensor, Inputs};
+use super::spec::{Arithmetic, Base};
+use crate::error::{Error, Result};
+use crate::format::checkpoint::Checkpoint;
+use crate::plan::{DeferredDst, Entry, PlanStep, Planning};
+
+/// A model of the merge, once opened.
+#[derive(Debug)]
+pub(super) struct Model {
+    pub path: PathBuf,
+    /// Tensor name → index in the job's `Checkpoint::tensors`.
+    pub names: HashMap<String, usize>,
+    pub config: Option<Map<String, Value>>,
+    pub layers: u64,
+}
+
+#[derive(Debug)]
+pub struct MergeStep {
+    pub config: MergeConfig,
+    /// mergekit's `--allow-crimes`: merge models of different architectures.
+    pub allow_crimes: bool,
+    /// Copy the donor's tokenizer files (mergekit's `--copy-tokenizer`, on by default).
+    pub copy_tokenizer: bool,
+    /// `--random-seed`: the stream of the stochastic methods.
+    pub seed: u64,
+    models: Mutex<Vec<Model>>,
+}
+
+impl MergeStep {
+    pub fn new(config: MergeConfig, allow_crimes: bool, copy_tokenizer: bool, seed: u64) -> Self {
+        MergeStep {
+            config,
+            allow_crimes,
+            copy_tokenizer,
+            seed,
+            models: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The output's layer count: the slices' lengths added up.
+    fn output_layers(&self, models: &[Model]) -> u64 {
+        self.config
+            .slices
+            .iter()
+            .map(|s| {
+                let (a, b) = range_of(s, 0, models);
+                b - a
+            })
+            .sum()
+    }
+
+    /// Different architectures (`config.json` `architectures`, `model_type`) are refused
+    /// unless `--allow-crimes`, as mergekit does.
+    fn check_architectures(&self, models: &[Model]) -> Result<()> {
+        if self.allow_crimes {
+            return Ok(());
+        }
+        let arch = |m: &Model| {
+            m.config.as_ref().map(|c| {
+                (
+                    c.get("architectures").cloned().unwrap_or(Value::Null),
+                    c.get("model_type").cloned().unwrap_or(Value::Null),
+                )
+            })
+        };
+        let donor = arch(&models[0]);
+        for m in &models[1..] {
+            if arch(m) != donor {
+                let show = |a: &Option<(Value, Value)>| match a {
+                    Some((arch, ty)) => format!("{arch} ({ty})"),
+                    None => "unknown (no config.json)".into(),
+                };
+                return Err(Error::InvalidConfig {
+                    path: self.config.path.clone(),
+                    msg: format!(
+                        "model {} is a {} but {} is a {}; pass --allow-crimes to merge different architectures",
+                        m.path.display(),
+                        show(&arch(m)),
+                        models[0].path.display(),
+                        show(&donor)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// `tokenizer_source` (base, union or a model) builds a vocabulary and remaps embedding
+    /// and `lm_head` rows to it in mergekit. tftf does not remap rows yet: it accepts the key
+    /// when every model's tokenizer files are the same (nothing to remap; the donor's files
+    /// are copied) and refuses it otherwise, rather than write rows of one vocabulary under
+    /// another's tokens.
+    fn check_tokenizers(&self, models: &[Model]) -> Result<()> {
+        if self.config.tokenizer_source.is_none() {
+            return Ok(());
+        }
+        let files = |m: &Model| {
+            let dir = if m.path.is_dir() {
+                m.path.clone()
+            } else {
+                m.path.parent().map(Path::to_path_buf).unwrap_or_default()
+            };
+            ["tokenizer.json", "tokenizer.model"].map(|f| std::fs::read(dir.join(f)).ok())
+        };
+        let donor = files(&models[0]);
+        for m in &models[1..] {
+            if files(m) != donor || donor.iter().all(Option::is_none) {
+                return Err(Error::InvalidConfig {
+                    path: self.config.path.clone(),
+                    msg: format!(
+                        "`tokenizer_source`: the tokenizer of {} differs from that of {} (or there is none); remapping embedding rows between vocabularies is not implemented in tftf yet: drop `tokenizer_source` to merge rows by token id",
+                        m.path.display(),
+                        models[0].path.display()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Every slice source's layer range within its model.
+    fn check_ranges(&self, models: &[Model]) -> Result<()> {
+        for (i, s) in self.config.slices.iter().enumerate() {
+            for (j, src) in s.sources.iter().enumerate() {
+                let m = model_of(models, &src.model);
+                if let Some((_, end)) = src.layer_range.filter(|&(_, e)| e > m.layers) {
+                    return Err(Error::InvalidConfig {
+                        path: self.config.path.clone(),
+                        msg: format!(
+                            "slices[{i}].sources[{j}]: layer_range ends at {end} but model {} has {} layers",
+                            m.path.display(),
+                            m.layers
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The model at `path` (every configured model was opened by `attach`).
+pub(super) fn model_of<'a>(models: &'a [Model], path: &Path) -> &'a Model {
+    models
+        .iter()
+        .find(|m| m.path == path)
+        .expect("every configured model is attached")
+}
+
+/// Source `k`'s layer range in `slice` (the whole model when the config gave none).
+fn range_of(slice: &OutputSlice, k: usize, models: &[Model]) -> (u64, u64) {
+    let src = &slice.sources[k];
+    src.layer_range
+        .unwrap_or((0, model_of(models, &src.model).layers))
+}
+
+impl PlanStep for MergeStep {
+    fn attach(&self, ckpt: &mut Checkpoint) -> Result<()> {
+        let mut models = Vec::new();
+        for (k, path) in self.config.models().into_iter().enumerate() {
+            let (names, config): (HashMap<String, usize>, _) = if k == 0 {
+                let names = (0..ckpt.base_count)
+                    .map(|i| (ckpt.tensors[i].info.name.clone(), i))
+                    .collect();
+                (names, ckpt.config()?)
+            } else {
+                let other = Checkpoint::open(&path)?;
+                let config = other.config()?;
+                let first = ckpt.tensors.len();
+                let names = other.tensors[..other.base_count]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (t.info.name.clone(), first + i))
+                    .collect();
+                ckpt.attach(other);
+                (names, config)
+            };
+            let layers = layer_count(config.as_ref(), names.keys().map(String::as_str));
+            models.push(Model {
+                path,
+                names,
+                config,
+                layers,
+            });
+        }
+        *self.models.lock().unwrap() = models;
+        Ok(())
+    }
+
+    fn apply(&self, p: Planning) -> Result<bool> {
+        let models = self.models.lock().unwrap();
+        self.check_architectures(&models)?;
+        self.check_ranges(&models)?;
+        self.check_tokenizers(&models)?;
+        let donor = &models[0];
+        // Tensors outside the layers, in the donor's order: the embeddings before the layers,
+        // the rest (final norm, lm_head) after them.
+        let mut pre = Vec::new();
+        let mut post = Vec::new();
+        for t in &p.ckpt.tensors[..p.ckpt.base_count] {
+            let name = &t.info.name;
+            if split_layer(name).is_none() {
+                if is_embedding(name) {
+                    pre.push(name.clone());
+                } else {
+                    post.push(name.clone());
+                }
+            }
+        }
+        let mut out: Vec<Entry> = Vec::new();
+        let first = &self.config.slices[0];
+        let last = self.config.slices.last().expect("at least one slice");
+        for name in &pre {
+            self.push(
+                &mut out,
+                p.ckpt,
+                &models,
+                first,
+                name,
+                &|_| name.clone(),
+                0.0,
+            )?;
+        }
+        let mut layer_out = 0u64;
+        for slice in &self.config.slices {
+            let (a, b) = range_of(slice, 0, &models);
+            let first_model = model_of(&models, &slice.sources[0].model);
+            for idx in 0..b - a {
+                let t = if b - a > 1 {
+                    idx as f64 / (b - a - 1) as f64
+                } else {
+                    1.0
+                };
+                let mut names: Vec<(&String, LayerName)> = first_model
+                    .names
+                    .keys()
+                    .filter_map(|n| split_layer(n).map(|l| (n, l)))
+                    .filter(|(_, l)| l.index == a + idx)
+                    .collect();
+                names.sort_by_key(|(n, _)| first_model.names[*n]);
+                for (_, l) in names {
+                    let out_name = l.with_index(layer_out);
+                    let input_name = |k: usize| l.with_index(range_of(slice, k, &models).0 + idx);
+                    self.push(&mut out, p.ckpt, &models, slice, &out_name, &input_name, t)?;
+                }
+                layer_out += 1;
+            }
+        }
+        for name in &post {
+            self.push(
+                &mut out,
+                p.ckpt,
+                &models,
+                last,
+                name,
+                &|_| name.clone(),
+                0.0,
+            )?;
+        }
+        let unused = donor.names.len() - out.len().min(donor.names.len());
+        if !self.config.sliced && unused > 0 {
+            p.notes.lines.push(format!(
+                "{unused} tensor(s) of {} are not part of the merge",
+                donor.path.display()
+            ));
+        }
+        *p.entries = out;
+        Ok(true)
+    }
+
+    fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
+        let mut changes = Vec::new();
+        let models = self.models.lock().unwrap();
+        let layers = self.output_layers(&models);
+        for key in ["num_hidden_layers", "n_layer", "num_layers"] {
+            if let Some(old) = cfg
+                .get(key)
+                .and_then(Value::as_u64)
+                .filter(|&n| n != layers)
+            {
+                cfg.insert(key.into(), Value::from(layers));
+                changes.push(format!("config.json: {key} {old} -> {layers}"));
+            }
+        }
+        // transformers 5 writes `dtype` alone, older versions `torch_dtype`: keep to the key
+        // the donor has, as mergekit's re-serialised config does.
+        match self.config.out_dtype.or(self.config.dtype) {
+            Some(d) if !cfg.contains_key("torch_dtype") && cfg.contains_key("dtype") => {
+                let name = Value::from(d.torch_name());
+                if let Some(old) = cfg
+                    .insert("dtype".into(), name.clone())
+                    .filter(|o| *o != name)
+                {
+                    changes.push(format!("config.json: dtype {old} -> {name}"));
+                }
+            }
+            Some(d) => changes.extend(crate::plan::edit_config_dtype(cfg, d)),
+            None => {}
+        }
+        changes
+    }
+
+    fn nothing_done(&self) -> String {
+        "the merge produces no tensor".into()
+    }
+
+    fn dropped_side_files(&self) -> &'static [&'static str] {
+        // The donor's model card does not describe the merge.
+        if self.copy_tokenizer {
+            &["README.md"]
+        } else {
+            // mergekit's tokenizer files (`merge.py`, `_copy_tokenizer`), and `vocab.json`.
+            &[
+                "README.md",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "tokenizer.json",
+                "tokenizer.model",
+                "added_tokens.json",
+                "merges.txt",
+                "vocab.json",
+                "chat_template.jinja",
+                "chat_template.json",
+            ]
+        }
+    }
+
+    fn generated_files(&self) -> Vec<(String, String)> {
+        let mut files = Vec::new();
+        if let Ok(text) = std::fs::read_to_string(&self.config.path) {
+            files.push(("mergekit_config.yml".to_string(), text));
+        }
+        if let Some(t) = &self.config.chat_template {
+            files.push(("chat_template.jinja".to_string(), t.clone()));
+        }
+        files
+    }
+}
+
+/// Embeddings come before the layers (mergekit's `pre_weights`); other tensors outside the
+/// layers (final norm, `lm_head`) after them.
+fn is_embedding(name: &str) -> bool {
+    name.contains("embed") || name.contains(".wte.") || name.contains(".wpe.")
+}
+
+impl MergeStep {
+    /// Adds output tensor `name`, made from `slice`'s sources (source `k`'s tensor named
+    /// `input_name(k)`) at gradient position `t`.
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &self,
+        out: &mut Vec<Entry>,
+        ckpt: &Checkpoint,
+        models: &[Model],
+        slice: &OutputSlice,
+        name: &str,
+        input_name: &dyn Fn(usize) -> String,
+        t: f64,
+    ) -> Result<()> {
+        let inputs = Inputs::gather(&self.config, slice, models, ckpt, input_name)?;
+        let resolved = resolve_tensor(&self.config, slice, &inputs, name, t)?;
+        let first = inputs.tensors[0];
+        let src = &ckpt.tensors[first].info;
+        let dst = self
+            .config
+            .out_dtype
+            .or(self.config.dtype)
+            .unwrap_or_else(|| inputs.promoted_dtype(ckpt));
+        let id = out.len();
+        let copy = matches!(self.config.method.arithmetic, Arithmetic::Passthrough)
+            && resolved.models[0].get("scale", f64::NAN).is_nan();
+        let derive = if copy {
+            None
+        } else {
+            let seed = super::op::tensor_seed(self.seed, name);
+            let op = MergeOp::new(&self.config, &inputs, resolved, ckpt, seed)?;
+            let d: Arc<dyn crate::plan::Derive> = Arc::new(DeferredDst {
+                inputs: inputs.tensors.clone(),
+                op,
+            });
+            Some(d)
+        };
+        out.push(Entry {
+            id,
+            name: name.to_string(),
+            source: first,
+            dtype: if copy && self.config.out_dtype.or(self.config.dtype).is_none() {
+                src.dtype
+            } else {
+                dst
+            },
+            shape: src.shape.clone(),
+            derive,
+            relabel: false,
+        });
+        Ok(())
+    }
+}
+
+/// Whether `base` policy puts the base first among a tensor's inputs.
+pub(super) fn base_first(base: Base) -> bool {
+    base != Base::Ignored
+}
