@@ -165,6 +165,10 @@ pub struct ExtractLoraArgs {
     /// dtype of lora_A/lora_B: bf16, f16 or f32 (default: the fine-tuned weight's)
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<String>,
+    /// Tensors decomposed at once, each on one core: N tensor pairs in memory instead of one,
+    /// the same bytes
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub threads: usize,
     /// Print the plan and write nothing
     #[arg(long)]
     pub dry_run: bool,

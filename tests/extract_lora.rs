@@ -376,7 +376,7 @@ fn embed_lora_decomposes_embeddings_the_way_peft_stores_them() {
 }
 
 #[test]
-fn the_same_bytes_on_every_run_and_save_module_and_regexes_choose_modules() {
+fn the_same_bytes_for_any_thread_count_and_save_module_and_regexes_choose_modules() {
     let d = tmp();
     let ft = d.path().join("ft");
     finetuned(&ft, 11, |n| n.contains("layers."));
@@ -405,6 +405,8 @@ fn the_same_bytes_on_every_run_and_save_module_and_regexes_choose_modules() {
         "--exclude-regex",
         "layers\\.1\\.",
         "--skip-undecomposable",
+        "--threads",
+        "3",
     ]));
     for f in ["adapter_model.safetensors", "adapter_config.json"] {
         assert_eq!(
@@ -558,4 +560,80 @@ fn peft_loads_the_extracted_adapter_when_python_has_peft() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+}
+
+#[test]
+fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
+    let d = tmp();
+    let specs: [Spec; 2] = [
+        ("m.q_proj.weight", DType::F32, &[4, 8]),
+        ("m.q_proj.bias", DType::F32, &[4]),
+    ];
+    let base = tiny(&d.path().join("base"), &specs);
+    let mut rng = Rng(77);
+    let ft =
+        Model::new()
+            .tensors(load_all(&base.join("model.safetensors")).into_iter().map(
+                |(n, (_, sh, _))| {
+                    let dims: Vec<u64> = sh.iter().map(|&x| x as u64).collect();
+                    rand_t(&mut rng, &n, DType::F32, &dims)
+                },
+            ))
+            .write(&d.path().join("ft"));
+    let out = d.path().join("lora");
+    let args = [
+        "extract-lora",
+        "--base",
+        s(&base),
+        "--model",
+        s(&ft),
+        "-r",
+        "2",
+        "-o",
+        s(&out),
+    ];
+    ok(&tftf(&args));
+    let a = load_all(&out.join("adapter_model.safetensors"));
+    let (b, f) = (
+        load_all(&base.join("model.safetensors")),
+        load_all(&ft.join("model.safetensors")),
+    );
+    let want: Vec<f32> = f32s_of(&f["m.q_proj.bias"].2)
+        .iter()
+        .zip(f32s_of(&b["m.q_proj.bias"].2))
+        .map(|(x, y)| (*x as f64 - y as f64) as f32)
+        .collect();
+    assert_eq!(
+        a["base_model.model.m.q_proj.lora_B.bias"].2,
+        f32_bytes(&want)
+    );
+    assert_eq!(
+        read_json(&out.join("adapter_config.json"))["lora_bias"],
+        true
+    );
+}
+
+#[test]
+fn a_non_finite_difference_is_refused_and_nothing_is_left() {
+    let d = tmp();
+    let w = |x: f32| f32_bytes(&[1.0, 2.0, x, 4.0, 5.0, 6.0]);
+    let base = Model::new()
+        .tensor("m.q_proj.weight", DType::F32, &[2, 3], w(3.0))
+        .write(&d.path().join("base"));
+    let ft = Model::new()
+        .tensor("m.q_proj.weight", DType::F32, &[2, 3], w(f32::INFINITY))
+        .write(&d.path().join("ft"));
+    let out = d.path().join("lora");
+    let msg = fails(&[
+        "extract-lora",
+        "--base",
+        s(&base),
+        "--model",
+        s(&ft),
+        "-r",
+        "1",
+        "-o",
+        s(&out),
+    ]);
+    assert_refused(&msg, &["`m.q_proj.weight`", "NaN or infinity"], &out);
 }

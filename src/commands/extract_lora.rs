@@ -95,12 +95,13 @@ pub fn run(a: &ExtractLoraArgs, cancel: &Cancel) -> Result<()> {
         opts: &opts,
         verbose: a.verbose && !a.quiet,
     };
-    for (item, info) in plan.items.iter().zip(first_infos(&plan, &infos)) {
-        if cancel.is_raised() {
-            return Err(Error::Cancelled);
-        }
-        ctx.write_item(item, data_start + info.begin)?;
-    }
+    let work: Vec<(&Item, u64)> = plan
+        .items
+        .iter()
+        .zip(first_infos(&plan, &infos))
+        .map(|(item, info)| (item, data_start + info.begin))
+        .collect();
+    write_items(&ctx, &work, a.threads, cancel)?;
     set.add_bytes(ADAPTER_CONFIG, config_text(&plan, &a.base).as_bytes())?;
     set.commit(&[])?;
     if !a.quiet {
@@ -119,6 +120,42 @@ pub fn run(a: &ExtractLoraArgs, cancel: &Cancel) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Computes and writes every item, `threads` at a time. Each item's bytes are computed alone
+/// (faer runs sequentially inside one), so the file is the same for any count; the error
+/// kept is that of the first failing item in plan order, and it stops the others.
+fn write_items(ctx: &Ctx, work: &[(&Item, u64)], threads: usize, cancel: &Cancel) -> Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let next = AtomicUsize::new(0);
+    let failed: std::sync::Mutex<Option<(usize, Error)>> = std::sync::Mutex::new(None);
+    let fail = |i: usize, e: Error| {
+        let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+        if f.as_ref().is_none_or(|(j, _)| i < *j) {
+            *f = Some((i, e));
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, work.len().max(1)) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Relaxed);
+                let Some((item, at)) = work.get(i) else {
+                    return;
+                };
+                let stop = failed.lock().map_or(true, |f| f.is_some());
+                if stop || cancel.is_raised() {
+                    return fail(i, Error::Cancelled);
+                }
+                if let Err(e) = ctx.write_item(item, *at) {
+                    return fail(i, e);
+                }
+            });
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// The adapter file's tensors, in plan order, with their offsets, and its header bytes.
@@ -207,6 +244,13 @@ impl Ctx<'_> {
         let mut d = read_f64(self.model, t)?;
         let base = read_f64(self.base, b)?;
         d.iter_mut().zip(&base).for_each(|(x, y)| *x -= y);
+        if d.iter().any(|x| !x.is_finite()) {
+            return Err(Error::InvalidTensor {
+                path: self.model.input.clone(),
+                tensor: name.into(),
+                msg: "the difference from the base holds NaN or infinity: it has no SVD".into(),
+            });
+        }
         Ok((d, &t.info.shape))
     }
 
@@ -233,8 +277,7 @@ impl Ctx<'_> {
                 let (d, shape) = self.difference(tensor)?;
                 let dims = (shape[0] as usize, shape[1] as usize);
                 let (r, distribute) = (self.opts.rank, self.opts.distribute_scale);
-                let f = decompose(&d, dims, *transpose, r, distribute, tensor)?;
-                drop(d);
+                let f = decompose(d, dims, *transpose, r, distribute, tensor)?;
                 let a = encode(&f.a, item.outputs[0].dtype);
                 self.put(&a, at)?;
                 self.put(&encode(&f.b, item.outputs[1].dtype), at + a.len() as u64)?;

@@ -341,14 +341,23 @@ pub fn read_f64(ckpt: &Checkpoint, t: &TensorRef) -> Result<Vec<f64>> {
     let n = t.info.nbytes() as usize;
     let mut bytes = vec![0u8; n];
     ckpt.read_tensor_at(t, 0, &mut bytes)?;
-    let count = t.info.shape.iter().product::<u64>() as usize;
-    let mut wide = vec![0u8; count * 8];
-    crate::ops::cast::cast_slice(t.info.dtype, DType::F64, &bytes, &mut wide);
-    Ok(wide
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect())
+    let size = (t.info.dtype.bits() / 8) as usize;
+    let mut out = Vec::with_capacity(n / size);
+    // Widened a block at a time: no second whole-tensor copy.
+    let mut wide = vec![0u8; WIDEN_BLOCK_ELEMENTS * 8];
+    for block in bytes.chunks(WIDEN_BLOCK_ELEMENTS * size) {
+        let wide = &mut wide[..block.len() / size * 8];
+        crate::ops::cast::cast_slice(t.info.dtype, DType::F64, block, wide);
+        out.extend(
+            wide.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        );
+    }
+    Ok(out)
 }
+
+/// Elements widened to f64 at a time by [`read_f64`].
+const WIDEN_BLOCK_ELEMENTS: usize = 1 << 16;
 
 /// f64 values as `dtype` bytes, rounded once.
 pub fn encode(values: &[f64], dtype: DType) -> Vec<u8> {
@@ -370,7 +379,7 @@ pub struct Factors {
 /// Truncated SVD of the row-major `[rows, cols]` matrix `delta` (transposed first when
 /// `transpose`), split into LoRA factors. `name` is for the error message.
 pub fn decompose(
-    delta: &[f64],
+    delta: Vec<f64>,
     (rows, cols): (usize, usize),
     transpose: bool,
     rank: usize,
@@ -382,6 +391,7 @@ pub fn decompose(
     } else {
         Mat::from_fn(rows, cols, |i, j| delta[i * cols + j])
     };
+    drop(delta);
     let (m, n) = (d.nrows(), d.ncols());
     let k = m.min(n);
     let mut u = Mat::<f64>::zeros(m, k);
@@ -457,7 +467,8 @@ mod tests {
         }
         for transpose in [false, true] {
             for distribute in [true, false] {
-                let f = decompose(&delta, (rows, cols), transpose, 2, distribute, "t").unwrap();
+                let f =
+                    decompose(delta.clone(), (rows, cols), transpose, 2, distribute, "t").unwrap();
                 let (m, n) = if transpose {
                     (cols, rows)
                 } else {
