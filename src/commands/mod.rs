@@ -46,6 +46,7 @@ const ARGUMENTS_NOT_FINGERPRINTED: &[&str] = &[
     "model",
     "src",
     "output",
+    "outdir",
     "threads",
     "io_threads",
     "memory_budget",
