@@ -67,6 +67,123 @@ pub enum Command {
     /// Complete an output written by `--part K/N` jobs: check every part's records, then write
     /// the index, config, side files and checksums
     Finalize(FinalizeArgs),
+    /// Convert a model into a directory: `--format gguf` runs `gguf`, `--format safetensors`
+    /// runs `passthrough`
+    Convert(Box<ConvertArgs>),
+    /// Extract a PEFT LoRA adapter from the difference between a fine-tuned model and its
+    /// base (truncated SVD per linear weight), as mergekit-extract-lora does
+    #[command(name = "extract-lora")]
+    ExtractLora(Box<ExtractLoraArgs>),
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Output format: gguf (as `tftf gguf`) or safetensors (as `tftf passthrough`)
+    #[arg(long, value_name = "FORMAT", value_parser = ["gguf", "safetensors"])]
+    pub format: String,
+    /// Output directory (created); GGUF: the file is named after the input (`model.pt` gives
+    /// `model.gguf`, a folder its name); safetensors: `model.safetensors` or shards + index
+    #[arg(long, short = 'o', visible_alias = "output", value_name = "DIR")]
+    pub outdir: PathBuf,
+    /// GGUF tensor type, as `gguf --outtype`: auto, f32, f16, bf16 or q8_0
+    #[arg(long, value_name = "TYPE", value_parser = ["auto", "f32", "f16", "bf16", "q8_0"])]
+    pub outtype: Option<String>,
+    /// GGUF: split into files of at most SIZE tensor bytes, as `gguf --split-max-size`
+    #[arg(long, value_name = "SIZE")]
+    pub split_max_size: Option<String>,
+    /// GGUF: treat the model as this architecture, as `gguf --arch`
+    #[arg(long, value_name = "NAME")]
+    pub arch: Option<String>,
+    /// GGUF: tokenizer.ggml.pre to write, as `gguf --vocab-pre`
+    #[arg(long, value_name = "NAME")]
+    pub vocab_pre: Option<String>,
+    /// safetensors: cast float tensors to bf16, f16 or f32, as `passthrough --dtype`
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// safetensors: shards of at most SIZE, as `passthrough --max-shard-size`
+    #[arg(long, value_name = "SIZE")]
+    pub max_shard_size: Option<String>,
+    #[command(flatten)]
+    pub run: RunOpts,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// Replace existing output files
+    #[arg(long)]
+    pub force: bool,
+    /// Copy unchanged tensors through user memory instead of copy_file_range/reflinks
+    #[arg(long)]
+    pub no_reflink: bool,
+    /// Where ops compute: auto, cpu, cuda or cuda:N
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: String,
+}
+
+#[derive(Args, Debug)]
+pub struct ExtractLoraArgs {
+    /// The base model (any input tftf reads)
+    #[arg(long, visible_alias = "base-model", value_name = "BASE")]
+    pub base: PathBuf,
+    /// The fine-tuned model
+    #[arg(long, value_name = "FINETUNED")]
+    pub model: PathBuf,
+    /// Output directory for adapter_model.safetensors and adapter_config.json
+    #[arg(
+        short = 'o',
+        long = "output",
+        visible_alias = "out-path",
+        value_name = "ADAPTER"
+    )]
+    pub output: PathBuf,
+    /// LoRA rank of every decomposed module; larger than a weight's smaller side is an error
+    #[arg(
+        short = 'r',
+        long,
+        visible_alias = "max-rank",
+        value_name = "RANK",
+        default_value_t = 128
+    )]
+    pub rank: u64,
+    /// Put all singular values into lora_A instead of sqrt(S) into each factor
+    #[arg(long)]
+    pub no_distribute_scale: bool,
+    /// Decompose embeddings (lora_embedding_A/B) and lm_head too, instead of saving them
+    /// whole in modules_to_save
+    #[arg(long)]
+    pub embed_lora: bool,
+    /// Save modules with this name (last name component or full name) at full rank (repeatable)
+    #[arg(long = "save-module", value_name = "NAME")]
+    pub save_modules: Vec<String>,
+    /// Leave out modules whose name matches this regex (repeatable)
+    #[arg(short = 'e', long = "exclude-regex", value_name = "REGEX")]
+    pub exclude_regexes: Vec<String>,
+    /// Only decompose modules whose name matches one of these regexes (repeatable)
+    #[arg(short = 'i', long = "include-regex", value_name = "REGEX")]
+    pub include_regexes: Vec<String>,
+    /// Leave out weights that cannot be decomposed (norms, other non-2-D weights) instead of
+    /// saving them at full rank
+    #[arg(long)]
+    pub skip_undecomposable: bool,
+    /// dtype of lora_A/lora_B: bf16, f16 or f32 (default: the fine-tuned weight's)
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+    /// Tensors decomposed at once, each on one core: N tensor pairs in memory instead of one,
+    /// the same bytes
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub threads: usize,
+    /// Print the plan and write nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replace an existing adapter in the output directory
+    #[arg(long)]
+    pub force: bool,
+    /// Print nothing but errors
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Print one line per module
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]

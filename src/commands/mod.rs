@@ -1,6 +1,8 @@
 //! Command implementations; `dispatch` turns parsed flags into validated requests once.
 
+pub mod convert;
 pub mod demo;
+pub mod extract_lora;
 pub mod info;
 pub mod merge;
 pub mod options;
@@ -45,6 +47,7 @@ const ARGUMENTS_NOT_FINGERPRINTED: &[&str] = &[
     "model",
     "src",
     "output",
+    "outdir",
     "threads",
     "io_threads",
     "memory_budget",
@@ -197,6 +200,7 @@ fn writing_job(
             opts(&a.write)?,
             &|| flag_or_positional(&a.src, &a.model),
         ),
+        Command::Convert(a) => Ok(Some(convert::job(a, arguments)?)),
         Command::Gguf(a) => job(
             "gguf",
             Vec::new(),
@@ -284,6 +288,7 @@ fn run_other(command: &Command, cancel: &Cancel) -> Result<i32> {
         }
         Command::Verify(a) => verify(&a.dir),
         Command::Demo(a) => demo::run(a.keep.as_deref(), cancel).map(|_| 0),
+        Command::ExtractLora(a) => extract_lora::run(a, cancel).map(|_| 0),
         _ => unreachable!("writing commands are jobs"),
     }
 }

@@ -149,7 +149,7 @@ impl<'a> OutputTarget<'a> {
             abs.ancestors().any(|a| FileId::of(a) == Some(input))
         };
         let clash = if ckpt.has_model_dir() {
-            inside(&ckpt.dir)
+            inside(&ckpt.dir) && !beside_single_file(&dir, ckpt)
         } else {
             matches!(kind, OutputKind::File) && inputs.input_at(path).is_some()
         };
@@ -368,6 +368,52 @@ impl<'a> OutputTarget<'a> {
         }
         Ok(())
     }
+}
+
+/// Whether output directory `dir`, inside the directory of `ckpt`, is a subdirectory beside a
+/// single-file input that no read of that input (or of its folder) can pick up: the input is
+/// one weight file read alone (not an index, a DCP or a shard set), `dir` is not the folder
+/// itself, and the entry it occupies in the folder is not named like a weight file, an index
+/// or a GGUF file. `cd model && tftf convert model.pt --format gguf --outdir ./converted` is
+/// then allowed; every file the run replaces or deletes is still checked against the inputs.
+fn beside_single_file(dir: &Path, ckpt: &Checkpoint) -> bool {
+    let [shard] = ckpt.shards.as_slice() else {
+        return false;
+    };
+    let single = ckpt.index_path.is_none()
+        && !ckpt.input.is_dir()
+        && FileId::of(&shard.path).is_some()
+        && FileId::of(&shard.path) == FileId::of(&ckpt.input);
+    let (Some(input_dir), out) = (FileId::of(&ckpt.dir), resolve(dir)) else {
+        return false;
+    };
+    if !single || FileId::of(&out) == Some(input_dir) {
+        return false;
+    }
+    // The entry of the input's folder that holds the output: the ancestor of `out` whose
+    // parent is the folder.
+    let entry = out
+        .ancestors()
+        .find(|a| a.parent().and_then(FileId::of) == Some(input_dir));
+    entry
+        .and_then(Path::file_name)
+        .is_some_and(|n| !looks_like_weights(&n.to_string_lossy()))
+}
+
+/// Names a directory read of a checkpoint folder takes for weights or an index (or that a
+/// user would take for a model file): `*.safetensors`, `*.json` indexes, torch weight files,
+/// DCP files, `*.gguf`.
+fn looks_like_weights(name: &str) -> bool {
+    const SUFFIXES: [&str; 7] = [
+        ".safetensors",
+        ".index.json",
+        ".bin",
+        ".pt",
+        ".pth",
+        ".distcp",
+        ".gguf",
+    ];
+    name == crate::format::torch::dcp::METADATA_NAME || SUFFIXES.iter().any(|s| name.ends_with(s))
 }
 
 /// A run that is not one of the parts must not clean up (or write over) a partitioned run's

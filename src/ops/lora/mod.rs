@@ -11,6 +11,7 @@
 
 pub use crate::plan::kernel::lora as kernel;
 mod experts;
+pub mod extract;
 mod finite;
 pub mod merge;
 mod params;
