@@ -428,6 +428,13 @@ pub struct QuantizeArgs {
     pub input: InputArgs,
     #[command(flatten)]
     pub write: WriteArgs,
+    #[command(flatten)]
+    pub quantize: QuantizeOptions,
+}
+
+/// The quantisation options, shared by `quantize` and `run --quantize`.
+#[derive(Args, Debug)]
+pub struct QuantizeOptions {
     /// llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, NVFP4A16, MXFP4A16 or
     /// MXFP8A16
     #[arg(long, value_name = "SCHEME")]
@@ -675,6 +682,8 @@ Pipe sections, applied in the order written; options after a section flag belong
   --repack-fp4  [--experts M] [--engram M] [--only-shards N] [--shard-list A,B]
                 [--require-lossless] [--expert-pattern RE] [--engram-pattern RE]
                 [--no-config-update]
+  --quantize    --scheme SCHEME [--format F] [--ignore GLOB]... [--no-default-ignore]
+                (the last section; as the `quantize` command)
 A section option written before the first section, or in a section of another kind, is a
 default for every section of its kind (the older form `--merge-lora A --dequant-fp8 --scale 2`).
 
@@ -769,6 +778,13 @@ pub struct MergeSection {
 pub struct RepackSection {
     #[command(flatten)]
     pub fp4: Fp4RepackArgs,
+}
+
+/// `run --quantize`.
+#[derive(Args, Debug)]
+pub struct QuantizeSection {
+    #[command(flatten)]
+    pub quantize: QuantizeOptions,
 }
 
 #[derive(Args, Debug)]

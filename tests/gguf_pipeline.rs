@@ -294,3 +294,48 @@ fn a_directory_named_as_the_gguf_output_is_refused() {
     assert_mentions(&err, &["out.gguf", "is a directory"]);
     assert_listing(&dir, "");
 }
+
+/// The library's GGUF writer takes the checkpoint as it is: a pipe before it is refused
+/// (it would be left out silently), naming what to do, and nothing is written.
+#[test]
+fn api_gguf_writer_refuses_a_pipe_and_writes_nothing() {
+    let c = GgufCase::dense(11, "llama3");
+    let out = c.path("out/m.gguf");
+    for pipe in [
+        tftf::Pipe::dtype_cast(DType::BF16),
+        tftf::Pipe::key_filter(["model.*"], Vec::<&str>::new()),
+    ] {
+        let err = tftf::Pipeline::new(
+            tftf::Reader::from_path(&c.model),
+            pipe,
+            tftf::Writer::gguf(&out).vocab_pre("test-pre"),
+        )
+        .run()
+        .unwrap_err()
+        .to_string();
+        assert_mentions(
+            &err,
+            &["a GGUF writer converts the checkpoint as it is and applies no pipe"],
+        );
+        assert!(!out.exists() && !c.path("out").exists(), "{err}");
+    }
+    let report = tftf::Pipeline::new(
+        tftf::Reader::from_path(&c.model),
+        tftf::Pipe::new(),
+        tftf::Writer::gguf(&out).vocab_pre("test-pre"),
+    )
+    .run()
+    .unwrap();
+    assert!(report.ok());
+    let cli = c.path("cli.gguf");
+    ok(&tftf(&[
+        "gguf",
+        s(&c.model),
+        "-o",
+        s(&cli),
+        "--vocab-pre",
+        "test-pre",
+        "-q",
+    ]));
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&cli).unwrap());
+}

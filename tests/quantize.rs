@@ -628,3 +628,59 @@ fn modelopt_dry_run_lists_exclude_modules_and_hf_quant_config() {
     assert_mentions(&text, &["side files: config.json, hf_quant_config.json"]);
     assert!(!out.exists());
 }
+
+/// Every file of `dir` (config.json, shards, index, tokenizer) by name, with its bytes.
+fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    listing(dir)
+        .into_iter()
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect()
+}
+
+#[test]
+fn run_quantize_section_and_api_pipe_equal_the_quantize_command() {
+    let input = input_of("W4A16");
+    let (_want_dir, want) = quantized("W4A16", &["--format", "compressed-tensors"]);
+    let (_dir, run_out) = tmp_out();
+    let run = [
+        "run",
+        "-i",
+        s(&input),
+        "-o",
+        s(&run_out),
+        "-q",
+        "--quantize",
+    ];
+    ok(&tftf(&[&run[..], &["--scheme", "W4A16"]].concat()));
+    assert_eq!(files_of(&run_out), files_of(&want), "run --quantize");
+    let (_dir, api_out) = tmp_out();
+    let report = tftf::Pipeline::new(
+        tftf::Reader::from_path(&input),
+        tftf::Pipe::quantize("W4A16", "compressed-tensors"),
+        tftf::Writer::sharded(&api_out),
+    )
+    .run()
+    .unwrap();
+    assert!(report.ok());
+    assert_eq!(files_of(&api_out), files_of(&want), "Pipe::quantize");
+}
+
+#[test]
+fn run_quantize_must_be_the_last_and_only_quantize_section() {
+    let input = input_of("W4A16");
+    let (_dir, out) = tmp_out();
+    let (i, o) = (s(&input), s(&out));
+    let q = ["--quantize", "--scheme", "W4A16"];
+    for after in [&["--dtype-cast", "bf16"][..], &q[..]] {
+        let args = [&["run", "-i", i, "-o", o][..], &q[..], after].concat();
+        let err = usage_error(&args);
+        assert_mentions(
+            &err,
+            &["--quantize must be the last section, and the only one"],
+        );
+        assert!(!out.exists(), "output left behind: {err}");
+    }
+    let err = usage_error(&["run", "-i", i, "-o", o, "--quantize", "--scheme", "W9"]);
+    assert_mentions(&err, &["--quantize: ", "W9"]);
+    assert!(!out.exists());
+}

@@ -81,6 +81,10 @@ struct WriterSpec {
     outtype: Option<String>,
     #[pyo3(item)]
     force: bool,
+    #[pyo3(item)]
+    arch: Option<String>,
+    #[pyo3(item)]
+    vocab_pre: Option<String>,
 }
 
 impl WriterSpec {
@@ -114,6 +118,12 @@ impl WriterSpec {
                 })?;
                 writer = writer.outtype(file_type);
             }
+        }
+        if let Some(arch) = &self.arch {
+            writer = writer.arch(arch);
+        }
+        if let Some(pre) = &self.vocab_pre {
+            writer = writer.vocab_pre(pre);
         }
         Ok(writer.force(self.force))
     }

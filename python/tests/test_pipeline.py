@@ -159,7 +159,8 @@ def test_an_exception_in_the_progress_callback_stops_the_rust_run(model, tmp_pat
     def progress(done, total, file):
         raise InterruptedError(f"stop at {done} of {total}")
 
-    spec = {"kind": "sharded", "path": str(out), "max_shard_size": 256, "outtype": None, "force": False}
+    spec = {"kind": "sharded", "path": str(out), "max_shard_size": 256, "outtype": None, "force": False,
+            "arch": None, "vocab_pre": None}
     with pytest.raises(InterruptedError, match="stop at"):
         _core.run_pipeline(str(model), ["--dtype-cast", "--dtype=f16"], spec, threads=1, progress=progress)
     assert not out.exists() or list(out.iterdir()) == []

@@ -28,6 +28,7 @@ _WHERE = {
     "LoRAMergeBase": "tftf.pipes._lora_base", "LoRAMergePipe": "tftf.pipes.lora_merge",
     "DCPLoRAMergePipe": "tftf.pipes.dcp_lora_merge", "FP8DequantPipe": "tftf.pipes.fp8_dequant",
     "DequantPipe": "tftf.pipes.extra", "RepackFP4Pipe": "tftf.pipes.extra",
+    "QuantizePipe": "tftf.pipes.extra",
 }
 
 __all__ = [*_WHERE, "TftfError"]

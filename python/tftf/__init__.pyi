@@ -12,7 +12,7 @@ from tftf.pipes._lora_base import LoRAMergeBase as LoRAMergeBase
 from tftf.pipes.base import CompoundPipe as CompoundPipe, Pipe as Pipe, TensorMeta as TensorMeta, TensorRecord as TensorRecord
 from tftf.pipes.dcp_lora_merge import DCPLoRAMergePipe as DCPLoRAMergePipe
 from tftf.pipes.dtype_cast import DTypeCastPipe as DTypeCastPipe
-from tftf.pipes.extra import DequantPipe as DequantPipe, RepackFP4Pipe as RepackFP4Pipe
+from tftf.pipes.extra import DequantPipe as DequantPipe, QuantizePipe as QuantizePipe, RepackFP4Pipe as RepackFP4Pipe
 from tftf.pipes.fp8_dequant import FP8DequantPipe as FP8DequantPipe
 from tftf.pipes.key_filter import KeyFilterPipe as KeyFilterPipe
 from tftf.pipes.key_rename import KeyRenamePipe as KeyRenamePipe

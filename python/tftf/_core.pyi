@@ -10,6 +10,8 @@ class WriterSpec(TypedDict):
     max_shard_size: Optional[int]
     outtype: Optional[str]
     force: bool
+    arch: Optional[str]
+    vocab_pre: Optional[str]
 
 def cli_main(argv: Sequence[str]) -> int: ...
 def run_pipeline(

@@ -87,6 +87,17 @@ impl Pipe {
         )
     }
 
+    /// Quantises the weights as `tftf quantize --scheme SCHEME --format FORMAT` does
+    /// (llm-compressor presets: `FP8_BLOCK`, `W4A16`, …; formats `compressed-tensors`,
+    /// `fp8-native`, `modelopt`), with its default ignore list. It must be the chain's last
+    /// transformation.
+    pub fn quantize(scheme: &str, format: &str) -> Pipe {
+        Pipe::section(
+            "--quantize",
+            [format!("--scheme={scheme}"), format!("--format={format}")].map(OsString::from),
+        )
+    }
+
     /// How many transformations the chain holds.
     pub fn len(&self) -> usize {
         self.sections.len()

@@ -19,6 +19,9 @@ pub struct Writer {
     max_shard_bytes: Option<u64>,
     outtype: Option<FileType>,
     force: bool,
+    /// GGUF only: `--arch` and `--vocab-pre`.
+    arch: Option<String>,
+    vocab_pre: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -67,18 +70,39 @@ impl Writer {
         force(force: bool) => force = force;
     }
 
+    /// The architecture to treat the model as (`--arch`; GGUF output only): a config.json
+    /// class name or a GGUF architecture.
+    pub fn arch(mut self, arch: impl Into<String>) -> Writer {
+        self.arch = Some(arch.into());
+        self
+    }
+
+    /// The `tokenizer.ggml.pre` to write (`--vocab-pre`; GGUF output only), for a
+    /// pre-tokenizer llama.cpp does not recognise by its hash.
+    pub fn vocab_pre(mut self, name: impl Into<String>) -> Writer {
+        self.vocab_pre = Some(name.into());
+        self
+    }
+
     fn of(kind: Kind) -> Writer {
         Writer {
             kind,
             max_shard_bytes: None,
             outtype: None,
             force: false,
+            arch: None,
+            vocab_pre: None,
         }
     }
 
     /// Whether this is the dry-run writer.
     pub(crate) fn is_null(&self) -> bool {
         matches!(self.kind, Kind::Null)
+    }
+
+    /// Whether this is a GGUF writer.
+    pub(crate) fn is_gguf(&self) -> bool {
+        matches!(self.kind, Kind::Gguf(_))
     }
 
     /// The output path and format the driver takes; refuses options that do not apply.
@@ -91,8 +115,8 @@ impl Writer {
         if self.max_shard_bytes.is_some() && !sharded {
             return refuse("max_shard_size applies to a sharded writer".into());
         }
-        if self.outtype.is_some() && !gguf {
-            return refuse("outtype applies to a GGUF writer".into());
+        if (self.outtype.is_some() || self.arch.is_some() || self.vocab_pre.is_some()) && !gguf {
+            return refuse("outtype, arch and vocab_pre apply to a GGUF writer".into());
         }
         let safetensors = Format::Safetensors {
             max_shard_bytes: self.max_shard_bytes,
@@ -125,8 +149,8 @@ impl Writer {
             file_name: file_name.to_string_lossy().into_owned(),
             file_type: self.outtype,
             split_max_bytes: 0,
-            arch: None,
-            vocab_pre: None,
+            arch: self.arch.clone(),
+            vocab_pre: self.vocab_pre.clone(),
             mix: Default::default(),
         })
     }
@@ -154,6 +178,8 @@ mod tests {
         assert!(usage(Writer::sharded("out.safetensors")));
         assert!(usage(Writer::file("m.safetensors").max_shard_size(1 << 20)));
         assert!(usage(Writer::sharded("out").outtype(FileType::MostlyF16)));
+        assert!(usage(Writer::file("m.safetensors").vocab_pre("llama-bpe")));
+        assert!(usage(Writer::null().arch("llama")));
         assert!(!usage(Writer::null().max_shard_size(1 << 20)));
         let (path, format) = Writer::gguf("dir/m.gguf")
             .outtype(FileType::AllF32)

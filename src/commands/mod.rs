@@ -164,9 +164,12 @@ fn writing_job(
             }
             job("dequant", steps, opts(&a.write)?, &|| input_path(&a.input))
         }
-        Command::Quantize(a) => job("quantize", quantize_steps(a)?, opts(&a.write)?, &|| {
-            input_path(&a.input)
-        }),
+        Command::Quantize(a) => job(
+            "quantize",
+            quantize_steps(&a.quantize)?,
+            opts(&a.write)?,
+            &|| input_path(&a.input),
+        ),
         Command::Merge(a) => {
             let m = merge::job(a, arguments)?;
             job("merge", m.steps, m.options, &|| Ok(m.source.clone()))
@@ -224,7 +227,8 @@ fn renamed_merge(
     Ok(steps)
 }
 
-fn quantize_steps(a: &crate::cli::QuantizeArgs) -> Result<Vec<Step>> {
+/// The quantisation step of `quantize` and of `run --quantize`.
+pub(crate) fn quantize_steps(a: &crate::cli::QuantizeOptions) -> Result<Vec<Step>> {
     use crate::ops::quantize::{Format, IgnoreRule, QuantizeStep, Scheme};
     let scheme = Scheme::parse(&a.scheme)?;
     let ignore = a

@@ -22,14 +22,14 @@ use super::steps::{
 };
 use crate::cli::{
     DequantSection, DtypeCastSection, KeyExcludeSection, KeyFilterSection, KeyRenameSection,
-    MergeSection, RepackSection,
+    MergeSection, QuantizeSection, RepackSection,
 };
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::plan::Step;
 
 /// The section flags, in the order `--help` lists them.
-const KINDS: [&str; 7] = [
+const KINDS: [&str; 8] = [
     "--key-filter",
     "--key-exclude",
     "--key-rename",
@@ -37,6 +37,7 @@ const KINDS: [&str; 7] = [
     "--dequant-fp8",
     "--merge-lora",
     "--repack-fp4",
+    "--quantize",
 ];
 
 /// Options that name what a section does; they are never borrowed as defaults by another
@@ -65,6 +66,7 @@ fn section_command(kind: &'static str) -> Command {
         "--dtype-cast" => DtypeCastSection::augment_args(cmd),
         "--dequant-fp8" => DequantSection::augment_args(cmd),
         "--merge-lora" => MergeSection::augment_args(cmd),
+        "--quantize" => QuantizeSection::augment_args(cmd),
         _ => RepackSection::augment_args(cmd),
     };
     cmd.build();
@@ -322,6 +324,7 @@ impl RunSections {
                     fp_op_before = true;
                 }
                 "--merge-lora" => steps.push(merge_step(kind, &m, fp_op_before, any_cast)?),
+                "--quantize" => steps.extend(self.quantize_steps(kind, &m)?),
                 _ => {
                     let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
                     steps.push(repack_step(&s.fp4).map_err(|e| usage(kind, e))?);
@@ -330,6 +333,19 @@ impl RunSections {
             }
         }
         Ok(steps)
+    }
+
+    /// `--quantize`'s step, which must come last: a later section would see quantised
+    /// tensors and their scales.
+    fn quantize_steps(&self, kind: &'static str, m: &clap::ArgMatches) -> Result<Vec<Step>> {
+        let count = self.sections.iter().filter(|s| s.0 == kind).count();
+        if count > 1 || self.sections.last().map(|s| s.0) != Some(kind) {
+            return Err(Error::Usage(format!(
+                "{kind} must be the last section, and the only one (a later section would see quantised tensors)"
+            )));
+        }
+        let s = QuantizeSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+        super::quantize_steps(&s.quantize).map_err(|e| usage(kind, e))
     }
 
     fn parse(&self, kind: &'static str, tokens: &[OsString]) -> Result<clap::ArgMatches> {

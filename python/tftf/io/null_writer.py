@@ -126,7 +126,7 @@ class NullWriter(StreamingWriter):
         self.finalize()
 
     def _rust_output(self) -> Optional[dict]:
-        return {"kind": "null", "path": None, "max_shard_size": None, "outtype": None, "force": False}
+        return {"kind": "null", "path": None, "max_shard_size": None, "outtype": None, "force": False, "arch": None, "vocab_pre": None}
 
     def __repr__(self) -> str:
         return "NullWriter()"

@@ -129,7 +129,7 @@ class ShardedWriter(StreamingWriter):
     def _rust_output(self) -> Optional[dict]:
         if self.filename_stem != "model" or self.index_filename != "model.safetensors.index.json":
             return None
-        return {"kind": "sharded", "path": str(self.path), "max_shard_size": self.max_shard_bytes, "outtype": None, "force": self.force}
+        return {"kind": "sharded", "path": str(self.path), "max_shard_size": self.max_shard_bytes, "outtype": None, "force": self.force, "arch": None, "vocab_pre": None}
 
     def _after_rust(self, report: dict) -> None:
         """Upstream's layout after a Rust run: the Rust writer names a one-shard output

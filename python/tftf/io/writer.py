@@ -137,7 +137,7 @@ class StreamingWriter:
     def _rust_output(self) -> Optional[dict]:
         if self.path.suffix != ".safetensors":
             return None
-        return {"kind": "file", "path": str(self.path), "max_shard_size": None, "outtype": None, "force": self.force}
+        return {"kind": "file", "path": str(self.path), "max_shard_size": None, "outtype": None, "force": self.force, "arch": None, "vocab_pre": None}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r})"
