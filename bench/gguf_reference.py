@@ -129,6 +129,21 @@ def gptoss():
     return c, sd
 
 
+def qwen2moe():
+    c = config("qwen2moe")
+    h = c["hidden_size"]
+    sd = {}
+    def layer(sd, p, l):
+        attn(sd, p, c, bias=True)
+        linear(sd, p + "mlp.gate", c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            mlp(sd, p + f"mlp.experts.{e}.", h, c["moe_intermediate_size"])
+        mlp(sd, p + "mlp.shared_expert.", h, c["shared_expert_intermediate_size"])
+        linear(sd, p + "mlp.shared_expert_gate", 1, h)
+    common(sd, c, layer)
+    return c, sd
+
+
 def olmo2():
     c = config("olmo2")
     h = c["hidden_size"]
@@ -198,6 +213,7 @@ ARCHS = {  # name: (builder, outtypes)
     "deepseek-v3": (deepseekv3, ["bf16", "q8_0"]),
     "granite3": (dense("granite3"), ["bf16", "q8_0"]),  # tied embeddings, no lm_head
     "olmo2": (olmo2, ["bf16", "q8_0"]),
+    "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
 }
 
 REF = f"""

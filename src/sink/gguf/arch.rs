@@ -259,6 +259,32 @@ pub static ARCHS: &[ArchSpec] = &[
         ],
     },
     ArchSpec {
+        hf_classes: &["Qwen2MoeForCausalLM"],
+        gguf_arch: "qwen2moe",
+        // The reference's Qwen3-MoE class is Qwen2-MoE's: the same KVs and expert stacking.
+        family: Family::Qwen3Moe,
+        defaults: &[
+            ("max_position_embeddings", Int(32768)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(16)),
+            ("num_experts_per_tok", Int(4)),
+            ("moe_intermediate_size", Int(1408)),
+            ("shared_expert_intermediate_size", Int(5632)),
+            ("num_experts", Int(60)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("mlp.gate", "ffn_gate_inp"),
+            ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
+            ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+            ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+            ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+            ("mlp.experts.gate_proj", "ffn_gate_exps"),
+            ("mlp.experts.up_proj", "ffn_up_exps"),
+            ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+    ArchSpec {
         hf_classes: &["GraniteForCausalLM"],
         gguf_arch: "granite",
         family: Family::Granite,
