@@ -71,13 +71,13 @@ def mlp(sd, p, h, inter):
     linear(sd, p + "down_proj", h, inter)
 
 
-def common(sd, c, layer_fn, tied=False):
+def common(sd, c, layer_fn, tied=False, norms=("input_layernorm", "post_attention_layernorm")):
     h = c["hidden_size"]
     sd["model.embed_tokens.weight"] = rnd((VOCAB, h))
     for l in range(c["num_hidden_layers"]):
         p = f"model.layers.{l}."
-        norm(sd, p + "input_layernorm", h)
-        norm(sd, p + "post_attention_layernorm", h)
+        for n in norms:
+            norm(sd, p + n, h)
         layer_fn(sd, p, l)
     norm(sd, "model.norm", h)
     if not tied:
@@ -90,7 +90,8 @@ def dense(name, bias=False, qk_norm=False, dtype=torch.bfloat16):
         c["torch_dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
         sd = {}
         common(sd, c, lambda sd, p, l: (attn(sd, p, c, bias, qk_norm),
-                                        mlp(sd, p + "mlp.", c["hidden_size"], c["intermediate_size"])))
+                                        mlp(sd, p + "mlp.", c["hidden_size"], c["intermediate_size"])),
+               tied=c.get("tie_word_embeddings", False))
         return c, {k: v.to(dtype) for k, v in sd.items()}
     return make
 
@@ -125,6 +126,34 @@ def gptoss():
             sd[p + f"mlp.experts.{w}_scales"] = torch.randint(118, 130, (E, rows, cols // 32), dtype=torch.uint8)
             sd[p + f"mlp.experts.{w}_bias"] = rnd((E, rows))
     common(sd, c, layer)
+    return c, sd
+
+
+def qwen2moe():
+    c = config("qwen2moe")
+    h = c["hidden_size"]
+    sd = {}
+    def layer(sd, p, l):
+        attn(sd, p, c, bias=True)
+        linear(sd, p + "mlp.gate", c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            mlp(sd, p + f"mlp.experts.{e}.", h, c["moe_intermediate_size"])
+        mlp(sd, p + "mlp.shared_expert.", h, c["shared_expert_intermediate_size"])
+        linear(sd, p + "mlp.shared_expert_gate", 1, h)
+    common(sd, c, layer)
+    return c, sd
+
+
+def olmo2():
+    c = config("olmo2")
+    h = c["hidden_size"]
+    sd = {}
+    def layer(sd, p, l):
+        attn(sd, p, c)
+        norm(sd, p + "self_attn.q_norm", h)  # full width: heads × head_dim
+        norm(sd, p + "self_attn.k_norm", c["num_key_value_heads"] * (h // c["num_attention_heads"]))
+        mlp(sd, p + "mlp.", h, c["intermediate_size"])
+    common(sd, c, layer, norms=("post_attention_layernorm", "post_feedforward_layernorm"))
     return c, sd
 
 
@@ -182,6 +211,9 @@ ARCHS = {  # name: (builder, outtypes)
     "qwen3moe": (qwen3moe, ["bf16", "q8_0"]),
     "gpt-oss": (gptoss, ["bf16", "q8_0"]),
     "deepseek-v3": (deepseekv3, ["bf16", "q8_0"]),
+    "granite3": (dense("granite3"), ["bf16", "q8_0"]),  # tied embeddings, no lm_head
+    "olmo2": (olmo2, ["bf16", "q8_0"]),
+    "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
 }
 
 REF = f"""

@@ -34,6 +34,11 @@ pub enum Family {
     Qwen3Moe,
     GptOss,
     DeepseekV3,
+    /// Llama's tensors and KVs without `head_dim` (the reference drops it), plus Granite's
+    /// four multipliers.
+    Granite,
+    /// Renames only; OLMo 2 norms after attention and feed-forward, full-width Q/K norms.
+    Olmo2,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -251,6 +256,65 @@ pub static ARCHS: &[ArchSpec] = &[
             ("mlp.experts.gate_proj", "ffn_gate_exps"),
             ("mlp.experts.up_proj", "ffn_up_exps"),
             ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["Qwen2MoeForCausalLM"],
+        gguf_arch: "qwen2moe",
+        // The reference's Qwen3-MoE class is Qwen2-MoE's: the same KVs and expert stacking.
+        family: Family::Qwen3Moe,
+        defaults: &[
+            ("max_position_embeddings", Int(32768)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(16)),
+            ("num_experts_per_tok", Int(4)),
+            ("moe_intermediate_size", Int(1408)),
+            ("shared_expert_intermediate_size", Int(5632)),
+            ("num_experts", Int(60)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("mlp.gate", "ffn_gate_inp"),
+            ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
+            ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+            ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+            ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+            ("mlp.experts.gate_proj", "ffn_gate_exps"),
+            ("mlp.experts.up_proj", "ffn_up_exps"),
+            ("mlp.experts.down_proj", "ffn_down_exps"),
+        ],
+    },
+    ArchSpec {
+        hf_classes: &["GraniteForCausalLM"],
+        gguf_arch: "granite",
+        family: Family::Granite,
+        defaults: &[
+            ("max_position_embeddings", Int(2048)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", SameAsHeads),
+            ("attention_multiplier", Float(1.0)),
+            ("embedding_multiplier", Float(1.0)),
+            ("residual_multiplier", Float(1.0)),
+            ("logits_scaling", Float(1.0)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[],
+    },
+    ArchSpec {
+        hf_classes: &["Olmo2ForCausalLM"],
+        gguf_arch: "olmo2",
+        family: Family::Olmo2,
+        defaults: &[
+            ("max_position_embeddings", Int(2048)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", SameAsHeads),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: &[
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
         ],
     },
 ];
@@ -566,7 +630,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         };
         m.set(k("expert_gating_func"), Value::U32(id));
     }
-    if let Some(hd) = cfg.u64(&["head_dim"])? {
+    if let Some(hd) = head_dim(cfg)? {
         m.set(k("attention.key_length"), cfg.u32_kv("head_dim", hd)?);
         m.set(k("attention.value_length"), cfg.u32_kv("head_dim", hd)?);
     }
@@ -580,7 +644,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
 
     // Per-architecture additions.
     match fam {
-        Family::Llama => {
+        Family::Llama | Family::Granite => {
             m.set(
                 k("vocab_size"),
                 cfg.u32_kv("vocab_size", cfg.need_u64("vocab_size")?)?,
@@ -590,7 +654,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
                 cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
             );
         }
-        Family::Qwen2 | Family::Qwen3 => {}
+        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 => {}
         Family::Qwen3Moe => {
             if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {
                 m.set(
@@ -617,6 +681,9 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
         }
         Family::DeepseekV3 => deepseek_kvs(cfg, &mut m, &k)?,
     }
+    if fam == Family::Granite {
+        granite_kvs(cfg, &mut m, &k)?;
+    }
     m.set(
         "general.quantization_version",
         Value::U32(GGML_QUANT_VERSION),
@@ -628,8 +695,32 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
 /// tensors are F32/F16/BF16.
 pub const MXFP4_MOE_FILE_TYPE: u32 = 38;
 
+/// `head_dim` as the reference sees it: Granite's class pops it before writing anything.
+fn head_dim(cfg: &Config) -> Result<Option<u64>> {
+    match cfg.spec.family {
+        Family::Granite => Ok(None),
+        _ => cfg.u64(&["head_dim"]),
+    }
+}
+
+/// `GraniteModel.set_gguf_parameters`: its `*_multiplier`s and `logits_scaling` as scales,
+/// each written when set and not zero.
+fn granite_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> Result<()> {
+    for (hf, gguf) in [
+        ("attention_multiplier", "attention.scale"),
+        ("embedding_multiplier", "embedding_scale"),
+        ("residual_multiplier", "residual_scale"),
+        ("logits_scaling", "logit_scale"),
+    ] {
+        if let Some(v) = cfg.f64(&[hf])?.filter(|v| *v != 0.0) {
+            m.set(k(gguf), Value::F32(v as f32));
+        }
+    }
+    Ok(())
+}
+
 fn rope_dim(cfg: &Config) -> Result<u64> {
-    match cfg.u64(&["head_dim"])? {
+    match head_dim(cfg)? {
         Some(d) => Ok(d),
         None => Ok(cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1)),
     }

@@ -220,7 +220,7 @@ pub fn plan_tensors(
             )
         })?;
         let recipe = match (fam, base) {
-            (Family::Llama, "self_attn.q_proj" | "self_attn.k_proj") => {
+            (Family::Llama | Family::Granite, "self_attn.q_proj" | "self_attn.k_proj") => {
                 let heads = cfg.need_u64("num_attention_heads")?;
                 let n_head = if base == "self_attn.k_proj" {
                     cfg.u64(&["num_key_value_heads"])?.unwrap_or(heads)
