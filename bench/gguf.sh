@@ -28,16 +28,6 @@ python3 bench/gguf_model.py "$D/Qwen3-bench" "$LAYERS"
 IN=$D/Qwen3-bench
 echo "model: $(du -sb "$IN" | cut -f1) bytes, $LAYERS layers"
 
-# name command...: one cold run under GNU time; prints wall seconds and peak RSS.
-measure() {
-    local name=$1; shift
-    cold
-    /usr/bin/time -f "%e %U %S %M" -o "$D/time.$name" "$@" >"$D/log.$name" 2>&1 || { cat "$D/log.$name"; exit 1; }
-    read -r wall user sys kib <"$D/time.$name"
-    printf '%-28s %8.2f s wall %8.2f s CPU  peak RSS %7.1f MiB\n' "$name" "$wall" \
-        "$(echo "$user + $sys" | bc -l)" "$(echo "$kib / 1024" | bc -l)"
-}
-
 PY=${PYTHON:-python3}
 measure "cp -r (baseline)" cp -r "$IN" "$D/cp-copy"
 rm -rf "$D/cp-copy"

@@ -24,3 +24,12 @@ generate() {
     target/release/examples/gen_checkpoint "$2" "$1" "$GIB" >/dev/null
     BYTES=$(du -sb "$2" | cut -f1)
 }
+# `measure NAME COMMAND...` (D set): one cold run under GNU time; prints wall seconds and peak RSS.
+measure() {
+    local name=$1; shift
+    cold
+    /usr/bin/time -f "%e %U %S %M" -o "$D/time.$name" "$@" >"$D/log.$name" 2>&1 || { cat "$D/log.$name"; exit 1; }
+    read -r wall user sys kib <"$D/time.$name"
+    printf '%-28s %8.2f s wall %8.2f s CPU  peak RSS %7.1f MiB\n' "$name" "$wall" \
+        "$(echo "$user + $sys" | bc -l)" "$(echo "$kib / 1024" | bc -l)"
+}

@@ -13,6 +13,10 @@ sdist's vendored tree) applied to `convert_hf_to_gguf.py --outtype f32` of small
    order), the hyperparameters the rules read, and per mix the type `llama-quantize --dry-run`
    gives each tensor and whether it asks for an importance matrix. The models themselves are
    not kept (random weights; only shapes matter).
+3. `llama256/`: a 2-layer Llama with whole 256-blocks (hidden 256, 4 heads, 2 kv heads, ffn
+   512), so the k-quant, i-quant and ternary mixes write their own types. Its weights are not
+   committed (2.4 MB): [`det_bf16`] makes them from each tensor's name, and the test makes the
+   same bytes (tests/gguf_quant.rs `det_bf16`). `e2e_k.json` is `e2e.json`'s record per mix.
 
 Usage: gen-gguf-quant-goldens.py LLAMA_CPP_DIR LLAMA_QUANTIZE OUT_DIR WORK_DIR
 (python with torch, transformers, safetensors, numpy, sentencepiece)"""
@@ -49,6 +53,17 @@ E2E = [(m, []) for m in MIXES if not m.startswith("iq")] + [
 ]
 
 
+def save_and_convert(d, cfg, sd):
+    """Writes the model folder (config, weights, tokenizer) and its converter F32 GGUF."""
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+    save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOK, f), d)
+    ref = os.path.join(WORK, os.path.basename(d) + ".f32.gguf")
+    subprocess.run([sys.executable, "-c", REF, d, "--outfile", ref, "--outtype", "f32"], check=True, capture_output=True)
+    return ref
+
+
 def model(d, cfg, experts=0):
     torch.manual_seed(25)
     os.makedirs(d, exist_ok=True)
@@ -71,13 +86,64 @@ def model(d, cfg, experts=0):
         else:
             for n, o, i in (("gate_proj", ff, h), ("up_proj", ff, h), ("down_proj", h, ff)):
                 sd[p + f"mlp.{n}.weight"] = w(o, i)
-    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
-    save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(TOK, f), d)
-    ref = os.path.join(WORK, os.path.basename(d) + ".f32.gguf")
-    subprocess.run([sys.executable, "-c", REF, d, "--outfile", ref, "--outtype", "f32"], check=True, capture_output=True)
-    return ref
+    return save_and_convert(d, cfg, sd)
+
+
+def fnv1a(name):
+    h = 0x811C9DC5
+    for c in name.encode():
+        h = ((h ^ c) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def det_bf16(name, n, offset=0.0):
+    """BF16 bits of element i: a 32-bit hash of (i, the name's FNV-1a), its low 24 bits as a
+    uniform value in [-0.1, 0.1) (+ offset) in f32, truncated to BF16."""
+    i = np.arange(n, dtype=np.uint64)
+    u = (i * np.uint64(0x9E3779B1) + np.uint64(fnv1a(name)) * np.uint64(0x85EBCA77)) & np.uint64(0xFFFFFFFF)
+    u ^= u >> np.uint64(15)
+    u = (u * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+    u ^= u >> np.uint64(12)
+    x = ((u & np.uint64(0xFFFFFF)).astype(np.float32) / np.float32(16777216.0) - np.float32(0.5)) * np.float32(0.2)
+    x = x + np.float32(offset)
+    bits = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+def det_model(d, cfg):
+    """The llama256 model: every shape as `model`, weights from [`det_bf16`] (norms around 1)."""
+    os.makedirs(d, exist_ok=True)
+    h, heads, kv, ff = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    hd = h // heads
+    shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,), "lm_head.weight": (VOCAB, h)}
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for n, o, i in (("q_proj", heads * hd, h), ("k_proj", kv * hd, h), ("v_proj", kv * hd, h), ("o_proj", h, heads * hd),
+                        ("gate_proj", ff, h), ("up_proj", ff, h), ("down_proj", h, ff)):
+            shapes[p + ("self_attn." if n.endswith("_proj") and n[0] in "qkvo" else "mlp.") + f"{n}.weight"] = (o, i)
+    sd = {k: det_bf16(k, int(np.prod(s)), 1.0 if len(s) == 1 else 0.0).reshape(s) for k, s in shapes.items()}
+    return save_and_convert(d, cfg, sd)
+
+
+K_MIXES = ["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs",
+           "tq1_0", "tq2_0"]
+
+
+def k_goldens():
+    cfg = dict(BASE, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2)
+    d = os.path.join(WORK, "llama256")
+    ref = det_model(d, cfg)
+    os.makedirs(os.path.join(OUT, "llama256"), exist_ok=True)
+    shutil.copy(os.path.join(d, "config.json"), os.path.join(OUT, "llama256", "config.json"))
+    cases = []
+    for mix in K_MIXES:
+        out = os.path.join(WORK, "e2e_k.gguf")
+        quantize([], ref, out, mix)
+        cases.append(dict(record(out), mix=mix, args=[]))
+    json.dump(cases, open(os.path.join(OUT, "e2e_k.json"), "w"), indent=0)
 
 
 def sha(b):
@@ -106,6 +172,9 @@ BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_posit
 
 def main():
     os.makedirs(WORK, exist_ok=True)
+    k_goldens()
+    if os.environ.get("ONLY_K"):
+        return
     small = dict(BASE, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
                  num_hidden_layers=4)
     d = os.path.join(OUT, "llama")

@@ -9,6 +9,7 @@ use std::path::Path;
 use common::gguf::*;
 use common::*;
 use serde_json::Value as Json;
+use tftf::format::dtype::DType;
 use tftf::sink::gguf::quant_mix::{
     check_imatrix, choose_types, quantize_order, Mix, MixOptions, MixTensor, ModelFacts,
 };
@@ -56,9 +57,113 @@ fn every_case_equals_llama_quantize_byte_for_byte() {
     let d = tmp();
     let model = llama_model(d.path());
     let cases = golden("e2e.json");
-    let cases = cases.as_array().unwrap();
-    assert!(cases.len() >= 20, "{}", cases.len());
-    for case in cases {
+    assert!(cases.as_array().unwrap().len() >= 20);
+    check_cases(&model, d.path(), &cases, &[]);
+}
+
+/// The 2-layer Llama of e2e_k.json in `dir/model256`: config.json from the fixtures, the
+/// weights made by [`det_bf16`] as the generator makes them, the GGUF tokenizer fixture.
+fn llama256_model(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("model256");
+    std::fs::create_dir(&model).unwrap();
+    let cfg_path = fixture("gguf_quant/llama256/config.json");
+    std::fs::copy(&cfg_path, model.join("config.json")).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), model.join(f)).unwrap();
+    }
+    let cfg = read_json(&cfg_path);
+    let get = |k: &str| cfg[k].as_u64().unwrap();
+    let (h, ff, vocab) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("vocab_size"),
+    );
+    let kv = get("num_key_value_heads") * h / get("num_attention_heads");
+    let mut shapes: Vec<(String, Vec<u64>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, h]),
+        ("model.norm.weight".into(), vec![h]),
+        ("lm_head.weight".into(), vec![vocab, h]),
+    ];
+    for l in 0..get("num_hidden_layers") {
+        let p = format!("model.layers.{l}.");
+        for (n, s) in [
+            ("input_layernorm", vec![h]),
+            ("post_attention_layernorm", vec![h]),
+            ("self_attn.q_proj", vec![h, h]),
+            ("self_attn.k_proj", vec![kv, h]),
+            ("self_attn.v_proj", vec![kv, h]),
+            ("self_attn.o_proj", vec![h, h]),
+            ("mlp.gate_proj", vec![ff, h]),
+            ("mlp.up_proj", vec![ff, h]),
+            ("mlp.down_proj", vec![h, ff]),
+        ] {
+            shapes.push((format!("{p}{n}.weight"), s));
+        }
+    }
+    shapes.sort();
+    let tensors: Vec<T> = shapes
+        .iter()
+        .map(|(n, s)| {
+            let offset = if s.len() == 1 { 1.0 } else { 0.0 };
+            t(n, DType::BF16, s, det_bf16(n, s.iter().product(), offset))
+        })
+        .collect();
+    write_file(&model.join("model.safetensors"), &tensors);
+    model
+}
+
+/// scripts/gen-gguf-quant-goldens.py's `det_bf16`: element `i` of tensor `name` is a 32-bit
+/// hash of `i` and the name's FNV-1a, its low 24 bits a uniform f32 in [-0.1, 0.1) (+ offset),
+/// truncated to BF16 (little-endian bytes).
+fn det_bf16(name: &str, n: u64, offset: f32) -> Vec<u8> {
+    let seed = name.bytes().fold(0x811C_9DC5u32, |h, c| {
+        (h ^ c as u32).wrapping_mul(0x0100_0193)
+    });
+    (0..n)
+        .flat_map(|i| {
+            let mut u = (i as u32)
+                .wrapping_mul(0x9E37_79B1)
+                .wrapping_add(seed.wrapping_mul(0x85EB_CA77));
+            u ^= u >> 15;
+            u = u.wrapping_mul(0x2C1B_3C6D);
+            u ^= u >> 12;
+            let x = ((u & 0xFF_FFFF) as f32 / 16_777_216.0 - 0.5) * 0.2 + offset;
+            ((x.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// e2e_k.json: a model whose rows are whole 256-blocks, so every k-quant, i-quant and ternary
+/// mix writes its own block types (Q2_K … Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0): byte for byte
+/// `llama-quantize`'s file, at one compute thread and at three (rows spread over the
+/// pipeline's workers give the same bytes).
+#[test]
+fn k_quant_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
+    let d = tmp();
+    let model = llama256_model(d.path());
+    let cases = golden("e2e_k.json");
+    let mixes: Vec<&str> = cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["mix"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        mixes,
+        [
+            "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
+            "iq4_nl", "iq4_xs", "tq1_0", "tq2_0"
+        ]
+    );
+    for threads in ["1", "3"] {
+        check_cases(&model, d.path(), &cases, &["--threads", threads]);
+    }
+}
+
+/// Converts `model` per case of `cases` (a list of e2e records) with `extra` options and
+/// checks every KV but the naming ones and every tensor's name, type, shape, bytes and order.
+fn check_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
+    for case in cases.as_array().unwrap() {
         let mix = case["mix"].as_str().unwrap();
         let args: Vec<&str> = case["args"]
             .as_array()
@@ -66,10 +171,11 @@ fn every_case_equals_llama_quantize_byte_for_byte() {
             .iter()
             .map(|a| a.as_str().unwrap())
             .collect();
-        let what = format!("{mix} {args:?}");
-        let out = d.path().join("out.gguf");
-        let extra = [&["--outtype", mix, "--force"][..], &args].concat();
-        let g = to_gguf(&model, &out, "test-pre", &extra);
+        let what = format!("{mix} {args:?} {extra:?}");
+        let out = dir.join("out.gguf");
+        let opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
+        let g = to_gguf(model, &out, "test-pre", &opts);
+
         let kvs: Vec<(String, String)> = g
             .kvs
             .iter()
@@ -167,18 +273,28 @@ fn every_mix_picks_llama_quantizes_type_for_every_tensor() {
 #[test]
 fn a_type_tftf_cannot_write_yet_is_refused_by_name_before_any_output() {
     let d = tmp();
-    let model = llama_model(d.path());
+    // IQ2_XXS needs no imatrix for token_embd (llama-quantize exempts it), and rows of 256
+    // keep it from falling back to IQ4_NL.
+    let model = llama256_model(d.path());
     let out = d.path().join("out/x.gguf");
     let o = tftf(&gguf_args(
         &model,
         &out,
-        &["--outtype", "iq4_nl", "--vocab-pre", "test-pre", "-q"],
+        &[
+            "--outtype",
+            "q4_k_m",
+            "--token-embedding-type",
+            "iq2_xxs",
+            "--vocab-pre",
+            "test-pre",
+            "-q",
+        ],
     ));
     assert!(!o.status.success());
     let err = stderr(&o);
     assert!(
         err.contains("`token_embd.weight`")
-            && err.contains("IQ4_NL")
+            && err.contains("IQ2_XXS")
             && err.contains("cannot write yet"),
         "{err}"
     );

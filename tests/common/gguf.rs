@@ -135,6 +135,16 @@ fn type_size(ty: u32, elems: u64) -> u64 {
         3 => elems / 32 * 20,
         6 => elems / 32 * 22,
         7 => elems / 32 * 24,
+        // The 256-blocks: Q2_K … Q6_K, IQ3_XXS, IQ3_S, IQ4_XS, TQ1_0, TQ2_0.
+        10 => elems / 256 * 84,
+        11 | 21 => elems / 256 * 110,
+        12 => elems / 256 * 144,
+        13 => elems / 256 * 176,
+        14 => elems / 256 * 210,
+        18 => elems / 256 * 98,
+        23 => elems / 256 * 136,
+        34 => elems / 256 * 54,
+        35 => elems / 256 * 66,
         t => panic!("type {t}"),
     }
 }

@@ -3,6 +3,7 @@
 //! or `None`). A type missing here is refused by name before any output exists
 //! ([`row_encoder`] returns `None`), so a mix that needs it fails early and whole.
 
+use super::kquants;
 use super::legacy;
 use super::quant::quantize_q8_0;
 use super::GgmlType;
@@ -21,8 +22,18 @@ const ENCODERS: &[(GgmlType, RowEncoder)] = &[
     (GgmlType::Q5_0, legacy::quantize_row_q5_0),
     (GgmlType::Q5_1, legacy::quantize_row_q5_1),
     (GgmlType::Q8_0, q8_0_row),
-    // The k-quant, i-quant and ternary encoders (`kquants`) plug in here, one row each:
-    // Q2_K … Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, IQ2_*, IQ3_*, IQ1_*.
+    (GgmlType::Q2_K, kquants::quantize_row_q2_k),
+    (GgmlType::Q3_K, kquants::quantize_row_q3_k),
+    (GgmlType::Q4_K, kquants::quantize_row_q4_k),
+    (GgmlType::Q5_K, kquants::quantize_row_q5_k),
+    (GgmlType::Q6_K, kquants::quantize_row_q6_k),
+    (GgmlType::IQ4_NL, kquants::quantize_row_iq4_nl),
+    (GgmlType::IQ4_XS, kquants::quantize_row_iq4_xs),
+    (GgmlType::IQ3_XXS, kquants::quantize_row_iq3_xxs),
+    (GgmlType::IQ3_S, kquants::quantize_row_iq3_s),
+    (GgmlType::TQ1_0, kquants::quantize_row_tq1_0),
+    (GgmlType::TQ2_0, kquants::quantize_row_tq2_0),
+    // Not yet encoded (refused by name): IQ2_*, IQ1_*.
 ];
 
 /// The row encoder of a block type, `None` for a type tftf cannot write yet (and for the

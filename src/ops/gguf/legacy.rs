@@ -17,6 +17,7 @@
 //! (Q4_0, Q5_0) or `make_qkx3_quants` (Q4_1, Q5_1) over weights `qw · sqrt(σ² + x²)`, σ² the
 //! row's mean square.
 
+use super::kquants::{self, signed_max};
 use crate::ops::cast::f32_to_f16;
 
 pub const QK: usize = 32;
@@ -24,9 +25,6 @@ pub const Q4_0_BLOCK_BYTES: usize = 18;
 pub const Q4_1_BLOCK_BYTES: usize = 20;
 pub const Q5_0_BLOCK_BYTES: usize = 22;
 pub const Q5_1_BLOCK_BYTES: usize = 24;
-
-/// `GROUP_MAX_EPS`: a block whose largest magnitude is below this is all zeros.
-const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// `(int8_t)f` / `(uint8_t)f` as GCC compiles them on x86-64: `cvttss2si` to 32 bits (NaN and
 /// out-of-range give `i32::MIN`), then the low byte.
@@ -46,28 +44,8 @@ fn c_min_trunc_i8(top: u8, f: f32) -> u8 {
     (top as i32).min(c_trunc_u8(f) as i8 as i32) as u8
 }
 
-/// ggml's `nearest_int`: round half to even through the float adder (`|f| ≤ 4194303`).
-#[inline(always)]
-fn nearest_int(f: f32) -> i32 {
-    let v = f + 12582912.0;
-    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
-}
-
 fn put_half(out: &mut [u8], v: f32) {
     out[..2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
-}
-
-/// The value of largest magnitude (the first of equals), and its magnitude.
-#[inline(always)]
-fn signed_max(x: &[f32]) -> (f32, f32) {
-    let (mut amax, mut max) = (0.0f32, 0.0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    (max, amax)
 }
 
 /// Packs 32 codes: low nibbles into `qs`, bit 4 (for 5-bit types) into the returned `qh`.
@@ -84,7 +62,7 @@ fn pack(l: &[u8; QK], qs: &mut [u8]) -> u32 {
 
 /// Symmetric codes without weights: `d = max / -half`, `q = min(top, trunc(x·id + half + ½))`.
 fn symmetric_ref(xb: &[f32], half: f32, top: u8, l: &mut [u8; QK]) -> f32 {
-    let (max, _) = signed_max(xb);
+    let (_, max) = signed_max(xb);
     let d = max / -half;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (q, &v) in l.iter_mut().zip(xb) {
@@ -114,115 +92,29 @@ fn affine_ref(xb: &[f32], levels: f32, cap: Option<u8>, l: &mut [u8; QK]) -> (f3
     (d, min)
 }
 
-/// `make_qx_quants(32, nmax, x, L, rmse_type = 1, qw)` with weights: the scale of the best of
-/// 19 candidate grids by weighted least squares; codes `L = l + nmax`.
+/// `make_qx_quants(32, nmax, x, L, rmse_type = 1, qw)` with weights (the k-quants' search):
+/// codes `L = l + nmax`. Returns the scale.
 fn make_qx_quants(nmax: i32, x: &[f32], qw: &[f32], l_out: &mut [u8; QK]) -> f32 {
-    let (max, amax) = signed_max(x);
-    if amax < GROUP_MAX_EPS {
-        l_out.fill(0);
-        return 0.0;
+    let mut levels = [0i8; QK];
+    let d = kquants::make_qx_quants(nmax, x, &mut levels, Some(qw));
+    for (o, &l) in l_out.iter_mut().zip(&levels) {
+        *o = l as u8;
     }
-    let code = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
-    let sums = |iscale: f32| {
-        let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
-        for (&v, &w) in x.iter().zip(qw) {
-            let l = code(iscale, v) as f32;
-            sumlx += w * v * l;
-            suml2 += w * l * l;
-        }
-        (sumlx, suml2)
-    };
-    let mut iscale = -(nmax as f32) / max;
-    for (o, &v) in l_out.iter_mut().zip(x) {
-        *o = (code(iscale, v) + nmax) as u8;
-    }
-    let (sumlx, suml2) = sums(iscale);
-    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
-    let mut best = scale * sumlx;
-    for is in (-9..=9).filter(|&is| is != 0) {
-        iscale = -(nmax as f32 + 0.1 * is as f32) / max;
-        let (sumlx, suml2) = sums(iscale);
-        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
-            for (o, &v) in l_out.iter_mut().zip(x) {
-                *o = (code(iscale, v) + nmax) as u8;
-            }
-            scale = sumlx / suml2;
-            best = scale * sumlx;
-        }
-    }
-    scale
+    d
 }
 
-/// `make_qkx3_quants(32, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, use_mad = false)`:
-/// the weighted least-squares scale and offset over 37 grids. Returns `(scale, offset)` with
-/// the offset as stored (`m`, `≤ 0`).
+/// `make_qkx3_quants(32, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, use_mad = false)` (the
+/// k-quants' search). Returns `(scale, offset)` with the offset as stored (`m = -the_min`).
 fn make_qkx3_quants(nmax: i32, x: &[f32], w: &[f32], l_out: &mut [u8; QK]) -> (f32, f32) {
-    const RMIN: f32 = -0.9;
-    const RDELTA: f32 = 0.05;
-    const NSTEP: i32 = 36;
-    let (mut min, mut max) = (x[0], x[0]);
-    let mut sum_w = w[0];
-    let mut sum_x = sum_w * x[0];
-    for i in 1..QK {
-        if x[i] < min {
-            min = x[i];
-        }
-        if x[i] > max {
-            max = x[i];
-        }
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
-    }
-    if min > 0.0 {
-        min = 0.0;
-    }
-    if max <= min {
-        l_out.fill(0);
-        return (0.0, min);
-    }
-    let mut iscale = nmax as f32 / (max - min);
-    let mut scale = 1.0 / iscale;
-    let mut best_mad = 0.0f32;
-    for i in 0..QK {
-        let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-        l_out[i] = l as u8;
-        let diff = scale * l_out[i] as f32 + min - x[i];
-        best_mad += w[i] * (diff * diff);
-    }
+    let search = kquants::AffineSearch {
+        rmin: -0.9,
+        rdelta: 0.05,
+        nstep: 36,
+        use_mad: false,
+    };
     let mut aux = [0u8; QK];
-    for is in 0..=NSTEP {
-        iscale = (RMIN + RDELTA * is as f32 + nmax as f32) / (max - min);
-        let (mut sum_l, mut sum_l2, mut sum_xl) = (0.0f32, 0.0f32, 0.0f32);
-        for i in 0..QK {
-            let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
-            aux[i] = l as u8;
-            let l = l as f32;
-            sum_l += w[i] * l;
-            sum_l2 += w[i] * l * l;
-            sum_xl += w[i] * l * x[i];
-        }
-        let d = sum_w * sum_l2 - sum_l * sum_l;
-        if d > 0.0 {
-            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / d;
-            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d;
-            if this_min > 0.0 {
-                this_min = 0.0;
-                this_scale = sum_xl / sum_l2;
-            }
-            let mut mad = 0.0f32;
-            for i in 0..QK {
-                let diff = this_scale * aux[i] as f32 + this_min - x[i];
-                mad += w[i] * (diff * diff);
-            }
-            if mad < best_mad {
-                l_out.copy_from_slice(&aux);
-                best_mad = mad;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    (scale, min)
+    let (d, the_min) = kquants::make_qkx_quants(nmax, x, w, l_out, &mut aux, search);
+    (d, -the_min)
 }
 
 /// Per-block weights of `quantize_row_*_impl`: `qw · sqrt(σ² + x²)`, σ² the row's mean square.
@@ -387,20 +279,6 @@ mod tests {
                     assert_eq!(got, want, "{name} row {r} quant weights {}", w.is_some());
                 }
             }
-        }
-    }
-
-    #[test]
-    fn nearest_int_rounds_half_to_even() {
-        for (f, want) in [
-            (0.5, 0),
-            (1.5, 2),
-            (2.5, 2),
-            (-0.5, 0),
-            (-1.5, -2),
-            (7.49, 7),
-        ] {
-            assert_eq!(nearest_int(f), want, "{f}");
         }
     }
 

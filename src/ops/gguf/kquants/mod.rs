@@ -38,6 +38,9 @@ pub use q45_k::{quantize_row_q4_k, quantize_row_q5_k};
 pub use q6_k::quantize_row_q6_k;
 pub use ternary::{quantize_row_tq1_0, quantize_row_tq2_0};
 
+// The searches and rounding the legacy encoders share (one copy, here).
+pub(crate) use search::{make_qkx_quants, make_qx_quants, AffineSearch};
+
 use crate::ops::cast::{f16_to_f32, f32_to_f16};
 
 /// Elements in a k-quant super-block (`QK_K`).
@@ -189,7 +192,7 @@ fn for_each_block(
 /// ggml's `nearest_int`: adds 1.5 * 2^23 so the FPU rounds to an integer (ties to even) in the
 /// low mantissa bits. Exact for |x| < 2^22; beyond, the same wrapped value ggml gets.
 #[inline(always)]
-fn nearest_int(x: f32) -> i32 {
+pub(crate) fn nearest_int(x: f32) -> i32 {
     let v = x + 12_582_912.0;
     (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
@@ -230,7 +233,7 @@ fn imatrix_weights(weights: &mut [f32], qw: &[f32], x: &[f32], sigma2: f32) -> f
 
 /// The value of largest magnitude, first one on ties, as `(|v|, v)` (0s when all are 0).
 #[inline]
-fn signed_max(x: &[f32]) -> (f32, f32) {
+pub(crate) fn signed_max(x: &[f32]) -> (f32, f32) {
     let (mut amax, mut max) = (0.0f32, 0.0f32);
     for &v in x {
         if v.abs() > amax {

@@ -12,7 +12,7 @@ pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
 /// `make_qx_quants(n, nmax, x, L, rmse_type = 1, qw)`: symmetric levels `L[i] + nmax` in
 /// `0..2 nmax`, the scale that least-squares fits them (weights `qw`, else `x²`), tried at 18
 /// nudged inverse scales. Returns the scale.
-pub(super) fn make_qx_quants(nmax: i32, x: &[f32], levels: &mut [i8], qw: Option<&[f32]>) -> f32 {
+pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], levels: &mut [i8], qw: Option<&[f32]>) -> f32 {
     let n = x.len();
     let (amax, max) = signed_max(x);
     if amax < GROUP_MAX_EPS {
@@ -113,7 +113,7 @@ pub(super) fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
 /// The candidate inverse scales `make_qkx*_quants` tries: `(rmin + rdelta * is + nmax) /
 /// (max - min)` for `is` in `0..=nstep`, and whether errors are absolute (`use_mad`) or squared.
 #[derive(Clone, Copy)]
-pub(super) struct AffineSearch {
+pub(crate) struct AffineSearch {
     pub rmin: f32,
     pub rdelta: f32,
     pub nstep: i32,
@@ -124,7 +124,7 @@ pub(super) struct AffineSearch {
 /// every k-quant caller gives them): affine levels `0..=nmax` with `x ≈ scale * L - the_min`,
 /// `the_min >= 0`, the weighted least-squares fit at each candidate kept when its weighted
 /// error is strictly lower. Returns `(scale, the_min)`.
-pub(super) fn make_qkx_quants(
+pub(crate) fn make_qkx_quants(
     nmax: i32,
     x: &[f32],
     weights: &[f32],
