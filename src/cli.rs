@@ -816,6 +816,15 @@ pub struct GgufQuantizeArgs {
     /// Every quantised tensor gets the type's default type, without the mix's choices
     #[arg(long)]
     pub pure: bool,
+    /// Importance matrix from llama-imatrix (its GGUF format or the legacy .dat)
+    #[arg(long, value_name = "FILE")]
+    pub imatrix: Option<PathBuf>,
+    /// Use the importance matrix only for tensors whose name contains NAME (repeatable)
+    #[arg(long, value_name = "NAME", conflicts_with = "exclude_weights")]
+    pub include_weights: Vec<String>,
+    /// Do not use the importance matrix for tensors whose name contains NAME (repeatable)
+    #[arg(long, value_name = "NAME")]
+    pub exclude_weights: Vec<String>,
 }
 
 #[derive(Args, Debug)]

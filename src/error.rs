@@ -292,6 +292,10 @@ pub enum Error {
     #[error("{}: tokenizer: {msg}", path.display())]
     GgufTokenizer { path: PathBuf, msg: String },
 
+    /// `--imatrix FILE` that is not an importance matrix, or one for another model.
+    #[error("{}: importance matrix: {msg}", path.display())]
+    GgufImatrix { path: PathBuf, msg: String },
+
     #[error("{}: {msg}", path.display())]
     TorchArchive { path: PathBuf, msg: String },
 

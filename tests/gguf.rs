@@ -836,6 +836,7 @@ fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
             lora: 5,
         },
         src_dtype: Some(DType::BF16),
+        quant_weights: None,
     };
     assert_eq!(produce_all(&k_b, &[("kv_b", &kv_b)], 2), read("kv_b_k.out"));
 
@@ -854,6 +855,7 @@ fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
             }),
         },
         src_dtype: None,
+        quant_weights: None,
     };
     assert_eq!(
         produce_all(&up, &[("b", &blocks), ("s", &scales)], 1),

@@ -175,35 +175,183 @@ fn check_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
         let out = dir.join("out.gguf");
         let opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
         let g = to_gguf(model, &out, "test-pre", &opts);
+        assert_equals_golden(&g, case, &what, &[]);
+    }
+}
 
-        let kvs: Vec<(String, String)> = g
-            .kvs
-            .iter()
-            .filter(|(k, _)| !NAMING.contains(&k.as_str()))
-            .map(|(k, v)| (k.clone(), sha256_hex(v)))
-            .collect();
-        let want: Vec<(String, String)> = case["kvs"]
+/// `g` has the KVs (sha256 of type and value bytes, in order, naming fields left out) and the
+/// tensors (name, type, shape, sha256 of the bytes, in order) of the golden `case`; `kv_values`
+/// replaces a golden KV's hash by that of the value given here.
+fn assert_equals_golden(g: &Gguf, case: &Json, what: &str, kv_values: &[(&str, Vec<u8>)]) {
+    let kvs: Vec<(String, String)> = g
+        .kvs
+        .iter()
+        .filter(|(k, _)| !NAMING.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), sha256_hex(v)))
+        .collect();
+    let want: Vec<(String, String)> = case["kvs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let k = e[0].as_str().unwrap();
+            let v = match kv_values.iter().find(|(key, _)| *key == k) {
+                Some((_, v)) => sha256_hex(v),
+                None => e[1].as_str().unwrap().into(),
+            };
+            (k.to_string(), v)
+        })
+        .collect();
+    assert_eq!(kvs, want, "{what}: KVs");
+    let want = case["tensors"].as_array().unwrap();
+    let names: Vec<&str> = want.iter().map(|t| t[0].as_str().unwrap()).collect();
+    assert_eq!(g.order, names, "{what}: tensor order");
+    for t in want {
+        let name = t[0].as_str().unwrap();
+        let (shape, ty, data) = g.tensor(name);
+        let mut wshape: Vec<u64> = serde_json::from_value(t[2].clone()).unwrap();
+        wshape.reverse();
+        assert_eq!(
+            (*ty as u64, shape),
+            (t[1].as_u64().unwrap(), &wshape),
+            "{what}: {name} type/shape"
+        );
+        assert_eq!(sha256_hex(data), t[3].as_str().unwrap(), "{what}: {name}");
+    }
+}
+
+/// imatrix.json: `llama-quantize --imatrix` for each legacy type, with the GGUF imatrix and the
+/// legacy `.dat` (synthesised, scripts/gen-gguf-imatrix-goldens.py; one entry with a zero
+/// count), and with --include-weights / --exclude-weights: the same KVs (the
+/// `quantize.imatrix.*` ones included; the file KV is the path given) and the same bytes.
+#[test]
+fn imatrix_cases_equal_llama_quantize_byte_for_byte() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let cases = golden("imatrix.json");
+    for case in cases.as_array().unwrap() {
+        let mix = case["mix"].as_str().unwrap();
+        let file = fixture(&format!("gguf_quant/{}", case["imatrix"].as_str().unwrap()));
+        let args: Vec<&str> = case["args"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|e| (e[0].as_str().unwrap().into(), e[1].as_str().unwrap().into()))
+            .map(|a| a.as_str().unwrap())
             .collect();
-        assert_eq!(kvs, want, "{what}: KVs");
-        let want = case["tensors"].as_array().unwrap();
-        let names: Vec<&str> = want.iter().map(|t| t[0].as_str().unwrap()).collect();
-        assert_eq!(g.order, names, "{what}: tensor order");
-        for t in want {
-            let name = t[0].as_str().unwrap();
-            let (shape, ty, data) = g.tensor(name);
-            let mut wshape: Vec<u64> = serde_json::from_value(t[2].clone()).unwrap();
-            wshape.reverse();
-            assert_eq!(
-                (*ty as u64, shape),
-                (t[1].as_u64().unwrap(), &wshape),
-                "{what}: {name} type/shape"
-            );
-            assert_eq!(sha256_hex(data), t[3].as_str().unwrap(), "{what}: {name}");
-        }
+        let what = format!("{mix} {} {args:?}", file.display());
+        let out = d.path().join("out.gguf");
+        let f = file.to_str().unwrap();
+        let extra = [&["--outtype", mix, "--force", "--imatrix", f][..], &args].concat();
+        let g = to_gguf(&model, &out, "test-pre", &extra);
+        let file_kv = [
+            &8u32.to_le_bytes()[..],
+            &(f.len() as u64).to_le_bytes(),
+            f.as_bytes(),
+        ]
+        .concat();
+        assert_equals_golden(&g, case, &what, &[("quantize.imatrix.file", file_kv)]);
+    }
+}
+
+/// An imatrix that would change nothing must not pass for one that does: without it the
+/// legacy types' bytes differ from the imatrix goldens.
+#[test]
+fn the_imatrix_changes_the_bytes() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let case = &golden("imatrix.json")[0];
+    let out = d.path().join("out.gguf");
+    let mix = case["mix"].as_str().unwrap();
+    let g = to_gguf(&model, &out, "test-pre", &["--outtype", mix, "--force"]);
+    let (_, _, data) = g.tensor("blk.0.attn_q.weight");
+    let want = case["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t[0] == "blk.0.attn_q.weight")
+        .unwrap();
+    assert_ne!(sha256_hex(data), want[3].as_str().unwrap());
+}
+
+/// A file that is not an imatrix, one made for another model (no name of this model, or a
+/// tensor's size that differs), and misplaced options: refused by name, no output left.
+#[test]
+fn a_bad_imatrix_is_refused_before_any_output() {
+    let d = tmp();
+    let model = llama_model(d.path());
+    let out = d.path().join("out.gguf");
+    let dat = std::fs::read(fixture("gguf_quant/imatrix.dat")).unwrap();
+    let entry = |name: &str, n: usize| {
+        let mut b = 1i32.to_le_bytes().to_vec();
+        b.extend((name.len() as i32).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend(1i32.to_le_bytes());
+        b.extend((n as i32).to_le_bytes());
+        b.extend(vec![0u8; n * 4]);
+        b
+    };
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        (
+            "text.dat",
+            b"not an imatrix at all".to_vec(),
+            "importance matrix: not an importance matrix",
+        ),
+        (
+            "cut.dat",
+            dat[..dat.len() / 2].to_vec(),
+            "not an importance matrix (neither llama-imatrix's GGUF nor a legacy .dat): truncated",
+        ),
+        (
+            "other.dat",
+            entry("blk.0.attn_qkv.weight", 64),
+            "it was made for another model",
+        ),
+        (
+            "size.dat",
+            entry("blk.0.attn_q.weight", 128),
+            "`blk.0.attn_q.weight` has 128 weights, but the tensor has 64 columns × 1 experts",
+        ),
+    ];
+    for (name, bytes, want) in cases {
+        let p = d.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        let o = tftf(&gguf_args(
+            &model,
+            &out,
+            &[
+                "--vocab-pre",
+                "test-pre",
+                "--outtype",
+                "q4_0",
+                "--imatrix",
+                s(&p),
+            ],
+        ));
+        let e = stderr(&o);
+        assert!(
+            !o.status.success() && e.contains(name) && e.contains(want),
+            "{name}: {e}"
+        );
+        assert!(!out.exists(), "{name}: output left behind");
+    }
+    let f = fixture("gguf_quant/imatrix.dat");
+    for (args, want) in [
+        (
+            vec!["--outtype", "bf16", "--imatrix", s(&f)],
+            "--imatrix apply to llama-quantize types",
+        ),
+        (
+            vec!["--outtype", "q4_0", "--exclude-weights", "attn"],
+            "select entries of --imatrix FILE",
+        ),
+    ] {
+        let o = tftf(&gguf_args(&model, &out, &args));
+        assert!(
+            !o.status.success() && stderr(&o).contains(want),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+        assert!(!out.exists());
     }
 }
 

@@ -9,6 +9,7 @@ use crate::gpu::DeviceRequest;
 use crate::job::{parse_budget, Format, WriteOptions};
 use crate::output::parts::PartSpec;
 use crate::progress::Mode as ProgressMode;
+use crate::sink::gguf::imatrix;
 use crate::sink::gguf::layout;
 use crate::sink::gguf::quant_mix::{self, MixOptions};
 use crate::sink::gguf::{FileType, GgmlType, GgufSinkOptions};
@@ -195,18 +196,37 @@ fn mix_options(a: &GgufArgs) -> Result<MixOptions> {
             .collect::<Result<_>>()?,
         pure: q.pure,
         has_imatrix: false,
+        imatrix: None,
     };
     let any = opts.leave_output
         || opts.output_type.is_some()
         || opts.token_embedding_type.is_some()
         || !opts.tensor_types.is_empty()
-        || opts.pure;
+        || opts.pure
+        || q.imatrix.is_some();
     let is_mix = matches!(FileType::parse(&a.outtype), Some(FileType::Quant(_)));
     if any && !is_mix {
         return Err(Error::Usage(format!(
-            "--outtype {}: --leave-output-tensor, --output-tensor-type, --token-embedding-type, --tensor-type and --pure apply to llama-quantize types (q4_0 … q6_k, iq4_xs …)",
+            "--outtype {}: --leave-output-tensor, --output-tensor-type, --token-embedding-type, --tensor-type, --pure and --imatrix apply to llama-quantize types (q4_0 … q6_k, iq4_xs …)",
             a.outtype
         )));
     }
+    with_imatrix(opts, q)
+}
+
+/// `--imatrix FILE` read and filtered by `--include-weights`/`--exclude-weights`; an imatrix
+/// they leave empty is none, as llama-quantize treats it.
+fn with_imatrix(mut opts: MixOptions, q: &crate::cli::GgufQuantizeArgs) -> Result<MixOptions> {
+    let Some(path) = &q.imatrix else {
+        if !q.include_weights.is_empty() || !q.exclude_weights.is_empty() {
+            return Err(Error::Usage(
+                "--include-weights and --exclude-weights select entries of --imatrix FILE; give one".into(),
+            ));
+        }
+        return Ok(opts);
+    };
+    let m = imatrix::load(path, &q.include_weights, &q.exclude_weights)?;
+    opts.has_imatrix = !m.entries.is_empty();
+    opts.imatrix = Some(std::sync::Arc::new(m));
     Ok(opts)
 }

@@ -288,6 +288,7 @@ pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                     ty,
                     recipe: recipe.clone(),
                     src_dtype: Some(dtype),
+                    quant_weights: None,
                 };
                 out.push(Case {
                     kernel: "gguf",

@@ -338,6 +338,7 @@ mod tests {
             ty,
             recipe,
             src_dtype: src,
+            quant_weights: None,
         }
     }
 

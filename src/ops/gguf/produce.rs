@@ -185,8 +185,34 @@ pub fn write_rows_from<'a>(
         }
         Recipe::Mxfp4 { .. } => unreachable!("handled above"),
     }
-    convert(&elems, dtype, t.ty, inner as usize, out);
+    let weights = RowWeights::of(t, first);
+    convert(&elems, dtype, t.ty, inner as usize, &weights, out);
     Ok(())
+}
+
+/// The importance weights of each output row, as llama-quantize picks them
+/// (`imatrix + (row / nrows_per_expert) * n_per_row`): expert `e`'s slice for its rows.
+struct RowWeights<'a> {
+    weights: Option<&'a [f32]>,
+    first: u64,
+    rows_per_expert: u64,
+}
+
+impl<'a> RowWeights<'a> {
+    fn of(t: &'a OutputTensor, first: u64) -> Self {
+        let n = t.shape.len();
+        RowWeights {
+            weights: t.quant_weights.as_deref(),
+            first,
+            rows_per_expert: if n >= 2 { t.shape[n - 2] } else { 1 },
+        }
+    }
+
+    /// Weights of chunk row `k` (`inner` wide); planning checked their count.
+    fn row(&self, k: usize, inner: usize) -> Option<&'a [f32]> {
+        let expert = ((self.first + k as u64) / self.rows_per_expert.max(1)) as usize;
+        self.weights.map(|w| &w[expert * inner..][..inner])
+    }
 }
 
 /// Whether elements of `dtype` are stored unchanged as `ty`.
@@ -199,7 +225,14 @@ pub fn same_type(dtype: DType, ty: GgmlType) -> bool {
 
 /// Source elements (rows of `inner`) → output type, rounding once (the reference widens to f32
 /// first, exactly); block types through their row encoder ([`encode::row_encoder`]).
-fn convert(elems: &[u8], dtype: DType, ty: GgmlType, inner: usize, out: &mut [u8]) {
+fn convert(
+    elems: &[u8],
+    dtype: DType,
+    ty: GgmlType,
+    inner: usize,
+    weights: &RowWeights,
+    out: &mut [u8],
+) {
     if same_type(dtype, ty) {
         out.copy_from_slice(elems);
         return;
@@ -217,8 +250,9 @@ fn convert(elems: &[u8], dtype: DType, ty: GgmlType, inner: usize, out: &mut [u8
             let encode = encode::row_encoder(ty).expect("planning refuses types without encoder");
             let (be, bb) = ty.block();
             let row_bytes = inner / be as usize * bb as usize;
-            for (src, dst) in f.chunks_exact(inner).zip(out.chunks_exact_mut(row_bytes)) {
-                encode(src, dst, None);
+            let rows = f.chunks_exact(inner).zip(out.chunks_exact_mut(row_bytes));
+            for (k, (src, dst)) in rows.enumerate() {
+                encode(src, dst, weights.row(k, inner));
             }
         }
     }

@@ -83,6 +83,8 @@ pub struct OutputTensor {
     pub recipe: Recipe,
     /// Source element type (`None` for MXFP4 and computed values).
     pub src_dtype: Option<DType>,
+    /// Importance weights for a block type (`--imatrix`): `cols` per expert, expert-major.
+    pub quant_weights: Option<std::sync::Arc<[f32]>>,
 }
 
 impl OutputTensor {

@@ -18,6 +18,7 @@
 
 pub mod arch;
 mod check;
+pub mod imatrix;
 pub mod kv;
 pub mod layout;
 mod pre_hashes;

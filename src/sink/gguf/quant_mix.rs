@@ -153,6 +153,8 @@ pub struct MixOptions {
     pub pure: bool,
     /// `--imatrix` given (some rules differ with one).
     pub has_imatrix: bool,
+    /// `--imatrix FILE`'s weights (`has_imatrix` when it holds any entry).
+    pub imatrix: Option<std::sync::Arc<super::imatrix::Imatrix>>,
 }
 
 /// `--tensor-type PATTERN=TYPE`: the pattern lower-cased, the type by ggml name.

@@ -7,6 +7,7 @@
 //! [`quant_mix::choose_types`]. Every type is checked writable here, before any output exists.
 
 use super::arch::{Config, OutputTensor, Recipe, GGML_QUANT_VERSION};
+use super::imatrix::{self, Imatrix};
 use super::kv::{Metadata, Value};
 use super::quant_mix::{self, quantize_order, Mix, MixOptions, MixTensor, ModelFacts};
 use crate::error::{Error, Result};
@@ -67,7 +68,69 @@ pub fn apply(
         Value::U32(GGML_QUANT_VERSION),
     );
     metadata.set("general.file_type", Value::U32(mix.ftype()));
+    if let Some(m) = opts.imatrix.as_deref().filter(|m| !m.entries.is_empty()) {
+        attach_imatrix(m, outputs)?;
+        imatrix_kvs(m, metadata);
+    }
     Ok(())
+}
+
+/// Gives each quantised tensor its importance weights, as llama-quantize matches them: by
+/// name, `cols × n_expert` of them (a size that differs is refused, except for
+/// `token_embd.weight`, which llama-quantize quantises without). An imatrix none of whose
+/// entries names a tensor of this model is refused: it was made for another model (where
+/// llama-quantize would silently quantise everything without it).
+fn attach_imatrix(m: &Imatrix, outputs: &mut [OutputTensor]) -> Result<()> {
+    let err = |msg: String| Error::GgufImatrix {
+        path: m.file.clone().into(),
+        msg,
+    };
+    if !outputs.iter().any(|o| m.entries.contains_key(&o.name)) {
+        let some: Vec<&str> = m.entries.keys().take(3).map(|k| k.as_str()).collect();
+        return Err(err(format!(
+            "none of its {} entries ({} …) is a tensor of this model: it was made for another model",
+            m.entries.len(),
+            some.join(", ")
+        )));
+    }
+    for o in outputs.iter_mut().filter(|o| o.ty.is_quantized()) {
+        let Some(w) = m.entries.get(&o.name) else {
+            continue;
+        };
+        let n = o.shape.len();
+        let cols = o.shape[n - 1];
+        let experts = if n >= 3 { o.shape[n - 3] } else { 1 };
+        if w.len() as u64 == cols * experts {
+            o.quant_weights = Some(w.clone());
+        } else if !matches!(
+            o.name.as_str(),
+            "token_embd.weight" | "per_layer_token_embd.weight"
+        ) {
+            return Err(err(format!(
+                "`{}` has {} weights, but the tensor has {cols} columns × {experts} experts: it was made for another model",
+                o.name,
+                w.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// llama-quantize's `quantize.imatrix.*` KVs, after `general.file_type` in its order.
+fn imatrix_kvs(m: &Imatrix, metadata: &mut Metadata) {
+    let s = |v: &str| Value::String(imatrix::kv_str(v));
+    metadata.set("quantize.imatrix.file", s(&m.file));
+    if let Some(d) = m.datasets.first() {
+        metadata.set("quantize.imatrix.dataset", s(d));
+    }
+    let n = Value::U32(m.entries.len() as u32);
+    metadata.set("quantize.imatrix.entries_count", n);
+    if m.chunk_count > 0 {
+        metadata.set(
+            "quantize.imatrix.chunks_count",
+            Value::U32(m.chunk_count as u32),
+        );
+    }
 }
 
 /// The hyperparameters the rules read, from the KVs llama.cpp's loader reads them from.

@@ -69,6 +69,7 @@ pub fn plan_tensors(
             ty,
             recipe,
             src_dtype,
+            quant_weights: None,
         });
     };
 

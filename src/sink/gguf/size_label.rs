@@ -77,6 +77,7 @@ mod tests {
             ty: GgmlType::F32,
             recipe: Recipe::Values(Vec::new()),
             src_dtype: None,
+            quant_weights: None,
         }
     }
 
