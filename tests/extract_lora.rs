@@ -709,6 +709,9 @@ fn a_lora_bias_merges_into_a_bf16_bias_as_peft_computes_it() {
     );
 }
 
+/// A refusal case: name, base bias, lora_B.bias length, adapter_config.json, message parts.
+type BiasCase<'a> = (&'a str, Option<&'a [f32]>, u64, &'a str, &'a [&'a str]);
+
 #[test]
 fn a_lora_bias_is_refused_where_peft_would_not_merge_it() {
     let d = tmp();
@@ -716,7 +719,7 @@ fn a_lora_bias_is_refused_where_peft_would_not_merge_it() {
     let name = "`base_model.model.m.q_proj.lora_B.bias`";
     let no_flag = r#"{"r": 2, "lora_alpha": 3, "target_modules": ["q_proj"]}"#;
     let dora = r#"{"r": 2, "lora_alpha": 3, "lora_bias": true, "use_dora": true}"#;
-    let cases: [(&str, Option<&[f32]>, u64, &str, &[&str]); 4] = [
+    let cases: [BiasCase; 4] = [
         (
             "flag",
             Some(&bias),

@@ -71,7 +71,7 @@ impl Op for LoraBiasAdd {
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let mut v = match &self.base_op {
             Some(op) => op.input_ranges(units),
-            None => vec![0..self.len * self.base_dtype.bits() / 8],
+            None => std::iter::once(0..self.len * self.base_dtype.bits() / 8).collect(),
         };
         v.push(0..self.len * self.bias_dtype.bits() / 8);
         v
@@ -145,6 +145,7 @@ impl Derive for BiasDerive {
 /// is merged with `scale`) to the base's `{module}.bias`; refused when adapter_config.json
 /// does not set `lora_bias`, when the base layer has no bias (PEFT raises there too), or on a
 /// shape or dtype that cannot be added.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn bind(
     module: &str,
     bias: usize,
