@@ -562,14 +562,13 @@ fn peft_loads_the_extracted_adapter_when_python_has_peft() {
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
 }
 
-#[test]
-fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
-    let d = tmp();
+/// A base with `m.q_proj` weight and bias, and a fine-tuned model changing both at random.
+fn bias_models(d: &Path) -> (PathBuf, PathBuf) {
     let specs: [Spec; 2] = [
         ("m.q_proj.weight", DType::F32, &[4, 8]),
         ("m.q_proj.bias", DType::F32, &[4]),
     ];
-    let base = tiny(&d.path().join("base"), &specs);
+    let base = tiny(&d.join("base"), &specs);
     let mut rng = Rng(77);
     let ft =
         Model::new()
@@ -579,7 +578,14 @@ fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
                     rand_t(&mut rng, &n, DType::F32, &dims)
                 },
             ))
-            .write(&d.path().join("ft"));
+            .write(&d.join("ft"));
+    (base, ft)
+}
+
+#[test]
+fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
+    let d = tmp();
+    let (base, ft) = bias_models(d.path());
     let out = d.path().join("lora");
     let args = [
         "extract-lora",
@@ -611,6 +617,144 @@ fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
         read_json(&out.join("adapter_config.json"))["lora_bias"],
         true
     );
+}
+
+#[test]
+fn merge_lora_adds_the_extracted_bias_change_back() {
+    let d = tmp();
+    let (base, ft) = bias_models(d.path());
+    let adapter = d.path().join("lora");
+    let r = "2";
+    let args = ["extract-lora", "--base", s(&base), "--model", s(&ft)];
+    ok(&tftf(&[&args[..], &["-r", r, "-o", s(&adapter)]].concat()));
+    let merged = d.path().join("merged");
+    lora_merged(&base, &adapter, &merged, &["-q"]);
+    let out = load_all(&merged);
+    let (a, b, f) = (
+        load_all(&adapter.join("adapter_model.safetensors")),
+        load_all(&base.join("model.safetensors")),
+        load_all(&ft.join("model.safetensors")),
+    );
+    let c = read_json(&adapter.join("adapter_config.json"));
+    let scale = (c["lora_alpha"].as_f64().unwrap() / c["r"].as_f64().unwrap()) as f32;
+    // PEFT: (bias + lora_B.bias * scaling), the product and the sum each rounded to f32.
+    let lb = f32s_of(&a["base_model.model.m.q_proj.lora_B.bias"].2);
+    let want: Vec<f32> = f32s_of(&b["m.q_proj.bias"].2)
+        .iter()
+        .zip(&lb)
+        .map(|(w, l)| w + l * scale)
+        .collect();
+    assert_eq!(out["m.q_proj.bias"].2, f32_bytes(&want));
+    // The round trip: the fine-tuned bias, to the f32 rounding of the stored difference.
+    for (got, ft) in want.iter().zip(f32s_of(&f["m.q_proj.bias"].2)) {
+        assert!(
+            (got - ft).abs() <= 2.0 * f32::EPSILON * ft.abs().max(1.0),
+            "{got} vs {ft}"
+        );
+    }
+}
+
+/// bf16 of `x`, round to nearest even (no NaN here).
+fn bf16(x: f32) -> [u8; 2] {
+    let b = x.to_bits();
+    (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16).to_le_bytes()
+}
+
+/// A BF16 base `m.q_proj` (weight [4, 8], bias `bias` of [4] unless `None`) and an f32 LoRA
+/// adapter of rank 2 for it with `lora_B.bias` of shape `[n]`, `config` its adapter_config.json.
+fn bias_adapter(d: &Path, bias: Option<&[f32]>, n: u64, config: &str) -> (PathBuf, PathBuf) {
+    let mut rng = Rng(5);
+    let mut base = Model::new().rand(&mut rng, "m.q_proj.weight", DType::BF16, &[4, 8]);
+    if let Some(v) = bias {
+        let bytes: Vec<u8> = v.iter().flat_map(|&x| bf16(x)).collect();
+        base = base.tensor("m.q_proj.bias", DType::BF16, &[4], bytes);
+    }
+    let lb: Vec<f32> = (0..n).map(|i| 0.3 - 0.17 * i as f32).collect();
+    let p = "base_model.model.m.q_proj";
+    let adapter = Model::adapter()
+        .rand(&mut rng, &format!("{p}.lora_A.weight"), DType::F32, &[2, 8])
+        .rand(&mut rng, &format!("{p}.lora_B.weight"), DType::F32, &[4, 2])
+        .tensor(
+            &format!("{p}.lora_B.bias"),
+            DType::F32,
+            &[n],
+            f32_bytes(&lb),
+        )
+        .file("adapter_config.json", config)
+        .write(&d.join("adapter"));
+    (base.write(&d.join("base")), adapter)
+}
+
+const BIAS_CONFIG: &str =
+    r#"{"r": 2, "lora_alpha": 3, "target_modules": ["q_proj"], "lora_bias": true}"#;
+
+#[test]
+fn a_lora_bias_merges_into_a_bf16_bias_as_peft_computes_it() {
+    let d = tmp();
+    let bias = [1.0f32, -0.5, 3.25, 0.0078125];
+    let (base, adapter) = bias_adapter(d.path(), Some(&bias), 4, BIAS_CONFIG);
+    let out = d.path().join("out");
+    lora_merged(&base, &adapter, &out, &["--scale", "0.5", "-q"]);
+    let got = load_all(&out);
+    // s = 3 / 2 · 0.5; bf16(f32(bias) + f32(lora_B.bias · s)).
+    let s = 0.75f32;
+    let want: Vec<u8> = (0..4)
+        .flat_map(|i| bf16(bias[i] + (0.3 - 0.17 * i as f32) * s))
+        .collect();
+    assert_eq!(got["m.q_proj.bias"].0, "BF16");
+    assert_eq!(got["m.q_proj.bias"].2, want);
+    assert_ne!(
+        got["m.q_proj.bias"].2,
+        bias.iter().flat_map(|&x| bf16(x)).collect::<Vec<_>>()
+    );
+}
+
+/// A refusal case: name, base bias, lora_B.bias length, adapter_config.json, message parts.
+type BiasCase<'a> = (&'a str, Option<&'a [f32]>, u64, &'a str, &'a [&'a str]);
+
+#[test]
+fn a_lora_bias_is_refused_where_peft_would_not_merge_it() {
+    let d = tmp();
+    let bias = [1.0f32; 4];
+    let name = "`base_model.model.m.q_proj.lora_B.bias`";
+    let no_flag = r#"{"r": 2, "lora_alpha": 3, "target_modules": ["q_proj"]}"#;
+    let dora = r#"{"r": 2, "lora_alpha": 3, "lora_bias": true, "use_dora": true}"#;
+    let cases: [BiasCase; 4] = [
+        (
+            "flag",
+            Some(&bias),
+            4,
+            no_flag,
+            &[name, "does not set `lora_bias: true`"],
+        ),
+        (
+            "no-bias",
+            None,
+            4,
+            BIAS_CONFIG,
+            &[name, "the base has no `m.q_proj.bias`"],
+        ),
+        (
+            "shape",
+            Some(&bias),
+            3,
+            BIAS_CONFIG,
+            &[name, "[3] cannot be added to `m.q_proj.bias` [4]"],
+        ),
+        (
+            "dora",
+            Some(&bias),
+            4,
+            dora,
+            &["adapter_config.json", "a LoRA bias with DoRA"],
+        ),
+    ];
+    for (case, bias, n, config, needles) in cases {
+        let (base, adapter) = bias_adapter(&d.path().join(case), bias, n, config);
+        let out = d.path().join(case).join("out");
+        let msg = fails(&merge_lora(&base, &adapter, &out, &[]));
+        assert_refused(&msg, needles, &out);
+    }
 }
 
 #[test]

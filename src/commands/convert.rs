@@ -31,6 +31,7 @@ pub(super) fn job(a: &ConvertArgs, arguments: &str) -> Result<JobParts> {
         let g = GgufArgs {
             input: input(),
             output: a.outdir.join(gguf_file_name(&source)),
+            quantize: Default::default(),
             outtype: a.outtype.clone().unwrap_or_else(|| "auto".into()),
             split_max_size: a.split_max_size.clone(),
             arch: a.arch.clone(),

@@ -10,6 +10,7 @@
 //! rest is an error listing them, before any output exists.
 
 pub use crate::plan::kernel::lora as kernel;
+mod bias;
 mod experts;
 pub mod extract;
 mod finite;
@@ -134,6 +135,8 @@ pub struct LoraConfig {
     pub alpha_pattern: Vec<(String, f64)>,
     pub fan_in_fan_out: bool,
     pub use_dora: bool,
+    /// PEFT's `lora_bias`: `lora_B` has a bias, added to the layer's bias on merge.
+    pub lora_bias: bool,
     pub modules_to_save: Vec<String>,
     /// Parameters targeted directly (`mlp.experts.gate_up_proj`): grouped expert weights.
     pub target_parameters: Vec<String>,
@@ -234,6 +237,14 @@ impl LoraConfig {
                 })
                 .collect::<Result<Vec<_>>>()?
         };
+        let use_dora = v.get("use_dora").and_then(Value::as_bool).unwrap_or(false);
+        let lora_bias = v.get("lora_bias").and_then(Value::as_bool).unwrap_or(false);
+        if lora_bias && use_dora {
+            return Err(bad(
+                "`lora_bias: true` with `use_dora: true`: PEFT does not support a LoRA bias with DoRA"
+                    .into(),
+            ));
+        }
         let modules_to_save = list("modules_to_save");
         let saved_res = modules_to_save
             .iter()
@@ -267,7 +278,8 @@ impl LoraConfig {
                 .get("fan_in_fan_out")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            use_dora: v.get("use_dora").and_then(Value::as_bool).unwrap_or(false),
+            use_dora,
+            lora_bias,
             modules_to_save,
             target_parameters: list("target_parameters"),
         })
@@ -671,12 +683,15 @@ struct Module {
     b: Option<usize>,
     embedding: bool,
     magnitude: Option<usize>,
+    /// `lora_B.bias` (PEFT's `lora_bias`).
+    bias: Option<usize>,
 }
 
 enum Kind {
     A(String, bool),
     B(String, bool),
     Magnitude(String),
+    Bias(String),
     BaseCopy,
     Replacement(String),
     Unknown,
@@ -709,6 +724,9 @@ fn classify(name: &str, modules_to_save: &[String]) -> Kind {
     }
     if let Some(m) = strip(".lora_B.weight") {
         return Kind::B(m, false);
+    }
+    if let Some(m) = strip(".lora_B.bias") {
+        return Kind::Bias(m);
     }
     if let Some(m) = strip(".lora_embedding_A") {
         return Kind::A(m, true);
@@ -1068,6 +1086,7 @@ impl PlanStep for LoraMergeStep {
                     e.embedding |= emb;
                 }
                 Kind::Magnitude(m) => modules.entry(m).or_default().magnitude = Some(i),
+                Kind::Bias(m) => modules.entry(m).or_default().bias = Some(i),
                 Kind::BaseCopy => skipped += 1,
                 Kind::Replacement(target) => replacements.push((target, i)),
                 // A DCP adapter is a training run's whole state dict: the base weights come
@@ -1118,14 +1137,14 @@ impl PlanStep for LoraMergeStep {
                 wrapped_at.insert((module.to_string(), depth), wi);
             }
         }
-        let (mut merged, mut dora) = (0, 0);
+        let (mut merged, mut dora, mut biases) = (0, 0, 0);
         // Adapter tensors that reach the output: scanned for NaN and infinity below.
         let mut merged_from: Vec<usize> = Vec::new();
         // Pairs PEFT would not have put on the model: (tensor names, why).
         let mut not_targeted: Vec<(Vec<String>, String)> = Vec::new();
         for (key, m) in &modules {
             let names = || -> Vec<String> {
-                [m.a, m.b, m.magnitude]
+                [m.a, m.b, m.magnitude, m.bias]
                     .into_iter()
                     .flatten()
                     .map(|i| info(i).name.clone())
@@ -1184,6 +1203,21 @@ impl PlanStep for LoraMergeStep {
                         info(mi).name
                     )));
                 }
+            }
+            // PEFT's lora_bias exists on Linear and Conv layers only (not embeddings, nor
+            // parameters wrapped through target_parameters).
+            let grouped = params.fused(wi).is_some()
+                || (entries[wi].shape.len() == 3 && info(a).shape.len() != 3);
+            if let (Some(bi), true) = (m.bias, wrapper || grouped || m.embedding) {
+                return Err(bad(format!(
+                    "`{}`: a LoRA bias on {} is not supported (PEFT has none there)",
+                    info(bi).name,
+                    if m.embedding {
+                        "an embedding"
+                    } else {
+                        "grouped or targeted parameters"
+                    }
+                )));
             }
             // A fused expert parameter of a base stored per expert: merged into each expert.
             if let Some(fused) = params.fused(wi) {
@@ -1336,9 +1370,23 @@ impl PlanStep for LoraMergeStep {
                 },
             };
             entries[wi].derive = Some(Arc::new(derive));
+            if let Some(bi) = m.bias {
+                bias::bind(
+                    module,
+                    bi,
+                    b_rows,
+                    scale,
+                    cfg.lora_bias,
+                    &index,
+                    entries,
+                    ckpt,
+                )
+                .map_err(&bad)?;
+                biases += 1;
+            }
             merged += 1;
             dora += m.magnitude.is_some() as usize;
-            merged_from.extend([a, b].into_iter().chain(m.magnitude));
+            merged_from.extend([a, b].into_iter().chain(m.magnitude).chain(m.bias));
         }
         let mut replaced = 0;
         for (target, i) in replacements {
@@ -1415,7 +1463,7 @@ impl PlanStep for LoraMergeStep {
         }
         let not_targeted: Vec<&String> = not_targeted.iter().flat_map(|(n, _)| n).collect();
         notes.lines.push(format!(
-            "adapter {}: {merged} module(s) merged ({dora} DoRA), {replaced} replaced (modules_to_save), {skipped} base copies skipped, {} not targeted by adapter_config.json, {} unmatched",
+            "adapter {}: {merged} module(s) merged ({dora} DoRA, {biases} with a LoRA bias), {replaced} replaced (modules_to_save), {skipped} base copies skipped, {} not targeted by adapter_config.json, {} unmatched",
             path.display(),
             not_targeted.len(),
             unmatched.len()
@@ -1425,6 +1473,7 @@ impl PlanStep for LoraMergeStep {
             "adapter": path.to_string_lossy(),
             "merged": merged,
             "dora": dora,
+            "lora_bias": biases,
             "replaced": replaced,
             "skipped": skipped,
             "not_targeted": not_targeted,
