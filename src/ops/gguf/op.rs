@@ -197,11 +197,16 @@ impl Op for GgufTensorOp {
     }
 
     fn scratch_unit_bytes(&self) -> u64 {
-        // The gathered source elements and their f32 values (produce's convert), and the f32
-        // rows of a dequantised FP8 weight.
+        // The source elements of reordered rows, gathered (produce's gather buffer), and the
+        // f32 rows of a dequantised FP8 weight. Rows in order are converted where they were read.
         let (inner, _, _) = produce::row_geometry(&self.tensor);
         let fp8 = self.slots.iter().any(|s| s.fp8.is_some()) as u64;
-        inner * (self.elem_bytes() + 4 + 4 * fp8)
+        let gathered = match self.tensor.recipe {
+            Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => 0,
+            Recipe::Values(_) => 4,
+            _ => self.elem_bytes(),
+        };
+        inner * (gathered + 4 * fp8)
     }
 
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {

@@ -11,7 +11,7 @@ use super::tensor::{OutputTensor, Recipe};
 use super::GgmlType;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::ops::cast::{to_f32, write_as};
+use crate::ops::cast::{decode_into, to_f32, write_as};
 
 /// Elements per row, rows, and bytes per output row of `t`.
 pub fn row_geometry(t: &OutputTensor) -> (u64, u64, u64) {
@@ -128,16 +128,86 @@ pub fn write_rows_from<'a>(
         }
     };
     let n = (count * inner) as usize;
-    let mut elems = vec![0u8; n * esize];
     let row_src = (inner as usize) * esize;
     match &t.recipe {
+        // Rows stored in order: converted straight from the window, with no copy.
         Recipe::Direct { src } => {
             let s = get(src)?;
-            elems.copy_from_slice(
-                s.at(first * row_src as u64, n * esize)
-                    .map_err(|m| src_err(t, m))?,
+            let elems = s
+                .at(first * row_src as u64, n * esize)
+                .map_err(|m| src_err(t, m))?;
+            convert(
+                elems,
+                dtype,
+                t.ty,
+                inner as usize,
+                &RowWeights::of(t, first),
+                out,
             );
         }
+        Recipe::Stack { srcs } => {
+            // Each expert's rows are one contiguous run of its source.
+            let per_expert = rows / srcs.len() as u64;
+            let row_out = row_bytes as usize;
+            let (mut r, end) = (first, first + count);
+            while r < end {
+                let run = (per_expert - r % per_expert).min(end - r);
+                let s = get(&srcs[(r / per_expert) as usize])?;
+                let at = (r % per_expert) * row_src as u64;
+                let elems = s
+                    .at(at, run as usize * row_src)
+                    .map_err(|m| src_err(t, m))?;
+                let o = (r - first) as usize * row_out;
+                let piece = &mut out[o..o + run as usize * row_out];
+                convert(
+                    elems,
+                    dtype,
+                    t.ty,
+                    inner as usize,
+                    &RowWeights::of(t, r),
+                    piece,
+                );
+                r += run;
+            }
+        }
+        _ => GATHER.with(|g| -> Result<()> {
+            // Reordered rows are gathered into a buffer each compute thread keeps: at most one
+            // chunk's elements (the op's scratch, inside the memory budget).
+            let mut elems = g.borrow_mut();
+            elems.clear();
+            elems.resize(n * esize, 0);
+            gather(t, &get, first, esize, &mut elems)?;
+            convert(
+                &elems,
+                dtype,
+                t.ty,
+                inner as usize,
+                &RowWeights::of(t, first),
+                out,
+            );
+            Ok(())
+        })?,
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// The gather buffer of [`write_rows_from`], reused from chunk to chunk.
+    static GATHER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The source elements of output rows `[first, first + count)` of a recipe that reorders them,
+/// into `elems`.
+fn gather<'a>(
+    t: &OutputTensor,
+    get: &dyn Fn(&str) -> Result<Window<'a>>,
+    first: u64,
+    esize: usize,
+    elems: &mut [u8],
+) -> Result<()> {
+    let (inner, _, _) = row_geometry(t);
+    let row_src = (inner as usize) * esize;
+    match &t.recipe {
         Recipe::Values(v) => {
             for (o, x) in elems
                 .chunks_exact_mut(4)
@@ -159,15 +229,6 @@ pub fn write_rows_from<'a>(
                 dst.copy_from_slice(s.at((j * unit) as u64, unit).map_err(|m| src_err(t, m))?);
             }
         }
-        Recipe::Stack { srcs } => {
-            let per_expert = rows / srcs.len() as u64;
-            for (k, dst) in elems.chunks_exact_mut(row_src).enumerate() {
-                let r = first + k as u64;
-                let s = get(&srcs[(r / per_expert) as usize])?;
-                let at = (r % per_expert) * row_src as u64;
-                dst.copy_from_slice(s.at(at, row_src).map_err(|m| src_err(t, m))?);
-            }
-        }
         Recipe::KvBK {
             src, nope, v, lora, ..
         } => {
@@ -183,10 +244,10 @@ pub fn write_rows_from<'a>(
                 }
             }
         }
-        Recipe::Mxfp4 { .. } => unreachable!("handled above"),
+        Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => {
+            unreachable!("converted without a gather")
+        }
     }
-    let weights = RowWeights::of(t, first);
-    convert(&elems, dtype, t.ty, inner as usize, &weights, out);
     Ok(())
 }
 
@@ -240,13 +301,13 @@ fn convert(
     if ty == GgmlType::Q8_0 {
         return quant::quantize_q8_0_from(elems, dtype, out);
     }
-    let f = to_f32(dtype, elems);
-    match ty {
-        GgmlType::F32 => write_as(DType::F32, f.into_iter(), out),
-        GgmlType::F16 => write_as(DType::F16, f.into_iter(), out),
-        GgmlType::Bf16 => write_as(DType::BF16, f.into_iter(), out),
+    let dst = match ty {
+        GgmlType::F32 => DType::F32,
+        GgmlType::F16 => DType::F16,
+        GgmlType::Bf16 => DType::BF16,
         GgmlType::Mxfp4 => unreachable!("MXFP4 is only repacked"),
         _ => {
+            let f = to_f32(dtype, elems);
             let encode = encode::row_encoder(ty).expect("planning refuses types without encoder");
             let (be, bb) = ty.block();
             let row_bytes = inner / be as usize * bb as usize;
@@ -254,6 +315,19 @@ fn convert(
             for (k, (src, dst)) in rows.enumerate() {
                 encode(src, dst, weights.row(k, inner));
             }
+            return;
         }
+    };
+    // Element by element through a small f32 buffer on the stack, not one the size of the chunk.
+    const PIECE: usize = 4096;
+    let (es, os) = (
+        dtype.size().expect("a float dtype"),
+        dst.size().expect("a float dtype"),
+    );
+    let mut f = [0f32; PIECE];
+    for (src, o) in elems.chunks(PIECE * es).zip(out.chunks_mut(PIECE * os)) {
+        let f = &mut f[..src.len() / es];
+        decode_into(dtype, src, f);
+        write_as(dst, f.iter().copied(), o);
     }
 }
