@@ -206,7 +206,12 @@ impl Op for GgufTensorOp {
             Recipe::Values(_) => 4,
             _ => self.elem_bytes(),
         };
-        inner * (gathered + 4 * fp8)
+        // Block types other than Q8_0 widen the chunk to f32 rows for their row encoder.
+        let widened = !matches!(
+            self.tensor.ty,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0 | GgmlType::Mxfp4
+        ) as u64;
+        inner * (gathered + 4 * fp8 + 4 * widened)
     }
 
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
