@@ -6,10 +6,10 @@
 //! caller rounds once to the output dtype). Accumulations run in `f64` in a fixed order, so the
 //! result never depends on thread count or chunking.
 
+pub mod linear;
 pub mod sce;
 pub mod sparse;
 pub mod sparsify;
-pub mod linear;
 pub mod task_arithmetic;
 
 use std::collections::BTreeMap;
