@@ -37,6 +37,8 @@ enum Formula {
         has_base: bool,
         shape: Vec<usize>,
         seed: u64,
+        /// The models handed to `f` (the base apart), as the config names them.
+        names: Vec<String>,
     },
 }
 
@@ -139,8 +141,11 @@ impl MergeOp {
                     .map(|&d| d as usize)
                     .collect(),
                 seed,
+                names: inputs.models[usize::from(inputs.has_base)..]
+                    .iter()
+                    .map(|m| m.display().to_string())
+                    .collect(),
             },
-            Arithmetic::Missing => unreachable!("refused when the config was read"),
         };
         let elements =
             crate::format::dtype::element_count(&ckpt.tensors[inputs.tensors[0]].info.shape)
@@ -277,6 +282,7 @@ impl Op for MergeOp {
             has_base,
             shape,
             seed,
+            names,
         } = &self.formula
         else {
             self.compute_elementwise(units, inputs, out);
@@ -304,7 +310,8 @@ impl Op for MergeOp {
             .collect();
         let base: &[f32] = if *has_base { &values[0] } else { &[] };
         let mut merged = vec![0f32; n];
-        f(base, &tensors, global, shape, *seed, &mut merged)?;
+        f(base, &tensors, global, shape, *seed, &mut merged)
+            .map_err(|e| super::adapt::name_models(&e, names))?;
         write_as(self.dst, merged.into_iter(), out);
         Ok(())
     }
@@ -357,6 +364,7 @@ mod tests {
                 has_base: true,
                 shape: vec![2, 2],
                 seed: 3,
+                names: vec!["b".into()],
             },
             in_dtypes: vec![DType::F32, DType::BF16],
             compute_dtype: None,

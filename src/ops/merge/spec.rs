@@ -48,8 +48,6 @@ pub enum Arithmetic {
     Passthrough,
     /// Needs the whole tensor of every model (thresholds, norms, iterations).
     WholeTensor(WholeTensorFn),
-    /// Recognised, not implemented in tftf yet.
-    Missing,
 }
 
 #[derive(Debug)]
@@ -106,7 +104,9 @@ const fn method(
     }
 }
 
-use Arithmetic::Missing;
+use super::adapt;
+use super::methods::{sce, sparse};
+use Arithmetic::WholeTensor;
 use Base::{Ignored, Optional, Required};
 
 const GAMMA: ParamSpec = p("gamma", NonBase, Some(0.01));
@@ -123,21 +123,21 @@ pub static METHODS: &[MethodSpec] = &[
         ],
         Optional,
         (1, None),
-        Missing,
+        WholeTensor(adapt::multislerp),
     ),
     method(
         "nearswap",
         &[p("t", Shared, None)],
         Required,
         (2, None),
-        Missing,
+        WholeTensor(adapt::nearswap),
     ),
     method(
         "ram",
         &[p("epsilon", Shared, Some(1e-5))],
         Required,
         (1, None),
-        Missing,
+        WholeTensor(adapt::ram),
     ),
     method(
         "ramplus_tl",
@@ -148,7 +148,7 @@ pub static METHODS: &[MethodSpec] = &[
         ],
         Required,
         (1, None),
-        Missing,
+        WholeTensor(adapt::ramplus_tl),
     ),
     method(
         "sce",
@@ -158,7 +158,7 @@ pub static METHODS: &[MethodSpec] = &[
         ],
         Required,
         (1, None),
-        Missing,
+        WholeTensor(sce::sce),
     ),
     method("linear", LINEAR, Ignored, (1, None), Arithmetic::Linear),
     method(
@@ -166,7 +166,7 @@ pub static METHODS: &[MethodSpec] = &[
         &[p("t", Shared, None)],
         Required,
         (2, Some(2)),
-        Missing,
+        WholeTensor(adapt::slerp),
     ),
     method(
         "nuslerp",
@@ -177,7 +177,7 @@ pub static METHODS: &[MethodSpec] = &[
         ],
         Optional,
         (2, Some(3)),
-        Missing,
+        WholeTensor(adapt::nuslerp),
     ),
     method(
         "passthrough",
@@ -191,9 +191,15 @@ pub static METHODS: &[MethodSpec] = &[
         &[p("filter_wise", Shared, Some(0.0))],
         Required,
         (3, None),
-        Missing,
+        WholeTensor(adapt::model_stock),
     ),
-    method("arcee_fusion", &[], Required, (2, Some(2)), Missing),
+    method(
+        "arcee_fusion",
+        &[],
+        Required,
+        (2, Some(2)),
+        WholeTensor(adapt::arcee_fusion),
+    ),
     method(
         "karcher",
         &[
@@ -202,7 +208,7 @@ pub static METHODS: &[MethodSpec] = &[
         ],
         Ignored,
         (1, None),
-        Missing,
+        WholeTensor(adapt::karcher),
     ),
     method(
         "task_arithmetic",
@@ -211,36 +217,54 @@ pub static METHODS: &[MethodSpec] = &[
         (1, None),
         Arithmetic::TaskArithmetic,
     ),
-    method("ties", gta!(1.0, 0.0), Required, (1, None), Missing),
-    method("dare_ties", gta!(0.0, 1.0), Required, (1, None), Missing),
-    method("dare_linear", gta!(0.0, 1.0), Required, (1, None), Missing),
+    method(
+        "ties",
+        gta!(1.0, 0.0),
+        Required,
+        (1, None),
+        WholeTensor(sparse::ties),
+    ),
+    method(
+        "dare_ties",
+        gta!(0.0, 1.0),
+        Required,
+        (1, None),
+        WholeTensor(sparse::dare_ties),
+    ),
+    method(
+        "dare_linear",
+        gta!(0.0, 1.0),
+        Required,
+        (1, None),
+        WholeTensor(sparse::dare_linear),
+    ),
     method(
         "breadcrumbs",
         gta!(0.0, 0.0, GAMMA),
         Required,
         (1, None),
-        Missing,
+        WholeTensor(sparse::breadcrumbs),
     ),
     method(
         "breadcrumbs_ties",
         gta!(0.0, 0.0, GAMMA),
         Required,
         (1, None),
-        Missing,
+        WholeTensor(sparse::breadcrumbs_ties),
     ),
     method(
         "della",
         gta!(1.0, 1.0, EPSILON),
         Required,
         (1, None),
-        Missing,
+        WholeTensor(sparse::della),
     ),
     method(
         "della_linear",
         gta!(0.0, 1.0, EPSILON),
         Required,
         (1, None),
-        Missing,
+        WholeTensor(sparse::della_linear),
     ),
 ];
 
@@ -269,18 +293,6 @@ impl MethodSpec {
     /// Checks each slice's inputs against the method's contract (mergekit's
     /// `validate_inputs`, done before any tensor is planned).
     pub fn check_inputs(&self, config: &MergeConfig) -> Result<(), String> {
-        if let Arithmetic::Missing = self.arithmetic {
-            return Err(format!(
-                "merge method `{}` is recognised but not implemented in tftf yet; implemented: {}",
-                self.name,
-                METHODS
-                    .iter()
-                    .filter(|m| !matches!(m.arithmetic, Missing))
-                    .map(|m| m.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
-        }
         for (i, s) in config.slices.iter().enumerate() {
             let base = s.base_model.as_ref().or(config.base_model.as_ref());
             let at = if config.sliced {
