@@ -8,6 +8,10 @@
 //! at `floor(t * (n - 1))`), or a list of `{filter, value}` conditions, the first whose filter
 //! is absent, `*` or a substring of the tensor name winning.
 
+/// Methods whose arithmetic passes mergekit's golden tests alone but whose merges through the
+/// engine do not yet equal mergekit's: refused until they do.
+const UNVERIFIED: &[&str] = &["ties", "breadcrumbs", "breadcrumbs_ties", "sce"];
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -121,6 +125,12 @@ impl MergeConfig {
                 MethodSpec::names().join(", ")
             ))
         })?;
+        if UNVERIFIED.contains(&method.name) {
+            return Err(bad(format!(
+                "merge method `{}` is not available yet: its end-to-end result does not match mergekit's on the test models, and tftf refuses rather than write a doubtful merge",
+                method.name
+            )));
+        }
         if map.contains_key("modules") {
             return Err(bad(
                 "`modules` (multi-module architectures) is not supported yet; use `models` or `slices`".into(),
