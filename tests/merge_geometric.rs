@@ -11,8 +11,10 @@
 
 mod common;
 
+use common::merge_fixtures::{params, widen};
+
 use half::bf16;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use serde_json::Value;
 use tftf::ops::merge::methods::{karcher, misc, model_stock, slerp, ModelTensor, Params};
 
@@ -27,34 +29,6 @@ struct Case {
     inputs: Vec<Vec<f32>>,
     mergekit: Vec<f64>,
     reference: Vec<f64>,
-}
-
-fn widen(view: &safetensors::tensor::TensorView) -> Vec<f64> {
-    let data = view.data();
-    match view.dtype() {
-        Dtype::BF16 => data
-            .chunks(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64())
-            .collect(),
-        Dtype::F32 => data
-            .chunks(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
-            .collect(),
-        Dtype::F64 => data
-            .chunks(8)
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
-            .collect(),
-        other => panic!("unexpected dtype {other:?}"),
-    }
-}
-
-fn params(object: &Value) -> Params {
-    let mut p = Params::default();
-    for (name, v) in object.as_object().unwrap() {
-        let v = v.as_f64().or(v.as_bool().map(|b| b as u8 as f64)).unwrap();
-        p = p.with(name, v);
-    }
-    p
 }
 
 fn load(family: &str) -> Vec<Case> {

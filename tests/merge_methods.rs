@@ -11,10 +11,10 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use common::merge_fixtures::{params, widen};
 
 use half::bf16;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use serde_json::Value;
 use tftf::ops::merge::methods::{sce, sparse, ModelTensor, Params};
 
@@ -69,43 +69,16 @@ impl Case {
     }
 }
 
-fn widen(st: &SafeTensors, name: &str) -> Vec<f64> {
-    let t = st.tensor(name).unwrap();
-    let data = t.data();
-    match t.dtype() {
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64())
-            .collect(),
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f64::from(f32::from_le_bytes(b.try_into().unwrap())))
-            .collect(),
-        Dtype::F64 => data
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
-            .collect(),
-        other => panic!("{name}: unexpected {other:?}"),
-    }
-}
-
-fn params(value: &Value) -> Params {
-    let mut map = BTreeMap::new();
-    for (key, v) in value.as_object().unwrap() {
-        let v = match v {
-            Value::Bool(b) => f64::from(u8::from(*b)),
-            v => v.as_f64().unwrap(),
-        };
-        map.insert(key.clone(), v);
-    }
-    Params(map)
-}
-
 fn cases(file: &str) -> Vec<Case> {
     let bytes = std::fs::read(common::fixture(&format!("merge/methods/{file}"))).unwrap();
     let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |name: &str| widen(&st, name).into_iter().map(|v| v as f32).collect();
+    let f32s = |name: &str| {
+        widen(&st.tensor(name).unwrap())
+            .into_iter()
+            .map(|v| v as f32)
+            .collect()
+    };
     let mut cases = Vec::new();
     for (name, meta) in header.metadata().as_ref().unwrap() {
         let Ok(meta) = serde_json::from_str::<Value>(meta) else {
@@ -132,7 +105,7 @@ fn cases(file: &str) -> Vec<Case> {
             exact: st
                 .tensor(&format!("{name}.exact"))
                 .is_ok()
-                .then(|| widen(&st, &format!("{name}.exact"))),
+                .then(|| widen(&st.tensor(&format!("{name}.exact")).unwrap())),
         });
     }
     cases.sort_by(|a, b| a.name.cmp(&b.name));

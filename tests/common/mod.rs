@@ -30,6 +30,7 @@
 
 pub mod gguf;
 pub mod interrupt;
+pub mod merge_fixtures;
 pub mod peft;
 pub mod xfs;
 
