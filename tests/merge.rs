@@ -301,6 +301,25 @@ fn unknown_keys_methods_and_parameters_are_refused_by_name() {
     );
 }
 
+/// The methods whose whole merges do not yet equal mergekit's are refused by name before any
+/// output exists, not merged doubtfully.
+#[test]
+fn methods_not_yet_matching_mergekit_are_refused() {
+    let dir = tmp();
+    let (a, b) = two_models(dir.path(), |m| m);
+    let ok_text = linear_config(&a, &b, "");
+    for method in ["ties", "breadcrumbs", "breadcrumbs_ties", "sce"] {
+        refused(
+            dir.path(),
+            &ok_text.replace("merge_method: linear", &format!("merge_method: {method}")),
+            &[
+                &format!("merge method `{method}` is not available yet"),
+                "merge.yml",
+            ],
+        );
+    }
+}
+
 #[test]
 fn missing_models_tensors_and_parameters_are_named() {
     let dir = tmp();

@@ -8,10 +8,6 @@
 //! at `floor(t * (n - 1))`), or a list of `{filter, value}` conditions, the first whose filter
 //! is absent, `*` or a substring of the tensor name winning.
 
-/// Methods whose arithmetic passes mergekit's golden tests alone but whose merges through the
-/// engine do not yet equal mergekit's: refused until they do.
-const UNVERIFIED: &[&str] = &["ties", "breadcrumbs", "breadcrumbs_ties", "sce"];
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -20,6 +16,10 @@ use serde_yaml::Value;
 use super::spec::{MethodSpec, Scope};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+
+/// Methods whose arithmetic passes mergekit's golden tests alone but whose merges through the
+/// engine do not yet equal mergekit's: refused until they do.
+const UNVERIFIED: &[&str] = &["ties", "breadcrumbs", "breadcrumbs_ties", "sce"];
 
 /// One scalar of a setting, as YAML gave it.
 #[derive(Clone, Debug, PartialEq)]
