@@ -284,6 +284,9 @@ impl Checkpoint {
     }
 }
 
+/// `(name, dtype, shape, fd, nbytes)` of one streamed tensor.
+type StreamItem = (String, &'static str, Vec<u64>, i32, u64);
+
 /// The tensors of a reader and built-in pipes as the Rust engine computes them (the library
 /// API's `Pipeline::records`), one at a time, for a pipeline that goes on through Python pipes.
 /// Each item is `(name, dtype, shape, fd, nbytes)`: the tensor's bytes lie in the anonymous
@@ -309,10 +312,7 @@ impl RecordStream {
         slf
     }
 
-    fn __next__(
-        &mut self,
-        py: Python<'_>,
-    ) -> PyResult<Option<(String, &'static str, Vec<u64>, i32, u64)>> {
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<StreamItem>> {
         py.check_signals()?;
         let Some(records) = self.records.as_mut() else {
             return Ok(None);
