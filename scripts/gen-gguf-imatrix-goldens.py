@@ -12,44 +12,24 @@ every KV and tensor of llama-quantize's output as e2e.json does. llama-quantize 
 folder of the imatrix and is given its bare file name, so `quantize.imatrix.file` is that name.
 
 Usage: gen-gguf-imatrix-goldens.py LLAMA_CPP_DIR LLAMA_QUANTIZE WORK_DIR"""
-import hashlib, json, os, shutil, struct, subprocess, sys
+import json, os, shutil, struct, subprocess, sys
 import numpy as np
 
 LCP, LQ, WORK = sys.argv[1:4]
 sys.path.insert(0, os.path.join(LCP, "gguf-py"))
 import gguf  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
+from llamacpp_goldens import converter, record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "tests", "fixtures", "gguf_quant")
 TOK = os.path.join(HERE, "..", "tests", "fixtures", "gguf", "tokenizer")
-NAMING = ("general.name", "general.basename", "general.finetune", "general.version", "general.quantized_by")
-REF = f"""
-import sys
-sys.path[:0] = [{LCP!r}, {os.path.join(LCP, 'gguf-py')!r}]
-import conversion.base as b
-b.TextModel.get_vocab_base_pre = lambda self, tok: "test-pre"
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
-import convert_hf_to_gguf as c
-c.main()
-"""
+REF = converter(LCP)
 CASES = [(m, f, []) for m in ("q4_0", "q4_1", "q5_0", "q5_1") for f in ("imatrix.gguf", "imatrix.dat")] + [
     ("q4_0", "imatrix.gguf", ["--include-weights", "attn", "--include-weights", "output"]),
     ("q5_1", "imatrix.dat", ["--exclude-weights", "ffn_"]),
     # The k-quant cases (q4_k_m, q6_k … with 256-wide rows) go here once their encoders land.
 ]
-
-
-def sha(b):
-    return hashlib.sha256(b).hexdigest()
-
-
-def record(path):
-    r = GGUFReader(path)
-    kvs = [[k, sha(b"".join(bytes(p) for p in f.parts[2:]))] for k, f in r.fields.items()
-           if not k.startswith("GGUF.") and k not in NAMING]
-    ts = [[t.name, int(t.tensor_type), [int(x) for x in t.shape], sha(np.asarray(t.data).tobytes())] for t in r.tensors]
-    return {"kvs": kvs, "tensors": ts}
 
 
 def main():

@@ -165,12 +165,7 @@ fn k_quant_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
 fn check_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
     for case in cases.as_array().unwrap() {
         let mix = case["mix"].as_str().unwrap();
-        let args: Vec<&str> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
+        let args = json_strs(&case["args"]);
         let what = format!("{mix} {args:?} {extra:?}");
         let out = dir.join("out.gguf");
         let opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
@@ -232,12 +227,7 @@ fn imatrix_cases_equal_llama_quantize_byte_for_byte() {
     for case in cases.as_array().unwrap() {
         let mix = case["mix"].as_str().unwrap();
         let file = fixture(&format!("gguf_quant/{}", case["imatrix"].as_str().unwrap()));
-        let args: Vec<&str> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
+        let args = json_strs(&case["args"]);
         let what = format!("{mix} {} {args:?}", file.display());
         let out = d.path().join("out.gguf");
         let f = file.to_str().unwrap();
