@@ -766,3 +766,177 @@ fn sce_is_as_right_as_mergekit_up_to_tie_order() {
     // Two of the 40 tensors have a variance tie at the threshold.
     check_sparse_method("sce", Ranking::Variance(0.5), 10);
 }
+
+/// A base of zeros and a model of seeded non-zero f32 values (`f` of uniform ones in
+/// (-1, 1)), the same in two layers (`shape` each): an output element of a one-model merge
+/// was kept iff it is not zero.
+fn zero_base_and_model(
+    dir: &Path,
+    shape: &[u64],
+    f: fn(f32) -> f32,
+) -> (PathBuf, PathBuf, Vec<f32>) {
+    let mut rng = Rng(27);
+    let n = shape.iter().product::<u64>() as usize;
+    let values: Vec<f32> = (0..n)
+        .map(|_| (rng.next_u32() >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0)
+        .map(|v| if v == 0.0 { 0.5 } else { f(v) })
+        .collect();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let write = |name: &str, v: &[f32]| {
+        Model::new()
+            .tensor(LAYER0, DType::F32, shape, bytes(v))
+            .tensor(LAYER1, DType::F32, shape, bytes(v))
+            .config(LLAMA)
+            .write(&dir.join(name))
+    };
+    (
+        write("base", &vec![0.0; n]),
+        write("model", &values),
+        values,
+    )
+}
+
+const LAYER0: &str = "model.layers.0.mlp.up_proj.weight";
+const LAYER1: &str = "model.layers.1.mlp.up_proj.weight";
+
+/// Merges `text` with `--random-seed seed`: with one thread and the default budget, and with
+/// two threads and a budget of `budget` (other scheduling); both must give the same bytes.
+fn seeded_merge(dir: &Path, text: &str, seed: u64, budget: &str) -> Tensors {
+    let cfg = write_config(dir, text);
+    let seed = seed.to_string();
+    let (one, two) = (
+        dir.join(format!("one{seed}")),
+        dir.join(format!("two{seed}")),
+    );
+    ok(&merge(
+        &cfg,
+        &one,
+        &["--random-seed", &seed, "--threads", "1"],
+    ));
+    let args = [
+        "--random-seed",
+        &seed,
+        "--threads",
+        "2",
+        "--memory-budget",
+        budget,
+    ];
+    ok(&merge(&cfg, &two, &args));
+    let (a, b) = (load_all(&one), load_all(&two));
+    assert_eq!(
+        a, b,
+        "seed {seed}: threads 1 and 2 (budget {budget}) differ"
+    );
+    a
+}
+
+/// `kept` of `n` lies within 5σ of a binomial draw with probability `p`.
+fn assert_kept_fraction(label: &str, kept: usize, n: usize, p: f64) {
+    let fraction = kept as f64 / n as f64;
+    let sigma = (p * (1.0 - p) / n as f64).sqrt();
+    assert!(
+        (fraction - p).abs() < 5.0 * sigma,
+        "{label}: kept {fraction}, expected {p} ± {}",
+        5.0 * sigma
+    );
+}
+
+/// DARE and DELLA through `tftf merge`: `--random-seed` gives the same bytes for any thread
+/// count and memory budget, another seed and another tensor other draws; the kept fraction is
+/// `density` (DELLA: higher for larger magnitudes, `density ± epsilon/2` by half) and the kept
+/// elements are scaled by mergekit's L1 rescale, ‖δ‖₁ / ‖kept δ‖₁ (none with `rescale: false`).
+#[test]
+fn stochastic_methods_are_reproducible_keep_density_and_rescale_the_l1_norm() {
+    let dir = tmp();
+    let (rows, cols) = (128usize, 256usize);
+    let (base, model, values) = zero_base_and_model(dir.path(), &[rows as u64, cols as u64], |v| v);
+    let n = values.len();
+    let cases = [
+        ("dare_linear", 0.3, 0.0, ""),
+        ("dare_ties", 0.6, 0.0, ""),
+        ("della", 0.4, 0.2, ", epsilon: 0.2"),
+        ("della_linear", 0.5, 0.1, ", epsilon: 0.1"),
+        ("dare_linear", 0.5, 0.0, "no rescale"),
+    ];
+    for (i, (method, density, epsilon, extra)) in cases.into_iter().enumerate() {
+        let case = dir.path().join(i.to_string());
+        std::fs::create_dir(&case).unwrap();
+        let rescale = extra != "no rescale";
+        let params = if rescale { extra } else { "" };
+        let text = format!(
+            "merge_method: {method}\nbase_model: {}\nmodels:\n  - model: {}\n    parameters: {{weight: 1.0, density: {density}{params}}}\n{}",
+            base.display(),
+            model.display(),
+            if rescale { "" } else { "parameters:\n  rescale: false\n" }
+        );
+        let label = format!("{method} {extra}");
+        let out = seeded_merge(&case, &text, 7, "16MiB");
+        assert_ne!(
+            out,
+            seeded_merge(&case, &text, 8, "16MiB"),
+            "{label}: the seed matters"
+        );
+        let (got, other) = (f32s_of(&out[LAYER0].2), f32s_of(&out[LAYER1].2));
+        assert_ne!(got, other, "{label}: each tensor has its own draws");
+        let kept: Vec<bool> = got.iter().map(|v| *v != 0.0).collect();
+        let count = kept.iter().filter(|k| **k).count();
+        assert_kept_fraction(&label, count, n, density);
+        if epsilon > 0.0 {
+            // Per row, the half with the larger magnitudes keeps density + ε/2 on average.
+            let (mut upper, mut lower) = (0, 0);
+            for r in 0..rows {
+                let mut row: Vec<usize> = (r * cols..(r + 1) * cols).collect();
+                row.sort_by(|&a, &b| values[a].abs().total_cmp(&values[b].abs()));
+                lower += row[..cols / 2].iter().filter(|&&j| kept[j]).count();
+                upper += row[cols / 2..].iter().filter(|&&j| kept[j]).count();
+            }
+            assert_kept_fraction(&label, upper, n / 2, density + epsilon / 2.0);
+            assert_kept_fraction(&label, lower, n / 2, density - epsilon / 2.0);
+        }
+        let l1 = |keep: &dyn Fn(usize) -> bool| -> f64 {
+            (0..n)
+                .filter(|&j| keep(j))
+                .map(|j| f64::from(values[j]).abs())
+                .sum()
+        };
+        let scale = if rescale {
+            l1(&|_| true) / l1(&|j| kept[j])
+        } else {
+            1.0
+        };
+        assert!(!rescale || scale > 1.5, "{label}: scale {scale}");
+        for j in (0..n).filter(|&j| kept[j]) {
+            let want = f64::from(values[j]) * scale;
+            assert!(
+                (f64::from(got[j]) - want).abs() <= want.abs() * 2f64.powi(-24),
+                "{label}: element {j} is {}, want {want} ({} × {scale})",
+                got[j],
+                values[j]
+            );
+        }
+    }
+}
+
+/// arcee_fusion above mergekit's 1M-element quantile sample draws its sample from
+/// `--random-seed`: the same bytes for any thread count and budget, other draws for another
+/// seed, and every element still the base's or the model's.
+#[test]
+fn arcee_fusion_above_the_sample_size_is_reproducible_by_seed() {
+    let dir = tmp();
+    // Heavy-tailed: about 10 % of the elements reach median + 1.5 IQR and take the model's.
+    let (base, model, values) = zero_base_and_model(dir.path(), &[1000, 1001], |v| v.powi(3));
+    let text = format!(
+        "merge_method: arcee_fusion\nbase_model: {}\nmodels:\n  - model: {}\n  - model: {}\n",
+        base.display(),
+        base.display(),
+        model.display()
+    );
+    let out = seeded_merge(dir.path(), &text, 7, "64MiB");
+    assert_ne!(out, seeded_merge(dir.path(), &text, 8, "64MiB"));
+    let got = f32s_of(&out[LAYER0].2);
+    let fused = got.iter().filter(|v| **v != 0.0).count();
+    assert!(fused > 0 && fused < values.len(), "{fused} fused");
+    for (j, (g, v)) in got.iter().zip(&values).enumerate() {
+        assert!(*g == 0.0 || g == v, "element {j}: {g} is neither 0 nor {v}");
+    }
+}
