@@ -595,7 +595,8 @@ fn parts_of_one_merge_must_share_the_config_contents_not_only_its_path() {
 
 /// mergekit 0.1.5's other deterministic methods on the bf16 models: names, shapes, dtypes
 /// and config.json as mergekit's, values within the issue's bar of mergekit's output and of
-/// mergekit's own code run in float64. (arcee_fusion and ramplus_tl: see issue #27.)
+/// mergekit's own code run in float64. arcee_fusion and ramplus_tl write F32 under
+/// `dtype: bfloat16`, as mergekit does.
 macro_rules! as_right_as_mergekit {
     ($($method:ident),*) => {
         mod methods_as_right_as_mergekit {
@@ -625,7 +626,9 @@ as_right_as_mergekit!(
     karcher,
     model_stock,
     nearswap,
-    ram
+    ram,
+    arcee_fusion,
+    ramplus_tl
 );
 
 /// How a sparse method ranks the elements of a tensor of the bf16 fixture models (base `a`,

@@ -85,7 +85,9 @@ fn records_of_an_op_with_extra_outputs_come_in_plan_order() {
     )
     .run()
     .unwrap();
-    assert_records_equal_written(&bf16, || Pipe::quantize("FP8_DYNAMIC", "compressed-tensors"));
+    assert_records_equal_written(&bf16, || {
+        Pipe::quantize("FP8_DYNAMIC", "compressed-tensors")
+    });
 }
 
 #[test]

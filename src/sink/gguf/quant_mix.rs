@@ -284,7 +284,7 @@ fn allows_quantization(t: &MixTensor, leave_output: bool) -> bool {
 }
 
 /// `tensor_requires_imatrix`.
-fn requires_imatrix(name: &str, ty: GgmlType, mix: Mix) -> bool {
+pub(crate) fn requires_imatrix(name: &str, ty: GgmlType, mix: Mix) -> bool {
     if matches!(category(name), Category::TokenEmbd | Category::Output) {
         return false;
     }

@@ -72,6 +72,39 @@ pub fn apply(
         attach_imatrix(m, outputs)?;
         imatrix_kvs(m, metadata);
     }
+    check_weights(mix, opts.imatrix.as_deref(), outputs)
+}
+
+/// The refusals left once the weights are attached, at the first tensor (in llama-quantize's
+/// order) that has none: a type that needs an imatrix while the imatrix has no entry for the
+/// tensor (llama-quantize: "Missing importance matrix for tensor"), and a type ggml cannot
+/// encode without weights at all (IQ2_XXS, IQ2_XS, IQ1_S for output or token_embd, which
+/// llama-quantize exempts from the imatrix rule and then aborts on in ggml).
+fn check_weights(mix: Mix, m: Option<&Imatrix>, outputs: &[OutputTensor]) -> Result<()> {
+    for o in outputs.iter().filter(|o| o.quant_weights.is_none()) {
+        let ty = o.ty.name();
+        match m {
+            Some(m) if quant_mix::requires_imatrix(&o.name, o.ty, mix) => {
+                return Err(Error::GgufImatrix {
+                    path: m.file.clone().into(),
+                    msg: format!(
+                        "no entry for `{}`, which --outtype {} makes {ty}: a type that needs one (llama-quantize refuses it too: missing importance matrix)",
+                        o.name,
+                        mix.name()
+                    ),
+                });
+            }
+            _ if encode::needs_quant_weights(o.ty) => {
+                return Err(Error::GgufTensor {
+                    tensor: o.name.clone(),
+                    msg: format!(
+                        "{ty} cannot be encoded without importance weights (ggml asserts them; llama-quantize aborts): give --imatrix with an entry for it, or another type"
+                    ),
+                });
+            }
+            _ => {}
+        }
+    }
     Ok(())
 }
 

@@ -194,7 +194,11 @@ pub fn quantize_row_iq1_m(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f
 /// The shifted levels of group `k` under IQ1_M's split `best_k` (bit 1: group 0 `-δ`, bit 0:
 /// group 1 `-δ`).
 fn group_shift(best_k: usize, k: usize) -> &'static [f32; 3] {
-    let plus = if k == 0 { best_k < 2 } else { best_k.is_multiple_of(2) };
+    let plus = if k == 0 {
+        best_k < 2
+    } else {
+        best_k.is_multiple_of(2)
+    };
     if plus {
         &X_P
     } else {
