@@ -7,6 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
+use tftf::format::dtype::DType;
 
 fn torch_fixture(rel: &str) -> PathBuf {
     fixture(&format!("torch/{rel}"))
@@ -429,4 +430,87 @@ fn run_merge_is_refused_where_it_cannot_stand() {
         &["model.layers.0.", "computed by an earlier step", "NVFP4"],
         &out,
     );
+}
+
+/// A Llama layer whose MLP weights (1M elements each, 2 MiB in BF16) take several chunks under
+/// `--memory-budget 16MiB`: random BF16 values from `seed`.
+fn wide_model(dir: &Path, name: &str, seed: u64) -> PathBuf {
+    let mut cfg = read_json(&fixture("quantize/input_even/config.json"));
+    cfg["intermediate_size"] = 4096.into();
+    let mut rng = Rng(seed);
+    let mut m = Model::new();
+    for (n, shape) in [
+        ("model.embed_tokens.weight", vec![128, 256]),
+        ("model.layers.0.input_layernorm.weight", vec![256]),
+        ("model.layers.0.mlp.down_proj.weight", vec![256, 4096]),
+        ("model.layers.0.mlp.gate_proj.weight", vec![4096, 256]),
+        ("model.layers.0.mlp.up_proj.weight", vec![4096, 256]),
+        ("model.layers.0.post_attention_layernorm.weight", vec![256]),
+        ("model.layers.0.self_attn.k_proj.weight", vec![64, 256]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![256, 128]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![128, 256]),
+        ("model.layers.0.self_attn.v_proj.weight", vec![64, 256]),
+        ("model.norm.weight", vec![256]),
+        ("lm_head.weight", vec![128, 256]),
+    ] {
+        m = m.rand(&mut rng, n, DType::BF16, &shape);
+    }
+    m.config(&cfg.to_string()).write(&dir.join(name))
+}
+
+/// Feeding decoded rows into the merge, and merged rows into the quantiser, chunk by chunk:
+/// the bytes do not depend on where the chunks fall (one thread and a 16 MiB budget, several
+/// chunks a weight; or the default budget) and equal the commands' one after another.
+#[test]
+fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
+    let dir = tmp();
+    let (a, b, c) = (
+        wide_model(dir.path(), "a", 1),
+        wide_model(dir.path(), "b", 2),
+        wide_model(dir.path(), "c", 3),
+    );
+    let small = ["--memory-budget", "16MiB", "--threads", "1"];
+    let wide = ["--threads", "3"];
+    for scheme in ["FP8_BLOCK", "W4A16", "NVFP4A16"] {
+        let (q, d) = quantised_and_dequantised(&b, scheme, "bf16", dir.path());
+        for method in ["task_arithmetic", "model_stock"] {
+            let tag = format!("{scheme}-{method}");
+            let ours = config(method, &[&a, &q, &c], "");
+            let cfg = write_config(dir.path(), &format!("{tag}.yml"), &ours);
+            let twin = merged(
+                dir.path(),
+                &format!("{tag}-twin"),
+                &config(method, &[&a, &d, &c], ""),
+            );
+            let want = load_all(&twin);
+            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
+                let out = dir.path().join(format!("{tag}-{k}"));
+                let mut args = vec!["merge", s(&cfg), s(&out), "-q"];
+                args.extend(opts);
+                ok(&tftf(&args));
+                assert!(load_all(&out) == want, "{tag} {opts:?}");
+            }
+            // Merged, then quantised in the same pass.
+            let two = dir.path().join(format!("{tag}-fp8"));
+            ok(&tftf(&[
+                "quantize",
+                "-i",
+                s(&twin),
+                "-o",
+                s(&two),
+                "--scheme",
+                "FP8_BLOCK",
+                "-q",
+            ]));
+            let want = load_all(&two);
+            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
+                let out = dir.path().join(format!("{tag}-run-{k}"));
+                let mut args = vec!["run", "-o", s(&out), "-q"];
+                args.extend(opts);
+                args.extend(["--merge", s(&cfg), "--quantize", "--scheme", "FP8_BLOCK"]);
+                ok(&tftf(&args));
+                assert!(load_all(&out) == want, "run {tag} {opts:?}");
+            }
+        }
+    }
 }
