@@ -514,3 +514,64 @@ fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
         }
     }
 }
+
+/// `--quantize` after another computing section takes that section's weights as it takes a
+/// merge's: a cast, then quantised, equals `passthrough --dtype` then `quantize`.
+#[test]
+fn run_quantize_takes_the_weights_an_earlier_section_computes() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let cast = dir.path().join("cast");
+    ok(&passthrough(&plain, &cast, &["--dtype", "f16", "-q"]));
+    let two = dir.path().join("two");
+    ok(&tftf(&[
+        "quantize",
+        "-i",
+        s(&cast),
+        "-o",
+        s(&two),
+        "--scheme",
+        "FP8_BLOCK",
+        "-q",
+    ]));
+    let one = dir.path().join("one");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&plain),
+        "-o",
+        s(&one),
+        "-q",
+        "--dtype-cast",
+        "f16",
+        "--quantize",
+        "--scheme",
+        "FP8_BLOCK",
+    ]));
+    let got = load_all(&one);
+    assert!(got == load_all(&two));
+    assert_eq!(got["model.layers.0.mlp.up_proj.weight"].0, "F8_E4M3");
+    let out = dir.path().join("nvfp4");
+    let err = fails(&[
+        "run",
+        "-i",
+        s(&plain),
+        "-o",
+        s(&out),
+        "-q",
+        "--dtype-cast",
+        "f16",
+        "--quantize",
+        "--scheme",
+        "NVFP4A16",
+    ]);
+    assert_refused(
+        &err,
+        &[
+            "model.layers.0.",
+            "computed by an earlier step",
+            "then quantise it",
+        ],
+        &out,
+    );
+}

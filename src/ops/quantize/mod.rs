@@ -435,9 +435,9 @@ impl Added {
     }
 }
 
-/// The 2-D BF16/F16/F32 `X.weight` entries, stored or computed by an earlier step (a merge)
-/// — by name, the `Linear` weights a quantiser may take: (entry index, module `X`, weight
-/// type).
+/// The 2-D BF16/F16/F32 `X.weight` entries, stored or computed by an earlier step (a merge, a
+/// cast) — by name, the `Linear` weights a quantiser may take: (entry index, module `X`,
+/// weight type).
 pub(super) fn linear_weights(entries: &[Entry]) -> Vec<(usize, String, WeightType)> {
     entries
         .iter()
@@ -515,35 +515,56 @@ pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error 
     }
 }
 
-/// The quantiser `op` of entry `e`'s rows: reading the stored tensor, or, for a weight an
-/// earlier step computes (a merge), the rows that step's op computes, in `e`'s dtype
-/// ([`crate::ops::feed`]). Call it before `e` takes the codes' dtype.
-pub(super) fn quantised_rows(e: &Entry, op: Arc<dyn crate::ops::Op>) -> Arc<dyn Derive> {
+/// The quantiser `op` of entry `e`'s rows: reading the stored tensor; a stored tensor that an
+/// earlier `--dtype-cast` retyped, through that cast; or, for a weight an earlier step computes
+/// (a merge), the rows that step's op computes, in `e`'s dtype ([`crate::ops::feed`]). Call it
+/// before `e` takes the codes' dtype.
+pub(super) fn quantised_rows(
+    ckpt: &Checkpoint,
+    e: &Entry,
+    op: Arc<dyn crate::ops::Op>,
+) -> Arc<dyn Derive> {
     let fixed = Arc::new(FixedOp {
         inputs: vec![e.source],
         op,
     });
-    match &e.derive {
-        None => fixed,
-        Some(d) => Arc::new(FedDerive {
-            outer: fixed,
-            feeds: vec![FeedSource::Derived(d.clone(), e.dtype)],
-        }),
-    }
+    let stored = ckpt.tensors[e.source].info.dtype;
+    let feed: Arc<dyn Derive> = match &e.derive {
+        Some(d) => d.clone(),
+        None if stored == e.dtype => return fixed,
+        None => {
+            let elements = crate::format::dtype::element_count(&e.shape).unwrap_or(0);
+            let cast = crate::ops::cast::Cast {
+                src: stored,
+                dst: e.dtype,
+                elements,
+            };
+            Arc::new(FixedOp {
+                inputs: vec![e.source],
+                op: Arc::new(cast),
+            })
+        }
+    };
+    Arc::new(FedDerive {
+        outer: fixed,
+        feeds: vec![FeedSource::Derived(feed, e.dtype)],
+    })
 }
 
-/// Refuses chosen weights computed by an earlier step under NVFP4, whose tensor scale needs a
-/// whole weight's amax before its first block is encoded (a second pass over the merge).
+/// Refuses chosen weights computed by an earlier step (or retyped by a cast) under NVFP4, whose
+/// tensor scale needs a whole weight's amax before its first block is encoded (a second pass
+/// over the merge).
 fn refuse_computed_nvfp4(
     ckpt: &Checkpoint,
     entries: &[Entry],
     chosen: &[(usize, String, WeightType)],
 ) -> Result<()> {
-    match chosen.iter().find(|(i, _, _)| entries[*i].derive.is_some()) {
+    let computed = |e: &Entry| e.derive.is_some() || ckpt.tensors[e.source].info.dtype != e.dtype;
+    match chosen.iter().find(|(i, _, _)| computed(&entries[*i])) {
         Some((i, _, _)) => Err(refuse_weight(
             ckpt,
             &entries[*i],
-            "is computed by an earlier step (a merge), and NVFP4's tensor scale needs the whole computed weight's amax before its first block: write the merge, then quantise it".into(),
+            "is computed by an earlier step (a merge, a cast, a dequantisation, a LoRA merge), and NVFP4's tensor scale needs the whole computed weight's amax before its first block: write that step's output, then quantise it".into(),
         )),
         None => Ok(()),
     }
@@ -766,7 +787,7 @@ impl PlanStep for QuantizeStep {
                 Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
                 None => Arc::new(op),
             };
-            e.derive = Some(quantised_rows(&before, op));
+            e.derive = Some(quantised_rows(ckpt, &before, op));
         }
         added.splice_into(entries);
 

@@ -387,7 +387,7 @@ pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, Str
             Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
             None => Arc::new(op),
         };
-        e.derive = Some(super::quantised_rows(&before, op));
+        e.derive = Some(super::quantised_rows(ckpt, &before, op));
     }
     added.splice_into(entries);
 
