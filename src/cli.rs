@@ -678,6 +678,8 @@ Pipe sections, applied in the order written; options after a section flag belong
                 [--allow-unscaled-fp8] [--allow-nonfinite]
   --merge-lora  [--adapter] PATH [--adapter-config FILE] [--adapter-name NAME] [--scale F]
                 [--rank R --lora-alpha A] [--allow-unmatched] [--allow-nonfinite]
+  --merge       [--config] CONFIG [--random-seed N] [--allow-crimes] [--no-copy-tokenizer]
+                (the first section; the models come from the mergekit config, no -i)
   --repack-fp4  [--experts M] [--engram M] [--only-shards N] [--shard-list A,B]
                 [--require-lossless] [--expert-pattern RE] [--engram-pattern RE]
                 [--no-config-update]
@@ -770,6 +772,27 @@ pub struct MergeSection {
     /// Merge adapter tensors that hold NaN or infinity instead of failing
     #[arg(long)]
     pub allow_nonfinite: bool,
+}
+
+/// `run --merge`: a mergekit config merged as `tftf merge` merges it, as the first section;
+/// the models come from the config (no `-i`).
+#[derive(Args, Debug)]
+pub struct MergeKitSection {
+    /// The mergekit YAML configuration
+    #[arg(long, value_name = "CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The configuration, as a bare value
+    #[arg(value_name = "CONFIG", conflicts_with = "config")]
+    pub value: Option<PathBuf>,
+    /// Seed of the stochastic methods (as for `tftf merge`)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub random_seed: u64,
+    /// Merge models whose architectures differ
+    #[arg(long)]
+    pub allow_crimes: bool,
+    /// Do not copy the donor's tokenizer files
+    #[arg(long)]
+    pub no_copy_tokenizer: bool,
 }
 
 /// `run --repack-fp4`.

@@ -47,17 +47,34 @@ pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
     let path = a.config.as_ref().ok_or_else(|| {
         Error::Usage("give the mergekit config: tftf merge CONFIG.yml OUT".into())
     })?;
-    let config = MergeConfig::read(path)?;
-    let source = config.donor().to_path_buf();
-    // Parts and resumed runs must share the config's contents, not only its path.
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let arguments = format!("{arguments}\nmerge_config={text:?}");
-    let step = MergeStep::new(config, a.allow_crimes, !a.no_copy_tokenizer, a.random_seed);
+    let (step, source) = config_step(path, a.allow_crimes, !a.no_copy_tokenizer, a.random_seed)?;
+    let arguments = with_config_text(arguments, path)?;
     Ok(MergeJob {
         source,
-        steps: vec![Step::Op(Arc::new(step))],
+        steps: vec![step],
         options: WriteOptions::from_args(&write, &arguments)?,
     })
+}
+
+/// The merge step of mergekit config `path` and its donor model (the job's source): what
+/// `tftf merge CONFIG` and `run --merge CONFIG` run.
+pub(crate) fn config_step(
+    path: &std::path::Path,
+    allow_crimes: bool,
+    copy_tokenizer: bool,
+    seed: u64,
+) -> Result<(Step, PathBuf)> {
+    let config = MergeConfig::read(path)?;
+    let source = config.donor().to_path_buf();
+    let step = MergeStep::new(config, allow_crimes, copy_tokenizer, seed);
+    Ok((Step::Op(Arc::new(step)), source))
+}
+
+/// `arguments` with the contents of config `path`: parts and resumed runs must share the
+/// config's contents, not only its path.
+pub(crate) fn with_config_text(arguments: &str, path: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(format!("{arguments}\nmerge_config={text:?}"))
 }
 
 /// The short form: `merge-lora BASE -a ADAPTER --scale ALPHA`.

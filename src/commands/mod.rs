@@ -154,9 +154,11 @@ fn writing_job(
             opts(&a.write)?,
             &|| input_path(&a.input),
         ),
-        Command::Run(a) => job("run", sections.steps()?, opts(&a.write)?, &|| {
-            input_path(&a.input)
-        }),
+        Command::Run(a) => {
+            let steps = sections.steps()?;
+            let options = WriteOptions::from_args(&a.write, &sections.fingerprint(arguments)?)?;
+            job("run", steps, options, &|| sections.source(&a.input))
+        }
         Command::DequantFp8(a) => {
             let mut steps = vec![dequant_step(&a.dtype, &a.fp8)?];
             if let Some(adapter) = &a.merge_lora {

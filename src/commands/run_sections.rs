@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
+use std::path::PathBuf;
 
 use clap::{Args, Command, FromArgMatches};
 
@@ -21,15 +22,15 @@ use super::steps::{
     cast_target, dequant_step, globs, lora_step, renames, repack_step, requant_step,
 };
 use crate::cli::{
-    DequantSection, DtypeCastSection, KeyExcludeSection, KeyFilterSection, KeyRenameSection,
-    MergeSection, QuantizeSection, RepackSection,
+    DequantSection, DtypeCastSection, InputArgs, KeyExcludeSection, KeyFilterSection,
+    KeyRenameSection, MergeKitSection, MergeSection, QuantizeSection, RepackSection,
 };
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::plan::Step;
 
 /// The section flags, in the order `--help` lists them.
-const KINDS: [&str; 8] = [
+const KINDS: [&str; 9] = [
     "--key-filter",
     "--key-exclude",
     "--key-rename",
@@ -38,11 +39,12 @@ const KINDS: [&str; 8] = [
     "--merge-lora",
     "--repack-fp4",
     "--quantize",
+    "--merge",
 ];
 
 /// Options that name what a section does; they are never borrowed as defaults by another
 /// section's kind.
-const OWN_OPTIONS: [&str; 5] = ["dtype", "include", "exclude", "rule", "adapter"];
+const OWN_OPTIONS: [&str; 6] = ["dtype", "include", "exclude", "rule", "adapter", "config"];
 
 /// `run`'s sections, split from the raw arguments but not yet parsed.
 #[derive(Debug, Default, Clone)]
@@ -67,6 +69,7 @@ fn section_command(kind: &'static str) -> Command {
         "--dequant-fp8" => DequantSection::augment_args(cmd),
         "--merge-lora" => MergeSection::augment_args(cmd),
         "--quantize" => QuantizeSection::augment_args(cmd),
+        "--merge" => MergeKitSection::augment_args(cmd),
         _ => RepackSection::augment_args(cmd),
     };
     cmd.build();
@@ -325,6 +328,7 @@ impl RunSections {
                 }
                 "--merge-lora" => steps.push(merge_step(kind, &m, fp_op_before, any_cast)?),
                 "--quantize" => steps.extend(self.quantize_steps(kind, &m)?),
+                "--merge" => steps.push(self.merge_step(kind, &m)?),
                 _ => {
                     let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
                     steps.push(repack_step(&s.fp4).map_err(|e| usage(kind, e))?);
@@ -346,6 +350,67 @@ impl RunSections {
         }
         let s = QuantizeSection::from_arg_matches(m).map_err(clap_usage(kind))?;
         super::quantize_steps(&s.quantize).map_err(|e| usage(kind, e))
+    }
+
+    /// `--merge`'s config file; the section must come first, as the config's donor model is
+    /// the run's input.
+    fn merge_path(&self, kind: &'static str, m: &clap::ArgMatches) -> Result<PathBuf> {
+        if self.sections.iter().position(|s| s.0 == kind) != Some(0)
+            || self.sections.iter().filter(|s| s.0 == kind).count() > 1
+        {
+            return Err(usage(
+                kind,
+                "must be the first section, and the only one (the merge's models are the run's input)",
+            ));
+        }
+        let s = MergeKitSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+        s.config
+            .or(s.value)
+            .ok_or_else(|| usage(kind, "requires CONFIG (or --config CONFIG)"))
+    }
+
+    /// `--merge`'s step.
+    fn merge_step(&self, kind: &'static str, m: &clap::ArgMatches) -> Result<Step> {
+        let path = self.merge_path(kind, m)?;
+        let s = MergeKitSection::from_arg_matches(m).map_err(clap_usage(kind))?;
+        let copy_tokenizer = !s.no_copy_tokenizer;
+        let (step, _) =
+            super::merge::config_step(&path, s.allow_crimes, copy_tokenizer, s.random_seed)?;
+        Ok(step)
+    }
+
+    /// The `--merge` section's config file, when there is one.
+    fn merge_config(&self) -> Result<Option<PathBuf>> {
+        let Some((kind, tokens)) = self.sections.iter().find(|s| s.0 == "--merge") else {
+            return Ok(None);
+        };
+        let m = self.parse(kind, tokens)?;
+        self.merge_path(kind, &m).map(Some)
+    }
+
+    /// `arguments` with `--merge`'s config contents, which parts and resumed runs must share.
+    pub(crate) fn fingerprint(&self, arguments: &str) -> Result<String> {
+        match self.merge_config()? {
+            Some(path) => super::merge::with_config_text(arguments, &path),
+            None => Ok(arguments.to_string()),
+        }
+    }
+
+    /// The run's input: `-i MODEL`, or with `--merge CONFIG` the config's donor model (the
+    /// base, else the first model), refused beside `-i`.
+    pub(crate) fn source(&self, input: &InputArgs) -> Result<PathBuf> {
+        let Some(path) = self.merge_config()? else {
+            return super::input_path(input);
+        };
+        if input.input.is_some() || input.model.is_some() {
+            return Err(usage(
+                "--merge",
+                "the merge reads its models from CONFIG: drop -i MODEL",
+            ));
+        }
+        Ok(crate::ops::merge::MergeConfig::read(&path)?
+            .donor()
+            .to_path_buf())
     }
 
     fn parse(&self, kind: &'static str, tokens: &[OsString]) -> Result<clap::ArgMatches> {

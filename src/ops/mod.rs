@@ -10,6 +10,7 @@
 pub mod cast;
 pub mod constant;
 pub mod dequant;
+pub mod feed;
 pub mod fp4;
 pub mod fp8;
 pub mod gguf;

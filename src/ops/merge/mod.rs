@@ -6,6 +6,7 @@ pub mod config;
 pub mod layers;
 pub mod methods;
 pub mod op;
+mod quantised;
 pub mod resolve;
 pub mod spec;
 pub mod step;

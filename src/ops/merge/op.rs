@@ -13,7 +13,6 @@ use super::methods::{self, ModelTensor, Params};
 use super::resolve::{Inputs, Resolved};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
-use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
@@ -68,23 +67,16 @@ pub fn tensor_seed(seed: u64, name: &str) -> u64 {
 impl MergeOp {
     /// The op merging `inputs` with `method` under parameters `p`. Non-float inputs and
     /// parameters the formula cannot use (weights summing to 0 under `normalize`) are refused.
-    pub fn new(
-        config: &MergeConfig,
-        inputs: &Inputs,
-        p: Resolved,
-        ckpt: &Checkpoint,
-        seed: u64,
-    ) -> Result<MergeOp> {
+    pub fn new(config: &MergeConfig, inputs: &Inputs, p: Resolved, seed: u64) -> Result<MergeOp> {
         let method: &'static MethodSpec = config.method;
         let mut in_dtypes = Vec::new();
-        for (k, &t) in inputs.tensors.iter().enumerate() {
-            let d = ckpt.tensors[t].info.dtype;
+        for (k, &d) in inputs.dtypes.iter().enumerate() {
             if !matches!(d, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
                 return Err(Error::InvalidTensor {
                     path: inputs.models[k].clone(),
                     tensor: inputs.names[k].clone(),
                     msg: format!(
-                        "is {d}; `{}` merges float tensors (bf16, f16, f32, f64): dequantise a quantised model first (`tftf dequant`)",
+                        "is {d}; `{}` merges float tensors (bf16, f16, f32, f64) and the quantised weights `tftf dequant` decodes, and this tensor is neither",
                         method.name
                     ),
                 });
@@ -134,12 +126,7 @@ impl MergeOp {
                 global: p.global,
                 models: p.models,
                 has_base: inputs.has_base,
-                shape: ckpt.tensors[inputs.tensors[0]]
-                    .info
-                    .shape
-                    .iter()
-                    .map(|&d| d as usize)
-                    .collect(),
+                shape: inputs.shapes[0].iter().map(|&d| d as usize).collect(),
                 seed,
                 names: inputs.models[usize::from(inputs.has_base)..]
                     .iter()
@@ -147,9 +134,7 @@ impl MergeOp {
                     .collect(),
             },
         };
-        let elements =
-            crate::format::dtype::element_count(&ckpt.tensors[inputs.tensors[0]].info.shape)
-                .unwrap_or(0);
+        let elements = crate::format::dtype::element_count(&inputs.shapes[0]).unwrap_or(0);
         Ok(MergeOp {
             method: method.name,
             formula,

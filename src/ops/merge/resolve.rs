@@ -4,14 +4,16 @@
 //! model's tensor name; shared ones against the output tensor's name.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use super::config::{levels, resolve, MergeConfig, OutputSlice};
 use super::methods::Params;
 use super::spec::{Base, Scope};
 use super::step::{base_first, model_of, Model};
 use crate::error::{Error, Result};
-use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::feed::{FedDerive, FeedSource};
+use crate::plan::Derive;
 
 /// A tensor's inputs, in the order the method sees them: the base first for methods that
 /// treat it apart, the other sources in config order.
@@ -25,6 +27,12 @@ pub struct Inputs {
     pub names: Vec<String>,
     /// Whether input 0 is the base model (for methods that treat it apart).
     pub has_base: bool,
+    /// Each input's dtype and shape as the merge reads it (a quantised weight's once
+    /// dequantised).
+    pub dtypes: Vec<DType>,
+    pub shapes: Vec<Vec<u64>>,
+    /// Each input's dequantisation, for quantised weights.
+    pub derived: Vec<Option<Arc<dyn Derive>>>,
 }
 
 impl Inputs {
@@ -34,7 +42,6 @@ impl Inputs {
         config: &MergeConfig,
         slice: &OutputSlice,
         models: &[Model],
-        ckpt: &Checkpoint,
         input_name: &dyn Fn(usize) -> String,
     ) -> Result<Inputs> {
         let base = slice.base_model.as_ref().or(config.base_model.as_ref());
@@ -52,20 +59,23 @@ impl Inputs {
             models: Vec::new(),
             names: Vec::new(),
             has_base,
+            dtypes: Vec::new(),
+            shapes: Vec::new(),
+            derived: Vec::new(),
         };
         for k in order {
             let path = &slice.sources[k].model;
             let model = model_of(models, path);
             let name = input_name(k);
-            let Some(&t) = model.names.get(&name) else {
+            let Some(e) = model.names.get(&name).map(|&i| &model.entries[i]) else {
                 return Err(Error::InvalidTensor {
                     path: path.clone(),
                     tensor: name,
                     msg: "missing from this model, which the merge needs it from".into(),
                 });
             };
-            if let Some(&first) = inputs.tensors.first() {
-                let (a, b) = (&ckpt.tensors[first].info.shape, &ckpt.tensors[t].info.shape);
+            if let Some(a) = inputs.shapes.first() {
+                let b = &e.shape;
                 if a != b {
                     return Err(Error::InvalidTensor {
                         path: path.clone(),
@@ -78,7 +88,10 @@ impl Inputs {
                     });
                 }
             }
-            inputs.tensors.push(t);
+            inputs.tensors.push(e.source);
+            inputs.dtypes.push(e.dtype);
+            inputs.shapes.push(e.shape.clone());
+            inputs.derived.push(e.derive.clone());
             inputs.models.push(path.clone());
             inputs.names.push(name);
         }
@@ -87,10 +100,9 @@ impl Inputs {
 
     /// The dtype the inputs compute in when the config sets none: torch's promotion of theirs
     /// (equal dtypes stay; BF16 with F16 gives F32; the widest float otherwise).
-    pub fn promoted_dtype(&self, ckpt: &Checkpoint) -> DType {
-        let mut d = ckpt.tensors[self.tensors[0]].info.dtype;
-        for &t in &self.tensors[1..] {
-            let e = ckpt.tensors[t].info.dtype;
+    pub fn promoted_dtype(&self) -> DType {
+        let mut d = self.dtypes[0];
+        for &e in &self.dtypes[1..] {
             d = match (d, e) {
                 (a, b) if a == b => a,
                 (DType::F64, _) | (_, DType::F64) => DType::F64,
@@ -100,6 +112,28 @@ impl Inputs {
             };
         }
         d
+    }
+}
+
+impl Inputs {
+    /// Whether every input is stored (none is dequantised).
+    pub fn stored(&self) -> bool {
+        self.derived.iter().all(Option::is_none)
+    }
+
+    /// The merge `op` (which reads one tensor per input), reading the dequantised inputs
+    /// through their decode ops.
+    pub fn fed(&self, op: Arc<dyn Derive>) -> Arc<dyn Derive> {
+        if self.stored() {
+            return op;
+        }
+        let feeds = (self.derived.iter().zip(&self.tensors).zip(&self.dtypes))
+            .map(|((d, &t), &dtype)| match d {
+                Some(d) => FeedSource::Derived(d.clone(), dtype),
+                None => FeedSource::Stored(t),
+            })
+            .collect();
+        Arc::new(FedDerive { outer: op, feeds })
     }
 }
 

@@ -24,10 +24,17 @@ use crate::plan::{DeferredDst, Entry, PlanStep, Planning};
 #[derive(Debug)]
 pub(super) struct Model {
     pub path: PathBuf,
-    /// Tensor name → index in the job's `Checkpoint::tensors`.
+    /// Tensor name → index in `entries`.
     pub names: HashMap<String, usize>,
+    /// The model's tensors as the merge reads them, quantised weights dequantised
+    /// ([`super::quantised`]).
+    pub entries: Vec<Entry>,
     pub config: Option<Map<String, Value>>,
     pub layers: u64,
+    /// What dequantising its weights found, for the plan's notes.
+    pub dequant_notes: Vec<String>,
+    /// Whether any of its weights was quantised.
+    pub dequantised: bool,
 }
 
 #[derive(Debug)]
@@ -173,30 +180,30 @@ fn range_of(slice: &OutputSlice, k: usize, models: &[Model]) -> (u64, u64) {
 impl PlanStep for MergeStep {
     fn attach(&self, ckpt: &mut Checkpoint) -> Result<()> {
         let mut models = Vec::new();
+        let dtype = super::quantised::dequant_dtype(self.config.dtype);
         for (k, path) in self.config.models().into_iter().enumerate() {
-            let (names, config): (HashMap<String, usize>, _) = if k == 0 {
-                let names = (0..ckpt.base_count)
-                    .map(|i| (ckpt.tensors[i].info.name.clone(), i))
-                    .collect();
-                (names, ckpt.config()?)
+            let (range, config) = if k == 0 {
+                (0..ckpt.base_count, ckpt.config()?)
             } else {
                 let other = Checkpoint::open(&path)?;
                 let config = other.config()?;
-                let first = ckpt.tensors.len();
-                let names = other.tensors[..other.base_count]
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| (t.info.name.clone(), first + i))
-                    .collect();
-                ckpt.attach(other);
-                (names, config)
+                let count = other.base_count;
+                let first = ckpt.attach(other);
+                (first..first + count, config)
             };
+            let t = super::quantised::model_tensors(ckpt, range, config.as_ref(), dtype)?;
+            let names: HashMap<String, usize> = (t.entries.iter().enumerate())
+                .map(|(i, e)| (e.name.clone(), i))
+                .collect();
             let layers = layer_count(config.as_ref(), names.keys().map(String::as_str));
             models.push(Model {
                 path,
                 names,
+                entries: t.entries,
                 config,
                 layers,
+                dequant_notes: t.notes,
+                dequantised: t.dequantised,
             });
         }
         *self.models.lock().unwrap() = models;
@@ -213,8 +220,13 @@ impl PlanStep for MergeStep {
         // the rest (final norm, lm_head) after them.
         let mut pre = Vec::new();
         let mut post = Vec::new();
-        for t in &p.ckpt.tensors[..p.ckpt.base_count] {
-            let name = &t.info.name;
+        for m in models.iter() {
+            for n in &m.dequant_notes {
+                p.notes.lines.push(format!("{}: {n}", m.path.display()));
+            }
+        }
+        for e in &donor.entries {
+            let name = &e.name;
             if split_layer(name).is_none() {
                 if is_embedding(name) {
                     pre.push(name.clone());
@@ -227,15 +239,7 @@ impl PlanStep for MergeStep {
         let first = &self.config.slices[0];
         let last = self.config.slices.last().expect("at least one slice");
         for name in &pre {
-            self.push(
-                &mut out,
-                p.ckpt,
-                &models,
-                first,
-                name,
-                &|_| name.clone(),
-                0.0,
-            )?;
+            self.push(&mut out, &models, first, name, &|_| name.clone(), 0.0)?;
         }
         let mut layer_out = 0u64;
         for slice in &self.config.slices {
@@ -257,21 +261,13 @@ impl PlanStep for MergeStep {
                 for (_, l) in names {
                     let out_name = l.with_index(layer_out);
                     let input_name = |k: usize| l.with_index(range_of(slice, k, &models).0 + idx);
-                    self.push(&mut out, p.ckpt, &models, slice, &out_name, &input_name, t)?;
+                    self.push(&mut out, &models, slice, &out_name, &input_name, t)?;
                 }
                 layer_out += 1;
             }
         }
         for name in &post {
-            self.push(
-                &mut out,
-                p.ckpt,
-                &models,
-                last,
-                name,
-                &|_| name.clone(),
-                0.0,
-            )?;
+            self.push(&mut out, &models, last, name, &|_| name.clone(), 0.0)?;
         }
         let unused = donor.names.len() - out.len().min(donor.names.len());
         if !self.config.sliced && unused > 0 {
@@ -285,8 +281,14 @@ impl PlanStep for MergeStep {
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {
-        let mut changes = Vec::new();
         let models = self.models.lock().unwrap();
+        // A quantised donor's `quantization_config` does not describe the merged weights.
+        let mut changes = if models[0].dequantised {
+            super::quantised::dequant_step(super::quantised::dequant_dtype(self.config.dtype))
+                .edit_config(cfg)
+        } else {
+            Vec::new()
+        };
         let layers = self.output_layers(&models);
         for key in ["num_hidden_layers", "n_layer", "num_layers"] {
             if let Some(old) = cfg
@@ -322,12 +324,14 @@ impl PlanStep for MergeStep {
 
     fn dropped_side_files(&self) -> &'static [&'static str] {
         // The donor's model card does not describe the merge.
+        // Nor does a quantised donor's ModelOpt file.
         if self.copy_tokenizer {
-            &["README.md"]
+            &["README.md", "hf_quant_config.json"]
         } else {
             // mergekit's tokenizer files (`merge.py`, `_copy_tokenizer`), and `vocab.json`.
             &[
                 "README.md",
+                "hf_quant_config.json",
                 "tokenizer_config.json",
                 "special_tokens_map.json",
                 "tokenizer.json",
@@ -366,50 +370,50 @@ impl MergeStep {
     fn push(
         &self,
         out: &mut Vec<Entry>,
-        ckpt: &Checkpoint,
         models: &[Model],
         slice: &OutputSlice,
         name: &str,
         input_name: &dyn Fn(usize) -> String,
         t: f64,
     ) -> Result<()> {
-        let inputs = Inputs::gather(&self.config, slice, models, ckpt, input_name)?;
+        let inputs = Inputs::gather(&self.config, slice, models, input_name)?;
         let resolved = resolve_tensor(&self.config, slice, &inputs, name, t)?;
         let first = inputs.tensors[0];
-        let src = &ckpt.tensors[first].info;
         let compute = self
             .config
             .dtype
-            .unwrap_or_else(|| inputs.promoted_dtype(ckpt));
+            .unwrap_or_else(|| inputs.promoted_dtype());
         let non_base = inputs.models.len() - usize::from(inputs.has_base);
         let dst = self
             .config
             .out_dtype
             .unwrap_or_else(|| self.config.method.result_dtype(compute, non_base));
         let id = out.len();
+        // A dequantised input is computed even where a stored one would be copied.
         let copy = matches!(self.config.method.arithmetic, Arithmetic::Passthrough)
-            && resolved.models[0].get("scale", f64::NAN).is_nan();
+            && resolved.models[0].get("scale", f64::NAN).is_nan()
+            && inputs.stored();
         let derive = if copy {
             None
         } else {
             let seed = super::op::tensor_seed(self.seed, name);
-            let op = MergeOp::new(&self.config, &inputs, resolved, ckpt, seed)?;
-            let d: Arc<dyn crate::plan::Derive> = Arc::new(DeferredDst {
+            let op = MergeOp::new(&self.config, &inputs, resolved, seed)?;
+            let merge = Arc::new(DeferredDst {
                 inputs: inputs.tensors.clone(),
                 op,
             });
-            Some(d)
+            Some(inputs.fed(merge))
         };
         out.push(Entry {
             id,
             name: name.to_string(),
             source: first,
             dtype: if copy && self.config.out_dtype.or(self.config.dtype).is_none() {
-                src.dtype
+                inputs.dtypes[0]
             } else {
                 dst
             },
-            shape: src.shape.clone(),
+            shape: inputs.shapes[0].clone(),
             derive,
             relabel: false,
         });

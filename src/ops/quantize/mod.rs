@@ -41,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
 use crate::ops::constant::Constant;
+use crate::ops::feed::{FedDerive, FeedSource};
 use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanStep, Planning};
 use crate::transform::Glob;
 use encode::WeightType;
@@ -434,13 +435,17 @@ impl Added {
     }
 }
 
-/// The 2-D BF16/F16/F32 `X.weight` entries no earlier step derives — by name, the `Linear`
-/// weights a quantiser may take: (entry index, module `X`, weight type).
+/// The 2-D BF16/F16/F32 `X.weight` entries, stored or computed by an earlier step (a merge, a
+/// cast) — by name, the `Linear` weights a quantiser may take: (entry index, module `X`,
+/// weight type).
 pub(super) fn linear_weights(entries: &[Entry]) -> Vec<(usize, String, WeightType)> {
     entries
         .iter()
         .enumerate()
-        .filter(|(_, e)| e.derive.is_none() && e.shape.len() == 2)
+        .filter(|(_, e)| {
+            let primary = e.derive.as_ref().is_none_or(|d| d.secondary_of().is_none());
+            primary && !e.relabel && e.shape.len() == 2
+        })
         .filter_map(|(i, e)| {
             let module = e.name.strip_suffix(".weight")?;
             Some((i, module.to_string(), WeightType::of(e.dtype)?))
@@ -472,6 +477,7 @@ pub(super) fn settle_chosen(
     left_alone.sort_by_cached_key(|m| module_order(m));
     refuse_partial_groups(ckpt, entries, chosen, step.scheme, group, tool)?;
     if step.scheme == Scheme::Nvfp4A16 {
+        refuse_computed_nvfp4(ckpt, entries, chosen)?;
         nvfp4_globals(ckpt, entries, chosen, kind)
     } else {
         Ok(HashMap::new())
@@ -506,6 +512,61 @@ pub(super) fn refuse_weight(ckpt: &Checkpoint, e: &Entry, why: String) -> Error 
             "{why}; leave it unquantised with --ignore '{}'",
             e.name.strip_suffix(".weight").unwrap_or(&e.name)
         ),
+    }
+}
+
+/// The quantiser `op` of entry `e`'s rows: reading the stored tensor; a stored tensor that an
+/// earlier `--dtype-cast` retyped, through that cast; or, for a weight an earlier step computes
+/// (a merge), the rows that step's op computes, in `e`'s dtype ([`crate::ops::feed`]). Call it
+/// before `e` takes the codes' dtype.
+pub(super) fn quantised_rows(
+    ckpt: &Checkpoint,
+    e: &Entry,
+    op: Arc<dyn crate::ops::Op>,
+) -> Arc<dyn Derive> {
+    let fixed = Arc::new(FixedOp {
+        inputs: vec![e.source],
+        op,
+    });
+    let stored = ckpt.tensors[e.source].info.dtype;
+    let feed: Arc<dyn Derive> = match &e.derive {
+        Some(d) => d.clone(),
+        None if stored == e.dtype => return fixed,
+        None => {
+            let elements = crate::format::dtype::element_count(&e.shape).unwrap_or(0);
+            let cast = crate::ops::cast::Cast {
+                src: stored,
+                dst: e.dtype,
+                elements,
+            };
+            Arc::new(FixedOp {
+                inputs: vec![e.source],
+                op: Arc::new(cast),
+            })
+        }
+    };
+    Arc::new(FedDerive {
+        outer: fixed,
+        feeds: vec![FeedSource::Derived(feed, e.dtype)],
+    })
+}
+
+/// Refuses chosen weights computed by an earlier step (or retyped by a cast) under NVFP4, whose
+/// tensor scale needs a whole weight's amax before its first block is encoded (a second pass
+/// over the merge).
+fn refuse_computed_nvfp4(
+    ckpt: &Checkpoint,
+    entries: &[Entry],
+    chosen: &[(usize, String, WeightType)],
+) -> Result<()> {
+    let computed = |e: &Entry| e.derive.is_some() || ckpt.tensors[e.source].info.dtype != e.dtype;
+    match chosen.iter().find(|(i, _, _)| computed(&entries[*i])) {
+        Some((i, _, _)) => Err(refuse_weight(
+            ckpt,
+            &entries[*i],
+            "is computed by an earlier step (a merge, a cast, a dequantisation, a LoRA merge), and NVFP4's tensor scale needs the whole computed weight's amax before its first block: write that step's output, then quantise it".into(),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -635,6 +696,7 @@ impl PlanStep for QuantizeStep {
         for &(i, ref module, wt) in &chosen {
             let e = &entries[i];
             let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
+            let before = e.clone();
             let tensor_scale = globals.get(&i).cloned();
             let op = QuantizeRows {
                 scheme,
@@ -725,10 +787,7 @@ impl PlanStep for QuantizeStep {
                 Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
                 None => Arc::new(op),
             };
-            e.derive = Some(Arc::new(FixedOp {
-                inputs: vec![src],
-                op,
-            }));
+            e.derive = Some(quantised_rows(ckpt, &before, op));
         }
         added.splice_into(entries);
 

@@ -317,6 +317,7 @@ pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, Str
     for &(i, ref module, wt) in &chosen {
         let e = &entries[i];
         let (rows, cols, src, id) = (e.shape[0], e.shape[1], e.source, e.id);
+        let before = e.clone();
         let s2 = scale_2.get(&i).cloned();
         let mut extra = |name: &str, dtype: DType, shape: Vec<u64>, d: Arc<dyn Derive>| {
             added.push(i, module, src, name, dtype, shape, d)
@@ -386,7 +387,7 @@ pub(super) fn plan(step: &QuantizeStep, p: Planning) -> Result<(bool, Value, Str
             Some(scale) => Arc::new(Nvfp4Rows { rows: op, scale }),
             None => Arc::new(op),
         };
-        e.derive = Some(fixed(op, vec![src]));
+        e.derive = Some(super::quantised_rows(ckpt, &before, op));
     }
     added.splice_into(entries);
 

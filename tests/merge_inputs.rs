@@ -1,0 +1,577 @@
+//! `tftf merge` over any input tftf reads (issue #27, item 3): quantised models dequantised on
+//! the fly give the bytes of dequantising them first (`tftf dequant`), then merging; `.bin`,
+//! DCP and safetensors models mix; shards that split tensors differently do not matter.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use tftf::format::dtype::DType;
+
+fn torch_fixture(rel: &str) -> PathBuf {
+    fixture(&format!("torch/{rel}"))
+}
+
+/// A copy of torch fixture `case`'s safetensors twin with its config: a plain BF16 (or F32)
+/// tiny Llama.
+fn twin(case: &str, dir: &Path) -> PathBuf {
+    let twin = dir.join(case.replace('/', "-"));
+    std::fs::create_dir_all(&twin).unwrap();
+    let from = torch_fixture(&format!("{case}/expected/model.safetensors"));
+    std::fs::copy(from, twin.join("model.safetensors")).unwrap();
+    std::fs::copy(
+        torch_fixture("bin/hf-sharded/config.json"),
+        twin.join("config.json"),
+    )
+    .unwrap();
+    twin
+}
+
+fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// A config merging `models` with `method`: `linear` weighs every model; the other methods
+/// take the first as `base_model` and weigh the rest (`model_stock` takes no weights).
+fn config(method: &str, models: &[&Path], extra: &str) -> String {
+    let mut text = format!("merge_method: {method}\n");
+    if method != "linear" {
+        text.push_str(&format!("base_model: {}\n", models[0].display()));
+    }
+    text.push_str("models:\n");
+    for (k, m) in models.iter().enumerate() {
+        text.push_str(&format!("  - model: {}\n", m.display()));
+        let w = [0.5, 0.3, 0.2][k % 3];
+        if method == "linear" || (k > 0 && method != "model_stock") {
+            text.push_str(&format!("    parameters:\n      weight: {w}\n"));
+        }
+    }
+    text + extra
+}
+
+fn merged(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let cfg = write_config(dir, &format!("{name}.yml"), text);
+    let out = dir.join(name);
+    ok(&tftf(&["merge", s(&cfg), s(&out), "-q"]));
+    out
+}
+
+/// The tensors and `config.json` of two merges are the same (mergekit_config.yml names other
+/// paths).
+fn assert_same_merge(ours: &Path, twin: &Path) {
+    let (a, b) = (load_all(ours), load_all(twin));
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "tensor names"
+    );
+    for (k, v) in &a {
+        assert!(*v == b[k], "{k} differs ({} {:?})", v.0, v.1);
+    }
+    assert_eq!(
+        read_json(&ours.join("config.json")),
+        read_json(&twin.join("config.json"))
+    );
+}
+
+/// `tftf quantize --scheme scheme` of `model`, and `tftf dequant` of that (bf16, or `dtype`).
+fn quantised_and_dequantised(
+    model: &Path,
+    scheme: &str,
+    dtype: &str,
+    dir: &Path,
+) -> (PathBuf, PathBuf) {
+    let q = dir.join(format!("q-{scheme}"));
+    let d = dir.join(format!("d-{scheme}-{dtype}"));
+    if !q.exists() {
+        ok(&tftf(&[
+            "quantize",
+            "-i",
+            s(model),
+            "-o",
+            s(&q),
+            "--scheme",
+            scheme,
+            "-q",
+        ]));
+    }
+    ok(&tftf(&[
+        "dequant",
+        s(&q),
+        "-o",
+        s(&d),
+        "--dtype",
+        dtype,
+        "-q",
+    ]));
+    (q, d)
+}
+
+#[test]
+fn quantised_inputs_merge_as_their_dequantised_twins() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    for scheme in ["FP8_BLOCK", "FP8_DYNAMIC", "NVFP4A16", "MXFP4A16"] {
+        let (q, d) = quantised_and_dequantised(&plain, scheme, "bf16", dir.path());
+        let header = std::fs::read_to_string(q.join("config.json")).unwrap();
+        assert!(header.contains("quantization_config"), "{scheme}");
+        // The quantised model as the base (donor) and as another model; an elementwise method
+        // and whole-tensor ones.
+        for (method, order) in [
+            ("linear", vec![&q, &other]),
+            ("task_arithmetic", vec![&q, &other]),
+            ("task_arithmetic", vec![&other, &q]),
+            ("model_stock", vec![&q, &other, &plain]),
+        ] {
+            let models: Vec<&Path> = order.iter().map(|p| p.as_path()).collect();
+            let twins: Vec<&Path> = models
+                .iter()
+                .map(|m| if *m == q.as_path() { d.as_path() } else { m })
+                .collect();
+            let tag = format!("{scheme}-{method}-{}", usize::from(models[0] != q));
+            let ours = merged(dir.path(), &tag, &config(method, &models, ""));
+            let theirs = merged(
+                dir.path(),
+                &format!("{tag}-twin"),
+                &config(method, &twins, ""),
+            );
+            assert_same_merge(&ours, &theirs);
+            let cfg = read_json(&ours.join("config.json"));
+            assert!(cfg.get("quantization_config").is_none(), "{tag}: {cfg}");
+            assert!(!ours.join("hf_quant_config.json").exists(), "{tag}");
+        }
+    }
+}
+
+#[test]
+fn a_config_dtype_dequantises_to_it_as_dequant_dtype_does() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    let (q, d) = quantised_and_dequantised(&plain, "FP8_BLOCK", "f32", dir.path());
+    let text = |a: &Path| config("linear", &[a, &other], "dtype: float32\n");
+    let ours = merged(dir.path(), "ours", &text(&q));
+    assert_same_merge(&ours, &merged(dir.path(), "theirs", &text(&d)));
+    // bf16 first would have lost the f32 digits the merge keeps.
+    let (_, d16) = quantised_and_dequantised(&plain, "FP8_BLOCK", "bf16", dir.path());
+    let rounded = merged(dir.path(), "rounded", &text(&d16));
+    assert_ne!(load_all(&ours), load_all(&rounded));
+}
+
+#[test]
+fn mixed_source_formats_merge_as_their_safetensors_twins() {
+    let dir = tmp();
+    // The same tiny Llama as three torch.save shards (tensors in another order) and as two DCP
+    // rank files, beside a safetensors model quantised to FP8 blocks.
+    let bin = torch_fixture("bin/hf-sharded");
+    let dcp = dir.path().join("dcp");
+    copy_dir(&torch_fixture("dcp/full-2rank"), &dcp);
+    std::fs::copy(bin.join("config.json"), dcp.join("config.json")).unwrap();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let (q, d) = quantised_and_dequantised(&plain, "FP8_BLOCK", "bf16", dir.path());
+    let (bin_twin, dcp_twin) = (plain.clone(), twin("dcp/full-2rank", dir.path()));
+    for method in ["linear", "task_arithmetic"] {
+        let ours = merged(
+            dir.path(),
+            &format!("{method}-mixed"),
+            &config(method, &[&bin, &dcp, &q], ""),
+        );
+        let theirs = merged(
+            dir.path(),
+            &format!("{method}-twins"),
+            &config(method, &[&bin_twin, &dcp_twin, &d], ""),
+        );
+        assert_same_merge(&ours, &theirs);
+    }
+}
+
+#[test]
+fn models_whose_shards_split_tensors_differently_merge_as_single_files() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    let resharded = |m: &Path, size: &str| {
+        let out = dir.path().join(format!(
+            "{}-{size}",
+            m.file_name().unwrap().to_string_lossy()
+        ));
+        ok(&passthrough(m, &out, &["--max-shard-size", size, "-q"]));
+        out
+    };
+    let (a, b) = (resharded(&plain, "5000"), resharded(&other, "20000"));
+    assert!(std::fs::read_dir(&a).unwrap().count() > 4, "a is sharded");
+    let ours = merged(dir.path(), "split", &config("linear", &[&a, &b], ""));
+    let theirs = merged(
+        dir.path(),
+        "whole",
+        &config("linear", &[&plain, &other], ""),
+    );
+    assert_same_merge(&ours, &theirs);
+}
+
+#[test]
+fn a_quantised_weight_without_its_scale_is_refused_naming_model_and_tensor() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let (q, _) = quantised_and_dequantised(&plain, "FP8_BLOCK", "bf16", dir.path());
+    let broken = dir.path().join("broken");
+    ok(&passthrough(
+        &q,
+        &broken,
+        &["--exclude", "model.layers.1.mlp.up_proj.weight_scale", "-q"],
+    ));
+    let cfg = write_config(
+        dir.path(),
+        "m.yml",
+        &config("linear", &[&plain, &broken], ""),
+    );
+    let out = dir.path().join("out");
+    let err = fails(&["merge", s(&cfg), s(&out), "-q"]);
+    assert_refused(
+        &err,
+        &["broken", "model.layers.1.mlp.up_proj.weight", "scale"],
+        &out,
+    );
+}
+
+/// llm-compressor's own int `pack-quantized` outputs (W4A16, W8A16 of the quantize fixtures'
+/// model, groups of 128) merged with that model give the bytes of merging `tftf dequant` of
+/// them.
+#[test]
+fn int_pack_quantized_inputs_merge_as_their_dequantised_twins() {
+    let dir = tmp();
+    let plain = fixture("quantize/input_even");
+    for scheme in ["W4A16", "W8A16"] {
+        let q = fixture(&format!("quantize/{scheme}"));
+        let cfg = read_json(&q.join("config.json"));
+        assert_eq!(
+            cfg["quantization_config"]["config_groups"]["group_0"]["format"],
+            "pack-quantized"
+        );
+        let d = dir.path().join(format!("d-{scheme}"));
+        ok(&tftf(&["dequant", s(&q), "-o", s(&d), "-q"]));
+        for method in ["linear", "task_arithmetic"] {
+            let tag = format!("{scheme}-{method}");
+            let ours = merged(dir.path(), &tag, &config(method, &[&q, &plain], ""));
+            let theirs = merged(
+                dir.path(),
+                &format!("{tag}-twin"),
+                &config(method, &[&d, &plain], ""),
+            );
+            assert_same_merge(&ours, &theirs);
+            // The quantised weights took part: the merge is not the plain model's.
+            let a = load_all(&ours);
+            let w = "model.layers.0.mlp.up_proj.weight";
+            assert_eq!(a[w].0, "BF16", "{tag}");
+            assert_ne!(a[w], load_all(&plain)[w], "{tag}");
+        }
+    }
+}
+
+/// `run --merge CONFIG` then `--quantize`: one pass, the bytes of `tftf merge` followed by
+/// `tftf quantize` of its output (tensors, `config.json`, side files).
+fn assert_run_equals_merge_then_quantize(dir: &Path, tag: &str, text: &str, quantize: &[&str]) {
+    let cfg = write_config(dir, &format!("{tag}.yml"), text);
+    let m = dir.join(format!("{tag}-merged"));
+    ok(&tftf(&["merge", s(&cfg), s(&m), "-q"]));
+    let two = dir.join(format!("{tag}-two-steps"));
+    let mut args = vec!["quantize", "-i", s(&m), "-o", s(&two), "-q"];
+    args.extend(quantize);
+    ok(&tftf(&args));
+    let one = dir.join(format!("{tag}-one-pass"));
+    let mut args = vec!["run", "-o", s(&one), "-q", "--merge", s(&cfg), "--quantize"];
+    args.extend(quantize);
+    ok(&tftf(&args));
+    let (a, b) = (load_all(&one), load_all(&two));
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{tag}: tensor names"
+    );
+    for (k, v) in &a {
+        assert!(*v == b[k], "{tag}: {k} differs ({} {:?})", v.0, v.1);
+    }
+    assert_eq!(listing(&one), listing(&two), "{tag}: files");
+    for f in listing(&one) {
+        if f.ends_with(".json") {
+            assert_eq!(
+                read_json(&one.join(&f)),
+                read_json(&two.join(&f)),
+                "{tag}: {f}"
+            );
+        }
+    }
+    let q = read_json(&one.join("config.json"));
+    assert!(q.get("quantization_config").is_some(), "{tag}: {q}");
+}
+
+#[test]
+fn run_merge_then_quantize_equals_merge_then_quantize() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    // A third model, F32 (mixed dtypes promote to F32): the plain one through FP8 and back.
+    let (_, third) = quantised_and_dequantised(&plain, "FP8_DYNAMIC", "f32", dir.path());
+    for (method, models) in [
+        ("linear", vec![&plain, &other]),
+        ("task_arithmetic", vec![&plain, &other, &third]),
+        ("model_stock", vec![&plain, &other, &third]),
+    ] {
+        let models: Vec<&Path> = models.iter().map(|p| p.as_path()).collect();
+        for scheme in ["FP8_BLOCK", "FP8_DYNAMIC", "MXFP4A16"] {
+            let tag = format!("{method}-{scheme}");
+            let text = config(method, &models, "");
+            assert_run_equals_merge_then_quantize(dir.path(), &tag, &text, &["--scheme", scheme]);
+        }
+    }
+    // ModelOpt's layout, and a config `out_dtype` the quantiser reads the merge in.
+    let text = config("linear", &[&plain, &other], "out_dtype: float16\n");
+    assert_run_equals_merge_then_quantize(
+        dir.path(),
+        "modelopt",
+        &text,
+        &["--scheme", "FP8_BLOCK", "--format", "modelopt"],
+    );
+    let text = config("linear", &[&plain, &other], "out_dtype: float16\n");
+    assert_run_equals_merge_then_quantize(dir.path(), "f16", &text, &["--scheme", "FP8_BLOCK"]);
+}
+
+/// A quantised input, merged, quantised again: three ops in one pass, the bytes of the three
+/// commands; int groups of 128 on the quantize fixtures' model.
+#[test]
+fn run_merge_of_quantised_inputs_then_quantize_equals_the_commands() {
+    let dir = tmp();
+    let plain = fixture("quantize/input_even");
+    let q = fixture("quantize/W4A16");
+    for scheme in ["W4A16", "W8A16", "FP8_BLOCK"] {
+        let text = config("task_arithmetic", &[&plain, &q], "");
+        let tag = format!("int-{scheme}");
+        assert_run_equals_merge_then_quantize(dir.path(), &tag, &text, &["--scheme", scheme]);
+    }
+}
+
+#[test]
+fn run_merge_alone_writes_what_merge_writes() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    let cfg = write_config(
+        dir.path(),
+        "m.yml",
+        &config("task_arithmetic", &[&plain, &other], ""),
+    );
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    ok(&tftf(&["merge", s(&cfg), s(&a), "-q"]));
+    ok(&tftf(&[
+        "run",
+        "-o",
+        s(&b),
+        "-q",
+        "--merge",
+        "--config",
+        s(&cfg),
+    ]));
+    assert_eq!(listing(&a), listing(&b));
+    for f in listing(&a) {
+        assert_eq!(
+            std::fs::read(a.join(&f)).unwrap(),
+            std::fs::read(b.join(&f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn run_merge_is_refused_where_it_cannot_stand() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let other = twin("dcp/full-2rank", dir.path());
+    let cfg = write_config(
+        dir.path(),
+        "m.yml",
+        &config("linear", &[&plain, &other], ""),
+    );
+    let out = dir.path().join("out");
+    // After another section, twice, beside -i, without a config.
+    let err = usage_error(&[
+        "run",
+        "-o",
+        s(&out),
+        "--dtype-cast",
+        "f32",
+        "--merge",
+        s(&cfg),
+    ]);
+    assert_refused(&err, &["--merge", "first section"], &out);
+    let err = usage_error(&["run", "-o", s(&out), "--merge", s(&cfg), "--merge", s(&cfg)]);
+    assert_refused(&err, &["--merge", "only one"], &out);
+    let err = usage_error(&["run", "-i", s(&plain), "-o", s(&out), "--merge", s(&cfg)]);
+    assert_refused(&err, &["--merge", "drop -i"], &out);
+    let err = usage_error(&["run", "-o", s(&out), "--merge"]);
+    assert_refused(&err, &["--merge", "CONFIG"], &out);
+    // NVFP4's tensor scale needs a whole merged weight's amax before its first block.
+    let err = fails(&[
+        "run",
+        "-o",
+        s(&out),
+        "-q",
+        "--merge",
+        s(&cfg),
+        "--quantize",
+        "--scheme",
+        "NVFP4A16",
+    ]);
+    assert_refused(
+        &err,
+        &["model.layers.0.", "computed by an earlier step", "NVFP4"],
+        &out,
+    );
+}
+
+/// A Llama layer whose MLP weights (1M elements each, 2 MiB in BF16) take several chunks under
+/// `--memory-budget 16MiB`: random BF16 values from `seed`.
+fn wide_model(dir: &Path, name: &str, seed: u64) -> PathBuf {
+    let mut cfg = read_json(&fixture("quantize/input_even/config.json"));
+    cfg["intermediate_size"] = 4096.into();
+    let mut rng = Rng(seed);
+    let mut m = Model::new();
+    for (n, shape) in [
+        ("model.embed_tokens.weight", vec![128, 256]),
+        ("model.layers.0.input_layernorm.weight", vec![256]),
+        ("model.layers.0.mlp.down_proj.weight", vec![256, 4096]),
+        ("model.layers.0.mlp.gate_proj.weight", vec![4096, 256]),
+        ("model.layers.0.mlp.up_proj.weight", vec![4096, 256]),
+        ("model.layers.0.post_attention_layernorm.weight", vec![256]),
+        ("model.layers.0.self_attn.k_proj.weight", vec![64, 256]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![256, 128]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![128, 256]),
+        ("model.layers.0.self_attn.v_proj.weight", vec![64, 256]),
+        ("model.norm.weight", vec![256]),
+        ("lm_head.weight", vec![128, 256]),
+    ] {
+        m = m.rand(&mut rng, n, DType::BF16, &shape);
+    }
+    m.config(&cfg.to_string()).write(&dir.join(name))
+}
+
+/// Feeding decoded rows into the merge, and merged rows into the quantiser, chunk by chunk:
+/// the bytes do not depend on where the chunks fall (one thread and a 16 MiB budget, several
+/// chunks a weight; or the default budget) and equal the commands' one after another.
+#[test]
+fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
+    let dir = tmp();
+    let (a, b, c) = (
+        wide_model(dir.path(), "a", 1),
+        wide_model(dir.path(), "b", 2),
+        wide_model(dir.path(), "c", 3),
+    );
+    let small = ["--memory-budget", "16MiB", "--threads", "1"];
+    let wide = ["--threads", "3"];
+    for scheme in ["FP8_BLOCK", "W4A16", "NVFP4A16"] {
+        let (q, d) = quantised_and_dequantised(&b, scheme, "bf16", dir.path());
+        for method in ["task_arithmetic", "model_stock"] {
+            let tag = format!("{scheme}-{method}");
+            let ours = config(method, &[&a, &q, &c], "");
+            let cfg = write_config(dir.path(), &format!("{tag}.yml"), &ours);
+            let twin = merged(
+                dir.path(),
+                &format!("{tag}-twin"),
+                &config(method, &[&a, &d, &c], ""),
+            );
+            let want = load_all(&twin);
+            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
+                let out = dir.path().join(format!("{tag}-{k}"));
+                let mut args = vec!["merge", s(&cfg), s(&out), "-q"];
+                args.extend(opts);
+                ok(&tftf(&args));
+                assert!(load_all(&out) == want, "{tag} {opts:?}");
+            }
+            // Merged, then quantised in the same pass.
+            let two = dir.path().join(format!("{tag}-fp8"));
+            ok(&tftf(&[
+                "quantize",
+                "-i",
+                s(&twin),
+                "-o",
+                s(&two),
+                "--scheme",
+                "FP8_BLOCK",
+                "-q",
+            ]));
+            let want = load_all(&two);
+            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
+                let out = dir.path().join(format!("{tag}-run-{k}"));
+                let mut args = vec!["run", "-o", s(&out), "-q"];
+                args.extend(opts);
+                args.extend(["--merge", s(&cfg), "--quantize", "--scheme", "FP8_BLOCK"]);
+                ok(&tftf(&args));
+                assert!(load_all(&out) == want, "run {tag} {opts:?}");
+            }
+        }
+    }
+}
+
+/// `--quantize` after another computing section takes that section's weights as it takes a
+/// merge's: a cast, then quantised, equals `passthrough --dtype` then `quantize`.
+#[test]
+fn run_quantize_takes_the_weights_an_earlier_section_computes() {
+    let dir = tmp();
+    let plain = twin("bin/hf-sharded", dir.path());
+    let cast = dir.path().join("cast");
+    ok(&passthrough(&plain, &cast, &["--dtype", "f16", "-q"]));
+    let two = dir.path().join("two");
+    ok(&tftf(&[
+        "quantize",
+        "-i",
+        s(&cast),
+        "-o",
+        s(&two),
+        "--scheme",
+        "FP8_BLOCK",
+        "-q",
+    ]));
+    let one = dir.path().join("one");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&plain),
+        "-o",
+        s(&one),
+        "-q",
+        "--dtype-cast",
+        "f16",
+        "--quantize",
+        "--scheme",
+        "FP8_BLOCK",
+    ]));
+    let got = load_all(&one);
+    assert!(got == load_all(&two));
+    assert_eq!(got["model.layers.0.mlp.up_proj.weight"].0, "F8_E4M3");
+    let out = dir.path().join("nvfp4");
+    let err = fails(&[
+        "run",
+        "-i",
+        s(&plain),
+        "-o",
+        s(&out),
+        "-q",
+        "--dtype-cast",
+        "f16",
+        "--quantize",
+        "--scheme",
+        "NVFP4A16",
+    ]);
+    assert_refused(
+        &err,
+        &[
+            "model.layers.0.",
+            "computed by an earlier step",
+            "then quantise it",
+        ],
+        &out,
+    );
+}
