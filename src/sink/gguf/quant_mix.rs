@@ -398,7 +398,7 @@ pub fn check_imatrix(
         return Ok(());
     }
     for (t, &ty) in tensors.iter().zip(types) {
-        if allows_quantization(t, opts.leave_output) && requires_imatrix(t.name, ty, mix) {
+        if needs_imatrix(mix, opts, t, ty) {
             return Err(Error::Usage(format!(
                 "--outtype {}: `{}` would be {}, which needs an importance matrix (--imatrix FILE); llama-quantize refuses it without one",
                 mix.name(),
@@ -408,6 +408,12 @@ pub fn check_imatrix(
         }
     }
     Ok(())
+}
+
+/// Whether llama-quantize refuses to write `t` as `ty` without importance weights for it
+/// (`tensor_requires_imatrix` of a tensor it quantises).
+pub fn needs_imatrix(mix: Mix, opts: &MixOptions, t: &MixTensor, ty: GgmlType) -> bool {
+    allows_quantization(t, opts.leave_output) && requires_imatrix(t.name, ty, mix)
 }
 
 /// `llama_tensor_get_type` for a tensor that may be quantised.

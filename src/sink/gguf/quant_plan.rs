@@ -11,16 +11,17 @@ use super::imatrix::{self, Imatrix};
 use super::kv::{Metadata, Value};
 use super::quant_mix::{self, quantize_order, Mix, MixOptions, MixTensor, ModelFacts};
 use crate::error::{Error, Result};
-use crate::ops::gguf::encode;
+use crate::ops::gguf::{encode, GgmlType};
 
-/// Retypes and reorders `outputs` and rewrites `metadata` as llama-quantize would.
+/// Retypes and reorders `outputs` and rewrites `metadata` as llama-quantize would; returns
+/// the warnings it prints (tensors whose rows no block type fits, written as F16).
 pub fn apply(
     mix: Mix,
     opts: &MixOptions,
     cfg: &Config,
     metadata: &mut Metadata,
     outputs: &mut Vec<OutputTensor>,
-) -> Result<()> {
+) -> Result<Vec<String>> {
     if let Some(t) = outputs
         .iter()
         .find(|o| matches!(o.recipe, Recipe::Mxfp4 { .. }))
@@ -70,9 +71,68 @@ pub fn apply(
     metadata.set("general.file_type", Value::U32(mix.ftype()));
     if let Some(m) = opts.imatrix.as_deref().filter(|m| !m.entries.is_empty()) {
         attach_imatrix(m, outputs)?;
+        refuse_missing_entries(m, mix, opts, outputs)?;
         imatrix_kvs(m, metadata);
     }
-    Ok(())
+    Ok(f16_fallbacks(mix, opts, outputs))
+}
+
+/// llama-quantize's "must use F16 due to unusual shape": a quantised tensor whose rows are
+/// not a multiple of 32 elements fits no block type, so it is written as F16. The bytes are
+/// the reference's; the user is told which tensors, as llama-quantize tells them.
+fn f16_fallbacks(mix: Mix, opts: &MixOptions, outputs: &[OutputTensor]) -> Vec<String> {
+    // F16 the user asked for is no fallback.
+    let named = |n: &str| {
+        opts.tensor_types.iter().any(|(re, _)| re.is_match(n))
+            || (n == "output.weight" && opts.output_type.is_some())
+            || (n == "token_embd.weight" && opts.token_embedding_type.is_some())
+    };
+    let odd: Vec<String> = outputs
+        .iter()
+        .filter(|o| o.ty == GgmlType::F16 && o.shape.len() >= 2 && !named(&o.name))
+        .filter(|o| o.shape.last().is_some_and(|c| c % 32 != 0))
+        .map(|o| format!("`{}` (rows of {})", o.name, o.shape[o.shape.len() - 1]))
+        .collect();
+    if odd.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "--outtype {}: {} tensor(s) have rows that no block type divides and are written as F16, as llama-quantize does: {}",
+        mix.name(),
+        odd.len(),
+        odd.join(", ")
+    )]
+}
+
+/// llama-quantize's per-tensor check: a tensor of a type that needs importance weights
+/// (IQ1/IQ2, IQ3_XXS, Q2_K in Q2_K_S) for which the imatrix has no entry (one made for a
+/// model with other layers, or filtered by `--exclude-weights`) is refused, naming both.
+fn refuse_missing_entries(
+    m: &Imatrix,
+    mix: Mix,
+    opts: &MixOptions,
+    outputs: &[OutputTensor],
+) -> Result<()> {
+    let missing = outputs.iter().find(|o| {
+        let t = MixTensor {
+            name: &o.name,
+            shape: &o.shape,
+            ty: o.ty,
+        };
+        o.quant_weights.is_none() && quant_mix::needs_imatrix(mix, opts, &t, o.ty)
+    });
+    match missing {
+        None => Ok(()),
+        Some(o) => Err(Error::GgufImatrix {
+            path: m.file.clone().into(),
+            msg: format!(
+                "no entry for `{}`, which --outtype {} makes {}: that type needs importance weights (llama-quantize refuses it without); use an imatrix computed for this model",
+                o.name,
+                mix.name(),
+                o.ty.name()
+            ),
+        }),
+    }
 }
 
 /// Gives each quantised tensor its importance weights, as llama-quantize matches them: by
