@@ -1,5 +1,5 @@
 //! `tftf gguf` on quantised checkpoints (issue #25, items 3 and bad input): FP8 (DeepSeek-V3's
-//! 128×128 blocks), NVFP4 and packed-int weights dequantised on the fly into any `--outtype`,
+//! 128×128 blocks), NVFP4, MXFP4, packed-int and GPTQ weights dequantised on the fly into any `--outtype`,
 //! the same bytes as `tftf dequant --dtype f32` then `tftf gguf`; what `--outtype auto` picks
 //! per input kind; and the refusals, each before any output exists.
 
@@ -104,6 +104,58 @@ fn packed_int(rng: &mut Rng, name: &str, rows: u64, cols: u64, bits: u64) -> Vec
     ]
 }
 
+/// compressed-tensors MXFP4: packed E2M1 pairs, E8M0 exponents per 32 (2^-8 to 2^-1).
+fn mxfp4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
+    let base = name.strip_suffix(".weight").unwrap();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 119 + (rng.next_u32() % 8) as u8)
+        .collect();
+    vec![
+        t(
+            &format!("{base}.weight_packed"),
+            DType::U8,
+            &[rows, cols / 2],
+            rng.bytes((rows * cols / 2) as usize),
+        ),
+        t(
+            &format!("{base}.weight_scale"),
+            DType::U8,
+            &[rows, cols / 32],
+            scales,
+        ),
+    ]
+}
+
+/// AutoGPTQ 4-bit (v1 zero points, no act-order): `qweight` `[in/8, out]`, `qzeros`
+/// `[in/128, out/8]`, F16 `scales` `[in/128, out]`.
+fn gptq4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
+    let base = name.strip_suffix(".weight").unwrap();
+    let groups = cols / 128;
+    let scales: Vec<u8> = (0..groups * rows)
+        .flat_map(|k| half::f16::from_f32(0.002 * (1 + k % 5) as f32).to_le_bytes())
+        .collect();
+    vec![
+        t(
+            &format!("{base}.qweight"),
+            DType::I32,
+            &[cols / 8, rows],
+            rng.bytes((cols / 8 * rows * 4) as usize),
+        ),
+        t(
+            &format!("{base}.qzeros"),
+            DType::I32,
+            &[groups, rows / 8],
+            rng.bytes((groups * rows / 8 * 4) as usize),
+        ),
+        t(
+            &format!("{base}.scales"),
+            DType::F16,
+            &[groups, rows],
+            scales,
+        ),
+    ]
+}
+
 fn int4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
     packed_int(rng, name, rows, cols, 4)
 }
@@ -131,6 +183,13 @@ fn quant_config(scheme: &str) -> Json {
             "nvfp4-pack-quantized",
             json!({"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}),
         ),
+        "mxfp4" => ct(
+            "mxfp4-pack-quantized",
+            json!({"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group"}),
+        ),
+        "gptq" => json!({
+            "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true,
+        }),
         "int4" => ct("pack-quantized", int(4)),
         "int8" => ct("pack-quantized", int(8)),
         other => panic!("no scheme {other}"),
@@ -272,10 +331,12 @@ fn deepseek_v3_fp8_to_q4_k_m_equals_dequant_then_gguf() {
 }
 
 #[test]
-fn fp8_nvfp4_and_int_weights_to_k_quants_equal_dequant_then_gguf() {
-    let cases: [(&str, Scheme, &str); 4] = [
+fn fp8_fp4_int_and_gptq_weights_to_k_quants_equal_dequant_then_gguf() {
+    let cases: [(&str, Scheme, &str); 6] = [
         ("fp8", fp8_block, "q4_k_m"),
         ("nvfp4", nvfp4, "q4_k_m"),
+        ("mxfp4", mxfp4, "q4_k_m"),
+        ("gptq", gptq4, "q6_k"),
         ("int4", int4, "q5_k_s"),
         ("int8", int8, "q6_k"),
     ];
@@ -301,16 +362,18 @@ fn types(g: &Gguf) -> std::collections::BTreeMap<String, u32> {
 }
 
 /// `--outtype auto` on each quantised kind: FP8 weights become BF16, 8-bit ints and FP4 Q8_0,
-/// 4-bit ints Q4_1, with the bytes the dequantised checkpoint gets at that type; the BF16
+/// 4-bit ints (pack-quantized and GPTQ) Q4_1, with the bytes the dequantised checkpoint gets at that type; the BF16
 /// embeddings and head stay BF16, norms F32; `general.file_type` names the weights' type.
 #[test]
 fn auto_keeps_each_quantised_kind_close_to_how_it_was_stored() {
     // (scheme, weight type id, file type, the outtype whose weights are the same bytes)
-    let cases: [(&str, Scheme, u32, u32, &str); 4] = [
+    let cases: [(&str, Scheme, u32, u32, &str); 6] = [
         ("fp8", fp8_block, 30, 32, "bf16"),
         ("int8", int8, 8, 7, "q8_0"),
         ("nvfp4", nvfp4, 8, 7, "q8_0"),
+        ("mxfp4", mxfp4, 8, 7, "q8_0"),
         ("int4", int4, 3, 3, "q4_1"),
+        ("gptq", gptq4, 3, 3, "q4_1"),
     ];
     for (scheme, quantise, weight_ty, file_type, same_as) in cases {
         let d = tmp();
