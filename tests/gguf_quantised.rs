@@ -362,8 +362,9 @@ fn types(g: &Gguf) -> std::collections::BTreeMap<String, u32> {
 }
 
 /// `--outtype auto` on each quantised kind: FP8 weights become BF16, 8-bit ints and FP4 Q8_0,
-/// 4-bit ints (pack-quantized and GPTQ) Q4_1, with the bytes the dequantised checkpoint gets at that type; the BF16
-/// embeddings and head stay BF16, norms F32; `general.file_type` names the weights' type.
+/// 4-bit ints (pack-quantized and GPTQ) Q4_1, with the bytes the dequantised checkpoint gets
+/// at that type; the BF16 embeddings and head stay BF16, norms F32; `general.file_type` names
+/// the weights' type.
 #[test]
 fn auto_keeps_each_quantised_kind_close_to_how_it_was_stored() {
     // (scheme, weight type id, file type, the outtype whose weights are the same bytes)
