@@ -71,7 +71,7 @@ pub fn retype(view: &DequantView, outputs: &mut [OutputTensor]) {
         let ty = ggml_type(stored);
         let (block, _) = ty.block();
         let cols = o.shape.last().copied().unwrap_or(0);
-        o.ty = if cols % block as u64 == 0 {
+        o.ty = if cols % block == 0 {
             ty
         } else {
             GgmlType::Bf16
