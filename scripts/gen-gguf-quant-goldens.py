@@ -20,7 +20,7 @@ sdist's vendored tree) applied to `convert_hf_to_gguf.py --outtype f32` of small
 
 Usage: gen-gguf-quant-goldens.py LLAMA_CPP_DIR LLAMA_QUANTIZE OUT_DIR WORK_DIR
 (python with torch, transformers, safetensors, numpy, sentencepiece)"""
-import hashlib, json, os, re, shutil, subprocess, sys
+import json, os, re, shutil, subprocess, sys
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -28,20 +28,12 @@ from safetensors.torch import save_file
 LCP, LQ, OUT, WORK = sys.argv[1:5]
 sys.path.insert(0, os.path.join(LCP, "gguf-py"))
 from gguf import GGUFReader  # noqa: E402
+from llamacpp_goldens import converter, record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOK = os.path.join(HERE, "..", "tests", "fixtures", "gguf", "tokenizer")
 VOCAB = 410
-NAMING = ("general.name", "general.basename", "general.finetune", "general.version", "general.quantized_by")
-REF = f"""
-import sys
-sys.path[:0] = [{LCP!r}, {os.path.join(LCP, 'gguf-py')!r}]
-import conversion.base as b
-b.TextModel.get_vocab_base_pre = lambda self, tok: "test-pre"
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
-import convert_hf_to_gguf as c
-c.main()
-"""
+REF = converter(LCP)
 MIXES = ["q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q2_k_s", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
          "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m",
          "iq3_xxs", "iq3_xs", "iq3_s", "iq3_m", "iq1_s", "iq1_m"]
@@ -144,18 +136,6 @@ def k_goldens():
         quantize([], ref, out, mix)
         cases.append(dict(record(out), mix=mix, args=[]))
     json.dump(cases, open(os.path.join(OUT, "e2e_k.json"), "w"), indent=0)
-
-
-def sha(b):
-    return hashlib.sha256(b).hexdigest()
-
-
-def record(path):
-    r = GGUFReader(path)
-    kvs = [[k, sha(b"".join(bytes(p) for p in f.parts[2:]))] for k, f in r.fields.items()
-           if not k.startswith("GGUF.") and k not in NAMING]
-    ts = [[t.name, int(t.tensor_type), [int(x) for x in t.shape], sha(np.asarray(t.data).tobytes())] for t in r.tensors]
-    return {"kvs": kvs, "tensors": ts}
 
 
 def quantize(args, ref, out, mix):

@@ -106,18 +106,7 @@ pub struct ConvertArgs {
     #[arg(long, value_name = "SIZE")]
     pub max_shard_size: Option<String>,
     #[command(flatten)]
-    pub run: RunOpts,
-    #[command(flatten)]
-    pub policy: PolicyArgs,
-    /// Replace existing output files
-    #[arg(long)]
-    pub force: bool,
-    /// Copy unchanged tensors through user memory instead of copy_file_range/reflinks
-    #[arg(long)]
-    pub no_reflink: bool,
-    /// Where ops compute: auto, cpu, cuda or cuda:N
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
+    pub job: JobArgs,
 }
 
 #[derive(Args, Debug)]
@@ -300,21 +289,31 @@ pub struct WriteArgs {
     /// Accepted for compatibility; directory output is always sharded by --max-shard-size
     #[arg(long)]
     pub sharded: bool,
+    /// Write the output even when filters keep no tensor or an op finds nothing to do
+    #[arg(long)]
+    pub allow_empty: bool,
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+/// What every writing command takes besides its output: how it runs, how its output is
+/// committed, and where its ops compute. One struct, so the flags cannot drift apart between
+/// the commands.
+#[derive(Args, Debug, Clone)]
+pub struct JobArgs {
     #[command(flatten)]
     pub run: RunOpts,
     #[command(flatten)]
     pub policy: PolicyArgs,
-    /// Write the output even when filters keep no tensor or an op finds nothing to do
-    #[arg(long)]
-    pub allow_empty: bool,
-    /// Replace the model files of a non-empty output directory (or an existing output file)
+    /// Replace the model files of a non-empty output directory (or existing output files)
     #[arg(long)]
     pub force: bool,
-    /// Copy untouched tensors through user memory instead of copy_file_range
+    /// Copy untouched tensors through user memory instead of copy_file_range/reflinks (GGUF:
+    /// and keep the reference's tensor order, with no reflink padding key)
     #[arg(long)]
     pub no_reflink: bool,
-    /// Where ops compute: auto (a CUDA GPU when a driver and device exist, else the CPU), cpu,
-    /// cuda or cuda:N
+    /// Where ops compute: auto (a CUDA GPU when a driver and device exist and an op has a
+    /// kernel, else the CPU), cpu, cuda or cuda:N
     #[arg(long, value_name = "DEVICE", default_value = "auto")]
     pub device: String,
 }
@@ -857,20 +856,7 @@ pub struct GgufArgs {
     #[arg(long, value_name = "NAME")]
     pub vocab_pre: Option<String>,
     #[command(flatten)]
-    pub run: RunOpts,
-    #[command(flatten)]
-    pub policy: PolicyArgs,
-    /// Replace existing output files
-    #[arg(long)]
-    pub force: bool,
-    /// Copy unchanged tensors through user memory instead of copy_file_range/reflinks, and
-    /// keep the reference's tensor order (no reflink padding key)
-    #[arg(long)]
-    pub no_reflink: bool,
-    /// Where ops compute: auto (a CUDA GPU when a driver and device exist and an op has a
-    /// kernel, else the CPU), cpu, cuda or cuda:N
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
+    pub job: JobArgs,
 }
 
 /// `tftf merge CONFIG.yml OUT`, mergekit-yaml's options, and the short LoRA form
@@ -923,16 +909,5 @@ pub struct MergeKitArgs {
     )]
     pub alpha: f64,
     #[command(flatten)]
-    pub run: RunOpts,
-    #[command(flatten)]
-    pub policy: PolicyArgs,
-    /// Replace the model files of a non-empty output directory
-    #[arg(long)]
-    pub force: bool,
-    /// Copy untouched tensors through user memory instead of copy_file_range
-    #[arg(long)]
-    pub no_reflink: bool,
-    /// Where ops compute: auto, cpu, cuda or cuda:N (the merge methods compute on the CPU)
-    #[arg(long, value_name = "DEVICE", default_value = "auto")]
-    pub device: String,
+    pub job: JobArgs,
 }

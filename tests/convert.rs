@@ -198,28 +198,33 @@ fn options_of_the_other_format_are_refused() {
     let d = tmp();
     let model = torch_model_folder(d.path());
     let out = d.path().join("out");
-    let msg = usage_error(&[
-        "convert",
-        s(&model.join("model.pt")),
-        "--format",
-        "safetensors",
-        "--outdir",
-        s(&out),
-        "--outtype",
-        "q8_0",
-    ]);
-    assert_refused(&msg, &["--outtype applies to --format gguf"], &out);
-    let msg = usage_error(&[
-        "convert",
-        s(&model.join("model.pt")),
-        "--format",
-        "gguf",
-        "--outdir",
-        s(&out),
-        "--dtype",
-        "f16",
-    ]);
-    assert_refused(&msg, &["--dtype applies to --format safetensors"], &out);
+    let pt = model.join("model.pt");
+    for (format, option, value, refusal) in [
+        (
+            "safetensors",
+            "--outtype",
+            "q8_0",
+            "--outtype applies to --format gguf",
+        ),
+        (
+            "gguf",
+            "--dtype",
+            "f16",
+            "--dtype applies to --format safetensors",
+        ),
+    ] {
+        let msg = usage_error(&[
+            "convert",
+            s(&pt),
+            "--format",
+            format,
+            "--outdir",
+            s(&out),
+            option,
+            value,
+        ]);
+        assert_refused(&msg, &[refusal], &out);
+    }
 }
 
 #[test]

@@ -109,25 +109,31 @@ fn finetuned(dir: &Path, seed: u64, changed: impl Fn(&str) -> bool) -> BTreeMap<
     designed
 }
 
+/// `extract-lora --base BASE --model MODEL -r RANK -o OUT`.
+fn extract_args<'a>(base: &'a Path, model: &'a Path, rank: &'a str, out: &'a Path) -> Vec<&'a str> {
+    vec![
+        "extract-lora",
+        "--base",
+        s(base),
+        "--model",
+        s(model),
+        "-r",
+        rank,
+        "-o",
+        s(out),
+    ]
+}
+
 fn extract(base: &Path, model: &Path, out: &Path, extra: &[&str]) {
     let r = RANK.to_string();
-    let args = [
-        &[
-            "extract-lora",
-            "--base",
-            s(base),
-            "--model",
-            s(model),
-            "-r",
-            &r,
-            "-o",
-            s(out),
-            "-q",
-        ][..],
-        extra,
-    ]
-    .concat();
-    ok(&tftf(&args));
+    ok(&tftf(
+        &[&extract_args(base, model, &r, out)[..], &["-q"], extra].concat(),
+    ));
+}
+
+/// A fine-tuned model's, its adapter's and the merged model's paths in `d`.
+fn ft_lora_merged(d: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    (d.join("ft"), d.join("lora"), d.join("merged"))
 }
 
 /// `B·A` of `module` in the adapter (`[out, in]`; transposed back for an embedding).
@@ -215,11 +221,7 @@ fn assert_near_optimal(
 #[test]
 fn extraction_is_within_one_percent_of_optimal_and_merge_lora_round_trips() {
     let d = tmp();
-    let (ft, adapter, merged) = (
-        d.path().join("ft"),
-        d.path().join("lora"),
-        d.path().join("merged"),
-    );
+    let (ft, adapter, merged) = ft_lora_merged(d.path());
     let designed = finetuned(&ft, 5, |n| n.contains("layers."));
     extract(&base_dir(), &ft, &adapter, &[]);
     assert_listing(&adapter, "adapter_config.json adapter_model.safetensors");
@@ -333,11 +335,7 @@ fn layout_matches_the_adapter_peft_saved_for_the_same_modules() {
 #[test]
 fn embed_lora_decomposes_embeddings_the_way_peft_stores_them() {
     let d = tmp();
-    let (ft, adapter, merged) = (
-        d.path().join("ft"),
-        d.path().join("lora"),
-        d.path().join("merged"),
-    );
+    let (ft, adapter, merged) = ft_lora_merged(d.path());
     let designed = finetuned(&ft, 9, |n| {
         n.contains("embed") || n.starts_with("lm_head") || n.contains("q_proj")
     });
@@ -485,17 +483,7 @@ fn bad_inputs_are_refused_before_any_output_exists() {
     ];
     for (case, tensors, rank, needles) in cases {
         let ft = tiny(&d.path().join(case), &tensors);
-        let msg = fails(&[
-            "extract-lora",
-            "--base",
-            s(&base),
-            "--model",
-            s(&ft),
-            "-r",
-            rank,
-            "-o",
-            s(&out),
-        ]);
+        let msg = fails(&extract_args(&base, &ft, rank, &out));
         assert_refused(&msg, needles, &out);
     }
 }
@@ -514,17 +502,7 @@ fn an_existing_adapter_is_replaced_only_with_force() {
     let out = d.path().join("lora");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("adapter_config.json"), "{}").unwrap();
-    let args = [
-        "extract-lora",
-        "--base",
-        s(&base),
-        "--model",
-        s(&ft),
-        "-r",
-        "2",
-        "-o",
-        s(&out),
-    ];
+    let args = extract_args(&base, &ft, "2", &out);
     let msg = fails(&args);
     assert_mentions(&msg, &["adapter_config.json", "--force"]);
     assert_listing(&out, "adapter_config.json");
@@ -587,17 +565,7 @@ fn a_bias_change_is_lora_b_bias_as_mergekit_writes_it() {
     let d = tmp();
     let (base, ft) = bias_models(d.path());
     let out = d.path().join("lora");
-    let args = [
-        "extract-lora",
-        "--base",
-        s(&base),
-        "--model",
-        s(&ft),
-        "-r",
-        "2",
-        "-o",
-        s(&out),
-    ];
+    let args = extract_args(&base, &ft, "2", &out);
     ok(&tftf(&args));
     let a = load_all(&out.join("adapter_model.safetensors"));
     let (b, f) = (
@@ -768,16 +736,6 @@ fn a_non_finite_difference_is_refused_and_nothing_is_left() {
         .tensor("m.q_proj.weight", DType::F32, &[2, 3], w(f32::INFINITY))
         .write(&d.path().join("ft"));
     let out = d.path().join("lora");
-    let msg = fails(&[
-        "extract-lora",
-        "--base",
-        s(&base),
-        "--model",
-        s(&ft),
-        "-r",
-        "1",
-        "-o",
-        s(&out),
-    ]);
+    let msg = fails(&extract_args(&base, &ft, "1", &out));
     assert_refused(&msg, &["`m.q_proj.weight`", "NaN or infinity"], &out);
 }

@@ -982,12 +982,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
             .map(|(k, v)| (k.as_str(), v.as_str().unwrap().to_string()))
             .collect();
         assert_eq!(ours, want, "{what}: KVs");
-        let order: Vec<&str> = spec["order"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_str().unwrap())
-            .collect();
+        let order = json_strs(&spec["order"]);
         assert_eq!(g.order, order, "{what}: tensor order");
         let want = spec["out"].as_object().unwrap();
         assert_eq!(

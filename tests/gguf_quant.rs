@@ -165,12 +165,7 @@ fn k_quant_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
 fn check_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
     for case in cases.as_array().unwrap() {
         let mix = case["mix"].as_str().unwrap();
-        let args: Vec<&str> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
+        let args = json_strs(&case["args"]);
         let what = format!("{mix} {args:?} {extra:?}");
         let out = dir.join("out.gguf");
         let opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
@@ -228,28 +223,108 @@ fn assert_equals_golden(g: &Gguf, case: &Json, what: &str, kv_values: &[(&str, V
 fn imatrix_cases_equal_llama_quantize_byte_for_byte() {
     let d = tmp();
     let model = llama_model(d.path());
-    let cases = golden("imatrix.json");
+    check_imatrix_cases(&model, d.path(), &golden("imatrix.json"), &[]);
+}
+
+/// The case's `--imatrix` (a fixture file name, or null for none) and llama-quantize options.
+fn imatrix_case_args(case: &Json) -> (Option<String>, Vec<&str>) {
+    let file = case["imatrix"].as_str().map(|f| {
+        fixture(&format!("gguf_quant/{f}"))
+            .to_str()
+            .unwrap()
+            .to_string()
+    });
+    (file, json_strs(&case["args"]))
+}
+
+/// Converts `model` per imatrix golden case with `extra` options and checks it as
+/// [`assert_equals_golden`] does, the `quantize.imatrix.file` KV being the path given.
+fn check_imatrix_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
     for case in cases.as_array().unwrap() {
         let mix = case["mix"].as_str().unwrap();
-        let file = fixture(&format!("gguf_quant/{}", case["imatrix"].as_str().unwrap()));
-        let args: Vec<&str> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
-        let what = format!("{mix} {} {args:?}", file.display());
-        let out = d.path().join("out.gguf");
-        let f = file.to_str().unwrap();
-        let extra = [&["--outtype", mix, "--force", "--imatrix", f][..], &args].concat();
-        let g = to_gguf(&model, &out, "test-pre", &extra);
-        let file_kv = [
-            &8u32.to_le_bytes()[..],
-            &(f.len() as u64).to_le_bytes(),
-            f.as_bytes(),
+        let (file, args) = imatrix_case_args(case);
+        let what = format!("{mix} {file:?} {args:?} {extra:?}");
+        let out = dir.join("out.gguf");
+        let mut opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
+        let mut kv_values = Vec::new();
+        if let Some(f) = &file {
+            opts.extend(["--imatrix", f.as_str()]);
+            let kv = [
+                &8u32.to_le_bytes()[..],
+                &(f.len() as u64).to_le_bytes(),
+                f.as_bytes(),
+            ]
+            .concat();
+            kv_values.push(("quantize.imatrix.file", kv));
+        }
+        let g = to_gguf(model, &out, "test-pre", &opts);
+        assert_equals_golden(&g, case, &what, &kv_values);
+    }
+}
+
+/// imatrix_iq.json: the IQ2 and IQ1 mixes (IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, IQ1_S, IQ1_M) with an
+/// importance matrix, an IQ2_XXS output tensor, and IQ2_S / IQ1_M output and token_embd
+/// without one (llama-quantize exempts those two), on the 256-wide llama: byte for byte
+/// `llama-quantize`'s file, at one compute thread and at three.
+#[test]
+fn iq2_and_iq1_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
+    let d = tmp();
+    let model = llama256_model(d.path());
+    let golden = golden("imatrix_iq.json");
+    let cases = &golden["cases"];
+    let mixes: Vec<&str> = cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["mix"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        mixes,
+        ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m", "q4_k_m", "q4_k_m"]
+    );
+    for threads in ["1", "3"] {
+        check_imatrix_cases(&model, d.path(), cases, &["--threads", threads]);
+    }
+}
+
+/// imatrix_iq.json's `refusals`: each IQ mix without an imatrix, an imatrix without the entry
+/// of a tensor that needs one, and an IQ2_XXS token_embd without weights (where llama-quantize
+/// aborts in ggml's assert): refused naming the tensor llama-quantize names, before any output.
+#[test]
+fn what_llama_quantize_refuses_for_iq_types_is_refused_by_name_before_any_output() {
+    let d = tmp();
+    let model = llama256_model(d.path());
+    let golden = golden("imatrix_iq.json");
+    let refusals = golden["refusals"].as_array().unwrap();
+    assert_eq!(refusals.len(), 8);
+    for case in refusals {
+        let mix = case["mix"].as_str().unwrap();
+        let (file, args) = imatrix_case_args(case);
+        let out = d.path().join("out/x.gguf");
+        let mut opts = [
+            &["--outtype", mix, "--vocab-pre", "test-pre", "-q"][..],
+            &args,
         ]
         .concat();
-        assert_equals_golden(&g, case, &what, &[("quantize.imatrix.file", file_kv)]);
+        if let Some(f) = &file {
+            opts.extend(["--imatrix", f.as_str()]);
+        }
+        let o = tftf(&gguf_args(&model, &out, &opts));
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{mix} {args:?}: {err}");
+        let want = match case["tensor"].as_str() {
+            Some(t) if file.is_some() => format!("no entry for `{t}`"),
+            Some(t) => format!("`{t}` would be"),
+            None => {
+                "tensor `token_embd.weight`: IQ2_XXS cannot be encoded without importance weights"
+                    .into()
+            }
+        };
+        assert!(err.contains(&want), "{mix} {args:?}: {err}");
+        assert!(
+            !d.path().join("out").exists() || listing(&d.path().join("out")).is_empty(),
+            "{mix} {args:?}"
+        );
     }
 }
 
@@ -414,39 +489,6 @@ fn every_mix_picks_llama_quantizes_type_for_every_tensor() {
             );
         }
     }
-}
-
-/// A mix whose types tftf cannot all write yet (IQ4_NL here, the i-quant encoders not being
-/// in) fails naming the first such tensor and its type, and leaves no output behind.
-#[test]
-fn a_type_tftf_cannot_write_yet_is_refused_by_name_before_any_output() {
-    let d = tmp();
-    // IQ2_XXS needs no imatrix for token_embd (llama-quantize exempts it), and rows of 256
-    // keep it from falling back to IQ4_NL.
-    let model = llama256_model(d.path());
-    let out = d.path().join("out/x.gguf");
-    let o = tftf(&gguf_args(
-        &model,
-        &out,
-        &[
-            "--outtype",
-            "q4_k_m",
-            "--token-embedding-type",
-            "iq2_xxs",
-            "--vocab-pre",
-            "test-pre",
-            "-q",
-        ],
-    ));
-    assert!(!o.status.success());
-    let err = stderr(&o);
-    assert!(
-        err.contains("`token_embd.weight`")
-            && err.contains("IQ2_XXS")
-            && err.contains("cannot write yet"),
-        "{err}"
-    );
-    assert!(!d.path().join("out").exists() || listing(&d.path().join("out")).is_empty());
 }
 
 #[test]

@@ -38,6 +38,13 @@ fn run_args<'a>(input: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a st
     v
 }
 
+/// [`run_args`] without `-q`: for the runs whose stdout a test reads.
+fn loud_args<'a>(input: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = run_args(input, out, extra);
+    v.retain(|a| *a != "-q");
+    v
+}
+
 fn part(input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
     tftf(&run_args(input, out, extra))
 }
@@ -70,6 +77,14 @@ fn assert_same_dirs(want: &Path, got: &Path) {
     }
 }
 
+/// A temporary folder with the test model in `in/` and its [`reference`] run.
+fn with_reference(checksums: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let d = tmp();
+    let input = model(d.path());
+    let single = reference(d.path(), &input, checksums);
+    (d, input, single)
+}
+
 /// One run with checksums: what the parts must reproduce.
 fn reference(d: &Path, input: &Path, checksums: &str) -> std::path::PathBuf {
     let out = d.join("single");
@@ -80,9 +95,7 @@ fn reference(d: &Path, input: &Path, checksums: &str) -> std::path::PathBuf {
 
 #[test]
 fn three_parts_at_once_then_finalize_equal_one_run() {
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums");
+    let (d, input, single) = with_reference("--checksums");
     let out = d.path().join("parts");
     let children: Vec<_> = ["3/3", "1/3", "2/3"]
         .iter()
@@ -119,19 +132,13 @@ impl Spawn for Command {
 
 #[test]
 fn the_last_part_with_finalize_completes_the_output_in_any_order() {
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums");
+    let (d, input, single) = with_reference("--checksums");
     for order in [["2/3", "3/3", "1/3"], ["1/3", "3/3", "2/3"]] {
         let out = d
             .path()
             .join(format!("parts-{}", order[0].replace('/', "-")));
         for (i, k) in order.iter().enumerate() {
-            let o = tftf_ok(&{
-                let mut v = run_args(&input, &out, &["--part", k, "--finalize"]);
-                v.retain(|a| *a != "-q");
-                v
-            });
+            let o = tftf_ok(&loud_args(&input, &out, &["--part", k, "--finalize"]));
             let last = i == order.len() - 1;
             assert_eq!(
                 stdout(&o).contains("finalized"),
@@ -149,9 +156,7 @@ fn the_last_part_with_finalize_completes_the_output_in_any_order() {
 
 #[test]
 fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums");
+    let (d, input, single) = with_reference("--checksums");
     for resume in [false, true] {
         let out = d.path().join(format!("parts-{resume}"));
         ok(&part(&input, &out, &["--part", "1/2"]));
@@ -179,11 +184,7 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
         } else {
             &["--part", "2/2"]
         };
-        let o = tftf_ok(&{
-            let mut v = run_args(&input, &out, extra);
-            v.retain(|a| *a != "-q");
-            v
-        });
+        let o = tftf_ok(&loud_args(&input, &out, extra));
         // With --resume the first shard, committed and recorded, is kept; the second (on
         // disk but unrecorded) is written again.
         let kept = if resume { "(1 kept" } else { "(0 kept" };
@@ -195,9 +196,7 @@ fn a_part_killed_mid_way_reruns_alone_with_or_without_resume() {
 
 #[test]
 fn resume_alone_continues_a_killed_run_and_finalizes_it() {
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums");
+    let (d, input, single) = with_reference("--checksums");
     let out = d.path().join("out");
     let o = Command::new(env!("CARGO_BIN_EXE_tftf"))
         .args(run_args(&input, &out, &["--resume"]))
@@ -230,11 +229,7 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&victim, &bytes).unwrap();
-    let o = tftf_ok(&{
-        let mut v = run_args(&input, &out, &["--resume"]);
-        v.retain(|a| *a != "-q");
-        v
-    });
+    let o = tftf_ok(&loud_args(&input, &out, &["--resume"]));
     assert!(stdout(&o).contains("(2 kept"), "{}", stdout(&o));
     assert!(stdout(&o).contains("finalized"), "{}", stdout(&o));
     assert_same_dirs(&single, &out);
@@ -340,9 +335,7 @@ fn finalize_names_missing_damaged_and_changed_records() {
 
 #[test]
 fn checksums_off_gives_the_plain_output() {
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums=off");
+    let (d, input, single) = with_reference("--checksums=off");
     let out = d.path().join("out");
     for k in ["2/2", "1/2"] {
         ok(&part(&input, &out, &["--part", k, "--checksums=off"]));
@@ -369,11 +362,7 @@ fn part_flags_are_checked() {
     let e = usage_error(&run_args(&input, &out, &["--checksums=maybe"]));
     assert!(e.contains("--checksums=off"), "{e}");
     // A dry run says which shards the part writes and creates nothing.
-    let o = tftf_ok(&{
-        let mut v = run_args(&input, &out, &["--part", "2/3", "--dry-run"]);
-        v.retain(|a| *a != "-q");
-        v
-    });
+    let o = tftf_ok(&loud_args(&input, &out, &["--part", "2/3", "--dry-run"]));
     assert!(stdout(&o).contains("part 2/3: writes"), "{}", stdout(&o));
     assert!(!out.exists());
     // A non-empty directory that is not this run's is refused before anything is written.
@@ -418,9 +407,7 @@ fn file_count(dir: &Path) -> usize {
 #[test]
 fn a_kill_at_any_step_of_finalize_is_finished_by_recover_finalize_or_force() {
     use std::os::unix::process::ExitStatusExt;
-    let d = tmp();
-    let input = model(d.path());
-    let single = reference(d.path(), &input, "--checksums");
+    let (d, input, single) = with_reference("--checksums");
     let parted = d.path().join("parted");
     for k in ["1/2", "2/2"] {
         ok(&part(&input, &parted, &["--part", k]));

@@ -196,6 +196,25 @@ fn names(t: &Tensors) -> Vec<&str> {
     t.keys().map(String::as_str).collect()
 }
 
+/// Upstream's rename tests: `--key-rename` with rules that match no name leaves every name as
+/// it is; returns the output of the rules `matching` (both run on one fresh base).
+fn renamed(no_match: &[&str], matching: &[&str]) -> Tensors {
+    let (d, base) = base_in_tmp();
+    let got = run_to(&d, &base, "out", no_match);
+    assert_eq!(names(&got), [Q, V, NORM], "{no_match:?}");
+    run_to(&d, &base, "out2", matching)
+}
+
+/// Keep q_proj, then cast to bfloat16: the start of upstream's chained-pipes tests.
+const FILTER_THEN_CAST: [&str; 6] = [
+    "--key-filter",
+    "--include",
+    "*q_proj*",
+    "--dtype-cast",
+    "--dtype",
+    "bfloat16",
+];
+
 // ---------------------------------------------------------------------------------------------
 // TestPipeChainParser: the section grammar, each parse run for real.
 // ---------------------------------------------------------------------------------------------
@@ -210,11 +229,13 @@ fn parser_empty_returns_passthrough() {
     }
 }
 
+/// Also upstream's `TestRunCommand.test_dtype_cast_changes_all_dtypes`: the same command.
 #[test]
 fn parser_single_dtype_cast() {
     assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
 }
 
+/// Also upstream's `TestRunCommand.test_key_filter_keeps_only_matching`: the same command.
 #[test]
 fn parser_single_key_filter() {
     let got = run_base(&["--key-filter", "--include", "*q_proj*"]);
@@ -223,14 +244,7 @@ fn parser_single_key_filter() {
 
 #[test]
 fn parser_two_pipes_returns_compound() {
-    let got = run_base(&[
-        "--key-filter",
-        "--include",
-        "*q_proj*",
-        "--dtype-cast",
-        "--dtype",
-        "bfloat16",
-    ]);
+    let got = run_base(&FILTER_THEN_CAST);
     assert_eq!(names(&got), [Q]);
     assert!(all_dtypes(&got, "BF16"));
 }
@@ -249,14 +263,8 @@ fn parser_multiple_include_flags_accumulated() {
 
 #[test]
 fn parser_key_rename_single_rule() {
-    let (d, base) = base_in_tmp();
-    // Upstream's rule matches none of these names: they stay.
-    let got = run_to(&d, &base, "out", &["--key-rename", "--rule", "^foo", "bar"]);
-    assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_to(
-        &d,
-        &base,
-        "out2",
+    let got = renamed(
+        &["--key-rename", "--rule", "^foo", "bar"],
         &["--key-rename", "--rule", "^model", "base"],
     );
     assert!(
@@ -268,11 +276,7 @@ fn parser_key_rename_single_rule() {
 
 #[test]
 fn parser_key_rename_multiple_rules() {
-    let (d, base) = base_in_tmp();
-    let got = run_to(
-        &d,
-        &base,
-        "out",
+    let got = renamed(
         &[
             "--key-rename",
             "--rule",
@@ -282,12 +286,6 @@ fn parser_key_rename_multiple_rules() {
             "^baz",
             "qux",
         ],
-    );
-    assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_to(
-        &d,
-        &base,
-        "out2",
         &[
             "--key-rename",
             "--rule",
@@ -330,18 +328,13 @@ fn parser_missing_value_for_flag_raises() {
 
 #[test]
 fn parser_three_pipes_chained() {
-    let got = run_base(&[
-        "--key-filter",
-        "--include",
-        "*q_proj*",
-        "--dtype-cast",
-        "--dtype",
-        "bfloat16",
-        "--key-rename",
-        "--rule",
-        "^model",
-        "base",
-    ]);
+    let got = run_base(
+        &[
+            &FILTER_THEN_CAST[..],
+            &["--key-rename", "--rule", "^model", "base"],
+        ]
+        .concat(),
+    );
     assert_eq!(names(&got), ["base.layers.0.self_attn.q_proj.weight"]);
     assert!(all_dtypes(&got, "BF16"));
 }
@@ -401,27 +394,17 @@ fn parser_dequant_fp8_positional_then_named() {
 
 #[test]
 fn parser_key_rename_positional_single_rule() {
-    let (d, base) = base_in_tmp();
-    let got = run_to(&d, &base, "out", &["--key-rename", "^foo", "bar"]);
-    assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_to(&d, &base, "o2", &["--key-rename", "^model", "base"]);
+    let got = renamed(
+        &["--key-rename", "^foo", "bar"],
+        &["--key-rename", "^model", "base"],
+    );
     assert!(got.keys().all(|k| k.starts_with("base.")));
 }
 
 #[test]
 fn parser_key_rename_positional_multiple_rules() {
-    let (d, base) = base_in_tmp();
-    let got = run_to(
-        &d,
-        &base,
-        "out",
+    let got = renamed(
         &["--key-rename", "^foo", "bar", "^baz", "qux"],
-    );
-    assert_eq!(names(&got), [Q, V, NORM]);
-    let got = run_to(
-        &d,
-        &base,
-        "o2",
         &["--key-rename", "^model", "base", "norm", "ln_f"],
     );
     assert!(got.contains_key("base.ln_f.weight"), "{:?}", names(&got));
@@ -444,19 +427,9 @@ fn parser_no_positional_for_pipe_raises() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// TestRunCommand
+// TestRunCommand (its dtype-cast and key-filter tests run the commands of the parser tests
+// above, which assert as much)
 // ---------------------------------------------------------------------------------------------
-
-#[test]
-fn run_dtype_cast_changes_all_dtypes() {
-    assert_all_bf16(&["--dtype-cast", "--dtype", "bfloat16"]);
-}
-
-#[test]
-fn run_key_filter_keeps_only_matching() {
-    let got = run_base(&["--key-filter", "--include", "*q_proj*"]);
-    assert!(!got.is_empty() && got.keys().all(|k| k.contains("q_proj")));
-}
 
 #[test]
 fn run_merge_lora_modifies_weights() {
@@ -474,8 +447,7 @@ fn run_merge_lora_modifies_weights() {
 
 #[test]
 fn run_merge_lora_then_dtype_cast() {
-    let lora = Lora::new();
-    let got = lora.run(
+    let got = Lora::new().run(
         "out",
         "--merge-lora --adapter ADAPTER --dtype-cast --dtype bfloat16",
     );

@@ -1,10 +1,12 @@
 //! `tftf._core`: the Rust core as the Python package sees it.
 //!
-//! Four doors into the main crate, and nothing else: the command line ([`cli_main`], for the
+//! Five doors into the main crate, and nothing else: the command line ([`cli_main`], for the
 //! `tftf` console command), a whole conversion ([`run_pipeline`], the library API's
 //! `Pipeline::run` with the GIL released), a checkpoint reader ([`Checkpoint`], for upstream's
-//! readers' `iter_records`), and single-tensor ops ([`cast`], [`dequant_fp8`]) for a pipe's
-//! `process` on in-memory records. The Python modules in `python/tftf/` build upstream's API
+//! readers' `iter_records`), a stream of computed tensors ([`stream_records`], the library
+//! API's `Pipeline::records`, for the built-in pipes at the head of a chain that goes on through
+//! Python pipes), and single-tensor ops ([`cast`], [`dequant_fp8`]) for a pipe's `process` on
+//! in-memory records. The Python modules in `python/tftf/` build upstream's API
 //! on these.
 
 mod ops;
@@ -282,6 +284,104 @@ impl Checkpoint {
     }
 }
 
+/// `(name, dtype, shape, fd, nbytes)` of one streamed tensor.
+type StreamItem = (String, &'static str, Vec<u64>, i32, u64);
+
+/// The tensors of a reader and built-in pipes as the Rust engine computes them (the library
+/// API's `Pipeline::records`), one at a time, for a pipeline that goes on through Python pipes.
+/// Each item is `(name, dtype, shape, fd, nbytes)`: the tensor's bytes lie in the anonymous
+/// in-memory file `fd`, which the caller now owns (maps, then closes).
+#[pyclass(module = "tftf._core")]
+struct RecordStream {
+    records: Option<tftf::api::Records>,
+}
+
+#[pymethods]
+impl RecordStream {
+    /// `(name, dtype, shape)` of every tensor the stream yields, in order.
+    fn tensors(&self) -> Vec<(String, &'static str, Vec<u64>)> {
+        self.records.as_ref().map_or_else(Vec::new, |r| {
+            r.tensors()
+                .iter()
+                .map(|(n, d, s)| (n.clone(), d.name(), s.clone()))
+                .collect()
+        })
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<StreamItem>> {
+        py.check_signals()?;
+        let Some(records) = self.records.as_mut() else {
+            return Ok(None);
+        };
+        match py.allow_threads(|| records.next()) {
+            None => {
+                self.records = None;
+                Ok(None)
+            }
+            Some(Err(e)) => {
+                self.records = None;
+                Err(to_py(e))
+            }
+            Some(Ok(t)) => {
+                use std::os::fd::IntoRawFd;
+                let dtype = t.dtype.name();
+                Ok(Some((
+                    t.name,
+                    dtype,
+                    t.shape,
+                    t.file.into_raw_fd(),
+                    t.nbytes,
+                )))
+            }
+        }
+    }
+
+    /// Stops the stream (also what dropping it does).
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(records) = self.records.take() {
+            py.allow_threads(|| drop(records));
+        }
+    }
+}
+
+/// Plans `input` through the `tftf run` sections in `sections` and returns the
+/// [`RecordStream`] of its tensors; planning errors (an adapter that does not fit, an unknown
+/// dtype, …) are raised here, before any data moves.
+#[pyfunction]
+#[pyo3(signature = (input, sections, threads=None, memory_budget=None, device="auto"))]
+fn stream_records(
+    py: Python<'_>,
+    input: PathBuf,
+    sections: Vec<OsString>,
+    threads: Option<usize>,
+    memory_budget: Option<u64>,
+    device: &str,
+) -> PyResult<RecordStream> {
+    let mut argv = vec![OsString::from("tftf"), OsString::from("run")];
+    argv.extend(sections);
+    let (_, sections) = run_sections::split(argv);
+    let mut pipeline = Pipeline::new(
+        Reader::from_path(input),
+        Pipe::from(sections),
+        Writer::null(),
+    )
+    .device(DeviceRequest::parse(device).map_err(to_py)?);
+    if let Some(n) = threads {
+        pipeline = pipeline.threads(n);
+    }
+    if let Some(bytes) = memory_budget {
+        pipeline = pipeline.memory_budget(bytes);
+    }
+    let records = py.allow_threads(|| pipeline.records()).map_err(to_py)?;
+    Ok(RecordStream {
+        records: Some(records),
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TftfError", m.py().get_type::<TftfError>())?;
@@ -291,5 +391,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::cast, m)?)?;
     m.add_function(wrap_pyfunction!(ops::dequant_fp8, m)?)?;
     m.add_class::<Checkpoint>()?;
+    m.add_class::<RecordStream>()?;
+    m.add_function(wrap_pyfunction!(stream_records, m)?)?;
     Ok(())
 }

@@ -114,3 +114,65 @@ def test_lora_merge_and_cast_example(demo, tmp_path):
     assert {dtype for dtype, _, _ in got.values()} == {"F16"}
     base = read_safetensors(tmp_path / "model.safetensors")
     assert got.keys() == base.keys()
+
+
+class _Seen:
+    """What a user pipe saw: keys in order and dtypes."""
+
+    def __init__(self):
+        self.keys, self.dtypes = [], set()
+
+
+def _identity(seen):
+    from tftf import Pipe
+
+    class Identity(Pipe):
+        def process(self, records):
+            for r in records:
+                seen.keys.append(r.key)
+                seen.dtypes.add(r.tensor.dtype)
+                yield r
+
+    return Identity()
+
+
+def test_a_python_pipe_after_builtin_pipes_keeps_them_in_rust(demo, tmp_path):
+    """The first example with a user pipe appended: the built-in pipes run as one Rust job that
+    hands its tensors to the user's pipe, so the bytes are the command line's (one rounding),
+    not those of a BF16 round trip between the dequantisation and the merge."""
+    from tftf import FP8DequantPipe, LoRAMergePipe, Pipeline, ShardedSafetensorsReader, ShardedWriter
+
+    seen = _Seen()
+    pipe = FP8DequantPipe(torch.bfloat16) | LoRAMergePipe(str(demo / "adapter" / "adapter_model.safetensors"))
+    out = tmp_path / "mixed"
+    pipeline = Pipeline(ShardedSafetensorsReader.from_path(str(demo / "example")), pipe | _identity(seen),
+                        ShardedWriter(str(out)))
+    assert not pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    tftf("run", str(demo / "example"), "-o", str(tmp_path / "cli"), "--dequant-fp8", "--dtype", "bf16",
+         "--merge-lora", "--adapter", str(demo / "adapter" / "adapter_model.safetensors"))
+    got = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in read_safetensors(f).items()}
+    want = {k: v for f in sorted((tmp_path / "cli").glob("*.safetensors")) for k, v in read_safetensors(f).items()}
+    assert got == want
+    assert seen.keys and sorted(seen.keys) == sorted(want)
+    assert torch.bfloat16 in seen.dtypes
+
+
+def test_an_exception_in_a_python_pipe_after_builtin_pipes_leaves_no_output(demo, tmp_path):
+    from tftf import FP8DequantPipe, Pipe, Pipeline, SafetensorsReader, StreamingWriter
+
+    class Boom(Pipe):
+        def process(self, records):
+            for i, r in enumerate(records):
+                if i == 2:
+                    raise KeyError(f"boom at {r.key}")
+                yield r
+
+    out = tmp_path / "out.safetensors"
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyError, match="boom at"):
+        Pipeline(SafetensorsReader(str(demo / "example")), FP8DequantPipe(torch.bfloat16) | Boom(),
+                 StreamingWriter(out)).run(show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # The engine's stream is closed: no in-memory tensor file stays open.
+    assert len(os.listdir("/proc/self/fd")) <= fds

@@ -8,7 +8,9 @@
   GIL released. Ctrl-C stops it and leaves the output as it was.
 * **A Python stream** otherwise (a user's pipe, reader or writer subclass): metadata first
   (``process_meta`` → ``writer.prepare``), then one record at a time (``process`` →
-  ``writer.write_record``). Built-in pipes in such a chain run their Rust op on each record.
+  ``writer.write_record``). Built-in pipes at the head of such a chain run as one Rust job
+  that hands its tensors over in memory (``_core.stream_records``); built-in pipes after a
+  Python pipe run their Rust op on each record.
   An exception anywhere aborts the run with that exception and removes the partial output.
 """
 
@@ -16,18 +18,20 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Union, runtime_checkable
 
-from tftf import _core
+from tftf import _core, _tensor
 from tftf.io.gguf_writer import GGUFWriter
 from tftf.io.null_writer import NullWriter
 from tftf.io.reader import SafetensorsReader
 from tftf.io.sharded_reader import ShardedSafetensorsReader
 from tftf.io.sharded_writer import ShardedWriter
 from tftf.io.writer import StreamingWriter
-from tftf.pipes.base import Pipe, TensorMeta, TensorRecord, rust_sections_of
+from tftf.pipes.base import CompoundPipe, Pipe, TensorMeta, TensorRecord, rust_sections_of
 
 
 logger = logging.getLogger(__name__)
@@ -127,23 +131,69 @@ class Pipeline:
             self.writer._after_rust(self.report)
 
     def _run_python(self, show_progress: bool, desc: Optional[str]) -> None:
-        metas = list(self.pipe.process_meta(self.reader.iter_meta()))
+        stream, pipe = self._rust_prefix()
+        if stream is not None:
+            metas_in = (TensorMeta(key=n, dtype=_tensor.to_dtype(d), shape=_tensor.make_shape(s))
+                        for n, d, s in stream.tensors())
+            records_in = _streamed_records(stream)
+        else:
+            metas_in, records_in = self.reader.iter_meta(), None
+        metas = list(pipe.process_meta(metas_in)) if pipe is not None else list(metas_in)
         self.writer.prepare(metas, file_metadata=self.reader.metadata() or None)
         finished = False
-        self.pipe.setup()
+        if pipe is not None:
+            pipe.setup()
         try:
-            stream = self.pipe.process(self.reader.iter_records())
+            records = records_in if records_in is not None else self.reader.iter_records()
+            stream_out = pipe.process(records) if pipe is not None else records
             if show_progress:
-                stream = _tensor_bar(stream, len(metas), desc or getattr(self.writer.path, "name", "out"))
-            for record in stream:
+                stream_out = _tensor_bar(stream_out, len(metas), desc or getattr(self.writer.path, "name", "out"))
+            for record in stream_out:
                 self.writer.write_record(record)
                 del record
             finished = True
         finally:
-            self.pipe.teardown()
+            if pipe is not None:
+                pipe.teardown()
+            if stream is not None:
+                stream.close()
             if not finished and hasattr(self.writer, "abort"):
                 self.writer.abort()
         self.writer.finalize()
+
+    def _rust_prefix(self):
+        """(record stream, the pipes left) when the chain starts with built-in pipes and the
+        reader is ours: those pipes then run in the Rust engine (all cores, bounded memory, one
+        rounding) and hand their tensors to the rest; else (None, the whole pipe)."""
+        rust_input = getattr(self.reader, "_rust_input", None)
+        if rust_input is None or type(self.reader) not in (SafetensorsReader, ShardedSafetensorsReader):
+            return None, self.pipe
+        pipes = self.pipe.pipes if isinstance(self.pipe, CompoundPipe) else [self.pipe]
+        sections: list = []
+        k = 0
+        while k < len(pipes) and (own := rust_sections_of(pipes[k])) is not None:
+            sections += own
+            k += 1
+        path = rust_input()
+        if k == 0 or path is None:
+            return None, self.pipe
+        rest = pipes[k:]
+        pipe = None if not rest else rest[0] if len(rest) == 1 else CompoundPipe(rest)
+        stream = _core.stream_records(str(path), sections, threads=self.threads, memory_budget=self.memory_budget,
+                                      device=self.device)
+        return stream, pipe
+
+
+def _streamed_records(stream) -> Iterator[TensorRecord]:
+    """The stream's tensors as records whose tensors view the engine's in-memory file of each
+    (mapped, no copy); a record's memory goes when its tensor does."""
+    for name, dtype, shape, fd, nbytes in stream:
+        try:
+            buf = mmap.mmap(fd, nbytes) if nbytes else bytearray()
+        finally:
+            os.close(fd)
+        yield TensorRecord(key=name, tensor=_tensor.from_buffer(buf, dtype, shape))
+        del buf
 
 
 class _BytesBar:

@@ -120,6 +120,7 @@ macro_rules! setters {
 }
 
 mod pipe;
+mod records;
 mod report;
 mod writer;
 
@@ -133,6 +134,7 @@ pub use crate::pipeline::Cancel;
 pub use crate::progress::Event as ProgressEvent;
 pub use crate::sink::gguf::FileType as GgufFileType;
 pub use pipe::Pipe;
+pub use records::{Records, StreamedTensor};
 pub use report::Report;
 pub use writer::Writer;
 
@@ -283,9 +285,27 @@ impl Pipeline {
         }
     }
 
-    /// The driver's options: the writer's target, these settings, and silence.
-    fn write_options(&self) -> Result<WriteOptions> {
-        let (output, format) = self.writer.target()?;
+    /// Runs the reader and the pipe and hands out the resulting tensors one at a time, in the
+    /// order a writer would get them, instead of writing them: for a program that consumes
+    /// tensors itself (the Python package's pipelines with pipes of their own). The writer is
+    /// not used. Planning errors are returned here, before any data moves; errors while
+    /// streaming come out of the iterator. Dropping the [`Records`] stops the stream.
+    pub fn records(&self) -> Result<Records> {
+        let (threads, memory_budget) = self.resources()?;
+        let steps = self.pipe.steps()?;
+        let planned = job::StreamJob {
+            source: self.reader.path(),
+            steps: &steps,
+            memory_budget,
+            device: &self.device,
+            allow_empty: false,
+        }
+        .plan()?;
+        Ok(Records::start(planned, threads, self.cancel.clone()))
+    }
+
+    /// Compute threads and memory budget, checked, with the command line's defaults.
+    fn resources(&self) -> Result<(usize, u64)> {
         let threads = match self.threads {
             Some(0) => return Err(Error::Usage("threads must be at least 1".into())),
             Some(n) => n,
@@ -302,6 +322,13 @@ impl Pipeline {
             Some(b) => b,
             None => job::default_budget(),
         };
+        Ok((threads, memory_budget))
+    }
+
+    /// The driver's options: the writer's target, these settings, and silence.
+    fn write_options(&self) -> Result<WriteOptions> {
+        let (output, format) = self.writer.target()?;
+        let (threads, memory_budget) = self.resources()?;
         Ok(WriteOptions {
             output,
             format,

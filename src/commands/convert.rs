@@ -36,11 +36,7 @@ pub(super) fn job(a: &ConvertArgs, arguments: &str) -> Result<JobParts> {
             split_max_size: a.split_max_size.clone(),
             arch: a.arch.clone(),
             vocab_pre: a.vocab_pre.clone(),
-            run: a.run.clone(),
-            policy: a.policy.clone(),
-            force: a.force,
-            no_reflink: a.no_reflink,
-            device: a.device.clone(),
+            job: a.job.clone(),
         };
         let options = WriteOptions::from_gguf_args(&g, arguments)?;
         return Ok(JobParts {
@@ -56,12 +52,8 @@ pub(super) fn job(a: &ConvertArgs, arguments: &str) -> Result<JobParts> {
             output: a.outdir.clone(),
             max_shard_size: a.max_shard_size.clone(),
             sharded: false,
-            run: a.run.clone(),
-            policy: a.policy.clone(),
             allow_empty: false,
-            force: a.force,
-            no_reflink: a.no_reflink,
-            device: a.device.clone(),
+            job: a.job.clone(),
         },
         dtype: a.dtype.clone(),
         include: Vec::new(),

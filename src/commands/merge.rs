@@ -38,12 +38,8 @@ pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
         output,
         max_shard_size: shard,
         sharded: false,
-        run: a.run.clone(),
-        policy: a.policy.clone(),
         allow_empty: false,
-        force: a.force,
-        no_reflink: a.no_reflink,
-        device: a.device.clone(),
+        job: a.job.clone(),
     };
     if let (Some(base), Some(adapter)) = (&a.weights, &a.lora) {
         return lora_job(base, adapter, a.alpha, write, arguments);

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::cli::{GgufArgs, PolicyArgs, RunOpts, WriteArgs};
+use crate::cli::{GgufArgs, JobArgs, RunOpts, WriteArgs};
 use crate::error::{Error, Result};
 use crate::gpu::DeviceRequest;
 use crate::job::{parse_budget, Format, WriteOptions};
@@ -51,26 +51,11 @@ impl RunOpts {
     }
 }
 
-/// [`WriteOptions::common`] for a writing command's arguments `$args`, which hold `output`,
-/// `run`, `policy`, `force`, `no_reflink` and `device` alike.
-macro_rules! common_options {
-    ($args:expr, $arguments:expr) => {
-        WriteOptions::common(
-            &$args.output,
-            &$args.run,
-            &$args.policy,
-            ($args.force, $args.no_reflink),
-            &$args.device,
-            $arguments,
-        )
-    };
-}
-
 impl WriteOptions {
     /// `arguments`: the command and its output-relevant arguments ([`super::arguments_text`]),
     /// which a partitioned or resumed run's fingerprint includes.
     pub fn from_args(w: &WriteArgs, arguments: &str) -> Result<WriteOptions> {
-        let mut opts = common_options!(w, arguments)?;
+        let mut opts = WriteOptions::common(&w.output, &w.job, arguments)?;
         opts.allow_empty = w.allow_empty;
         opts.format = Format::Safetensors {
             max_shard_bytes: w.max_shard_size.as_deref().map(parse_size).transpose()?,
@@ -80,20 +65,14 @@ impl WriteOptions {
 
     /// Options of `tftf gguf`: the same policy, a GGUF sink.
     pub fn from_gguf_args(a: &GgufArgs, arguments: &str) -> Result<WriteOptions> {
-        let mut opts = common_options!(a, arguments)?;
+        let mut opts = WriteOptions::common(&a.output, &a.job, arguments)?;
         opts.format = Format::Gguf(gguf_options(a)?);
         Ok(opts)
     }
 
-    /// `force_no_reflink`: `--force` and `--no-reflink`.
-    fn common(
-        output: &Path,
-        r: &RunOpts,
-        p: &PolicyArgs,
-        (force, no_reflink): (bool, bool),
-        device: &str,
-        arguments: &str,
-    ) -> Result<WriteOptions> {
+    /// The options every writing command shares, from its output and [`JobArgs`].
+    fn common(output: &Path, job: &JobArgs, arguments: &str) -> Result<WriteOptions> {
+        let (r, p) = (&job.run, &job.policy);
         if p.finalize && p.part.is_none() {
             return Err(Error::Usage(
                 "--finalize goes with --part K/N (a --resume run without --part finalizes by itself)".into(),
@@ -116,9 +95,9 @@ impl WriteOptions {
             verbose: r.verbose,
             allow_empty: false,
             report: r.report.clone(),
-            force,
-            kernel_copy: !no_reflink,
-            device: DeviceRequest::parse(device)?,
+            force: job.force,
+            kernel_copy: !job.no_reflink,
+            device: DeviceRequest::parse(&job.device)?,
             checksums: match p.checksums.as_deref() {
                 None => None,
                 Some("on") => Some(true),

@@ -11,12 +11,14 @@ mod parts;
 mod prepared;
 mod report;
 mod run;
+mod stream;
 
 pub(crate) use describe::*;
 pub use parts::print_finalized;
 pub(crate) use prepared::*;
 pub(crate) use report::*;
 pub(crate) use run::{output_names, print_any_plan, OutputSink};
+pub use stream::{PlannedStream, StreamJob, StreamedTensor};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

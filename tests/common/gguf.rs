@@ -135,8 +135,14 @@ fn type_size(ty: u32, elems: u64) -> u64 {
         3 => elems / 32 * 20,
         6 => elems / 32 * 22,
         7 => elems / 32 * 24,
-        // The 256-blocks: Q2_K … Q6_K, IQ3_XXS, IQ3_S, IQ4_XS, TQ1_0, TQ2_0.
+        // The 256-blocks: Q2_K … Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS,
+        // IQ1_M, TQ1_0, TQ2_0.
         10 => elems / 256 * 84,
+        16 => elems / 256 * 66,
+        17 => elems / 256 * 74,
+        19 => elems / 256 * 50,
+        22 => elems / 256 * 82,
+        29 => elems / 256 * 56,
         11 | 21 => elems / 256 * 110,
         12 => elems / 256 * 144,
         13 => elems / 256 * 176,

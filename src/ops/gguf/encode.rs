@@ -33,8 +33,18 @@ const ENCODERS: &[(GgmlType, RowEncoder)] = &[
     (GgmlType::IQ3_S, kquants::quantize_row_iq3_s),
     (GgmlType::TQ1_0, kquants::quantize_row_tq1_0),
     (GgmlType::TQ2_0, kquants::quantize_row_tq2_0),
-    // Not yet encoded (refused by name): IQ2_*, IQ1_*.
+    (GgmlType::IQ2_XXS, kquants::quantize_row_iq2_xxs),
+    (GgmlType::IQ2_XS, kquants::quantize_row_iq2_xs),
+    (GgmlType::IQ2_S, kquants::quantize_row_iq2_s),
+    (GgmlType::IQ1_S, kquants::quantize_row_iq1_s),
+    (GgmlType::IQ1_M, kquants::quantize_row_iq1_m),
 ];
+
+/// Whether `ty`'s encoder has no reference without importance weights
+/// (`ggml_quantize_requires_imatrix`: ggml asserts them, so planning must refuse the tensor).
+pub fn needs_quant_weights(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::IQ2_XXS | GgmlType::IQ2_XS | GgmlType::IQ1_S)
+}
 
 /// The row encoder of a block type, `None` for a type tftf cannot write yet (and for the
 /// float types, which are converted, not encoded).

@@ -56,13 +56,7 @@ const TYPES: [(GgmlType, u32, &str, u64, u64); 25] = [
     (GgmlType::Q4_1, 3, "Q4_1", 32, 20),
     (GgmlType::Q5_0, 6, "Q5_0", 32, 22),
     (GgmlType::Q5_1, 7, "Q5_1", 32, 24),
-    (
-        GgmlType::Q8_0,
-        8,
-        "Q8_0",
-        quant::Q8_0_BLOCK_ELEMS as u64,
-        quant::Q8_0_BLOCK_BYTES as u64,
-    ),
+    (GgmlType::Q8_0, 8, "Q8_0", 32, 34),
     (GgmlType::Q2_K, 10, "Q2_K", 256, 84),
     (GgmlType::Q3_K, 11, "Q3_K", 256, 110),
     (GgmlType::Q4_K, 12, "Q4_K", 256, 144),
@@ -80,14 +74,12 @@ const TYPES: [(GgmlType, u32, &str, u64, u64); 25] = [
     (GgmlType::Bf16, 30, "BF16", 1, 2),
     (GgmlType::TQ1_0, 34, "TQ1_0", 256, 54),
     (GgmlType::TQ2_0, 35, "TQ2_0", 256, 66),
-    (
-        GgmlType::Mxfp4,
-        39,
-        "MXFP4",
-        quant::MXFP4_BLOCK_ELEMS as u64,
-        quant::MXFP4_BLOCK_BYTES as u64,
-    ),
+    (GgmlType::Mxfp4, 39, "MXFP4", 32, 17),
 ];
+
+// The encoders' block sizes are the table's.
+const _: () = assert!(quant::Q8_0_BLOCK_ELEMS == 32 && quant::Q8_0_BLOCK_BYTES == 34);
+const _: () = assert!(quant::MXFP4_BLOCK_ELEMS == 32 && quant::MXFP4_BLOCK_BYTES == 17);
 
 impl GgmlType {
     fn row(self) -> &'static (GgmlType, u32, &'static str, u64, u64) {

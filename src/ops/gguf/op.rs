@@ -363,14 +363,7 @@ mod tests {
     }
 
     fn tensor(shape: &[u64], ty: GgmlType, recipe: Recipe, src: Option<DType>) -> OutputTensor {
-        OutputTensor {
-            name: "t".into(),
-            shape: shape.to_vec(),
-            ty,
-            recipe,
-            src_dtype: src,
-            quant_weights: None,
-        }
+        OutputTensor::new("t", shape.to_vec(), ty, recipe, src)
     }
 
     /// Runs `op` over every chunking into runs of `g` granules (as the reader cuts), each chunk

@@ -88,6 +88,24 @@ pub struct OutputTensor {
 }
 
 impl OutputTensor {
+    /// A tensor without importance weights.
+    pub fn new(
+        name: impl Into<String>,
+        shape: Vec<u64>,
+        ty: GgmlType,
+        recipe: Recipe,
+        src_dtype: Option<DType>,
+    ) -> OutputTensor {
+        OutputTensor {
+            name: name.into(),
+            shape,
+            ty,
+            recipe,
+            src_dtype,
+            quant_weights: None,
+        }
+    }
+
     pub fn byte_len(&self) -> u64 {
         self.ty.byte_len(&self.shape).unwrap_or(0)
     }

@@ -113,10 +113,7 @@ mod tests {
         scales.extend(2f32.to_le_bytes());
         let mut out = vec![0u8; 16];
         op.compute(0..1, &[&codes, &scales], &mut out).unwrap();
-        let v: Vec<f32> = out
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let v = crate::ops::cast::to_f32(DType::F32, &out);
         assert_eq!(v, [3.5, -4.0, -2.0, 2.0]);
     }
 }

@@ -239,10 +239,7 @@ mod tests {
         assert_eq!(o.input_ranges(0..1), vec![0..12, 0..12]);
         let mut out = vec![0u8; 12];
         o.compute(0..1, &[&wb, &lb], &mut out).unwrap();
-        let got: Vec<f32> = out
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let got = to_f32(DType::F32, &out);
         // 1 + 3·2^-24 = 1 + 2^-23 + 2^-24 → ties to even at 1 + 2^-22.
         assert_eq!(got[0].to_bits(), (1.0f32 + 2f32.powi(-22)).to_bits());
         assert_eq!(got[1].to_bits(), (-2.5f32 + 0.1f32 * 3.0f32).to_bits());

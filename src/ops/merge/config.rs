@@ -17,10 +17,6 @@ use super::spec::{MethodSpec, Scope};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 
-/// Methods whose arithmetic passes mergekit's golden tests alone but whose merges through the
-/// engine do not yet equal mergekit's: refused until they do.
-const UNVERIFIED: &[&str] = &["ties", "breadcrumbs", "breadcrumbs_ties", "sce"];
-
 /// One scalar of a setting, as YAML gave it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Scalar {
@@ -125,12 +121,6 @@ impl MergeConfig {
                 MethodSpec::names().join(", ")
             ))
         })?;
-        if UNVERIFIED.contains(&method.name) {
-            return Err(bad(format!(
-                "merge method `{}` is not available yet: its end-to-end result does not match mergekit's on the test models, and tftf refuses rather than write a doubtful merge",
-                method.name
-            )));
-        }
         if map.contains_key("modules") {
             return Err(bad(
                 "`modules` (multi-module architectures) is not supported yet; use `models` or `slices`".into(),

@@ -5,6 +5,7 @@
 
 use super::config::MergeConfig;
 use super::methods::{ModelTensor, Params};
+use crate::format::dtype::DType;
 
 /// Where a parameter is given: once for all models, per model, or per model except the base.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +59,9 @@ pub struct MethodSpec {
     /// Inputs per tensor, base included: at least, at most.
     pub inputs: (usize, Option<usize>),
     pub arithmetic: Arithmetic,
+    /// mergekit's result is at least f32 whatever the inputs' dtype (see
+    /// [`MethodSpec::result_dtype`]).
+    pub widens_to_f32: bool,
 }
 
 const fn p(name: &'static str, scope: Scope, default: Option<f64>) -> ParamSpec {
@@ -101,6 +105,16 @@ const fn method(
         base,
         inputs,
         arithmetic,
+        widens_to_f32: false,
+    }
+}
+
+/// `spec`, whose mergekit result torch promotes to at least f32: arcee_fusion multiplies by a
+/// `.float()` mask, ramplus_tl by a scale computed from integer counts (an f32 tensor).
+const fn widening_to_f32(spec: MethodSpec) -> MethodSpec {
+    MethodSpec {
+        widens_to_f32: true,
+        ..spec
     }
 }
 
@@ -139,7 +153,7 @@ pub static METHODS: &[MethodSpec] = &[
         (1, None),
         WholeTensor(adapt::ram),
     ),
-    method(
+    widening_to_f32(method(
         "ramplus_tl",
         &[
             p("r", Shared, Some(0.1)),
@@ -149,7 +163,7 @@ pub static METHODS: &[MethodSpec] = &[
         Required,
         (1, None),
         WholeTensor(adapt::ramplus_tl),
-    ),
+    )),
     method(
         "sce",
         &[
@@ -193,13 +207,13 @@ pub static METHODS: &[MethodSpec] = &[
         (3, None),
         WholeTensor(adapt::model_stock),
     ),
-    method(
+    widening_to_f32(method(
         "arcee_fusion",
         &[],
         Required,
         (2, Some(2)),
         WholeTensor(adapt::arcee_fusion),
-    ),
+    )),
     method(
         "karcher",
         &[
@@ -288,6 +302,18 @@ impl MethodSpec {
         }
         let names: Vec<&str> = self.params.iter().map(|p| p.name).collect();
         format!("; it takes: {}", names.join(", "))
+    }
+
+    /// The dtype mergekit's method returns, so writes without `out_dtype`, for inputs computed
+    /// in `compute` and `non_base` models besides the base: `compute`, except that
+    /// [`MethodSpec::widens_to_f32`] methods return f32 for narrower floats (mergekit 0.1.5
+    /// writes F32 tensors for them even under `dtype: bfloat16`), but the base unchanged when
+    /// there is nothing to merge into it.
+    pub fn result_dtype(&self, compute: DType, non_base: usize) -> DType {
+        match compute {
+            DType::BF16 | DType::F16 if self.widens_to_f32 && non_base > 0 => DType::F32,
+            d => d,
+        }
     }
 
     /// Checks each slice's inputs against the method's contract (mergekit's

@@ -377,11 +377,15 @@ impl MergeStep {
         let resolved = resolve_tensor(&self.config, slice, &inputs, name, t)?;
         let first = inputs.tensors[0];
         let src = &ckpt.tensors[first].info;
+        let compute = self
+            .config
+            .dtype
+            .unwrap_or_else(|| inputs.promoted_dtype(ckpt));
+        let non_base = inputs.models.len() - usize::from(inputs.has_base);
         let dst = self
             .config
             .out_dtype
-            .or(self.config.dtype)
-            .unwrap_or_else(|| inputs.promoted_dtype(ckpt));
+            .unwrap_or_else(|| self.config.method.result_dtype(compute, non_base));
         let id = out.len();
         let copy = matches!(self.config.method.arithmetic, Arithmetic::Passthrough)
             && resolved.models[0].get("scale", f64::NAN).is_nan();

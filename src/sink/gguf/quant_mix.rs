@@ -284,7 +284,7 @@ fn allows_quantization(t: &MixTensor, leave_output: bool) -> bool {
 }
 
 /// `tensor_requires_imatrix`.
-fn requires_imatrix(name: &str, ty: GgmlType, mix: Mix) -> bool {
+pub(crate) fn requires_imatrix(name: &str, ty: GgmlType, mix: Mix) -> bool {
     if matches!(category(name), Category::TokenEmbd | Category::Output) {
         return false;
     }
@@ -340,6 +340,16 @@ struct Counters {
     i_ffn_up: u64,
 }
 
+/// What every tensor's choice reads: the mix, the model, the options, and whether the
+/// output shares the token embedding (no `output.weight`).
+#[derive(Clone, Copy)]
+struct Mixing<'a> {
+    mix: Mix,
+    facts: &'a ModelFacts,
+    opts: &'a MixOptions,
+    tied: bool,
+}
+
 /// C's `%` truncates: a negative difference never gives 2.
 fn use_more_bits(i: u64, n: u64) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i as i64 - (n / 8) as i64) % 3 == 2
@@ -375,10 +385,16 @@ pub fn choose_types(
         ..Counters::default()
     };
     let tied = !tensors.iter().any(|t| category(t.name) == Category::Output);
+    let m = Mixing {
+        mix,
+        facts,
+        opts,
+        tied,
+    };
     let mut out = Vec::with_capacity(tensors.len());
     for t in tensors {
         out.push(if allows_quantization(t, opts.leave_output) {
-            tensor_type(mix, facts, opts, tied, &mut c, t)?
+            tensor_type(m, &mut c, t)?
         } else {
             t.ty
         });
@@ -398,7 +414,7 @@ pub fn check_imatrix(
         return Ok(());
     }
     for (t, &ty) in tensors.iter().zip(types) {
-        if needs_imatrix(mix, opts, t, ty) {
+        if allows_quantization(t, opts.leave_output) && requires_imatrix(t.name, ty, mix) {
             return Err(Error::Usage(format!(
                 "--outtype {}: `{}` would be {}, which needs an importance matrix (--imatrix FILE); llama-quantize refuses it without one",
                 mix.name(),
@@ -410,21 +426,9 @@ pub fn check_imatrix(
     Ok(())
 }
 
-/// Whether llama-quantize refuses to write `t` as `ty` without importance weights for it
-/// (`tensor_requires_imatrix` of a tensor it quantises).
-pub fn needs_imatrix(mix: Mix, opts: &MixOptions, t: &MixTensor, ty: GgmlType) -> bool {
-    allows_quantization(t, opts.leave_output) && requires_imatrix(t.name, ty, mix)
-}
-
 /// `llama_tensor_get_type` for a tensor that may be quantised.
-fn tensor_type(
-    mix: Mix,
-    facts: &ModelFacts,
-    opts: &MixOptions,
-    tied: bool,
-    c: &mut Counters,
-    t: &MixTensor,
-) -> Result<GgmlType> {
+fn tensor_type(m: Mixing, c: &mut Counters, t: &MixTensor) -> Result<GgmlType> {
+    let Mixing { mix, opts, .. } = m;
     let cat = category(t.name);
     if let (Some(ty), Category::TokenEmbd) = (opts.token_embedding_type, cat) {
         let named = t.name == "per_layer_token_embd.weight"
@@ -442,23 +446,25 @@ fn tensor_type(
         ty = *m;
     }
     if manual.is_none() && !opts.pure {
-        ty = mixed_type(mix, facts, opts, tied, c, t, cat, ty)?;
+        ty = mixed_type(m, c, t, cat, ty)?;
     }
     fallback(t.name, *t.shape.last().unwrap_or(&1), ty)
 }
 
 /// `llama_tensor_get_type_impl`: the mix's per-category choices.
-#[allow(clippy::too_many_arguments)]
 fn mixed_type(
-    mix: Mix,
-    facts: &ModelFacts,
-    opts: &MixOptions,
-    tied: bool,
+    m: Mixing,
     c: &mut Counters,
     t: &MixTensor,
     cat: Category,
     mut ty: GgmlType,
 ) -> Result<GgmlType> {
+    let Mixing {
+        mix,
+        facts,
+        opts,
+        tied,
+    } = m;
     use Category as C;
     use Mix as M;
     let (gqa4, n_expert) = (facts.n_gqa >= 4, facts.n_expert);

@@ -71,9 +71,9 @@ pub fn apply(
     metadata.set("general.file_type", Value::U32(mix.ftype()));
     if let Some(m) = opts.imatrix.as_deref().filter(|m| !m.entries.is_empty()) {
         attach_imatrix(m, outputs)?;
-        refuse_missing_entries(m, mix, opts, outputs)?;
         imatrix_kvs(m, metadata);
     }
+    check_weights(mix, opts.imatrix.as_deref(), outputs)?;
     Ok(f16_fallbacks(mix, opts, outputs))
 }
 
@@ -104,35 +104,37 @@ fn f16_fallbacks(mix: Mix, opts: &MixOptions, outputs: &[OutputTensor]) -> Vec<S
     )]
 }
 
-/// llama-quantize's per-tensor check: a tensor of a type that needs importance weights
-/// (IQ1/IQ2, IQ3_XXS, Q2_K in Q2_K_S) for which the imatrix has no entry (one made for a
-/// model with other layers, or filtered by `--exclude-weights`) is refused, naming both.
-fn refuse_missing_entries(
-    m: &Imatrix,
-    mix: Mix,
-    opts: &MixOptions,
-    outputs: &[OutputTensor],
-) -> Result<()> {
-    let missing = outputs.iter().find(|o| {
-        let t = MixTensor {
-            name: &o.name,
-            shape: &o.shape,
-            ty: o.ty,
-        };
-        o.quant_weights.is_none() && quant_mix::needs_imatrix(mix, opts, &t, o.ty)
-    });
-    match missing {
-        None => Ok(()),
-        Some(o) => Err(Error::GgufImatrix {
-            path: m.file.clone().into(),
-            msg: format!(
-                "no entry for `{}`, which --outtype {} makes {}: that type needs importance weights (llama-quantize refuses it without); use an imatrix computed for this model",
-                o.name,
-                mix.name(),
-                o.ty.name()
-            ),
-        }),
+/// The refusals left once the weights are attached, at the first tensor (in llama-quantize's
+/// order) that has none: a type that needs an imatrix while the imatrix has no entry for the
+/// tensor (llama-quantize: "Missing importance matrix for tensor"), and a type ggml cannot
+/// encode without weights at all (IQ2_XXS, IQ2_XS, IQ1_S for output or token_embd, which
+/// llama-quantize exempts from the imatrix rule and then aborts on in ggml).
+fn check_weights(mix: Mix, m: Option<&Imatrix>, outputs: &[OutputTensor]) -> Result<()> {
+    for o in outputs.iter().filter(|o| o.quant_weights.is_none()) {
+        let ty = o.ty.name();
+        match m {
+            Some(m) if quant_mix::requires_imatrix(&o.name, o.ty, mix) => {
+                return Err(Error::GgufImatrix {
+                    path: m.file.clone().into(),
+                    msg: format!(
+                        "no entry for `{}`, which --outtype {} makes {ty}: a type that needs one (llama-quantize refuses it too: missing importance matrix)",
+                        o.name,
+                        mix.name()
+                    ),
+                });
+            }
+            _ if encode::needs_quant_weights(o.ty) => {
+                return Err(Error::GgufTensor {
+                    tensor: o.name.clone(),
+                    msg: format!(
+                        "{ty} cannot be encoded without importance weights (ggml asserts them; llama-quantize aborts): give --imatrix with an entry for it, or another type"
+                    ),
+                });
+            }
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 /// Gives each quantised tensor its importance weights, as llama-quantize matches them: by

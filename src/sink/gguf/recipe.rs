@@ -63,14 +63,7 @@ pub fn plan_tensors(
             Recipe::Values(_) => GgmlType::F32,
             _ => tensor_type(&name, &shape, file_type),
         };
-        out.push(OutputTensor {
-            name,
-            shape,
-            ty,
-            recipe,
-            src_dtype,
-            quant_weights: None,
-        });
+        out.push(OutputTensor::new(name, shape, ty, recipe, src_dtype));
     };
 
     if let Some(freqs) = llama3_rope_freqs(cfg)? {

@@ -71,14 +71,13 @@ mod tests {
     use crate::ops::gguf::GgmlType;
 
     fn t(name: &str, shape: &[u64]) -> OutputTensor {
-        OutputTensor {
-            name: name.into(),
-            shape: shape.to_vec(),
-            ty: GgmlType::F32,
-            recipe: Recipe::Values(Vec::new()),
-            src_dtype: None,
-            quant_weights: None,
-        }
+        OutputTensor::new(
+            name,
+            shape.to_vec(),
+            GgmlType::F32,
+            Recipe::Values(Vec::new()),
+            None,
+        )
     }
 
     #[test]

@@ -21,6 +21,10 @@
 //! or 32 elements), so the lanes would run over independent sub-blocks or candidate scales,
 //! not over the elements of one sum.
 
+mod iq1;
+mod iq2;
+mod iq2_grid;
+mod iq2_tables;
 mod iq3;
 mod iq4;
 mod q2_k;
@@ -30,6 +34,8 @@ mod q6_k;
 mod search;
 mod ternary;
 
+pub use iq1::{quantize_row_iq1_m, quantize_row_iq1_s};
+pub use iq2::{quantize_row_iq2_s, quantize_row_iq2_xs, quantize_row_iq2_xxs};
 pub use iq3::{quantize_row_iq3_s, quantize_row_iq3_xxs};
 pub use iq4::{quantize_row_iq4_nl, quantize_row_iq4_xs};
 pub use q2_k::quantize_row_q2_k;
@@ -62,10 +68,15 @@ pub enum KQuant {
     Iq3S,
     Tq1_0,
     Tq2_0,
+    Iq2Xxs,
+    Iq2Xs,
+    Iq2S,
+    Iq1S,
+    Iq1M,
 }
 
 impl KQuant {
-    pub const ALL: [KQuant; 11] = [
+    pub const ALL: [KQuant; 16] = [
         KQuant::Q2K,
         KQuant::Q3K,
         KQuant::Q4K,
@@ -77,6 +88,11 @@ impl KQuant {
         KQuant::Iq3S,
         KQuant::Tq1_0,
         KQuant::Tq2_0,
+        KQuant::Iq2Xxs,
+        KQuant::Iq2Xs,
+        KQuant::Iq2S,
+        KQuant::Iq1S,
+        KQuant::Iq1M,
     ];
 
     /// ggml's name (`ggml_type_name`).
@@ -93,6 +109,11 @@ impl KQuant {
             KQuant::Iq3S => "IQ3_S",
             KQuant::Tq1_0 => "TQ1_0",
             KQuant::Tq2_0 => "TQ2_0",
+            KQuant::Iq2Xxs => "IQ2_XXS",
+            KQuant::Iq2Xs => "IQ2_XS",
+            KQuant::Iq2S => "IQ2_S",
+            KQuant::Iq1S => "IQ1_S",
+            KQuant::Iq1M => "IQ1_M",
         }
     }
 
@@ -110,6 +131,11 @@ impl KQuant {
             KQuant::Iq3S => 21,
             KQuant::Tq1_0 => 34,
             KQuant::Tq2_0 => 35,
+            KQuant::Iq2Xxs => 16,
+            KQuant::Iq2Xs => 17,
+            KQuant::Iq2S => 22,
+            KQuant::Iq1S => 19,
+            KQuant::Iq1M => 29,
         }
     }
 
@@ -127,6 +153,11 @@ impl KQuant {
             KQuant::Iq3S => (QK_K, 110),
             KQuant::Tq1_0 => (QK_K, 54),
             KQuant::Tq2_0 => (QK_K, 66),
+            KQuant::Iq2Xxs => (QK_K, 66),
+            KQuant::Iq2Xs => (QK_K, 74),
+            KQuant::Iq2S => (QK_K, 82),
+            KQuant::Iq1S => (QK_K, 50),
+            KQuant::Iq1M => (QK_K, 56),
         }
     }
 
@@ -144,6 +175,11 @@ impl KQuant {
             KQuant::Iq3S => quantize_row_iq3_s,
             KQuant::Tq1_0 => quantize_row_tq1_0,
             KQuant::Tq2_0 => quantize_row_tq2_0,
+            KQuant::Iq2Xxs => quantize_row_iq2_xxs,
+            KQuant::Iq2Xs => quantize_row_iq2_xs,
+            KQuant::Iq2S => quantize_row_iq2_s,
+            KQuant::Iq1S => quantize_row_iq1_s,
+            KQuant::Iq1M => quantize_row_iq1_m,
         };
         f(src, dst, quant_weights)
     }
