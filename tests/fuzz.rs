@@ -175,9 +175,27 @@ fn exercise(model: &Path, adapter: Option<&Path>, scratch: &Path) -> Result<(), 
         r"^(model)\.",
         r"\g<gone>.",
     ]);
-    // GGUF conversion where the model has a tokenizer (its config, chat templates, shapes).
+    // GGUF conversion where the model has a tokenizer (its config, chat templates, shapes,
+    // quantised weights dequantised on the fly), at a k-quant mix, and with its importance
+    // matrix where it has one.
+    let imatrix = model.join("imatrix.dat");
+    let im = imatrix.to_str().unwrap();
     if model.join("tokenizer.json").is_file() {
         commands.push(vec!["gguf", m, "--vocab-pre", "llama-bpe"]);
+        commands.push(vec![
+            "gguf",
+            m,
+            "--vocab-pre",
+            "llama-bpe",
+            "--outtype",
+            "q4_k_m",
+        ]);
+    }
+    if imatrix.is_file() {
+        for mix in ["q4_0", "q2_k_s"] {
+            let pre = ["--vocab-pre", "llama-bpe"];
+            commands.push([&["gguf", m, "--outtype", mix, "--imatrix", im][..], &pre].concat());
+        }
     }
     if let Some(a) = adapter.and_then(Path::to_str) {
         commands.push(vec![

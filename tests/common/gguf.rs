@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value as Json;
 use tftf::format::dtype::DType;
 
-use super::{fixture, ok, rand_t, s, tftf, tmp, write_file, Rng, T};
+use super::{fixture, ok, rand_t, s, t, tftf, tmp, write_file, Rng, T};
 
 /// `tests/fixtures/gguf/<name>`.
 pub fn gguf_fixture(name: &str) -> PathBuf {
@@ -428,5 +428,81 @@ impl GgufCase {
     /// The bytes of the source tensor `name`.
     pub fn src(&self, name: &str) -> &[u8] {
         src(&self.tensors, name)
+    }
+}
+
+/// A DeepSeek-V3 of BF16 drawn from `Rng(31)` (for the config fixture `deepseekv3` edited by
+/// [`deepseek_config`]): a dense layer 0, a MoE layer 1 of four experts and a shared one, and
+/// the multi-token-prediction layer 2 the converter skips; `kv_b_proj` from `kv_b.in`.
+pub fn deepseek_tensors() -> Vec<T> {
+    let mut rng = Rng(31);
+    let mut tensors = head(&mut rng, DType::BF16);
+    let kv_b = read_gguf_fixture("kv_b.in");
+    for l in 0..3 {
+        let names = [
+            ("input_layernorm.weight", vec![64u64]),
+            ("post_attention_layernorm.weight", vec![64]),
+            ("self_attn.q_a_proj.weight", vec![24, 64]),
+            ("self_attn.q_a_layernorm.weight", vec![24]),
+            ("self_attn.q_b_proj.weight", vec![24, 24]),
+            ("self_attn.kv_a_proj_with_mqa.weight", vec![9, 64]),
+            ("self_attn.kv_a_layernorm.weight", vec![5]),
+            ("self_attn.o_proj.weight", vec![64, 6]),
+        ];
+        tensors.extend(layer(&mut rng, l, DType::BF16, names));
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        tensors.push(t(
+            &p("self_attn.kv_b_proj.weight"),
+            DType::BF16,
+            &[18, 5],
+            kv_b.clone(),
+        ));
+        if l == 0 {
+            let mlp = [
+                ("mlp.gate_proj.weight", [128u64, 64]),
+                ("mlp.up_proj.weight", [128, 64]),
+                ("mlp.down_proj.weight", [64, 128]),
+            ];
+            tensors.extend(layer(&mut rng, l, DType::BF16, mlp));
+            continue;
+        }
+        tensors.extend(layer(
+            &mut rng,
+            l,
+            DType::BF16,
+            [("mlp.gate.weight", [4u64, 64])],
+        ));
+        let bias = [("mlp.gate.e_score_correction_bias", [4u64])];
+        tensors.extend(layer(&mut rng, l, DType::F32, bias));
+        let experts = ["mlp.shared_experts".to_string()]
+            .into_iter()
+            .chain((0..4).map(|x| format!("mlp.experts.{x}")));
+        tensors.extend(layer(&mut rng, l, DType::BF16, expert_mlps(experts)));
+    }
+    // Layer 2 is the multi-token-prediction layer (num_hidden_layers 2).
+    tensors.extend(layer(
+        &mut rng,
+        2,
+        DType::BF16,
+        [("eh_proj.weight", [64u64, 128])],
+    ));
+    tensors
+}
+
+/// The `deepseekv3` config fixture made small: two layers, three heads, MLA ranks to match
+/// [`deepseek_tensors`], no `quantization_config`.
+pub fn deepseek_config(c: &mut Json) {
+    let m = c.as_object_mut().unwrap();
+    m.remove("quantization_config");
+    for (k, v) in [
+        ("num_hidden_layers", 2),
+        ("num_attention_heads", 3),
+        ("num_key_value_heads", 3),
+        ("qk_nope_head_dim", 4),
+        ("qk_rope_head_dim", 4),
+        ("v_head_dim", 2),
+        ("kv_lora_rank", 5),
+    ] {
+        m.insert(k.into(), v.into());
     }
 }

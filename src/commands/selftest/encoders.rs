@@ -276,11 +276,7 @@ pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
                     _ => 1,
                 };
                 let slots = (0..sources)
-                    .map(|k| Slot {
-                        name: format!("s{k}"),
-                        fp8: None,
-                        cols,
-                    })
+                    .map(|k| Slot::plain(&format!("s{k}")))
                     .collect();
                 let tensor = OutputTensor {
                     name: format!("gguf {what}"),

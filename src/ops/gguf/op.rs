@@ -5,17 +5,18 @@
 //! budget and on as many threads as the run has.
 //!
 //! Inputs, in order: for each source tensor the recipe names ([`source_names`]), the tensor
-//! itself, followed by its scale when it is an FP8 weight (dequantised to f32 rows first, as
-//! llama.cpp's converter does before it converts).
+//! itself, or, for a quantised weight (FP8, NVFP4, MXFP4, packed int), the inputs of its
+//! decoding op: the weight is dequantised to f32 first, exactly as `tftf dequant --dtype f32`
+//! writes it (and as llama.cpp's converter does before it converts), a chunk at a time.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::produce::{self, Window};
 use super::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe, RowMap};
 use super::GgmlType;
 use crate::format::dtype::DType;
-use crate::ops::fp8::DequantFp8;
 use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use crate::ops::kernel::{kernel_dtype, Kernel};
 use crate::ops::Op;
@@ -24,15 +25,30 @@ use crate::ops::Op;
 #[derive(Debug)]
 pub struct Slot {
     pub name: String,
-    /// Set for an FP8 weight: decoded to f32 rows with its scale (the next input).
-    pub fp8: Option<DequantFp8>,
-    /// Elements per row of the source as stored (its innermost dimension).
-    pub cols: u64,
+    /// Set for a quantised weight: the op that decodes it to f32 (the dequantised tensor,
+    /// row-major, in its units), reading `inputs` tensors.
+    pub decode: Option<Decoder>,
+}
+
+/// The dequantisation of a quantised source, as `tftf dequant` plans it with `--dtype f32`.
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    pub op: Arc<dyn Op>,
+    /// How many input tensors the op reads (codes, scales, …).
+    pub inputs: usize,
 }
 
 impl Slot {
+    /// A source read as stored.
+    pub fn plain(name: &str) -> Slot {
+        Slot {
+            name: name.to_string(),
+            decode: None,
+        }
+    }
+
     fn inputs(&self) -> usize {
-        1 + self.fp8.is_some() as usize
+        self.decode.as_ref().map_or(1, |d| d.inputs)
     }
 }
 
@@ -133,13 +149,20 @@ impl GgufTensorOp {
         }
     }
 
-    /// Source rows (of `slot`, dequantised to f32) that decoded byte span `span` covers.
-    fn fp8_rows(slot: &Slot, span: &Range<u64>) -> Range<u64> {
-        let row = slot.cols * 4;
+    /// Units of `d`'s op (rows, row pairs, experts …, widened to its granularity) whose f32
+    /// output covers the decoded byte span `span`.
+    fn decoded_units(d: &Decoder, span: &Range<u64>) -> Range<u64> {
         if span.is_empty() {
             return 0..0;
         }
-        span.start / row..span.end.div_ceil(row)
+        let (unit, g, n) = (
+            d.op.out_unit_bytes(),
+            d.op.granularity().max(1),
+            d.op.units(),
+        );
+        let start = span.start / unit / g * g;
+        let end = (span.end.div_ceil(unit).div_ceil(g) * g).min(n);
+        start..end
     }
 }
 
@@ -172,9 +195,14 @@ impl Op for GgufTensorOp {
             .spans(&probe)
             .iter()
             .zip(&self.slots)
-            .map(|(s, slot)| match &slot.fp8 {
-                // One byte per element stored, plus at most a scale row.
-                Some(_) => (s.end - s.start) / 4 + slot.cols * 4,
+            .map(|(s, slot)| match &slot.decode {
+                // The stored bytes the decoded units read (codes, scales).
+                Some(d) => {
+                    d.op.input_ranges(Self::decoded_units(d, s))
+                        .iter()
+                        .map(|r| r.end - r.start)
+                        .sum()
+                }
                 None => s.end - s.start,
             })
             .sum();
@@ -198,9 +226,9 @@ impl Op for GgufTensorOp {
 
     fn scratch_unit_bytes(&self) -> u64 {
         // The source elements of reordered rows, gathered (produce's gather buffer), and the
-        // f32 rows of a dequantised FP8 weight. Rows in order are converted where they were read.
+        // f32 rows of a dequantised weight. Rows in order are converted where they were read.
         let (inner, _, _) = produce::row_geometry(&self.tensor);
-        let fp8 = self.slots.iter().any(|s| s.fp8.is_some()) as u64;
+        let decoded = self.slots.iter().any(|s| s.decode.is_some()) as u64;
         let gathered = match self.tensor.recipe {
             Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => 0,
             Recipe::Values(_) => 4,
@@ -211,13 +239,13 @@ impl Op for GgufTensorOp {
             self.tensor.ty,
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0 | GgmlType::Mxfp4
         ) as u64;
-        inner * (gathered + 4 * fp8 + 4 * widened)
+        inner * (gathered + 4 * decoded + 4 * widened)
     }
 
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
         let t = &self.tensor;
         let src = t.src_dtype?;
-        if self.slots.iter().any(|s| s.fp8.is_some())
+        if self.slots.iter().any(|s| s.decode.is_some())
             || !matches!(src, DType::F32 | DType::F16 | DType::BF16)
             || !matches!(
                 t.ty,
@@ -259,8 +287,8 @@ impl Op for GgufTensorOp {
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let mut out = Vec::new();
         for (span, slot) in self.spans(&units).into_iter().zip(&self.slots) {
-            match &slot.fp8 {
-                Some(op) => out.extend(op.input_ranges(Self::fp8_rows(slot, &span))),
+            match &slot.decode {
+                Some(d) => out.extend(d.op.input_ranges(Self::decoded_units(d, &span))),
                 None => out.push(span),
             }
         }
@@ -272,12 +300,13 @@ impl Op for GgufTensorOp {
         let mut decoded: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(self.slots.len());
         let mut k = 0;
         for (span, slot) in spans.iter().zip(&self.slots) {
-            decoded.push(match &slot.fp8 {
-                Some(op) => {
-                    let rows = Self::fp8_rows(slot, span);
-                    let mut f32s = vec![0u8; ((rows.end - rows.start) * slot.cols * 4) as usize];
-                    op.compute(rows.clone(), &inputs[k..k + 2], &mut f32s)?;
-                    Some((rows.start * slot.cols * 4, f32s))
+            decoded.push(match &slot.decode {
+                Some(d) => {
+                    let units = Self::decoded_units(d, span);
+                    let unit = d.op.out_unit_bytes();
+                    let mut f32s = vec![0u8; ((units.end - units.start) * unit) as usize];
+                    d.op.compute(units.clone(), &inputs[k..k + d.inputs], &mut f32s)?;
+                    Some((units.start * unit, f32s))
                 }
                 None => None,
             });
@@ -315,7 +344,7 @@ impl Op for GgufTensorOp {
 mod tests {
     use super::*;
     use crate::format::dtype::DType;
-    use crate::ops::fp8::{resolve_layout, ScaleMode};
+    use crate::ops::fp8::{resolve_layout, DequantFp8, ScaleMode};
 
     /// Deterministic bytes: BF16/F16 values kept finite and small.
     fn bytes(n: usize, seed: u32) -> Vec<u8> {
@@ -331,14 +360,6 @@ mod tests {
                 }
             })
             .collect()
-    }
-
-    fn plain(name: &str, cols: u64) -> Slot {
-        Slot {
-            name: name.into(),
-            fp8: None,
-            cols,
-        }
     }
 
     fn tensor(shape: &[u64], ty: GgmlType, recipe: Recipe, src: Option<DType>) -> OutputTensor {
@@ -475,7 +496,7 @@ mod tests {
                 .map(|(n, b)| (*n, b.as_slice()))
                 .collect();
             let want = whole(&t, &named);
-            let slots = names.iter().map(|n| plain(n, 64)).collect();
+            let slots = names.iter().map(|n| Slot::plain(n)).collect();
             check_chunkings(&GgufTensorOp::new(t, slots), &srcs, &want);
         }
     }
@@ -499,7 +520,7 @@ mod tests {
             None,
         );
         let want = whole(&t, &[("b", &blocks), ("s", &scales)]);
-        let op = GgufTensorOp::new(t, vec![plain("b", 32), plain("s", 2)]);
+        let op = GgufTensorOp::new(t, vec![Slot::plain("b"), Slot::plain("s")]);
         check_chunkings(&op, &[blocks, scales], &want);
     }
 
@@ -537,10 +558,59 @@ mod tests {
             t,
             vec![Slot {
                 name: "w".into(),
-                fp8: Some(fp8),
-                cols,
+                decode: Some(Decoder {
+                    op: Arc::new(fp8),
+                    inputs: 2,
+                }),
             }],
         );
         check_chunkings(&op, &[w, scale], &want);
+    }
+
+    #[test]
+    fn packed_int_sources_decode_whole_zero_point_granules_per_chunk() {
+        // 80 rows of 4-bit codes with packed zero points (whole 32-row granules, the last
+        // one short), permuted as a query is, to Q8_0.
+        let (rows, cols) = (80u64, 64u64);
+        let int = crate::ops::int::DequantPackedInt {
+            rows,
+            cols,
+            bits: 4,
+            words: 8,
+            group: 32,
+            scale_dtype: DType::BF16,
+            zero_point: true,
+            dst: DType::F32,
+        };
+        let codes = bytes((rows * 8 * 4) as usize, 7);
+        let scales = bytes((rows * 2 * 2) as usize, 8);
+        let zeros = bytes((rows.div_ceil(8) * 2 * 4) as usize, 9);
+        let inputs = vec![codes, scales, zeros];
+        let mut f32s = vec![0u8; (rows * cols * 4) as usize];
+        let whole_in: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+        int.compute(0..rows, &whole_in, &mut f32s).unwrap();
+        let t = tensor(
+            &[rows, cols],
+            GgmlType::Q8_0,
+            Recipe::Rows {
+                src: "w".into(),
+                map: RowMap::QkPermute { rows, n_head: 5 },
+                row_elems: cols,
+            },
+            Some(DType::F32),
+        );
+        let want = whole(&t, &[("w", &f32s)]);
+        let decode = Some(Decoder {
+            op: Arc::new(int),
+            inputs: 3,
+        });
+        let op = GgufTensorOp::new(
+            t,
+            vec![Slot {
+                name: "w".into(),
+                decode,
+            }],
+        );
+        check_chunkings(&op, &inputs, &want);
     }
 }

@@ -7,7 +7,8 @@
 //! here reads tensor data from disk; a conversion goes:
 //!
 //! 1. [`arch::Config::load`] (`config.json` → architecture entry, transformers' defaults);
-//!    [`arch::resolve_auto_file_type`] for `--outtype auto`.
+//!    [`quantised::DequantView`] (quantised weights seen dequantised to f32, as `tftf
+//!    dequant` plans them); [`auto_type`] for `--outtype auto`.
 //! 2. [`arch::model_kvs`] + [`tokenizer::vocab_kvs`] → one [`kv::Metadata`].
 //! 3. [`arch::plan_tensors`] (headers only) → [`recipe::OutputTensor`]s: GGUF name, shape, ggml
 //!    type, and the recipe; [`recipe::OutputTensor::copy_source`] marks byte-identical copies.
@@ -17,6 +18,7 @@
 //!    the source range for copies; zero padding to the alignment after each tensor.
 
 pub mod arch;
+pub mod auto_type;
 mod check;
 pub mod imatrix;
 pub mod kv;
@@ -24,6 +26,7 @@ pub mod layout;
 mod pre_hashes;
 pub mod quant_mix;
 mod quant_plan;
+pub mod quantised;
 pub mod recipe;
 pub mod sink;
 pub mod size_label;
@@ -42,6 +45,9 @@ pub enum FileType {
     /// A llama-quantize mix (`q4_k_m` …): planned as the converter's F32 file, then each
     /// tensor typed by [`quant_mix::choose_types`].
     Quant(quant_mix::Mix),
+    /// `auto` on a quantised checkpoint: each weight typed by how it was stored
+    /// ([`auto_type`]); the type of its first quantised weight names the file.
+    Unchanged(GgmlType),
 }
 
 impl FileType {
@@ -52,6 +58,11 @@ impl FileType {
             FileType::MostlyQ8_0 => 7,
             FileType::MostlyBf16 => 32,
             FileType::Quant(mix) => mix.ftype(),
+            FileType::Unchanged(GgmlType::Bf16) => 32,
+            FileType::Unchanged(GgmlType::Q8_0) => 7,
+            FileType::Unchanged(GgmlType::Q4_1) => 3,
+            FileType::Unchanged(GgmlType::F16) => 1,
+            FileType::Unchanged(_) => 0,
         }
     }
 
@@ -63,6 +74,7 @@ impl FileType {
             FileType::MostlyQ8_0 => GgmlType::Q8_0,
             FileType::MostlyBf16 => GgmlType::Bf16,
             FileType::Quant(_) => GgmlType::F32,
+            FileType::Unchanged(ty) => ty,
         }
     }
 

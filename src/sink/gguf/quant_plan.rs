@@ -11,16 +11,17 @@ use super::imatrix::{self, Imatrix};
 use super::kv::{Metadata, Value};
 use super::quant_mix::{self, quantize_order, Mix, MixOptions, MixTensor, ModelFacts};
 use crate::error::{Error, Result};
-use crate::ops::gguf::encode;
+use crate::ops::gguf::{encode, GgmlType};
 
-/// Retypes and reorders `outputs` and rewrites `metadata` as llama-quantize would.
+/// Retypes and reorders `outputs` and rewrites `metadata` as llama-quantize would; returns
+/// the warnings it prints (tensors whose rows no block type fits, written as F16).
 pub fn apply(
     mix: Mix,
     opts: &MixOptions,
     cfg: &Config,
     metadata: &mut Metadata,
     outputs: &mut Vec<OutputTensor>,
-) -> Result<()> {
+) -> Result<Vec<String>> {
     if let Some(t) = outputs
         .iter()
         .find(|o| matches!(o.recipe, Recipe::Mxfp4 { .. }))
@@ -72,7 +73,35 @@ pub fn apply(
         attach_imatrix(m, outputs)?;
         imatrix_kvs(m, metadata);
     }
-    check_weights(mix, opts.imatrix.as_deref(), outputs)
+    check_weights(mix, opts.imatrix.as_deref(), outputs)?;
+    Ok(f16_fallbacks(mix, opts, outputs))
+}
+
+/// llama-quantize's "must use F16 due to unusual shape": a quantised tensor whose rows are
+/// not a multiple of 32 elements fits no block type, so it is written as F16. The bytes are
+/// the reference's; the user is told which tensors, as llama-quantize tells them.
+fn f16_fallbacks(mix: Mix, opts: &MixOptions, outputs: &[OutputTensor]) -> Vec<String> {
+    // F16 the user asked for is no fallback.
+    let named = |n: &str| {
+        opts.tensor_types.iter().any(|(re, _)| re.is_match(n))
+            || (n == "output.weight" && opts.output_type.is_some())
+            || (n == "token_embd.weight" && opts.token_embedding_type.is_some())
+    };
+    let odd: Vec<String> = outputs
+        .iter()
+        .filter(|o| o.ty == GgmlType::F16 && o.shape.len() >= 2 && !named(&o.name))
+        .filter(|o| o.shape.last().is_some_and(|c| c % 32 != 0))
+        .map(|o| format!("`{}` (rows of {})", o.name, o.shape[o.shape.len() - 1]))
+        .collect();
+    if odd.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "--outtype {}: {} tensor(s) have rows that no block type divides and are written as F16, as llama-quantize does: {}",
+        mix.name(),
+        odd.len(),
+        odd.join(", ")
+    )]
 }
 
 /// The refusals left once the weights are attached, at the first tensor (in llama-quantize's

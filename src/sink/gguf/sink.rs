@@ -11,15 +11,15 @@ use std::sync::{Arc, OnceLock};
 
 use serde_json::{json, Map, Value as Json};
 
-use super::arch::{self, Config, InputTensor, OutputTensor, Recipe};
+use super::arch::{self, Config, OutputTensor, Recipe};
 use super::kv::{Metadata, Value};
 use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
 use super::quant_mix::MixOptions;
-use super::{quant_plan, size_label, tokenizer, FileType};
+use super::quantised::DequantView;
+use super::{auto_type, quant_plan, size_label, tokenizer, FileType};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
-use crate::ops::fp8::{config_block_size, resolve_layout, scale_candidates, DequantFp8, ScaleMode};
 use crate::ops::gguf::op::{source_names, Slot};
 use crate::ops::gguf::GgufTensorOp;
 use crate::plan::{Entry, FixedOp, Plan, PlanStep, Planning, Recipe as PlanRecipe, Step};
@@ -47,8 +47,10 @@ pub struct GgufModel {
     pub file_type: FileType,
     pub metadata: Metadata,
     pub outputs: Vec<OutputTensor>,
-    /// FP8 weights by name, with their scale and how they are dequantised.
-    fp8: HashMap<String, Fp8Weight>,
+    /// The checkpoint with its quantised weights dequantised (and how).
+    view: DequantView,
+    /// What the user should hear even with `-q` (tensors written as F16 for their shape).
+    warnings: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -138,12 +140,13 @@ impl GgufSink {
 
     fn plan_model(&self, ckpt: &Checkpoint) -> Result<GgufModel> {
         let cfg = load_config(ckpt, self.opts.arch.as_deref())?;
-        let fp8 = fp8_weights(ckpt, &cfg)?;
-        let in_tensors = input_tensors(ckpt, &fp8);
-        let file_type = self
-            .opts
-            .file_type
-            .unwrap_or_else(|| arch::resolve_auto_file_type(&in_tensors));
+        let view = DequantView::plan(ckpt, &cfg.map)?;
+        let in_tensors = &view.tensors;
+        let auto = self.opts.file_type.is_none();
+        let file_type = match self.opts.file_type {
+            Some(t) => t,
+            None => auto_type::file_type(&view),
+        };
         let mut metadata = arch::model_kvs(&cfg, file_type, &model_name(ckpt))?;
         let tok_json = ckpt.dir.join("tokenizer.json");
         // Only a missing file is missing: a FIFO or a device there is refused when read.
@@ -166,9 +169,13 @@ impl GgufSink {
         for (k, v) in vocab.iter() {
             metadata.set(k, v.clone());
         }
-        let mut outputs = arch::plan_tensors(&cfg, &in_tensors, file_type)?;
+        let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
+        if auto {
+            auto_type::retype(&view, &mut outputs);
+        }
+        let mut warnings = Vec::new();
         if let FileType::Quant(mix) = file_type {
-            quant_plan::apply(mix, &self.opts.mix, &cfg, &mut metadata, &mut outputs)?;
+            warnings = quant_plan::apply(mix, &self.opts.mix, &cfg, &mut metadata, &mut outputs)?;
         }
         if let Some(label) = size_label::size_label(&outputs) {
             metadata.insert_after("general.name", "general.size_label", Value::String(label));
@@ -180,7 +187,8 @@ impl GgufSink {
             file_type,
             metadata,
             outputs,
-            fp8,
+            view,
+            warnings,
         })
     }
 }
@@ -239,6 +247,7 @@ struct GgufStep {
 impl PlanStep for GgufStep {
     fn apply(&self, p: Planning) -> Result<bool> {
         let (ckpt, entries) = (p.ckpt, p.entries);
+        p.notes.warnings.extend(self.model.warnings.iter().cloned());
         let index = |t: &OutputTensor, name: &str| {
             ckpt.index_of(name).ok_or_else(|| Error::GgufTensor {
                 tensor: t.name.clone(),
@@ -246,8 +255,10 @@ impl PlanStep for GgufStep {
             })
         };
         let mut out = Vec::with_capacity(self.model.outputs.len());
+        let decoded = &self.model.view.decoded;
         for (id, o) in self.model.outputs.iter().enumerate() {
-            let copy = o.copy_source().and_then(|n| {
+            let copy = o.copy_source().filter(|n| !decoded.contains_key(*n));
+            let copy = copy.and_then(|n| {
                 let i = ckpt.index_of(n)?;
                 let src = &ckpt.tensors[i].info;
                 (src.nbytes() == o.byte_len() && Some(src.dtype) == o.src_dtype).then_some(i)
@@ -269,17 +280,19 @@ impl PlanStep for GgufStep {
             let mut inputs = Vec::new();
             let mut slots = Vec::new();
             for name in source_names(o) {
-                let i = index(o, name)?;
-                inputs.push(i);
-                let fp8 = self.model.fp8.get(name);
-                if let Some(f) = fp8 {
-                    inputs.push(index(o, &f.scale)?);
+                match decoded.get(name) {
+                    Some(d) => {
+                        inputs.extend(&d.inputs);
+                        slots.push(Slot {
+                            name: name.to_string(),
+                            decode: Some(d.decoder.clone()),
+                        });
+                    }
+                    None => {
+                        inputs.push(index(o, name)?);
+                        slots.push(Slot::plain(name));
+                    }
                 }
-                slots.push(Slot {
-                    name: name.to_string(),
-                    fp8: fp8.map(|f| f.op.clone()),
-                    cols: *ckpt.tensors[i].info.shape.last().unwrap_or(&1),
-                });
             }
             entry.source = inputs.first().copied().unwrap_or(0);
             entry.relabel = false;
@@ -323,30 +336,6 @@ fn refuse_unconvertible(outputs: &[OutputTensor]) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint's tensors as the converter sees them: shard by shard, each shard's tensors in
-/// name order (safetensors' `keys()`, the order the reference emits them in and what `auto`
-/// looks at first), FP8 weights as f32 and their scales left out.
-fn input_tensors(ckpt: &Checkpoint, fp8: &HashMap<String, Fp8Weight>) -> Vec<InputTensor> {
-    let scales: std::collections::HashSet<&str> = fp8.values().map(|f| f.scale.as_str()).collect();
-    let shard_of = |t: &crate::format::checkpoint::TensorRef| t.shard();
-    let mut in_order: Vec<&crate::format::checkpoint::TensorRef> = ckpt.tensors.iter().collect();
-    in_order.sort_by(|a, b| (shard_of(a), a.name()).cmp(&(shard_of(b), b.name())));
-    in_order
-        .into_iter()
-        .filter(|t| !scales.contains(t.name()))
-        .map(|t| InputTensor {
-            name: t.name().to_string(),
-            // FP8 weights are dequantised in f32, as the reference does, then converted.
-            dtype: if fp8.contains_key(t.name()) {
-                DType::F32
-            } else {
-                t.info.dtype
-            },
-            shape: t.info.shape.clone(),
-        })
-        .collect()
-}
-
 /// `config.json` as the converter reads it, with `--arch` replacing `architectures`.
 fn load_config(ckpt: &Checkpoint, arch_override: Option<&str>) -> Result<Config> {
     let path = ckpt.dir.join("config.json");
@@ -383,65 +372,6 @@ fn model_name(ckpt: &Checkpoint) -> String {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into())
-}
-
-/// An FP8 weight and how it is dequantised (to f32, as the reference does before converting).
-#[derive(Debug)]
-struct Fp8Weight {
-    scale: String,
-    op: DequantFp8,
-}
-
-/// FP8 (E4M3/E5M2) weights with their scales (`X_scale_inv`, `X_scale`, `.scale`; blocks from
-/// `quantization_config.weight_block_size` or inferred from the shapes).
-fn fp8_weights(ckpt: &Checkpoint, cfg: &Config) -> Result<HashMap<String, Fp8Weight>> {
-    let block = config_block_size(&cfg.map).map_err(|msg| Error::GgufConfig {
-        path: cfg.path.clone(),
-        msg,
-    })?;
-    let mut out = HashMap::new();
-    for t in &ckpt.tensors {
-        if !matches!(t.info.dtype, DType::F8_E4M3 | DType::F8_E5M2) {
-            continue;
-        }
-        let bad = |msg: String| Error::GgufTensor {
-            tensor: t.name().to_string(),
-            msg,
-        };
-        let found = scale_candidates(t.name(), ScaleMode::Multiply)
-            .into_iter()
-            .find_map(|(n, mode)| {
-                let s = ckpt.get(&n)?;
-                matches!(
-                    s.info.dtype,
-                    DType::F32 | DType::BF16 | DType::F16 | DType::F8_E8M0
-                )
-                .then_some((n, mode, s))
-            });
-        let Some((scale, mode, s)) = found else {
-            return Err(bad(format!(
-                "{} weight without a scale (`{}_scale_inv`)",
-                t.info.dtype,
-                t.name()
-            )));
-        };
-        let (layout, _) = resolve_layout(&t.info.shape, &s.info.shape, block).map_err(bad)?;
-        out.insert(
-            t.name().to_string(),
-            Fp8Weight {
-                scale,
-                op: DequantFp8 {
-                    weight_dtype: t.info.dtype,
-                    scale_dtype: Some(s.info.dtype),
-                    layout,
-                    mode,
-                    dst: DType::F32,
-                    allow_nonfinite: false,
-                },
-            },
-        );
-    }
-    Ok(out)
 }
 
 /// The GGUF-specific part of a run's report and dry-run plan: per file, per ggml type.
@@ -483,6 +413,7 @@ pub fn file_type_name(ft: FileType) -> &'static str {
         FileType::MostlyBf16 => "bf16",
         FileType::MostlyQ8_0 => "q8_0",
         FileType::Quant(mix) => mix.name(),
+        FileType::Unchanged(_) => "auto",
     }
 }
 
