@@ -9,6 +9,7 @@ pub mod op;
 pub mod resolve;
 pub mod spec;
 pub mod step;
+pub mod tokenizer;
 
 pub use config::MergeConfig;
 pub use step::MergeStep;
