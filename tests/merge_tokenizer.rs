@@ -93,6 +93,22 @@ fn union_of_three_vocabularies_is_mergekits_with_a_chat_template() {
         std::fs::read(fixture_dir("mergekit/union_linear/chat_template.jinja")).unwrap()
     );
     assert_eq!(load_all(&out)["lm_head.weight"].1, [46, 16]);
+    // The same bytes on one thread and on three with a small budget.
+    let cfg = fixture_dir("configs/union_linear.yml");
+    let (one, three) = (dir.path().join("one"), dir.path().join("three"));
+    ok(&tftf(&["merge", s(&cfg), s(&one), "-q", "--threads", "1"]));
+    ok(&tftf(&[
+        "merge",
+        s(&cfg),
+        s(&three),
+        "-q",
+        "--threads",
+        "3",
+        "--memory-budget",
+        "16MiB",
+    ]));
+    assert_eq!(load_all(&one), load_all(&out));
+    assert_eq!(load_all(&three), load_all(&out));
 }
 
 #[test]

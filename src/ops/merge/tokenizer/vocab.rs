@@ -3,7 +3,7 @@
 //! added tokens over it; a token added to a tokenizer takes its existing id, else the next id
 //! past both the model's vocabulary and the added tokens (`AddedVocabulary::add_tokens`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -57,6 +57,8 @@ struct Tokenizer {
     vocab: HashMap<String, u64>,
     /// `added_tokens`, by id.
     added: BTreeMap<u64, Value>,
+    /// Each added token's settings ([`settings_key`]), to find an identical one at once.
+    added_keys: HashSet<String>,
     /// Whether a token was added since it was read.
     changed: bool,
 }
@@ -130,12 +132,14 @@ impl Tokenizer {
             vocab.insert(content.to_string(), id);
             added.insert(id, e.clone());
         }
+        let added_keys = added.values().map(settings_key).collect();
         Ok(Tokenizer {
             file,
             json,
             model_size,
             vocab,
             added,
+            added_keys,
             changed: false,
         })
     }
@@ -143,18 +147,15 @@ impl Tokenizer {
     /// Tokens by id, each once (its id in `vocab`).
     fn by_id(&self) -> Vec<(&str, u64)> {
         let mut v: Vec<(&str, u64)> = self.vocab.iter().map(|(t, &i)| (t.as_str(), i)).collect();
-        v.sort_by_key(|&(t, i)| (i, t.to_string()));
+        v.sort_unstable_by(|a, b| (a.1, a.0).cmp(&(b.1, b.0)));
         v
     }
 
     /// `tokenizers`' `add_tokens` for one token: an identical entry is kept; otherwise the
-    /// token takes its existing id or the next free one, with `entry`'s settings.
+    /// token takes its existing id or the next free one, with `entry`'s settings. Constant
+    /// time per token (`tokenizers` scans every added token: quadratic for a large union).
     fn add(&mut self, content: &str, mut entry: Value) {
-        if content.is_empty() {
-            return;
-        }
-        let same = |e: &Value| settings(e) == settings(&entry);
-        if self.added.values().any(same) {
+        if content.is_empty() || !self.added_keys.insert(settings_key(&entry)) {
             return;
         }
         let id = self.vocab.get(content).copied().unwrap_or_else(|| {
@@ -172,7 +173,10 @@ impl Tokenizer {
             *o = with_id;
         }
         self.vocab.insert(content.to_string(), id);
-        self.added.insert(id, entry);
+        if let Some(old) = self.added.insert(id, entry) {
+            // The token's earlier settings, replaced (as `tokenizers` replaces them).
+            self.added_keys.remove(&settings_key(&old));
+        }
         self.changed = true;
     }
 
@@ -187,11 +191,14 @@ impl Tokenizer {
     }
 }
 
-/// An added token's entry without its id (`AddedToken`'s fields, which its equality compares).
-fn settings(e: &Value) -> Vec<(&String, &Value)> {
-    e.as_object()
+/// An added token's entry without its id (`AddedToken`'s fields, which its equality
+/// compares), as text with the fields in name order.
+fn settings_key(e: &Value) -> String {
+    let fields: BTreeMap<&String, &Value> = e
+        .as_object()
         .map(|o| o.iter().filter(|(k, _)| *k != "id").collect())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    serde_json::to_string(&fields).expect("JSON values serialise")
 }
 
 /// A token added by text alone (`add_tokens("tok")`): a normal, not special, token.
