@@ -466,7 +466,7 @@ impl MergeStep {
         ckpt: &Checkpoint,
         op: MergeOp,
         name: &str,
-        shape: &mut Vec<u64>,
+        shape: &mut [u64],
     ) -> Result<Arc<dyn crate::plan::Derive>> {
         let infos: Vec<_> = inputs
             .tensors

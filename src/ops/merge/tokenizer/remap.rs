@@ -219,7 +219,7 @@ fn configured(
         EmbedSource::ModelToken {
             token: TokenRef::Text(t),
             ..
-        } => *vocab.originals[model].get(t).ok_or_else(|| {
+        } => *vocab.originals.get(model).and_then(|v| v.get(t)).ok_or_else(|| {
             format!(
                 "token {tok:?} takes the row of token {t:?} of model {}, whose tokenizer has no such token",
                 model.display()

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::{TokenSetting, TokenizerConfig};
+use super::{EmbedSource, TokenRef, TokenSetting, TokenizerConfig};
 use crate::ops::merge::config::TokenizerSource;
 
 /// Names of the tensors whose first axis is the vocabulary, in the architectures mergekit
@@ -180,14 +180,42 @@ impl Tokenizer {
         self.changed = true;
     }
 
-    /// The `tokenizer.json` text with the added tokens as they now are.
+    /// The `tokenizer.json` text with the added tokens as they now are (in `added_tokens`'
+    /// place, else last), serialised from the values held: no copy of a large vocabulary.
     fn to_json(&self) -> String {
-        let mut json = self.json.clone();
-        json.insert(
-            "added_tokens".into(),
-            Value::Array(self.added.values().cloned().collect()),
-        );
-        serde_json::to_string_pretty(&json).expect("JSON values serialise")
+        serde_json::to_string_pretty(&TokenizerJson(self)).expect("JSON values serialise")
+    }
+}
+
+/// A [`Tokenizer`]'s JSON with its current `added_tokens`.
+struct TokenizerJson<'a>(&'a Tokenizer);
+
+impl serde::Serialize for TokenizerJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let t = self.0;
+        let has = t.json.contains_key("added_tokens");
+        let mut m = s.serialize_map(Some(t.json.len() + usize::from(!has)))?;
+        for (k, v) in &t.json {
+            if k == "added_tokens" {
+                m.serialize_entry(k, &AddedTokens(&t.added))?;
+            } else {
+                m.serialize_entry(k, v)?;
+            }
+        }
+        if !has {
+            m.serialize_entry("added_tokens", &AddedTokens(&t.added))?;
+        }
+        m.end()
+    }
+}
+
+/// `added_tokens` by id, as a JSON array.
+struct AddedTokens<'a>(&'a BTreeMap<u64, Value>);
+
+impl serde::Serialize for AddedTokens<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.values())
     }
 }
 
@@ -223,7 +251,7 @@ pub struct MergedVocab {
     pub rows: u64,
     /// Per model: each output token's row in that model, `None` where it lacks the token.
     pub perms: HashMap<PathBuf, Vec<Option<u64>>>,
-    /// Per model: its own vocabulary (for `kind: model_token` sources by text).
+    /// Per model a `kind: model_token` source names by text: its own vocabulary.
     pub originals: HashMap<PathBuf, HashMap<String, u64>>,
     /// `tokenizer.tokens`, by token.
     pub settings: HashMap<String, TokenSetting>,
@@ -314,18 +342,31 @@ impl MergedVocab {
         }
         let n = tokens.len() as u64;
         let rows_out = match cfg.pad_to_multiple_of {
-            Some(m) if n % m != 0 => (n / m + 1) * m,
+            Some(m) if !n.is_multiple_of(m) => (n / m + 1) * m,
             _ => n,
         };
         let mut perms = HashMap::new();
         let mut originals = HashMap::new();
+        let named: HashSet<&PathBuf> = cfg
+            .tokens
+            .iter()
+            .filter_map(|(_, s)| match &s.source {
+                Some(EmbedSource::ModelToken {
+                    model,
+                    token: TokenRef::Text(_),
+                }) => Some(model),
+                _ => None,
+            })
+            .collect();
         for (((path, _), t), &r) in models.iter().zip(&toks).zip(&rows) {
             let p = tokens
                 .iter()
                 .map(|tok| t.vocab.get(tok).copied().filter(|&i| i < r))
                 .collect();
             perms.insert(path.clone(), p);
-            originals.insert(path.clone(), t.vocab.clone());
+            if named.contains(path) {
+                originals.insert(path.clone(), t.vocab.clone());
+            }
         }
         let files = files(&out, &out_dir, chat_template)?;
         Ok(MergedVocab {
