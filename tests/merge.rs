@@ -22,92 +22,24 @@ fn merge(cfg: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
     tftf(&args)
 }
 
-/// Element `i` of a BF16 or F32 tensor's bytes as (f64 value, ordered integer for ulp
-/// distances).
-fn element(dtype: &str, bytes: &[u8], i: usize) -> (f64, i64) {
-    let ordered = |bits: i64, sign: bool, mag: i64| if sign { -mag } else { bits.min(mag) };
-    match dtype {
-        "BF16" => {
-            let b = u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]);
-            let v = f32::from_bits((b as u32) << 16) as f64;
-            let mag = (b & 0x7fff) as i64;
-            (v, ordered(mag, b & 0x8000 != 0, mag))
-        }
-        "F32" => {
-            let b = u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
-            let mag = (b & 0x7fff_ffff) as i64;
-            (
-                f32::from_bits(b) as f64,
-                ordered(mag, b & 0x8000_0000 != 0, mag),
-            )
-        }
-        d => panic!("unexpected dtype {d}"),
-    }
-}
-
-/// `x` rounded once to `dtype` (nearest even), as the ordered integer of [`element`].
-fn rounded(dtype: &str, x: f64) -> i64 {
-    match dtype {
-        "BF16" => {
-            let b = half::bf16::from_f64(x).to_le_bytes();
-            element("BF16", &b, 0).1
-        }
-        _ => element("F32", &(x as f32).to_le_bytes(), 0).1,
-    }
-}
-
-/// The accuracy bar for one merge: every element within 1 ulp of mergekit's, or no
-/// farther from the float64 result than mergekit's; at least 99 % equal to mergekit's or to
-/// the correctly rounded float64 result. Returns the share equal to mergekit's.
+/// The accuracy bar against mergekit's merge `name` and its float64 result.
 fn assert_as_right_as_mergekit(name: &str, ours: &Tensors) -> f64 {
     assert_as_right_as_mergekit_but_ties(name, ours, &|_, n| vec![false; n])
 }
 
-/// As [`assert_as_right_as_mergekit`], except at the elements `tied(tensor, len)` marks: those
-/// whose survival depends on the order of equal keys at a ranking's threshold (torch's
-/// unstable sort there, any documented order here), which count only towards the 99 %.
+/// As [`assert_as_right_as_mergekit`], except at the elements `tied(tensor, len)` marks.
 fn assert_as_right_as_mergekit_but_ties(
     name: &str,
     ours: &Tensors,
     tied: &dyn Fn(&str, usize) -> Vec<bool>,
 ) -> f64 {
-    let theirs = load_all(&fixture(&format!("merge/mergekit/{name}")));
-    let exact = load_tensors(&fixture(&format!("merge/exact/{name}.safetensors")), false);
-    assert_eq!(
-        ours.keys().collect::<Vec<_>>(),
-        theirs.keys().collect::<Vec<_>>(),
-        "tensor names"
-    );
-    let (mut total, mut good, mut same) = (0usize, 0usize, 0usize);
-    for (k, (dtype, shape, bytes)) in ours {
-        let (d2, s2, b2) = &theirs[k];
-        assert_eq!((dtype, shape), (d2, s2), "{k}: dtype and shape");
-        let (exact_dtype, _, e) = &exact[k];
-        let n = shape.iter().product::<usize>();
-        let tied = tied(k, n);
-        for i in 0..n {
-            let (v, o) = element(dtype, bytes, i);
-            let (mv, mo) = element(dtype, b2, i);
-            // The newer methods' oracle is stored rounded to f32 (their outputs are bf16).
-            let x = match exact_dtype.as_str() {
-                "F64" => f64::from_le_bytes(e[8 * i..8 * i + 8].try_into().unwrap()),
-                _ => element("F32", e, i).0,
-            };
-            let correct = rounded(dtype, x);
-            assert!(
-                tied[i] || o == correct || (o - mo).abs() <= 1 || (v - x).abs() <= (mv - x).abs(),
-                "{k}[{i}]: ours {v}, mergekit {mv}, exact {x}"
-            );
-            total += 1;
-            good += usize::from(o == mo || o == correct);
-            same += usize::from(o == mo);
-        }
-    }
-    assert!(
-        good * 100 >= total * 99,
-        "{name}: only {good} of {total} elements equal mergekit's or the exact result"
-    );
-    same as f64 / total as f64
+    merge_fixtures::assert_as_right_as_but_ties(
+        name,
+        &fixture(&format!("merge/mergekit/{name}")),
+        &fixture(&format!("merge/exact/{name}.safetensors")),
+        ours,
+        tied,
+    )
 }
 
 /// The side files mergekit writes: config.json (as JSON: mergekit re-serialises it), the
@@ -458,31 +390,6 @@ fn the_short_form_merges_a_lora_adapter_as_merge_lora_scale_does() {
     assert_eq!(load_all(&short), load_all(&long));
     // The adapter changed something: a scale of 0.5 is not a copy of the base.
     assert_ne!(load_all(&short), load_all(&case.join("base")));
-}
-
-#[test]
-fn tokenizer_source_is_refused_when_vocabularies_differ_and_taken_when_they_match() {
-    let dir = tmp();
-    let (a, b) = two_models(dir.path(), |m| m.file("tokenizer.json", "{\"b\": 1}"));
-    std::fs::write(a.join("tokenizer.json"), "{\"a\": 1}").unwrap();
-    let text = linear_config(&a, &b, "tokenizer_source: union\n");
-    refused(
-        dir.path(),
-        &text,
-        &[
-            "`tokenizer_source`",
-            s(&b),
-            "remapping embedding rows",
-            "not implemented",
-        ],
-    );
-    std::fs::write(a.join("tokenizer.json"), "{\"b\": 1}").unwrap();
-    let out = dir.path().join("same");
-    ok(&merge(&write_config(dir.path(), &text), &out, &[]));
-    assert_eq!(
-        std::fs::read(out.join("tokenizer.json")).unwrap(),
-        b"{\"b\": 1}"
-    );
 }
 
 #[test]

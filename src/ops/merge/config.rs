@@ -75,7 +75,8 @@ pub struct MergeConfig {
     pub parameters: Settings,
     pub dtype: Option<DType>,
     pub out_dtype: Option<DType>,
-    pub tokenizer_source: Option<TokenizerSource>,
+    /// `tokenizer_source`, or the `tokenizer:` section.
+    pub tokenizer: Option<super::tokenizer::TokenizerConfig>,
     pub chat_template: Option<String>,
 }
 
@@ -158,7 +159,7 @@ impl MergeConfig {
             parameters,
             dtype: dtype_key(map, "dtype").map_err(&bad)?,
             out_dtype: dtype_key(map, "out_dtype").map_err(&bad)?,
-            tokenizer_source: tokenizer(map).map_err(&bad)?,
+            tokenizer: super::tokenizer::parse(map).map_err(&bad)?,
             chat_template: chat_template(map).map_err(&bad)?,
         };
         config.check_parameters().map_err(&bad)?;
@@ -226,13 +227,16 @@ impl MergeConfig {
     }
 }
 
-fn mapping<'a>(v: &'a Value, what: &str) -> std::result::Result<&'a serde_yaml::Mapping, String> {
+pub(super) fn mapping<'a>(
+    v: &'a Value,
+    what: &str,
+) -> std::result::Result<&'a serde_yaml::Mapping, String> {
     v.as_mapping()
         .ok_or_else(|| format!("{what} must be a mapping of keys to values"))
 }
 
 /// Refuses keys not in `allowed`, naming the first (`at`: where, for the message).
-fn check_keys(
+pub(super) fn check_keys(
     map: &serde_yaml::Mapping,
     allowed: &[&str],
     at: &str,
@@ -253,7 +257,7 @@ fn check_keys(
 
 /// A model reference: a local path that exists. mergekit's `repo@revision` and `model+lora`
 /// forms name Hugging Face repositories or adapters, which tftf does not download or merge.
-fn model_path(v: &Value, at: &str) -> std::result::Result<PathBuf, String> {
+pub(super) fn model_path(v: &Value, at: &str) -> std::result::Result<PathBuf, String> {
     let s = match v {
         Value::String(s) => s.as_str(),
         _ => return Err(format!("`{at}` must be a model path")),
@@ -450,37 +454,6 @@ fn dtype_key(map: &serde_yaml::Mapping, key: &str) -> std::result::Result<Option
                 .ok_or_else(|| format!("`{key}: {s}`: use bfloat16, float16, float32 or float64"))
         }
         Some(_) => Err(format!("`{key}` must be a dtype name")),
-    }
-}
-
-fn tokenizer(map: &serde_yaml::Mapping) -> std::result::Result<Option<TokenizerSource>, String> {
-    let source = |v: &Value, at: &str| match v {
-        Value::String(s) if s == "base" => Ok(TokenizerSource::Base),
-        Value::String(s) if s == "union" => Ok(TokenizerSource::Union),
-        v => model_path(v, at).map(TokenizerSource::Model),
-    };
-    match (map.get("tokenizer_source"), map.get("tokenizer")) {
-        (Some(_), Some(_)) => Err("give `tokenizer_source` or `tokenizer`, not both".into()),
-        (Some(Value::Null), None) | (None, None) => Ok(None),
-        (Some(v), None) => source(v, "tokenizer_source").map(Some),
-        (None, Some(t)) => {
-            let m = mapping(t, "`tokenizer`")?;
-            check_keys(
-                m,
-                &["source", "tokens", "pad_to_multiple_of"],
-                " in `tokenizer`",
-            )?;
-            if m.contains_key("tokens") || m.contains_key("pad_to_multiple_of") {
-                return Err(
-                    "`tokenizer.tokens` and `tokenizer.pad_to_multiple_of` are not supported yet"
-                        .into(),
-                );
-            }
-            match m.get("source") {
-                Some(v) => source(v, "tokenizer.source").map(Some),
-                None => Ok(Some(TokenizerSource::Union)),
-            }
-        }
     }
 }
 

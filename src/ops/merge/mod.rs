@@ -10,6 +10,7 @@ mod quantised;
 pub mod resolve;
 pub mod spec;
 pub mod step;
+pub mod tokenizer;
 
 pub use config::MergeConfig;
 pub use step::MergeStep;

@@ -145,6 +145,17 @@ impl MergeOp {
         })
     }
 
+    /// The same merge over inputs all of `dtype` and of the output's `shape` (a vocabulary
+    /// tensor's rows remapped to the merged vocabulary, `tokenizer/remap.rs`).
+    pub(crate) fn over_rows(mut self, shape: &[u64], dtype: DType) -> MergeOp {
+        self.in_dtypes.iter_mut().for_each(|d| *d = dtype);
+        self.elements = crate::format::dtype::element_count(shape).unwrap_or(0);
+        if let Formula::Whole { shape: s, .. } = &mut self.formula {
+            *s = shape.iter().map(|&d| d as usize).collect();
+        }
+        self
+    }
+
     /// Element range `units` of every input, widened to f64 (and rounded to the compute
     /// dtype), `BLOCK` elements from `at`.
     fn widen(&self, inputs: &[&[u8]], at: usize, n: usize, bufs: &mut [Vec<f64>]) {
@@ -213,7 +224,7 @@ fn round_to(dtype: DType, x: f64) -> f64 {
 }
 
 /// Writes `v` rounded once to `dst` as element `k` of `out`.
-fn store_f64(dst: DType, out: &mut [u8], k: usize, v: f64) {
+pub(crate) fn store_f64(dst: DType, out: &mut [u8], k: usize, v: f64) {
     match dst {
         DType::F64 => out[8 * k..8 * k + 8].copy_from_slice(&v.to_le_bytes()),
         DType::F32 => store_f32(dst, out, k, v as f32),

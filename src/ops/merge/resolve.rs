@@ -37,12 +37,14 @@ pub struct Inputs {
 
 impl Inputs {
     /// Finds source `k`'s tensor `input_name(k)` in each of `slice`'s models and checks that
-    /// every one exists and has the first one's shape.
+    /// every one exists and has the first one's shape (but for the first axis when `vocab_rows`:
+    /// a vocabulary tensor's rows are remapped to the merged vocabulary).
     pub(super) fn gather(
         config: &MergeConfig,
         slice: &OutputSlice,
         models: &[Model],
         input_name: &dyn Fn(usize) -> String,
+        vocab_rows: bool,
     ) -> Result<Inputs> {
         let base = slice.base_model.as_ref().or(config.base_model.as_ref());
         let mut order: Vec<usize> = (0..slice.sources.len()).collect();
@@ -76,7 +78,8 @@ impl Inputs {
             };
             if let Some(a) = inputs.shapes.first() {
                 let b = &e.shape;
-                if a != b {
+                let skip = usize::from(vocab_rows);
+                if a.get(skip..) != b.get(skip..) || a.len() != b.len() {
                     return Err(Error::InvalidTensor {
                         path: path.clone(),
                         tensor: name,

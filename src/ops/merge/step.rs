@@ -16,6 +16,7 @@ use super::layers::{layer_count, split_layer, LayerName};
 use super::op::MergeOp;
 use super::resolve::{resolve_tensor, Inputs};
 use super::spec::{Arithmetic, Base};
+use super::tokenizer::{set_vocab_size, MergedVocab, RemapOp, RowPlan, VOCAB_TENSORS};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::plan::{DeferredDst, Entry, PlanStep, Planning};
@@ -47,6 +48,8 @@ pub struct MergeStep {
     /// `--random-seed`: the stream of the stochastic methods.
     pub seed: u64,
     models: Mutex<Vec<Model>>,
+    /// The merged vocabulary, once built (`tokenizer_source` / `tokenizer`).
+    vocab: Mutex<Option<Arc<MergedVocab>>>,
 }
 
 impl MergeStep {
@@ -57,6 +60,7 @@ impl MergeStep {
             copy_tokenizer,
             seed,
             models: Mutex::new(Vec::new()),
+            vocab: Mutex::new(None),
         }
     }
 
@@ -108,36 +112,31 @@ impl MergeStep {
         Ok(())
     }
 
-    /// `tokenizer_source` (base, union or a model) builds a vocabulary and remaps embedding
-    /// and `lm_head` rows to it in mergekit. tftf does not remap rows yet: it accepts the key
-    /// when every model's tokenizer files are the same (nothing to remap; the donor's files
-    /// are copied) and refuses it otherwise, rather than write rows of one vocabulary under
-    /// another's tokens.
-    fn check_tokenizers(&self, models: &[Model]) -> Result<()> {
-        if self.config.tokenizer_source.is_none() {
+    /// Builds the merged vocabulary (`tokenizer_source` / `tokenizer`) from every model's
+    /// tokenizer, before any output exists (`tokenizer/`).
+    fn build_vocab(&self, models: &[Model]) -> Result<()> {
+        let Some(cfg) = &self.config.tokenizer else {
             return Ok(());
-        }
-        let files = |m: &Model| {
-            let dir = if m.path.is_dir() {
-                m.path.clone()
-            } else {
-                m.path.parent().map(Path::to_path_buf).unwrap_or_default()
-            };
-            ["tokenizer.json", "tokenizer.model"].map(|f| std::fs::read(dir.join(f)).ok())
         };
-        let donor = files(&models[0]);
-        for m in &models[1..] {
-            if files(m) != donor || donor.iter().all(Option::is_none) {
-                return Err(Error::InvalidConfig {
-                    path: self.config.path.clone(),
-                    msg: format!(
-                        "`tokenizer_source`: the tokenizer of {} differs from that of {} (or there is none); remapping embedding rows between vocabularies is not implemented in tftf yet: drop `tokenizer_source` to merge rows by token id",
-                        m.path.display(),
-                        models[0].path.display()
-                    ),
-                });
+        let bad = |msg: String| Error::InvalidConfig {
+            path: self.config.path.clone(),
+            msg,
+        };
+        for (tok, m) in cfg.source_models() {
+            if !models.iter().any(|x| x.path == *m) {
+                return Err(bad(format!(
+                    "`tokenizer.tokens.{tok}`: model {} is not one of the merged models",
+                    m.display()
+                )));
             }
         }
+        let list: Vec<_> = models
+            .iter()
+            .map(|m| (m.path.clone(), m.config.as_ref()))
+            .collect();
+        let vocab = MergedVocab::build(cfg, &list, self.config.chat_template.as_deref())
+            .map_err(|e| bad(format!("tokenizer: {e}")))?;
+        *self.vocab.lock().unwrap() = Some(Arc::new(vocab));
         Ok(())
     }
 
@@ -214,7 +213,7 @@ impl PlanStep for MergeStep {
         let models = self.models.lock().unwrap();
         self.check_architectures(&models)?;
         self.check_ranges(&models)?;
-        self.check_tokenizers(&models)?;
+        self.build_vocab(&models)?;
         let donor = &models[0];
         // Tensors outside the layers, in the donor's order: the embeddings before the layers,
         // the rest (final norm, lm_head) after them.
@@ -300,6 +299,9 @@ impl PlanStep for MergeStep {
                 changes.push(format!("config.json: {key} {old} -> {layers}"));
             }
         }
+        if let Some(v) = self.vocab.lock().unwrap().as_ref() {
+            changes.extend(set_vocab_size(cfg, v.rows));
+        }
         // transformers 5 writes `dtype` alone, older versions `torch_dtype`: keep to the key
         // the donor has, as mergekit's re-serialised config does.
         match self.config.out_dtype.or(self.config.dtype) {
@@ -323,25 +325,14 @@ impl PlanStep for MergeStep {
     }
 
     fn dropped_side_files(&self) -> &'static [&'static str] {
-        // The donor's model card does not describe the merge.
-        // Nor does a quantised donor's ModelOpt file.
-        if self.copy_tokenizer {
-            &["README.md", "hf_quant_config.json"]
-        } else {
-            // mergekit's tokenizer files (`merge.py`, `_copy_tokenizer`), and `vocab.json`.
-            &[
-                "README.md",
-                "hf_quant_config.json",
-                "tokenizer_config.json",
-                "special_tokens_map.json",
-                "tokenizer.json",
-                "tokenizer.model",
-                "added_tokens.json",
-                "merges.txt",
-                "vocab.json",
-                "chat_template.jinja",
-                "chat_template.json",
-            ]
+        match self.vocab.lock().unwrap().as_ref() {
+            // Token ids changed: the donor's generation config may name the wrong ones.
+            Some(v) if !v.donor_ids_kept => TOKENIZER_AND_GENERATION_FILES,
+            Some(_) => TOKENIZER_FILES,
+            // The donor's model card does not describe the merge, nor does a quantised
+            // donor's ModelOpt file.
+            None if self.copy_tokenizer => &["README.md", "hf_quant_config.json"],
+            None => TOKENIZER_FILES,
         }
     }
 
@@ -350,12 +341,50 @@ impl PlanStep for MergeStep {
         if let Ok(text) = std::fs::read_to_string(&self.config.path) {
             files.push(("mergekit_config.yml".to_string(), text));
         }
-        if let Some(t) = &self.config.chat_template {
-            files.push(("chat_template.jinja".to_string(), t.clone()));
+        match self.vocab.lock().unwrap().as_ref() {
+            Some(v) => files.extend(v.files.iter().cloned()),
+            None => {
+                if let Some(t) = &self.config.chat_template {
+                    files.push(("chat_template.jinja".to_string(), t.clone()));
+                }
+            }
         }
         files
     }
 }
+
+/// The model card and mergekit's tokenizer files (`merge.py`, `_copy_tokenizer`), and
+/// `vocab.json`: left out without `--copy-tokenizer`, or replaced by a merged vocabulary's.
+const TOKENIZER_FILES: &[&str] = &[
+    "README.md",
+    "hf_quant_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.json",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
+/// [`TOKENIZER_FILES`] and the generation config, whose token ids another model's
+/// vocabulary may change.
+const TOKENIZER_AND_GENERATION_FILES: &[&str] = &[
+    "README.md",
+    "hf_quant_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
 
 /// Embeddings come before the layers (mergekit's `pre_weights`); other tensors outside the
 /// layers (final norm, `lm_head`) after them.
@@ -376,13 +405,11 @@ impl MergeStep {
         input_name: &dyn Fn(usize) -> String,
         t: f64,
     ) -> Result<()> {
-        let inputs = Inputs::gather(&self.config, slice, models, input_name)?;
+        let vocab = (self.vocab.lock().unwrap().clone()).filter(|_| VOCAB_TENSORS.contains(&name));
+        let inputs = Inputs::gather(&self.config, slice, models, input_name, vocab.is_some())?;
         let resolved = resolve_tensor(&self.config, slice, &inputs, name, t)?;
         let first = inputs.tensors[0];
-        let compute = self
-            .config
-            .dtype
-            .unwrap_or_else(|| inputs.promoted_dtype());
+        let compute = self.config.dtype.unwrap_or_else(|| inputs.promoted_dtype());
         let non_base = inputs.models.len() - usize::from(inputs.has_base);
         let dst = self
             .config
@@ -392,17 +419,21 @@ impl MergeStep {
         // A dequantised input is computed even where a stored one would be copied.
         let copy = matches!(self.config.method.arithmetic, Arithmetic::Passthrough)
             && resolved.models[0].get("scale", f64::NAN).is_nan()
-            && inputs.stored();
+            && inputs.stored()
+            && vocab.is_none();
+        let mut shape = inputs.shapes[0].clone();
         let derive = if copy {
             None
         } else {
             let seed = super::op::tensor_seed(self.seed, name);
             let op = MergeOp::new(&self.config, &inputs, resolved, seed)?;
-            let merge = Arc::new(DeferredDst {
-                inputs: inputs.tensors.clone(),
-                op,
-            });
-            Some(inputs.fed(merge))
+            Some(match &vocab {
+                Some(v) => self.remap(v, &inputs, slice, op, name, &mut shape)?,
+                None => inputs.fed(Arc::new(DeferredDst {
+                    inputs: inputs.tensors.clone(),
+                    op,
+                })),
+            })
         };
         out.push(Entry {
             id,
@@ -413,11 +444,62 @@ impl MergeStep {
             } else {
                 dst
             },
-            shape: inputs.shapes[0].clone(),
+            shape,
             derive,
             relabel: false,
         });
         Ok(())
+    }
+}
+
+impl MergeStep {
+    /// The op of a vocabulary tensor: each input's rows remapped to the merged vocabulary
+    /// (`shape` becomes the output's), then `op`.
+    #[allow(clippy::too_many_arguments)]
+    fn remap(
+        &self,
+        vocab: &MergedVocab,
+        inputs: &Inputs,
+        slice: &OutputSlice,
+        op: MergeOp,
+        name: &str,
+        shape: &mut [u64],
+    ) -> Result<Arc<dyn crate::plan::Derive>> {
+        if let Some(k) = inputs.derived.iter().position(Option::is_some) {
+            return Err(Error::InvalidTensor {
+                path: inputs.models[k].clone(),
+                tensor: inputs.names[k].clone(),
+                msg: "is quantised; a vocabulary tensor whose rows the merged tokenizer remaps must be stored as floats (`tftf dequant` the model first)".into(),
+            });
+        }
+        let common = inputs.promoted_dtype();
+        let row_len: u64 = shape[1..].iter().product();
+        shape[0] = vocab.rows;
+        let base = slice
+            .base_model
+            .as_ref()
+            .or(self.config.base_model.as_ref());
+        let plan = RowPlan::new(
+            vocab,
+            &inputs.models,
+            &inputs.shapes.iter().map(|s| s[0]).collect::<Vec<_>>(),
+            base.map(PathBuf::as_path),
+            row_len as usize,
+            inputs.dtypes.clone(),
+            common,
+        )
+        .map_err(|msg| Error::InvalidTensor {
+            path: self.config.path.clone(),
+            tensor: name.to_string(),
+            msg,
+        })?;
+        let bytes = (inputs.shapes.iter().zip(&inputs.dtypes))
+            .map(|(s, d)| s.iter().product::<u64>() * d.size().map_or(4, |s| s as u64))
+            .collect();
+        Ok(Arc::new(DeferredDst {
+            inputs: inputs.tensors.clone(),
+            op: RemapOp::new(op.over_rows(shape, common), plan, bytes),
+        }))
     }
 }
 
