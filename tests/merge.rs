@@ -573,7 +573,9 @@ fn tied_elements(ranking: &Ranking, k: &str, n: usize) -> Vec<bool> {
         .collect();
     let values = |m: usize| -> Vec<f64> {
         let bytes = &models[m][k].2;
-        (0..n).map(|i| element("BF16", bytes, i).0).collect()
+        (0..n)
+            .map(|i| merge_fixtures::element("BF16", bytes, i).0)
+            .collect()
     };
     let base = values(0);
     let deltas: Vec<Vec<f64>> = (1..3)
