@@ -25,9 +25,11 @@ mod pre_hashes;
 pub mod quant_mix;
 mod quant_plan;
 pub mod recipe;
+pub mod sentencepiece;
 pub mod sink;
 pub mod size_label;
 pub mod tokenizer;
+pub mod vocab;
 
 pub use crate::ops::gguf::{produce, quant, transform, GgmlType};
 pub use sink::{GgufOptions as GgufSinkOptions, GgufSink};
