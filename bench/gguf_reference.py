@@ -203,6 +203,43 @@ def deepseekv3():
     return c, sd
 
 
+def gemma(name, q_k_norm, text=None, extra=None, eos=1):
+    """Gemma 2/3: norms before and after attention and feed-forward, tied embeddings; `text`
+    edits go to `text_config` (Gemma3ForConditionalGeneration), `extra` adds tensors."""
+    def make():
+        c = config(name, vocab_size=400, bos_token_id=2, eos_token_id=eos)
+        if text:
+            c.pop("vocab_size")
+            c["text_config"].update(text)
+        t = {**c, **c.get("text_config", {})}
+        h = t["hidden_size"]
+        pre = "model.language_model." if text else "model."
+        sd = {}
+        def layer(sd, p, l):
+            attn(sd, p, t, qk_norm=q_k_norm)
+            mlp(sd, p + "mlp.", h, t["intermediate_size"])
+        for l in range(2):
+            p = f"{pre}layers.{l}."
+            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm"):
+                norm(sd, p + n, h)
+            layer(sd, p, l)
+        sd[pre + "embed_tokens.weight"] = rnd((t["vocab_size"], h))
+        norm(sd, pre + "norm", h)
+        if extra:
+            extra(sd)
+        return c, sd
+    return make
+
+
+def gemma3_vision(sd):
+    """A stand-in vision tower and projector: the text GGUF leaves them out."""
+    linear(sd, "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", 32, 32)
+    norm(sd, "model.vision_tower.vision_model.post_layernorm", 32)
+    sd["model.multi_modal_projector.mm_input_projection_weight"] = rnd((32, 64))
+    norm(sd, "model.multi_modal_projector.mm_soft_emb_norm", 32)
+
+
 ARCHS = {  # name: (builder, outtypes)
     "llama": (dense("llama3"), ["bf16", "q8_0"]),
     "llama-f32": (dense("llama3", dtype=torch.float32), ["f16", "q8_0"]),
@@ -216,11 +253,16 @@ ARCHS = {  # name: (builder, outtypes)
     "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
     # tests/fixtures/gguf/spm-llama2's tokenizer.model: 400 pieces, <s> 1, </s> 2.
     "llama2": (dense("llama2", vocab_size=400, bos_token_id=1, eos_token_id=2), ["bf16", "q8_0"]),
+    # A tied checkpoint saved with its lm_head (a copy of the embeddings): the converter drops it.
+    "gemma2": (gemma("gemma2", False, extra=lambda sd: sd.update({"lm_head.weight": sd["model.embed_tokens.weight"].clone()})), ["bf16", "q8_0"]),
+    "gemma3": (gemma("gemma3", True, eos=[1, 106]), ["bf16", "q8_0"]),
+    # Gemma3ForConditionalGeneration: text_config, 410 ids for 400 pieces, vision left out.
+    "gemma3vl": (gemma("gemma3vl", True, text={"vocab_size": 410}, extra=gemma3_vision, eos=[1, 106]), ["bf16", "q8_0"]),
 }
 
 # SentencePiece architectures: the tokenizer fixture folder copied into the model (its
 # tokenizer.model, tokenizer.json and tokenizer_config.json) instead of the BPE one.
-SPM = {"llama2": "spm-llama2"}
+SPM = {"llama2": "spm-llama2", "gemma2": "spm-gemma", "gemma3": "spm-gemma", "gemma3vl": "spm-gemma"}
 
 REF = f"""
 import sys

@@ -479,5 +479,6 @@ pub fn recipe_kind(t: &OutputTensor) -> &'static str {
         Recipe::KvBK { .. } => "kv_b split",
         Recipe::Mxfp4 { .. } => "mxfp4 repack",
         Recipe::Values(_) => "computed",
+        Recipe::Shifted { .. } => "norm + 1",
     }
 }

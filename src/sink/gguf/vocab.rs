@@ -2,7 +2,8 @@
 //! KVs it writes before them (`add_space_prefix`).
 //!
 //! Llama-family models (Llama, Mistral, Mixtral, Granite) take `tokenizer.model` when they ship
-//! one (Llama 2, Mistral 7B v0.1), else the BPE `tokenizer.json`; a Llama-2-style BPE
+//! one (Llama 2, Mistral 7B v0.1), else the BPE `tokenizer.json`; Gemma 2 always takes it, Gemma
+//! 3 when it ships one (both with `add_space_prefix` false); a Llama-2-style BPE
 //! `tokenizer.json` with byte fallback and no `tokenizer.model` would take the converter's
 //! `LlamaHfVocab`, which is not reproduced, so it is refused rather than written as GPT-2 BPE.
 
@@ -33,6 +34,11 @@ pub fn vocab_kvs_for(cfg: &Config, dir: &Path, pre_override: Option<&str>) -> Re
                 refuse_llama_hf(dir)?;
                 bpe(dir, vocab_size, pre_override)?
             }
+        }
+        // Gemma2Model.set_vocab / Gemma3Model.set_vocab (Gemma 3 without tokenizer.model: BPE).
+        Family::Gemma2 | Family::Gemma3 if spm || cfg.spec.family == Family::Gemma2 => {
+            m.set("tokenizer.ggml.add_space_prefix", Value::Bool(false));
+            spm_vocab_kvs(dir, vocab_size, SpmRules::Converter)?
         }
         _ => bpe(dir, vocab_size, pre_override)?,
     };
