@@ -15,7 +15,7 @@ With GGUF_REFERENCE_FIXTURES=DIR, tensor data come from a formula instead (`form
 
 Usage: gguf_reference.py LLAMA_CPP_DIR TFTF WORKDIR [ARCH...]   (needs torch, transformers,
 numpy, safetensors; gguf-py is taken from LLAMA_CPP_DIR/gguf-py)"""
-import json, os, subprocess, sys, time
+import json, os, shutil, subprocess, sys, time
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -73,7 +73,7 @@ def mlp(sd, p, h, inter):
 
 def common(sd, c, layer_fn, tied=False, norms=("input_layernorm", "post_attention_layernorm")):
     h = c["hidden_size"]
-    sd["model.embed_tokens.weight"] = rnd((VOCAB, h))
+    sd["model.embed_tokens.weight"] = rnd((c["vocab_size"], h))
     for l in range(c["num_hidden_layers"]):
         p = f"model.layers.{l}."
         for n in norms:
@@ -81,12 +81,12 @@ def common(sd, c, layer_fn, tied=False, norms=("input_layernorm", "post_attentio
         layer_fn(sd, p, l)
     norm(sd, "model.norm", h)
     if not tied:
-        sd["lm_head.weight"] = rnd((VOCAB, h))
+        sd["lm_head.weight"] = rnd((c["vocab_size"], h))
 
 
-def dense(name, bias=False, qk_norm=False, dtype=torch.bfloat16):
+def dense(name, bias=False, qk_norm=False, dtype=torch.bfloat16, **edit):
     def make():
-        c = config(name)
+        c = config(name, **edit)
         c["torch_dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
         sd = {}
         common(sd, c, lambda sd, p, l: (attn(sd, p, c, bias, qk_norm),
@@ -203,6 +203,43 @@ def deepseekv3():
     return c, sd
 
 
+def gemma(name, q_k_norm, text=None, extra=None, eos=1):
+    """Gemma 2/3: norms before and after attention and feed-forward, tied embeddings; `text`
+    edits go to `text_config` (Gemma3ForConditionalGeneration), `extra` adds tensors."""
+    def make():
+        c = config(name, vocab_size=400, bos_token_id=2, eos_token_id=eos)
+        if text:
+            c.pop("vocab_size")
+            c["text_config"].update(text)
+        t = {**c, **c.get("text_config", {})}
+        h = t["hidden_size"]
+        pre = "model.language_model." if text else "model."
+        sd = {}
+        def layer(sd, p, l):
+            attn(sd, p, t, qk_norm=q_k_norm)
+            mlp(sd, p + "mlp.", h, t["intermediate_size"])
+        for l in range(2):
+            p = f"{pre}layers.{l}."
+            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm"):
+                norm(sd, p + n, h)
+            layer(sd, p, l)
+        sd[pre + "embed_tokens.weight"] = rnd((t["vocab_size"], h))
+        norm(sd, pre + "norm", h)
+        if extra:
+            extra(sd)
+        return c, sd
+    return make
+
+
+def gemma3_vision(sd):
+    """A stand-in vision tower and projector: the text GGUF leaves them out."""
+    linear(sd, "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", 32, 32)
+    norm(sd, "model.vision_tower.vision_model.post_layernorm", 32)
+    sd["model.multi_modal_projector.mm_input_projection_weight"] = rnd((32, 64))
+    norm(sd, "model.multi_modal_projector.mm_soft_emb_norm", 32)
+
+
 ARCHS = {  # name: (builder, outtypes)
     "llama": (dense("llama3"), ["bf16", "q8_0"]),
     "llama-f32": (dense("llama3", dtype=torch.float32), ["f16", "q8_0"]),
@@ -214,7 +251,18 @@ ARCHS = {  # name: (builder, outtypes)
     "granite3": (dense("granite3"), ["bf16", "q8_0"]),  # tied embeddings, no lm_head
     "olmo2": (olmo2, ["bf16", "q8_0"]),
     "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
+    # tests/fixtures/gguf/spm-llama2's tokenizer.model: 400 pieces, <s> 1, </s> 2.
+    "llama2": (dense("llama2", vocab_size=400, bos_token_id=1, eos_token_id=2), ["bf16", "q8_0"]),
+    # A tied checkpoint saved with its lm_head (a copy of the embeddings): the converter drops it.
+    "gemma2": (gemma("gemma2", False, extra=lambda sd: sd.update({"lm_head.weight": sd["model.embed_tokens.weight"].clone()})), ["bf16", "q8_0"]),
+    "gemma3": (gemma("gemma3", True, eos=[1, 106]), ["bf16", "q8_0"]),
+    # Gemma3ForConditionalGeneration: text_config, 410 ids for 400 pieces, vision left out.
+    "gemma3vl": (gemma("gemma3vl", True, text={"vocab_size": 410}, extra=gemma3_vision, eos=[1, 106]), ["bf16", "q8_0"]),
 }
+
+# SentencePiece architectures: the tokenizer fixture folder copied into the model (its
+# tokenizer.model, tokenizer.json and tokenizer_config.json) instead of the BPE one.
+SPM = {"llama2": "spm-llama2", "gemma2": "spm-gemma", "gemma3": "spm-gemma", "gemma3vl": "spm-gemma"}
 
 REF = f"""
 import sys
@@ -261,6 +309,12 @@ def build(name, make):
     build.inputs = (c, {n: (str(v.dtype).split(".")[1], list(v.shape)) for n, v in sorted(sd.items())})
     json.dump(c, open(os.path.join(d, "config.json"), "w"), indent=1)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    build.tokenizer = SPM.get(name)
+    if build.tokenizer:
+        for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(FX, build.tokenizer, f), os.path.join(d, f))
+        build.added, build.tc_extra = [], {}
+        return d
     tj = json.load(open(os.path.join(FX, "tokenizer", "tokenizer.json")))
     if arch_type(c).startswith("qwen"):
         # Real Qwen tokenizers hold `<|endoftext|>`; transformers' Qwen2Tokenizer adds it
@@ -323,7 +377,7 @@ def record(arch, ot, ref):
           if not k.startswith("GGUF.") and k not in NAMING}
     out = {t.name: [[int(x) for x in t.shape], int(t.tensor_type), sha(np.asarray(t.data).tobytes())] for t in r.tensors}
     os.makedirs(FIXTURES, exist_ok=True)
-    json.dump({"outtype": ot, "config": c, "added_tokens": build.added,
+    json.dump({"outtype": ot, "config": c, "added_tokens": build.added, "tokenizer": build.tokenizer,
                "tokenizer_config": build.tc_extra, "order": [t.name for t in r.tensors],
                "tensors": [[n, ST[d], s] for n, (d, s) in tensors.items()], "kvs": kv, "out": out},
               open(os.path.join(FIXTURES, f"{arch}.{ot}.json"), "w"), indent=0, sort_keys=True)

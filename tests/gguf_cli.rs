@@ -901,6 +901,25 @@ fn sha256_hex(b: &[u8]) -> String {
         .collect()
 }
 
+/// The BPE tokenizer fixture with a reference case's added tokens and `tokenizer_config`
+/// entries.
+fn write_bpe_tokenizer(model: &Path, spec: &Json) {
+    let write_json = |name: &str, v: &Json| {
+        std::fs::write(model.join(name), serde_json::to_vec(v).unwrap()).unwrap()
+    };
+    let mut tok = read_json(&gguf_fixture("tokenizer/tokenizer.json"));
+    for a in spec["added_tokens"].as_array().unwrap() {
+        tok["added_tokens"].as_array_mut().unwrap().push(a.clone());
+    }
+    write_json("tokenizer.json", &tok);
+    let mut tc = read_json(&gguf_fixture("tokenizer/tokenizer_config.json"));
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast".into();
+    for (k, v) in spec["tokenizer_config"].as_object().unwrap() {
+        tc[k] = v.clone();
+    }
+    write_json("tokenizer_config.json", &tc);
+}
+
 /// Every `reference/*.json` (bench/gguf_reference.py with GGUF_REFERENCE_FIXTURES): the same
 /// model converted by tftf has convert_hf_to_gguf.py's KVs (all but the naming fields it derives from the folder) and
 /// its tensor names, types, shapes and bytes, in its order (tmp is not a reflink filesystem
@@ -914,7 +933,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     cases.sort();
-    assert!(cases.len() >= 20, "{cases:?}");
+    assert!(cases.len() >= 28, "{cases:?}");
     let naming = [
         "general.name",
         "general.basename",
@@ -932,17 +951,14 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
             std::fs::write(model.join(name), serde_json::to_vec(v).unwrap()).unwrap()
         };
         write_json("config.json", &spec["config"]);
-        let mut tok = read_json(&gguf_fixture("tokenizer/tokenizer.json"));
-        for a in spec["added_tokens"].as_array().unwrap() {
-            tok["added_tokens"].as_array_mut().unwrap().push(a.clone());
+        if let Some(fx) = spec["tokenizer"].as_str() {
+            // A SentencePiece model: its tokenizer folder as the converter read it.
+            for f in ["tokenizer.model", "tokenizer.json", "tokenizer_config.json"] {
+                std::fs::copy(gguf_fixture(&format!("{fx}/{f}")), model.join(f)).unwrap();
+            }
+        } else {
+            write_bpe_tokenizer(&model, &spec);
         }
-        write_json("tokenizer.json", &tok);
-        let mut tc = read_json(&gguf_fixture("tokenizer/tokenizer_config.json"));
-        tc["tokenizer_class"] = "PreTrainedTokenizerFast".into();
-        for (k, v) in spec["tokenizer_config"].as_object().unwrap() {
-            tc[k] = v.clone();
-        }
-        write_json("tokenizer_config.json", &tc);
         let tensors: Vec<T> = spec["tensors"]
             .as_array()
             .unwrap()

@@ -55,7 +55,10 @@ impl Slot {
 /// Source tensors a recipe reads, in the order their inputs follow each other.
 pub fn source_names(t: &OutputTensor) -> Vec<&str> {
     match &t.recipe {
-        Recipe::Direct { src } | Recipe::Rows { src, .. } | Recipe::KvBK { src, .. } => {
+        Recipe::Direct { src }
+        | Recipe::Rows { src, .. }
+        | Recipe::KvBK { src, .. }
+        | Recipe::Shifted { src, .. } => {
             vec![src.as_str()]
         }
         Recipe::Stack { srcs } => srcs.iter().map(String::as_str).collect(),
@@ -108,7 +111,9 @@ impl GgufTensorOp {
             lo * unit..hi * unit
         };
         match &t.recipe {
-            Recipe::Direct { .. } => vec![rows.start * row..rows.end * row],
+            Recipe::Direct { .. } | Recipe::Shifted { .. } => {
+                vec![rows.start * row..rows.end * row]
+            }
             Recipe::Rows { map, row_elems, .. } => {
                 let per_row = inner / row_elems;
                 let units = rows.start * per_row..rows.end * per_row;

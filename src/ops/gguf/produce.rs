@@ -177,8 +177,16 @@ pub fn write_rows_from<'a>(
             elems.clear();
             elems.resize(n * esize, 0);
             gather(t, &get, first, esize, &mut elems)?;
+            let widened;
+            let (elems, dtype) = match &t.recipe {
+                Recipe::Shifted { add, .. } => {
+                    widened = shifted(&elems, dtype, *add);
+                    (widened.as_slice(), DType::F32)
+                }
+                _ => (elems.as_slice(), dtype),
+            };
             convert(
-                &elems,
+                elems,
                 dtype,
                 t.ty,
                 inner as usize,
@@ -244,11 +252,28 @@ fn gather<'a>(
                 }
             }
         }
+        Recipe::Shifted { src, .. } => {
+            let at = first * row_src as u64;
+            elems.copy_from_slice(get(src)?.at(at, elems.len()).map_err(|m| src_err(t, m))?);
+        }
         Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => {
             unreachable!("converted without a gather")
         }
     }
     Ok(())
+}
+
+/// `elems` (of `dtype`) plus `add`, as f32 bytes: in f32 after widening BF16, rounded to F16
+/// first for F16 sources (torch adds in the tensor's type; the reference widens only BF16).
+fn shifted(elems: &[u8], dtype: DType, add: f32) -> Vec<u8> {
+    let f = to_f32(dtype, elems);
+    f.iter()
+        .map(|&x| match dtype {
+            DType::F16 => half::f16::from_f32(x + add).to_f32(),
+            _ => x + add,
+        })
+        .flat_map(f32::to_le_bytes)
+        .collect()
 }
 
 /// The importance weights of each output row, as llama-quantize picks them
@@ -329,5 +354,25 @@ fn convert(
         let f = &mut f[..src.len() / es];
         decode_into(dtype, src, f);
         write_as(dst, f.iter().copied(), o);
+    }
+}
+
+#[cfg(test)]
+mod shifted_tests {
+    use super::*;
+
+    /// `w + 1` for Gemma's norms: exact in f32 from BF16, rounded to F16 first from F16 (torch
+    /// adds in the tensor's type): 2⁻¹¹ + 1 is a tie that F16 rounds to even, 1.0.
+    #[test]
+    fn norm_plus_one_is_f32_from_bf16_and_rounded_to_f16_from_f16() {
+        let x = 2f32.powi(-11);
+        let bf = half::bf16::from_f32(x).to_le_bytes();
+        let f16 = half::f16::from_f32(x).to_le_bytes();
+        let f32_of = |b: Vec<u8>| f32::from_le_bytes(b[..4].try_into().unwrap());
+        assert_eq!(f32_of(shifted(&bf, DType::BF16, 1.0)), 1.0 + x);
+        assert_eq!(f32_of(shifted(&f16, DType::F16, 1.0)), 1.0);
+        let two = [x, -0.5].map(|v| v.to_le_bytes()).concat();
+        let got = shifted(&two, DType::F32, 1.0);
+        assert_eq!(got, [1.0 + x, 0.5].map(|v| v.to_le_bytes()).concat());
     }
 }

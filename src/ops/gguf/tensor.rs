@@ -71,6 +71,10 @@ pub enum Recipe {
     },
     /// Values computed from the config (Llama-3 `rope_freqs`), written as F32.
     Values(Vec<f32>),
+    /// One source tensor's elements plus `add`, computed in f32 as the reference does after
+    /// widening BF16 (an F16 source's sum is rounded to F16 first, as torch adds in F16):
+    /// Gemma's norm weights, stored as `w` for `x · (1 + w)`.
+    Shifted { src: String, add: f32 },
 }
 
 /// One GGUF tensor to write.

@@ -39,6 +39,12 @@ pub enum Family {
     Granite,
     /// Renames only; OLMo 2 norms after attention and feed-forward, full-width Q/K norms.
     Olmo2,
+    /// Norms `+ 1`, its own KVs (soft-caps, sliding window), `lm_head` dropped
+    /// ([`super::arch_gemma`]).
+    Gemma2,
+    /// Norms `+ 1`, the common KVs plus local rope theta and sliding window, embedding rows
+    /// cut to the vocabulary, multimodal tensors left out ([`super::arch_gemma`]).
+    Gemma3,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -94,6 +100,15 @@ pub(super) const GLOBAL_TABLE: &[(&str, &str)] = &[
 ];
 
 use ConfigDefault::*;
+
+/// Gemma 2 and 3: norms before and after attention and feed-forward, Q/K norms (Gemma 3).
+const GEMMA_LAYER_TABLE: &[(&str, &str)] = &[
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("pre_feedforward_layernorm", "ffn_norm"),
+    ("post_feedforward_layernorm", "post_ffw_norm"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
+];
 
 pub static ARCHS: &[ArchSpec] = &[
     ArchSpec {
@@ -301,6 +316,38 @@ pub static ARCHS: &[ArchSpec] = &[
         layer_tensors: &[],
     },
     ArchSpec {
+        hf_classes: &["Gemma2ForCausalLM"],
+        gguf_arch: "gemma2",
+        family: Family::Gemma2,
+        defaults: &[
+            ("max_position_embeddings", Int(8192)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(4)),
+            ("head_dim", Int(256)),
+            ("attn_logit_softcapping", Float(50.0)),
+            ("final_logit_softcapping", Float(30.0)),
+            ("sliding_window", Int(4096)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: GEMMA_LAYER_TABLE,
+    },
+    ArchSpec {
+        hf_classes: &["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"],
+        gguf_arch: "gemma3",
+        family: Family::Gemma3,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", Int(4)),
+            ("head_dim", Int(256)),
+            ("sliding_window", Int(4096)),
+            ("rope_local_base_freq", Float(10000.0)),
+            ("vocab_size", Int(262208)),
+        ],
+        rope_theta_default: 1e6,
+        layer_tensors: GEMMA_LAYER_TABLE,
+    },
+    ArchSpec {
         hf_classes: &["Olmo2ForCausalLM"],
         gguf_arch: "olmo2",
         family: Family::Olmo2,
@@ -363,6 +410,10 @@ impl Config {
         let Json::Object(mut map) = json else {
             return Err(bad("not a JSON object".into()));
         };
+        // The reference moves a multimodal model's `text_config` to the root.
+        if let Some(Json::Object(text)) = map.get("text_config").cloned() {
+            map.extend(text.into_iter().filter(|(k, _)| k != "architectures"));
+        }
         let class = map
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -408,6 +459,11 @@ impl Config {
             Some(Json::Object(r)) => r.clone(),
             _ => Map::new(),
         };
+        // Per-layer-type parameters (transformers 5's Gemma 3): the global layers' are the
+        // ones the common KVs take.
+        if let Some(Json::Object(full)) = rope.get("full_attention").cloned() {
+            rope = full;
+        }
         if !rope.contains_key("rope_type") {
             let t = rope.get("type").cloned().unwrap_or(Json::from("default"));
             rope.insert("rope_type".into(), t);
@@ -427,7 +483,7 @@ impl Config {
         })
     }
 
-    fn err(&self, msg: String) -> Error {
+    pub(super) fn err(&self, msg: String) -> Error {
         Error::GgufConfig {
             path: self.path.clone(),
             msg,
@@ -473,10 +529,15 @@ impl Config {
             .ok_or_else(|| self.err(format!("`{key}` is missing")))
     }
 
-    fn u32_kv(&self, key: &str, v: u64) -> Result<Value> {
+    pub(super) fn u32_kv(&self, key: &str, v: u64) -> Result<Value> {
         u32::try_from(v)
             .map(Value::U32)
             .map_err(|_| self.err(format!("`{key}` = {v} does not fit a u32")))
+    }
+
+    pub fn need_f64(&self, key: &str) -> Result<f64> {
+        self.f64(&[key])?
+            .ok_or_else(|| self.err(format!("`{key}` is missing")))
     }
 
     pub fn block_count(&self) -> Result<u64> {
@@ -498,6 +559,9 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
     m.set("general.type", Value::String("model".into()));
     m.set("general.name", Value::String(name.into()));
     let fam = cfg.spec.family;
+    if fam == Family::Gemma2 {
+        return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name);
+    }
     let mut n_kv_override = None;
     if fam == Family::DeepseekV3 {
         n_kv_override = Some(1); // MLA is written as MQA
@@ -654,7 +718,8 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
                 cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
             );
         }
-        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 => {}
+        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 => {}
+        Family::Gemma3 => super::arch_gemma::gemma3_kvs(cfg, &mut m, &k)?,
         Family::Qwen3Moe => {
             if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {
                 m.set(

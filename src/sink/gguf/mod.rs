@@ -18,6 +18,7 @@
 //!    the source range for copies; zero padding to the alignment after each tensor.
 
 pub mod arch;
+mod arch_gemma;
 pub mod auto_type;
 mod check;
 pub mod imatrix;
@@ -28,9 +29,11 @@ pub mod quant_mix;
 mod quant_plan;
 pub mod quantised;
 pub mod recipe;
+pub mod sentencepiece;
 pub mod sink;
 pub mod size_label;
 pub mod tokenizer;
+pub mod vocab;
 
 pub use crate::ops::gguf::{produce, quant, transform, GgmlType};
 pub use sink::{GgufOptions as GgufSinkOptions, GgufSink};

@@ -85,6 +85,7 @@ pub fn plan_tensors(
     let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
     let n_experts = cfg.u64(&["num_local_experts", "num_experts", "n_routed_experts"])?;
     let tied = cfg.find(&["tie_word_embeddings"]).and_then(Json::as_bool) == Some(true);
+    let gemma3_rows = super::arch_gemma::gemma3_vocab_rows(cfg)?;
 
     for t in inputs {
         let src = t.name.as_str();
@@ -98,6 +99,9 @@ pub fn plan_tensors(
             ));
         }
         let mut name = src.replace("language_model.", "");
+        if super::arch_gemma::skipped(fam, &name) {
+            continue;
+        }
         if name.ends_with("e_score_correction_bias") {
             name = name.replace("e_score_correction_bias", "e_score_correction.bias");
         }
@@ -108,13 +112,15 @@ pub fn plan_tensors(
             if fam == Family::DeepseekV3 && tied && *g == "output.weight" {
                 continue;
             }
-            push(
-                &mut out,
-                g.to_string(),
-                t.shape.clone(),
-                Recipe::Direct { src: src.into() },
-                Some(t.dtype),
-            );
+            let mut shape = t.shape.clone();
+            if *g == "token_embd.weight" {
+                if let Some(n) = gemma3_rows.filter(|&n| n < shape[0]) {
+                    shape[0] = n; // the reference's `data_torch[:n_vocab_real]`
+                }
+            }
+            let recipe = super::arch_gemma::norm_recipe(fam, &name, src)
+                .unwrap_or(Recipe::Direct { src: src.into() });
+            push(&mut out, g.to_string(), shape, recipe, Some(t.dtype));
             continue;
         }
         let Some(rest) = name.strip_prefix("model.layers.") else {
@@ -235,7 +241,8 @@ pub fn plan_tensors(
                     row_elems,
                 }
             }
-            _ => Recipe::Direct { src: src.into() },
+            _ => super::arch_gemma::norm_recipe(fam, &name, src)
+                .unwrap_or(Recipe::Direct { src: src.into() }),
         };
         push(
             &mut out,

@@ -16,7 +16,7 @@ use super::kv::{Metadata, Value};
 use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
 use super::quant_mix::MixOptions;
 use super::quantised::DequantView;
-use super::{auto_type, quant_plan, size_label, tokenizer, FileType};
+use super::{auto_type, quant_plan, size_label, FileType};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -148,24 +148,7 @@ impl GgufSink {
             None => auto_type::file_type(&view),
         };
         let mut metadata = arch::model_kvs(&cfg, file_type, &model_name(ckpt))?;
-        let tok_json = ckpt.dir.join("tokenizer.json");
-        // Only a missing file is missing: a FIFO or a device there is refused when read.
-        if !tok_json.exists() {
-            return Err(Error::GgufTokenizer {
-                path: tok_json,
-                msg: "missing: the GGUF needs the model's tokenizer.json (a BPE tokenizer)".into(),
-            });
-        }
-        let vocab = tokenizer::vocab_kvs(
-            &ckpt.dir,
-            cfg.u64(&["vocab_size"])?,
-            self.opts.vocab_pre.as_deref(),
-        )?;
-        if cfg.spec.family == arch::Family::Llama {
-            if let Some(b) = tokenizer::add_space_prefix(&ckpt.dir)? {
-                metadata.set("tokenizer.ggml.add_space_prefix", Value::Bool(b));
-            }
-        }
+        let vocab = super::vocab::vocab_kvs_for(&cfg, &ckpt.dir, self.opts.vocab_pre.as_deref())?;
         for (k, v) in vocab.iter() {
             metadata.set(k, v.clone());
         }
@@ -427,5 +410,6 @@ pub fn recipe_kind(t: &OutputTensor) -> &'static str {
         Recipe::KvBK { .. } => "kv_b split",
         Recipe::Mxfp4 { .. } => "mxfp4 repack",
         Recipe::Values(_) => "computed",
+        Recipe::Shifted { .. } => "norm + 1",
     }
 }

@@ -38,7 +38,7 @@ const SPECIAL_TYPES: [(&str, Option<&str>); 7] = [
     ("mask", Some("tokenizer.ggml.mask_token_id")),
 ];
 
-fn tok_err(path: &Path, msg: impl Into<String>) -> Error {
+pub(super) fn tok_err(path: &Path, msg: impl Into<String>) -> Error {
     Error::GgufTokenizer {
         path: path.into(),
         msg: msg.into(),
@@ -76,14 +76,14 @@ pub fn pre_for_hash(hash: &str) -> Option<&'static str> {
 }
 
 /// `does_token_look_special`.
-fn looks_special(t: &str) -> bool {
+pub(super) fn looks_special(t: &str) -> bool {
     matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
         || (t.starts_with("<|") && t.ends_with("|>"))
         || (t.starts_with("<｜") && t.ends_with("｜>"))
         || (t.starts_with("<unused") && t.ends_with('>'))
 }
 
-fn read_json(path: &Path) -> Result<Option<Json>> {
+pub(super) fn read_json(path: &Path) -> Result<Option<Json>> {
     match crate::sys::read_regular_to_string(path) {
         Ok(s) => serde_json::from_str(&s)
             .map(Some)
@@ -175,14 +175,24 @@ pub fn vocab_kvs(
     m.set("tokenizer.ggml.pre", Value::String(pre));
     m.set("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)));
     m.set("tokenizer.ggml.token_type", Value::Array(Array::I32(types)));
-    special_vocab(dir, &tj_path, n_vocab, &mut m)?;
+    special_vocab(dir, &tj_path, n_vocab, true, &mut m)?;
     Ok(m)
 }
 
-/// `gguf.SpecialVocab(dir, load_merges=True).add_to_gguf`.
-fn special_vocab(dir: &Path, tj_path: &Path, n_vocab: u64, m: &mut Metadata) -> Result<()> {
+/// `gguf.SpecialVocab(dir, load_merges).add_to_gguf` (`tokenizer.json` may be absent).
+pub(super) fn special_vocab(
+    dir: &Path,
+    tj_path: &Path,
+    n_vocab: u64,
+    load_merges: bool,
+    m: &mut Metadata,
+) -> Result<()> {
     let tj = read_json(tj_path)?.unwrap_or(Json::Null);
-    let merges = match tj.pointer("/model/merges").and_then(Json::as_array) {
+    let merges = match tj
+        .pointer("/model/merges")
+        .and_then(Json::as_array)
+        .filter(|_| load_merges)
+    {
         Some(list) if !list.is_empty() => list
             .iter()
             .map(|e| match e {
