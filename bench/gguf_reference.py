@@ -163,10 +163,10 @@ def fp8(sd, name, out, inn):
     sd[name + ".weight_scale_inv"] = torch.rand(((out + 127) // 128, (inn + 127) // 128)) * 0.1 + 0.01
 
 
-def deepseek(name, fp8_weights=True):
+def deepseek(name, fp8_weights=True, **edit):
     """DeepSeek-V2/V3-shaped MLA + MoE model; V3's MTP layer when `num_nextn_predict_layers`."""
     def make():
-        c = config(name)  # 2 layers (+ the MTP layer 2 when num_nextn_predict_layers is 1)
+        c = config(name, **edit)  # 2 layers (+ the MTP layer 2 when num_nextn_predict_layers is 1)
         h, heads = c["hidden_size"], c["num_attention_heads"]
         qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
         w = fp8 if fp8_weights else (lambda sd, n, o, i: linear(sd, n, o, i))
@@ -216,7 +216,11 @@ def glm4moe():
     """GLM-4.5: Q/K/V biases, Q/K norms, first-k dense layers, sigmoid-routed experts with a
     correction bias and a shared expert, and the NextN/MTP layer (kept by the reference)."""
     c = config("glm4moe")
-    del c["bos_token_id"]  # GLM-4.5 names none: the converter takes [gMASK]
+    # GLM-4.5's config.json names no bos_token_id. Its tokenizer_config.json names no
+    # bos_token either (then the converter takes [gMASK]); the fixture's is kept here, as
+    # without one gguf-py takes the fixture's TemplateProcessing first token, which tftf does
+    # not (README); arch_glm's unit tests cover the [gMASK] case.
+    del c["bos_token_id"]
     h, E = c["hidden_size"], c["n_routed_experts"]
     sd = {}
     def layer(sd, p, l):
@@ -252,7 +256,8 @@ ARCHS = {  # name: (builder, outtypes)
     "olmo2": (olmo2, ["bf16", "q8_0"]),
     "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
     "deepseek-v2": (deepseek("deepseekv2", fp8_weights=False), ["bf16", "q8_0"]),
-    "deepseek-v2-lite": (deepseek("deepseekv2lite", fp8_weights=False), ["bf16", "q8_0"]),
+    # llama.cpp tells V2-Lite (no q_lora_rank) by its 27 layers: keep them.
+    "deepseek-v2-lite": (deepseek("deepseekv2lite", fp8_weights=False, num_hidden_layers=27), ["bf16", "q8_0"]),
     # Kimi K2's config (model_type kimi_k2: the reference reads config.json raw), FP8, 384
     # experts; bf16 only (its q8_0 path is DeepSeek-V3's), to keep the recorded digests small.
     "kimi-k2": (deepseek("kimik2"), ["bf16"]),
@@ -323,8 +328,8 @@ def build(name, make):
         tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": True})
     if arch_type(c) == "glm4_moe":
-        # GLM's converter takes bos/eot/unk/eom from these added tokens (bos only when neither
-        # tokenizer_config.json nor config.json names one, as in GLM-4.5's).
+        # GLM's converter takes eot/unk/eom (and bos, when the tokenizer files name none) from
+        # these added tokens; tokenizer_config.json's bos_token stays (see glm4moe()).
         for i, t in enumerate(("[gMASK]", "<|endoftext|>", "<|observation|>")):
             tj["added_tokens"].append({"id": 402 + i, "content": t, "single_word": False, "lstrip": False,
                                        "rstrip": False, "normalized": False, "special": True})
@@ -336,8 +341,6 @@ def build(name, make):
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     # Llama-family converters copy `add_prefix_space` into tokenizer.ggml.add_space_prefix.
     build.tc_extra = {"add_prefix_space": False} if name == "llama" else {}
-    if arch_type(c) == "glm4_moe":
-        build.tc_extra = {"bos_token": None}
     tc.update(build.tc_extra)
     json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=1)
     return d

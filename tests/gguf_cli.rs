@@ -985,7 +985,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     cases.sort();
-    assert!(cases.len() >= 25, "{cases:?}");
+    assert!(cases.len() >= 27, "{cases:?}");
     let naming = [
         "general.name",
         "general.basename",

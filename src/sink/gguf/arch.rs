@@ -39,6 +39,8 @@ pub enum Family {
     Granite,
     /// Renames only; OLMo 2 norms after attention and feed-forward, full-width Q/K norms.
     Olmo2,
+    /// GLM-4.5 (`arch_glm`): NextN/MTP layers kept, partial rotary, sigmoid-routed experts.
+    Glm4Moe,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -353,6 +355,27 @@ pub static ARCHS: &[ArchSpec] = &[
         rope_theta_default: 10000.0,
         layer_tensors: DEEPSEEK_LAYER_TABLE,
     },
+    ArchSpec {
+        hf_classes: &["Glm4MoeForCausalLM"],
+        gguf_arch: "glm4moe",
+        family: Family::Glm4Moe,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", Int(8)),
+            ("moe_intermediate_size", Int(1408)),
+            ("num_experts_per_tok", Int(8)),
+            ("n_shared_experts", Int(1)),
+            ("n_routed_experts", Int(128)),
+            ("routed_scaling_factor", Float(1.0)),
+            ("n_group", Int(1)),
+            ("topk_group", Int(1)),
+            ("first_k_dense_replace", Int(1)),
+            ("norm_topk_prob", Bool(true)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: super::arch_glm::GLM4_MOE_LAYER_TABLE,
+    },
 ];
 
 /// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
@@ -521,9 +544,13 @@ impl Config {
             .map_err(|_| self.err(format!("`{key}` = {v} does not fit a u32")))
     }
 
+    /// The main layers, plus the NextN/MTP layers where the reference keeps them (GLM-4.5).
     pub fn block_count(&self) -> Result<u64> {
-        self.u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])?
-            .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))
+        let main = self
+            .u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])?
+            .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))?;
+        main.checked_add(super::arch_glm::nextn_layers(self)?)
+            .ok_or_else(|| self.err("`num_nextn_predict_layers` is too large".into()))
     }
 
     fn rope_f64(&self, key: &str) -> Option<f64> {
@@ -722,6 +749,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
             );
         }
         Family::DeepseekV3 => deepseek_kvs(cfg, &mut m, &k)?,
+        Family::Glm4Moe => super::arch_glm::glm4moe_kvs(cfg, &mut m, &k)?,
     }
     if fam == Family::Granite {
         granite_kvs(cfg, &mut m, &k)?;

@@ -17,6 +17,7 @@
 //!    the source range for copies; zero padding to the alignment after each tensor.
 
 pub mod arch;
+mod arch_glm;
 mod check;
 pub mod imatrix;
 pub mod kv;
