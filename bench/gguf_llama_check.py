@@ -63,6 +63,10 @@ def llama_logits(path):
 def hf_logits(d, c):
     from transformers import AutoModelForCausalLM
     kw = {}
+    if c.get("model_type") == "kimi_k2":
+        # Kimi K2's remote code is DeepSeek-V3's model; transformers runs it as deepseek_v3
+        # (the FP8 branch below writes this config next to the dequantised weights).
+        c = dict(c, model_type="deepseek_v3")
     if (c.get("rope_scaling") or {}).get("truncate") is False:
         import json, shutil
         c = dict(c, rope_scaling=dict(c["rope_scaling"], truncate=True))

@@ -163,43 +163,84 @@ def fp8(sd, name, out, inn):
     sd[name + ".weight_scale_inv"] = torch.rand(((out + 127) // 128, (inn + 127) // 128)) * 0.1 + 0.01
 
 
-def deepseekv3():
-    c = config("deepseekv3")  # 2 layers, and the MTP layer 2 (num_nextn_predict_layers 1)
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+def deepseek(name, fp8_weights=True, **edit):
+    """DeepSeek-V2/V3-shaped MLA + MoE model; V3's MTP layer when `num_nextn_predict_layers`."""
+    def make():
+        c = config(name, **edit)  # 2 layers (+ the MTP layer 2 when num_nextn_predict_layers is 1)
+        h, heads = c["hidden_size"], c["num_attention_heads"]
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        w = fp8 if fp8_weights else (lambda sd, n, o, i: linear(sd, n, o, i))
+        sd = {}
+        def layer(sd, p, l):
+            a = p + "self_attn."
+            if c.get("q_lora_rank") is None:  # V2-Lite: a plain q_proj
+                w(sd, a + "q_proj", heads * qk, h)
+            else:
+                w(sd, a + "q_a_proj", c["q_lora_rank"], h)
+                norm(sd, a + "q_a_layernorm", c["q_lora_rank"])
+                w(sd, a + "q_b_proj", heads * qk, c["q_lora_rank"])
+            w(sd, a + "kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
+            norm(sd, a + "kv_a_layernorm", c["kv_lora_rank"])
+            w(sd, a + "kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+            w(sd, a + "o_proj", h, heads * c["v_head_dim"])
+            if l < c["first_k_dense_replace"]:
+                for n, o, i in (("gate_proj", c["intermediate_size"], h), ("up_proj", c["intermediate_size"], h),
+                                ("down_proj", h, c["intermediate_size"])):
+                    w(sd, p + "mlp." + n, o, i)
+                return
+            sd[p + "mlp.gate.weight"] = rnd((c["n_routed_experts"], h))
+            if c.get("topk_method") == "noaux_tc":
+                sd[p + "mlp.gate.e_score_correction_bias"] = torch.rand(c["n_routed_experts"])
+            mi = c["moe_intermediate_size"]
+            for e in [f"experts.{e}" for e in range(c["n_routed_experts"])] + ["shared_experts"]:
+                m = mi * (c["n_shared_experts"] if e == "shared_experts" else 1)
+                for n, o, i in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
+                    w(sd, p + f"mlp.{e}." + n, o, i)
+            if l == c["num_hidden_layers"]:  # the MTP layer's extra tensors
+                for n in ("enorm", "hnorm", "shared_head.norm"):
+                    norm(sd, p + n, h)
+                linear(sd, p + "eh_proj", h, 2 * h)
+                sd[p + "embed_tokens.weight"] = rnd((VOCAB, h))
+                sd[p + "shared_head.head.weight"] = rnd((VOCAB, h))
+        common(sd, c, layer)
+        if c.get("num_nextn_predict_layers"):
+            p = f"model.layers.{c['num_hidden_layers']}."
+            norm(sd, p + "input_layernorm", h)
+            norm(sd, p + "post_attention_layernorm", h)
+            layer(sd, p, c["num_hidden_layers"])
+        return c, sd
+    return make
+
+
+def glm4moe():
+    """GLM-4.5: Q/K/V biases, Q/K norms, first-k dense layers, sigmoid-routed experts with a
+    correction bias and a shared expert, and the NextN/MTP layer (kept by the reference)."""
+    c = config("glm4moe")
+    # GLM-4.5's config.json names no bos_token_id. Its tokenizer_config.json names no
+    # bos_token either (then the converter takes [gMASK]); the fixture's is kept here, as
+    # without one gguf-py takes the fixture's TemplateProcessing first token, which tftf does
+    # not (README); arch_glm's unit tests cover the [gMASK] case.
+    del c["bos_token_id"]
+    h, E = c["hidden_size"], c["n_routed_experts"]
     sd = {}
     def layer(sd, p, l):
-        a = p + "self_attn."
-        fp8(sd, a + "q_a_proj", c["q_lora_rank"], h)
-        norm(sd, a + "q_a_layernorm", c["q_lora_rank"])
-        fp8(sd, a + "q_b_proj", heads * qk, c["q_lora_rank"])
-        fp8(sd, a + "kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
-        norm(sd, a + "kv_a_layernorm", c["kv_lora_rank"])
-        fp8(sd, a + "kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
-        fp8(sd, a + "o_proj", h, heads * c["v_head_dim"])
+        attn(sd, p, c, bias=True, qk_norm=c["use_qk_norm"])
         if l < c["first_k_dense_replace"]:
-            for n, o, i in (("gate_proj", c["intermediate_size"], h), ("up_proj", c["intermediate_size"], h),
-                            ("down_proj", h, c["intermediate_size"])):
-                fp8(sd, p + "mlp." + n, o, i)
+            mlp(sd, p + "mlp.", h, c["intermediate_size"])
             return
-        sd[p + "mlp.gate.weight"] = rnd((c["n_routed_experts"], h))
-        sd[p + "mlp.gate.e_score_correction_bias"] = torch.rand(c["n_routed_experts"])
-        mi = c["moe_intermediate_size"]
-        for e in [f"experts.{e}" for e in range(c["n_routed_experts"])] + ["shared_experts"]:
-            m = mi * (c["n_shared_experts"] if e == "shared_experts" else 1)
-            for n, o, i in (("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)):
-                fp8(sd, p + f"mlp.{e}." + n, o, i)
-        if l == c["num_hidden_layers"]:  # the MTP layer's extra tensors
-            for n in ("enorm", "hnorm", "shared_head.norm"):
-                norm(sd, p + n, h)
-            linear(sd, p + "eh_proj", h, 2 * h)
-            sd[p + "embed_tokens.weight"] = rnd((VOCAB, h))
-            sd[p + "shared_head.head.weight"] = rnd((VOCAB, h))
+        linear(sd, p + "mlp.gate", E, h)
+        sd[p + "mlp.gate.e_score_correction_bias"] = torch.rand(E)
+        for e in range(E):
+            mlp(sd, p + f"mlp.experts.{e}.", h, c["moe_intermediate_size"])
+        mlp(sd, p + "mlp.shared_experts.", h, c["moe_intermediate_size"] * c["n_shared_experts"])
     common(sd, c, layer)
     p = f"model.layers.{c['num_hidden_layers']}."
-    norm(sd, p + "input_layernorm", h)
-    norm(sd, p + "post_attention_layernorm", h)
+    for n in ("input_layernorm", "post_attention_layernorm", "enorm", "hnorm", "shared_head.norm"):
+        norm(sd, p + n, h)
     layer(sd, p, c["num_hidden_layers"])
+    linear(sd, p + "eh_proj", h, 2 * h)
+    sd[p + "embed_tokens.weight"] = rnd((VOCAB, h))
+    sd[p + "shared_head.head.weight"] = rnd((VOCAB, h))
     return c, sd
 
 
@@ -247,7 +288,7 @@ ARCHS = {  # name: (builder, outtypes)
     "qwen3": (dense("qwen3", qk_norm=True), ["bf16", "q8_0"]),
     "qwen3moe": (qwen3moe, ["bf16", "q8_0"]),
     "gpt-oss": (gptoss, ["bf16", "q8_0"]),
-    "deepseek-v3": (deepseekv3, ["bf16", "q8_0"]),
+    "deepseek-v3": (deepseek("deepseekv3"), ["bf16", "q8_0"]),
     "granite3": (dense("granite3"), ["bf16", "q8_0"]),  # tied embeddings, no lm_head
     "olmo2": (olmo2, ["bf16", "q8_0"]),
     "qwen2moe": (qwen2moe, ["bf16", "q8_0"]),
@@ -258,6 +299,13 @@ ARCHS = {  # name: (builder, outtypes)
     "gemma3": (gemma("gemma3", True, eos=[1, 106]), ["bf16", "q8_0"]),
     # Gemma3ForConditionalGeneration: text_config, 410 ids for 400 pieces, vision left out.
     "gemma3vl": (gemma("gemma3vl", True, text={"vocab_size": 410}, extra=gemma3_vision, eos=[1, 106]), ["bf16", "q8_0"]),
+    "deepseek-v2": (deepseek("deepseekv2", fp8_weights=False), ["bf16", "q8_0"]),
+    # llama.cpp tells V2-Lite (no q_lora_rank) by its 27 layers: keep them.
+    "deepseek-v2-lite": (deepseek("deepseekv2lite", fp8_weights=False, num_hidden_layers=27), ["bf16", "q8_0"]),
+    # Kimi K2's config (model_type kimi_k2: the reference reads config.json raw), FP8, 384
+    # experts; bf16 only (its q8_0 path is DeepSeek-V3's), to keep the recorded digests small.
+    "kimi-k2": (deepseek("kimik2"), ["bf16"]),
+    "glm4moe": (glm4moe, ["bf16", "q8_0"]),
 }
 
 # SentencePiece architectures: the tokenizer fixture folder copied into the model (its
@@ -269,6 +317,18 @@ import sys
 sys.path[:0] = [{LCP!r}, {os.path.join(LCP, 'gguf-py')!r}]
 import conversion.base as b
 b.TextModel.get_vocab_base_pre = lambda self, tok: "test-pre"
+import transformers
+_auto_tok = transformers.AutoTokenizer.from_pretrained
+def _tok(path, *a, **k):
+    try:
+        return _auto_tok(path, *a, **k)
+    except AttributeError:
+        # transformers 5.24 cannot build the bare config it falls back to for a model_type it
+        # does not know when config.json has rope_scaling and the remote code is absent (Kimi
+        # K2's here, which has a BPE tokenizer.json instead of its tiktoken one); the
+        # tokenizer needs no config.
+        return _auto_tok(path, *a, config=transformers.PretrainedConfig(), **k)
+transformers.AutoTokenizer.from_pretrained = _tok
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 import convert_hf_to_gguf as c
 c.main()
@@ -321,6 +381,12 @@ def build(name, make):
         # (as its default unk token) when missing, which tftf does not emulate.
         tj["added_tokens"].append({"id": 402, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": True})
+    if arch_type(c) == "glm4_moe":
+        # GLM's converter takes eot/unk/eom (and bos, when the tokenizer files name none) from
+        # these added tokens; tokenizer_config.json's bos_token stays (see glm4moe()).
+        for i, t in enumerate(("[gMASK]", "<|endoftext|>", "<|observation|>")):
+            tj["added_tokens"].append({"id": 402 + i, "content": t, "single_word": False, "lstrip": False,
+                                       "rstrip": False, "normalized": False, "special": True})
     json.dump(tj, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
     build.added = tj["added_tokens"][5:]
     # As real Llama-3 checkpoints do: without a class, transformers picks the model type's

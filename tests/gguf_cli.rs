@@ -933,7 +933,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     cases.sort();
-    assert!(cases.len() >= 28, "{cases:?}");
+    assert!(cases.len() >= 35, "{cases:?}");
     let naming = [
         "general.name",
         "general.basename",

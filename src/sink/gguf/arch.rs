@@ -45,6 +45,8 @@ pub enum Family {
     /// Norms `+ 1`, the common KVs plus local rope theta and sliding window, embedding rows
     /// cut to the vocabulary, multimodal tensors left out ([`super::arch_gemma`]).
     Gemma3,
+    /// GLM-4.5 (`arch_glm`): NextN/MTP layers kept, partial rotary, sigmoid-routed experts.
+    Glm4Moe,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -57,6 +59,9 @@ pub enum ConfigDefault {
     HiddenPerHead,
     /// A number, unless the file sets the key to null: then `hidden_size / num_attention_heads`.
     HiddenPerHeadOr(u64),
+    /// A number, unless the file sets the key to null: then null (`int | None` fields, such as
+    /// DeepSeek's `q_lora_rank`, null in V2-Lite).
+    IntOrNull(u64),
     /// The value of `num_attention_heads`.
     SameAsHeads,
     /// Always the value of another key, whatever the file says (DeepSeek-V3's `head_dim` is
@@ -98,6 +103,28 @@ pub(super) const GLOBAL_TABLE: &[(&str, &str)] = &[
     ("model.norm.weight", "output_norm.weight"),
     ("lm_head.weight", "output.weight"),
 ];
+
+/// DeepSeek-V2/V3 (MLA, shared and routed experts). V2-Lite's plain `q_proj` is common.
+const DEEPSEEK_LAYER_TABLE: &[(&str, &str)] = &[
+    ("self_attn.q_a_proj", "attn_q_a"),
+    ("self_attn.q_a_layernorm", "attn_q_a_norm"),
+    ("self_attn.q_b_proj", "attn_q_b"),
+    ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+    ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
+    ("mlp.gate", "ffn_gate_inp"),
+    ("mlp.gate.e_score_correction", "exp_probs_b"),
+    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
+    ("mlp.experts.gate_proj", "ffn_gate_exps"),
+    ("mlp.experts.up_proj", "ffn_up_exps"),
+    ("mlp.experts.down_proj", "ffn_down_exps"),
+];
+
+/// `model_type`s transformers does not know (their checkpoints ship remote code): the
+/// reference, which never runs remote code, falls back to reading `config.json` as it is, so
+/// no class defaults apply. Kimi K2 is a DeepSeek-V3 checkpoint with `kimi_k2`.
+const RAW_CONFIG_MODEL_TYPES: &[&str] = &["kimi_k2"];
 
 use ConfigDefault::*;
 
@@ -249,7 +276,7 @@ pub static ARCHS: &[ArchSpec] = &[
             ("routed_scaling_factor", Float(2.5)),
             ("first_k_dense_replace", Int(3)),
             ("kv_lora_rank", Int(512)),
-            ("q_lora_rank", Int(1536)),
+            ("q_lora_rank", IntOrNull(1536)),
             ("qk_rope_head_dim", Int(64)),
             ("qk_nope_head_dim", Int(128)),
             ("v_head_dim", Int(128)),
@@ -257,21 +284,7 @@ pub static ARCHS: &[ArchSpec] = &[
             ("head_dim", Always("qk_rope_head_dim")),
         ],
         rope_theta_default: 10000.0,
-        layer_tensors: &[
-            ("self_attn.q_a_proj", "attn_q_a"),
-            ("self_attn.q_a_layernorm", "attn_q_a_norm"),
-            ("self_attn.q_b_proj", "attn_q_b"),
-            ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
-            ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
-            ("mlp.gate", "ffn_gate_inp"),
-            ("mlp.gate.e_score_correction", "exp_probs_b"),
-            ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
-            ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
-            ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
-            ("mlp.experts.gate_proj", "ffn_gate_exps"),
-            ("mlp.experts.up_proj", "ffn_up_exps"),
-            ("mlp.experts.down_proj", "ffn_down_exps"),
-        ],
+        layer_tensors: DEEPSEEK_LAYER_TABLE,
     },
     ArchSpec {
         hf_classes: &["Qwen2MoeForCausalLM"],
@@ -364,6 +377,52 @@ pub static ARCHS: &[ArchSpec] = &[
             ("self_attn.k_norm", "attn_k_norm"),
         ],
     },
+    ArchSpec {
+        // The reference converts V2 and V3 with one class; only the config defaults differ.
+        hf_classes: &["DeepseekV2ForCausalLM"],
+        gguf_arch: "deepseek2",
+        family: Family::DeepseekV3,
+        defaults: &[
+            ("max_position_embeddings", Int(2048)),
+            ("rms_norm_eps", Float(1e-6)),
+            ("num_key_value_heads", SameAsHeads),
+            ("moe_intermediate_size", Int(1407)),
+            ("norm_topk_prob", Bool(false)),
+            ("n_routed_experts", Int(64)),
+            ("n_shared_experts", Int(2)),
+            ("routed_scaling_factor", Float(1.0)),
+            ("first_k_dense_replace", Int(0)),
+            ("kv_lora_rank", Int(512)),
+            ("q_lora_rank", IntOrNull(1536)),
+            ("qk_rope_head_dim", Int(64)),
+            ("qk_nope_head_dim", Int(128)),
+            ("v_head_dim", Int(128)),
+            ("head_dim", Always("qk_rope_head_dim")),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: DEEPSEEK_LAYER_TABLE,
+    },
+    ArchSpec {
+        hf_classes: &["Glm4MoeForCausalLM"],
+        gguf_arch: "glm4moe",
+        family: Family::Glm4Moe,
+        defaults: &[
+            ("max_position_embeddings", Int(131072)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", Int(8)),
+            ("moe_intermediate_size", Int(1408)),
+            ("num_experts_per_tok", Int(8)),
+            ("n_shared_experts", Int(1)),
+            ("n_routed_experts", Int(128)),
+            ("routed_scaling_factor", Float(1.0)),
+            ("n_group", Int(1)),
+            ("topk_group", Int(1)),
+            ("first_k_dense_replace", Int(1)),
+            ("norm_topk_prob", Bool(true)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: super::arch_glm::GLM4_MOE_LAYER_TABLE,
+    },
 ];
 
 /// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
@@ -420,7 +479,12 @@ impl Config {
             .and_then(Json::as_str)
             .ok_or_else(|| bad("no `architectures` list".into()))?;
         let spec = lookup(class)?;
-        for (key, default) in spec.defaults {
+        let raw = map
+            .get("model_type")
+            .and_then(Json::as_str)
+            .is_some_and(|t| RAW_CONFIG_MODEL_TYPES.contains(&t));
+        let defaults = if raw { &[][..] } else { spec.defaults };
+        for (key, default) in defaults {
             let present = map.get(*key);
             if present.is_some_and(|v| !v.is_null()) && !matches!(default, Always(_)) {
                 continue;
@@ -433,7 +497,8 @@ impl Config {
                     Some(v) => v.clone(),
                     None => continue,
                 },
-                HiddenPerHeadOr(n) if !explicit_null => Json::from(*n),
+                HiddenPerHeadOr(n) | IntOrNull(n) if !explicit_null => Json::from(*n),
+                IntOrNull(_) => continue,
                 HiddenPerHeadOr(_) => match (hidden, heads) {
                     (Some(d), Some(h)) if h > 0 => Json::from(d / h),
                     _ => continue,
@@ -540,9 +605,13 @@ impl Config {
             .ok_or_else(|| self.err(format!("`{key}` is missing")))
     }
 
+    /// The main layers, plus the NextN/MTP layers where the reference keeps them (GLM-4.5).
     pub fn block_count(&self) -> Result<u64> {
-        self.u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])?
-            .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))
+        let main = self
+            .u64(&["n_layers", "num_hidden_layers", "n_layer", "num_layers"])?
+            .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))?;
+        main.checked_add(super::arch_glm::nextn_layers(self)?)
+            .ok_or_else(|| self.err("`num_nextn_predict_layers` is too large".into()))
     }
 
     fn rope_f64(&self, key: &str) -> Option<f64> {
@@ -745,6 +814,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
             );
         }
         Family::DeepseekV3 => deepseek_kvs(cfg, &mut m, &k)?,
+        Family::Glm4Moe => super::arch_glm::glm4moe_kvs(cfg, &mut m, &k)?,
     }
     if fam == Family::Granite {
         granite_kvs(cfg, &mut m, &k)?;

@@ -70,7 +70,11 @@ fn blocks_complete(cfg: &Config, outputs: &[OutputTensor]) -> Result<()> {
             .split_once('.')
             .and_then(|(b, s)| Some((b.parse::<u64>().ok()?, s)))
         {
-            per_block.entry(b).or_default().insert(suffix);
+            let set = per_block.entry(b).or_default();
+            // GLM-4.5's NextN layers have their own tensors on top of a MoE block's.
+            if !suffix.starts_with("nextn.") {
+                set.insert(suffix);
+            }
         }
     }
     if let Some(b) = (0..blocks).find(|b| !per_block.contains_key(b)) {

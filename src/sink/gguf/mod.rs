@@ -19,6 +19,7 @@
 
 pub mod arch;
 mod arch_gemma;
+mod arch_glm;
 pub mod auto_type;
 mod check;
 pub mod imatrix;

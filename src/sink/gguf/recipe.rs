@@ -332,7 +332,7 @@ fn expert_id(fam: Family, rest: &str) -> Option<(u64, &'static str)> {
                 ("w3", "block_sparse_moe.experts.w3"),
             ],
         ),
-        Family::Qwen3Moe | Family::DeepseekV3 => (
+        Family::Qwen3Moe | Family::DeepseekV3 | Family::Glm4Moe => (
             "mlp.experts.",
             &[
                 ("gate_proj", "mlp.experts.gate_proj"),

@@ -152,6 +152,9 @@ impl GgufSink {
         for (k, v) in vocab.iter() {
             metadata.set(k, v.clone());
         }
+        if cfg.spec.family == arch::Family::Glm4Moe {
+            super::arch_glm::special_tokens(&ckpt.dir, &mut metadata)?;
+        }
         let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
         if auto {
             auto_type::retype(&view, &mut outputs);
