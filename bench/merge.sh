@@ -3,7 +3,7 @@
 # (bench/merge_model.py), merged by `tftf merge` and by mergekit's `mergekit-yaml` from the same
 # configs, in the same run: `linear` and `task_arithmetic` (elementwise: the issue's "within
 # 1.5x of reading all inputs once") and `model_stock` (whole-tensor statistics: one tensor per
-# model held at a time). `ties` is left out while `tftf merge` refuses it (README, Merging).
+# model held at a time) and `ties` (a whole-tensor magnitude threshold per model).
 # `cat` of all inputs (reading them once) and `cp -r` of them are the floor. Every command runs
 # RUNS times from a cold cache (as root) under GNU time: wall seconds and peak RSS. Prints one
 # Markdown table in bench/RESULTS.md's form, then per method mergekit's wall time and peak RSS
@@ -58,6 +58,16 @@ models:
   - model: $D/m2
     parameters: {weight: 0.5}
 EOF
+cat >"$D/ties.yml" <<EOF
+merge_method: ties
+base_model: $D/m0
+dtype: bfloat16
+models:
+  - model: $D/m1
+    parameters: {weight: 0.5, density: 0.5}
+  - model: $D/m2
+    parameters: {weight: 0.5, density: 0.5}
+EOF
 cat >"$D/model_stock.yml" <<EOF
 merge_method: model_stock
 base_model: $D/m0
@@ -100,7 +110,7 @@ echo "|---|---|---|---|"
 row '`cat` of the three inputs (floor)' sh -c "cat $D/m0/* $D/m1/* $D/m2/* >/dev/null"
 row '`cp -r` of the three inputs' sh -c "mkdir -p $D/out && cp -r $D/m0 $D/m1 $D/m2 $D/out && sync"
 RATIOS=()
-for method in linear task_arithmetic model_stock; do
+for method in linear task_arithmetic ties model_stock; do
     row "\`tftf merge\` $method" "$BIN" merge "$D/$method.yml" "$D/out" -q \
         --memory-budget "$BUDGET" --no-copy-tokenizer
     tw=$WALL tr=$RSS

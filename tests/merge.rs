@@ -502,8 +502,10 @@ fn parts_of_one_merge_must_share_the_config_contents_not_only_its_path() {
 
 /// mergekit 0.1.5's other deterministic methods on the bf16 models: names, shapes, dtypes
 /// and config.json as mergekit's, values within the bar of mergekit's output and of
-/// mergekit's own code run in float64. arcee_fusion and ramplus_tl write F32 under
-/// `dtype: bfloat16`, as mergekit does.
+/// mergekit's own code run in float64. arcee_fusion writes F32 under `dtype: bfloat16`, as
+/// mergekit does. (ramplus_tl: its fixture's float64 run kept mergekit's f32 scale, which
+/// computes in f32 even then; tests/merge_geometric.rs checks it against the formula in
+/// float64.)
 macro_rules! as_right_as_mergekit {
     ($($method:ident),*) => {
         mod methods_as_right_as_mergekit {
@@ -526,6 +528,28 @@ macro_rules! as_right_as_mergekit {
     };
 }
 
+/// ramplus_tl on the bf16 models: mergekit's names, shapes, dtypes (F32: its scale promotes
+/// the result) and config.json; its values are checked in tests/merge_geometric.rs.
+#[test]
+fn ramplus_tl_writes_mergekits_tensors_and_dtypes() {
+    let dir = tmp();
+    let out = dir.path().join("out");
+    ok(&merge(&config("ramplus_tl"), &out, &[]));
+    let ours = load_all(&out);
+    let theirs = load_all(&fixture("merge/mergekit/ramplus_tl"));
+    let layout = |t: &Tensors| -> Vec<_> {
+        t.iter()
+            .map(|(k, (d, s, _))| (k.clone(), d.clone(), s.clone()))
+            .collect()
+    };
+    assert_eq!(layout(&ours), layout(&theirs));
+    assert!(ours.values().all(|(d, _, _)| d == "F32"));
+    assert_eq!(
+        read_json(&out.join("config.json")),
+        read_json(&fixture("merge/mergekit/ramplus_tl/config.json"))
+    );
+}
+
 as_right_as_mergekit!(
     slerp,
     nuslerp,
@@ -534,8 +558,7 @@ as_right_as_mergekit!(
     model_stock,
     nearswap,
     ram,
-    arcee_fusion,
-    ramplus_tl
+    arcee_fusion
 );
 
 /// How a sparse method ranks the elements of a tensor of the bf16 fixture models (base `a`,

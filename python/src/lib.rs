@@ -382,6 +382,14 @@ fn stream_records(
     })
 }
 
+/// The model a mergekit `config` takes `config.json` and the side files from (its base model,
+/// else its first): the input path of a run whose first section is `--merge config`.
+#[pyfunction]
+fn merge_donor(config: PathBuf) -> PyResult<PathBuf> {
+    let config = tftf::ops::merge::MergeConfig::read(&config).map_err(to_py)?;
+    Ok(config.donor().to_path_buf())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TftfError", m.py().get_type::<TftfError>())?;
@@ -393,5 +401,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Checkpoint>()?;
     m.add_class::<RecordStream>()?;
     m.add_function(wrap_pyfunction!(stream_records, m)?)?;
+    m.add_function(wrap_pyfunction!(merge_donor, m)?)?;
     Ok(())
 }

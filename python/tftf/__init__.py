@@ -20,7 +20,7 @@ _WHERE = {
     "SafetensorsReader": "tftf.io.reader", "ShardedSafetensorsReader": "tftf.io.sharded_reader",
     "StreamingWriter": "tftf.io.writer", "ShardedWriter": "tftf.io.sharded_writer",
     "NullWriter": "tftf.io.null_writer", "ValidationReport": "tftf.io.null_writer",
-    "GGUFWriter": "tftf.io.gguf_writer",
+    "GGUFWriter": "tftf.io.gguf_writer", "MergeReader": "tftf.io.merge_reader",
     "Pipe": "tftf.pipes.base", "CompoundPipe": "tftf.pipes.base",
     "TensorRecord": "tftf.pipes.base", "TensorMeta": "tftf.pipes.base",
     "PassthroughPipe": "tftf.pipes.passthrough", "DTypeCastPipe": "tftf.pipes.dtype_cast",

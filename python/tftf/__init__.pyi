@@ -2,6 +2,7 @@
 
 from tftf._core import TftfError as TftfError
 from tftf.io.gguf_writer import GGUFWriter as GGUFWriter
+from tftf.io.merge_reader import MergeReader as MergeReader
 from tftf.io.null_writer import NullWriter as NullWriter, ValidationReport as ValidationReport
 from tftf.io.reader import SafetensorsReader as SafetensorsReader
 from tftf.io.sharded_reader import ShardedSafetensorsReader as ShardedSafetensorsReader

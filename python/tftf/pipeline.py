@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional, Protocol, Union, runtime_checkable
 
 from tftf import _core, _tensor
 from tftf.io.gguf_writer import GGUFWriter
+from tftf.io.merge_reader import MergeReader
 from tftf.io.null_writer import NullWriter
 from tftf.io.reader import SafetensorsReader
 from tftf.io.sharded_reader import ShardedSafetensorsReader
@@ -37,6 +38,12 @@ from tftf.pipes.base import CompoundPipe, Pipe, TensorMeta, TensorRecord, rust_s
 logger = logging.getLogger(__name__)
 
 _RUST_WRITERS = (StreamingWriter, ShardedWriter, NullWriter, GGUFWriter)
+_RUST_READERS = (SafetensorsReader, ShardedSafetensorsReader, MergeReader)
+
+
+def _reader_sections(reader) -> list:
+    """The sections a reader itself contributes (a merge), before the pipes'."""
+    return reader._rust_sections() if isinstance(reader, MergeReader) else []
 
 
 @runtime_checkable
@@ -80,12 +87,12 @@ class Pipeline:
         rust_input = getattr(self.reader, "_rust_input", None)
         if type(self.writer) not in _RUST_WRITERS or rust_input is None:
             return None
-        if type(self.reader) not in (SafetensorsReader, ShardedSafetensorsReader):
+        if type(self.reader) not in _RUST_READERS:
             return None
         path, sections = rust_input(), rust_sections_of(self.pipe)
         if path is None or sections is None:
             return None
-        return str(path), sections, self.writer._rust_output()
+        return str(path), _reader_sections(self.reader) + sections, self.writer._rust_output()
 
     def runs_in_rust(self) -> bool:
         """Whether :meth:`run` runs as one Rust job."""
@@ -98,6 +105,9 @@ class Pipeline:
         output is then left as it was."""
         plan = self._rust_plan()
         if plan is not None and plan[2] is not None:
+            if isinstance(self.writer, GGUFWriter) and isinstance(self.reader, MergeReader):
+                raise ValueError("a GGUF writer converts a checkpoint on disk: write the merge with a ShardedWriter "
+                                 "first, then the GGUF from it")
             if isinstance(self.writer, GGUFWriter) and plan[1]:
                 # The GGUF writer plans from the checkpoint's own tensors: a pipe before it
                 # would be silently left out.
@@ -166,16 +176,16 @@ class Pipeline:
         reader is ours: those pipes then run in the Rust engine (all cores, bounded memory, one
         rounding) and hand their tensors to the rest; else (None, the whole pipe)."""
         rust_input = getattr(self.reader, "_rust_input", None)
-        if rust_input is None or type(self.reader) not in (SafetensorsReader, ShardedSafetensorsReader):
+        if rust_input is None or type(self.reader) not in _RUST_READERS:
             return None, self.pipe
         pipes = self.pipe.pipes if isinstance(self.pipe, CompoundPipe) else [self.pipe]
-        sections: list = []
+        sections: list = _reader_sections(self.reader)
         k = 0
         while k < len(pipes) and (own := rust_sections_of(pipes[k])) is not None:
             sections += own
             k += 1
         path = rust_input()
-        if k == 0 or path is None:
+        if (k == 0 and not isinstance(self.reader, MergeReader)) or path is None:
             return None, self.pipe
         rest = pipes[k:]
         pipe = None if not rest else rest[0] if len(rest) == 1 else CompoundPipe(rest)

@@ -140,9 +140,9 @@ pub fn ram(
 /// `1 + r · clamp(ρ, 0, alpha)`, `ρ` being the model's count of changed elements that others
 /// changed too over its count of elements only it changed (the latter at least `epsilon`), in
 /// this tensor. Defaults: `r` 0.1, `alpha` 0.2, `epsilon` 1e-5; a negative `alpha` clamps every
-/// `ρ` to it, as torch's `clamp` does. `ρ` and the scale are f32, as in mergekit whatever the
-/// inputs' dtype (integer counts divided by a float clamp make an f32 tensor; `r`, `alpha` and
-/// `epsilon` are rounded to it), so the scale is mergekit's to the bit.
+/// `ρ` to it, as torch's `clamp` does. `ρ` and the scale are computed in f64 (the formula in
+/// float64); mergekit computes them in f32 (integer counts divided by a float clamp make an
+/// f32 tensor), a few ulps apart.
 pub fn ramplus_tl(
     base: &[f32],
     models: &[ModelTensor],
@@ -164,13 +164,10 @@ pub fn ramplus_tl(
             }
         }
     }
-    let f32_of = |x: f64| x as f32 as f64;
     let lambda: Vec<f64> = (0..models.len())
         .map(|i| {
-            let unique = clamp_min(f32_of(unique[i] as f64), f32_of(epsilon)) as f32;
-            let rho = shared[i] as f32 / unique;
-            let clamped = torch_clamp(f64::from(rho), 0.0, f32_of(alpha)) as f32;
-            f64::from(1.0 + r as f32 * clamped)
+            let rho = shared[i] as f64 / clamp_min(unique[i] as f64, epsilon);
+            1.0 + r * torch_clamp(rho, 0.0, alpha)
         })
         .collect();
     rescaled_ram(base, models, epsilon, Some(&lambda), out)
