@@ -188,17 +188,12 @@ fn writing_job(
                 input_path(&a.input)
             })
         }
-        Command::MergeFsdpLora(a) => {
-            let merge = lora_step_from(
-                AdapterSource::Ranks(rank_files(a)?),
-                &a.merge.lora,
-                a.merge.allow_nonfinite,
-            )?;
-            let steps = merge_steps(merge, &a.merge)?;
-            job("merge-fsdp-lora", steps, opts(&a.merge.write)?, &|| {
-                input_path(&a.input)
-            })
-        }
+        Command::MergeFsdpLora(a) => job(
+            "merge-fsdp-lora",
+            fsdp_merge_steps(a)?,
+            opts(&a.merge.write)?,
+            &|| input_path(&a.input),
+        ),
         Command::RepackFp4(a) => job(
             "repack-fp4",
             vec![repack_step(&a.fp4)?],
@@ -245,6 +240,16 @@ pub(crate) fn quantize_steps(a: &crate::cli::QuantizeOptions) -> Result<Vec<Step
 
 /// `merge-fsdp-lora`'s rank files: `--shard-dir`'s `*.safetensors` in name order, or the
 /// files given.
+/// `merge-fsdp-lora`'s steps: the merge of the adapter gathered from the rank files.
+fn fsdp_merge_steps(a: &crate::cli::MergeFsdpArgs) -> Result<Vec<Step>> {
+    let merge = lora_step_from(
+        AdapterSource::Ranks(rank_files(a)?),
+        &a.merge.lora,
+        a.merge.allow_nonfinite,
+    )?;
+    merge_steps(merge, &a.merge)
+}
+
 fn rank_files(a: &crate::cli::MergeFsdpArgs) -> Result<Vec<PathBuf>> {
     let Some(dir) = &a.shard_dir else {
         return Ok(a.shards.clone());
