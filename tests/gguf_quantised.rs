@@ -47,12 +47,17 @@ fn fp8_block(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
     ]
 }
 
-/// compressed-tensors NVFP4: packed E2M1 pairs, E4M3 scales per 16 (0.25 to 1), a global
-/// scale that divides.
-fn nvfp4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
-    let base = name.strip_suffix(".weight").unwrap();
-    let scales: Vec<u8> = (0..rows * cols / 16)
-        .map(|_| 0x28 + (rng.next_u32() % 16) as u8)
+/// Packed E2M1 pairs and one `scale_dtype` scale per `group` (`scale` draws each).
+fn fp4_packed(
+    rng: &mut Rng,
+    base: &str,
+    (rows, cols): (u64, u64),
+    group: u64,
+    scale_dtype: DType,
+    scale: fn(u32) -> u8,
+) -> Vec<T> {
+    let scales: Vec<u8> = (0..rows * cols / group)
+        .map(|_| scale(rng.next_u32()))
         .collect();
     vec![
         t(
@@ -63,17 +68,27 @@ fn nvfp4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
         ),
         t(
             &format!("{base}.weight_scale"),
-            DType::F8_E4M3,
-            &[rows, cols / 16],
+            scale_dtype,
+            &[rows, cols / group],
             scales,
         ),
-        t(
-            &format!("{base}.weight_global_scale"),
-            DType::F32,
-            &[1],
-            f32_bytes([48.0]),
-        ),
     ]
+}
+
+/// compressed-tensors NVFP4: packed E2M1 pairs, E4M3 scales per 16 (0.25 to 1), a global
+/// scale that divides.
+fn nvfp4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
+    let base = name.strip_suffix(".weight").unwrap();
+    let mut ts = fp4_packed(rng, base, (rows, cols), 16, DType::F8_E4M3, |r| {
+        0x28 + (r % 16) as u8
+    });
+    ts.push(t(
+        &format!("{base}.weight_global_scale"),
+        DType::F32,
+        &[1],
+        f32_bytes([48.0]),
+    ));
+    ts
 }
 
 /// compressed-tensors pack-quantized ints of `bits`, symmetric, BF16 scales per 128.
@@ -107,23 +122,9 @@ fn packed_int(rng: &mut Rng, name: &str, rows: u64, cols: u64, bits: u64) -> Vec
 /// compressed-tensors MXFP4: packed E2M1 pairs, E8M0 exponents per 32 (2^-8 to 2^-1).
 fn mxfp4(rng: &mut Rng, name: &str, rows: u64, cols: u64) -> Vec<T> {
     let base = name.strip_suffix(".weight").unwrap();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| 119 + (rng.next_u32() % 8) as u8)
-        .collect();
-    vec![
-        t(
-            &format!("{base}.weight_packed"),
-            DType::U8,
-            &[rows, cols / 2],
-            rng.bytes((rows * cols / 2) as usize),
-        ),
-        t(
-            &format!("{base}.weight_scale"),
-            DType::U8,
-            &[rows, cols / 32],
-            scales,
-        ),
-    ]
+    fp4_packed(rng, base, (rows, cols), 32, DType::U8, |r| {
+        119 + (r % 8) as u8
+    })
 }
 
 /// AutoGPTQ 4-bit (v1 zero points, no act-order): `qweight` `[in/8, out]`, `qzeros`

@@ -355,21 +355,12 @@ impl PlanStep for MergeStep {
 
 /// The model card and mergekit's tokenizer files (`merge.py`, `_copy_tokenizer`), and
 /// `vocab.json`: left out without `--copy-tokenizer`, or replaced by a merged vocabulary's.
-const TOKENIZER_FILES: &[&str] = &[
-    "README.md",
-    "hf_quant_config.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.json",
-    "chat_template.jinja",
-    "chat_template.json",
-];
+const TOKENIZER_FILES: &[&str] = TOKENIZER_AND_GENERATION_FILES
+    .split_last()
+    .expect("the list is not empty")
+    .1;
 
-/// [`TOKENIZER_FILES`] and the generation config, whose token ids another model's
+/// [`TOKENIZER_FILES`] and (last) the generation config, whose token ids another model's
 /// vocabulary may change.
 const TOKENIZER_AND_GENERATION_FILES: &[&str] = &[
     "README.md",
