@@ -35,7 +35,7 @@ trap 'rm -rf "$D"' EXIT
 cargo build --release -q
 BIN=target/release/tftf
 for k in 0 1 2; do "$VENV/bin/python" bench/merge_model.py "$D/m$k" "$SIZE_MB" "$k"; done
-INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {print s}')
+INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {printf "%d", s}')
 
 cat >"$D/linear.yml" <<EOF
 merge_method: linear
