@@ -354,16 +354,17 @@ fn run_merge_of_quantised_inputs_then_quantize_equals_the_commands() {
     }
 }
 
+/// `method` over the `.bin` and DCP twins of the same model, written in `dir`.
+fn twins_config(dir: &Path, method: &str) -> PathBuf {
+    let plain = twin("bin/hf-sharded", dir);
+    let other = twin("dcp/full-2rank", dir);
+    write_config(dir, "m.yml", &config(method, &[&plain, &other], ""))
+}
+
 #[test]
 fn run_merge_alone_writes_what_merge_writes() {
     let dir = tmp();
-    let plain = twin("bin/hf-sharded", dir.path());
-    let other = twin("dcp/full-2rank", dir.path());
-    let cfg = write_config(
-        dir.path(),
-        "m.yml",
-        &config("task_arithmetic", &[&plain, &other], ""),
-    );
+    let cfg = twins_config(dir.path(), "task_arithmetic");
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     ok(&tftf(&["merge", s(&cfg), s(&a), "-q"]));
     ok(&tftf(&[
@@ -388,13 +389,7 @@ fn run_merge_alone_writes_what_merge_writes() {
 #[test]
 fn run_merge_is_refused_where_it_cannot_stand() {
     let dir = tmp();
-    let plain = twin("bin/hf-sharded", dir.path());
-    let other = twin("dcp/full-2rank", dir.path());
-    let cfg = write_config(
-        dir.path(),
-        "m.yml",
-        &config("linear", &[&plain, &other], ""),
-    );
+    let cfg = twins_config(dir.path(), "linear");
     let out = dir.path().join("out");
     // After another section, twice, beside -i, without a config.
     let err = usage_error(&[
@@ -409,7 +404,15 @@ fn run_merge_is_refused_where_it_cannot_stand() {
     assert_refused(&err, &["--merge", "first section"], &out);
     let err = usage_error(&["run", "-o", s(&out), "--merge", s(&cfg), "--merge", s(&cfg)]);
     assert_refused(&err, &["--merge", "only one"], &out);
-    let err = usage_error(&["run", "-i", s(&plain), "-o", s(&out), "--merge", s(&cfg)]);
+    let err = usage_error(&[
+        "run",
+        "-i",
+        s(dir.path()),
+        "-o",
+        s(&out),
+        "--merge",
+        s(&cfg),
+    ]);
     assert_refused(&err, &["--merge", "drop -i"], &out);
     let err = usage_error(&["run", "-o", s(&out), "--merge"]);
     assert_refused(&err, &["--merge", "CONFIG"], &out);
