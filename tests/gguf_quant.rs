@@ -133,6 +133,16 @@ fn det_bf16(name: &str, n: u64, offset: f32) -> Vec<u8> {
         .collect()
 }
 
+/// The `mix` of each golden case, in order.
+fn mixes_of(cases: &Json) -> Vec<&str> {
+    cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["mix"].as_str().unwrap())
+        .collect()
+}
+
 /// e2e_k.json: a model whose rows are whole 256-blocks, so every k-quant, i-quant and ternary
 /// mix writes its own block types (Q2_K … Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0): byte for byte
 /// `llama-quantize`'s file, at one compute thread and at three (rows spread over the
@@ -142,14 +152,8 @@ fn k_quant_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
     let d = tmp();
     let model = llama256_model(d.path());
     let cases = golden("e2e_k.json");
-    let mixes: Vec<&str> = cases
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["mix"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        mixes,
+        mixes_of(&cases),
         [
             "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
             "iq4_nl", "iq4_xs", "tq1_0", "tq2_0"
@@ -272,14 +276,8 @@ fn iq2_and_iq1_mixes_equal_llama_quantize_byte_for_byte_at_any_thread_count() {
     let model = llama256_model(d.path());
     let golden = golden("imatrix_iq.json");
     let cases = &golden["cases"];
-    let mixes: Vec<&str> = cases
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["mix"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        mixes,
+        mixes_of(cases),
         ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m", "q4_k_m", "q4_k_m"]
     );
     for threads in ["1", "3"] {
