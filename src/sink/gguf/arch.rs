@@ -619,18 +619,24 @@ impl Config {
     }
 }
 
-/// `general.*` and `{arch}.*` KVs, in the order the reference writes them.
-pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metadata> {
-    let arch = cfg.spec.gguf_arch;
-    let k = |s: &str| format!("{arch}.{s}");
+/// The KVs every file starts with: `general.architecture`, `general.type`, `general.name`.
+pub(super) fn general_kvs(arch: &str, name: &str) -> Metadata {
     let mut m = Metadata::new();
     m.set("general.architecture", Value::String(arch.into()));
     m.set("general.type", Value::String("model".into()));
     m.set("general.name", Value::String(name.into()));
+    m
+}
+
+/// `general.*` and `{arch}.*` KVs, in the order the reference writes them.
+pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metadata> {
+    let arch = cfg.spec.gguf_arch;
+    let k = |s: &str| format!("{arch}.{s}");
     let fam = cfg.spec.family;
     if fam == Family::Gemma2 {
         return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name);
     }
+    let mut m = general_kvs(arch, name);
     let mut n_kv_override = None;
     if fam == Family::DeepseekV3 {
         n_kv_override = Some(1); // MLA is written as MQA

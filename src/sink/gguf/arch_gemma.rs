@@ -52,10 +52,7 @@ pub fn skipped(fam: Family, name: &str) -> bool {
 pub fn gemma2_model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metadata> {
     let arch = cfg.spec.gguf_arch;
     let k = |s: &str| format!("{arch}.{s}");
-    let mut m = Metadata::new();
-    m.set("general.architecture", Value::String(arch.into()));
-    m.set("general.type", Value::String("model".into()));
-    m.set("general.name", Value::String(name.into()));
+    let mut m = super::arch::general_kvs(arch, name);
     let u32s = [
         ("max_position_embeddings", "context_length"),
         ("hidden_size", "embedding_length"),
