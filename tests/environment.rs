@@ -389,7 +389,14 @@ fn sigterm_ends_a_run_stuck_on_a_stderr_nobody_reads() {
         &["--progress", "json", "--progress-interval", "0.0001"],
     );
     std::thread::sleep(Duration::from_millis(500));
-    assert!(child.try_wait().unwrap().is_none(), "the run was not stuck");
+    if let Some(status) = child.try_wait().unwrap() {
+        // Say how it ended, so that a run that was never stuck can be told apart from one
+        // that failed.
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err);
+        let tail: String = err.lines().rev().take(3).collect::<Vec<_>>().join(" / ");
+        panic!("the run was not stuck: it ended with {status}; its last stderr lines: {tail}");
+    }
     let signalled = Instant::now();
     signal(&child, libc::SIGTERM);
     let status = wait_at_most(&mut child, Duration::from_secs(15), "after SIGTERM");
