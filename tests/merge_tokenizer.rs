@@ -454,3 +454,53 @@ fn mutated_tokenizers_never_panic() {
         );
     }
 }
+
+/// A vocabulary tensor the merged tokenizer remaps must be stored as floats: an FP8 embedding
+/// is refused naming the model and the tensor, before any output.
+#[test]
+fn a_quantised_vocabulary_tensor_is_refused_where_rows_are_remapped() {
+    let dir = tmp();
+    let models = three_toys(dir.path());
+    // b's embedding as FP8 (E4M3 1.0 everywhere) with a unit block scale.
+    let b = &models[1];
+    let config = std::fs::read_to_string(b.join("config.json")).unwrap();
+    let tokenizer = std::fs::read_to_string(b.join("tokenizer.json")).unwrap();
+    std::fs::remove_dir_all(b).unwrap();
+    Model::new()
+        .tensor(
+            "model.embed_tokens.weight",
+            DType::F8_E4M3,
+            &[6, 2],
+            vec![0x38; 12],
+        )
+        .tensor(
+            "model.embed_tokens.weight_scale_inv",
+            DType::F32,
+            &[1, 1],
+            f32_bytes(&[1.0]),
+        )
+        .tensor(
+            "model.layers.0.mlp.up_proj.weight",
+            DType::F32,
+            &[2, 2],
+            f32_bytes(&[20.0, 1.0, 2.0, 3.0]),
+        )
+        .tensor("lm_head.weight", DType::F32, &[6, 2], f32_bytes(&[1.0; 12]))
+        .config(&config)
+        .file("tokenizer.json", &tokenizer)
+        .file(
+            "tokenizer_config.json",
+            r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#,
+        )
+        .write(b);
+    refused(
+        dir.path(),
+        &union_of(&models[..2], "tokenizer_source: union\n"),
+        &[
+            s(b),
+            "model.embed_tokens.weight",
+            "is quantised",
+            "tftf dequant",
+        ],
+    );
+}
