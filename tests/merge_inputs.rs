@@ -461,6 +461,67 @@ fn wide_model(dir: &Path, name: &str, seed: u64) -> PathBuf {
     m.config(&cfg.to_string()).write(&dir.join(name))
 }
 
+/// Methods that need whole-tensor statistics (TIES' and breadcrumbs' magnitude cuts, the L1
+/// rescale of DARE and DELLA, model_stock's angles) stream a weight bigger than a chunk,
+/// gathering the statistics in passes a chunk at a time: under a 16 MiB budget (several chunks
+/// a weight) they write the bytes of a 1 GiB budget (each weight one chunk, merged whole), also
+/// with quantised inputs and a quantised output in the same pass.
+#[test]
+fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
+    let dir = tmp();
+    let (a, b, c) = (
+        wide_model(dir.path(), "a", 4),
+        wide_model(dir.path(), "b", 5),
+        wide_model(dir.path(), "c", 6),
+    );
+    let small = ["--memory-budget", "16MiB", "--threads", "1"];
+    let whole = ["--memory-budget", "1GiB", "--threads", "2"];
+    let density = "parameters:\n  density: 0.4\n";
+    let cases = [
+        ("ties", density.to_string()),
+        ("breadcrumbs_ties", format!("{density}  gamma: 0.05\n")),
+        ("dare_ties", density.to_string()),
+        ("della", format!("{density}  epsilon: 0.1\n")),
+        ("model_stock", String::new()),
+    ];
+    let run = |cfg: &Path, tag: &str, opts: &[&str]| {
+        let out = dir.path().join(tag);
+        let mut args = vec!["merge", s(cfg), s(&out), "-q", "--random-seed", "3"];
+        args.extend(opts);
+        ok(&tftf(&args));
+        load_all(&out)
+    };
+    for (method, extra) in &cases {
+        let cfg = write_config(
+            dir.path(),
+            &format!("{method}.yml"),
+            &config(method, &[&a, &b, &c], extra),
+        );
+        let want = run(&cfg, &format!("{method}-whole"), &whole);
+        let got = run(&cfg, &format!("{method}-chunked"), &small);
+        assert!(got == want, "{method}");
+        if *method == "ties" {
+            // And not the base: the cuts kept something of every model.
+            let base = load_all(&a);
+            let k = "model.layers.0.mlp.up_proj.weight";
+            assert!(got[k] != base[k]);
+        }
+    }
+    // An FP8 model fed into TIES, merged and quantised in one pass, chunk by chunk.
+    let (q, _) = quantised_and_dequantised(&b, "FP8_BLOCK", "bf16", dir.path());
+    let cfg = write_config(dir.path(), "q.yml", &config("ties", &[&a, &q, &c], density));
+    let mut outs = Vec::new();
+    for (k, opts) in [&small[..], &whole[..]].into_iter().enumerate() {
+        let out = dir.path().join(format!("q-run-{k}"));
+        let mut args = vec!["run", "-o", s(&out), "-q"];
+        args.extend(opts);
+        args.extend(["--merge", s(&cfg), "--quantize", "--scheme", "FP8_BLOCK"]);
+        ok(&tftf(&args));
+        outs.push(load_all(&out));
+    }
+    assert!(outs[0] == outs[1], "ties of an FP8 model, quantised");
+}
+
 /// Feeding decoded rows into the merge, and merged rows into the quantiser, chunk by chunk:
 /// the bytes do not depend on where the chunks fall (one thread and a 16 MiB budget, several
 /// chunks a weight; or the default budget) and equal the commands' one after another.

@@ -87,6 +87,61 @@ impl Fed {
     }
 }
 
+impl Fed {
+    /// The most survey passes any feeding op makes.
+    fn inner_passes(&self) -> usize {
+        (self.feeds.iter())
+            .map(|f| match f {
+                Feed::Stored => 0,
+                Feed::Computed { op, .. } => op.survey_passes(),
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Runs `f` on the outer op's inputs for `units`: the stored ones as read, the computed
+    /// ones computed from theirs.
+    fn with_outer_inputs<T>(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        f: impl FnOnce(&[&[u8]]) -> Result<T, String>,
+    ) -> Result<T, String> {
+        let ranges = self.outer.input_ranges(units);
+        // Per feed: the stored input's position in `inputs`, or the computed buffer's and the
+        // outer op's bytes within it.
+        let mut computed: Vec<(Vec<u8>, Range<usize>)> = Vec::new();
+        let mut places: Vec<Result<usize, usize>> = Vec::with_capacity(self.feeds.len());
+        let mut at = 0;
+        for (r, feed) in ranges.iter().zip(&self.feeds) {
+            match feed {
+                Feed::Stored => {
+                    places.push(Ok(at));
+                    at += 1;
+                }
+                Feed::Computed { op, inputs: n } => {
+                    let inner = Self::inner_units(op.as_ref(), r);
+                    let b = op.out_unit_bytes();
+                    let mut buf = vec![0u8; ((inner.end - inner.start) * b) as usize];
+                    op.compute(inner.clone(), &inputs[at..at + n], &mut buf)?;
+                    let from = (r.start - inner.start * b) as usize;
+                    places.push(Err(computed.len()));
+                    computed.push((buf, from..from + (r.end - r.start) as usize));
+                    at += n;
+                }
+            }
+        }
+        let views: Vec<&[u8]> = places
+            .iter()
+            .map(|p| match p {
+                Ok(i) => inputs[*i],
+                Err(c) => &computed[*c].0[computed[*c].1.clone()],
+            })
+            .collect();
+        f(&views)
+    }
+}
+
 impl Op for Fed {
     fn name(&self) -> &'static str {
         self.outer.name()
@@ -149,38 +204,37 @@ impl Op for Fed {
         self.outer.out_span(k, units)
     }
     fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
-        let ranges = self.outer.input_ranges(units.clone());
-        // Per feed: the stored input's position in `inputs`, or the computed buffer's and the
-        // outer op's bytes within it.
-        let mut computed: Vec<(Vec<u8>, Range<usize>)> = Vec::new();
-        let mut places: Vec<Result<usize, usize>> = Vec::with_capacity(self.feeds.len());
+        self.with_outer_inputs(units.clone(), inputs, |views| {
+            self.outer.compute_all(units, views, outs)
+        })
+    }
+    /// The feeding ops' passes come first (the outer op's survey reads their results), then
+    /// the outer op's.
+    fn survey_passes(&self) -> usize {
+        self.inner_passes() + self.outer.survey_passes()
+    }
+    fn survey(&self, pass: usize, units: Range<u64>, inputs: &[&[u8]]) -> Result<(), String> {
+        let inner = self.inner_passes();
+        if pass >= inner {
+            return self.with_outer_inputs(units.clone(), inputs, |views| {
+                self.outer.survey(pass - inner, units, views)
+            });
+        }
+        let ranges = self.outer.input_ranges(units);
         let mut at = 0;
         for (r, feed) in ranges.iter().zip(&self.feeds) {
             match feed {
-                Feed::Stored => {
-                    places.push(Ok(at));
-                    at += 1;
-                }
+                Feed::Stored => at += 1,
                 Feed::Computed { op, inputs: n } => {
-                    let inner = Self::inner_units(op.as_ref(), r);
-                    let b = op.out_unit_bytes();
-                    let mut buf = vec![0u8; ((inner.end - inner.start) * b) as usize];
-                    op.compute(inner.clone(), &inputs[at..at + n], &mut buf)?;
-                    let from = (r.start - inner.start * b) as usize;
-                    places.push(Err(computed.len()));
-                    computed.push((buf, from..from + (r.end - r.start) as usize));
+                    if pass < op.survey_passes() {
+                        let units = Self::inner_units(op.as_ref(), r);
+                        op.survey(pass, units, &inputs[at..at + n])?;
+                    }
                     at += n;
                 }
             }
         }
-        let views: Vec<&[u8]> = places
-            .iter()
-            .map(|p| match p {
-                Ok(i) => inputs[*i],
-                Err(c) => &computed[*c].0[computed[*c].1.clone()],
-            })
-            .collect();
-        self.outer.compute_all(units, &views, outs)
+        Ok(())
     }
     fn report(&self) -> Option<serde_json::Value> {
         self.outer.report()

@@ -664,6 +664,9 @@ fn emit_compute(
         out_units.iter().sum::<u64>().max(op.in_unit_bytes()).max(1) + op.scratch_unit_bytes();
     let g = op.granularity().max(1);
     let per_chunk = ((chunk_bytes / per_unit) / g * g).max(g);
+    if per_chunk < units {
+        survey(sh, tensor, op, inputs, per_chunk)?;
+    }
     let mut u = 0;
     while u < units {
         let end = (u + per_chunk).min(units);
@@ -708,6 +711,49 @@ fn emit_compute(
     Ok(())
 }
 
+/// Runs the op's survey passes over a tensor that spans several chunks: each pass reads the
+/// inputs chunk by chunk, in order, into pooled buffers released before the next chunk.
+fn survey(
+    sh: &Shared,
+    tensor: usize,
+    op: &dyn crate::ops::Op,
+    inputs: &[usize],
+    per_chunk: u64,
+) -> Result<()> {
+    let units = op.units();
+    for pass in 0..op.survey_passes() {
+        let mut u = 0;
+        while u < units {
+            let end = (u + per_chunk).min(units);
+            let ranges = op.input_ranges(u..end);
+            let lens: Vec<usize> = ranges.iter().map(|r| (r.end - r.start) as usize).collect();
+            let mut bufs = sh.pool.acquire(&lens, &sh.cancel)?;
+            for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
+                sh.read_input(src, range.start, buf)?;
+            }
+            let views: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
+            let surveyed = op.survey(pass, u..end, &views);
+            drop(views);
+            for b in bufs {
+                sh.pool.release(b);
+            }
+            surveyed.map_err(|msg| tensor_error(sh, tensor, msg))?;
+            u = end;
+        }
+    }
+    Ok(())
+}
+
+/// An op's complaint about tensor `tensor`'s data, naming its source file and tensor.
+fn tensor_error(sh: &Shared, tensor: usize, msg: String) -> Error {
+    let src = &sh.ckpt.tensors[sh.plan.tensors[tensor].source_index];
+    Error::TensorData {
+        path: sh.ckpt.shards[src.shard()].path.clone(),
+        tensor: src.info.name.clone(),
+        msg,
+    }
+}
+
 fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()> {
     while let Some(work) = recv(&rx, &sh.cancel)? {
         let done = match work {
@@ -749,14 +795,7 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
                 } else {
                     Ok(())
                 }
-                .map_err(|msg| {
-                    let src = &sh.ckpt.tensors[t.source_index];
-                    Error::TensorData {
-                        path: sh.ckpt.shards[src.shard()].path.clone(),
-                        tensor: src.info.name.clone(),
-                        msg,
-                    }
-                })?;
+                .map_err(|msg| tensor_error(sh, tensor, msg))?;
                 for b in inputs {
                     sh.pool.release(b);
                 }

@@ -81,6 +81,20 @@ pub trait Op: Send + Sync + Debug {
     fn report(&self) -> Option<serde_json::Value> {
         None
     }
+
+    /// Passes over the inputs this op makes, a chunk at a time, before computing any chunk of
+    /// a tensor that does not fit one chunk: whole-tensor statistics (a merge's magnitude
+    /// thresholds, norms) gathered in bounded memory. A chunk that is the whole tensor is
+    /// computed without them.
+    fn survey_passes(&self) -> usize {
+        0
+    }
+    /// Pass `pass` (of [`Op::survey_passes`]) sees chunk `units` of the inputs, laid out as
+    /// [`Op::input_ranges`] asks; each pass sees every chunk once, in order, the passes in
+    /// order, all before the first [`Op::compute`] of a partial chunk.
+    fn survey(&self, _pass: usize, _units: Range<u64>, _inputs: &[&[u8]]) -> Result<(), String> {
+        Err(format!("op `{}` gathers no statistics", self.name()))
+    }
 }
 
 /// [`Op::name`] and [`Op::kernel`] for an op whose kernel describes every chunk alike, in its

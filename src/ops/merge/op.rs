@@ -11,6 +11,9 @@ use std::ops::Range;
 use super::config::MergeConfig;
 use super::methods::{self, ModelTensor, Params};
 use super::resolve::{Inputs, Resolved};
+use std::sync::{Mutex, OnceLock};
+
+use super::methods::survey::{Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -38,7 +41,36 @@ enum Formula {
         seed: u64,
         /// The models handed to `f` (the base apart), as the config names them.
         names: Vec<String>,
+        /// How a tensor bigger than one chunk streams: its survey, passes and granule.
+        survey: Option<(SurveyFn, usize, u64)>,
     },
+}
+
+/// A tensor's survey: under way (`running`), then finished and shared by the chunks' merges.
+#[derive(Default)]
+struct SurveyCell {
+    running: Mutex<Option<Running>>,
+    done: OnceLock<Box<dyn Survey>>,
+}
+
+/// A survey and the next chunk it expects.
+struct Running {
+    survey: Box<dyn Survey>,
+    pass: usize,
+    next: u64,
+}
+
+/// Each built op surveys its own tensor: a clone starts afresh.
+impl Clone for SurveyCell {
+    fn clone(&self) -> Self {
+        SurveyCell::default()
+    }
+}
+
+impl std::fmt::Debug for SurveyCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SurveyCell")
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -50,6 +82,7 @@ pub struct MergeOp {
     compute_dtype: Option<DType>,
     elements: u64,
     pub dst: DType,
+    surveyed: SurveyCell,
 }
 
 crate::plan::set_dst_field!(MergeOp);
@@ -121,18 +154,29 @@ impl MergeOp {
                 );
                 Formula::TaskArithmetic { weights: w, scale }
             }
-            Arithmetic::WholeTensor(f) => Formula::Whole {
-                f,
-                global: p.global,
-                models: p.models,
-                has_base: inputs.has_base,
-                shape: inputs.shapes[0].iter().map(|&d| d as usize).collect(),
-                seed,
-                names: inputs.models[usize::from(inputs.has_base)..]
-                    .iter()
-                    .map(|m| m.display().to_string())
-                    .collect(),
-            },
+            Arithmetic::WholeTensor(f) => {
+                let shape: Vec<usize> = inputs.shapes[0].iter().map(|&d| d as usize).collect();
+                let first = usize::from(inputs.has_base);
+                // Parameters the survey refuses leave the tensor whole: the whole-tensor
+                // function then refuses them with its own message.
+                let survey = method.survey.and_then(|make| {
+                    let s = make(&p.global, &p.models[first..], &shape, seed).ok()?;
+                    Some((make, s.passes(), s.granule().max(1) as u64))
+                });
+                Formula::Whole {
+                    f,
+                    global: p.global,
+                    models: p.models,
+                    has_base: inputs.has_base,
+                    shape,
+                    seed,
+                    names: inputs.models[first..]
+                        .iter()
+                        .map(|m| m.display().to_string())
+                        .collect(),
+                    survey,
+                }
+            }
         };
         let elements = crate::format::dtype::element_count(&inputs.shapes[0]).unwrap_or(0);
         Ok(MergeOp {
@@ -142,6 +186,7 @@ impl MergeOp {
             compute_dtype: config.dtype,
             elements,
             dst: DType::F32,
+            surveyed: SurveyCell::default(),
         })
     }
 
@@ -150,10 +195,92 @@ impl MergeOp {
     pub(crate) fn over_rows(mut self, shape: &[u64], dtype: DType) -> MergeOp {
         self.in_dtypes.iter_mut().for_each(|d| *d = dtype);
         self.elements = crate::format::dtype::element_count(shape).unwrap_or(0);
-        if let Formula::Whole { shape: s, .. } = &mut self.formula {
+        if let Formula::Whole {
+            shape: s, survey, ..
+        } = &mut self.formula
+        {
             *s = shape.iter().map(|&d| d as usize).collect();
+            // The remapping op hands over whole tensors.
+            *survey = None;
         }
         self
+    }
+
+    /// Every input decoded to f32 (and rounded to the compute dtype).
+    fn decode(&self, inputs: &[&[u8]], n: usize) -> Vec<Vec<f32>> {
+        (inputs.iter().zip(&self.in_dtypes))
+            .map(|(bytes, &d)| {
+                let mut v = vec![0f32; n];
+                decode_into(d, bytes, &mut v);
+                if let Some(c) = self.compute_dtype {
+                    v.iter_mut()
+                        .for_each(|x| *x = round_to(c, *x as f64) as f32);
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// The base (empty when the tensor has none) and the models, as `f` and surveys take them.
+    fn split<'v>(&self, values: &'v [Vec<f32>]) -> (&'v [f32], Vec<&'v [f32]>) {
+        let has_base = matches!(self.formula, Formula::Whole { has_base: true, .. });
+        let first = usize::from(has_base);
+        let models = values[first..].iter().map(Vec::as_slice).collect();
+        (if has_base { &values[0] } else { &[] }, models)
+    }
+
+    /// A new survey of this tensor.
+    fn start_survey(&self) -> Result<Box<dyn Survey>, String> {
+        let Formula::Whole {
+            global,
+            models,
+            has_base,
+            shape,
+            seed,
+            names,
+            survey: Some((make, ..)),
+            ..
+        } = &self.formula
+        else {
+            return Err(format!("`{}` merges this tensor whole", self.method));
+        };
+        make(global, &models[usize::from(*has_base)..], shape, *seed)
+            .map_err(|e| super::adapt::name_models(&e, names))
+    }
+
+    /// The model names errors from a method's arithmetic are told with.
+    fn names(&self) -> &[String] {
+        match &self.formula {
+            Formula::Whole { names, .. } => names,
+            _ => &[],
+        }
+    }
+
+    /// Merges chunk `units` from the finished survey.
+    fn compute_surveyed(
+        &self,
+        units: Range<u64>,
+        inputs: &[&[u8]],
+        out: &mut [u8],
+    ) -> Result<(), String> {
+        if self.surveyed.done.get().is_none() && self.survey_passes() == 0 {
+            let _ = self.surveyed.done.set(self.start_survey()?);
+        }
+        let Some(survey) = self.surveyed.done.get() else {
+            return Err(format!(
+                "internal error: a chunk of `{}` was merged before the tensor's survey ended",
+                self.method
+            ));
+        };
+        let n = (units.end - units.start) as usize;
+        let values = self.decode(inputs, n);
+        let (base, models) = self.split(&values);
+        let mut merged = vec![0f32; n];
+        survey
+            .merge(units.start as usize, base, &models, &mut merged)
+            .map_err(|e| super::adapt::name_models(&e, self.names()))?;
+        write_as(self.dst, merged.into_iter(), out);
+        Ok(())
     }
 
     /// Element range `units` of every input, widened to f64 (and rounded to the compute
@@ -250,9 +377,57 @@ impl Op for MergeOp {
     }
     fn granularity(&self) -> u64 {
         match self.formula {
+            Formula::Whole {
+                survey: Some((_, _, granule)),
+                ..
+            } => granule.min(self.elements.max(1)),
             Formula::Whole { .. } => self.elements.max(1),
             _ => 1,
         }
+    }
+    fn survey_passes(&self) -> usize {
+        match self.formula {
+            Formula::Whole {
+                survey: Some((_, passes, _)),
+                ..
+            } => passes,
+            _ => 0,
+        }
+    }
+    fn survey(&self, pass: usize, units: Range<u64>, inputs: &[&[u8]]) -> Result<(), String> {
+        let mut running = self.surveyed.running.lock().unwrap();
+        if pass == 0 && units.start == 0 {
+            *running = Some(Running {
+                survey: self.start_survey()?,
+                pass: 0,
+                next: 0,
+            });
+        }
+        let r = match running.as_mut() {
+            Some(r) if r.pass == pass && r.next == units.start => r,
+            _ => {
+                return Err(format!(
+                    "internal error: `{}` surveyed units {units:?} of pass {pass} out of order",
+                    self.method
+                ))
+            }
+        };
+        let values = self.decode(inputs, (units.end - units.start) as usize);
+        let (base, models) = self.split(&values);
+        let names = self.names();
+        (r.survey.observe(pass, units.start as usize, base, &models))
+            .map_err(|e| super::adapt::name_models(&e, names))?;
+        r.next = units.end;
+        if units.end == self.elements {
+            (r.survey.end_pass(pass)).map_err(|e| super::adapt::name_models(&e, names))?;
+            r.pass += 1;
+            r.next = 0;
+            if r.pass == self.survey_passes() {
+                let done = running.take().expect("a running survey").survey;
+                let _ = self.surveyed.done.set(done);
+            }
+        }
+        Ok(())
     }
     fn scratch_unit_bytes(&self) -> u64 {
         match self.formula {
@@ -279,32 +454,24 @@ impl Op for MergeOp {
             shape,
             seed,
             names,
+            ..
         } = &self.formula
         else {
             self.compute_elementwise(units, inputs, out);
             return Ok(());
         };
+        if units != (0..self.elements) {
+            return self.compute_surveyed(units, inputs, out);
+        }
         let n = (units.end - units.start) as usize;
-        let values: Vec<Vec<f32>> = inputs
-            .iter()
-            .zip(&self.in_dtypes)
-            .map(|(bytes, &d)| {
-                let mut v = vec![0f32; n];
-                decode_into(d, bytes, &mut v);
-                if let Some(c) = self.compute_dtype {
-                    v.iter_mut()
-                        .for_each(|x| *x = round_to(c, *x as f64) as f32);
-                }
-                v
-            })
-            .collect();
+        let values = self.decode(inputs, n);
+        let (base, values) = self.split(&values);
         let first = usize::from(*has_base);
-        let tensors: Vec<ModelTensor> = values[first..]
+        let tensors: Vec<ModelTensor> = values
             .iter()
             .zip(&models[first..])
             .map(|(v, params)| ModelTensor { values: v, params })
             .collect();
-        let base: &[f32] = if *has_base { &values[0] } else { &[] };
         let mut merged = vec![0f32; n];
         f(base, &tensors, global, shape, *seed, &mut merged)
             .map_err(|e| super::adapt::name_models(&e, names))?;
@@ -361,11 +528,13 @@ mod tests {
                 shape: vec![2, 2],
                 seed: 3,
                 names: vec!["b".into()],
+                survey: None,
             },
             in_dtypes: vec![DType::F32, DType::BF16],
             compute_dtype: None,
             elements: 4,
             dst: DType::BF16,
+            surveyed: SurveyCell::default(),
         };
         assert_eq!(op.granularity(), 4);
         let base: Vec<u8> = [1.0f32, 2.0, 3.0, 1.0 + 2f32.powi(-10)]

@@ -4,6 +4,7 @@
 //! checked, and refused by name.
 
 use super::config::MergeConfig;
+use super::methods::survey::SurveyFn;
 use super::methods::{ModelTensor, Params};
 use crate::format::dtype::DType;
 
@@ -62,6 +63,9 @@ pub struct MethodSpec {
     /// mergekit's result is at least f32 whatever the inputs' dtype (see
     /// [`MethodSpec::result_dtype`]).
     pub widens_to_f32: bool,
+    /// How a whole-tensor method merges a tensor too big for one chunk, a chunk at a time;
+    /// `None`: such a tensor is merged whole, outside the memory budget.
+    pub survey: Option<SurveyFn>,
 }
 
 const fn p(name: &'static str, scope: Scope, default: Option<f64>) -> ParamSpec {
@@ -106,6 +110,15 @@ const fn method(
         inputs,
         arithmetic,
         widens_to_f32: false,
+        survey: None,
+    }
+}
+
+/// `spec`, streaming big tensors through `survey`.
+const fn streamed(spec: MethodSpec, survey: SurveyFn) -> MethodSpec {
+    MethodSpec {
+        survey: Some(survey),
+        ..spec
     }
 }
 
@@ -119,7 +132,7 @@ const fn widening_to_f32(spec: MethodSpec) -> MethodSpec {
 }
 
 use super::adapt;
-use super::methods::{sce, sparse};
+use super::methods::{model_stock, sce, sparse};
 use Arithmetic::WholeTensor;
 use Base::{Ignored, Optional, Required};
 
@@ -200,12 +213,15 @@ pub static METHODS: &[MethodSpec] = &[
         (1, Some(1)),
         Arithmetic::Passthrough,
     ),
-    method(
-        "model_stock",
-        &[p("filter_wise", Shared, Some(0.0))],
-        Required,
-        (3, None),
-        WholeTensor(adapt::model_stock),
+    streamed(
+        method(
+            "model_stock",
+            &[p("filter_wise", Shared, Some(0.0))],
+            Required,
+            (3, None),
+            WholeTensor(adapt::model_stock),
+        ),
+        model_stock::survey,
     ),
     widening_to_f32(method(
         "arcee_fusion",
@@ -231,54 +247,75 @@ pub static METHODS: &[MethodSpec] = &[
         (1, None),
         Arithmetic::TaskArithmetic,
     ),
-    method(
-        "ties",
-        gta!(1.0, 0.0),
-        Required,
-        (1, None),
-        WholeTensor(sparse::ties),
+    streamed(
+        method(
+            "ties",
+            gta!(1.0, 0.0),
+            Required,
+            (1, None),
+            WholeTensor(sparse::ties),
+        ),
+        sparse::ties_survey,
     ),
-    method(
-        "dare_ties",
-        gta!(0.0, 1.0),
-        Required,
-        (1, None),
-        WholeTensor(sparse::dare_ties),
+    streamed(
+        method(
+            "dare_ties",
+            gta!(0.0, 1.0),
+            Required,
+            (1, None),
+            WholeTensor(sparse::dare_ties),
+        ),
+        sparse::dare_ties_survey,
     ),
-    method(
-        "dare_linear",
-        gta!(0.0, 1.0),
-        Required,
-        (1, None),
-        WholeTensor(sparse::dare_linear),
+    streamed(
+        method(
+            "dare_linear",
+            gta!(0.0, 1.0),
+            Required,
+            (1, None),
+            WholeTensor(sparse::dare_linear),
+        ),
+        sparse::dare_linear_survey,
     ),
-    method(
-        "breadcrumbs",
-        gta!(0.0, 0.0, GAMMA),
-        Required,
-        (1, None),
-        WholeTensor(sparse::breadcrumbs),
+    streamed(
+        method(
+            "breadcrumbs",
+            gta!(0.0, 0.0, GAMMA),
+            Required,
+            (1, None),
+            WholeTensor(sparse::breadcrumbs),
+        ),
+        sparse::breadcrumbs_survey,
     ),
-    method(
-        "breadcrumbs_ties",
-        gta!(0.0, 0.0, GAMMA),
-        Required,
-        (1, None),
-        WholeTensor(sparse::breadcrumbs_ties),
+    streamed(
+        method(
+            "breadcrumbs_ties",
+            gta!(0.0, 0.0, GAMMA),
+            Required,
+            (1, None),
+            WholeTensor(sparse::breadcrumbs_ties),
+        ),
+        sparse::breadcrumbs_ties_survey,
     ),
-    method(
-        "della",
-        gta!(1.0, 1.0, EPSILON),
-        Required,
-        (1, None),
-        WholeTensor(sparse::della),
+    streamed(
+        method(
+            "della",
+            gta!(1.0, 1.0, EPSILON),
+            Required,
+            (1, None),
+            WholeTensor(sparse::della),
+        ),
+        sparse::della_survey,
     ),
-    method(
-        "della_linear",
-        gta!(0.0, 1.0, EPSILON),
-        Required,
-        (1, None),
-        WholeTensor(sparse::della_linear),
+    streamed(
+        method(
+            "della_linear",
+            gta!(0.0, 1.0, EPSILON),
+            Required,
+            (1, None),
+            WholeTensor(sparse::della_linear),
+        ),
+        sparse::della_linear_survey,
     ),
 ];
 

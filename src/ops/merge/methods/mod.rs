@@ -9,6 +9,7 @@
 pub mod linear;
 pub mod sce;
 pub mod sparse;
+pub mod sparse_stream;
 pub mod sparsify;
 pub mod task_arithmetic;
 
@@ -19,6 +20,7 @@ pub mod misc;
 pub mod model_stock;
 pub mod slerp;
 pub mod support;
+pub mod survey;
 
 /// Parameters resolved for one tensor: mergekit's names (`weight`, `density`, `epsilon`,
 /// `lambda`, `t`, …) to values; booleans (`normalize`, `rescale`, `int8_mask`) are 0 or 1.

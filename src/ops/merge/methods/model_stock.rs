@@ -5,7 +5,10 @@
 //! (the offset of two `f32` values is exact there, their products too) in one pass that keeps
 //! only the N×N Gram matrix of the offsets, per row when `filter_wise`.
 
+use std::ops::Range;
+
 use super::support::{model_count, same_lengths, shape_holds, split_axis, BlockSum};
+use super::survey::Survey;
 use super::{ModelTensor, Params};
 
 /// mergekit's model_stock: `base` and N ≥ 2 fine-tunes. Over the whole tensor (or each row,
@@ -25,56 +28,164 @@ pub fn model_stock(
     model_count("model_stock", models.len(), 2, usize::MAX)?;
     same_lengths(Some(base), models, out)?;
     shape_holds(shape, out.len())?;
-    let row = if global.flag("filter_wise", false) {
-        split_axis(shape, shape.len().saturating_sub(1)).1
-    } else {
-        out.len()
-    };
-    if row == 0 {
-        return Ok(());
-    }
-    let n = models.len();
-    let mut gram = vec![BlockSum::default(); n * n];
-    let mut offsets = vec![0.0f64; n];
-    for start in (0..out.len()).step_by(row) {
-        let span = start..start + row;
-        gram.iter_mut().for_each(|g| *g = BlockSum::default());
-        for k in span.clone() {
-            for (o, m) in offsets.iter_mut().zip(models) {
-                *o = m.values[k] as f64 - base[k] as f64;
-            }
-            for i in 0..n {
-                for j in i..n {
-                    gram[i * n + j].add(offsets[i] * offsets[j]);
-                }
-            }
-        }
-        let t = interpolation(&gram, n);
-        for k in span {
-            let mean = models.iter().map(|m| m.values[k] as f64).sum::<f64>() / n as f64;
-            out[k] = (t * mean + (1.0 - t) * base[k] as f64) as f32;
-        }
-    }
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    rows(base, &values, row_length(global, shape, out.len()), out);
     Ok(())
 }
 
-/// `t` from the offsets' Gram matrix (upper triangle of `gram`, N×N).
-fn interpolation(gram: &[BlockSum], n: usize) -> f64 {
-    let norm = |i: usize| gram[i * n + i].value().sqrt();
-    let mut cos = BlockSum::default();
-    for i in 0..n {
-        for j in i + 1..n {
-            let product = norm(i) * norm(j);
-            let floor = if product < 1e-6 { 1e-6 } else { product };
-            cos.add((gram[i * n + j].value() / floor).clamp(-1.0, 1.0));
+/// The elements one `t` covers: a row along the last axis with `filter_wise`, else all `len`.
+fn row_length(global: &Params, shape: &[usize], len: usize) -> usize {
+    if global.flag("filter_wise", false) {
+        split_axis(shape, shape.len().saturating_sub(1)).1
+    } else {
+        len
+    }
+}
+
+/// Merges `out.len()` elements, each `row` of them with their own `t`.
+fn rows(base: &[f32], models: &[&[f32]], row: usize, out: &mut [f32]) {
+    if row == 0 {
+        return;
+    }
+    for start in (0..out.len()).step_by(row) {
+        let span = start..start + row;
+        let mut gram = Gram::new(models.len());
+        gram.add(base, models, span.clone());
+        blend(gram.interpolation(), base, models, span, out);
+    }
+}
+
+/// `t · mean(models) + (1 − t) · base` over `span`.
+fn blend(t: f64, base: &[f32], models: &[&[f32]], span: Range<usize>, out: &mut [f32]) {
+    let n = models.len();
+    for k in span {
+        let mean = models.iter().map(|m| m[k] as f64).sum::<f64>() / n as f64;
+        out[k] = (t * mean + (1.0 - t) * base[k] as f64) as f32;
+    }
+}
+
+/// The offsets' Gram matrix (upper triangle of N×N), summed element by element in order.
+#[derive(Clone, Debug)]
+struct Gram {
+    n: usize,
+    sums: Vec<BlockSum>,
+    offsets: Vec<f64>,
+}
+
+impl Gram {
+    fn new(n: usize) -> Gram {
+        Gram {
+            n,
+            sums: vec![BlockSum::default(); n * n],
+            offsets: vec![0.0; n],
         }
     }
-    let cos = cos.value() / (n * (n - 1) / 2) as f64;
-    let denominator = 1.0 + (n as f64 - 1.0) * cos;
-    if denominator.abs() < 1e-6 {
-        0.0
-    } else {
-        n as f64 * cos / denominator
+
+    fn add(&mut self, base: &[f32], models: &[&[f32]], span: Range<usize>) {
+        let n = self.n;
+        for k in span {
+            for (o, m) in self.offsets.iter_mut().zip(models) {
+                *o = m[k] as f64 - base[k] as f64;
+            }
+            for i in 0..n {
+                for j in i..n {
+                    self.sums[i * n + j].add(self.offsets[i] * self.offsets[j]);
+                }
+            }
+        }
+    }
+
+    /// `t` from the Gram matrix.
+    fn interpolation(&self) -> f64 {
+        let (gram, n) = (&self.sums, self.n);
+        let norm = |i: usize| gram[i * n + i].value().sqrt();
+        let mut cos = BlockSum::default();
+        for i in 0..n {
+            for j in i + 1..n {
+                let product = norm(i) * norm(j);
+                let floor = if product < 1e-6 { 1e-6 } else { product };
+                cos.add((gram[i * n + j].value() / floor).clamp(-1.0, 1.0));
+            }
+        }
+        let cos = cos.value() / (n * (n - 1) / 2) as f64;
+        let denominator = 1.0 + (n as f64 - 1.0) * cos;
+        if denominator.abs() < 1e-6 {
+            0.0
+        } else {
+            n as f64 * cos / denominator
+        }
+    }
+}
+
+/// model_stock a chunk at a time: one pass sums the Gram matrix of the whole tensor; with
+/// `filter_wise` chunks hold whole rows and need no pass.
+#[derive(Debug)]
+pub struct ModelStockSurvey {
+    row: usize,
+    filter_wise: bool,
+    gram: Gram,
+    t: f64,
+}
+
+/// The [`Survey`] of one tensor.
+pub fn survey(
+    global: &Params,
+    models: &[Params],
+    shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("model_stock", models.len(), 2, usize::MAX)?;
+    let len = shape.iter().product();
+    Ok(Box::new(ModelStockSurvey {
+        row: row_length(global, shape, len),
+        filter_wise: global.flag("filter_wise", false),
+        gram: Gram::new(models.len()),
+        t: 0.0,
+    }))
+}
+
+impl Survey for ModelStockSurvey {
+    fn passes(&self) -> usize {
+        usize::from(!self.filter_wise)
+    }
+
+    fn granule(&self) -> usize {
+        if self.filter_wise {
+            self.row
+        } else {
+            1
+        }
+    }
+
+    fn observe(
+        &mut self,
+        _pass: usize,
+        _start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        self.gram.add(base, models, 0..base.len());
+        Ok(())
+    }
+
+    fn end_pass(&mut self, _pass: usize) -> Result<(), String> {
+        self.t = self.gram.interpolation();
+        Ok(())
+    }
+
+    fn merge(
+        &self,
+        _start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        if self.filter_wise {
+            rows(base, models, self.row, out);
+        } else {
+            blend(self.t, base, models, 0..out.len(), out);
+        }
+        Ok(())
     }
 }
 
@@ -87,6 +198,42 @@ mod tests {
         run_plain(base.len(), inputs, |models, out| {
             model_stock(base, models, global, &[base.len()], out)
         })
+    }
+
+    #[test]
+    fn every_chunking_merges_the_bytes_the_whole_tensor_does() {
+        use super::super::survey::testing::{chunked, tensors};
+        use super::super::uniform;
+        for trial in 0..12u64 {
+            let (rows, cols) = (2 + trial as usize % 5, 3 + trial as usize % 7);
+            let len = rows * cols;
+            let draw = |m: u64| -> Vec<f32> {
+                (0..len)
+                    .map(|j| (uniform(trial, m, j as u64) * 8.0 - 4.0) as f32)
+                    .collect()
+            };
+            let base = draw(9);
+            let models: Vec<Vec<f32>> = (0..2 + trial % 3).map(draw).collect();
+            let params = vec![Params::default(); models.len()];
+            let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
+            let global = Params::default().with("filter_wise", (trial % 2) as f64);
+            let shape = [rows, cols];
+            let mut want = vec![0f32; len];
+            model_stock(
+                &base,
+                &tensors(&models, &params),
+                &global,
+                &shape,
+                &mut want,
+            )
+            .unwrap();
+            for chunk in [1, 2, cols, len - 1, len] {
+                let s = survey(&global, &params, &shape, 0).unwrap();
+                let got = chunked(s, &base, &views, chunk).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "trial {trial}, chunk {chunk}");
+            }
+        }
     }
 
     #[test]

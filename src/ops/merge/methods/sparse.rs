@@ -79,7 +79,19 @@ pub const DELLA_LINEAR: Generalized = method("della_linear", DellaMagprune, fals
 /// Defines `pub fn $name(base, models, global, shape, seed, out)`, the method `$how` with
 /// the signature every merge method shares.
 macro_rules! method_fn {
-    ($(#[$doc:meta])* $name:ident = $how:ident) => {
+    ($(#[$doc:meta])* $name:ident, $survey:ident = $how:ident) => {
+        /// The method's [`super::survey::Survey`] of one tensor, for tensors merged a chunk at
+        /// a time.
+        pub fn $survey(
+            global: &Params,
+            models: &[Params],
+            shape: &[usize],
+            seed: u64,
+        ) -> Result<Box<dyn super::survey::Survey>, String> {
+            let survey = super::sparse_stream::SparseSurvey::new(&$how, global, models, shape, seed)?;
+            Ok(Box::new(survey))
+        }
+
         $(#[$doc])*
         pub fn $name(
             base: &[f32],
@@ -97,45 +109,45 @@ macro_rules! method_fn {
 method_fn! {
     /// TIES: magnitude pruning to `density` (default 1), sign consensus by sum; `normalize`
     /// defaults to true, `rescale` to false. Deterministic (`seed` unused).
-    ties = TIES
+    ties, ties_survey = TIES
 }
 
 method_fn! {
     /// Model breadcrumbs: drop the `gamma` (default 0.01) fraction of largest magnitudes and keep
     /// the next `density` (default 1) fraction; no consensus; `normalize` and `rescale` default to
     /// false. Deterministic (`seed` unused).
-    breadcrumbs = BREADCRUMBS
+    breadcrumbs, breadcrumbs_survey = BREADCRUMBS
 }
 
 method_fn! {
     /// Breadcrumbs' pruning with sign consensus by sum; `normalize` and `rescale` default to
     /// false. Deterministic (`seed` unused).
-    breadcrumbs_ties = BREADCRUMBS_TIES
+    breadcrumbs_ties, breadcrumbs_ties_survey = BREADCRUMBS_TIES
 }
 
 method_fn! {
     /// DARE: keep each element with probability `density` (default 1), drawn from
     /// `uniform(seed, model, element)`; no consensus; `rescale` (default true) restores each task
     /// vector's L1 norm, as mergekit does (not a 1/density factor); `normalize` defaults to false.
-    dare_linear = DARE_LINEAR
+    dare_linear, dare_linear_survey = DARE_LINEAR
 }
 
 method_fn! {
     /// DARE's random pruning with sign consensus by sum; `rescale` defaults to true,
     /// `normalize` to false.
-    dare_ties = DARE_TIES
+    dare_ties, dare_ties_survey = DARE_TIES
 }
 
 method_fn! {
     /// DELLA: keep each element with a probability from `density - epsilon` (smallest magnitude
     /// of its row) to `density + epsilon` (largest), `epsilon` defaulting to 0.15 and both ends
     /// required inside (0, 1); sign consensus by sum; `normalize` and `rescale` default to true.
-    della = DELLA
+    della, della_survey = DELLA
 }
 
 method_fn! {
     /// DELLA's pruning without consensus; `rescale` defaults to true, `normalize` to false.
-    della_linear = DELLA_LINEAR
+    della_linear, della_linear_survey = DELLA_LINEAR
 }
 
 /// Any of the methods above, by its configuration.
@@ -149,64 +161,78 @@ pub fn generalized(
     out: &mut [f32],
 ) -> Result<(), String> {
     check_inputs(base, models, shape, out)?;
-    let normalize = global.flag("normalize", how.default_normalize);
-    let lambda = finite(global, "lambda", 1.0)?;
-    let mut weights = Vec::with_capacity(models.len());
+    let setup = Setup::new(how, models.iter().map(|m| m.params), global)?;
     let mut kept = Vec::with_capacity(models.len());
-    for (index, model) in models.iter().enumerate() {
-        let sparsify = sparsify_params(how, model.params, global)
-            .map_err(|e| format!("models[{index}]: {e}"))?;
-        weights.push(weight(model.params).map_err(|e| format!("models[{index}]: {e}"))?);
+    for (index, (model, sparsify)) in models.iter().zip(&setup.sparsify).enumerate() {
         let tv = TaskVector {
             model: model.values,
             base,
         };
         kept.push(
-            survivors(tv, shape, &sparsify, seed, index as u64)
+            survivors(tv, shape, sparsify, seed, index as u64)
                 .map_err(|e| format!("models[{index}]: {e}"))?,
         );
     }
-    let combine = Combine {
-        base,
-        models,
-        weights: &weights,
-        kept: &kept,
-        consensus: how.consensus,
-        normalize,
-        lambda,
-    };
-    combine.run(out);
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    setup.combine(base, &values, &kept, out);
     Ok(())
 }
 
-/// The per-element combination of the sparsified, weighted task vectors.
-struct Combine<'a> {
-    base: &'a [f32],
-    models: &'a [ModelTensor<'a>],
-    weights: &'a [f64],
-    kept: &'a [Survivors],
-    consensus: bool,
-    normalize: bool,
-    lambda: f64,
+/// A generalized method's parameters for one tensor, checked: what the per-element
+/// combination needs besides the survivors.
+#[derive(Clone, Debug)]
+pub(crate) struct Setup {
+    pub consensus: bool,
+    pub normalize: bool,
+    pub lambda: f64,
+    pub weights: Vec<f64>,
+    pub sparsify: Vec<Sparsify>,
 }
 
-impl Combine<'_> {
-    fn run(&self, out: &mut [f32]) {
+impl Setup {
+    /// Checks the shared parameters, then each model's in order (as mergekit would meet them).
+    pub fn new<'a>(
+        how: &Generalized,
+        models: impl Iterator<Item = &'a Params>,
+        global: &Params,
+    ) -> Result<Setup, String> {
+        let lambda = finite(global, "lambda", 1.0)?;
+        let (mut weights, mut sparsify) = (Vec::new(), Vec::new());
+        for (index, params) in models.enumerate() {
+            let at = |e: String| format!("models[{index}]: {e}");
+            let s = sparsify_params(how, params, global).map_err(at)?;
+            weights.push(weight(params).map_err(at)?);
+            s.check().map_err(at)?;
+            sparsify.push(s);
+        }
+        Ok(Setup {
+            consensus: how.consensus,
+            normalize: global.flag("normalize", how.default_normalize),
+            lambda,
+            weights,
+            sparsify,
+        })
+    }
+
+    /// The per-element combination of the sparsified, weighted task vectors: `models[i][j]`
+    /// against `base[j]`, element `j` of model `i` kept where `kept[i]` says (indices relative
+    /// to these slices).
+    pub fn combine(&self, base: &[f32], models: &[&[f32]], kept: &[Survivors], out: &mut [f32]) {
         let total: f64 = self.weights.iter().sum();
         let linear_divisor = if total.abs() < 1e-8 { 1.0 } else { total };
-        let mut terms = vec![0f64; self.models.len()];
+        let mut terms = vec![0f64; models.len()];
         for (j, slot) in out.iter_mut().enumerate() {
-            let base = f64::from(self.base[j]);
+            let base = f64::from(base[j]);
             for (i, term) in terms.iter_mut().enumerate() {
-                let survivor = &self.kept[i];
+                let survivor = &kept[i];
                 *term = if survivor.kept(j) {
-                    (f64::from(self.models[i].values[j]) - base) * survivor.scale * self.weights[i]
+                    (f64::from(models[i][j]) - base) * survivor.scale * self.weights[i]
                 } else {
                     0.0
                 };
             }
             let (mut merged, divisor) = if self.consensus {
-                elect(&terms, self.weights)
+                elect(&terms, &self.weights)
             } else {
                 (terms.iter().sum(), linear_divisor)
             };

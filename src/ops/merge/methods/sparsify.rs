@@ -66,7 +66,7 @@ impl Survivors {
             .is_none_or(|bits| bits[index / 64] >> (index % 64) & 1 == 1)
     }
 
-    fn from_predicate(len: usize, mut keep: impl FnMut(usize) -> bool) -> Self {
+    pub fn from_predicate(len: usize, mut keep: impl FnMut(usize) -> bool) -> Self {
         let mut bits = vec![0u64; len.div_ceil(64)];
         for index in 0..len {
             if keep(index) {
@@ -91,6 +91,70 @@ pub(crate) struct Sparsify {
     pub rescale: bool,
 }
 
+/// What a sparsification keeps of a task vector of `len` elements, before any draw or rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Selection {
+    All,
+    Nothing,
+    /// The ranks in `[low, high)` of the magnitude order (see [`rank_range`]).
+    Ranks(usize, usize),
+    Random,
+    Della,
+}
+
+impl Sparsify {
+    /// What this sparsification keeps of `len` elements.
+    pub fn selection(&self, len: usize) -> Selection {
+        let count = |fraction: f64| (fraction * len as f64).trunc() as usize;
+        if self.density >= 1.0 {
+            return Selection::All;
+        }
+        match self.method {
+            Sparsification::Magnitude | Sparsification::DellaMagprune if self.density <= 0.0 => {
+                Selection::Nothing
+            }
+            Sparsification::Magnitude => {
+                let k = count(self.density).max(1).min(len);
+                Selection::Ranks(len - k, len)
+            }
+            Sparsification::MagnitudeOutliers => {
+                let target = count(self.density);
+                let bottom = len.saturating_sub(target + count(self.gamma));
+                Selection::Ranks(bottom, (bottom + target).min(len))
+            }
+            Sparsification::Random => Selection::Random,
+            Sparsification::DellaMagprune => Selection::Della,
+        }
+    }
+
+    /// Refuses parameters the sparsification cannot use (DELLA's `epsilon` pushing a keep
+    /// probability out of (0, 1)); only where they matter, as mergekit meets them.
+    pub fn check(&self) -> Result<(), String> {
+        let (density, epsilon) = (self.density, self.epsilon);
+        let matters =
+            self.method == Sparsification::DellaMagprune && density > 0.0 && density < 1.0;
+        if matters && (density + epsilon >= 1.0 || density - epsilon <= 0.0) {
+            return Err(format!(
+                "`epsilon` must leave `density` ± `epsilon` inside (0, 1); got density {density}, \
+                 epsilon {epsilon}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Elements a chunk of a streamed tensor must hold a whole number of: DELLA ranks within
+    /// rows along axis 1, so a chunk holds whole slabs of the first axis.
+    pub fn granule(&self, shape: &[usize]) -> usize {
+        match (self.method, shape) {
+            (Sparsification::DellaMagprune, [_, rest @ ..]) if !rest.is_empty() => {
+                rest.iter().product()
+            }
+            (Sparsification::DellaMagprune, _) => shape.iter().product(),
+            _ => 1,
+        }
+    }
+}
+
 /// Which elements of `tv` (row-major `shape`) survive `how`; stochastic draws come from
 /// `uniform(seed, model, element)`.
 pub(crate) fn survivors(
@@ -101,30 +165,14 @@ pub(crate) fn survivors(
     model: u64,
 ) -> Result<Survivors, String> {
     let len = tv.base.len();
-    if how.density >= 1.0 {
-        return Ok(Survivors::all());
-    }
-    let count = |fraction: f64| (fraction * len as f64).trunc() as usize;
-    let mut kept = match how.method {
-        Sparsification::Magnitude if how.density <= 0.0 => {
-            Survivors::from_predicate(len, |_| false)
-        }
-        Sparsification::Magnitude => {
-            let k = count(how.density).max(1).min(len);
-            rank_range(len, |j| tv.at(j).abs(), len - k, len)
-        }
-        Sparsification::MagnitudeOutliers => {
-            let target = count(how.density);
-            let bottom = len.saturating_sub(target + count(how.gamma));
-            rank_range(len, |j| tv.at(j).abs(), bottom, (bottom + target).min(len))
-        }
-        Sparsification::Random => {
+    let mut kept = match how.selection(len) {
+        Selection::All => return Ok(Survivors::all()),
+        Selection::Nothing => Survivors::from_predicate(len, |_| false),
+        Selection::Ranks(low, high) => rank_range(len, |j| tv.at(j).abs(), low, high),
+        Selection::Random => {
             Survivors::from_predicate(len, |j| uniform(seed, model, j as u64) < how.density)
         }
-        Sparsification::DellaMagprune if how.density <= 0.0 => {
-            Survivors::from_predicate(len, |_| false)
-        }
-        Sparsification::DellaMagprune => della(tv, shape, how, seed, model)?,
+        Selection::Della => della(tv, shape, how, seed, model, 0)?,
     };
     if how.rescale {
         kept.scale = l1_rescale(tv, &kept);
@@ -135,31 +183,53 @@ pub(crate) fn survivors(
 /// mergekit's `rescaled_masked_tensor(norm=l1)`: `‖tv‖₁ / ‖kept‖₁`, or 1 when either norm is
 /// below `1e-7`.
 fn l1_rescale(tv: TaskVector, kept: &Survivors) -> f64 {
-    let len = tv.base.len();
-    let before = compensated_sum((0..len).map(|j| tv.at(j).abs()));
-    let after = compensated_sum((0..len).map(|j| if kept.kept(j) { tv.at(j).abs() } else { 0.0 }));
-    if before < 1e-7 || after < 1e-7 {
-        1.0
-    } else {
-        before / after
+    let mut norms = L1Norms::default();
+    norms.add(tv, kept);
+    norms.scale()
+}
+
+/// The L1 norms of a task vector before and after sparsification, summed a span at a time in
+/// position order.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct L1Norms {
+    before: Compensated,
+    after: Compensated,
+}
+
+impl L1Norms {
+    /// Adds the elements of `tv`, `kept` saying which survive (indices relative to `tv`).
+    pub fn add(&mut self, tv: TaskVector, kept: &Survivors) {
+        for j in 0..tv.base.len() {
+            let magnitude = tv.at(j).abs();
+            self.before.add(magnitude);
+            self.after.add(if kept.kept(j) { magnitude } else { 0.0 });
+        }
+    }
+
+    /// `‖tv‖₁ / ‖kept‖₁`, or 1 when either norm is below `1e-7`.
+    pub fn scale(&self) -> f64 {
+        let (before, after) = (self.before.value(), self.after.value());
+        if before < 1e-7 || after < 1e-7 {
+            1.0
+        } else {
+            before / after
+        }
     }
 }
 
-/// DELLA's magnitude-ranked keep probabilities, drawn per element.
-fn della(
+/// DELLA's magnitude-ranked keep probabilities, drawn per element: `tv` holds whole slabs
+/// ([`Sparsify::granule`]) of a tensor of `shape` from element `start`, and the survivors'
+/// indices are relative to `tv`.
+pub(crate) fn della(
     tv: TaskVector,
     shape: &[usize],
     how: &Sparsify,
     seed: u64,
     model: u64,
+    start: usize,
 ) -> Result<Survivors, String> {
+    how.check()?;
     let (density, epsilon) = (how.density, how.epsilon);
-    if density + epsilon >= 1.0 || density - epsilon <= 0.0 {
-        return Err(format!(
-            "`epsilon` must leave `density` ± `epsilon` inside (0, 1); got density {density}, \
-             epsilon {epsilon}"
-        ));
-    }
     let len = tv.base.len();
     // mergekit ranks along dim 1 of the tensor (a 1-D tensor is unsqueezed to one row).
     let (row, inner) = match shape {
@@ -186,7 +256,7 @@ fn della(
                     0.5
                 };
                 let probability = (density - epsilon) + spread * 2.0 * epsilon;
-                if uniform(seed, model, j as u64) < probability {
+                if uniform(seed, model, (start + j) as u64) < probability {
                     bits[j / 64] |= 1 << (j % 64);
                 }
             }
@@ -199,7 +269,7 @@ fn della(
 }
 
 /// The ranking key of a non-negative value: its `f32` rounding's bits, which order like it.
-fn rank_key(value: f64) -> u32 {
+pub(crate) fn rank_key(value: f64) -> u32 {
     (value as f32).to_bits()
 }
 
@@ -259,20 +329,131 @@ impl Cut {
     }
 }
 
+/// A rank cut like [`Cut`], found without holding the keys: over three passes that see every
+/// key in position order, a histogram of the keys' high 16 bits finds the cut key's high half,
+/// one of the low 16 bits within it finds the key and how many of its ties rank below the cut,
+/// and the third finds where those ties end.
+#[derive(Clone, Debug)]
+pub(crate) struct RadixCut {
+    rank: usize,
+    /// Elements known to rank below the keys still in question.
+    less: usize,
+    high: u32,
+    key: u32,
+    /// Ties of `key` ranking below the cut, and those seen so far in the third pass.
+    ties: usize,
+    seen: usize,
+    /// Elements with `key` before this position rank below the cut.
+    limit: usize,
+    counts: Vec<u64>,
+}
+
+/// The passes of a [`RadixCut`] search.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CutPass {
+    High,
+    Low,
+    Ties,
+}
+
+impl RadixCut {
+    /// The cut below rank `rank` of `len` keys.
+    pub fn new(rank: usize, len: usize) -> RadixCut {
+        let everything = rank >= len;
+        RadixCut {
+            rank,
+            less: 0,
+            high: 0,
+            key: if everything { u32::MAX } else { 0 },
+            ties: 0,
+            seen: 0,
+            limit: if everything { usize::MAX } else { 0 },
+            counts: if everything { vec![] } else { vec![0; 1 << 16] },
+        }
+    }
+
+    /// Whether the passes have anything to find (a cut past the last rank has not).
+    pub fn searching(&self) -> bool {
+        !self.counts.is_empty()
+    }
+
+    /// Pass `pass` sees the element at `position` with `key`.
+    pub fn see(&mut self, pass: CutPass, key: u32, position: usize) {
+        if !self.searching() {
+            return;
+        }
+        match pass {
+            CutPass::High => self.counts[(key >> 16) as usize] += 1,
+            CutPass::Low if key >> 16 == self.high => self.counts[(key & 0xffff) as usize] += 1,
+            CutPass::Low => {}
+            CutPass::Ties if key == self.key && self.seen < self.ties => {
+                self.seen += 1;
+                if self.seen == self.ties {
+                    self.limit = position + 1;
+                }
+            }
+            CutPass::Ties => {}
+        }
+    }
+
+    /// Ends pass `pass`: the high half, then the key, are read off the histogram.
+    pub fn end(&mut self, pass: CutPass) {
+        if !self.searching() || pass == CutPass::Ties {
+            return;
+        }
+        let mut below = self.less;
+        for (half, &count) in self.counts.iter().enumerate() {
+            if below + count as usize > self.rank {
+                match pass {
+                    CutPass::High => self.high = half as u32,
+                    _ => {
+                        self.key = self.high << 16 | half as u32;
+                        self.ties = self.rank - below;
+                    }
+                }
+                break;
+            }
+            below += count as usize;
+        }
+        self.less = below;
+        self.counts.iter_mut().for_each(|c| *c = 0);
+    }
+
+    /// Whether the element at `position` with `key` ranks below the cut.
+    pub fn below(&self, key: u32, position: usize) -> bool {
+        key < self.key || (key == self.key && position < self.limit)
+    }
+}
+
 /// A sum with Neumaier's compensation: within a few ulps of the exact sum of `f64` terms
 /// whatever their count, in a fixed order.
 pub(crate) fn compensated_sum(terms: impl Iterator<Item = f64>) -> f64 {
-    let (mut sum, mut carry) = (0.0f64, 0.0f64);
-    for term in terms {
-        let next = sum + term;
-        carry += if sum.abs() >= term.abs() {
-            (sum - next) + term
+    let mut sum = Compensated::default();
+    terms.for_each(|t| sum.add(t));
+    sum.value()
+}
+
+/// A running [`compensated_sum`], for terms that arrive a chunk at a time.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Compensated {
+    sum: f64,
+    carry: f64,
+}
+
+impl Compensated {
+    pub fn add(&mut self, term: f64) {
+        let next = self.sum + term;
+        self.carry += if self.sum.abs() >= term.abs() {
+            (self.sum - next) + term
         } else {
-            (term - next) + sum
+            (term - next) + self.sum
         };
-        sum = next;
+        self.sum = next;
     }
-    sum + carry
+
+    pub fn value(&self) -> f64 {
+        self.sum + self.carry
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,336 @@
+//! The generalized task arithmetic methods ([`super::sparse`]) a chunk at a time, for tensors
+//! bigger than one chunk: the magnitude cuts of TIES and breadcrumbs are found by
+//! [`RadixCut`]'s three passes, the L1 rescale by one more pass of running sums, and each
+//! chunk then keeps and combines exactly the elements the whole-tensor function would.
+
+use super::sparse::{Generalized, Setup};
+use super::sparsify::{
+    della, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors, TaskVector,
+};
+use super::survey::{check_finite, Survey};
+use super::{uniform, Params};
+
+/// What one model keeps, as a chunk can decide it.
+#[derive(Clone, Debug)]
+enum Keep {
+    All,
+    Nothing,
+    /// Ranks in `[low, high)`: not below `low`, below `high`.
+    Ranked {
+        low: RadixCut,
+        high: RadixCut,
+    },
+    Random,
+    Della,
+}
+
+/// The work of one pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Cut(CutPass),
+    Norms,
+}
+
+/// One tensor of a generalized method, streamed.
+#[derive(Debug)]
+pub struct SparseSurvey {
+    setup: Setup,
+    shape: Vec<usize>,
+    seed: u64,
+    keep: Vec<Keep>,
+    norms: Vec<L1Norms>,
+    scales: Vec<f64>,
+    stages: Vec<Stage>,
+}
+
+impl SparseSurvey {
+    pub fn new(
+        how: &Generalized,
+        global: &Params,
+        models: &[Params],
+        shape: &[usize],
+        seed: u64,
+    ) -> Result<SparseSurvey, String> {
+        let setup = Setup::new(how, models.iter(), global)?;
+        let len: usize = shape.iter().product();
+        let keep: Vec<Keep> = (setup.sparsify.iter())
+            .map(|s| match s.selection(len) {
+                Selection::All => Keep::All,
+                Selection::Nothing => Keep::Nothing,
+                Selection::Ranks(low, high) => Keep::Ranked {
+                    low: RadixCut::new(low, len),
+                    high: RadixCut::new(high, len),
+                },
+                Selection::Random => Keep::Random,
+                Selection::Della => Keep::Della,
+            })
+            .collect();
+        let mut stages = Vec::new();
+        let cuts = keep.iter().any(
+            |k| matches!(k, Keep::Ranked { low, high } if low.searching() || high.searching()),
+        );
+        if cuts {
+            stages.extend([CutPass::High, CutPass::Low, CutPass::Ties].map(Stage::Cut));
+        }
+        let rescale = setup.sparsify.iter().any(|s| s.rescale);
+        if rescale && keep.iter().any(|k| !matches!(k, Keep::All | Keep::Nothing)) {
+            stages.push(Stage::Norms);
+        }
+        Ok(SparseSurvey {
+            norms: vec![L1Norms::default(); keep.len()],
+            scales: vec![1.0; keep.len()],
+            setup,
+            shape: shape.to_vec(),
+            seed,
+            keep,
+            stages,
+        })
+    }
+
+    /// Which elements of model `i`'s chunk `tv`, from element `start`, survive (indices
+    /// relative to the chunk), before rescaling.
+    fn survivors(&self, i: usize, tv: TaskVector, start: usize) -> Result<Survivors, String> {
+        let len = tv.base.len();
+        let sparsify: &Sparsify = &self.setup.sparsify[i];
+        Ok(match &self.keep[i] {
+            Keep::All => Survivors::all(),
+            Keep::Nothing => Survivors::from_predicate(len, |_| false),
+            Keep::Ranked { low, high } => Survivors::from_predicate(len, |j| {
+                let key = rank_key(tv.at(j).abs());
+                !low.below(key, start + j) && high.below(key, start + j)
+            }),
+            Keep::Random => Survivors::from_predicate(len, |j| {
+                uniform(self.seed, i as u64, (start + j) as u64) < sparsify.density
+            }),
+            Keep::Della => della(tv, &self.shape, sparsify, self.seed, i as u64, start)
+                .map_err(|e| format!("models[{i}]: {e}"))?,
+        })
+    }
+}
+
+impl Survey for SparseSurvey {
+    fn passes(&self) -> usize {
+        self.stages.len()
+    }
+
+    fn granule(&self) -> usize {
+        (self.setup.sparsify.first()).map_or(1, |s| s.granule(&self.shape))
+    }
+
+    fn observe(
+        &mut self,
+        pass: usize,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        if pass == 0 {
+            check_finite(start, base, models)?;
+        }
+        let stage = self.stages[pass];
+        for (i, model) in models.iter().enumerate() {
+            let tv = TaskVector { model, base };
+            match (stage, &mut self.keep[i]) {
+                (Stage::Cut(pass), Keep::Ranked { low, high }) => {
+                    for j in 0..base.len() {
+                        let key = rank_key(tv.at(j).abs());
+                        low.see(pass, key, start + j);
+                        high.see(pass, key, start + j);
+                    }
+                }
+                (Stage::Norms, _) => {
+                    let kept = self.survivors(i, tv, start)?;
+                    self.norms[i].add(tv, &kept);
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn end_pass(&mut self, pass: usize) -> Result<(), String> {
+        match self.stages[pass] {
+            Stage::Cut(pass) => {
+                for keep in &mut self.keep {
+                    if let Keep::Ranked { low, high } = keep {
+                        low.end(pass);
+                        high.end(pass);
+                    }
+                }
+            }
+            Stage::Norms => {
+                for (i, norms) in self.norms.iter().enumerate() {
+                    if self.setup.sparsify[i].rescale {
+                        self.scales[i] = norms.scale();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn merge(
+        &self,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        if self.stages.is_empty() {
+            check_finite(start, base, models)?;
+        }
+        let mut kept = Vec::with_capacity(models.len());
+        for (i, model) in models.iter().enumerate() {
+            let mut survivors = self.survivors(i, TaskVector { model, base }, start)?;
+            survivors.scale = self.scales[i];
+            kept.push(survivors);
+        }
+        self.setup.combine(base, models, &kept, out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::sparse;
+    use super::super::survey::testing::{chunked, tensors};
+    use super::*;
+
+    type Whole = fn(
+        &[f32],
+        &[super::super::ModelTensor],
+        &Params,
+        &[usize],
+        u64,
+        &mut [f32],
+    ) -> Result<(), String>;
+    type Make = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Survey>, String>;
+
+    const METHODS: [(Whole, Make); 7] = [
+        (sparse::ties, sparse::ties_survey),
+        (sparse::breadcrumbs, sparse::breadcrumbs_survey),
+        (sparse::breadcrumbs_ties, sparse::breadcrumbs_ties_survey),
+        (sparse::dare_linear, sparse::dare_linear_survey),
+        (sparse::dare_ties, sparse::dare_ties_survey),
+        (sparse::della, sparse::della_survey),
+        (sparse::della_linear, sparse::della_linear_survey),
+    ];
+
+    /// Tie-heavy values: multiples of 1/4, and values whose `f32` keys share their high half
+    /// (1 + k·2⁻²⁰), so both radix passes and the tie pass decide.
+    fn values(trial: u64, model: u64, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|j| {
+                let u = uniform(trial, model, j as u64);
+                if u < 0.5 {
+                    ((u * 32.0).floor() - 8.0) as f32 * 0.25
+                } else {
+                    1.0 + ((u * 64.0).floor() as f32) * 2f32.powi(-20)
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_chunking_merges_the_bytes_the_whole_tensor_does() {
+        for trial in 0..24u64 {
+            let (rows, cols) = (3 + trial as usize % 4, 7 + trial as usize % 5);
+            let len = rows * cols;
+            let base: Vec<f32> = values(trial, 99, len).iter().map(|v| v * 0.5).collect();
+            let models: Vec<Vec<f32>> = (0..3).map(|m| values(trial, m, len)).collect();
+            let params: Vec<Params> = (0..3)
+                .map(|m| {
+                    let u = |k| uniform(trial, 50 + m, k);
+                    Params::default()
+                        .with("weight", (u(0) * 2.0 - 0.5).round() / 2.0 + 0.25)
+                        .with(
+                            "density",
+                            [0.0, 0.1, 0.3, 0.5, 0.9, 1.0][(u(1) * 6.0) as usize],
+                        )
+                        .with("gamma", [0.0, 0.05, 0.2][(u(2) * 3.0) as usize])
+                        .with("epsilon", 0.05)
+                })
+                .collect();
+            let global = Params::default()
+                .with("rescale", (trial % 2) as f64)
+                .with("normalize", (trial / 2 % 2) as f64)
+                .with("lambda", if trial % 3 == 0 { 0.75 } else { 1.0 });
+            let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
+            for (m, (whole, make)) in METHODS.iter().enumerate() {
+                let shape = [rows, cols];
+                let mut want = vec![0f32; len];
+                let r = whole(
+                    &base,
+                    &tensors(&models, &params),
+                    &global,
+                    &shape,
+                    trial,
+                    &mut want,
+                );
+                if let Err(e) = r {
+                    // DELLA refuses a density its epsilon pushes out of (0, 1): so must the survey.
+                    assert_eq!(make(&global, &params, &shape, trial).unwrap_err(), e);
+                    continue;
+                }
+                for chunk in [1, 2, 5, cols, len - 1, len] {
+                    let survey = make(&global, &params, &shape, trial).unwrap();
+                    let got = chunked(survey, &base, &views, chunk).unwrap();
+                    let (got, want): (Vec<u32>, Vec<u32>) = (
+                        got.iter().map(|v| v.to_bits()).collect(),
+                        want.iter().map(|v| v.to_bits()).collect(),
+                    );
+                    assert_eq!(got, want, "trial {trial}, method {m}, chunk {chunk}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn radix_cuts_pick_the_ranks_a_full_sort_does() {
+        for trial in 0..100u64 {
+            let len = 1 + (uniform(trial, 0, 0) * 60.0) as usize;
+            let keys: Vec<u32> = (0..len)
+                .map(|j| {
+                    let u = uniform(trial, 1, j as u64);
+                    ((u * 3.0).floor() as u32) << 16 | (uniform(trial, 2, j as u64) * 4.0) as u32
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..len).collect();
+            order.sort_by_key(|&j| (keys[j], j));
+            for rank in [0, len / 3, len / 2, len - 1, len] {
+                let mut cut = RadixCut::new(rank, len);
+                for pass in [CutPass::High, CutPass::Low, CutPass::Ties] {
+                    for (j, &k) in keys.iter().enumerate() {
+                        cut.see(pass, k, j);
+                    }
+                    cut.end(pass);
+                }
+                let below: Vec<bool> = (0..len).map(|j| cut.below(keys[j], j)).collect();
+                let want: Vec<bool> = (0..len).map(|j| order[..rank].contains(&j)).collect();
+                assert_eq!(below, want, "{keys:?}, rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_non_finite_value_is_refused_in_the_first_pass_with_its_element() {
+        let base = vec![0f32; 8];
+        let mut model = vec![1f32; 8];
+        model[6] = f32::INFINITY;
+        let params = [Params::default().with("weight", 1.0).with("density", 0.5)];
+        let survey = sparse::ties_survey(&Params::default(), &params, &[8], 0).unwrap();
+        assert_eq!(
+            chunked(survey, &base, &[&model], 3).unwrap_err(),
+            "models[0] has a non-finite value (inf) at element 6"
+        );
+        // DARE without rescale makes no pass: each chunk checks its own elements.
+        let survey =
+            sparse::dare_linear_survey(&Params::default().with("rescale", 0.0), &params, &[8], 0)
+                .unwrap();
+        assert_eq!(survey.passes(), 0);
+        assert_eq!(
+            chunked(survey, &base, &[&model], 3).unwrap_err(),
+            "models[0] has a non-finite value (inf) at element 6"
+        );
+    }
+}

@@ -1,0 +1,129 @@
+//! Whole-tensor methods that stream: a tensor too big for one chunk is merged chunk by chunk
+//! from statistics gathered in passes over it (the magnitude thresholds of TIES and
+//! breadcrumbs, the L1 norms of rescaling, model_stock's angles), so memory stays within the
+//! budget whatever the tensor's size.
+//!
+//! A method's [`Survey`] must merge every chunk exactly as the whole-tensor function merges
+//! the same elements: the statistics are the same sums in the same order (running sums carried
+//! from chunk to chunk), the same ranks with the same tie order. The tests in each method's
+//! file compare the two on tie-heavy data for several chunkings.
+
+use std::fmt::Debug;
+
+use super::Params;
+
+/// One tensor's statistics and its merge from them. The engine calls [`Survey::observe`] for
+/// every chunk of pass 0 in order, then [`Survey::end_pass`], then pass 1 …, and finally
+/// [`Survey::merge`] for each chunk (in any order, from several threads).
+pub trait Survey: Send + Sync + Debug {
+    /// Passes over the tensor before any chunk merges (0: chunks merge on their own).
+    fn passes(&self) -> usize;
+    /// Chunks start and end at multiples of this many elements (rows a method ranks within).
+    fn granule(&self) -> usize {
+        1
+    }
+    /// Pass `pass` sees elements `start..start + base.len()` (or of the models, when there is
+    /// no base).
+    fn observe(
+        &mut self,
+        pass: usize,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String>;
+    /// Every chunk of pass `pass` has been seen.
+    fn end_pass(&mut self, pass: usize) -> Result<(), String>;
+    /// Merges elements `start..start + out.len()`.
+    fn merge(
+        &self,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String>;
+}
+
+/// What a streaming method needs to set up a tensor's survey: the shared parameters, each
+/// model's (base apart, config order), the shape and the tensor's random stream. Parameters
+/// the method refuses are refused here with the whole-tensor function's message.
+pub type SurveyFn = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Survey>, String>;
+
+/// The first non-finite value among `base` then each model (as the whole-tensor check names
+/// it, element numbers counted from the tensor's start).
+pub(crate) fn check_finite(start: usize, base: &[f32], models: &[&[f32]]) -> Result<(), String> {
+    let inputs = std::iter::once(("base".to_string(), base)).chain(
+        models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (format!("models[{i}]"), *m)),
+    );
+    for (name, values) in inputs {
+        if let Some(j) = values.iter().position(|v| !v.is_finite()) {
+            return Err(format!(
+                "{name} has a non-finite value ({}) at element {}",
+                values[j],
+                start + j
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use crate::ops::merge::methods::ModelTensor;
+
+    /// Runs `survey` over `chunk`-element chunks (rounded up to its granule) and merges each.
+    pub fn chunked(
+        mut survey: Box<dyn Survey>,
+        base: &[f32],
+        models: &[&[f32]],
+        chunk: usize,
+    ) -> Result<Vec<f32>, String> {
+        let len = models[0].len();
+        let g = survey.granule().max(1);
+        let step = chunk.div_ceil(g).max(1) * g;
+        let spans: Vec<(usize, usize)> = (0..len)
+            .step_by(step)
+            .map(|s| (s, (s + step).min(len)))
+            .collect();
+        let part = |v: &[f32], s: usize, e: usize| -> Vec<f32> {
+            if v.is_empty() {
+                vec![]
+            } else {
+                v[s..e].to_vec()
+            }
+        };
+        for pass in 0..survey.passes() {
+            for &(s, e) in &spans {
+                let b = part(base, s, e);
+                let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
+                let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
+                survey.observe(pass, s, &b, &views)?;
+            }
+            survey.end_pass(pass)?;
+        }
+        let mut out = vec![0f32; len];
+        // Merged last chunk first: chunks must not depend on the order they are merged in.
+        for &(s, e) in spans.iter().rev() {
+            let b = part(base, s, e);
+            let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
+            let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
+            survey.merge(s, &b, &views, &mut out[s..e])?;
+        }
+        Ok(out)
+    }
+
+    /// `models` as the whole-tensor functions take them.
+    pub fn tensors<'a>(models: &'a [Vec<f32>], params: &'a [Params]) -> Vec<ModelTensor<'a>> {
+        models
+            .iter()
+            .zip(params)
+            .map(|(v, p)| ModelTensor {
+                values: v,
+                params: p,
+            })
+            .collect()
+    }
+}
