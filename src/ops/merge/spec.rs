@@ -132,7 +132,7 @@ const fn widening_to_f32(spec: MethodSpec) -> MethodSpec {
 }
 
 use super::adapt;
-use super::methods::{model_stock, sce, sparse};
+use super::methods::{misc, model_stock, sce, slerp, sparse};
 use Arithmetic::WholeTensor;
 use Base::{Ignored, Optional, Required};
 
@@ -152,31 +152,40 @@ pub static METHODS: &[MethodSpec] = &[
         (1, None),
         WholeTensor(adapt::multislerp),
     ),
-    method(
-        "nearswap",
-        &[p("t", Shared, None)],
-        Required,
-        (2, None),
-        WholeTensor(adapt::nearswap),
+    streamed(
+        method(
+            "nearswap",
+            &[p("t", Shared, None)],
+            Required,
+            (2, None),
+            WholeTensor(adapt::nearswap),
+        ),
+        misc::nearswap_survey,
     ),
-    method(
-        "ram",
-        &[p("epsilon", Shared, Some(1e-5))],
-        Required,
-        (1, None),
-        WholeTensor(adapt::ram),
+    streamed(
+        method(
+            "ram",
+            &[p("epsilon", Shared, Some(1e-5))],
+            Required,
+            (1, None),
+            WholeTensor(adapt::ram),
+        ),
+        misc::ram_survey,
     ),
-    widening_to_f32(method(
-        "ramplus_tl",
-        &[
-            p("r", Shared, Some(0.1)),
-            p("alpha", Shared, Some(0.2)),
-            p("epsilon", Shared, Some(1e-5)),
-        ],
-        Required,
-        (1, None),
-        WholeTensor(adapt::ramplus_tl),
-    )),
+    streamed(
+        widening_to_f32(method(
+            "ramplus_tl",
+            &[
+                p("r", Shared, Some(0.1)),
+                p("alpha", Shared, Some(0.2)),
+                p("epsilon", Shared, Some(1e-5)),
+            ],
+            Required,
+            (1, None),
+            WholeTensor(adapt::ramplus_tl),
+        )),
+        misc::ramplus_tl_survey,
+    ),
     method(
         "sce",
         &[
@@ -188,12 +197,15 @@ pub static METHODS: &[MethodSpec] = &[
         WholeTensor(sce::sce),
     ),
     method("linear", LINEAR, Ignored, (1, None), Arithmetic::Linear),
-    method(
-        "slerp",
-        &[p("t", Shared, None)],
-        Required,
-        (2, Some(2)),
-        WholeTensor(adapt::slerp),
+    streamed(
+        method(
+            "slerp",
+            &[p("t", Shared, None)],
+            Required,
+            (2, Some(2)),
+            WholeTensor(adapt::slerp),
+        ),
+        slerp::slerp_survey,
     ),
     method(
         "nuslerp",
@@ -386,5 +398,97 @@ impl MethodSpec {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::merge::methods::survey::testing::{chunked, tensors};
+    use crate::ops::merge::methods::uniform;
+
+    /// A parameter's value for the comparison: its default, else a usable one; `density` below
+    /// 1 so the magnitude cuts cut.
+    fn value(spec: &ParamSpec, trial: u64) -> f64 {
+        match spec.name {
+            "density" => [0.3, 0.5, 0.8][trial as usize % 3],
+            "rescale" => (trial % 2) as f64,
+            "epsilon" if spec.scope == NonBase => 0.1,
+            "weight" => 0.25 + (trial % 4) as f64 * 0.25,
+            "t" => 0.3,
+            _ => spec.default.filter(|d| !d.is_nan()).unwrap_or(0.5),
+        }
+    }
+
+    /// Every streamed method merges a tensor chunk by chunk into the bytes its whole-tensor
+    /// function gives, for any chunking, on tie-heavy data.
+    #[test]
+    fn streamed_methods_merge_every_chunking_as_the_whole_tensor() {
+        for spec in METHODS.iter().filter(|m| m.survey.is_some()) {
+            let WholeTensor(whole) = spec.arithmetic else {
+                panic!("{} streams but is not a whole-tensor method", spec.name)
+            };
+            let make = spec.survey.unwrap();
+            let mut compared = 0;
+            for trial in 0..12u64 {
+                let non_base = 1 + trial as usize % 3;
+                let (rows, cols) = (2 + trial as usize % 3, 5 + trial as usize % 4);
+                let len = rows * cols;
+                let draw = |m: u64| -> Vec<f32> {
+                    (0..len)
+                        .map(|j| ((uniform(trial, m, j as u64) * 16.0).floor() - 8.0) as f32 / 4.0)
+                        .collect()
+                };
+                let base = draw(99);
+                let models: Vec<Vec<f32>> = (0..non_base as u64).map(draw).collect();
+                let mut global = Params::default();
+                let mut one = Params::default();
+                for p in spec.params {
+                    match p.scope {
+                        Shared => global = global.with(p.name, value(p, trial)),
+                        _ => one = one.with(p.name, value(p, trial)),
+                    }
+                }
+                let params = vec![one; non_base];
+                let shape = [rows, cols];
+                let mut want = vec![0f32; len];
+                let whole_result = whole(
+                    &base,
+                    &tensors(&models, &params),
+                    &global,
+                    &shape,
+                    trial,
+                    &mut want,
+                );
+                let survey = make(&global, &params, &shape, trial);
+                let (Ok(()), Ok(survey)) = (&whole_result, survey) else {
+                    assert!(
+                        whole_result.is_err(),
+                        "{}: only the survey refused",
+                        spec.name
+                    );
+                    continue;
+                };
+                drop(survey);
+                let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
+                for chunk in [1, 3, cols, len - 1, len] {
+                    let survey = make(&global, &params, &shape, trial).unwrap();
+                    let got = chunked(survey, &base, &views, chunk).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{} trial {trial} chunk {chunk}",
+                        spec.name
+                    );
+                }
+                compared += 1;
+            }
+            assert!(
+                compared >= 4,
+                "{}: compared only {compared} cases",
+                spec.name
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
     BlockSum,
 };
+use super::survey::Survey;
 use super::{uniform, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
@@ -153,24 +154,188 @@ pub fn ramplus_tl(
     let alpha = optional(global, "alpha", 0.2)?;
     let epsilon = optional(global, "epsilon", 1e-5)?;
     same_lengths(Some(base), models, out)?;
-    let (mut shared, mut unique) = (vec![0usize; models.len()], vec![0usize; models.len()]);
-    let changed = |m: &ModelTensor, k: usize| (m.values[k] as f64 - base[k] as f64).abs() > epsilon;
-    for k in 0..out.len() {
-        let count = models.iter().filter(|m| changed(m, k)).count();
-        let tally = if count == 1 { &mut unique } else { &mut shared };
-        for (i, m) in models.iter().enumerate() {
-            if changed(m, k) {
-                tally[i] += 1;
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    let mut tally = RamTally::new(models.len());
+    tally.add(base, &values, epsilon);
+    rescaled_ram(
+        base,
+        models,
+        epsilon,
+        Some(&tally.lambda(r, alpha, epsilon)),
+        out,
+    )
+}
+
+/// ramplus_tl's counts per model: the changed elements some other model changed too, and
+/// those only it changed.
+#[derive(Clone, Debug)]
+struct RamTally {
+    shared: Vec<usize>,
+    unique: Vec<usize>,
+}
+
+impl RamTally {
+    fn new(models: usize) -> RamTally {
+        RamTally {
+            shared: vec![0; models],
+            unique: vec![0; models],
+        }
+    }
+
+    fn add(&mut self, base: &[f32], models: &[&[f32]], epsilon: f64) {
+        let changed = |m: &[f32], k: usize| (m[k] as f64 - base[k] as f64).abs() > epsilon;
+        for k in 0..base.len() {
+            let count = models.iter().filter(|m| changed(m, k)).count();
+            let tally = if count == 1 {
+                &mut self.unique
+            } else {
+                &mut self.shared
+            };
+            for (i, m) in models.iter().enumerate() {
+                if changed(m, k) {
+                    tally[i] += 1;
+                }
             }
         }
     }
-    let lambda: Vec<f64> = (0..models.len())
-        .map(|i| {
-            let rho = shared[i] as f64 / clamp_min(unique[i] as f64, epsilon);
-            1.0 + r * torch_clamp(rho, 0.0, alpha)
-        })
-        .collect();
-    rescaled_ram(base, models, epsilon, Some(&lambda), out)
+
+    /// Each model's scale of its unique changes.
+    fn lambda(&self, r: f64, alpha: f64, epsilon: f64) -> Vec<f64> {
+        (self.shared.iter().zip(&self.unique))
+            .map(|(&shared, &unique)| {
+                let rho = shared as f64 / clamp_min(unique as f64, epsilon);
+                1.0 + r * torch_clamp(rho, 0.0, alpha)
+            })
+            .collect()
+    }
+}
+
+/// ram and ramplus_tl a chunk at a time: ram's elements are independent; ramplus_tl counts its
+/// changes in one pass first.
+#[derive(Debug)]
+pub struct RamSurvey {
+    epsilon: f64,
+    /// ramplus_tl's `r` and `alpha`, its tally and the scales from it.
+    plus: Option<(f64, f64)>,
+    tally: RamTally,
+    lambda: Vec<f64>,
+}
+
+/// The [`Survey`] of one ram tensor.
+pub fn ram_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    Ok(Box::new(RamSurvey {
+        epsilon: optional(global, "epsilon", 1e-5)?,
+        plus: None,
+        tally: RamTally::new(models.len()),
+        lambda: vec![],
+    }))
+}
+
+/// The [`Survey`] of one ramplus_tl tensor.
+pub fn ramplus_tl_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    let r = optional(global, "r", 0.1)?;
+    let alpha = optional(global, "alpha", 0.2)?;
+    Ok(Box::new(RamSurvey {
+        epsilon: optional(global, "epsilon", 1e-5)?,
+        plus: Some((r, alpha)),
+        tally: RamTally::new(models.len()),
+        lambda: vec![],
+    }))
+}
+
+impl Survey for RamSurvey {
+    fn passes(&self) -> usize {
+        usize::from(self.plus.is_some())
+    }
+    fn observe(
+        &mut self,
+        _: usize,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        self.tally.add(base, models, self.epsilon);
+        Ok(())
+    }
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        if let Some((r, alpha)) = self.plus {
+            self.lambda = self.tally.lambda(r, alpha, self.epsilon);
+        }
+        Ok(())
+    }
+    fn merge(
+        &self,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        let none = Params::default();
+        let tensors: Vec<ModelTensor> = (models.iter())
+            .map(|v| ModelTensor {
+                values: v,
+                params: &none,
+            })
+            .collect();
+        let lambda = self.plus.map(|_| &self.lambda[..]);
+        rescaled_ram(base, &tensors, self.epsilon, lambda, out)
+    }
+}
+
+/// nearswap a chunk at a time: its elements are independent.
+#[derive(Debug)]
+pub struct NearswapSurvey {
+    global: Params,
+}
+
+/// The [`Survey`] of one nearswap tensor.
+pub fn nearswap_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("nearswap", models.len(), 1, 1)?;
+    required(global, "t")?;
+    Ok(Box::new(NearswapSurvey {
+        global: global.clone(),
+    }))
+}
+
+impl Survey for NearswapSurvey {
+    fn passes(&self) -> usize {
+        0
+    }
+    fn observe(&mut self, _: usize, _: usize, _: &[f32], _: &[&[f32]]) -> Result<(), String> {
+        Ok(())
+    }
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn merge(
+        &self,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        let none = Params::default();
+        let model = [ModelTensor {
+            values: models[0],
+            params: &none,
+        }];
+        nearswap(base, &model, &self.global, out)
+    }
 }
 
 /// ram's sum, with each model's unique changes times `lambda` (ramplus_tl) when given. A NaN

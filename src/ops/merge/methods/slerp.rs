@@ -12,6 +12,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
     BlockSum,
 };
+use super::survey::Survey;
 use super::{ModelTensor, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -26,32 +27,96 @@ pub fn slerp(
     model_count("slerp", models.len(), 1, 1)?;
     same_lengths(Some(base), models, out)?;
     let t = required(global, "t")?;
-    let other = models[0].values;
-    let (mut aa, mut bb, mut ab) = (
-        BlockSum::default(),
-        BlockSum::default(),
-        BlockSum::default(),
-    );
-    for (&a, &b) in base.iter().zip(other) {
-        let (a, b) = (a as f64, b as f64);
-        aa.add(a * a);
-        bb.add(b * b);
-        ab.add(a * b);
-    }
-    let unit = |norm: f64| if norm > 1e-8 { norm } else { 1.0 };
-    let (na, nb) = (unit(aa.value().sqrt()), unit(bb.value().sqrt()));
-    let dot = (ab.value() / na / nb).clamp(-1.0, 1.0);
-    let (ca, cb) = if dot.abs() > 0.9995 {
-        (1.0 - t, t)
-    } else {
-        let theta = dot.acos();
-        let sin = theta.sin();
-        (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
-    };
-    for ((o, &a), &b) in out.iter_mut().zip(base).zip(other) {
-        *o = (ca * a as f64 + cb * b as f64) as f32;
-    }
+    let mut sums = SlerpSums::default();
+    sums.add(base, models[0].values);
+    sums.blend(t, base, models[0].values, out);
     Ok(())
+}
+
+/// slerp's norms and dot product of the two tensors, summed element by element in order.
+#[derive(Clone, Copy, Debug, Default)]
+struct SlerpSums {
+    aa: BlockSum,
+    bb: BlockSum,
+    ab: BlockSum,
+}
+
+impl SlerpSums {
+    fn add(&mut self, base: &[f32], other: &[f32]) {
+        for (&a, &b) in base.iter().zip(other) {
+            let (a, b) = (a as f64, b as f64);
+            self.aa.add(a * a);
+            self.bb.add(b * b);
+            self.ab.add(a * b);
+        }
+    }
+
+    /// Writes `ca · base + cb · other`, the coefficients from the sums and `t`.
+    fn blend(&self, t: f64, base: &[f32], other: &[f32], out: &mut [f32]) {
+        let unit = |norm: f64| if norm > 1e-8 { norm } else { 1.0 };
+        let (na, nb) = (unit(self.aa.value().sqrt()), unit(self.bb.value().sqrt()));
+        let dot = (self.ab.value() / na / nb).clamp(-1.0, 1.0);
+        let (ca, cb) = if dot.abs() > 0.9995 {
+            (1.0 - t, t)
+        } else {
+            let theta = dot.acos();
+            let sin = theta.sin();
+            (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
+        };
+        for ((o, &a), &b) in out.iter_mut().zip(base).zip(other) {
+            *o = (ca * a as f64 + cb * b as f64) as f32;
+        }
+    }
+}
+
+/// slerp a chunk at a time: one pass sums the norms and the dot product.
+#[derive(Debug)]
+pub struct SlerpSurvey {
+    t: f64,
+    sums: SlerpSums,
+}
+
+/// The [`Survey`] of one slerp tensor.
+pub fn slerp_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("slerp", models.len(), 1, 1)?;
+    Ok(Box::new(SlerpSurvey {
+        t: required(global, "t")?,
+        sums: SlerpSums::default(),
+    }))
+}
+
+impl Survey for SlerpSurvey {
+    fn passes(&self) -> usize {
+        1
+    }
+    fn observe(
+        &mut self,
+        _: usize,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        self.sums.add(base, models[0]);
+        Ok(())
+    }
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn merge(
+        &self,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        self.sums.blend(self.t, base, models[0], out);
+        Ok(())
+    }
 }
 
 /// mergekit's nuslerp: two models with per-model `weight` (required); `t = w₁ / (w₀ + w₁)`, or
