@@ -33,9 +33,11 @@ D=${BENCH_DIR:-bench/data/merge}
 rm -rf "$D"; mkdir -p "$D"
 trap 'rm -rf "$D"' EXIT
 cargo build --release -q
-BIN=target/release/tftf
+# A copy, so rebuilding the tree while the benchmark runs cannot change what it measures.
+BIN=$D/tftf
+cp target/release/tftf "$BIN"
 for k in 0 1 2; do "$VENV/bin/python" bench/merge_model.py "$D/m$k" "$SIZE_MB" "$k"; done
-INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {printf "%d", s}')
+INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {printf "%.0f", s}')
 
 cat >"$D/linear.yml" <<EOF
 merge_method: linear

@@ -186,15 +186,18 @@ pub static METHODS: &[MethodSpec] = &[
         )),
         misc::ramplus_tl_survey,
     ),
-    method(
-        "sce",
-        &[
-            p("int8_mask", Shared, Some(0.0)),
-            p("select_topk", Shared, Some(1.0)),
-        ],
-        Required,
-        (1, None),
-        WholeTensor(sce::sce),
+    streamed(
+        method(
+            "sce",
+            &[
+                p("int8_mask", Shared, Some(0.0)),
+                p("select_topk", Shared, Some(1.0)),
+            ],
+            Required,
+            (1, None),
+            WholeTensor(sce::sce),
+        ),
+        sce::survey,
     ),
     method("linear", LINEAR, Ignored, (1, None), Arithmetic::Linear),
     streamed(
@@ -416,6 +419,7 @@ mod tests {
             "epsilon" if spec.scope == NonBase => 0.1,
             "weight" => 0.25 + (trial % 4) as f64 * 0.25,
             "t" => 0.3,
+            "select_topk" => [0.0, 0.4, 0.7, 1.0][trial as usize % 4],
             _ => spec.default.filter(|d| !d.is_nan()).unwrap_or(0.5),
         }
     }

@@ -16,7 +16,8 @@
 //! Inputs holding NaN or infinity are refused, as in [`super::sparse`].
 
 use super::sparse::{check_inputs, finite};
-use super::sparsify::{compensated_sum, rank_range, Survivors};
+use super::sparsify::{rank_key, rank_range, Compensated, CutPass, RadixCut, Survivors};
+use super::survey::{check_finite, Survey};
 use super::{ModelTensor, Params};
 
 /// The parameters mergekit accepts for `sce`: all global (it has no per-model ones).
@@ -37,18 +38,37 @@ pub fn sce(
         out.copy_from_slice(base);
         return Ok(());
     }
-    let tv = |i: usize, j: usize| f64::from(models[i].values[j]) - f64::from(base[j]);
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    let tv = |i: usize, j: usize| f64::from(values[i][j]) - f64::from(base[j]);
     let selected = select(base.len(), models.len(), select_topk, &tv);
-    let tv = |i: usize, j: usize| if selected.kept(j) { tv(i, j) } else { 0.0 };
-    let weights = calculate(base.len(), models.len(), &tv);
+    let masked = |i: usize, j: usize| if selected.kept(j) { tv(i, j) } else { 0.0 };
+    let mut squares = vec![Compensated::default(); models.len()];
+    add_squares(&mut squares, base.len(), &masked);
+    erase(
+        base,
+        &values,
+        &selected,
+        &weights(&squares, base.len()),
+        out,
+    );
+    Ok(())
+}
+
+/// The elements of the task vectors `models[i] − base` that `selected` keeps, elected and
+/// weighted into `out`.
+fn erase(base: &[f32], models: &[&[f32]], selected: &Survivors, weights: &[f64], out: &mut [f32]) {
     let mut terms = vec![0f64; models.len()];
     for (j, slot) in out.iter_mut().enumerate() {
         for (i, term) in terms.iter_mut().enumerate() {
-            *term = tv(i, j);
+            *term = if selected.kept(j) {
+                f64::from(models[i][j]) - f64::from(base[j])
+            } else {
+                0.0
+            };
         }
         let positive = terms.iter().sum::<f64>() >= 0.0;
         let (mut merged, mut divisor) = (0.0, 0.0);
-        for (term, weight) in terms.iter().zip(&weights) {
+        for (term, weight) in terms.iter().zip(weights) {
             if *term != 0.0 && (*term > 0.0) == positive {
                 merged += term * weight;
                 divisor += weight;
@@ -56,7 +76,12 @@ pub fn sce(
         }
         *slot = (f64::from(base[j]) + merged / divisor.max(1e-6)) as f32;
     }
-    Ok(())
+}
+
+/// The population variance across models of element `j`'s task vectors.
+fn variance(count: usize, tv: &impl Fn(usize, usize) -> f64, j: usize) -> f64 {
+    let mean = (0..count).map(|i| tv(i, j)).sum::<f64>() / count as f64;
+    (0..count).map(|i| (tv(i, j) - mean).powi(2)).sum::<f64>() / count as f64
 }
 
 /// mergekit's `sce_mask`: the elements with the largest variance across models.
@@ -64,29 +89,163 @@ fn select(len: usize, count: usize, density: f64, tv: &impl Fn(usize, usize) -> 
     if density >= 1.0 {
         return Survivors::all();
     }
-    let variance = |j: usize| {
-        let mean = (0..count).map(|i| tv(i, j)).sum::<f64>() / count as f64;
-        (0..count).map(|i| (tv(i, j) - mean).powi(2)).sum::<f64>() / count as f64
-    };
     let nonzero = if density <= 0.0 {
         0
     } else {
-        (0..len).filter(|&j| variance(j) != 0.0).count()
+        (0..len).filter(|&j| variance(count, tv, j) != 0.0).count()
     };
-    let k = (nonzero as f64 * density).trunc() as usize;
-    rank_range(len, variance, len - k, len)
+    let k = selected_count(nonzero, density);
+    rank_range(len, |j| variance(count, tv, j), len - k, len)
 }
 
-/// mergekit's `sce_weight`: each model's mean square, normalised to sum to 1.
-fn calculate(len: usize, count: usize, tv: &impl Fn(usize, usize) -> f64) -> Vec<f64> {
-    let squares: Vec<f64> = (0..count)
-        .map(|i| compensated_sum((0..len).map(|j| tv(i, j).powi(2))) / len as f64)
-        .collect();
+/// How many of the `nonzero` non-zero variances `select_topk` selects.
+fn selected_count(nonzero: usize, density: f64) -> usize {
+    (nonzero as f64 * density).trunc() as usize
+}
+
+/// Adds each model's squares of `tv` over `0..len` to its running sum.
+fn add_squares(squares: &mut [Compensated], len: usize, tv: &impl Fn(usize, usize) -> f64) {
+    for (i, sum) in squares.iter_mut().enumerate() {
+        (0..len).for_each(|j| sum.add(tv(i, j).powi(2)));
+    }
+}
+
+/// mergekit's `sce_weight`: each model's mean square over the tensor's `len` elements,
+/// normalised to sum to 1.
+fn weights(squares: &[Compensated], len: usize) -> Vec<f64> {
+    let count = squares.len();
+    let squares: Vec<f64> = squares.iter().map(|s| s.value() / len as f64).collect();
     let total: f64 = squares.iter().sum();
     if total.abs() < 1e-6 {
         vec![1.0 / count as f64; count]
     } else {
         squares.iter().map(|s| s / total).collect()
+    }
+}
+
+/// SCE a chunk at a time: a pass counts the non-zero variances while a [`RadixCut`] ranks them,
+/// two more find the selection's cut, one sums each model's squares; chunks then erase.
+#[derive(Debug)]
+pub struct SceSurvey {
+    len: usize,
+    models: usize,
+    density: f64,
+    nonzero: usize,
+    /// The selection: every element ranking at or above the cut (`None`: all elements).
+    cut: Option<RadixCut>,
+    squares: Vec<Compensated>,
+    weights: Vec<f64>,
+    stages: Vec<Option<CutPass>>,
+}
+
+/// The [`Survey`] of one sce tensor.
+pub fn survey(
+    global: &Params,
+    models: &[Params],
+    shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    let density = finite(global, "select_topk", 1.0)?;
+    let len: usize = shape.iter().product();
+    // Below 0 nothing is selected: a cut past the last rank keeps nothing.
+    let cut = (density < 1.0).then(|| RadixCut::new(if density <= 0.0 { len } else { 0 }, len));
+    let mut stages = Vec::new();
+    if cut.as_ref().is_some_and(RadixCut::searching) {
+        stages.extend([CutPass::High, CutPass::Low, CutPass::Ties].map(Some));
+    }
+    stages.push(None);
+    Ok(Box::new(SceSurvey {
+        len,
+        models: models.len(),
+        density,
+        nonzero: 0,
+        cut,
+        squares: vec![Compensated::default(); models.len()],
+        weights: vec![],
+        stages,
+    }))
+}
+
+impl SceSurvey {
+    /// Which elements of a chunk from `start` are selected.
+    fn selected(&self, start: usize, base: &[f32], models: &[&[f32]]) -> Survivors {
+        let Some(cut) = &self.cut else {
+            return Survivors::all();
+        };
+        let tv = |i: usize, j: usize| f64::from(models[i][j]) - f64::from(base[j]);
+        Survivors::from_predicate(base.len(), |j| {
+            !cut.below(rank_key(variance(models.len(), &tv, j)), start + j)
+        })
+    }
+}
+
+impl Survey for SceSurvey {
+    fn passes(&self) -> usize {
+        if self.models == 0 {
+            0
+        } else {
+            self.stages.len()
+        }
+    }
+
+    fn observe(
+        &mut self,
+        pass: usize,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        if pass == 0 {
+            check_finite(start, base, models)?;
+        }
+        let tv = |i: usize, j: usize| f64::from(models[i][j]) - f64::from(base[j]);
+        match (self.stages[pass], &mut self.cut) {
+            (Some(stage), Some(cut)) => {
+                for j in 0..base.len() {
+                    let v = variance(models.len(), &tv, j);
+                    if stage == CutPass::High && v != 0.0 {
+                        self.nonzero += 1;
+                    }
+                    cut.see(stage, rank_key(v), start + j);
+                }
+            }
+            _ => {
+                let selected = self.selected(start, base, models);
+                let masked = |i: usize, j: usize| if selected.kept(j) { tv(i, j) } else { 0.0 };
+                add_squares(&mut self.squares, base.len(), &masked);
+            }
+        }
+        Ok(())
+    }
+
+    fn end_pass(&mut self, pass: usize) -> Result<(), String> {
+        match (self.stages[pass], &mut self.cut) {
+            (Some(stage), Some(cut)) => {
+                if stage == CutPass::High {
+                    let k = selected_count(self.nonzero, self.density);
+                    cut.set_rank(self.len - k, self.len);
+                }
+                cut.end(stage);
+            }
+            _ => self.weights = weights(&self.squares, self.len),
+        }
+        Ok(())
+    }
+
+    fn merge(
+        &self,
+        start: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        if models.is_empty() {
+            out.copy_from_slice(base);
+            return check_finite(start, base, models);
+        }
+        let selected = self.selected(start, base, models);
+        erase(base, models, &selected, &self.weights, out);
+        Ok(())
     }
 }
 

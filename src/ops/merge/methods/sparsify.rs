@@ -372,6 +372,16 @@ impl RadixCut {
         }
     }
 
+    /// Moves the cut to rank `rank` of `len` before the first pass ends (a rank known only
+    /// once the keys are counted).
+    pub fn set_rank(&mut self, rank: usize, len: usize) {
+        if rank >= len {
+            *self = RadixCut::new(rank, len);
+        } else {
+            self.rank = rank;
+        }
+    }
+
     /// Whether the passes have anything to find (a cut past the last rank has not).
     pub fn searching(&self) -> bool {
         !self.counts.is_empty()
@@ -426,14 +436,7 @@ impl RadixCut {
 }
 
 /// A sum with Neumaier's compensation: within a few ulps of the exact sum of `f64` terms
-/// whatever their count, in a fixed order.
-pub(crate) fn compensated_sum(terms: impl Iterator<Item = f64>) -> f64 {
-    let mut sum = Compensated::default();
-    terms.for_each(|t| sum.add(t));
-    sum.value()
-}
-
-/// A running [`compensated_sum`], for terms that arrive a chunk at a time.
+/// whatever their count, in a fixed order, the terms added one at a time (a chunk at a time).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Compensated {
     sum: f64,
@@ -660,7 +663,12 @@ mod tests {
 
     #[test]
     fn compensated_sums_lose_nothing_to_cancellation() {
-        assert_eq!(compensated_sum([1e16, 1.0, -1e16].into_iter()), 1.0);
-        assert_eq!(compensated_sum(std::iter::repeat_n(0.1, 10)), 1.0);
+        let sum = |terms: &[f64]| {
+            let mut s = Compensated::default();
+            terms.iter().for_each(|&t| s.add(t));
+            s.value()
+        };
+        assert_eq!(sum(&[1e16, 1.0, -1e16]), 1.0);
+        assert_eq!(sum(&[0.1; 10]), 1.0);
     }
 }
