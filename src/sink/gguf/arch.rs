@@ -47,6 +47,8 @@ pub enum Family {
     Gemma3,
     /// GLM-4.5 (`arch_glm`): NextN/MTP layers kept, partial rotary, sigmoid-routed experts.
     Glm4Moe,
+    /// Phi-3 and Phi-4 (`arch_phi`): fused QKV and gate/up, its own KVs, LongRoPE factors.
+    Phi3,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -423,6 +425,21 @@ pub static ARCHS: &[ArchSpec] = &[
         rope_theta_default: 10000.0,
         layer_tensors: super::arch_glm::GLM4_MOE_LAYER_TABLE,
     },
+    ArchSpec {
+        // Phi-3 (mini, medium, 128k), Phi-3.5-mini, Phi-4 and Phi-4-mini.
+        hf_classes: &["Phi3ForCausalLM"],
+        gguf_arch: "phi3",
+        family: Family::Phi3,
+        defaults: &[
+            ("max_position_embeddings", Int(4096)),
+            ("original_max_position_embeddings", Int(4096)),
+            ("rms_norm_eps", Float(1e-5)),
+            ("num_key_value_heads", SameAsHeads),
+            ("vocab_size", Int(32064)),
+        ],
+        rope_theta_default: 10000.0,
+        layer_tensors: super::arch_phi::PHI3_LAYER_TABLE,
+    },
 ];
 
 /// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
@@ -600,6 +617,15 @@ impl Config {
             .map_err(|_| self.err(format!("`{key}` = {v} does not fit a u32")))
     }
 
+    /// The first of `keys` present and not null, as an unsigned integer; none is an error
+    /// naming them all.
+    pub fn need_u64_of(&self, keys: &[&str]) -> Result<u64> {
+        self.u64(keys)?.ok_or_else(|| {
+            let names: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+            self.err(format!("{} is missing", names.join(" or ")))
+        })
+    }
+
     pub fn need_f64(&self, key: &str) -> Result<f64> {
         self.f64(&[key])?
             .ok_or_else(|| self.err(format!("`{key}` is missing")))
@@ -612,6 +638,18 @@ impl Config {
             .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))?;
         main.checked_add(super::arch_glm::nextn_layers(self)?)
             .ok_or_else(|| self.err("`num_nextn_predict_layers` is too large".into()))
+    }
+
+    /// `partial_rotary_factor`: the rope parameters' (where transformers puts it), else the
+    /// top-level one, else `default`.
+    pub(super) fn partial_rotary_factor(&self, default: f64) -> Result<f64> {
+        let key = "partial_rotary_factor";
+        match self.rope.get(key).filter(|v| !v.is_null()) {
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.err(format!("`{key}` is {v}, not a number"))),
+            None => Ok(self.f64(&[key])?.unwrap_or(default)),
+        }
     }
 
     fn rope_f64(&self, key: &str) -> Option<f64> {
@@ -633,8 +671,10 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
     let arch = cfg.spec.gguf_arch;
     let k = |s: &str| format!("{arch}.{s}");
     let fam = cfg.spec.family;
-    if fam == Family::Gemma2 {
-        return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name);
+    match fam {
+        Family::Gemma2 => return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name),
+        Family::Phi3 => return super::arch_phi::phi3_model_kvs(cfg, file_type, name),
+        _ => {}
     }
     let mut m = general_kvs(arch, name);
     let mut n_kv_override = None;
@@ -793,7 +833,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
                 cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
             );
         }
-        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 => {}
+        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 | Family::Phi3 => {}
         Family::Gemma3 => super::arch_gemma::gemma3_kvs(cfg, &mut m, &k)?,
         Family::Qwen3Moe => {
             if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {
@@ -909,9 +949,7 @@ fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> R
         k("attention.value_length_mla"),
         cfg.u32_kv("v_head_dim", v)?,
     );
-    let moe_ff = cfg
-        .u64(&["moe_intermediate_size", "intermediate_size"])?
-        .ok_or_else(|| cfg.err("`moe_intermediate_size` is missing".into()))?;
+    let moe_ff = cfg.need_u64_of(&["moe_intermediate_size", "intermediate_size"])?;
     m.set(
         k("expert_feed_forward_length"),
         cfg.u32_kv("moe_intermediate_size", moe_ff)?,

@@ -61,20 +61,11 @@ pub(super) fn glm4moe_kvs(
         Some(d) => d,
         None => cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1),
     };
-    let factor = match cfg
-        .rope
-        .get("partial_rotary_factor")
-        .filter(|v| !v.is_null())
-    {
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| cfg_err(cfg, format!("`partial_rotary_factor` is {v}, not a number")))?,
-        None => cfg.f64(&["partial_rotary_factor"])?.unwrap_or(0.5),
-    };
+    let factor = cfg.partial_rotary_factor(0.5)?;
     // Python's int(): truncation towards zero.
     m.set(
         k("rope.dimension_count"),
-        u32_kv(cfg, "head_dim", (head_dim as f64 * factor) as u64)?,
+        cfg.u32_kv("head_dim", (head_dim as f64 * factor) as u64)?,
     );
     for (hf, gguf) in [
         ("n_routed_experts", "expert_count"),
@@ -83,7 +74,7 @@ pub(super) fn glm4moe_kvs(
         ("first_k_dense_replace", "leading_dense_block_count"),
     ] {
         if let Some(v) = cfg.u64(&[hf])? {
-            m.set(k(gguf), u32_kv(cfg, hf, v)?);
+            m.set(k(gguf), cfg.u32_kv(hf, v)?);
         }
     }
     m.set(k("expert_gating_func"), Value::U32(GATING_SIGMOID));
@@ -93,29 +84,16 @@ pub(super) fn glm4moe_kvs(
     if let Some(v) = cfg.find(&["norm_topk_prob"]) {
         let b = v
             .as_bool()
-            .ok_or_else(|| cfg_err(cfg, format!("`norm_topk_prob` is {v}, not a boolean")))?;
+            .ok_or_else(|| cfg.err(format!("`norm_topk_prob` is {v}, not a boolean")))?;
         m.set(k("expert_weights_norm"), Value::Bool(b));
     }
     if let Some(n) = cfg.u64(&["num_nextn_predict_layers"])? {
         m.set(
             k("nextn_predict_layers"),
-            u32_kv(cfg, "num_nextn_predict_layers", n)?,
+            cfg.u32_kv("num_nextn_predict_layers", n)?,
         );
     }
     Ok(())
-}
-
-fn cfg_err(cfg: &Config, msg: String) -> Error {
-    Error::GgufConfig {
-        path: cfg.path.clone(),
-        msg,
-    }
-}
-
-fn u32_kv(cfg: &Config, key: &str, v: u64) -> Result<Value> {
-    u32::try_from(v)
-        .map(Value::U32)
-        .map_err(|_| cfg_err(cfg, format!("`{key}` = {v} does not fit a u32")))
 }
 
 /// `_set_vocab_glm`'s special tokens, looked up among `tokenizer.json`'s added tokens (the
