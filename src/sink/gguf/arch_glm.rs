@@ -15,29 +15,29 @@ use std::path::Path;
 
 use serde_json::Value as Json;
 
-use super::arch::{Config, Family};
+use super::arch::{
+    Config, Family, LayerTable, EXPERTS, POST_ATTENTION_NORM, QK_NORMS, ROUTER_WITH_BIAS,
+    SHARED_EXPERTS,
+};
 use super::kv::{Metadata, Value};
 use crate::error::{Error, Result};
 
-/// Per-layer names (after `model.layers.{bid}.`, without `.weight`/`.bias`) → GGUF names.
-pub(super) const GLM4_MOE_LAYER_TABLE: &[(&str, &str)] = &[
-    ("post_attention_layernorm", "post_attention_norm"),
-    ("self_attn.q_norm", "attn_q_norm"),
-    ("self_attn.k_norm", "attn_k_norm"),
-    ("mlp.gate", "ffn_gate_inp"),
-    ("mlp.gate.e_score_correction", "exp_probs_b"),
-    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
-    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
-    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
-    ("mlp.experts.gate_proj", "ffn_gate_exps"),
-    ("mlp.experts.up_proj", "ffn_up_exps"),
-    ("mlp.experts.down_proj", "ffn_down_exps"),
-    ("eh_proj", "nextn.eh_proj"),
-    ("embed_tokens", "nextn.embed_tokens"),
-    ("enorm", "nextn.enorm"),
-    ("hnorm", "nextn.hnorm"),
-    ("shared_head.head", "nextn.shared_head_head"),
-    ("shared_head.norm", "nextn.shared_head_norm"),
+/// Per-layer names (after `model.layers.{bid}.`, without `.weight`/`.bias`) → GGUF names:
+/// DeepSeek's routing and experts with Q/K norms, and the NextN/MTP layers' own tensors.
+pub(super) const GLM4_MOE_LAYER: &[LayerTable] = &[
+    POST_ATTENTION_NORM,
+    QK_NORMS,
+    ROUTER_WITH_BIAS,
+    SHARED_EXPERTS,
+    EXPERTS,
+    &[
+        ("eh_proj", "nextn.eh_proj"),
+        ("embed_tokens", "nextn.embed_tokens"),
+        ("enorm", "nextn.enorm"),
+        ("hnorm", "nextn.hnorm"),
+        ("shared_head.head", "nextn.shared_head_head"),
+        ("shared_head.norm", "nextn.shared_head_norm"),
+    ],
 ];
 
 /// `ExpertGatingFuncType.SIGMOID`.

@@ -18,14 +18,14 @@ use std::path::Path;
 
 use serde_json::Value as Json;
 
-use super::arch::{Config, Family, GGML_QUANT_VERSION};
+use super::arch::{Config, Family, LayerTable, GGML_QUANT_VERSION};
 use super::kv::{Metadata, Value};
 use super::tokenizer::{read_json, tok_err};
 use super::FileType;
 use crate::error::Result;
 
 /// Per-layer names (after `model.layers.{bid}.`, without `.weight`/`.bias`) → GGUF names.
-pub(super) const PHI3_LAYER_TABLE: &[(&str, &str)] = &[
+pub(super) const PHI3_LAYER_TABLE: LayerTable = &[
     ("self_attn.qkv_proj", "attn_qkv"),
     ("mlp.gate_up_proj", "ffn_up"),
 ];

@@ -354,6 +354,8 @@ fn map_layer(cfg: &Config, base: &str) -> Option<&'static str> {
     cfg.spec
         .layer_tensors
         .iter()
+        .copied()
+        .flatten()
         .chain(COMMON_LAYER_TABLE)
         .find(|(h, _)| *h == base)
         .map(|(_, g)| *g)
