@@ -273,6 +273,24 @@ def gemma(name, q_k_norm, text=None, extra=None, eos=1):
     return make
 
 
+def phi3(name, **edit):
+    """Phi-3/Phi-4: fused `qkv_proj` and `gate_up_proj`; tied embeddings where the config says
+    so (Phi-4-mini)."""
+    def make():
+        c = config(name, **edit)
+        h, heads, kv, inter = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+        hd = h // heads
+        sd = {}
+        def layer(sd, p, l):
+            linear(sd, p + "self_attn.qkv_proj", (heads + 2 * kv) * hd, h)
+            linear(sd, p + "self_attn.o_proj", h, heads * hd)
+            linear(sd, p + "mlp.gate_up_proj", 2 * inter, h)
+            linear(sd, p + "mlp.down_proj", h, inter)
+        common(sd, c, layer, tied=c.get("tie_word_embeddings", False))
+        return c, sd
+    return make
+
+
 def gemma3_vision(sd):
     """A stand-in vision tower and projector: the text GGUF leaves them out."""
     linear(sd, "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", 32, 32)
@@ -306,11 +324,25 @@ ARCHS = {  # name: (builder, outtypes)
     # experts; bf16 only (its q8_0 path is DeepSeek-V3's), to keep the recorded digests small.
     "kimi-k2": (deepseek("kimik2"), ["bf16"]),
     "glm4moe": (glm4moe, ["bf16", "q8_0"]),
+    # tests/fixtures/gguf/spm-phi3: 400 pieces, Phi-3's added tokens at 400-406 (<|endoftext|>
+    # 400), padded to 410.
+    "phi3": (phi3("phi3", bos_token_id=1, eos_token_id=400, pad_token_id=400), ["bf16", "q8_0"]),
+    # LongRoPE: rope_factors_long/short and rope.scaling.attn_factor.
+    "phi3.5": (phi3("phi3.5", bos_token_id=1, eos_token_id=400, pad_token_id=400), ["bf16", "q8_0"]),
+    # Phi-3-mini-128k's first rope type, `su` (transformers renames it longrope), with an
+    # original context of its own in rope_scaling.
+    "phi3su": (phi3("phi3su", bos_token_id=1, eos_token_id=400, pad_token_id=400), ["bf16"]),
+    # GPT2Tokenizer (the BPE fixture), no sliding window.
+    "phi4": (phi3("phi4"), ["bf16", "q8_0"]),
+    # partial rotary 0.75, LongRoPE, tied embeddings (no lm_head), GPT2Tokenizer.
+    "phi4mini": (phi3("phi4mini"), ["bf16", "q8_0"]),
 }
 
 # SentencePiece architectures: the tokenizer fixture folder copied into the model (its
-# tokenizer.model, tokenizer.json and tokenizer_config.json) instead of the BPE one.
-SPM = {"llama2": "spm-llama2", "gemma2": "spm-gemma", "gemma3": "spm-gemma", "gemma3vl": "spm-gemma"}
+# tokenizer.model, tokenizer.json and tokenizer_config.json, and added_tokens.json where it has
+# one) instead of the BPE one.
+SPM = {"llama2": "spm-llama2", "gemma2": "spm-gemma", "gemma3": "spm-gemma", "gemma3vl": "spm-gemma",
+       "phi3": "spm-phi3", "phi3.5": "spm-phi3", "phi3su": "spm-phi3"}
 
 REF = f"""
 import sys
@@ -371,8 +403,9 @@ def build(name, make):
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     build.tokenizer = SPM.get(name)
     if build.tokenizer:
-        for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(FX, build.tokenizer, f), os.path.join(d, f))
+        for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
+            if f != "added_tokens.json" or os.path.exists(os.path.join(FX, build.tokenizer, f)):
+                shutil.copy(os.path.join(FX, build.tokenizer, f), os.path.join(d, f))
         build.added, build.tc_extra = [], {}
         return d
     tj = json.load(open(os.path.join(FX, "tokenizer", "tokenizer.json")))
@@ -395,6 +428,9 @@ def build(name, make):
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     # Llama-family converters copy `add_prefix_space` into tokenizer.ggml.add_space_prefix.
     build.tc_extra = {"add_prefix_space": False} if name == "llama" else {}
+    if name.startswith("phi4"):
+        # Phi-4's tokenizer class, which makes the Phi-3 converter take GPT-2 BPE.
+        build.tc_extra = {"tokenizer_class": "GPT2Tokenizer"}
     tc.update(build.tc_extra)
     json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"), indent=1)
     return d

@@ -767,11 +767,27 @@ fn gpt_oss_and_qwen3_moe_tensors() {
 
 #[test]
 fn an_unsupported_architecture_names_the_supported_ones() {
-    let json = serde_json::json!({"architectures": ["FalconForCausalLM"]});
-    let err = Config::from_json(Path::new("config.json"), json).unwrap_err();
-    assert!(matches!(err, Error::GgufUnsupportedArch { .. }));
-    let msg = err.to_string();
-    assert_mentions(&msg, &["FalconForCausalLM", "DeepseekV3ForCausalLM"]);
+    // Phi-3-small, Phi-3.5-MoE, Phi-2 and Phi-4-multimodal are not Phi3ForCausalLM's converter.
+    for class in [
+        "FalconForCausalLM",
+        "Phi3SmallForCausalLM",
+        "PhiMoEForCausalLM",
+        "PhiForCausalLM",
+        "Phi4ForCausalLMV",
+    ] {
+        let json = serde_json::json!({"architectures": [class]});
+        let err = Config::from_json(Path::new("config.json"), json).unwrap_err();
+        assert!(matches!(err, Error::GgufUnsupportedArch { .. }));
+        let msg = err.to_string();
+        assert_mentions(
+            &msg,
+            &[
+                &format!("`{class}` is not supported"),
+                "DeepseekV3ForCausalLM",
+                "Phi3ForCausalLM",
+            ],
+        );
+    }
 }
 
 #[test]

@@ -920,6 +920,51 @@ fn write_bpe_tokenizer(model: &Path, spec: &Json) {
     write_json("tokenizer_config.json", &tc);
 }
 
+/// The model a `reference/*.json` case describes (config, tokenizer files, formula tensors),
+/// written to `model` (created).
+fn build_reference_model(spec: &Json, model: &Path) {
+    std::fs::create_dir(model).unwrap();
+    let write_json = |name: &str, v: &Json| {
+        std::fs::write(model.join(name), serde_json::to_vec(v).unwrap()).unwrap()
+    };
+    write_json("config.json", &spec["config"]);
+    if let Some(fx) = spec["tokenizer"].as_str() {
+        // A SentencePiece model: its tokenizer folder as the converter read it.
+        for f in [
+            "tokenizer.model",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "added_tokens.json",
+        ] {
+            let src = gguf_fixture(fx).join(f);
+            if f != "added_tokens.json" || src.exists() {
+                std::fs::copy(src, model.join(f)).unwrap();
+            }
+        }
+    } else {
+        write_bpe_tokenizer(model, spec);
+    }
+    let tensors: Vec<T> = spec["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(k, e)| {
+            let name = e[0].as_str().unwrap();
+            let dtype: DType = e[1].as_str().unwrap().parse().unwrap();
+            let shape: Vec<u64> = e[2]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            let n = shape.iter().product();
+            t(name, dtype, &shape, formula(k, name, dtype, n))
+        })
+        .collect();
+    write_file(&model.join("model.safetensors"), &tensors);
+}
+
 /// Every `reference/*.json` (bench/gguf_reference.py with GGUF_REFERENCE_FIXTURES): the same
 /// model converted by tftf has convert_hf_to_gguf.py's KVs (all but the naming fields it derives from the folder) and
 /// its tensor names, types, shapes and bytes, in its order (tmp is not a reflink filesystem
@@ -933,7 +978,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     cases.sort();
-    assert!(cases.len() >= 35, "{cases:?}");
+    assert!(cases.len() >= 43, "{cases:?}");
     let naming = [
         "general.name",
         "general.basename",
@@ -946,38 +991,7 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
         let what = case.file_name().unwrap().to_string_lossy().to_string();
         let d = tmp();
         let model = d.path().join("model");
-        std::fs::create_dir(&model).unwrap();
-        let write_json = |name: &str, v: &Json| {
-            std::fs::write(model.join(name), serde_json::to_vec(v).unwrap()).unwrap()
-        };
-        write_json("config.json", &spec["config"]);
-        if let Some(fx) = spec["tokenizer"].as_str() {
-            // A SentencePiece model: its tokenizer folder as the converter read it.
-            for f in ["tokenizer.model", "tokenizer.json", "tokenizer_config.json"] {
-                std::fs::copy(gguf_fixture(&format!("{fx}/{f}")), model.join(f)).unwrap();
-            }
-        } else {
-            write_bpe_tokenizer(&model, &spec);
-        }
-        let tensors: Vec<T> = spec["tensors"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .map(|(k, e)| {
-                let name = e[0].as_str().unwrap();
-                let dtype: DType = e[1].as_str().unwrap().parse().unwrap();
-                let shape: Vec<u64> = e[2]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap())
-                    .collect();
-                let n = shape.iter().product();
-                t(name, dtype, &shape, formula(k, name, dtype, n))
-            })
-            .collect();
-        write_file(&model.join("model.safetensors"), &tensors);
+        build_reference_model(&spec, &model);
         let outtype = spec["outtype"].as_str().unwrap();
         let g = to_gguf(
             &model,
@@ -1027,6 +1041,40 @@ fn outputs_equal_convert_hf_to_gguf_on_every_reference_model() {
             );
         }
     }
+}
+
+/// A k-quant mix goes through Phi-3's fused tensors: the LongRoPE reference model (Phi-3.5)
+/// as `q4_k_m` keeps its rope factors F32 and quantises `attn_qkv` and the fused `ffn_up` (rows
+/// of 64 do not fill a 256-block: their 32-block fallbacks), with the mix's file type.
+#[test]
+fn phi3_longrope_converts_to_a_k_quant_mix() {
+    let spec = read_json(&gguf_fixture("reference/phi3.5.bf16.json"));
+    let d = tmp();
+    let model = d.path().join("model");
+    build_reference_model(&spec, &model);
+    let g = to_gguf(
+        &model,
+        &d.path().join("out.gguf"),
+        "test-pre",
+        &["--outtype", "q4_k_m"],
+    );
+    for f in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        assert_eq!((&g.tensors[f].0, g.tensors[f].1), (&vec![8], 0), "{f}");
+    }
+    for (name, shape) in [
+        ("blk.0.attn_qkv.weight", [192, 64]),
+        ("blk.0.ffn_up.weight", [256, 64]),
+    ] {
+        let (sh, ty, _) = &g.tensors[name];
+        assert_eq!(sh, &shape.to_vec(), "{name}");
+        assert!([6, 8].contains(ty), "{name}: type {ty}");
+    }
+    let ftype = g
+        .kvs
+        .iter()
+        .find(|(k, _)| k == "general.file_type")
+        .unwrap();
+    assert_eq!(ftype.1[4..], 15u32.to_le_bytes(), "Q4_K_M");
 }
 
 #[test]

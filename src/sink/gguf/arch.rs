@@ -47,6 +47,8 @@ pub enum Family {
     Gemma3,
     /// GLM-4.5 (`arch_glm`): NextN/MTP layers kept, partial rotary, sigmoid-routed experts.
     Glm4Moe,
+    /// Phi-3 and Phi-4 (`arch_phi`): fused QKV and gate/up, its own KVs, LongRoPE factors.
+    Phi3,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -82,11 +84,14 @@ pub struct ArchSpec {
     /// `rope_parameters` when the config has neither it nor `rope_scaling`.
     pub rope_theta_default: f64,
     /// Per-layer names: HF name after `model.layers.{bid}.` without `.weight`/`.bias` → GGUF
-    /// name after `blk.{bid}.`.
-    pub layer_tensors: &'static [(&'static str, &'static str)],
+    /// name after `blk.{bid}.`, in tables searched in order, then [`COMMON_LAYER_TABLE`].
+    pub layer_tensors: &'static [LayerTable],
 }
 
-pub(super) const COMMON_LAYER_TABLE: &[(&str, &str)] = &[
+/// Per-layer names (HF → GGUF), as in [`ArchSpec::layer_tensors`].
+pub type LayerTable = &'static [(&'static str, &'static str)];
+
+pub(super) const COMMON_LAYER_TABLE: LayerTable = &[
     ("input_layernorm", "attn_norm"),
     ("self_attn.q_proj", "attn_q"),
     ("self_attn.k_proj", "attn_k"),
@@ -104,22 +109,46 @@ pub(super) const GLOBAL_TABLE: &[(&str, &str)] = &[
     ("lm_head.weight", "output.weight"),
 ];
 
-/// DeepSeek-V2/V3 (MLA, shared and routed experts). V2-Lite's plain `q_proj` is common.
-const DEEPSEEK_LAYER_TABLE: &[(&str, &str)] = &[
+/// Q/K norms (Qwen3, OLMo 2, Gemma 3, GLM-4.5).
+pub(super) const QK_NORMS: LayerTable = &[
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
+];
+
+/// The norm after attention where the feed-forward one has another name.
+pub(super) const POST_ATTENTION_NORM: LayerTable =
+    &[("post_attention_layernorm", "post_attention_norm")];
+
+/// The router of `mlp.experts.*`, and DeepSeek's/GLM's routing bias.
+const ROUTER: LayerTable = &[("mlp.gate", "ffn_gate_inp")];
+pub(super) const ROUTER_WITH_BIAS: LayerTable = &[
+    ("mlp.gate", "ffn_gate_inp"),
+    ("mlp.gate.e_score_correction", "exp_probs_b"),
+];
+
+/// Routed experts, stacked (`mlp.experts.{gate,up,down}_proj`).
+pub(super) const EXPERTS: LayerTable = &[
+    ("mlp.experts.gate_proj", "ffn_gate_exps"),
+    ("mlp.experts.up_proj", "ffn_up_exps"),
+    ("mlp.experts.down_proj", "ffn_down_exps"),
+];
+
+/// DeepSeek's and GLM-4.5's shared experts.
+pub(super) const SHARED_EXPERTS: LayerTable = &[
+    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
+];
+
+/// DeepSeek-V2/V3's MLA. V2-Lite's plain `q_proj` is common.
+const DEEPSEEK_MLA: LayerTable = &[
     ("self_attn.q_a_proj", "attn_q_a"),
     ("self_attn.q_a_layernorm", "attn_q_a_norm"),
     ("self_attn.q_b_proj", "attn_q_b"),
     ("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),
     ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
-    ("mlp.gate", "ffn_gate_inp"),
-    ("mlp.gate.e_score_correction", "exp_probs_b"),
-    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
-    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
-    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
-    ("mlp.experts.gate_proj", "ffn_gate_exps"),
-    ("mlp.experts.up_proj", "ffn_up_exps"),
-    ("mlp.experts.down_proj", "ffn_down_exps"),
 ];
+const DEEPSEEK_LAYER: &[LayerTable] = &[DEEPSEEK_MLA, ROUTER_WITH_BIAS, SHARED_EXPERTS, EXPERTS];
 
 /// `model_type`s transformers does not know (their checkpoints ship remote code): the
 /// reference, which never runs remote code, falls back to reading `config.json` as it is, so
@@ -129,300 +158,135 @@ const RAW_CONFIG_MODEL_TYPES: &[&str] = &["kimi_k2"];
 use ConfigDefault::*;
 
 /// Gemma 2 and 3: norms before and after attention and feed-forward, Q/K norms (Gemma 3).
-const GEMMA_LAYER_TABLE: &[(&str, &str)] = &[
-    ("post_attention_layernorm", "post_attention_norm"),
+const GEMMA_NORMS: LayerTable = &[
     ("pre_feedforward_layernorm", "ffn_norm"),
     ("post_feedforward_layernorm", "post_ffw_norm"),
-    ("self_attn.q_norm", "attn_q_norm"),
-    ("self_attn.k_norm", "attn_k_norm"),
 ];
+const GEMMA_LAYER: &[LayerTable] = &[POST_ATTENTION_NORM, GEMMA_NORMS, QK_NORMS];
 
+/// One [`ArchSpec`].
+const fn spec(
+    hf_classes: &'static [&'static str],
+    gguf_arch: &'static str,
+    family: Family,
+    rope_theta_default: f64,
+    layer_tensors: &'static [LayerTable],
+    defaults: &'static [(&'static str, ConfigDefault)],
+) -> ArchSpec {
+    ArchSpec {
+        hf_classes,
+        gguf_arch,
+        family,
+        defaults,
+        rope_theta_default,
+        layer_tensors,
+    }
+}
+
+/// The supported architectures: HF classes, GGUF arch, family, rope theta default, layer
+/// tables, then the transformers class defaults (one table row each; not reflowed).
+#[rustfmt::skip]
 pub static ARCHS: &[ArchSpec] = &[
-    ArchSpec {
-        hf_classes: &["LlamaForCausalLM"],
-        gguf_arch: "llama",
-        family: Family::Llama,
-        defaults: &[
-            ("max_position_embeddings", Int(2048)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
-            ("head_dim", HiddenPerHead),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[],
-    },
-    ArchSpec {
-        hf_classes: &["MistralForCausalLM"],
-        gguf_arch: "llama",
-        family: Family::Llama,
-        defaults: &[
-            ("max_position_embeddings", Int(131072)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(8)),
-            ("head_dim", HiddenPerHead),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[],
-    },
-    ArchSpec {
-        hf_classes: &["MixtralForCausalLM"],
-        gguf_arch: "llama",
-        family: Family::Llama,
-        defaults: &[
-            ("max_position_embeddings", Int(131072)),
-            ("rms_norm_eps", Float(1e-5)),
-            ("num_key_value_heads", Int(8)),
-            ("num_local_experts", Int(8)),
-            ("num_experts_per_tok", Int(2)),
-        ],
-        rope_theta_default: 1e6,
-        layer_tensors: &[
-            ("block_sparse_moe.gate", "ffn_gate_inp"),
-            ("block_sparse_moe.experts.w1", "ffn_gate_exps"),
-            ("block_sparse_moe.experts.w2", "ffn_down_exps"),
-            ("block_sparse_moe.experts.w3", "ffn_up_exps"),
-        ],
-    },
-    ArchSpec {
-        hf_classes: &["Qwen2ForCausalLM"],
-        gguf_arch: "qwen2",
-        family: Family::Qwen2,
-        defaults: &[
-            ("max_position_embeddings", Int(32768)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(32)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[],
-    },
-    ArchSpec {
-        hf_classes: &["Qwen3ForCausalLM"],
-        gguf_arch: "qwen3",
-        family: Family::Qwen3,
-        defaults: &[
-            ("max_position_embeddings", Int(32768)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(32)),
-            ("head_dim", Int(128)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[
-            ("self_attn.q_norm", "attn_q_norm"),
-            ("self_attn.k_norm", "attn_k_norm"),
-        ],
-    },
-    ArchSpec {
-        hf_classes: &["Qwen3MoeForCausalLM"],
-        gguf_arch: "qwen3moe",
-        family: Family::Qwen3Moe,
-        defaults: &[
-            ("max_position_embeddings", Int(32768)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(4)),
-            ("num_experts_per_tok", Int(8)),
-            ("moe_intermediate_size", Int(768)),
-            // config.json spells it `num_experts`; transformers maps it to `num_local_experts`.
-            ("num_experts", Int(128)),
-            ("norm_topk_prob", Bool(false)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[
-            ("self_attn.q_norm", "attn_q_norm"),
-            ("self_attn.k_norm", "attn_k_norm"),
-            ("mlp.gate", "ffn_gate_inp"),
-            ("mlp.experts.gate_proj", "ffn_gate_exps"),
-            ("mlp.experts.up_proj", "ffn_up_exps"),
-            ("mlp.experts.down_proj", "ffn_down_exps"),
-        ],
-    },
-    ArchSpec {
-        hf_classes: &["GptOssForCausalLM"],
-        gguf_arch: "gpt-oss",
-        family: Family::GptOss,
-        defaults: &[
-            ("max_position_embeddings", Int(131072)),
-            ("rms_norm_eps", Float(1e-5)),
-            ("num_key_value_heads", Int(8)),
-            ("head_dim", HiddenPerHeadOr(64)),
-            ("num_experts_per_tok", Int(4)),
-            ("num_local_experts", Int(128)),
-            ("sliding_window", Int(128)),
-        ],
-        rope_theta_default: 150000.0,
-        layer_tensors: &[
-            ("post_attention_layernorm", "post_attention_norm"),
-            ("self_attn.sinks", "attn_sinks"),
-            ("mlp.router", "ffn_gate_inp"),
-            ("mlp.experts.gate_proj", "ffn_gate_exps"),
-            ("mlp.experts.up_proj", "ffn_up_exps"),
-            ("mlp.experts.down_proj", "ffn_down_exps"),
-        ],
-    },
-    ArchSpec {
-        hf_classes: &["DeepseekV3ForCausalLM"],
-        gguf_arch: "deepseek2",
-        family: Family::DeepseekV3,
-        defaults: &[
-            ("max_position_embeddings", Int(4096)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
-            ("num_experts_per_tok", Int(8)),
-            ("moe_intermediate_size", Int(2048)),
-            ("norm_topk_prob", Bool(true)),
-            ("n_group", Int(8)),
-            ("topk_group", Int(4)),
-            ("n_routed_experts", Int(256)),
-            ("n_shared_experts", Int(1)),
-            ("routed_scaling_factor", Float(2.5)),
-            ("first_k_dense_replace", Int(3)),
-            ("kv_lora_rank", Int(512)),
-            ("q_lora_rank", IntOrNull(1536)),
-            ("qk_rope_head_dim", Int(64)),
-            ("qk_nope_head_dim", Int(128)),
-            ("v_head_dim", Int(128)),
-            // After the key it copies.
-            ("head_dim", Always("qk_rope_head_dim")),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: DEEPSEEK_LAYER_TABLE,
-    },
-    ArchSpec {
-        hf_classes: &["Qwen2MoeForCausalLM"],
-        gguf_arch: "qwen2moe",
-        // The reference's Qwen3-MoE class is Qwen2-MoE's: the same KVs and expert stacking.
-        family: Family::Qwen3Moe,
-        defaults: &[
-            ("max_position_embeddings", Int(32768)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(16)),
-            ("num_experts_per_tok", Int(4)),
-            ("moe_intermediate_size", Int(1408)),
-            ("shared_expert_intermediate_size", Int(5632)),
-            ("num_experts", Int(60)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[
-            ("mlp.gate", "ffn_gate_inp"),
-            ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
-            ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
-            ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
-            ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
-            ("mlp.experts.gate_proj", "ffn_gate_exps"),
-            ("mlp.experts.up_proj", "ffn_up_exps"),
-            ("mlp.experts.down_proj", "ffn_down_exps"),
-        ],
-    },
-    ArchSpec {
-        hf_classes: &["GraniteForCausalLM"],
-        gguf_arch: "granite",
-        family: Family::Granite,
-        defaults: &[
-            ("max_position_embeddings", Int(2048)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
-            ("attention_multiplier", Float(1.0)),
-            ("embedding_multiplier", Float(1.0)),
-            ("residual_multiplier", Float(1.0)),
-            ("logits_scaling", Float(1.0)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[],
-    },
-    ArchSpec {
-        hf_classes: &["Gemma2ForCausalLM"],
-        gguf_arch: "gemma2",
-        family: Family::Gemma2,
-        defaults: &[
-            ("max_position_embeddings", Int(8192)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(4)),
-            ("head_dim", Int(256)),
-            ("attn_logit_softcapping", Float(50.0)),
-            ("final_logit_softcapping", Float(30.0)),
-            ("sliding_window", Int(4096)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: GEMMA_LAYER_TABLE,
-    },
-    ArchSpec {
-        hf_classes: &["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"],
-        gguf_arch: "gemma3",
-        family: Family::Gemma3,
-        defaults: &[
-            ("max_position_embeddings", Int(131072)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", Int(4)),
-            ("head_dim", Int(256)),
-            ("sliding_window", Int(4096)),
-            ("rope_local_base_freq", Float(10000.0)),
-            ("vocab_size", Int(262208)),
-        ],
-        rope_theta_default: 1e6,
-        layer_tensors: GEMMA_LAYER_TABLE,
-    },
-    ArchSpec {
-        hf_classes: &["Olmo2ForCausalLM"],
-        gguf_arch: "olmo2",
-        family: Family::Olmo2,
-        defaults: &[
-            ("max_position_embeddings", Int(2048)),
-            ("rms_norm_eps", Float(1e-5)),
-            ("num_key_value_heads", SameAsHeads),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: &[
-            ("post_attention_layernorm", "post_attention_norm"),
-            ("post_feedforward_layernorm", "post_ffw_norm"),
-            ("self_attn.q_norm", "attn_q_norm"),
-            ("self_attn.k_norm", "attn_k_norm"),
-        ],
-    },
-    ArchSpec {
-        // The reference converts V2 and V3 with one class; only the config defaults differ.
-        hf_classes: &["DeepseekV2ForCausalLM"],
-        gguf_arch: "deepseek2",
-        family: Family::DeepseekV3,
-        defaults: &[
-            ("max_position_embeddings", Int(2048)),
-            ("rms_norm_eps", Float(1e-6)),
-            ("num_key_value_heads", SameAsHeads),
-            ("moe_intermediate_size", Int(1407)),
-            ("norm_topk_prob", Bool(false)),
-            ("n_routed_experts", Int(64)),
-            ("n_shared_experts", Int(2)),
-            ("routed_scaling_factor", Float(1.0)),
-            ("first_k_dense_replace", Int(0)),
-            ("kv_lora_rank", Int(512)),
-            ("q_lora_rank", IntOrNull(1536)),
-            ("qk_rope_head_dim", Int(64)),
-            ("qk_nope_head_dim", Int(128)),
-            ("v_head_dim", Int(128)),
-            ("head_dim", Always("qk_rope_head_dim")),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: DEEPSEEK_LAYER_TABLE,
-    },
-    ArchSpec {
-        hf_classes: &["Glm4MoeForCausalLM"],
-        gguf_arch: "glm4moe",
-        family: Family::Glm4Moe,
-        defaults: &[
-            ("max_position_embeddings", Int(131072)),
-            ("rms_norm_eps", Float(1e-5)),
-            ("num_key_value_heads", Int(8)),
-            ("moe_intermediate_size", Int(1408)),
-            ("num_experts_per_tok", Int(8)),
-            ("n_shared_experts", Int(1)),
-            ("n_routed_experts", Int(128)),
-            ("routed_scaling_factor", Float(1.0)),
-            ("n_group", Int(1)),
-            ("topk_group", Int(1)),
-            ("first_k_dense_replace", Int(1)),
-            ("norm_topk_prob", Bool(true)),
-        ],
-        rope_theta_default: 10000.0,
-        layer_tensors: super::arch_glm::GLM4_MOE_LAYER_TABLE,
-    },
+    spec(&["LlamaForCausalLM"], "llama", Family::Llama, 10000.0, &[], &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", SameAsHeads), ("head_dim", HiddenPerHead),
+    ]),
+    spec(&["MistralForCausalLM"], "llama", Family::Llama, 10000.0, &[], &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", Int(8)), ("head_dim", HiddenPerHead),
+    ]),
+    spec(&["MixtralForCausalLM"], "llama", Family::Llama, 1e6, &[&[
+        ("block_sparse_moe.gate", "ffn_gate_inp"),
+        ("block_sparse_moe.experts.w1", "ffn_gate_exps"),
+        ("block_sparse_moe.experts.w2", "ffn_down_exps"),
+        ("block_sparse_moe.experts.w3", "ffn_up_exps"),
+    ]], &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-5)),
+        ("num_key_value_heads", Int(8)), ("num_local_experts", Int(8)), ("num_experts_per_tok", Int(2)),
+    ]),
+    spec(&["Qwen2ForCausalLM"], "qwen2", Family::Qwen2, 10000.0, &[], &[
+        ("max_position_embeddings", Int(32768)), ("rms_norm_eps", Float(1e-6)), ("num_key_value_heads", Int(32)),
+    ]),
+    spec(&["Qwen3ForCausalLM"], "qwen3", Family::Qwen3, 10000.0, &[QK_NORMS], &[
+        ("max_position_embeddings", Int(32768)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", Int(32)), ("head_dim", Int(128)),
+    ]),
+    // config.json spells `num_experts`; transformers maps it to `num_local_experts`.
+    spec(&["Qwen3MoeForCausalLM"], "qwen3moe", Family::Qwen3Moe, 10000.0, &[QK_NORMS, ROUTER, EXPERTS], &[
+        ("max_position_embeddings", Int(32768)), ("rms_norm_eps", Float(1e-6)), ("num_key_value_heads", Int(4)),
+        ("num_experts_per_tok", Int(8)), ("moe_intermediate_size", Int(768)), ("num_experts", Int(128)),
+        ("norm_topk_prob", Bool(false)),
+    ]),
+    spec(&["GptOssForCausalLM"], "gpt-oss", Family::GptOss, 150000.0, &[POST_ATTENTION_NORM, &[
+        ("self_attn.sinks", "attn_sinks"),
+        ("mlp.router", "ffn_gate_inp"),
+    ], EXPERTS], &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-5)),
+        ("num_key_value_heads", Int(8)), ("head_dim", HiddenPerHeadOr(64)), ("num_experts_per_tok", Int(4)),
+        ("num_local_experts", Int(128)), ("sliding_window", Int(128)),
+    ]),
+    // `head_dim` last: it copies `qk_rope_head_dim`.
+    spec(&["DeepseekV3ForCausalLM"], "deepseek2", Family::DeepseekV3, 10000.0, DEEPSEEK_LAYER, &[
+        ("max_position_embeddings", Int(4096)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", SameAsHeads), ("num_experts_per_tok", Int(8)),
+        ("moe_intermediate_size", Int(2048)), ("norm_topk_prob", Bool(true)), ("n_group", Int(8)),
+        ("topk_group", Int(4)), ("n_routed_experts", Int(256)), ("n_shared_experts", Int(1)),
+        ("routed_scaling_factor", Float(2.5)), ("first_k_dense_replace", Int(3)),
+        ("kv_lora_rank", Int(512)), ("q_lora_rank", IntOrNull(1536)), ("qk_rope_head_dim", Int(64)),
+        ("qk_nope_head_dim", Int(128)), ("v_head_dim", Int(128)), ("head_dim", Always("qk_rope_head_dim")),
+    ]),
+    // The reference's Qwen3-MoE class is Qwen2-MoE's: the same KVs and expert stacking.
+    spec(&["Qwen2MoeForCausalLM"], "qwen2moe", Family::Qwen3Moe, 10000.0, &[ROUTER, EXPERTS, &[
+        ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
+        ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+        ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+        ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+    ]], &[
+        ("max_position_embeddings", Int(32768)), ("rms_norm_eps", Float(1e-6)), ("num_key_value_heads", Int(16)),
+        ("num_experts_per_tok", Int(4)), ("moe_intermediate_size", Int(1408)),
+        ("shared_expert_intermediate_size", Int(5632)), ("num_experts", Int(60)),
+    ]),
+    spec(&["GraniteForCausalLM"], "granite", Family::Granite, 10000.0, &[], &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", SameAsHeads), ("attention_multiplier", Float(1.0)),
+        ("embedding_multiplier", Float(1.0)), ("residual_multiplier", Float(1.0)), ("logits_scaling", Float(1.0)),
+    ]),
+    spec(&["Gemma2ForCausalLM"], "gemma2", Family::Gemma2, 10000.0, GEMMA_LAYER, &[
+        ("max_position_embeddings", Int(8192)), ("rms_norm_eps", Float(1e-6)), ("num_key_value_heads", Int(4)),
+        ("head_dim", Int(256)), ("attn_logit_softcapping", Float(50.0)),
+        ("final_logit_softcapping", Float(30.0)), ("sliding_window", Int(4096)),
+    ]),
+    spec(&["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"], "gemma3", Family::Gemma3, 1e6, GEMMA_LAYER, &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-6)), ("num_key_value_heads", Int(4)),
+        ("head_dim", Int(256)), ("sliding_window", Int(4096)), ("rope_local_base_freq", Float(10000.0)),
+        ("vocab_size", Int(262208)),
+    ]),
+    spec(&["Olmo2ForCausalLM"], "olmo2", Family::Olmo2, 10000.0, &[QK_NORMS, &[
+        ("post_attention_layernorm", "post_attention_norm"),
+        ("post_feedforward_layernorm", "post_ffw_norm"),
+    ]], &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", SameAsHeads),
+    ]),
+    // The reference converts V2 and V3 with one class; only the config defaults differ.
+    spec(&["DeepseekV2ForCausalLM"], "deepseek2", Family::DeepseekV3, 10000.0, DEEPSEEK_LAYER, &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", SameAsHeads), ("moe_intermediate_size", Int(1407)),
+        ("norm_topk_prob", Bool(false)), ("n_routed_experts", Int(64)), ("n_shared_experts", Int(2)),
+        ("routed_scaling_factor", Float(1.0)), ("first_k_dense_replace", Int(0)), ("kv_lora_rank", Int(512)),
+        ("q_lora_rank", IntOrNull(1536)), ("qk_rope_head_dim", Int(64)), ("qk_nope_head_dim", Int(128)),
+        ("v_head_dim", Int(128)), ("head_dim", Always("qk_rope_head_dim")),
+    ]),
+    spec(&["Glm4MoeForCausalLM"], "glm4moe", Family::Glm4Moe, 10000.0, super::arch_glm::GLM4_MOE_LAYER, &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", Int(8)),
+        ("moe_intermediate_size", Int(1408)), ("num_experts_per_tok", Int(8)), ("n_shared_experts", Int(1)),
+        ("n_routed_experts", Int(128)), ("routed_scaling_factor", Float(1.0)), ("n_group", Int(1)),
+        ("topk_group", Int(1)), ("first_k_dense_replace", Int(1)), ("norm_topk_prob", Bool(true)),
+    ]),
+    // Phi-3 (mini, medium, 128k), Phi-3.5-mini, Phi-4 and Phi-4-mini.
+    spec(&["Phi3ForCausalLM"], "phi3", Family::Phi3, 10000.0, &[super::arch_phi::PHI3_LAYER_TABLE], &[
+        ("max_position_embeddings", Int(4096)), ("original_max_position_embeddings", Int(4096)),
+        ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", SameAsHeads), ("vocab_size", Int(32064)),
+    ]),
 ];
 
 /// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
@@ -600,6 +464,15 @@ impl Config {
             .map_err(|_| self.err(format!("`{key}` = {v} does not fit a u32")))
     }
 
+    /// The first of `keys` present and not null, as an unsigned integer; none is an error
+    /// naming them all.
+    pub fn need_u64_of(&self, keys: &[&str]) -> Result<u64> {
+        self.u64(keys)?.ok_or_else(|| {
+            let names: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+            self.err(format!("{} is missing", names.join(" or ")))
+        })
+    }
+
     pub fn need_f64(&self, key: &str) -> Result<f64> {
         self.f64(&[key])?
             .ok_or_else(|| self.err(format!("`{key}` is missing")))
@@ -612,6 +485,18 @@ impl Config {
             .ok_or_else(|| self.err("`num_hidden_layers` is missing".into()))?;
         main.checked_add(super::arch_glm::nextn_layers(self)?)
             .ok_or_else(|| self.err("`num_nextn_predict_layers` is too large".into()))
+    }
+
+    /// `partial_rotary_factor`: the rope parameters' (where transformers puts it), else the
+    /// top-level one, else `default`.
+    pub(super) fn partial_rotary_factor(&self, default: f64) -> Result<f64> {
+        let key = "partial_rotary_factor";
+        match self.rope.get(key).filter(|v| !v.is_null()) {
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.err(format!("`{key}` is {v}, not a number"))),
+            None => Ok(self.f64(&[key])?.unwrap_or(default)),
+        }
     }
 
     fn rope_f64(&self, key: &str) -> Option<f64> {
@@ -633,8 +518,10 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
     let arch = cfg.spec.gguf_arch;
     let k = |s: &str| format!("{arch}.{s}");
     let fam = cfg.spec.family;
-    if fam == Family::Gemma2 {
-        return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name);
+    match fam {
+        Family::Gemma2 => return super::arch_gemma::gemma2_model_kvs(cfg, file_type, name),
+        Family::Phi3 => return super::arch_phi::phi3_model_kvs(cfg, file_type, name),
+        _ => {}
     }
     let mut m = general_kvs(arch, name);
     let mut n_kv_override = None;
@@ -793,7 +680,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
                 cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
             );
         }
-        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 => {}
+        Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 | Family::Phi3 => {}
         Family::Gemma3 => super::arch_gemma::gemma3_kvs(cfg, &mut m, &k)?,
         Family::Qwen3Moe => {
             if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {
@@ -889,29 +776,16 @@ fn deepseek_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> R
     let rope = cfg.need_u64("qk_rope_head_dim")?;
     let nope = cfg.need_u64("qk_nope_head_dim")?;
     let v = cfg.need_u64("v_head_dim")?;
-    m.set(
-        k("attention.kv_lora_rank"),
-        cfg.u32_kv("kv_lora_rank", kv_lora)?,
-    );
-    m.set(
-        k("attention.key_length"),
-        cfg.u32_kv("kv_lora_rank", kv_lora + rope)?,
-    );
-    m.set(
-        k("attention.value_length"),
-        cfg.u32_kv("kv_lora_rank", kv_lora)?,
-    );
-    m.set(
-        k("attention.key_length_mla"),
-        cfg.u32_kv("qk_nope_head_dim", nope + rope)?,
-    );
-    m.set(
-        k("attention.value_length_mla"),
-        cfg.u32_kv("v_head_dim", v)?,
-    );
-    let moe_ff = cfg
-        .u64(&["moe_intermediate_size", "intermediate_size"])?
-        .ok_or_else(|| cfg.err("`moe_intermediate_size` is missing".into()))?;
+    for (gguf, hf, n) in [
+        ("attention.kv_lora_rank", "kv_lora_rank", kv_lora),
+        ("attention.key_length", "kv_lora_rank", kv_lora + rope),
+        ("attention.value_length", "kv_lora_rank", kv_lora),
+        ("attention.key_length_mla", "qk_nope_head_dim", nope + rope),
+        ("attention.value_length_mla", "v_head_dim", v),
+    ] {
+        m.set(k(gguf), cfg.u32_kv(hf, n)?);
+    }
+    let moe_ff = cfg.need_u64_of(&["moe_intermediate_size", "intermediate_size"])?;
     m.set(
         k("expert_feed_forward_length"),
         cfg.u32_kv("moe_intermediate_size", moe_ff)?,

@@ -186,30 +186,21 @@ mod tests {
 
     #[test]
     fn gemma3_kvs_take_the_local_theta_and_the_sliding_window_unless_the_pattern_is_1() {
-        let m = kvs(&gemma3(serde_json::json!({}))).unwrap();
-        assert_eq!(
-            m.get("gemma3.rope.freq_base_swa"),
-            Some(&Value::F32(10000.0))
-        );
-        assert_eq!(
-            m.get("gemma3.attention.sliding_window"),
-            Some(&Value::U32(512))
-        );
-        assert_eq!(m.get("gemma3.final_logit_softcapping"), None);
-        let m = kvs(&gemma3(serde_json::json!({
+        let edited = serde_json::json!({
             "sliding_window_pattern": 1, "final_logit_softcapping": 30.0,
             "rope_parameters": {"sliding_attention": {"rope_theta": 5000.0}},
-        })))
-        .unwrap();
-        assert_eq!(m.get("gemma3.attention.sliding_window"), None);
-        assert_eq!(
-            m.get("gemma3.final_logit_softcapping"),
-            Some(&Value::F32(30.0))
-        );
-        assert_eq!(
-            m.get("gemma3.rope.freq_base_swa"),
-            Some(&Value::F32(5000.0))
-        );
+        });
+        // (edit, local theta, sliding window, final soft-cap)
+        for (edit, theta, window, cap) in [
+            (serde_json::json!({}), 10000.0, Some(Value::U32(512)), None),
+            (edited, 5000.0, None, Some(Value::F32(30.0))),
+        ] {
+            let m = kvs(&gemma3(edit)).unwrap();
+            let got = |key: &str| m.get(&format!("gemma3.{key}")).cloned();
+            assert_eq!(got("rope.freq_base_swa"), Some(Value::F32(theta)));
+            assert_eq!(got("attention.sliding_window"), window);
+            assert_eq!(got("final_logit_softcapping"), cap);
+        }
     }
 
     #[test]

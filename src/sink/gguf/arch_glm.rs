@@ -15,29 +15,29 @@ use std::path::Path;
 
 use serde_json::Value as Json;
 
-use super::arch::{Config, Family};
+use super::arch::{
+    Config, Family, LayerTable, EXPERTS, POST_ATTENTION_NORM, QK_NORMS, ROUTER_WITH_BIAS,
+    SHARED_EXPERTS,
+};
 use super::kv::{Metadata, Value};
 use crate::error::{Error, Result};
 
-/// Per-layer names (after `model.layers.{bid}.`, without `.weight`/`.bias`) → GGUF names.
-pub(super) const GLM4_MOE_LAYER_TABLE: &[(&str, &str)] = &[
-    ("post_attention_layernorm", "post_attention_norm"),
-    ("self_attn.q_norm", "attn_q_norm"),
-    ("self_attn.k_norm", "attn_k_norm"),
-    ("mlp.gate", "ffn_gate_inp"),
-    ("mlp.gate.e_score_correction", "exp_probs_b"),
-    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
-    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
-    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
-    ("mlp.experts.gate_proj", "ffn_gate_exps"),
-    ("mlp.experts.up_proj", "ffn_up_exps"),
-    ("mlp.experts.down_proj", "ffn_down_exps"),
-    ("eh_proj", "nextn.eh_proj"),
-    ("embed_tokens", "nextn.embed_tokens"),
-    ("enorm", "nextn.enorm"),
-    ("hnorm", "nextn.hnorm"),
-    ("shared_head.head", "nextn.shared_head_head"),
-    ("shared_head.norm", "nextn.shared_head_norm"),
+/// Per-layer names (after `model.layers.{bid}.`, without `.weight`/`.bias`) → GGUF names:
+/// DeepSeek's routing and experts with Q/K norms, and the NextN/MTP layers' own tensors.
+pub(super) const GLM4_MOE_LAYER: &[LayerTable] = &[
+    POST_ATTENTION_NORM,
+    QK_NORMS,
+    ROUTER_WITH_BIAS,
+    SHARED_EXPERTS,
+    EXPERTS,
+    &[
+        ("eh_proj", "nextn.eh_proj"),
+        ("embed_tokens", "nextn.embed_tokens"),
+        ("enorm", "nextn.enorm"),
+        ("hnorm", "nextn.hnorm"),
+        ("shared_head.head", "nextn.shared_head_head"),
+        ("shared_head.norm", "nextn.shared_head_norm"),
+    ],
 ];
 
 /// `ExpertGatingFuncType.SIGMOID`.
@@ -61,20 +61,11 @@ pub(super) fn glm4moe_kvs(
         Some(d) => d,
         None => cfg.need_u64("hidden_size")? / cfg.need_u64("num_attention_heads")?.max(1),
     };
-    let factor = match cfg
-        .rope
-        .get("partial_rotary_factor")
-        .filter(|v| !v.is_null())
-    {
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| cfg_err(cfg, format!("`partial_rotary_factor` is {v}, not a number")))?,
-        None => cfg.f64(&["partial_rotary_factor"])?.unwrap_or(0.5),
-    };
+    let factor = cfg.partial_rotary_factor(0.5)?;
     // Python's int(): truncation towards zero.
     m.set(
         k("rope.dimension_count"),
-        u32_kv(cfg, "head_dim", (head_dim as f64 * factor) as u64)?,
+        cfg.u32_kv("head_dim", (head_dim as f64 * factor) as u64)?,
     );
     for (hf, gguf) in [
         ("n_routed_experts", "expert_count"),
@@ -83,7 +74,7 @@ pub(super) fn glm4moe_kvs(
         ("first_k_dense_replace", "leading_dense_block_count"),
     ] {
         if let Some(v) = cfg.u64(&[hf])? {
-            m.set(k(gguf), u32_kv(cfg, hf, v)?);
+            m.set(k(gguf), cfg.u32_kv(hf, v)?);
         }
     }
     m.set(k("expert_gating_func"), Value::U32(GATING_SIGMOID));
@@ -93,29 +84,16 @@ pub(super) fn glm4moe_kvs(
     if let Some(v) = cfg.find(&["norm_topk_prob"]) {
         let b = v
             .as_bool()
-            .ok_or_else(|| cfg_err(cfg, format!("`norm_topk_prob` is {v}, not a boolean")))?;
+            .ok_or_else(|| cfg.err(format!("`norm_topk_prob` is {v}, not a boolean")))?;
         m.set(k("expert_weights_norm"), Value::Bool(b));
     }
     if let Some(n) = cfg.u64(&["num_nextn_predict_layers"])? {
         m.set(
             k("nextn_predict_layers"),
-            u32_kv(cfg, "num_nextn_predict_layers", n)?,
+            cfg.u32_kv("num_nextn_predict_layers", n)?,
         );
     }
     Ok(())
-}
-
-fn cfg_err(cfg: &Config, msg: String) -> Error {
-    Error::GgufConfig {
-        path: cfg.path.clone(),
-        msg,
-    }
-}
-
-fn u32_kv(cfg: &Config, key: &str, v: u64) -> Result<Value> {
-    u32::try_from(v)
-        .map(Value::U32)
-        .map_err(|_| cfg_err(cfg, format!("`{key}` = {v} does not fit a u32")))
 }
 
 /// `_set_vocab_glm`'s special tokens, looked up among `tokenizer.json`'s added tokens (the

@@ -189,8 +189,24 @@ fn block_shape(cfg: &Config, b: &str, hidden: u64) -> Result<Option<Expected>> {
             vec![hidden, h * d],
             vec![("num_attention_heads", heads), ("head_dim", head_dim)],
         ),
-        ("ffn_gate" | "ffn_up", _, _, _, Some(f)) => (
+        ("attn_qkv", Some(h), Some(k), Some(d), _) => (
+            vec![(h + 2 * k) * d, hidden],
+            vec![
+                ("num_attention_heads", heads),
+                ("num_key_value_heads", kv_heads),
+                ("head_dim", head_dim),
+            ],
+        ),
+        ("ffn_gate", _, _, _, Some(f)) => (
             vec![f, hidden],
+            vec![("intermediate_size", ff), ("hidden_size", Some(hidden))],
+        ),
+        // Phi-3's fused gate and up: twice the rows.
+        ("ffn_up", _, _, _, Some(f)) => (
+            vec![
+                f * super::arch_phi::ffn_up_rows_per_ff(cfg.spec.family),
+                hidden,
+            ],
             vec![("intermediate_size", ff), ("hidden_size", Some(hidden))],
         ),
         ("ffn_down", _, _, _, Some(f)) => (

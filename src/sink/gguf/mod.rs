@@ -20,6 +20,7 @@
 pub mod arch;
 mod arch_gemma;
 mod arch_glm;
+mod arch_phi;
 pub mod auto_type;
 mod check;
 pub mod imatrix;

@@ -37,8 +37,8 @@ const SKIPPED_SUFFIXES: [&str; 3] = [
 
 /// Maps every checkpoint tensor to GGUF output tensors, in input order (the caller gives each
 /// shard's tensors by name, as the reference reads them; a block's stacked experts where its
-/// last expert appears, `rope_freqs` and gpt-oss's MXFP4 experts first, as the reference emits
-/// them).
+/// last expert appears, `rope_freqs`, Phi-3's rope factors and gpt-oss's MXFP4 experts first, as
+/// the reference emits them).
 pub fn plan_tensors(
     cfg: &Config,
     inputs: &[InputTensor],
@@ -66,15 +66,14 @@ pub fn plan_tensors(
         out.push(OutputTensor::new(name, shape, ty, recipe, src_dtype));
     };
 
-    if let Some(freqs) = llama3_rope_freqs(cfg)? {
-        let n = freqs.len() as u64;
-        push(
-            &mut out,
-            "rope_freqs.weight".into(),
-            vec![n],
-            Recipe::Values(freqs),
-            None,
-        );
+    // `generate_extra_tensors`: Llama 3's `rope_freqs`, Phi-3's LongRoPE factors.
+    let extra = match llama3_rope_freqs(cfg)? {
+        Some(freqs) => vec![("rope_freqs.weight".to_string(), freqs)],
+        None => super::arch_phi::rope_factors(cfg)?,
+    };
+    for (name, values) in extra {
+        let n = values.len() as u64;
+        push(&mut out, name, vec![n], Recipe::Values(values), None);
     }
 
     // (bid, source weight) → (gguf base, expert id → source name). A block's stacks are
@@ -355,6 +354,8 @@ fn map_layer(cfg: &Config, base: &str) -> Option<&'static str> {
     cfg.spec
         .layer_tensors
         .iter()
+        .copied()
+        .flatten()
         .chain(COMMON_LAYER_TABLE)
         .find(|(h, _)| *h == base)
         .map(|(_, g)| *g)

@@ -3,7 +3,8 @@
 //!
 //! Llama-family models (Llama, Mistral, Mixtral, Granite) take `tokenizer.model` when they ship
 //! one (Llama 2, Mistral 7B v0.1), else the BPE `tokenizer.json`; Gemma 2 always takes it, Gemma
-//! 3 when it ships one (both with `add_space_prefix` false); a Llama-2-style BPE
+//! 3 when it ships one (both with `add_space_prefix` false); Phi-3 always does, by its own rules,
+//! unless `tokenizer_config.json` names `GPT2Tokenizer` (Phi-4: BPE); a Llama-2-style BPE
 //! `tokenizer.json` with byte fallback and no `tokenizer.model` would take the converter's
 //! `LlamaHfVocab`, which is not reproduced, so it is refused rather than written as GPT-2 BPE.
 
@@ -39,6 +40,10 @@ pub fn vocab_kvs_for(cfg: &Config, dir: &Path, pre_override: Option<&str>) -> Re
         Family::Gemma2 | Family::Gemma3 if spm || cfg.spec.family == Family::Gemma2 => {
             m.set("tokenizer.ggml.add_space_prefix", Value::Bool(false));
             spm_vocab_kvs(dir, vocab_size, SpmRules::Converter)?
+        }
+        // Phi3MiniModel.set_vocab: GPT-2 BPE for Phi-4, else Phi-3's SentencePiece reader.
+        Family::Phi3 if !super::arch_phi::gpt2_vocab(dir)? => {
+            spm_vocab_kvs(dir, vocab_size, SpmRules::Phi3)?
         }
         _ => bpe(dir, vocab_size, pre_override)?,
     };
