@@ -188,6 +188,18 @@ impl Shared<'_> {
     /// Reads bytes `at..` of input tensor `src` into `buf` (the stream's one way to read
     /// tensor data, so the test hook sees every read).
     fn read_input(&self, src: usize, at: u64, buf: &mut [u8]) -> Result<()> {
+        self.read_input_cached(src, at, buf, false)
+    }
+
+    /// [`Shared::read_input`], leaving the pages cached when `keep_cached`: a survey's passes
+    /// read a tensor again right after, and only its last read drops it.
+    fn read_input_cached(
+        &self,
+        src: usize,
+        at: u64,
+        buf: &mut [u8],
+        keep_cached: bool,
+    ) -> Result<()> {
         let r = &self.ckpt.tensors[src];
         let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_read_at == Some(n) {
@@ -196,7 +208,7 @@ impl Shared<'_> {
                 std::io::Error::from_raw_os_error(libc::EIO),
             ));
         }
-        self.ckpt.read_tensor_at(r, at, buf)
+        self.ckpt.read_tensor_at_cached(r, at, buf, keep_cached)
     }
 
     fn fail(&self, e: Error) {
@@ -729,7 +741,7 @@ fn survey(
             let lens: Vec<usize> = ranges.iter().map(|r| (r.end - r.start) as usize).collect();
             let mut bufs = sh.pool.acquire(&lens, &sh.cancel)?;
             for ((buf, range), &src) in bufs.iter_mut().zip(&ranges).zip(inputs) {
-                sh.read_input(src, range.start, buf)?;
+                sh.read_input_cached(src, range.start, buf, true)?;
             }
             let views: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
             let surveyed = op.survey(pass, u..end, &views);

@@ -206,13 +206,24 @@ impl MergeOp {
         self
     }
 
+    /// The compute dtype an input of dtype `d` must be rounded to, unless it holds every `d`
+    /// value exactly (a bf16 model merged with `dtype: bfloat16` or `float32`).
+    fn rounding(&self, d: DType) -> Option<DType> {
+        self.compute_dtype.filter(|&c| {
+            let exact = c == d
+                || c == DType::F64
+                || (c == DType::F32 && matches!(d, DType::BF16 | DType::F16));
+            !exact
+        })
+    }
+
     /// Every input decoded to f32 (and rounded to the compute dtype).
     fn decode(&self, inputs: &[&[u8]], n: usize) -> Vec<Vec<f32>> {
         (inputs.iter().zip(&self.in_dtypes))
             .map(|(bytes, &d)| {
                 let mut v = vec![0f32; n];
                 decode_into(d, bytes, &mut v);
-                if let Some(c) = self.compute_dtype {
+                if let Some(c) = self.rounding(d) {
                     v.iter_mut()
                         .for_each(|x| *x = round_to(c, *x as f64) as f32);
                 }
@@ -301,7 +312,7 @@ impl MergeOp {
                 decode_into(d, bytes, &mut f32s[..n]);
                 buf.extend(f32s[..n].iter().map(|&x| x as f64));
             }
-            if let Some(c) = self.compute_dtype {
+            if let Some(c) = self.rounding(d) {
                 buf.iter_mut().for_each(|x| *x = round_to(c, *x));
             }
         }
@@ -552,6 +563,36 @@ mod tests {
             .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
             .collect();
         assert_eq!(got, [3.0, 5.0, 3.0, 2.0]);
+    }
+
+    #[test]
+    fn inputs_are_rounded_to_the_compute_dtype_only_where_it_changes_them() {
+        let mut op = MergeOp {
+            method: "linear",
+            formula: Formula::Linear {
+                weights: vec![1.0],
+                denominator: 1.0,
+            },
+            in_dtypes: vec![DType::F32],
+            compute_dtype: Some(DType::BF16),
+            elements: 1,
+            dst: DType::F32,
+            surveyed: SurveyCell::default(),
+        };
+        assert_eq!(op.rounding(DType::F32), Some(DType::BF16));
+        assert_eq!(op.rounding(DType::F16), Some(DType::BF16));
+        assert_eq!(op.rounding(DType::BF16), None);
+        op.compute_dtype = Some(DType::F32);
+        assert_eq!(op.rounding(DType::BF16), None);
+        assert_eq!(op.rounding(DType::F64), Some(DType::F32));
+        op.compute_dtype = Some(DType::F16);
+        assert_eq!(op.rounding(DType::BF16), Some(DType::F16));
+        // Rounding where it is needed: 1 + 2^-10 is no bf16.
+        let x = (1.0f32 + 2f32.powi(-10)).to_le_bytes();
+        op.compute_dtype = Some(DType::BF16);
+        let mut out = [0u8; 4];
+        op.compute(0..1, &[&x], &mut out).unwrap();
+        assert_eq!(f32::from_le_bytes(out), 1.0);
     }
 
     #[test]

@@ -210,16 +210,19 @@ pub static METHODS: &[MethodSpec] = &[
         ),
         slerp::slerp_survey,
     ),
-    method(
-        "nuslerp",
-        &[
-            p("weight", NonBase, None),
-            p("nuslerp_row_wise", Shared, Some(0.0)),
-            p("nuslerp_flatten", Shared, Some(1.0)),
-        ],
-        Optional,
-        (2, Some(3)),
-        WholeTensor(adapt::nuslerp),
+    streamed(
+        method(
+            "nuslerp",
+            &[
+                p("weight", NonBase, None),
+                p("nuslerp_row_wise", Shared, Some(0.0)),
+                p("nuslerp_flatten", Shared, Some(1.0)),
+            ],
+            Optional,
+            (2, Some(3)),
+            WholeTensor(adapt::nuslerp),
+        ),
+        slerp::nuslerp_survey,
     ),
     method(
         "passthrough",
@@ -419,6 +422,8 @@ mod tests {
             "epsilon" if spec.scope == NonBase => 0.1,
             "weight" => 0.25 + (trial % 4) as f64 * 0.25,
             "t" => 0.3,
+            "nuslerp_flatten" => (trial % 2) as f64,
+            "nuslerp_row_wise" => (trial / 2 % 2) as f64,
             "select_topk" => [0.0, 0.4, 0.7, 1.0][trial as usize % 4],
             _ => spec.default.filter(|d| !d.is_nan()).unwrap_or(0.5),
         }

@@ -135,50 +135,184 @@ pub fn nuslerp(
     model_count("nuslerp", models.len(), 2, 2)?;
     same_lengths(base, models, out)?;
     shape_holds(shape, out.len())?;
-    let w = weights(models)?;
+    let t = nuslerp_t(&weights(models)?);
+    let (outer, length, inner) = nuslerp_layout(global, shape, out.len());
+    debug_assert_eq!(outer * length * inner, out.len());
+    let values = [models[0].values, models[1].values];
+    merge_slabs(t, base, values, length * inner, inner, out);
+    Ok(())
+}
+
+/// Interpolates each `slab` elements on their own, the columns of `inner` elements their
+/// vectors.
+fn merge_slabs(
+    t: f64,
+    base: Option<&[f32]>,
+    models: [&[f32]; 2],
+    slab: usize,
+    inner: usize,
+    out: &mut [f32],
+) {
+    if slab == 0 {
+        return;
+    }
+    for start in (0..out.len()).step_by(slab) {
+        let span = start..start + slab;
+        let b = base.map(|b| &b[span.clone()]);
+        let m = [&models[0][span.clone()], &models[1][span.clone()]];
+        let mut sums = ColumnSums::new(inner);
+        sums.add(b, &m);
+        sums.blend(t, b, &m, &mut out[span]);
+    }
+}
+
+/// nuslerp's `t = w₁ / (w₀ + w₁)`, or 0.5 when `|w₀ + w₁| < 1e-6`.
+fn nuslerp_t(w: &[f64]) -> f64 {
     let total = w[0] + w[1];
-    let t = if total.abs() < 1e-6 {
+    if total.abs() < 1e-6 {
         0.5
     } else {
         w[1] / total
-    };
-    let (outer, length, inner) = if global.flag("nuslerp_flatten", true) {
-        (1, out.len(), 1)
+    }
+}
+
+/// nuslerp's vectors as (outer, length, inner): `outer` slabs of `length` rows of `inner`
+/// elements, each column of a slab one vector.
+fn nuslerp_layout(global: &Params, shape: &[usize], len: usize) -> (usize, usize, usize) {
+    if global.flag("nuslerp_flatten", true) {
+        (1, len, 1)
     } else if global.flag("nuslerp_row_wise", false) {
         split_axis(shape, 0)
     } else {
         split_axis(shape, shape.len().saturating_sub(1))
-    };
-    let value = |m: usize, k: usize| models[m].values[k] as f64 - base.map_or(0.0, |b| b[k] as f64);
-    // Vectors (o, ·, i) for all i at once, so both sweeps read memory in order even when the
-    // vectors run down columns.
-    let mut stats = vec![[BlockSum::default(); 3]; inner];
-    let mut coefs = vec![(0.0, 0.0); inner];
-    for o in 0..outer {
-        let rows = (o * length * inner..(o + 1) * length * inner).step_by(inner.max(1));
-        stats.iter_mut().for_each(|s| *s = [BlockSum::default(); 3]);
-        for row in rows.clone() {
-            for (i, [aa, bb, ab]) in stats.iter_mut().enumerate() {
-                let (a, b) = (value(0, row + i), value(1, row + i));
-                aa.add(a * a);
-                bb.add(b * b);
-                ab.add(a * b);
-            }
-        }
-        for (c, [aa, bb, ab]) in coefs.iter_mut().zip(&stats) {
-            let na = clamp_min(aa.value().sqrt(), 1e-7);
-            let nb = clamp_min(bb.value().sqrt(), 1e-7);
-            *c = coefficients((ab.value() / na / nb).clamp(-1.0, 1.0), t);
-        }
-        for row in rows {
-            for (i, &(ca, cb)) in coefs.iter().enumerate() {
-                let k = row + i;
-                let back = base.map_or(0.0, |b| b[k] as f64);
-                out[k] = (back + ca * value(0, k) + cb * value(1, k)) as f32;
-            }
+    }
+}
+
+/// The norms and dot product of the two (task) vectors of each of `inner` columns, summed row
+/// by row in order. Vectors (o, ·, i) for all i at once, so both sweeps read memory in order
+/// even when the vectors run down columns.
+#[derive(Clone, Debug)]
+struct ColumnSums {
+    stats: Vec<[BlockSum; 3]>,
+}
+
+impl ColumnSums {
+    fn new(inner: usize) -> ColumnSums {
+        ColumnSums {
+            stats: vec![[BlockSum::default(); 3]; inner.max(1)],
         }
     }
-    Ok(())
+
+    /// Adds whole rows: `models` (and `base`) start at a row's first element.
+    fn add(&mut self, base: Option<&[f32]>, models: &[&[f32]; 2]) {
+        let inner = self.stats.len();
+        for (k, (&x, &y)) in models[0].iter().zip(models[1]).enumerate() {
+            let back = base.map_or(0.0, |b| b[k] as f64);
+            let (a, b) = (x as f64 - back, y as f64 - back);
+            let [aa, bb, ab] = &mut self.stats[k % inner];
+            aa.add(a * a);
+            bb.add(b * b);
+            ab.add(a * b);
+        }
+    }
+
+    /// Interpolates whole rows by each column's coefficients.
+    fn blend(&self, t: f64, base: Option<&[f32]>, models: &[&[f32]; 2], out: &mut [f32]) {
+        let coefs: Vec<(f64, f64)> = (self.stats.iter())
+            .map(|[aa, bb, ab]| {
+                let na = clamp_min(aa.value().sqrt(), 1e-7);
+                let nb = clamp_min(bb.value().sqrt(), 1e-7);
+                coefficients((ab.value() / na / nb).clamp(-1.0, 1.0), t)
+            })
+            .collect();
+        for (k, o) in out.iter_mut().enumerate() {
+            let back = base.map_or(0.0, |b| b[k] as f64);
+            let (a, b) = (models[0][k] as f64 - back, models[1][k] as f64 - back);
+            let (ca, cb) = coefs[k % coefs.len()];
+            *o = (back + ca * a + cb * b) as f32;
+        }
+    }
+}
+
+/// nuslerp a chunk at a time: a tensor whose vectors span it (flattened, or down columns)
+/// sums them in one pass; one of several slabs (rows along the last axis) needs none, its
+/// chunks holding whole slabs.
+#[derive(Debug)]
+pub struct NuslerpSurvey {
+    t: f64,
+    /// Elements of one slab when there are several; 0 when one slab holds the whole tensor.
+    slab: usize,
+    sums: ColumnSums,
+}
+
+/// The [`Survey`] of one nuslerp tensor.
+pub fn nuslerp_survey(
+    global: &Params,
+    models: &[Params],
+    shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("nuslerp", models.len(), 2, 2)?;
+    let tensors: Vec<ModelTensor> = (models.iter())
+        .map(|params| ModelTensor {
+            values: &[],
+            params,
+        })
+        .collect();
+    let t = nuslerp_t(&weights(&tensors)?);
+    let (outer, length, inner) = nuslerp_layout(global, shape, shape.iter().product());
+    Ok(Box::new(NuslerpSurvey {
+        t,
+        slab: if outer > 1 { length * inner } else { 0 },
+        sums: ColumnSums::new(inner),
+    }))
+}
+
+impl Survey for NuslerpSurvey {
+    fn passes(&self) -> usize {
+        usize::from(self.slab == 0)
+    }
+    fn granule(&self) -> usize {
+        if self.slab == 0 {
+            self.sums.stats.len()
+        } else {
+            self.slab
+        }
+    }
+    fn observe(
+        &mut self,
+        _: usize,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+    ) -> Result<(), String> {
+        self.sums.add(optional_base(base), &[models[0], models[1]]);
+        Ok(())
+    }
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn merge(
+        &self,
+        _: usize,
+        base: &[f32],
+        models: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        let (base, models) = (optional_base(base), [models[0], models[1]]);
+        if self.slab == 0 {
+            self.sums.blend(self.t, base, &models, out);
+        } else {
+            let inner = self.sums.stats.len();
+            merge_slabs(self.t, base, models, self.slab, inner, out);
+        }
+        Ok(())
+    }
+}
+
+/// `Some(base)`, or `None` for a tensor merged without one (handed over empty).
+fn optional_base(base: &[f32]) -> Option<&[f32]> {
+    (!base.is_empty()).then_some(base)
 }
 
 /// mergekit's multislerp: barycentric interpolation of N ≥ 1 models (task vectors when there
