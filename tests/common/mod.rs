@@ -181,6 +181,18 @@ pub fn tmp_small_model() -> (tempfile::TempDir, PathBuf, Vec<T>) {
     (d, src, tensors)
 }
 
+/// A [`tmp_small_model`] passed through to `out` (a name in the folder) with `extra`:
+/// (folder, `in/`, the output, the tensors).
+pub fn small_model_passed(
+    out: &str,
+    extra: &[&str],
+) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<T>) {
+    let (d, src, tensors) = tmp_small_model();
+    let out = d.path().join(out);
+    passthrough_ok(&src, &out, extra);
+    (d, src, out, tensors)
+}
+
 /// Runs the `tftf` binary with `args` (and `NO_COLOR=1`), any exit.
 pub fn tftf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tftf"))
