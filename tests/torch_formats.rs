@@ -246,6 +246,12 @@ fn rebuild_expr(size: &[u8], stride: &[u8]) -> Vec<u8> {
     t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2].to_vec()
 }
 
+/// `before`, the [`rebuild_expr`] of `size` and `stride`, then `after`: a pickle built around
+/// one tensor.
+fn around_tensor(before: &[u8], size: &[u8], stride: &[u8], after: &[u8]) -> Vec<u8> {
+    [before, &rebuild_expr(size, stride), after].concat()
+}
+
 #[test]
 fn handmade_archive_views_are_checked() {
     let ok = zip_with_pickle(&tensor_pickle(1, &[3], &[1]));
@@ -472,10 +478,12 @@ fn member_count_over_the_cap_is_refused() {
 #[test]
 fn nested_dicts_flatten_and_non_tensors_are_noted() {
     // {'outer': {'w': <tensor>}, 'step': 7}
-    let tensor_expr = &rebuild_expr(&[2], &[1]);
-    let mut p = b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w".to_vec();
-    p.extend(tensor_expr);
-    p.extend(b"sX\x04\x00\x00\x00stepK\x07u.");
+    let p = around_tensor(
+        b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w",
+        &[2],
+        &[1],
+        b"sX\x04\x00\x00\x00stepK\x07u.",
+    );
     let desc = describe_pt(&p).unwrap();
     let names: Vec<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["outer.w"]);
@@ -632,13 +640,13 @@ fn complex128_is_an_unsupported_dtype() {
 /// `torch.load(weights_only=True)` accepts it, is the tensor; without a tensor it is refused.
 #[test]
 fn parameter_calls_are_tensors() {
-    let tensor_expr = &rebuild_expr(&[4], &[1]);
     for call in [&b"R"[..], b"\x81"] {
-        let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(".to_vec();
-        p.extend(tensor_expr);
-        p.extend(b"\x88t");
-        p.extend(call);
-        p.extend(b"s.");
+        let p = around_tensor(
+            b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(",
+            &[4],
+            &[1],
+            &[&b"\x88t"[..], call, b"s."].concat(),
+        );
         let desc = describe_pt(&p).unwrap();
         assert_eq!(desc.tensors.len(), 1, "{:?}", desc.notes);
         assert_eq!(
@@ -656,10 +664,7 @@ fn parameter_calls_are_tensors() {
 /// safetensors header may hold, in bounded time and within 1 GiB of data (`RLIMIT_DATA`).
 #[test]
 fn memo_shared_dicts_are_refused_within_a_header_budget() {
-    let tensor_expr = &rebuild_expr(&[4], &[1]);
-    let mut p = b"\x80\x02".to_vec();
-    p.extend(tensor_expr);
-    p.extend(b"q\x00");
+    let mut p = around_tensor(b"\x80\x02", &[4], &[1], b"q\x00");
     let key = |c: u8| {
         let mut k = vec![b'X'];
         k.extend(1000u32.to_le_bytes());
@@ -748,10 +753,7 @@ impl Pickler {
 /// indices, saved as one-element chunks, each in its own torch.save archive.
 fn one_element_chunks_dcp(dir: &Path, shape: [u64; 2]) {
     const MD: &str = "torch.distributed.checkpoint.metadata";
-    let tensor_expr = &rebuild_expr(&[1, 1], &[1, 1]);
-    let mut chunk_pickle = b"\x80\x02".to_vec();
-    chunk_pickle.extend(tensor_expr);
-    chunk_pickle.push(b'.');
+    let chunk_pickle = around_tensor(b"\x80\x02", &[1, 1], &[1, 1], b".");
     let cells: Vec<[u64; 2]> = (0..shape[0])
         .flat_map(|i| (0..shape[1]).map(move |j| [i, j]))
         .collect();

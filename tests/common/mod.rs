@@ -218,6 +218,11 @@ pub fn ok(o: &Output) {
     );
 }
 
+/// Asserts that `text` (a message, an output) starts with `prefix`.
+pub fn assert_starts(text: &str, prefix: &str) {
+    assert!(text.starts_with(prefix), "{text}");
+}
+
 /// Asserts that `text` (a message, an output) contains every one of `needles`.
 pub fn assert_mentions(text: &str, needles: &[&str]) {
     for needle in needles {
@@ -408,6 +413,16 @@ impl Model {
     /// Adds a tensor of random bytes (see [`rand_t`]) to the current shard.
     pub fn rand(self, rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> Self {
         self.tensors([rand_t(rng, name, dtype, shape)])
+    }
+
+    /// Adds tensors of random bytes (see [`rand_t`]) to the current shard, in the order
+    /// given: `(name, dtype, shape)` each.
+    pub fn rands(self, rng: &mut Rng, specs: &[(&str, DType, &[u64])]) -> Self {
+        let tensors: Vec<T> = specs
+            .iter()
+            .map(|&(name, dtype, shape)| rand_t(rng, name, dtype, shape))
+            .collect();
+        self.tensors(tensors)
     }
 
     /// Adds tensors to the current shard.
