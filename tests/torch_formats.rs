@@ -35,6 +35,16 @@ fn read_tensor(desc: &SourceDesc, name: &str, chunk: u64) -> Vec<u8> {
     out
 }
 
+/// [`check_against`] for the fixture `input` (a case folder, or its `pytorch_model.bin`) and
+/// the case's `expected/model.safetensors`.
+fn check_case(input: &str) -> SourceDesc {
+    let case = input.strip_suffix("/pytorch_model.bin").unwrap_or(input);
+    check_against(
+        &fixture(input),
+        &fixture(&format!("{case}/expected/model.safetensors")),
+    )
+}
+
 /// Describes `input` and checks it against `expected` (a safetensors file): same names,
 /// dtypes, shapes and bytes, read whole and in odd-sized chunks.
 fn check_against(input: &Path, expected: &Path) -> SourceDesc {
@@ -68,10 +78,7 @@ fn check_against(input: &Path, expected: &Path) -> SourceDesc {
 
 #[test]
 fn corners_zip_matches_expected() {
-    let desc = check_against(
-        &fixture("bin/corners/pytorch_model.bin"),
-        &fixture("bin/corners/expected/model.safetensors"),
-    );
+    let desc = check_case("bin/corners/pytorch_model.bin");
     let place = |n: &str| desc.tensor(n).unwrap().placement.clone();
     // tied names share bytes; an offset view is still a plain range inside the same storage
     assert_eq!(place("tied.a"), place("tied.b"));
@@ -91,18 +98,12 @@ fn corners_zip_matches_expected() {
 
 #[test]
 fn legacy_stream_matches_expected() {
-    check_against(
-        &fixture("bin/legacy/pytorch_model.bin"),
-        &fixture("bin/legacy/expected/model.safetensors"),
-    );
+    check_case("bin/legacy/pytorch_model.bin");
 }
 
 #[test]
 fn sharded_bin_folder_matches_expected() {
-    let desc = check_against(
-        &fixture("bin/hf-sharded"),
-        &fixture("bin/hf-sharded/expected/model.safetensors"),
-    );
+    let desc = check_case("bin/hf-sharded");
     assert_eq!(desc.files.len(), 3);
 }
 
@@ -124,10 +125,7 @@ fn dcp_full_model_matches_expected() {
 
 #[test]
 fn dcp_lora_matches_expected() {
-    check_against(
-        &fixture("dcp/lora-2rank"),
-        &fixture("dcp/lora-2rank/expected/model.safetensors"),
-    );
+    check_case("dcp/lora-2rank");
 }
 
 #[test]
@@ -566,10 +564,7 @@ fn dcp_chunks_through_storage_extensions_are_refused() {
 /// tensor, not optimizer state.
 #[test]
 fn plain_dcp_keeps_model_prefix_and_optimus_head() {
-    let desc = check_against(
-        &fixture("dcp/plain-hf"),
-        &fixture("dcp/plain-hf/expected/model.safetensors"),
-    );
+    let desc = check_case("dcp/plain-hf");
     assert!(desc.tensor("model.embed_tokens.weight").is_some());
     assert!(desc.tensor("optimus_head.weight").is_some());
     assert_eq!(desc.notes, Vec::<String>::new());
@@ -579,10 +574,7 @@ fn plain_dcp_keeps_model_prefix_and_optimus_head() {
 /// (int parameter ids in its paths) is skipped, and `optimus_head.weight` stays.
 #[test]
 fn wrapped_dcp_drops_the_wrapper_and_the_optimizer_by_structure() {
-    let desc = check_against(
-        &fixture("dcp/wrapped-optim"),
-        &fixture("dcp/wrapped-optim/expected/model.safetensors"),
-    );
+    let desc = check_case("dcp/wrapped-optim");
     assert!(desc.tensor("optimus_head.weight").is_some());
     assert!(desc
         .notes

@@ -26,6 +26,7 @@
 //! reference without an importance matrix (ggml asserts one); IQ2_S weights `σ²/4 + x²` then.
 
 use super::iq2_grid::{grid, Grid, Lattice};
+use super::iq_signs::{fit, max_magnitude, refit, split_signs, unsigned_scale};
 use super::search::{make_qp_quants, GROUP_MAX_EPS};
 use super::{c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares};
 use super::{KQuant, QK_K};
@@ -242,57 +243,6 @@ fn to_grid(g: &Grid, levels: &mut [i8], xval: &[f32], waux: &[f32], scale: f32) 
     (index, false)
 }
 
-/// The signs of `xb` (masks of 8; with `even_signs` the flips made even by turning the
-/// cheapest element, 7 bits kept) and the magnitudes they leave.
-fn split_signs<const N: usize, const G: usize>(
-    even_signs: bool,
-    xb: &[f32],
-    weight: &[f32; N],
-) -> ([u8; G], [f32; N]) {
-    let mut xval = [0.0f32; N];
-    let mut signs = [0u8; G];
-    for (k, s) in signs.iter_mut().enumerate() {
-        let mut nflip = 0;
-        for i in 0..8 {
-            let e = xb[8 * k + i];
-            if e >= 0.0 {
-                xval[8 * k + i] = e;
-            } else {
-                xval[8 * k + i] = -e;
-                nflip += 1;
-                *s |= 1 << i;
-            }
-        }
-        if even_signs {
-            if nflip % 2 == 1 {
-                let cost = |i: usize| weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-                let (mut imin, mut min) = (0, cost(0));
-                for i in 1..8 {
-                    if cost(i) < min {
-                        min = cost(i);
-                        imin = i;
-                    }
-                }
-                xval[8 * k + imin] = -xval[8 * k + imin];
-                *s ^= 1 << imin;
-            }
-            *s &= 127;
-        }
-    }
-    (signs, xval)
-}
-
-/// `(Σ w x q, Σ w q²)` with `q = 2 l + 1`.
-fn fit<const N: usize>(weight: &[f32; N], xval: &[f32; N], levels: &[i8; N]) -> (f32, f32) {
-    let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-    for i in 0..N {
-        let q = (2 * levels[i] as i32 + 1) as f32;
-        sumqx += weight[i] * xval[i] * q;
-        sumq2 += weight[i] * q * q;
-    }
-    (sumqx, sumq2)
-}
-
 /// One sub-block of `N` (`G` groups of 8): the signs, the candidate scales, the re-snap and
 /// refit. `None` for a skipped sub-block (all below `eps`, or IQ2_XXS's first fit not
 /// positive).
@@ -303,11 +253,8 @@ fn fit_sub_block<const N: usize, const G: usize>(
 ) -> Option<Fit<G>> {
     let g = grid(v.lattice);
     let waux = weight.map(f32::sqrt);
-    let (mut signs, xval) = split_signs::<N, G>(v.even_signs, xb, weight);
-    let mut max = xval[0];
-    for &e in &xval[1..] {
-        max = c_max(max, e);
-    }
+    let (signs, xval) = split_signs::<N, G>(v.even_signs, xb, weight);
+    let max = max_magnitude(&xval);
     if max < v.eps {
         return None;
     }
@@ -369,16 +316,9 @@ fn fit_sub_block<const N: usize, const G: usize>(
                 scale,
             );
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &levels);
-        if sumq2 > 0.0 {
-            scale = sumqx / sumq2;
-        }
+        scale = refit(weight, &xval, &levels, scale);
     }
-    if scale < 0.0 {
-        scale = -scale;
-        let mask = if v.even_signs { 127 } else { 255 };
-        signs = signs.map(|s| !s & mask);
-    }
+    let (scale, signs) = unsigned_scale(scale, signs, v.even_signs);
     // Every group ends on the grid; ggml aborts otherwise (only NaN input gets here, and then
     // takes grid point 0).
     let index = std::array::from_fn(|k| g.index_of(&levels[8 * k..8 * k + 8]).unwrap_or(0) as u16);

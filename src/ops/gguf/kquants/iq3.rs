@@ -23,6 +23,8 @@
 
 use std::sync::OnceLock;
 
+use super::iq_signs::{fit, max_magnitude, refit, split_signs, unsigned_scale};
+
 use super::{
     c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, QK_K,
 };
@@ -110,6 +112,22 @@ fn code_of(levels: &[i8]) -> usize {
         .fold(0, |u, (i, &l)| u | ((l as usize) << (3 * i)))
 }
 
+/// Pushes the indices `j` of the sorted `(d², j)` list `dist2` that lie at its `nwant`
+/// smallest distances, in list order: ggml's walk in `iq2xs_init_impl` and `iq3xs_init_impl`.
+pub(super) fn push_nearest(dist2: &[(i32, usize)], nwant: usize, out: &mut Vec<u16>) {
+    let (mut d2, mut nhave) = (dist2[0].0, 1);
+    for &(d, j) in dist2 {
+        if d > d2 {
+            if nhave == nwant {
+                break;
+            }
+            d2 = d;
+            nhave += 1;
+        }
+        out.push(j as u16);
+    }
+}
+
 impl Grid {
     /// `iq3xs_init_impl(kgrid.len())`, with `nwant` distances of neighbours.
     fn build(kgrid: &[u16], nwant: usize) -> Grid {
@@ -130,17 +148,7 @@ impl Grid {
             }));
             dist2.sort_unstable();
             let start = neighbours.len();
-            let (mut d2, mut nhave) = (dist2[0].0, 1);
-            for &(d, j) in &dist2 {
-                if d > d2 {
-                    if nhave == nwant {
-                        break;
-                    }
-                    d2 = d;
-                    nhave += 1;
-                }
-                neighbours.push(j as u16);
-            }
+            push_nearest(&dist2, nwant, &mut neighbours);
             spans[code] = (start as u32, (neighbours.len() - start) as u32);
         }
         Grid {
@@ -370,45 +378,6 @@ fn grid_index(g: &Grid, levels: &[i8]) -> usize {
     g.map[code_of(levels)].expect("the fit leaves every group on the grid") as usize
 }
 
-/// The signs of `xb` (as bytes; with `even_signs` the flips made even by turning the cheapest
-/// element, as IQ3_XXS stores 7 of 8) and the magnitudes they leave.
-fn split_signs(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> ([u8; 4], [f32; 32]) {
-    let mut xval = [0.0f32; 32];
-    let mut signs = [0u8; 4];
-    for k in 0..4 {
-        let mut nflip = 0;
-        let mut s = 0u8;
-        for i in 0..8 {
-            let e = xb[8 * k + i];
-            if e >= 0.0 {
-                xval[8 * k + i] = e;
-            } else {
-                xval[8 * k + i] = -e;
-                nflip += 1;
-                s |= 1 << i;
-            }
-        }
-        if v.even_signs {
-            if nflip % 2 == 1 {
-                let cost = |i: usize| weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-                let mut imin = 0;
-                let mut min = cost(0);
-                for i in 1..8 {
-                    if cost(i) < min {
-                        min = cost(i);
-                        imin = i;
-                    }
-                }
-                xval[8 * k + imin] = -xval[8 * k + imin];
-                s ^= 1 << imin;
-            }
-            s &= 127;
-        }
-        signs[k] = s;
-    }
-    (signs, xval)
-}
-
 /// One sub-block of 32: the signs, then candidate scales, each snapping groups of 4 to the
 /// grid, the best least-squares fit kept; then groups re-snapped at the winner's scale and the
 /// scale refitted. `None` for a skipped (all-zero) sub-block.
@@ -418,11 +387,8 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
     for (a, &w) in waux.iter_mut().zip(weight) {
         *a = w.sqrt();
     }
-    let (mut signs, xval) = split_signs(v, xb, weight);
-    let mut max = xval[0];
-    for &e in &xval[1..] {
-        max = c_max(max, e);
-    }
+    let (signs, xval) = split_signs::<32, 4>(v.even_signs, xb, weight);
+    let max = max_magnitude(&xval);
     let skip = match v.eps {
         Some(eps) => max < eps,
         None => max == 0.0,
@@ -474,16 +440,9 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
             let (index, _) = g.index_of(xv, wa, scale, &mut snapped);
             g.levels_of(index, l);
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &levels);
-        if sumq2 > 0.0 {
-            scale = sumqx / sumq2;
-        }
+        scale = refit(weight, &xval, &levels, scale);
     }
-    if scale < 0.0 {
-        scale = -scale;
-        let mask = if v.even_signs { 127 } else { 255 };
-        signs = signs.map(|s| !s & mask);
-    }
+    let (scale, signs) = unsigned_scale(scale, signs, v.even_signs);
     Some(SubBlock {
         scale,
         levels,
@@ -495,15 +454,4 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
 #[inline]
 fn snap(id: f32, v: f32) -> i8 {
     nearest_int(0.5 * (id * v - 1.0)).clamp(0, K_MAX_Q - 1) as i8
-}
-
-/// `(Σ w x q, Σ w q²)` with `q = 2 l + 1`.
-fn fit(weight: &[f32; 32], xval: &[f32; 32], levels: &[i8; 32]) -> (f32, f32) {
-    let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-    for i in 0..32 {
-        let q = (2 * levels[i] as i32 + 1) as f32;
-        sumqx += weight[i] * xval[i] * q;
-        sumq2 += weight[i] * q * q;
-    }
-    (sumqx, sumq2)
 }

@@ -27,6 +27,7 @@ mod iq2_grid;
 mod iq2_tables;
 mod iq3;
 mod iq4;
+mod iq_signs;
 mod q2_k;
 mod q3_k;
 mod q45_k;
