@@ -163,6 +163,21 @@ fn lora_launch(
     }
 }
 
+/// [`LoraLaunchOf::parts`] of a merge whose fields carry the names both merges give them.
+macro_rules! lora_launch_parts {
+    () => {
+        fn parts(&self) -> (&Option<Arc<dyn Op>>, usize, DType, &LoraFactors, DType) {
+            (
+                &self.base_op,
+                self.base_inputs,
+                self.base_dtype,
+                &self.f,
+                self.dst,
+            )
+        }
+    };
+}
+
 /// What the two merges share around their kernel launch: the base, the factors and the output
 /// dtype; each gives Δ's operand layout for a chunk.
 trait LoraLaunchOf {
@@ -192,15 +207,7 @@ trait LoraLaunchOf {
 /// (Conv1D, embeddings): row g's coefficients are A's column g (stride `rows`), the vectors Bᵀ
 /// (B is cols × r) — the operands `compute` gathers, read in place.
 impl LoraLaunchOf for LoraMerge {
-    fn parts(&self) -> (&Option<Arc<dyn Op>>, usize, DType, &LoraFactors, DType) {
-        (
-            &self.base_op,
-            self.base_inputs,
-            self.base_dtype,
-            &self.f,
-            self.dst,
-        )
-    }
+    lora_launch_parts!();
 
     fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
         let (r, cols) = (self.f.rank, self.cols);
@@ -691,15 +698,7 @@ pub struct GroupedLoraMerge {
 /// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
 /// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
 impl LoraLaunchOf for GroupedLoraMerge {
-    fn parts(&self) -> (&Option<Arc<dyn Op>>, usize, DType, &LoraFactors, DType) {
-        (
-            &self.base_op,
-            self.base_inputs,
-            self.base_dtype,
-            &self.f,
-            self.dst,
-        )
-    }
+    lora_launch_parts!();
 
     fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
         let (r, e_n) = (self.f.rank, self.experts);

@@ -25,9 +25,7 @@ use std::sync::OnceLock;
 
 use super::iq_signs::{fit, max_magnitude, refit, split_signs, unsigned_scale};
 
-use super::{
-    c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, QK_K,
-};
+use super::{for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, SubScales, QK_K};
 
 /// Levels per coordinate (`kMaxQ`).
 const K_MAX_Q: i32 = 8;
@@ -292,10 +290,9 @@ pub fn quantize_row_iq3_xxs(src: &[f32], dst: &mut [u8], quant_weights: Option<&
 fn quantize_block_xxs(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
     let g = grid_256();
     y.fill(0);
-    let mut scales = [0.0f32; 8];
+    let mut sub = SubScales::<8>::new();
     let mut scales_and_signs = [0u32; 8];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    let mut max_scale = 0.0f32;
     for (ib, xb) in x.chunks_exact(32).enumerate() {
         let weight = sub_block_weights(xb, qw.map(|w| &w[32 * ib..32 * (ib + 1)]), sigma2);
         let Some(fit) = fit_sub_block(&IQ3_XXS, xb, &weight) else {
@@ -306,18 +303,15 @@ fn quantize_block_xxs(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
         }
         let s = fit.signs.map(u32::from);
         scales_and_signs[ib] = s[0] | (s[1] << 7) | (s[2] << 14) | (s[3] << 21);
-        scales[ib] = fit.scale;
-        max_scale = c_max(max_scale, fit.scale);
+        sub.set(ib, fit.scale);
     }
-    if max_scale == 0.0 {
+    let Some(d) = sub.put_super_scale(31.0, 1.0125, y) else {
         y.fill(0);
         return;
-    }
-    let d = max_scale / 31.0;
-    y[0..2].copy_from_slice(&f16_bytes(d * 1.0125));
+    };
     let id = 1.0 / d;
     for (ib, s) in scales_and_signs.iter_mut().enumerate() {
-        *s |= (scale_level(id, scales[ib]) as u32) << 28;
+        *s |= (scale_level(id, sub.scales[ib]) as u32) << 28;
         y[66 + 4 * ib..70 + 4 * ib].copy_from_slice(&s.to_le_bytes());
     }
 }
@@ -336,9 +330,8 @@ fn quantize_block_s(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
     const SCALES: usize = 106;
     let g = grid_512();
     y.fill(0);
-    let mut scales = [0.0f32; 8];
+    let mut sub = SubScales::<8>::new();
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    let mut max_scale = 0.0f32;
     // ggml's cursors into `qs` and `signs`, advanced per fitted (not per skipped) sub-block.
     let (mut qs, mut signs) = (QS, SIGNS);
     for (ib, xb) in x.chunks_exact(32).enumerate() {
@@ -354,16 +347,13 @@ fn quantize_block_s(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
         qs += 8;
         y[signs..signs + 4].copy_from_slice(&fit.signs);
         signs += 4;
-        scales[ib] = fit.scale;
-        max_scale = c_max(max_scale, fit.scale);
+        sub.set(ib, fit.scale);
     }
-    if max_scale == 0.0 {
+    let Some(d) = sub.put_super_scale(31.0, 1.033, y) else {
         return;
-    }
-    let d = max_scale / 31.0;
-    y[0..2].copy_from_slice(&f16_bytes(d * 1.033));
+    };
     let id = 1.0 / d;
-    for (j, pair) in scales.chunks_exact(2).enumerate() {
+    for (j, pair) in sub.scales.chunks_exact(2).enumerate() {
         y[SCALES + j] = scale_level(id, pair[0]) | (scale_level(id, pair[1]) << 4);
     }
 }
