@@ -180,7 +180,7 @@ fn cpu_vs_gpu(
             if integrated { "unified" } else { "gpu" },
         );
         let dev = rep["device"].as_str().unwrap();
-        assert_starts(&dev, "cuda:0 (tftf fake CUDA device, sm_90");
+        assert_starts(dev, "cuda:0 (tftf fake CUDA device, sm_90");
         assert_eq!(dev.contains("unified memory"), integrated, "{dev}");
         assert!(
             rep["gpu"]["chunks"].as_u64().unwrap() > 0,
