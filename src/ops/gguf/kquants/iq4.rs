@@ -7,8 +7,8 @@
 
 use super::search::GROUP_MAX_EPS;
 use super::{
-    f16_bytes, for_each_block, imatrix_weights, nearest_int, signed_max, sum_squares, KQuant,
-    QK4_NL, QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, signed_max, sub_blocks, sum_squares,
+    KQuant, QK4_NL, QK_K,
 };
 
 /// `kvalues_iq4nl`: the 16 non-uniform levels.
@@ -55,11 +55,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut scales_h = 0u16;
         let mut scales_l = [0u8; 4];
-        for (ib, (xs, ls)) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
+        for (ib, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
             let l = nearest_int(id * scales[ib]).clamp(-32, 31);
             let dl = d * l as f32;
             let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
@@ -83,11 +79,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
 fn fit_sub_blocks(x: &[f32], qw: Option<&[f32]>, levels: &mut [u8], scales: &mut [f32]) -> f32 {
     let sigma2 = sum_squares(x) * (2.0 / x.len() as f32);
     let mut weight = [0.0f32; 32];
-    for (ib, (xb, lb)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (ib, (xb, lb)) in sub_blocks(x, &mut levels[..], 32) {
         match qw {
             Some(qw) => {
                 imatrix_weights(&mut weight, &qw[32 * ib..32 * (ib + 1)], xb, sigma2);

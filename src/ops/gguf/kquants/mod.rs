@@ -336,6 +336,18 @@ impl<const B: usize> SubScales<B> {
     }
 }
 
+/// The sub-blocks of `n` values of the super-block `x`, each with its levels and index:
+/// `(j, (xs, ls))`.
+fn sub_blocks<'a, L>(
+    x: &'a [f32],
+    levels: &'a mut [L],
+    n: usize,
+) -> impl Iterator<Item = (usize, (&'a [f32], &'a mut [L]))> {
+    x.chunks_exact(n)
+        .zip(levels.chunks_exact_mut(n))
+        .enumerate()
+}
+
 /// C's `MAX(a, b)` macro on floats, `a > b ? a : b` (so a NaN `b` wins, a NaN `a` loses).
 #[inline(always)]
 fn c_max(a: f32, b: f32) -> f32 {
