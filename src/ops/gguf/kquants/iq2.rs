@@ -26,7 +26,7 @@
 //! reference without an importance matrix (ggml asserts one); IQ2_S weights `σ²/4 + x²` then.
 
 use super::iq2_grid::{grid, Grid, Lattice};
-use super::iq_signs::{fit, max_magnitude, refit, split_signs, unsigned_scale};
+use super::iq_signs::{max_magnitude, refit, split_signs, unsigned_scale, BestFit};
 use super::search::{make_qp_quants, GROUP_MAX_EPS};
 use super::{for_each_block, for_each_weighted_block, imatrix_weights, nearest_int, sum_squares};
 use super::{KQuant, SubScales, QK_K};
@@ -250,7 +250,7 @@ fn fit_sub_block<const N: usize, const G: usize>(
     if max < v.eps {
         return None;
     }
-    let (mut scale, eff_max) = if v.qp_start {
+    let (scale, eff_max) = if v.qp_start {
         let mut unused = [0u8; N];
         let s = make_qp_quants(K_MAX_Q + 1, &xval, &mut unused, weight);
         let eff_max = s * K_MAX_Q as f32;
@@ -261,9 +261,7 @@ fn fit_sub_block<const N: usize, const G: usize>(
     } else {
         (max / (2 * K_MAX_Q - 1) as f32, max)
     };
-    let mut levels = [0i8; N];
-    let mut on_grid = [true; G];
-    let mut best = 0.0f32;
+    let mut best = BestFit::<N, G>::new(scale, [true; G]);
     for is in -v.nscale..=v.nscale {
         let id = ((2 * K_MAX_Q - 1) as f32 + is as f32 * 0.1) / eff_max;
         let this_scale = 1.0 / id;
@@ -277,14 +275,9 @@ fn fit_sub_block<const N: usize, const G: usize>(
             let (xv, wa) = (&xval[8 * k..8 * k + 8], &waux[8 * k..8 * k + 8]);
             *hit = to_grid(g, group, xv, wa, this_scale).1;
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &aux);
-        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-            scale = sumqx / sumq2;
-            best = scale * sumqx;
-            levels = aux;
-            on_grid = aux_on_grid;
-        }
+        best.consider(weight, &xval, aux, aux_on_grid);
     }
+    let (mut scale, mut levels, on_grid) = (best.scale, best.levels, best.on_grid);
     let resnap = if v.resnap_all {
         scale > 0.0
     } else {

@@ -23,7 +23,7 @@
 
 use std::sync::OnceLock;
 
-use super::iq_signs::{fit, max_magnitude, refit, split_signs, unsigned_scale};
+use super::iq_signs::{max_magnitude, refit, split_signs, unsigned_scale, BestFit};
 
 use super::{for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, SubScales, QK_K};
 
@@ -386,10 +386,7 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
     if skip {
         return None;
     }
-    let mut levels = [0i8; 32];
-    let mut on_grid = [!v.resnap_all; 8];
-    let mut best = 0.0f32;
-    let mut scale = max / (2 * K_MAX_Q - 1) as f32;
+    let mut best = BestFit::<32, 8>::new(max / (2 * K_MAX_Q - 1) as f32, [!v.resnap_all; 8]);
     for is in -v.nscale..=v.nscale {
         let id = ((2 * K_MAX_Q - 1) as f32 + is as f32 * 0.2) / max;
         let this_scale = 1.0 / id;
@@ -405,14 +402,9 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
             }
             *hit = g.index_of(xv, wa, this_scale, a).1;
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &aux);
-        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-            scale = sumqx / sumq2;
-            best = scale * sumqx;
-            levels = aux;
-            on_grid = aux_on_grid;
-        }
+        best.consider(weight, &xval, aux, aux_on_grid);
     }
+    let (mut scale, mut levels, on_grid) = (best.scale, best.levels, best.on_grid);
     if on_grid.contains(&false) && scale > 0.0 {
         let id = 1.0 / scale;
         let groups = levels

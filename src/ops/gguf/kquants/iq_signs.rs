@@ -98,3 +98,43 @@ pub(super) fn unsigned_scale<const G: usize>(
         (scale, signs)
     }
 }
+
+/// The best fit of a candidate-scale search so far (`quantize_row_iq2_*_impl`,
+/// `quantize_row_iq3_*_impl`): its scale, levels and which groups it left on the grid.
+pub(super) struct BestFit<const N: usize, const G: usize> {
+    pub(super) scale: f32,
+    /// `scale · Σ w x q` of the best fit, what a candidate must beat.
+    score: f32,
+    pub(super) levels: [i8; N],
+    pub(super) on_grid: [bool; G],
+}
+
+impl<const N: usize, const G: usize> BestFit<N, G> {
+    /// No fit yet: `scale` and `on_grid` stand until a candidate beats a score of 0.
+    pub(super) fn new(scale: f32, on_grid: [bool; G]) -> Self {
+        BestFit {
+            scale,
+            score: 0.0,
+            levels: [0; N],
+            on_grid,
+        }
+    }
+
+    /// Keeps the candidate `levels` (its groups' on-grid flags `on_grid`) when its
+    /// least-squares fit explains more than the best so far.
+    pub(super) fn consider(
+        &mut self,
+        weight: &[f32; N],
+        xval: &[f32; N],
+        levels: [i8; N],
+        on_grid: [bool; G],
+    ) {
+        let (sumqx, sumq2) = fit(weight, xval, &levels);
+        if sumq2 > 0.0 && sumqx * sumqx > self.score * sumq2 {
+            self.scale = sumqx / sumq2;
+            self.score = self.scale * sumqx;
+            self.levels = levels;
+            self.on_grid = on_grid;
+        }
+    }
+}
