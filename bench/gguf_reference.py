@@ -96,16 +96,22 @@ def dense(name, bias=False, qk_norm=False, dtype=torch.bfloat16, **edit):
     return make
 
 
-def qwen3moe():
-    c = config("qwen3moe")
+def built(name, layer, **kw):
+    """The config `name` and its random state dict: `common`'s tensors, each layer's own from
+    `layer(sd, prefix, config)`."""
+    c = config(name)
     sd = {}
-    def layer(sd, p, l):
+    common(sd, c, lambda sd, p, l: layer(sd, p, c), **kw)
+    return c, sd
+
+
+def qwen3moe():
+    def layer(sd, p, c):
         attn(sd, p, c, qk_norm=True)
         linear(sd, p + "mlp.gate", c["num_experts"], c["hidden_size"])
         for e in range(c["num_experts"]):
             mlp(sd, p + f"mlp.experts.{e}.", c["hidden_size"], c["moe_intermediate_size"])
-    common(sd, c, layer)
-    return c, sd
+    return built("qwen3moe", layer)
 
 
 def mxfp4(shape):
@@ -114,10 +120,8 @@ def mxfp4(shape):
 
 
 def gptoss():
-    c = config("gptoss")
-    h, inter, E = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
-    sd = {}
-    def layer(sd, p, l):
+    def layer(sd, p, c):
+        h, inter, E = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
         attn(sd, p, c, bias=True, o_bias=True)
         sd[p + "self_attn.sinks"] = rnd((c["num_attention_heads"],))
         linear(sd, p + "mlp.router", E, h, bias=True)
@@ -125,36 +129,29 @@ def gptoss():
             sd[p + f"mlp.experts.{w}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8)
             sd[p + f"mlp.experts.{w}_scales"] = torch.randint(118, 130, (E, rows, cols // 32), dtype=torch.uint8)
             sd[p + f"mlp.experts.{w}_bias"] = rnd((E, rows))
-    common(sd, c, layer)
-    return c, sd
+    return built("gptoss", layer)
 
 
 def qwen2moe():
-    c = config("qwen2moe")
-    h = c["hidden_size"]
-    sd = {}
-    def layer(sd, p, l):
+    def layer(sd, p, c):
+        h = c["hidden_size"]
         attn(sd, p, c, bias=True)
         linear(sd, p + "mlp.gate", c["num_experts"], h)
         for e in range(c["num_experts"]):
             mlp(sd, p + f"mlp.experts.{e}.", h, c["moe_intermediate_size"])
         mlp(sd, p + "mlp.shared_expert.", h, c["shared_expert_intermediate_size"])
         linear(sd, p + "mlp.shared_expert_gate", 1, h)
-    common(sd, c, layer)
-    return c, sd
+    return built("qwen2moe", layer)
 
 
 def olmo2():
-    c = config("olmo2")
-    h = c["hidden_size"]
-    sd = {}
-    def layer(sd, p, l):
+    def layer(sd, p, c):
+        h = c["hidden_size"]
         attn(sd, p, c)
         norm(sd, p + "self_attn.q_norm", h)  # full width: heads × head_dim
         norm(sd, p + "self_attn.k_norm", c["num_key_value_heads"] * (h // c["num_attention_heads"]))
         mlp(sd, p + "mlp.", h, c["intermediate_size"])
-    common(sd, c, layer, norms=("post_attention_layernorm", "post_feedforward_layernorm"))
-    return c, sd
+    return built("olmo2", layer, norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 
 
 def fp8(sd, name, out, inn):

@@ -76,9 +76,7 @@ fn verify_without_a_manifest_and_checksums_into_a_file_are_refused() {
 
 #[test]
 fn a_later_run_without_checksums_removes_the_stale_sums() {
-    let (d, src, _) = tmp_small_model();
-    let out = d.path().join("out");
-    passthrough_ok(&src, &out, &["--checksums", "-q"]);
+    let (_d, src, out, _) = small_model_passed("out", &["--checksums", "-q"]);
     assert!(out.join("SHA256SUMS").exists());
     passthrough_ok(&src, &out, &["--dtype", "bf16", "--force", "-q"]);
     assert!(
@@ -99,13 +97,8 @@ fn verify_fails(out: &std::path::Path) -> String {
 /// the directory must be listed: deleting a shard's manifest entry no longer hides a change.
 #[test]
 fn verify_checks_sha256sums_and_that_every_data_file_is_listed() {
-    let (d, src, _) = tmp_small_model();
-    let out = d.path().join("out");
-    passthrough_ok(
-        &src,
-        &out,
-        &["--checksums", "--max-shard-size", "5000", "-q"],
-    );
+    let (_d, _, out, _) =
+        small_model_passed("out", &["--checksums", "--max-shard-size", "5000", "-q"]);
     let mpath = out.join("tftf-manifest.json");
     let spath = out.join("SHA256SUMS");
     let (manifest, sums) = (read_json(&mpath), std::fs::read_to_string(&spath).unwrap());

@@ -18,9 +18,7 @@ fn bf16_of_f32(bytes: &[u8]) -> Vec<u8> {
 
 #[test]
 fn passthrough_round_trip_keeps_every_byte_and_side_files() {
-    let (d, src, tensors) = tmp_small_model();
-    let out = d.path().join("out");
-    passthrough_ok(&src, &out, &["--quiet"]);
+    let (d, src, out, tensors) = small_model_passed("out", &["--quiet"]);
     let got = load_all(&out);
     assert_eq!(got.len(), tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -135,9 +133,7 @@ fn reshards_with_index_and_gives_big_tensors_their_own_shard() {
 
 #[test]
 fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
-    let (d, src, tensors) = tmp_small_model();
-    let out = d.path().join("out");
-    passthrough_ok(&src, &out, &["--dtype", "bfloat16", "-q"]);
+    let (d, src, out, tensors) = small_model_passed("out", &["--dtype", "bfloat16", "-q"]);
     let got = load_all(&out);
     for (name, dtype, _, data) in &tensors {
         let (gd, _, gdata) = &got[name];
@@ -201,11 +197,8 @@ fn cast_rounds_to_nearest_even_and_leaves_non_floats_alone() {
 
 #[test]
 fn filters_and_renames_follow_fnmatch_and_python_groups() {
-    let (d, src, _) = tmp_small_model();
-    let out = d.path().join("out.safetensors");
-    passthrough_ok(
-        &src,
-        &out,
+    let (_d, _, out, _) = small_model_passed(
+        "out.safetensors",
         &[
             "-q",
             "--include",

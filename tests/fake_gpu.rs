@@ -11,8 +11,8 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use common::{
-    assert_mentions, assert_refused, assert_same_tensors, cmd, fixture, listing, load_all, s,
-    stderr, MODELOPT_SCHEMES, SCHEMES,
+    assert_mentions, assert_refused, assert_same_tensors, assert_starts, cmd, fixture, listing,
+    load_all, s, stderr, MODELOPT_SCHEMES, SCHEMES,
 };
 
 /// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
@@ -180,10 +180,7 @@ fn cpu_vs_gpu(
             if integrated { "unified" } else { "gpu" },
         );
         let dev = rep["device"].as_str().unwrap();
-        assert!(
-            dev.starts_with("cuda:0 (tftf fake CUDA device, sm_90"),
-            "{dev}"
-        );
+        assert_starts(dev, "cuda:0 (tftf fake CUDA device, sm_90");
         assert_eq!(dev.contains("unified memory"), integrated, "{dev}");
         assert!(
             rep["gpu"]["chunks"].as_u64().unwrap() > 0,
@@ -605,9 +602,9 @@ fn a_driver_older_than_cuda_12_2_is_refused_without_a_panic() {
     let r = tftf_in(Some(old_fake_libs()), false, &args2);
     assert_eq!(r.status.code(), Some(1));
     let err = String::from_utf8_lossy(&r.stderr);
-    assert!(
-        err.starts_with("error: --device cuda:0: the CUDA driver lacks functions"),
-        "{err}"
+    assert_starts(
+        &err,
+        "error: --device cuda:0: the CUDA driver lacks functions",
     );
     assert!(!out2.exists());
 }

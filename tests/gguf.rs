@@ -822,6 +822,19 @@ fn tokenizer_kvs_match_gguf_py_special_vocab() {
     }
 }
 
+/// An output tensor `name` of `shape` and type `ty` that `recipe` makes, with no source dtype
+/// and no importance weights.
+fn unweighted(name: &str, shape: &[u64], ty: GgmlType, recipe: Recipe) -> OutputTensor {
+    OutputTensor {
+        name: name.into(),
+        shape: shape.to_vec(),
+        ty,
+        recipe,
+        src_dtype: None,
+        quant_weights: None,
+    }
+}
+
 fn produce_all(t: &OutputTensor, sources: &[(&str, &[u8])], chunk: u64) -> Vec<u8> {
     let (_, rows, row_bytes) = produce::row_geometry(t);
     let lookup = |n: &str| sources.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
@@ -841,28 +854,29 @@ fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
     // DeepSeek attn_k_b, copied BF16 bit patterns, in chunks of 2 rows.
     let kv_b = read("kv_b.in");
     let k_b = OutputTensor {
-        name: "blk.0.attn_k_b.weight".into(),
-        shape: vec![3, 5, 4],
-        ty: GgmlType::Bf16,
-        recipe: Recipe::KvBK {
-            src: "kv_b".into(),
-            n_head: 3,
-            nope: 4,
-            v: 2,
-            lora: 5,
-        },
         src_dtype: Some(DType::BF16),
-        quant_weights: None,
+        ..unweighted(
+            "blk.0.attn_k_b.weight",
+            &[3, 5, 4],
+            GgmlType::Bf16,
+            Recipe::KvBK {
+                src: "kv_b".into(),
+                n_head: 3,
+                nope: 4,
+                v: 2,
+                lora: 5,
+            },
+        )
     };
     assert_eq!(produce_all(&k_b, &[("kv_b", &kv_b)], 2), read("kv_b_k.out"));
 
     // gpt-oss up experts (odd rows), repacked to ggml MXFP4, one row at a time.
     let (blocks, scales) = (read("mxfp4_blocks.in"), read("mxfp4_scales.in"));
-    let up = OutputTensor {
-        name: "blk.0.ffn_up_exps.weight".into(),
-        shape: vec![2, 3, 96],
-        ty: GgmlType::Mxfp4,
-        recipe: Recipe::Mxfp4 {
+    let up = unweighted(
+        "blk.0.ffn_up_exps.weight",
+        &[2, 3, 96],
+        GgmlType::Mxfp4,
+        Recipe::Mxfp4 {
             blocks: "b".into(),
             scales: "s".into(),
             map: Some(RowMap::Interleaved {
@@ -870,9 +884,7 @@ fn row_chunks_of_a_recipe_equal_the_reference_transforms() {
                 half: 1,
             }),
         },
-        src_dtype: None,
-        quant_weights: None,
-    };
+    );
     assert_eq!(
         produce_all(&up, &[("b", &blocks), ("s", &scales)], 1),
         read("mxfp4_up.out")

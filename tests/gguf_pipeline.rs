@@ -14,16 +14,7 @@ use tftf::format::dtype::DType;
 fn wide_llama() -> GgufCase {
     const H: u64 = 1024;
     let mut rng = Rng(23);
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, H],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[H]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, H]),
-    ];
+    let mut tensors = head_of(&mut rng, DType::BF16, H);
     for l in 0..2 {
         tensors.extend(layer(
             &mut rng,

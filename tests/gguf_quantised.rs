@@ -215,16 +215,7 @@ fn llama256_without(root: &Path, scheme: &str, quantise: Scheme, drop: &str) -> 
         std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), model.join(f)).unwrap();
     }
     let mut rng = Rng(2025);
-    let mut tensors = vec![
-        rand_t(
-            &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[410, 256],
-        ),
-        rand_t(&mut rng, "model.norm.weight", DType::BF16, &[256]),
-        rand_t(&mut rng, "lm_head.weight", DType::BF16, &[410, 256]),
-    ];
+    let mut tensors = head_of(&mut rng, DType::BF16, 256);
     for l in 0..2 {
         let p = |n: &str| format!("model.layers.{l}.{n}");
         for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
@@ -441,14 +432,21 @@ fn refused(model: &Path, out: &Path, extra: &[&str], want: &[&str]) {
     );
 }
 
+/// A temporary directory with the model `make` builds in it and the path of an output whose
+/// directory exists, for [`refused`] to check that nothing was written there.
+fn refusal_case(make: impl FnOnce(&Path) -> PathBuf) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let d = tmp();
+    let model = make(d.path());
+    let out = d.path().join("out/x.gguf");
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    (d, model, out)
+}
+
 /// llama-quantize refuses IQ2/IQ1 mixes and Q2_K_S without an importance matrix; so does
 /// tftf, naming the first tensor and its type, before any output.
 #[test]
 fn a_type_that_needs_an_imatrix_is_refused_without_one() {
-    let d = tmp();
-    let model = llama256(d.path(), "int4", int4);
-    let out = d.path().join("out/x.gguf");
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let (_d, model, out) = refusal_case(|root| llama256(root, "int4", int4));
     for (mix, ty) in [
         ("q2_k_s", "Q2_K"),
         ("iq2_xxs", "IQ2_XXS"),
@@ -480,10 +478,7 @@ fn imatrix_dat(entries: &[(String, usize)]) -> Vec<u8> {
 /// entry present the same file converts.
 #[test]
 fn an_imatrix_without_an_entry_a_tensor_needs_is_refused() {
-    let d = tmp();
-    let model = llama256(d.path(), "int4", int4);
-    let out = d.path().join("out/x.gguf");
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let (d, model, out) = refusal_case(|root| llama256(root, "int4", int4));
     let mut entries: Vec<(String, usize)> = Vec::new();
     for l in 0..2 {
         for (n, cols) in [
@@ -538,17 +533,7 @@ fn an_imatrix_without_an_entry_a_tensor_needs_is_refused() {
 #[test]
 fn rows_no_block_type_fits_are_f16_with_a_warning() {
     let (q, kv) = attention_rows("llama3");
-    let mut rng = Rng(9);
-    let mut tensors = head(&mut rng, DType::BF16);
-    for l in 0..2 {
-        let mut names = attention(q, kv);
-        names.extend([
-            ("mlp.gate_proj.weight", vec![40, 64]),
-            ("mlp.up_proj.weight", vec![40, 64]),
-            ("mlp.down_proj.weight", vec![64, 40]),
-        ]);
-        tensors.extend(layer(&mut rng, l, DType::BF16, names));
-    }
+    let tensors = dense_layers_mlp(&mut Rng(9), DType::BF16, q, kv, 40, &[]);
     let c = GgufCase::new(
         "llama3",
         |cfg| cfg["intermediate_size"] = 40.into(),
@@ -586,10 +571,7 @@ fn a_quantised_weight_missing_its_scales_is_refused_before_any_output() {
         ),
     ];
     for (scheme, quantise, drop, want) in cases {
-        let d = tmp();
-        let model = llama256_without(d.path(), scheme, quantise, drop);
-        let out = d.path().join("out/x.gguf");
-        std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+        let (_d, model, out) = refusal_case(|root| llama256_without(root, scheme, quantise, drop));
         refused(
             &model,
             &out,

@@ -14,40 +14,42 @@ use tftf::format::dtype::DType;
 fn model(dir: &Path) -> (PathBuf, PathBuf) {
     let mut rng = Rng(16);
     let base = Model::new()
-        .rand(
+        .rands(
             &mut rng,
-            "model.embed_tokens.weight",
-            DType::BF16,
-            &[512, 1024],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.self_attn.q_proj.weight",
-            DType::F32,
-            &[1024, 1024],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.input_layernorm.weight",
-            DType::F32,
-            &[1024],
+            &[
+                ("model.embed_tokens.weight", DType::BF16, &[512, 1024]),
+                (
+                    "model.layers.0.self_attn.q_proj.weight",
+                    DType::F32,
+                    &[1024, 1024],
+                ),
+                ("model.layers.0.input_layernorm.weight", DType::F32, &[1024]),
+            ],
         )
         .shard()
-        .rand(
+        .rands(
             &mut rng,
-            "model.layers.0.self_attn.v_proj.weight",
-            DType::BF16,
-            &[2048, 1024],
-        )
-        .rand(
-            &mut rng,
-            "model.layers.0.mlp.up_proj.weight",
-            DType::F32,
-            &[1536, 1024],
+            &[
+                (
+                    "model.layers.0.self_attn.v_proj.weight",
+                    DType::BF16,
+                    &[2048, 1024],
+                ),
+                (
+                    "model.layers.0.mlp.up_proj.weight",
+                    DType::F32,
+                    &[1536, 1024],
+                ),
+            ],
         )
         .shard()
-        .rand(&mut rng, "model.norm.weight", DType::F32, &[1024])
-        .rand(&mut rng, "lm_head.weight", DType::BF16, &[768, 1024])
+        .rands(
+            &mut rng,
+            &[
+                ("model.norm.weight", DType::F32, &[1024]),
+                ("lm_head.weight", DType::BF16, &[768, 1024]),
+            ],
+        )
         .config(SMALL_CONFIG)
         .write(&dir.join("base"));
     let r = 4;

@@ -41,10 +41,7 @@ fn filter_keeping_no_tensor_is_refused_unless_allow_empty() {
     // validate's dry plan of a pipe says the same.
     let (code, text, _) = exit_code(&["validate", s(&src), "--pipe", "filter:model.*"]);
     assert_eq!(code, Some(1));
-    assert!(
-        text.starts_with("problem: pipe: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 2 input tensors: nothing to write\n"),
-        "{text}"
-    );
+    assert_starts(&text, "problem: pipe: the filters (--include/--exclude, --key-filter/--key-exclude) keep none of the 2 input tensors: nothing to write\n");
     // Allowed, the output is one loadable shard without tensors.
     tftf_ok(&[&args[..], &["--allow-empty"]].concat());
     assert_eq!(listing(&out), ["model.safetensors"]);
@@ -338,17 +335,17 @@ fn fifos_and_devices_as_input_say_what_they_are() {
     bf16_model(&dir);
     std::fs::rename(&fifo, dir.join("model-extra.safetensors")).unwrap();
     let err = fails(&["info", s(&dir)]);
-    assert!(
-        err.starts_with(&format!(
+    assert_starts(
+        &err,
+        &format!(
             "error: {}: is a FIFO (named pipe), not a regular file",
             dir.join("model-extra.safetensors").display()
-        )),
-        "{err}"
+        ),
     );
     let err = fails(&["info", "/dev/null"]);
-    assert!(
-        err.starts_with("error: /dev/null: is a character device, not a regular file"),
-        "{err}"
+    assert_starts(
+        &err,
+        "error: /dev/null: is a character device, not a regular file",
     );
     assert!(!out.exists());
 }
@@ -375,10 +372,7 @@ fn hidden_appledouble_files_are_ignored_with_a_note() {
     assert!(!out.join("._model.safetensors").exists());
     let (code, out, _) = exit_code(&["validate", s(&src)]);
     assert_eq!(code, Some(0));
-    assert!(
-        out.starts_with("note: ignored `._model.safetensors`"),
-        "{out}"
-    );
+    assert_starts(&out, "note: ignored `._model.safetensors`");
 }
 
 #[test]

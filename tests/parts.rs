@@ -77,6 +77,14 @@ fn assert_same_dirs(want: &Path, got: &Path) {
     }
 }
 
+/// A temporary folder with the test model in `in/`, and the path `out` in the folder.
+fn with_model(out: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let d = tmp();
+    let input = model(d.path());
+    let out = d.path().join(out);
+    (d, input, out)
+}
+
 /// A temporary folder with the test model in `in/` and its [`reference`] run.
 fn with_reference(checksums: &str) -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
     let d = tmp();
@@ -237,9 +245,7 @@ fn resume_alone_continues_a_killed_run_and_finalizes_it() {
 
 #[test]
 fn parts_with_different_arguments_or_inputs_are_refused() {
-    let d = tmp();
-    let input = model(d.path());
-    let out = d.path().join("out");
+    let (_d, input, out) = with_model("out");
     ok(&part(&input, &out, &["--part", "1/2"]));
     let mut other = run_args(&input, &out, &["--part", "2/2"]);
     let at = other.iter().position(|a| *a == "f32").unwrap();
@@ -274,9 +280,7 @@ fn parts_with_different_arguments_or_inputs_are_refused() {
 
 #[test]
 fn finalize_names_missing_damaged_and_changed_records() {
-    let d = tmp();
-    let input = model(d.path());
-    let out = d.path().join("out");
+    let (_d, input, out) = with_model("out");
     let e = fails(&["finalize", s(&out)]);
     assert!(e.contains("nothing to finalize"), "{e}");
     ok(&part(&input, &out, &["--part", "1/3"]));
@@ -347,9 +351,7 @@ fn checksums_off_gives_the_plain_output() {
 
 #[test]
 fn part_flags_are_checked() {
-    let d = tmp();
-    let input = model(d.path());
-    let out = d.path().join("x.safetensors");
+    let (d, input, out) = with_model("x.safetensors");
     let e = usage_error(&run_args(&input, &out, &["--part", "1/2"]));
     assert!(e.contains("give a directory as -o"), "{e}");
     let out = d.path().join("out");
@@ -375,9 +377,7 @@ fn part_flags_are_checked() {
 
 #[test]
 fn a_part_refuses_a_directory_with_an_interrupted_plain_commit() {
-    let d = tmp();
-    let input = model(d.path());
-    let out = d.path().join("out");
+    let (_d, input, out) = with_model("out");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join(".tftf-commit.json"), "{}").unwrap();
     let e = fails(&run_args(&input, &out, &["--part", "1/2"]));

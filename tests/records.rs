@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 use tftf::{DType, Pipe, Pipeline, Reader, Writer};
@@ -57,11 +57,17 @@ fn assert_records_equal_written(input: &Path, pipe: impl Fn() -> Pipe) {
     }
 }
 
-#[test]
-fn fp8_dequant_and_lora_merge_records_equal_the_written_file() {
+/// A [`tmp`] folder with the demo's example model in `model/`: (folder, `model/`).
+fn tmp_example() -> (tempfile::TempDir, PathBuf) {
     let dir = tmp();
     let model = dir.path().join("model");
     tftf::commands::demo::make_example(&model).unwrap();
+    (dir, model)
+}
+
+#[test]
+fn fp8_dequant_and_lora_merge_records_equal_the_written_file() {
+    let (dir, model) = tmp_example();
     let adapter = dir.path().join("adapter");
     tftf::commands::demo::make_example_adapter(&adapter).unwrap();
     let lora = adapter.join("adapter_model.safetensors");
@@ -74,9 +80,7 @@ fn fp8_dequant_and_lora_merge_records_equal_the_written_file() {
 fn records_of_an_op_with_extra_outputs_come_in_plan_order() {
     // Each quantised weight brings its scale tensors: they are computed together and handed
     // out in their own places.
-    let dir = tmp();
-    let model = dir.path().join("model");
-    tftf::commands::demo::make_example(&model).unwrap();
+    let (dir, model) = tmp_example();
     let bf16 = dir.path().join("bf16.safetensors");
     Pipeline::new(
         Reader::from_path(&model),
@@ -110,9 +114,7 @@ fn a_pipe_that_cannot_apply_is_refused_before_any_record() {
 
 #[test]
 fn a_truncated_shard_ends_the_records_with_an_error_naming_it() {
-    let dir = tmp();
-    let model = dir.path().join("model");
-    tftf::commands::demo::make_example(&model).unwrap();
+    let (dir, model) = tmp_example();
     let shard = model.join("model-00002-of-00002.safetensors");
     let len = std::fs::metadata(&shard).unwrap().len();
     let records = Pipeline::new(
@@ -143,9 +145,7 @@ fn a_truncated_shard_ends_the_records_with_an_error_naming_it() {
 
 #[test]
 fn dropping_the_records_early_stops_the_stream() {
-    let dir = tmp();
-    let model = dir.path().join("model");
-    tftf::commands::demo::make_example(&model).unwrap();
+    let (dir, model) = tmp_example();
     let mut records = Pipeline::new(
         Reader::from_path(&model),
         Pipe::fp8_dequant(DType::F32),

@@ -35,6 +35,16 @@ fn read_tensor(desc: &SourceDesc, name: &str, chunk: u64) -> Vec<u8> {
     out
 }
 
+/// [`check_against`] for the fixture `input` (a case folder, or its `pytorch_model.bin`) and
+/// the case's `expected/model.safetensors`.
+fn check_case(input: &str) -> SourceDesc {
+    let case = input.strip_suffix("/pytorch_model.bin").unwrap_or(input);
+    check_against(
+        &fixture(input),
+        &fixture(&format!("{case}/expected/model.safetensors")),
+    )
+}
+
 /// Describes `input` and checks it against `expected` (a safetensors file): same names,
 /// dtypes, shapes and bytes, read whole and in odd-sized chunks.
 fn check_against(input: &Path, expected: &Path) -> SourceDesc {
@@ -68,10 +78,7 @@ fn check_against(input: &Path, expected: &Path) -> SourceDesc {
 
 #[test]
 fn corners_zip_matches_expected() {
-    let desc = check_against(
-        &fixture("bin/corners/pytorch_model.bin"),
-        &fixture("bin/corners/expected/model.safetensors"),
-    );
+    let desc = check_case("bin/corners/pytorch_model.bin");
     let place = |n: &str| desc.tensor(n).unwrap().placement.clone();
     // tied names share bytes; an offset view is still a plain range inside the same storage
     assert_eq!(place("tied.a"), place("tied.b"));
@@ -91,18 +98,12 @@ fn corners_zip_matches_expected() {
 
 #[test]
 fn legacy_stream_matches_expected() {
-    check_against(
-        &fixture("bin/legacy/pytorch_model.bin"),
-        &fixture("bin/legacy/expected/model.safetensors"),
-    );
+    check_case("bin/legacy/pytorch_model.bin");
 }
 
 #[test]
 fn sharded_bin_folder_matches_expected() {
-    let desc = check_against(
-        &fixture("bin/hf-sharded"),
-        &fixture("bin/hf-sharded/expected/model.safetensors"),
-    );
+    let desc = check_case("bin/hf-sharded");
     assert_eq!(desc.files.len(), 3);
 }
 
@@ -124,10 +125,7 @@ fn dcp_full_model_matches_expected() {
 
 #[test]
 fn dcp_lora_matches_expected() {
-    check_against(
-        &fixture("dcp/lora-2rank"),
-        &fixture("dcp/lora-2rank/expected/model.safetensors"),
-    );
+    check_case("dcp/lora-2rank");
 }
 
 #[test]
@@ -244,6 +242,12 @@ fn tensor_pickle(offset: u8, size: &[u8], stride: &[u8]) -> Vec<u8> {
 fn rebuild_expr(size: &[u8], stride: &[u8]) -> Vec<u8> {
     let t = tensor_pickle(0, size, stride);
     t[t.windows(5).position(|w| w == b"ctorc").unwrap()..t.len() - 2].to_vec()
+}
+
+/// `before`, the [`rebuild_expr`] of `size` and `stride`, then `after`: a pickle built around
+/// one tensor.
+fn around_tensor(before: &[u8], size: &[u8], stride: &[u8], after: &[u8]) -> Vec<u8> {
+    [before, &rebuild_expr(size, stride), after].concat()
 }
 
 #[test]
@@ -472,10 +476,12 @@ fn member_count_over_the_cap_is_refused() {
 #[test]
 fn nested_dicts_flatten_and_non_tensors_are_noted() {
     // {'outer': {'w': <tensor>}, 'step': 7}
-    let tensor_expr = &rebuild_expr(&[2], &[1]);
-    let mut p = b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w".to_vec();
-    p.extend(tensor_expr);
-    p.extend(b"sX\x04\x00\x00\x00stepK\x07u.");
+    let p = around_tensor(
+        b"\x80\x02}(X\x05\x00\x00\x00outer}X\x01\x00\x00\x00w",
+        &[2],
+        &[1],
+        b"sX\x04\x00\x00\x00stepK\x07u.",
+    );
     let desc = describe_pt(&p).unwrap();
     let names: Vec<&str> = desc.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["outer.w"]);
@@ -558,10 +564,7 @@ fn dcp_chunks_through_storage_extensions_are_refused() {
 /// tensor, not optimizer state.
 #[test]
 fn plain_dcp_keeps_model_prefix_and_optimus_head() {
-    let desc = check_against(
-        &fixture("dcp/plain-hf"),
-        &fixture("dcp/plain-hf/expected/model.safetensors"),
-    );
+    let desc = check_case("dcp/plain-hf");
     assert!(desc.tensor("model.embed_tokens.weight").is_some());
     assert!(desc.tensor("optimus_head.weight").is_some());
     assert_eq!(desc.notes, Vec::<String>::new());
@@ -571,10 +574,7 @@ fn plain_dcp_keeps_model_prefix_and_optimus_head() {
 /// (int parameter ids in its paths) is skipped, and `optimus_head.weight` stays.
 #[test]
 fn wrapped_dcp_drops_the_wrapper_and_the_optimizer_by_structure() {
-    let desc = check_against(
-        &fixture("dcp/wrapped-optim"),
-        &fixture("dcp/wrapped-optim/expected/model.safetensors"),
-    );
+    let desc = check_case("dcp/wrapped-optim");
     assert!(desc.tensor("optimus_head.weight").is_some());
     assert!(desc
         .notes
@@ -632,13 +632,13 @@ fn complex128_is_an_unsupported_dtype() {
 /// `torch.load(weights_only=True)` accepts it, is the tensor; without a tensor it is refused.
 #[test]
 fn parameter_calls_are_tensors() {
-    let tensor_expr = &rebuild_expr(&[4], &[1]);
     for call in [&b"R"[..], b"\x81"] {
-        let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(".to_vec();
-        p.extend(tensor_expr);
-        p.extend(b"\x88t");
-        p.extend(call);
-        p.extend(b"s.");
+        let p = around_tensor(
+            b"\x80\x02}X\x01\x00\x00\x00wctorch.nn.parameter\nParameter\n(",
+            &[4],
+            &[1],
+            &[&b"\x88t"[..], call, b"s."].concat(),
+        );
         let desc = describe_pt(&p).unwrap();
         assert_eq!(desc.tensors.len(), 1, "{:?}", desc.notes);
         assert_eq!(
@@ -656,10 +656,7 @@ fn parameter_calls_are_tensors() {
 /// safetensors header may hold, in bounded time and within 1 GiB of data (`RLIMIT_DATA`).
 #[test]
 fn memo_shared_dicts_are_refused_within_a_header_budget() {
-    let tensor_expr = &rebuild_expr(&[4], &[1]);
-    let mut p = b"\x80\x02".to_vec();
-    p.extend(tensor_expr);
-    p.extend(b"q\x00");
+    let mut p = around_tensor(b"\x80\x02", &[4], &[1], b"q\x00");
     let key = |c: u8| {
         let mut k = vec![b'X'];
         k.extend(1000u32.to_le_bytes());
@@ -748,10 +745,7 @@ impl Pickler {
 /// indices, saved as one-element chunks, each in its own torch.save archive.
 fn one_element_chunks_dcp(dir: &Path, shape: [u64; 2]) {
     const MD: &str = "torch.distributed.checkpoint.metadata";
-    let tensor_expr = &rebuild_expr(&[1, 1], &[1, 1]);
-    let mut chunk_pickle = b"\x80\x02".to_vec();
-    chunk_pickle.extend(tensor_expr);
-    chunk_pickle.push(b'.');
+    let chunk_pickle = around_tensor(b"\x80\x02", &[1, 1], &[1, 1], b".");
     let cells: Vec<[u64; 2]> = (0..shape[0])
         .flat_map(|i| (0..shape[1]).map(move |j| [i, j]))
         .collect();

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::format::dtype::DType;
-use crate::plan::{Derive, Op, Outs};
+use crate::plan::{outputs_of, units_of, Derive, Op, Outs};
 
 /// One input of the outer op.
 #[derive(Clone, Debug)]
@@ -146,12 +146,7 @@ impl Op for Fed {
     fn name(&self) -> &'static str {
         self.outer.name()
     }
-    fn units(&self) -> u64 {
-        self.outer.units()
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.outer.out_unit_bytes()
-    }
+    units_of!(outer);
     fn in_unit_bytes(&self) -> u64 {
         let mut total = 0;
         for (k, feed) in self.feeds.iter().enumerate() {
@@ -194,15 +189,7 @@ impl Op for Fed {
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         self.compute_all(units, inputs, &mut [out])
     }
-    fn extra_outputs(&self) -> usize {
-        self.outer.extra_outputs()
-    }
-    fn extra_unit_bytes(&self, k: usize) -> u64 {
-        self.outer.extra_unit_bytes(k)
-    }
-    fn out_span(&self, k: usize, units: Range<u64>) -> Range<u64> {
-        self.outer.out_span(k, units)
-    }
+    outputs_of!(outer);
     fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {
         self.with_outer_inputs(units.clone(), inputs, |views| {
             self.outer.compute_all(units, views, outs)

@@ -9,7 +9,7 @@
 pub mod kernel;
 mod op;
 
-pub(crate) use op::op_name_and_kernel;
+pub(crate) use op::{op_name_and_kernel, outputs_of, units_of};
 pub use op::{Op, Outs};
 
 use std::collections::HashMap;

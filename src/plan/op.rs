@@ -112,3 +112,34 @@ macro_rules! op_name_and_kernel {
     };
 }
 pub(crate) use op_name_and_kernel;
+
+/// [`Op::units`] and [`Op::out_unit_bytes`] of an op that writes, unit for unit, what the op in
+/// its field `$op` writes (a wrapper that feeds or scales that op's inputs), in its `impl Op`.
+macro_rules! units_of {
+    ($op:ident) => {
+        fn units(&self) -> u64 {
+            self.$op.units()
+        }
+        fn out_unit_bytes(&self) -> u64 {
+            self.$op.out_unit_bytes()
+        }
+    };
+}
+pub(crate) use units_of;
+
+/// The `Op` methods of an op whose outputs (codes and their extra outputs) are those of the op
+/// in its field `$op`.
+macro_rules! outputs_of {
+    ($op:ident) => {
+        fn extra_outputs(&self) -> usize {
+            self.$op.extra_outputs()
+        }
+        fn extra_unit_bytes(&self, k: usize) -> u64 {
+            self.$op.extra_unit_bytes(k)
+        }
+        fn out_span(&self, k: usize, units: ::std::ops::Range<u64>) -> ::std::ops::Range<u64> {
+            self.$op.out_span(k, units)
+        }
+    };
+}
+pub(crate) use outputs_of;

@@ -124,35 +124,41 @@ pub struct Gguf {
     pub order: Vec<String>,
 }
 
+/// `(type ids, elements, bytes)` of a block of each ggml type the tests write.
+const BLOCKS: &[(&[u32], u64, u64)] = &[
+    (&[0], 1, 4),
+    (&[1, 30], 1, 2),
+    (&[8], 32, 34),
+    (&[39], 32, 17),
+    (&[2, 20], 32, 18),
+    (&[3], 32, 20),
+    (&[6], 32, 22),
+    (&[7], 32, 24),
+    // The 256-blocks: Q2_K … Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS,
+    // IQ1_M, TQ1_0, TQ2_0.
+    (&[10], 256, 84),
+    (&[16], 256, 66),
+    (&[17], 256, 74),
+    (&[19], 256, 50),
+    (&[22], 256, 82),
+    (&[29], 256, 56),
+    (&[11, 21], 256, 110),
+    (&[12], 256, 144),
+    (&[13], 256, 176),
+    (&[14], 256, 210),
+    (&[18], 256, 98),
+    (&[23], 256, 136),
+    (&[34], 256, 54),
+    (&[35], 256, 66),
+];
+
 /// Bytes of `elems` elements of the ggml type `ty` (the types the tests write).
 fn type_size(ty: u32, elems: u64) -> u64 {
-    match ty {
-        0 => elems * 4,
-        1 | 30 => elems * 2,
-        8 => elems / 32 * 34,
-        39 => elems / 32 * 17,
-        2 | 20 => elems / 32 * 18,
-        3 => elems / 32 * 20,
-        6 => elems / 32 * 22,
-        7 => elems / 32 * 24,
-        // The 256-blocks: Q2_K … Q6_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS,
-        // IQ1_M, TQ1_0, TQ2_0.
-        10 => elems / 256 * 84,
-        16 => elems / 256 * 66,
-        17 => elems / 256 * 74,
-        19 => elems / 256 * 50,
-        22 => elems / 256 * 82,
-        29 => elems / 256 * 56,
-        11 | 21 => elems / 256 * 110,
-        12 => elems / 256 * 144,
-        13 => elems / 256 * 176,
-        14 => elems / 256 * 210,
-        18 => elems / 256 * 98,
-        23 => elems / 256 * 136,
-        34 => elems / 256 * 54,
-        35 => elems / 256 * 66,
-        t => panic!("type {t}"),
-    }
+    let &(_, block_elems, block_bytes) = BLOCKS
+        .iter()
+        .find(|(ids, _, _)| ids.contains(&ty))
+        .unwrap_or_else(|| panic!("type {ty}"));
+    elems / block_elems * block_bytes
 }
 
 impl Gguf {
@@ -242,10 +248,15 @@ pub fn model_dir(root: &Path, cfg: &str, edit: impl FnOnce(&mut Json), tensors: 
 
 /// Embeddings `[410, 64]`, final norm `[64]` and output head `[410, 64]` of `dtype`.
 pub fn head(rng: &mut Rng, dtype: DType) -> Vec<T> {
+    head_of(rng, dtype, 64)
+}
+
+/// [`head`] of hidden size `hidden`.
+pub fn head_of(rng: &mut Rng, dtype: DType, hidden: u64) -> Vec<T> {
     vec![
-        rand_t(rng, "model.embed_tokens.weight", dtype, &[410, 64]),
-        rand_t(rng, "model.norm.weight", dtype, &[64]),
-        rand_t(rng, "lm_head.weight", dtype, &[410, 64]),
+        rand_t(rng, "model.embed_tokens.weight", dtype, &[410, hidden]),
+        rand_t(rng, "model.norm.weight", dtype, &[hidden]),
+        rand_t(rng, "lm_head.weight", dtype, &[410, hidden]),
     ]
 }
 
@@ -309,13 +320,25 @@ pub fn dense_layers(
     kv: u64,
     extra: &[(&str, &[u64])],
 ) -> Vec<T> {
+    dense_layers_mlp(rng, dtype, q, kv, 128, extra)
+}
+
+/// [`dense_layers`] with an MLP `inter` wide.
+pub fn dense_layers_mlp(
+    rng: &mut Rng,
+    dtype: DType,
+    q: u64,
+    kv: u64,
+    inter: u64,
+    extra: &[(&str, &[u64])],
+) -> Vec<T> {
     let mut v = head(rng, dtype);
     for l in 0..2 {
         let mut names = attention(q, kv);
         names.extend([
-            ("mlp.gate_proj.weight", vec![128, 64]),
-            ("mlp.up_proj.weight", vec![128, 64]),
-            ("mlp.down_proj.weight", vec![64, 128]),
+            ("mlp.gate_proj.weight", vec![inter, 64]),
+            ("mlp.up_proj.weight", vec![inter, 64]),
+            ("mlp.down_proj.weight", vec![64, inter]),
         ]);
         names.extend(extra.iter().map(|(n, sh)| (*n, sh.to_vec())));
         v.extend(layer(rng, l, dtype, names));

@@ -181,6 +181,18 @@ pub fn tmp_small_model() -> (tempfile::TempDir, PathBuf, Vec<T>) {
     (d, src, tensors)
 }
 
+/// A [`tmp_small_model`] passed through to `out` (a name in the folder) with `extra`:
+/// (folder, `in/`, the output, the tensors).
+pub fn small_model_passed(
+    out: &str,
+    extra: &[&str],
+) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<T>) {
+    let (d, src, tensors) = tmp_small_model();
+    let out = d.path().join(out);
+    passthrough_ok(&src, &out, extra);
+    (d, src, out, tensors)
+}
+
 /// Runs the `tftf` binary with `args` (and `NO_COLOR=1`), any exit.
 pub fn tftf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tftf"))
@@ -204,6 +216,11 @@ pub fn ok(o: &Output) {
         stderr(o),
         stdout(o)
     );
+}
+
+/// Asserts that `text` (a message, an output) starts with `prefix`.
+pub fn assert_starts(text: &str, prefix: &str) {
+    assert!(text.starts_with(prefix), "{text}");
 }
 
 /// Asserts that `text` (a message, an output) contains every one of `needles`.
@@ -396,6 +413,16 @@ impl Model {
     /// Adds a tensor of random bytes (see [`rand_t`]) to the current shard.
     pub fn rand(self, rng: &mut Rng, name: &str, dtype: DType, shape: &[u64]) -> Self {
         self.tensors([rand_t(rng, name, dtype, shape)])
+    }
+
+    /// Adds tensors of random bytes (see [`rand_t`]) to the current shard, in the order
+    /// given: `(name, dtype, shape)` each.
+    pub fn rands(self, rng: &mut Rng, specs: &[(&str, DType, &[u64])]) -> Self {
+        let tensors: Vec<T> = specs
+            .iter()
+            .map(|&(name, dtype, shape)| rand_t(rng, name, dtype, shape))
+            .collect();
+        self.tensors(tensors)
     }
 
     /// Adds tensors to the current shard.

@@ -303,13 +303,19 @@ impl Machine<'_> {
                     let target = self.top()?.clone();
                     set_items(&target, items, at)?;
                 }
-                b'q' => {
-                    let i = self.u8()?;
-                    self.memo_put(i.into())?
-                }
-                b'r' => {
-                    let i = u32::from_le_bytes(self.le()?);
-                    self.memo_put(i)?
+                // BINPUT and LONG_BINPUT store into the memo, BINGET and LONG_BINGET read
+                // from it; the first of each pair has a 1-byte index, the second 4 bytes.
+                b'q' | b'r' | b'h' | b'j' => {
+                    let i = if matches!(op, b'q' | b'h') {
+                        self.u8()?.into()
+                    } else {
+                        u32::from_le_bytes(self.le()?)
+                    };
+                    if matches!(op, b'q' | b'r') {
+                        self.memo_put(i)?
+                    } else {
+                        self.memo_get(i)?
+                    }
                 }
                 0x94 => {
                     let i = u32::try_from(self.memo.len())
@@ -326,14 +332,6 @@ impl Machine<'_> {
                     } else {
                         self.memo_get(i)?
                     }
-                }
-                b'h' => {
-                    let i = self.u8()?;
-                    self.memo_get(i.into())?
-                }
-                b'j' => {
-                    let i = u32::from_le_bytes(self.le()?);
-                    self.memo_get(i)?
                 }
                 b'c' => {
                     let module = self.line()?.to_string();

@@ -69,6 +69,22 @@ pub fn choose_g(exponents: &[i32]) -> i32 {
     best.map_or(0, |(_, top)| top as i32 - 127 - WINDOW_HIGH)
 }
 
+/// [`Op::units`], [`Op::out_unit_bytes`] and [`Op::in_unit_bytes`] of an op whose unit is a
+/// row of `groups` MXFP4 blocks, each block `$out` bytes out and `$in` bytes in.
+macro_rules! rows_of_blocks {
+    (out: $out:literal, in: $in:literal) => {
+        fn units(&self) -> u64 {
+            self.rows
+        }
+        fn out_unit_bytes(&self) -> u64 {
+            $out * self.groups
+        }
+        fn in_unit_bytes(&self) -> u64 {
+            $in * self.groups
+        }
+    };
+}
+
 /// `weight_scale` from the MXFP4 scales: each E8M0 code becomes two E4M3 codes.
 #[derive(Debug)]
 pub struct NvBlockScales {
@@ -82,15 +98,7 @@ impl Op for NvBlockScales {
     op_name_and_kernel!("mxfp4-to-nvfp4 scales", |op| Kernel::NvBlockScales {
         g: op.g
     });
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        2 * self.groups
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        self.groups
-    }
+    rows_of_blocks!(out: 2, in: 1);
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         std::iter::once(units.start * self.groups..units.end * self.groups).collect()
     }
@@ -139,15 +147,7 @@ impl Op for NvReencode {
     op_name_and_kernel!("mxfp4-to-nvfp4 re-encode", |op| Kernel::NvReencode {
         g: op.g
     });
-    fn units(&self) -> u64 {
-        self.rows
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        16 * self.groups
-    }
-    fn in_unit_bytes(&self) -> u64 {
-        17 * self.groups
-    }
+    rows_of_blocks!(out: 16, in: 17);
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         vec![
             units.start * 16 * self.groups..units.end * 16 * self.groups,

@@ -158,14 +158,32 @@ fn each_block(
     }
 }
 
+/// A block's symmetric codes `0..2·half` and scale: the reference rounding without weights,
+/// the k-quants' search (`nmax = half`) with them.
+fn symmetric(xb: &[f32], w: Option<&[f32; QK]>, half: u8) -> ([u8; QK], f32) {
+    let mut l = [0u8; QK];
+    let d = match w {
+        None => symmetric_ref(xb, half.into(), 2 * half - 1, &mut l),
+        Some(w) => make_qx_quants(half.into(), xb, w, &mut l),
+    };
+    (l, d)
+}
+
+/// A block's codes `0..=nmax` over `[min, max]`, scale and offset: the reference rounding
+/// without weights (capped at `nmax` where `cap`), the k-quants' search with them.
+fn affine(xb: &[f32], w: Option<&[f32; QK]>, nmax: u8, cap: bool) -> ([u8; QK], f32, f32) {
+    let mut l = [0u8; QK];
+    let (d, m) = match w {
+        None => affine_ref(xb, nmax.into(), cap.then_some(nmax), &mut l),
+        Some(w) => make_qkx3_quants(nmax.into(), xb, w, &mut l),
+    };
+    (l, d, m)
+}
+
 /// One row to Q4_0 (`quantize_q4_0`): `dst` 18 bytes per 32 values.
 pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
     each_block(src, dst, Q4_0_BLOCK_BYTES, qw, |xb, w, ob| {
-        let mut l = [0u8; QK];
-        let d = match w {
-            None => symmetric_ref(xb, 8.0, 15, &mut l),
-            Some(w) => make_qx_quants(8, xb, w, &mut l),
-        };
+        let (l, d) = symmetric(xb, w, 8);
         put_half(ob, d);
         pack(&l, &mut ob[2..18]);
     });
@@ -174,11 +192,7 @@ pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
 /// One row to Q4_1 (`quantize_q4_1`): `dst` 20 bytes per 32 values.
 pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
     each_block(src, dst, Q4_1_BLOCK_BYTES, qw, |xb, w, ob| {
-        let mut l = [0u8; QK];
-        let (d, m) = match w {
-            None => affine_ref(xb, 15.0, Some(15), &mut l),
-            Some(w) => make_qkx3_quants(15, xb, w, &mut l),
-        };
+        let (l, d, m) = affine(xb, w, 15, true);
         put_half(ob, d);
         put_half(&mut ob[2..], m);
         pack(&l, &mut ob[4..20]);
@@ -188,11 +202,7 @@ pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
 /// One row to Q5_0 (`quantize_q5_0`): `dst` 22 bytes per 32 values.
 pub fn quantize_row_q5_0(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
     each_block(src, dst, Q5_0_BLOCK_BYTES, qw, |xb, w, ob| {
-        let mut l = [0u8; QK];
-        let d = match w {
-            None => symmetric_ref(xb, 16.0, 31, &mut l),
-            Some(w) => make_qx_quants(16, xb, w, &mut l),
-        };
+        let (l, d) = symmetric(xb, w, 16);
         put_half(ob, d);
         let qh = pack(&l, &mut ob[6..22]);
         ob[2..6].copy_from_slice(&qh.to_le_bytes());
@@ -202,11 +212,7 @@ pub fn quantize_row_q5_0(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
 /// One row to Q5_1 (`quantize_q5_1`): `dst` 24 bytes per 32 values.
 pub fn quantize_row_q5_1(src: &[f32], dst: &mut [u8], qw: Option<&[f32]>) {
     each_block(src, dst, Q5_1_BLOCK_BYTES, qw, |xb, w, ob| {
-        let mut l = [0u8; QK];
-        let (d, m) = match w {
-            None => affine_ref(xb, 31.0, None, &mut l),
-            Some(w) => make_qkx3_quants(31, xb, w, &mut l),
-        };
+        let (l, d, m) = affine(xb, w, 31, false);
         put_half(ob, d);
         put_half(&mut ob[2..], m);
         let qh = pack(&l, &mut ob[8..24]);

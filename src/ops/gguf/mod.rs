@@ -81,12 +81,18 @@ const TYPES: [(GgmlType, u32, &str, u64, u64); 25] = [
 const _: () = assert!(quant::Q8_0_BLOCK_ELEMS == 32 && quant::Q8_0_BLOCK_BYTES == 34);
 const _: () = assert!(quant::MXFP4_BLOCK_ELEMS == 32 && quant::MXFP4_BLOCK_BYTES == 17);
 
+/// The row of `table` that `is` picks. The tables list every value of the enum they
+/// describe, so a miss is a bug: the panic says `every {what} is listed`.
+pub(crate) fn listed<R>(table: &'static [R], is: impl Fn(&R) -> bool, what: &str) -> &'static R {
+    table
+        .iter()
+        .find(|r| is(r))
+        .unwrap_or_else(|| panic!("every {what} is listed"))
+}
+
 impl GgmlType {
     fn row(self) -> &'static (GgmlType, u32, &'static str, u64, u64) {
-        TYPES
-            .iter()
-            .find(|t| t.0 == self)
-            .expect("every type is listed")
+        listed(&TYPES, |t| t.0 == self, "type")
     }
 
     /// The type id stored in a tensor info.

@@ -163,12 +163,53 @@ fn lora_launch(
     }
 }
 
+/// [`LoraLaunchOf::parts`] of a merge whose fields carry the names both merges give them.
+macro_rules! lora_launch_parts {
+    () => {
+        fn parts(&self) -> (&Option<Arc<dyn Op>>, usize, DType, &LoraFactors, DType) {
+            (
+                &self.base_op,
+                self.base_inputs,
+                self.base_dtype,
+                &self.f,
+                self.dst,
+            )
+        }
+    };
+}
+
+/// What the two merges share around their kernel launch: the base, the factors and the output
+/// dtype; each gives Δ's operand layout for a chunk.
+trait LoraLaunchOf {
+    /// The base op, its input count and dtype, the factors and the output dtype.
+    fn parts(&self) -> (&Option<Arc<dyn Op>>, usize, DType, &LoraFactors, DType);
+
+    /// Δ's operand layout for chunk `units`, and whether the coefficients are A's.
+    fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool);
+
+    fn launch(&self, units: &Range<u64>) -> LoraLaunch {
+        let (b, n, bd, f, dst) = self.parts();
+        let (delta, coef_is_a) = self.delta(units);
+        lora_launch(units, b, n, bd, f, dst, delta, coef_is_a)
+    }
+
+    /// The GPU also dequantises an FP8 or FP4 base (to f32, as `base_op` is built) before
+    /// merging; PEFT's rounding of a ParamWrapper's delta is done on the CPU only.
+    fn lora_kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+        let (base_op, _, _, f, dst) = self.parts();
+        (base_on_gpu(base_op) && dst != DType::F64 && f.delta_dtype.is_none())
+            .then(|| Kernel::Lora(self.launch(units)))
+    }
+}
+
 /// Plain: Δ = B's rows (tr × r) times A (r × cols); of an expert's block, B's row i has the
 /// coefficients at `i·E·r + k·E` from the expert's first (the input starts there). Transposed
 /// (Conv1D, embeddings): row g's coefficients are A's column g (stride `rows`), the vectors Bᵀ
 /// (B is cols × r) — the operands `compute` gathers, read in place.
-impl LoraMerge {
-    fn launch(&self, units: &Range<u64>) -> LoraLaunch {
+impl LoraLaunchOf for LoraMerge {
+    lora_launch_parts!();
+
+    fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
         let (r, cols) = (self.f.rank, self.cols);
         let one_group = DeltaParams {
             rank: r,
@@ -176,7 +217,7 @@ impl LoraMerge {
             group_rows: u64::MAX,
             ..Default::default()
         };
-        let (delta, coef_is_a) = if self.f.transposed {
+        if self.f.transposed {
             let d = DeltaParams {
                 ci: 1,
                 ck: self.rows,
@@ -196,18 +237,13 @@ impl LoraMerge {
                 ..one_group
             };
             (d, false)
-        };
-        let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
-        lora_launch(units, b, n, bd, f, self.dst, delta, coef_is_a)
+        }
     }
 }
 
 impl Op for LoraMerge {
-    /// The GPU also dequantises an FP8 or FP4 base (to f32, as `base_op` is built) before
-    /// merging; PEFT's rounding of a ParamWrapper's delta is done on the CPU only.
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64 && self.f.delta_dtype.is_none())
-            .then(|| Kernel::Lora(self.launch(units)))
+        self.lora_kernel(units)
     }
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
@@ -661,8 +697,10 @@ pub struct GroupedLoraMerge {
 /// Row g = (expert e, x) of the output. `[E, in, out]` bases (x indexes `in`): coefficients
 /// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
 /// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
-impl GroupedLoraMerge {
-    fn launch(&self, units: &Range<u64>) -> LoraLaunch {
+impl LoraLaunchOf for GroupedLoraMerge {
+    lora_launch_parts!();
+
+    fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
         let (r, e_n) = (self.f.rank, self.experts);
         let in_dim = if self.in_out { self.x } else { self.y };
         let common = DeltaParams {
@@ -672,7 +710,7 @@ impl GroupedLoraMerge {
             group_rows: self.x,
             ..Default::default()
         };
-        let (delta, coef_is_a) = if self.in_out {
+        if self.in_out {
             let d = DeltaParams {
                 ci: 1,
                 ck: in_dim,
@@ -694,16 +732,14 @@ impl GroupedLoraMerge {
                 ..common
             };
             (d, false)
-        };
-        let (b, n, bd, f) = (&self.base_op, self.base_inputs, self.base_dtype, &self.f);
-        lora_launch(units, b, n, bd, f, self.dst, delta, coef_is_a)
+        }
     }
 }
 
 impl Op for GroupedLoraMerge {
+    /// As [`LoraMerge`]'s.
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        (base_on_gpu(&self.base_op) && self.dst != DType::F64 && self.f.delta_dtype.is_none())
-            .then(|| Kernel::Lora(self.launch(units)))
+        self.lora_kernel(units)
     }
     fn name(&self) -> &'static str {
         "merge-lora-experts"

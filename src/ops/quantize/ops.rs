@@ -280,23 +280,6 @@ macro_rules! row_lane_fields {
 }
 pub(super) use row_lane_fields;
 
-/// The `Op` methods of an op whose outputs (codes and their extra outputs) are those of the op
-/// in its field `$op`.
-macro_rules! outputs_of {
-    ($op:ident) => {
-        fn extra_outputs(&self) -> usize {
-            self.$op.extra_outputs()
-        }
-        fn extra_unit_bytes(&self, k: usize) -> u64 {
-            self.$op.extra_unit_bytes(k)
-        }
-        fn out_span(&self, k: usize, units: ::std::ops::Range<u64>) -> ::std::ops::Range<u64> {
-            self.$op.out_span(k, units)
-        }
-    };
-}
-pub(super) use outputs_of;
-
 impl Op for QuantizeRows {
     fn granularity(&self) -> u64 {
         if self.scheme == Scheme::Fp8Block {

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Map, Value};
 
 use super::encode::{amax, WeightType, E2M1_MAX, E4M3_MAX};
-use super::ops::{outputs_of, BlockMath, QuantizeRows, FP8_BLOCK};
+use super::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
 use super::Scheme;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
@@ -39,6 +39,7 @@ use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::kernel::{Kernel, KernelStats};
 use crate::ops::Op;
 use crate::plan::Outs;
+use crate::plan::{outputs_of, units_of};
 use crate::plan::{Derive, Entry, ExtraOutput, PlanNotes, PlanStep, Planning};
 
 /// A base layout that can be requantised.
@@ -586,12 +587,7 @@ impl Op for Requant {
         // The same figures as the CPU op's: the kernels' bytes are the CPU's.
         let _ = self.measure(&rows, &m, &[&codes, &scales]);
     }
-    fn units(&self) -> u64 {
-        self.outer.units()
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.outer.out_unit_bytes()
-    }
+    units_of!(outer);
     fn in_unit_bytes(&self) -> u64 {
         // The inner op's inputs plus the merged rows it leaves in scratch.
         self.inner.in_unit_bytes() + self.inner.out_unit_bytes()

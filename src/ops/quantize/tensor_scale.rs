@@ -18,10 +18,11 @@ use std::sync::{Arc, OnceLock};
 
 use super::encode::{modelopt_nvfp4_scale_2, nvfp4_global_scale, WeightType};
 use super::lanes;
-use super::ops::{outputs_of, QuantizeRows};
+use super::ops::QuantizeRows;
 use crate::ops::kernel::Kernel;
 use crate::ops::Op;
 use crate::plan::Outs;
+use crate::plan::{outputs_of, units_of};
 
 /// Bytes read at a time: this buffer lives outside the pool, one per compute thread at most.
 const READ_BYTES: u64 = 1 << 20;
@@ -206,12 +207,7 @@ impl<R: ScaledRows> Op for Nvfp4Rows<R> {
     fn name(&self) -> &'static str {
         self.rows.name()
     }
-    fn units(&self) -> u64 {
-        self.rows.units()
-    }
-    fn out_unit_bytes(&self) -> u64 {
-        self.rows.out_unit_bytes()
-    }
+    units_of!(rows);
     fn in_unit_bytes(&self) -> u64 {
         self.rows.in_unit_bytes()
     }

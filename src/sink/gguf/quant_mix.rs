@@ -88,10 +88,7 @@ const MIXES: [(Mix, &str, u32, GgmlType); 29] = [
 
 impl Mix {
     fn row(self) -> &'static (Mix, &'static str, u32, GgmlType) {
-        MIXES
-            .iter()
-            .find(|m| m.0 == self)
-            .expect("every mix is listed")
+        crate::ops::gguf::listed(&MIXES, |m| m.0 == self, "mix")
     }
 
     /// The `--outtype` spelling (any case; `q3_k`, `q4_k`, `q5_k` are llama-quantize's aliases

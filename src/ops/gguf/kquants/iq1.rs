@@ -19,7 +19,10 @@
 //! (ggml asserts one); IQ1_M weights `x²` then.
 
 use super::iq2_grid::{grid, Grid, Lattice};
-use super::{c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares};
+use super::{
+    c_max, for_each_block, for_each_weighted_block, imatrix_weights, nearest_int, sum_squares,
+    SubScales,
+};
 use super::{KQuant, QK_K};
 
 /// `IQ1S_DELTA` = `IQ1M_DELTA`.
@@ -34,18 +37,13 @@ const EPS_IQ1_M: f32 = 1e-7;
 /// IQ1_S: 1.56 bits per weight; byte-exact to ggml 0c1e570's `quantize_iq1_s`. Needs
 /// importance weights (ggml asserts them; planning refuses the type without).
 pub fn quantize_row_iq1_s(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    let Some(qw) = quant_weights else {
-        panic!("IQ1_S needs importance weights");
-    };
-    for_each_block(KQuant::Iq1S, src, dst, Some(qw), |x, qw, y| {
+    for_each_weighted_block(KQuant::Iq1S, src, dst, quant_weights, |x, qw, y| {
         const QH: usize = 34;
         y.fill(0);
-        let qw = qw.expect("given");
         let g = grid(Lattice::Iq1);
         let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-        let mut scales = [0.0f32; 8];
+        let mut sub = SubScales::<8>::new();
         let mut shifts = [1i8; 8];
-        let mut max_scale = 0.0f32;
         for (ib, xb) in x.chunks_exact(32).enumerate() {
             let mut weight = [0.0f32; 32];
             imatrix_weights(&mut weight, &qw[32 * ib..32 * ib + 32], xb, sigma2);
@@ -74,18 +72,15 @@ pub fn quantize_row_iq1_s(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f
                 h |= ((i >> 8) << (3 * k)) as u16;
             }
             y[QH + 2 * ib..QH + 2 * ib + 2].copy_from_slice(&h.to_le_bytes());
-            scales[ib] = scale;
+            sub.set(ib, scale);
             shifts[ib] = shift;
-            max_scale = c_max(max_scale, scale);
         }
-        if max_scale == 0.0 {
+        let Some(d) = sub.put_super_scale(15.0, 1.125, y) else {
             return;
-        }
-        let d = max_scale / 15.0;
-        y[0..2].copy_from_slice(&f16_bytes(d * 1.125));
+        };
         let id = 1.0 / d;
         for ib in 0..8 {
-            let mut l = scale_level(id, scales[ib]);
+            let mut l = scale_level(id, sub.scales[ib]);
             if shifts[ib] == -1 {
                 l |= 8;
             }

@@ -26,9 +26,10 @@
 //! reference without an importance matrix (ggml asserts one); IQ2_S weights `σ²/4 + x²` then.
 
 use super::iq2_grid::{grid, Grid, Lattice};
+use super::iq_signs::{max_magnitude, refit, split_signs, unsigned_scale, BestFit};
 use super::search::{make_qp_quants, GROUP_MAX_EPS};
-use super::{c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares};
-use super::{KQuant, QK_K};
+use super::{for_each_block, for_each_weighted_block, imatrix_weights, nearest_int, sum_squares};
+use super::{KQuant, SubScales, QK_K};
 
 /// Levels per coordinate (`kMaxQ`).
 const K_MAX_Q: i32 = 3;
@@ -46,6 +47,9 @@ struct Variant {
     nscale: i32,
     /// IQ2_XXS re-snaps every group at the winning scale, the others only the off-grid ones.
     resnap_all: bool,
+    /// IQ2_XXS and IQ2_XS weight by the imatrix (required) with σ² the mean square; IQ2_S by
+    /// the imatrix with σ² twice that, else by `σ²/4 + x²`.
+    imatrix_only: bool,
 }
 
 const IQ2_XXS: Variant = Variant {
@@ -55,6 +59,7 @@ const IQ2_XXS: Variant = Variant {
     qp_start: true,
     nscale: 6,
     resnap_all: true,
+    imatrix_only: true,
 };
 
 const IQ2_XS: Variant = Variant {
@@ -64,6 +69,7 @@ const IQ2_XS: Variant = Variant {
     qp_start: false,
     nscale: 9,
     resnap_all: false,
+    imatrix_only: true,
 };
 
 /// `GROUP_MAX_EPS_IQ2_S`.
@@ -74,6 +80,7 @@ const IQ2_S: Variant = Variant {
     qp_start: false,
     nscale: 9,
     resnap_all: false,
+    imatrix_only: false,
 };
 
 /// One sub-block's fit: its scale, grid indices and sign masks, one per group of 8.
@@ -86,32 +93,20 @@ struct Fit<const G: usize> {
 /// IQ2_XXS: 2.06 bits per weight; byte-exact to ggml 0c1e570's `quantize_iq2_xxs`. Needs
 /// importance weights (ggml asserts them; planning refuses the type without).
 pub fn quantize_row_iq2_xxs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    let qw = required(KQuant::Iq2Xxs, quant_weights);
-    for_each_block(KQuant::Iq2Xxs, src, dst, Some(qw), |x, qw, y| {
-        let sigma2 = sum_squares(x) / QK_K as f32;
+    for_each_weighted_block(KQuant::Iq2Xxs, src, dst, quant_weights, |x, qw, y| {
         let mut q2 = [0u32; 16];
-        let mut scales = [0.0f32; 8];
-        let mut max_scale = 0.0f32;
-        for (ib, xb) in x.chunks_exact(32).enumerate() {
-            let weight = weights::<32>(xb, qw.map(|w| &w[32 * ib..]), sigma2, 0.0);
-            let Some(fit) = fit_sub_block::<32, 4>(&IQ2_XXS, xb, &weight) else {
-                continue;
-            };
+        let sub = fit_sub_blocks::<32, 4, 8>(&IQ2_XXS, x, Some(qw), |ib, fit| {
             for k in 0..4 {
                 q2[2 * ib] |= (fit.index[k] as u32) << (8 * k);
                 q2[2 * ib + 1] |= (fit.signs[k] as u32) << (7 * k);
             }
-            scales[ib] = fit.scale;
-            max_scale = c_max(max_scale, fit.scale);
-        }
+        });
         y.fill(0);
-        if max_scale == 0.0 {
+        let Some(d) = sub.put_super_scale(31.0, 1.0, y) else {
             return;
-        }
-        let d = max_scale / 31.0;
-        y[0..2].copy_from_slice(&f16_bytes(d));
+        };
         let id = 1.0 / d;
-        for (ib, &s) in scales.iter().enumerate() {
+        for (ib, &s) in sub.scales.iter().enumerate() {
             q2[2 * ib + 1] |= (scale_level(id, s) as u32) << 28;
         }
         for (b, q) in y[2..].chunks_exact_mut(4).zip(q2) {
@@ -123,33 +118,21 @@ pub fn quantize_row_iq2_xxs(src: &[f32], dst: &mut [u8], quant_weights: Option<&
 /// IQ2_XS: 2.31 bits per weight; byte-exact to ggml 0c1e570's `quantize_iq2_xs`. Needs
 /// importance weights (as IQ2_XXS).
 pub fn quantize_row_iq2_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    let qw = required(KQuant::Iq2Xs, quant_weights);
-    for_each_block(KQuant::Iq2Xs, src, dst, Some(qw), |x, qw, y| {
-        let sigma2 = sum_squares(x) / QK_K as f32;
+    for_each_weighted_block(KQuant::Iq2Xs, src, dst, quant_weights, |x, qw, y| {
         let mut q2 = [0u16; 32];
-        let mut scales = [0.0f32; 16];
-        let mut max_scale = 0.0f32;
-        for (ib, xb) in x.chunks_exact(16).enumerate() {
-            let weight = weights::<16>(xb, qw.map(|w| &w[16 * ib..]), sigma2, 0.0);
-            let Some(fit) = fit_sub_block::<16, 2>(&IQ2_XS, xb, &weight) else {
-                continue;
-            };
+        let sub = fit_sub_blocks::<16, 2, 16>(&IQ2_XS, x, Some(qw), |ib, fit| {
             for k in 0..2 {
                 q2[2 * ib + k] = fit.index[k] | ((fit.signs[k] as u16) << 9);
             }
-            scales[ib] = fit.scale;
-            max_scale = c_max(max_scale, fit.scale);
-        }
+        });
         y.fill(0);
-        if max_scale == 0.0 {
+        let Some(d) = sub.put_super_scale(31.0, 1.0, y) else {
             return;
-        }
-        let d = max_scale / 31.0;
-        y[0..2].copy_from_slice(&f16_bytes(d));
+        };
         for (b, q) in y[2..66].chunks_exact_mut(2).zip(q2) {
             b.copy_from_slice(&q.to_le_bytes());
         }
-        pack_scales(1.0 / d, &scales, &mut y[66..74]);
+        pack_scales(1.0 / d, &sub.scales, &mut y[66..74]);
     });
 }
 
@@ -159,36 +142,46 @@ pub fn quantize_row_iq2_s(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f
     const QH: usize = 66;
     for_each_block(KQuant::Iq2S, src, dst, quant_weights, |x, qw, y| {
         y.fill(0);
-        let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-        let mut scales = [0.0f32; 16];
-        let mut max_scale = 0.0f32;
-        for (ib, xb) in x.chunks_exact(16).enumerate() {
-            let weight = weights::<16>(xb, qw.map(|w| &w[16 * ib..]), sigma2, 0.25 * sigma2);
-            let Some(fit) = fit_sub_block::<16, 2>(&IQ2_S, xb, &weight) else {
-                continue;
-            };
+        let sub = fit_sub_blocks::<16, 2, 16>(&IQ2_S, x, qw, |ib, fit| {
             for k in 0..2 {
                 let g = 2 * ib + k;
                 y[2 + g] = fit.index[k] as u8;
                 y[QH + g / 4] |= ((fit.index[k] >> 8) << (2 * (g % 4))) as u8;
                 y[2 + 32 + g] = fit.signs[k];
             }
-            scales[ib] = fit.scale;
-            max_scale = c_max(max_scale, fit.scale);
-        }
-        if max_scale == 0.0 {
+        });
+        let Some(d) = sub.put_super_scale(31.0, 0.9875, y) else {
             return;
-        }
-        let d = max_scale / 31.0;
-        y[0..2].copy_from_slice(&f16_bytes(d * 0.9875));
-        pack_scales(1.0 / d, &scales, &mut y[74..82]);
+        };
+        pack_scales(1.0 / d, &sub.scales, &mut y[74..82]);
     });
 }
 
-/// The importance weights a type cannot do without, or the contract's panic: planning refuses
-/// such a tensor without weights before any output exists (`encode::needs_quant_weights`).
-fn required(ty: KQuant, quant_weights: Option<&[f32]>) -> &[f32] {
-    quant_weights.unwrap_or_else(|| panic!("{} needs importance weights", ty.name()))
+/// Fits each sub-block of `N` values (`G` groups of 8) of the super-block `x` as `v` says, its
+/// weights from `qw` ([`weights`]), and hands every fit to `store` with the sub-block's index;
+/// returns the `B` sub-block scales.
+fn fit_sub_blocks<const N: usize, const G: usize, const B: usize>(
+    v: &Variant,
+    x: &[f32],
+    qw: Option<&[f32]>,
+    mut store: impl FnMut(usize, &Fit<G>),
+) -> SubScales<B> {
+    let (sigma2, floor) = if v.imatrix_only {
+        (sum_squares(x) / QK_K as f32, 0.0)
+    } else {
+        let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
+        (sigma2, 0.25 * sigma2)
+    };
+    let mut sub = SubScales::new();
+    for (ib, xb) in x.chunks_exact(N).enumerate() {
+        let weight = weights::<N>(xb, qw.map(|w| &w[N * ib..]), sigma2, floor);
+        let Some(fit) = fit_sub_block::<N, G>(v, xb, &weight) else {
+            continue;
+        };
+        store(ib, &fit);
+        sub.set(ib, fit.scale);
+    }
+    sub
 }
 
 /// The sub-block weights: the imatrix's `qw * sqrt(sigma2 + x²)`, else `floor + x²`.
@@ -242,57 +235,6 @@ fn to_grid(g: &Grid, levels: &mut [i8], xval: &[f32], waux: &[f32], scale: f32) 
     (index, false)
 }
 
-/// The signs of `xb` (masks of 8; with `even_signs` the flips made even by turning the
-/// cheapest element, 7 bits kept) and the magnitudes they leave.
-fn split_signs<const N: usize, const G: usize>(
-    even_signs: bool,
-    xb: &[f32],
-    weight: &[f32; N],
-) -> ([u8; G], [f32; N]) {
-    let mut xval = [0.0f32; N];
-    let mut signs = [0u8; G];
-    for (k, s) in signs.iter_mut().enumerate() {
-        let mut nflip = 0;
-        for i in 0..8 {
-            let e = xb[8 * k + i];
-            if e >= 0.0 {
-                xval[8 * k + i] = e;
-            } else {
-                xval[8 * k + i] = -e;
-                nflip += 1;
-                *s |= 1 << i;
-            }
-        }
-        if even_signs {
-            if nflip % 2 == 1 {
-                let cost = |i: usize| weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-                let (mut imin, mut min) = (0, cost(0));
-                for i in 1..8 {
-                    if cost(i) < min {
-                        min = cost(i);
-                        imin = i;
-                    }
-                }
-                xval[8 * k + imin] = -xval[8 * k + imin];
-                *s ^= 1 << imin;
-            }
-            *s &= 127;
-        }
-    }
-    (signs, xval)
-}
-
-/// `(Σ w x q, Σ w q²)` with `q = 2 l + 1`.
-fn fit<const N: usize>(weight: &[f32; N], xval: &[f32; N], levels: &[i8; N]) -> (f32, f32) {
-    let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-    for i in 0..N {
-        let q = (2 * levels[i] as i32 + 1) as f32;
-        sumqx += weight[i] * xval[i] * q;
-        sumq2 += weight[i] * q * q;
-    }
-    (sumqx, sumq2)
-}
-
 /// One sub-block of `N` (`G` groups of 8): the signs, the candidate scales, the re-snap and
 /// refit. `None` for a skipped sub-block (all below `eps`, or IQ2_XXS's first fit not
 /// positive).
@@ -303,15 +245,12 @@ fn fit_sub_block<const N: usize, const G: usize>(
 ) -> Option<Fit<G>> {
     let g = grid(v.lattice);
     let waux = weight.map(f32::sqrt);
-    let (mut signs, xval) = split_signs::<N, G>(v.even_signs, xb, weight);
-    let mut max = xval[0];
-    for &e in &xval[1..] {
-        max = c_max(max, e);
-    }
+    let (signs, xval) = split_signs::<N, G>(v.even_signs, xb, weight);
+    let max = max_magnitude(&xval);
     if max < v.eps {
         return None;
     }
-    let (mut scale, eff_max) = if v.qp_start {
+    let (scale, eff_max) = if v.qp_start {
         let mut unused = [0u8; N];
         let s = make_qp_quants(K_MAX_Q + 1, &xval, &mut unused, weight);
         let eff_max = s * K_MAX_Q as f32;
@@ -322,9 +261,7 @@ fn fit_sub_block<const N: usize, const G: usize>(
     } else {
         (max / (2 * K_MAX_Q - 1) as f32, max)
     };
-    let mut levels = [0i8; N];
-    let mut on_grid = [true; G];
-    let mut best = 0.0f32;
+    let mut best = BestFit::<N, G>::new(scale, [true; G]);
     for is in -v.nscale..=v.nscale {
         let id = ((2 * K_MAX_Q - 1) as f32 + is as f32 * 0.1) / eff_max;
         let this_scale = 1.0 / id;
@@ -338,14 +275,9 @@ fn fit_sub_block<const N: usize, const G: usize>(
             let (xv, wa) = (&xval[8 * k..8 * k + 8], &waux[8 * k..8 * k + 8]);
             *hit = to_grid(g, group, xv, wa, this_scale).1;
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &aux);
-        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-            scale = sumqx / sumq2;
-            best = scale * sumqx;
-            levels = aux;
-            on_grid = aux_on_grid;
-        }
+        best.consider(weight, &xval, aux, aux_on_grid);
     }
+    let (mut scale, mut levels, on_grid) = (best.scale, best.levels, best.on_grid);
     let resnap = if v.resnap_all {
         scale > 0.0
     } else {
@@ -369,16 +301,9 @@ fn fit_sub_block<const N: usize, const G: usize>(
                 scale,
             );
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &levels);
-        if sumq2 > 0.0 {
-            scale = sumqx / sumq2;
-        }
+        scale = refit(weight, &xval, &levels, scale);
     }
-    if scale < 0.0 {
-        scale = -scale;
-        let mask = if v.even_signs { 127 } else { 255 };
-        signs = signs.map(|s| !s & mask);
-    }
+    let (scale, signs) = unsigned_scale(scale, signs, v.even_signs);
     // Every group ends on the grid; ggml aborts otherwise (only NaN input gets here, and then
     // takes grid point 0).
     let index = std::array::from_fn(|k| g.index_of(&levels[8 * k..8 * k + 8]).unwrap_or(0) as u16);

@@ -209,17 +209,8 @@ mod tests {
             })
             .collect();
         dist2.sort();
-        let (mut d2, mut nhave, mut out) = (dist2[0].0, 1, Vec::new());
-        for (d, j) in dist2 {
-            if d > d2 {
-                if nhave == nwant {
-                    break;
-                }
-                d2 = d;
-                nhave += 1;
-            }
-            out.push(j as u16);
-        }
+        let mut out = Vec::new();
+        super::super::iq3::push_nearest(&dist2, nwant, &mut out);
         out
     }
 

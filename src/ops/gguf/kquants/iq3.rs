@@ -23,9 +23,9 @@
 
 use std::sync::OnceLock;
 
-use super::{
-    c_max, f16_bytes, for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, QK_K,
-};
+use super::iq_signs::{max_magnitude, refit, split_signs, unsigned_scale, BestFit};
+
+use super::{for_each_block, imatrix_weights, nearest_int, sum_squares, KQuant, SubScales, QK_K};
 
 /// Levels per coordinate (`kMaxQ`).
 const K_MAX_Q: i32 = 8;
@@ -110,6 +110,22 @@ fn code_of(levels: &[i8]) -> usize {
         .fold(0, |u, (i, &l)| u | ((l as usize) << (3 * i)))
 }
 
+/// Pushes the indices `j` of the sorted `(d², j)` list `dist2` that lie at its `nwant`
+/// smallest distances, in list order: ggml's walk in `iq2xs_init_impl` and `iq3xs_init_impl`.
+pub(super) fn push_nearest(dist2: &[(i32, usize)], nwant: usize, out: &mut Vec<u16>) {
+    let (mut d2, mut nhave) = (dist2[0].0, 1);
+    for &(d, j) in dist2 {
+        if d > d2 {
+            if nhave == nwant {
+                break;
+            }
+            d2 = d;
+            nhave += 1;
+        }
+        out.push(j as u16);
+    }
+}
+
 impl Grid {
     /// `iq3xs_init_impl(kgrid.len())`, with `nwant` distances of neighbours.
     fn build(kgrid: &[u16], nwant: usize) -> Grid {
@@ -130,17 +146,7 @@ impl Grid {
             }));
             dist2.sort_unstable();
             let start = neighbours.len();
-            let (mut d2, mut nhave) = (dist2[0].0, 1);
-            for &(d, j) in &dist2 {
-                if d > d2 {
-                    if nhave == nwant {
-                        break;
-                    }
-                    d2 = d;
-                    nhave += 1;
-                }
-                neighbours.push(j as u16);
-            }
+            push_nearest(&dist2, nwant, &mut neighbours);
             spans[code] = (start as u32, (neighbours.len() - start) as u32);
         }
         Grid {
@@ -284,10 +290,9 @@ pub fn quantize_row_iq3_xxs(src: &[f32], dst: &mut [u8], quant_weights: Option<&
 fn quantize_block_xxs(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
     let g = grid_256();
     y.fill(0);
-    let mut scales = [0.0f32; 8];
+    let mut sub = SubScales::<8>::new();
     let mut scales_and_signs = [0u32; 8];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    let mut max_scale = 0.0f32;
     for (ib, xb) in x.chunks_exact(32).enumerate() {
         let weight = sub_block_weights(xb, qw.map(|w| &w[32 * ib..32 * (ib + 1)]), sigma2);
         let Some(fit) = fit_sub_block(&IQ3_XXS, xb, &weight) else {
@@ -298,18 +303,15 @@ fn quantize_block_xxs(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
         }
         let s = fit.signs.map(u32::from);
         scales_and_signs[ib] = s[0] | (s[1] << 7) | (s[2] << 14) | (s[3] << 21);
-        scales[ib] = fit.scale;
-        max_scale = c_max(max_scale, fit.scale);
+        sub.set(ib, fit.scale);
     }
-    if max_scale == 0.0 {
+    let Some(d) = sub.put_super_scale(31.0, 1.0125, y) else {
         y.fill(0);
         return;
-    }
-    let d = max_scale / 31.0;
-    y[0..2].copy_from_slice(&f16_bytes(d * 1.0125));
+    };
     let id = 1.0 / d;
     for (ib, s) in scales_and_signs.iter_mut().enumerate() {
-        *s |= (scale_level(id, scales[ib]) as u32) << 28;
+        *s |= (scale_level(id, sub.scales[ib]) as u32) << 28;
         y[66 + 4 * ib..70 + 4 * ib].copy_from_slice(&s.to_le_bytes());
     }
 }
@@ -328,9 +330,8 @@ fn quantize_block_s(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
     const SCALES: usize = 106;
     let g = grid_512();
     y.fill(0);
-    let mut scales = [0.0f32; 8];
+    let mut sub = SubScales::<8>::new();
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    let mut max_scale = 0.0f32;
     // ggml's cursors into `qs` and `signs`, advanced per fitted (not per skipped) sub-block.
     let (mut qs, mut signs) = (QS, SIGNS);
     for (ib, xb) in x.chunks_exact(32).enumerate() {
@@ -346,16 +347,13 @@ fn quantize_block_s(x: &[f32], qw: Option<&[f32]>, y: &mut [u8]) {
         qs += 8;
         y[signs..signs + 4].copy_from_slice(&fit.signs);
         signs += 4;
-        scales[ib] = fit.scale;
-        max_scale = c_max(max_scale, fit.scale);
+        sub.set(ib, fit.scale);
     }
-    if max_scale == 0.0 {
+    let Some(d) = sub.put_super_scale(31.0, 1.033, y) else {
         return;
-    }
-    let d = max_scale / 31.0;
-    y[0..2].copy_from_slice(&f16_bytes(d * 1.033));
+    };
     let id = 1.0 / d;
-    for (j, pair) in scales.chunks_exact(2).enumerate() {
+    for (j, pair) in sub.scales.chunks_exact(2).enumerate() {
         y[SCALES + j] = scale_level(id, pair[0]) | (scale_level(id, pair[1]) << 4);
     }
 }
@@ -370,45 +368,6 @@ fn grid_index(g: &Grid, levels: &[i8]) -> usize {
     g.map[code_of(levels)].expect("the fit leaves every group on the grid") as usize
 }
 
-/// The signs of `xb` (as bytes; with `even_signs` the flips made even by turning the cheapest
-/// element, as IQ3_XXS stores 7 of 8) and the magnitudes they leave.
-fn split_signs(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> ([u8; 4], [f32; 32]) {
-    let mut xval = [0.0f32; 32];
-    let mut signs = [0u8; 4];
-    for k in 0..4 {
-        let mut nflip = 0;
-        let mut s = 0u8;
-        for i in 0..8 {
-            let e = xb[8 * k + i];
-            if e >= 0.0 {
-                xval[8 * k + i] = e;
-            } else {
-                xval[8 * k + i] = -e;
-                nflip += 1;
-                s |= 1 << i;
-            }
-        }
-        if v.even_signs {
-            if nflip % 2 == 1 {
-                let cost = |i: usize| weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-                let mut imin = 0;
-                let mut min = cost(0);
-                for i in 1..8 {
-                    if cost(i) < min {
-                        min = cost(i);
-                        imin = i;
-                    }
-                }
-                xval[8 * k + imin] = -xval[8 * k + imin];
-                s ^= 1 << imin;
-            }
-            s &= 127;
-        }
-        signs[k] = s;
-    }
-    (signs, xval)
-}
-
 /// One sub-block of 32: the signs, then candidate scales, each snapping groups of 4 to the
 /// grid, the best least-squares fit kept; then groups re-snapped at the winner's scale and the
 /// scale refitted. `None` for a skipped (all-zero) sub-block.
@@ -418,11 +377,8 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
     for (a, &w) in waux.iter_mut().zip(weight) {
         *a = w.sqrt();
     }
-    let (mut signs, xval) = split_signs(v, xb, weight);
-    let mut max = xval[0];
-    for &e in &xval[1..] {
-        max = c_max(max, e);
-    }
+    let (signs, xval) = split_signs::<32, 4>(v.even_signs, xb, weight);
+    let max = max_magnitude(&xval);
     let skip = match v.eps {
         Some(eps) => max < eps,
         None => max == 0.0,
@@ -430,10 +386,7 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
     if skip {
         return None;
     }
-    let mut levels = [0i8; 32];
-    let mut on_grid = [!v.resnap_all; 8];
-    let mut best = 0.0f32;
-    let mut scale = max / (2 * K_MAX_Q - 1) as f32;
+    let mut best = BestFit::<32, 8>::new(max / (2 * K_MAX_Q - 1) as f32, [!v.resnap_all; 8]);
     for is in -v.nscale..=v.nscale {
         let id = ((2 * K_MAX_Q - 1) as f32 + is as f32 * 0.2) / max;
         let this_scale = 1.0 / id;
@@ -449,14 +402,9 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
             }
             *hit = g.index_of(xv, wa, this_scale, a).1;
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &aux);
-        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
-            scale = sumqx / sumq2;
-            best = scale * sumqx;
-            levels = aux;
-            on_grid = aux_on_grid;
-        }
+        best.consider(weight, &xval, aux, aux_on_grid);
     }
+    let (mut scale, mut levels, on_grid) = (best.scale, best.levels, best.on_grid);
     if on_grid.contains(&false) && scale > 0.0 {
         let id = 1.0 / scale;
         let groups = levels
@@ -474,16 +422,9 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
             let (index, _) = g.index_of(xv, wa, scale, &mut snapped);
             g.levels_of(index, l);
         }
-        let (sumqx, sumq2) = fit(weight, &xval, &levels);
-        if sumq2 > 0.0 {
-            scale = sumqx / sumq2;
-        }
+        scale = refit(weight, &xval, &levels, scale);
     }
-    if scale < 0.0 {
-        scale = -scale;
-        let mask = if v.even_signs { 127 } else { 255 };
-        signs = signs.map(|s| !s & mask);
-    }
+    let (scale, signs) = unsigned_scale(scale, signs, v.even_signs);
     Some(SubBlock {
         scale,
         levels,
@@ -495,15 +436,4 @@ fn fit_sub_block(v: &Variant, xb: &[f32], weight: &[f32; 32]) -> Option<SubBlock
 #[inline]
 fn snap(id: f32, v: f32) -> i8 {
     nearest_int(0.5 * (id * v - 1.0)).clamp(0, K_MAX_Q - 1) as i8
-}
-
-/// `(Σ w x q, Σ w q²)` with `q = 2 l + 1`.
-fn fit(weight: &[f32; 32], xval: &[f32; 32], levels: &[i8; 32]) -> (f32, f32) {
-    let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
-    for i in 0..32 {
-        let q = (2 * levels[i] as i32 + 1) as f32;
-        sumqx += weight[i] * xval[i] * q;
-        sumq2 += weight[i] * q * q;
-    }
-    (sumqx, sumq2)
 }

@@ -7,8 +7,8 @@
 
 use super::search::GROUP_MAX_EPS;
 use super::{
-    check_row, f16_bytes, imatrix_weights, nearest_int, signed_max, sum_squares, KQuant, QK4_NL,
-    QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, signed_max, sub_blocks, sum_squares,
+    KQuant, QK4_NL, QK_K,
 };
 
 /// `kvalues_iq4nl`: the 16 non-uniform levels.
@@ -24,14 +24,8 @@ const NTRY: i32 = 7;
 /// search of `quantize_row_iq4_nl_impl` with `ntry = 7`, weights the imatrix when given,
 /// `x²` otherwise; `quantize_row_iq4_nl_ref`, with `ntry = -1`, is not used for files).
 pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(KQuant::Iq4Nl, src, dst, quant_weights);
     let mut scales = [0.0f32; 1];
-    for (i, (x, y)) in src
-        .chunks_exact(QK4_NL)
-        .zip(dst.chunks_exact_mut(18))
-        .enumerate()
-    {
-        let qw = quant_weights.map(|w| &w[QK4_NL * i..QK4_NL * (i + 1)]);
+    for_each_block(KQuant::Iq4Nl, src, dst, quant_weights, |x, qw, y| {
         let mut levels = [0u8; QK4_NL];
         fit_sub_blocks(x, qw, &mut levels, &mut scales);
         y[0..2].copy_from_slice(&f16_bytes(scales[0]));
@@ -44,7 +38,7 @@ pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
             *l = best_index(id * e);
         }
         pack_nibbles(&levels, &mut y[2..18]);
-    }
+    });
 }
 
 /// IQ4_XS: 8 sub-blocks of 32 with 6-bit scales under an f16 scale, IQ4_NL's 4-bit indices;
@@ -52,14 +46,8 @@ pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
 /// `ntry = 7`, weights the imatrix when given, `x²` otherwise; also what
 /// `quantize_row_iq4_xs_ref` does).
 pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    check_row(KQuant::Iq4Xs, src, dst, quant_weights);
     let mut scales = [0.0f32; QK_K / 32];
-    for (i, (x, y)) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(136))
-        .enumerate()
-    {
-        let qw = quant_weights.map(|w| &w[QK_K * i..QK_K * (i + 1)]);
+    for_each_block(KQuant::Iq4Xs, src, dst, quant_weights, |x, qw, y| {
         let mut levels = [0u8; QK_K];
         let max_scale = fit_sub_blocks(x, qw, &mut levels, &mut scales);
         let d = -max_scale / 32.0;
@@ -67,11 +55,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut scales_h = 0u16;
         let mut scales_l = [0u8; 4];
-        for (ib, (xs, ls)) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
+        for (ib, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
             let l = nearest_int(id * scales[ib]).clamp(-32, 31);
             let dl = d * l as f32;
             let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
@@ -85,7 +69,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
         y[2..4].copy_from_slice(&scales_h.to_le_bytes());
         y[4..8].copy_from_slice(&scales_l);
         pack_nibbles(&levels, &mut y[8..136]);
-    }
+    });
 }
 
 /// The per-sub-block search of `quantize_row_iq4_nl_impl`: for each 32 elements the scale that
@@ -95,11 +79,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
 fn fit_sub_blocks(x: &[f32], qw: Option<&[f32]>, levels: &mut [u8], scales: &mut [f32]) -> f32 {
     let sigma2 = sum_squares(x) * (2.0 / x.len() as f32);
     let mut weight = [0.0f32; 32];
-    for (ib, (xb, lb)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (ib, (xb, lb)) in sub_blocks(x, &mut levels[..], 32) {
         match qw {
             Some(qw) => {
                 imatrix_weights(&mut weight, &qw[32 * ib..32 * (ib + 1)], xb, sigma2);

@@ -27,6 +27,7 @@ mod iq2_grid;
 mod iq2_tables;
 mod iq3;
 mod iq4;
+mod iq_signs;
 mod q2_k;
 mod q3_k;
 mod q45_k;
@@ -225,6 +226,22 @@ fn for_each_block(
     }
 }
 
+/// [`for_each_block`] for a type that cannot do without importance weights: without them, the
+/// contract's panic, before any block (planning refuses such a tensor without weights before
+/// any output exists: `encode::needs_quant_weights`).
+fn for_each_weighted_block(
+    ty: KQuant,
+    src: &[f32],
+    dst: &mut [u8],
+    quant_weights: Option<&[f32]>,
+    mut block: impl FnMut(&[f32], &[f32], &mut [u8]),
+) {
+    let qw = quant_weights.unwrap_or_else(|| panic!("{} needs importance weights", ty.name()));
+    for_each_block(ty, src, dst, Some(qw), |x, qw, y| {
+        block(x, qw.expect("given"), y)
+    });
+}
+
 /// ggml's `nearest_int`: adds 1.5 * 2^23 so the FPU rounds to an integer (ties to even) in the
 /// low mantissa bits. Exact for |x| < 2^22; beyond, the same wrapped value ggml gets.
 #[inline(always)]
@@ -284,6 +301,51 @@ pub(crate) fn signed_max(x: &[f32]) -> (f32, f32) {
 #[inline(always)]
 fn read_f16(b: &[u8]) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// The sub-block scales of an IQ super-block and their maximum, as the IQ quantisers gather
+/// them (a skipped sub-block keeps scale 0).
+struct SubScales<const B: usize> {
+    scales: [f32; B],
+    max: f32,
+}
+
+impl<const B: usize> SubScales<B> {
+    fn new() -> Self {
+        SubScales {
+            scales: [0.0; B],
+            max: 0.0,
+        }
+    }
+
+    /// Sets sub-block `ib`'s scale.
+    fn set(&mut self, ib: usize, scale: f32) {
+        self.scales[ib] = scale;
+        self.max = c_max(self.max, scale);
+    }
+
+    /// The super-block scale `d = max / top`, with the f16 of `d · fudge` (the type's factor
+    /// in ggml) written to `y[0..2]`; `None`, nothing written, when every scale is 0.
+    fn put_super_scale(&self, top: f32, fudge: f32, y: &mut [u8]) -> Option<f32> {
+        if self.max == 0.0 {
+            return None;
+        }
+        let d = self.max / top;
+        y[0..2].copy_from_slice(&f16_bytes(d * fudge));
+        Some(d)
+    }
+}
+
+/// The sub-blocks of `n` values of the super-block `x`, each with its levels and index:
+/// `(j, (xs, ls))`.
+fn sub_blocks<'a, L>(
+    x: &'a [f32],
+    levels: &'a mut [L],
+    n: usize,
+) -> impl Iterator<Item = (usize, (&'a [f32], &'a mut [L]))> {
+    x.chunks_exact(n)
+        .zip(levels.chunks_exact_mut(n))
+        .enumerate()
 }
 
 /// C's `MAX(a, b)` macro on floats, `a > b ? a : b` (so a NaN `b` wins, a NaN `a` loses).

@@ -4,8 +4,8 @@
 
 use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
 use super::{
-    f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, sum_squares,
-    KQuant, QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, sub_blocks,
+    sum_squares, KQuant, QK_K,
 };
 
 const SCALES: usize = 0;
@@ -41,11 +41,7 @@ fn fit_ref(x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
     let mut weights = [0.0f32; 16];
     let mut aux = [0u8; 16];
     let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         for (w, &e) in weights.iter_mut().zip(xs) {
             *w = e.abs();
         }
@@ -97,11 +93,7 @@ fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
     let mut weights = [0.0f32; 16];
     let mut aux = [0u8; 16];
     let sigma2 = sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         sw[j] = imatrix_weights(&mut weights, &qw[16 * j..16 * (j + 1)], xs, sigma2);
         (scales[j], mins[j]) = make_qkx_quants(3, xs, &weights, ls, &mut aux, SEARCH);
     }
@@ -121,11 +113,7 @@ fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
 fn requantize(x: &[f32], levels: &mut [u8; QK_K], y: &[u8]) {
     let d_all = read_f16(&y[D..D + 2]);
     let dmin_all = read_f16(&y[D + 2..D + 4]);
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         let sc = y[SCALES + j];
         let d = d_all * (sc & 0xF) as f32;
         if d == 0.0 {

@@ -8,7 +8,7 @@
 use super::search::{make_q3_quants, make_qx_quants};
 use super::{
     f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, signed_max,
-    sum_squares, KQuant, QK_K,
+    sub_blocks, sum_squares, KQuant, QK_K,
 };
 
 const HMASK: usize = 0;
@@ -66,11 +66,7 @@ fn get_scale(scales: &[u8], j: usize) -> i8 {
 /// 6 bits by the one of largest magnitude.
 fn fit_ref(x: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
     let mut scales = [0.0f32; 16];
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         scales[j] = make_q3_quants(4, xs, ls);
     }
     let (_, max_scale) = signed_max(&scales);
@@ -96,11 +92,7 @@ fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
     let mut sw = [0.0f32; 16];
     let mut weights = [0.0f32; 16];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         sw[j] = imatrix_weights(&mut weights, &qw[16 * j..16 * (j + 1)], xs, sigma2);
         scales[j] = make_qx_quants(4, xs, ls, Some(&weights));
     }
@@ -119,11 +111,7 @@ fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
 fn requantize(x: &[f32], levels: &mut [i8; QK_K], y: &[u8]) {
     let d_all = read_f16(&y[D..D + 2]);
     let scales = &y[SCALES..SCALES + 12];
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         let d = d_all * get_scale(scales, j) as f32;
         if d == 0.0 {
             continue;

@@ -7,7 +7,8 @@
 
 use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
 use super::{
-    f16_bytes, for_each_block, imatrix_weights, nearest_int, read_f16, sum_squares, KQuant, QK_K,
+    f16_bytes, for_each_block, imatrix_weights, nearest_int, read_f16, sub_blocks, sum_squares,
+    KQuant, QK_K,
 };
 
 /// What differs between the two types.
@@ -92,11 +93,7 @@ fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
     let mut weights = [0.0f32; 32];
     let mut aux = [0u8; 32];
     let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-    for (j, (xs, ls)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
         let av_x = (sum_squares(xs) / 32.0).sqrt();
         for (w, &e) in weights.iter_mut().zip(xs) {
             *w = av_x + e.abs();
@@ -136,11 +133,7 @@ fn fit_imatrix(v: &Variant, x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &
     let mut weights = [0.0f32; 32];
     let mut aux = [0u8; 32];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
         sw[j] = imatrix_weights(&mut weights, &qw[32 * j..32 * (j + 1)], xs, sigma2);
         (scales[j], mins[j]) = make_qkx_quants(v.nmax, xs, &weights, ls, &mut aux, IMATRIX_SEARCH);
     }
@@ -187,11 +180,7 @@ fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 fn requantize(nmax: i32, x: &[f32], levels: &mut [u8; QK_K], y: &[u8]) {
     let d_all = read_f16(&y[0..2]);
     let dmin_all = read_f16(&y[2..4]);
-    for (j, (xs, ls)) in x
-        .chunks_exact(32)
-        .zip(levels.chunks_exact_mut(32))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
         let (sc, m) = scale_min(j, &y[4..16]);
         let d = d_all * sc as f32;
         if d == 0.0 {

@@ -5,7 +5,9 @@
 //! (`k >= 2` in the high nibble) and its high bits at `2k` of `qh[32h + l]`.
 
 use super::search::{make_qx_quants, GROUP_MAX_EPS};
-use super::{f16_bytes, f16_round, for_each_block, nearest_int, signed_max, KQuant, QK_K};
+use super::{
+    f16_bytes, f16_round, for_each_block, nearest_int, signed_max, sub_blocks, KQuant, QK_K,
+};
 
 const BLOCK_BYTES: usize = 210;
 
@@ -21,11 +23,7 @@ pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 fn quantize_block(x: &[f32], y: &mut [u8; BLOCK_BYTES], qw: Option<&[f32]>) {
     let mut levels = [0i8; QK_K];
     let mut scales = [0.0f32; QK_K / 16];
-    for (ib, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (ib, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         let w = qw.map(|w| &w[16 * ib..16 * (ib + 1)]);
         scales[ib] = make_qx_quants(32, xs, ls, w);
     }
@@ -43,11 +41,7 @@ fn quantize_block(x: &[f32], y: &mut [u8; BLOCK_BYTES], qw: Option<&[f32]>) {
     for (s, &scale) in sc.iter_mut().zip(&scales) {
         *s = nearest_int(iscale * scale).min(127) as i8 as u8;
     }
-    for (j, (xs, ls)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
         let d = d_all * sc[j] as i8 as f32;
         if d == 0.0 {
             continue;
