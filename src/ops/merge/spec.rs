@@ -410,7 +410,7 @@ impl MethodSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::merge::methods::survey::testing::{chunked, tensors};
+    use crate::ops::merge::methods::survey::testing::Case;
     use crate::ops::merge::methods::uniform;
 
     /// A parameter's value for the comparison: its default, else a usable one; `density` below
@@ -458,40 +458,17 @@ mod tests {
                         _ => one = one.with(p.name, value(p, trial)),
                     }
                 }
-                let params = vec![one; non_base];
-                let shape = [rows, cols];
-                let mut want = vec![0f32; len];
-                let whole_result = whole(
-                    &base,
-                    &tensors(&models, &params),
-                    &global,
-                    &shape,
-                    trial,
-                    &mut want,
-                );
-                let survey = make(&global, &params, &shape, trial);
-                let (Ok(()), Ok(survey)) = (&whole_result, survey) else {
-                    assert!(
-                        whole_result.is_err(),
-                        "{}: only the survey refused",
-                        spec.name
-                    );
-                    continue;
+                let case = Case {
+                    whole,
+                    make,
+                    base: &base,
+                    models: &models,
+                    params: &vec![one; non_base],
+                    global: &global,
+                    shape: &[rows, cols],
+                    seed: trial,
                 };
-                drop(survey);
-                let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
-                for chunk in [1, 3, cols, len - 1, len] {
-                    let survey = make(&global, &params, &shape, trial).unwrap();
-                    let got = chunked(survey, &base, &views, chunk).unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{} trial {trial} chunk {chunk}",
-                        spec.name
-                    );
-                }
-                compared += 1;
+                compared += usize::from(case.compare(&format!("{} trial {trial}", spec.name)));
             }
             assert!(
                 compared >= 4,

@@ -10,7 +10,7 @@ use super::support::{
     BlockSum,
 };
 use super::survey::Survey;
-use super::{uniform, ModelTensor, Params};
+use super::{uniform, unparameterised, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
 /// model by `clamp(t / max(|base − model|, 1e-6), 0, 1)`, so values closer than `t` (required)
@@ -281,14 +281,14 @@ impl Survey for RamSurvey {
         out: &mut [f32],
     ) -> Result<(), String> {
         let none = Params::default();
-        let tensors: Vec<ModelTensor> = (models.iter())
-            .map(|v| ModelTensor {
-                values: v,
-                params: &none,
-            })
-            .collect();
         let lambda = self.plus.map(|_| &self.lambda[..]);
-        rescaled_ram(base, &tensors, self.epsilon, lambda, out)
+        rescaled_ram(
+            base,
+            &unparameterised(models, &none),
+            self.epsilon,
+            lambda,
+            out,
+        )
     }
 }
 
@@ -316,12 +316,6 @@ impl Survey for NearswapSurvey {
     fn passes(&self) -> usize {
         0
     }
-    fn observe(&mut self, _: usize, _: usize, _: &[f32], _: &[&[f32]]) -> Result<(), String> {
-        Ok(())
-    }
-    fn end_pass(&mut self, _: usize) -> Result<(), String> {
-        Ok(())
-    }
     fn merge(
         &self,
         _: usize,
@@ -330,11 +324,7 @@ impl Survey for NearswapSurvey {
         out: &mut [f32],
     ) -> Result<(), String> {
         let none = Params::default();
-        let model = [ModelTensor {
-            values: models[0],
-            params: &none,
-        }];
-        nearswap(base, &model, &self.global, out)
+        nearswap(base, &unparameterised(models, &none), &self.global, out)
     }
 }
 

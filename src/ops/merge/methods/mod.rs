@@ -51,6 +51,16 @@ pub struct ModelTensor<'a> {
     pub params: &'a Params,
 }
 
+/// `models` as the whole-tensor functions take them, each with the parameters `none`.
+pub fn unparameterised<'a>(models: &[&'a [f32]], none: &'a Params) -> Vec<ModelTensor<'a>> {
+    (models.iter())
+        .map(|values| ModelTensor {
+            values,
+            params: none,
+        })
+        .collect()
+}
+
 /// The uniform draw in [0, 1) for element `index` of model `model` of a tensor whose stream
 /// is `seed` (the caller derives `seed` from `--random-seed` and the tensor's name). A counter
 /// (SplitMix64 of the three) instead of a sequential generator, so any chunk, thread or GPU

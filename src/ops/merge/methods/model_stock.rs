@@ -202,7 +202,7 @@ mod tests {
 
     #[test]
     fn every_chunking_merges_the_bytes_the_whole_tensor_does() {
-        use super::super::survey::testing::{chunked, tensors};
+        use super::super::survey::testing::Case;
         use super::super::uniform;
         for trial in 0..12u64 {
             let (rows, cols) = (2 + trial as usize % 5, 3 + trial as usize % 7);
@@ -215,24 +215,18 @@ mod tests {
             let base = draw(9);
             let models: Vec<Vec<f32>> = (0..2 + trial % 3).map(draw).collect();
             let params = vec![Params::default(); models.len()];
-            let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
             let global = Params::default().with("filter_wise", (trial % 2) as f64);
-            let shape = [rows, cols];
-            let mut want = vec![0f32; len];
-            model_stock(
-                &base,
-                &tensors(&models, &params),
-                &global,
-                &shape,
-                &mut want,
-            )
-            .unwrap();
-            for chunk in [1, 2, cols, len - 1, len] {
-                let s = survey(&global, &params, &shape, 0).unwrap();
-                let got = chunked(s, &base, &views, chunk).unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "trial {trial}, chunk {chunk}");
-            }
+            let case = Case {
+                whole: crate::ops::merge::adapt::model_stock,
+                make: survey,
+                base: &base,
+                models: &models,
+                params: &params,
+                global: &global,
+                shape: &[rows, cols],
+                seed: 0,
+            };
+            assert!(case.compare(&format!("trial {trial}")));
         }
     }
 

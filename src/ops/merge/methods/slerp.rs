@@ -104,9 +104,6 @@ impl Survey for SlerpSurvey {
         self.sums.add(base, models[0]);
         Ok(())
     }
-    fn end_pass(&mut self, _: usize) -> Result<(), String> {
-        Ok(())
-    }
     fn merge(
         &self,
         _: usize,
@@ -287,9 +284,6 @@ impl Survey for NuslerpSurvey {
         models: &[&[f32]],
     ) -> Result<(), String> {
         self.sums.add(optional_base(base), &[models[0], models[1]]);
-        Ok(())
-    }
-    fn end_pass(&mut self, _: usize) -> Result<(), String> {
         Ok(())
     }
     fn merge(

@@ -193,20 +193,12 @@ impl Survey for SparseSurvey {
 #[cfg(test)]
 mod tests {
     use super::super::sparse;
-    use super::super::survey::testing::{chunked, tensors};
+    use super::super::survey::testing::{chunked, Case};
+    use super::super::survey::SurveyFn;
     use super::*;
+    use crate::ops::merge::spec::WholeTensorFn;
 
-    type Whole = fn(
-        &[f32],
-        &[super::super::ModelTensor],
-        &Params,
-        &[usize],
-        u64,
-        &mut [f32],
-    ) -> Result<(), String>;
-    type Make = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Survey>, String>;
-
-    const METHODS: [(Whole, Make); 7] = [
+    const METHODS: [(WholeTensorFn, SurveyFn); 7] = [
         (sparse::ties, sparse::ties_survey),
         (sparse::breadcrumbs, sparse::breadcrumbs_survey),
         (sparse::breadcrumbs_ties, sparse::breadcrumbs_ties_survey),
@@ -255,32 +247,18 @@ mod tests {
                 .with("rescale", (trial % 2) as f64)
                 .with("normalize", (trial / 2 % 2) as f64)
                 .with("lambda", if trial % 3 == 0 { 0.75 } else { 1.0 });
-            let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
-            for (m, (whole, make)) in METHODS.iter().enumerate() {
-                let shape = [rows, cols];
-                let mut want = vec![0f32; len];
-                let r = whole(
-                    &base,
-                    &tensors(&models, &params),
-                    &global,
-                    &shape,
-                    trial,
-                    &mut want,
-                );
-                if let Err(e) = r {
-                    // DELLA refuses a density its epsilon pushes out of (0, 1): so must the survey.
-                    assert_eq!(make(&global, &params, &shape, trial).unwrap_err(), e);
-                    continue;
-                }
-                for chunk in [1, 2, 5, cols, len - 1, len] {
-                    let survey = make(&global, &params, &shape, trial).unwrap();
-                    let got = chunked(survey, &base, &views, chunk).unwrap();
-                    let (got, want): (Vec<u32>, Vec<u32>) = (
-                        got.iter().map(|v| v.to_bits()).collect(),
-                        want.iter().map(|v| v.to_bits()).collect(),
-                    );
-                    assert_eq!(got, want, "trial {trial}, method {m}, chunk {chunk}");
-                }
+            for (m, &(whole, make)) in METHODS.iter().enumerate() {
+                let case = Case {
+                    whole,
+                    make,
+                    base: &base,
+                    models: &models,
+                    params: &params,
+                    global: &global,
+                    shape: &[rows, cols],
+                    seed: trial,
+                };
+                case.compare(&format!("trial {trial}, method {m}"));
             }
         }
     }

@@ -164,15 +164,8 @@ pub fn run_plain(
     merge: impl FnOnce(&[ModelTensor], &mut [f32]) -> Result<(), String>,
 ) -> Result<Vec<f32>, String> {
     let none = Params::default();
-    let models: Vec<_> = inputs
-        .iter()
-        .map(|v| ModelTensor {
-            values: v,
-            params: &none,
-        })
-        .collect();
     let mut out = vec![0.0; len];
-    merge(&models, &mut out).map(|_| out)
+    merge(&super::unparameterised(inputs, &none), &mut out).map(|_| out)
 }
 
 #[cfg(test)]

@@ -26,13 +26,17 @@ pub trait Survey: Send + Sync + Debug {
     /// no base).
     fn observe(
         &mut self,
-        pass: usize,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String>;
+        _pass: usize,
+        _start: usize,
+        _base: &[f32],
+        _models: &[&[f32]],
+    ) -> Result<(), String> {
+        Ok(())
+    }
     /// Every chunk of pass `pass` has been seen.
-    fn end_pass(&mut self, pass: usize) -> Result<(), String>;
+    fn end_pass(&mut self, _pass: usize) -> Result<(), String> {
+        Ok(())
+    }
     /// Merges elements `start..start + out.len()`.
     fn merge(
         &self,
@@ -73,6 +77,7 @@ pub(crate) fn check_finite(start: usize, base: &[f32], models: &[&[f32]]) -> Res
 pub(crate) mod testing {
     use super::*;
     use crate::ops::merge::methods::ModelTensor;
+    use crate::ops::merge::spec::WholeTensorFn;
 
     /// Runs `survey` over `chunk`-element chunks (rounded up to its granule) and merges each.
     pub fn chunked(
@@ -125,5 +130,46 @@ pub(crate) mod testing {
                 params: p,
             })
             .collect()
+    }
+
+    /// One tensor merged by a streamed method, whole and chunked.
+    pub struct Case<'a> {
+        pub whole: WholeTensorFn,
+        pub make: SurveyFn,
+        pub base: &'a [f32],
+        pub models: &'a [Vec<f32>],
+        pub params: &'a [Params],
+        pub global: &'a Params,
+        pub shape: &'a [usize],
+        pub seed: u64,
+    }
+
+    impl Case<'_> {
+        /// Asserts that every chunking merges the whole-tensor function's bytes, or that the
+        /// survey refuses what the function refuses, with its message; `true` when compared.
+        pub fn compare(&self, label: &str) -> bool {
+            let len = self.models[0].len();
+            let mut want = vec![0f32; len];
+            let tensors = tensors(self.models, self.params);
+            let (global, shape, seed) = (self.global, self.shape, self.seed);
+            let whole = (self.whole)(self.base, &tensors, global, shape, seed, &mut want);
+            let make = || (self.make)(global, self.params, shape, seed);
+            if let Err(e) = whole {
+                assert_eq!(
+                    make().unwrap_err(),
+                    e,
+                    "{label}: the survey must refuse alike"
+                );
+                return false;
+            }
+            let views: Vec<&[f32]> = self.models.iter().map(Vec::as_slice).collect();
+            let cols = shape.last().copied().unwrap_or(1);
+            for chunk in [1, 2, 3, 5, cols, len.saturating_sub(1).max(1), len] {
+                let got = chunked(make().unwrap(), self.base, &views, chunk).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{label}, chunk {chunk}");
+            }
+            true
+        }
     }
 }
