@@ -416,7 +416,9 @@ mod tests {
         ];
         // Any bit pattern, and values spread over f32's range (subnormals included).
         let randoms = (0..400_000).map(|k| {
-            z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             if k % 2 == 0 {
                 f64::from_bits(z)
             } else {
@@ -426,7 +428,10 @@ mod tests {
         });
         for x in specials.into_iter().chain(randoms) {
             let (a, b) = (f64_to_f32_odd(x), f64_to_f32_odd_branching(x));
-            assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{x:e}");
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{x:e}"
+            );
         }
     }
 

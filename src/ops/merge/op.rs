@@ -13,7 +13,7 @@ use super::methods::{self, ModelTensor, Params};
 use super::resolve::{Inputs, Resolved};
 use std::sync::{Mutex, OnceLock};
 
-use super::methods::survey::{Survey, SurveyFn};
+use super::methods::survey::{Chunk, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -240,6 +240,15 @@ impl MergeOp {
         (if has_base { &values[0] } else { &[] }, models)
     }
 
+    /// Chunk `units` of the tensor, as surveys take it.
+    fn chunk<'a>(units: &Range<u64>, base: &'a [f32], models: &'a [&'a [f32]]) -> Chunk<'a> {
+        Chunk {
+            start: units.start as usize,
+            base,
+            models,
+        }
+    }
+
     /// A new survey of this tensor.
     fn start_survey(&self) -> Result<Box<dyn Survey>, String> {
         let Formula::Whole {
@@ -288,7 +297,7 @@ impl MergeOp {
         let (base, models) = self.split(&values);
         let mut merged = vec![0f32; n];
         survey
-            .merge(units.start as usize, base, &models, &mut merged)
+            .merge(&Self::chunk(&units, base, &models), &mut merged)
             .map_err(|e| super::adapt::name_models(&e, self.names()))?;
         write_as(self.dst, merged.into_iter(), out);
         Ok(())
@@ -426,7 +435,7 @@ impl Op for MergeOp {
         let values = self.decode(inputs, (units.end - units.start) as usize);
         let (base, models) = self.split(&values);
         let names = self.names();
-        (r.survey.observe(pass, units.start as usize, base, &models))
+        (r.survey.observe(pass, &Self::chunk(&units, base, &models)))
             .map_err(|e| super::adapt::name_models(&e, names))?;
         r.next = units.end;
         if units.end == self.elements {

@@ -9,7 +9,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
     BlockSum,
 };
-use super::survey::Survey;
+use super::survey::{Chunk, Survey};
 use super::{uniform, unparameterised, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
@@ -257,13 +257,8 @@ impl Survey for RamSurvey {
     fn passes(&self) -> usize {
         usize::from(self.plus.is_some())
     }
-    fn observe(
-        &mut self,
-        _: usize,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.tally.add(base, models, self.epsilon);
         Ok(())
     }
@@ -273,13 +268,8 @@ impl Survey for RamSurvey {
         }
         Ok(())
     }
-    fn merge(
-        &self,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         let none = Params::default();
         let lambda = self.plus.map(|_| &self.lambda[..]);
         rescaled_ram(
@@ -316,13 +306,8 @@ impl Survey for NearswapSurvey {
     fn passes(&self) -> usize {
         0
     }
-    fn merge(
-        &self,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         let none = Params::default();
         nearswap(base, &unparameterised(models, &none), &self.global, out)
     }

@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use super::support::{model_count, same_lengths, shape_holds, split_axis, BlockSum};
-use super::survey::Survey;
+use super::survey::{Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// mergekit's model_stock: `base` and N ≥ 2 fine-tunes. Over the whole tensor (or each row,
@@ -157,13 +157,8 @@ impl Survey for ModelStockSurvey {
         }
     }
 
-    fn observe(
-        &mut self,
-        _pass: usize,
-        _start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, _pass: usize, chunk: &Chunk) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.gram.add(base, models, 0..base.len());
         Ok(())
     }
@@ -173,13 +168,8 @@ impl Survey for ModelStockSurvey {
         Ok(())
     }
 
-    fn merge(
-        &self,
-        _start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         if self.filter_wise {
             rows(base, models, self.row, out);
         } else {

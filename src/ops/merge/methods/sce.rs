@@ -17,7 +17,7 @@
 
 use super::sparse::{check_inputs, finite};
 use super::sparsify::{rank_key, rank_range, Compensated, CutPass, RadixCut, Survivors};
-use super::survey::{check_finite, Survey};
+use super::survey::{check_finite, Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// The parameters mergekit accepts for `sce`: all global (it has no per-model ones).
@@ -188,13 +188,8 @@ impl Survey for SceSurvey {
         }
     }
 
-    fn observe(
-        &mut self,
-        pass: usize,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, pass: usize, chunk: &Chunk) -> Result<(), String> {
+        let (start, base, models) = (chunk.start, chunk.base, chunk.models);
         if pass == 0 {
             check_finite(start, base, models)?;
         }
@@ -232,13 +227,8 @@ impl Survey for SceSurvey {
         Ok(())
     }
 
-    fn merge(
-        &self,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (start, base, models) = (chunk.start, chunk.base, chunk.models);
         if models.is_empty() {
             out.copy_from_slice(base);
             return check_finite(start, base, models);

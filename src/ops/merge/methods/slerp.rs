@@ -12,7 +12,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
     BlockSum,
 };
-use super::survey::Survey;
+use super::survey::{Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -94,23 +94,13 @@ impl Survey for SlerpSurvey {
     fn passes(&self) -> usize {
         1
     }
-    fn observe(
-        &mut self,
-        _: usize,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.sums.add(base, models[0]);
         Ok(())
     }
-    fn merge(
-        &self,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.sums.blend(self.t, base, models[0], out);
         Ok(())
     }
@@ -276,23 +266,13 @@ impl Survey for NuslerpSurvey {
             self.slab
         }
     }
-    fn observe(
-        &mut self,
-        _: usize,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.sums.add(optional_base(base), &[models[0], models[1]]);
         Ok(())
     }
-    fn merge(
-        &self,
-        _: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         let (base, models) = (optional_base(base), [models[0], models[1]]);
         if self.slab == 0 {
             self.sums.blend(self.t, base, &models, out);

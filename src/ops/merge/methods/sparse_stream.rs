@@ -7,7 +7,7 @@ use super::sparse::{Generalized, Setup};
 use super::sparsify::{
     della, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors, TaskVector,
 };
-use super::survey::{check_finite, Survey};
+use super::survey::{check_finite, Chunk, Survey};
 use super::{uniform, Params};
 
 /// What one model keeps, as a chunk can decide it.
@@ -117,13 +117,8 @@ impl Survey for SparseSurvey {
         (self.setup.sparsify.first()).map_or(1, |s| s.granule(&self.shape))
     }
 
-    fn observe(
-        &mut self,
-        pass: usize,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-    ) -> Result<(), String> {
+    fn observe(&mut self, pass: usize, chunk: &Chunk) -> Result<(), String> {
+        let (start, base, models) = (chunk.start, chunk.base, chunk.models);
         if pass == 0 {
             check_finite(start, base, models)?;
         }
@@ -169,13 +164,8 @@ impl Survey for SparseSurvey {
         Ok(())
     }
 
-    fn merge(
-        &self,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String> {
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (start, base, models) = (chunk.start, chunk.base, chunk.models);
         if self.stages.is_empty() {
             check_finite(start, base, models)?;
         }

@@ -22,29 +22,25 @@ pub trait Survey: Send + Sync + Debug {
     fn granule(&self) -> usize {
         1
     }
-    /// Pass `pass` sees elements `start..start + base.len()` (or of the models, when there is
-    /// no base).
-    fn observe(
-        &mut self,
-        _pass: usize,
-        _start: usize,
-        _base: &[f32],
-        _models: &[&[f32]],
-    ) -> Result<(), String> {
+    /// Pass `pass` sees `chunk`.
+    fn observe(&mut self, _pass: usize, _chunk: &Chunk) -> Result<(), String> {
         Ok(())
     }
     /// Every chunk of pass `pass` has been seen.
     fn end_pass(&mut self, _pass: usize) -> Result<(), String> {
         Ok(())
     }
-    /// Merges elements `start..start + out.len()`.
-    fn merge(
-        &self,
-        start: usize,
-        base: &[f32],
-        models: &[&[f32]],
-        out: &mut [f32],
-    ) -> Result<(), String>;
+    /// Merges `chunk` into `out`.
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String>;
+}
+
+/// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
+/// model, in config order.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk<'a> {
+    pub start: usize,
+    pub base: &'a [f32],
+    pub models: &'a [&'a [f32]],
 }
 
 /// What a streaming method needs to set up a tensor's survey: the shared parameters, each
@@ -105,7 +101,12 @@ pub(crate) mod testing {
                 let b = part(base, s, e);
                 let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
                 let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
-                survey.observe(pass, s, &b, &views)?;
+                let chunk = Chunk {
+                    start: s,
+                    base: &b,
+                    models: &views,
+                };
+                survey.observe(pass, &chunk)?;
             }
             survey.end_pass(pass)?;
         }
@@ -115,7 +116,12 @@ pub(crate) mod testing {
             let b = part(base, s, e);
             let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
             let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
-            survey.merge(s, &b, &views, &mut out[s..e])?;
+            let chunk = Chunk {
+                start: s,
+                base: &b,
+                models: &views,
+            };
+            survey.merge(&chunk, &mut out[s..e])?;
         }
         Ok(out)
     }
