@@ -20,6 +20,7 @@
 #   VENV     a virtual environment with mergekit 0.1.5 and numpy (default /tmp/mkvenv:
 #            python3 -m venv /tmp/mkvenv && /tmp/mkvenv/bin/pip install mergekit==0.1.5)
 #   BUDGET   tftf's --memory-budget (default 512MiB)
+# METHODS (environment): the methods to run, of linear task_arithmetic ties model_stock (all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -112,7 +113,7 @@ echo "|---|---|---|---|"
 row '`cat` of the three inputs (floor)' sh -c "cat $D/m0/* $D/m1/* $D/m2/* >/dev/null"
 row '`cp -r` of the three inputs' sh -c "mkdir -p $D/out && cp -r $D/m0 $D/m1 $D/m2 $D/out && sync"
 RATIOS=()
-for method in linear task_arithmetic ties model_stock; do
+for method in ${METHODS:-linear task_arithmetic ties model_stock}; do
     row "\`tftf merge\` $method" "$BIN" merge "$D/$method.yml" "$D/out" -q \
         --memory-budget "$BUDGET" --no-copy-tokenizer
     tw=$WALL tr=$RSS
