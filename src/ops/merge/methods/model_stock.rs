@@ -81,17 +81,31 @@ impl Gram {
         }
     }
 
+    /// Adds the products of elements `span`'s offsets, element by element. The upper
+    /// triangle's sums take their terms in step, so a run up to the end of their block sums in
+    /// registers (the same additions in the same order as one [`BlockSum::add`] a term).
     fn add(&mut self, base: &[f32], models: &[&[f32]], span: Range<usize>) {
         let n = self.n;
-        for k in span {
-            for (o, m) in self.offsets.iter_mut().zip(models) {
-                *o = m[k] as f64 - base[k] as f64;
+        let pairs: Vec<(usize, usize)> = (0..n).flat_map(|i| (i..n).map(move |j| (i, j))).collect();
+        let mut acc = vec![0f64; pairs.len()];
+        let mut k = span.start;
+        while k < span.end {
+            let end = span.end.min(k + self.sums[0].room());
+            for (a, &(i, j)) in acc.iter_mut().zip(&pairs) {
+                *a = self.sums[i * n + j].open();
             }
-            for i in 0..n {
-                for j in i..n {
-                    self.sums[i * n + j].add(self.offsets[i] * self.offsets[j]);
+            for e in k..end {
+                for (o, m) in self.offsets.iter_mut().zip(models) {
+                    *o = m[e] as f64 - base[e] as f64;
+                }
+                for (a, &(i, j)) in acc.iter_mut().zip(&pairs) {
+                    *a += self.offsets[i] * self.offsets[j];
                 }
             }
+            for (a, &(i, j)) in acc.iter().zip(&pairs) {
+                self.sums[i * n + j].close(*a, end - k);
+            }
+            k = end;
         }
     }
 

@@ -33,6 +33,30 @@ impl BlockSum {
     pub fn value(&self) -> f64 {
         self.total + self.block
     }
+
+    /// Terms the current block takes before it joins the total.
+    pub fn room(&self) -> usize {
+        BLOCK_TERMS - self.terms
+    }
+
+    /// The current block's partial sum, for a caller adding up to [`BlockSum::room`] terms
+    /// onto it in a register (several sums in step) before [`BlockSum::close`].
+    pub fn open(&self) -> f64 {
+        self.block
+    }
+
+    /// Takes back the block's partial sum after `terms` more terms were added onto
+    /// [`BlockSum::open`]'s value one by one: the same sum as that many [`BlockSum::add`]s.
+    pub fn close(&mut self, block: f64, terms: usize) {
+        debug_assert!(terms <= self.room());
+        self.block = block;
+        self.terms += terms;
+        if self.terms == BLOCK_TERMS {
+            self.total += self.block;
+            self.block = 0.0;
+            self.terms = 0;
+        }
+    }
 }
 
 /// `max(x, floor)` that keeps a NaN `x` (as torch's `clamp(min=…)` does; `f64::max` drops it).
