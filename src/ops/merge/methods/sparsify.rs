@@ -345,6 +345,10 @@ pub(crate) struct RadixCut {
     seen: usize,
     /// Elements with `key` before this position rank below the cut.
     limit: usize,
+    /// Whether the passes have anything to find (a cut past the last rank has not).
+    searching: bool,
+    /// The histogram of the pass under way: allocated by its first key and freed once the key
+    /// is found, so a finished cut (kept while the tensor's chunks merge) holds none.
     counts: Vec<u64>,
 }
 
@@ -368,7 +372,8 @@ impl RadixCut {
             ties: 0,
             seen: 0,
             limit: if everything { usize::MAX } else { 0 },
-            counts: if everything { vec![] } else { vec![0; 1 << 16] },
+            searching: !everything,
+            counts: Vec::new(),
         }
     }
 
@@ -384,31 +389,37 @@ impl RadixCut {
 
     /// Whether the passes have anything to find (a cut past the last rank has not).
     pub fn searching(&self) -> bool {
-        !self.counts.is_empty()
+        self.searching
     }
 
     /// Pass `pass` sees the element at `position` with `key`.
     pub fn see(&mut self, pass: CutPass, key: u32, position: usize) {
-        if !self.searching() {
+        if !self.searching {
             return;
         }
-        match pass {
-            CutPass::High => self.counts[(key >> 16) as usize] += 1,
-            CutPass::Low if key >> 16 == self.high => self.counts[(key & 0xffff) as usize] += 1,
-            CutPass::Low => {}
-            CutPass::Ties if key == self.key && self.seen < self.ties => {
-                self.seen += 1;
-                if self.seen == self.ties {
-                    self.limit = position + 1;
+        let half = match pass {
+            CutPass::High => key >> 16,
+            CutPass::Low if key >> 16 == self.high => key & 0xffff,
+            CutPass::Low => return,
+            CutPass::Ties => {
+                if key == self.key && self.seen < self.ties {
+                    self.seen += 1;
+                    if self.seen == self.ties {
+                        self.limit = position + 1;
+                    }
                 }
+                return;
             }
-            CutPass::Ties => {}
+        };
+        if self.counts.is_empty() {
+            self.counts = vec![0; 1 << 16];
         }
+        self.counts[half as usize] += 1;
     }
 
     /// Ends pass `pass`: the high half, then the key, are read off the histogram.
     pub fn end(&mut self, pass: CutPass) {
-        if !self.searching() || pass == CutPass::Ties {
+        if !self.searching || pass == CutPass::Ties {
             return;
         }
         let mut below = self.less;
@@ -426,7 +437,10 @@ impl RadixCut {
             below += count as usize;
         }
         self.less = below;
-        self.counts.iter_mut().for_each(|c| *c = 0);
+        match pass {
+            CutPass::High => self.counts.iter_mut().for_each(|c| *c = 0),
+            _ => self.counts = Vec::new(),
+        }
     }
 
     /// Whether the element at `position` with `key` ranks below the cut.
