@@ -11,7 +11,8 @@ use std::ops::Range;
 use super::config::MergeConfig;
 use super::methods::{self, ModelTensor, Params};
 use super::resolve::{Inputs, Resolved};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::methods::survey::{Chunk, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
@@ -46,11 +47,14 @@ enum Formula {
     },
 }
 
-/// A tensor's survey: under way (`running`), then finished and shared by the chunks' merges.
+/// A tensor's survey: under way (`running`), then finished and shared by the chunks' merges
+/// (`done`), dropped once they have merged every element so that a run holds the statistics
+/// of the tensors being merged only.
 #[derive(Default)]
 struct SurveyCell {
     running: Mutex<Option<Running>>,
-    done: OnceLock<Box<dyn Survey>>,
+    done: Mutex<Option<Arc<dyn Survey>>>,
+    merged: AtomicU64,
 }
 
 /// A survey and the next chunk it expects.
@@ -283,10 +287,14 @@ impl MergeOp {
         inputs: &[&[u8]],
         out: &mut [u8],
     ) -> Result<(), String> {
-        if self.surveyed.done.get().is_none() && self.survey_passes() == 0 {
-            let _ = self.surveyed.done.set(self.start_survey()?);
-        }
-        let Some(survey) = self.surveyed.done.get() else {
+        let survey = {
+            let mut done = self.surveyed.done.lock().unwrap();
+            if done.is_none() && self.survey_passes() == 0 {
+                *done = Some(Arc::from(self.start_survey()?));
+            }
+            done.clone()
+        };
+        let Some(survey) = survey else {
             return Err(format!(
                 "internal error: a chunk of `{}` was merged before the tensor's survey ended",
                 self.method
@@ -300,6 +308,9 @@ impl MergeOp {
             .merge(&Self::chunk(&units, base, &models), &mut merged)
             .map_err(|e| super::adapt::name_models(&e, self.names()))?;
         write_as(self.dst, merged.into_iter(), out);
+        if self.surveyed.merged.fetch_add(n as u64, Ordering::Relaxed) + n as u64 >= self.elements {
+            *self.surveyed.done.lock().unwrap() = None;
+        }
         Ok(())
     }
 
@@ -444,7 +455,8 @@ impl Op for MergeOp {
             r.next = 0;
             if r.pass == self.survey_passes() {
                 let done = running.take().expect("a running survey").survey;
-                let _ = self.surveyed.done.set(done);
+                *self.surveyed.done.lock().unwrap() = Some(Arc::from(done));
+                self.surveyed.merged.store(0, Ordering::Relaxed);
             }
         }
         Ok(())
@@ -572,6 +584,77 @@ mod tests {
             .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
             .collect();
         assert_eq!(got, [3.0, 5.0, 3.0, 2.0]);
+    }
+
+    /// A TIES merge of 8 f32 elements whose tensor streams, surveyed in 4-element chunks.
+    fn streamed_ties() -> MergeOp {
+        use super::super::methods::sparse;
+        let weighted = Params::default().with("weight", 1.0).with("density", 0.5);
+        let (models, global) = (vec![Params::default(), weighted], Params::default());
+        let make: SurveyFn = sparse::ties_survey;
+        let passes = make(&global, &models[1..], &[8], 0).unwrap().passes();
+        MergeOp {
+            method: "ties",
+            formula: Formula::Whole {
+                f: sparse::ties,
+                global,
+                models,
+                has_base: true,
+                shape: vec![8],
+                seed: 0,
+                names: vec!["m".into()],
+                survey: Some((make, passes, 1)),
+            },
+            in_dtypes: vec![DType::F32, DType::F32],
+            compute_dtype: None,
+            elements: 8,
+            dst: DType::F32,
+            surveyed: SurveyCell::default(),
+        }
+    }
+
+    #[test]
+    fn chunks_merge_from_their_survey_and_the_survey_is_dropped_after_the_last() {
+        let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let base = bytes(&[0.0; 8]);
+        let model = bytes(&[1.0, -5.0, 2.0, 7.0, -3.0, 0.5, 6.0, -4.0]);
+        let op = streamed_ties();
+        let mut whole = [0u8; 32];
+        op.compute(0..8, &[&base, &model], &mut whole).unwrap();
+        for pass in 0..op.survey_passes() {
+            for at in [0usize, 16] {
+                let (b, m) = (&base[at..at + 16], &model[at..at + 16]);
+                op.survey(pass, at as u64 / 4..at as u64 / 4 + 4, &[b, m])
+                    .unwrap();
+            }
+        }
+        let mut chunked = [0u8; 32];
+        for at in [16usize, 0] {
+            let (b, m) = (&base[at..at + 16], &model[at..at + 16]);
+            op.compute(
+                at as u64 / 4..at as u64 / 4 + 4,
+                &[b, m],
+                &mut chunked[at..at + 16],
+            )
+            .unwrap();
+        }
+        assert_eq!(chunked, whole);
+        assert!(op.surveyed.done.lock().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_chunk_before_its_survey_or_a_survey_out_of_order_is_an_internal_error() {
+        let op = streamed_ties();
+        let zeros = [0u8; 16];
+        let mut out = [0u8; 16];
+        assert_eq!(
+            op.compute(0..4, &[&zeros, &zeros], &mut out).unwrap_err(),
+            "internal error: a chunk of `ties` was merged before the tensor's survey ended"
+        );
+        assert_eq!(
+            op.survey(0, 4..8, &[&zeros, &zeros]).unwrap_err(),
+            "internal error: `ties` surveyed units 4..8 of pass 0 out of order"
+        );
     }
 
     #[test]
