@@ -22,6 +22,7 @@
 //! spread one NaN over the whole tensor once `rescale` sums it).
 
 use super::sparsify::{survivors, Sparsification, Sparsify, Survivors, TaskVector};
+use super::survey::finite_values;
 use super::{ModelTensor, Params};
 
 /// How one of mergekit's generalized task arithmetic methods is configured
@@ -326,12 +327,7 @@ pub(crate) fn check_inputs(
                 values.len()
             ));
         }
-        if let Some(j) = values.iter().position(|v| !v.is_finite()) {
-            return Err(format!(
-                "{name} has a non-finite value ({}) at element {j}",
-                values[j]
-            ));
-        }
+        finite_values(&name, 0, values)?;
     }
     if out.len() != len {
         return Err(format!(
