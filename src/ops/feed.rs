@@ -85,9 +85,7 @@ impl Fed {
             .get(k)
             .map_or(0, |r| (r.end - r.start).div_ceil(g))
     }
-}
 
-impl Fed {
     /// The most survey passes any feeding op makes.
     fn inner_passes(&self) -> usize {
         (self.feeds.iter())

@@ -51,22 +51,23 @@ pub type SurveyFn = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Surv
 /// The first non-finite value among `base` then each model (as the whole-tensor check names
 /// it, element numbers counted from the tensor's start).
 pub(crate) fn check_finite(start: usize, base: &[f32], models: &[&[f32]]) -> Result<(), String> {
-    let inputs = std::iter::once(("base".to_string(), base)).chain(
-        models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| (format!("models[{i}]"), *m)),
-    );
-    for (name, values) in inputs {
-        if let Some(j) = values.iter().position(|v| !v.is_finite()) {
-            return Err(format!(
-                "{name} has a non-finite value ({}) at element {}",
-                values[j],
-                start + j
-            ));
-        }
+    finite_values("base", start, base)?;
+    for (i, m) in models.iter().enumerate() {
+        finite_values(&format!("models[{i}]"), start, m)?;
     }
     Ok(())
+}
+
+/// Refuses the first non-finite value of input `name`'s elements from `start`.
+pub(crate) fn finite_values(name: &str, start: usize, values: &[f32]) -> Result<(), String> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(j) => Err(format!(
+            "{name} has a non-finite value ({}) at element {}",
+            values[j],
+            start + j
+        )),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -85,43 +86,33 @@ pub(crate) mod testing {
         let len = models[0].len();
         let g = survey.granule().max(1);
         let step = chunk.div_ceil(g).max(1) * g;
-        let spans: Vec<(usize, usize)> = (0..len)
+        // Each chunk's slices of the inputs (the base stays empty when there is none).
+        let parts: Vec<(usize, &[f32], Vec<&[f32]>)> = (0..len)
             .step_by(step)
-            .map(|s| (s, (s + step).min(len)))
+            .map(|s| {
+                let e = (s + step).min(len);
+                let b = if base.is_empty() { base } else { &base[s..e] };
+                (s, b, models.iter().map(|v| &v[s..e]).collect())
+            })
             .collect();
-        let part = |v: &[f32], s: usize, e: usize| -> Vec<f32> {
-            if v.is_empty() {
-                vec![]
-            } else {
-                v[s..e].to_vec()
-            }
-        };
+        let chunks: Vec<Chunk> = (parts.iter())
+            .map(|(start, base, models)| Chunk {
+                start: *start,
+                base,
+                models,
+            })
+            .collect();
         for pass in 0..survey.passes() {
-            for &(s, e) in &spans {
-                let b = part(base, s, e);
-                let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
-                let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
-                let chunk = Chunk {
-                    start: s,
-                    base: &b,
-                    models: &views,
-                };
-                survey.observe(pass, &chunk)?;
+            for chunk in &chunks {
+                survey.observe(pass, chunk)?;
             }
             survey.end_pass(pass)?;
         }
         let mut out = vec![0f32; len];
         // Merged last chunk first: chunks must not depend on the order they are merged in.
-        for &(s, e) in spans.iter().rev() {
-            let b = part(base, s, e);
-            let m: Vec<Vec<f32>> = models.iter().map(|v| v[s..e].to_vec()).collect();
-            let views: Vec<&[f32]> = m.iter().map(Vec::as_slice).collect();
-            let chunk = Chunk {
-                start: s,
-                base: &b,
-                models: &views,
-            };
-            survey.merge(&chunk, &mut out[s..e])?;
+        for chunk in chunks.iter().rev() {
+            let span = chunk.start..chunk.start + chunk.models[0].len();
+            survey.merge(chunk, &mut out[span])?;
         }
         Ok(out)
     }
