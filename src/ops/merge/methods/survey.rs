@@ -87,12 +87,12 @@ pub(crate) mod testing {
         let g = survey.granule().max(1);
         let step = chunk.div_ceil(g).max(1) * g;
         // Each chunk's slices of the inputs (the base stays empty when there is none).
-        let parts: Vec<(usize, &[f32], Vec<&[f32]>)> = (0..len)
+        let parts: Vec<_> = (0..len)
             .step_by(step)
             .map(|s| {
                 let e = (s + step).min(len);
                 let b = if base.is_empty() { base } else { &base[s..e] };
-                (s, b, models.iter().map(|v| &v[s..e]).collect())
+                (s, b, models.iter().map(|v| &v[s..e]).collect::<Vec<_>>())
             })
             .collect();
         let chunks: Vec<Chunk> = (parts.iter())
