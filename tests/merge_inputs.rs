@@ -522,6 +522,43 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
     assert!(outs[0] == outs[1], "ties of an FP8 model, quantised");
 }
 
+/// A non-finite value in a weight that streams is refused by the survey's first pass, naming
+/// the model, tensor and element as the whole-tensor merge does, and nothing is left behind.
+#[test]
+fn a_non_finite_value_in_a_streamed_weight_is_refused_before_any_output() {
+    let dir = tmp();
+    let (a, b) = (
+        wide_model(dir.path(), "a", 7),
+        wide_model(dir.path(), "b", 8),
+    );
+    // bf16 +inf at element 300_000 of b's up_proj (1M elements, several 16 MiB chunks).
+    let file = b.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let tensor = "model.layers.0.mlp.up_proj.weight";
+    let start = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    let at = 8 + header_len + start + 2 * 300_000;
+    bytes[at..at + 2].copy_from_slice(&0x7F80u16.to_le_bytes());
+    std::fs::write(&file, bytes).unwrap();
+    let cfg = write_config(
+        dir.path(),
+        "ties.yml",
+        &config("ties", &[&a, &b], "parameters:\n  density: 0.4\n"),
+    );
+    for (k, budget) in ["16MiB", "1GiB"].into_iter().enumerate() {
+        let out = dir.path().join(format!("out-{k}"));
+        let o = tftf(&["merge", s(&cfg), s(&out), "-q", "--memory-budget", budget]);
+        assert_eq!(o.status.code(), Some(1), "{budget}: {}", stderr(&o));
+        let model = format!(
+            "`{}` has a non-finite value (inf) at element 300000",
+            b.display()
+        );
+        let needles = [tensor, model.as_str()];
+        assert_refused(&stderr(&o), &needles, &out);
+    }
+}
+
 /// Feeding decoded rows into the merge, and merged rows into the quantiser, chunk by chunk:
 /// the bytes do not depend on where the chunks fall (one thread and a 16 MiB budget, several
 /// chunks a weight; or the default budget) and equal the commands' one after another.
