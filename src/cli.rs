@@ -685,6 +685,9 @@ Pipe sections, applied in the order written; options after a section flag belong
                 [--no-config-update]
   --quantize    --scheme SCHEME [--format F] [--ignore GLOB]... [--no-default-ignore]
                 (the last section; as the `quantize` command)
+  --gguf        [--outtype TYPE] [--imatrix FILE] [--tensor-type P=T]... [--arch NAME]
+                [--vocab-pre NAME] [--split-max-size SIZE]   (the last section: -o OUT.gguf,
+                a GGUF of what the sections before produce, as the `gguf` command writes it)
 A section option written before the first section, or in a section of another kind, is a
 default for every section of its kind (the older form `--merge-lora A --dequant-fp8 --scale 2`).
 
@@ -856,6 +859,15 @@ pub struct GgufArgs {
     /// Output file (NAME.gguf); with --split-max-size, NAME-0000i-of-0000N.gguf beside it
     #[arg(short = 'o', long = "output", alias = "out", value_name = "OUT.gguf")]
     pub output: PathBuf,
+    #[command(flatten)]
+    pub gguf: GgufFormatArgs,
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+/// What a GGUF output holds: `gguf`'s options, and `run --gguf`'s section.
+#[derive(Args, Debug)]
+pub struct GgufFormatArgs {
     /// Tensor type: auto (keep BF16/F16 as the checkpoint has them; F32 becomes F16), f32,
     /// f16, bf16 or q8_0 as convert_hf_to_gguf.py writes them (norms, biases and routers stay
     /// F32; MXFP4 experts stay MXFP4); or a llama-quantize type, with its per-tensor choices:
@@ -878,8 +890,6 @@ pub struct GgufArgs {
     /// (e.g. llama-bpe, qwen2, gpt-2)
     #[arg(long, value_name = "NAME")]
     pub vocab_pre: Option<String>,
-    #[command(flatten)]
-    pub job: JobArgs,
 }
 
 /// `tftf merge CONFIG.yml OUT`, mergekit-yaml's options, and the short LoRA form

@@ -9,43 +9,9 @@ use common::*;
 use serde_json::Value as Json;
 use tftf::format::dtype::DType;
 
-/// A two-layer Llama of hidden size 1024 (4 heads of 256, 2 KV heads): its Q/K permutations
-/// and Q8_0 rows are several pipeline chunks each at the smallest memory budget.
-fn wide_llama() -> GgufCase {
-    const H: u64 = 1024;
-    let mut rng = Rng(23);
-    let mut tensors = head_of(&mut rng, DType::BF16, H);
-    for l in 0..2 {
-        tensors.extend(layer(
-            &mut rng,
-            l,
-            DType::BF16,
-            [
-                ("input_layernorm.weight", vec![H]),
-                ("post_attention_layernorm.weight", vec![H]),
-                ("self_attn.q_proj.weight", vec![H, H]),
-                ("self_attn.k_proj.weight", vec![H / 2, H]),
-                ("self_attn.v_proj.weight", vec![H / 2, H]),
-                ("self_attn.o_proj.weight", vec![H, H]),
-                ("mlp.gate_proj.weight", vec![256, H]),
-                ("mlp.up_proj.weight", vec![256, H]),
-                ("mlp.down_proj.weight", vec![H, 256]),
-            ],
-        ));
-    }
-    GgufCase::new(
-        "llama3",
-        |c| {
-            c["hidden_size"] = H.into();
-            c["intermediate_size"] = 256.into();
-        },
-        tensors,
-    )
-}
-
 #[test]
 fn threads_readers_writers_and_chunk_sizes_change_no_byte() {
-    let c = wide_llama();
+    let c = GgufCase::wide_llama(23);
     for outtype in ["q8_0", "f16"] {
         let runs: [&[&str]; 4] = [
             &[],
@@ -83,7 +49,7 @@ fn threads_readers_writers_and_chunk_sizes_change_no_byte() {
 
 #[test]
 fn the_smallest_budget_streams_a_tensor_in_several_chunks() {
-    let c = wide_llama();
+    let c = GgufCase::wide_llama(23);
     let report = c.path("r.json");
     c.convert(
         "q.gguf",
@@ -286,30 +252,53 @@ fn a_directory_named_as_the_gguf_output_is_refused() {
     assert_listing(&dir, "");
 }
 
-/// The library's GGUF writer takes the checkpoint as it is: a pipe before it is refused
-/// (it would be left out silently), naming what to do, and nothing is written.
+/// The library's GGUF writer applies the pipes before it as `tftf run … --gguf` does (a cast
+/// to F16 then `--outtype auto`: the bytes of the command line); a quantising pipe, whose
+/// tensors a GGUF cannot take, is refused naming the GGUF type to give instead, and nothing is
+/// written.
 #[test]
-fn api_gguf_writer_refuses_a_pipe_and_writes_nothing() {
+fn api_gguf_writer_applies_its_pipes_as_run_does() {
     let c = GgufCase::dense(11, "llama3");
     let out = c.path("out/m.gguf");
-    for pipe in [
-        tftf::Pipe::dtype_cast(DType::BF16),
-        tftf::Pipe::key_filter(["model.*"], Vec::<&str>::new()),
-    ] {
-        let err = tftf::Pipeline::new(
-            tftf::Reader::from_path(&c.model),
-            pipe,
-            tftf::Writer::gguf(&out).vocab_pre("test-pre"),
-        )
-        .run()
-        .unwrap_err()
-        .to_string();
-        assert_mentions(
-            &err,
-            &["a GGUF writer converts the checkpoint as it is and applies no pipe"],
-        );
-        assert!(!out.exists() && !c.path("out").exists(), "{err}");
-    }
+    let err = tftf::Pipeline::new(
+        tftf::Reader::from_path(&c.model),
+        tftf::Pipe::quantize("FP8_BLOCK", "compressed-tensors"),
+        tftf::Writer::gguf(&out).vocab_pre("test-pre"),
+    )
+    .run()
+    .unwrap_err()
+    .to_string();
+    assert_mentions(
+        &err,
+        &["--quantize", "GGUF output does not take", "--outtype"],
+    );
+    assert!(!out.exists() && !c.path("out").exists(), "{err}");
+    let cast = c.path("cast/m.gguf");
+    let report = tftf::Pipeline::new(
+        tftf::Reader::from_path(&c.model),
+        tftf::Pipe::dtype_cast(DType::F16),
+        tftf::Writer::gguf(&cast).vocab_pre("test-pre"),
+    )
+    .run()
+    .unwrap();
+    assert!(report.ok());
+    let cli = c.path("cli/m.gguf");
+    ok(&tftf(&[
+        "run",
+        "-i",
+        s(&c.model),
+        "-o",
+        s(&cli),
+        "-q",
+        "--dtype-cast",
+        "--dtype",
+        "f16",
+        "--gguf",
+        "--vocab-pre",
+        "test-pre",
+    ]));
+    assert_eq!(std::fs::read(&cast).unwrap(), std::fs::read(&cli).unwrap());
+    assert_eq!(parse(&cast).tensor("blk.0.attn_q.weight").1, 1, "F16");
     let report = tftf::Pipeline::new(
         tftf::Reader::from_path(&c.model),
         tftf::Pipe::new(),

@@ -115,7 +115,7 @@ impl WriterSpec {
             Some(t) => {
                 let file_type = GgufFileType::parse(t).ok_or_else(|| {
                     PyValueError::new_err(format!(
-                        "unknown GGUF outtype `{t}` (f32, f16, bf16, q8_0, auto)"
+                        "unknown GGUF outtype `{t}` (auto, f32, f16, bf16, q8_0, or a llama-quantize type: q4_k_m, q6_k, iq4_xs …)"
                     ))
                 })?;
                 writer = writer.outtype(file_type);

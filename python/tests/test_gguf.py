@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 from conftest import write_safetensors
 
-from tftf import DTypeCastPipe, GGUFWriter, KeyFilterPipe, PassthroughPipe, Pipeline, SafetensorsReader, TftfError
+from tftf import (DTypeCastPipe, GGUFWriter, KeyRenamePipe, MergeReader, PassthroughPipe, Pipeline, QuantizePipe,
+                  SafetensorsReader, TftfError)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "gguf"
 
 
-def _llama(root: Path) -> Path:
+def _llama(root: Path, seed: int = 3) -> Path:
     """Two Llama 3 layers of hidden size 64 (4 heads, 2 key/value heads), vocabulary 410, F32,
     with the config and tokenizer fixtures ``tests/gguf*.rs`` use."""
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     shapes = {"model.embed_tokens.weight": (410, 64), "model.norm.weight": (64,), "lm_head.weight": (410, 64)}
     for layer in range(2):
         p = f"model.layers.{layer}."
@@ -70,15 +71,44 @@ def test_gguf_writer_writes_the_bytes_of_tftf_gguf(tmp_path, outtype):
     assert out.read_bytes() == got
 
 
-def test_gguf_writer_refuses_a_pipe_it_would_leave_out(tmp_path):
-    # The GGUF writer converts the checkpoint as it is: a cast or a filter before it is
-    # refused (it would be left out silently), and nothing is written.
+def test_gguf_writer_applies_the_pipes_before_it_as_tftf_run_does(tmp_path):
+    # The pipes before a GGUF writer run in the same pass: the bytes of
+    # `tftf run … --gguf`, here a cast to F16 kept by outtype auto, and a rename.
     model = _llama(tmp_path)
-    out = tmp_path / "out" / "m.gguf"
-    for pipe in (DTypeCastPipe("bf16"), KeyFilterPipe(exclude=["model.layers.1.*"])):
-        with pytest.raises(ValueError, match="a GGUF writer converts the checkpoint as it is and applies no pipe"):
-            Pipeline(SafetensorsReader(model), pipe, GGUFWriter(out, vocab_pre="test-pre")).run(show_progress=False)
-        assert not out.parent.exists()
+    out = tmp_path / "api" / "m.gguf"
+    pipe = DTypeCastPipe("float16") | KeyRenamePipe([(r"^model\.norm\.", "model.norm.")])
+    pipeline = Pipeline(SafetensorsReader(model), pipe, GGUFWriter(out, vocab_pre="test-pre"))
+    assert pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    cli = tmp_path / "cli" / "m.gguf"
+    subprocess.run([sys.executable, "-m", "tftf", "run", "-i", str(model), "-o", str(cli), "-q", "--dtype-cast",
+                    "--dtype", "f16", "--key-rename", "--rule", r"^model\.norm\.", "model.norm.", "--gguf",
+                    "--vocab-pre", "test-pre"], check=True)
+    assert out.read_bytes() == cli.read_bytes()
+    # A quantising pipe writes tensors a GGUF cannot take: refused, nothing written.
+    bad = tmp_path / "bad" / "m.gguf"
+    with pytest.raises(ValueError, match="GGUF output does not take"):
+        Pipeline(SafetensorsReader(model), QuantizePipe("FP8_BLOCK"), GGUFWriter(bad, vocab_pre="test-pre")).run(
+            show_progress=False)
+    assert not bad.parent.exists()
+
+
+def test_a_merge_becomes_a_q4_k_m_gguf_in_one_pass(tmp_path):
+    # MergeReader then GGUFWriter: `tftf run --merge CONFIG --gguf --outtype q4_k_m`, with no
+    # merged copy on disk.
+    models = [_llama(tmp_path / name, seed) for name, seed in (("a", 3), ("b", 4))]
+    cfg = tmp_path / "merge.yml"
+    cfg.write_text("merge_method: linear\nmodels:\n" + "".join(
+        f"  - model: {m}\n    parameters:\n      weight: {w}\n" for m, w in zip(models, (0.7, 0.3))) + "dtype: float32\n")
+    out = tmp_path / "api" / "m.gguf"
+    pipeline = Pipeline(MergeReader(cfg), PassthroughPipe(), GGUFWriter(out, outtype="q4_k_m", vocab_pre="test-pre"))
+    assert pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    cli = tmp_path / "cli" / "m.gguf"
+    subprocess.run([sys.executable, "-m", "tftf", "run", "-o", str(cli), "-q", "--merge", str(cfg), "--gguf",
+                    "--outtype", "q4_k_m", "--vocab-pre", "test-pre"], check=True)
+    assert out.read_bytes() == cli.read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.gguf"]
 
 
 def test_gguf_writer_arch_and_vocab_pre_reach_the_rust_writer(tmp_path):

@@ -105,14 +105,6 @@ class Pipeline:
         output is then left as it was."""
         plan = self._rust_plan()
         if plan is not None and plan[2] is not None:
-            if isinstance(self.writer, GGUFWriter) and isinstance(self.reader, MergeReader):
-                raise ValueError("a GGUF writer converts a checkpoint on disk: write the merge with a ShardedWriter "
-                                 "first, then the GGUF from it")
-            if isinstance(self.writer, GGUFWriter) and plan[1]:
-                # The GGUF writer plans from the checkpoint's own tensors: a pipe before it
-                # would be silently left out.
-                raise ValueError("a GGUF writer converts the checkpoint as it is and applies no pipe: write the "
-                                 "transformed checkpoint with a ShardedWriter first, then the GGUF from it")
             self._run_rust(*plan, show_progress=show_progress, desc=progress_desc)
             return
         if isinstance(self.writer, GGUFWriter):

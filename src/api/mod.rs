@@ -259,14 +259,8 @@ impl Pipeline {
         let started = Instant::now();
         let result = self.write_options().and_then(|opts| {
             let steps = self.pipe.steps()?;
-            if self.writer.is_gguf() && !steps.is_empty() {
-                // The GGUF writer plans from the checkpoint's own tensors: a pipe before it
-                // would be silently left out.
-                return Err(Error::Usage(
-                    "a GGUF writer converts the checkpoint as it is and applies no pipe: write \
-                     the transformed checkpoint with a sharded writer first, then the GGUF from it"
-                        .into(),
-                ));
+            if self.writer.is_gguf() {
+                self.pipe.refuse_quantised_for_gguf()?;
             }
             Job {
                 command: COMMAND,

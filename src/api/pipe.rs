@@ -118,6 +118,11 @@ impl Pipe {
     pub(crate) fn steps(&self) -> Result<Vec<Step>> {
         self.sections.steps()
     }
+
+    /// Refuses a chain whose quantised tensors a GGUF writer cannot take.
+    pub(crate) fn refuse_quantised_for_gguf(&self) -> Result<()> {
+        self.sections.refuse_quantised_for_gguf()
+    }
 }
 
 impl BitOr for Pipe {

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{input_path, passthrough_steps, JobParts};
-use crate::cli::{ConvertArgs, GgufArgs, InputArgs, PassthroughArgs, WriteArgs};
+use crate::cli::{ConvertArgs, GgufArgs, GgufFormatArgs, InputArgs, PassthroughArgs, WriteArgs};
 use crate::error::{Error, Result};
 use crate::job::WriteOptions;
 
@@ -31,11 +31,13 @@ pub(super) fn job(a: &ConvertArgs, arguments: &str) -> Result<JobParts> {
         let g = GgufArgs {
             input: input(),
             output: a.outdir.join(gguf_file_name(&source)),
-            quantize: Default::default(),
-            outtype: a.outtype.clone().unwrap_or_else(|| "auto".into()),
-            split_max_size: a.split_max_size.clone(),
-            arch: a.arch.clone(),
-            vocab_pre: a.vocab_pre.clone(),
+            gguf: GgufFormatArgs {
+                quantize: Default::default(),
+                outtype: a.outtype.clone().unwrap_or_else(|| "auto".into()),
+                split_max_size: a.split_max_size.clone(),
+                arch: a.arch.clone(),
+                vocab_pre: a.vocab_pre.clone(),
+            },
             job: a.job.clone(),
         };
         let options = WriteOptions::from_gguf_args(&g, arguments)?;

@@ -156,7 +156,10 @@ fn writing_job(
         ),
         Command::Run(a) => {
             let steps = sections.steps()?;
-            let options = WriteOptions::from_args(&a.write, &sections.fingerprint(arguments)?)?;
+            let mut options = WriteOptions::from_args(&a.write, &sections.fingerprint(arguments)?)?;
+            if let Some(gguf) = sections.gguf(&a.write.output)? {
+                options.format = crate::job::Format::Gguf(gguf);
+            }
             job("run", steps, options, &|| sections.source(&a.input))
         }
         Command::DequantFp8(a) => {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::cli::{GgufArgs, JobArgs, RunOpts, WriteArgs};
+use crate::cli::{GgufArgs, GgufFormatArgs, JobArgs, RunOpts, WriteArgs};
 use crate::error::{Error, Result};
 use crate::gpu::DeviceRequest;
 use crate::job::{parse_budget, Format, WriteOptions};
@@ -66,7 +66,7 @@ impl WriteOptions {
     /// Options of `tftf gguf`: the same policy, a GGUF sink.
     pub fn from_gguf_args(a: &GgufArgs, arguments: &str) -> Result<WriteOptions> {
         let mut opts = WriteOptions::common(&a.output, &a.job, arguments)?;
-        opts.format = Format::Gguf(gguf_options(a)?);
+        opts.format = Format::Gguf(gguf_options(&a.gguf, &a.output)?);
         Ok(opts)
     }
 
@@ -117,7 +117,7 @@ impl WriteOptions {
 }
 
 /// The GGUF sink's options from the command line.
-pub fn gguf_options(a: &GgufArgs) -> Result<GgufSinkOptions> {
+pub fn gguf_options(a: &GgufFormatArgs, output: &Path) -> Result<GgufSinkOptions> {
     let split_max_bytes = match &a.split_max_size {
         None => 0,
         Some(s) => match layout::parse_split_size(s) {
@@ -129,10 +129,10 @@ pub fn gguf_options(a: &GgufArgs) -> Result<GgufSinkOptions> {
             Some(n) => n,
         },
     };
-    let Some(file_name) = a.output.file_name() else {
+    let Some(file_name) = output.file_name() else {
         return Err(Error::Usage(format!(
             "-o {}: name the output file (OUT.gguf)",
-            a.output.display()
+            output.display()
         )));
     };
     Ok(GgufSinkOptions {
@@ -153,7 +153,7 @@ pub fn gguf_options(a: &GgufArgs) -> Result<GgufSinkOptions> {
 }
 
 /// llama-quantize's options, refused unless `--outtype` is a llama-quantize type.
-fn mix_options(a: &GgufArgs) -> Result<MixOptions> {
+fn mix_options(a: &GgufFormatArgs) -> Result<MixOptions> {
     let q = &a.quantize;
     let ggml = |flag: &str, v: &Option<String>| {
         v.as_deref()

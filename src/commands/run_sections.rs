@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Command, FromArgMatches};
 
@@ -22,15 +22,17 @@ use super::steps::{
     cast_target, dequant_step, globs, lora_step, renames, repack_step, requant_step,
 };
 use crate::cli::{
-    DequantSection, DtypeCastSection, InputArgs, KeyExcludeSection, KeyFilterSection,
-    KeyRenameSection, MergeKitSection, MergeSection, QuantizeSection, RepackSection,
+    DequantSection, DtypeCastSection, GgufFormatArgs, InputArgs, KeyExcludeSection,
+    KeyFilterSection, KeyRenameSection, MergeKitSection, MergeSection, QuantizeSection,
+    RepackSection,
 };
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::plan::Step;
+use crate::sink::gguf::GgufSinkOptions;
 
 /// The section flags, in the order `--help` lists them.
-const KINDS: [&str; 9] = [
+const KINDS: [&str; 10] = [
     "--key-filter",
     "--key-exclude",
     "--key-rename",
@@ -40,6 +42,7 @@ const KINDS: [&str; 9] = [
     "--repack-fp4",
     "--quantize",
     "--merge",
+    "--gguf",
 ];
 
 /// Options that name what a section does; they are never borrowed as defaults by another
@@ -70,6 +73,7 @@ fn section_command(kind: &'static str) -> Command {
         "--merge-lora" => MergeSection::augment_args(cmd),
         "--quantize" => QuantizeSection::augment_args(cmd),
         "--merge" => MergeKitSection::augment_args(cmd),
+        "--gguf" => GgufFormatArgs::augment_args(cmd),
         _ => RepackSection::augment_args(cmd),
     };
     cmd.build();
@@ -313,6 +317,9 @@ impl RunSections {
         // A merge requantises a quantised base by default only when nothing else changes
         // the weights' form: no dequant or repack before it, no cast anywhere.
         let any_cast = self.sections.iter().any(|(k, _)| *k == "--dtype-cast");
+        if self.sections.iter().any(|(k, _)| *k == "--gguf") {
+            self.refuse_quantised_for_gguf()?;
+        }
         for (kind, tokens) in &self.sections {
             let m = self.parse(kind, tokens)?;
             match *kind {
@@ -329,6 +336,9 @@ impl RunSections {
                 "--merge-lora" => steps.push(merge_step(kind, &m, fp_op_before, any_cast)?),
                 "--quantize" => steps.extend(self.quantize_steps(kind, &m)?),
                 "--merge" => steps.push(self.merge_step(kind, &m)?),
+                "--gguf" => {
+                    self.gguf_section(kind, &m)?;
+                }
                 _ => {
                     let s = RepackSection::from_arg_matches(&m).map_err(clap_usage(kind))?;
                     steps.push(repack_step(&s.fp4).map_err(|e| usage(kind, e))?);
@@ -350,6 +360,46 @@ impl RunSections {
         }
         let s = QuantizeSection::from_arg_matches(m).map_err(clap_usage(kind))?;
         super::quantize_steps(&s.quantize).map_err(|e| usage(kind, e))
+    }
+
+    /// `--gguf`'s options, checked: the section comes last, once, after sections that leave
+    /// float weights (the GGUF types quantise by themselves).
+    fn gguf_section(&self, kind: &'static str, m: &clap::ArgMatches) -> Result<GgufFormatArgs> {
+        let count = self.sections.iter().filter(|s| s.0 == kind).count();
+        if count > 1 || self.sections.last().map(|s| s.0) != Some(kind) {
+            return Err(usage(
+                kind,
+                "must be the last section, and the only one (it names the output's format)",
+            ));
+        }
+        self.refuse_quantised_for_gguf()?;
+        GgufFormatArgs::from_arg_matches(m).map_err(clap_usage(kind))
+    }
+
+    /// Refuses sections whose quantised tensors a GGUF output cannot take (its own types
+    /// quantise the weights they are given).
+    pub(crate) fn refuse_quantised_for_gguf(&self) -> Result<()> {
+        match (self.sections.iter()).find(|s| matches!(s.0, "--quantize" | "--repack-fp4")) {
+            Some((kind, _)) => Err(usage(
+                kind,
+                "writes quantised tensors, which GGUF output does not take: give the GGUF type instead (--outtype q8_0, q4_k_m …)",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The GGUF output the `--gguf` section asks for, written to `output`.
+    pub(crate) fn gguf(&self, output: &Path) -> Result<Option<GgufSinkOptions>> {
+        let Some((kind, tokens)) = self.sections.iter().find(|s| s.0 == "--gguf") else {
+            return Ok(None);
+        };
+        let m = self.parse(kind, tokens)?;
+        let a = self.gguf_section(kind, &m)?;
+        let opts = super::options::gguf_options(&a, output).map_err(|e| match e {
+            Error::Usage(msg) => usage(kind, msg),
+            e => e,
+        })?;
+        Ok(Some(opts))
     }
 
     /// `--merge`'s config file; the section must come first, as the config's donor model is

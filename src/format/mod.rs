@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod dtype;
 pub mod header;
 pub mod quant;
+pub mod side_files;
 pub mod source;
 pub mod tiling;
 pub mod torch;

@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
+pub use crate::format::side_files::{is_side_file, side_files};
 use crate::sink::{output_dir, output_kind_for, Layout, OutputKind};
 pub use commit::OutputSet;
 use commit::{
@@ -686,56 +687,6 @@ fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn remove_dirs_if_empty(dir: &Path, created: &[PathBuf]) {
     let _ = std::fs::remove_dir(parts::parts_dir(dir));
     remove_dirs(created);
-}
-
-/// Files next to the weights that belong in the output: configs, tokenizer, chat templates,
-/// remote code, README. Weights of any format, indexes and adapter files are left out, as are
-/// hidden files and subdirectories. A side file that is a FIFO, a device or a socket (or a
-/// symlink to one) is refused, before any output exists: copying it would block forever or
-/// never end, and leaving it out would drop the file without a word.
-pub fn side_files(ckpt: &Checkpoint) -> Result<Vec<PathBuf>> {
-    if !ckpt.has_model_dir() {
-        return Ok(Vec::new());
-    }
-    let Ok(rd) = std::fs::read_dir(&ckpt.dir) else {
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::new();
-    for e in rd.flatten() {
-        let path = e.path();
-        // Dangling symlinks and subdirectories are not side files.
-        let Ok(meta) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if meta.is_dir() || !is_side_file(&e.file_name().to_string_lossy()) {
-            continue;
-        }
-        crate::sys::refuse_special(&path, &meta).map_err(|err| Error::io(&path, err))?;
-        out.push(path);
-    }
-    out.sort();
-    Ok(out)
-}
-
-pub fn is_side_file(name: &str) -> bool {
-    const WEIGHT_SUFFIXES: [&str; 13] = [
-        ".distcp",
-        ".safetensors",
-        ".index.json",
-        ".gguf",
-        ".bin",
-        ".pt",
-        ".pth",
-        ".ckpt",
-        ".h5",
-        ".msgpack",
-        ".onnx",
-        ".npz",
-        ".tmp",
-    ];
-    !(name.starts_with('.')
-        || name.starts_with("adapter_")
-        || WEIGHT_SUFFIXES.iter().any(|s| name.ends_with(s)))
 }
 
 /// Absolute form of a path that may not exist yet: its deepest existing ancestor resolved,

@@ -289,6 +289,27 @@ pub trait PlanStep: Send + Sync + Debug {
     fn attach(&self, _ckpt: &mut Checkpoint) -> Result<()> {
         Ok(())
     }
+    /// [`apply`](PlanStep::apply) for a step that also reads what the steps before it made of
+    /// the model's small files (a sink's step: GGUF reads `config.json` and the tokenizer).
+    fn apply_after(&self, p: Planning, _before: &Before) -> Result<bool> {
+        self.apply(p)
+    }
+}
+
+/// What the steps before one step made of the model beside its tensors: the output's
+/// `config.json` and side files as they stand when that step plans.
+#[derive(Debug, Default, Clone)]
+pub struct Before {
+    /// How many steps came before (filters and renames included).
+    pub steps: usize,
+    /// `config.json` as the earlier steps edited it; `None` for a model without one.
+    pub config: Option<Map<String, Value>>,
+    /// Whether an earlier step edited `config`.
+    pub config_edited: bool,
+    /// Side files the earlier steps leave out (see [`PlanStep::dropped_side_files`]).
+    pub dropped_side_files: Vec<String>,
+    /// Files the earlier steps write (see [`PlanStep::generated_files`]).
+    pub generated_files: Vec<(String, String)>,
 }
 
 impl Plan {
@@ -310,13 +331,16 @@ impl Plan {
             })
             .collect();
         let original_config = ckpt.config()?;
-        let mut config = original_config.clone();
+        let mut before = Before {
+            config: original_config.clone(),
+            ..Before::default()
+        };
         let mut config_changes = Vec::new();
         let mut notes = PlanNotes::default();
         let mut idle_op: Option<String> = None;
-        let mut dropped_side_files = Vec::new();
-        let mut generated_files: Vec<(String, String)> = Vec::new();
-        for step in steps {
+        for (k, step) in steps.iter().enumerate() {
+            before.steps = k;
+            before.config_edited = before.config != original_config;
             match step {
                 Step::Include(globs) => {
                     entries.retain(|e| globs.iter().any(|g| g.matches(&e.name)));
@@ -359,29 +383,32 @@ impl Plan {
                             "--dtype {dtype}: kept {kept} quantisation tensor(s) (scales, zero points, packed codes) in their stored dtype; only weights are cast"
                         ));
                     }
-                    if let Some(cfg) = &mut config {
+                    if let Some(cfg) = &mut before.config {
                         config_changes.extend(edit_config_dtype(cfg, *dtype));
                     }
                 }
                 Step::Op(op_step) => {
-                    let changed = op_step.apply(Planning {
+                    let planning = Planning {
                         ckpt,
                         config: original_config.as_ref(),
                         entries: &mut entries,
                         notes: &mut notes,
-                    })?;
+                    };
+                    let changed = op_step.apply_after(planning, &before)?;
                     if !changed && idle_op.is_none() {
                         idle_op = Some(op_step.nothing_done());
                     }
                     if changed {
-                        dropped_side_files
-                            .extend(op_step.dropped_side_files().iter().map(|s| s.to_string()));
+                        let dropped = op_step.dropped_side_files().iter();
+                        before
+                            .dropped_side_files
+                            .extend(dropped.map(|s| s.to_string()));
                         for (name, text) in op_step.generated_files() {
-                            generated_files.retain(|(n, _)| *n != name);
-                            generated_files.push((name, text));
+                            before.generated_files.retain(|(n, _)| *n != name);
+                            before.generated_files.push((name, text));
                         }
                     }
-                    if let (true, Some(cfg)) = (changed, &mut config) {
+                    if let (true, Some(cfg)) = (changed, &mut before.config) {
                         config_changes.extend(op_step.edit_config(cfg));
                     }
                 }
@@ -503,8 +530,8 @@ impl Plan {
                 extra[k - 1] = Some(t);
             }
         }
-        let config = if config != original_config {
-            config
+        let config = if before.config != original_config {
+            before.config
         } else {
             None
         };
@@ -516,8 +543,8 @@ impl Plan {
             config_changes,
             notes,
             nothing_to_do,
-            dropped_side_files,
-            generated_files,
+            dropped_side_files: before.dropped_side_files,
+            generated_files: before.generated_files,
         })
     }
 

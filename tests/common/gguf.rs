@@ -417,6 +417,41 @@ impl GgufCase {
         Self::new(cfg, |_| {}, tensors)
     }
 
+    /// A two-layer Llama of hidden size 1024 (4 heads of 256, 2 KV heads) of BF16 drawn from
+    /// `Rng(seed)`: its Q/K permutations and Q8_0 rows are several pipeline chunks each at the
+    /// smallest memory budget.
+    pub fn wide_llama(seed: u64) -> Self {
+        const H: u64 = 1024;
+        let mut rng = Rng(seed);
+        let mut tensors = head_of(&mut rng, DType::BF16, H);
+        for l in 0..2 {
+            tensors.extend(layer(
+                &mut rng,
+                l,
+                DType::BF16,
+                [
+                    ("input_layernorm.weight", vec![H]),
+                    ("post_attention_layernorm.weight", vec![H]),
+                    ("self_attn.q_proj.weight", vec![H, H]),
+                    ("self_attn.k_proj.weight", vec![H / 2, H]),
+                    ("self_attn.v_proj.weight", vec![H / 2, H]),
+                    ("self_attn.o_proj.weight", vec![H, H]),
+                    ("mlp.gate_proj.weight", vec![256, H]),
+                    ("mlp.up_proj.weight", vec![256, H]),
+                    ("mlp.down_proj.weight", vec![H, 256]),
+                ],
+            ));
+        }
+        Self::new(
+            "llama3",
+            |c| {
+                c["hidden_size"] = H.into();
+                c["intermediate_size"] = 256.into();
+            },
+            tensors,
+        )
+    }
+
     /// A two-layer Qwen3-MoE of BF16 drawn from `Rng(seed)`, its four experts per layer
     /// written out of order (2, 0, 3, 1).
     pub fn qwen3_moe(seed: u64) -> Self {

@@ -16,8 +16,9 @@ class GGUFWriter:
 
     Args:
         path: the ``.gguf`` file.
-        outtype: tensor type: ``"auto"`` (the checkpoint's BF16/F16), ``"f32"``, ``"f16"``,
-            ``"bf16"`` or ``"q8_0"``.
+        outtype: tensor type, as ``tftf gguf --outtype``: ``"auto"`` (the checkpoint's
+            BF16/F16), ``"f32"``, ``"f16"``, ``"bf16"``, ``"q8_0"``, or a llama-quantize type
+            with its per-tensor choices (``"q4_k_m"``, ``"q6_k"``, ``"iq4_xs"`` …).
         force: replace an existing file.
         arch: treat the model as this architecture (``tftf gguf --arch``): a ``config.json``
             class name (``"LlamaForCausalLM"``) or a GGUF architecture (``"llama"``).
@@ -27,8 +28,8 @@ class GGUFWriter:
 
     def __init__(self, path: Union[str, Path], outtype: str = "auto", force: bool = False,
                  arch: Optional[str] = None, vocab_pre: Optional[str] = None) -> None:
-        if outtype not in ("auto", "f32", "f16", "bf16", "q8_0"):
-            raise ValueError(f"unknown GGUF outtype {outtype!r} (auto, f32, f16, bf16, q8_0)")
+        if not isinstance(outtype, str) or not outtype:
+            raise ValueError(f"unknown GGUF outtype {outtype!r} (auto, f32, f16, bf16, q8_0, q4_k_m …)")
         self.path = Path(path)
         self.outtype = outtype
         self.force = force

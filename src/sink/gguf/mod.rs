@@ -26,6 +26,7 @@ mod check;
 pub mod imatrix;
 pub mod kv;
 pub mod layout;
+mod model_dir;
 mod pre_hashes;
 pub mod quant_mix;
 mod quant_plan;

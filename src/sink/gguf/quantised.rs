@@ -10,6 +10,7 @@
 //! MXFP4 (a lossless repack) for f32/f16/bf16/q8_0 and `auto`, as the converter does.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde_json::{Map, Value as Json};
 
@@ -17,10 +18,11 @@ use super::arch::InputTensor;
 use crate::error::Result;
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::cast::Cast;
 use crate::ops::dequant::DequantStep;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::gguf::op::Decoder;
-use crate::plan::{Entry, PlanNotes, PlanStep, Planning};
+use crate::plan::{Derive, Entry, FixedOp, PlanNotes, PlanStep, Planning};
 
 /// How a source tensor was stored, for `--outtype auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +46,15 @@ pub struct Decoded {
     pub stored: Stored,
 }
 
+/// Where a tensor of the view that is not a dequantised weight comes from.
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// The checkpoint's tensor at this index, read as stored.
+    Stored(usize),
+    /// Computed by an earlier step of the run (a merge, a LoRA merge, a cast), in this dtype.
+    Computed(Arc<dyn Derive>, DType),
+}
+
 /// The checkpoint's tensors as the converter sees them once dequantised.
 #[derive(Debug, Default)]
 pub struct DequantView {
@@ -53,33 +64,33 @@ pub struct DequantView {
     pub tensors: Vec<InputTensor>,
     /// Dequantised weights by (new) name.
     pub decoded: HashMap<String, Decoded>,
+    /// Every other tensor by name.
+    pub origins: HashMap<String, Origin>,
 }
 
 impl DequantView {
-    /// Plans the dequantisation from headers (and `weight_shape` tensors) alone; a quantised
-    /// weight missing a scale, or laid out otherwise than `config` says, is refused here,
-    /// naming its file and tensor.
-    pub fn plan(ckpt: &Checkpoint, config: &Map<String, Json>) -> Result<DequantView> {
-        let mut entries: Vec<Entry> = Vec::new();
-        let mut kept: Vec<usize> = Vec::new();
-        for (i, t) in ckpt.tensors[..ckpt.base_count].iter().enumerate() {
-            let name = t.name();
-            let gpt_oss = t.info.dtype == DType::U8
-                && (name.ends_with("_blocks") || name.ends_with("_scales"));
-            if gpt_oss {
-                kept.push(i);
-                continue;
-            }
-            entries.push(Entry {
-                id: i,
-                name: name.to_string(),
-                source: i,
-                dtype: t.info.dtype,
-                shape: t.info.shape.clone(),
-                derive: None,
-                relabel: false,
+    /// The view of `entries`, the tensors as the run's earlier steps leave them (the
+    /// checkpoint's own when there are none): quantised weights among them are dequantised,
+    /// planned from headers (and `weight_shape` tensors) alone; a quantised weight missing a
+    /// scale, or laid out otherwise than `config` says, is refused here, naming its file and
+    /// tensor. `by_shard`: ordered shard by shard, as the checkpoint's files hold them; else as
+    /// one file would (the tensors an earlier step made have no shard yet).
+    pub fn plan(
+        ckpt: &Checkpoint,
+        config: &Map<String, Json>,
+        entries: &[Entry],
+        by_shard: bool,
+    ) -> Result<DequantView> {
+        let (kept, mut entries): (Vec<Entry>, Vec<Entry>) =
+            entries.iter().cloned().partition(|e| {
+                e.derive.is_none()
+                    && e.dtype == DType::U8
+                    && (e.name.ends_with("_blocks") || e.name.ends_with("_scales"))
             });
-        }
+        // Tensors an earlier step computes, told apart from the dequantisation's own.
+        let computed: Vec<*const ()> = (entries.iter())
+            .filter_map(|e| e.derive.as_ref().map(|d| Arc::as_ptr(d) as *const ()))
+            .collect();
         let step = DequantStep {
             fp8: DequantFp8Step {
                 opts: DequantOptions {
@@ -101,24 +112,51 @@ impl DequantView {
         let mut view = DequantView::default();
         // (appended last, shard, name, tensor)
         let mut order: Vec<(bool, usize, InputTensor)> = Vec::new();
-        for e in entries {
-            let shard = ckpt.tensors[e.source].shard();
+        for e in entries.into_iter().chain(kept) {
+            let shard = match by_shard {
+                true => ckpt.tensors[e.source].shard(),
+                false => 0,
+            };
             let mut appended = false;
-            if let Some(derive) = &e.derive {
-                let inputs = derive.inputs();
-                let op = derive.build(DType::F32);
-                let stored = stored_as(ckpt, op.name(), &inputs, &e.shape);
-                appended = matches!(op.name(), "dequant-int" | "dequant-gptq");
-                let decoder = Decoder {
-                    op,
-                    inputs: inputs.len(),
-                };
-                let d = Decoded {
-                    inputs,
-                    decoder,
-                    stored,
-                };
-                view.decoded.insert(e.name.clone(), d);
+            let stored = ckpt.tensors[e.source].info.dtype;
+            match &e.derive {
+                Some(d) if computed.contains(&(Arc::as_ptr(d) as *const ())) => {
+                    let origin = Origin::Computed(d.clone(), e.dtype);
+                    view.origins.insert(e.name.clone(), origin);
+                }
+                Some(derive) => {
+                    let inputs = derive.inputs();
+                    let op = derive.build(DType::F32);
+                    let stored = stored_as(ckpt, op.name(), &inputs, &e.shape);
+                    appended = matches!(op.name(), "dequant-int" | "dequant-gptq");
+                    let decoder = Decoder {
+                        op,
+                        inputs: inputs.len(),
+                    };
+                    let d = Decoded {
+                        inputs,
+                        decoder,
+                        stored,
+                    };
+                    view.decoded.insert(e.name.clone(), d);
+                }
+                None if e.dtype == stored || e.relabel => {
+                    view.origins
+                        .insert(e.name.clone(), Origin::Stored(e.source));
+                }
+                None => {
+                    let elements = crate::format::dtype::element_count(&e.shape).unwrap_or(0);
+                    let cast = FixedOp {
+                        inputs: vec![e.source],
+                        op: Arc::new(Cast {
+                            src: stored,
+                            dst: e.dtype,
+                            elements,
+                        }),
+                    };
+                    let origin = Origin::Computed(Arc::new(cast), e.dtype);
+                    view.origins.insert(e.name.clone(), origin);
+                }
             }
             order.push((
                 appended,
@@ -129,15 +167,6 @@ impl DequantView {
                     shape: e.shape,
                 },
             ));
-        }
-        for i in kept {
-            let t = &ckpt.tensors[i];
-            let tensor = InputTensor {
-                name: t.name().to_string(),
-                dtype: t.info.dtype,
-                shape: t.info.shape.clone(),
-            };
-            order.push((false, t.shard(), tensor));
         }
         order.sort_by(|a, b| (a.0, a.1, &a.2.name).cmp(&(b.0, b.1, &b.2.name)));
         view.tensors = order.into_iter().map(|(_, _, t)| t).collect();

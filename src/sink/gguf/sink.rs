@@ -7,6 +7,7 @@
 //! and shape live in the model this sink keeps, which lays the headers out.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use serde_json::{json, Map, Value as Json};
@@ -14,15 +15,17 @@ use serde_json::{json, Map, Value as Json};
 use super::arch::{self, Config, OutputTensor, Recipe};
 use super::kv::{Metadata, Value};
 use super::layout::{self, FilePlan, LayoutOptions, SourceRange, SplitLimits, TensorSpec};
+use super::model_dir::ModelDir;
 use super::quant_mix::MixOptions;
-use super::quantised::DequantView;
+use super::quantised::{DequantView, Origin};
 use super::{auto_type, quant_plan, size_label, FileType};
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
+use crate::ops::feed::{FedDerive, FeedSource};
 use crate::ops::gguf::op::{source_names, Slot};
 use crate::ops::gguf::GgufTensorOp;
-use crate::plan::{Entry, FixedOp, Plan, PlanStep, Planning, Recipe as PlanRecipe, Step};
+use crate::plan::{Before, Entry, FixedOp, Plan, PlanStep, Planning, Recipe as PlanRecipe, Step};
 use crate::sink::{Layout, OutShard, OutputKind, Sink};
 
 /// What `tftf gguf` was asked for.
@@ -56,7 +59,8 @@ pub struct GgufModel {
 #[derive(Debug)]
 pub struct GgufSink {
     pub opts: GgufOptions,
-    model: OnceLock<Arc<GgufModel>>,
+    /// Planned by the sink's step, from the tensors the run's earlier steps leave.
+    model: Arc<OnceLock<Arc<GgufModel>>>,
     /// The files as [`Sink::layout`] planned them, for the dry run and the report; their
     /// header bytes moved into the layout's shards (held once).
     files: OnceLock<Vec<FilePlan>>,
@@ -66,14 +70,14 @@ impl GgufSink {
     pub fn new(opts: GgufOptions) -> GgufSink {
         GgufSink {
             opts,
-            model: OnceLock::new(),
+            model: Arc::new(OnceLock::new()),
             files: OnceLock::new(),
         }
     }
 
-    /// The model, once [`Sink::steps`] has planned it.
+    /// The model, once the plan has been built with [`Sink::steps`].
     pub fn model(&self) -> &GgufModel {
-        self.model.get().expect("GgufSink::steps runs first")
+        self.model.get().expect("the plan is built first")
     }
 
     /// The files, once [`Sink::layout`] has planned them (headers left out: see `files`).
@@ -137,53 +141,74 @@ impl GgufSink {
             },
         )
     }
+}
 
-    fn plan_model(&self, ckpt: &Checkpoint) -> Result<GgufModel> {
-        let cfg = load_config(ckpt, self.opts.arch.as_deref())?;
-        let view = DequantView::plan(ckpt, &cfg.map)?;
-        let in_tensors = &view.tensors;
-        let auto = self.opts.file_type.is_none();
-        let file_type = match self.opts.file_type {
-            Some(t) => t,
-            None => auto_type::file_type(&view),
-        };
-        let mut metadata = arch::model_kvs(&cfg, file_type, &model_name(ckpt))?;
-        let vocab = super::vocab::vocab_kvs_for(&cfg, &ckpt.dir, self.opts.vocab_pre.as_deref())?;
-        for (k, v) in vocab.iter() {
-            metadata.set(k, v.clone());
-        }
-        if cfg.spec.family == arch::Family::Glm4Moe {
-            super::arch_glm::special_tokens(&ckpt.dir, &mut metadata)?;
-        }
-        let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
-        if auto {
-            auto_type::retype(&view, &mut outputs);
-        }
-        let mut warnings = Vec::new();
-        if let FileType::Quant(mix) = file_type {
-            warnings = quant_plan::apply(mix, &self.opts.mix, &cfg, &mut metadata, &mut outputs)?;
-        }
-        if let Some(label) = size_label::size_label(&outputs) {
-            metadata.insert_after("general.name", "general.size_label", Value::String(label));
-        }
-        refuse_unconvertible(&outputs)?;
-        super::check::refuse_incomplete(&cfg, &outputs)?;
-        Ok(GgufModel {
-            cfg,
-            file_type,
-            metadata,
-            outputs,
-            view,
-            warnings,
-        })
+/// Plans the GGUF model from `entries`, the tensors the run's earlier steps leave (the
+/// checkpoint's own for `tftf gguf`), and what those steps made of `config.json` and the
+/// tokenizer files ([`Before`]).
+fn plan_model(
+    opts: &GgufOptions,
+    ckpt: &Checkpoint,
+    entries: &[Entry],
+    before: &Before,
+) -> Result<GgufModel> {
+    let cfg = match (before.steps, &before.config) {
+        (0, _) | (_, None) => load_config(ckpt, opts.arch.as_deref())?,
+        (_, Some(map)) => config_from(
+            &ckpt.dir.join("config.json"),
+            map.clone(),
+            opts.arch.as_deref(),
+        )?,
+    };
+    let view = DequantView::plan(ckpt, &cfg.map, entries, before.steps == 0)?;
+    let in_tensors = &view.tensors;
+    let auto = opts.file_type.is_none();
+    let file_type = match opts.file_type {
+        Some(t) => t,
+        None => auto_type::file_type(&view),
+    };
+    let name = match before.steps {
+        0 => model_name(ckpt),
+        _ => output_name(&opts.file_name),
+    };
+    let mut metadata = arch::model_kvs(&cfg, file_type, &name)?;
+    let dir = ModelDir::for_run(ckpt, before)?;
+    let vocab = super::vocab::vocab_kvs_for(&cfg, dir.path(), opts.vocab_pre.as_deref())?;
+    for (k, v) in vocab.iter() {
+        metadata.set(k, v.clone());
     }
+    if cfg.spec.family == arch::Family::Glm4Moe {
+        super::arch_glm::special_tokens(dir.path(), &mut metadata)?;
+    }
+    let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
+    if auto {
+        auto_type::retype(&view, &mut outputs);
+    }
+    let mut warnings = Vec::new();
+    if let FileType::Quant(mix) = file_type {
+        warnings = quant_plan::apply(mix, &opts.mix, &cfg, &mut metadata, &mut outputs)?;
+    }
+    if let Some(label) = size_label::size_label(&outputs) {
+        metadata.insert_after("general.name", "general.size_label", Value::String(label));
+    }
+    refuse_unconvertible(&outputs)?;
+    super::check::refuse_incomplete(&cfg, &outputs)?;
+    Ok(GgufModel {
+        cfg,
+        file_type,
+        metadata,
+        outputs,
+        view,
+        warnings,
+    })
 }
 
 impl Sink for GgufSink {
-    fn steps(&self, ckpt: &Checkpoint) -> Result<Vec<Step>> {
-        let model = Arc::new(self.plan_model(ckpt)?);
-        let _ = self.model.set(model.clone());
-        Ok(vec![Step::Op(Arc::new(GgufStep { model }))])
+    fn steps(&self, _ckpt: &Checkpoint) -> Result<Vec<Step>> {
+        Ok(vec![Step::Op(Arc::new(GgufStep {
+            opts: self.opts.clone(),
+            model: self.model.clone(),
+        }))])
     }
 
     fn layout(&self, ckpt: &Checkpoint, plan: &Plan, sharing: bool) -> Result<Layout> {
@@ -224,30 +249,44 @@ impl Sink for GgufSink {
     }
 }
 
-/// Puts the GGUF model's tensors in the plan, in the file's order.
+/// Plans the GGUF model from the tensors reaching it and puts the model's tensors in the plan,
+/// in the file's order.
 #[derive(Debug)]
 struct GgufStep {
-    model: Arc<GgufModel>,
+    opts: GgufOptions,
+    /// Shared with the sink, which lays the files out from it.
+    model: Arc<OnceLock<Arc<GgufModel>>>,
 }
 
 impl PlanStep for GgufStep {
     fn apply(&self, p: Planning) -> Result<bool> {
-        let (ckpt, entries) = (p.ckpt, p.entries);
-        p.notes.warnings.extend(self.model.warnings.iter().cloned());
-        let index = |t: &OutputTensor, name: &str| {
-            ckpt.index_of(name).ok_or_else(|| Error::GgufTensor {
+        let before = Before {
+            config: p.config.cloned(),
+            ..Before::default()
+        };
+        self.apply_after(p, &before)
+    }
+
+    fn apply_after(&self, p: Planning, before: &Before) -> Result<bool> {
+        let model = Arc::new(plan_model(&self.opts, p.ckpt, p.entries, before)?);
+        let _ = self.model.set(model.clone());
+        p.notes.warnings.extend(model.warnings.iter().cloned());
+        let view = &model.view;
+        let origin = |t: &OutputTensor, name: &str| {
+            view.origins.get(name).ok_or_else(|| Error::GgufTensor {
                 tensor: t.name.clone(),
                 msg: format!("source `{name}` is not in the checkpoint"),
             })
         };
-        let mut out = Vec::with_capacity(self.model.outputs.len());
-        let decoded = &self.model.view.decoded;
-        for (id, o) in self.model.outputs.iter().enumerate() {
-            let copy = o.copy_source().filter(|n| !decoded.contains_key(*n));
-            let copy = copy.and_then(|n| {
-                let i = ckpt.index_of(n)?;
-                let src = &ckpt.tensors[i].info;
-                (src.nbytes() == o.byte_len() && Some(src.dtype) == o.src_dtype).then_some(i)
+        let mut out = Vec::with_capacity(model.outputs.len());
+        for (id, o) in model.outputs.iter().enumerate() {
+            let copy = o.copy_source().and_then(|n| match view.origins.get(n) {
+                Some(Origin::Stored(i)) => Some(*i),
+                _ => None,
+            });
+            let copy = copy.filter(|&i| {
+                let src = &p.ckpt.tensors[i].info;
+                src.nbytes() == o.byte_len() && Some(src.dtype) == o.src_dtype
             });
             let mut entry = Entry {
                 id,
@@ -263,32 +302,51 @@ impl PlanStep for GgufStep {
                 out.push(entry);
                 continue;
             }
-            let mut inputs = Vec::new();
+            let mut feeds = Vec::new();
             let mut slots = Vec::new();
             for name in source_names(o) {
-                match decoded.get(name) {
+                match view.decoded.get(name) {
                     Some(d) => {
-                        inputs.extend(&d.inputs);
+                        feeds.extend(d.inputs.iter().map(|&i| FeedSource::Stored(i)));
                         slots.push(Slot {
                             name: name.to_string(),
                             decode: Some(d.decoder.clone()),
                         });
                     }
                     None => {
-                        inputs.push(index(o, name)?);
+                        feeds.push(match origin(o, name)? {
+                            Origin::Stored(i) => FeedSource::Stored(*i),
+                            Origin::Computed(d, dtype) => FeedSource::Derived(d.clone(), *dtype),
+                        });
                         slots.push(Slot::plain(name));
                     }
                 }
             }
+            let inputs: Vec<usize> = (feeds.iter())
+                .flat_map(|f| match f {
+                    FeedSource::Stored(i) => vec![*i],
+                    FeedSource::Derived(d, _) => d.inputs(),
+                })
+                .collect();
             entry.source = inputs.first().copied().unwrap_or(0);
             entry.relabel = false;
-            entry.derive = Some(Arc::new(FixedOp {
+            let fixed = Arc::new(FixedOp {
                 inputs,
                 op: Arc::new(GgufTensorOp::new(o.clone(), slots)),
-            }));
+            });
+            let fed = feeds.iter().any(|f| matches!(f, FeedSource::Derived(..)));
+            entry.derive = Some(match fed {
+                // A weight an earlier step computes, computed a chunk at a time as the GGUF
+                // encoder reads it.
+                true => Arc::new(FedDerive {
+                    outer: fixed,
+                    feeds,
+                }),
+                false => fixed,
+            });
             out.push(entry);
         }
-        *entries = out;
+        *p.entries = out;
         Ok(true)
     }
 
@@ -331,6 +389,12 @@ fn load_config(ckpt: &Checkpoint, arch_override: Option<&str>) -> Result<Config>
             "missing: the GGUF's architecture and hyperparameters come from the model's config.json"
                 .into(),
     })?;
+    config_from(&path, map, arch_override)
+}
+
+/// The configuration `map` (read from, or edited from, `path`), with `--arch` replacing
+/// `architectures`.
+fn config_from(path: &Path, map: Map<String, Json>, arch_override: Option<&str>) -> Result<Config> {
     let mut json = Json::Object(map);
     if let Some(a) = arch_override {
         let spec = arch::ARCHS
@@ -347,7 +411,16 @@ fn load_config(ckpt: &Checkpoint, arch_override: Option<&str>) -> Result<Config>
         };
         json["architectures"] = json!([class]);
     }
-    Config::from_json(&path, json)
+    Config::from_json(path, json)
+}
+
+/// `general.name` of a model the run's earlier steps made (a merge): the output file's name
+/// without `.gguf`, as converting that model from a folder of that name would give.
+fn output_name(file_name: &str) -> String {
+    file_name
+        .strip_suffix(".gguf")
+        .unwrap_or(file_name)
+        .to_string()
 }
 
 /// `general.name`: the model directory's name (the reference derives a display name from it).
