@@ -256,3 +256,36 @@ fn gguf_sections_that_cannot_apply_are_refused_before_any_output() {
         assert!(!c.path("out").exists(), "{sections:?}: {err}");
     }
 }
+
+/// A tokenizer the GGUF cannot take after a merge is refused naming the file as the user
+/// knows it: the donor's own tokenizer by its path, a merged one as the merge writes it. No
+/// output exists, and the folder the merged tokenizer files were staged in is gone.
+#[test]
+fn a_tokenizer_refused_after_a_merge_is_named_as_the_user_knows_it() {
+    let dir = tmp();
+    let staging = dir.path().join("tmp");
+    std::fs::create_dir_all(&staging).unwrap();
+    let donor = std::fs::canonicalize(fixture("merge/models/a_bf16/tokenizer.json")).unwrap();
+    for (cfg, named) in [
+        ("merge/configs/ties.yml", donor.display().to_string()),
+        (
+            "merge/tokenizer/configs/union_linear.yml",
+            "tokenizer.json (as the earlier steps write it)".to_string(),
+        ),
+    ] {
+        let out = dir.path().join("out/m.gguf");
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_tftf"))
+            .args(["run", "-o", s(&out), "--merge", s(&fixture(cfg)), "--gguf"])
+            .env("TMPDIR", &staging)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{cfg}: {}", stderr(&o));
+        let err = stderr(&o);
+        assert_starts(
+            &err,
+            &format!("error: {named}: the pre-tokenizer is not one llama.cpp knows"),
+        );
+        assert!(!dir.path().join("out").exists(), "{cfg}");
+        assert_listing(&staging, "");
+    }
+}

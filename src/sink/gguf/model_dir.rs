@@ -61,6 +61,44 @@ impl ModelDir {
         Ok(ModelDir::Staged(staged))
     }
 
+    /// `e` naming the file it is about as the user knows it: a staged link by the model file
+    /// it links to, a staged file by its name as the earlier steps write it.
+    pub fn explain(&self, e: Error) -> Error {
+        let ModelDir::Staged(dir) = self else {
+            return e;
+        };
+        let real = |path: PathBuf| -> PathBuf {
+            let Ok(rel) = path.strip_prefix(dir.path()) else {
+                return path;
+            };
+            match std::fs::read_link(&path) {
+                Ok(target) => target,
+                Err(_) => {
+                    PathBuf::from(format!("{} (as the earlier steps write it)", rel.display()))
+                }
+            }
+        };
+        match e {
+            Error::GgufTokenizer { path, msg } => Error::GgufTokenizer {
+                path: real(path),
+                msg,
+            },
+            Error::GgufConfig { path, msg } => Error::GgufConfig {
+                path: real(path),
+                msg,
+            },
+            Error::GgufUnknownPreTokenizer { path, hash } => Error::GgufUnknownPreTokenizer {
+                path: real(path),
+                hash,
+            },
+            Error::Io { path, source } => Error::Io {
+                path: real(path),
+                source,
+            },
+            e => e,
+        }
+    }
+
     pub fn path(&self) -> &Path {
         match self {
             ModelDir::Input(p) => p,

@@ -173,12 +173,13 @@ fn plan_model(
     };
     let mut metadata = arch::model_kvs(&cfg, file_type, &name)?;
     let dir = ModelDir::for_run(ckpt, before)?;
-    let vocab = super::vocab::vocab_kvs_for(&cfg, dir.path(), opts.vocab_pre.as_deref())?;
+    let vocab = super::vocab::vocab_kvs_for(&cfg, dir.path(), opts.vocab_pre.as_deref())
+        .map_err(|e| dir.explain(e))?;
     for (k, v) in vocab.iter() {
         metadata.set(k, v.clone());
     }
     if cfg.spec.family == arch::Family::Glm4Moe {
-        super::arch_glm::special_tokens(dir.path(), &mut metadata)?;
+        super::arch_glm::special_tokens(dir.path(), &mut metadata).map_err(|e| dir.explain(e))?;
     }
     let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
     if auto {
