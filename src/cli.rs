@@ -892,6 +892,26 @@ pub struct GgufFormatArgs {
     pub vocab_pre: Option<String>,
 }
 
+impl GgufFormatArgs {
+    /// Whether any option was given (a command whose output may be GGUF or not refuses them
+    /// beside another output).
+    pub fn given(&self) -> bool {
+        let q = &self.quantize;
+        self.outtype != "auto"
+            || self.split_max_size.is_some()
+            || self.arch.is_some()
+            || self.vocab_pre.is_some()
+            || q.leave_output_tensor
+            || q.output_tensor_type.is_some()
+            || q.token_embedding_type.is_some()
+            || !q.tensor_type.is_empty()
+            || q.pure
+            || q.imatrix.is_some()
+            || !q.include_weights.is_empty()
+            || !q.exclude_weights.is_empty()
+    }
+}
+
 /// `tftf merge CONFIG.yml OUT`, mergekit-yaml's options, and the short LoRA form
 /// `tftf merge --weights BASE --lora ADAPTER --alpha A --output OUT`.
 #[derive(Args, Debug)]
@@ -941,6 +961,8 @@ pub struct MergeKitArgs {
         requires = "weights"
     )]
     pub alpha: f64,
+    #[command(flatten, next_help_heading = "GGUF output (OUT ending in .gguf)")]
+    pub gguf: GgufFormatArgs,
     #[command(flatten)]
     pub job: JobArgs,
 }

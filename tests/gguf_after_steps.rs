@@ -289,3 +289,59 @@ fn a_tokenizer_refused_after_a_merge_is_named_as_the_user_knows_it() {
         assert_listing(&staging, "");
     }
 }
+
+/// `tftf merge CONFIG OUT.gguf --outtype T` is `tftf run --merge CONFIG --gguf --outtype T`
+/// (the short LoRA form too); GGUF options beside another output, and mergekit's shard size
+/// beside a GGUF, are refused before any output exists.
+#[test]
+fn merge_into_a_gguf_file_is_run_merge_gguf() {
+    let dir = tmp();
+    let d = dir.path();
+    let cfg = fixture("merge/configs/ties.yml");
+    let pre = ["--vocab-pre", "gpt-2", "-q"];
+    let merged = d.join("merge/m.gguf");
+    ok(&tftf(
+        &[
+            &["merge", s(&cfg), s(&merged), "--outtype", "f16"][..],
+            &pre,
+        ]
+        .concat(),
+    ));
+    let run = d.join("run/m.gguf");
+    let args = [
+        "run",
+        "-o",
+        s(&run),
+        "--merge",
+        s(&cfg),
+        "--gguf",
+        "--outtype",
+        "f16",
+    ];
+    ok(&tftf(&[&args[..], &pre].concat()));
+    assert_eq!(
+        std::fs::read(&merged).unwrap(),
+        std::fs::read(&run).unwrap()
+    );
+    assert_listing(&d.join("merge"), "m.gguf");
+    let out = d.join("bad/m");
+    let err = usage_error(&["merge", s(&cfg), s(&out), "--outtype", "q8_0"]);
+    assert_mentions(&err, &["GGUF options apply to a GGUF output", "OUT.gguf"]);
+    let gguf = d.join("bad/m.gguf");
+    let err = usage_error(&["merge", s(&cfg), s(&gguf), "--out-shard-size", "1B"]);
+    assert_mentions(&err, &["--out-shard-size", "--split-max-size"]);
+    assert!(!d.join("bad").exists());
+    // The dry run lists each tensor computed by the merge as the encoder reads it.
+    let dry = d.join("dry/m.gguf");
+    let o = tftf(&[
+        "merge",
+        s(&cfg),
+        s(&dry),
+        "--vocab-pre",
+        "gpt-2",
+        "--dry-run",
+    ]);
+    ok(&o);
+    assert_mentions(&stdout(&o), &["blk.0.attn_k.weight", "computed + rows"]);
+    assert!(!d.join("dry").exists());
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::cli::{AdapterOpts, MergeKitArgs, MergeOutputArgs, RequantArgs, WriteArgs};
 use crate::error::{Error, Result};
-use crate::job::WriteOptions;
+use crate::job::{Format, WriteOptions};
 use crate::ops::merge::{MergeConfig, MergeStep};
 use crate::plan::Step;
 use crate::size::parse_size;
@@ -29,6 +29,24 @@ pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
     let output = a.out.clone().or_else(|| a.output.clone()).ok_or_else(|| {
         Error::Usage("no output: give `tftf merge CONFIG.yml OUT` or -o OUT".into())
     })?;
+    let gguf = output.extension().is_some_and(|e| e == "gguf");
+    if !gguf && a.gguf.given() {
+        return Err(Error::Usage(format!(
+            "--outtype, --imatrix, --arch, --vocab-pre and the other GGUF options apply to a GGUF output: name it OUT.gguf (not {})",
+            output.display()
+        )));
+    }
+    if gguf && a.out_shard_size.is_some() {
+        return Err(Error::Usage(
+            "--out-shard-size cuts safetensors shards: a GGUF output is split with --split-max-size".into(),
+        ));
+    }
+    let format = match gguf {
+        true => Some(Format::Gguf(super::options::gguf_options(
+            &a.gguf, &output,
+        )?)),
+        false => None,
+    };
     let shard = match (&a.out_shard_size, &a.weights) {
         (Some(s), _) => Some(shard_bytes(s)?.to_string()),
         (None, Some(_)) => None,
@@ -41,6 +59,15 @@ pub(crate) fn job(a: &MergeKitArgs, arguments: &str) -> Result<MergeJob> {
         allow_empty: false,
         job: a.job.clone(),
     };
+    let mut job = merge_job(a, write, arguments)?;
+    if let Some(format) = format {
+        job.options.format = format;
+    }
+    Ok(job)
+}
+
+/// The merge job of `a`, written as `write` says.
+fn merge_job(a: &MergeKitArgs, write: WriteArgs, arguments: &str) -> Result<MergeJob> {
     if let (Some(base), Some(adapter)) = (&a.weights, &a.lora) {
         return lora_job(base, adapter, a.alpha, write, arguments);
     }

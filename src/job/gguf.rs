@@ -11,7 +11,7 @@ use crate::output::resolve;
 use crate::pipeline::RunStats;
 use crate::sink::gguf::layout::FilePlan;
 use crate::sink::gguf::recipe::OutputTensor;
-use crate::sink::gguf::sink::{file_type_name, recipe_kind, report_fields, GgufSink};
+use crate::sink::gguf::sink::{file_type_name, recipe_kind, report_fields, GgufModel, GgufSink};
 use crate::size::human;
 use crate::sys;
 
@@ -85,7 +85,7 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
     let by_name: HashMap<&str, &OutputTensor> =
         model.outputs.iter().map(|o| (o.name.as_str(), o)).collect();
     for (plan, name) in info.plans.iter().zip(&info.names) {
-        print_file(plan, name, &by_name);
+        print_file(plan, name, model, &by_name);
     }
     outln!(
         "  bytes: {} copied unchanged ({} at offsets congruent with the input: shared fraction {:.3}), {} computed",
@@ -103,7 +103,12 @@ pub(crate) fn print_plan(p: &Prepared, g: &GgufSink, needed: u64, free: Option<u
     print_disk_line(needed, free);
 }
 
-fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor>) {
+fn print_file(
+    plan: &FilePlan,
+    name: &str,
+    model: &GgufModel,
+    by_name: &HashMap<&str, &OutputTensor>,
+) {
     outln!(
         "  {:<40} {:>12}  {} tensors, header {}",
         name,
@@ -113,9 +118,16 @@ fn print_file(plan: &FilePlan, name: &str, by_name: &HashMap<&str, &OutputTensor
     );
     for t in &plan.tensors {
         let how = match (t.spec.source, t.congruent) {
-            (Some(_), true) => "copy, shareable",
-            (Some(_), false) => "copy",
-            (None, _) => recipe_kind(by_name[t.spec.name.as_str()]),
+            (None, _) => {
+                let o = by_name[t.spec.name.as_str()];
+                match model.reads_computed(o) {
+                    // Of a weight an earlier step (a merge) computes as the encoder reads it.
+                    true => format!("computed + {}", recipe_kind(o)),
+                    false => recipe_kind(o).to_string(),
+                }
+            }
+            (Some(_), true) => "copy, shareable".to_string(),
+            (Some(_), false) => "copy".to_string(),
         };
         outln!(
             "    {:<36} {:<6} {:<20} {:>10}  {}",

@@ -56,6 +56,15 @@ pub struct GgufModel {
     warnings: Vec<String>,
 }
 
+impl GgufModel {
+    /// Whether an earlier step of the run computes a source of `t` (a merge, a LoRA merge, a
+    /// cast).
+    pub fn reads_computed(&self, t: &OutputTensor) -> bool {
+        (source_names(t).iter())
+            .any(|n| matches!(self.view.origins.get(*n), Some(Origin::Computed(..))))
+    }
+}
+
 #[derive(Debug)]
 pub struct GgufSink {
     pub opts: GgufOptions,
