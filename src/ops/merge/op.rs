@@ -6,6 +6,7 @@
 //! values widened to f64 a block of [`BLOCK`] elements at a time. The other methods need the
 //! whole tensor of every model (thresholds, norms, iterations): one chunk, f32 values.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use super::config::MergeConfig;
@@ -21,6 +22,14 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
 use crate::plan::Op;
+
+/// Elements of a chunk decoded at a time by a streamed survey's passes and merge.
+const PIECE: usize = 1 << 14;
+
+thread_local! {
+    /// Each thread's decoded inputs and merged values of one piece ([`MergeOp::by_pieces`]).
+    static SCRATCH: RefCell<(Vec<Vec<f32>>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
 
 /// Elements widened to f64 at a time per input in elementwise methods.
 pub const BLOCK: usize = 4096;
@@ -244,13 +253,48 @@ impl MergeOp {
         (if has_base { &values[0] } else { &[] }, models)
     }
 
-    /// Chunk `units` of the tensor, as surveys take it.
-    fn chunk<'a>(units: &Range<u64>, base: &'a [f32], models: &'a [&'a [f32]]) -> Chunk<'a> {
-        Chunk {
-            start: units.start as usize,
-            base,
-            models,
-        }
+    /// Calls `f` with each piece of chunk `units` (a whole number of `granule`s, about
+    /// [`PIECE`] elements) decoded into this thread's scratch, and the piece's offset in the
+    /// chunk: a chunk of any size then costs a few hundred KiB of decoded values, no fresh
+    /// pages, and stays in cache from decoding to use. A survey's statistics and merge do not
+    /// depend on where chunks are cut at granules (`survey.rs`), so pieces give a chunk's
+    /// bytes.
+    fn by_pieces(
+        &self,
+        units: &Range<u64>,
+        inputs: &[&[u8]],
+        granule: usize,
+        f: &mut dyn FnMut(usize, &Chunk, &mut Vec<f32>) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let n = (units.end - units.start) as usize;
+        let step = PIECE.div_ceil(granule.max(1)) * granule.max(1);
+        SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            let (values, out) = &mut *scratch;
+            values.resize_with(inputs.len(), Vec::new);
+            let mut at = 0;
+            while at < n {
+                let len = step.min(n - at);
+                for ((v, bytes), &d) in values.iter_mut().zip(inputs).zip(&self.in_dtypes) {
+                    let size = d.size().expect("float dtypes have a size");
+                    v.resize(len, 0.0);
+                    decode_into(d, &bytes[at * size..(at + len) * size], v);
+                    if let Some(c) = self.rounding(d) {
+                        v.iter_mut()
+                            .for_each(|x| *x = round_to(c, *x as f64) as f32);
+                    }
+                }
+                let (base, models) = self.split(values);
+                let chunk = Chunk {
+                    start: units.start as usize + at,
+                    base,
+                    models: &models,
+                };
+                f(at, &chunk, out)?;
+                at += len;
+            }
+            Ok(())
+        })
     }
 
     /// A new survey of this tensor.
@@ -301,13 +345,20 @@ impl MergeOp {
             ));
         };
         let n = (units.end - units.start) as usize;
-        let values = self.decode(inputs, n);
-        let (base, models) = self.split(&values);
-        let mut merged = vec![0f32; n];
-        survey
-            .merge(&Self::chunk(&units, base, &models), &mut merged)
-            .map_err(|e| super::adapt::name_models(&e, self.names()))?;
-        write_as(self.dst, merged.into_iter(), out);
+        let size = self.dst.size().expect("float dtypes have a size");
+        self.by_pieces(
+            &units,
+            inputs,
+            survey.granule(),
+            &mut |at, chunk, merged| {
+                let len = chunk.models[0].len();
+                merged.resize(len, 0.0);
+                survey.merge(chunk, merged)?;
+                write_as(self.dst, merged.iter().copied(), &mut out[at * size..]);
+                Ok(())
+            },
+        )
+        .map_err(|e| super::adapt::name_models(&e, self.names()))?;
         if self.surveyed.merged.fetch_add(n as u64, Ordering::Relaxed) + n as u64 >= self.elements {
             *self.surveyed.done.lock().unwrap() = None;
         }
@@ -443,11 +494,13 @@ impl Op for MergeOp {
                 ))
             }
         };
-        let values = self.decode(inputs, (units.end - units.start) as usize);
-        let (base, models) = self.split(&values);
         let names = self.names();
-        (r.survey.observe(pass, &Self::chunk(&units, base, &models)))
-            .map_err(|e| super::adapt::name_models(&e, names))?;
+        let survey = &mut r.survey;
+        let granule = survey.granule();
+        self.by_pieces(&units, inputs, granule, &mut |_, chunk, _| {
+            survey.observe(pass, chunk)
+        })
+        .map_err(|e| super::adapt::name_models(&e, names))?;
         r.next = units.end;
         if units.end == self.elements {
             (r.survey.end_pass(pass)).map_err(|e| super::adapt::name_models(&e, names))?;

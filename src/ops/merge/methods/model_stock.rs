@@ -85,6 +85,55 @@ impl Gram {
     /// triangle's sums take their terms in step, so a run up to the end of their block sums in
     /// registers (the same additions in the same order as one [`BlockSum::add`] a term).
     fn add(&mut self, base: &[f32], models: &[&[f32]], span: Range<usize>) {
+        // The usual model counts with their pairs' sums in fixed-size arrays, which the
+        // compiler keeps in registers; the additions are the general loop's.
+        match self.n {
+            2 => self.add_fixed::<2, 3>(base, models, span),
+            3 => self.add_fixed::<3, 6>(base, models, span),
+            4 => self.add_fixed::<4, 10>(base, models, span),
+            _ => self.add_any(base, models, span),
+        }
+    }
+
+    /// [`Gram::add`] for `N` models and their `P` pairs.
+    fn add_fixed<const N: usize, const P: usize>(
+        &mut self,
+        base: &[f32],
+        models: &[&[f32]],
+        span: Range<usize>,
+    ) {
+        let mut pairs = [(0usize, 0usize); P];
+        let mut p = 0;
+        for i in 0..N {
+            for j in i..N {
+                pairs[p] = (i, j);
+                p += 1;
+            }
+        }
+        let mut k = span.start;
+        while k < span.end {
+            let end = span.end.min(k + self.sums[0].room());
+            let mut acc = [0f64; P];
+            for (a, &(i, j)) in acc.iter_mut().zip(&pairs) {
+                *a = self.sums[i * N + j].open();
+            }
+            let b = &base[k..end];
+            let ms: [&[f32]; N] = std::array::from_fn(|i| &models[i][k..end]);
+            for (e, &be) in b.iter().enumerate() {
+                let o: [f64; N] = std::array::from_fn(|i| ms[i][e] as f64 - be as f64);
+                for (a, &(i, j)) in acc.iter_mut().zip(&pairs) {
+                    *a += o[i] * o[j];
+                }
+            }
+            for (a, &(i, j)) in acc.iter().zip(&pairs) {
+                self.sums[i * N + j].close(*a, end - k);
+            }
+            k = end;
+        }
+    }
+
+    /// [`Gram::add`] for any number of models.
+    fn add_any(&mut self, base: &[f32], models: &[&[f32]], span: Range<usize>) {
         let n = self.n;
         let pairs: Vec<(usize, usize)> = (0..n).flat_map(|i| (i..n).map(move |j| (i, j))).collect();
         let mut acc = vec![0f64; pairs.len()];
@@ -202,6 +251,36 @@ mod tests {
         run_plain(base.len(), inputs, |models, out| {
             model_stock(base, models, global, &[base.len()], out)
         })
+    }
+
+    /// The fixed-size Gram sums add what the general loop adds, in its order, over spans that
+    /// start and end mid-block.
+    #[test]
+    fn fixed_size_gram_sums_are_the_general_ones() {
+        use super::super::uniform;
+        let len = 3 * BlockSum::default().room() + 17;
+        for n in 1..=6usize {
+            let draw = |m: u64| -> Vec<f32> {
+                (0..len)
+                    .map(|j| (uniform(n as u64, m, j as u64) * 2.0 - 1.0) as f32)
+                    .collect()
+            };
+            let base = draw(99);
+            let models: Vec<Vec<f32>> = (0..n as u64).map(draw).collect();
+            let models: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
+            let (mut fixed, mut any) = (Gram::new(n), Gram::new(n));
+            for span in [0..5, 5..len / 2, len / 2..len / 2, len / 2..len] {
+                fixed.add(&base, &models, span.clone());
+                any.add_any(&base, &models, span);
+            }
+            let bits = |g: &Gram| {
+                g.sums
+                    .iter()
+                    .map(|s| s.value().to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&fixed), bits(&any), "{n} models");
+        }
     }
 
     #[test]
