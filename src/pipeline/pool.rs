@@ -19,6 +19,10 @@ use crate::gpu::host::HostRegistrar;
 /// Host page size assumed for alignment; registration needs page-aligned memory.
 pub const PAGE: usize = 4096;
 
+/// Buffers at least this big are mapped from the kernel, which hands out zeroed pages, instead
+/// of allocated page-aligned and zeroed byte by byte (a tenth of a merge's time).
+const MAPPED_BYTES: usize = 1 << 20;
+
 /// A page-aligned, zero-initialised byte buffer from the pool; every byte of its capacity stays
 /// initialised, so changing its length needs no zero-fill of reused memory.
 pub struct PoolBuf {
@@ -39,6 +43,24 @@ impl PoolBuf {
         debug_assert!(cap >= len);
         let ptr = if cap == 0 {
             NonNull::<u8>::dangling()
+        } else if cap >= MAPPED_BYTES {
+            // SAFETY: a fresh private anonymous mapping; the kernel hands it out zeroed.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    cap,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            let layout = Layout::from_size_align(cap, PAGE).expect("buffer size fits a Layout");
+            match p {
+                libc::MAP_FAILED => std::alloc::handle_alloc_error(layout),
+                p => NonNull::new(p.cast::<u8>())
+                    .unwrap_or_else(|| std::alloc::handle_alloc_error(layout)),
+            }
         } else {
             let layout = Layout::from_size_align(cap, PAGE).expect("buffer size fits a Layout");
             // SAFETY: non-zero size.
@@ -94,7 +116,10 @@ impl Drop for PoolBuf {
         if let Some(r) = self.registered.take() {
             r.unregister(self.ptr.as_ptr());
         }
-        if self.cap > 0 {
+        if self.cap >= MAPPED_BYTES {
+            // SAFETY: mapped in `alloc` with this length.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+        } else if self.cap > 0 {
             let layout = Layout::from_size_align(self.cap, PAGE).expect("allocated with it");
             // SAFETY: allocated in `alloc` with this layout.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };

@@ -414,9 +414,8 @@ impl MergeOp {
                 }
                 Formula::Whole { .. } => unreachable!("whole-tensor methods compute elsewhere"),
             }
-            for (k, &v) in res[..n].iter().enumerate() {
-                store_f64(self.dst, out, at + k, v);
-            }
+            let size = self.dst.size().expect("float dtypes have a size");
+            store_f64_block(self.dst, &res[..n], &mut out[at * size..(at + n) * size]);
             at += n;
         }
     }
@@ -438,6 +437,21 @@ pub(crate) fn store_f64(dst: DType, out: &mut [u8], k: usize, v: f64) {
         DType::F64 => out[8 * k..8 * k + 8].copy_from_slice(&v.to_le_bytes()),
         DType::F32 => store_f32(dst, out, k, v as f32),
         _ => store_f32(dst, out, k, f64_to_f32_odd(v)),
+    }
+}
+
+/// [`store_f64`] of every value of `values` into `out`, the dtype matched once.
+fn store_f64_block(dst: DType, values: &[f64], out: &mut [u8]) {
+    match dst {
+        DType::F64 => (out.chunks_exact_mut(8).zip(values))
+            .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
+        DType::F32 => (out.chunks_exact_mut(4).zip(values))
+            .for_each(|(o, &v)| o.copy_from_slice(&(v as f32).to_le_bytes())),
+        DType::BF16 => (out.chunks_exact_mut(2).zip(values))
+            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_bf16(f64_to_f32_odd(v)).to_le_bytes())),
+        DType::F16 => (out.chunks_exact_mut(2).zip(values))
+            .for_each(|(o, &v)| o.copy_from_slice(&f32_to_f16(f64_to_f32_odd(v)).to_le_bytes())),
+        _ => (values.iter().enumerate()).for_each(|(k, &v)| store_f64(dst, out, k, v)),
     }
 }
 

@@ -5,13 +5,15 @@
 
 /// `out[j] = Σ_i weights[i] · inputs[i][j] / denominator`, each term in f64, in input order.
 pub fn linear(inputs: &[&[f64]], weights: &[f64], denominator: f64, out: &mut [f64]) {
-    for (j, o) in out.iter_mut().enumerate() {
-        let mut acc = 0.0;
-        for (x, w) in inputs.iter().zip(weights) {
-            acc += w * x[j];
+    // Input by input over the block (which vectorises), each element's sum still taking its
+    // terms in input order from 0.0.
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (x, w) in inputs.iter().zip(weights) {
+        for (o, &v) in out.iter_mut().zip(x.iter()) {
+            *o += w * v;
         }
-        *o = acc / denominator;
     }
+    out.iter_mut().for_each(|o| *o /= denominator);
 }
 
 #[cfg(test)]

@@ -12,13 +12,16 @@ pub fn task_arithmetic(
     scale: f64,
     out: &mut [f64],
 ) {
-    for (j, o) in out.iter_mut().enumerate() {
-        let b = base[j];
-        let mut acc = 0.0;
-        for (x, w) in models.iter().zip(weights) {
-            acc += w * (x[j] - b);
+    // Model by model over the block (which vectorises), each element's sum still taking its
+    // terms in model order from 0.0.
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (x, w) in models.iter().zip(weights) {
+        for ((o, &v), &b) in out.iter_mut().zip(x.iter()).zip(base) {
+            *o += w * (v - b);
         }
-        *o = b + scale * acc;
+    }
+    for (o, &b) in out.iter_mut().zip(base) {
+        *o = b + scale * *o;
     }
 }
 
