@@ -23,6 +23,10 @@ use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_
 use crate::ops::cast::{decode_into, store_f32, write_as};
 use crate::plan::Op;
 
+/// What [`MergeOp::by_pieces`] calls with each piece: its offset in the chunk, the piece, and
+/// scratch for its merged values.
+type PieceFn<'f> = dyn FnMut(usize, &Chunk, &mut Vec<f32>) -> Result<(), String> + 'f;
+
 /// Elements of a chunk decoded at a time by a streamed survey's passes and merge.
 const PIECE: usize = 1 << 14;
 
@@ -264,7 +268,7 @@ impl MergeOp {
         units: &Range<u64>,
         inputs: &[&[u8]],
         granule: usize,
-        f: &mut dyn FnMut(usize, &Chunk, &mut Vec<f32>) -> Result<(), String>,
+        f: &mut PieceFn,
     ) -> Result<(), String> {
         let n = (units.end - units.start) as usize;
         let step = PIECE.div_ceil(granule.max(1)) * granule.max(1);
