@@ -345,3 +345,49 @@ fn merge_into_a_gguf_file_is_run_merge_gguf() {
     assert_mentions(&stdout(&o), &["blk.0.attn_k.weight", "computed + rows"]);
     assert!(!d.join("dry").exists());
 }
+
+/// The output policy applies to a merged GGUF as to any output: two `--part` jobs and
+/// `finalize`, a `--resume` run and a `--checksums` run all write the one run's file, and
+/// nothing beside it but the checksums (none of the merge's side files: a GGUF carries its
+/// config and tokenizer inside).
+#[test]
+fn a_merged_gguf_takes_parts_resume_and_checksums() {
+    let dir = tmp();
+    let d = dir.path();
+    let cfg = fixture("merge/configs/ties.yml");
+    let run = |out: &Path, extra: &[&str]| {
+        let args = [
+            "run",
+            "-o",
+            s(out),
+            "--merge",
+            s(&cfg),
+            "--gguf",
+            "--outtype",
+            "q8_0",
+        ];
+        ok(&tftf(
+            &[&args[..], &["--vocab-pre", "gpt-2", "-q"], extra].concat(),
+        ));
+    };
+    let one = d.join("one/m.gguf");
+    run(&one, &[]);
+    let parts = d.join("parts/m.gguf");
+    run(&parts, &["--part", "1/2"]);
+    run(&parts, &["--part", "2/2"]);
+    ok(&tftf(&["finalize", s(&d.join("parts")), "-q"]));
+    let resumed = d.join("resume/m.gguf");
+    run(&resumed, &["--resume"]);
+    let sums = d.join("sums/m.gguf");
+    run(&sums, &["--checksums"]);
+    let want = std::fs::read(&one).unwrap();
+    for (out, listing) in [
+        (&parts, "SHA256SUMS m.gguf tftf-manifest.json"),
+        (&resumed, "SHA256SUMS m.gguf tftf-manifest.json"),
+        (&sums, "SHA256SUMS m.gguf tftf-manifest.json"),
+    ] {
+        assert!(std::fs::read(out).unwrap() == want, "{}", out.display());
+        assert_listing(out.parent().unwrap(), listing);
+    }
+    assert_listing(&d.join("one"), "m.gguf");
+}

@@ -89,7 +89,7 @@ pub(crate) fn run(p: &Prepared, cancel: &Cancel) -> Result<Value> {
         .sides
         .iter()
         .map(|s| s.file_name().unwrap_or_default().to_os_string())
-        .chain(p.plan.generated_files.iter().map(|(n, _)| n.into()))
+        .chain(generated_files(p).iter().map(|(n, _)| n.into()))
         .collect();
     if let Some(report) = &opts.report {
         let mut names = output_names(p, false)?;
@@ -601,13 +601,11 @@ fn stage_sides(p: &Prepared, dir: &Path, names: &[OsString]) -> Result<()> {
         .sides
         .iter()
         .map(Some)
-        .chain(p.plan.generated_files.iter().map(|_| None));
+        .chain(generated_files(p).iter().map(|_| None));
     for (src, name) in sources.zip(names) {
         let dst = side_dir.join(name);
         let tmp = side_dir.join(temp_os_name(name));
-        let generated = p
-            .plan
-            .generated_files
+        let generated = generated_files(p)
             .iter()
             .find(|(n, _)| name.as_os_str() == n.as_str());
         let written = match (src, name.to_str().unwrap_or_default(), &p.plan.config) {
