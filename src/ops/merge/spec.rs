@@ -141,16 +141,19 @@ const EPSILON: ParamSpec = p("epsilon", NonBase, Some(0.15));
 
 /// mergekit 0.1.5's registry, in its order.
 pub static METHODS: &[MethodSpec] = &[
-    method(
-        "multislerp",
-        &[
-            p("weight", NonBase, None),
-            p("normalize_weights", Shared, Some(1.0)),
-            p("eps", Shared, Some(1e-8)),
-        ],
-        Optional,
-        (1, None),
-        WholeTensor(adapt::multislerp),
+    streamed(
+        method(
+            "multislerp",
+            &[
+                p("weight", NonBase, None),
+                p("normalize_weights", Shared, Some(1.0)),
+                p("eps", Shared, Some(1e-8)),
+            ],
+            Optional,
+            (1, None),
+            WholeTensor(adapt::multislerp),
+        ),
+        slerp::multislerp_survey,
     ),
     streamed(
         method(

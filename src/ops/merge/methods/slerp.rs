@@ -305,75 +305,193 @@ pub fn multislerp(
 ) -> Result<(), String> {
     model_count("multislerp", models.len(), 1, usize::MAX)?;
     same_lengths(base, models, out)?;
-    let mut w = weights(models)?;
-    let eps = optional(global, "eps", 1e-8)?;
-    if models.len() == 1 {
-        out.copy_from_slice(models[0].values);
-        return Ok(());
+    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
+    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
+    let mut survey = multislerp_survey(global, &params, &[out.len()], 0)?;
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    let chunk = Chunk {
+        start: 0,
+        base: base.unwrap_or(&[]),
+        models: &values,
+    };
+    for pass in 0..survey.passes() {
+        survey.observe(pass, &chunk)?;
+        survey.end_pass(pass)?;
     }
-    if global.flag("normalize_weights", true) {
+    survey.merge(&chunk, out)
+}
+
+/// multislerp a chunk at a time: pass 0 sums each model's squared norm, pass 1 each unit
+/// vector's dot product with the weighted mean and the mean's squared length, pass 2 the
+/// tangent's squared length; then each element merges on its own.
+#[derive(Debug)]
+pub struct MultislerpSurvey {
+    w: Vec<f64>,
+    eps: f64,
+    /// Each model's norm (pass 0).
+    norms: Vec<f64>,
+    /// Each model's factor in the mean: `w / (‖v‖ + eps)`.
+    scale: Vec<f64>,
+    /// Each unit vector's dot product with the normalised mean, and the mean's length (pass 1).
+    dots: Vec<f64>,
+    mean_norm: f64,
+    /// Two models whose mean is shorter than `eps`: averaged linearly.
+    linear: bool,
+    /// The exponential map's factors of the mean and the tangent (pass 2).
+    cos: f64,
+    sinc: f64,
+    sums: Vec<BlockSum>,
+}
+
+/// The [`Survey`] of one multislerp tensor.
+pub fn multislerp_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("multislerp", models.len(), 1, usize::MAX)?;
+    let tensors: Vec<ModelTensor> = (models.iter())
+        .map(|params| ModelTensor {
+            values: &[],
+            params,
+        })
+        .collect();
+    let mut w = weights(&tensors)?;
+    let eps = optional(global, "eps", 1e-8)?;
+    // One model is returned as it is: its weights are not normalised.
+    if models.len() > 1 && global.flag("normalize_weights", true) {
         let sum: f64 = w.iter().sum();
         if sum == 0.0 {
             return Err("the models' `weight`s sum to zero".into());
         }
         w.iter_mut().for_each(|x| *x /= sum);
     }
-    let back = |k: usize| base.map_or(0.0, |b| b[k] as f64);
-    let value = |m: usize, k: usize| models[m].values[k] as f64 - back(k);
-    let norms = sums(models.len(), out.len(), |k, acc| {
-        for (m, a) in acc.iter_mut().enumerate() {
-            a.add(value(m, k) * value(m, k));
-        }
-    })
-    .into_iter()
-    .map(f64::sqrt)
-    .collect::<Vec<_>>();
-    // The unit vectors' weighted mean, not yet normalised.
-    let scale: Vec<f64> = (0..models.len()).map(|m| w[m] / (norms[m] + eps)).collect();
-    let mean = |k: usize| {
-        (0..models.len())
-            .map(|m| scale[m] * value(m, k))
+    let n = models.len();
+    Ok(Box::new(MultislerpSurvey {
+        w,
+        eps,
+        norms: vec![0.0; n],
+        scale: vec![0.0; n],
+        dots: vec![0.0; n],
+        mean_norm: 0.0,
+        linear: false,
+        cos: 0.0,
+        sinc: 0.0,
+        sums: vec![BlockSum::default(); n],
+    }))
+}
+
+impl MultislerpSurvey {
+    /// Element `k` of model `m`'s vector (its task vector when there is a base).
+    fn value(chunk: &Chunk, m: usize, k: usize) -> f64 {
+        let back = chunk.base.get(k).map_or(0.0, |&b| b as f64);
+        chunk.models[m][k] as f64 - back
+    }
+
+    /// Element `k` of the weighted mean of the unit vectors, not yet normalised.
+    fn mean(&self, chunk: &Chunk, k: usize) -> f64 {
+        (0..self.w.len())
+            .map(|m| self.scale[m] * Self::value(chunk, m, k))
             .sum::<f64>()
-    };
-    // Its squared length (last) and each unit vector's dot product with it.
-    let stats = sums(models.len() + 1, out.len(), |k, acc| {
-        let mk = mean(k);
-        for m in 0..models.len() {
-            acc[m].add(value(m, k) / (norms[m] + eps) * mk);
+    }
+
+    /// Element `k` of the weighted mean of the tangent vectors at the normalised mean.
+    fn tangent(&self, chunk: &Chunk, k: usize) -> f64 {
+        let mk = self.mean(chunk, k) / self.mean_norm;
+        (0..self.w.len())
+            .map(|m| {
+                let unit = Self::value(chunk, m, k) / (self.norms[m] + self.eps);
+                self.w[m] * (unit - self.dots[m] * mk)
+            })
+            .sum::<f64>()
+    }
+}
+
+impl Survey for MultislerpSurvey {
+    fn passes(&self) -> usize {
+        if self.w.len() == 1 {
+            0
+        } else {
+            3
         }
-        acc[models.len()].add(mk * mk);
-    });
-    let mean_norm = stats[models.len()].sqrt();
-    if mean_norm < eps {
-        if models.len() != 2 {
-            return Err(
-                "the weighted mean of the models is zero (antipodal models whose weights \
-                        cancel); use other weights"
-                    .into(),
-            );
+    }
+    fn observe(&mut self, pass: usize, chunk: &Chunk) -> Result<(), String> {
+        let n = self.w.len();
+        for k in 0..chunk.models[0].len() {
+            match pass {
+                0 => (0..n).for_each(|m| {
+                    let v = Self::value(chunk, m, k);
+                    self.sums[m].add(v * v)
+                }),
+                1 => {
+                    let mk = self.mean(chunk, k);
+                    for m in 0..n {
+                        let unit = Self::value(chunk, m, k) / (self.norms[m] + self.eps);
+                        self.sums[m].add(unit * mk);
+                    }
+                    self.sums[n].add(mk * mk);
+                }
+                _ if self.linear => return Ok(()),
+                _ => {
+                    let t = self.tangent(chunk, k);
+                    self.sums[0].add(t * t);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn end_pass(&mut self, pass: usize) -> Result<(), String> {
+        let n = self.w.len();
+        match pass {
+            0 => {
+                for m in 0..n {
+                    self.norms[m] = self.sums[m].value().sqrt();
+                    self.scale[m] = self.w[m] / (self.norms[m] + self.eps);
+                }
+                self.sums = vec![BlockSum::default(); n + 1];
+            }
+            1 => {
+                self.mean_norm = self.sums[n].value().sqrt();
+                if self.mean_norm < self.eps {
+                    if n != 2 {
+                        return Err("the weighted mean of the models is zero (antipodal models \
+                             whose weights cancel); use other weights"
+                            .into());
+                    }
+                    self.linear = true;
+                }
+                for m in 0..n {
+                    self.dots[m] = self.sums[m].value() / self.mean_norm;
+                }
+                self.sums = vec![BlockSum::default(); 1];
+            }
+            _ if self.linear => {}
+            _ => {
+                let tn = self.sums[0].value().sqrt() + self.eps;
+                let avg_norm: f64 = self.norms.iter().zip(&self.w).map(|(n, w)| n * w).sum();
+                (self.cos, self.sinc) = (tn.cos() * avg_norm, tn.sin() / tn * avg_norm);
+            }
+        }
+        Ok(())
+    }
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        if self.w.len() == 1 {
+            out.copy_from_slice(chunk.models[0]);
+            return Ok(());
         }
         for (k, o) in out.iter_mut().enumerate() {
-            *o = (w[0] * value(0, k) + w[1] * value(1, k) + back(k)) as f32;
+            let back = chunk.base.get(k).map_or(0.0, |&b| b as f64);
+            *o = if self.linear {
+                let (a, b) = (Self::value(chunk, 0, k), Self::value(chunk, 1, k));
+                (self.w[0] * a + self.w[1] * b + back) as f32
+            } else {
+                let mean = self.mean(chunk, k) / self.mean_norm;
+                (mean * self.cos + self.tangent(chunk, k) * self.sinc + back) as f32
+            };
         }
-        return Ok(());
+        Ok(())
     }
-    let dots: Vec<f64> = stats[..models.len()]
-        .iter()
-        .map(|d| d / mean_norm)
-        .collect();
-    let tangent = |k: usize| {
-        let mk = mean(k) / mean_norm;
-        (0..models.len())
-            .map(|m| w[m] * (value(m, k) / (norms[m] + eps) - dots[m] * mk))
-            .sum::<f64>()
-    };
-    let tn = sums(1, out.len(), |k, acc| acc[0].add(tangent(k) * tangent(k)))[0].sqrt() + eps;
-    let avg_norm: f64 = norms.iter().zip(&w).map(|(n, w)| n * w).sum();
-    let (cos, sinc) = (tn.cos() * avg_norm, tn.sin() / tn * avg_norm);
-    for (k, o) in out.iter_mut().enumerate() {
-        *o = (mean(k) / mean_norm * cos + tangent(k) * sinc + back(k)) as f32;
-    }
-    Ok(())
 }
 
 /// nuslerp's weights of the two vectors at cosine `cos`: linear when they are collinear
@@ -385,15 +503,6 @@ fn coefficients(cos: f64, t: f64) -> (f64, f64) {
     let theta = cos.acos();
     let sin = theta.sin();
     (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
-}
-
-/// `count` block sums over elements `0..n`, `add(k, sums)` adding element `k`'s terms.
-fn sums(count: usize, n: usize, mut add: impl FnMut(usize, &mut [BlockSum])) -> Vec<f64> {
-    let mut acc = vec![BlockSum::default(); count];
-    for k in 0..n {
-        add(k, &mut acc);
-    }
-    acc.iter().map(BlockSum::value).collect()
 }
 
 #[cfg(test)]
