@@ -483,6 +483,7 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
         ("dare_ties", density.to_string()),
         ("della", format!("{density}  epsilon: 0.1\n")),
         ("model_stock", String::new()),
+        ("multislerp", String::new()),
     ];
     let run = |cfg: &Path, tag: &str, opts: &[&str]| {
         let out = dir.path().join(tag);
