@@ -35,7 +35,8 @@ fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 /// A config merging `models` with `method`: `linear` weighs every model; the other methods
-/// take the first as `base_model` and weigh the rest (`model_stock` takes no weights).
+/// take the first as `base_model` and weigh the rest (`model_stock` and `karcher` take no
+/// weights).
 fn config(method: &str, models: &[&Path], extra: &str) -> String {
     let mut text = format!("merge_method: {method}\n");
     if method != "linear" {
@@ -45,7 +46,7 @@ fn config(method: &str, models: &[&Path], extra: &str) -> String {
     for (k, m) in models.iter().enumerate() {
         text.push_str(&format!("  - model: {}\n", m.display()));
         let w = [0.5, 0.3, 0.2][k % 3];
-        if method == "linear" || (k > 0 && method != "model_stock") {
+        if method == "linear" || (k > 0 && !matches!(method, "model_stock" | "karcher")) {
             text.push_str(&format!("    parameters:\n      weight: {w}\n"));
         }
     }
@@ -484,6 +485,7 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
         ("della", format!("{density}  epsilon: 0.1\n")),
         ("model_stock", String::new()),
         ("multislerp", String::new()),
+        ("karcher", String::new()),
     ];
     let run = |cfg: &Path, tag: &str, opts: &[&str]| {
         let out = dir.path().join(tag);

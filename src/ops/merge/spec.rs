@@ -132,7 +132,7 @@ const fn widening_to_f32(spec: MethodSpec) -> MethodSpec {
 }
 
 use super::adapt;
-use super::methods::{misc, model_stock, sce, slerp, sparse};
+use super::methods::{karcher, misc, model_stock, sce, slerp, sparse};
 use Arithmetic::WholeTensor;
 use Base::{Ignored, Optional, Required};
 
@@ -251,15 +251,18 @@ pub static METHODS: &[MethodSpec] = &[
         (2, Some(2)),
         WholeTensor(adapt::arcee_fusion),
     )),
-    method(
-        "karcher",
-        &[
-            p("max_iter", Shared, Some(10.0)),
-            p("tol", Shared, Some(1e-5)),
-        ],
-        Ignored,
-        (1, None),
-        WholeTensor(adapt::karcher),
+    streamed(
+        method(
+            "karcher",
+            &[
+                p("max_iter", Shared, Some(10.0)),
+                p("tol", Shared, Some(1e-5)),
+            ],
+            Ignored,
+            (1, None),
+            WholeTensor(adapt::karcher),
+        ),
+        karcher::karcher_survey,
     ),
     method(
         "task_arithmetic",

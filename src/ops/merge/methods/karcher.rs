@@ -9,6 +9,7 @@
 //! run — what issue #27 asks of karcher's memory.
 
 use super::support::{count_param, optional, same_lengths, BlockSum};
+use super::survey::{Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// mergekit's karcher: every input (the base too, when the config names one), in mergekit's
@@ -22,75 +23,125 @@ use super::{ModelTensor, Params};
 /// exactly opposite inputs give the first (their tangents cancel).
 pub fn karcher(models: &[ModelTensor], global: &Params, out: &mut [f32]) -> Result<(), String> {
     same_lengths(None, models, out)?;
-    let max_iter = count_param(global, "max_iter", 10)?;
-    let tol = optional(global, "tol", 1e-5)?;
-    match models.len() {
-        0 => return Err("karcher needs at least one model".into()),
-        1 => {
-            out.copy_from_slice(models[0].values);
-            return Ok(());
-        }
-        _ => {}
+    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
+    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
+    let mut survey = karcher_survey(global, &params, &[out.len()], 0)?;
+    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
+    let chunk = Chunk {
+        start: 0,
+        base: &[],
+        models: &values,
+    };
+    for pass in 0..survey.passes() {
+        survey.observe(pass, &chunk)?;
+        survey.end_pass(pass)?;
     }
-    let gram = gram(models, out.len());
-    let n = models.len();
-    let norms: Vec<f64> = (0..n).map(|i| gram[i * n + i].sqrt()).collect();
-    let scale = norms.iter().sum::<f64>() / n as f64;
-    let kept: Vec<usize> = (0..n).filter(|&i| norms[i] > tol).collect();
-    if kept.is_empty() {
-        for (k, o) in out.iter_mut().enumerate() {
-            *o = models.iter().map(|m| m.values[k] * 0.0).sum();
-        }
-        return Ok(());
-    }
-    // The unit vectors' Gram matrix, over the kept inputs.
-    let v = kept.len();
-    let units: Vec<f64> = (0..v * v)
-        .map(|e| {
-            let (i, j) = (kept[e / v], kept[e % v]);
-            gram[i * n + j] / (norms[i] * norms[j])
-        })
-        .collect();
-    let mean = iterate(&units, v, max_iter, tol);
-    let coef: Vec<f64> = kept
-        .iter()
-        .zip(&mean)
-        .map(|(&i, c)| scale * c / norms[i])
-        .collect();
-    for (k, o) in out.iter_mut().enumerate() {
-        let x: f64 = kept
-            .iter()
-            .zip(&coef)
-            .map(|(&i, c)| c * models[i].values[k] as f64)
-            .sum();
-        *o = x as f32;
-    }
-    Ok(())
+    survey.merge(&chunk, out)
 }
 
-/// The inputs' Gram matrix `x_i · x_j` (row-major N×N), in one pass.
-fn gram(models: &[ModelTensor], len: usize) -> Vec<f64> {
+/// karcher a chunk at a time: one pass sums the inputs' Gram matrix, from which the mean's
+/// coefficients follow; each element then merges on its own.
+#[derive(Debug)]
+pub struct KarcherSurvey {
+    n: usize,
+    max_iter: usize,
+    tol: f64,
+    /// The upper triangle's sums `x_i · x_j`, row-major N×N.
+    sums: Vec<BlockSum>,
+    /// The inputs in the mean's direction (norm above `tol`) and their coefficients.
+    kept: Vec<usize>,
+    coef: Vec<f64>,
+}
+
+/// The [`Survey`] of one karcher tensor: every input in model order (the base too).
+pub fn karcher_survey(
+    global: &Params,
+    models: &[Params],
+    _shape: &[usize],
+    _seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    let max_iter = count_param(global, "max_iter", 10)?;
+    let tol = optional(global, "tol", 1e-5)?;
     let n = models.len();
-    let mut acc = vec![BlockSum::default(); n * n];
-    let mut row = vec![0.0f64; n];
-    for k in 0..len {
-        for (r, m) in row.iter_mut().zip(models) {
-            *r = m.values[k] as f64;
-        }
-        for i in 0..n {
-            for j in i..n {
-                acc[i * n + j].add(row[i] * row[j]);
+    if n == 0 {
+        return Err("karcher needs at least one model".into());
+    }
+    Ok(Box::new(KarcherSurvey {
+        n,
+        max_iter,
+        tol,
+        sums: vec![BlockSum::default(); n * n],
+        kept: Vec::new(),
+        coef: Vec::new(),
+    }))
+}
+
+impl Survey for KarcherSurvey {
+    fn passes(&self) -> usize {
+        usize::from(self.n > 1)
+    }
+    fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
+        let n = self.n;
+        let mut row = vec![0.0f64; n];
+        for k in 0..chunk.models[0].len() {
+            for (r, m) in row.iter_mut().zip(chunk.models) {
+                *r = m[k] as f64;
+            }
+            for i in 0..n {
+                for j in i..n {
+                    self.sums[i * n + j].add(row[i] * row[j]);
+                }
             }
         }
+        Ok(())
     }
-    let mut g = vec![0.0; n * n];
-    for i in 0..n {
-        for j in i..n {
-            g[i * n + j] = acc[i * n + j].value();
-            g[j * n + i] = g[i * n + j];
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        let n = self.n;
+        let mut gram = vec![0.0; n * n];
+        for i in 0..n {
+            for j in i..n {
+                gram[i * n + j] = self.sums[i * n + j].value();
+                gram[j * n + i] = gram[i * n + j];
+            }
         }
+        let norms: Vec<f64> = (0..n).map(|i| gram[i * n + i].sqrt()).collect();
+        let scale = norms.iter().sum::<f64>() / n as f64;
+        self.kept = (0..n).filter(|&i| norms[i] > self.tol).collect();
+        if self.kept.is_empty() {
+            return Ok(());
+        }
+        // The unit vectors' Gram matrix, over the kept inputs.
+        let (kept, v) = (&self.kept, self.kept.len());
+        let units: Vec<f64> = (0..v * v)
+            .map(|e| {
+                let (i, j) = (kept[e / v], kept[e % v]);
+                gram[i * n + j] / (norms[i] * norms[j])
+            })
+            .collect();
+        let mean = iterate(&units, v, self.max_iter, self.tol);
+        self.coef = (kept.iter().zip(&mean))
+            .map(|(&i, c)| scale * c / norms[i])
+            .collect();
+        Ok(())
     }
-    g
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let models = chunk.models;
+        if self.n == 1 {
+            out.copy_from_slice(models[0]);
+        } else if self.kept.is_empty() {
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = models.iter().map(|m| m[k] * 0.0).sum();
+            }
+        } else {
+            for (k, o) in out.iter_mut().enumerate() {
+                let x: f64 = (self.kept.iter().zip(&self.coef))
+                    .map(|(&i, c)| c * models[i][k] as f64)
+                    .sum();
+                *o = x as f32;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `c^T G d` for the unit Gram matrix `g` of size `v`.
