@@ -35,8 +35,8 @@ fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 /// A config merging `models` with `method`: `linear` weighs every model; the other methods
-/// take the first as `base_model` and weigh the rest (`model_stock` and `karcher` take no
-/// weights).
+/// take the first as `base_model` and weigh the rest (`model_stock`, `karcher` and
+/// `arcee_fusion` take no weights).
 fn config(method: &str, models: &[&Path], extra: &str) -> String {
     let mut text = format!("merge_method: {method}\n");
     if method != "linear" {
@@ -46,7 +46,8 @@ fn config(method: &str, models: &[&Path], extra: &str) -> String {
     for (k, m) in models.iter().enumerate() {
         text.push_str(&format!("  - model: {}\n", m.display()));
         let w = [0.5, 0.3, 0.2][k % 3];
-        if method == "linear" || (k > 0 && !matches!(method, "model_stock" | "karcher")) {
+        let unweighted = matches!(method, "model_stock" | "karcher" | "arcee_fusion");
+        if method == "linear" || (k > 0 && !unweighted) {
             text.push_str(&format!("    parameters:\n      weight: {w}\n"));
         }
     }
@@ -486,6 +487,7 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
         ("model_stock", String::new()),
         ("multislerp", String::new()),
         ("karcher", String::new()),
+        ("arcee_fusion", String::new()),
     ];
     let run = |cfg: &Path, tag: &str, opts: &[&str]| {
         let out = dir.path().join(tag);
@@ -495,10 +497,15 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
         load_all(&out)
     };
     for (method, extra) in &cases {
+        // arcee_fusion merges one model into the base.
+        let models: &[&Path] = match *method {
+            "arcee_fusion" => &[&a, &b],
+            _ => &[&a, &b, &c],
+        };
         let cfg = write_config(
             dir.path(),
             &format!("{method}.yml"),
-            &config(method, &[&a, &b, &c], extra),
+            &config(method, models, extra),
         );
         let want = run(&cfg, &format!("{method}-whole"), &whole);
         let got = run(&cfg, &format!("{method}-chunked"), &small);

@@ -244,13 +244,16 @@ pub static METHODS: &[MethodSpec] = &[
         ),
         model_stock::survey,
     ),
-    widening_to_f32(method(
-        "arcee_fusion",
-        &[],
-        Required,
-        (2, Some(2)),
-        WholeTensor(adapt::arcee_fusion),
-    )),
+    streamed(
+        widening_to_f32(method(
+            "arcee_fusion",
+            &[],
+            Required,
+            (2, Some(2)),
+            WholeTensor(adapt::arcee_fusion),
+        )),
+        misc::fusion_survey,
+    ),
     streamed(
         method(
             "karcher",

@@ -53,36 +53,137 @@ pub fn arcee_fusion(
     model_count("arcee_fusion", models.len(), 1, 1)?;
     same_lengths(Some(base), models, out)?;
     shape_holds(shape, out.len())?;
-    let model = models[0].values;
-    let row = split_axis(shape, shape.len().saturating_sub(1)).1;
-    if out.is_empty() {
-        return Ok(());
+    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
+    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
+    let mut survey = fusion_survey(&Params::default(), &params, shape, seed)?;
+    let chunk = Chunk {
+        start: 0,
+        base,
+        models: &[models[0].values],
+    };
+    for pass in 0..survey.passes() {
+        survey.observe(pass, &chunk)?;
+        survey.end_pass(pass)?;
     }
-    let kl: Vec<f64> = base
-        .chunks(row)
-        .zip(model.chunks(row))
-        .map(|(b, m)| divergence(m, b))
-        .collect();
-    let importance = |k: usize| (model[k] as f64 - base[k] as f64).abs() * kl[k / row];
-    let threshold = fusion_threshold(&importance, out.len(), seed, FUSION_SAMPLE);
-    for (k, o) in out.iter_mut().enumerate() {
-        let (b, m) = (base[k] as f64, model[k] as f64);
-        let keep = if importance(k) >= threshold { 1.0 } else { 0.0 };
-        *o = (b + (m - b) * keep) as f32;
+    survey.merge(&chunk, out)
+}
+
+/// arcee_fusion a chunk at a time, chunks holding whole rows: one pass takes each row's KL
+/// divergence and the importances the threshold comes from (every element's, or those of the
+/// elements drawn above [`FUSION_SAMPLE`]); each element then merges on its own.
+#[derive(Debug)]
+pub struct FusionSurvey {
+    row: usize,
+    /// The drawn elements, sorted, repeats kept (`None` at or below [`FUSION_SAMPLE`]), and
+    /// how many a pass has seen.
+    drawn: Option<Vec<usize>>,
+    seen: usize,
+    /// Each row's divergence, in order.
+    kl: Vec<f64>,
+    importances: Vec<f64>,
+    threshold: f64,
+}
+
+/// The [`Survey`] of one arcee_fusion tensor.
+pub fn fusion_survey(
+    _global: &Params,
+    models: &[Params],
+    shape: &[usize],
+    seed: u64,
+) -> Result<Box<dyn Survey>, String> {
+    model_count("arcee_fusion", models.len(), 1, 1)?;
+    let n: usize = shape.iter().product();
+    let drawn = (n > FUSION_SAMPLE).then(|| {
+        let mut v: Vec<usize> = (0..FUSION_SAMPLE as u64)
+            .map(|d| ((uniform(seed, 0, d) * n as f64) as usize).min(n - 1))
+            .collect();
+        v.sort_unstable();
+        v
+    });
+    Ok(Box::new(FusionSurvey {
+        row: split_axis(shape, shape.len().saturating_sub(1)).1.max(1),
+        drawn,
+        seen: 0,
+        kl: Vec::new(),
+        importances: Vec::new(),
+        threshold: 0.0,
+    }))
+}
+
+impl FusionSurvey {
+    fn importance(&self, k: usize, base: f32, model: f32) -> f64 {
+        (model as f64 - base as f64).abs() * self.kl[k / self.row]
     }
-    Ok(())
+}
+
+impl Survey for FusionSurvey {
+    fn passes(&self) -> usize {
+        1
+    }
+    fn granule(&self) -> usize {
+        self.row
+    }
+    fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
+        let (start, base, model) = (chunk.start, chunk.base, chunk.models[0]);
+        let row = self.row;
+        (base.chunks(row).zip(model.chunks(row))).for_each(|(b, m)| self.kl.push(divergence(m, b)));
+        let end = start + model.len();
+        match &self.drawn {
+            None => {
+                for k in start..end {
+                    let v = self.importance(k, base[k - start], model[k - start]);
+                    self.importances.push(v);
+                }
+            }
+            Some(drawn) => {
+                while self.seen < drawn.len() && drawn[self.seen] < end {
+                    let k = drawn[self.seen];
+                    let v = self.importance(k, base[k - start], model[k - start]);
+                    self.importances.push(v);
+                    self.seen += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn end_pass(&mut self, _: usize) -> Result<(), String> {
+        if !self.importances.is_empty() {
+            self.threshold = quantile_threshold(std::mem::take(&mut self.importances));
+        }
+        self.drawn = None;
+        Ok(())
+    }
+    fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
+        let (start, base, model) = (chunk.start, chunk.base, chunk.models[0]);
+        for (j, o) in out.iter_mut().enumerate() {
+            let (b, m) = (base[j], model[j]);
+            let keep = if self.importance(start + j, b, m) >= self.threshold {
+                1.0
+            } else {
+                0.0
+            };
+            *o = (b as f64 + (m as f64 - b as f64) * keep) as f32;
+        }
+        Ok(())
+    }
 }
 
 /// `median + 1.5 (q₃ − q₁)` of `importance` over `0..n`, from `sample` draws above that many
 /// elements.
+#[cfg(test)]
 fn fusion_threshold(importance: &dyn Fn(usize) -> f64, n: usize, seed: u64, sample: usize) -> f64 {
-    let mut values: Vec<f64> = if n > sample {
+    let values: Vec<f64> = if n > sample {
         (0..sample as u64)
             .map(|d| importance(((uniform(seed, 0, d) * n as f64) as usize).min(n - 1)))
             .collect()
     } else {
         (0..n).map(importance).collect()
     };
+    quantile_threshold(values)
+}
+
+/// `median + 1.5 (q₃ − q₁)` of `values` (NaNs last).
+fn quantile_threshold(mut values: Vec<f64>) -> f64 {
     values.sort_unstable_by(|a, b| match (a.is_nan(), b.is_nan()) {
         (false, false) => a.total_cmp(b),
         (x, y) => x.cmp(&y),
