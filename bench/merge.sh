@@ -20,7 +20,8 @@
 #   VENV     a virtual environment with mergekit 0.1.5 and numpy (default /tmp/mkvenv:
 #            python3 -m venv /tmp/mkvenv && /tmp/mkvenv/bin/pip install mergekit==0.1.5)
 #   BUDGET   tftf's --memory-budget (default 512MiB)
-# METHODS (environment): the methods to run, of linear task_arithmetic ties model_stock (all).
+# METHODS (environment): the methods to run, of linear task_arithmetic ties model_stock
+# (the default: all four) multislerp karcher arcee_fusion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -70,6 +71,32 @@ models:
     parameters: {weight: 0.5, density: 0.5}
   - model: $D/m2
     parameters: {weight: 0.5, density: 0.5}
+EOF
+cat >"$D/multislerp.yml" <<EOF
+merge_method: multislerp
+base_model: $D/m0
+dtype: bfloat16
+models:
+  - model: $D/m1
+    parameters: {weight: 0.6}
+  - model: $D/m2
+    parameters: {weight: 0.4}
+EOF
+cat >"$D/karcher.yml" <<EOF
+merge_method: karcher
+dtype: bfloat16
+models:
+  - model: $D/m0
+  - model: $D/m1
+  - model: $D/m2
+EOF
+cat >"$D/arcee_fusion.yml" <<EOF
+merge_method: arcee_fusion
+base_model: $D/m0
+dtype: bfloat16
+models:
+  - model: $D/m0
+  - model: $D/m1
 EOF
 cat >"$D/model_stock.yml" <<EOF
 merge_method: model_stock

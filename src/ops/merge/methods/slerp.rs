@@ -396,9 +396,10 @@ impl MultislerpSurvey {
             .sum::<f64>()
     }
 
-    /// Element `k` of the weighted mean of the tangent vectors at the normalised mean.
-    fn tangent(&self, chunk: &Chunk, k: usize) -> f64 {
-        let mk = self.mean(chunk, k) / self.mean_norm;
+    /// Element `k` of the weighted mean of the tangent vectors at the normalised mean, `mean`
+    /// being element `k` of [`Self::mean`].
+    fn tangent(&self, chunk: &Chunk, k: usize, mean: f64) -> f64 {
+        let mk = mean / self.mean_norm;
         (0..self.w.len())
             .map(|m| {
                 let unit = Self::value(chunk, m, k) / (self.norms[m] + self.eps);
@@ -434,7 +435,7 @@ impl Survey for MultislerpSurvey {
                 }
                 _ if self.linear => return Ok(()),
                 _ => {
-                    let t = self.tangent(chunk, k);
+                    let t = self.tangent(chunk, k, self.mean(chunk, k));
                     self.sums[0].add(t * t);
                 }
             }
@@ -486,8 +487,9 @@ impl Survey for MultislerpSurvey {
                 let (a, b) = (Self::value(chunk, 0, k), Self::value(chunk, 1, k));
                 (self.w[0] * a + self.w[1] * b + back) as f32
             } else {
-                let mean = self.mean(chunk, k) / self.mean_norm;
-                (mean * self.cos + self.tangent(chunk, k) * self.sinc + back) as f32
+                let mean = self.mean(chunk, k);
+                let tangent = self.tangent(chunk, k, mean);
+                (mean / self.mean_norm * self.cos + tangent * self.sinc + back) as f32
             };
         }
         Ok(())
