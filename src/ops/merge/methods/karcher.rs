@@ -9,7 +9,7 @@
 //! run — what issue #27 asks of karcher's memory.
 
 use super::support::{count_param, optional, same_lengths, BlockSum};
-use super::survey::{Chunk, Survey};
+use super::survey::{merge_whole, Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// mergekit's karcher: every input (the base too, when the config names one), in mergekit's
@@ -25,18 +25,14 @@ pub fn karcher(models: &[ModelTensor], global: &Params, out: &mut [f32]) -> Resu
     same_lengths(None, models, out)?;
     // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
     let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let mut survey = karcher_survey(global, &params, &[out.len()], 0)?;
+    let survey = karcher_survey(global, &params, &[out.len()], 0)?;
     let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
     let chunk = Chunk {
         start: 0,
         base: &[],
         models: &values,
     };
-    for pass in 0..survey.passes() {
-        survey.observe(pass, &chunk)?;
-        survey.end_pass(pass)?;
-    }
-    survey.merge(&chunk, out)
+    merge_whole(survey, &chunk, out)
 }
 
 /// karcher a chunk at a time: one pass sums the inputs' Gram matrix, from which the mean's

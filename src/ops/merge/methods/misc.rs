@@ -9,7 +9,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
     BlockSum,
 };
-use super::survey::{Chunk, Survey};
+use super::survey::{merge_whole, Chunk, Survey};
 use super::{uniform, unparameterised, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
@@ -55,17 +55,13 @@ pub fn arcee_fusion(
     shape_holds(shape, out.len())?;
     // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
     let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let mut survey = fusion_survey(&Params::default(), &params, shape, seed)?;
+    let survey = fusion_survey(&Params::default(), &params, shape, seed)?;
     let chunk = Chunk {
         start: 0,
         base,
         models: &[models[0].values],
     };
-    for pass in 0..survey.passes() {
-        survey.observe(pass, &chunk)?;
-        survey.end_pass(pass)?;
-    }
-    survey.merge(&chunk, out)
+    merge_whole(survey, &chunk, out)
 }
 
 /// arcee_fusion a chunk at a time, chunks holding whole rows: one pass takes each row's KL

@@ -12,7 +12,7 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
     BlockSum,
 };
-use super::survey::{Chunk, Survey};
+use super::survey::{merge_whole, Chunk, Survey};
 use super::{ModelTensor, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -307,18 +307,14 @@ pub fn multislerp(
     same_lengths(base, models, out)?;
     // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
     let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let mut survey = multislerp_survey(global, &params, &[out.len()], 0)?;
+    let survey = multislerp_survey(global, &params, &[out.len()], 0)?;
     let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
     let chunk = Chunk {
         start: 0,
         base: base.unwrap_or(&[]),
         models: &values,
     };
-    for pass in 0..survey.passes() {
-        survey.observe(pass, &chunk)?;
-        survey.end_pass(pass)?;
-    }
-    survey.merge(&chunk, out)
+    merge_whole(survey, &chunk, out)
 }
 
 /// multislerp a chunk at a time: pass 0 sums each model's squared norm, pass 1 each unit

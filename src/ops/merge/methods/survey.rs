@@ -48,6 +48,20 @@ pub struct Chunk<'a> {
 /// the method refuses are refused here with the whole-tensor function's message.
 pub type SurveyFn = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Survey>, String>;
 
+/// Merges a whole tensor, `chunk`, through `survey`: every pass over it, then the merge. The
+/// whole-tensor form of a method whose streamed form is its only arithmetic.
+pub(crate) fn merge_whole(
+    mut survey: Box<dyn Survey>,
+    chunk: &Chunk,
+    out: &mut [f32],
+) -> Result<(), String> {
+    for pass in 0..survey.passes() {
+        survey.observe(pass, chunk)?;
+        survey.end_pass(pass)?;
+    }
+    survey.merge(chunk, out)
+}
+
 /// The first non-finite value among `base` then each model (as the whole-tensor check names
 /// it, element numbers counted from the tensor's start).
 pub(crate) fn check_finite(start: usize, base: &[f32], models: &[&[f32]]) -> Result<(), String> {
