@@ -362,8 +362,8 @@ impl RunSections {
         super::quantize_steps(&s.quantize).map_err(|e| usage(kind, e))
     }
 
-    /// `--gguf`'s options, checked: the section comes last, once, after sections that leave
-    /// float weights (the GGUF types quantise by themselves).
+    /// `--gguf`'s options, checked: the section comes last, once. ([`RunSections::steps`]
+    /// refuses the quantising sections before it first, ahead of their own checks.)
     fn gguf_section(&self, kind: &'static str, m: &clap::ArgMatches) -> Result<GgufFormatArgs> {
         let count = self.sections.iter().filter(|s| s.0 == kind).count();
         if count > 1 || self.sections.last().map(|s| s.0) != Some(kind) {
@@ -372,7 +372,6 @@ impl RunSections {
                 "must be the last section, and the only one (it names the output's format)",
             ));
         }
-        self.refuse_quantised_for_gguf()?;
         GgufFormatArgs::from_arg_matches(m).map_err(clap_usage(kind))
     }
 
@@ -388,7 +387,8 @@ impl RunSections {
         }
     }
 
-    /// The GGUF output the `--gguf` section asks for, written to `output`.
+    /// The GGUF output the `--gguf` section asks for, written to `output` (after
+    /// [`RunSections::steps`] has checked the sections).
     pub(crate) fn gguf(&self, output: &Path) -> Result<Option<GgufSinkOptions>> {
         let Some((kind, tokens)) = self.sections.iter().find(|s| s.0 == "--gguf") else {
             return Ok(None);

@@ -39,6 +39,22 @@ impl Cast {
     }
 }
 
+impl Cast {
+    /// Entry `e`'s stored tensor read in `e`'s dtype, for a stored tensor a cast step retyped
+    /// (no op computes it) that a later op reads through [`crate::ops::feed`].
+    pub fn of_entry(ckpt: &Checkpoint, e: &Entry) -> Arc<dyn Derive> {
+        let cast = Cast {
+            src: ckpt.tensors[e.source].info.dtype,
+            dst: e.dtype,
+            elements: crate::format::dtype::element_count(&e.shape).unwrap_or(0),
+        };
+        Arc::new(crate::plan::FixedOp {
+            inputs: vec![e.source],
+            op: Arc::new(cast),
+        })
+    }
+}
+
 impl Plan {
     /// Applies `steps` to the checkpoint's tensors: what the output holds and how each tensor is
     /// produced ([`Plan::build_with_cast`] with [`Cast`] for the tensors a cast step retyped).

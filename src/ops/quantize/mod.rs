@@ -532,18 +532,7 @@ pub(super) fn quantised_rows(
     let feed: Arc<dyn Derive> = match &e.derive {
         Some(d) => d.clone(),
         None if stored == e.dtype => return fixed,
-        None => {
-            let elements = crate::format::dtype::element_count(&e.shape).unwrap_or(0);
-            let cast = crate::ops::cast::Cast {
-                src: stored,
-                dst: e.dtype,
-                elements,
-            };
-            Arc::new(FixedOp {
-                inputs: vec![e.source],
-                op: Arc::new(cast),
-            })
-        }
+        None => crate::ops::cast::Cast::of_entry(ckpt, e),
     };
     Arc::new(FedDerive {
         outer: fixed,

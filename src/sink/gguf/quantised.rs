@@ -22,7 +22,7 @@ use crate::ops::cast::Cast;
 use crate::ops::dequant::DequantStep;
 use crate::ops::fp8::{DequantFp8Step, DequantOptions, ScaleMode};
 use crate::ops::gguf::op::Decoder;
-use crate::plan::{Derive, Entry, FixedOp, PlanNotes, PlanStep, Planning};
+use crate::plan::{Derive, Entry, PlanNotes, PlanStep, Planning};
 
 /// How a source tensor was stored, for `--outtype auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,16 +145,7 @@ impl DequantView {
                         .insert(e.name.clone(), Origin::Stored(e.source));
                 }
                 None => {
-                    let elements = crate::format::dtype::element_count(&e.shape).unwrap_or(0);
-                    let cast = FixedOp {
-                        inputs: vec![e.source],
-                        op: Arc::new(Cast {
-                            src: stored,
-                            dst: e.dtype,
-                            elements,
-                        }),
-                    };
-                    let origin = Origin::Computed(Arc::new(cast), e.dtype);
+                    let origin = Origin::Computed(Cast::of_entry(ckpt, &e), e.dtype);
                     view.origins.insert(e.name.clone(), origin);
                 }
             }
