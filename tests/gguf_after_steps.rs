@@ -266,6 +266,7 @@ fn a_tokenizer_refused_after_a_merge_is_named_as_the_user_knows_it() {
     let staging = dir.path().join("tmp");
     std::fs::create_dir_all(&staging).unwrap();
     let donor = std::fs::canonicalize(fixture("merge/models/a_bf16/tokenizer.json")).unwrap();
+    let donor_bytes = std::fs::read(&donor).unwrap();
     for (cfg, named) in [
         ("merge/configs/ties.yml", donor.display().to_string()),
         (
@@ -286,7 +287,9 @@ fn a_tokenizer_refused_after_a_merge_is_named_as_the_user_knows_it() {
             &format!("error: {named}: the pre-tokenizer is not one llama.cpp knows"),
         );
         assert!(!dir.path().join("out").exists(), "{cfg}");
+        // The staged links are gone, the donor's files they pointed to are not.
         assert_listing(&staging, "");
+        assert_eq!(std::fs::read(&donor).unwrap(), donor_bytes, "{cfg}");
     }
 }
 
