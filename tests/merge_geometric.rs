@@ -11,12 +11,26 @@
 
 mod common;
 
-use common::merge_fixtures::{params, widen};
+use common::merge_fixtures::{json_shape, params, widen};
 
+use common::merge_fixtures::whole_tensor_fn as method;
 use half::bf16;
 use safetensors::SafeTensors;
 use serde_json::Value;
-use tftf::ops::merge::methods::{karcher, misc, model_stock, slerp, ModelTensor, Params};
+use tftf::ops::merge::methods::{misc, Inputs, ModelTensor, Params};
+
+/// The methods this file checks, in a fixed order.
+const METHODS: [&str; 9] = [
+    "slerp",
+    "nuslerp",
+    "multislerp",
+    "karcher",
+    "model_stock",
+    "nearswap",
+    "arcee_fusion",
+    "ram",
+    "ramplus_tl",
+];
 
 struct Case {
     key: String,
@@ -67,12 +81,7 @@ fn load(family: &str) -> Vec<Case> {
                 global: params(&meta["params"]),
                 per_input,
                 bf16: meta["dtype"] == "bf16",
-                shape: meta["shape"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|d| d.as_u64().unwrap() as usize)
-                    .collect(),
+                shape: json_shape(&meta["shape"]),
                 inputs,
                 mergekit: widen(&file.tensor(&format!("{key}.mk")).unwrap()),
                 reference: widen(&file.tensor(&format!("{key}.ref")).unwrap()),
@@ -92,23 +101,10 @@ fn merge(case: &Case) -> Result<Vec<f32>, String> {
             params: &case.per_input[k],
         })
         .collect();
-    let base = case.base.map(|b| case.inputs[b].as_slice());
-    let (g, shape) = (&case.global, case.shape.as_slice());
+    let base = case.base.map_or(&[][..], |b| case.inputs[b].as_slice());
+    let t = Inputs::new(base, &models, &case.global, &case.shape);
     let mut out = vec![0.0f32; case.reference.len()];
-    let o = &mut out;
-    match case.method.as_str() {
-        "slerp" => slerp::slerp(base.unwrap(), &models, g, o),
-        "nuslerp" => slerp::nuslerp(base, &models, g, shape, o),
-        "multislerp" => slerp::multislerp(base, &models, g, o),
-        "karcher" => karcher::karcher(&models, g, o),
-        "model_stock" => model_stock::model_stock(base.unwrap(), &models, g, shape, o),
-        "nearswap" => misc::nearswap(base.unwrap(), &models, g, o),
-        "arcee_fusion" => misc::arcee_fusion(base.unwrap(), &models, shape, 0, o),
-        "ram" => misc::ram(base.unwrap(), &models, g, o),
-        "ramplus_tl" => misc::ramplus_tl(base.unwrap(), &models, g, o),
-        other => panic!("no method {other}"),
-    }
-    .map(|_| out)
+    method(&case.method)(&t, &mut out).map(|_| out)
 }
 
 /// A value's position on the number line of the output dtype (adjacent values differ by 1).
@@ -249,25 +245,22 @@ fn every_method_accepts_an_empty_tensor() {
     }];
     let two = [one[0], one[0]];
     let shape = [0, 4];
-    let mut out: Vec<f32> = vec![];
-    let o = &mut out;
-    slerp::slerp(empty, &one, &global, o).unwrap();
-    slerp::nuslerp(Some(empty), &two, &none, &shape, o).unwrap();
-    slerp::nuslerp(
-        None,
-        &two,
-        &none.clone().with("nuslerp_flatten", 0.0),
-        &shape,
-        o,
-    )
-    .unwrap();
-    slerp::multislerp(None, &two, &none, o).unwrap();
-    karcher::karcher(&two, &none, o).unwrap();
-    model_stock::model_stock(empty, &two, &none, &shape, o).unwrap();
-    misc::nearswap(empty, &one, &global, o).unwrap();
-    misc::arcee_fusion(empty, &one, &shape, 0, o).unwrap();
-    misc::ram(empty, &two, &none, o).unwrap();
-    misc::ramplus_tl(empty, &two, &none, o).unwrap();
+    let unflattened = none.clone().with("nuslerp_flatten", 0.0);
+    for (name, models, global) in [
+        ("slerp", &one[..], &global),
+        ("nuslerp", &two, &none),
+        ("nuslerp", &two, &unflattened),
+        ("multislerp", &two, &none),
+        ("karcher", &two, &none),
+        ("model_stock", &two, &none),
+        ("nearswap", &one, &global),
+        ("arcee_fusion", &one, &none),
+        ("ram", &two, &none),
+        ("ramplus_tl", &two, &none),
+    ] {
+        let t = Inputs::new(empty, models, global, &shape);
+        method(name)(&t, &mut []).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
 }
 
 #[test]
@@ -279,19 +272,14 @@ fn inputs_of_the_wrong_length_are_refused_not_a_panic() {
         params: &none,
     }];
     let mut out = [0.0f32; 2];
-    let err = misc::nearswap(&long, &models, &none.clone().with("t", 1.0), &mut out).unwrap_err();
+    let t = none.clone().with("t", 1.0);
+    let err = misc::nearswap(&Inputs::new(&long, &models, &t, &[2]), &mut out).unwrap_err();
     assert_eq!(err, "model 0 has 1 values, the output 2");
-    let err = misc::arcee_fusion(
-        &long,
-        &[ModelTensor {
-            values: &long,
-            params: &none,
-        }],
-        &[3],
-        0,
-        &mut out,
-    )
-    .unwrap_err();
+    let same = [ModelTensor {
+        values: &long,
+        params: &none,
+    }];
+    let err = misc::arcee_fusion(&Inputs::new(&long, &same, &none, &[3]), &mut out).unwrap_err();
     assert_eq!(err, "shape [3] does not hold 2 values");
 }
 
@@ -343,25 +331,18 @@ proptest::proptest! {
         let all: Vec<ModelTensor> = std::iter::once(ModelTensor { values: base, params: &global })
             .chain(models.iter().copied())
             .collect();
-        let run = |method: usize| {
+        let run = |name: &str| {
             let mut out = vec![0.0f32; n];
-            let o = &mut out;
-            match method {
-                0 => slerp::slerp(base, &models, &global, o),
-                1 => slerp::nuslerp(Some(base), &models, &global, &shape, o),
-                2 => slerp::multislerp(Some(base), &models, &global, o),
-                3 => karcher::karcher(&all, &global, o),
-                4 => model_stock::model_stock(base, &models, &global, &shape, o),
-                5 => misc::nearswap(base, &models, &global, o),
-                6 => misc::arcee_fusion(base, &models, &shape, 9, o),
-                7 => misc::ram(base, &models, &global, o),
-                _ => misc::ramplus_tl(base, &models, &global, o),
-            }
-            .map(|_| out.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            // karcher takes the base as one more model.
+            let t = match name {
+                "karcher" => Inputs::new(&[], &all, &global, &shape),
+                _ => Inputs { seed: 9, ..Inputs::new(base, &models, &global, &shape) },
+            };
+            method(name)(&t, &mut out).map(|_| out.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
         };
-        for method in 0..9 {
-            let first = run(method);
-            proptest::prop_assert_eq!(&first, &run(method), "method {}", method);
+        for name in METHODS {
+            let first = run(name);
+            proptest::prop_assert_eq!(&first, &run(name), "method {}", name);
         }
     }
 }

@@ -11,28 +11,13 @@
 
 mod common;
 
-use common::merge_fixtures::{params, widen};
+use common::merge_fixtures::{json_shape, params, widen};
 
+use common::merge_fixtures::whole_tensor_fn as method;
 use half::bf16;
 use safetensors::SafeTensors;
 use serde_json::Value;
-use tftf::ops::merge::methods::{sce, sparse, ModelTensor, Params};
-
-type Method = fn(&[f32], &[ModelTensor], &Params, &[usize], u64, &mut [f32]) -> Result<(), String>;
-
-fn method(name: &str) -> Method {
-    match name {
-        "ties" => sparse::ties,
-        "breadcrumbs" => sparse::breadcrumbs,
-        "breadcrumbs_ties" => sparse::breadcrumbs_ties,
-        "dare_linear" => sparse::dare_linear,
-        "dare_ties" => sparse::dare_ties,
-        "della" => sparse::della,
-        "della_linear" => sparse::della_linear,
-        "sce" => sce::sce,
-        other => panic!("no method {other}"),
-    }
-}
+use tftf::ops::merge::methods::{Inputs, ModelTensor, Params};
 
 /// One fixture case: inputs widened to f32, mergekit's output and its float64 evaluation.
 struct Case {
@@ -57,14 +42,11 @@ impl Case {
             .map(|(values, params)| ModelTensor { values, params })
             .collect();
         let mut out = vec![0f32; self.base.len()];
-        method(&self.method)(
-            &self.base,
-            &models,
-            &self.global,
-            &self.shape,
+        let t = Inputs {
             seed,
-            &mut out,
-        )?;
+            ..Inputs::new(&self.base, &models, &self.global, &self.shape)
+        };
+        method(&self.method)(&t, &mut out)?;
         Ok(out)
     }
 }
@@ -89,12 +71,7 @@ fn cases(file: &str) -> Vec<Case> {
             name: name.clone(),
             method: meta["method"].as_str().unwrap().to_string(),
             bf16: meta["dtype"] == "bf16",
-            shape: meta["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap() as usize)
-                .collect(),
+            shape: json_shape(&meta["shape"]),
             global: params(&meta["global"]),
             params: models.iter().map(params).collect(),
             base: f32s(&format!("{name}.base")),
@@ -402,7 +379,11 @@ fn odd_shapes_values_and_parameters_give_an_error_or_finite_values_never_a_panic
             .collect();
         for name in names {
             let mut out = vec![f32::NAN; len];
-            match method(name)(&base, &models, &global, shape, trial, &mut out) {
+            let t = Inputs {
+                seed: trial,
+                ..Inputs::new(&base, &models, &global, shape)
+            };
+            match method(name)(&t, &mut out) {
                 Ok(()) => {
                     ok += 1;
                     assert!(

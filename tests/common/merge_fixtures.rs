@@ -9,6 +9,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::Value;
 use tftf::ops::merge::methods::Params;
+use tftf::ops::merge::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 
 use super::{load_all, load_tensors};
 
@@ -30,6 +31,20 @@ pub fn widen(view: &TensorView) -> Vec<f64> {
             .collect(),
         other => panic!("unexpected dtype {other:?}"),
     }
+}
+
+/// The whole-tensor function the registry runs for method `name`.
+pub fn whole_tensor_fn(name: &str) -> WholeTensorFn {
+    match MethodSpec::get(name).map(|m| m.arithmetic) {
+        Some(Arithmetic::WholeTensor(f)) => f,
+        _ => panic!("no whole-tensor method {name}"),
+    }
+}
+
+/// A fixture's `shape` (a JSON array of integers).
+pub fn json_shape(value: &Value) -> Vec<usize> {
+    let dims = value.as_array().unwrap().iter();
+    dims.map(|d| d.as_u64().unwrap() as usize).collect()
 }
 
 /// A JSON object of mergekit parameters (numbers, booleans as 0/1) as [`Params`].

@@ -221,7 +221,7 @@ mod tests {
             groups: 3,
             g: 0,
         };
-        let packed: Vec<u8> = (0..48).map(|i| (i as u8 * 37) & 0x77 | 0x10).collect();
+        let packed: Vec<u8> = (0..48u8).map(|i| i.wrapping_mul(37) & 0x77 | 0x10).collect();
         // Block 0 exact (2^1), block 1 above the window (2^10), block 2 below (2^-12).
         let scales = [128u8, 137, 115];
         let mut out = vec![0u8; 48];

@@ -15,7 +15,7 @@ use super::resolve::{Inputs, Resolved};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::methods::survey::{Chunk, Survey, SurveyFn};
+use super::methods::survey::{Chunk, Setting, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -46,18 +46,43 @@ enum Formula {
     /// `x_0 + scale · Σ_{i≥1} w_i (x_i − x_0)`.
     TaskArithmetic { weights: Vec<f64>, scale: f64 },
     /// A method that needs whole tensors.
-    Whole {
-        f: WholeTensorFn,
-        global: Params,
-        models: Vec<Params>,
-        has_base: bool,
-        shape: Vec<usize>,
-        seed: u64,
-        /// The models handed to `f` (the base apart), as the config names them.
-        names: Vec<String>,
-        /// How a tensor bigger than one chunk streams: its survey, passes and granule.
-        survey: Option<(SurveyFn, usize, u64)>,
-    },
+    Whole(Whole),
+}
+
+/// A whole-tensor method's formula for one tensor.
+#[derive(Clone, Debug)]
+struct Whole {
+    f: WholeTensorFn,
+    global: Params,
+    models: Vec<Params>,
+    has_base: bool,
+    shape: Vec<usize>,
+    seed: u64,
+    /// The models handed to `f` (the base apart), as the config names them.
+    names: Vec<String>,
+    /// How a tensor bigger than one chunk streams: its survey, passes and granule.
+    survey: Option<(SurveyFn, usize, u64)>,
+}
+
+impl Whole {
+    /// The models' parameters, the base's apart.
+    fn non_base(&self) -> &[Params] {
+        &self.models[usize::from(self.has_base)..]
+    }
+
+    fn setting(&self) -> Setting<'_> {
+        Setting {
+            global: &self.global,
+            models: self.non_base(),
+            shape: &self.shape,
+            seed: self.seed,
+        }
+    }
+
+    /// A method's message with the models named as the config names them.
+    fn named(&self, msg: String) -> String {
+        super::adapt::name_models(&msg, &self.names)
+    }
 }
 
 /// A tensor's survey: under way (`running`), then finished and shared by the chunks' merges
@@ -176,11 +201,7 @@ impl MergeOp {
                 let first = usize::from(inputs.has_base);
                 // Parameters the survey refuses leave the tensor whole: the whole-tensor
                 // function then refuses them with its own message.
-                let survey = method.survey.and_then(|make| {
-                    let s = make(&p.global, &p.models[first..], &shape, seed).ok()?;
-                    Some((make, s.passes(), s.granule().max(1) as u64))
-                });
-                Formula::Whole {
+                let mut whole = Whole {
                     f,
                     global: p.global,
                     models: p.models,
@@ -191,8 +212,13 @@ impl MergeOp {
                         .iter()
                         .map(|m| m.display().to_string())
                         .collect(),
-                    survey,
-                }
+                    survey: None,
+                };
+                whole.survey = method.survey.and_then(|make| {
+                    let s = make(&whole.setting()).ok()?;
+                    Some((make, s.passes(), s.granule().max(1) as u64))
+                });
+                Formula::Whole(whole)
             }
         };
         let elements = crate::format::dtype::element_count(&inputs.shapes[0]).unwrap_or(0);
@@ -212,13 +238,10 @@ impl MergeOp {
     pub(crate) fn over_rows(mut self, shape: &[u64], dtype: DType) -> MergeOp {
         self.in_dtypes.iter_mut().for_each(|d| *d = dtype);
         self.elements = crate::format::dtype::element_count(shape).unwrap_or(0);
-        if let Formula::Whole {
-            shape: s, survey, ..
-        } = &mut self.formula
-        {
-            *s = shape.iter().map(|&d| d as usize).collect();
+        if let Formula::Whole(whole) = &mut self.formula {
+            whole.shape = shape.iter().map(|&d| d as usize).collect();
             // The remapping op hands over whole tensors.
-            *survey = None;
+            whole.survey = None;
         }
         self
     }
@@ -251,7 +274,7 @@ impl MergeOp {
 
     /// The base (empty when the tensor has none) and the models, as `f` and surveys take them.
     fn split<'v>(&self, values: &'v [Vec<f32>]) -> (&'v [f32], Vec<&'v [f32]>) {
-        let has_base = matches!(self.formula, Formula::Whole { has_base: true, .. });
+        let has_base = matches!(&self.formula, Formula::Whole(w) if w.has_base);
         let first = usize::from(has_base);
         let models = values[first..].iter().map(Vec::as_slice).collect();
         (if has_base { &values[0] } else { &[] }, models)
@@ -303,27 +326,21 @@ impl MergeOp {
 
     /// A new survey of this tensor.
     fn start_survey(&self) -> Result<Box<dyn Survey>, String> {
-        let Formula::Whole {
-            global,
-            models,
-            has_base,
-            shape,
-            seed,
-            names,
-            survey: Some((make, ..)),
-            ..
-        } = &self.formula
-        else {
-            return Err(format!("`{}` merges this tensor whole", self.method));
-        };
-        make(global, &models[usize::from(*has_base)..], shape, *seed)
-            .map_err(|e| super::adapt::name_models(&e, names))
+        match &self.formula {
+            Formula::Whole(
+                w @ Whole {
+                    survey: Some((make, ..)),
+                    ..
+                },
+            ) => make(&w.setting()).map_err(|e| w.named(e)),
+            _ => Err(format!("`{}` merges this tensor whole", self.method)),
+        }
     }
 
     /// The model names errors from a method's arithmetic are told with.
     fn names(&self) -> &[String] {
         match &self.formula {
-            Formula::Whole { names, .. } => names,
+            Formula::Whole(w) => &w.names,
             _ => &[],
         }
     }
@@ -416,7 +433,7 @@ impl MergeOp {
                         &mut res[..n],
                     )
                 }
-                Formula::Whole { .. } => unreachable!("whole-tensor methods compute elsewhere"),
+                Formula::Whole(_) => unreachable!("whole-tensor methods compute elsewhere"),
             }
             let size = self.dst.size().expect("float dtypes have a size");
             store_f64_block(self.dst, &res[..n], &mut out[at * size..(at + n) * size]);
@@ -476,21 +493,17 @@ impl Op for MergeOp {
             .sum()
     }
     fn granularity(&self) -> u64 {
-        match self.formula {
-            Formula::Whole {
-                survey: Some((_, _, granule)),
-                ..
-            } => granule.min(self.elements.max(1)),
-            Formula::Whole { .. } => self.elements.max(1),
+        match &self.formula {
+            Formula::Whole(w) => match w.survey {
+                Some((_, _, granule)) => granule.min(self.elements.max(1)),
+                None => self.elements.max(1),
+            },
             _ => 1,
         }
     }
     fn survey_passes(&self) -> usize {
-        match self.formula {
-            Formula::Whole {
-                survey: Some((_, passes, _)),
-                ..
-            } => passes,
+        match &self.formula {
+            Formula::Whole(w) => w.survey.map_or(0, |(_, passes, _)| passes),
             _ => 0,
         }
     }
@@ -535,7 +548,7 @@ impl Op for MergeOp {
     fn scratch_unit_bytes(&self) -> u64 {
         match self.formula {
             // Every input and the result as f32.
-            Formula::Whole { .. } => 4 * (self.in_dtypes.len() as u64 + 1),
+            Formula::Whole(_) => 4 * (self.in_dtypes.len() as u64 + 1),
             _ => 0,
         }
     }
@@ -549,17 +562,7 @@ impl Op for MergeOp {
             .collect()
     }
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        let Formula::Whole {
-            f,
-            global,
-            models,
-            has_base,
-            shape,
-            seed,
-            names,
-            ..
-        } = &self.formula
-        else {
+        let Formula::Whole(w) = &self.formula else {
             self.compute_elementwise(units, inputs, out);
             return Ok(());
         };
@@ -569,15 +572,20 @@ impl Op for MergeOp {
         let n = (units.end - units.start) as usize;
         let values = self.decode(inputs, n);
         let (base, values) = self.split(&values);
-        let first = usize::from(*has_base);
         let tensors: Vec<ModelTensor> = values
             .iter()
-            .zip(&models[first..])
+            .zip(w.non_base())
             .map(|(v, params)| ModelTensor { values: v, params })
             .collect();
+        let t = methods::Inputs {
+            base,
+            models: &tensors,
+            global: &w.global,
+            shape: &w.shape,
+            seed: w.seed,
+        };
         let mut merged = vec![0f32; n];
-        f(base, &tensors, global, shape, *seed, &mut merged)
-            .map_err(|e| super::adapt::name_models(&e, names))?;
+        (w.f)(&t, &mut merged).map_err(|e| w.named(e))?;
         write_as(self.dst, merged.into_iter(), out);
         Ok(())
     }
@@ -602,19 +610,12 @@ mod tests {
 
     /// A stand-in whole-tensor method: base plus the first model's values times its weight,
     /// plus the seed's parity, checking what the engine hands over.
-    fn toy(
-        base: &[f32],
-        models: &[ModelTensor],
-        global: &Params,
-        shape: &[usize],
-        seed: u64,
-        out: &mut [f32],
-    ) -> Result<(), String> {
-        assert_eq!(shape, [2, 2]);
-        assert_eq!(global.get("lambda", 0.0), 2.0);
-        let w = models[0].params.get("weight", 0.0) as f32;
+    fn toy(t: &methods::Inputs, out: &mut [f32]) -> Result<(), String> {
+        assert_eq!(t.shape, [2, 2]);
+        assert_eq!(t.global.get("lambda", 0.0), 2.0);
+        let w = t.models[0].params.get("weight", 0.0) as f32;
         for (i, o) in out.iter_mut().enumerate() {
-            *o = base[i] + w * models[0].values[i] + (seed % 2) as f32;
+            *o = t.base[i] + w * t.models[0].values[i] + (t.seed % 2) as f32;
         }
         Ok(())
     }
@@ -623,7 +624,7 @@ mod tests {
     fn whole_tensor_methods_get_the_base_apart_and_round_once_to_the_output() {
         let op = MergeOp {
             method: "toy",
-            formula: Formula::Whole {
+            formula: Formula::Whole(Whole {
                 f: toy,
                 global: Params::default().with("lambda", 2.0),
                 models: vec![Params::default(), Params::default().with("weight", 0.5)],
@@ -632,7 +633,7 @@ mod tests {
                 seed: 3,
                 names: vec!["b".into()],
                 survey: None,
-            },
+            }),
             in_dtypes: vec![DType::F32, DType::BF16],
             compute_dtype: None,
             elements: 4,
@@ -659,23 +660,25 @@ mod tests {
 
     /// A TIES merge of 8 f32 elements whose tensor streams, surveyed in 4-element chunks.
     fn streamed_ties() -> MergeOp {
-        use super::super::methods::sparse;
+        use super::super::methods::{sparse, sparse_stream};
         let weighted = Params::default().with("weight", 1.0).with("density", 0.5);
         let (models, global) = (vec![Params::default(), weighted], Params::default());
-        let make: SurveyFn = sparse::ties_survey;
-        let passes = make(&global, &models[1..], &[8], 0).unwrap().passes();
+        let make: SurveyFn = sparse_stream::survey::<0>;
+        let mut whole = Whole {
+            f: sparse::whole::<0>,
+            global,
+            models,
+            has_base: true,
+            shape: vec![8],
+            seed: 0,
+            names: vec!["m".into()],
+            survey: None,
+        };
+        let passes = make(&whole.setting()).unwrap().passes();
+        whole.survey = Some((make, passes, 1));
         MergeOp {
             method: "ties",
-            formula: Formula::Whole {
-                f: sparse::ties,
-                global,
-                models,
-                has_base: true,
-                shape: vec![8],
-                seed: 0,
-                names: vec!["m".into()],
-                survey: Some((make, passes, 1)),
-            },
+            formula: Formula::Whole(whole),
             in_dtypes: vec![DType::F32, DType::F32],
             compute_dtype: None,
             elements: 8,

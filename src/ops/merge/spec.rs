@@ -5,7 +5,7 @@
 
 use super::config::MergeConfig;
 use super::methods::survey::SurveyFn;
-use super::methods::{ModelTensor, Params};
+use super::methods::Inputs;
 use crate::format::dtype::DType;
 
 /// Where a parameter is given: once for all models, per model, or per model except the base.
@@ -33,11 +33,9 @@ pub enum Base {
     Required,
 }
 
-/// A whole-tensor method, as the files under `methods/` define them: `base` (empty when the
-/// method has none), each model's tensor and parameters, the shared parameters, the shape, the
-/// tensor's random stream, and `out` to fill.
-pub type WholeTensorFn =
-    fn(&[f32], &[ModelTensor], &Params, &[usize], u64, &mut [f32]) -> Result<(), String>;
+/// A whole-tensor method, as the files under `methods/` define them: one tensor of every
+/// input, and `out` to fill.
+pub type WholeTensorFn = fn(&Inputs, &mut [f32]) -> Result<(), String>;
 
 /// The arithmetic a method runs.
 #[derive(Clone, Copy, Debug)]
@@ -131,221 +129,45 @@ const fn widening_to_f32(spec: MethodSpec) -> MethodSpec {
     }
 }
 
-use super::adapt;
-use super::methods::{karcher, misc, model_stock, sce, slerp, sparse};
+use super::methods::{karcher, misc, model_stock, sce, slerp, sparse, sparse_stream};
 use Arithmetic::WholeTensor;
 use Base::{Ignored, Optional, Required};
+
+/// Member `K` of the generalized task arithmetic family ([`sparse::FAMILY`]), with its
+/// parameters.
+const fn gta<const K: usize>(params: &'static [ParamSpec]) -> MethodSpec {
+    let whole = WholeTensor(sparse::whole::<K>);
+    let spec = method(sparse::FAMILY[K].name, params, Required, (1, None), whole);
+    streamed(spec, sparse_stream::survey::<K>)
+}
 
 const GAMMA: ParamSpec = p("gamma", NonBase, Some(0.01));
 const EPSILON: ParamSpec = p("epsilon", NonBase, Some(0.15));
 
-/// mergekit 0.1.5's registry, in its order.
+/// mergekit 0.1.5's registry, in its order: one method a row.
+#[rustfmt::skip]
 pub static METHODS: &[MethodSpec] = &[
-    streamed(
-        method(
-            "multislerp",
-            &[
-                p("weight", NonBase, None),
-                p("normalize_weights", Shared, Some(1.0)),
-                p("eps", Shared, Some(1e-8)),
-            ],
-            Optional,
-            (1, None),
-            WholeTensor(adapt::multislerp),
-        ),
-        slerp::multislerp_survey,
-    ),
-    streamed(
-        method(
-            "nearswap",
-            &[p("t", Shared, None)],
-            Required,
-            (2, None),
-            WholeTensor(adapt::nearswap),
-        ),
-        misc::nearswap_survey,
-    ),
-    streamed(
-        method(
-            "ram",
-            &[p("epsilon", Shared, Some(1e-5))],
-            Required,
-            (1, None),
-            WholeTensor(adapt::ram),
-        ),
-        misc::ram_survey,
-    ),
-    streamed(
-        widening_to_f32(method(
-            "ramplus_tl",
-            &[
-                p("r", Shared, Some(0.1)),
-                p("alpha", Shared, Some(0.2)),
-                p("epsilon", Shared, Some(1e-5)),
-            ],
-            Required,
-            (1, None),
-            WholeTensor(adapt::ramplus_tl),
-        )),
-        misc::ramplus_tl_survey,
-    ),
-    streamed(
-        method(
-            "sce",
-            &[
-                p("int8_mask", Shared, Some(0.0)),
-                p("select_topk", Shared, Some(1.0)),
-            ],
-            Required,
-            (1, None),
-            WholeTensor(sce::sce),
-        ),
-        sce::survey,
-    ),
+    streamed(method("multislerp", &[p("weight", NonBase, None), p("normalize_weights", Shared, Some(1.0)), p("eps", Shared, Some(1e-8))], Optional, (1, None), WholeTensor(slerp::multislerp)), slerp::multislerp_survey),
+    streamed(method("nearswap", &[p("t", Shared, None)], Required, (2, None), WholeTensor(misc::nearswap)), misc::nearswap_survey),
+    streamed(method("ram", &[p("epsilon", Shared, Some(1e-5))], Required, (1, None), WholeTensor(misc::ram)), misc::ram_survey),
+    streamed(widening_to_f32(method("ramplus_tl", &[p("r", Shared, Some(0.1)), p("alpha", Shared, Some(0.2)), p("epsilon", Shared, Some(1e-5))], Required, (1, None), WholeTensor(misc::ramplus_tl))), misc::ramplus_tl_survey),
+    streamed(method("sce", &[p("int8_mask", Shared, Some(0.0)), p("select_topk", Shared, Some(1.0))], Required, (1, None), WholeTensor(sce::sce)), sce::survey),
     method("linear", LINEAR, Ignored, (1, None), Arithmetic::Linear),
-    streamed(
-        method(
-            "slerp",
-            &[p("t", Shared, None)],
-            Required,
-            (2, Some(2)),
-            WholeTensor(adapt::slerp),
-        ),
-        slerp::slerp_survey,
-    ),
-    streamed(
-        method(
-            "nuslerp",
-            &[
-                p("weight", NonBase, None),
-                p("nuslerp_row_wise", Shared, Some(0.0)),
-                p("nuslerp_flatten", Shared, Some(1.0)),
-            ],
-            Optional,
-            (2, Some(3)),
-            WholeTensor(adapt::nuslerp),
-        ),
-        slerp::nuslerp_survey,
-    ),
-    method(
-        "passthrough",
-        &[p("scale", Input, Some(f64::NAN))],
-        Ignored,
-        (1, Some(1)),
-        Arithmetic::Passthrough,
-    ),
-    streamed(
-        method(
-            "model_stock",
-            &[p("filter_wise", Shared, Some(0.0))],
-            Required,
-            (3, None),
-            WholeTensor(adapt::model_stock),
-        ),
-        model_stock::survey,
-    ),
-    streamed(
-        widening_to_f32(method(
-            "arcee_fusion",
-            &[],
-            Required,
-            (2, Some(2)),
-            WholeTensor(adapt::arcee_fusion),
-        )),
-        misc::fusion_survey,
-    ),
-    streamed(
-        method(
-            "karcher",
-            &[
-                p("max_iter", Shared, Some(10.0)),
-                p("tol", Shared, Some(1e-5)),
-            ],
-            Ignored,
-            (1, None),
-            WholeTensor(adapt::karcher),
-        ),
-        karcher::karcher_survey,
-    ),
-    method(
-        "task_arithmetic",
-        gta!(0.0, 0.0),
-        Required,
-        (1, None),
-        Arithmetic::TaskArithmetic,
-    ),
-    streamed(
-        method(
-            "ties",
-            gta!(1.0, 0.0),
-            Required,
-            (1, None),
-            WholeTensor(sparse::ties),
-        ),
-        sparse::ties_survey,
-    ),
-    streamed(
-        method(
-            "dare_ties",
-            gta!(0.0, 1.0),
-            Required,
-            (1, None),
-            WholeTensor(sparse::dare_ties),
-        ),
-        sparse::dare_ties_survey,
-    ),
-    streamed(
-        method(
-            "dare_linear",
-            gta!(0.0, 1.0),
-            Required,
-            (1, None),
-            WholeTensor(sparse::dare_linear),
-        ),
-        sparse::dare_linear_survey,
-    ),
-    streamed(
-        method(
-            "breadcrumbs",
-            gta!(0.0, 0.0, GAMMA),
-            Required,
-            (1, None),
-            WholeTensor(sparse::breadcrumbs),
-        ),
-        sparse::breadcrumbs_survey,
-    ),
-    streamed(
-        method(
-            "breadcrumbs_ties",
-            gta!(0.0, 0.0, GAMMA),
-            Required,
-            (1, None),
-            WholeTensor(sparse::breadcrumbs_ties),
-        ),
-        sparse::breadcrumbs_ties_survey,
-    ),
-    streamed(
-        method(
-            "della",
-            gta!(1.0, 1.0, EPSILON),
-            Required,
-            (1, None),
-            WholeTensor(sparse::della),
-        ),
-        sparse::della_survey,
-    ),
-    streamed(
-        method(
-            "della_linear",
-            gta!(0.0, 1.0, EPSILON),
-            Required,
-            (1, None),
-            WholeTensor(sparse::della_linear),
-        ),
-        sparse::della_linear_survey,
-    ),
+    streamed(method("slerp", &[p("t", Shared, None)], Required, (2, Some(2)), WholeTensor(slerp::slerp)), slerp::slerp_survey),
+    streamed(method("nuslerp", &[p("weight", NonBase, None), p("nuslerp_row_wise", Shared, Some(0.0)), p("nuslerp_flatten", Shared, Some(1.0))], Optional, (2, Some(3)), WholeTensor(slerp::nuslerp)), slerp::nuslerp_survey),
+    method("passthrough", &[p("scale", Input, Some(f64::NAN))], Ignored, (1, Some(1)), Arithmetic::Passthrough),
+    streamed(method("model_stock", &[p("filter_wise", Shared, Some(0.0))], Required, (3, None), WholeTensor(model_stock::model_stock)), model_stock::survey),
+    streamed(widening_to_f32(method("arcee_fusion", &[], Required, (2, Some(2)), WholeTensor(misc::arcee_fusion))), misc::fusion_survey),
+    streamed(method("karcher", &[p("max_iter", Shared, Some(10.0)), p("tol", Shared, Some(1e-5))], Ignored, (1, None), WholeTensor(karcher::karcher)), karcher::karcher_survey),
+    method("task_arithmetic", gta!(0.0, 0.0), Required, (1, None), Arithmetic::TaskArithmetic),
+    gta::<0>(gta!(1.0, 0.0)),
+    gta::<4>(gta!(0.0, 1.0)),
+    gta::<3>(gta!(0.0, 1.0)),
+    gta::<1>(gta!(0.0, 0.0, GAMMA)),
+    gta::<2>(gta!(0.0, 0.0, GAMMA)),
+    gta::<5>(gta!(1.0, 1.0, EPSILON)),
+    gta::<6>(gta!(0.0, 1.0, EPSILON)),
 ];
-
 impl MethodSpec {
     pub fn get(name: &str) -> Option<&'static MethodSpec> {
         METHODS.iter().find(|m| m.name == name)
@@ -420,7 +242,7 @@ impl MethodSpec {
 mod tests {
     use super::*;
     use crate::ops::merge::methods::survey::testing::Case;
-    use crate::ops::merge::methods::uniform;
+    use crate::ops::merge::methods::{uniform, Params};
 
     /// A parameter's value for the comparison: its default, else a usable one; `density` below
     /// 1 so the magnitude cuts cut.
@@ -443,7 +265,7 @@ mod tests {
     #[test]
     fn streamed_methods_merge_every_chunking_as_the_whole_tensor() {
         for spec in METHODS.iter().filter(|m| m.survey.is_some()) {
-            let WholeTensor(whole) = spec.arithmetic else {
+            let Arithmetic::WholeTensor(whole) = spec.arithmetic else {
                 panic!("{} streams but is not a whole-tensor method", spec.name)
             };
             let make = spec.survey.unwrap();

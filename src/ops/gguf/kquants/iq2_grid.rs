@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use super::iq2_tables::{KGRID_1BIT_2048, KGRID_2BIT_1024, KGRID_2BIT_256, KGRID_2BIT_512};
+use super::grids::{KGRID_1BIT_2048, KGRID_2BIT_1024, KGRID_2BIT_256, KGRID_2BIT_512};
 
 /// Codes of 8 levels in `0..=2` are below this (`kmap_size`, `0xAAAA + 2`).
 const MAP_CODES: usize = 43_692;

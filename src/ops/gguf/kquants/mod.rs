@@ -21,10 +21,10 @@
 //! or 32 elements), so the lanes would run over independent sub-blocks or candidate scales,
 //! not over the elements of one sum.
 
+mod grids;
 mod iq1;
 mod iq2;
 mod iq2_grid;
-mod iq2_tables;
 mod iq3;
 mod iq4;
 mod iq_signs;

@@ -9,8 +9,8 @@
 //! run — what issue #27 asks of karcher's memory.
 
 use super::support::{count_param, optional, same_lengths, BlockSum};
-use super::survey::{merge_whole, Chunk, Survey};
-use super::{ModelTensor, Params};
+use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::Inputs;
 
 /// mergekit's karcher: every input (the base too, when the config names one), in mergekit's
 /// model order, weighted equally. Inputs with norm ≤ `tol` (default 1e-5) are left out of the
@@ -21,18 +21,11 @@ use super::{ModelTensor, Params};
 /// direction times the mean of all the norms. As in mergekit: all-zero inputs give zeros, a
 /// NaN makes the whole tensor NaN (only its own element when every norm is ≤ `tol`), and two
 /// exactly opposite inputs give the first (their tangents cancel).
-pub fn karcher(models: &[ModelTensor], global: &Params, out: &mut [f32]) -> Result<(), String> {
-    same_lengths(None, models, out)?;
-    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
-    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let survey = karcher_survey(global, &params, &[out.len()], 0)?;
-    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
-    let chunk = Chunk {
-        start: 0,
-        base: &[],
-        models: &values,
-    };
-    merge_whole(survey, &chunk, out)
+/// karcher ignores the base policy: the engine hands every input in model order, `t.base`
+/// empty.
+pub fn karcher(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    same_lengths(None, t.models, out)?;
+    merge_whole(karcher_survey, &Inputs { base: &[], ..*t }, out)
 }
 
 /// karcher a chunk at a time: one pass sums the inputs' Gram matrix, from which the mean's
@@ -50,12 +43,8 @@ pub struct KarcherSurvey {
 }
 
 /// The [`Survey`] of one karcher tensor: every input in model order (the base too).
-pub fn karcher_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
+pub fn karcher_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    let (global, models) = (s.global, s.models);
     let max_iter = count_param(global, "max_iter", 10)?;
     let tol = optional(global, "tol", 1e-5)?;
     let n = models.len();
@@ -193,12 +182,11 @@ fn iterate(g: &[f64], v: usize, max_iter: usize, tol: f64) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::super::support::run_plain;
+    use super::super::Params;
     use super::*;
 
     fn run(inputs: &[&[f32]], global: &Params) -> Result<Vec<f32>, String> {
-        run_plain(inputs[0].len(), inputs, |models, out| {
-            karcher(models, global, out)
-        })
+        run_plain(karcher, &[], inputs, global)
     }
 
     #[test]

@@ -9,18 +9,14 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
     BlockSum,
 };
-use super::survey::{merge_whole, Chunk, Survey};
-use super::{uniform, unparameterised, ModelTensor, Params};
+use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::{uniform, unparameterised, Inputs, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
 /// model by `clamp(t / max(|base − model|, 1e-6), 0, 1)`, so values closer than `t` (required)
 /// take the model's value and others move by `t`.
-pub fn nearswap(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    out: &mut [f32],
-) -> Result<(), String> {
+pub fn nearswap(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models, global) = (t.base, t.models, t.global);
     model_count("nearswap", models.len(), 1, 1)?;
     same_lengths(Some(base), models, out)?;
     let t = required(global, "t")?;
@@ -43,25 +39,11 @@ pub const FUSION_SAMPLE: usize = 1_000_000;
 /// base's. Quantile `q` is element `⌊q (m − 1)⌋` of the `m` sorted importances (NaN last);
 /// above [`FUSION_SAMPLE`] elements they come from that many elements drawn with replacement
 /// through [`uniform`]`(seed, 0, draw)`, as mergekit draws them with `torch.randint`.
-pub fn arcee_fusion(
-    base: &[f32],
-    models: &[ModelTensor],
-    shape: &[usize],
-    seed: u64,
-    out: &mut [f32],
-) -> Result<(), String> {
-    model_count("arcee_fusion", models.len(), 1, 1)?;
-    same_lengths(Some(base), models, out)?;
-    shape_holds(shape, out.len())?;
-    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
-    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let survey = fusion_survey(&Params::default(), &params, shape, seed)?;
-    let chunk = Chunk {
-        start: 0,
-        base,
-        models: &[models[0].values],
-    };
-    merge_whole(survey, &chunk, out)
+pub fn arcee_fusion(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    model_count("arcee_fusion", t.models.len(), 1, 1)?;
+    same_lengths(Some(t.base), t.models, out)?;
+    shape_holds(t.shape, out.len())?;
+    merge_whole(fusion_survey, t, out)
 }
 
 /// arcee_fusion a chunk at a time, chunks holding whole rows: one pass takes each row's KL
@@ -81,12 +63,8 @@ pub struct FusionSurvey {
 }
 
 /// The [`Survey`] of one arcee_fusion tensor.
-pub fn fusion_survey(
-    _global: &Params,
-    models: &[Params],
-    shape: &[usize],
-    seed: u64,
-) -> Result<Box<dyn Survey>, String> {
+pub fn fusion_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    let (models, shape, seed) = (s.models, s.shape, s.seed);
     model_count("arcee_fusion", models.len(), 1, 1)?;
     let n: usize = shape.iter().product();
     let drawn = (n > FUSION_SAMPLE).then(|| {
@@ -224,14 +202,9 @@ impl Softmax {
 /// mergekit's ram (Reinforced Agent Merging): `base` plus, per element, the task vector
 /// `model − base` of the one model that changed it by more than `epsilon` (default 1e-5), or
 /// the mean of those that did when several did; no change when none did.
-pub fn ram(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    out: &mut [f32],
-) -> Result<(), String> {
-    let epsilon = optional(global, "epsilon", 1e-5)?;
-    rescaled_ram(base, models, epsilon, None, out)
+pub fn ram(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let epsilon = optional(t.global, "epsilon", 1e-5)?;
+    rescaled_ram(t.base, t.models, epsilon, None, out)
 }
 
 /// mergekit's ramplus_tl: ram with each model's unique changes scaled by
@@ -241,12 +214,8 @@ pub fn ram(
 /// `ρ` to it, as torch's `clamp` does. `ρ` and the scale are computed in f64 (the formula in
 /// float64); mergekit computes them in f32 (integer counts divided by a float clamp make an
 /// f32 tensor), a few ulps apart.
-pub fn ramplus_tl(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    out: &mut [f32],
-) -> Result<(), String> {
+pub fn ramplus_tl(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models, global) = (t.base, t.models, t.global);
     let r = optional(global, "r", 0.1)?;
     let alpha = optional(global, "alpha", 0.2)?;
     let epsilon = optional(global, "epsilon", 1e-5)?;
@@ -319,35 +288,26 @@ pub struct RamSurvey {
 }
 
 /// The [`Survey`] of one ram tensor.
-pub fn ram_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    Ok(Box::new(RamSurvey {
-        epsilon: optional(global, "epsilon", 1e-5)?,
-        plus: None,
-        tally: RamTally::new(models.len()),
-        lambda: vec![],
-    }))
+pub fn ram_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    RamSurvey::boxed(s, None)
 }
 
 /// The [`Survey`] of one ramplus_tl tensor.
-pub fn ramplus_tl_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    let r = optional(global, "r", 0.1)?;
-    let alpha = optional(global, "alpha", 0.2)?;
-    Ok(Box::new(RamSurvey {
-        epsilon: optional(global, "epsilon", 1e-5)?,
-        plus: Some((r, alpha)),
-        tally: RamTally::new(models.len()),
-        lambda: vec![],
-    }))
+pub fn ramplus_tl_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    let r = optional(s.global, "r", 0.1)?;
+    let alpha = optional(s.global, "alpha", 0.2)?;
+    RamSurvey::boxed(s, Some((r, alpha)))
+}
+
+impl RamSurvey {
+    fn boxed(s: &Setting, plus: Option<(f64, f64)>) -> Result<Box<dyn Survey>, String> {
+        Ok(Box::new(RamSurvey {
+            epsilon: optional(s.global, "epsilon", 1e-5)?,
+            plus,
+            tally: RamTally::new(s.models.len()),
+            lambda: vec![],
+        }))
+    }
 }
 
 impl Survey for RamSurvey {
@@ -386,16 +346,11 @@ pub struct NearswapSurvey {
 }
 
 /// The [`Survey`] of one nearswap tensor.
-pub fn nearswap_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    model_count("nearswap", models.len(), 1, 1)?;
-    required(global, "t")?;
+pub fn nearswap_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    model_count("nearswap", s.models.len(), 1, 1)?;
+    required(s.global, "t")?;
     Ok(Box::new(NearswapSurvey {
-        global: global.clone(),
+        global: s.global.clone(),
     }))
 }
 
@@ -406,7 +361,8 @@ impl Survey for NearswapSurvey {
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         let none = Params::default();
-        nearswap(base, &unparameterised(models, &none), &self.global, out)
+        let models = unparameterised(models, &none);
+        nearswap(&Inputs::new(base, &models, &self.global, &[]), out)
     }
 }
 
@@ -441,21 +397,9 @@ fn rescaled_ram(
 
 #[cfg(test)]
 mod tests {
-    use super::super::support::run_plain;
     use super::*;
 
-    type Method = fn(&[f32], &[ModelTensor], &Params, &mut [f32]) -> Result<(), String>;
-
-    fn run(
-        method: Method,
-        base: &[f32],
-        inputs: &[&[f32]],
-        global: &Params,
-    ) -> Result<Vec<f32>, String> {
-        run_plain(base.len(), inputs, |models, out| {
-            method(base, models, global, out)
-        })
-    }
+    use super::super::support::run_plain as run;
 
     #[test]
     fn nearswap_takes_close_values_and_moves_others_by_t() {
@@ -543,7 +487,12 @@ mod tests {
                 values: &model,
                 params: &none,
             }];
-            arcee_fusion(&base, &models, &[rows, cols], seed, &mut out).unwrap();
+            let shape = [rows, cols];
+            let t = Inputs {
+                seed,
+                ..Inputs::new(&base, &models, &none, &shape)
+            };
+            arcee_fusion(&t, &mut out).unwrap();
             out
         };
         let first = fuse(3);

@@ -51,6 +51,47 @@ pub struct ModelTensor<'a> {
     pub params: &'a Params,
 }
 
+/// One tensor of every input, as the whole-tensor methods take it: the base (empty when the
+/// tensor is merged without one), each model's tensor and parameters in config order, the
+/// shared parameters, the shape (row-major) and the tensor's random stream.
+#[derive(Clone, Copy, Debug)]
+pub struct Inputs<'a> {
+    pub base: &'a [f32],
+    pub models: &'a [ModelTensor<'a>],
+    pub global: &'a Params,
+    pub shape: &'a [usize],
+    pub seed: u64,
+}
+
+impl<'a> Inputs<'a> {
+    /// The inputs of a tensor of `shape` with random stream 0.
+    pub fn new(
+        base: &'a [f32],
+        models: &'a [ModelTensor<'a>],
+        global: &'a Params,
+        shape: &'a [usize],
+    ) -> Self {
+        let seed = 0;
+        Inputs {
+            base,
+            models,
+            global,
+            shape,
+            seed,
+        }
+    }
+
+    /// The base, or `None` when the tensor is merged without one.
+    pub fn optional_base(&self) -> Option<&'a [f32]> {
+        optional_base(self.base)
+    }
+}
+
+/// `Some(base)`, or `None` for a tensor merged without one (handed over empty).
+pub(crate) fn optional_base(base: &[f32]) -> Option<&[f32]> {
+    (!base.is_empty()).then_some(base)
+}
+
 /// `models` as the whole-tensor functions take them, each with the parameters `none`.
 pub fn unparameterised<'a>(models: &[&'a [f32]], none: &'a Params) -> Vec<ModelTensor<'a>> {
     (models.iter())

@@ -8,8 +8,8 @@
 use std::ops::Range;
 
 use super::support::{model_count, same_lengths, shape_holds, split_axis, BlockSum};
-use super::survey::{Chunk, Survey};
-use super::{ModelTensor, Params};
+use super::survey::{Chunk, Setting, Survey};
+use super::{Inputs, Params};
 
 /// mergekit's model_stock: `base` and N ≥ 2 fine-tunes. Over the whole tensor (or each row,
 /// vectors along the last axis, when `filter_wise` is 1; default 0) the offsets
@@ -18,18 +18,17 @@ use super::{ModelTensor, Params};
 /// or 0 (the base) when that denominator is below 1e-6 in magnitude, and the result is
 /// `t · mean(models) + (1 − t) · base`. A NaN makes its whole tensor (or row) NaN, as in
 /// mergekit.
-pub fn model_stock(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    shape: &[usize],
-    out: &mut [f32],
-) -> Result<(), String> {
-    model_count("model_stock", models.len(), 2, usize::MAX)?;
-    same_lengths(Some(base), models, out)?;
-    shape_holds(shape, out.len())?;
-    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
-    rows(base, &values, row_length(global, shape, out.len()), out);
+pub fn model_stock(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    model_count("model_stock", t.models.len(), 2, usize::MAX)?;
+    same_lengths(Some(t.base), t.models, out)?;
+    shape_holds(t.shape, out.len())?;
+    let values: Vec<&[f32]> = t.models.iter().map(|m| m.values).collect();
+    rows(
+        t.base,
+        &values,
+        row_length(t.global, t.shape, out.len()),
+        out,
+    );
     Ok(())
 }
 
@@ -191,18 +190,13 @@ pub struct ModelStockSurvey {
 }
 
 /// The [`Survey`] of one tensor.
-pub fn survey(
-    global: &Params,
-    models: &[Params],
-    shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    model_count("model_stock", models.len(), 2, usize::MAX)?;
-    let len = shape.iter().product();
+pub fn survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    model_count("model_stock", s.models.len(), 2, usize::MAX)?;
+    let len = s.shape.iter().product();
     Ok(Box::new(ModelStockSurvey {
-        row: row_length(global, shape, len),
-        filter_wise: global.flag("filter_wise", false),
-        gram: Gram::new(models.len()),
+        row: row_length(s.global, s.shape, len),
+        filter_wise: s.global.flag("filter_wise", false),
+        gram: Gram::new(s.models.len()),
         t: 0.0,
     }))
 }
@@ -248,9 +242,7 @@ mod tests {
     use super::*;
 
     fn run(base: &[f32], inputs: &[&[f32]], global: &Params) -> Result<Vec<f32>, String> {
-        run_plain(base.len(), inputs, |models, out| {
-            model_stock(base, models, global, &[base.len()], out)
-        })
+        run_plain(model_stock, base, inputs, global)
     }
 
     /// The fixed-size Gram sums add what the general loop adds, in its order, over spans that
@@ -300,7 +292,7 @@ mod tests {
             let params = vec![Params::default(); models.len()];
             let global = Params::default().with("filter_wise", (trial % 2) as f64);
             let case = Case {
-                whole: crate::ops::merge::adapt::model_stock,
+                whole: model_stock,
                 make: survey,
                 base: &base,
                 models: &models,

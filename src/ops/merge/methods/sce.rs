@@ -17,23 +17,17 @@
 
 use super::sparse::{check_inputs, finite};
 use super::sparsify::{rank_key, rank_range, Compensated, CutPass, RadixCut, Survivors};
-use super::survey::{check_finite, Chunk, Survey};
-use super::{ModelTensor, Params};
+use super::survey::{check_finite, Chunk, Setting, Survey};
+use super::Inputs;
 
 /// The parameters mergekit accepts for `sce`: all global (it has no per-model ones).
 pub const SCE_PARAMETERS: &[&str] = &["int8_mask", "select_topk"];
 
 /// SCE as above. Deterministic (`seed` unused).
-pub fn sce(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    shape: &[usize],
-    _seed: u64,
-    out: &mut [f32],
-) -> Result<(), String> {
-    check_inputs(base, models, shape, out)?;
-    let select_topk = finite(global, "select_topk", 1.0)?;
+pub fn sce(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models) = (t.base, t.models);
+    check_inputs(t, out)?;
+    let select_topk = finite(t.global, "select_topk", 1.0)?;
     if models.is_empty() {
         out.copy_from_slice(base);
         return Ok(());
@@ -139,14 +133,9 @@ pub struct SceSurvey {
 }
 
 /// The [`Survey`] of one sce tensor.
-pub fn survey(
-    global: &Params,
-    models: &[Params],
-    shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    let density = finite(global, "select_topk", 1.0)?;
-    let len: usize = shape.iter().product();
+pub fn survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    let density = finite(s.global, "select_topk", 1.0)?;
+    let len: usize = s.shape.iter().product();
     // Below 0 nothing is selected: a cut past the last rank keeps nothing.
     let cut = (density < 1.0).then(|| RadixCut::new(if density <= 0.0 { len } else { 0 }, len));
     let mut stages = Vec::new();
@@ -156,11 +145,11 @@ pub fn survey(
     stages.push(None);
     Ok(Box::new(SceSurvey {
         len,
-        models: models.len(),
+        models: s.models.len(),
         density,
         nonzero: 0,
         cut,
-        squares: vec![Compensated::default(); models.len()],
+        squares: vec![Compensated::default(); s.models.len()],
         weights: vec![],
         stages,
     }))
@@ -241,6 +230,7 @@ impl Survey for SceSurvey {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{ModelTensor, Params};
     use super::*;
 
     fn merge(base: &[f32], models: &[&[f32]], global: &Params) -> Result<Vec<f32>, String> {
@@ -253,7 +243,10 @@ mod tests {
             })
             .collect();
         let mut out = vec![f32::NAN; base.len()];
-        sce(base, &tensors, global, &[base.len()], 0, &mut out)?;
+        sce(
+            &Inputs::new(base, &tensors, global, &[base.len()]),
+            &mut out,
+        )?;
         Ok(out)
     }
 

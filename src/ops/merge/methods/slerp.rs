@@ -12,18 +12,14 @@ use super::support::{
     clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
     BlockSum,
 };
-use super::survey::{merge_whole, Chunk, Survey};
-use super::{ModelTensor, Params};
+use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::{optional_base, Inputs, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
 /// along the great circle through the two whole tensors. Norms at or below `1e-8` count as 1;
 /// when `|cos θ| > 0.9995` (near-collinear) it interpolates linearly.
-pub fn slerp(
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    out: &mut [f32],
-) -> Result<(), String> {
+pub fn slerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models, global) = (t.base, t.models, t.global);
     model_count("slerp", models.len(), 1, 1)?;
     same_lengths(Some(base), models, out)?;
     let t = required(global, "t")?;
@@ -77,15 +73,10 @@ pub struct SlerpSurvey {
 }
 
 /// The [`Survey`] of one slerp tensor.
-pub fn slerp_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    model_count("slerp", models.len(), 1, 1)?;
+pub fn slerp_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    model_count("slerp", s.models.len(), 1, 1)?;
     Ok(Box::new(SlerpSurvey {
-        t: required(global, "t")?,
+        t: required(s.global, "t")?,
         sums: SlerpSums::default(),
     }))
 }
@@ -112,18 +103,14 @@ impl Survey for SlerpSurvey {
 /// otherwise each row (vectors along the last axis) or, with `nuslerp_row_wise`, each vector
 /// along axis 0. Norms are clamped to ≥ 1e-7; vectors with `1 − cos² θ ≤ 1e-16` are
 /// interpolated linearly.
-pub fn nuslerp(
-    base: Option<&[f32]>,
-    models: &[ModelTensor],
-    global: &Params,
-    shape: &[usize],
-    out: &mut [f32],
-) -> Result<(), String> {
+pub fn nuslerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models) = (t.optional_base(), t.models);
     model_count("nuslerp", models.len(), 2, 2)?;
     same_lengths(base, models, out)?;
-    shape_holds(shape, out.len())?;
-    let t = nuslerp_t(&weights(models)?);
-    let (outer, length, inner) = nuslerp_layout(global, shape, out.len());
+    shape_holds(t.shape, out.len())?;
+    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
+    let (outer, length, inner) = nuslerp_layout(t.global, t.shape, out.len());
+    let t = nuslerp_t(&weights(&params)?);
     debug_assert_eq!(outer * length * inner, out.len());
     let values = [models[0].values, models[1].values];
     merge_slabs(t, base, values, length * inner, inner, out);
@@ -233,21 +220,10 @@ pub struct NuslerpSurvey {
 }
 
 /// The [`Survey`] of one nuslerp tensor.
-pub fn nuslerp_survey(
-    global: &Params,
-    models: &[Params],
-    shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
-    model_count("nuslerp", models.len(), 2, 2)?;
-    let tensors: Vec<ModelTensor> = (models.iter())
-        .map(|params| ModelTensor {
-            values: &[],
-            params,
-        })
-        .collect();
-    let t = nuslerp_t(&weights(&tensors)?);
-    let (outer, length, inner) = nuslerp_layout(global, shape, shape.iter().product());
+pub fn nuslerp_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    model_count("nuslerp", s.models.len(), 2, 2)?;
+    let t = nuslerp_t(&weights(s.models)?);
+    let (outer, length, inner) = nuslerp_layout(s.global, s.shape, s.shape.iter().product());
     Ok(Box::new(NuslerpSurvey {
         t,
         slab: if outer > 1 { length * inner } else { 0 },
@@ -284,11 +260,6 @@ impl Survey for NuslerpSurvey {
     }
 }
 
-/// `Some(base)`, or `None` for a tensor merged without one (handed over empty).
-fn optional_base(base: &[f32]) -> Option<&[f32]> {
-    (!base.is_empty()).then_some(base)
-}
-
 /// mergekit's multislerp: barycentric interpolation of N ≥ 1 models (task vectors when there
 /// is a `base`) on the unit sphere. Per-model `weight` (required), divided by their sum unless
 /// `normalize_weights` is 0; `eps` (default 1e-8). Each vector is scaled to unit length
@@ -297,24 +268,10 @@ fn optional_base(base: &[f32]) -> Option<&[f32]> {
 /// scaled by the weighted mean of the norms. One model is returned unchanged. When the mean is
 /// shorter than `eps`, two models are averaged linearly; more are refused (as mergekit does).
 /// Weights summing to zero are refused (mergekit divides by zero).
-pub fn multislerp(
-    base: Option<&[f32]>,
-    models: &[ModelTensor],
-    global: &Params,
-    out: &mut [f32],
-) -> Result<(), String> {
-    model_count("multislerp", models.len(), 1, usize::MAX)?;
-    same_lengths(base, models, out)?;
-    // The whole tensor as one chunk of the streamed form: the same sums, the same bytes.
-    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let survey = multislerp_survey(global, &params, &[out.len()], 0)?;
-    let values: Vec<&[f32]> = models.iter().map(|m| m.values).collect();
-    let chunk = Chunk {
-        start: 0,
-        base: base.unwrap_or(&[]),
-        models: &values,
-    };
-    merge_whole(survey, &chunk, out)
+pub fn multislerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    model_count("multislerp", t.models.len(), 1, usize::MAX)?;
+    same_lengths(t.optional_base(), t.models, out)?;
+    merge_whole(multislerp_survey, t, out)
 }
 
 /// multislerp a chunk at a time: pass 0 sums each model's squared norm, pass 1 each unit
@@ -340,20 +297,10 @@ pub struct MultislerpSurvey {
 }
 
 /// The [`Survey`] of one multislerp tensor.
-pub fn multislerp_survey(
-    global: &Params,
-    models: &[Params],
-    _shape: &[usize],
-    _seed: u64,
-) -> Result<Box<dyn Survey>, String> {
+pub fn multislerp_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    let (global, models) = (s.global, s.models);
     model_count("multislerp", models.len(), 1, usize::MAX)?;
-    let tensors: Vec<ModelTensor> = (models.iter())
-        .map(|params| ModelTensor {
-            values: &[],
-            params,
-        })
-        .collect();
-    let mut w = weights(&tensors)?;
+    let mut w = weights(models)?;
     let eps = optional(global, "eps", 1e-8)?;
     // One model is returned as it is: its weights are not normalised.
     if models.len() > 1 && global.flag("normalize_weights", true) {
@@ -505,6 +452,7 @@ fn coefficients(cos: f64, t: f64) -> (f64, f64) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ModelTensor;
     use super::*;
 
     fn model<'a>(values: &'a [f32], params: &'a Params) -> ModelTensor<'a> {
@@ -516,16 +464,12 @@ mod tests {
         let (a, b) = ([1.0f32, 0.0], [0.0f32, 1.0]);
         let none = Params::default();
         let mut out = [0.0f32; 2];
-        slerp(
-            &a,
-            &[model(&b, &none)],
-            &none.clone().with("t", 0.5),
-            &mut out,
-        )
-        .unwrap();
+        let models = [model(&b, &none)];
+        let half = none.clone().with("t", 0.5);
+        slerp(&Inputs::new(&a, &models, &half, &[2]), &mut out).unwrap();
         let h = std::f32::consts::FRAC_1_SQRT_2;
         assert_eq!(out, [h, h]);
-        let err = slerp(&a, &[model(&b, &none)], &none, &mut out).unwrap_err();
+        let err = slerp(&Inputs::new(&a, &models, &none, &[2]), &mut out).unwrap_err();
         assert_eq!(err, "missing parameter `t`");
     }
 
@@ -534,12 +478,12 @@ mod tests {
         let none = Params::default();
         let t = none.clone().with("t", 0.3);
         let mut out = [1.0f32; 3];
-        slerp(&[0.0; 3], &[model(&[0.0; 3], &none)], &t, &mut out).unwrap();
+        let zeros = [model(&[0.0; 3], &none)];
+        slerp(&Inputs::new(&[0.0; 3], &zeros, &t, &[3]), &mut out).unwrap();
         assert_eq!(out, [0.0; 3]);
+        let other = [model(&[1.0, 2.0, 3.0], &none)];
         slerp(
-            &[1.0, f32::NAN, 2.0],
-            &[model(&[1.0, 2.0, 3.0], &none)],
-            &t,
+            &Inputs::new(&[1.0, f32::NAN, 2.0], &other, &t, &[3]),
             &mut out,
         )
         .unwrap();
@@ -551,24 +495,12 @@ mod tests {
         let w = Params::default().with("weight", 1.0);
         let none = Params::default();
         let mut out = [0.0f32; 2];
-        let err = nuslerp(
-            None,
-            &[model(&[1.0, 0.0], &w), model(&[0.0, 1.0], &none)],
-            &none,
-            &[2],
-            &mut out,
-        )
-        .unwrap_err();
+        let unweighted = [model(&[1.0, 0.0], &w), model(&[0.0, 1.0], &none)];
+        let err = nuslerp(&Inputs::new(&[], &unweighted, &none, &[2]), &mut out).unwrap_err();
         assert_eq!(err, "missing parameter `weight` for model 1");
         let neg = Params::default().with("weight", -1.0);
-        nuslerp(
-            None,
-            &[model(&[2.0, 0.0], &w), model(&[0.0, 2.0], &neg)],
-            &none,
-            &[2],
-            &mut out,
-        )
-        .unwrap();
+        let cancelling = [model(&[2.0, 0.0], &w), model(&[0.0, 2.0], &neg)];
+        nuslerp(&Inputs::new(&[], &cancelling, &none, &[2]), &mut out).unwrap();
         let h = std::f32::consts::SQRT_2;
         assert_eq!(out, [h, h]);
     }
@@ -581,26 +513,21 @@ mod tests {
         );
         let none = Params::default();
         let mut out = [0.0f32; 2];
-        let err = multislerp(
-            None,
-            &[model(&[1.0, 0.0], &p), model(&[0.0, 1.0], &n)],
-            &none,
-            &mut out,
-        )
-        .unwrap_err();
+        let opposed = [model(&[1.0, 0.0], &p), model(&[0.0, 1.0], &n)];
+        let err = multislerp(&Inputs::new(&[], &opposed, &none, &[2]), &mut out).unwrap_err();
         assert_eq!(err, "the models' `weight`s sum to zero");
         let three = [
             model(&[1.0, 0.0], &p),
             model(&[-1.0, 0.0], &p),
             model(&[0.0, 0.0], &p),
         ];
-        let err = multislerp(None, &three, &none, &mut out).unwrap_err();
+        let err = multislerp(&Inputs::new(&[], &three, &none, &[2]), &mut out).unwrap_err();
         assert!(
             err.starts_with("the weighted mean of the models is zero"),
             "{err}"
         );
         // Two antipodal models fall back to the linear average, as in mergekit.
-        multislerp(None, &three[..2], &none, &mut out).unwrap();
+        multislerp(&Inputs::new(&[], &three[..2], &none, &[2]), &mut out).unwrap();
         assert_eq!(out, [0.0, 0.0]);
     }
 }

@@ -23,7 +23,7 @@
 
 use super::sparsify::{survivors, Sparsification, Sparsify, Survivors, TaskVector};
 use super::survey::finite_values;
-use super::{ModelTensor, Params};
+use super::{Inputs, Params};
 
 /// How one of mergekit's generalized task arithmetic methods is configured
 /// (`mergekit/merge_methods/registry.py`).
@@ -68,101 +68,53 @@ const fn method(
 
 use Sparsification::{DellaMagprune, MagnitudeOutliers, Random};
 
+/// TIES: magnitude pruning to `density` (default 1), sign consensus by sum; `normalize`
+/// defaults to true, `rescale` to false. Deterministic (the seed is unused).
 pub const TIES: Generalized = method("ties", Sparsification::Magnitude, true, true, false);
-pub const DARE_TIES: Generalized = method("dare_ties", Random, true, false, true);
-pub const DARE_LINEAR: Generalized = method("dare_linear", Random, false, false, true);
+/// Model breadcrumbs: drop the `gamma` (default 0.01) fraction of largest magnitudes and keep
+/// the next `density` (default 1) fraction; no consensus; `normalize` and `rescale` default to
+/// false. Deterministic.
 pub const BREADCRUMBS: Generalized = method("breadcrumbs", MagnitudeOutliers, false, false, false);
+/// Breadcrumbs' pruning with sign consensus by sum; `normalize` and `rescale` default to
+/// false. Deterministic.
 pub const BREADCRUMBS_TIES: Generalized =
     method("breadcrumbs_ties", MagnitudeOutliers, true, false, false);
+/// DARE: keep each element with probability `density` (default 1), drawn from
+/// `uniform(seed, model, element)`; no consensus; `rescale` (default true) restores each task
+/// vector's L1 norm, as mergekit does (not a 1/density factor); `normalize` defaults to false.
+pub const DARE_LINEAR: Generalized = method("dare_linear", Random, false, false, true);
+/// DARE's random pruning with sign consensus by sum; `rescale` defaults to true, `normalize`
+/// to false.
+pub const DARE_TIES: Generalized = method("dare_ties", Random, true, false, true);
+/// DELLA: keep each element with a probability from `density - epsilon` (smallest magnitude
+/// of its row) to `density + epsilon` (largest), `epsilon` defaulting to 0.15 and both ends
+/// required inside (0, 1); sign consensus by sum; `normalize` and `rescale` default to true.
 pub const DELLA: Generalized = method("della", DellaMagprune, true, true, true);
+/// DELLA's pruning without consensus; `rescale` defaults to true, `normalize` to false.
 pub const DELLA_LINEAR: Generalized = method("della_linear", DellaMagprune, false, false, true);
 
-/// Defines `pub fn $name(base, models, global, shape, seed, out)`, the method `$how` with
-/// the signature every merge method shares.
-macro_rules! method_fn {
-    ($(#[$doc:meta])* $name:ident, $survey:ident = $how:ident) => {
-        /// The method's [`super::survey::Survey`] of one tensor, for tensors merged a chunk at
-        /// a time.
-        pub fn $survey(
-            global: &Params,
-            models: &[Params],
-            shape: &[usize],
-            seed: u64,
-        ) -> Result<Box<dyn super::survey::Survey>, String> {
-            let survey = super::sparse_stream::SparseSurvey::new(&$how, global, models, shape, seed)?;
-            Ok(Box::new(survey))
-        }
+/// The family, each method by its index: the `K` of [`whole`] and
+/// [`super::sparse_stream::survey`].
+pub const FAMILY: [Generalized; 7] = [
+    TIES,
+    BREADCRUMBS,
+    BREADCRUMBS_TIES,
+    DARE_LINEAR,
+    DARE_TIES,
+    DELLA,
+    DELLA_LINEAR,
+];
 
-        $(#[$doc])*
-        pub fn $name(
-            base: &[f32],
-            models: &[ModelTensor],
-            global: &Params,
-            shape: &[usize],
-            seed: u64,
-            out: &mut [f32],
-        ) -> Result<(), String> {
-            generalized(&$how, base, models, global, shape, seed, out)
-        }
-    };
-}
-
-method_fn! {
-    /// TIES: magnitude pruning to `density` (default 1), sign consensus by sum; `normalize`
-    /// defaults to true, `rescale` to false. Deterministic (`seed` unused).
-    ties, ties_survey = TIES
-}
-
-method_fn! {
-    /// Model breadcrumbs: drop the `gamma` (default 0.01) fraction of largest magnitudes and keep
-    /// the next `density` (default 1) fraction; no consensus; `normalize` and `rescale` default to
-    /// false. Deterministic (`seed` unused).
-    breadcrumbs, breadcrumbs_survey = BREADCRUMBS
-}
-
-method_fn! {
-    /// Breadcrumbs' pruning with sign consensus by sum; `normalize` and `rescale` default to
-    /// false. Deterministic (`seed` unused).
-    breadcrumbs_ties, breadcrumbs_ties_survey = BREADCRUMBS_TIES
-}
-
-method_fn! {
-    /// DARE: keep each element with probability `density` (default 1), drawn from
-    /// `uniform(seed, model, element)`; no consensus; `rescale` (default true) restores each task
-    /// vector's L1 norm, as mergekit does (not a 1/density factor); `normalize` defaults to false.
-    dare_linear, dare_linear_survey = DARE_LINEAR
-}
-
-method_fn! {
-    /// DARE's random pruning with sign consensus by sum; `rescale` defaults to true,
-    /// `normalize` to false.
-    dare_ties, dare_ties_survey = DARE_TIES
-}
-
-method_fn! {
-    /// DELLA: keep each element with a probability from `density - epsilon` (smallest magnitude
-    /// of its row) to `density + epsilon` (largest), `epsilon` defaulting to 0.15 and both ends
-    /// required inside (0, 1); sign consensus by sum; `normalize` and `rescale` default to true.
-    della, della_survey = DELLA
-}
-
-method_fn! {
-    /// DELLA's pruning without consensus; `rescale` defaults to true, `normalize` to false.
-    della_linear, della_linear_survey = DELLA_LINEAR
+/// Method `FAMILY[K]` on one whole tensor, as the engine calls every method.
+pub fn whole<const K: usize>(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    generalized(&FAMILY[K], t, out)
 }
 
 /// Any of the methods above, by its configuration.
-pub fn generalized(
-    how: &Generalized,
-    base: &[f32],
-    models: &[ModelTensor],
-    global: &Params,
-    shape: &[usize],
-    seed: u64,
-    out: &mut [f32],
-) -> Result<(), String> {
-    check_inputs(base, models, shape, out)?;
-    let setup = Setup::new(how, models.iter().map(|m| m.params), global)?;
+pub fn generalized(how: &Generalized, t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models, shape, seed) = (t.base, t.models, t.shape, t.seed);
+    check_inputs(t, out)?;
+    let setup = Setup::new(how, models.iter().map(|m| m.params), t.global)?;
     let mut kept = Vec::with_capacity(models.len());
     for (index, (model, sparsify)) in models.iter().zip(&setup.sparsify).enumerate() {
         let tv = TaskVector {
@@ -304,18 +256,14 @@ pub(crate) fn finite(params: &Params, name: &str, default: f64) -> Result<f64, S
 }
 
 /// Lengths agree with `shape`, and no input holds NaN or infinity.
-pub(crate) fn check_inputs(
-    base: &[f32],
-    models: &[ModelTensor],
-    shape: &[usize],
-    out: &[f32],
-) -> Result<(), String> {
+pub(crate) fn check_inputs(t: &Inputs, out: &[f32]) -> Result<(), String> {
+    let shape = t.shape;
     let len = shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .ok_or_else(|| format!("shape {shape:?} overflows"))?;
-    let inputs = std::iter::once(("base".to_string(), base)).chain(
-        models
+    let inputs = std::iter::once(("base".to_string(), t.base)).chain(
+        (t.models)
             .iter()
             .enumerate()
             .map(|(i, m)| (format!("models[{i}]"), m.values)),
@@ -340,23 +288,11 @@ pub(crate) fn check_inputs(
 
 #[cfg(test)]
 mod tests {
+    use super::super::ModelTensor;
     use super::*;
 
-    type Method =
-        fn(&[f32], &[ModelTensor], &Params, &[usize], u64, &mut [f32]) -> Result<(), String>;
-
-    const ALL: [Method; 7] = [
-        ties,
-        breadcrumbs,
-        breadcrumbs_ties,
-        dare_linear,
-        dare_ties,
-        della,
-        della_linear,
-    ];
-
     fn merge(
-        method: Method,
+        how: &Generalized,
         base: &[f32],
         models: &[(&[f32], Params)],
         global: &Params,
@@ -366,7 +302,12 @@ mod tests {
             .map(|(values, params)| ModelTensor { values, params })
             .collect();
         let mut out = vec![f32::NAN; base.len()];
-        method(base, &tensors, global, &[base.len()], 7, &mut out)?;
+        let shape = [base.len()];
+        let t = Inputs {
+            seed: 7,
+            ..Inputs::new(base, &tensors, global, &shape)
+        };
+        generalized(how, &t, &mut out)?;
         Ok(out)
     }
 
@@ -382,7 +323,7 @@ mod tests {
         let a = [1.5f32, 2.5, -2.5];
         let b = [-1.5f32, 1.5, 1.5];
         let out = merge(
-            ties,
+            &TIES,
             &base,
             &[(&a, weighted(1.0, 1.0)), (&b, weighted(1.0, 1.0))],
             &Params::default(),
@@ -391,7 +332,7 @@ mod tests {
         assert_eq!(out.unwrap(), [0.5 - 2.0, 0.5 + 1.5, 0.5 - 3.0]);
         let unnormalized = Params::default().with("normalize", 0.0).with("lambda", 0.5);
         let out = merge(
-            ties,
+            &TIES,
             &base,
             &[(&a, weighted(1.0, 1.0)), (&b, weighted(1.0, 1.0))],
             &unnormalized,
@@ -408,12 +349,12 @@ mod tests {
         let normalize = Params::default().with("normalize", 1.0);
         // Linear: Σw = 0 < 1e-8, so divisor 1: base + 1·(1, 2) - 1·(-1, -1).
         assert_eq!(
-            merge(breadcrumbs, &base, &opposite, &normalize).unwrap(),
+            merge(&BREADCRUMBS, &base, &opposite, &normalize).unwrap(),
             [3.0, 4.0]
         );
         // Consensus: both weighted terms are positive, their weights sum to 0, divisor 1.
         assert_eq!(
-            merge(breadcrumbs_ties, &base, &opposite, &normalize).unwrap(),
+            merge(&BREADCRUMBS_TIES, &base, &opposite, &normalize).unwrap(),
             [3.0, 4.0]
         );
     }
@@ -422,7 +363,7 @@ mod tests {
     fn unchanged_models_and_density_zero_give_the_base() {
         let base: Vec<f32> = (0..50).map(|i| i as f32 * 0.25 - 3.0).collect();
         let model: Vec<f32> = base.iter().map(|v| v * 2.0 + 1.0).collect();
-        for method in ALL {
+        for method in &FAMILY {
             let same = merge(
                 method,
                 &base,
@@ -447,7 +388,7 @@ mod tests {
         let model = [1.0f32, 1.0, 1.0];
         let models = [(&model[..], weighted(0.5, 1.0))];
         let expected = [0.25 + 0.375, -1.0 + 1.0, 2.0 - 0.5];
-        for method in [breadcrumbs, dare_linear, della_linear] {
+        for method in [&BREADCRUMBS, &DARE_LINEAR, &DELLA_LINEAR] {
             assert_eq!(
                 merge(method, &base, &models, &Params::default()).unwrap(),
                 expected
@@ -455,7 +396,7 @@ mod tests {
         }
         // With normalize (ties' default), one model's weight divides itself out.
         assert_eq!(
-            merge(ties, &base, &models, &Params::default()).unwrap(),
+            merge(&TIES, &base, &models, &Params::default()).unwrap(),
             [1.0; 3]
         );
     }
@@ -471,15 +412,12 @@ mod tests {
             .collect();
         let run = |seed| {
             let mut out = vec![0f32; 4096];
-            dare_ties(
-                &base,
-                &tensors,
-                &Params::default(),
-                &[64, 64],
+            let none = Params::default();
+            let t = Inputs {
                 seed,
-                &mut out,
-            )
-            .unwrap();
+                ..Inputs::new(&base, &tensors, &none, &[64, 64])
+            };
+            generalized(&DARE_TIES, &t, &mut out).unwrap();
             out
         };
         assert_eq!(run(1), run(1));
@@ -493,7 +431,7 @@ mod tests {
         let nan = [1f32, 2.0, f32::NAN];
         let none = Params::default();
         let err = |models: &[(&[f32], Params)], global: &Params| {
-            merge(ties, &base, models, global).unwrap_err()
+            merge(&TIES, &base, models, global).unwrap_err()
         };
         assert_eq!(
             err(
@@ -527,7 +465,7 @@ mod tests {
             err(&[(&good, weighted(1.0, 0.5))], &lambda),
             "`lambda` must be a finite number, got NaN"
         );
-        let della_err = merge(della, &base, &[(&good, weighted(1.0, 0.1))], &none).unwrap_err();
+        let della_err = merge(&DELLA, &base, &[(&good, weighted(1.0, 0.1))], &none).unwrap_err();
         assert!(
             della_err.starts_with("models[0]: `epsilon` must leave"),
             "{della_err}"

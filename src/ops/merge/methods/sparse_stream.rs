@@ -3,12 +3,17 @@
 //! [`RadixCut`]'s three passes, the L1 rescale by one more pass of running sums, and each
 //! chunk then keeps and combines exactly the elements the whole-tensor function would.
 
-use super::sparse::{Generalized, Setup};
+use super::sparse::{Generalized, Setup, FAMILY};
 use super::sparsify::{
     della, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors, TaskVector,
 };
-use super::survey::{check_finite, Chunk, Survey};
-use super::{uniform, Params};
+use super::survey::{check_finite, Chunk, Setting, Survey};
+use super::uniform;
+
+/// Method `FAMILY[K]`'s [`Survey`] of one tensor, for tensors merged a chunk at a time.
+pub fn survey<const K: usize>(s: &Setting) -> Result<Box<dyn Survey>, String> {
+    Ok(Box::new(SparseSurvey::new(&FAMILY[K], s)?))
+}
 
 /// What one model keeps, as a chunk can decide it.
 #[derive(Clone, Debug)]
@@ -44,15 +49,9 @@ pub struct SparseSurvey {
 }
 
 impl SparseSurvey {
-    pub fn new(
-        how: &Generalized,
-        global: &Params,
-        models: &[Params],
-        shape: &[usize],
-        seed: u64,
-    ) -> Result<SparseSurvey, String> {
-        let setup = Setup::new(how, models.iter(), global)?;
-        let len: usize = shape.iter().product();
+    pub fn new(how: &Generalized, s: &Setting) -> Result<SparseSurvey, String> {
+        let setup = Setup::new(how, s.models.iter(), s.global)?;
+        let len: usize = s.shape.iter().product();
         let keep: Vec<Keep> = (setup.sparsify.iter())
             .map(|s| match s.selection(len) {
                 Selection::All => Keep::All,
@@ -80,8 +79,8 @@ impl SparseSurvey {
             norms: vec![L1Norms::default(); keep.len()],
             scales: vec![1.0; keep.len()],
             setup,
-            shape: shape.to_vec(),
-            seed,
+            shape: s.shape.to_vec(),
+            seed: s.seed,
             keep,
             stages,
         })
@@ -186,16 +185,19 @@ mod tests {
     use super::super::survey::testing::{chunked, Case};
     use super::super::survey::SurveyFn;
     use super::*;
+    use crate::ops::merge::methods::Params;
     use crate::ops::merge::spec::WholeTensorFn;
 
+    use sparse::whole;
+
     const METHODS: [(WholeTensorFn, SurveyFn); 7] = [
-        (sparse::ties, sparse::ties_survey),
-        (sparse::breadcrumbs, sparse::breadcrumbs_survey),
-        (sparse::breadcrumbs_ties, sparse::breadcrumbs_ties_survey),
-        (sparse::dare_linear, sparse::dare_linear_survey),
-        (sparse::dare_ties, sparse::dare_ties_survey),
-        (sparse::della, sparse::della_survey),
-        (sparse::della_linear, sparse::della_linear_survey),
+        (whole::<0>, survey::<0>),
+        (whole::<1>, survey::<1>),
+        (whole::<2>, survey::<2>),
+        (whole::<3>, survey::<3>),
+        (whole::<4>, survey::<4>),
+        (whole::<5>, survey::<5>),
+        (whole::<6>, survey::<6>),
     ];
 
     /// Tie-heavy values: multiples of 1/4, and values whose `f32` keys share their high half
@@ -286,18 +288,24 @@ mod tests {
         let mut model = vec![1f32; 8];
         model[6] = f32::INFINITY;
         let params = [Params::default().with("weight", 1.0).with("density", 0.5)];
-        let survey = sparse::ties_survey(&Params::default(), &params, &[8], 0).unwrap();
+        let setting = |global| Setting {
+            global,
+            models: &params,
+            shape: &[8],
+            seed: 0,
+        };
+        let none = Params::default();
+        let ties = survey::<0>(&setting(&none)).unwrap();
         assert_eq!(
-            chunked(survey, &base, &[&model], 3).unwrap_err(),
+            chunked(ties, &base, &[&model], 3).unwrap_err(),
             "models[0] has a non-finite value (inf) at element 6"
         );
         // DARE without rescale makes no pass: each chunk checks its own elements.
-        let survey =
-            sparse::dare_linear_survey(&Params::default().with("rescale", 0.0), &params, &[8], 0)
-                .unwrap();
-        assert_eq!(survey.passes(), 0);
+        let unscaled = Params::default().with("rescale", 0.0);
+        let dare = survey::<3>(&setting(&unscaled)).unwrap();
+        assert_eq!(dare.passes(), 0);
         assert_eq!(
-            chunked(survey, &base, &[&model], 3).unwrap_err(),
+            chunked(dare, &base, &[&model], 3).unwrap_err(),
             "models[0] has a non-finite value (inf) at element 6"
         );
     }

@@ -104,11 +104,11 @@ pub fn count_param(global: &Params, name: &str, default: usize) -> Result<usize,
 }
 
 /// Each model's `weight`, which these methods require for every model.
-pub fn weights(models: &[ModelTensor]) -> Result<Vec<f64>, String> {
+pub fn weights(models: &[Params]) -> Result<Vec<f64>, String> {
     models
         .iter()
         .enumerate()
-        .map(|(i, m)| match m.params.0.get("weight") {
+        .map(|(i, m)| match m.0.get("weight") {
             Some(w) => finite("weight", *w),
             None => Err(format!("missing parameter `weight` for model {i}")),
         })
@@ -179,17 +179,20 @@ pub fn shape_holds(shape: &[usize], n: usize) -> Result<(), String> {
     }
 }
 
-/// Runs `merge` on `inputs` as models without parameters into a fresh `len`-element output:
-/// the method tests' shared driver.
+/// Runs `method` on `inputs`, models without parameters, over `base` (empty for none) as a
+/// flat tensor with random stream 0, into a fresh output: the method tests' shared driver.
 #[cfg(test)]
 pub fn run_plain(
-    len: usize,
+    method: crate::ops::merge::spec::WholeTensorFn,
+    base: &[f32],
     inputs: &[&[f32]],
-    merge: impl FnOnce(&[ModelTensor], &mut [f32]) -> Result<(), String>,
+    global: &Params,
 ) -> Result<Vec<f32>, String> {
     let none = Params::default();
+    let models = super::unparameterised(inputs, &none);
+    let len = inputs.first().map_or(base.len(), |m| m.len());
     let mut out = vec![0.0; len];
-    merge(&super::unparameterised(inputs, &none), &mut out).map(|_| out)
+    method(&super::Inputs::new(base, &models, global, &[len]), &mut out).map(|_| out)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 use std::fmt::Debug;
 
-use super::Params;
+use super::{Inputs, Params};
 
 /// One tensor's statistics and its merge from them. The engine calls [`Survey::observe`] for
 /// every chunk of pass 0 in order, then [`Survey::end_pass`], then pass 1 …, and finally
@@ -43,23 +43,42 @@ pub struct Chunk<'a> {
     pub models: &'a [&'a [f32]],
 }
 
-/// What a streaming method needs to set up a tensor's survey: the shared parameters, each
-/// model's (base apart, config order), the shape and the tensor's random stream. Parameters
-/// the method refuses are refused here with the whole-tensor function's message.
-pub type SurveyFn = fn(&Params, &[Params], &[usize], u64) -> Result<Box<dyn Survey>, String>;
+/// What a streaming method sets a tensor's survey up from: the shared parameters, each
+/// model's (base apart, config order), the shape and the tensor's random stream.
+#[derive(Clone, Copy, Debug)]
+pub struct Setting<'a> {
+    pub global: &'a Params,
+    pub models: &'a [Params],
+    pub shape: &'a [usize],
+    pub seed: u64,
+}
 
-/// Merges a whole tensor, `chunk`, through `survey`: every pass over it, then the merge. The
-/// whole-tensor form of a method whose streamed form is its only arithmetic.
-pub(crate) fn merge_whole(
-    mut survey: Box<dyn Survey>,
-    chunk: &Chunk,
-    out: &mut [f32],
-) -> Result<(), String> {
+/// Sets up one tensor's survey; parameters the method refuses are refused here with the
+/// whole-tensor function's message.
+pub type SurveyFn = fn(&Setting) -> Result<Box<dyn Survey>, String>;
+
+/// Merges the whole tensor `t` as one chunk through the survey `make` sets up: every pass
+/// over it, then the merge. The whole-tensor form of a method whose streamed form is its only
+/// arithmetic: the same sums, the same bytes.
+pub(crate) fn merge_whole(make: SurveyFn, t: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let params: Vec<Params> = t.models.iter().map(|m| m.params.clone()).collect();
+    let mut survey = make(&Setting {
+        global: t.global,
+        models: &params,
+        shape: t.shape,
+        seed: t.seed,
+    })?;
+    let values: Vec<&[f32]> = t.models.iter().map(|m| m.values).collect();
+    let chunk = Chunk {
+        start: 0,
+        base: t.base,
+        models: &values,
+    };
     for pass in 0..survey.passes() {
-        survey.observe(pass, chunk)?;
+        survey.observe(pass, &chunk)?;
         survey.end_pass(pass)?;
     }
-    survey.merge(chunk, out)
+    survey.merge(&chunk, out)
 }
 
 /// The first non-finite value among `base` then each model (as the whole-tensor check names
@@ -163,8 +182,21 @@ pub(crate) mod testing {
             let mut want = vec![0f32; len];
             let tensors = tensors(self.models, self.params);
             let (global, shape, seed) = (self.global, self.shape, self.seed);
-            let whole = (self.whole)(self.base, &tensors, global, shape, seed, &mut want);
-            let make = || (self.make)(global, self.params, shape, seed);
+            let inputs = Inputs {
+                base: self.base,
+                models: &tensors,
+                global,
+                shape,
+                seed,
+            };
+            let whole = (self.whole)(&inputs, &mut want);
+            let setting = Setting {
+                global,
+                models: self.params,
+                shape,
+                seed,
+            };
+            let make = || (self.make)(&setting);
             if let Err(e) = whole {
                 assert_eq!(
                     make().unwrap_err(),
