@@ -25,111 +25,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-SIZE_MB=${1:-1000}
-RUNS=${2:-1}
-VENV=${3:-/tmp/mkvenv}
-BUDGET=${4:-512MiB}
-D=${BENCH_DIR:-bench/data/merge}
+. bench/merge_lib.sh
+merge_setup merge "$@"
 [ -x "$VENV/bin/mergekit-yaml" ] || { echo "no mergekit-yaml in $VENV/bin" >&2; exit 2; }
-[ -x /usr/bin/time ] || { echo "needs GNU time (/usr/bin/time)" >&2; exit 2; }
-rm -rf "$D"; mkdir -p "$D"
-trap 'rm -rf "$D"' EXIT
-cargo build --release -q
-# A copy, so rebuilding the tree while the benchmark runs cannot change what it measures.
-BIN=$D/tftf
-cp target/release/tftf "$BIN"
-for k in 0 1 2; do "$VENV/bin/python" bench/merge_model.py "$D/m$k" "$SIZE_MB" "$k"; done
-INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {printf "%.0f", s}')
+merge_inputs
 
-cat >"$D/linear.yml" <<EOF
-merge_method: linear
-dtype: bfloat16
-models:
-  - model: $D/m0
-    parameters: {weight: 0.5}
-  - model: $D/m1
-    parameters: {weight: 0.3}
-  - model: $D/m2
-    parameters: {weight: 0.2}
-EOF
-cat >"$D/task_arithmetic.yml" <<EOF
-merge_method: task_arithmetic
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m1
-    parameters: {weight: 0.5}
-  - model: $D/m2
-    parameters: {weight: 0.5}
-EOF
-cat >"$D/ties.yml" <<EOF
-merge_method: ties
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m1
-    parameters: {weight: 0.5, density: 0.5}
-  - model: $D/m2
-    parameters: {weight: 0.5, density: 0.5}
-EOF
-cat >"$D/multislerp.yml" <<EOF
-merge_method: multislerp
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m1
-    parameters: {weight: 0.6}
-  - model: $D/m2
-    parameters: {weight: 0.4}
-EOF
-cat >"$D/karcher.yml" <<EOF
-merge_method: karcher
-dtype: bfloat16
-models:
-  - model: $D/m0
-  - model: $D/m1
-  - model: $D/m2
-EOF
-cat >"$D/arcee_fusion.yml" <<EOF
-merge_method: arcee_fusion
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m0
-  - model: $D/m1
-EOF
-cat >"$D/model_stock.yml" <<EOF
-merge_method: model_stock
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m1
-  - model: $D/m2
-EOF
-
-# `row NAME COMMAND...`: RUNS cold runs of COMMAND (its output directory $D/out removed after
-# each); prints a table row with the median wall time and the largest peak RSS, or why it
-# failed (the command's last log line). Leaves them in WALL (s) and RSS (KiB), empty after a
-# failure.
-FLOOR=
+# `row NAME COMMAND...`: RUNS cold runs of COMMAND (`runs`; its output directory $D/out removed
+# after each); prints a table row with the median wall time and the largest peak RSS, or why it
+# failed. Leaves them in WALL (s) and RSS (KiB), empty after a failure.
 row() {
-    local name=$1; shift
-    local walls=() rss=0 r wall user sys kib
-    WALL= RSS=
-    for r in $(seq "$RUNS"); do
-        rm -rf "$D/out"; cold
-        if ! /usr/bin/time -f "%e %U %S %M" -o "$D/time" "$@" >"$D/log" 2>&1; then
-            printf '| %s | failed: %s | | |\n' "$name" "$(tail -n 1 "$D/log" | tr '|' '/')"
-            rm -rf "$D/out"; return
-        fi
-        read -r wall user sys kib <"$D/time"
-        walls+=("$wall"); [ "$kib" -gt "$rss" ] && rss=$kib
-    done
+    runs "$@"
     rm -rf "$D/out"
-    WALL=$(printf '%s\n' "${walls[@]}" | median); RSS=$rss
-    [ -n "$FLOOR" ] || FLOOR=$WALL
-    printf '| %s | %.2f s (%s) | %.2f | %.0f MiB |\n' "$name" "$WALL" "${walls[*]}" \
-        "$(echo "$WALL / $FLOOR" | bc -l)" "$(echo "$RSS / 1024" | bc -l)"
+    [ -z "$WALL" ] || { cells "$1"; echo; }
 }
 
 echo "inputs: 3 models of $((INPUTS / 3)) bytes BF16 ($SIZE_MB MB asked); runs: $RUNS; $(nproc) cores; load before: $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%F)"
@@ -151,6 +58,4 @@ for method in ${METHODS:-linear task_arithmetic ties model_stock}; do
             "$(echo "$WALL / $tw" | bc -l)" "$(echo "$RSS / $tr" | bc -l)")")
     fi
 done
-echo
-echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
-for r in "${RATIOS[@]}"; do echo "$r"; done
+merge_footer

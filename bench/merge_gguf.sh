@@ -22,44 +22,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
-SIZE_MB=${1:-1000}
-RUNS=${2:-1}
+. bench/merge_lib.sh
 OUTTYPE=${3:-q8_0}
-VENV=${4:-/tmp/mkvenv}
-BUDGET=${5:-512MiB}
-D=${BENCH_DIR:-bench/data/merge_gguf}
-[ -x /usr/bin/time ] || { echo "needs GNU time (/usr/bin/time)" >&2; exit 2; }
-rm -rf "$D"; mkdir -p "$D"
-trap 'rm -rf "$D"' EXIT
-cargo build --release -q
-BIN=$D/tftf
-cp target/release/tftf "$BIN"
-for k in 0 1 2; do
-    "$VENV/bin/python" bench/merge_model.py "$D/m$k" "$SIZE_MB" "$k" >/dev/null
-    cp tests/fixtures/gguf/tokenizer/tokenizer.json tests/fixtures/gguf/tokenizer/tokenizer_config.json "$D/m$k/"
-done
-INPUTS=$(du -sb "$D"/m0 "$D"/m1 "$D"/m2 | awk '{s += $1} END {printf "%.0f", s}')
-cat >"$D/linear.yml" <<EOF
-merge_method: linear
-dtype: bfloat16
-models:
-  - model: $D/m0
-    parameters: {weight: 0.5}
-  - model: $D/m1
-    parameters: {weight: 0.3}
-  - model: $D/m2
-    parameters: {weight: 0.2}
-EOF
-cat >"$D/ties.yml" <<EOF
-merge_method: ties
-base_model: $D/m0
-dtype: bfloat16
-models:
-  - model: $D/m1
-    parameters: {weight: 0.5, density: 0.5}
-  - model: $D/m2
-    parameters: {weight: 0.5, density: 0.5}
-EOF
+merge_setup merge_gguf "${1:-}" "${2:-}" "${4:-}" "${5:-}"
+MKOUT=1 # each route's command writes into $D/out
+merge_inputs tests/fixtures/gguf/tokenizer/tokenizer.json tests/fixtures/gguf/tokenizer/tokenizer_config.json >/dev/null
 # The fixture tokenizer's pre-tokenizer is in no table of the converter's: it is told
 # `llama-bpe`, as tftf is, which changes one string and nothing it spends time on.
 REF='
@@ -71,29 +38,14 @@ import convert_hf_to_gguf as c
 c.main()'
 GG=(--outtype "$OUTTYPE" --vocab-pre llama-bpe -q --memory-budget "$BUDGET")
 
-# `row NAME COMMAND...`: RUNS cold runs (the route's files in $D/out, removed after each, the
-# last run's kept in $D/keep-NAME when KEEP is set); a table row with the median wall time and
-# the largest peak RSS; WALL (s) is left for the ratios.
-FLOOR=
+# `row NAME COMMAND...`: RUNS cold runs (`runs`; the route's files in $D/out, emptied before
+# each); a table row with the median wall time, the largest peak RSS and the merged copy the
+# route left beside the GGUF; WALL (s) is left for the ratios.
 row() {
-    local name=$1; shift
-    local walls=() rss=0 r wall user sys kib
-    WALL=
-    for r in $(seq "$RUNS"); do
-        rm -rf "$D/out"; mkdir -p "$D/out"; cold
-        if ! /usr/bin/time -f "%e %U %S %M" -o "$D/time" "$@" >"$D/log" 2>&1; then
-            printf '| %s | failed: %s | | |\n' "$name" "$(tail -n 1 "$D/log" | tr '|' '/')"
-            return
-        fi
-        read -r wall user sys kib <"$D/time"
-        walls+=("$wall"); [ "$kib" -gt "$rss" ] && rss=$kib
-    done
-    WALL=$(printf '%s\n' "${walls[@]}" | median)
-    [ -n "$FLOOR" ] || FLOOR=$WALL
-    local copy
-    copy=$(du -sb --exclude='*.gguf' "$D/out" | cut -f1)
-    printf '| %s | %.2f s (%s) | %.2f | %.0f MiB | %.0f MB |\n' "$name" "$WALL" "${walls[*]}" \
-        "$(echo "$WALL / $FLOOR" | bc -l)" "$(echo "$rss / 1024" | bc -l)" "$(echo "$copy / 1000000" | bc -l)"
+    runs "$@"
+    [ -n "$WALL" ] || return 0
+    cells "$1"
+    printf ' %.0f MB |\n' "$(echo "$(du -sb --exclude='*.gguf' "$D/out" | cut -f1) / 1000000" | bc -l)"
 }
 
 echo "inputs: 3 models of $((INPUTS / 3)) bytes BF16 ($SIZE_MB MB asked); GGUF $OUTTYPE; runs: $RUNS; $(nproc) cores; load before: $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%F)"
@@ -125,6 +77,4 @@ for method in ${METHODS:-linear ties}; do
     rm -f "$D/one.gguf"
 done
 rm -rf "$D/out"
-echo
-echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
-for r in "${RATIOS[@]}"; do echo "$r"; done
+merge_footer
