@@ -837,7 +837,8 @@ fn unweighted(name: &str, shape: &[u64], ty: GgmlType, recipe: Recipe) -> Output
 
 fn produce_all(t: &OutputTensor, sources: &[(&str, &[u8])], chunk: u64) -> Vec<u8> {
     let (_, rows, row_bytes) = produce::row_geometry(t);
-    let lookup = |n: &str| sources.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
+    let lookup =
+        |n: &str| (sources.iter().find(|(k, _)| *k == n)).map(|(_, v)| produce::Window::whole(v));
     let mut out = vec![0u8; (rows * row_bytes) as usize];
     let mut first = 0;
     while first < rows {

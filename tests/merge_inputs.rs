@@ -64,15 +64,7 @@ fn merged(dir: &Path, name: &str, text: &str) -> PathBuf {
 /// The tensors and `config.json` of two merges are the same (mergekit_config.yml names other
 /// paths).
 fn assert_same_merge(ours: &Path, twin: &Path) {
-    let (a, b) = (load_all(ours), load_all(twin));
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "tensor names"
-    );
-    for (k, v) in &a {
-        assert!(*v == b[k], "{k} differs ({} {:?})", v.0, v.1);
-    }
+    assert_identical("the merges", &load_all(ours), &load_all(twin));
     assert_eq!(
         read_json(&ours.join("config.json")),
         read_json(&twin.join("config.json"))
@@ -288,15 +280,7 @@ fn assert_run_equals_merge_then_quantize(dir: &Path, tag: &str, text: &str, quan
     let mut args = vec!["run", "-o", s(&one), "-q", "--merge", s(&cfg), "--quantize"];
     args.extend(quantize);
     ok(&tftf(&args));
-    let (a, b) = (load_all(&one), load_all(&two));
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "{tag}: tensor names"
-    );
-    for (k, v) in &a {
-        assert!(*v == b[k], "{tag}: {k} differs ({} {:?})", v.0, v.1);
-    }
+    assert_identical(tag, &load_all(&one), &load_all(&two));
     assert_eq!(listing(&one), listing(&two), "{tag}: files");
     for f in listing(&one) {
         if f.ends_with(".json") {
@@ -463,6 +447,41 @@ fn wide_model(dir: &Path, name: &str, seed: u64) -> PathBuf {
     m.config(&cfg.to_string()).write(&dir.join(name))
 }
 
+/// Three wide models `a`, `b` and `c`, drawn from `seeds`.
+fn wide_models(dir: &Path, seeds: [u64; 3]) -> [PathBuf; 3] {
+    let names = ["a", "b", "c"];
+    std::array::from_fn(|i| wide_model(dir, names[i], seeds[i]))
+}
+
+/// One thread under a 16 MiB budget: several chunks a wide weight.
+const SMALL: [&str; 4] = ["--memory-budget", "16MiB", "--threads", "1"];
+
+/// `tftf ARGS` into `DIR/TAG-K` once for each option set `K` of `runs`, each output loaded.
+fn outputs(dir: &Path, tag: &str, args: &[&str], runs: [&[&str]; 2]) -> Vec<Tensors> {
+    (runs.into_iter().enumerate())
+        .map(|(k, opts)| {
+            let out = dir.join(format!("{tag}-{k}"));
+            let mut all = vec![args[0], "-o", s(&out), "-q"];
+            all.extend(opts);
+            all.extend(&args[1..]);
+            ok(&tftf(&all));
+            load_all(&out)
+        })
+        .collect()
+}
+
+/// `run` arguments merging by `cfg` and quantising to FP8 blocks in the same pass.
+fn merged_to_fp8(cfg: &Path) -> [&str; 6] {
+    [
+        "run",
+        "--merge",
+        s(cfg),
+        "--quantize",
+        "--scheme",
+        "FP8_BLOCK",
+    ]
+}
+
 /// Methods that need whole-tensor statistics (TIES' and breadcrumbs' magnitude cuts, the L1
 /// rescale of DARE and DELLA, model_stock's angles) stream a weight bigger than a chunk,
 /// gathering the statistics in passes a chunk at a time: under a 16 MiB budget (several chunks
@@ -471,12 +490,7 @@ fn wide_model(dir: &Path, name: &str, seed: u64) -> PathBuf {
 #[test]
 fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
     let dir = tmp();
-    let (a, b, c) = (
-        wide_model(dir.path(), "a", 4),
-        wide_model(dir.path(), "b", 5),
-        wide_model(dir.path(), "c", 6),
-    );
-    let small = ["--memory-budget", "16MiB", "--threads", "1"];
+    let [a, b, c] = wide_models(dir.path(), [4, 5, 6]);
     let whole = ["--memory-budget", "1GiB", "--threads", "2"];
     let density = "parameters:\n  density: 0.4\n";
     let cases = [
@@ -508,7 +522,7 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
             &config(method, models, extra),
         );
         let want = run(&cfg, &format!("{method}-whole"), &whole);
-        let got = run(&cfg, &format!("{method}-chunked"), &small);
+        let got = run(&cfg, &format!("{method}-chunked"), &SMALL);
         assert!(got == want, "{method}");
         if *method == "ties" {
             // And not the base: the cuts kept something of every model.
@@ -520,15 +534,7 @@ fn surveyed_merges_give_the_same_bytes_whatever_the_budget() {
     // An FP8 model fed into TIES, merged and quantised in one pass, chunk by chunk.
     let (q, _) = quantised_and_dequantised(&b, "FP8_BLOCK", "bf16", dir.path());
     let cfg = write_config(dir.path(), "q.yml", &config("ties", &[&a, &q, &c], density));
-    let mut outs = Vec::new();
-    for (k, opts) in [&small[..], &whole[..]].into_iter().enumerate() {
-        let out = dir.path().join(format!("q-run-{k}"));
-        let mut args = vec!["run", "-o", s(&out), "-q"];
-        args.extend(opts);
-        args.extend(["--merge", s(&cfg), "--quantize", "--scheme", "FP8_BLOCK"]);
-        ok(&tftf(&args));
-        outs.push(load_all(&out));
-    }
+    let outs = outputs(dir.path(), "q-run", &merged_to_fp8(&cfg), [&SMALL, &whole]);
     assert!(outs[0] == outs[1], "ties of an FP8 model, quantised");
 }
 
@@ -575,12 +581,7 @@ fn a_non_finite_value_in_a_streamed_weight_is_refused_before_any_output() {
 #[test]
 fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
     let dir = tmp();
-    let (a, b, c) = (
-        wide_model(dir.path(), "a", 1),
-        wide_model(dir.path(), "b", 2),
-        wide_model(dir.path(), "c", 3),
-    );
-    let small = ["--memory-budget", "16MiB", "--threads", "1"];
+    let [a, b, c] = wide_models(dir.path(), [1, 2, 3]);
     let wide = ["--threads", "3"];
     for scheme in ["FP8_BLOCK", "W4A16", "NVFP4A16"] {
         let (q, d) = quantised_and_dequantised(&b, scheme, "bf16", dir.path());
@@ -594,12 +595,8 @@ fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
                 &config(method, &[&a, &d, &c], ""),
             );
             let want = load_all(&twin);
-            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
-                let out = dir.path().join(format!("{tag}-{k}"));
-                let mut args = vec!["merge", s(&cfg), s(&out), "-q"];
-                args.extend(opts);
-                ok(&tftf(&args));
-                assert!(load_all(&out) == want, "{tag} {opts:?}");
+            for got in outputs(dir.path(), &tag, &["merge", s(&cfg)], [&SMALL, &wide]) {
+                assert!(got == want, "{tag}");
             }
             // Merged, then quantised in the same pass.
             let two = dir.path().join(format!("{tag}-fp8"));
@@ -614,13 +611,9 @@ fn fed_chunks_give_the_same_bytes_whatever_the_budget() {
                 "-q",
             ]));
             let want = load_all(&two);
-            for (k, opts) in [&small[..], &wide[..]].into_iter().enumerate() {
-                let out = dir.path().join(format!("{tag}-run-{k}"));
-                let mut args = vec!["run", "-o", s(&out), "-q"];
-                args.extend(opts);
-                args.extend(["--merge", s(&cfg), "--quantize", "--scheme", "FP8_BLOCK"]);
-                ok(&tftf(&args));
-                assert!(load_all(&out) == want, "run {tag} {opts:?}");
+            let args = merged_to_fp8(&cfg);
+            for got in outputs(dir.path(), &format!("{tag}-run"), &args, [&SMALL, &wide]) {
+                assert!(got == want, "run {tag}");
             }
         }
     }

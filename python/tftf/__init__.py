@@ -15,20 +15,31 @@ from tftf._core import TftfError
 
 __version__ = "0.1.0"
 
+# Each public name, by the module that defines it (upstream's module paths).
+_MODULES = """
+tftf.pipeline: Pipeline ReaderProtocol
+tftf.io.reader: SafetensorsReader
+tftf.io.sharded_reader: ShardedSafetensorsReader
+tftf.io.writer: StreamingWriter
+tftf.io.sharded_writer: ShardedWriter
+tftf.io.null_writer: NullWriter ValidationReport
+tftf.io.gguf_writer: GGUFWriter
+tftf.io.merge_reader: MergeReader
+tftf.pipes.base: Pipe CompoundPipe TensorRecord TensorMeta
+tftf.pipes.passthrough: PassthroughPipe
+tftf.pipes.dtype_cast: DTypeCastPipe
+tftf.pipes.key_filter: KeyFilterPipe
+tftf.pipes.key_rename: KeyRenamePipe
+tftf.pipes._lora_base: LoRAMergeBase
+tftf.pipes.lora_merge: LoRAMergePipe
+tftf.pipes.dcp_lora_merge: DCPLoRAMergePipe
+tftf.pipes.fp8_dequant: FP8DequantPipe
+tftf.pipes.extra: DequantPipe RepackFP4Pipe QuantizePipe
+"""
 _WHERE = {
-    "Pipeline": "tftf.pipeline", "ReaderProtocol": "tftf.pipeline",
-    "SafetensorsReader": "tftf.io.reader", "ShardedSafetensorsReader": "tftf.io.sharded_reader",
-    "StreamingWriter": "tftf.io.writer", "ShardedWriter": "tftf.io.sharded_writer",
-    "NullWriter": "tftf.io.null_writer", "ValidationReport": "tftf.io.null_writer",
-    "GGUFWriter": "tftf.io.gguf_writer", "MergeReader": "tftf.io.merge_reader",
-    "Pipe": "tftf.pipes.base", "CompoundPipe": "tftf.pipes.base",
-    "TensorRecord": "tftf.pipes.base", "TensorMeta": "tftf.pipes.base",
-    "PassthroughPipe": "tftf.pipes.passthrough", "DTypeCastPipe": "tftf.pipes.dtype_cast",
-    "KeyFilterPipe": "tftf.pipes.key_filter", "KeyRenamePipe": "tftf.pipes.key_rename",
-    "LoRAMergeBase": "tftf.pipes._lora_base", "LoRAMergePipe": "tftf.pipes.lora_merge",
-    "DCPLoRAMergePipe": "tftf.pipes.dcp_lora_merge", "FP8DequantPipe": "tftf.pipes.fp8_dequant",
-    "DequantPipe": "tftf.pipes.extra", "RepackFP4Pipe": "tftf.pipes.extra",
-    "QuantizePipe": "tftf.pipes.extra",
+    name: module
+    for module, names in (line.split(":") for line in _MODULES.strip().splitlines())
+    for name in names.split()
 }
 
 __all__ = [*_WHERE, "TftfError"]

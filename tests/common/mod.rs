@@ -267,7 +267,7 @@ pub fn usage_error(args: &[&str]) -> String {
 
 /// All tensors of an output, read through the `safetensors` crate's strict loader; every file
 /// must carry `format=pt` metadata.
-pub fn load_all(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+pub fn load_all(path: &Path) -> Tensors {
     load_tensors(path, true)
 }
 
@@ -700,4 +700,11 @@ pub fn requant_adapter(dir: &Path) -> PathBuf {
         r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}"#,
     )
     .write(dir)
+}
+
+/// `got` holds `want`'s tensors, byte for byte.
+pub fn assert_identical(what: &str, got: &Tensors, want: &Tensors) {
+    assert_same_tensors(what, got, want, |name, _, g, w| {
+        assert!(g == w, "{what}: `{name}` bytes differ")
+    });
 }

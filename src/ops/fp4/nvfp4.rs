@@ -69,39 +69,44 @@ pub fn choose_g(exponents: &[i32]) -> i32 {
     best.map_or(0, |(_, top)| top as i32 - 127 - WINDOW_HIGH)
 }
 
-/// [`Op::units`], [`Op::out_unit_bytes`] and [`Op::in_unit_bytes`] of an op whose unit is a
-/// row of `groups` MXFP4 blocks, each block `$out` bytes out and `$in` bytes in.
-macro_rules! rows_of_blocks {
-    (out: $out:literal, in: $in:literal) => {
-        fn units(&self) -> u64 {
-            self.rows
+/// Defines op `$name` over `rows` rows of `groups` MXFP4 blocks under the tensor scale `2^g`,
+/// each block `$out` bytes out and `$in` bytes in, with the rest of its [`Op`] (`input_ranges`
+/// and `compute`) given as `$method`s.
+macro_rules! block_rows_op {
+    ($(#[$doc:meta])* $name:ident, $label:literal, out: $out:literal, in: $in:literal,
+     $($method:item)*) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name {
+            pub rows: u64,
+            /// MXFP4 blocks (scales) per row (`in/32`).
+            pub groups: u64,
+            pub g: i32,
         }
-        fn out_unit_bytes(&self) -> u64 {
-            $out * self.groups
-        }
-        fn in_unit_bytes(&self) -> u64 {
-            $in * self.groups
+
+        impl Op for $name {
+            op_name_and_kernel!($label, |op| Kernel::$name { g: op.g });
+            fn units(&self) -> u64 {
+                self.rows
+            }
+            fn out_unit_bytes(&self) -> u64 {
+                $out * self.groups
+            }
+            fn in_unit_bytes(&self) -> u64 {
+                $in * self.groups
+            }
+            $($method)*
         }
     };
 }
 
-/// `weight_scale` from the MXFP4 scales: each E8M0 code becomes two E4M3 codes.
-#[derive(Debug)]
-pub struct NvBlockScales {
-    pub rows: u64,
-    /// MXFP4 scales per row (`in/32`).
-    pub groups: u64,
-    pub g: i32,
-}
-
-impl Op for NvBlockScales {
-    op_name_and_kernel!("mxfp4-to-nvfp4 scales", |op| Kernel::NvBlockScales {
-        g: op.g
-    });
-    rows_of_blocks!(out: 2, in: 1);
+block_rows_op!(
+    /// `weight_scale` from the MXFP4 scales: each E8M0 code becomes two E4M3 codes.
+    NvBlockScales, "mxfp4-to-nvfp4 scales", out: 2, in: 1,
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         std::iter::once(units.start * self.groups..units.end * self.groups).collect()
     }
+
     fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         // The new code depends only on the source code, so the 255 possible ones are mapped —
         // and checked — once, and the loop is a table lookup.
@@ -133,21 +138,11 @@ impl Op for NvBlockScales {
         }
         Ok(())
     }
-}
+);
 
-/// Packed nibbles with the blocks outside the window re-encoded (tensors that have any).
-#[derive(Debug)]
-pub struct NvReencode {
-    pub rows: u64,
-    pub groups: u64,
-    pub g: i32,
-}
-
-impl Op for NvReencode {
-    op_name_and_kernel!("mxfp4-to-nvfp4 re-encode", |op| Kernel::NvReencode {
-        g: op.g
-    });
-    rows_of_blocks!(out: 16, in: 17);
+block_rows_op!(
+    /// Packed nibbles with the blocks outside the window re-encoded (tensors that have any).
+    NvReencode, "mxfp4-to-nvfp4 re-encode", out: 16, in: 17,
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         vec![
             units.start * 16 * self.groups..units.end * 16 * self.groups,
@@ -173,7 +168,7 @@ impl Op for NvReencode {
         }
         Ok(())
     }
-}
+);
 
 #[cfg(test)]
 mod tests {
@@ -221,7 +216,9 @@ mod tests {
             groups: 3,
             g: 0,
         };
-        let packed: Vec<u8> = (0..48u8).map(|i| i.wrapping_mul(37) & 0x77 | 0x10).collect();
+        let packed: Vec<u8> = (0..48u8)
+            .map(|i| i.wrapping_mul(37) & 0x77 | 0x10)
+            .collect();
         // Block 0 exact (2^1), block 1 above the window (2^10), block 2 below (2^-12).
         let scales = [128u8, 137, 115];
         let mut out = vec![0u8; 48];

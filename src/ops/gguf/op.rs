@@ -331,7 +331,7 @@ impl Op for GgufTensorOp {
             k += slot.inputs();
         }
         let lookup = |name: &str| windows.iter().find(|(n, _)| *n == name).map(|(_, w)| *w);
-        produce::write_rows_from(
+        produce::write_rows(
             &self.tensor,
             &lookup,
             units.start,
@@ -405,7 +405,12 @@ mod tests {
     fn whole(t: &OutputTensor, sources: &[(&str, &[u8])]) -> Vec<u8> {
         let (_, rows, row) = produce::row_geometry(t);
         let mut out = vec![0u8; (rows * row) as usize];
-        let lookup = |n: &str| sources.iter().find(|(k, _)| *k == n).map(|(_, b)| *b);
+        let lookup = |n: &str| {
+            sources
+                .iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, b)| Window::whole(b))
+        };
         produce::write_rows(t, &lookup, 0, rows, &mut out).unwrap();
         out
     }
@@ -511,19 +516,16 @@ mod tests {
         // 2 experts × 6 interleaved rows of 2 blocks: the up half is 6 rows.
         let blocks = bytes(12 * 2 * 16, 3);
         let scales = bytes(12 * 2, 4);
-        let t = tensor(
-            &[2, 3, 64],
-            GgmlType::Mxfp4,
-            Recipe::Mxfp4 {
-                blocks: "b".into(),
-                scales: "s".into(),
-                map: Some(RowMap::Interleaved {
-                    rows_out_per_expert: 3,
-                    half: 1,
-                }),
-            },
-            None,
-        );
+        let up_half = RowMap::Interleaved {
+            rows_out_per_expert: 3,
+            half: 1,
+        };
+        let recipe = Recipe::Mxfp4 {
+            blocks: "b".into(),
+            scales: "s".into(),
+            map: Some(up_half),
+        };
+        let t = tensor(&[2, 3, 64], GgmlType::Mxfp4, recipe, None);
         let want = whole(&t, &[("b", &blocks), ("s", &scales)]);
         let op = GgufTensorOp::new(t, vec![Slot::plain("b"), Slot::plain("s")]);
         check_chunkings(&op, &[blocks, scales], &want);

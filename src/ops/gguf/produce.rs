@@ -37,6 +37,11 @@ pub struct Window<'a> {
 }
 
 impl<'a> Window<'a> {
+    /// A whole tensor's bytes.
+    pub fn whole(bytes: &'a [u8]) -> Self {
+        Window { base: 0, bytes }
+    }
+
     /// Bytes `at..at + len` of the tensor, which must lie inside the window.
     fn at(&self, at: u64, len: usize) -> std::result::Result<&'a [u8], String> {
         at.checked_sub(self.base)
@@ -53,27 +58,26 @@ impl<'a> Window<'a> {
     }
 }
 
-/// Writes output rows `[first, first + count)` of `t` into `out` (exactly that many rows'
-/// bytes). `source(name)` returns a source tensor's whole byte range.
-pub fn write_rows<'a>(
-    t: &OutputTensor,
-    source: &dyn Fn(&str) -> Option<&'a [u8]>,
-    first: u64,
-    count: u64,
-    out: &mut [u8],
-) -> Result<()> {
-    write_rows_from(
-        t,
-        &|name: &str| source(name).map(|bytes| Window { base: 0, bytes }),
-        first,
-        count,
-        out,
-    )
+/// The source tensors of one output tensor, as a chunk of its rows reads them.
+struct Sources<'a, 's> {
+    t: &'s OutputTensor,
+    source: &'s dyn Fn(&str) -> Option<Window<'a>>,
 }
 
-/// [`write_rows`] from windows of the sources: each must hold what rows `[first, first +
-/// count)` read.
-pub fn write_rows_from<'a>(
+impl<'a> Sources<'a, '_> {
+    /// Bytes `at..at + len` of source `name`, or an error naming the output tensor.
+    fn bytes(&self, name: &str, at: u64, len: usize) -> Result<&'a [u8]> {
+        let t = self.t;
+        let window = (self.source)(name)
+            .ok_or_else(|| src_err(t, format!("source `{name}` is not available")))?;
+        window.at(at, len).map_err(|m| src_err(t, m))
+    }
+}
+
+/// Writes output rows `[first, first + count)` of `t` into `out` (exactly that many rows'
+/// bytes). `source(name)` returns a window of a source tensor holding what those rows read
+/// (a whole tensor is a window at base 0: [`Window::whole`]).
+pub fn write_rows<'a>(
     t: &OutputTensor,
     source: &dyn Fn(&str) -> Option<Window<'a>>,
     first: u64,
@@ -91,9 +95,7 @@ pub fn write_rows_from<'a>(
             ),
         ));
     }
-    let get = |name: &str| {
-        source(name).ok_or_else(|| src_err(t, format!("source `{name}` is not available")))
-    };
+    let src = Sources { t, source };
     if let Recipe::Mxfp4 {
         blocks,
         scales,
@@ -101,17 +103,12 @@ pub fn write_rows_from<'a>(
     } = &t.recipe
     {
         let groups = (inner / MXFP4_BLOCK_ELEMS as u64) as usize;
-        let (b, s) = (get(blocks)?, get(scales)?);
         for (k, dst) in out.chunks_exact_mut(groups * MXFP4_BLOCK_BYTES).enumerate() {
             let r = first + k as u64;
             let src_row = map.map_or(r, |m| m.source_row(r)) as usize;
             let block_row = groups * MXFP4_SRC_BLOCK_BYTES;
-            let bs = b
-                .at((src_row * block_row) as u64, block_row)
-                .map_err(|m| src_err(t, m))?;
-            let ss = s
-                .at((src_row * groups) as u64, groups)
-                .map_err(|m| src_err(t, m))?;
+            let bs = src.bytes(blocks, (src_row * block_row) as u64, block_row)?;
+            let ss = src.bytes(scales, (src_row * groups) as u64, groups)?;
             quant::repack_mxfp4(bs, ss, dst);
         }
         return Ok(());
@@ -129,21 +126,16 @@ pub fn write_rows_from<'a>(
     };
     let n = (count * inner) as usize;
     let row_src = (inner as usize) * esize;
+    // Source elements of the rows from `first` into their output bytes.
+    let convert_rows = |elems: &[u8], dtype: DType, first: u64, out: &mut [u8]| {
+        let weights = RowWeights::of(t, first);
+        convert(elems, dtype, t.ty, inner as usize, &weights, out);
+    };
     match &t.recipe {
         // Rows stored in order: converted straight from the window, with no copy.
-        Recipe::Direct { src } => {
-            let s = get(src)?;
-            let elems = s
-                .at(first * row_src as u64, n * esize)
-                .map_err(|m| src_err(t, m))?;
-            convert(
-                elems,
-                dtype,
-                t.ty,
-                inner as usize,
-                &RowWeights::of(t, first),
-                out,
-            );
+        Recipe::Direct { src: name } => {
+            let elems = src.bytes(name, first * row_src as u64, n * esize)?;
+            convert_rows(elems, dtype, first, out);
         }
         Recipe::Stack { srcs } => {
             // Each expert's rows are one contiguous run of its source.
@@ -152,21 +144,12 @@ pub fn write_rows_from<'a>(
             let (mut r, end) = (first, first + count);
             while r < end {
                 let run = (per_expert - r % per_expert).min(end - r);
-                let s = get(&srcs[(r / per_expert) as usize])?;
+                let name = &srcs[(r / per_expert) as usize];
                 let at = (r % per_expert) * row_src as u64;
-                let elems = s
-                    .at(at, run as usize * row_src)
-                    .map_err(|m| src_err(t, m))?;
+                let elems = src.bytes(name, at, run as usize * row_src)?;
                 let o = (r - first) as usize * row_out;
                 let piece = &mut out[o..o + run as usize * row_out];
-                convert(
-                    elems,
-                    dtype,
-                    t.ty,
-                    inner as usize,
-                    &RowWeights::of(t, r),
-                    piece,
-                );
+                convert_rows(elems, dtype, r, piece);
                 r += run;
             }
         }
@@ -176,7 +159,7 @@ pub fn write_rows_from<'a>(
             let mut elems = g.borrow_mut();
             elems.clear();
             elems.resize(n * esize, 0);
-            gather(t, &get, first, esize, &mut elems)?;
+            gather(&src, first, esize, &mut elems)?;
             let widened;
             let (elems, dtype) = match &t.recipe {
                 Recipe::Shifted { add, .. } => {
@@ -185,14 +168,7 @@ pub fn write_rows_from<'a>(
                 }
                 _ => (elems.as_slice(), dtype),
             };
-            convert(
-                elems,
-                dtype,
-                t.ty,
-                inner as usize,
-                &RowWeights::of(t, first),
-                out,
-            );
+            convert_rows(elems, dtype, first, out);
             Ok(())
         })?,
     }
@@ -204,15 +180,10 @@ thread_local! {
     static GATHER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The source elements of output rows `[first, first + count)` of a recipe that reorders them,
-/// into `elems`.
-fn gather<'a>(
-    t: &OutputTensor,
-    get: &dyn Fn(&str) -> Result<Window<'a>>,
-    first: u64,
-    esize: usize,
-    elems: &mut [u8],
-) -> Result<()> {
+/// The source elements of the output rows from `first` of a recipe that reorders them, into
+/// `elems` (as many rows as it holds).
+fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<()> {
+    let t = src.t;
     let (inner, _, _) = row_geometry(t);
     let row_src = (inner as usize) * esize;
     match &t.recipe {
@@ -225,36 +196,37 @@ fn gather<'a>(
             }
         }
         Recipe::Rows {
-            src,
+            src: name,
             map,
             row_elems,
         } => {
-            let s = get(src)?;
             let unit = *row_elems as usize * esize;
             let per_row = inner / row_elems;
             for (k, dst) in elems.chunks_exact_mut(unit).enumerate() {
                 let j = map.source_row(first * per_row + k as u64) as usize;
-                dst.copy_from_slice(s.at((j * unit) as u64, unit).map_err(|m| src_err(t, m))?);
+                dst.copy_from_slice(src.bytes(name, (j * unit) as u64, unit)?);
             }
         }
         Recipe::KvBK {
-            src, nope, v, lora, ..
+            src: name,
+            nope,
+            v,
+            lora,
+            ..
         } => {
             // Output row (h, l) holds kv_b[h * (nope + v) + n][l] for n in 0..nope.
-            let s = get(src)?;
             for (k, dst) in elems.chunks_exact_mut(row_src).enumerate() {
                 let r = first + k as u64;
                 let (h, l) = (r / lora, r % lora);
                 for n in 0..*nope {
                     let at = ((h * (nope + v) + n) * lora + l) * esize as u64;
-                    dst[n as usize * esize..][..esize]
-                        .copy_from_slice(s.at(at, esize).map_err(|m| src_err(t, m))?);
+                    dst[n as usize * esize..][..esize].copy_from_slice(src.bytes(name, at, esize)?);
                 }
             }
         }
-        Recipe::Shifted { src, .. } => {
+        Recipe::Shifted { src: name, .. } => {
             let at = first * row_src as u64;
-            elems.copy_from_slice(get(src)?.at(at, elems.len()).map_err(|m| src_err(t, m))?);
+            elems.copy_from_slice(src.bytes(name, at, elems.len())?);
         }
         Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => {
             unreachable!("converted without a gather")

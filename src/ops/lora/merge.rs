@@ -178,6 +178,19 @@ macro_rules! lora_launch_parts {
     };
 }
 
+/// The [`Op`] methods the two merges share: the kernel ([`LoraLaunchOf::lora_kernel`]) and
+/// the base op's granularity.
+macro_rules! lora_op_shared {
+    () => {
+        fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
+            self.lora_kernel(units)
+        }
+        fn granularity(&self) -> u64 {
+            self.base_op.as_ref().map_or(1, |op| op.granularity())
+        }
+    };
+}
+
 /// What the two merges share around their kernel launch: the base, the factors and the output
 /// dtype; each gives Δ's operand layout for a chunk.
 trait LoraLaunchOf {
@@ -242,9 +255,7 @@ impl LoraLaunchOf for LoraMerge {
 }
 
 impl Op for LoraMerge {
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        self.lora_kernel(units)
-    }
+    lora_op_shared!();
     fn name(&self) -> &'static str {
         if self.f.m_dtype.is_some() {
             "merge-dora"
@@ -261,9 +272,6 @@ impl Op for LoraMerge {
     fn in_unit_bytes(&self) -> u64 {
         // Base row plus room for the f32 working copy and the delta.
         self.cols * (size(self.base_dtype) + 8)
-    }
-    fn granularity(&self) -> u64 {
-        self.base_op.as_ref().map_or(1, |op| op.granularity())
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let mut v = base_input_ranges(&self.base_op, self.base_dtype, self.cols, &units);
@@ -694,53 +702,8 @@ pub struct GroupedLoraMerge {
     pub dst: DType,
 }
 
-/// Row g = (expert e, x) of the output. `[E, in, out]` bases (x indexes `in`): coefficients
-/// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
-/// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
-impl LoraLaunchOf for GroupedLoraMerge {
-    lora_launch_parts!();
-
-    fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
-        let (r, e_n) = (self.f.rank, self.experts);
-        let in_dim = if self.in_out { self.x } else { self.y };
-        let common = DeltaParams {
-            rank: r,
-            cols: self.y,
-            first_row: units.start,
-            group_rows: self.x,
-            ..Default::default()
-        };
-        if self.in_out {
-            let d = DeltaParams {
-                ci: 1,
-                ck: in_dim,
-                cg: r * in_dim,
-                vk: e_n,
-                vj: e_n * r,
-                vg: 1,
-                ..common
-            };
-            (d, true)
-        } else {
-            let d = DeltaParams {
-                ci: e_n * r,
-                ck: e_n,
-                cg: 1,
-                vk: in_dim,
-                vj: 1,
-                vg: r * in_dim,
-                ..common
-            };
-            (d, false)
-        }
-    }
-}
-
 impl Op for GroupedLoraMerge {
-    /// As [`LoraMerge`]'s.
-    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        self.lora_kernel(units)
-    }
+    lora_op_shared!();
     fn name(&self) -> &'static str {
         "merge-lora-experts"
     }
@@ -752,9 +715,6 @@ impl Op for GroupedLoraMerge {
     }
     fn in_unit_bytes(&self) -> u64 {
         self.y * (size(self.base_dtype) + 8)
-    }
-    fn granularity(&self) -> u64 {
-        self.base_op.as_ref().map_or(1, |op| op.granularity())
     }
     fn input_ranges(&self, units: Range<u64>) -> Vec<Range<u64>> {
         let mut v = base_input_ranges(&self.base_op, self.base_dtype, self.y, &units);
@@ -821,5 +781,47 @@ impl Op for GroupedLoraMerge {
         }
         write_as(self.dst, w.iter().copied(), out);
         Ok(())
+    }
+}
+
+/// Row g = (expert e, x) of the output. `[E, in, out]` bases (x indexes `in`): coefficients
+/// A[e·r+k, x], vectors B[o, k·E+e]. `[E, out, in]` (x indexes `out`): coefficients
+/// B[x, k·E+e], vectors A[e·r+k, :] — the order `compute` sums in.
+impl LoraLaunchOf for GroupedLoraMerge {
+    lora_launch_parts!();
+
+    fn delta(&self, units: &Range<u64>) -> (DeltaParams, bool) {
+        let (r, e_n) = (self.f.rank, self.experts);
+        let in_dim = if self.in_out { self.x } else { self.y };
+        let common = DeltaParams {
+            rank: r,
+            cols: self.y,
+            first_row: units.start,
+            group_rows: self.x,
+            ..Default::default()
+        };
+        if self.in_out {
+            let d = DeltaParams {
+                ci: 1,
+                ck: in_dim,
+                cg: r * in_dim,
+                vk: e_n,
+                vj: e_n * r,
+                vg: 1,
+                ..common
+            };
+            (d, true)
+        } else {
+            let d = DeltaParams {
+                ci: e_n * r,
+                ck: e_n,
+                cg: 1,
+                vk: in_dim,
+                vj: 1,
+                vg: r * in_dim,
+                ..common
+            };
+            (d, false)
+        }
     }
 }

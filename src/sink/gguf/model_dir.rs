@@ -63,7 +63,7 @@ impl ModelDir {
 
     /// `e` naming the file it is about as the user knows it: a staged link by the model file
     /// it links to, a staged file by its name as the earlier steps write it.
-    pub fn explain(&self, e: Error) -> Error {
+    pub fn explain(&self, mut e: Error) -> Error {
         let ModelDir::Staged(dir) = self else {
             return e;
         };
@@ -78,25 +78,14 @@ impl ModelDir {
                 }
             }
         };
-        match e {
-            Error::GgufTokenizer { path, msg } => Error::GgufTokenizer {
-                path: real(path),
-                msg,
-            },
-            Error::GgufConfig { path, msg } => Error::GgufConfig {
-                path: real(path),
-                msg,
-            },
-            Error::GgufUnknownPreTokenizer { path, hash } => Error::GgufUnknownPreTokenizer {
-                path: real(path),
-                hash,
-            },
-            Error::Io { path, source } => Error::Io {
-                path: real(path),
-                source,
-            },
-            e => e,
+        if let Error::GgufTokenizer { path, .. }
+        | Error::GgufConfig { path, .. }
+        | Error::GgufUnknownPreTokenizer { path, .. }
+        | Error::Io { path, .. } = &mut e
+        {
+            *path = real(std::mem::take(path));
         }
+        e
     }
 
     pub fn path(&self) -> &Path {

@@ -66,31 +66,26 @@ pub(super) fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
         return 0.0;
     }
     let iscale = -(nmax as f32) / max;
-    let mut sumlx = 0.0f32;
-    let mut suml2 = 0.0f32;
+    let mut fit = Fit::default();
     for (i, &v) in x.iter().enumerate() {
         let l = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
         levels[i] = l as i8;
-        let w = v * v;
-        sumlx += w * v * l as f32;
-        suml2 += w * l as f32 * l as f32;
+        fit.add(v * v, v, l);
     }
     for _ in 0..5 {
         let mut changed = false;
         for (i, &v) in x.iter().enumerate() {
             let w = v * v;
             let li = levels[i] as f32;
-            let mut slx = sumlx - w * v * li;
+            let mut slx = fit.sumlx - w * v * li;
             if slx > 0.0 {
-                let mut sl2 = suml2 - w * li * li;
+                let mut sl2 = fit.suml2 - w * li * li;
                 let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
                 if new_l != levels[i] as i32 {
                     slx += w * v * new_l as f32;
                     sl2 += w * new_l as f32 * new_l as f32;
-                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                    if sl2 > 0.0 && fit.take_if_better(slx, sl2) {
                         levels[i] = new_l as i8;
-                        sumlx = slx;
-                        suml2 = sl2;
                         changed = true;
                     }
                 }
@@ -103,11 +98,7 @@ pub(super) fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
     for l in levels[..x.len()].iter_mut() {
         *l += nmax as i8;
     }
-    if suml2 > 0.0 {
-        sumlx / suml2
-    } else {
-        0.0
-    }
+    fit.scale()
 }
 
 /// The candidate inverse scales `make_qkx*_quants` tries: `(rmin + rdelta * is + nmax) /
@@ -248,31 +239,26 @@ pub(super) fn make_qp_quants(
             iscale = iscale_is;
         }
     }
-    let mut sumlx = 0.0f32;
-    let mut suml2 = 0.0f32;
+    let mut fit = Fit::default();
     for (i, &v) in x.iter().enumerate() {
         let l = nearest_int(iscale * v).min(nmax);
         levels[i] = l as u8;
-        let w = quant_weights[i];
-        sumlx += w * v * l as f32;
-        suml2 += w * l as f32 * l as f32;
+        fit.add(quant_weights[i], v, l);
     }
     for _ in 0..5 {
         let mut changed = false;
         for (i, &v) in x.iter().enumerate() {
             let w = quant_weights[i];
             let li = levels[i] as f32;
-            let mut slx = sumlx - w * v * li;
-            let mut sl2 = suml2 - w * li * li;
+            let mut slx = fit.sumlx - w * v * li;
+            let mut sl2 = fit.suml2 - w * li * li;
             if slx > 0.0 && sl2 > 0.0 {
                 let new_l = nearest_int(v * sl2 / slx).min(nmax);
                 if new_l != levels[i] as i32 {
                     slx += w * v * new_l as f32;
                     sl2 += w * new_l as f32 * new_l as f32;
-                    if slx * slx * suml2 > sumlx * sumlx * sl2 {
+                    if fit.take_if_better(slx, sl2) {
                         levels[i] = new_l as u8;
-                        sumlx = slx;
-                        suml2 = sl2;
                         changed = true;
                     }
                 }
@@ -282,9 +268,39 @@ pub(super) fn make_qp_quants(
             break;
         }
     }
-    if suml2 > 0.0 {
-        sumlx / suml2
-    } else {
-        0.0
+    fit.scale()
+}
+
+/// The weighted sums `Σ w·x·l` and `Σ w·l²` of a least-squares scale fit, as ggml's level
+/// searches keep them (in f32, in element order).
+#[derive(Clone, Copy, Debug, Default)]
+struct Fit {
+    sumlx: f32,
+    suml2: f32,
+}
+
+impl Fit {
+    fn add(&mut self, w: f32, x: f32, l: i32) {
+        self.sumlx += w * x * l as f32;
+        self.suml2 += w * l as f32 * l as f32;
+    }
+
+    /// Takes the sums of a moved level, `slx` and `sl2`, when they fit better
+    /// (`slx² / sl2 > sumlx² / suml2`, cross-multiplied as ggml compares them).
+    fn take_if_better(&mut self, slx: f32, sl2: f32) -> bool {
+        let better = slx * slx * self.suml2 > self.sumlx * self.sumlx * sl2;
+        if better {
+            (self.sumlx, self.suml2) = (slx, sl2);
+        }
+        better
+    }
+
+    /// The fitted scale `sumlx / suml2`, 0 without levels.
+    fn scale(&self) -> f32 {
+        if self.suml2 > 0.0 {
+            self.sumlx / self.suml2
+        } else {
+            0.0
+        }
     }
 }
