@@ -273,16 +273,19 @@ fn api_gguf_writer_applies_its_pipes_as_run_does() {
         &["--quantize", "GGUF output does not take", "--outtype"],
     );
     assert!(!out.exists() && !c.path("out").exists(), "{err}");
-    let cast = c.path("cast/m.gguf");
-    let report = tftf::Pipeline::new(
-        tftf::Reader::from_path(&c.model),
-        tftf::Pipe::dtype_cast(DType::F16),
-        tftf::Writer::gguf(&cast).vocab_pre("test-pre"),
-    )
-    .run()
-    .unwrap();
-    assert!(report.ok());
-    let cli = c.path("cli/m.gguf");
+    // The library's GGUF of the model through `pipe`, at `path`.
+    let api_gguf = |pipe: tftf::Pipe, path: &std::path::Path| {
+        let report = tftf::Pipeline::new(
+            tftf::Reader::from_path(&c.model),
+            pipe,
+            tftf::Writer::gguf(path).vocab_pre("test-pre"),
+        )
+        .run()
+        .unwrap();
+        assert!(report.ok());
+        std::fs::read(path).unwrap()
+    };
+    let (cast, cli) = (c.path("cast/m.gguf"), c.path("cli/m.gguf"));
     ok(&tftf(&[
         "run",
         "-i",
@@ -297,25 +300,21 @@ fn api_gguf_writer_applies_its_pipes_as_run_does() {
         "--vocab-pre",
         "test-pre",
     ]));
-    assert_eq!(std::fs::read(&cast).unwrap(), std::fs::read(&cli).unwrap());
+    let f16 = api_gguf(tftf::Pipe::dtype_cast(DType::F16), &cast);
+    assert_eq!(f16, std::fs::read(&cli).unwrap());
     assert_eq!(parse(&cast).tensor("blk.0.attn_q.weight").1, 1, "F16");
-    let report = tftf::Pipeline::new(
-        tftf::Reader::from_path(&c.model),
-        tftf::Pipe::new(),
-        tftf::Writer::gguf(&out).vocab_pre("test-pre"),
-    )
-    .run()
-    .unwrap();
-    assert!(report.ok());
-    let cli = c.path("cli.gguf");
+    let plain = c.path("cli.gguf");
     ok(&tftf(&[
         "gguf",
         s(&c.model),
         "-o",
-        s(&cli),
+        s(&plain),
         "--vocab-pre",
         "test-pre",
         "-q",
     ]));
-    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&cli).unwrap());
+    assert_eq!(
+        api_gguf(tftf::Pipe::new(), &out),
+        std::fs::read(&plain).unwrap()
+    );
 }

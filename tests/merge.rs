@@ -69,10 +69,16 @@ fn assert_side_files_as_mergekit(name: &str, out: &Path) {
     );
 }
 
-fn check_method(name: &str) -> f64 {
-    let dir = tmp();
-    let out = dir.path().join("out");
+/// The fixture config `name` merged by tftf into a fresh folder: the folder (kept alive while
+/// the result is read) and the output's path.
+fn merged_fixture(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let (dir, out) = tmp_out();
     ok(&merge(&config(name), &out, &[]));
+    (dir, out)
+}
+
+fn check_method(name: &str) -> f64 {
+    let (_dir, out) = merged_fixture(name);
     let same = assert_as_right_as_mergekit(name, &load_all(&out));
     assert_side_files_as_mergekit(name, &out);
     same
@@ -101,9 +107,7 @@ fn task_arithmetic_f32_normalized_with_a_gradient_is_as_right_as_mergekit() {
 
 #[test]
 fn passthrough_slices_stack_and_renumber_layers_exactly_as_mergekit() {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    ok(&merge(&config("passthrough_slices"), &out, &[]));
+    let (_dir, out) = merged_fixture("passthrough_slices");
     let ours = load_all(&out);
     let theirs = load_all(&fixture("merge/mergekit/passthrough_slices"));
     assert_eq!(ours, theirs);
@@ -514,9 +518,7 @@ macro_rules! as_right_as_mergekit {
                 #[test]
                 fn $method() {
                     let name = stringify!($method);
-                    let dir = tmp();
-                    let out = dir.path().join("out");
-                    ok(&merge(&config(name), &out, &[]));
+                    let (_dir, out) = merged_fixture(name);
                     assert_as_right_as_mergekit(name, &load_all(&out));
                     assert_eq!(
                         read_json(&out.join("config.json")),
@@ -532,9 +534,7 @@ macro_rules! as_right_as_mergekit {
 /// the result) and config.json; its values are checked in tests/merge_geometric.rs.
 #[test]
 fn ramplus_tl_writes_mergekits_tensors_and_dtypes() {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    ok(&merge(&config("ramplus_tl"), &out, &[]));
+    let (_dir, out) = merged_fixture("ramplus_tl");
     let ours = load_all(&out);
     let theirs = load_all(&fixture("merge/mergekit/ramplus_tl"));
     let layout = |t: &Tensors| -> Vec<_> {
@@ -644,9 +644,7 @@ fn tied_elements(ranking: &Ranking, k: &str, n: usize) -> Vec<bool> {
 /// thresholds; those are at most `1/max_tied_share` of the elements (so the bar is not met
 /// vacuously), and ours there follow the documented order, which the per-tensor tests pin.
 fn check_sparse_method(name: &str, ranking: Ranking, max_tied_share: usize) {
-    let dir = tmp();
-    let out = dir.path().join("out");
-    ok(&merge(&config(name), &out, &[]));
+    let (_dir, out) = merged_fixture(name);
     let ours = load_all(&out);
     let count = std::cell::Cell::new((0usize, 0usize));
     let tied = |k: &str, n: usize| {

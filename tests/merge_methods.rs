@@ -258,9 +258,9 @@ fn assert_scaled(label: &str, scales: &[f64], expected: f64) {
 #[test]
 fn dare_keeps_density_and_the_l1_norm_as_mergekit_does() {
     for case in stochastic("dare_linear") {
+        let ours = reproducible(&case, 27);
         let density = case.params[0].get("density", 1.0);
         let weight = case.params[0].get("weight", 1.0);
-        let ours = reproducible(&case, 27);
         for (who, out) in [("mergekit", &case.mergekit), ("tftf", &ours)] {
             let label = format!("{} {who}", case.name);
             let (kept, scales) = kept_and_scales(&case, out);

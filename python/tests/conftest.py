@@ -53,3 +53,23 @@ def model(tmp_path) -> Path:
         "model.layers.0.k_proj.weight": rng.standard_normal((16, 8)).astype(np.float32),
         "model.position_ids": np.arange(8, dtype=np.int64),
     })
+
+
+@pytest.fixture
+def boom():
+    """``boom(k)``: a user pipe that passes records on and raises ``KeyError("boom at KEY")``
+    at record ``k`` (0-based)."""
+    from tftf import Pipe
+
+    class Boom(Pipe):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def process(self, records):
+            for i, r in enumerate(records):
+                if i == self.at:
+                    raise KeyError(f"boom at {r.key}")
+                yield r
+
+    return Boom

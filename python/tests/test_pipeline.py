@@ -64,20 +64,12 @@ def test_user_pipe_runs_in_the_stream_between_rust_ops(model, tmp_path):
     assert got["model.position_ids"] == src["model.position_ids"]
 
 
-class Boom(Pipe):
-    def process(self, records):
-        for i, r in enumerate(records):
-            if i == 1:
-                raise KeyError(f"boom at {r.key}")
-            yield r
-
-
 @pytest.mark.parametrize("sharded", [False, True])
-def test_user_pipe_exception_is_raised_and_leaves_no_output(model, tmp_path, sharded):
+def test_user_pipe_exception_is_raised_and_leaves_no_output(model, tmp_path, sharded, boom):
     out = tmp_path / ("out" if sharded else "out.safetensors")
     writer = ShardedWriter(out, max_shard_bytes=600) if sharded else StreamingWriter(out)
     with pytest.raises(KeyError, match="boom at model.layers.0.k_proj.weight"):
-        Pipeline(SafetensorsReader(model), Boom(), writer).run(show_progress=False)
+        Pipeline(SafetensorsReader(model), boom(1), writer).run(show_progress=False)
     leftovers = sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.parent != model.parent)
     assert leftovers == []
 

@@ -158,20 +158,13 @@ def test_a_python_pipe_after_builtin_pipes_keeps_them_in_rust(demo, tmp_path):
     assert torch.bfloat16 in seen.dtypes
 
 
-def test_an_exception_in_a_python_pipe_after_builtin_pipes_leaves_no_output(demo, tmp_path):
-    from tftf import FP8DequantPipe, Pipe, Pipeline, SafetensorsReader, StreamingWriter
-
-    class Boom(Pipe):
-        def process(self, records):
-            for i, r in enumerate(records):
-                if i == 2:
-                    raise KeyError(f"boom at {r.key}")
-                yield r
+def test_an_exception_in_a_python_pipe_after_builtin_pipes_leaves_no_output(demo, tmp_path, boom):
+    from tftf import FP8DequantPipe, Pipeline, SafetensorsReader, StreamingWriter
 
     out = tmp_path / "out.safetensors"
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(KeyError, match="boom at"):
-        Pipeline(SafetensorsReader(str(demo / "example")), FP8DequantPipe(torch.bfloat16) | Boom(),
+        Pipeline(SafetensorsReader(str(demo / "example")), FP8DequantPipe(torch.bfloat16) | boom(2),
                  StreamingWriter(out)).run(show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # The engine's stream is closed: no in-memory tensor file stays open.

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::format::header::{serialize_header, TensorInfo};
 use crate::ops::lora::extract::{
-    decompose, encode, read_f64, ExtractOptions, ExtractPlan, Item, Recipe,
+    decompose, encode, read_f64, ExtractOptions, ExtractPlan, Item, ModuleFilter, Recipe,
 };
 use crate::output::{InputFiles, OutputTarget};
 use crate::pipeline::Cancel;
@@ -43,8 +43,10 @@ fn options(a: &ExtractLoraArgs) -> Result<ExtractOptions> {
         distribute_scale: !a.no_distribute_scale,
         embed_lora: a.embed_lora,
         save_modules: a.save_modules.clone(),
-        include: regexes(&a.include_regexes, "--include-regex")?,
-        exclude: regexes(&a.exclude_regexes, "--exclude-regex")?,
+        modules: ModuleFilter {
+            include: regexes(&a.include_regexes, "--include-regex")?,
+            exclude: regexes(&a.exclude_regexes, "--exclude-regex")?,
+        },
         skip_undecomposable: a.skip_undecomposable,
         dtype,
     })

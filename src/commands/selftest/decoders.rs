@@ -130,18 +130,17 @@ pub fn int4_modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
             rng.bytes((rows / 2 * cols) as usize),
             scale_values(DType::F32, (rows * cols / group) as usize, rng, nonfinite),
         ];
+        let nonfinite = if nonfinite { ", non-finite scales" } else { "" };
+        let op = DequantModeloptInt4 {
+            rows,
+            cols,
+            group,
+            dst,
+        };
         out.push(Case {
             kernel: "dequant-int4-modelopt",
-            what: format!(
-                "ModelOpt INT4 per {group} → {dst}, {rows}×{cols}{}",
-                if nonfinite { ", non-finite scales" } else { "" }
-            ),
-            op: Arc::new(DequantModeloptInt4 {
-                rows,
-                cols,
-                group,
-                dst,
-            }),
+            what: format!("ModelOpt INT4 per {group} → {dst}, {rows}×{cols}{nonfinite}"),
+            op: Arc::new(op),
             inputs,
             out_dtype: dst,
         });

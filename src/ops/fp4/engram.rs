@@ -506,12 +506,7 @@ impl Op for EngramRequant {
             units.start * s..units.end * s,
         ]
     }
-    fn compute(
-        &self,
-        _units: Range<u64>,
-        _inputs: &[&[u8]],
-        _out: &mut [u8],
-    ) -> Result<(), String> {
+    fn compute(&self, _: Range<u64>, _: &[&[u8]], _: &mut [u8]) -> Result<(), String> {
         unreachable!("requant-e2m1 always writes its scale output too")
     }
     fn compute_all(&self, units: Range<u64>, inputs: &[&[u8]], outs: Outs) -> Result<(), String> {

@@ -106,13 +106,8 @@ fn make_qx_quants(nmax: i32, x: &[f32], qw: &[f32], l_out: &mut [u8; QK]) -> f32
 /// `make_qkx3_quants(32, nmax, x, w, L, &the_min, Laux, -0.9, 0.05, 36, use_mad = false)` (the
 /// k-quants' search). Returns `(scale, offset)` with the offset as stored (`m = -the_min`).
 fn make_qkx3_quants(nmax: i32, x: &[f32], w: &[f32], l_out: &mut [u8; QK]) -> (f32, f32) {
-    let search = kquants::AffineSearch {
-        rmin: -0.9,
-        rdelta: 0.05,
-        nstep: 36,
-        use_mad: false,
-    };
     let mut aux = [0u8; QK];
+    let search = kquants::AffineSearch::WEIGHTED;
     let (d, the_min) = kquants::make_qkx_quants(nmax, x, w, l_out, &mut aux, search);
     (d, -the_min)
 }

@@ -176,7 +176,7 @@ pub fn write_rows<'a>(
 }
 
 thread_local! {
-    /// The gather buffer of [`write_rows_from`], reused from chunk to chunk.
+    /// The gather buffer of [`write_rows`], reused from chunk to chunk.
     static GATHER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

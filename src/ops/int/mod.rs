@@ -41,6 +41,8 @@ pub struct DequantPackedInt {
     pub dst: DType,
 }
 
+crate::plan::set_dst_field!(DequantPackedInt);
+
 /// Weight rows whose zero points fill whole packed words: 32 rows of `b` bits are `b` words.
 const ZP_ROWS: u64 = 32;
 
@@ -169,8 +171,6 @@ impl Op for DequantPackedInt {
         Ok(())
     }
 }
-
-crate::plan::set_dst_field!(DequantPackedInt);
 
 #[cfg(test)]
 mod tests {

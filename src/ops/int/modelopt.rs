@@ -26,6 +26,8 @@ pub struct DequantModeloptInt4 {
     pub dst: DType,
 }
 
+crate::plan::set_dst_field!(DequantModeloptInt4);
+
 impl DequantModeloptInt4 {
     fn groups(&self) -> u64 {
         self.cols / self.group
@@ -92,8 +94,6 @@ impl Op for DequantModeloptInt4 {
         Ok(())
     }
 }
-
-crate::plan::set_dst_field!(DequantModeloptInt4);
 
 #[cfg(test)]
 mod tests {

@@ -31,11 +31,29 @@ pub struct ExtractOptions {
     pub embed_lora: bool,
     /// `--save-module`: module names or last name components saved at full rank.
     pub save_modules: Vec<String>,
-    pub include: Vec<Regex>,
-    pub exclude: Vec<Regex>,
+    pub modules: ModuleFilter,
     pub skip_undecomposable: bool,
     /// dtype of the factors and bias changes; `None`: the fine-tuned tensor's.
     pub dtype: Option<DType>,
+}
+
+/// `--include-regex` and `--exclude-regex`: the modules decomposed.
+#[derive(Debug, Clone, Default)]
+pub struct ModuleFilter {
+    pub include: Vec<Regex>,
+    pub exclude: Vec<Regex>,
+}
+
+impl ModuleFilter {
+    /// Module `m` matches an exclusion.
+    fn excludes(&self, m: &str) -> bool {
+        self.exclude.iter().any(|r| r.is_match(m))
+    }
+
+    /// Module `m` matches an inclusion, or none is given.
+    fn includes(&self, m: &str) -> bool {
+        self.include.is_empty() || self.include.iter().any(|r| r.is_match(m))
+    }
 }
 
 /// How one group of output tensors is made.
@@ -68,12 +86,12 @@ pub struct Item {
 /// The whole extraction, from headers only.
 #[derive(Debug, Default)]
 pub struct ExtractPlan {
+    pub rank: usize,
     pub items: Vec<Item>,
     /// Last name components of the decomposed modules, sorted (PEFT's `target_modules`).
     pub target_modules: Vec<String>,
     /// In the order they were added, as mergekit lists them.
     pub modules_to_save: Vec<String>,
-    pub rank: usize,
     /// Notes for the user: tensors left out, fallbacks taken.
     pub notes: Vec<String>,
 }
@@ -186,12 +204,12 @@ impl ExtractPlan {
             let w = &model.tensors[w.expect("kept modules have weights")];
             let bias = bias.map(|b| &model.tensors[b]);
             let key = leaf(m);
-            let excluded = o.exclude.iter().any(|r| r.is_match(m));
+            let excluded = o.modules.excludes(m);
             let embedding = is_input_embedding(key) || is_output_embedding(key);
             if !embed_lora && embedding && !excluded {
                 plan.save_key(key);
             }
-            let included = o.include.is_empty() || o.include.iter().any(|r| r.is_match(m));
+            let included = o.modules.includes(m);
             if plan.modules_to_save.iter().any(|s| s == m || s == key) {
                 plan.save(w, bias);
             } else if included && !excluded {

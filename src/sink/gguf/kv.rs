@@ -42,21 +42,14 @@ pub enum Value {
     Array(Array),
 }
 
-/// A homogeneous array (GGUF arrays carry one element type).
+/// A homogeneous array (GGUF arrays carry one element type): the element types of [`Value`]
+/// but arrays.
 #[derive(Debug, Clone, PartialEq)]
+#[rustfmt::skip]
 pub enum Array {
-    U8(Vec<u8>),
-    I8(Vec<i8>),
-    U16(Vec<u16>),
-    I16(Vec<i16>),
-    U32(Vec<u32>),
-    I32(Vec<i32>),
-    U64(Vec<u64>),
-    I64(Vec<i64>),
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    Bool(Vec<bool>),
-    String(Vec<String>),
+    U8(Vec<u8>), I8(Vec<i8>), U16(Vec<u16>), I16(Vec<i16>), U32(Vec<u32>), I32(Vec<i32>),
+    U64(Vec<u64>), I64(Vec<i64>), F32(Vec<f32>), F64(Vec<f64>),
+    Bool(Vec<bool>), String(Vec<String>),
 }
 
 impl Value {

@@ -305,6 +305,21 @@ fn levels_of_split<const N: usize>(order: &[usize; N], i1: usize, i2: usize) -> 
     levels
 }
 
+/// The levels of the best split `(i1, i2)` under `scale`; a negative scale is made positive
+/// by mirroring the levels (`2 - l`), and then `true` tells the caller to mirror its shift.
+fn split_with_positive_scale<const N: usize>(
+    order: &[usize; N],
+    (i1, i2): (usize, usize),
+    scale: f32,
+) -> ([i8; N], f32, bool) {
+    let levels = levels_of_split(order, i1, i2);
+    if scale < 0.0 {
+        (levels.map(|l| 2 - l), -scale, true)
+    } else {
+        (levels, scale, false)
+    }
+}
+
 /// The largest magnitude (`fabsf`, C's `MAX`).
 fn max_abs(xb: &[f32]) -> f32 {
     let mut max = xb[0].abs();
@@ -346,14 +361,9 @@ fn split_iq1_s(xb: &[f32], weight: &[f32; 32]) -> Option<([i8; 32], f32, i8)> {
             }
         }
     }
-    let (i1, i2, mut shift) = best?;
-    let mut levels = levels_of_split(&order, i1, i2);
-    if scale < 0.0 {
-        levels = levels.map(|l| 2 - l);
-        scale = -scale;
-        shift = -shift;
-    }
-    Some((levels, scale, shift))
+    let (i1, i2, shift) = best?;
+    let (levels, scale, mirrored) = split_with_positive_scale(&order, (i1, i2), scale);
+    Some((levels, scale, if mirrored { -shift } else { shift }))
 }
 
 /// IQ1_M's exhaustive split of a sub-block of 16, each half with its own shift: `(levels,
@@ -413,12 +423,7 @@ fn split_iq1_m(xb: &[f32], weight: &[f32; 16]) -> Option<([i8; 16], f32, usize)>
             }
         }
     }
-    let (i1, i2, mut best_k) = best?;
-    let mut levels = levels_of_split(&order, i1, i2);
-    if scale < 0.0 {
-        levels = levels.map(|l| 2 - l);
-        scale = -scale;
-        best_k = 3 - best_k;
-    }
-    Some((levels, scale, best_k))
+    let (i1, i2, best_k) = best?;
+    let (levels, scale, mirrored) = split_with_positive_scale(&order, (i1, i2), scale);
+    Some((levels, scale, if mirrored { 3 - best_k } else { best_k }))
 }

@@ -2,7 +2,7 @@
 //! low nibble the scale, high nibble the min), `qs: [u8; 64]` (2-bit levels, planes as
 //! [`pack_2bit`]), `d: f16`, `dmin: f16`; value `d * (sc & 15) * q - dmin * (sc >> 4)`.
 
-use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
+use super::search::{fit_sub_blocks, make_qp_quants, AffineSearch, SubBlockFits};
 use super::{
     f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, sub_blocks,
     sum_squares, KQuant, QK_K,
@@ -30,29 +30,16 @@ pub fn quantize_row_q2_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 /// `quantize_row_q2_K_ref`'s scales: each sub-block fitted with weights `|x|` by absolute
 /// error, scales and mins then scaled to 4 bits by their maxima.
 fn fit_ref(x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
-    const SEARCH: AffineSearch = AffineSearch {
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: true,
-    };
-    let mut scales = [0.0f32; 16];
-    let mut mins = [0.0f32; 16];
-    let mut weights = [0.0f32; 16];
-    let mut aux = [0u8; 16];
-    let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
-        for (w, &e) in weights.iter_mut().zip(xs) {
+    const SEARCH: AffineSearch = AffineSearch::new(-0.5, 0.1, 15, true);
+    let weigh = |_, xs: &[f32], w: &mut [f32; 16]| {
+        for (w, &e) in w.iter_mut().zip(xs) {
             *w = e.abs();
         }
-        (scales[j], mins[j]) = make_qkx_quants(3, xs, &weights, ls, &mut aux, SEARCH);
-        if scales[j] > max_scale {
-            max_scale = scales[j];
-        }
-        if mins[j] > max_min {
-            max_min = mins[j];
-        }
-    }
+        0.0
+    };
+    let fits: SubBlockFits<16> = fit_sub_blocks(x, levels, 3, SEARCH, weigh);
+    let (scales, mins) = (fits.scales, fits.mins);
+    let (max_scale, max_min) = fits.maxima();
     let sc = &mut y[SCALES..SCALES + 16];
     if max_scale > 0.0 {
         let iscale = 15.0 / max_scale;
@@ -81,26 +68,15 @@ fn fit_ref(x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
 /// `quantize_row_q2_K_impl`'s scales: weights `qw * sqrt(sigma2 + x²)`, squared error, then
 /// scales and mins quantised by `make_qp_quants` weighted by each sub-block's total weight.
 fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
-    const SEARCH: AffineSearch = AffineSearch {
-        rmin: -0.9,
-        rdelta: 0.05,
-        nstep: 36,
-        use_mad: false,
-    };
-    let mut scales = [0.0f32; 16];
-    let mut mins = [0.0f32; 16];
-    let mut sw = [0.0f32; 16];
-    let mut weights = [0.0f32; 16];
-    let mut aux = [0u8; 16];
     let sigma2 = sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
-        sw[j] = imatrix_weights(&mut weights, &qw[16 * j..16 * (j + 1)], xs, sigma2);
-        (scales[j], mins[j]) = make_qkx_quants(3, xs, &weights, ls, &mut aux, SEARCH);
-    }
+    let weigh = |j: usize, xs: &[f32], w: &mut [f32; 16]| {
+        imatrix_weights(w, &qw[16 * j..16 * (j + 1)], xs, sigma2)
+    };
+    let fits: SubBlockFits<16> = fit_sub_blocks(x, levels, 3, AffineSearch::WEIGHTED, weigh);
     let mut ls = [0u8; 16];
     let mut lm = [0u8; 16];
-    let dm = make_qp_quants(15, &scales, &mut ls, &sw);
-    let mm = make_qp_quants(15, &mins, &mut lm, &sw);
+    let dm = make_qp_quants(15, &fits.scales, &mut ls, &fits.weights);
+    let mm = make_qp_quants(15, &fits.mins, &mut lm, &fits.weights);
     y[D..D + 2].copy_from_slice(&f16_bytes(dm));
     y[D + 2..D + 4].copy_from_slice(&f16_bytes(mm));
     for (s, (&l, &m)) in y[SCALES..SCALES + 16].iter_mut().zip(ls.iter().zip(&lm)) {

@@ -5,7 +5,7 @@
 //! `qs: [u8; 128]`, byte `32p + l` holding element `64p + l` in its low and `64p + 32 + l` in
 //! its high nibble. Value `d * scale[s] * q - dmin * min[s]`.
 
-use super::search::{make_qkx_quants, make_qp_quants, AffineSearch};
+use super::search::{fit_sub_blocks, make_qp_quants, AffineSearch, SubBlockFits};
 use super::{
     f16_bytes, for_each_block, imatrix_weights, nearest_int, read_f16, sub_blocks, sum_squares,
     KQuant, QK_K,
@@ -26,33 +26,15 @@ struct Variant {
 const Q4_K: Variant = Variant {
     ty: KQuant::Q4K,
     nmax: 15,
-    ref_search: AffineSearch {
-        rmin: -1.0,
-        rdelta: 0.1,
-        nstep: 20,
-        use_mad: false,
-    },
+    ref_search: AffineSearch::new(-1.0, 0.1, 20, false),
     clamp_imatrix_levels: false,
 };
 
 const Q5_K: Variant = Variant {
     ty: KQuant::Q5K,
     nmax: 31,
-    ref_search: AffineSearch {
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: false,
-    },
+    ref_search: AffineSearch::new(-0.5, 0.1, 15, false),
     clamp_imatrix_levels: true,
-};
-
-/// The search both `quantize_row_q{4,5}_K_impl` use.
-const IMATRIX_SEARCH: AffineSearch = AffineSearch {
-    rmin: -0.9,
-    rdelta: 0.05,
-    nstep: 36,
-    use_mad: false,
 };
 
 /// Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins, 4-bit levels; byte-exact to ggml
@@ -88,24 +70,16 @@ fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<
 /// `quantize_row_q{4,5}_K_ref`'s scales: each sub-block fitted with weights `av_x + |x|`, the
 /// scales and mins then scaled to 6 bits by their maxima. Writes `d`, `dmin`, `scales`.
 fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut weights = [0.0f32; 32];
-    let mut aux = [0u8; 32];
-    let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
+    let weigh = |_, xs: &[f32], w: &mut [f32; 32]| {
         let av_x = (sum_squares(xs) / 32.0).sqrt();
-        for (w, &e) in weights.iter_mut().zip(xs) {
+        for (w, &e) in w.iter_mut().zip(xs) {
             *w = av_x + e.abs();
         }
-        (scales[j], mins[j]) = make_qkx_quants(v.nmax, xs, &weights, ls, &mut aux, v.ref_search);
-        if scales[j] > max_scale {
-            max_scale = scales[j];
-        }
-        if mins[j] > max_min {
-            max_min = mins[j];
-        }
-    }
+        0.0
+    };
+    let fits: SubBlockFits<8> = fit_sub_blocks(x, levels, v.nmax, v.ref_search, weigh);
+    let (scales, mins) = (fits.scales, fits.mins);
+    let (max_scale, max_min) = fits.maxima();
     let inv_scale = if max_scale > 0.0 {
         63.0 / max_scale
     } else {
@@ -127,20 +101,15 @@ fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
 /// sub-block, then the scales and mins quantised by `make_qp_quants` weighted by each
 /// sub-block's total weight. Writes `d`, `dmin`, `scales`.
 fn fit_imatrix(v: &Variant, x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
-    let mut scales = [0.0f32; 8];
-    let mut mins = [0.0f32; 8];
-    let mut sw = [0.0f32; 8];
-    let mut weights = [0.0f32; 32];
-    let mut aux = [0u8; 32];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 32) {
-        sw[j] = imatrix_weights(&mut weights, &qw[32 * j..32 * (j + 1)], xs, sigma2);
-        (scales[j], mins[j]) = make_qkx_quants(v.nmax, xs, &weights, ls, &mut aux, IMATRIX_SEARCH);
-    }
+    let weigh = |j: usize, xs: &[f32], w: &mut [f32; 32]| {
+        imatrix_weights(w, &qw[32 * j..32 * (j + 1)], xs, sigma2)
+    };
+    let fits: SubBlockFits<8> = fit_sub_blocks(x, levels, v.nmax, AffineSearch::WEIGHTED, weigh);
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
-    let d_block = make_qp_quants(63, &scales, &mut ls, &sw);
-    let m_block = make_qp_quants(63, &mins, &mut lm, &sw);
+    let d_block = make_qp_quants(63, &fits.scales, &mut ls, &fits.weights);
+    let m_block = make_qp_quants(63, &fits.mins, &mut lm, &fits.weights);
     if v.clamp_imatrix_levels {
         ls = ls.map(|l| l.min(63));
         lm = lm.map(|l| l.min(63));

@@ -4,7 +4,7 @@
 //! The level buffers keep ggml's integer types (`i8` / `u8`) because ggml reads a wrapped
 //! value back in later sums.
 
-use super::{c_max, nearest_int, signed_max};
+use super::{c_max, nearest_int, signed_max, sub_blocks, QK_K};
 
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this is all zero.
 pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
@@ -109,6 +109,60 @@ pub(crate) struct AffineSearch {
     pub rdelta: f32,
     pub nstep: i32,
     pub use_mad: bool,
+}
+
+impl AffineSearch {
+    pub(crate) const fn new(rmin: f32, rdelta: f32, nstep: i32, use_mad: bool) -> Self {
+        AffineSearch {
+            rmin,
+            rdelta,
+            nstep,
+            use_mad,
+        }
+    }
+
+    /// The search of every `quantize_row_*_impl` given quant weights (`make_qkx3_quants(..,
+    /// -0.9, 0.05, 36, use_mad = false)`).
+    pub(crate) const WEIGHTED: AffineSearch = AffineSearch::new(-0.9, 0.05, 36, false);
+}
+
+/// The affine fits of a super-block's `N` sub-blocks: scale, min and total weight of each.
+pub(super) struct SubBlockFits<const N: usize> {
+    pub scales: [f32; N],
+    pub mins: [f32; N],
+    pub weights: [f32; N],
+}
+
+impl<const N: usize> SubBlockFits<N> {
+    /// The largest scale and the largest min, as ggml tracks them (`>` from 0, in order).
+    pub fn maxima(&self) -> (f32, f32) {
+        let max = |v: &[f32; N]| v.iter().fold(0.0f32, |m, &s| if s > m { s } else { m });
+        (max(&self.scales), max(&self.mins))
+    }
+}
+
+/// Fits each `S`-element sub-block `j` of `x` by [`make_qkx_quants`]`(nmax, .., search)`, its
+/// levels into `levels`, with the weights `weigh(j, xs, weights)` writes (it returns the
+/// sub-block's total weight).
+pub(super) fn fit_sub_blocks<const N: usize, const S: usize>(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+    nmax: i32,
+    search: AffineSearch,
+    weigh: impl Fn(usize, &[f32], &mut [f32; S]) -> f32,
+) -> SubBlockFits<N> {
+    let mut fits = SubBlockFits {
+        scales: [0.0; N],
+        mins: [0.0; N],
+        weights: [0.0; N],
+    };
+    let mut weights = [0.0f32; S];
+    let mut aux = [0u8; S];
+    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], S) {
+        fits.weights[j] = weigh(j, xs, &mut weights);
+        (fits.scales[j], fits.mins[j]) = make_qkx_quants(nmax, xs, &weights, ls, &mut aux, search);
+    }
+    fits
 }
 
 /// `make_qkx2_quants` / `make_qkx3_quants` (the same computation once weights are given, as

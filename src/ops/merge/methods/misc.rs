@@ -6,8 +6,8 @@
 //! exact differences and round once. NaN inputs give NaN exactly where mergekit's do.
 
 use super::support::{
-    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, torch_clamp,
-    BlockSum,
+    base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
+    split_axis, torch_clamp, BlockSum,
 };
 use super::survey::{merge_whole, Chunk, Setting, Survey};
 use super::{uniform, unparameterised, Inputs, ModelTensor, Params};
@@ -16,11 +16,8 @@ use super::{uniform, unparameterised, Inputs, ModelTensor, Params};
 /// model by `clamp(t / max(|base − model|, 1e-6), 0, 1)`, so values closer than `t` (required)
 /// take the model's value and others move by `t`.
 pub fn nearswap(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
-    let (base, models, global) = (t.base, t.models, t.global);
-    model_count("nearswap", models.len(), 1, 1)?;
-    same_lengths(Some(base), models, out)?;
-    let t = required(global, "t")?;
-    for ((o, &a), &b) in out.iter_mut().zip(base).zip(models[0].values) {
+    let (base, model, t) = base_model_and_t("nearswap", t, out)?;
+    for ((o, &a), &b) in out.iter_mut().zip(base).zip(model) {
         let (a, b) = (a as f64, b as f64);
         let weight = (t / clamp_min((a - b).abs(), 1e-6)).clamp(0.0, 1.0);
         *o = (weight * b + (1.0 - weight) * a) as f32;

@@ -9,8 +9,8 @@
 //! A NaN in an input turns whatever mergekit's turns into NaN (the whole tensor, or vector).
 
 use super::support::{
-    clamp_min, model_count, optional, required, same_lengths, shape_holds, split_axis, weights,
-    BlockSum,
+    base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
+    split_axis, weights, BlockSum,
 };
 use super::survey::{merge_whole, Chunk, Setting, Survey};
 use super::{optional_base, Inputs, Params};
@@ -19,13 +19,10 @@ use super::{optional_base, Inputs, Params};
 /// along the great circle through the two whole tensors. Norms at or below `1e-8` count as 1;
 /// when `|cos θ| > 0.9995` (near-collinear) it interpolates linearly.
 pub fn slerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
-    let (base, models, global) = (t.base, t.models, t.global);
-    model_count("slerp", models.len(), 1, 1)?;
-    same_lengths(Some(base), models, out)?;
-    let t = required(global, "t")?;
+    let (base, model, t) = base_model_and_t("slerp", t, out)?;
     let mut sums = SlerpSums::default();
-    sums.add(base, models[0].values);
-    sums.blend(t, base, models[0].values, out);
+    sums.add(base, model);
+    sums.blend(t, base, model, out);
     Ok(())
 }
 

@@ -364,20 +364,13 @@ mod tests {
         let base: Vec<f32> = (0..50).map(|i| i as f32 * 0.25 - 3.0).collect();
         let model: Vec<f32> = base.iter().map(|v| v * 2.0 + 1.0).collect();
         for method in &FAMILY {
-            let same = merge(
-                method,
-                &base,
-                &[(&base, weighted(0.7, 0.5))],
-                &Params::default(),
-            );
-            assert_eq!(same.unwrap(), base);
-            let empty = merge(
-                method,
-                &base,
-                &[(&model, weighted(0.7, 0.0))],
-                &Params::default(),
-            );
-            assert_eq!(empty.unwrap(), base);
+            // One model of `density`, merged into the base.
+            let alone = |model: &[f32], density| {
+                let models = [(model, weighted(0.7, density))];
+                merge(method, &base, &models, &Params::default()).unwrap()
+            };
+            assert_eq!(alone(&base, 0.5), base, "unchanged");
+            assert_eq!(alone(&model, 0.0), base, "nothing kept");
             assert_eq!(merge(method, &base, &[], &Params::default()).unwrap(), base);
         }
     }

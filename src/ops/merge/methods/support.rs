@@ -169,6 +169,18 @@ pub fn split_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     (outer, shape[axis], inner)
 }
 
+/// The base, the one model's values and the required `t` of a method that moves the base
+/// towards one model by `t` (slerp, nearswap), checked against `out`.
+pub fn base_model_and_t<'a>(
+    method: &str,
+    t: &super::Inputs<'a>,
+    out: &[f32],
+) -> Result<(&'a [f32], &'a [f32], f64), String> {
+    model_count(method, t.models.len(), 1, 1)?;
+    same_lengths(Some(t.base), t.models, out)?;
+    Ok((t.base, t.models[0].values, required(t.global, "t")?))
+}
+
 /// Refuses a `shape` that does not hold `n` values.
 pub fn shape_holds(shape: &[usize], n: usize) -> Result<(), String> {
     let elements = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
