@@ -40,10 +40,10 @@ pub enum Family {
     /// Renames only; OLMo 2 norms after attention and feed-forward, full-width Q/K norms.
     Olmo2,
     /// Norms `+ 1`, its own KVs (soft-caps, sliding window), `lm_head` dropped
-    /// ([`super::arch_gemma`]).
+    /// (`arch_gemma.rs`).
     Gemma2,
     /// Norms `+ 1`, the common KVs plus local rope theta and sliding window, embedding rows
-    /// cut to the vocabulary, multimodal tensors left out ([`super::arch_gemma`]).
+    /// cut to the vocabulary, multimodal tensors left out (`arch_gemma.rs`).
     Gemma3,
     /// GLM-4.5 (`arch_glm`): NextN/MTP layers kept, partial rotary, sigmoid-routed experts.
     Glm4Moe,
@@ -84,7 +84,7 @@ pub struct ArchSpec {
     /// `rope_parameters` when the config has neither it nor `rope_scaling`.
     pub rope_theta_default: f64,
     /// Per-layer names: HF name after `model.layers.{bid}.` without `.weight`/`.bias` → GGUF
-    /// name after `blk.{bid}.`, in tables searched in order, then [`COMMON_LAYER_TABLE`].
+    /// name after `blk.{bid}.`, in tables searched in order, then `COMMON_LAYER_TABLE`.
     pub layer_tensors: &'static [LayerTable],
 }
 

@@ -13,7 +13,7 @@
 //! So every float operation is done in f32 in ggml's order: ggml-base is compiled for the
 //! x86-64 baseline (SSE2, no FMA, no fast-math), so the C evaluates exactly as written, and
 //! plain Rust f32 arithmetic in the same order gives the same bits. Rounding to int is
-//! [`nearest_int`], ggml's magic-number trick (ties to even, garbage past 2^22 that ggml has
+//! `nearest_int`, ggml's magic-number trick (ties to even, garbage past 2^22 that ggml has
 //! too); f16 stores are [`f32_to_f16`], ggml's own routine. Buffers are per-block stack arrays:
 //! nothing is allocated in the loops.
 //!

@@ -117,7 +117,7 @@ fn weights(squares: &[Compensated], len: usize) -> Vec<f64> {
     }
 }
 
-/// SCE a chunk at a time: a pass counts the non-zero variances while a [`RadixCut`] ranks them,
+/// SCE a chunk at a time: a pass counts the non-zero variances while a `RadixCut` ranks them,
 /// two more find the selection's cut, one sums each model's squares; chunks then erase.
 #[derive(Debug)]
 pub struct SceSurvey {

@@ -1,6 +1,6 @@
 //! The generalized task arithmetic methods ([`super::sparse`]) a chunk at a time, for tensors
 //! bigger than one chunk: the magnitude cuts of TIES and breadcrumbs are found by
-//! [`RadixCut`]'s three passes, the L1 rescale by one more pass of running sums, and each
+//! `RadixCut`'s three passes, the L1 rescale by one more pass of running sums, and each
 //! chunk then keeps and combines exactly the elements the whole-tensor function would.
 
 use super::sparse::{Generalized, Setup, FAMILY};

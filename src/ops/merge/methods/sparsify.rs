@@ -2,7 +2,7 @@
 //! of the survivors: mergekit 0.1.5's `mergekit/sparsify.py` (`magnitude`, `magnitude_outliers`,
 //! `bernoulli`, `della_magprune`, `rescaled_masked_tensor` with `RescaleNorm.l1`).
 //!
-//! A task vector is never stored: [`Survivors`] keeps one bit per element and one scale, and
+//! A task vector is never stored: `Survivors` keeps one bit per element and one scale, and
 //! the methods recompute `model - base` in `f64` (exact for inputs widened from bf16, f16 and
 //! nearly always for f32) when they combine. While ranking, one `u32` key per element is held
 //! (the bits of the magnitude rounded to `f32`, which order like it), so a tensor of n elements
