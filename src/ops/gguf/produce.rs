@@ -64,13 +64,26 @@ struct Sources<'a, 's> {
     source: &'s dyn Fn(&str) -> Option<Window<'a>>,
 }
 
-impl<'a> Sources<'a, '_> {
-    /// Bytes `at..at + len` of source `name`, or an error naming the output tensor.
-    fn bytes(&self, name: &str, at: u64, len: usize) -> Result<&'a [u8]> {
+impl<'a, 's> Sources<'a, 's> {
+    /// Source `name`, looked up once for a chunk, or an error naming the output tensor.
+    fn get(&self, name: &str) -> Result<Source<'a, 's>> {
         let t = self.t;
         let window = (self.source)(name)
             .ok_or_else(|| src_err(t, format!("source `{name}` is not available")))?;
-        window.at(at, len).map_err(|m| src_err(t, m))
+        Ok(Source { t, window })
+    }
+}
+
+/// One source's window, its reads' errors naming the output tensor.
+struct Source<'a, 's> {
+    t: &'s OutputTensor,
+    window: Window<'a>,
+}
+
+impl<'a> Source<'a, '_> {
+    /// Bytes `at..at + len` of the source tensor.
+    fn at(&self, at: u64, len: usize) -> Result<&'a [u8]> {
+        self.window.at(at, len).map_err(|m| src_err(self.t, m))
     }
 }
 
@@ -103,12 +116,13 @@ pub fn write_rows<'a>(
     } = &t.recipe
     {
         let groups = (inner / MXFP4_BLOCK_ELEMS as u64) as usize;
+        let (b, s) = (src.get(blocks)?, src.get(scales)?);
         for (k, dst) in out.chunks_exact_mut(groups * MXFP4_BLOCK_BYTES).enumerate() {
             let r = first + k as u64;
             let src_row = map.map_or(r, |m| m.source_row(r)) as usize;
             let block_row = groups * MXFP4_SRC_BLOCK_BYTES;
-            let bs = src.bytes(blocks, (src_row * block_row) as u64, block_row)?;
-            let ss = src.bytes(scales, (src_row * groups) as u64, groups)?;
+            let bs = b.at((src_row * block_row) as u64, block_row)?;
+            let ss = s.at((src_row * groups) as u64, groups)?;
             quant::repack_mxfp4(bs, ss, dst);
         }
         return Ok(());
@@ -134,7 +148,7 @@ pub fn write_rows<'a>(
     match &t.recipe {
         // Rows stored in order: converted straight from the window, with no copy.
         Recipe::Direct { src: name } => {
-            let elems = src.bytes(name, first * row_src as u64, n * esize)?;
+            let elems = src.get(name)?.at(first * row_src as u64, n * esize)?;
             convert_rows(elems, dtype, first, out);
         }
         Recipe::Stack { srcs } => {
@@ -146,7 +160,7 @@ pub fn write_rows<'a>(
                 let run = (per_expert - r % per_expert).min(end - r);
                 let name = &srcs[(r / per_expert) as usize];
                 let at = (r % per_expert) * row_src as u64;
-                let elems = src.bytes(name, at, run as usize * row_src)?;
+                let elems = src.get(name)?.at(at, run as usize * row_src)?;
                 let o = (r - first) as usize * row_out;
                 let piece = &mut out[o..o + run as usize * row_out];
                 convert_rows(elems, dtype, r, piece);
@@ -200,11 +214,12 @@ fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<(
             map,
             row_elems,
         } => {
+            let s = src.get(name)?;
             let unit = *row_elems as usize * esize;
             let per_row = inner / row_elems;
             for (k, dst) in elems.chunks_exact_mut(unit).enumerate() {
                 let j = map.source_row(first * per_row + k as u64) as usize;
-                dst.copy_from_slice(src.bytes(name, (j * unit) as u64, unit)?);
+                dst.copy_from_slice(s.at((j * unit) as u64, unit)?);
             }
         }
         Recipe::KvBK {
@@ -215,18 +230,19 @@ fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<(
             ..
         } => {
             // Output row (h, l) holds kv_b[h * (nope + v) + n][l] for n in 0..nope.
+            let s = src.get(name)?;
             for (k, dst) in elems.chunks_exact_mut(row_src).enumerate() {
                 let r = first + k as u64;
                 let (h, l) = (r / lora, r % lora);
                 for n in 0..*nope {
                     let at = ((h * (nope + v) + n) * lora + l) * esize as u64;
-                    dst[n as usize * esize..][..esize].copy_from_slice(src.bytes(name, at, esize)?);
+                    dst[n as usize * esize..][..esize].copy_from_slice(s.at(at, esize)?);
                 }
             }
         }
         Recipe::Shifted { src: name, .. } => {
             let at = first * row_src as u64;
-            elems.copy_from_slice(src.bytes(name, at, elems.len())?);
+            elems.copy_from_slice(src.get(name)?.at(at, elems.len())?);
         }
         Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => {
             unreachable!("converted without a gather")

@@ -78,11 +78,6 @@ impl Whole {
             seed: self.seed,
         }
     }
-
-    /// A method's message with the models named as the config names them.
-    fn named(&self, msg: String) -> String {
-        super::adapt::name_models(&msg, &self.names)
-    }
 }
 
 /// A tensor's survey: under way (`running`), then finished and shared by the chunks' merges
@@ -332,7 +327,7 @@ impl MergeOp {
                     survey: Some((make, ..)),
                     ..
                 },
-            ) => make(&w.setting()).map_err(|e| w.named(e)),
+            ) => make(&w.setting()).map_err(|e| self.named(e)),
             _ => Err(format!("`{}` merges this tensor whole", self.method)),
         }
     }
@@ -343,6 +338,11 @@ impl MergeOp {
             Formula::Whole(w) => &w.names,
             _ => &[],
         }
+    }
+
+    /// A method's message with the models named as the config names them.
+    fn named(&self, msg: String) -> String {
+        super::adapt::name_models(&msg, self.names())
     }
 
     /// Merges chunk `units` from the finished survey.
@@ -379,7 +379,7 @@ impl MergeOp {
                 Ok(())
             },
         )
-        .map_err(|e| super::adapt::name_models(&e, self.names()))?;
+        .map_err(|e| self.named(e))?;
         if self.surveyed.merged.fetch_add(n as u64, Ordering::Relaxed) + n as u64 >= self.elements {
             *self.surveyed.done.lock().unwrap() = None;
         }
@@ -525,16 +525,15 @@ impl Op for MergeOp {
                 ))
             }
         };
-        let names = self.names();
         let survey = &mut r.survey;
         let granule = survey.granule();
         self.by_pieces(&units, inputs, granule, &mut |_, chunk, _| {
             survey.observe(pass, chunk)
         })
-        .map_err(|e| super::adapt::name_models(&e, names))?;
+        .map_err(|e| self.named(e))?;
         r.next = units.end;
         if units.end == self.elements {
-            (r.survey.end_pass(pass)).map_err(|e| super::adapt::name_models(&e, names))?;
+            (r.survey.end_pass(pass)).map_err(|e| self.named(e))?;
             r.pass += 1;
             r.next = 0;
             if r.pass == self.survey_passes() {
@@ -585,7 +584,7 @@ impl Op for MergeOp {
             seed: w.seed,
         };
         let mut merged = vec![0f32; n];
-        (w.f)(&t, &mut merged).map_err(|e| w.named(e))?;
+        (w.f)(&t, &mut merged).map_err(|e| self.named(e))?;
         write_as(self.dst, merged.into_iter(), out);
         Ok(())
     }

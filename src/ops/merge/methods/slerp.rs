@@ -100,14 +100,13 @@ impl Survey for SlerpSurvey {
 /// otherwise each row (vectors along the last axis) or, with `nuslerp_row_wise`, each vector
 /// along axis 0. Norms are clamped to ≥ 1e-7; vectors with `1 − cos² θ ≤ 1e-16` are
 /// interpolated linearly.
-pub fn nuslerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
-    let (base, models) = (t.optional_base(), t.models);
+pub fn nuslerp(inputs: &Inputs, out: &mut [f32]) -> Result<(), String> {
+    let (base, models) = (inputs.optional_base(), inputs.models);
     model_count("nuslerp", models.len(), 2, 2)?;
     same_lengths(base, models, out)?;
-    shape_holds(t.shape, out.len())?;
-    let params: Vec<Params> = models.iter().map(|m| m.params.clone()).collect();
-    let (outer, length, inner) = nuslerp_layout(t.global, t.shape, out.len());
-    let t = nuslerp_t(&weights(&params)?);
+    shape_holds(inputs.shape, out.len())?;
+    let t = nuslerp_t(&weights(models.iter().map(|m| m.params))?);
+    let (outer, length, inner) = nuslerp_layout(inputs.global, inputs.shape, out.len());
     debug_assert_eq!(outer * length * inner, out.len());
     let values = [models[0].values, models[1].values];
     merge_slabs(t, base, values, length * inner, inner, out);

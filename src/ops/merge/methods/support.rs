@@ -104,9 +104,9 @@ pub fn count_param(global: &Params, name: &str, default: usize) -> Result<usize,
 }
 
 /// Each model's `weight`, which these methods require for every model.
-pub fn weights(models: &[Params]) -> Result<Vec<f64>, String> {
+pub fn weights<'a>(models: impl IntoIterator<Item = &'a Params>) -> Result<Vec<f64>, String> {
     models
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, m)| match m.0.get("weight") {
             Some(w) => finite("weight", *w),
