@@ -8,11 +8,14 @@ use std::path::{Path, PathBuf};
 use common::*;
 use tftf::{DType, Pipe, Pipeline, Reader, Writer};
 
-/// Every record (name, dtype, shape, bytes), in the order the iterator gave them.
+/// Every record (name, dtype, shape, bytes), in the order the iterator gave them; with
+/// `recycle`, each record's in-memory file goes back to the stream once read, so later records
+/// are computed into files that held earlier (differently sized) tensors.
 fn all_records(
     input: &Path,
     pipe: Pipe,
     threads: usize,
+    recycle: bool,
 ) -> Vec<(String, String, Vec<usize>, Vec<u8>)> {
     let records = Pipeline::new(Reader::from_path(input), pipe, Writer::null())
         .threads(threads)
@@ -24,12 +27,16 @@ fn all_records(
         .map(|r| {
             let r = r.unwrap();
             let shape = r.shape.iter().map(|&d| d as usize).collect();
-            (
+            let got = (
                 r.name.clone(),
                 r.dtype.name().to_string(),
                 shape,
                 r.to_vec().unwrap(),
-            )
+            );
+            if recycle {
+                r.recycle();
+            }
+            got
         })
         .collect();
     let names: Vec<String> = got.iter().map(|r| r.0.clone()).collect();
@@ -46,13 +53,16 @@ fn assert_records_equal_written(input: &Path, pipe: impl Fn() -> Pipe) {
         .unwrap();
     assert!(report.ok());
     let written = load_tensors(&out, false);
-    for threads in [1, 2] {
-        let got = all_records(input, pipe(), threads);
+    for (threads, recycle) in [(1, false), (2, false), (1, true), (2, true)] {
+        let got = all_records(input, pipe(), threads, recycle);
         assert_eq!(got.len(), written.len());
         for (name, dtype, shape, bytes) in &got {
             let (wd, ws, wb) = &written[name];
             assert_eq!((dtype, shape), (wd, ws), "{name}");
-            assert!(bytes == wb, "{name}: bytes differ from the written file's");
+            assert!(
+                bytes == wb,
+                "{name}: bytes differ from the written file's ({threads} threads, recycle {recycle})"
+            );
         }
     }
 }

@@ -284,13 +284,106 @@ impl Checkpoint {
     }
 }
 
-/// `(name, dtype, shape, fd, nbytes)` of one streamed tensor.
-type StreamItem = (String, &'static str, Vec<u64>, i32, u64);
+/// `(name, dtype, shape, fd, nbytes, lent)` of one streamed tensor.
+type StreamItem = (String, &'static str, Vec<u64>, i32, u64, Lent);
+
+/// A streamed tensor's in-memory file, lent to Python while its mapping lives: `give_back`
+/// (called when the mapping is gone) returns it to the stream, whose next tensors then reuse
+/// its pages instead of the kernel zeroing fresh ones. Never given back, it is just closed.
+#[pyclass(module = "tftf._core")]
+struct Lent {
+    file: Option<std::fs::File>,
+    recycler: tftf::api::Recycler,
+}
+
+#[pymethods]
+impl Lent {
+    /// Returns the file to the stream. Only once nothing maps it any more: a later tensor's
+    /// bytes overwrite it.
+    fn give_back(&mut self) {
+        if let Some(file) = self.file.take() {
+            self.recycler.give_back(file);
+        }
+    }
+}
+
+/// Write-behind for a file Python writes sequentially (the writers after a Python pipe): the
+/// bytes written so far are pushed to disk as they come and dropped from the page cache once
+/// on disk, at most a window behind, as the engine's own writers do. Without it a big output
+/// fills the cache with dirty pages, and every tensor written costs fresh cache pages (on the
+/// development VM that was 3× the whole run's time: bench/RESULTS.md, issue 26).
+#[pyclass(module = "tftf._core")]
+struct WriteBehind {
+    file: std::fs::File,
+    path: PathBuf,
+    /// Where the bytes already handed to write-back end.
+    end: u64,
+    pending: std::collections::VecDeque<(u64, u64)>,
+    pending_bytes: u64,
+}
+
+#[pymethods]
+impl WriteBehind {
+    /// Follows the file open as `fd` (its own duplicate of it: closing `fd` first is safe)
+    /// from byte `start`; `path` names it in errors.
+    #[new]
+    fn new(fd: i32, path: PathBuf, start: u64) -> PyResult<WriteBehind> {
+        use std::os::fd::BorrowedFd;
+        // SAFETY: `fd` is open for the duration of this call (the caller's file object holds
+        // it); it is only duplicated here.
+        let owned = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map_err(|e| to_py(Error::io(&path, e)))?;
+        Ok(WriteBehind {
+            file: owned.into(),
+            path,
+            end: start,
+            pending: Default::default(),
+            pending_bytes: 0,
+        })
+    }
+
+    /// The file's bytes up to `end` have been written (and flushed to the kernel): starts their
+    /// write-back, and waits for the oldest ranges beyond the window to reach the disk.
+    fn advance(&mut self, py: Python<'_>, end: u64) -> PyResult<()> {
+        if end <= self.end {
+            return Ok(());
+        }
+        let (off, len) = (self.end, end - self.end);
+        self.end = end;
+        tftf::sys::start_writeback(&self.file, off, len);
+        self.pending.push_back((off, len));
+        self.pending_bytes += len;
+        py.allow_threads(|| self.settle(tftf::pipeline::WRITEBACK_WINDOW_MAX_BYTES))
+            .map_err(to_py)
+    }
+
+    /// Waits until every byte handed over is on disk (errors of the write-back surface here).
+    fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.settle(0)).map_err(to_py)
+    }
+}
+
+impl WriteBehind {
+    /// Waits for the oldest ranges until at most `window` bytes are in flight.
+    fn settle(&mut self, window: u64) -> tftf::Result<()> {
+        while self.pending_bytes > window {
+            let Some((off, len)) = self.pending.pop_front() else {
+                break;
+            };
+            self.pending_bytes -= len;
+            tftf::sys::finish_writeback(&self.file, off, len)
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+}
 
 /// The tensors of a reader and built-in pipes as the Rust engine computes them (the library
 /// API's `Pipeline::records`), one at a time, for a pipeline that goes on through Python pipes.
-/// Each item is `(name, dtype, shape, fd, nbytes)`: the tensor's bytes lie in the anonymous
-/// in-memory file `fd`, which the caller now owns (maps, then closes).
+/// Each item is `(name, dtype, shape, fd, nbytes, lent)`: the tensor's bytes lie in the
+/// anonymous in-memory file `fd`, which the caller now owns (maps, then closes); `lent` holds
+/// the stream's own handle of that file, to give back once the caller's mapping is gone.
 #[pyclass(module = "tftf._core")]
 struct RecordStream {
     records: Option<tftf::api::Records>,
@@ -329,12 +422,23 @@ impl RecordStream {
             Some(Ok(t)) => {
                 use std::os::fd::IntoRawFd;
                 let dtype = t.dtype.name();
+                let fd = t.file.try_clone().map_err(|e| {
+                    to_py(Error::Other(format!(
+                        "cannot hand tensor `{}` over: {e}",
+                        t.name
+                    )))
+                })?;
+                let lent = Lent {
+                    file: Some(t.file),
+                    recycler: t.recycler,
+                };
                 Ok(Some((
                     t.name,
                     dtype,
                     t.shape,
-                    t.file.into_raw_fd(),
+                    fd.into_raw_fd(),
                     t.nbytes,
+                    lent,
                 )))
             }
         }
@@ -401,6 +505,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Checkpoint>()?;
     m.add_class::<RecordStream>()?;
     m.add_function(wrap_pyfunction!(stream_records, m)?)?;
+    m.add_class::<Lent>()?;
+    m.add_class::<WriteBehind>()?;
     m.add_function(wrap_pyfunction!(merge_donor, m)?)?;
     Ok(())
 }

@@ -64,6 +64,46 @@ def test_user_pipe_runs_in_the_stream_between_rust_ops(model, tmp_path):
     assert got["model.position_ids"] == src["model.position_ids"]
 
 
+class Hoard(Pipe):
+    """A user pipe that keeps a view of every record's tensor (and, with *hold*, the records
+    themselves until the end), noting each tensor's bytes as they arrived."""
+
+    def __init__(self, hold):
+        self.hold, self.views, self.first_seen = hold, [], []
+
+    def process(self, records):
+        held = []
+        for r in records:
+            self.views.append(r.tensor.reshape(-1)[:3])
+            self.first_seen.append(bytes(_tensor.raw_bytes(r.tensor)))
+            if self.hold:
+                held.append(r)
+            else:
+                yield r
+        yield from held
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_streamed_tensors_keep_their_bytes_while_a_user_pipe_holds_them(tmp_path, hold):
+    # The engine reuses a streamed tensor's memory once Python has dropped every view of it:
+    # tensors (or views) still held must keep their bytes while later, differently sized
+    # tensors stream through.
+    rng = np.random.default_rng(3)
+    tensors = {f"model.layers.{i}.w": rng.standard_normal((8 + 4 * (i % 3), 16)).astype(np.float16)
+               for i in range(8)}
+    model = write_safetensors(tmp_path / "in" / "model.safetensors", tensors)
+    builtin, mixed = tmp_path / "builtin.safetensors", tmp_path / "mixed.safetensors"
+    Pipeline(SafetensorsReader(model), DTypeCastPipe("f32"), StreamingWriter(builtin)).run(show_progress=False)
+    user = Hoard(hold)
+    pipeline = Pipeline(SafetensorsReader(model), DTypeCastPipe("f32") | user, StreamingWriter(mixed))
+    assert not pipeline.runs_in_rust()
+    pipeline.run(show_progress=False)
+    assert read_safetensors(mixed) == read_safetensors(builtin)
+    for (name, array), view, seen in zip(tensors.items(), user.views, user.first_seen):
+        assert seen == array.astype(np.float32).tobytes(), name
+        assert _values(view).tolist() == array.reshape(-1)[:3].astype(np.float32).tolist(), name
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_user_pipe_exception_is_raised_and_leaves_no_output(model, tmp_path, sharded, boom):
     out = tmp_path / ("out" if sharded else "out.safetensors")

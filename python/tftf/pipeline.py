@@ -20,6 +20,7 @@ import json
 import logging
 import mmap
 import os
+import weakref
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Union, runtime_checkable
@@ -186,14 +187,22 @@ class Pipeline:
         return stream, pipe
 
 
+# The tensor's pages are mapped in one call rather than faulted in one by one as they are read.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _streamed_records(stream) -> Iterator[TensorRecord]:
     """The stream's tensors as records whose tensors view the engine's in-memory file of each
-    (mapped, no copy); a record's memory goes when its tensor does."""
-    for name, dtype, shape, fd, nbytes in stream:
+    (mapped, no copy); a record's memory goes when its tensor does, and the engine then reuses
+    the file's pages for a later tensor."""
+    for name, dtype, shape, fd, nbytes, lent in stream:
         try:
-            buf = mmap.mmap(fd, nbytes) if nbytes else bytearray()
+            buf = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS) if nbytes else bytearray()
         finally:
             os.close(fd)
+        if nbytes:
+            # Fires once the mapping is gone (every view of it dropped, the map closed).
+            weakref.finalize(buf, lent.give_back)
         yield TensorRecord(key=name, tensor=_tensor.from_buffer(buf, dtype, shape))
         del buf
 

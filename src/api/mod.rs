@@ -134,7 +134,7 @@ pub use crate::pipeline::Cancel;
 pub use crate::progress::Event as ProgressEvent;
 pub use crate::sink::gguf::FileType as GgufFileType;
 pub use pipe::Pipe;
-pub use records::{Records, StreamedTensor};
+pub use records::{Records, Recycler, StreamedTensor};
 pub use report::Report;
 pub use writer::Writer;
 

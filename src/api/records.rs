@@ -5,7 +5,7 @@ use crossbeam_channel::{bounded, Receiver};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::job::PlannedStream;
-pub use crate::job::StreamedTensor;
+pub use crate::job::{Recycler, StreamedTensor};
 use crate::pipeline::Cancel;
 
 /// The output tensors of a reader and a pipe, in order, each computed by the engine (all

@@ -18,7 +18,7 @@ pub use parts::print_finalized;
 pub(crate) use prepared::*;
 pub(crate) use report::*;
 pub(crate) use run::{output_names, print_any_plan, OutputSink};
-pub use stream::{PlannedStream, StreamJob, StreamedTensor};
+pub use stream::{PlannedStream, Recycler, StreamJob, StreamedTensor};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

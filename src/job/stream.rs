@@ -3,7 +3,13 @@
 //! each output tensor (with the extra outputs its op writes alongside, such as scales) is
 //! streamed by the shared pipeline into an anonymous in-memory file of its own and handed over
 //! whole, in plan order. At most one such tensor waits while the next is computed, so memory
-//! stays within the budget plus two tensors.
+//! stays within the budget plus two tensors besides the one the consumer holds (a file given
+//! back waits as the spare only until the next tensor starts, which takes it).
+//!
+//! The stream's buffers are mapped once for the whole run, and a consumer done with a tensor
+//! gives its in-memory file back ([`StreamedTensor::recycle`]) for a later tensor to reuse: the
+//! kernel then neither maps nor zeroes fresh pages per tensor, which on a large model cost
+//! more than the computing (bench/RESULTS.md, issue 26).
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -11,7 +17,9 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 use crate::format::checkpoint::Checkpoint;
 use crate::gpu::{Device, DeviceRequest};
-use crate::pipeline::{self, Cancel, PipelineConfig};
+use crossbeam_channel::{bounded, Receiver, Sender};
+
+use crate::pipeline::{self, Cancel, PipelineConfig, Resources};
 use crate::plan::{Plan, Recipe, Step};
 use crate::sink::{Layout, OutShard, OutputKind};
 use crate::DType;
@@ -25,9 +33,28 @@ pub struct StreamedTensor {
     pub shape: Vec<u64>,
     pub nbytes: u64,
     pub file: File,
+    /// Where `file` goes back to the stream once its bytes are no longer needed.
+    pub recycler: Recycler,
+}
+
+/// Takes in-memory files back into the stream that made them, so later tensors reuse their
+/// pages. At most one spare file is kept; others given back are closed.
+#[derive(Clone, Debug)]
+pub struct Recycler(Sender<File>);
+
+impl Recycler {
+    /// Gives `file` back. Its contents will be overwritten: nothing may still map it or read it.
+    pub fn give_back(&self, file: File) {
+        let _ = self.0.try_send(file);
+    }
 }
 
 impl StreamedTensor {
+    /// Done with this tensor: its in-memory file goes back to the stream for a later tensor.
+    pub fn recycle(self) {
+        self.recycler.give_back(self.file);
+    }
+
     /// The tensor's bytes, copied out of its in-memory file. (The Python package maps the
     /// file instead, so its tensors view these bytes without a copy.)
     pub fn to_vec(&self) -> Result<Vec<u8>> {
@@ -77,6 +104,9 @@ impl PlannedStream {
         mut deliver: impl FnMut(StreamedTensor) -> Result<()>,
     ) -> Result<()> {
         let plan = &self.plan;
+        let cfg = self.config(threads, cancel);
+        let resources = Resources::new(plan, &cfg);
+        let (give_back, spare) = bounded::<File>(1);
         // Extra outputs (scales) come with their producer and wait here until their turn.
         let mut waiting: Vec<Option<(File, u64)>> = (0..plan.tensors.len()).map(|_| None).collect();
         for ti in 0..plan.tensors.len() {
@@ -85,7 +115,8 @@ impl PlannedStream {
             }
             if waiting[ti].is_none() {
                 let unit = unit_of(plan, ti);
-                for (t, file) in unit.iter().zip(self.compute(&unit, threads, cancel)?) {
+                let files = self.compute(&unit, &resources, &cfg, &spare)?;
+                for (t, file) in unit.iter().zip(files) {
                     waiting[*t] = Some((file, plan.tensors[*t].nbytes));
                 }
             }
@@ -97,19 +128,46 @@ impl PlannedStream {
                 shape: t.shape.clone(),
                 nbytes,
                 file,
+                recycler: Recycler(give_back.clone()),
             })?;
         }
         Ok(())
     }
 
+    /// The pipeline settings of every unit of the stream.
+    fn config(&self, threads: usize, cancel: &Cancel) -> PipelineConfig {
+        PipelineConfig {
+            threads,
+            memory_budget: self.data_budget,
+            cancel: cancel.clone(),
+            progress: None,
+            // In-memory files: no extents to share, no copy offload across filesystems.
+            kernel_copy: false,
+            expect_reflink: false,
+            gpu: self.device.gpu.clone(),
+            io_threads: Some(1),
+        }
+    }
+
     /// Streams the planned tensors `unit` (a producer and its extra outputs) into one
-    /// in-memory file each.
-    fn compute(&self, unit: &[usize], threads: usize, cancel: &Cancel) -> Result<Vec<File>> {
+    /// in-memory file each: a file given back by the consumer when there is one, else a new
+    /// one. Every byte of a planned tensor is written by the pipeline, so a reused file's old
+    /// contents never show.
+    fn compute(
+        &self,
+        unit: &[usize],
+        resources: &Resources,
+        cfg: &PipelineConfig,
+        spare: &Receiver<File>,
+    ) -> Result<Vec<File>> {
         let mut files = Vec::with_capacity(unit.len());
         let mut shards = Vec::with_capacity(unit.len());
         for &t in unit {
             let pt = &self.plan.tensors[t];
-            let file = anonymous_file(&pt.name)?;
+            let file = match spare.try_recv() {
+                Ok(file) => file,
+                Err(_) => anonymous_file(&pt.name)?,
+            };
             file.set_len(pt.nbytes)
                 .map_err(|e| Error::Other(format!("no memory for tensor `{}`: {e}", pt.name)))?;
             files.push(file);
@@ -130,18 +188,9 @@ impl PlannedStream {
             .iter()
             .map(|&t| PathBuf::from(&self.plan.tensors[t].name))
             .collect();
-        let cfg = PipelineConfig {
-            threads,
-            memory_budget: self.data_budget,
-            cancel: cancel.clone(),
-            progress: None,
-            // In-memory files: no extents to share, no copy offload across filesystems.
-            kernel_copy: false,
-            expect_reflink: false,
-            gpu: self.device.gpu.clone(),
-            io_threads: Some(1),
-        };
-        pipeline::execute(&self.ckpt, &self.plan, &layout, &files, &names, &cfg)?;
+        pipeline::execute_with(
+            resources, &self.ckpt, &self.plan, &layout, &files, &names, cfg,
+        )?;
         Ok(files)
     }
 }

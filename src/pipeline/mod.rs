@@ -50,7 +50,7 @@ const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// Written bytes allowed in flight to the disk before the writer waits for the oldest. Larger
 /// windows let dirty pages pile up and the disk alternate between bursts of reads and writes
 /// (measured: merge-lora 1.45× passthrough with a 1 GiB window, 1.25× with 64 MiB).
-const WRITEBACK_WINDOW_MAX_BYTES: u64 = 64 << 20;
+pub const WRITEBACK_WINDOW_MAX_BYTES: u64 = 64 << 20;
 const POLL: Duration = Duration::from_millis(50);
 
 pub struct PipelineConfig {
@@ -161,7 +161,7 @@ struct Shared<'a> {
     layout: &'a Layout,
     outputs: &'a [File],
     output_names: &'a [std::path::PathBuf],
-    pool: BufferPool,
+    pool: &'a BufferPool,
     gpu: Option<Arc<crate::gpu::Gpu>>,
     expect_reflink: bool,
     /// (shard, absolute offset) of every planned tensor.
@@ -295,6 +295,63 @@ fn start<'scope, F>(
     }
 }
 
+/// What a run's memory budget buys, fixed before any data moves: the buffer pool, the compute
+/// chunk size and the compute threads. [`execute`] makes its own; a caller that runs several
+/// plans' parts one after another (a stream handing tensors over one at a time) keeps one, so
+/// its buffers are mapped once instead of once per part.
+pub struct Resources {
+    pool: BufferPool,
+    pool_bytes: u64,
+    chunk_bytes: u64,
+    threads: usize,
+    gpu_staging_bytes: u64,
+}
+
+impl Resources {
+    /// The budget split for `plan` run with `cfg` (whose threads, budget and GPU count).
+    pub fn new(plan: &Plan, cfg: &PipelineConfig) -> Resources {
+        let mut pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
+        let mut chunk_bytes = chunk_bytes_for_pool(pool_bytes);
+        // With a GPU, at least one worker per lane keeps both streams busy.
+        let threads = match cfg.gpu {
+            Some(_) => cfg.threads.max(crate::gpu::cuda::LANES),
+            None => cfg.threads.max(1),
+        };
+        // Ops that work outside the pool's buffers use up to a chunk each per compute thread:
+        // that comes out of the pool.
+        let scratch = plan.tensors.iter().any(
+            |t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.scratch_unit_bytes() > 0),
+        );
+        if scratch {
+            let reserve = (threads as u64 * chunk_bytes).min(pool_bytes / 2);
+            pool_bytes -= reserve;
+            chunk_bytes = chunk_bytes.min(reserve / threads as u64).max(1);
+        }
+        let mut gpu_staging_bytes = 0;
+        if cfg.gpu.is_some() {
+            // Each GPU lane stages a chunk's inputs and outputs in pinned memory; that comes out
+            // of the same budget, and chunks shrink so the pool still holds several in flight.
+            chunk_bytes = chunk_bytes_for_pool(pool_bytes / 2);
+            gpu_staging_bytes = crate::gpu::cuda::LANES as u64 * 2 * chunk_bytes;
+            pool_bytes -= gpu_staging_bytes;
+        }
+        let pool = match &cfg.gpu {
+            // Unified-memory devices read the mapped staging directly; nothing to register.
+            Some(gpu) if !gpu.integrated && crate::gpu::cuda::host_register_enabled() => {
+                BufferPool::with_registrar(pool_bytes, gpu.clone())
+            }
+            _ => BufferPool::new(pool_bytes),
+        };
+        Resources {
+            pool,
+            pool_bytes,
+            chunk_bytes,
+            threads,
+            gpu_staging_bytes,
+        }
+    }
+}
+
 /// Streams every planned tensor into `outputs` (one open file per plan shard, already sized and
 /// holding its header).
 pub fn execute(
@@ -305,39 +362,31 @@ pub fn execute(
     output_names: &[std::path::PathBuf],
     cfg: &PipelineConfig,
 ) -> Result<RunStats> {
-    let mut pool_bytes = pool_bytes_for_budget(cfg.memory_budget);
-    let mut chunk_bytes = chunk_bytes_for_pool(pool_bytes);
-    // With a GPU, at least one worker per lane keeps both streams busy.
-    let threads = match cfg.gpu {
-        Some(_) => cfg.threads.max(crate::gpu::cuda::LANES),
-        None => cfg.threads.max(1),
-    };
-    // Ops that work outside the pool's buffers use up to a chunk each per compute thread:
-    // that comes out of the pool.
-    let scratch = plan
-        .tensors
-        .iter()
-        .any(|t| matches!(&t.recipe, Recipe::Compute { op, .. } if op.scratch_unit_bytes() > 0));
-    if scratch {
-        let reserve = (threads as u64 * chunk_bytes).min(pool_bytes / 2);
-        pool_bytes -= reserve;
-        chunk_bytes = chunk_bytes.min(reserve / threads as u64).max(1);
-    }
-    let mut gpu_staging_bytes = 0;
-    if cfg.gpu.is_some() {
-        // Each GPU lane stages a chunk's inputs and outputs in pinned memory; that comes out of
-        // the same budget, and chunks shrink so the pool still holds several in flight.
-        chunk_bytes = chunk_bytes_for_pool(pool_bytes / 2);
-        gpu_staging_bytes = crate::gpu::cuda::LANES as u64 * 2 * chunk_bytes;
-        pool_bytes -= gpu_staging_bytes;
-    }
-    let pool = match &cfg.gpu {
-        // Unified-memory devices read the mapped staging directly; nothing to register.
-        Some(gpu) if !gpu.integrated && crate::gpu::cuda::host_register_enabled() => {
-            BufferPool::with_registrar(pool_bytes, gpu.clone())
-        }
-        _ => BufferPool::new(pool_bytes),
-    };
+    let resources = Resources::new(plan, cfg);
+    execute_with(&resources, ckpt, plan, layout, outputs, output_names, cfg)
+}
+
+/// [`execute`] with buffers from `resources` (made by [`Resources::new`] for this plan and
+/// `cfg`). After a failed run its pool may still count buffers that were dropped in flight:
+/// the resources are then not to be used again.
+pub fn execute_with(
+    resources: &Resources,
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    layout: &Layout,
+    outputs: &[File],
+    output_names: &[std::path::PathBuf],
+    cfg: &PipelineConfig,
+) -> Result<RunStats> {
+    let Resources {
+        pool,
+        pool_bytes,
+        chunk_bytes,
+        threads,
+        gpu_staging_bytes,
+    } = resources;
+    let (pool_bytes, chunk_bytes, threads, gpu_staging_bytes) =
+        (*pool_bytes, *chunk_bytes, *threads, *gpu_staging_bytes);
     let io_threads = cfg.io_threads.unwrap_or_else(|| {
         let mut paths: Vec<&std::path::Path> =
             ckpt.shards.iter().map(|s| s.path.as_path()).collect();

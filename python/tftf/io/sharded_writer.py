@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-from tftf.io.writer import StreamingWriter, check_record, header_bytes, plan_tensors, temp_path
+from tftf.io.writer import OutputFile, StreamingWriter, check_record, header_bytes, plan_tensors, temp_path
 from tftf.pipes.base import TensorMeta, TensorRecord
 
 
@@ -77,7 +77,7 @@ class ShardedWriter(StreamingWriter):
             raise FileExistsError(f"{self.path} exists and is not a directory")
 
     def _open(self, i: int) -> None:
-        self._fh = open(temp_path(self._paths[i]), "wb")
+        self._fh = OutputFile(temp_path(self._paths[i]))
         self._written.append(self._paths[i])
         self._fh.write(header_bytes(self._shards[i], self._file_metadata))
 
@@ -88,7 +88,9 @@ class ShardedWriter(StreamingWriter):
         while self._in_shard >= len(self._shards[self._shard]):
             if self._shard + 1 >= len(self._shards):
                 raise ValueError(f"tensor {record.key!r} was not announced by process_meta")
-            self._fh.close()
+            # Each shard is on disk before it is renamed into place with the others.
+            self._fh.commit()
+            self._fh = None
             self._shard, self._in_shard = self._shard + 1, 0
             self._open(self._shard)
         self._fh.write(check_record(record, self._shards[self._shard][self._in_shard]))
@@ -104,9 +106,7 @@ class ShardedWriter(StreamingWriter):
             self.abort()
             raise ValueError(f"{total - done} announced tensor(s) never came")
         if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
+            self._fh.commit()
             self._fh = None
         weight_map = {p[0]: path.name for g, path in zip(self._shards, self._paths) for p in g}
         total_size = sum(p[3] for g in self._shards for p in g)

@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from tftf import _tensor
+from tftf import _core, _tensor
 from tftf.pipes.base import TensorMeta, TensorRecord
 
 # (name, safetensors dtype, shape, bytes) of one announced tensor.
@@ -60,6 +60,37 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tftf-partial")
 
 
+class OutputFile:
+    """A temporary output file written front to back. What is written is pushed to disk behind
+    a window and leaves the page cache, as the Rust engine's writers do, so a big output
+    neither fills memory with dirty pages nor costs fresh cache pages per tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "wb")
+        try:
+            self._behind = _core.WriteBehind(self._fh.fileno(), str(path), 0)
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def write(self, data: Any) -> None:
+        self._fh.write(data)
+        self._fh.flush()
+        self._behind.advance(self._fh.tell())
+
+    def commit(self) -> None:
+        """Puts everything written on disk (``fsync``) and closes the file."""
+        self._fh.flush()
+        self._behind.finish()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+
+    def close(self) -> None:
+        """Closes the file as it is (a failed run then removes it)."""
+        self._fh.close()
+
+
 def check_record(record: TensorRecord, planned: Planned) -> memoryview:
     """The record's bytes, once it is what was announced."""
     key, dtype, shape, size = planned
@@ -95,7 +126,7 @@ class StreamingWriter:
         self._refuse_existing()
         self._planned = plan_tensors(metas)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(temp_path(self.path), "wb")
+        self._fh = OutputFile(temp_path(self.path))
         self._fh.write(header_bytes(self._planned, file_metadata))
         self._next = 0
 
@@ -121,9 +152,7 @@ class StreamingWriter:
         if missing:
             self.abort()
             raise ValueError(f"{len(missing)} announced tensor(s) never came, first {missing[0]!r}")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        self._fh.commit()
         self._fh = None
         os.replace(temp_path(self.path), self.path)
 
