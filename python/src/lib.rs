@@ -329,8 +329,14 @@ impl WriteBehind {
     #[new]
     fn new(fd: i32, path: PathBuf, start: u64) -> PyResult<WriteBehind> {
         use std::os::fd::BorrowedFd;
-        // SAFETY: `fd` is open for the duration of this call (the caller's file object holds
-        // it); it is only duplicated here.
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!(
+                "{}: not an open file (descriptor {fd})",
+                path.display()
+            )));
+        }
+        // SAFETY: `fd` is not -1 and is open for the duration of this call (the caller's file
+        // object holds it); it is only duplicated here (a closed one fails the dup).
         let owned = unsafe { BorrowedFd::borrow_raw(fd) }
             .try_clone_to_owned()
             .map_err(|e| to_py(Error::io(&path, e)))?;

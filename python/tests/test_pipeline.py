@@ -226,3 +226,16 @@ def test_gguf_writer_runs_the_rust_gguf_writer(tmp_path):
     assert not out.parent.exists()
     with pytest.raises(ValueError, match="GGUFWriter needs"):
         Pipeline(SafetensorsReader(model), Scale(), tftf.GGUFWriter(out)).run(show_progress=False)
+
+
+def test_write_behind_names_a_file_it_cannot_follow(tmp_path):
+    from tftf import _core
+
+    path = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match="out.safetensors: not an open file"):
+        _core.WriteBehind(-1, str(path), 0)
+    f = open(path, "wb")
+    fd = f.fileno()
+    f.close()
+    with pytest.raises(_core.TftfError, match="out.safetensors"):
+        _core.WriteBehind(fd, str(path), 0)

@@ -15,7 +15,7 @@ use super::resolve::{Inputs, Resolved};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::methods::survey::{Chunk, Setting, Survey, SurveyFn};
+use super::methods::survey::{observe_split, Chunk, Setting, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -33,6 +33,12 @@ const PIECE: usize = 1 << 14;
 thread_local! {
     /// Each thread's decoded inputs and merged values of one piece ([`MergeOp::by_pieces`]).
     static SCRATCH: RefCell<(Vec<Vec<f32>>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Threads a survey pass of one chunk may take: the compute workers wait for the survey, so
+/// every core.
+fn survey_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Elements widened to f64 at a time per input in elementwise methods.
@@ -525,12 +531,23 @@ impl Op for MergeOp {
                 ))
             }
         };
-        let survey = &mut r.survey;
-        let granule = survey.granule();
-        self.by_pieces(&units, inputs, granule, &mut |_, chunk, _| {
-            survey.observe(pass, chunk)
-        })
-        .map_err(|e| self.named(e))?;
+        let granule = r.survey.granule();
+        let first = units.start as usize;
+        // Elements `range` of the chunk, piece by piece, seen by `survey`.
+        let observe = |survey: &mut dyn Survey, range: Range<usize>| {
+            let inputs: Vec<&[u8]> = (inputs.iter().zip(&self.in_dtypes))
+                .map(|(bytes, d)| {
+                    let size = d.size().expect("float dtypes have a size");
+                    &bytes[(range.start - first) * size..(range.end - first) * size]
+                })
+                .collect();
+            let range = range.start as u64..range.end as u64;
+            self.by_pieces(&range, &inputs, granule, &mut |_, chunk, _| {
+                survey.observe(pass, chunk)
+            })
+        };
+        let (threads, range) = (survey_threads(), first..units.end as usize);
+        observe_split(&mut r.survey, pass, range, threads, &observe).map_err(|e| self.named(e))?;
         r.next = units.end;
         if units.end == self.elements {
             (r.survey.end_pass(pass)).map_err(|e| self.named(e))?;

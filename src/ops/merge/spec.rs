@@ -243,6 +243,7 @@ mod tests {
     use super::*;
     use crate::ops::merge::methods::survey::testing::Case;
     use crate::ops::merge::methods::{uniform, Params};
+    use std::ops::Range;
 
     /// A parameter's value for the comparison: its default, else a usable one; `density` below
     /// 1 so the magnitude cuts cut.
@@ -264,15 +265,32 @@ mod tests {
     /// function gives, for any chunking, on tie-heavy data.
     #[test]
     fn streamed_methods_merge_every_chunking_as_the_whole_tensor() {
+        compare_streamed(
+            0..12,
+            |trial| (2 + trial as usize % 3, 5 + trial as usize % 4),
+            4,
+        );
+    }
+
+    /// The same on tensors of several fork spans (surveys observed on one and on three
+    /// threads), rows cut across the span boundaries.
+    #[test]
+    fn streamed_methods_merge_alike_on_several_threads() {
+        compare_streamed(0..3, |trial| (5, 3001 + trial as usize), 1);
+    }
+
+    /// [`Case::compare`] of every streamed method on `trials`, each a `shape(trial)` tensor;
+    /// at least `least` of them compared (the others refused alike).
+    fn compare_streamed(trials: Range<u64>, shape: impl Fn(u64) -> (usize, usize), least: usize) {
         for spec in METHODS.iter().filter(|m| m.survey.is_some()) {
             let Arithmetic::WholeTensor(whole) = spec.arithmetic else {
                 panic!("{} streams but is not a whole-tensor method", spec.name)
             };
             let make = spec.survey.unwrap();
             let mut compared = 0;
-            for trial in 0..12u64 {
+            for trial in trials.clone() {
                 let non_base = 1 + trial as usize % 3;
-                let (rows, cols) = (2 + trial as usize % 3, 5 + trial as usize % 4);
+                let (rows, cols) = shape(trial);
                 let len = rows * cols;
                 let draw = |m: u64| -> Vec<f32> {
                     (0..len)
@@ -302,7 +320,7 @@ mod tests {
                 compared += usize::from(case.compare(&format!("{} trial {trial}", spec.name)));
             }
             assert!(
-                compared >= 4,
+                compared >= least,
                 "{}: compared only {compared} cases",
                 spec.name
             );

@@ -9,7 +9,7 @@ use super::support::{
     base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
     split_axis, torch_clamp, BlockSum,
 };
-use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::survey::{fork_of, merge_whole, Chunk, Setting, Survey};
 use super::{uniform, unparameterised, Inputs, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
@@ -45,16 +45,19 @@ pub fn arcee_fusion(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
 
 /// arcee_fusion a chunk at a time, chunks holding whole rows: one pass takes each row's KL
 /// divergence and the importances the threshold comes from (every element's, or those of the
-/// elements drawn above [`FUSION_SAMPLE`]); each element then merges on its own.
+/// elements drawn above [`FUSION_SAMPLE`]); each element then merges on its own. Rows are
+/// independent, so the pass runs on several threads, a run of rows per fork, the forks' rows
+/// and importances appended in order.
 #[derive(Debug)]
 pub struct FusionSurvey {
     row: usize,
     /// The drawn elements, sorted, repeats kept (`None` at or below [`FUSION_SAMPLE`]), and
     /// how many a pass has seen.
-    drawn: Option<Vec<usize>>,
+    drawn: Option<std::sync::Arc<[usize]>>,
     seen: usize,
-    /// Each row's divergence, in order.
+    /// Each row's divergence, in order, from row `first_row` (0 but in a fork).
     kl: Vec<f64>,
+    first_row: usize,
     importances: Vec<f64>,
     threshold: f64,
 }
@@ -69,13 +72,14 @@ pub fn fusion_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
             .map(|d| ((uniform(seed, 0, d) * n as f64) as usize).min(n - 1))
             .collect();
         v.sort_unstable();
-        v
+        v.into()
     });
     Ok(Box::new(FusionSurvey {
         row: split_axis(shape, shape.len().saturating_sub(1)).1.max(1),
         drawn,
         seen: 0,
         kl: Vec::new(),
+        first_row: 0,
         importances: Vec::new(),
         threshold: 0.0,
     }))
@@ -83,7 +87,7 @@ pub fn fusion_survey(s: &Setting) -> Result<Box<dyn Survey>, String> {
 
 impl FusionSurvey {
     fn importance(&self, k: usize, base: f32, model: f32) -> f64 {
-        (model as f64 - base as f64).abs() * self.kl[k / self.row]
+        (model as f64 - base as f64).abs() * self.kl[k / self.row - self.first_row]
     }
 }
 
@@ -93,6 +97,30 @@ impl Survey for FusionSurvey {
     }
     fn granule(&self) -> usize {
         self.row
+    }
+    fn fork_span(&self, _: usize) -> Option<usize> {
+        // Whole rows, about 64K elements: a fork costs little beside its rows' work.
+        Some((1usize << 16).div_ceil(self.row) * self.row)
+    }
+    fn fork(&self, _: usize, start: usize) -> Option<Box<dyn Survey>> {
+        Some(Box::new(FusionSurvey {
+            row: self.row,
+            drawn: self.drawn.clone(),
+            seen: self
+                .drawn
+                .as_ref()
+                .map_or(0, |d| d.partition_point(|&k| k < start)),
+            kl: Vec::new(),
+            first_row: start / self.row,
+            importances: Vec::new(),
+            threshold: 0.0,
+        }))
+    }
+    fn join(&mut self, _: usize, fork: Box<dyn Survey>) {
+        let fork = fork_of::<Self>(fork);
+        self.kl.extend_from_slice(&fork.kl);
+        self.importances.extend_from_slice(&fork.importances);
+        self.seen = fork.seen;
     }
     fn observe(&mut self, _: usize, chunk: &Chunk) -> Result<(), String> {
         let (start, base, model) = (chunk.start, chunk.base, chunk.models[0]);
@@ -153,47 +181,59 @@ fn fusion_threshold(importance: &dyn Fn(usize) -> f64, n: usize, seed: u64, samp
     quantile_threshold(values)
 }
 
-/// `median + 1.5 (q₃ − q₁)` of `values` (NaNs last).
+/// `median + 1.5 (q₃ − q₁)` of `values` (NaNs last): the three order statistics a sort would
+/// put at those places, found by selection (linear time; a full sort of a million values was
+/// most of arcee_fusion's time).
 fn quantile_threshold(mut values: Vec<f64>) -> f64 {
-    values.sort_unstable_by(|a, b| match (a.is_nan(), b.is_nan()) {
+    let order = |a: &f64, b: &f64| match (a.is_nan(), b.is_nan()) {
         (false, false) => a.total_cmp(b),
         (x, y) => x.cmp(&y),
-    });
-    let quantile = |q: f64| values[(q * (values.len() - 1) as f64) as usize];
-    quantile(0.5) + 1.5 * (quantile(0.75) - quantile(0.25))
+    };
+    let at = |q: f64| (q * (values.len() - 1) as f64) as usize;
+    let (i1, i2, i3) = (at(0.25), at(0.5), at(0.75));
+    let (low, &mut median, high) = values.select_nth_unstable_by(i2, order);
+    // Below the median's place lie the smaller values, above it the larger: q₁ and q₃ are
+    // order statistics of those parts.
+    let q1 = if i1 < i2 {
+        *low.select_nth_unstable_by(i1, order).1
+    } else {
+        median
+    };
+    let q3 = if i3 > i2 {
+        *high.select_nth_unstable_by(i3 - i2 - 1, order).1
+    } else {
+        median
+    };
+    median + 1.5 * (q3 - q1)
 }
 
 /// `Σ p log(p / q)` for `p = softmax(model) + 1e-8`, `q = softmax(base) + 1e-8`.
 fn divergence(model: &[f32], base: &[f32]) -> f64 {
-    let (p, q) = (Softmax::of(model), Softmax::of(base));
-    let mut sum = BlockSum::default();
-    for (&m, &b) in model.iter().zip(base) {
-        let (p, q) = (p.at(m) + 1e-8, q.at(b) + 1e-8);
-        sum.add(p * (p / q).ln());
+    thread_local! {
+        /// Each row's `exp(x − max)` of the model and the base, computed once per element.
+        static EXPS: std::cell::RefCell<(Vec<f64>, Vec<f64>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
-    sum.value()
-}
-
-/// A row's softmax: its maximum and the sum of `exp(x − max)`.
-struct Softmax {
-    max: f64,
-    sum: f64,
-}
-
-impl Softmax {
-    fn of(row: &[f32]) -> Self {
-        let max = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
+    EXPS.with(|cell| {
+        let (pe, qe) = &mut *cell.borrow_mut();
+        let (ps, qs) = (softmax_terms(model, pe), softmax_terms(base, qe));
         let mut sum = BlockSum::default();
-        row.iter().for_each(|&x| sum.add((x as f64 - max).exp()));
-        Softmax {
-            max,
-            sum: sum.value(),
+        for (&a, &b) in pe.iter().zip(qe.iter()) {
+            let (p, q) = (a / ps + 1e-8, b / qs + 1e-8);
+            sum.add(p * (p / q).ln());
         }
-    }
+        sum.value()
+    })
+}
 
-    fn at(&self, x: f32) -> f64 {
-        (x as f64 - self.max).exp() / self.sum
-    }
+/// Fills `exps` with a row's `exp(x − max)` and returns their sum: the row's softmax is each
+/// term over the sum.
+fn softmax_terms(row: &[f32], exps: &mut Vec<f64>) -> f64 {
+    let max = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
+    exps.clear();
+    exps.extend(row.iter().map(|&x| (x as f64 - max).exp()));
+    let mut sum = BlockSum::default();
+    exps.iter().for_each(|&e| sum.add(e));
+    sum.value()
 }
 
 /// mergekit's ram (Reinforced Agent Merging): `base` plus, per element, the task vector
@@ -463,6 +503,33 @@ mod tests {
     }
 
     #[test]
+    fn quantiles_by_selection_are_the_sorted_values_at_their_places() {
+        for n in 1..60u64 {
+            // Ties, signed zeros and NaNs, which sort last.
+            let values: Vec<f64> = (0..n)
+                .map(|k| match (uniform(n, 1, k) * 10.0) as u32 {
+                    0 => f64::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    v => (v % 4) as f64 - 1.5,
+                })
+                .collect();
+            let mut sorted = values.clone();
+            sorted.sort_by(|a, b| match (a.is_nan(), b.is_nan()) {
+                (false, false) => a.total_cmp(b),
+                (x, y) => x.cmp(&y),
+            });
+            let q = |p: f64| sorted[(p * (sorted.len() - 1) as f64) as usize];
+            let want = q(0.5) + 1.5 * (q(0.75) - q(0.25));
+            let got = quantile_threshold(values);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{n}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
     fn arcee_fusion_above_the_sample_size_is_reproducible_and_picks_base_or_model() {
         let (rows, cols) = (1_100, 1_000);
         let base: Vec<f32> = (0..rows * cols)
@@ -501,5 +568,23 @@ mod tests {
             .all(|((o, b), m)| o == b || o == m));
         let taken = first.iter().zip(&model).filter(|(o, m)| o == m).count();
         assert!(taken > base.len() / 20 && taken < base.len() / 5, "{taken}");
+        // Streamed, its pass split over threads (forks start mid-chunk and part-way through
+        // the drawn elements): the same bytes.
+        let params = [none.clone()];
+        let setting = Setting {
+            global: &none,
+            models: &params,
+            shape: &[rows, cols],
+            seed: 3,
+        };
+        for (chunk, threads) in [(250_000, 3), (rows * cols, 2)] {
+            let survey = fusion_survey(&setting).unwrap();
+            let got =
+                super::super::survey::testing::chunked(survey, &base, &[&model], chunk, threads);
+            assert!(
+                got.unwrap() == first,
+                "chunks of {chunk} on {threads} threads"
+            );
+        }
     }
 }

@@ -10,9 +10,9 @@
 
 use super::support::{
     base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
-    split_axis, weights, BlockSum,
+    split_axis, weights, BlockSum, BLOCK_TERMS,
 };
-use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::survey::{fork_of, merge_whole, Chunk, Setting, Survey};
 use super::{optional_base, Inputs, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -272,8 +272,10 @@ pub fn multislerp(t: &Inputs, out: &mut [f32]) -> Result<(), String> {
 
 /// multislerp a chunk at a time: pass 0 sums each model's squared norm, pass 1 each unit
 /// vector's dot product with the weighted mean and the mean's squared length, pass 2 the
-/// tangent's squared length; then each element merges on its own.
-#[derive(Debug)]
+/// tangent's squared length; then each element merges on its own. Every pass only sums one
+/// term per element into each sum, so it is observed on several threads a block of
+/// [`BLOCK_TERMS`] elements per fork, the blocks' sums appended in order.
+#[derive(Clone, Debug)]
 pub struct MultislerpSurvey {
     w: Vec<f64>,
     eps: f64,
@@ -380,6 +382,18 @@ impl Survey for MultislerpSurvey {
             }
         }
         Ok(())
+    }
+    fn fork_span(&self, _: usize) -> Option<usize> {
+        Some(BLOCK_TERMS)
+    }
+    fn fork(&self, _: usize, _: usize) -> Option<Box<dyn Survey>> {
+        let mut fork = self.clone();
+        fork.sums.fill(BlockSum::default());
+        Some(Box::new(fork))
+    }
+    fn join(&mut self, _: usize, fork: Box<dyn Survey>) {
+        let fork = fork_of::<Self>(fork);
+        (self.sums.iter_mut().zip(&fork.sums)).for_each(|(sum, block)| sum.append(block));
     }
     fn end_pass(&mut self, pass: usize) -> Result<(), String> {
         let n = self.w.len();

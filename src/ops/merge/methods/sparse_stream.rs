@@ -297,7 +297,7 @@ mod tests {
         let none = Params::default();
         let ties = survey::<0>(&setting(&none)).unwrap();
         assert_eq!(
-            chunked(ties, &base, &[&model], 3).unwrap_err(),
+            chunked(ties, &base, &[&model], 3, 1).unwrap_err(),
             "models[0] has a non-finite value (inf) at element 6"
         );
         // DARE without rescale makes no pass: each chunk checks its own elements.
@@ -305,7 +305,7 @@ mod tests {
         let dare = survey::<3>(&setting(&unscaled)).unwrap();
         assert_eq!(dare.passes(), 0);
         assert_eq!(
-            chunked(dare, &base, &[&model], 3).unwrap_err(),
+            chunked(dare, &base, &[&model], 3, 1).unwrap_err(),
             "models[0] has a non-finite value (inf) at element 6"
         );
     }

@@ -34,6 +34,18 @@ impl BlockSum {
         self.total + self.block
     }
 
+    /// Adds the terms `next` summed (from an empty sum, at most one block of them) as if each
+    /// had been added here: this sum must stand at a block boundary, as it does after whole
+    /// blocks. A full block left `next`'s total at exactly its block's sum, which this total
+    /// takes as [`BlockSum::add`] does; a partial one becomes the open block. (An empty
+    /// `next` adds `0.0`, which changes no total: sums from `0.0` are never `-0.0`.)
+    pub fn append(&mut self, next: &BlockSum) {
+        debug_assert_eq!(self.terms, 0, "appended to an open block");
+        self.total += next.total;
+        self.block = next.block;
+        self.terms = next.terms;
+    }
+
     /// Terms the current block takes before it joins the total.
     pub fn room(&self) -> usize {
         BLOCK_TERMS - self.terms
@@ -219,6 +231,25 @@ mod tests {
         }
         let n = (3 * BLOCK_TERMS + 5) as f64;
         assert_eq!(s.value(), n * (n - 1.0) / 2.0);
+    }
+
+    #[test]
+    fn blocks_summed_apart_and_appended_in_order_give_the_same_bits() {
+        let n = 3 * BLOCK_TERMS + 777;
+        let term =
+            |i: usize| ((i * 2654435761) % 1000003) as f64 * 1e-3 - 400.7 + 1.0 / (i + 1) as f64;
+        let mut one = BlockSum::default();
+        (0..n).for_each(|i| one.add(term(i)));
+        let mut joined = BlockSum::default();
+        for start in (0..n).step_by(BLOCK_TERMS) {
+            let mut part = BlockSum::default();
+            (start..(start + BLOCK_TERMS).min(n)).for_each(|i| part.add(term(i)));
+            joined.append(&part);
+        }
+        assert_eq!(joined.value().to_bits(), one.value().to_bits());
+        // Summed in one run, the same terms round differently: the blocks are what makes it exact.
+        let plain: f64 = (0..n).map(term).sum();
+        assert_ne!(plain.to_bits(), one.value().to_bits());
     }
 
     #[test]

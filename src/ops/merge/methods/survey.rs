@@ -8,14 +8,33 @@
 //! from chunk to chunk), the same ranks with the same tie order. The tests in each method's
 //! file compare the two on tie-heavy data for several chunkings.
 
+use std::any::Any;
 use std::fmt::Debug;
+use std::ops::Range;
 
 use super::{Inputs, Params};
+
+/// Lets [`Survey::join`] take a fork back as its own type.
+pub trait AsAny: Any + Send {
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
+impl<T: Any + Send> AsAny for T {
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
 
 /// One tensor's statistics and its merge from them. The engine calls [`Survey::observe`] for
 /// every chunk of pass 0 in order, then [`Survey::end_pass`], then pass 1 …, and finally
 /// [`Survey::merge`] for each chunk (in any order, from several threads).
-pub trait Survey: Send + Sync + Debug {
+///
+/// A pass whose statistics are sums of per-element terms (or per-row values kept in order) can
+/// also be observed on several threads at once: [`Survey::fork_span`] says how it may be cut,
+/// [`Survey::fork`] makes an empty survey for one piece, and [`Survey::join`] takes the pieces
+/// back in order. The result must be the one a single thread observing in order gets, bit for
+/// bit ([`observe_split`] does the cutting; the methods' tests compare both).
+pub trait Survey: AsAny + Sync + Debug {
     /// Passes over the tensor before any chunk merges (0: chunks merge on their own).
     fn passes(&self) -> usize;
     /// Chunks start and end at multiples of this many elements (rows a method ranks within).
@@ -30,6 +49,19 @@ pub trait Survey: Send + Sync + Debug {
     fn end_pass(&mut self, _pass: usize) -> Result<(), String> {
         Ok(())
     }
+    /// `Some(span)` when pass `pass` may be observed in pieces of `span` elements (a multiple
+    /// of the granule) that start at multiples of `span` from the tensor's start, each by its
+    /// own [`Survey::fork`].
+    fn fork_span(&self, _pass: usize) -> Option<usize> {
+        None
+    }
+    /// An empty survey that observes, in pass `pass`, the piece starting at element `start`.
+    fn fork(&self, _pass: usize, _start: usize) -> Option<Box<dyn Survey>> {
+        None
+    }
+    /// Takes in a fork of this survey that observed the piece right after everything this
+    /// survey has seen of the pass.
+    fn join(&mut self, _pass: usize, _fork: Box<dyn Survey>) {}
     /// Merges `chunk` into `out`.
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String>;
 }
@@ -41,6 +73,66 @@ pub struct Chunk<'a> {
     pub start: usize,
     pub base: &'a [f32],
     pub models: &'a [&'a [f32]],
+}
+
+/// What [`observe_split`] calls: a survey sees the tensor's elements in a range.
+pub type ObserveFn<'a> = dyn Fn(&mut dyn Survey, Range<usize>) -> Result<(), String> + Sync + 'a;
+
+/// Observes pass `pass` of `survey` over the tensor's elements `range`, calling `observe` with
+/// a survey and the elements it is to see (a whole number of granules). With `threads > 1` and
+/// a survey that forks, the range after its first `span` boundary is cut into spans, each
+/// observed by its own fork, a contiguous run of spans per thread, and the forks are joined in
+/// order: the statistics do not depend on the thread count.
+pub fn observe_split(
+    survey: &mut Box<dyn Survey>,
+    pass: usize,
+    range: Range<usize>,
+    threads: usize,
+    observe: &ObserveFn,
+) -> Result<(), String> {
+    let span = match survey.fork_span(pass) {
+        Some(span) if threads > 1 && span > 0 => span,
+        _ => return observe(survey.as_mut(), range),
+    };
+    let first = range.start.next_multiple_of(span).min(range.end);
+    if first > range.start {
+        observe(survey.as_mut(), range.start..first)?;
+    }
+    let spans: Vec<Range<usize>> = (first..range.end)
+        .step_by(span)
+        .map(|s| s..(s + span).min(range.end))
+        .collect();
+    let forks: Option<Vec<Box<dyn Survey>>> =
+        spans.iter().map(|r| survey.fork(pass, r.start)).collect();
+    let Some(mut forks) = forks else {
+        return observe(survey.as_mut(), first..range.end);
+    };
+    let per = spans.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        let running: Vec<_> = (forks.chunks_mut(per).zip(spans.chunks(per)))
+            .map(|(forks, spans)| {
+                scope.spawn(move || {
+                    (forks.iter_mut().zip(spans))
+                        .try_for_each(|(fork, r)| observe(fork.as_mut(), r.clone()))
+                })
+            })
+            .collect();
+        running.into_iter().try_for_each(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err("internal error: a survey thread panicked".into()))
+        })
+    })?;
+    for fork in forks {
+        survey.join(pass, fork);
+    }
+    Ok(())
+}
+
+/// `fork` (made by [`Survey::fork`] of a survey of type `T`) as that type.
+pub fn fork_of<T: Survey>(fork: Box<dyn Survey>) -> Box<T> {
+    fork.into_any()
+        .downcast::<T>()
+        .unwrap_or_else(|_| panic!("joined a fork of another survey type"))
 }
 
 /// What a streaming method sets a tensor's survey up from: the shared parameters, each
@@ -109,43 +201,57 @@ pub(crate) mod testing {
     use crate::ops::merge::methods::ModelTensor;
     use crate::ops::merge::spec::WholeTensorFn;
 
-    /// Runs `survey` over `chunk`-element chunks (rounded up to its granule) and merges each.
+    /// Runs `survey` over `chunk`-element chunks (rounded up to its granule) and merges each;
+    /// each chunk's passes observed on `threads` threads where the survey forks.
     pub fn chunked(
         mut survey: Box<dyn Survey>,
         base: &[f32],
         models: &[&[f32]],
         chunk: usize,
+        threads: usize,
     ) -> Result<Vec<f32>, String> {
         let len = models[0].len();
         let g = survey.granule().max(1);
         let step = chunk.div_ceil(g).max(1) * g;
-        // Each chunk's slices of the inputs (the base stays empty when there is none).
-        let parts: Vec<_> = (0..len)
+        let slices = |r: &Range<usize>| {
+            let b = if base.is_empty() {
+                base
+            } else {
+                &base[r.clone()]
+            };
+            (b, models.iter().map(|v| &v[r.clone()]).collect::<Vec<_>>())
+        };
+        let observe_range = |pass: usize| {
+            move |s: &mut dyn Survey, r: Range<usize>| {
+                let (base, models) = slices(&r);
+                let chunk = Chunk {
+                    start: r.start,
+                    base,
+                    models: &models,
+                };
+                s.observe(pass, &chunk)
+            }
+        };
+        let ranges: Vec<Range<usize>> = (0..len)
             .step_by(step)
-            .map(|s| {
-                let e = (s + step).min(len);
-                let b = if base.is_empty() { base } else { &base[s..e] };
-                (s, b, models.iter().map(|v| &v[s..e]).collect::<Vec<_>>())
-            })
-            .collect();
-        let chunks: Vec<Chunk> = (parts.iter())
-            .map(|(start, base, models)| Chunk {
-                start: *start,
-                base,
-                models,
-            })
+            .map(|s| s..(s + step).min(len))
             .collect();
         for pass in 0..survey.passes() {
-            for chunk in &chunks {
-                survey.observe(pass, chunk)?;
+            for r in &ranges {
+                observe_split(&mut survey, pass, r.clone(), threads, &observe_range(pass))?;
             }
             survey.end_pass(pass)?;
         }
         let mut out = vec![0f32; len];
         // Merged last chunk first: chunks must not depend on the order they are merged in.
-        for chunk in chunks.iter().rev() {
-            let span = chunk.start..chunk.start + chunk.models[0].len();
-            survey.merge(chunk, &mut out[span])?;
+        for r in ranges.iter().rev() {
+            let (base, models) = slices(r);
+            let chunk = Chunk {
+                start: r.start,
+                base,
+                models: &models,
+            };
+            survey.merge(&chunk, &mut out[r.clone()])?;
         }
         Ok(out)
     }
@@ -208,9 +314,15 @@ pub(crate) mod testing {
             let views: Vec<&[f32]> = self.models.iter().map(Vec::as_slice).collect();
             let cols = shape.last().copied().unwrap_or(1);
             for chunk in [1, 2, 3, 5, cols, len.saturating_sub(1).max(1), len] {
-                let got = chunked(make().unwrap(), self.base, &views, chunk).unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "{label}, chunk {chunk}");
+                for threads in [1, 3] {
+                    let got = chunked(make().unwrap(), self.base, &views, chunk, threads).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{label}, chunk {chunk}, {threads} threads"
+                    );
+                }
             }
             true
         }
