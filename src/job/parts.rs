@@ -19,7 +19,7 @@ use crate::output::parts::{
     staged_side_dir, Finalized, Fingerprint, LeaseLock, NotReady, PartRecord, PartSpec,
     ShardRecord,
 };
-use crate::pipeline::{self, Cancel, RunStats};
+use crate::pipeline::{self, Cancel, Resources, RunStats};
 use crate::progress::Progress;
 use crate::sink::{Layout, OutputKind};
 use crate::size::human;
@@ -537,7 +537,15 @@ fn write_group(
     }
     crash_point("tmp");
     let cfg = p.pipeline_config(cancel, progress);
-    let stats = pipeline::execute(p.ckpt, p.plan, &layout, &files, &temps.0, &cfg)?;
+    let stats = pipeline::execute(
+        &Resources::new(p.plan, &cfg),
+        p.ckpt,
+        p.plan,
+        &layout,
+        &files,
+        &temps.0,
+        &cfg,
+    )?;
     drop(files);
     for (k, (&s, shard)) in group.iter().zip(&layout.shards).enumerate() {
         let tmp = &temps.0[k];

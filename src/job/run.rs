@@ -16,7 +16,7 @@ use crate::output::checksum::{
 use crate::output::{
     resolve, side_files, write_report, Claim, InputFiles, OutputSet, OutputTarget, INDEX_NAME,
 };
-use crate::pipeline::{self, Cancel};
+use crate::pipeline::{self, Cancel, Resources};
 use crate::plan::{Plan, Step};
 use crate::sink::gguf::GgufSink;
 use crate::sink::{output_kind_for, Layout, OutputKind, Safetensors, Sink};
@@ -219,7 +219,15 @@ fn single_run(run: &Prepared, out_fs: &str, cancel: &Cancel) -> Result<Value> {
         plan.total_tensor_bytes(),
     );
     let cfg = run.pipeline_config(cancel, progress.clone());
-    let stats = pipeline::execute(run.ckpt, plan, layout, &files, &tmp_names, &cfg)?;
+    let stats = pipeline::execute(
+        &Resources::new(plan, &cfg),
+        run.ckpt,
+        plan,
+        layout,
+        &files,
+        &tmp_names,
+        &cfg,
+    )?;
     if let Some(p) = &progress {
         p.finish();
     }

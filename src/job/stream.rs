@@ -188,7 +188,7 @@ impl PlannedStream {
             .iter()
             .map(|&t| PathBuf::from(&self.plan.tensors[t].name))
             .collect();
-        pipeline::execute_with(
+        pipeline::execute(
             resources, &self.ckpt, &self.plan, &layout, &files, &names, cfg,
         )?;
         Ok(files)

@@ -296,7 +296,7 @@ fn start<'scope, F>(
 }
 
 /// What a run's memory budget buys, fixed before any data moves: the buffer pool, the compute
-/// chunk size and the compute threads. [`execute`] makes its own; a caller that runs several
+/// chunk size and the compute threads. A run makes them for its plan; a caller that runs several
 /// plans' parts one after another (a stream handing tensors over one at a time) keeps one, so
 /// its buffers are mapped once instead of once per part.
 pub struct Resources {
@@ -353,23 +353,10 @@ impl Resources {
 }
 
 /// Streams every planned tensor into `outputs` (one open file per plan shard, already sized and
-/// holding its header).
+/// holding its header), with buffers from `resources` (made by [`Resources::new`] for this
+/// plan and `cfg`). After a failed run its pool may still count buffers that were dropped in
+/// flight: the resources are then not to be used again.
 pub fn execute(
-    ckpt: &Checkpoint,
-    plan: &Plan,
-    layout: &Layout,
-    outputs: &[File],
-    output_names: &[std::path::PathBuf],
-    cfg: &PipelineConfig,
-) -> Result<RunStats> {
-    let resources = Resources::new(plan, cfg);
-    execute_with(&resources, ckpt, plan, layout, outputs, output_names, cfg)
-}
-
-/// [`execute`] with buffers from `resources` (made by [`Resources::new`] for this plan and
-/// `cfg`). After a failed run its pool may still count buffers that were dropped in flight:
-/// the resources are then not to be used again.
-pub fn execute_with(
     resources: &Resources,
     ckpt: &Checkpoint,
     plan: &Plan,
