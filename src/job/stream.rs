@@ -105,7 +105,11 @@ impl PlannedStream {
     ) -> Result<()> {
         let plan = &self.plan;
         let cfg = self.config(threads, cancel);
-        let resources = Resources::new(plan, &cfg);
+        // Each unit runs alone, so a tensor's chunks are all the compute threads get: the
+        // largest tensors are cut into two chunks per thread.
+        let largest = plan.tensors.iter().map(|t| t.nbytes).max().unwrap_or(0);
+        let per_thread = largest / (2 * threads.max(1) as u64);
+        let resources = Resources::new(plan, &cfg).with_chunks_at_most(per_thread);
         let (give_back, spare) = bounded::<File>(1);
         // Extra outputs (scales) come with their producer and wait here until their turn.
         let mut waiting: Vec<Option<(File, u64)>> = (0..plan.tensors.len()).map(|_| None).collect();

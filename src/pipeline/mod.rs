@@ -350,6 +350,13 @@ impl Resources {
             gpu_staging_bytes,
         }
     }
+
+    /// Chunks of at most `bytes` (and at least the smallest chunk): a run over one tensor at a
+    /// time needs chunks smaller than the tensor for every compute thread to have work.
+    pub fn with_chunks_at_most(mut self, bytes: u64) -> Resources {
+        self.chunk_bytes = self.chunk_bytes.min(bytes.max(MIN_CHUNK_BYTES));
+        self
+    }
 }
 
 /// Streams every planned tensor into `outputs` (one open file per plan shard, already sized and
