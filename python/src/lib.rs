@@ -314,12 +314,12 @@ impl Lent {
 /// development VM that was 3× the whole run's time: bench/RESULTS.md, issue 26).
 #[pyclass(module = "tftf._core")]
 struct WriteBehind {
-    file: std::fs::File,
-    path: PathBuf,
+    /// The file (one, as the engine's write-back takes a list) and its name for errors.
+    file: [std::fs::File; 1],
+    path: [PathBuf; 1],
     /// Where the bytes already handed to write-back end.
     end: u64,
-    pending: std::collections::VecDeque<(u64, u64)>,
-    pending_bytes: u64,
+    writeback: tftf::pipeline::Writeback,
 }
 
 #[pymethods]
@@ -341,11 +341,10 @@ impl WriteBehind {
             .try_clone_to_owned()
             .map_err(|e| to_py(Error::io(&path, e)))?;
         Ok(WriteBehind {
-            file: owned.into(),
-            path,
+            file: [owned.into()],
+            path: [path],
             end: start,
-            pending: Default::default(),
-            pending_bytes: 0,
+            writeback: tftf::pipeline::Writeback::new(tftf::pipeline::WRITEBACK_WINDOW_MAX_BYTES),
         })
     }
 
@@ -357,31 +356,26 @@ impl WriteBehind {
         }
         let (off, len) = (self.end, end - self.end);
         self.end = end;
-        tftf::sys::start_writeback(&self.file, off, len);
-        self.pending.push_back((off, len));
-        self.pending_bytes += len;
-        py.allow_threads(|| self.settle(tftf::pipeline::WRITEBACK_WINDOW_MAX_BYTES))
+        let WriteBehind {
+            file,
+            path,
+            writeback,
+            ..
+        } = self;
+        py.allow_threads(|| writeback.push(file, path, 0, off, len))
             .map_err(to_py)
     }
 
     /// Waits until every byte handed over is on disk (errors of the write-back surface here).
     fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.settle(0)).map_err(to_py)
-    }
-}
-
-impl WriteBehind {
-    /// Waits for the oldest ranges until at most `window` bytes are in flight.
-    fn settle(&mut self, window: u64) -> tftf::Result<()> {
-        while self.pending_bytes > window {
-            let Some((off, len)) = self.pending.pop_front() else {
-                break;
-            };
-            self.pending_bytes -= len;
-            tftf::sys::finish_writeback(&self.file, off, len)
-                .map_err(|e| Error::io(&self.path, e))?;
-        }
-        Ok(())
+        let WriteBehind {
+            file,
+            path,
+            writeback,
+            ..
+        } = self;
+        py.allow_threads(|| writeback.finish(file, path))
+            .map_err(to_py)
     }
 }
 

@@ -894,29 +894,56 @@ fn compute_stage(sh: &Shared, rx: Receiver<Work>, tx: Sender<Done>) -> Result<()
     Ok(())
 }
 
-struct Writeback {
+/// Written ranges of output files pushed to disk as they come, then waited for and dropped
+/// from the page cache at most `window` bytes behind, so an output never fills the cache with
+/// dirty pages (the engine's writers, and the Python writers after a custom pipe).
+pub struct Writeback {
+    /// (file, offset, length) of each range not yet waited for, oldest first.
     pending: VecDeque<(usize, u64, u64)>,
     bytes: u64,
     window: u64,
 }
 
 impl Writeback {
-    fn push(&mut self, sh: &Shared, shard: usize, off: u64, len: u64) -> Result<()> {
-        let f = &sh.outputs[shard];
-        sys::start_writeback(f, off, len);
-        self.pending.push_back((shard, off, len));
+    pub fn new(window: u64) -> Writeback {
+        Writeback {
+            pending: VecDeque::new(),
+            bytes: 0,
+            window,
+        }
+    }
+
+    /// Bytes `off..off + len` of `files[i]` are written: starts their write-back and waits for
+    /// the oldest ranges beyond the window (errors name `names[i]` of the file that failed).
+    pub fn push(
+        &mut self,
+        files: &[File],
+        names: &[std::path::PathBuf],
+        i: usize,
+        off: u64,
+        len: u64,
+    ) -> Result<()> {
+        sys::start_writeback(&files[i], off, len);
+        self.pending.push_back((i, off, len));
         self.bytes += len;
         while self.bytes > self.window {
-            self.pop(sh)?;
+            self.pop(files, names)?;
         }
         Ok(())
     }
 
-    fn pop(&mut self, sh: &Shared) -> Result<()> {
-        if let Some((shard, off, len)) = self.pending.pop_front() {
+    /// Waits until every range pushed is on disk.
+    pub fn finish(&mut self, files: &[File], names: &[std::path::PathBuf]) -> Result<()> {
+        while !self.pending.is_empty() {
+            self.pop(files, names)?;
+        }
+        Ok(())
+    }
+
+    fn pop(&mut self, files: &[File], names: &[std::path::PathBuf]) -> Result<()> {
+        if let Some((i, off, len)) = self.pending.pop_front() {
             self.bytes -= len;
-            sys::finish_writeback(&sh.outputs[shard], off, len)
-                .map_err(|e| Error::io(&sh.output_names[shard], e))?;
+            sys::finish_writeback(&files[i], off, len).map_err(|e| Error::io(&names[i], e))?;
         }
         Ok(())
     }
@@ -930,11 +957,7 @@ fn write_stage(
     kernel_copy: bool,
     scratch_bytes: usize,
 ) -> Result<()> {
-    let mut wb = Writeback {
-        pending: VecDeque::new(),
-        bytes: 0,
-        window,
-    };
+    let mut wb = Writeback::new(window);
     let mut copy = CopyState {
         kernel_copy,
         reflink: kernel_copy,
@@ -967,15 +990,12 @@ fn write_stage(
                 (span.shard, span.offset, span.len)
             }
         };
-        wb.push(sh, shard, offset, len)?;
+        wb.push(sh.outputs, sh.output_names, shard, offset, len)?;
         if let Some(p) = &progress {
             p.advance(shard, len);
         }
     }
-    while !wb.pending.is_empty() {
-        wb.pop(sh)?;
-    }
-    Ok(())
+    wb.finish(sh.outputs, sh.output_names)
 }
 
 /// How the writer moves untouched bytes; each method is dropped for the rest of the run at its
