@@ -4,7 +4,8 @@
 //! The level buffers keep ggml's integer types (`i8` / `u8`) because ggml reads a wrapped
 //! value back in later sums.
 
-use super::{c_max, nearest_int, signed_max, sub_blocks, QK_K};
+use super::lanes::{self, simd, transpose, LANES};
+use super::{c_max, nearest_int, signed_max, QK_K};
 
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this is all zero.
 pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
@@ -143,7 +144,8 @@ impl<const N: usize> SubBlockFits<N> {
 
 /// Fits each `S`-element sub-block `j` of `x` by [`make_qkx_quants`]`(nmax, .., search)`, its
 /// levels into `levels`, with the weights `weigh(j, xs, weights)` writes (it returns the
-/// sub-block's total weight).
+/// sub-block's total weight). Eight sub-blocks at a time in SIMD lanes (`N` a multiple of 8),
+/// each exactly as the scalar search fits it.
 pub(super) fn fit_sub_blocks<const N: usize, const S: usize>(
     x: &[f32],
     levels: &mut [u8; QK_K],
@@ -151,16 +153,35 @@ pub(super) fn fit_sub_blocks<const N: usize, const S: usize>(
     search: AffineSearch,
     weigh: impl Fn(usize, &[f32], &mut [f32; S]) -> f32,
 ) -> SubBlockFits<N> {
+    assert_eq!(N % LANES, 0, "sub-blocks in whole groups of lanes");
     let mut fits = SubBlockFits {
         scales: [0.0; N],
         mins: [0.0; N],
         weights: [0.0; N],
     };
-    let mut weights = [0.0f32; S];
-    let mut aux = [0u8; S];
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], S) {
-        fits.weights[j] = weigh(j, xs, &mut weights);
-        (fits.scales[j], fits.mins[j]) = make_qkx_quants(nmax, xs, &weights, ls, &mut aux, search);
+    for first in (0..N).step_by(LANES) {
+        let xt = transpose::<S>(x, first);
+        let mut wt = [[0.0f32; LANES]; S];
+        let mut weights = [0.0f32; S];
+        for k in 0..LANES {
+            let j = first + k;
+            fits.weights[j] = weigh(j, &x[S * j..S * (j + 1)], &mut weights);
+            for (t, &w) in wt.iter_mut().zip(&weights) {
+                t[k] = w;
+            }
+        }
+        let mut lt = [[0.0f32; LANES]; S];
+        let (scales, mins) = simd(
+            #[inline(always)]
+            || lanes::make_qkx_quants(nmax, &xt, &wt, &mut lt, search),
+        );
+        for k in 0..LANES {
+            let j = first + k;
+            (fits.scales[j], fits.mins[j]) = (scales[k], mins[k]);
+            for (l, t) in levels[S * j..S * (j + 1)].iter_mut().zip(&lt) {
+                *l = t[k] as u8;
+            }
+        }
     }
     fits
 }

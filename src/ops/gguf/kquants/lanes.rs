@@ -1,0 +1,434 @@
+//! The k-quant scale searches on eight sub-blocks at once, one sub-block per SIMD lane.
+//!
+//! ggml's searches sum serially over a sub-block's 16 or 32 elements, and a different order
+//! gives other bits (and, through the strict comparisons, other scales). So the lanes do not
+//! split a sum: lane `k` runs sub-block `k`'s whole search, element after element, doing
+//! exactly the f32 operations of the scalar port in `search.rs` in the same order; only the
+//! branches become per-lane selects (a candidate is computed in every lane and kept where the
+//! scalar code would have kept it). Each lane's results are therefore the scalar search's,
+//! bit for bit, on any CPU; [`simd`] runs the searches compiled for AVX2 where the CPU has it
+//! (eight f32 lanes per instruction, no FMA: ggml-base is built without it and a fused
+//! multiply-add rounds once where ggml rounds twice).
+//!
+//! Layout: `x[i][k]` is element `i` of lane `k`'s sub-block ([`transpose`]).
+
+use super::nearest_int;
+use super::search::{AffineSearch, GROUP_MAX_EPS};
+
+/// Sub-blocks searched at once.
+pub(super) const LANES: usize = 8;
+/// One f32 per lane, as the callers hold sub-blocks ([`transpose`]).
+pub(super) type Lanes = [f32; LANES];
+
+/// Eight f32 lanes with elementwise arithmetic written as plain loops over the lanes, which
+/// the compiler turns into one vector instruction each (AVX2 in [`simd`], two SSE or NEON
+/// ones otherwise). IEEE operations lane by lane, so each lane's bits are the scalar code's.
+#[derive(Clone, Copy)]
+#[repr(align(32))]
+struct F8([f32; LANES]);
+
+/// A per-lane condition, all bits set where it holds.
+#[derive(Clone, Copy)]
+#[repr(align(32))]
+struct M8([u32; LANES]);
+
+macro_rules! lanewise {
+    ($trait:ident, $method:ident, $op:tt) => {
+        impl std::ops::$trait for F8 {
+            type Output = F8;
+            #[inline(always)]
+            fn $method(self, o: F8) -> F8 {
+                let mut r = self.0;
+                for k in 0..LANES {
+                    r[k] = r[k] $op o.0[k];
+                }
+                F8(r)
+            }
+        }
+    };
+}
+lanewise!(Add, add, +);
+lanewise!(Sub, sub, -);
+lanewise!(Mul, mul, *);
+lanewise!(Div, div, /);
+
+impl std::ops::Neg for F8 {
+    type Output = F8;
+    #[inline(always)]
+    fn neg(self) -> F8 {
+        F8(self.0.map(|v| -v))
+    }
+}
+
+impl std::ops::AddAssign for F8 {
+    #[inline(always)]
+    fn add_assign(&mut self, o: F8) {
+        *self = *self + o;
+    }
+}
+
+impl F8 {
+    #[inline(always)]
+    fn splat(v: f32) -> F8 {
+        F8([v; LANES])
+    }
+
+    #[inline(always)]
+    fn cmp(self, o: F8, f: impl Fn(f32, f32) -> bool) -> M8 {
+        let mut m = [0u32; LANES];
+        for k in 0..LANES {
+            m[k] = if f(self.0[k], o.0[k]) { u32::MAX } else { 0 };
+        }
+        M8(m)
+    }
+
+    #[inline(always)]
+    fn lt(self, o: F8) -> M8 {
+        self.cmp(o, |a, b| a < b)
+    }
+
+    #[inline(always)]
+    fn gt(self, o: F8) -> M8 {
+        self.cmp(o, |a, b| a > b)
+    }
+
+    #[inline(always)]
+    fn ne(self, o: F8) -> M8 {
+        self.cmp(o, |a, b| a != b)
+    }
+
+    #[inline(always)]
+    fn abs(self) -> F8 {
+        F8(self.0.map(f32::abs))
+    }
+
+    /// `nearest_int(v).clamp(lo, hi)` as f32, per lane.
+    #[inline(always)]
+    fn round_clamped(self, lo: i32, hi: i32) -> F8 {
+        let mut r = [0.0f32; LANES];
+        for k in 0..LANES {
+            r[k] = nearest_int(self.0[k]).clamp(lo, hi) as f32;
+        }
+        F8(r)
+    }
+}
+
+impl M8 {
+    #[inline(always)]
+    fn from_bools(b: [bool; LANES]) -> M8 {
+        M8(b.map(|b| if b { u32::MAX } else { 0 }))
+    }
+
+    #[inline(always)]
+    fn and(self, o: M8) -> M8 {
+        let mut r = self.0;
+        for k in 0..LANES {
+            r[k] &= o.0[k];
+        }
+        M8(r)
+    }
+
+    #[inline(always)]
+    fn not(self) -> M8 {
+        M8(self.0.map(|m| !m))
+    }
+
+    /// Per lane, `if self { new } else { old }`.
+    #[inline(always)]
+    fn select(self, new: F8, old: F8) -> F8 {
+        let mut r = [0.0f32; LANES];
+        for k in 0..LANES {
+            let m = self.0[k];
+            r[k] = f32::from_bits((new.0[k].to_bits() & m) | (old.0[k].to_bits() & !m));
+        }
+        F8(r)
+    }
+}
+
+/// Runs `f` compiled for AVX2 where the CPU has it (`f` and what it inlines: the searches
+/// here are `#[inline(always)]` for that), otherwise as built. Same results either way.
+#[inline(always)]
+pub(super) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { avx2(f) };
+    }
+    f()
+}
+
+/// Sub-blocks `first .. first + 8` of `S` elements of `x`, lane `k` holding sub-block
+/// `first + k`.
+#[inline(always)]
+pub(super) fn transpose<const S: usize>(x: &[f32], first: usize) -> [Lanes; S] {
+    let mut t = [[0.0f32; LANES]; S];
+    for k in 0..LANES {
+        let sub = &x[S * (first + k)..S * (first + k + 1)];
+        for i in 0..S {
+            t[i][k] = sub[i];
+        }
+    }
+    t
+}
+
+/// [`search::make_qkx_quants`](super::search::make_qkx_quants) on eight sub-blocks: lane `k`
+/// fits `x[..][k]` with weights `weights[..][k]`, its levels (`0..=nmax`, as f32) into
+/// `levels[..][k]`. Returns each lane's `(scale, -min)`. `search.nstep` must be at least 1 (as
+/// every k-quant's is).
+#[inline(always)]
+pub(super) fn make_qkx_quants<const S: usize>(
+    nmax: i32,
+    x: &[Lanes; S],
+    weights: &[Lanes; S],
+    levels: &mut [Lanes; S],
+    search: AffineSearch,
+) -> (Lanes, Lanes) {
+    assert!(search.nstep >= 1, "a k-quant search tries candidates");
+    let x: [F8; S] = x.map(F8);
+    let w: [F8; S] = weights.map(F8);
+    let mut min = x[0];
+    let mut max = x[0];
+    let mut sum_w = w[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..S {
+        min = x[i].lt(min).select(x[i], min);
+        max = x[i].gt(max).select(x[i], max);
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    let zero = F8::splat(0.0);
+    min = min.gt(zero).select(zero, min);
+    let flat = M8::from_bools(std::array::from_fn(|k| max.0[k] == min.0[k]));
+    let nmaxf = nmax as f32;
+    let err = |d: F8| if search.use_mad { d.abs() } else { d * d };
+
+    let iscale = F8::splat(nmaxf) / (max - min);
+    let mut scale = F8::splat(1.0) / iscale;
+    let mut best_error = zero;
+    let mut lv = [zero; S];
+    for i in 0..S {
+        let l = (iscale * (x[i] - min)).round_clamped(0, nmax);
+        lv[i] = l;
+        best_error += w[i] * err(scale * l + min - x[i]);
+    }
+
+    let mut aux = [zero; S];
+    for is in 0..=search.nstep {
+        let top = search.rmin + search.rdelta * is as f32 + nmaxf;
+        // `min` as the last kept candidate left it, as in ggml.
+        let iscale = F8::splat(top) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
+        for i in 0..S {
+            let l = (iscale * (x[i] - min)).round_clamped(0, nmax);
+            aux[i] = l;
+            sum_l += w[i] * l;
+            sum_l2 += w[i] * l * l;
+            sum_xl += w[i] * l * x[i];
+        }
+        let d = sum_w * sum_l2 - sum_l * sum_l;
+        let positive_min = ((sum_l2 * sum_x - sum_l * sum_xl) / d).gt(zero);
+        let this_scale = positive_min.select(sum_xl / sum_l2, (sum_w * sum_xl - sum_x * sum_l) / d);
+        let this_min = positive_min.select(zero, (sum_l2 * sum_x - sum_l * sum_xl) / d);
+        let mut cur_error = zero;
+        for i in 0..S {
+            cur_error += w[i] * err(this_scale * aux[i] + this_min - x[i]);
+        }
+        // A flat lane's candidates are garbage (its range is 0): never taken, as the scalar
+        // search returns before trying any.
+        let take = flat.not().and(d.gt(zero)).and(cur_error.lt(best_error));
+        for i in 0..S {
+            lv[i] = take.select(aux[i], lv[i]);
+        }
+        best_error = take.select(cur_error, best_error);
+        scale = take.select(this_scale, scale);
+        min = take.select(this_min, min);
+    }
+    for (out, l) in levels.iter_mut().zip(lv) {
+        *out = flat.select(zero, l).0;
+    }
+    (flat.select(zero, scale).0, (-min).0)
+}
+
+/// [`search::make_qx_quants`](super::search::make_qx_quants) on eight sub-blocks: lane `k`'s
+/// symmetric levels `L + nmax` (as f32) into `levels[..][k]`, weights `weights[..][k]` or, with
+/// none, `x²`. Returns each lane's scale.
+#[inline(always)]
+pub(super) fn make_qx_quants<const S: usize>(
+    nmax: i32,
+    x: &[Lanes; S],
+    weights: Option<&[Lanes; S]>,
+    levels: &mut [Lanes; S],
+) -> Lanes {
+    let x: [F8; S] = x.map(F8);
+    let w: [F8; S] = match weights {
+        Some(w) => w.map(F8),
+        None => x.map(|v| v * v),
+    };
+    let zero = F8::splat(0.0);
+    let mut amax = zero;
+    let mut max = zero;
+    for &v in &x {
+        let larger = v.abs().gt(amax);
+        amax = larger.select(v.abs(), amax);
+        max = larger.select(v, max);
+    }
+    let empty = amax.lt(F8::splat(GROUP_MAX_EPS));
+    let nmaxf = F8::splat(nmax as f32);
+    let (lo, hi) = (-nmax, nmax - 1);
+
+    let iscale = -nmaxf / max;
+    let (mut sumlx, mut suml2) = (zero, zero);
+    let mut lv = [zero; S];
+    for i in 0..S {
+        let l = (iscale * x[i]).round_clamped(lo, hi);
+        lv[i] = l + nmaxf;
+        sumlx += w[i] * x[i] * l;
+        suml2 += w[i] * l * l;
+    }
+    let mut scale = suml2.ne(zero).select(sumlx / suml2, zero);
+    let mut best = scale * sumlx;
+
+    let mut aux = [zero; S];
+    for is in (-9..=9).filter(|&is| is != 0) {
+        let iscale = -F8::splat(nmax as f32 + 0.1 * is as f32) / max;
+        let (mut sumlx, mut suml2) = (zero, zero);
+        for i in 0..S {
+            let l = (iscale * x[i]).round_clamped(lo, hi);
+            aux[i] = l;
+            sumlx += w[i] * x[i] * l;
+            suml2 += w[i] * l * l;
+        }
+        let take = suml2.gt(zero).and((sumlx * sumlx).gt(best * suml2));
+        for i in 0..S {
+            lv[i] = take.select(aux[i] + nmaxf, lv[i]);
+        }
+        scale = take.select(sumlx / suml2, scale);
+        best = take.select(scale * sumlx, best);
+    }
+    for (out, l) in levels.iter_mut().zip(lv) {
+        *out = empty.select(zero, l).0;
+    }
+    empty.select(zero, scale).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::search;
+    use super::*;
+
+    /// Sub-blocks that take each branch of the searches: ordinary values, all equal, all zero,
+    /// all positive or negative, below ggml's group epsilon, exact rounding ties, a lone
+    /// outlier, zero weights, and non-finite values.
+    fn cases<const S: usize>(seed: u64) -> Vec<([f32; S], [f32; S])> {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut out = Vec::new();
+        for case in 0..96 {
+            let mut x: [f32; S] = std::array::from_fn(|_| next() * 0.1);
+            let mut w: [f32; S] = std::array::from_fn(|_| next() + 0.5);
+            match case % 12 {
+                1 => x = [0.037; S],
+                2 => x = [0.0; S],
+                3 => x = x.map(f32::abs),
+                4 => x = x.map(|v| -v.abs()),
+                5 => x = x.map(|v| v * 1e-16),
+                6 => x = std::array::from_fn(|i| (i as f32 - 8.0) * 0.125),
+                7 => x[S / 2] = 3.0,
+                8 => w = std::array::from_fn(|i| if i % 3 == 0 { 0.0 } else { w[i] }),
+                9 => x[1] = f32::NAN,
+                10 => x[0] = f32::INFINITY,
+                11 => w[2] = -w[2],
+                _ => {}
+            }
+            out.push((x, w));
+        }
+        out
+    }
+
+    /// Groups of eight cases, in lanes.
+    fn groups<const S: usize>(cases: &[([f32; S], [f32; S])]) -> Vec<([Lanes; S], [Lanes; S])> {
+        cases
+            .chunks_exact(LANES)
+            .map(|g| {
+                let x = std::array::from_fn(|i| std::array::from_fn(|k| g[k].0[i]));
+                let w = std::array::from_fn(|i| std::array::from_fn(|k| g[k].1[i]));
+                (x, w)
+            })
+            .collect()
+    }
+
+    fn qkx_agrees<const S: usize>(nmax: i32, search: AffineSearch, through_simd: bool) {
+        let cases = cases::<S>(0x5EED + nmax as u64);
+        for (g, (x, w)) in groups(&cases).iter().enumerate() {
+            let mut lt = [[0.0f32; LANES]; S];
+            let (scales, mins) = if through_simd {
+                simd(|| make_qkx_quants(nmax, x, w, &mut lt, search))
+            } else {
+                make_qkx_quants(nmax, x, w, &mut lt, search)
+            };
+            for k in 0..LANES {
+                let (xs, ws) = &cases[g * LANES + k];
+                let (mut levels, mut aux) = ([0u8; S], [0u8; S]);
+                let (scale, min) =
+                    search::make_qkx_quants(nmax, xs, ws, &mut levels, &mut aux, search);
+                let case = g * LANES + k;
+                assert_eq!(scales[k].to_bits(), scale.to_bits(), "case {case}: scale");
+                assert_eq!(mins[k].to_bits(), min.to_bits(), "case {case}: min");
+                let lane: [u8; S] = std::array::from_fn(|i| lt[i][k] as u8);
+                assert_eq!(lane, levels, "case {case}: levels");
+            }
+        }
+    }
+
+    fn qx_agrees<const S: usize>(nmax: i32, weighted: bool, through_simd: bool) {
+        let cases = cases::<S>(0xFACE + nmax as u64);
+        for (g, (x, w)) in groups(&cases).iter().enumerate() {
+            let mut lt = [[0.0f32; LANES]; S];
+            let weights = weighted.then_some(w);
+            let scales = if through_simd {
+                simd(|| make_qx_quants(nmax, x, weights, &mut lt))
+            } else {
+                make_qx_quants(nmax, x, weights, &mut lt)
+            };
+            for k in 0..LANES {
+                let (xs, ws) = &cases[g * LANES + k];
+                let mut levels = [0i8; S];
+                let scale =
+                    search::make_qx_quants(nmax, xs, &mut levels, weighted.then_some(&ws[..]));
+                let case = g * LANES + k;
+                assert_eq!(scales[k].to_bits(), scale.to_bits(), "case {case}: scale");
+                let lane: [i8; S] = std::array::from_fn(|i| lt[i][k] as i8);
+                assert_eq!(lane, levels, "case {case}: levels");
+            }
+        }
+    }
+
+    #[test]
+    fn affine_searches_in_lanes_equal_the_scalar_search_bit_for_bit() {
+        for through_simd in [false, true] {
+            // Q4_K's and Q5_K's reference searches, every k-quant's weighted one, Q2_K's.
+            qkx_agrees::<32>(15, AffineSearch::new(-1.0, 0.1, 20, false), through_simd);
+            qkx_agrees::<32>(31, AffineSearch::new(-0.5, 0.1, 15, false), through_simd);
+            qkx_agrees::<32>(15, AffineSearch::WEIGHTED, through_simd);
+            qkx_agrees::<16>(3, AffineSearch::new(-0.5, 0.1, 15, true), through_simd);
+        }
+    }
+
+    #[test]
+    fn symmetric_searches_in_lanes_equal_the_scalar_search_bit_for_bit() {
+        for through_simd in [false, true] {
+            qx_agrees::<16>(32, false, through_simd);
+            qx_agrees::<16>(32, true, through_simd);
+            qx_agrees::<16>(4, true, through_simd);
+        }
+    }
+}
