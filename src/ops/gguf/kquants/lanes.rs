@@ -12,6 +12,9 @@
 //!
 //! Layout: `x[i][k]` is element `i` of lane `k`'s sub-block ([`transpose`]).
 
+// Lane loops index by lane on purpose: one fixed-length loop is one vector instruction.
+#![allow(clippy::needless_range_loop)]
+
 use super::nearest_int;
 use super::search::{AffineSearch, GROUP_MAX_EPS};
 
@@ -40,17 +43,17 @@ macro_rules! lanewise {
             fn $method(self, o: F8) -> F8 {
                 let mut r = self.0;
                 for k in 0..LANES {
-                    r[k] = r[k] $op o.0[k];
+                    r[k] $op o.0[k];
                 }
                 F8(r)
             }
         }
     };
 }
-lanewise!(Add, add, +);
-lanewise!(Sub, sub, -);
-lanewise!(Mul, mul, *);
-lanewise!(Div, div, /);
+lanewise!(Add, add, +=);
+lanewise!(Sub, sub, -=);
+lanewise!(Mul, mul, *=);
+lanewise!(Div, div, /=);
 
 impl std::ops::Neg for F8 {
     type Output = F8;
