@@ -1,4 +1,4 @@
-//! The k-quant scale searches on eight sub-blocks at once, one sub-block per SIMD lane.
+//! The k-quant scale searches on sixteen sub-blocks at once, one sub-block per SIMD lane.
 //!
 //! ggml's searches sum serially over a sub-block's 16 or 32 elements, and a different order
 //! gives other bits (and, through the strict comparisons, other scales). So the lanes do not
@@ -7,7 +7,8 @@
 //! branches become per-lane selects (a candidate is computed in every lane and kept where the
 //! scalar code would have kept it). Each lane's results are therefore the scalar search's,
 //! bit for bit, on any CPU; [`simd`] runs the searches compiled for AVX2 where the CPU has it
-//! (eight f32 lanes per instruction, no FMA: ggml-base is built without it and a fused
+//! (eight f32 lanes per instruction, two instructions per operation so that two independent
+//! chains of sums hide each other's latency; no FMA: ggml-base is built without it and a fused
 //! multiply-add rounds once where ggml rounds twice).
 //!
 //! Layout: `x[i][k]` is element `i` of lane `k`'s sub-block ([`transpose`]).
@@ -19,33 +20,33 @@ use super::nearest_int;
 use super::search::{AffineSearch, GROUP_MAX_EPS};
 
 /// Sub-blocks searched at once.
-pub(super) const LANES: usize = 8;
+pub(super) const LANES: usize = 16;
 /// One f32 per lane, as the callers hold sub-blocks ([`transpose`]).
 pub(super) type Lanes = [f32; LANES];
 
-/// Eight f32 lanes with elementwise arithmetic written as plain loops over the lanes, which
-/// the compiler turns into one vector instruction each (AVX2 in [`simd`], two SSE or NEON
+/// Sixteen f32 lanes with elementwise arithmetic written as plain loops over the lanes, which
+/// the compiler turns into vector instructions (two AVX2 ones in [`simd`], four SSE or NEON
 /// ones otherwise). IEEE operations lane by lane, so each lane's bits are the scalar code's.
 #[derive(Clone, Copy)]
-#[repr(align(32))]
-struct F8([f32; LANES]);
+#[repr(align(64))]
+struct Vf([f32; LANES]);
 
 /// A per-lane condition, all bits set where it holds.
 #[derive(Clone, Copy)]
-#[repr(align(32))]
-struct M8([u32; LANES]);
+#[repr(align(64))]
+struct Vm([u32; LANES]);
 
 macro_rules! lanewise {
     ($trait:ident, $method:ident, $op:tt) => {
-        impl std::ops::$trait for F8 {
-            type Output = F8;
+        impl std::ops::$trait for Vf {
+            type Output = Vf;
             #[inline(always)]
-            fn $method(self, o: F8) -> F8 {
+            fn $method(self, o: Vf) -> Vf {
                 let mut r = self.0;
                 for k in 0..LANES {
                     r[k] $op o.0[k];
                 }
-                F8(r)
+                Vf(r)
             }
         }
     };
@@ -55,96 +56,96 @@ lanewise!(Sub, sub, -=);
 lanewise!(Mul, mul, *=);
 lanewise!(Div, div, /=);
 
-impl std::ops::Neg for F8 {
-    type Output = F8;
+impl std::ops::Neg for Vf {
+    type Output = Vf;
     #[inline(always)]
-    fn neg(self) -> F8 {
-        F8(self.0.map(|v| -v))
+    fn neg(self) -> Vf {
+        Vf(self.0.map(|v| -v))
     }
 }
 
-impl std::ops::AddAssign for F8 {
+impl std::ops::AddAssign for Vf {
     #[inline(always)]
-    fn add_assign(&mut self, o: F8) {
+    fn add_assign(&mut self, o: Vf) {
         *self = *self + o;
     }
 }
 
-impl F8 {
+impl Vf {
     #[inline(always)]
-    fn splat(v: f32) -> F8 {
-        F8([v; LANES])
+    fn splat(v: f32) -> Vf {
+        Vf([v; LANES])
     }
 
     #[inline(always)]
-    fn cmp(self, o: F8, f: impl Fn(f32, f32) -> bool) -> M8 {
+    fn cmp(self, o: Vf, f: impl Fn(f32, f32) -> bool) -> Vm {
         let mut m = [0u32; LANES];
         for k in 0..LANES {
             m[k] = if f(self.0[k], o.0[k]) { u32::MAX } else { 0 };
         }
-        M8(m)
+        Vm(m)
     }
 
     #[inline(always)]
-    fn lt(self, o: F8) -> M8 {
+    fn lt(self, o: Vf) -> Vm {
         self.cmp(o, |a, b| a < b)
     }
 
     #[inline(always)]
-    fn gt(self, o: F8) -> M8 {
+    fn gt(self, o: Vf) -> Vm {
         self.cmp(o, |a, b| a > b)
     }
 
     #[inline(always)]
-    fn ne(self, o: F8) -> M8 {
+    fn ne(self, o: Vf) -> Vm {
         self.cmp(o, |a, b| a != b)
     }
 
     #[inline(always)]
-    fn abs(self) -> F8 {
-        F8(self.0.map(f32::abs))
+    fn abs(self) -> Vf {
+        Vf(self.0.map(f32::abs))
     }
 
     /// `nearest_int(v).clamp(lo, hi)` as f32, per lane.
     #[inline(always)]
-    fn round_clamped(self, lo: i32, hi: i32) -> F8 {
+    fn round_clamped(self, lo: i32, hi: i32) -> Vf {
         let mut r = [0.0f32; LANES];
         for k in 0..LANES {
             r[k] = nearest_int(self.0[k]).clamp(lo, hi) as f32;
         }
-        F8(r)
+        Vf(r)
     }
 }
 
-impl M8 {
+impl Vm {
     #[inline(always)]
-    fn from_bools(b: [bool; LANES]) -> M8 {
-        M8(b.map(|b| if b { u32::MAX } else { 0 }))
+    fn from_bools(b: [bool; LANES]) -> Vm {
+        Vm(b.map(|b| if b { u32::MAX } else { 0 }))
     }
 
     #[inline(always)]
-    fn and(self, o: M8) -> M8 {
+    fn and(self, o: Vm) -> Vm {
         let mut r = self.0;
         for k in 0..LANES {
             r[k] &= o.0[k];
         }
-        M8(r)
+        Vm(r)
     }
 
     #[inline(always)]
-    fn not(self) -> M8 {
-        M8(self.0.map(|m| !m))
+    fn not(self) -> Vm {
+        Vm(self.0.map(|m| !m))
     }
 
     /// Per lane, `if self { new } else { old }`.
     #[inline(always)]
-    fn select(self, new: F8, old: F8) -> F8 {
+    fn select(self, new: Vf, old: Vf) -> Vf {
         let mut r = [0.0f32; LANES];
         for k in 0..LANES {
             let m = self.0[k];
             r[k] = f32::from_bits((new.0[k].to_bits() & m) | (old.0[k].to_bits() & !m));
         }
-        F8(r)
+        Vf(r)
     }
 }
 
@@ -164,7 +165,7 @@ pub(super) fn simd<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Sub-blocks `first .. first + 8` of `S` elements of `x`, lane `k` holding sub-block
+/// Sub-blocks `first .. first + LANES` of `S` elements of `x`, lane `k` holding sub-block
 /// `first + k`.
 #[inline(always)]
 pub(super) fn transpose<const S: usize>(x: &[f32], first: usize) -> [Lanes; S] {
@@ -178,7 +179,7 @@ pub(super) fn transpose<const S: usize>(x: &[f32], first: usize) -> [Lanes; S] {
     t
 }
 
-/// [`search::make_qkx_quants`](super::search::make_qkx_quants) on eight sub-blocks: lane `k`
+/// [`search::make_qkx_quants`](super::search::make_qkx_quants) on sixteen sub-blocks: lane `k`
 /// fits `x[..][k]` with weights `weights[..][k]`, its levels (`0..=nmax`, as f32) into
 /// `levels[..][k]`. Returns each lane's `(scale, -min)`. `search.nstep` must be at least 1 (as
 /// every k-quant's is).
@@ -191,8 +192,8 @@ pub(super) fn make_qkx_quants<const S: usize>(
     search: AffineSearch,
 ) -> (Lanes, Lanes) {
     assert!(search.nstep >= 1, "a k-quant search tries candidates");
-    let x: [F8; S] = x.map(F8);
-    let w: [F8; S] = weights.map(F8);
+    let x: [Vf; S] = x.map(Vf);
+    let w: [Vf; S] = weights.map(Vf);
     let mut min = x[0];
     let mut max = x[0];
     let mut sum_w = w[0];
@@ -203,27 +204,30 @@ pub(super) fn make_qkx_quants<const S: usize>(
         sum_w += w[i];
         sum_x += w[i] * x[i];
     }
-    let zero = F8::splat(0.0);
+    let zero = Vf::splat(0.0);
     min = min.gt(zero).select(zero, min);
-    let flat = M8::from_bools(std::array::from_fn(|k| max.0[k] == min.0[k]));
+    let flat = Vm::from_bools(std::array::from_fn(|k| max.0[k] == min.0[k]));
     let nmaxf = nmax as f32;
-    let err = |d: F8| if search.use_mad { d.abs() } else { d * d };
+    let err = |d: Vf| if search.use_mad { d.abs() } else { d * d };
 
-    let iscale = F8::splat(nmaxf) / (max - min);
-    let mut scale = F8::splat(1.0) / iscale;
+    let iscale = Vf::splat(nmaxf) / (max - min);
+    let mut scale = Vf::splat(1.0) / iscale;
     let mut best_error = zero;
-    let mut lv = [zero; S];
     for i in 0..S {
         let l = (iscale * (x[i] - min)).round_clamped(0, nmax);
-        lv[i] = l;
         best_error += w[i] * err(scale * l + min - x[i]);
     }
+    // The kept levels are recomputed at the end from the inverse scale and min that made them
+    // (the same operations, so the same levels), rather than copied per kept candidate: a
+    // masked copy of every level per candidate costs more than the search.
+    let (mut level_iscale, mut level_min) = (iscale, min);
 
     let mut aux = [zero; S];
     for is in 0..=search.nstep {
         let top = search.rmin + search.rdelta * is as f32 + nmaxf;
         // `min` as the last kept candidate left it, as in ggml.
-        let iscale = F8::splat(top) / (max - min);
+        let min_used = min;
+        let iscale = Vf::splat(top) / (max - min);
         let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
         for i in 0..S {
             let l = (iscale * (x[i] - min)).round_clamped(0, nmax);
@@ -243,20 +247,20 @@ pub(super) fn make_qkx_quants<const S: usize>(
         // A flat lane's candidates are garbage (its range is 0): never taken, as the scalar
         // search returns before trying any.
         let take = flat.not().and(d.gt(zero)).and(cur_error.lt(best_error));
-        for i in 0..S {
-            lv[i] = take.select(aux[i], lv[i]);
-        }
+        level_iscale = take.select(iscale, level_iscale);
+        level_min = take.select(min_used, level_min);
         best_error = take.select(cur_error, best_error);
         scale = take.select(this_scale, scale);
         min = take.select(this_min, min);
     }
-    for (out, l) in levels.iter_mut().zip(lv) {
+    for (out, xi) in levels.iter_mut().zip(x) {
+        let l = (level_iscale * (xi - level_min)).round_clamped(0, nmax);
         *out = flat.select(zero, l).0;
     }
     (flat.select(zero, scale).0, (-min).0)
 }
 
-/// [`search::make_qx_quants`](super::search::make_qx_quants) on eight sub-blocks: lane `k`'s
+/// [`search::make_qx_quants`](super::search::make_qx_quants) on sixteen sub-blocks: lane `k`'s
 /// symmetric levels `L + nmax` (as f32) into `levels[..][k]`, weights `weights[..][k]` or, with
 /// none, `x²`. Returns each lane's scale.
 #[inline(always)]
@@ -266,12 +270,12 @@ pub(super) fn make_qx_quants<const S: usize>(
     weights: Option<&[Lanes; S]>,
     levels: &mut [Lanes; S],
 ) -> Lanes {
-    let x: [F8; S] = x.map(F8);
-    let w: [F8; S] = match weights {
-        Some(w) => w.map(F8),
+    let x: [Vf; S] = x.map(Vf);
+    let w: [Vf; S] = match weights {
+        Some(w) => w.map(Vf),
         None => x.map(|v| v * v),
     };
-    let zero = F8::splat(0.0);
+    let zero = Vf::splat(0.0);
     let mut amax = zero;
     let mut max = zero;
     for &v in &x {
@@ -279,40 +283,37 @@ pub(super) fn make_qx_quants<const S: usize>(
         amax = larger.select(v.abs(), amax);
         max = larger.select(v, max);
     }
-    let empty = amax.lt(F8::splat(GROUP_MAX_EPS));
-    let nmaxf = F8::splat(nmax as f32);
+    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let nmaxf = Vf::splat(nmax as f32);
     let (lo, hi) = (-nmax, nmax - 1);
 
     let iscale = -nmaxf / max;
     let (mut sumlx, mut suml2) = (zero, zero);
-    let mut lv = [zero; S];
     for i in 0..S {
         let l = (iscale * x[i]).round_clamped(lo, hi);
-        lv[i] = l + nmaxf;
         sumlx += w[i] * x[i] * l;
         suml2 += w[i] * l * l;
     }
     let mut scale = suml2.ne(zero).select(sumlx / suml2, zero);
     let mut best = scale * sumlx;
+    // The kept levels are recomputed at the end from the inverse scale that made them.
+    let mut level_iscale = iscale;
 
-    let mut aux = [zero; S];
     for is in (-9..=9).filter(|&is| is != 0) {
-        let iscale = -F8::splat(nmax as f32 + 0.1 * is as f32) / max;
+        let iscale = -Vf::splat(nmax as f32 + 0.1 * is as f32) / max;
         let (mut sumlx, mut suml2) = (zero, zero);
         for i in 0..S {
             let l = (iscale * x[i]).round_clamped(lo, hi);
-            aux[i] = l;
             sumlx += w[i] * x[i] * l;
             suml2 += w[i] * l * l;
         }
         let take = suml2.gt(zero).and((sumlx * sumlx).gt(best * suml2));
-        for i in 0..S {
-            lv[i] = take.select(aux[i] + nmaxf, lv[i]);
-        }
+        level_iscale = take.select(iscale, level_iscale);
         scale = take.select(sumlx / suml2, scale);
         best = take.select(scale * sumlx, best);
     }
-    for (out, l) in levels.iter_mut().zip(lv) {
+    for (out, xi) in levels.iter_mut().zip(x) {
+        let l = (level_iscale * xi).round_clamped(lo, hi) + nmaxf;
         *out = empty.select(zero, l).0;
     }
     empty.select(zero, scale).0
@@ -357,7 +358,7 @@ mod tests {
         out
     }
 
-    /// Groups of eight cases, in lanes.
+    /// Groups of [`LANES`] cases, in lanes.
     fn groups<const S: usize>(cases: &[([f32; S], [f32; S])]) -> Vec<([Lanes; S], [Lanes; S])> {
         cases
             .chunks_exact(LANES)

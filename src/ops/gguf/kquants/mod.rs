@@ -18,7 +18,8 @@
 //! nothing is allocated in the loops.
 //!
 //! The searches that dominate the k-quants' time (`make_qkx_quants` of Q2_K/Q4_K/Q5_K,
-//! `make_qx_quants` of Q6_K) run on eight sub-blocks at once, one per SIMD lane, each lane
+//! `make_qx_quants` of Q6_K) run on sixteen sub-blocks at once (Q4_K/Q5_K: two super-blocks),
+//! one per SIMD lane, each lane
 //! keeping its sub-block's sums in ggml's serial order (`lanes.rs`): same bits, several times
 //! the speed.
 

@@ -7,8 +7,8 @@
 
 use super::search::{fit_sub_blocks, make_qp_quants, AffineSearch, SubBlockFits};
 use super::{
-    f16_bytes, for_each_block, imatrix_weights, nearest_int, read_f16, sub_blocks, sum_squares,
-    KQuant, QK_K,
+    check_row, f16_bytes, imatrix_weights, nearest_int, read_f16, sub_blocks, sum_squares, KQuant,
+    QK_K,
 };
 
 /// What differs between the two types.
@@ -52,24 +52,60 @@ pub fn quantize_row_q5_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 }
 
 fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
-    for_each_block(v.ty, src, dst, quant_weights, |x, qw, y| {
-        let mut levels = [0u8; QK_K];
-        match qw {
-            None => fit_ref(v, x, &mut levels, y),
-            Some(w) => fit_imatrix(v, x, w, &mut levels, y),
+    check_row(v.ty, src, dst, quant_weights);
+    let block_bytes = v.ty.block().1;
+    // Two super-blocks per search: their sixteen sub-blocks fill the sixteen lanes. A row's odd
+    // last super-block is searched beside a copy of itself (the copy's results are dropped).
+    for (p, (x, y)) in src
+        .chunks(PAIR)
+        .zip(dst.chunks_mut(2 * block_bytes))
+        .enumerate()
+    {
+        let qw = quant_weights.map(|w| &w[PAIR * p..PAIR * p + x.len()]);
+        let (xs, ws) = (padded(x), qw.map(padded));
+        let mut levels = [0u8; PAIR];
+        let fits = match &ws {
+            None => fit_ref(v, &xs, &mut levels),
+            Some(w) => fit_imatrix(v, &xs, w, &mut levels),
+        };
+        for (b, (xb, yb)) in x
+            .chunks_exact(QK_K)
+            .zip(y.chunks_exact_mut(block_bytes))
+            .enumerate()
+        {
+            let fits = fits.part::<8>(b);
+            match qw {
+                None => put_ref_scales(&fits, yb),
+                Some(_) => put_imatrix_scales(v, &fits, yb),
+            }
+            let levels: &mut [u8; QK_K] = (&mut levels[QK_K * b..QK_K * (b + 1)])
+                .try_into()
+                .expect("a super-block");
+            requantize(v.nmax, xb, levels, yb);
+            if v.nmax == 15 {
+                pack_q4(levels, &mut yb[16..]);
+            } else {
+                pack_q5(levels, &mut yb[16..]);
+            }
         }
-        requantize(v.nmax, x, &mut levels, y);
-        if v.nmax == 15 {
-            pack_q4(&levels, &mut y[16..]);
-        } else {
-            pack_q5(&levels, &mut y[16..]);
-        }
-    });
+    }
 }
 
-/// `quantize_row_q{4,5}_K_ref`'s scales: each sub-block fitted with weights `av_x + |x|`, the
-/// scales and mins then scaled to 6 bits by their maxima. Writes `d`, `dmin`, `scales`.
-fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
+/// Values of two super-blocks searched together.
+const PAIR: usize = 2 * QK_K;
+
+/// `x` (one or two super-blocks) as two, a single one doubled.
+fn padded(x: &[f32]) -> [f32; PAIR] {
+    let mut out = [0.0f32; PAIR];
+    for half in out.chunks_exact_mut(x.len()) {
+        half.copy_from_slice(x);
+    }
+    out
+}
+
+/// `quantize_row_q{4,5}_K_ref`'s fits of two super-blocks: each sub-block fitted with weights
+/// `av_x + |x|`.
+fn fit_ref(v: &Variant, x: &[f32; PAIR], levels: &mut [u8; PAIR]) -> SubBlockFits<16> {
     let weigh = |_, xs: &[f32], w: &mut [f32; 32]| {
         let av_x = (sum_squares(xs) / 32.0).sqrt();
         for (w, &e) in w.iter_mut().zip(xs) {
@@ -77,7 +113,12 @@ fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
         }
         0.0
     };
-    let fits: SubBlockFits<8> = fit_sub_blocks(x, levels, v.nmax, v.ref_search, weigh);
+    fit_sub_blocks(x, levels, v.nmax, v.ref_search, weigh)
+}
+
+/// `quantize_row_q{4,5}_K_ref`'s scales of one super-block: its fits' scales and mins scaled
+/// to 6 bits by their maxima. Writes `d`, `dmin`, `scales`.
+fn put_ref_scales(fits: &SubBlockFits<8>, y: &mut [u8]) {
     let (scales, mins) = (fits.scales, fits.mins);
     let (max_scale, max_min) = fits.maxima();
     let inv_scale = if max_scale > 0.0 {
@@ -97,15 +138,26 @@ fn fit_ref(v: &Variant, x: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
     pack_scales(&ls, &lm, &mut y[4..16]);
 }
 
-/// `quantize_row_q{4,5}_K_impl`'s scales: weights `qw * sqrt(sigma2 + x²)`, a finer search per
-/// sub-block, then the scales and mins quantised by `make_qp_quants` weighted by each
-/// sub-block's total weight. Writes `d`, `dmin`, `scales`.
-fn fit_imatrix(v: &Variant, x: &[f32], qw: &[f32], levels: &mut [u8; QK_K], y: &mut [u8]) {
-    let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
+/// `quantize_row_q{4,5}_K_impl`'s fits of two super-blocks: weights `qw * sqrt(sigma2 + x²)`
+/// (`sigma2` per super-block), the finer search.
+fn fit_imatrix(
+    v: &Variant,
+    x: &[f32; PAIR],
+    qw: &[f32; PAIR],
+    levels: &mut [u8; PAIR],
+) -> SubBlockFits<16> {
+    let sigma2: [f32; 2] =
+        std::array::from_fn(|b| 2.0 * sum_squares(&x[QK_K * b..QK_K * (b + 1)]) / QK_K as f32);
     let weigh = |j: usize, xs: &[f32], w: &mut [f32; 32]| {
-        imatrix_weights(w, &qw[32 * j..32 * (j + 1)], xs, sigma2)
+        imatrix_weights(w, &qw[32 * j..32 * (j + 1)], xs, sigma2[j / 8])
     };
-    let fits: SubBlockFits<8> = fit_sub_blocks(x, levels, v.nmax, AffineSearch::WEIGHTED, weigh);
+    fit_sub_blocks(x, levels, v.nmax, AffineSearch::WEIGHTED, weigh)
+}
+
+/// `quantize_row_q{4,5}_K_impl`'s scales of one super-block: its fits' scales and mins
+/// quantised by `make_qp_quants` weighted by each sub-block's total weight. Writes `d`, `dmin`,
+/// `scales`.
+fn put_imatrix_scales(v: &Variant, fits: &SubBlockFits<8>, y: &mut [u8]) {
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
     let d_block = make_qp_quants(63, &fits.scales, &mut ls, &fits.weights);
@@ -193,6 +245,37 @@ fn pack_q5(levels: &[u8; QK_K], out: &mut [u8]) {
                 qh[j] |= m2;
             }
             q[j] = l1 | (l2 << 4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row of three super-blocks is searched as a pair and a doubled single; its bytes must be
+    /// those of the pair's row and the single's row (both pinned to ggml by the goldens of
+    /// tests/gguf_kquants.rs), with and without weights.
+    #[test]
+    fn an_odd_number_of_super_blocks_encodes_as_each_block_alone() {
+        let x: Vec<f32> = (0..3 * QK_K)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 1e-4 * (1.0 + (i / 97) as f32))
+            .collect();
+        let qw: Vec<f32> = (0..3 * QK_K).map(|i| 0.5 + (i % 13) as f32).collect();
+        for (ty, bytes) in [(KQuant::Q4K, 144), (KQuant::Q5K, 176)] {
+            for w in [None, Some(&qw[..])] {
+                let mut row = vec![0u8; 3 * bytes];
+                ty.quantize_row(&x, &mut row, w);
+                let mut pair = vec![0u8; 2 * bytes];
+                ty.quantize_row(&x[..2 * QK_K], &mut pair, w.map(|w| &w[..2 * QK_K]));
+                let mut single = vec![0u8; bytes];
+                ty.quantize_row(&x[2 * QK_K..], &mut single, w.map(|w| &w[2 * QK_K..]));
+                assert_eq!(&row[..2 * bytes], &pair[..], "{ty:?} {}", w.is_some());
+                assert_eq!(&row[2 * bytes..], &single[..], "{ty:?} {}", w.is_some());
+                let mut first = vec![0u8; bytes];
+                ty.quantize_row(&x[..QK_K], &mut first, w.map(|w| &w[..QK_K]));
+                assert_eq!(&row[..bytes], &first[..], "{ty:?} {}", w.is_some());
+            }
         }
     }
 }

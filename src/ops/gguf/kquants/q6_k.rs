@@ -24,7 +24,7 @@ pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 fn quantize_block(x: &[f32], y: &mut [u8; BLOCK_BYTES], qw: Option<&[f32]>) {
     let mut levels = [0i8; QK_K];
     let mut scales = [0.0f32; QK_K / 16];
-    // `make_qx_quants(32, ..)` on each sub-block of 16, eight at a time in SIMD lanes.
+    // `make_qx_quants(32, ..)` on the sixteen sub-blocks of 16 at once, in SIMD lanes.
     for first in (0..QK_K / 16).step_by(LANES) {
         let xt = transpose::<16>(x, first);
         let wt = qw.map(|w| transpose::<16>(w, first));

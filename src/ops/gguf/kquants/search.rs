@@ -5,7 +5,7 @@
 //! value back in later sums.
 
 use super::lanes::{self, simd, transpose, LANES};
-use super::{c_max, nearest_int, signed_max, QK_K};
+use super::{c_max, nearest_int, signed_max};
 
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this is all zero.
 pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
@@ -135,6 +135,17 @@ pub(super) struct SubBlockFits<const N: usize> {
 }
 
 impl<const N: usize> SubBlockFits<N> {
+    /// The fits of sub-blocks `M b .. M (b + 1)`.
+    pub fn part<const M: usize>(&self, b: usize) -> SubBlockFits<M> {
+        let take =
+            |v: &[f32; N]| -> [f32; M] { v[M * b..M * (b + 1)].try_into().expect("in range") };
+        SubBlockFits {
+            scales: take(&self.scales),
+            mins: take(&self.mins),
+            weights: take(&self.weights),
+        }
+    }
+
     /// The largest scale and the largest min, as ggml tracks them (`>` from 0, in order).
     pub fn maxima(&self) -> (f32, f32) {
         let max = |v: &[f32; N]| v.iter().fold(0.0f32, |m, &s| if s > m { s } else { m });
@@ -144,11 +155,11 @@ impl<const N: usize> SubBlockFits<N> {
 
 /// Fits each `S`-element sub-block `j` of `x` by [`make_qkx_quants`]`(nmax, .., search)`, its
 /// levels into `levels`, with the weights `weigh(j, xs, weights)` writes (it returns the
-/// sub-block's total weight). Eight sub-blocks at a time in SIMD lanes (`N` a multiple of 8),
-/// each exactly as the scalar search fits it.
+/// sub-block's total weight). [`LANES`] sub-blocks at a time in SIMD lanes (`N` a multiple of
+/// it), each exactly as the scalar search fits it.
 pub(super) fn fit_sub_blocks<const N: usize, const S: usize>(
     x: &[f32],
-    levels: &mut [u8; QK_K],
+    levels: &mut [u8],
     nmax: i32,
     search: AffineSearch,
     weigh: impl Fn(usize, &[f32], &mut [f32; S]) -> f32,
