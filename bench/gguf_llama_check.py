@@ -73,6 +73,16 @@ def hf_logits(d, c):
         shutil.copytree(d, d + "-truncate", dirs_exist_ok=True)
         d = d + "-truncate"
         json.dump(c, open(os.path.join(d, "config.json"), "w"))
+    vocab = c.get("vocab_size") or c.get("text_config", {}).get("vocab_size")
+    if isinstance(c.get("pad_token_id"), int) and vocab and c["pad_token_id"] >= vocab:
+        # The small models keep the real config's pad id (GLM-4.5's 151329, Phi-4's 100349),
+        # past their 410 ids; transformers 5.24 refuses that in nn.Embedding. Padding plays no
+        # part in the logits of given ids, so transformers runs without it.
+        import json, shutil
+        c = dict(c, pad_token_id=None)
+        shutil.copytree(d, d + "-nopad", dirs_exist_ok=True)
+        d = d + "-nopad"
+        json.dump(c, open(os.path.join(d, "config.json"), "w"))
     q = (c.get("quantization_config") or {}).get("quant_method")
     if q == "fp8":
         # transformers' own FP8 dequantisation needs accelerate; the block-scaled formula is

@@ -26,6 +26,12 @@ pub fn slow_run_writing(dir: &Path, extra: &[&str]) -> (Child, PathBuf) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // A pipe of one page, so that a run writing progress fills it within a few lines whatever
+    // the machine's speed (a 64 KiB pipe let a fast run finish before filling it). Done before
+    // the run's first line as a rule; should the pipe already hold more, it keeps its size.
+    let fd = std::os::fd::AsRawFd::as_raw_fd(child.stderr.as_ref().unwrap());
+    // SAFETY: fcntl(2) on a pipe descriptor we own.
+    unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, 4096) };
     wait_for_temporaries(&out, &mut child);
     (child, out)
 }

@@ -5,7 +5,7 @@
 //! sub-block `j` at bit `2 (j / 4)` of byte `8 + j % 4`), `d: f16`; value
 //! `d * (scale - 32) * (q - 4)`.
 
-use super::search::{make_q3_quants, make_qx_quants};
+use super::search::{fit_symmetric_sub_blocks, make_q3_quants, make_qx_quants};
 use super::{
     f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, signed_max,
     sub_blocks, sum_squares, KQuant, QK_K,
@@ -88,14 +88,17 @@ fn fit_ref(x: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
 /// `quantize_row_q3_K_impl`'s scales: weights `qw * sqrt(sigma2 + x²)` per sub-block, the
 /// scales then fitted by `make_qx_quants` weighted by each sub-block's total weight.
 fn fit_imatrix(x: &[f32], qw: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
-    let mut scales = [0.0f32; 16];
     let mut sw = [0.0f32; 16];
-    let mut weights = [0.0f32; 16];
+    let mut weights = [0.0f32; QK_K];
     let sigma2 = 2.0 * sum_squares(x) / QK_K as f32;
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
-        sw[j] = imatrix_weights(&mut weights, &qw[16 * j..16 * (j + 1)], xs, sigma2);
-        scales[j] = make_qx_quants(4, xs, ls, Some(&weights));
+    for (j, (xs, w)) in x
+        .chunks_exact(16)
+        .zip(weights.chunks_exact_mut(16))
+        .enumerate()
+    {
+        sw[j] = imatrix_weights(w, &qw[16 * j..16 * (j + 1)], xs, sigma2);
     }
+    let scales = fit_symmetric_sub_blocks(4, x, Some(&weights), levels);
     let mut ls = [0i8; 16];
     let d_block = make_qx_quants(32, &scales, &mut ls, Some(&sw));
     let sc = &mut y[SCALES..SCALES + 12];

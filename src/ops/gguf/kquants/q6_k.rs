@@ -4,8 +4,7 @@
 //! `128h + l + 32k` (`k` in 0..4, `l` in 0..32) has its low nibble in `ql[64h + l + 32(k & 1)]`
 //! (`k >= 2` in the high nibble) and its high bits at `2k` of `qh[32h + l]`.
 
-use super::lanes::{self, simd, transpose, LANES};
-use super::search::GROUP_MAX_EPS;
+use super::search::{fit_symmetric_sub_blocks, GROUP_MAX_EPS};
 use super::{
     f16_bytes, f16_round, for_each_block, nearest_int, signed_max, sub_blocks, KQuant, QK_K,
 };
@@ -23,24 +22,7 @@ pub fn quantize_row_q6_k(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f3
 
 fn quantize_block(x: &[f32], y: &mut [u8; BLOCK_BYTES], qw: Option<&[f32]>) {
     let mut levels = [0i8; QK_K];
-    let mut scales = [0.0f32; QK_K / 16];
-    // `make_qx_quants(32, ..)` on the sixteen sub-blocks of 16 at once, in SIMD lanes.
-    for first in (0..QK_K / 16).step_by(LANES) {
-        let xt = transpose::<16>(x, first);
-        let wt = qw.map(|w| transpose::<16>(w, first));
-        let mut lt = [[0.0f32; LANES]; 16];
-        let s = simd(
-            #[inline(always)]
-            || lanes::make_qx_quants(32, &xt, wt.as_ref(), &mut lt),
-        );
-        for k in 0..LANES {
-            let ib = first + k;
-            scales[ib] = s[k];
-            for (l, t) in levels[16 * ib..16 * (ib + 1)].iter_mut().zip(&lt) {
-                *l = t[k] as i8;
-            }
-        }
-    }
+    let scales = fit_symmetric_sub_blocks(32, x, qw, &mut levels);
     let (max_abs_scale, max_scale) = signed_max(&scales);
     if max_abs_scale < GROUP_MAX_EPS {
         y.fill(0);

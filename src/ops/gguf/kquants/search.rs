@@ -5,7 +5,7 @@
 //! value back in later sums.
 
 use super::lanes::{self, simd, transpose, LANES};
-use super::{c_max, nearest_int, signed_max};
+use super::{c_max, nearest_int, signed_max, QK_K};
 
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below this is all zero.
 pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
@@ -195,6 +195,36 @@ pub(super) fn fit_sub_blocks<const N: usize, const S: usize>(
         }
     }
     fits
+}
+
+/// [`make_qx_quants`]`(nmax, ..)` on each of the sixteen 16-element sub-blocks of the
+/// super-block `x`, with the weights `weights` (laid out as `x`) or, without, `x²`: the levels
+/// into `levels`, the scales returned. All sixteen at once in SIMD lanes, each exactly as the
+/// scalar search fits it.
+pub(super) fn fit_symmetric_sub_blocks(
+    nmax: i32,
+    x: &[f32],
+    weights: Option<&[f32]>,
+    levels: &mut [i8; QK_K],
+) -> [f32; QK_K / 16] {
+    let mut scales = [0.0f32; QK_K / 16];
+    for first in (0..QK_K / 16).step_by(LANES) {
+        let xt = transpose::<16>(x, first);
+        let wt = weights.map(|w| transpose::<16>(w, first));
+        let mut lt = [[0.0f32; LANES]; 16];
+        let s = simd(
+            #[inline(always)]
+            || lanes::make_qx_quants(nmax, &xt, wt.as_ref(), &mut lt),
+        );
+        for k in 0..LANES {
+            let ib = first + k;
+            scales[ib] = s[k];
+            for (l, t) in levels[16 * ib..16 * (ib + 1)].iter_mut().zip(&lt) {
+                *l = t[k] as i8;
+            }
+        }
+    }
+    scales
 }
 
 /// `make_qkx2_quants` / `make_qkx3_quants` (the same computation once weights are given, as
