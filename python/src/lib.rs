@@ -314,9 +314,9 @@ impl Lent {
 /// development VM that was 3× the whole run's time: bench/RESULTS.md, issue 26).
 #[pyclass(module = "tftf._core")]
 struct WriteBehind {
-    /// The file (one, as the engine's write-back takes a list) and its name for errors.
-    file: [std::fs::File; 1],
-    path: [PathBuf; 1],
+    file: std::fs::File,
+    /// The file's name, for errors.
+    path: PathBuf,
     /// Where the bytes already handed to write-back end.
     end: u64,
     writeback: tftf::pipeline::Writeback,
@@ -341,8 +341,8 @@ impl WriteBehind {
             .try_clone_to_owned()
             .map_err(|e| to_py(Error::io(&path, e)))?;
         Ok(WriteBehind {
-            file: [owned.into()],
-            path: [path],
+            file: owned.into(),
+            path,
             end: start,
             writeback: tftf::pipeline::Writeback::new(tftf::pipeline::WRITEBACK_WINDOW_MAX_BYTES),
         })
@@ -362,7 +362,8 @@ impl WriteBehind {
             writeback,
             ..
         } = self;
-        py.allow_threads(|| writeback.push(file, path, 0, off, len))
+        let (files, names) = (std::slice::from_ref(&*file), std::slice::from_ref(&*path));
+        py.allow_threads(|| writeback.push(files, names, 0, off, len))
             .map_err(to_py)
     }
 
@@ -374,7 +375,8 @@ impl WriteBehind {
             writeback,
             ..
         } = self;
-        py.allow_threads(|| writeback.finish(file, path))
+        let (files, names) = (std::slice::from_ref(&*file), std::slice::from_ref(&*path));
+        py.allow_threads(|| writeback.finish(files, names))
             .map_err(to_py)
     }
 }

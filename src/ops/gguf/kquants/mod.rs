@@ -18,10 +18,9 @@
 //! nothing is allocated in the loops.
 //!
 //! The searches that dominate the k-quants' time (`make_qkx_quants` of Q2_K/Q4_K/Q5_K,
-//! `make_qx_quants` of Q6_K) run on sixteen sub-blocks at once (Q4_K/Q5_K: two super-blocks),
-//! one per SIMD lane, each lane
-//! keeping its sub-block's sums in ggml's serial order (`lanes.rs`): same bits, several times
-//! the speed.
+//! `make_qx_quants` of Q6_K and of Q3_K's imatrix path) run on sixteen sub-blocks at once
+//! (Q4_K/Q5_K: two super-blocks), one per SIMD lane, each lane keeping its sub-block's sums in
+//! ggml's serial order (`lanes.rs`): same bits, several times the speed.
 
 mod grids;
 mod iq1;

@@ -62,11 +62,14 @@ fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<
         .enumerate()
     {
         let qw = quant_weights.map(|w| &w[PAIR * p..PAIR * p + x.len()]);
-        let (xs, ws) = (padded(x), qw.map(padded));
+        let (mut x_pad, mut w_pad) = ([0.0f32; PAIR], [0.0f32; PAIR]);
         let mut levels = [0u8; PAIR];
-        let fits = match &ws {
-            None => fit_ref(v, &xs, &mut levels),
-            Some(w) => fit_imatrix(v, &xs, w, &mut levels),
+        let fits = match qw {
+            None => fit_ref(v, as_pair(x, &mut x_pad), &mut levels),
+            Some(w) => {
+                let w = as_pair(w, &mut w_pad);
+                fit_imatrix(v, as_pair(x, &mut x_pad), w, &mut levels)
+            }
         };
         for (b, (xb, yb)) in x
             .chunks_exact(QK_K)
@@ -94,13 +97,15 @@ fn quantize_row(v: &Variant, src: &[f32], dst: &mut [u8], quant_weights: Option<
 /// Values of two super-blocks searched together.
 const PAIR: usize = 2 * QK_K;
 
-/// `x` (one or two super-blocks) as two, a single one doubled.
-fn padded(x: &[f32]) -> [f32; PAIR] {
-    let mut out = [0.0f32; PAIR];
-    for half in out.chunks_exact_mut(x.len()) {
+/// `x` (one or two super-blocks) as two: itself, or a single one doubled into `pad`.
+fn as_pair<'a>(x: &'a [f32], pad: &'a mut [f32; PAIR]) -> &'a [f32; PAIR] {
+    if let Ok(pair) = x.try_into() {
+        return pair;
+    }
+    for half in pad.chunks_exact_mut(x.len()) {
         half.copy_from_slice(x);
     }
-    out
+    pad
 }
 
 /// `quantize_row_q{4,5}_K_ref`'s fits of two super-blocks: each sub-block fitted with weights
