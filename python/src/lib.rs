@@ -356,19 +356,23 @@ impl WriteBehind {
         }
         let (off, len) = (self.end, end - self.end);
         self.end = end;
-        let WriteBehind {
-            file,
-            path,
-            writeback,
-            ..
-        } = self;
-        let (files, names) = (std::slice::from_ref(&*file), std::slice::from_ref(&*path));
-        py.allow_threads(|| writeback.push(files, names, 0, off, len))
-            .map_err(to_py)
+        self.with_writeback(py, |wb, files, names| wb.push(files, names, 0, off, len))
     }
 
     /// Waits until every byte handed over is on disk (errors of the write-back surface here).
     fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.with_writeback(py, |wb, files, names| wb.finish(files, names))
+    }
+}
+
+impl WriteBehind {
+    /// Runs `f` on the engine's write-back with this one file (and its name), the GIL released.
+    fn with_writeback(
+        &mut self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut tftf::pipeline::Writeback, &[std::fs::File], &[PathBuf]) -> tftf::Result<()>
+            + Send,
+    ) -> PyResult<()> {
         let WriteBehind {
             file,
             path,
@@ -376,7 +380,7 @@ impl WriteBehind {
             ..
         } = self;
         let (files, names) = (std::slice::from_ref(&*file), std::slice::from_ref(&*path));
-        py.allow_threads(|| writeback.finish(files, names))
+        py.allow_threads(|| f(writeback, files, names))
             .map_err(to_py)
     }
 }
