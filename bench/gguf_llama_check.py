@@ -141,10 +141,21 @@ def vs_hf(lo, hf, checked):
     return vs + (f" OVER {F32_TOL}" if over else ""), over
 
 
+# Models llama.cpp cannot run, whichever converter wrote them (the reference's file alike).
+SKIP = {
+    "llama4text": "llama.cpp aborts (`GGML_ASSERT(f_attn_temp_scale != 0.0f)`) on a Llama 4 model "
+                  "whose layers are all full attention: its graph scales the last layer's queries "
+                  "by a temperature it sets only for chunked attention",
+}
+
+
 def main():
     rows, bad = [], False
     for arch, (make, _) in R.ARCHS.items():
         if R.ONLY and arch not in R.ONLY:
+            continue
+        if arch in SKIP:
+            rows.append((arch, "all", "skipped: " + SKIP[arch], "", ""))
             continue
         d = R.build(arch, make)
         c = R.build.inputs[0]

@@ -296,6 +296,43 @@ def gemma3_vision(sd):
     norm(sd, "model.multi_modal_projector.mm_soft_emb_norm", 32)
 
 
+def llama4(name, **edit):
+    """Llama 4: dense and MoE layers interleaved by `interleave_moe_layer_step`, the routed
+    experts fused and transposed (`gate_up_proj` [E, hidden, 2·ff], `down_proj` [E, ff,
+    hidden]), a shared expert, and for Llama4ForConditionalGeneration a stand-in vision tower
+    and projector under `text_config`'s `language_model.` names."""
+    def make():
+        c = config(name, **edit)
+        if "text_config" in c:
+            for k in ("vocab_size", "bos_token_id", "eos_token_id", "num_hidden_layers"):
+                c["text_config"][k] = c.pop(k)
+        t = {**c, **c.get("text_config", {})}
+        h, E, ff = t["hidden_size"], t["num_local_experts"], t["intermediate_size"]
+        vl = "text_config" in c
+        pre = "language_model.model." if vl else "model."
+        sd = {pre + "embed_tokens.weight": rnd((VOCAB, h))}
+        for l in range(t["num_hidden_layers"]):
+            p = f"{pre}layers.{l}."
+            norm(sd, p + "input_layernorm", h)
+            norm(sd, p + "post_attention_layernorm", h)
+            attn(sd, p, t)
+            if (l + 1) % t["interleave_moe_layer_step"] == 0:
+                sd[p + "feed_forward.experts.gate_up_proj"] = rnd((E, h, 2 * ff))
+                sd[p + "feed_forward.experts.down_proj"] = rnd((E, ff, h))
+                linear(sd, p + "feed_forward.router", E, h)
+                mlp(sd, p + "feed_forward.shared_expert.", h, ff)
+            else:
+                mlp(sd, p + "feed_forward.", h, t["intermediate_size_mlp"])
+        norm(sd, pre + "norm", h)
+        sd[("language_model." if vl else "") + "lm_head.weight"] = rnd((VOCAB, h))
+        if vl:
+            linear(sd, "vision_model.model.layers.0.self_attn.q_proj", 32, 32, bias=True)
+            sd["vision_model.positional_embedding_vlm"] = rnd((577, 32))
+            linear(sd, "multi_modal_projector.linear_1", 64, 64)
+        return c, sd
+    return make
+
+
 ARCHS = {  # name: (builder, outtypes)
     "llama": (dense("llama3"), ["bf16", "q8_0"]),
     "llama-f32": (dense("llama3", dtype=torch.float32), ["f16", "q8_0"]),
@@ -333,6 +370,12 @@ ARCHS = {  # name: (builder, outtypes)
     "phi4": (phi3("phi4"), ["bf16", "q8_0"]),
     # partial rotary 0.75, LongRoPE, tied embeddings (no lm_head), GPT2Tokenizer.
     "phi4mini": (phi3("phi4mini"), ["bf16", "q8_0"]),
+    # Llama4ForConditionalGeneration: Scout's llama3 rope (low = high frequency factor), dense
+    # and MoE layers alternating, vision left out. Four layers: llama.cpp's chunked-attention
+    # graph needs a NoPE layer (every fourth) to run.
+    "llama4": (llama4("llama4", num_hidden_layers=4), ["bf16", "q8_0"]),
+    # Llama4ForCausalLM: every layer MoE, all full attention (sliding window 0), no rope scaling.
+    "llama4text": (llama4("llama4text"), ["bf16"]),
 }
 
 # SentencePiece architectures: the tokenizer fixture folder copied into the model (its

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use super::produce::{self, Window};
 use super::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe, RowMap};
+use super::transform;
 use super::GgmlType;
 use crate::format::dtype::DType;
 use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
@@ -58,6 +59,7 @@ pub fn source_names(t: &OutputTensor) -> Vec<&str> {
         Recipe::Direct { src }
         | Recipe::Rows { src, .. }
         | Recipe::KvBK { src, .. }
+        | Recipe::ExpertColumns { src, .. }
         | Recipe::Shifted { src, .. } => {
             vec![src.as_str()]
         }
@@ -137,6 +139,17 @@ impl GgufTensorOp {
                 let (h0, h1) = (rows.start / lora, (rows.end - 1) / lora);
                 let head = nope + v;
                 vec![h0 * head * lora * es..(h1 * head + nope) * lora * es]
+            }
+            Recipe::ExpertColumns {
+                rows: r,
+                cols,
+                first_col,
+                width,
+                ..
+            } => {
+                let span =
+                    transform::expert_column_span(rows.clone(), *r, *cols, *first_col, *width);
+                vec![span.start * es..span.end * es]
             }
             Recipe::Mxfp4 { map, .. } => {
                 let groups = inner / MXFP4_BLOCK_ELEMS as u64;
@@ -225,6 +238,8 @@ impl Op for GgufTensorOp {
                 }
             }
             Recipe::KvBK { lora, .. } => *lora,
+            // Any row of an expert reads (nearly) all of its source: a granule is an expert.
+            Recipe::ExpertColumns { width, .. } => *width,
             _ => 1,
         }
     }
@@ -482,6 +497,38 @@ mod tests {
                         nope: 4,
                         v: 8,
                         lora: 64,
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+            (
+                // Llama 4 gate_up [2 experts, 32, 2 × 12]: its gate half transposed, [2, 12, 32].
+                tensor(
+                    &[2, 12, 32],
+                    GgmlType::Q8_0,
+                    Recipe::ExpertColumns {
+                        src: "w".into(),
+                        rows: 32,
+                        cols: 24,
+                        first_col: 0,
+                        width: 12,
+                    },
+                    Some(DType::BF16),
+                ),
+                vec!["w"],
+            ),
+            (
+                // Llama 4 down_proj [2 experts, 12, 64] transposed, [2, 64, 12].
+                tensor(
+                    &[2, 64, 12],
+                    GgmlType::F16,
+                    Recipe::ExpertColumns {
+                        src: "w".into(),
+                        rows: 12,
+                        cols: 64,
+                        first_col: 0,
+                        width: 64,
                     },
                     Some(DType::BF16),
                 ),

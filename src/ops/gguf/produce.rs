@@ -8,6 +8,7 @@
 use super::encode;
 use super::quant::{self, MXFP4_BLOCK_BYTES, MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe};
+use super::transform;
 use super::GgmlType;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -237,6 +238,37 @@ fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<(
                 for n in 0..*nope {
                     let at = ((h * (nope + v) + n) * lora + l) * esize as u64;
                     dst[n as usize * esize..][..esize].copy_from_slice(s.at(at, esize)?);
+                }
+            }
+        }
+        Recipe::ExpertColumns {
+            src: name,
+            rows,
+            cols,
+            first_col,
+            width,
+        } => {
+            let n_rows = (elems.len() / row_src) as u64;
+            let geometry = (*rows, *cols, *first_col, *width);
+            let span = transform::expert_column_span(
+                first..first + n_rows,
+                geometry.0,
+                geometry.1,
+                geometry.2,
+                geometry.3,
+            );
+            let s = src.get(name)?;
+            let read = s.at(
+                span.start * esize as u64,
+                ((span.end - span.start) * esize as u64) as usize,
+            )?;
+            for (k, dst) in elems.chunks_exact_mut(row_src).enumerate() {
+                let r = first + k as u64;
+                for (j, d) in dst.chunks_exact_mut(esize).enumerate() {
+                    let at = transform::expert_column_source(
+                        r, j as u64, *rows, *cols, *first_col, *width,
+                    ) - span.start;
+                    d.copy_from_slice(&read[at as usize * esize..][..esize]);
                 }
             }
         }

@@ -61,6 +61,16 @@ pub enum Recipe {
         v: u64,
         lora: u64,
     },
+    /// Llama 4's fused, transposed experts: the source is `[E, rows, cols]` and output row
+    /// `e · width + i` is column `first_col + i` of expert `e` (`rows` elements), so the output
+    /// is `[E, width, rows]` ([`transform::expert_column_source`]).
+    ExpertColumns {
+        src: String,
+        rows: u64,
+        cols: u64,
+        first_col: u64,
+        width: u64,
+    },
     /// Safetensors MXFP4 `*_blocks` + `*_scales` → ggml MXFP4 ([`super::quant::repack_mxfp4`]);
     /// with a map, output row `r` (one output channel of one expert) is source row
     /// `map.source_row(r)` of both.

@@ -63,6 +63,39 @@ pub fn kv_b_k_transpose_head(head: &[u8], nope: usize, lora: usize, elem: usize,
     }
 }
 
+/// Llama 4 experts (`Llama4Model.modify_tensors`: `transpose(-1, -2)`, then `gate_up` split in
+/// halves): element `j` of output row `out_row` of a `[E, width, rows]` tensor made of columns
+/// `first_col..first_col + width` of each `[rows, cols]` expert comes from this source element.
+pub fn expert_column_source(
+    out_row: u64,
+    j: u64,
+    rows: u64,
+    cols: u64,
+    first_col: u64,
+    width: u64,
+) -> u64 {
+    let (e, i) = (out_row / width, out_row % width);
+    (e * rows + j) * cols + first_col + i
+}
+
+/// The source elements `[start, end)` that output rows `out_rows` of an
+/// [`expert_column_source`] tensor read: from the first row's column in its expert's first row
+/// to the last row's column in its expert's last row.
+pub fn expert_column_span(
+    out_rows: std::ops::Range<u64>,
+    rows: u64,
+    cols: u64,
+    first_col: u64,
+    width: u64,
+) -> std::ops::Range<u64> {
+    if out_rows.is_empty() {
+        return 0..0;
+    }
+    let last = out_rows.end - 1;
+    let at = |r: u64, j: u64| expert_column_source(r, j, rows, cols, first_col, width);
+    at(out_rows.start, 0)..at(last, rows - 1) + 1
+}
+
 /// Gathers output rows `[first, first + count)` from `src` (whole source tensor, `row_bytes`
 /// per row) through a row map.
 pub fn gather_rows(
@@ -139,6 +172,22 @@ mod tests {
         assert_eq!(up, [1, 3, 5, 7]);
         let up: Vec<u64> = (0..4).map(|r| halves_source_row(r, 2, 1)).collect();
         assert_eq!(up, [2, 3, 6, 7]);
+    }
+
+    #[test]
+    fn expert_columns_transpose_each_expert_and_take_its_half() {
+        // 2 experts of 3 rows × 4 columns (elements numbered in order); the second half of the
+        // columns (2 and 3) transposed: expert 0 column 2 is elements 2, 6, 10.
+        let out: Vec<Vec<u64>> = (0..4)
+            .map(|r| {
+                (0..3)
+                    .map(|j| expert_column_source(r, j, 3, 4, 2, 2))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(out, [[2, 6, 10], [3, 7, 11], [14, 18, 22], [15, 19, 23]]);
+        assert_eq!(expert_column_span(1..3, 3, 4, 2, 2), 3..23);
+        assert_eq!(expert_column_span(2..2, 3, 4, 2, 2), 0..0);
     }
 
     #[test]

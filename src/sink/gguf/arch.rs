@@ -49,6 +49,9 @@ pub enum Family {
     Glm4Moe,
     /// Phi-3 and Phi-4 (`arch_phi`): fused QKV and gate/up, its own KVs, LongRoPE factors.
     Phi3,
+    /// Llama 4 text: Llama's KVs and `rope_freqs` without the Q/K permutation, dense and MoE
+    /// layers interleaved, fused transposed experts split per column (`ExpertColumns`).
+    Llama4,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -149,6 +152,18 @@ const DEEPSEEK_MLA: LayerTable = &[
     ("self_attn.kv_a_layernorm", "attn_kv_a_norm"),
 ];
 const DEEPSEEK_LAYER: &[LayerTable] = &[DEEPSEEK_MLA, ROUTER_WITH_BIAS, SHARED_EXPERTS, EXPERTS];
+
+/// Llama 4's feed-forward: dense layers, the router, the shared expert. The routed experts
+/// (`feed_forward.experts.{gate_up,down}_proj`) are planned by `recipe::llama4_experts`.
+const LLAMA4_LAYER: LayerTable = &[
+    ("feed_forward.gate_proj", "ffn_gate"),
+    ("feed_forward.up_proj", "ffn_up"),
+    ("feed_forward.down_proj", "ffn_down"),
+    ("feed_forward.router", "ffn_gate_inp"),
+    ("feed_forward.shared_expert.gate_proj", "ffn_gate_shexp"),
+    ("feed_forward.shared_expert.up_proj", "ffn_up_shexp"),
+    ("feed_forward.shared_expert.down_proj", "ffn_down_shexp"),
+];
 
 /// `model_type`s transformers does not know (their checkpoints ship remote code): the
 /// reference, which never runs remote code, falls back to reading `config.json` as it is, so
@@ -287,6 +302,13 @@ pub static ARCHS: &[ArchSpec] = &[
         ("max_position_embeddings", Int(4096)), ("original_max_position_embeddings", Int(4096)),
         ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", SameAsHeads), ("vocab_size", Int(32064)),
     ]),
+    // Llama 4 Scout and Maverick ship the multimodal class; its `text_config` is Llama4TextConfig.
+    spec(&["Llama4ForConditionalGeneration", "Llama4ForCausalLM"], "llama4", Family::Llama4, 500000.0, &[LLAMA4_LAYER], &[
+        ("max_position_embeddings", Int(131072)), ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", Int(8)),
+        ("head_dim", HiddenPerHeadOr(128)), ("vocab_size", Int(202048)), ("intermediate_size", Int(8192)),
+        ("intermediate_size_mlp", Int(16384)), ("num_experts_per_tok", Int(1)), ("num_local_experts", Int(16)),
+        ("interleave_moe_layer_step", Int(1)),
+    ]),
 ];
 
 /// The entry for `config.json`'s `architectures[0]`, or an error naming the supported ones.
@@ -380,6 +402,17 @@ impl Config {
                 },
             };
             map.insert(key.to_string(), v);
+        }
+        if spec.family == Family::Llama4 {
+            // `Llama4Model.__init__`: the dense layers' size is the feed-forward length, the
+            // experts' the expert one.
+            let moe = map.get("intermediate_size").cloned().unwrap_or(Json::Null);
+            let mlp = map
+                .get("intermediate_size_mlp")
+                .cloned()
+                .unwrap_or(Json::Null);
+            map.insert("intermediate_size_moe".into(), moe);
+            map.insert("intermediate_size".into(), mlp);
         }
         let mut rope = match map
             .get("rope_parameters")
@@ -670,7 +703,7 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
 
     // Per-architecture additions.
     match fam {
-        Family::Llama | Family::Granite => {
+        Family::Llama | Family::Granite | Family::Llama4 => {
             m.set(
                 k("vocab_size"),
                 cfg.u32_kv("vocab_size", cfg.need_u64("vocab_size")?)?,
@@ -679,6 +712,9 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
                 k("rope.dimension_count"),
                 cfg.u32_kv("head_dim", rope_dim(cfg)?)?,
             );
+            if fam == Family::Llama4 {
+                llama4_kvs(cfg, &mut m, &k)?;
+            }
         }
         Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 | Family::Phi3 => {}
         Family::Gemma3 => super::arch_gemma::gemma3_kvs(cfg, &mut m, &k)?,
@@ -745,6 +781,69 @@ fn granite_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> Re
         }
     }
     Ok(())
+}
+
+/// `Llama4Model.set_gguf_parameters`: the MoE interleave, the experts' feed-forward length, and
+/// a sliding window of 0 when every layer is full attention.
+fn llama4_kvs(cfg: &Config, m: &mut Metadata, k: &dyn Fn(&str) -> String) -> Result<()> {
+    let step = cfg.need_u64("interleave_moe_layer_step")?;
+    m.set(
+        k("interleave_moe_layer_step"),
+        cfg.u32_kv("interleave_moe_layer_step", step)?,
+    );
+    let moe = cfg.need_u64("intermediate_size_moe")?;
+    m.set(
+        k("expert_feed_forward_length"),
+        cfg.u32_kv("intermediate_size", moe)?,
+    );
+    if llama4_layer_types(cfg)?
+        .iter()
+        .all(|t| t == "full_attention")
+    {
+        m.set(k("attention.sliding_window"), Value::U32(0));
+    }
+    Ok(())
+}
+
+/// Llama4TextConfig's `layer_types`: the file's, else chunked attention on the layers that use
+/// rope (`no_rope_layers`, by default all but every `no_rope_layer_interval`-th) while
+/// `attention_chunk_size` is set (8192 when absent), full attention elsewhere.
+fn llama4_layer_types(cfg: &Config) -> Result<Vec<String>> {
+    if let Some(types) = cfg.find(&["layer_types"]) {
+        return types
+            .as_array()
+            .and_then(|a| a.iter().map(|t| t.as_str().map(String::from)).collect())
+            .ok_or_else(|| cfg.err(format!("`layer_types` is {types}, not a list of strings")));
+    }
+    let n = cfg.need_u64("num_hidden_layers")?;
+    let interval = cfg.u64(&["no_rope_layer_interval"])?.unwrap_or(4).max(1);
+    let given: Vec<u64> = match cfg.find(&["no_rope_layers"]) {
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(Json::as_u64).collect())
+            .ok_or_else(|| cfg.err(format!("`no_rope_layers` is {v}, not a list of integers")))?,
+        None => Vec::new(),
+    };
+    let no_rope = if given.is_empty() {
+        (0..n).map(|l| u64::from((l + 1) % interval != 0)).collect()
+    } else {
+        given
+    };
+    let chunked = !cfg
+        .map
+        .get("attention_chunk_size")
+        .is_some_and(Json::is_null);
+    Ok(no_rope
+        .iter()
+        .map(|&r| {
+            if r != 0 && chunked {
+                "chunked_attention"
+            } else {
+                "full_attention"
+            }
+            .into()
+        })
+        .collect())
 }
 
 fn rope_dim(cfg: &Config) -> Result<u64> {
@@ -845,3 +944,62 @@ pub struct InputTensor {
 }
 
 pub use super::recipe::{plan_tensors, OutputTensor, Recipe, RowMap};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama4(edit: Json) -> Config {
+        let mut c = serde_json::json!({
+            "architectures": ["Llama4ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 4, "intermediate_size": 96, "intermediate_size_mlp": 128,
+            "vocab_size": 410,
+        });
+        for (k, v) in edit.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        Config::from_json(Path::new("m/config.json"), c).unwrap()
+    }
+
+    fn kv(cfg: &Config, key: &str) -> Option<Value> {
+        model_kvs(cfg, FileType::MostlyBf16, "m")
+            .unwrap()
+            .get(&format!("llama4.{key}"))
+            .cloned()
+    }
+
+    #[test]
+    fn llama4_swaps_the_feed_forward_lengths_and_drops_the_window_only_when_every_layer_is_full() {
+        let cfg = llama4(serde_json::json!({}));
+        assert_eq!(kv(&cfg, "feed_forward_length"), Some(Value::U32(128)));
+        assert_eq!(kv(&cfg, "expert_feed_forward_length"), Some(Value::U32(96)));
+        // Llama4TextConfig's defaults: head_dim 128, one MoE layer in every one.
+        assert_eq!(kv(&cfg, "attention.key_length"), Some(Value::U32(128)));
+        assert_eq!(kv(&cfg, "interleave_moe_layer_step"), Some(Value::U32(1)));
+        // Default layers: three chunked, then a full NoPE one: no window KV.
+        assert_eq!(kv(&cfg, "attention.sliding_window"), None);
+        for full in [
+            serde_json::json!({"no_rope_layers": [0, 0, 0, 0]}),
+            serde_json::json!({"attention_chunk_size": null}),
+            serde_json::json!({"layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"]}),
+        ] {
+            let cfg = llama4(full.clone());
+            assert_eq!(
+                kv(&cfg, "attention.sliding_window"),
+                Some(Value::U32(0)),
+                "{full}"
+            );
+        }
+        // An empty `no_rope_layers` is the default pattern, as transformers reads it.
+        let cfg = llama4(serde_json::json!({"no_rope_layers": []}));
+        assert_eq!(kv(&cfg, "attention.sliding_window"), None);
+        let bad = llama4(serde_json::json!({"layer_types": "full_attention"}));
+        let err = model_kvs(&bad, FileType::MostlyBf16, "m")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`layer_types` is \"full_attention\", not a list of strings"),
+            "{err}"
+        );
+    }
+}

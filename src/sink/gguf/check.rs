@@ -233,9 +233,10 @@ fn block_shape(cfg: &Config, b: &str, hidden: u64) -> Result<Option<Expected>> {
 /// The checkpoint tensor a GGUF tensor comes from, when it is one.
 fn source_of(o: &OutputTensor) -> Option<&str> {
     match &o.recipe {
-        Recipe::Direct { src } | Recipe::Rows { src, .. } | Recipe::Shifted { src, .. } => {
-            Some(src)
-        }
+        Recipe::Direct { src }
+        | Recipe::Rows { src, .. }
+        | Recipe::Shifted { src, .. }
+        | Recipe::ExpertColumns { src, .. } => Some(src),
         Recipe::Stack { srcs } => srcs.first().map(String::as_str),
         _ => None,
     }

@@ -199,6 +199,10 @@ pub fn plan_tensors(
                 );
                 continue;
             }
+            (Family::Llama4, r) if r.starts_with("feed_forward.experts.") => {
+                llama4_experts(t, r, bid, &mut out, &mut push)?;
+                continue;
+            }
             (Family::DeepseekV3, "self_attn.kv_b_proj.weight") => {
                 deepseek_kv_b(cfg, t, bid, &mut out, &mut push)?;
                 continue;
@@ -429,6 +433,59 @@ fn gpt_oss_experts(
     }
 }
 
+/// Llama 4's routed experts (`Llama4Model.modify_tensors`): `gate_up_proj` `[E, n, 2·ff]`
+/// transposed and split into `ffn_gate_exps` and `ffn_up_exps` `[E, ff, n]`, `down_proj`
+/// `[E, ff, n]` transposed into `ffn_down_exps` `[E, n, ff]`.
+fn llama4_experts(
+    t: &InputTensor,
+    rest: &str,
+    bid: u64,
+    out: &mut Vec<OutputTensor>,
+    push: &mut Push,
+) -> Result<()> {
+    let src = t.name.as_str();
+    let bad = |msg: String| Error::GgufTensor {
+        tensor: src.into(),
+        msg,
+    };
+    let [e, rows, cols] = match t.shape[..] {
+        [e, r, c] => [e, r, c],
+        _ => {
+            return Err(bad(format!(
+                "expected [experts, rows, columns], got {:?}",
+                t.shape
+            )))
+        }
+    };
+    let w = rest.strip_prefix("feed_forward.experts.").unwrap();
+    let parts: &[(&str, u64, u64)] = match w.strip_suffix(".weight").unwrap_or(w) {
+        "gate_up_proj" if cols % 2 == 0 => &[
+            ("ffn_gate_exps", 0, cols / 2),
+            ("ffn_up_exps", cols / 2, cols / 2),
+        ],
+        "gate_up_proj" => return Err(bad(format!("gate_up_proj has an odd column count {cols}"))),
+        "down_proj" => &[("ffn_down_exps", 0, cols)],
+        other => return Err(bad(format!("unknown Llama 4 expert tensor `{other}`"))),
+    };
+    for &(base, first_col, width) in parts {
+        let recipe = Recipe::ExpertColumns {
+            src: src.into(),
+            rows,
+            cols,
+            first_col,
+            width,
+        };
+        push(
+            out,
+            format!("blk.{bid}.{base}.weight"),
+            vec![e, width, rows],
+            recipe,
+            Some(t.dtype),
+        );
+    }
+    Ok(())
+}
+
 fn deepseek_kv_b(
     cfg: &Config,
     t: &InputTensor,
@@ -488,7 +545,7 @@ fn deepseek_kv_b(
 
 /// Llama-3 `rope_freqs` values when `rope_type` is `llama3` (Llama family only).
 fn llama3_rope_freqs(cfg: &Config) -> Result<Option<Vec<f32>>> {
-    if cfg.spec.family != Family::Llama {
+    if !matches!(cfg.spec.family, Family::Llama | Family::Llama4) {
         return Ok(None);
     }
     let ty = cfg

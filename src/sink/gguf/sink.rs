@@ -494,6 +494,7 @@ pub fn recipe_kind(t: &OutputTensor) -> &'static str {
         Recipe::Rows { .. } => "rows",
         Recipe::Stack { .. } => "stack",
         Recipe::KvBK { .. } => "kv_b split",
+        Recipe::ExpertColumns { .. } => "expert transpose",
         Recipe::Mxfp4 { .. } => "mxfp4 repack",
         Recipe::Values(_) => "computed",
         Recipe::Shifted { .. } => "norm + 1",
