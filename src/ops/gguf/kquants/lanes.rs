@@ -133,6 +133,20 @@ impl Vm {
     }
 
     #[inline(always)]
+    fn or(self, o: Vm) -> Vm {
+        let mut r = self.0;
+        for k in 0..LANES {
+            r[k] |= o.0[k];
+        }
+        Vm(r)
+    }
+
+    #[inline(always)]
+    fn any(self) -> bool {
+        self.0.iter().fold(0, |a, &m| a | m) != 0
+    }
+
+    #[inline(always)]
     fn not(self) -> Vm {
         Vm(self.0.map(|m| !m))
     }
@@ -319,6 +333,69 @@ pub(super) fn make_qx_quants<const S: usize>(
     empty.select(zero, scale).0
 }
 
+/// [`search::make_q3_quants`](super::search::make_q3_quants) on sixteen sub-blocks: lane `k`'s
+/// levels `L + nmax` (as f32) into `levels[..][k]`. Each lane moves its levels one at a time in
+/// element order, as the scalar search does; a lane whose pass changed nothing runs the later
+/// passes unchanged (the same sums give the same decisions), so it ends where the scalar search
+/// stopped. Returns each lane's scale.
+#[inline(always)]
+pub(super) fn make_q3_quants<const S: usize>(
+    nmax: i32,
+    x: &[Lanes; S],
+    levels: &mut [Lanes; S],
+) -> Lanes {
+    let x: [Vf; S] = x.map(Vf);
+    let zero = Vf::splat(0.0);
+    let mut amax = zero;
+    let mut max = zero;
+    for &v in &x {
+        let larger = v.abs().gt(amax);
+        amax = larger.select(v.abs(), amax);
+        max = larger.select(v, max);
+    }
+    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let (lo, hi) = (-nmax, nmax - 1);
+    let iscale = -Vf::splat(nmax as f32) / max;
+    let mut l = [zero; S];
+    let (mut sumlx, mut suml2) = (zero, zero);
+    for i in 0..S {
+        l[i] = (iscale * x[i]).round_clamped(lo, hi);
+        let w = x[i] * x[i];
+        sumlx += w * x[i] * l[i];
+        suml2 += w * l[i] * l[i];
+    }
+    for _ in 0..5 {
+        let mut changed = zero.ne(zero);
+        for i in 0..S {
+            let (v, li) = (x[i], l[i]);
+            let w = v * v;
+            let slx0 = sumlx - w * v * li;
+            let sl20 = suml2 - w * li * li;
+            let new_l = (v * sl20 / slx0).round_clamped(lo, hi);
+            let slx = slx0 + w * v * new_l;
+            let sl2 = sl20 + w * new_l * new_l;
+            let better = (slx * slx * suml2).gt(sumlx * sumlx * sl2);
+            let take = (slx0.gt(zero))
+                .and(new_l.ne(li))
+                .and(sl2.gt(zero))
+                .and(better);
+            sumlx = take.select(slx, sumlx);
+            suml2 = take.select(sl2, suml2);
+            l[i] = take.select(new_l, li);
+            changed = changed.or(take);
+        }
+        if !changed.any() {
+            break;
+        }
+    }
+    let nmaxf = Vf::splat(nmax as f32);
+    for (out, li) in levels.iter_mut().zip(l) {
+        *out = empty.select(zero, li + nmaxf).0;
+    }
+    let scale = suml2.gt(zero).select(sumlx / suml2, zero);
+    empty.select(zero, scale).0
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::search;
@@ -424,6 +501,29 @@ mod tests {
             qkx_agrees::<32>(31, AffineSearch::new(-0.5, 0.1, 15, false), through_simd);
             qkx_agrees::<32>(15, AffineSearch::WEIGHTED, through_simd);
             qkx_agrees::<16>(3, AffineSearch::new(-0.5, 0.1, 15, true), through_simd);
+        }
+    }
+
+    #[test]
+    fn q3_level_moves_in_lanes_equal_the_scalar_search_bit_for_bit() {
+        for through_simd in [false, true] {
+            let cases = cases::<16>(0xB3B3);
+            for (g, (x, _)) in groups(&cases).iter().enumerate() {
+                let mut lt = [[0.0f32; LANES]; 16];
+                let scales = if through_simd {
+                    simd(|| make_q3_quants(4, x, &mut lt))
+                } else {
+                    make_q3_quants(4, x, &mut lt)
+                };
+                for k in 0..LANES {
+                    let case = g * LANES + k;
+                    let mut levels = [0i8; 16];
+                    let scale = search::make_q3_quants(4, &cases[case].0, &mut levels);
+                    assert_eq!(scales[k].to_bits(), scale.to_bits(), "case {case}: scale");
+                    let lane: [i8; 16] = std::array::from_fn(|i| lt[i][k] as i8);
+                    assert_eq!(lane, levels, "case {case}: levels");
+                }
+            }
         }
     }
 

@@ -5,7 +5,7 @@
 //! sub-block `j` at bit `2 (j / 4)` of byte `8 + j % 4`), `d: f16`; value
 //! `d * (scale - 32) * (q - 4)`.
 
-use super::search::{fit_symmetric_sub_blocks, make_q3_quants, make_qx_quants};
+use super::search::{fit_q3_sub_blocks, fit_symmetric_sub_blocks, make_qx_quants};
 use super::{
     f16_bytes, for_each_block, imatrix_weights, nearest_int, pack_2bit, read_f16, signed_max,
     sub_blocks, sum_squares, KQuant, QK_K,
@@ -62,13 +62,10 @@ fn get_scale(scales: &[u8], j: usize) -> i8 {
     (low | (((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i8 - 32
 }
 
-/// `quantize_row_q3_K_ref`'s scales: `make_q3_quants` per sub-block, the scales then scaled to
+/// `quantize_row_q3_K_ref`'s scales: `make_q3_quants` per sub-block (in lanes), the scales then scaled to
 /// 6 bits by the one of largest magnitude.
 fn fit_ref(x: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
-    let mut scales = [0.0f32; 16];
-    for (j, (xs, ls)) in sub_blocks(x, &mut levels[..], 16) {
-        scales[j] = make_q3_quants(4, xs, ls);
-    }
+    let scales = fit_q3_sub_blocks(x, levels);
     let (_, max_scale) = signed_max(&scales);
     let sc = &mut y[SCALES..SCALES + 12];
     sc.fill(0);

@@ -59,7 +59,10 @@ pub(crate) fn make_qx_quants(nmax: i32, x: &[f32], levels: &mut [i8], qw: Option
 }
 
 /// `make_q3_quants(n, nmax, x, L, do_rmse = true)`: symmetric levels with `x²` weights, then
-/// up to five passes moving single levels while the fit improves. Returns the scale.
+/// up to five passes moving single levels while the fit improves. Returns the scale. The
+/// encoder runs it in lanes ([`fit_q3_sub_blocks`]); this port is what the lanes are checked
+/// against.
+#[cfg(test)]
 pub(super) fn make_q3_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
     let (amax, max) = signed_max(x);
     if amax < GROUP_MAX_EPS {
@@ -222,6 +225,24 @@ pub(super) fn fit_symmetric_sub_blocks(
             for (l, t) in levels[16 * ib..16 * (ib + 1)].iter_mut().zip(&lt) {
                 *l = t[k] as i8;
             }
+        }
+    }
+    scales
+}
+
+/// [`make_q3_quants`]`(4, ..)` on each of the sixteen 16-element sub-blocks of the super-block
+/// `x` (Q3_K's reference path): the levels into `levels`, the scales returned, all sixteen at
+/// once in SIMD lanes.
+pub(super) fn fit_q3_sub_blocks(x: &[f32], levels: &mut [i8; QK_K]) -> [f32; QK_K / 16] {
+    let xt = transpose::<16>(x, 0);
+    let mut lt = [[0.0f32; LANES]; 16];
+    let scales = simd(
+        #[inline(always)]
+        || lanes::make_q3_quants(4, &xt, &mut lt),
+    );
+    for (ib, ls) in levels.chunks_exact_mut(16).enumerate() {
+        for (l, t) in ls.iter_mut().zip(&lt) {
+            *l = t[ib] as i8;
         }
     }
     scales
