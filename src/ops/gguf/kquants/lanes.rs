@@ -102,6 +102,16 @@ impl Vf {
     }
 
     #[inline(always)]
+    fn le(self, o: Vf) -> Vm {
+        self.cmp(o, |a, b| a <= b)
+    }
+
+    #[inline(always)]
+    fn ge(self, o: Vf) -> Vm {
+        self.cmp(o, |a, b| a >= b)
+    }
+
+    #[inline(always)]
     fn abs(self) -> Vf {
         Vf(self.0.map(f32::abs))
     }
@@ -394,6 +404,104 @@ pub(super) fn make_q3_quants<const S: usize>(
     }
     let scale = suml2.gt(zero).select(sumlx / suml2, zero);
     empty.select(zero, scale).0
+}
+
+/// `kv[best_index_int8(16, kv, v)]` per lane: the nearest of the 16 ascending levels `kv`, the
+/// lower one unless the upper is strictly nearer, as ggml's bisection picks it (a NaN takes the
+/// last level, where the bisection ends).
+#[inline(always)]
+fn nearest_level(v: Vf, kv: &[f32; 16]) -> Vf {
+    nearest(v, kv).0
+}
+
+/// [`nearest_level`] and the level's index (as f32).
+#[inline(always)]
+fn nearest(v: Vf, kv: &[f32; 16]) -> (Vf, Vf) {
+    let (mut lo, mut hi) = (Vf::splat(kv[0]), Vf::splat(kv[1]));
+    let mut at = Vf::splat(0.0);
+    for j in 1..15 {
+        let above = v.ge(Vf::splat(kv[j]));
+        lo = above.select(Vf::splat(kv[j]), lo);
+        hi = above.select(Vf::splat(kv[j + 1]), hi);
+        at = above.select(Vf::splat(j as f32), at);
+    }
+    let (first, last) = (Vf::splat(kv[0]), Vf::splat(kv[15]));
+    let lower = (v - lo).lt(hi - v);
+    let level = lower.select(lo, hi);
+    let index = lower.select(at, at + Vf::splat(1.0));
+    let low_end = v.le(first);
+    let high_end = v.ge(last).or(v.ne(v));
+    (
+        high_end.select(last, low_end.select(first, level)),
+        high_end.select(Vf::splat(15.0), low_end.select(Vf::splat(0.0), index)),
+    )
+}
+
+/// `best_index_int8(16, kv, id * x[i])` for 32 values `x` (two lane groups), into `out`.
+pub(super) fn nearest_indices(x: &[f32], id: f32, kv: &[f32; 16], out: &mut [u8]) {
+    assert!(x.len() == 2 * LANES && out.len() == 2 * LANES);
+    simd(
+        #[inline(always)]
+        || {
+            for (xs, os) in x.chunks_exact(LANES).zip(out.chunks_exact_mut(LANES)) {
+                let v = Vf(std::array::from_fn(|k| xs[k])) * Vf::splat(id);
+                let (_, index) = nearest(v, kv);
+                for k in 0..LANES {
+                    os[k] = index.0[k] as u8;
+                }
+            }
+        },
+    )
+}
+
+/// [`nearest_level`] of sixteen values, for the tests against ggml's bisection.
+#[cfg(test)]
+pub(super) fn nearest_levels(v: Lanes, kv: &[f32; 16]) -> Lanes {
+    nearest_level(Vf(v), kv).0
+}
+
+/// `Σ w·q·x` and `Σ w·q²` over the nearest levels `q` of `id · x`, in element order.
+#[inline(always)]
+fn iq4_sums(id: Vf, x: &[Vf; 32], w: &[Vf; 32], kv: &[f32; 16]) -> (Vf, Vf) {
+    let zero = Vf::splat(0.0);
+    let (mut sumqx, mut sumq2) = (zero, zero);
+    for i in 0..32 {
+        let q = nearest_level(id * x[i], kv);
+        sumqx += w[i] * q * x[i];
+        sumq2 += w[i] * q * q;
+    }
+    (sumqx, sumq2)
+}
+
+/// The scale search of `quantize_row_iq4_nl_impl` on sixteen 32-element sub-blocks: lane `k`
+/// fits `x[..][k]` with weights `w[..][k]` to the nearest levels of `kv` at the first inverse
+/// scale and `2 ntry + 1` nudged ones, in ggml's operations and order. Returns each lane's
+/// scale (0 for a sub-block below `GROUP_MAX_EPS`).
+#[inline(always)]
+pub(super) fn iq4_fit(x: &[Lanes; 32], w: &[Lanes; 32], kv: &[f32; 16], ntry: i32) -> Lanes {
+    let x: [Vf; 32] = x.map(Vf);
+    let w: [Vf; 32] = w.map(Vf);
+    let zero = Vf::splat(0.0);
+    let mut amax = zero;
+    let mut max = zero;
+    for &v in &x {
+        let larger = v.abs().gt(amax);
+        amax = larger.select(v.abs(), amax);
+        max = larger.select(v, max);
+    }
+    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let id = Vf::splat(1.0) / (-max / Vf::splat(kv[0]));
+    let (sumqx, sumq2) = iq4_sums(id, &x, &w, kv);
+    let mut d = sumq2.gt(zero).select(sumqx / sumq2, zero);
+    let mut best = d * sumqx;
+    for itry in -ntry..=ntry {
+        let id = Vf::splat((itry + kv[0] as i32) as f32) / max;
+        let (sumqx, sumq2) = iq4_sums(id, &x, &w, kv);
+        let take = sumq2.gt(zero).and((sumqx * sumqx).gt(best * sumq2));
+        d = take.select(sumqx / sumq2, d);
+        best = take.select(d * sumqx, best);
+    }
+    empty.select(zero, d).0
 }
 
 #[cfg(test)]
