@@ -7,14 +7,16 @@
 # whether the two files' tensors are equal byte for byte.
 # With IMATRIX=FILE (llama-imatrix's output for this model) both also run with `--imatrix FILE`,
 # and the two imatrix outputs are compared too. MODEL=DIR takes that model instead of
-# generating one (kept afterwards).
-# Usage: LLAMA_CPP_DIR=DIR LLAMA_QUANTIZE=BIN PYTHON=PY [IMATRIX=F] [MODEL=DIR]
+# generating one (kept afterwards). TYPE=T measures llama-quantize type T instead of Q4_K_M.
+# Usage: LLAMA_CPP_DIR=DIR LLAMA_QUANTIZE=BIN PYTHON=PY [IMATRIX=F] [MODEL=DIR] [TYPE=T]
 #        bench/gguf_kquant.sh [LAYERS [HIDDEN INTER HEADS KV_HEADS VOCAB]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
 LAYERS=${1:-4}
 SHAPE=("${@:2}")
+TYPE=${TYPE:-Q4_K_M}
+type=$(echo "$TYPE" | tr '[:upper:]' '[:lower:]')
 [ ${#SHAPE[@]} -gt 0 ] || SHAPE=(1024 3072 8 4 32000)
 D=$PWD/bench/data
 trap 'rm -rf "$D"' EXIT
@@ -25,9 +27,9 @@ PY=${PYTHON:-python3}
 M=${MODEL:-$D/m}
 [ -n "${MODEL:-}" ] || "$PY" bench/gguf_model.py "$M" "$LAYERS" "${SHAPE[@]}"
 echo "model: $(du -sb "$M" | cut -f1) bytes; nproc $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
-measure "tftf gguf q4_k_m" "$BIN" gguf -i "$M" -o "$D/tftf.gguf" --outtype q4_k_m --vocab-pre qwen2 --no-progress
+measure "tftf gguf $type" "$BIN" gguf -i "$M" -o "$D/tftf.gguf" --outtype "$type" --vocab-pre qwen2 --no-progress
 if [ -n "${IMATRIX:-}" ]; then
-    measure "tftf gguf q4_k_m imatrix" "$BIN" gguf -i "$M" -o "$D/tftf.im.gguf" --outtype q4_k_m \
+    measure "tftf gguf $type imatrix" "$BIN" gguf -i "$M" -o "$D/tftf.im.gguf" --outtype "$type" \
         --vocab-pre qwen2 --imatrix "$IMATRIX" --no-progress
 fi
 REF='
@@ -39,10 +41,10 @@ import convert_hf_to_gguf as c
 c.main()'
 measure "convert_hf_to_gguf f32" env PYTHONPATH="$LLAMA_CPP_DIR:$LLAMA_CPP_DIR/gguf-py" "$PY" -c "$REF" \
     "$M" --outfile "$D/ref.f32.gguf" --outtype f32
-measure "llama-quantize Q4_K_M" "$LLAMA_QUANTIZE" "$D/ref.f32.gguf" "$D/ref.gguf" Q4_K_M
+measure "llama-quantize $TYPE" "$LLAMA_QUANTIZE" "$D/ref.f32.gguf" "$D/ref.gguf" "$TYPE"
 if [ -n "${IMATRIX:-}" ]; then
-    measure "llama-quantize Q4_K_M imatrix" "$LLAMA_QUANTIZE" --imatrix "$IMATRIX" "$D/ref.f32.gguf" \
-        "$D/ref.im.gguf" Q4_K_M
+    measure "llama-quantize $TYPE imatrix" "$LLAMA_QUANTIZE" --imatrix "$IMATRIX" "$D/ref.f32.gguf" \
+        "$D/ref.im.gguf" "$TYPE"
 fi
 rm -f "$D/ref.f32.gguf"
 same() {
