@@ -430,6 +430,18 @@ mod tests {
         out
     }
 
+    /// Llama 4 experts `[E, width, rows]` from the first `width` of each expert's `cols` columns.
+    fn columns(shape: &[u64; 3], ty: GgmlType, cols: u64) -> OutputTensor {
+        let recipe = Recipe::ExpertColumns {
+            src: "w".into(),
+            rows: shape[2],
+            cols,
+            first_col: 0,
+            width: shape[1],
+        };
+        tensor(shape, ty, recipe, Some(DType::BF16))
+    }
+
     #[test]
     fn every_recipe_gives_the_same_bytes_however_its_rows_are_cut() {
         let w = bytes(24 * 64 * 2, 1);
@@ -502,38 +514,10 @@ mod tests {
                 ),
                 vec!["w"],
             ),
-            (
-                // Llama 4 gate_up [2 experts, 32, 2 × 12]: its gate half transposed, [2, 12, 32].
-                tensor(
-                    &[2, 12, 32],
-                    GgmlType::Q8_0,
-                    Recipe::ExpertColumns {
-                        src: "w".into(),
-                        rows: 32,
-                        cols: 24,
-                        first_col: 0,
-                        width: 12,
-                    },
-                    Some(DType::BF16),
-                ),
-                vec!["w"],
-            ),
-            (
-                // Llama 4 down_proj [2 experts, 12, 64] transposed, [2, 64, 12].
-                tensor(
-                    &[2, 64, 12],
-                    GgmlType::F16,
-                    Recipe::ExpertColumns {
-                        src: "w".into(),
-                        rows: 12,
-                        cols: 64,
-                        first_col: 0,
-                        width: 64,
-                    },
-                    Some(DType::BF16),
-                ),
-                vec!["w"],
-            ),
+            // Llama 4 gate_up [2 experts, 32, 2 × 12]: its gate half transposed, [2, 12, 32].
+            (columns(&[2, 12, 32], GgmlType::Q8_0, 24), vec!["w"]),
+            // Llama 4 down_proj [2 experts, 12, 64] transposed, [2, 64, 12].
+            (columns(&[2, 64, 12], GgmlType::F16, 64), vec!["w"]),
         ];
         for (t, names) in cases {
             let srcs: Vec<Vec<u8>> = names

@@ -445,6 +445,15 @@ impl Config {
         })
     }
 
+    /// `base` with `edit`'s keys set, read as `m/config.json`.
+    #[cfg(test)]
+    pub(super) fn edited(mut base: Json, edit: Json) -> Config {
+        for (k, v) in edit.as_object().unwrap() {
+            base[k] = v.clone();
+        }
+        Config::from_json(Path::new("m/config.json"), base).unwrap()
+    }
+
     pub(super) fn err(&self, msg: String) -> Error {
         Error::GgufConfig {
             path: self.path.clone(),
@@ -950,15 +959,14 @@ mod tests {
     use super::*;
 
     fn llama4(edit: Json) -> Config {
-        let mut c = serde_json::json!({
-            "architectures": ["Llama4ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-            "num_hidden_layers": 4, "intermediate_size": 96, "intermediate_size_mlp": 128,
-            "vocab_size": 410,
-        });
-        for (k, v) in edit.as_object().unwrap() {
-            c[k] = v.clone();
-        }
-        Config::from_json(Path::new("m/config.json"), c).unwrap()
+        Config::edited(
+            serde_json::json!({
+                "architectures": ["Llama4ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                "num_hidden_layers": 4, "intermediate_size": 96, "intermediate_size_mlp": 128,
+                "vocab_size": 410,
+            }),
+            edit,
+        )
     }
 
     fn kv(cfg: &Config, key: &str) -> Option<Value> {

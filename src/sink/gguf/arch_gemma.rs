@@ -189,18 +189,14 @@ pub fn gemma3_vocab_rows(cfg: &Config) -> Result<Option<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn gemma3(edit: Json) -> Config {
-        let mut c = serde_json::json!({
+        let base = serde_json::json!({
             "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
             "num_attention_heads": 4, "num_hidden_layers": 2, "head_dim": 32,
             "sliding_window": 512, "vocab_size": 400, "rope_local_base_freq": 10000.0,
         });
-        for (k, v) in edit.as_object().unwrap() {
-            c[k] = v.clone();
-        }
-        Config::from_json(Path::new("m/config.json"), c).unwrap()
+        Config::edited(base, edit)
     }
 
     fn kvs(cfg: &Config) -> Result<Metadata> {

@@ -200,7 +200,7 @@ pub fn plan_tensors(
                 continue;
             }
             (Family::Llama4, r) if r.starts_with("feed_forward.experts.") => {
-                llama4_experts(t, r, bid, &mut out, &mut push)?;
+                llama4_experts(t, bid, &mut out, &mut push)?;
                 continue;
             }
             (Family::DeepseekV3, "self_attn.kv_b_proj.weight") => {
@@ -354,6 +354,14 @@ fn expert_id(fam: Family, rest: &str) -> Option<(u64, &'static str)> {
         .map(|(_, full)| (x, *full))
 }
 
+/// An error about checkpoint tensor `tensor`, from its message.
+fn tensor_error(tensor: &str) -> impl Fn(String) -> Error + '_ {
+    move |msg| Error::GgufTensor {
+        tensor: tensor.into(),
+        msg,
+    }
+}
+
 fn map_layer(cfg: &Config, base: &str) -> Option<&'static str> {
     cfg.spec
         .layer_tensors
@@ -377,10 +385,7 @@ fn gpt_oss_experts(
     push: &mut Push,
 ) -> Result<()> {
     let src = t.name.as_str();
-    let bad = |msg: String| Error::GgufTensor {
-        tensor: src.into(),
-        msg,
-    };
+    let bad = tensor_error(src);
     let blk = |base: &str, suffix: &str| format!("blk.{bid}.{base}{suffix}");
     match rest.strip_prefix("mlp.experts.").unwrap() {
         "gate_up_proj_scales" | "down_proj_scales" => Ok(()), // consumed with the blocks
@@ -438,16 +443,13 @@ fn gpt_oss_experts(
 /// `[E, ff, n]` transposed into `ffn_down_exps` `[E, n, ff]`.
 fn llama4_experts(
     t: &InputTensor,
-    rest: &str,
     bid: u64,
     out: &mut Vec<OutputTensor>,
     push: &mut Push,
 ) -> Result<()> {
     let src = t.name.as_str();
-    let bad = |msg: String| Error::GgufTensor {
-        tensor: src.into(),
-        msg,
-    };
+    let bad = tensor_error(src);
+    let w = src.rsplit("feed_forward.experts.").next().unwrap_or(src);
     let [e, rows, cols] = match t.shape[..] {
         [e, r, c] => [e, r, c],
         _ => {
@@ -457,7 +459,6 @@ fn llama4_experts(
             )))
         }
     };
-    let w = rest.strip_prefix("feed_forward.experts.").unwrap();
     let parts: &[(&str, u64, u64)] = match w.strip_suffix(".weight").unwrap_or(w) {
         "gate_up_proj" if cols % 2 == 0 => &[
             ("ffn_gate_exps", 0, cols / 2),

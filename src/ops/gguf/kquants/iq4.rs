@@ -18,6 +18,17 @@ const KVALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// [`KVALUES`] as f32, as the searches compare with them.
+const KV: [f32; 16] = {
+    let mut kv = [0.0; 16];
+    let mut i = 0;
+    while i < 16 {
+        kv[i] = KVALUES[i] as f32;
+        i += 1;
+    }
+    kv
+};
+
 /// The scale nudges `quantize_iq4_nl` / `quantize_iq4_xs` try each way (`ntry`).
 const NTRY: i32 = 7;
 
@@ -27,7 +38,6 @@ const NTRY: i32 = 7;
 /// `x²` otherwise; `quantize_row_iq4_nl_ref`, with `ntry = -1`, is not used for files).
 pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
     let scales = row_scales(src, quant_weights, QK4_NL);
-    let kv = KVALUES.map(f32::from);
     let mut block = 0;
     for_each_block(KQuant::Iq4Nl, src, dst, quant_weights, |x, _, y| {
         let mut levels = [0u8; QK4_NL];
@@ -35,7 +45,7 @@ pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
         block += 1;
         y[0..2].copy_from_slice(&f16_bytes(d));
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        lanes::nearest_indices(x, id, &kv, &mut levels);
+        lanes::nearest_indices(x, id, &KV, &mut levels);
         pack_nibbles(&levels, &mut y[2..18]);
     });
 }
@@ -46,7 +56,6 @@ pub fn quantize_row_iq4_nl(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
 /// `quantize_row_iq4_xs_ref` does).
 pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[f32]>) {
     let row = row_scales(src, quant_weights, QK_K);
-    let kv = KVALUES.map(f32::from);
     let mut block = 0;
     for_each_block(KQuant::Iq4Xs, src, dst, quant_weights, |x, _, y| {
         let mut levels = [0u8; QK_K];
@@ -62,7 +71,7 @@ pub fn quantize_row_iq4_xs(src: &[f32], dst: &mut [u8], quant_weights: Option<&[
             let l = nearest_int(id * scales[ib]).clamp(-32, 31);
             let dl = d * l as f32;
             let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
-            lanes::nearest_indices(xs, idl, &kv, ls);
+            lanes::nearest_indices(xs, idl, &KV, ls);
             let l = (l + 32) as u16;
             scales_l[ib / 2] |= ((l & 0xF) as u8) << (4 * (ib % 2));
             scales_h |= (l >> 4) << (2 * ib);
@@ -104,7 +113,6 @@ fn row_scales(src: &[f32], quant_weights: Option<&[f32]>, block: usize) -> Vec<f
             }
         }
     }
-    let kv = KVALUES.map(f32::from);
     let n = src.len() / 32;
     let mut scales = vec![0.0f32; n];
     let (mut xpad, mut wpad) = (Vec::new(), Vec::new());
@@ -123,7 +131,7 @@ fn row_scales(src: &[f32], quant_weights: Option<&[f32]>, block: usize) -> Vec<f
         let (xt, wt) = (transpose::<32>(xs, at), transpose::<32>(ws, at));
         let s = simd(
             #[inline(always)]
-            || lanes::iq4_fit(&xt, &wt, &kv, NTRY),
+            || lanes::iq4_fit(&xt, &wt, &KV, NTRY),
         );
         scales[first..first + count].copy_from_slice(&s[..count]);
     }
@@ -258,16 +266,15 @@ mod tests {
             v.extend([k, k.next_up(), k.next_down()]);
         }
         v.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0]);
-        let kv = KVALUES.map(f32::from);
         for chunk in v.chunks(LANES) {
             let mut lane = [0.0f32; LANES];
             lane[..chunk.len()].copy_from_slice(chunk);
-            let got = lanes::nearest_levels(lane, &kv);
+            let got = lanes::nearest_levels(lane, &KV);
             let mut doubled = [0.0f32; 2 * LANES];
             doubled[..LANES].copy_from_slice(&lane);
             doubled[LANES..].copy_from_slice(&lane);
             let mut index = [0u8; 2 * LANES];
-            lanes::nearest_indices(&doubled, 1.0, &kv, &mut index);
+            lanes::nearest_indices(&doubled, 1.0, &KV, &mut index);
             for (k, &x) in chunk.iter().enumerate() {
                 let want = best_index(x);
                 assert_eq!(got[k], f32::from(KVALUES[want as usize]), "{x}");

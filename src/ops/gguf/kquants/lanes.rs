@@ -284,6 +284,20 @@ pub(super) fn make_qkx_quants<const S: usize>(
     (flat.select(zero, scale).0, (-min).0)
 }
 
+/// Per lane, whether the values are all below `GROUP_MAX_EPS` in magnitude, and the value of
+/// largest magnitude (the first on ties), as ggml's searches find them.
+#[inline(always)]
+fn signed_max(x: &[Vf]) -> (Vm, Vf) {
+    let zero = Vf::splat(0.0);
+    let (mut amax, mut max) = (zero, zero);
+    for &v in x {
+        let larger = v.abs().gt(amax);
+        amax = larger.select(v.abs(), amax);
+        max = larger.select(v, max);
+    }
+    (amax.lt(Vf::splat(GROUP_MAX_EPS)), max)
+}
+
 /// [`search::make_qx_quants`](super::search::make_qx_quants) on sixteen sub-blocks: lane `k`'s
 /// symmetric levels `L + nmax` (as f32) into `levels[..][k]`, weights `weights[..][k]` or, with
 /// none, `x²`. Returns each lane's scale.
@@ -300,14 +314,7 @@ pub(super) fn make_qx_quants<const S: usize>(
         None => x.map(|v| v * v),
     };
     let zero = Vf::splat(0.0);
-    let mut amax = zero;
-    let mut max = zero;
-    for &v in &x {
-        let larger = v.abs().gt(amax);
-        amax = larger.select(v.abs(), amax);
-        max = larger.select(v, max);
-    }
-    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let (empty, max) = signed_max(&x);
     let nmaxf = Vf::splat(nmax as f32);
     let (lo, hi) = (-nmax, nmax - 1);
 
@@ -356,14 +363,7 @@ pub(super) fn make_q3_quants<const S: usize>(
 ) -> Lanes {
     let x: [Vf; S] = x.map(Vf);
     let zero = Vf::splat(0.0);
-    let mut amax = zero;
-    let mut max = zero;
-    for &v in &x {
-        let larger = v.abs().gt(amax);
-        amax = larger.select(v.abs(), amax);
-        max = larger.select(v, max);
-    }
-    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let (empty, max) = signed_max(&x);
     let (lo, hi) = (-nmax, nmax - 1);
     let iscale = -Vf::splat(nmax as f32) / max;
     let mut l = [zero; S];
@@ -482,14 +482,7 @@ pub(super) fn iq4_fit(x: &[Lanes; 32], w: &[Lanes; 32], kv: &[f32; 16], ntry: i3
     let x: [Vf; 32] = x.map(Vf);
     let w: [Vf; 32] = w.map(Vf);
     let zero = Vf::splat(0.0);
-    let mut amax = zero;
-    let mut max = zero;
-    for &v in &x {
-        let larger = v.abs().gt(amax);
-        amax = larger.select(v.abs(), amax);
-        max = larger.select(v, max);
-    }
-    let empty = amax.lt(Vf::splat(GROUP_MAX_EPS));
+    let (empty, max) = signed_max(&x);
     let id = Vf::splat(1.0) / (-max / Vf::splat(kv[0]));
     let (sumqx, sumq2) = iq4_sums(id, &x, &w, kv);
     let mut d = sumq2.gt(zero).select(sumqx / sumq2, zero);
