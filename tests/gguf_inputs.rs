@@ -207,3 +207,65 @@ fn models_llama_cpp_cannot_load_are_refused_naming_tensor_and_field() {
         ],
     );
 }
+
+/// Llama 4 experts that are not `[experts, rows, columns]`, a fused `gate_up_proj` of an odd
+/// width, an expert tensor the converter does not know, and `no_rope_layers` of another type:
+/// each refused naming the tensor or the field, before any output exists.
+#[test]
+fn llama4_experts_and_layer_settings_of_the_wrong_shape_are_refused_by_name() {
+    let d = tmp();
+    let out = d.path().join("out");
+    let seeded = || Rng(35);
+    let experts = "model.layers.0.feed_forward.experts.";
+    let refused = |edit: &dyn Fn(&mut Json), name: &str, shape: &[u64], want: &[&str]| {
+        let mut tensors = head(&mut seeded(), DType::BF16);
+        tensors.push(rand_t(&mut seeded(), name, DType::BF16, shape));
+        let m = model_dir(d.path(), "llama4text", edit, &tensors);
+        let err = fails(&gguf_args(&m, &out.join("x.gguf"), &["--vocab-pre", "x"]));
+        assert_refused(&err, want, &out);
+        std::fs::remove_dir_all(&m).unwrap();
+    };
+    let same = |_: &mut Json| {};
+    let gate_up = format!("{experts}gate_up_proj");
+    refused(
+        &same,
+        &gate_up,
+        &[64, 128],
+        &[
+            &format!("`{gate_up}`"),
+            "expected [experts, rows, columns], got [64, 128]",
+        ],
+    );
+    refused(
+        &same,
+        &gate_up,
+        &[2, 64, 63],
+        &[
+            &format!("`{gate_up}`"),
+            "gate_up_proj has an odd column count 63",
+        ],
+    );
+    let gate = format!("{experts}gate_proj");
+    refused(
+        &same,
+        &gate,
+        &[2, 64, 64],
+        &[
+            &format!("`{gate}`"),
+            "unknown Llama 4 expert tensor `gate_proj`",
+        ],
+    );
+    refused(
+        &|c| {
+            let m = c.as_object_mut().unwrap();
+            m.remove("layer_types");
+            m.insert("no_rope_layers".into(), json!("all"));
+        },
+        &format!("{experts}down_proj"),
+        &[2, 64, 64],
+        &[
+            "config.json",
+            "`no_rope_layers` is \"all\", not a list of integers",
+        ],
+    );
+}

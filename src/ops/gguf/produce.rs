@@ -249,13 +249,12 @@ fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<(
             width,
         } => {
             let n_rows = (elems.len() / row_src) as u64;
-            let geometry = (*rows, *cols, *first_col, *width);
             let span = transform::expert_column_span(
                 first..first + n_rows,
-                geometry.0,
-                geometry.1,
-                geometry.2,
-                geometry.3,
+                *rows,
+                *cols,
+                *first_col,
+                *width,
             );
             let s = src.get(name)?;
             let read = s.at(

@@ -33,44 +33,10 @@ pub fn norm_recipe(fam: Family, name: &str, src: &str) -> Option<Recipe> {
     })
 }
 
-/// Checkpoint tensors the converter drops before naming: Gemma 2's `lm_head.weight`, and the
-/// multimodal tensors every text model skips (`TextModel.filter_tensors`: a Gemma 3 or Llama 4
-/// checkpoint's vision tower and projector).
+/// Whether the converter drops checkpoint tensor `name` for Gemma: Gemma 2's `lm_head.weight`
+/// (its embeddings are tied).
 pub fn skipped(fam: Family, name: &str) -> bool {
-    const PREFIXES: [&str; 10] = [
-        "mlp",
-        "vit.",
-        "vpm.",
-        "siglip2.",
-        "conformer.",
-        "merger.",
-        "resampler.",
-        "sound_encoder.",
-        "sound_projection.",
-        "speech_embeddings.",
-    ];
-    const PARTS: [&str; 17] = [
-        "visual.",
-        "vision.",
-        "audio.",
-        "talker.",
-        "vision_",
-        "audio_",
-        "token2wav.",
-        "code2wav.",
-        "projector.",
-        "pre_mm_projector_norm",
-        "image_newline",
-        "view_seperator",
-        "patch_embed",
-        "patch_embedding",
-        "patch_merger.",
-        "patch_merge_mlp.",
-        "model.connector.",
-    ];
-    (fam == Family::Gemma2 && name == "lm_head.weight")
-        || PREFIXES.iter().any(|p| name.starts_with(p))
-        || PARTS.iter().any(|p| name.contains(p))
+    fam == Family::Gemma2 && name == "lm_head.weight"
 }
 
 /// Gemma 2's KVs (`Gemma2Model.set_gguf_parameters`), `general.*` included.
@@ -245,29 +211,5 @@ mod tests {
         assert!(norm_recipe(Family::Olmo2, "model.norm.weight", "s").is_none());
         assert!(skipped(Family::Gemma2, "lm_head.weight"));
         assert!(!skipped(Family::Granite, "lm_head.weight"));
-        assert!(skipped(
-            Family::Gemma3,
-            "model.vision_tower.vision_model.post_layernorm.weight"
-        ));
-        assert!(skipped(
-            Family::Gemma3,
-            "model.multi_modal_projector.mm_soft_emb_norm.weight"
-        ));
-        assert!(!skipped(
-            Family::Gemma3,
-            "model.layers.0.mlp.up_proj.weight"
-        ));
-        assert!(skipped(
-            Family::Llama4,
-            "vision_model.model.layers.0.self_attn.q_proj.weight"
-        ));
-        assert!(skipped(
-            Family::Llama4,
-            "multi_modal_projector.linear_1.weight"
-        ));
-        assert!(!skipped(
-            Family::Llama4,
-            "model.layers.1.feed_forward.experts.gate_up_proj"
-        ));
     }
 }

@@ -98,7 +98,7 @@ pub fn plan_tensors(
             ));
         }
         let mut name = src.replace("language_model.", "");
-        if super::arch_gemma::skipped(fam, &name) {
+        if multimodal(&name) || super::arch_gemma::skipped(fam, &name) {
             continue;
         }
         if name.ends_with("e_score_correction_bias") {
@@ -354,6 +354,17 @@ fn expert_id(fam: Family, rest: &str) -> Option<(u64, &'static str)> {
         .map(|(_, full)| (x, *full))
 }
 
+/// The multimodal tensors every text model leaves out (`TextModel.filter_tensors`): a vision
+/// tower, an audio encoder, a projector (Gemma 3's, Llama 4's).
+fn multimodal(name: &str) -> bool {
+    // The reference's lists, one line each.
+    #[rustfmt::skip]
+    const PREFIXES: [&str; 10] = ["mlp", "vit.", "vpm.", "siglip2.", "conformer.", "merger.", "resampler.", "sound_encoder.", "sound_projection.", "speech_embeddings."];
+    #[rustfmt::skip]
+    const PARTS: [&str; 17] = ["visual.", "vision.", "audio.", "talker.", "vision_", "audio_", "token2wav.", "code2wav.", "projector.", "pre_mm_projector_norm", "image_newline", "view_seperator", "patch_embed", "patch_embedding", "patch_merger.", "patch_merge_mlp.", "model.connector."];
+    PREFIXES.iter().any(|p| name.starts_with(p)) || PARTS.iter().any(|p| name.contains(p))
+}
+
 /// An error about checkpoint tensor `tensor`, from its message.
 fn tensor_error(tensor: &str) -> impl Fn(String) -> Error + '_ {
     move |msg| Error::GgufTensor {
@@ -570,4 +581,29 @@ fn llama3_rope_freqs(cfg: &Config) -> Result<Option<Vec<f32>>> {
         get("high_freq_factor", 4.0),
         get("original_max_position_embeddings", 8192.0),
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vision_towers_and_projectors_are_left_out_and_language_tensors_kept() {
+        for name in [
+            "model.vision_tower.vision_model.post_layernorm.weight",
+            "model.multi_modal_projector.mm_soft_emb_norm.weight",
+            "vision_model.model.layers.0.self_attn.q_proj.weight",
+            "multi_modal_projector.linear_1.weight",
+            "mlp1.0.weight",
+        ] {
+            assert!(multimodal(name), "{name}");
+        }
+        for name in [
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.1.feed_forward.experts.gate_up_proj",
+            "lm_head.weight",
+        ] {
+            assert!(!multimodal(name), "{name}");
+        }
+    }
 }

@@ -62,8 +62,8 @@ fn get_scale(scales: &[u8], j: usize) -> i8 {
     (low | (((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i8 - 32
 }
 
-/// `quantize_row_q3_K_ref`'s scales: `make_q3_quants` per sub-block (in lanes), the scales then scaled to
-/// 6 bits by the one of largest magnitude.
+/// `quantize_row_q3_K_ref`'s scales: `make_q3_quants` per sub-block (in lanes), the scales
+/// then scaled to 6 bits by the one of largest magnitude.
 fn fit_ref(x: &[f32], levels: &mut [i8; QK_K], y: &mut [u8]) {
     let scales = fit_q3_sub_blocks(x, levels);
     let (_, max_scale) = signed_max(&scales);
