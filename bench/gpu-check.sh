@@ -13,13 +13,13 @@
 # Data lives in /dev/shm when it has room (the figures are about compute, not the disk).
 # Usage: bench/gpu-check.sh [GIB]          (default 8; keep the run under 8 minutes)
 #        SKIP_TESTS=1 bench/gpu-check.sh   (no cargo tests: prebuilt binaries, no toolchain)
-#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize)
+#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize gguf)
 #        DEVICES="cpu" bench/gpu-check.sh 1   (the script's own check on a machine without a GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-8}
 DEVICES=${DEVICES:-cuda cpu}
-OPS=${OPS:-cast dequant repack lora quantize}
+OPS=${OPS:-cast dequant repack lora quantize gguf}
 want() { [[ " $OPS " == *" $1 "* ]]; }
 # Build when cargo can (a machine without crates.io can instead carry prebuilt
 # target/release/tftf and target/release/examples/gen_checkpoint along).
@@ -155,6 +155,21 @@ if want quantize; then
         done
     done
     rm -rf "$D/bf16"
+fi
+
+if want gguf; then
+    # A Qwen3-shaped BF16 model of about GIB GiB (1.2 GiB of embeddings, ~100 MB a layer).
+    LAYERS=$(( (GIB * 1073741824 - 1244000000) / 100000000 )); [ "$LAYERS" -ge 1 ] || LAYERS=1
+    echo "== gguf Q4_K_M, IQ4_XS, Q5_0 ($LAYERS-layer Qwen3-shaped BF16 model)"
+    if python3 bench/gguf_model.py "$D/gguf" "$LAYERS" >/dev/null; then
+        N=$(bytes_of "$D/gguf" "")
+        for t in q4_k_m iq4_xs q5_0; do
+            VARIANTS=0 each "gguf-$t" "$N" -- gguf -i "$D/gguf" --outtype $t --vocab-pre qwen2
+        done
+    else
+        echo "skipped: bench/gguf_model.py needs python3 with numpy"
+    fi
+    rm -rf "$D/gguf"
 fi
 
 echo

@@ -1,8 +1,9 @@
-// GGUF tensor encodings (src/ops/gguf/quant.rs, src/ops/gguf/produce.rs): output elements or
-// Q8_0 blocks from source elements gathered through an optional unit map (the row permutations
-// and splits of llama.cpp's converter), each rounded once.
+// GGUF tensor encodings (src/ops/gguf/quant.rs, src/ops/gguf/produce.rs): output elements, Q8_0
+// blocks or the blocks of kquant.cuh from source elements gathered through an optional unit map
+// (the row permutations and splits of llama.cpp's converter), each rounded once.
 #pragma once
 #include "cast.cuh"
+#include "kquant.cuh"
 
 // ggml type ids (GgmlType::id), the output types these kernels write.
 enum GgmlTypeId {
@@ -17,6 +18,10 @@ struct GgufParams {
     int src;   // TftfDtype of the source elements: DT_F32, DT_F16 or DT_BF16
     int ty;    // GgmlTypeId of the output
     u64 unit;  // elements per mapped unit; 0: output element e is source element e
+    // Block types (kquant.cuh) only:
+    u64 inner;        // elements per output row
+    u64 weight_rows;  // output rows per row of importance weights (an expert's); 0: none
+    u64 first_row;    // the chunk's first row, counted from the start of its first weight row
 };
 
 // Source index of output element `e`: unit `e / unit` comes from source unit `map[e / unit]`.
@@ -57,6 +62,31 @@ TFTF_HD void gguf_q8_0_block(const GgufParams& p, const u8* in, const u32* map, 
     o[0] = (u8)(h & 0xFF);
     o[1] = (u8)(h >> 8);
     for (int j = 0; j < 32; j++) o[2 + j] = (u8)gguf_round_half_away(x[j] * id);
+}
+
+// Block `b` of a block type: its values, its columns' importance weights (the weight row of its
+// output row's expert, as llama-quantize picks it), and for the legacy types Σx²/n of its row.
+TFTF_HD void gguf_quant_block(const GgufParams& p, const u8* in, const u32* map,
+                              const float* weights, u8* out, u64 b) {
+    float x[KQ_QK_K];
+    u64 be = (u64)kq_block_elems(p.ty);
+    u64 e0 = b * be;
+    for (u64 j = 0; j < be; j++) x[j] = gguf_load(p, in, map, e0 + j);
+    const float* qw = 0;
+    float row_sigma2 = 0.0f;
+    if (p.weight_rows != 0) {
+        u64 row = e0 / p.inner;
+        qw = weights + (p.first_row + row) / p.weight_rows * p.inner + (e0 - row * p.inner);
+        if (be == 32 && p.ty != KQ_IQ4_NL) {
+            float s = 0.0f;
+            for (u64 j = row * p.inner; j < (row + 1) * p.inner; j++) {
+                float v = gguf_load(p, in, map, j);
+                s += v * v;
+            }
+            row_sigma2 = s / (float)p.inner;
+        }
+    }
+    kq_encode_block(p.ty, x, qw, row_sigma2, out + b * (u64)kq_block_bytes(p.ty));
 }
 
 // Work item `i` of a chunk: a Q8_0 block, or one F32/F16/BF16 element.

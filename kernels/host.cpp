@@ -12,8 +12,12 @@ void tftf_host_cast(const u8* in, u8* out, u64 n, int src, int dst) {
     for (u64 i = 0; i < n; i++) cast_element(src, dst, in, out, i);
 }
 
-void tftf_host_gguf(const u8* in, const u32* map, u8* out, u64 n, const GgufParams* p) {
-    for (u64 i = 0; i < n; i++) gguf_item(*p, in, map, out, i);
+void tftf_host_gguf(const u8* in, const u32* map, const float* weights, u8* out, u64 n,
+                    const GgufParams* p) {
+    for (u64 i = 0; i < n; i++) {
+        if (kq_block_elems(p->ty) != 0) gguf_quant_block(*p, in, map, weights, out, i);
+        else gguf_item(*p, in, map, out, i);
+    }
 }
 
 int tftf_host_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,

@@ -22,6 +22,13 @@ extern "C" __global__ void tftf_gguf(const u8* in, const u32* map, u8* out, u64 
     GRID_STRIDE(i, n) { gguf_item(p, in, map, out, i); }
 }
 
+// GGUF block types of kquant.cuh: one thread per block. A kernel of its own, so that the
+// encoders' registers and stack do not weigh on the element kernel's occupancy.
+extern "C" __global__ void tftf_gguf_blocks(const u8* in, const u32* map, const float* weights,
+                                            u8* out, u64 n, GgufParams p) {
+    GRID_STRIDE(b, n) { gguf_quant_block(p, in, map, weights, out, b); }
+}
+
 extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,
                                             DequantParams p, int* bad) {
     GRID_STRIDE(i, n) {

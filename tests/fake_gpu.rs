@@ -10,73 +10,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+use common::fake_cuda::{build_fake, fake_libs, tftf_logged};
 use common::{
     assert_mentions, assert_refused, assert_same_tensors, assert_starts, cmd, fixture, listing,
     load_all, s, stderr, MODELOPT_SCHEMES, SCHEMES,
 };
 
-/// Builds libcuda.so.1 from tests/fake_cuda, plus stubs for every other driver entry point
-/// cudarc resolves (names read from the tftf binary), once per test run.
-fn fake_libs() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| build_fake("fake-cuda", None))
-}
-
 /// A fake driver without one entry point, as an older driver would be.
 fn old_fake_libs() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| build_fake("fake-cuda-old", Some("cuArrayCreate_v2")))
-}
-
-fn build_fake(name: &str, omit: Option<&str>) -> PathBuf {
-    {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let bin = std::fs::read(env!("CARGO_BIN_EXE_tftf")).unwrap();
-        let names = regex::bytes::Regex::new(r"cu[A-Z][A-Za-z0-9_]*\x00").unwrap();
-        let mut driver = std::collections::BTreeSet::new();
-        for m in names.find_iter(&bin) {
-            // A name starts a string: the byte before it is not part of an identifier.
-            let before = m.start().checked_sub(1).map(|i| bin[i]);
-            if before.is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                continue;
-            }
-            driver.insert(String::from_utf8(m.as_bytes()[..m.len() - 1].to_vec()).unwrap());
-        }
-        let src = "tests/fake_cuda/fake_cuda.cpp";
-        let implemented = std::fs::read_to_string(src).unwrap();
-        let mut c = String::from("#include <cstdio>\nextern \"C\" {\n");
-        for n in driver
-            .iter()
-            .filter(|n| !implemented.contains(&format!(" {n}(")) && Some(n.as_str()) != omit)
-        {
-            c += &format!(
-                "int {n}() {{ fprintf(stderr, \"fake CUDA: {n} is not implemented\\n\"); return 801; }}\n"
-            );
-        }
-        c += "}\n";
-        let stubs = dir.join("stubs.cpp");
-        std::fs::write(&stubs, c).unwrap();
-        let status = Command::new("g++")
-            .args([
-                "-O2",
-                "-std=c++17",
-                "-ffp-contract=off",
-                "-shared",
-                "-fPIC",
-                "-w",
-                src,
-            ])
-            .arg(&stubs)
-            .arg("-o")
-            .arg(dir.join("libcuda.so.1"))
-            .status()
-            .expect("g++ runs");
-        assert!(status.success(), "building the fake libcuda.so.1");
-        let _ = std::fs::remove_file(dir.join("libcuda.so"));
-        std::os::unix::fs::symlink("libcuda.so.1", dir.join("libcuda.so")).unwrap();
-        dir
-    }
 }
 
 fn tftf_with(fake: bool, integrated: bool, args: &[&str]) -> Output {
@@ -85,23 +28,6 @@ fn tftf_with(fake: bool, integrated: bool, args: &[&str]) -> Output {
 
 fn tftf_in(libs: Option<&Path>, integrated: bool, args: &[&str]) -> Output {
     tftf_logged(libs, integrated, None, args)
-}
-
-/// Runs tftf, the fake driver appending each kernel it launches to `log`.
-fn tftf_logged(libs: Option<&Path>, integrated: bool, log: Option<&Path>, args: &[&str]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tftf"));
-    c.args(args);
-    if let Some(log) = log {
-        c.env("TFTF_FAKE_CUDA_LOG", log);
-    }
-    c.env_remove("LD_LIBRARY_PATH");
-    if let Some(libs) = libs {
-        c.env("LD_LIBRARY_PATH", libs);
-    }
-    if integrated {
-        c.env("TFTF_FAKE_CUDA_INTEGRATED", "1");
-    }
-    c.output().unwrap()
 }
 
 fn ok(o: &Output) -> String {
@@ -695,9 +621,9 @@ fn pool_buffers_are_registered_for_direct_dma_and_a_refusal_falls_back_to_stagin
     }
 }
 
-/// `tftf gguf` on the fake GPU: the Q8_0 blocks and casts of a Llama's permuted Q/K rows and of
-/// a Qwen3-MoE's stacked experts run as `tftf_gguf` and give the CPU's file byte for byte, with
-/// copies and with unified memory.
+/// `tftf gguf` on the fake GPU: the Q8_0 blocks and casts (`tftf_gguf`) and the Q4_K_M and Q4_1
+/// mixes' blocks (`tftf_gguf_blocks`) of a Llama's permuted Q/K rows and of a Qwen3-MoE's
+/// stacked experts give the CPU's file byte for byte, with copies and with unified memory.
 #[test]
 fn gguf_encodes_on_the_gpu_with_the_cpus_bytes() {
     use common::gguf::{gguf_args, GgufCase};
@@ -706,7 +632,7 @@ fn gguf_encodes_on_the_gpu_with_the_cpus_bytes() {
         ("moe", GgufCase::qwen3_moe(9)),
     ];
     for (name, c) in &cases {
-        for outtype in ["q8_0", "f16", "f32"] {
+        for outtype in ["q8_0", "f16", "f32", "q4_k_m", "q4_1"] {
             let run = |dev: &str, integrated: bool| {
                 let tag = format!("{name}-{outtype}-{dev}-{integrated}");
                 let (out, log, report) = (
@@ -741,9 +667,13 @@ fn gguf_encodes_on_the_gpu_with_the_cpus_bytes() {
             assert!(launched.is_empty(), "{launched}");
             for integrated in [false, true] {
                 let (gpu, rep, launched) = run("cuda", integrated);
+                let kernel = match outtype {
+                    "q4_k_m" | "q4_1" => "tftf_gguf_blocks",
+                    _ => "tftf_gguf",
+                };
                 assert!(
-                    launched.lines().any(|l| l == "tftf_gguf"),
-                    "{name} {outtype}: tftf_gguf was not launched"
+                    launched.lines().any(|l| l == kernel),
+                    "{name} {outtype}: {kernel} was not launched"
                 );
                 assert!(rep["gpu"]["chunks"].as_u64().unwrap() > 0, "{rep}");
                 assert!(gpu == cpu, "{name} {outtype}: the GPU's GGUF differs");

@@ -6,6 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use common::fake_cuda::{fake_libs, tftf_logged};
 use common::gguf::*;
 use common::*;
 use serde_json::Value as Json;
@@ -173,9 +174,59 @@ fn check_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
         let what = format!("{mix} {args:?} {extra:?}");
         let out = dir.join("out.gguf");
         let opts = [&["--outtype", mix, "--force"][..], &args, extra].concat();
-        let g = to_gguf(model, &out, "test-pre", &opts);
+        let g = convert_golden(model, &out, &opts, case);
         assert_equals_golden(&g, case, &what, &[]);
     }
+}
+
+/// Converts as [`to_gguf`] does; with `--device cuda` among `opts`, against the fake CUDA
+/// driver, requiring that the block encoders ran there (`tftf_gguf_blocks`) when the golden
+/// `case` has tensors of a type they encode.
+fn convert_golden(model: &Path, out: &Path, opts: &[&str], case: &Json) -> Gguf {
+    if !opts.contains(&"cuda") {
+        return to_gguf(model, out, "test-pre", opts);
+    }
+    let log = out.with_extension("log");
+    let _ = std::fs::remove_file(&log);
+    let args = [&["--vocab-pre", "test-pre"][..], opts, &["-q"]].concat();
+    ok(&tftf_logged(
+        Some(fake_libs()),
+        false,
+        Some(&log),
+        &gguf_args(model, out, &args),
+    ));
+    let launched = std::fs::read_to_string(&log).unwrap_or_default();
+    // F32, F16, Q8_0, BF16 and the IQ1/IQ2/IQ3 types are not block-kernel types.
+    let kernel_types = [2, 3, 6, 7, 10, 11, 12, 13, 14, 20, 23, 34, 35];
+    let blocks = case["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| kernel_types.contains(&t[1].as_u64().unwrap()));
+    assert_eq!(
+        launched.lines().any(|l| l == "tftf_gguf_blocks"),
+        blocks,
+        "{opts:?}: blocks encoded on the GPU"
+    );
+    parse(out)
+}
+
+/// The k-quant, i-quant and ternary goldens, the legacy types' and the imatrix ones, with the
+/// blocks encoded by the GPU kernels (kernels/kquant.cuh) on the fake CUDA driver: still
+/// llama-quantize's files, byte for byte.
+#[test]
+fn block_types_encoded_on_the_gpu_equal_llama_quantize_byte_for_byte() {
+    let d = tmp();
+    let gpu = ["--device", "cuda"];
+    check_cases(
+        &llama256_model(d.path()),
+        d.path(),
+        &golden("e2e_k.json"),
+        &gpu,
+    );
+    let model = llama_model(d.path());
+    check_cases(&model, d.path(), &golden("e2e.json"), &gpu);
+    check_imatrix_cases(&model, d.path(), &golden("imatrix.json"), &gpu);
 }
 
 /// `g` has the KVs (sha256 of type and value bytes, in order, naming fields left out) and the
@@ -261,7 +312,7 @@ fn check_imatrix_cases(model: &Path, dir: &Path, cases: &Json, extra: &[&str]) {
             .concat();
             kv_values.push(("quantize.imatrix.file", kv));
         }
-        let g = to_gguf(model, &out, "test-pre", &opts);
+        let g = convert_golden(model, &out, &opts, case);
         assert_equals_golden(&g, case, &what, &kv_values);
     }
 }

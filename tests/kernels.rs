@@ -1217,14 +1217,20 @@ fn host_gguf(l: &GgufLaunch, inputs: &[&[u8]], out_len: usize) -> Vec<u8> {
     let mut out = vec![0u8; out_len];
     let f = host_fn!(
         "tftf_host_gguf",
-        fn(*const u8, *const u32, *mut u8, u64, *const GgufParams) -> ()
+        fn(*const u8, *const u32, *const f32, *mut u8, u64, *const GgufParams) -> ()
     );
     let map = if l.map.is_empty() {
         std::ptr::null()
     } else {
         l.map.as_ptr()
     };
-    unsafe { f(joined.as_ptr(), map, out.as_mut_ptr(), l.items, &l.params) };
+    let weights = if l.weights.is_empty() {
+        std::ptr::null()
+    } else {
+        l.weights.as_ptr()
+    };
+    let (input, output) = (joined.as_ptr(), out.as_mut_ptr());
+    unsafe { f(input, map, weights, output, l.items, &l.params) };
     out
 }
 
@@ -1239,9 +1245,11 @@ fn gguf_q8_0_kernel_equals_gguf_py() {
         params: GgufParams {
             src: kernel_dtype(DType::F32),
             ty: GgmlType::Q8_0.id() as i32,
-            unit: 0,
+            ..GgufParams::default()
         },
         map: Vec::new(),
+        weights: Vec::new(),
+        blocks: false,
         items: input.len() as u64 / 4 / 32,
     };
     hex_diff("q8_0", &host_gguf(&l, &[&input], want.len()), &want, 34);
@@ -1267,10 +1275,10 @@ fn gguf_kernel_matches_the_cpu_op_bit_for_bit() {
                 let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
                 let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
                 let got = host_gguf(&l, &pieces, want.len());
-                let elem = if l.params.ty == GgmlType::Q8_0.id() as i32 {
-                    34
-                } else {
-                    1
+                // Bytes per item: a block's for the block types, else compared bytewise.
+                let elem = match l.params.ty {
+                    0 | 1 | 30 => 1,
+                    _ => want.len() / l.items as usize,
                 };
                 hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
                 checked += 1;

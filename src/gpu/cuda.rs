@@ -73,6 +73,7 @@ struct Kernels {
     quantize_fp8_scales: CudaFunction,
     quantize_fp8_codes: CudaFunction,
     gguf: CudaFunction,
+    gguf_blocks: CudaFunction,
 }
 
 /// Counters for reports and benchmarks.
@@ -203,6 +204,7 @@ impl Gpu {
             quantize_fp8_scales: f("tftf_quantize_fp8_scales")?,
             quantize_fp8_codes: f("tftf_quantize_fp8_codes")?,
             gguf: f("tftf_gguf")?,
+            gguf_blocks: f("tftf_gguf_blocks")?,
         };
         let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
@@ -849,11 +851,25 @@ impl Lane {
         };
         let o = self.device(OUT, out_len)?;
         let n = l.items;
-        let mut b = self.stream.launch_builder(&k.gguf);
-        b.arg(&i).arg(&m).arg(&o).arg(&n).arg(&l.params);
-        // SAFETY: argument types match tftf_gguf; the joined input holds every element the
-        // map names, `o` holds n items (Q8_0 blocks or elements) of the output type.
-        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf", e))?;
+        if !l.blocks {
+            let mut b = self.stream.launch_builder(&k.gguf);
+            b.arg(&i).arg(&m).arg(&o).arg(&n).arg(&l.params);
+            // SAFETY: argument types match tftf_gguf; the joined input holds every element the
+            // map names, `o` holds n items (Q8_0 blocks or elements) of the output type.
+            unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf", e))?;
+            return Ok(());
+        }
+        let weights: Vec<u8> = l.weights.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let w = match weights.is_empty() {
+            true => 0,
+            false => self.upload(IN + 2, &weights)?,
+        };
+        let mut b = self.stream.launch_builder(&k.gguf_blocks);
+        b.arg(&i).arg(&m).arg(&w).arg(&o).arg(&n).arg(&l.params);
+        // SAFETY: argument types match tftf_gguf_blocks; the joined input holds every element
+        // the map names, the weights a row for each expert the chunk's rows belong to, and `o`
+        // holds n blocks of the output type.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf_blocks", e))?;
         Ok(())
     }
 

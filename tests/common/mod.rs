@@ -23,11 +23,13 @@
 //! - Misc: [`tmp`] (a temporary folder; [`tmp_in`] / [`tmp_out`] with the path `in` / `out`
 //!   in it, [`tmp_model`] with a [`Model`] written to `in`), [`fixture`], [`copy_dir`],
 //!   [`f32_bytes`], [`f32s_of`], [`Rng`], [`SCHEMES`].
-//! - Submodules: [`gguf`] (the GGUF reader and `tftf gguf` models), [`interrupt`] (a slow run
+//! - Submodules: [`fake_cuda`] (the fake CUDA driver and tftf run against it), [`gguf`] (the
+//!   GGUF reader and `tftf gguf` models), [`interrupt`] (a slow run
 //!   stopped by a signal), [`peft`] (PEFT's merge fixtures), [`xfs`] (a loop-mounted reflink
 //!   XFS image).
 #![allow(dead_code)]
 
+pub mod fake_cuda;
 pub mod gguf;
 pub mod interrupt;
 pub mod merge_fixtures;

@@ -341,6 +341,11 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_gguf(arg<in>(p, 0), arg<const u32*>(p, 1), arg<u8*>(p, 2), arg<u64>(p, 3),
                       arg<GgufParams>(p, 4));
         });
+    else if (n == "tftf_gguf_blocks")
+        walk(gx, bx, [&] {
+            tftf_gguf_blocks(arg<in>(p, 0), arg<const u32*>(p, 1), arg<const float*>(p, 2),
+                             arg<u8*>(p, 3), arg<u64>(p, 4), arg<GgufParams>(p, 5));
+        });
     else if (n == "tftf_quantize_fp8_codes")
         walk(gx, bx, [&] {
             tftf_quantize_fp8_codes(arg<in>(p, 0), arg<const u32*>(p, 1), arg<u8*>(p, 2),

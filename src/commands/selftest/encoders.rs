@@ -226,6 +226,127 @@ pub fn modelopt_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
     }
 }
 
+/// A GGUF weight for the block encoders, `rows` × `cols` f32 values, a kind of row per row (by
+/// row number mod 8): one magnitude; all zeros and negative zeros; one large outlier; values so
+/// small their scales are f16-subnormal; large values; sums of three uniforms; half integers
+/// (rounding ties at scale 1); runs of one constant (sub-blocks whose max equals their min).
+/// Finite, as a GPU makes NaNs of its own payload where x86 keeps the input's.
+pub fn gguf_block_weight(rows: u64, cols: u64, rng: &mut Lcg) -> Vec<u8> {
+    let mut unit = || rng.next_u32() as f32 / u32::MAX as f32 * 2.0 - 1.0;
+    let mut v = Vec::with_capacity((rows * cols) as usize);
+    for r in 0..rows {
+        let scale = 2f32.powi((r as i32 * 5) % 14 - 10);
+        let constant = unit();
+        for c in 0..cols {
+            let x = match r % 8 {
+                0 => unit() * scale,
+                1 => [0.0, -0.0][(c % 2) as usize],
+                2 if c == 37 => 50.0 * scale,
+                2 => unit() * scale,
+                3 => unit() * 2f32.powi(-30),
+                4 => unit() * 4096.0,
+                5 => (unit() + unit() + unit()) * scale,
+                6 => (unit() * 8.0).floor() + 0.5,
+                _ => constant * scale * (1 + c / 32) as f32,
+            };
+            v.push(x);
+        }
+    }
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Importance weights, `rows` rows of `cols`: random magnitudes, exact zeros, and a first
+/// sub-block of zeros in every other row (a fit that has no weight at all).
+fn gguf_importance(rows: u64, cols: u64, rng: &mut Lcg) -> Arc<[f32]> {
+    (0..rows * cols)
+        .map(|i| {
+            let (r, c) = (i / cols, i % cols);
+            match (r % 2 == 1 && c < 32, c % 7) {
+                (true, _) | (_, 3) => 0.0,
+                _ => (rng.next_u32() % 4000) as f32 / 1000.0 * 2f32.powi((c % 5) as i32 - 2),
+            }
+        })
+        .collect()
+}
+
+/// GGUF tensors of every block type the kernel encodes (kernels/kquant.cuh), from every float
+/// source, with and without importance weights (per expert for stacked experts), in order,
+/// Q/K-permuted and stacked.
+pub fn gguf_block_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (rows, cols) = (8u64, 512u64);
+    let recipes = [
+        (
+            "direct",
+            Recipe::Direct { src: "s0".into() },
+            vec![rows, cols],
+        ),
+        (
+            "Q/K permute",
+            Recipe::Rows {
+                src: "s0".into(),
+                map: RowMap::QkPermute { rows, n_head: 2 },
+                row_elems: cols,
+            },
+            vec![rows, cols],
+        ),
+        (
+            "3 experts",
+            Recipe::Stack {
+                srcs: (0..3).map(|k| format!("s{k}")).collect(),
+            },
+            vec![3, rows, cols],
+        ),
+    ];
+    let types = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::TQ1_0,
+        GgmlType::TQ2_0,
+    ];
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (what, recipe, shape) in &recipes {
+            let sources = match recipe {
+                Recipe::Stack { srcs } => srcs.len() as u64,
+                _ => 1,
+            };
+            for ty in types {
+                for weighted in [false, true] {
+                    let tensor = OutputTensor {
+                        name: format!("gguf {what}"),
+                        shape: shape.clone(),
+                        ty,
+                        recipe: recipe.clone(),
+                        src_dtype: Some(dtype),
+                        quant_weights: weighted.then(|| gguf_importance(sources, cols, rng)),
+                    };
+                    let slots = (0..sources)
+                        .map(|k| Slot::plain(&format!("s{k}")))
+                        .collect();
+                    let weights = if weighted { ", imatrix" } else { "" };
+                    out.push(Case {
+                        kernel: "gguf",
+                        what: format!("{what}, {dtype} → {}{weights}", ty.name()),
+                        op: Arc::new(GgufTensorOp::new(tensor, slots)),
+                        inputs: (0..sources)
+                            .map(|_| f32_bytes_as(dtype, &gguf_block_weight(rows, cols, rng)))
+                            .collect(),
+                        out_dtype: DType::U8,
+                    });
+                }
+            }
+        }
+    }
+}
+
 /// GGUF tensors (ops::gguf) from random bits of every float source (NaNs, infinities and
 /// subnormals among them) to each type the kernel writes, for each recipe it takes: elements
 /// in order, Q/K-permuted rows, one half of interleaved rows, stacked experts.

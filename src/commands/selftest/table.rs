@@ -483,6 +483,7 @@ pub fn cases() -> Vec<Case> {
     super::decoders::int4_modelopt_cases(&mut rng, &mut out);
     super::encoders::modelopt_cases(&mut rng, &mut out);
     super::encoders::gguf_cases(&mut rng, &mut out);
+    super::encoders::gguf_block_cases(&mut rng, &mut out);
     out
 }
 

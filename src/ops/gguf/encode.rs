@@ -52,6 +52,27 @@ pub fn row_encoder(ty: GgmlType) -> Option<RowEncoder> {
     ENCODERS.iter().find(|(t, _)| *t == ty).map(|(_, f)| *f)
 }
 
+/// Whether the GPU encodes `ty` (kernels/kquant.cuh): every block type but Q8_0 (which
+/// kernels/gguf.cuh encodes) and the IQ1/IQ2/IQ3 types, whose grid searches run on the CPU.
+pub fn has_kernel(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_NL
+            | GgmlType::IQ4_XS
+            | GgmlType::TQ1_0
+            | GgmlType::TQ2_0
+    )
+}
+
 /// Whether tftf can write tensors of `ty`.
 pub fn can_write(ty: GgmlType) -> bool {
     matches!(

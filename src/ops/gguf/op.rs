@@ -16,7 +16,7 @@ use super::produce::{self, Window};
 use super::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
 use super::tensor::{OutputTensor, Recipe, RowMap};
 use super::transform;
-use super::GgmlType;
+use super::{encode, GgmlType};
 use crate::format::dtype::DType;
 use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use crate::ops::kernel::{kernel_dtype, Kernel};
@@ -267,10 +267,10 @@ impl Op for GgufTensorOp {
         let src = t.src_dtype?;
         if self.slots.iter().any(|s| s.decode.is_some())
             || !matches!(src, DType::F32 | DType::F16 | DType::BF16)
-            || !matches!(
+            || !(matches!(
                 t.ty,
                 GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0
-            )
+            ) || encode::has_kernel(t.ty))
         {
             return None;
         }
@@ -293,14 +293,29 @@ impl Op for GgufTensorOp {
             _ => return None,
         };
         let (block, _) = t.ty.block();
+        // The weight rows of the experts rows `units` belong to (llama-quantize's choice).
+        let (weight_rows, first_row, weights) = match &t.quant_weights {
+            Some(w) if !units.is_empty() => {
+                let per = produce::rows_per_weight_row(t);
+                let (first, last) = (units.start / per, (units.end - 1) / per);
+                let rows = &w[(first * inner) as usize..((last + 1) * inner) as usize];
+                (per, units.start - first * per, rows.to_vec())
+            }
+            _ => (0, 0, Vec::new()),
+        };
         Some(Kernel::Gguf(GgufLaunch {
             params: GgufParams {
                 src: kernel_dtype(src),
                 ty: t.ty.id() as i32,
                 unit,
+                inner,
+                weight_rows,
+                first_row,
             },
             map,
+            weights,
             items: (units.end - units.start) * inner / block,
+            blocks: encode::has_kernel(t.ty),
         }))
     }
 

@@ -305,18 +305,28 @@ struct RowWeights<'a> {
 
 impl<'a> RowWeights<'a> {
     fn of(t: &'a OutputTensor, first: u64) -> Self {
-        let n = t.shape.len();
         RowWeights {
             weights: t.quant_weights.as_deref(),
             first,
-            rows_per_expert: if n >= 2 { t.shape[n - 2] } else { 1 },
+            rows_per_expert: rows_per_weight_row(t),
         }
     }
 
     /// Weights of chunk row `k` (`inner` wide); planning checked their count.
     fn row(&self, k: usize, inner: usize) -> Option<&'a [f32]> {
-        let expert = ((self.first + k as u64) / self.rows_per_expert.max(1)) as usize;
+        let expert = ((self.first + k as u64) / self.rows_per_expert) as usize;
         self.weights.map(|w| &w[expert * inner..][..inner])
+    }
+}
+
+/// Output rows that share one row of `t`'s importance weights: an expert's rows (every row of a
+/// matrix).
+pub fn rows_per_weight_row(t: &OutputTensor) -> u64 {
+    let n = t.shape.len();
+    if n >= 2 {
+        t.shape[n - 2].max(1)
+    } else {
+        1
     }
 }
 
