@@ -19,7 +19,7 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-// Bit casts and a leading-zero count: intrinsics on the device, memcpy (which compilers turn
+// Bit casts, a leading-zero count and correctly rounded square roots: intrinsics on the device, memcpy (which compilers turn
 // into register moves) on the host.
 #ifdef __CUDA_ARCH__
 TFTF_HD u32 f2u(float x) { return __float_as_uint(x); }
@@ -27,6 +27,8 @@ TFTF_HD float u2f(u32 u) { return __uint_as_float(u); }
 TFTF_HD u64 d2u(double x) { return (u64)__double_as_longlong(x); }
 TFTF_HD double u2d(u64 u) { return __longlong_as_double((long long)u); }
 TFTF_HD int clz64(u64 x) { return __clzll((long long)x); }
+TFTF_HD float sqrt_f32(float x) { return __fsqrt_rn(x); }
+TFTF_HD double sqrt_f64(double x) { return __dsqrt_rn(x); }
 #else
 template <typename To, typename From>
 TFTF_HD To tftf_bit_cast(From x) {
@@ -39,6 +41,8 @@ TFTF_HD float u2f(u32 u) { return tftf_bit_cast<float>(u); }
 TFTF_HD u64 d2u(double x) { return tftf_bit_cast<u64>(x); }
 TFTF_HD double u2d(u64 u) { return tftf_bit_cast<double>(u); }
 TFTF_HD int clz64(u64 x) { return __builtin_clzll(x); }
+TFTF_HD float sqrt_f32(float x) { return __builtin_sqrtf(x); }
+TFTF_HD double sqrt_f64(double x) { return __builtin_sqrt(x); }
 #endif
 
 TFTF_HD bool is_nan_f32(float x) { return (f2u(x) & 0x7FFFFFFFu) > 0x7F800000u; }

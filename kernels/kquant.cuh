@@ -34,34 +34,24 @@ enum KqTypeId {
     KQ_TQ2_0 = 35,
 };
 
-// (elements, bytes) of a block of `ty`; 0 elements for a type without a kernel encoder.
-TFTF_HD int kq_block_elems(int ty) {
-    switch (ty) {
-        case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_IQ4_NL: return 32;
-        case KQ_Q2_K: case KQ_Q3_K: case KQ_Q4_K: case KQ_Q5_K: case KQ_Q6_K:
-        case KQ_IQ4_XS: case KQ_TQ1_0: case KQ_TQ2_0: return KQ_QK_K;
-        default: return 0;
-    }
+// (ggml type id, elements, bytes) of each block type encoded here.
+#define KQ_TYPES 13
+TFTF_HD int kq_block(int ty, int what) {
+    const int table[KQ_TYPES][3] = {
+        {KQ_Q4_0, 32, 18},        {KQ_Q4_1, 32, 20},        {KQ_Q5_0, 32, 22},
+        {KQ_Q5_1, 32, 24},        {KQ_IQ4_NL, 32, 18},      {KQ_Q2_K, KQ_QK_K, 84},
+        {KQ_Q3_K, KQ_QK_K, 110},  {KQ_Q4_K, KQ_QK_K, 144},  {KQ_Q5_K, KQ_QK_K, 176},
+        {KQ_Q6_K, KQ_QK_K, 210},  {KQ_IQ4_XS, KQ_QK_K, 136}, {KQ_TQ1_0, KQ_QK_K, 54},
+        {KQ_TQ2_0, KQ_QK_K, 66},
+    };
+    for (int k = 0; k < KQ_TYPES; k++)
+        if (table[k][0] == ty) return table[k][what];
+    return 0;
 }
 
-TFTF_HD int kq_block_bytes(int ty) {
-    switch (ty) {
-        case KQ_Q4_0: return 18;
-        case KQ_Q4_1: return 20;
-        case KQ_Q5_0: return 22;
-        case KQ_Q5_1: return 24;
-        case KQ_IQ4_NL: return 18;
-        case KQ_Q2_K: return 84;
-        case KQ_Q3_K: return 110;
-        case KQ_Q4_K: return 144;
-        case KQ_Q5_K: return 176;
-        case KQ_Q6_K: return 210;
-        case KQ_IQ4_XS: return 136;
-        case KQ_TQ1_0: return 54;
-        case KQ_TQ2_0: return 66;
-        default: return 0;
-    }
-}
+// Elements of a block of `ty`; 0 for a type without an encoder here.
+TFTF_HD int kq_block_elems(int ty) { return kq_block(ty, 1); }
+TFTF_HD int kq_block_bytes(int ty) { return kq_block(ty, 2); }
 
 // ggml's nearest_int: the FPU rounds x + 1.5·2^23 to an integer (ties to even) in the low
 // mantissa bits; past 2^22 the same wrapped value ggml gets.
@@ -71,15 +61,6 @@ TFTF_HD int kq_nearest_int(float x) {
 }
 
 TFTF_HD float kq_abs(float x) { return u2f(f2u(x) & 0x7FFFFFFFu); }
-
-// Correctly rounded, as Rust's f32::sqrt.
-TFTF_HD float kq_sqrt(float x) {
-#ifdef __CUDA_ARCH__
-    return __fsqrt_rn(x);
-#else
-    return __builtin_sqrtf(x);
-#endif
-}
 
 TFTF_HD int kq_clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 TFTF_HD int kq_min(int a, int b) { return a < b ? a : b; }
@@ -118,7 +99,7 @@ TFTF_HD float kq_sum_squares(const float* x, int n) {
 TFTF_HD float kq_imatrix_weights(float* w, const float* qw, const float* x, int n, float sigma2) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) {
-        w[i] = qw[i] * kq_sqrt(sigma2 + x[i] * x[i]);
+        w[i] = qw[i] * sqrt_f32(sigma2 + x[i] * x[i]);
         sum += w[i];
     }
     return sum;
@@ -549,7 +530,7 @@ KQ_FN void kq_q45_k(int nmax, const float* x, const float* qw, u8* y) {
                                 : kq_search(-0.5f, 0.1f, 15, false);
         for (int j = 0; j < 8; j++) {
             const float* xs = x + 32 * j;
-            float av_x = kq_sqrt(kq_sum_squares(xs, 32) / 32.0f);
+            float av_x = sqrt_f32(kq_sum_squares(xs, 32) / 32.0f);
             for (int i = 0; i < 32; i++) w[i] = av_x + kq_abs(xs[i]);
             scales[j] = kq_make_qkx_quants(nmax, 32, xs, w, levels + 32 * j, aux, s, &mins[j]);
         }
@@ -919,7 +900,7 @@ KQ_FN void kq_encode_block(int ty, const float* x, const float* qw, float row_si
         case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: {
             float w[32];
             if (qw)
-                for (int j = 0; j < 32; j++) w[j] = qw[j] * kq_sqrt(row_sigma2 + x[j] * x[j]);
+                for (int j = 0; j < 32; j++) w[j] = qw[j] * sqrt_f32(row_sigma2 + x[j] * x[j]);
             kq_legacy(ty, x, qw ? w : 0, y);
             return;
         }

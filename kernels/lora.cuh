@@ -7,14 +7,6 @@
 #pragma once
 #include "cast.cuh"
 
-TFTF_HD double sqrt_f64(double x) {
-#ifdef __CUDA_ARCH__
-    return __dsqrt_rn(x);
-#else
-    return __builtin_sqrt(x);
-#endif
-}
-
 // Δ[i][j] = Σ_k coef(g, k) · vec(g, k, j) for chunk row i, global row g = first_row + i, in
 // group e = g / group_rows (an expert of a grouped merge; one group otherwise) at x = g mod
 // group_rows: coef(g, k) = coef[x·ci + k·ck + e·cg], vec(g, k, j) = vecs[k·vk + j·vj + e·vg].

@@ -269,95 +269,53 @@ fn gguf_importance(rows: u64, cols: u64, rng: &mut Lcg) -> Arc<[f32]> {
         .collect()
 }
 
-/// GGUF tensors of every block type the kernel encodes (kernels/kquant.cuh), from every float
-/// source, with and without importance weights (per expert for stacked experts), in order,
-/// Q/K-permuted and stacked.
-pub fn gguf_block_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
-    let (rows, cols) = (8u64, 512u64);
-    let recipes = [
-        (
-            "direct",
-            Recipe::Direct { src: "s0".into() },
-            vec![rows, cols],
-        ),
-        (
-            "Q/K permute",
-            Recipe::Rows {
-                src: "s0".into(),
-                map: RowMap::QkPermute { rows, n_head: 2 },
-                row_elems: cols,
-            },
-            vec![rows, cols],
-        ),
-        (
-            "3 experts",
-            Recipe::Stack {
-                srcs: (0..3).map(|k| format!("s{k}")).collect(),
-            },
-            vec![3, rows, cols],
-        ),
-    ];
-    let types = [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ4_NL,
-        GgmlType::IQ4_XS,
-        GgmlType::TQ1_0,
-        GgmlType::TQ2_0,
-    ];
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        for (what, recipe, shape) in &recipes {
-            let sources = match recipe {
-                Recipe::Stack { srcs } => srcs.len() as u64,
-                _ => 1,
-            };
-            for ty in types {
-                for weighted in [false, true] {
-                    let tensor = OutputTensor {
-                        name: format!("gguf {what}"),
-                        shape: shape.clone(),
-                        ty,
-                        recipe: recipe.clone(),
-                        src_dtype: Some(dtype),
-                        quant_weights: weighted.then(|| gguf_importance(sources, cols, rng)),
-                    };
-                    let slots = (0..sources)
-                        .map(|k| Slot::plain(&format!("s{k}")))
-                        .collect();
-                    let weights = if weighted { ", imatrix" } else { "" };
-                    out.push(Case {
-                        kernel: "gguf",
-                        what: format!("{what}, {dtype} → {}{weights}", ty.name()),
-                        op: Arc::new(GgufTensorOp::new(tensor, slots)),
-                        inputs: (0..sources)
-                            .map(|_| f32_bytes_as(dtype, &gguf_block_weight(rows, cols, rng)))
-                            .collect(),
-                        out_dtype: DType::U8,
-                    });
-                }
-            }
-        }
+/// One GGUF tensor case: `recipe` (named `recipe_name`) over sources `s0`, `s1`, … (one per
+/// input) to `ty`.
+fn gguf_case(
+    recipe_name: &str,
+    what: String,
+    (recipe, shape): (&Recipe, &[u64]),
+    (ty, dtype): (GgmlType, DType),
+    quant_weights: Option<Arc<[f32]>>,
+    inputs: Vec<Vec<u8>>,
+) -> Case {
+    let slots = (0..inputs.len())
+        .map(|k| Slot::plain(&format!("s{k}")))
+        .collect();
+    let tensor = OutputTensor {
+        name: format!("gguf {recipe_name}"),
+        shape: shape.to_vec(),
+        ty,
+        recipe: recipe.clone(),
+        src_dtype: Some(dtype),
+        quant_weights,
+    };
+    Case {
+        kernel: "gguf",
+        what,
+        op: Arc::new(GgufTensorOp::new(tensor, slots)),
+        inputs,
+        out_dtype: DType::U8,
     }
 }
 
-/// GGUF tensors (ops::gguf) from random bits of every float source (NaNs, infinities and
-/// subnormals among them) to each type the kernel writes, for each recipe it takes: elements
-/// in order, Q/K-permuted rows, one half of interleaved rows, stacked experts.
-pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
-    let (rows, cols) = (16u64, 64u64);
+/// Source tensors a recipe of the cases reads.
+fn gguf_sources(recipe: &Recipe) -> u64 {
+    match recipe {
+        Recipe::Stack { srcs } => srcs.len() as u64,
+        _ => 1,
+    }
+}
+
+/// The recipes the GGUF kernels take, on `rows` × `cols` sources: elements in order,
+/// Q/K-permuted rows (`n_head` heads), one half of interleaved rows, three stacked experts.
+fn gguf_recipes(rows: u64, cols: u64, n_head: u64) -> Vec<(&'static str, Recipe, Vec<u64>)> {
     let rows_of = |map| Recipe::Rows {
         src: "s0".into(),
         map,
         row_elems: cols,
     };
-    let recipes = [
+    vec![
         (
             "direct",
             Recipe::Direct { src: "s0".into() },
@@ -365,7 +323,7 @@ pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
         ),
         (
             "Q/K permute",
-            rows_of(RowMap::QkPermute { rows, n_head: 4 }),
+            rows_of(RowMap::QkPermute { rows, n_head }),
             vec![rows, cols],
         ),
         (
@@ -383,39 +341,73 @@ pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
             },
             vec![3, rows, cols],
         ),
+    ]
+}
+
+/// GGUF tensors of every block type the kernel encodes (kernels/kquant.cuh), from every float
+/// source, with and without importance weights (per expert for stacked experts), for each
+/// recipe the kernel takes.
+pub fn gguf_block_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (rows, cols) = (8u64, 512u64);
+    let types = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::TQ1_0,
+        GgmlType::TQ2_0,
     ];
     for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (name, recipe, shape) in &gguf_recipes(rows, cols, 2) {
+            let sources = gguf_sources(recipe);
+            for ty in types {
+                for weighted in [false, true] {
+                    let weights = weighted.then(|| gguf_importance(sources, cols, rng));
+                    let inputs = (0..sources)
+                        .map(|_| f32_bytes_as(dtype, &gguf_block_weight(rows, cols, rng)))
+                        .collect();
+                    let imatrix = if weighted { ", imatrix" } else { "" };
+                    let what = format!("{name}, {dtype} → {}{imatrix}", ty.name());
+                    let geometry = (recipe, &shape[..]);
+                    out.push(gguf_case(
+                        name,
+                        what,
+                        geometry,
+                        (ty, dtype),
+                        weights,
+                        inputs,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// GGUF tensors (ops::gguf) from random bits of every float source (NaNs, infinities and
+/// subnormals among them) to each type the kernel writes, for each recipe it takes.
+pub fn gguf_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
+    let (rows, cols) = (16u64, 64u64);
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         let elem = dtype.size().expect("a float dtype");
-        for (what, recipe, shape) in &recipes {
+        for (name, recipe, shape) in &gguf_recipes(rows, cols, 4) {
             for ty in [GgmlType::Q8_0, GgmlType::F16, GgmlType::Bf16, GgmlType::F32] {
                 let copy = matches!(recipe, Recipe::Direct { .. } | Recipe::Stack { .. });
                 if copy && produce::same_type(dtype, ty) {
                     continue; // a plain copy, which has no kernel
                 }
-                let sources = match recipe {
-                    Recipe::Stack { srcs } => srcs.len(),
-                    _ => 1,
-                };
-                let slots = (0..sources)
-                    .map(|k| Slot::plain(&format!("s{k}")))
+                let inputs = (0..gguf_sources(recipe))
+                    .map(|_| rng.bytes((rows * cols) as usize * elem))
                     .collect();
-                let tensor = OutputTensor {
-                    name: format!("gguf {what}"),
-                    shape: shape.clone(),
-                    ty,
-                    recipe: recipe.clone(),
-                    src_dtype: Some(dtype),
-                    quant_weights: None,
-                };
-                out.push(Case {
-                    kernel: "gguf",
-                    what: format!("{what}, {dtype} → {}", ty.name()),
-                    op: Arc::new(GgufTensorOp::new(tensor, slots)),
-                    inputs: (0..sources)
-                        .map(|_| rng.bytes((rows * cols) as usize * elem))
-                        .collect(),
-                    out_dtype: DType::U8,
-                });
+                let what = format!("{name}, {dtype} → {}", ty.name());
+                let geometry = (recipe, &shape[..]);
+                out.push(gguf_case(name, what, geometry, (ty, dtype), None, inputs));
             }
         }
     }
