@@ -13,13 +13,13 @@
 # Data lives in /dev/shm when it has room (the figures are about compute, not the disk).
 # Usage: bench/gpu-check.sh [GIB]          (default 8; keep the run under 8 minutes)
 #        SKIP_TESTS=1 bench/gpu-check.sh   (no cargo tests: prebuilt binaries, no toolchain)
-#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize gguf)
+#        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize gguf merge)
 #        DEVICES="cpu" bench/gpu-check.sh 1   (the script's own check on a machine without a GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-8}
 DEVICES=${DEVICES:-cuda cpu}
-OPS=${OPS:-cast dequant repack lora quantize gguf}
+OPS=${OPS:-cast dequant repack lora quantize gguf merge}
 want() { [[ " $OPS " == *" $1 "* ]]; }
 # Build when cargo can (a machine without crates.io can instead carry prebuilt
 # target/release/tftf and target/release/examples/gen_checkpoint along).
@@ -170,6 +170,20 @@ if want gguf; then
         echo "skipped: bench/gguf_model.py needs python3 with numpy"
     fi
     rm -rf "$D/gguf"
+fi
+
+if want merge; then
+    echo "== merge linear and task_arithmetic (three references to one $GIB GiB BF16 model)"
+    $GEN "$D/m" fp8-as-bf16 "$GIB" >/dev/null
+    B=$(bytes_of "$D/m" "")
+    printf 'merge_method: linear\nmodels:\n' >"$D/linear.yml"
+    printf 'merge_method: task_arithmetic\nbase_model: %s\nmodels:\n' "$D/m" >"$D/task.yml"
+    for w in 0.5 0.3 0.2; do
+        printf '  - model: %s\n    parameters: {weight: %s}\n' "$D/m" $w | tee -a "$D/linear.yml" >>"$D/task.yml"
+    done
+    VARIANTS=0 each merge-linear $((3 * B)) -- merge "$D/linear.yml"
+    VARIANTS=0 each merge-task $((4 * B)) -- merge "$D/task.yml"
+    rm -rf "$D/m"
 fi
 
 echo

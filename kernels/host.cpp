@@ -4,6 +4,7 @@
 #include "gguf.cuh"
 #include "int.cuh"
 #include "lora.cuh"
+#include "merge.cuh"
 #include "quantize.cuh"
 
 extern "C" {
@@ -104,6 +105,10 @@ void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, 
         factors[r] = dora_row_factor(*p, base, delta, magnitude, r);
     for (u64 i = 0; i < rows * p->cols; i++) lora_element(*p, base, delta, factors, out, i);
     delete[] factors;
+}
+
+void tftf_host_merge(const u8* in, u8* out, u64 n, const MergeParams* p) {
+    for (u64 i = 0; i < n; i++) merge_element(*p, in, out, i);
 }
 
 int tftf_host_modelopt_mx_exponent(float amax, float elem_max) {

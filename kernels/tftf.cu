@@ -7,6 +7,7 @@
 #include "gguf.cuh"
 #include "int.cuh"
 #include "lora.cuh"
+#include "merge.cuh"
 #include "quantize.cuh"
 
 #define GRID_STRIDE(i, n)                                                             \
@@ -152,4 +153,9 @@ extern "C" __global__ void tftf_quantize_fp8_scales(u32* amax, u8* scales, u64 n
 extern "C" __global__ void tftf_quantize_fp8_codes(const u8* in, const u32* factors, u8* codes,
                                                    u64 n, QuantParams p) {
     GRID_STRIDE(i, n) { codes[i] = quant_fp8_code(p, in, factors, i); }
+}
+
+// Elementwise merges (linear, task arithmetic): one thread per element.
+extern "C" __global__ void tftf_merge(const u8* in, u8* out, u64 n, MergeParams p) {
+    GRID_STRIDE(i, n) { merge_element(p, in, out, i); }
 }

@@ -208,6 +208,23 @@ fn merge_lora_on_both(name: &str, base: &Path, adapter: &Path, kernels: &[&str])
     assert_identical(name, &cpu_vs_gpu(name, &args, kernels));
 }
 
+/// `tftf merge` of the mergekit fixtures' linear and task-arithmetic configs (BF16 and F32
+/// models, gradients, filters, mergekit's `dtype`) on the fake GPU: `tftf_merge` computes them,
+/// byte-identical to the CPU.
+#[test]
+fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
+    for name in [
+        "linear_bf16",
+        "linear_f32",
+        "task_arithmetic_bf16",
+        "task_arithmetic_f32",
+    ] {
+        let cfg = format!("tests/fixtures/merge/configs/{name}.yml");
+        let pairs = cpu_vs_gpu(name, &["merge", &cfg], &["tftf_merge"]);
+        assert_identical(name, &pairs);
+    }
+}
+
 #[test]
 fn lora_and_dora_merges_are_byte_identical_on_the_gpu_path() {
     let ex = examples();

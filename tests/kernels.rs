@@ -27,6 +27,7 @@ use tftf::ops::quantize::kernel::QuantParams;
 use tftf::ops::quantize::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
 use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
+use tftf::plan::kernel::merge::MergeParams;
 
 /// Must match OPTIONS in scripts/gen-ptx.py.
 const PTX_OPTIONS: &str = "--gpu-architecture=compute_80 --fmad=false --std=c++17";
@@ -1212,6 +1213,20 @@ fn committed_ptx_is_built_from_the_current_sources() {
     );
 }
 
+/// Units `0..units` cut into chunks of each size of `sizes` in turn (every cut of one size,
+/// then of the next), as the reader cuts them.
+fn chunkings(units: u64, sizes: [u64; 3]) -> Vec<Range<u64>> {
+    let mut out = Vec::new();
+    for per in sizes {
+        let mut u = 0;
+        while u < units {
+            out.push(u..(u + per).min(units));
+            u += per;
+        }
+    }
+    out
+}
+
 fn host_gguf(l: &GgufLaunch, inputs: &[&[u8]], out_len: usize) -> Vec<u8> {
     let joined = inputs.concat();
     let mut out = vec![0u8; out_len];
@@ -1264,26 +1279,61 @@ fn gguf_kernel_matches_the_cpu_op_bit_for_bit() {
     for case in selftest::cases().into_iter().filter(|c| c.kernel == "gguf") {
         let op = &*case.op;
         let units = op.units();
-        for per in [1, 3, units] {
-            let mut u = 0;
-            while u < units {
-                let chunk = u..(u + per).min(units);
-                u = chunk.end;
-                let Some(Kernel::Gguf(l)) = op.kernel(&chunk) else {
-                    panic!("{}: no kernel for {chunk:?}", case.what);
-                };
-                let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
-                let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
-                let got = host_gguf(&l, &pieces, want.len());
-                // Bytes per item: a block's for the block types, else compared bytewise.
-                let elem = match l.params.ty {
-                    0 | 1 | 30 => 1,
-                    _ => want.len() / l.items as usize,
-                };
-                hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
-                checked += 1;
-            }
+        for chunk in chunkings(units, [1, 3, units]) {
+            let Some(Kernel::Gguf(l)) = op.kernel(&chunk) else {
+                panic!("{}: no kernel for {chunk:?}", case.what);
+            };
+            let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
+            let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
+            let got = host_gguf(&l, &pieces, want.len());
+            // Bytes per item: a block's for the block types, else compared bytewise.
+            let elem = match l.params.ty {
+                0 | 1 | 30 => 1,
+                _ => want.len() / l.items as usize,
+            };
+            hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
+            checked += 1;
         }
     }
     assert!(checked > 100, "{checked} chunks compared");
+}
+
+/// The selftest's elementwise merge cases (linear and task arithmetic over inputs of every float
+/// dtype with random bits, rounded to each compute dtype, into each output dtype), each chunked
+/// three ways: the kernel's bytes are the CPU op's, NaNs included.
+#[test]
+fn merge_kernel_matches_the_cpu_op_bit_for_bit() {
+    let f = host_fn!(
+        "tftf_host_merge",
+        fn(*const u8, *mut u8, u64, *const MergeParams) -> ()
+    );
+    let mut checked = 0;
+    for case in selftest::cases()
+        .into_iter()
+        .filter(|c| c.kernel == "merge")
+    {
+        let op = &*case.op;
+        let units = op.units();
+        for chunk in chunkings(units, [1, 333, units]) {
+            let Some(Kernel::Merge(mut p)) = op.kernel(&chunk) else {
+                panic!("{}: no kernel for {chunk:?}", case.what);
+            };
+            let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
+            let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
+            // Joined as the GPU backend joins them: each input at an 8-byte boundary.
+            let mut joined = Vec::new();
+            for (k, piece) in pieces.iter().enumerate() {
+                joined.resize(joined.len().next_multiple_of(8), 0);
+                p.offsets[k] = joined.len() as u64;
+                joined.extend_from_slice(piece);
+            }
+            let mut got = vec![0u8; want.len()];
+            let n = chunk.end - chunk.start;
+            unsafe { f(joined.as_ptr(), got.as_mut_ptr(), n, &p) };
+            let elem = want.len() / n as usize;
+            hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
+            checked += 1;
+        }
+    }
+    assert!(checked >= 48 * 3, "{checked} chunks compared");
 }

@@ -35,6 +35,7 @@ use crate::ops::kernel::gguf::{GgufLaunch, GgufParams};
 use crate::ops::kernel::{kernel_dtype, Kernel, KernelStats};
 use crate::ops::lora::kernel::{BaseDequant, DeltaParams, LoraLaunch, LoraParams};
 use crate::ops::quantize::kernel::QuantParams;
+use crate::plan::kernel::merge::MergeParams;
 
 /// PTX compiled by nvcc at build time (empty without a toolkit) and the committed PTX.
 static PTX_NVCC: &str = include_str!(concat!(env!("OUT_DIR"), "/tftf-nvcc.ptx"));
@@ -53,6 +54,7 @@ unsafe impl DeviceRepr for Int4Params {}
 unsafe impl DeviceRepr for Fp4Params {}
 unsafe impl DeviceRepr for QuantParams {}
 unsafe impl DeviceRepr for GgufParams {}
+unsafe impl DeviceRepr for MergeParams {}
 
 struct Kernels {
     cast: CudaFunction,
@@ -74,6 +76,7 @@ struct Kernels {
     quantize_fp8_codes: CudaFunction,
     gguf: CudaFunction,
     gguf_blocks: CudaFunction,
+    merge: CudaFunction,
 }
 
 /// Counters for reports and benchmarks.
@@ -205,6 +208,7 @@ impl Gpu {
             quantize_fp8_codes: f("tftf_quantize_fp8_codes")?,
             gguf: f("tftf_gguf")?,
             gguf_blocks: f("tftf_gguf_blocks")?,
+            merge: f("tftf_merge")?,
         };
         let registry = Arc::new(Registry::default());
         let mut lanes = Vec::with_capacity(LANES);
@@ -551,14 +555,33 @@ impl Lane {
     /// Stages `parts`, one after the other, into slot `slot` and queues their copy as one
     /// buffer; returns its device address.
     fn upload_joined(&mut self, slot: usize, parts: &[&[u8]]) -> Result<CUdeviceptr, String> {
-        let len = parts.iter().map(|p| p.len()).sum();
+        Ok(self.upload_aligned(slot, parts, 1)?.0)
+    }
+
+    /// [`Self::upload_joined`] with each part starting at a multiple of `align` bytes; returns
+    /// the device address and each part's offset.
+    fn upload_aligned(
+        &mut self,
+        slot: usize,
+        parts: &[&[u8]],
+        align: usize,
+    ) -> Result<(CUdeviceptr, Vec<u64>), String> {
+        let offsets: Vec<usize> = parts
+            .iter()
+            .scan(0usize, |at, p| {
+                let start = at.next_multiple_of(align);
+                *at = start + p.len();
+                Some(start)
+            })
+            .collect();
+        let len = offsets
+            .last()
+            .map_or(0, |&o| o + parts[parts.len() - 1].len());
         let p = self.pinned(slot, len)?;
         // SAFETY: the previous chunk's copies finished (each chunk ends synchronised).
         let staged = unsafe { p.slice_mut(len) };
-        let mut at = 0;
-        for part in parts {
+        for (part, &at) in parts.iter().zip(&offsets) {
             staged[at..at + part.len()].copy_from_slice(part);
-            at += part.len();
         }
         let dptr = self.device(slot, len)?;
         if !self.mapped {
@@ -567,7 +590,7 @@ impl Lane {
             unsafe { result::memcpy_htod_async(dptr, p.slice(len), self.stream.cu_stream()) }
                 .map_err(|e| driver_err("host-to-device copy", e))?;
         }
-        Ok(dptr)
+        Ok((dptr, offsets.into_iter().map(|o| o as u64).collect()))
     }
 
     /// Queues the copy of `len` bytes of device slot `slot` back to its pinned staging.
@@ -646,6 +669,19 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
             Kernel::Gguf(l) => self.gguf(k, l, inputs, outs[0].len())?,
+            Kernel::Merge(p) => {
+                // Each model's chunk at an 8-byte boundary, for the kernel's typed loads.
+                let (i, offsets) = self.upload_aligned(IN, inputs, 8)?;
+                let mut p = *p;
+                p.offsets[..offsets.len()].copy_from_slice(&offsets);
+                let o = self.device(OUT, outs[0].len())?;
+                let mut b = self.stream.launch_builder(&k.merge);
+                b.arg(&i).arg(&o).arg(&nunits).arg(&p);
+                // SAFETY: argument types match tftf_merge; input k holds nunits elements of
+                // its dtype at offsets[k], and `o` nunits elements of p.dst.
+                unsafe { b.launch(launch_config(nunits)) }
+                    .map_err(|e| driver_err("tftf_merge", e))?;
+            }
             Kernel::DequantFp8(p) => {
                 let o = self.device(OUT, outs[0].len())?;
                 flag = Some(self.dequant(k, p, inputs, o)?);

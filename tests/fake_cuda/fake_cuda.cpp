@@ -341,6 +341,10 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
             tftf_gguf(arg<in>(p, 0), arg<const u32*>(p, 1), arg<u8*>(p, 2), arg<u64>(p, 3),
                       arg<GgufParams>(p, 4));
         });
+    else if (n == "tftf_merge")
+        walk(gx, bx, [&] {
+            tftf_merge(arg<in>(p, 0), arg<u8*>(p, 1), arg<u64>(p, 2), arg<MergeParams>(p, 3));
+        });
     else if (n == "tftf_gguf_blocks")
         walk(gx, bx, [&] {
             tftf_gguf_blocks(arg<in>(p, 0), arg<const u32*>(p, 1), arg<const float*>(p, 2),

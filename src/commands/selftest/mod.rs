@@ -3,6 +3,7 @@
 mod decoders;
 pub mod encoders;
 mod inputs;
+mod merges;
 pub mod table;
 
 use crate::cli::SelftestArgs;

@@ -484,6 +484,7 @@ pub fn cases() -> Vec<Case> {
     super::encoders::modelopt_cases(&mut rng, &mut out);
     super::encoders::gguf_cases(&mut rng, &mut out);
     super::encoders::gguf_block_cases(&mut rng, &mut out);
+    super::merges::merge_cases(&mut rng, &mut out);
     out
 }
 

@@ -21,6 +21,8 @@ use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
+use crate::plan::kernel::merge::{MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS, MERGE_TASK};
+use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
 /// What [`MergeOp::by_pieces`] calls with each piece: its offset in the chunk, the piece, and
@@ -234,6 +236,40 @@ impl MergeOp {
         })
     }
 
+    /// An elementwise merge built directly (the selftest's GPU cases): `Σ w_k x_k / coef`, or
+    /// with `task` `x_0 + coef · Σ_{k≥1} w_k (x_k − x_0)` (`weights` then the models' after
+    /// the base), over `elements` elements of `in_dtypes`, rounded first to `compute_dtype`.
+    pub fn elementwise(
+        task: bool,
+        weights: Vec<f64>,
+        coef: f64,
+        in_dtypes: Vec<DType>,
+        compute_dtype: Option<DType>,
+        elements: u64,
+        dst: DType,
+    ) -> MergeOp {
+        let formula = if task {
+            Formula::TaskArithmetic {
+                weights,
+                scale: coef,
+            }
+        } else {
+            Formula::Linear {
+                weights,
+                denominator: coef,
+            }
+        };
+        MergeOp {
+            method: if task { "task_arithmetic" } else { "linear" },
+            formula,
+            in_dtypes,
+            compute_dtype,
+            elements,
+            dst,
+            surveyed: SurveyCell::default(),
+        }
+    }
+
     /// The same merge over inputs all of `dtype` and of the output's `shape` (a vocabulary
     /// tensor's rows remapped to the merged vocabulary, `tokenizer/remap.rs`).
     pub(crate) fn over_rows(mut self, shape: &[u64], dtype: DType) -> MergeOp {
@@ -442,7 +478,11 @@ impl MergeOp {
                 Formula::Whole(_) => unreachable!("whole-tensor methods compute elsewhere"),
             }
             let size = self.dst.size().expect("float dtypes have a size");
-            store_f64_block(self.dst, &res[..n], &mut out[at * size..(at + n) * size]);
+            store_f64_block(
+                self.dst,
+                &mut res[..n],
+                &mut out[at * size..(at + n) * size],
+            );
             at += n;
         }
     }
@@ -467,8 +507,14 @@ pub(crate) fn store_f64(dst: DType, out: &mut [u8], k: usize, v: f64) {
     }
 }
 
-/// [`store_f64`] of every value of `values` into `out`, the dtype matched once.
-fn store_f64_block(dst: DType, values: &[f64], out: &mut [u8]) {
+/// [`store_f64`] of every value of `values` into `out`, the dtype matched once. A NaN is
+/// stored as the one positive quiet NaN of `dst` (as the GPU kernel stores it: the payload and
+/// sign of a NaN the arithmetic makes differ between devices).
+fn store_f64_block(dst: DType, values: &mut [f64], out: &mut [u8]) {
+    values
+        .iter_mut()
+        .for_each(|v| *v = if v.is_nan() { f64::NAN } else { *v });
+    let values = &*values;
     match dst {
         DType::F64 => (out.chunks_exact_mut(8).zip(values))
             .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
@@ -485,6 +531,39 @@ fn store_f64_block(dst: DType, values: &[f64], out: &mut [u8]) {
 impl Op for MergeOp {
     fn name(&self) -> &'static str {
         self.method
+    }
+    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+        let float = |d: DType| matches!(d, DType::F64 | DType::F32 | DType::BF16 | DType::F16);
+        let n = self.in_dtypes.len();
+        if n > MERGE_MAX_INPUTS || !float(self.dst) || !self.in_dtypes.iter().all(|&d| float(d)) {
+            return None;
+        }
+        let mut p = MergeParams {
+            n: n as i32,
+            dst: kernel_dtype(self.dst),
+            ..MergeParams::default()
+        };
+        for (k, &d) in self.in_dtypes.iter().enumerate() {
+            p.dtypes[k] = kernel_dtype(d);
+            p.round[k] = self.rounding(d).map_or(KERNEL_DTYPE_NONE, kernel_dtype);
+        }
+        match &self.formula {
+            Formula::Linear {
+                weights,
+                denominator,
+            } => {
+                p.method = MERGE_LINEAR;
+                p.weights[..n].copy_from_slice(weights);
+                p.denominator = *denominator;
+            }
+            Formula::TaskArithmetic { weights, scale } => {
+                p.method = MERGE_TASK;
+                p.weights[1..n].copy_from_slice(weights);
+                p.scale = *scale;
+            }
+            Formula::Whole(_) => return None,
+        }
+        Some(Kernel::Merge(p))
     }
     fn units(&self) -> u64 {
         self.elements

@@ -13,6 +13,7 @@ pub mod fp8;
 pub mod gguf;
 pub mod int;
 pub mod lora;
+pub mod merge;
 pub mod quantize;
 
 use crate::format::dtype::DType;
@@ -21,6 +22,7 @@ use fp8::DequantParams;
 use gguf::GgufLaunch;
 use int::{GptqParams, Int4Params, IntParams};
 use lora::LoraLaunch;
+use merge::MergeParams;
 use quantize::QuantParams;
 
 /// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
@@ -52,6 +54,8 @@ pub enum Kernel {
     /// A GGUF tensor's chunk (kernels/gguf.cuh): source elements, gathered through a unit map,
     /// to F32/F16/BF16 elements or Q8_0 blocks.
     Gguf(GgufLaunch),
+    /// An elementwise merge (kernels/merge.cuh): every model's chunk, one input each.
+    Merge(MergeParams),
     /// Weight-only quantisation (kernels/quantize.cuh): weight rows → codes (output 0) and
     /// scales (output 1); refuses non-finite weights.
     Quantize(QuantParams),
