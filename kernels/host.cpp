@@ -107,8 +107,8 @@ void tftf_host_lora(const u8* base, const float* delta, const float* magnitude, 
     delete[] factors;
 }
 
-void tftf_host_merge(const u8* in, u8* out, u64 n, const MergeParams* p) {
-    for (u64 i = 0; i < n; i++) merge_element(*p, in, out, i);
+void tftf_host_merge(const u8* in, const double* coefs, u8* out, u64 n, const MergeParams* p) {
+    for (u64 i = 0; i < n; i++) merge_element(*p, in, coefs, out, i);
 }
 
 int tftf_host_modelopt_mx_exponent(float amax, float elem_max) {

@@ -1,15 +1,19 @@
 // The elementwise merges (src/ops/merge/op.rs, methods/linear.rs, methods/task_arithmetic.rs):
 // every model's element widened to f64 (rounded first to mergekit's `dtype` where that loses
 // bits), summed in model order from 0.0 — a multiply, then an add — and rounded once to the
-// output dtype. NaN results are the one positive quiet NaN, on every device.
+// output dtype. And the blend of a surveyed slerp or nuslerp tensor (methods/slerp.rs): f32
+// inputs, the survey's coefficients, an f32 result then stored as the output dtype. NaN
+// results are the one positive quiet NaN, on every device.
 #pragma once
 #include "cast.cuh"
 
 #define MERGE_MAX_INPUTS 16
 
 enum MergeMethod {
-    MERGE_LINEAR = 0,  // Σ w_k x_k / denominator
-    MERGE_TASK = 1,    // x_0 + scale · Σ_{k≥1} w_k (x_k − x_0)
+    MERGE_LINEAR = 0,   // Σ w_k x_k / denominator
+    MERGE_TASK = 1,     // x_0 + scale · Σ_{k≥1} w_k (x_k − x_0)
+    MERGE_SLERP = 2,    // ca · x_0 + cb · x_1
+    MERGE_NUSLERP = 3,  // back + ca · (a − back) + cb · (b − back), back the base or 0
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -17,13 +21,14 @@ struct MergeParams {
     int method;  // MergeMethod
     int n;       // inputs (task arithmetic: the base first)
     int dst;     // TftfDtype of the output: F64, F32, F16 or BF16
-    int pad;
+    int has_base;  // MERGE_NUSLERP: input 0 is the base
     int dtypes[MERGE_MAX_INPUTS];    // TftfDtype of each input: F64, F32, F16 or BF16
     int round[MERGE_MAX_INPUTS];     // TftfDtype each input is rounded to first, or DT_NONE
     u64 offsets[MERGE_MAX_INPUTS];   // byte offset of each input in the joined buffer
     double weights[MERGE_MAX_INPUTS];  // linear: input k's; task arithmetic: model k's at k
     double denominator;
     double scale;
+    u64 inner;  // MERGE_SLERP/NUSLERP: (ca, cb) pairs in `coefs`, element i taking i mod inner
 };
 
 // x rounded to `dtype` and widened back, as a cast there and back would (op.rs `round_to`).
@@ -43,8 +48,40 @@ TFTF_HD double merge_load(const MergeParams& p, const u8* in, int k, u64 i) {
     return p.round[k] == DT_NONE ? x : merge_round(p.round[k], x);
 }
 
+// Input k's element i as a surveyed merge reads it: an f32 (rounded to mergekit's `dtype`).
+TFTF_HD double merge_load_f32(const MergeParams& p, const u8* in, int k, u64 i) {
+    float v = cast_load(p.dtypes[k], DT_F32, in + p.offsets[k], i);
+    if (p.round[k] != DT_NONE) v = f64_to_f32_rne(merge_round(p.round[k], (double)v));
+    return (double)v;
+}
+
+// Element i of a surveyed slerp/nuslerp chunk, stored as p.dst.
+TFTF_HD void merge_blend(const MergeParams& p, const u8* in, const double* coefs, u8* out,
+                         u64 i) {
+    u64 c = 2 * (i % p.inner);
+    double ca = coefs[c], cb = coefs[c + 1], o;
+    if (p.method == MERGE_SLERP) {
+        o = ca * merge_load_f32(p, in, 0, i) + cb * merge_load_f32(p, in, 1, i);
+    } else {
+        int first = p.has_base ? 1 : 0;
+        double back = p.has_base ? merge_load_f32(p, in, 0, i) : 0.0;
+        double a = merge_load_f32(p, in, first, i) - back;
+        double b = merge_load_f32(p, in, first + 1, i) - back;
+        o = back + ca * a + cb * b;
+    }
+    float f = f64_to_f32_rne(o);
+    if (f != f) f = u2f(TFTF_NAN_F32);
+    if (p.dst == DT_F64) TFTF_STORE(u64, out, i, d2u((double)f));
+    else store_as(p.dst, out, i, f);
+}
+
 // Element i of the merged chunk, stored as p.dst.
-TFTF_HD void merge_element(const MergeParams& p, const u8* in, u8* out, u64 i) {
+TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
+                           u64 i) {
+    if (p.method == MERGE_SLERP || p.method == MERGE_NUSLERP) {
+        merge_blend(p, in, coefs, out, i);
+        return;
+    }
     double o = 0.0;
     if (p.method == MERGE_LINEAR) {
         for (int k = 0; k < p.n; k++) o += p.weights[k] * merge_load(p, in, k, i);

@@ -155,7 +155,9 @@ extern "C" __global__ void tftf_quantize_fp8_codes(const u8* in, const u32* fact
     GRID_STRIDE(i, n) { codes[i] = quant_fp8_code(p, in, factors, i); }
 }
 
-// Elementwise merges (linear, task arithmetic): one thread per element.
-extern "C" __global__ void tftf_merge(const u8* in, u8* out, u64 n, MergeParams p) {
-    GRID_STRIDE(i, n) { merge_element(p, in, out, i); }
+// Elementwise merges (linear, task arithmetic) and surveyed slerp/nuslerp blends: one thread
+// per element.
+extern "C" __global__ void tftf_merge(const u8* in, const double* coefs, u8* out, u64 n,
+                                      MergeParams p) {
+    GRID_STRIDE(i, n) { merge_element(p, in, coefs, out, i); }
 }

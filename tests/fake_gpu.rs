@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+use tftf::format::dtype::DType;
+
 use common::fake_cuda::{build_fake, fake_libs, tftf_logged};
 use common::{
     assert_mentions, assert_refused, assert_same_tensors, assert_starts, cmd, fixture, listing,
@@ -222,6 +224,40 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
         let cfg = format!("tests/fixtures/merge/configs/{name}.yml");
         let pairs = cpu_vs_gpu(name, &["merge", &cfg], &["tftf_merge"]);
         assert_identical(name, &pairs);
+    }
+}
+
+/// slerp and nuslerp (flattened, down columns, with and without a base) of weights several
+/// chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's blend as
+/// `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes too.
+#[test]
+fn surveyed_slerp_blends_are_byte_identical_on_the_gpu_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = |name: &str, seed: u64| {
+        let mut rng = common::Rng(seed);
+        let mut w = common::rand_t(&mut rng, "w.weight", DType::BF16, &[1024, 1024]);
+        if name == "c" {
+            w.3[2..4].copy_from_slice(&0x7FC1u16.to_le_bytes()); // element 1: a NaN
+        }
+        common::Model::new()
+            .tensors([w])
+            .rand(&mut rng, "v.weight", DType::F32, &[512, 512])
+            .rand(&mut rng, "small.weight", DType::BF16, &[8, 8])
+            .write(&dir.path().join(name))
+    };
+    let [a, b, c] = [model("a", 1), model("b", 2), model("c", 3)];
+    let (a, b, c) = (s(&a), s(&b), s(&c));
+    let configs = [
+        ("slerp", format!("merge_method: slerp\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  t: 0.3\n")),
+        ("slerp-nan", format!("merge_method: slerp\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {c}\nparameters:\n  t: 0.6\ndtype: float16\n")),
+        ("nuslerp", format!("merge_method: nuslerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.4}}\n  - model: {b}\n    parameters: {{weight: 0.9}}\n")),
+        ("nuslerp-columns", format!("merge_method: nuslerp\nbase_model: {c}\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 0.5}}\nparameters:\n  nuslerp_flatten: false\n  nuslerp_row_wise: true\n")),
+    ];
+    for (name, text) in configs {
+        let cfg = dir.path().join(format!("{name}.yml"));
+        std::fs::write(&cfg, text).unwrap();
+        let args = ["merge", s(&cfg), "--memory-budget", "16MiB"];
+        assert_identical(name, &cpu_vs_gpu(name, &args, &["tftf_merge"]));
     }
 }
 

@@ -27,7 +27,7 @@ use tftf::ops::quantize::kernel::QuantParams;
 use tftf::ops::quantize::ops::{BlockMath, QuantizeRows, FP8_BLOCK};
 use tftf::ops::quantize::Scheme;
 use tftf::ops::Op;
-use tftf::plan::kernel::merge::MergeParams;
+use tftf::plan::kernel::merge::{MergeLaunch, MergeParams};
 
 /// Must match OPTIONS in scripts/gen-ptx.py.
 const PTX_OPTIONS: &str = "--gpu-architecture=compute_80 --fmad=false --std=c++17";
@@ -1305,7 +1305,7 @@ fn gguf_kernel_matches_the_cpu_op_bit_for_bit() {
 fn merge_kernel_matches_the_cpu_op_bit_for_bit() {
     let f = host_fn!(
         "tftf_host_merge",
-        fn(*const u8, *mut u8, u64, *const MergeParams) -> ()
+        fn(*const u8, *const f64, *mut u8, u64, *const MergeParams) -> ()
     );
     let mut checked = 0;
     for case in selftest::cases()
@@ -1315,9 +1315,10 @@ fn merge_kernel_matches_the_cpu_op_bit_for_bit() {
         let op = &*case.op;
         let units = op.units();
         for chunk in chunkings(units, [1, 333, units]) {
-            let Some(Kernel::Merge(mut p)) = op.kernel(&chunk) else {
+            let Some(Kernel::Merge(l)) = op.kernel(&chunk) else {
                 panic!("{}: no kernel for {chunk:?}", case.what);
             };
+            let MergeLaunch { params: mut p, .. } = *l;
             let pieces = selftest::slices(op, chunk.clone(), &case.inputs);
             let want = cpu_compute(op, chunk.clone(), &pieces).unwrap();
             // Joined as the GPU backend joins them: each input at an 8-byte boundary.
@@ -1329,7 +1330,7 @@ fn merge_kernel_matches_the_cpu_op_bit_for_bit() {
             }
             let mut got = vec![0u8; want.len()];
             let n = chunk.end - chunk.start;
-            unsafe { f(joined.as_ptr(), got.as_mut_ptr(), n, &p) };
+            unsafe { f(joined.as_ptr(), std::ptr::null(), got.as_mut_ptr(), n, &p) };
             let elem = want.len() / n as usize;
             hex_diff(&format!("{} {chunk:?}", case.what), &got, &want, elem);
             checked += 1;

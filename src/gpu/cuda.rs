@@ -669,16 +669,22 @@ impl Lane {
                     .map_err(|e| driver_err("tftf_cast", e))?;
             }
             Kernel::Gguf(l) => self.gguf(k, l, inputs, outs[0].len())?,
-            Kernel::Merge(p) => {
+            Kernel::Merge(l) => {
                 // Each model's chunk at an 8-byte boundary, for the kernel's typed loads.
                 let (i, offsets) = self.upload_aligned(IN, inputs, 8)?;
-                let mut p = *p;
+                let mut p = l.params;
                 p.offsets[..offsets.len()].copy_from_slice(&offsets);
+                let coefs: Vec<u8> = l.coefs.iter().flat_map(|c| c.to_le_bytes()).collect();
+                let c = match coefs.is_empty() {
+                    true => 0,
+                    false => self.upload(IN + 1, &coefs)?,
+                };
                 let o = self.device(OUT, outs[0].len())?;
                 let mut b = self.stream.launch_builder(&k.merge);
-                b.arg(&i).arg(&o).arg(&nunits).arg(&p);
+                b.arg(&i).arg(&c).arg(&o).arg(&nunits).arg(&p);
                 // SAFETY: argument types match tftf_merge; input k holds nunits elements of
-                // its dtype at offsets[k], and `o` nunits elements of p.dst.
+                // its dtype at offsets[k], `c` the blend's p.inner coefficient pairs, and `o`
+                // nunits elements of p.dst.
                 unsafe { b.launch(launch_config(nunits)) }
                     .map_err(|e| driver_err("tftf_merge", e))?;
             }

@@ -343,7 +343,8 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
         });
     else if (n == "tftf_merge")
         walk(gx, bx, [&] {
-            tftf_merge(arg<in>(p, 0), arg<u8*>(p, 1), arg<u64>(p, 2), arg<MergeParams>(p, 3));
+            tftf_merge(arg<in>(p, 0), arg<const double*>(p, 1), arg<u8*>(p, 2), arg<u64>(p, 3),
+                       arg<MergeParams>(p, 4));
         });
     else if (n == "tftf_gguf_blocks")
         walk(gx, bx, [&] {

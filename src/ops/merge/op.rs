@@ -15,13 +15,14 @@ use super::resolve::{Inputs, Resolved};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::methods::survey::{observe_split, Chunk, Setting, Survey, SurveyFn};
+use super::methods::survey::{observe_split, Blend, Chunk, Setting, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
-use crate::plan::kernel::merge::{MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS, MERGE_TASK};
+use crate::plan::kernel::merge::{MergeLaunch, MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS};
+use crate::plan::kernel::merge::{MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
 use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
@@ -387,6 +388,26 @@ impl MergeOp {
         super::adapt::name_models(&msg, self.names())
     }
 
+    /// The [`Blend`] chunk `units` of a surveyed tensor merges by on the GPU (counted as
+    /// merged, as [`Self::compute_surveyed`] counts its chunks); `None` for a tensor merged
+    /// whole and for a method that is no blend. With no units: whether the method's chunks
+    /// are blends (a fresh survey tells).
+    fn surveyed_blend(&self, w: &Whole, units: &Range<u64>) -> Option<Blend> {
+        if units.is_empty() {
+            let make = w.survey?.0;
+            return make(&w.setting()).ok()?.blend();
+        }
+        if *units == (0..self.elements) {
+            return None;
+        }
+        let blend = self.surveyed.done.lock().unwrap().as_ref()?.blend()?;
+        let n = units.end - units.start;
+        if self.surveyed.merged.fetch_add(n, Ordering::Relaxed) + n >= self.elements {
+            *self.surveyed.done.lock().unwrap() = None;
+        }
+        Some(blend)
+    }
+
     /// Merges chunk `units` from the finished survey.
     fn compute_surveyed(
         &self,
@@ -417,7 +438,7 @@ impl MergeOp {
                 let len = chunk.models[0].len();
                 merged.resize(len, 0.0);
                 survey.merge(chunk, merged)?;
-                write_as(self.dst, merged.iter().copied(), &mut out[at * size..]);
+                write_as(self.dst, canonical_nans(merged), &mut out[at * size..]);
                 Ok(())
             },
         )
@@ -488,6 +509,14 @@ impl MergeOp {
     }
 }
 
+/// `values`, a NaN among them as the one positive quiet NaN (as the GPU kernel writes it: the
+/// sign and payload of a NaN the arithmetic makes differ between devices).
+fn canonical_nans(values: &[f32]) -> impl Iterator<Item = f32> + '_ {
+    values
+        .iter()
+        .map(|&v| if v.is_nan() { f32::NAN } else { v })
+}
+
 /// Rounds `x` to `dtype` (nearest even), as a cast to it and back would.
 fn round_to(dtype: DType, x: f64) -> f64 {
     match dtype {
@@ -532,7 +561,7 @@ impl Op for MergeOp {
     fn name(&self) -> &'static str {
         self.method
     }
-    fn kernel(&self, _units: &Range<u64>) -> Option<Kernel> {
+    fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
         let float = |d: DType| matches!(d, DType::F64 | DType::F32 | DType::BF16 | DType::F16);
         let n = self.in_dtypes.len();
         if n > MERGE_MAX_INPUTS || !float(self.dst) || !self.in_dtypes.iter().all(|&d| float(d)) {
@@ -547,6 +576,7 @@ impl Op for MergeOp {
             p.dtypes[k] = kernel_dtype(d);
             p.round[k] = self.rounding(d).map_or(KERNEL_DTYPE_NONE, kernel_dtype);
         }
+        let mut coefs = Vec::new();
         match &self.formula {
             Formula::Linear {
                 weights,
@@ -561,9 +591,19 @@ impl Op for MergeOp {
                 p.weights[1..n].copy_from_slice(weights);
                 p.scale = *scale;
             }
-            Formula::Whole(_) => return None,
+            Formula::Whole(w) => {
+                let blend = self.surveyed_blend(w, units)?;
+                p.method = if blend.task_vectors {
+                    MERGE_NUSLERP
+                } else {
+                    MERGE_SLERP
+                };
+                p.has_base = i32::from(w.has_base);
+                p.inner = (blend.coefs.len() / 2) as u64;
+                coefs = blend.coefs;
+            }
         }
-        Some(Kernel::Merge(p))
+        Some(Kernel::Merge(Box::new(MergeLaunch { params: p, coefs })))
     }
     fn units(&self) -> u64 {
         self.elements
@@ -681,7 +721,7 @@ impl Op for MergeOp {
         };
         let mut merged = vec![0f32; n];
         (w.f)(&t, &mut merged).map_err(|e| self.named(e))?;
-        write_as(self.dst, merged.into_iter(), out);
+        write_as(self.dst, canonical_nans(&merged), out);
         Ok(())
     }
 }

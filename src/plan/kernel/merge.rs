@@ -7,6 +7,10 @@ pub const MERGE_MAX_INPUTS: usize = 16;
 pub const MERGE_LINEAR: i32 = 0;
 /// `MERGE_TASK`: `x_0 + scale · Σ_{k≥1} w_k (x_k − x_0)`.
 pub const MERGE_TASK: i32 = 1;
+/// `MERGE_SLERP`: a surveyed slerp's blend `ca · x_0 + cb · x_1`, in f32 out.
+pub const MERGE_SLERP: i32 = 2;
+/// `MERGE_NUSLERP`: a surveyed nuslerp's blend `back + ca (a − back) + cb (b − back)`.
+pub const MERGE_NUSLERP: i32 = 3;
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
 /// byte `offsets[k]`.
@@ -18,7 +22,8 @@ pub struct MergeParams {
     pub n: i32,
     /// `TftfDtype` of the output.
     pub dst: i32,
-    pub pad: i32,
+    /// `MERGE_NUSLERP`: input 0 is the base.
+    pub has_base: i32,
     /// `TftfDtype` of each input.
     pub dtypes: [i32; MERGE_MAX_INPUTS],
     /// `TftfDtype` each input is rounded to before merging (mergekit's `dtype`), or `DT_NONE`.
@@ -29,4 +34,14 @@ pub struct MergeParams {
     pub weights: [f64; MERGE_MAX_INPUTS],
     pub denominator: f64,
     pub scale: f64,
+    /// `MERGE_SLERP`/`MERGE_NUSLERP`: the `(ca, cb)` pairs of [`MergeLaunch::coefs`]; element
+    /// `i` of a chunk takes pair `i mod inner` (chunks start at multiples of it).
+    pub inner: u64,
+}
+
+/// One chunk of a merge: the parameters and, for a surveyed blend, its coefficient pairs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MergeLaunch {
+    pub params: MergeParams,
+    pub coefs: Vec<f64>,
 }

@@ -22,7 +22,7 @@ use fp8::DequantParams;
 use gguf::GgufLaunch;
 use int::{GptqParams, Int4Params, IntParams};
 use lora::LoraLaunch;
-use merge::MergeParams;
+use merge::MergeLaunch;
 use quantize::QuantParams;
 
 /// One chunk's kernel. Inputs and outputs are the op's own (`Op::input_ranges`, every output).
@@ -54,8 +54,9 @@ pub enum Kernel {
     /// A GGUF tensor's chunk (kernels/gguf.cuh): source elements, gathered through a unit map,
     /// to F32/F16/BF16 elements or Q8_0 blocks.
     Gguf(GgufLaunch),
-    /// An elementwise merge (kernels/merge.cuh): every model's chunk, one input each.
-    Merge(MergeParams),
+    /// An elementwise merge or a surveyed slerp/nuslerp blend (kernels/merge.cuh): every
+    /// model's chunk, one input each.
+    Merge(Box<MergeLaunch>),
     /// Weight-only quantisation (kernels/quantize.cuh): weight rows → codes (output 0) and
     /// scales (output 1); refuses non-finite weights.
     Quantize(QuantParams),

@@ -12,7 +12,7 @@ use super::support::{
     base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
     split_axis, weights, BlockSum, BLOCK_TERMS,
 };
-use super::survey::{fork_of, merge_whole, Chunk, Setting, Survey};
+use super::survey::{fork_of, merge_whole, Blend, Chunk, Setting, Survey};
 use super::{optional_base, Inputs, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -44,18 +44,23 @@ impl SlerpSums {
         }
     }
 
-    /// Writes `ca · base + cb · other`, the coefficients from the sums and `t`.
-    fn blend(&self, t: f64, base: &[f32], other: &[f32], out: &mut [f32]) {
+    /// The blend's coefficients `(ca, cb)` from the sums and `t`.
+    fn coefficients(&self, t: f64) -> (f64, f64) {
         let unit = |norm: f64| if norm > 1e-8 { norm } else { 1.0 };
         let (na, nb) = (unit(self.aa.value().sqrt()), unit(self.bb.value().sqrt()));
         let dot = (self.ab.value() / na / nb).clamp(-1.0, 1.0);
-        let (ca, cb) = if dot.abs() > 0.9995 {
+        if dot.abs() > 0.9995 {
             (1.0 - t, t)
         } else {
             let theta = dot.acos();
             let sin = theta.sin();
             (((1.0 - t) * theta).sin() / sin, (t * theta).sin() / sin)
-        };
+        }
+    }
+
+    /// Writes `ca · base + cb · other` ([`SlerpSums::coefficients`]).
+    fn blend(&self, t: f64, base: &[f32], other: &[f32], out: &mut [f32]) {
+        let (ca, cb) = self.coefficients(t);
         for ((o, &a), &b) in out.iter_mut().zip(base).zip(other) {
             *o = (ca * a as f64 + cb * b as f64) as f32;
         }
@@ -91,6 +96,13 @@ impl Survey for SlerpSurvey {
         let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         self.sums.blend(self.t, base, models[0], out);
         Ok(())
+    }
+    fn blend(&self) -> Option<Blend> {
+        let (ca, cb) = self.sums.coefficients(self.t);
+        Some(Blend {
+            task_vectors: false,
+            coefs: vec![ca, cb],
+        })
     }
 }
 
@@ -186,15 +198,20 @@ impl ColumnSums {
         }
     }
 
-    /// Interpolates whole rows by each column's coefficients.
-    fn blend(&self, t: f64, base: Option<&[f32]>, models: &[&[f32]; 2], out: &mut [f32]) {
-        let coefs: Vec<(f64, f64)> = (self.stats.iter())
+    /// Each column's coefficients `(ca, cb)` at `t`.
+    fn coefficients(&self, t: f64) -> Vec<(f64, f64)> {
+        (self.stats.iter())
             .map(|[aa, bb, ab]| {
                 let na = clamp_min(aa.value().sqrt(), 1e-7);
                 let nb = clamp_min(bb.value().sqrt(), 1e-7);
                 coefficients((ab.value() / na / nb).clamp(-1.0, 1.0), t)
             })
-            .collect();
+            .collect()
+    }
+
+    /// Interpolates whole rows by each column's coefficients.
+    fn blend(&self, t: f64, base: Option<&[f32]>, models: &[&[f32]; 2], out: &mut [f32]) {
+        let coefs = self.coefficients(t);
         for (k, o) in out.iter_mut().enumerate() {
             let back = base.map_or(0.0, |b| b[k] as f64);
             let (a, b) = (models[0][k] as f64 - back, models[1][k] as f64 - back);
@@ -253,6 +270,16 @@ impl Survey for NuslerpSurvey {
             merge_slabs(self.t, base, models, self.slab, inner, out);
         }
         Ok(())
+    }
+    /// Vectors spanning the tensor blend by the survey's coefficients; slabs (rows along the
+    /// last axis) find theirs chunk by chunk, on the CPU.
+    fn blend(&self) -> Option<Blend> {
+        (self.slab == 0).then(|| Blend {
+            task_vectors: true,
+            coefs: (self.sums.coefficients(self.t).into_iter())
+                .flat_map(|(ca, cb)| [ca, cb])
+                .collect(),
+        })
     }
 }
 

@@ -64,6 +64,23 @@ pub trait Survey: AsAny + Sync + Debug {
     fn join(&mut self, _pass: usize, _fork: Box<dyn Survey>) {}
     /// Merges `chunk` into `out`.
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String>;
+    /// The merge as a [`Blend`] the GPU computes, when it is one.
+    fn blend(&self) -> Option<Blend> {
+        None
+    }
+}
+
+/// A surveyed merge that blends two inputs per element with coefficients its survey fixed, as
+/// `tftf_merge` computes it (kernels/merge.cuh) and [`Survey::merge`] does: each input an f32,
+/// the blend in f64, rounded to f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Blend {
+    /// nuslerp's `back + ca (a − back) + cb (b − back)` (`back` the base, or 0); else slerp's
+    /// `ca · base + cb · model`.
+    pub task_vectors: bool,
+    /// `(ca, cb)` of each column, flattened: element `i` of the tensor takes pair
+    /// `i mod (len / 2)`.
+    pub coefs: Vec<f64>,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
