@@ -14,6 +14,7 @@ enum MergeMethod {
     MERGE_TASK = 1,     // x_0 + scale · Σ_{k≥1} w_k (x_k − x_0)
     MERGE_SLERP = 2,    // ca · x_0 + cb · x_1
     MERGE_NUSLERP = 3,  // back + ca · (a − back) + cb · (b − back), back the base or 0
+    MERGE_MULTISLERP = 4,  // the exponential map of the weighted tangent at the models' mean
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -21,7 +22,7 @@ struct MergeParams {
     int method;  // MergeMethod
     int n;       // inputs (task arithmetic: the base first)
     int dst;     // TftfDtype of the output: F64, F32, F16 or BF16
-    int has_base;  // MERGE_NUSLERP: input 0 is the base
+    int has_base;  // MERGE_NUSLERP, MERGE_MULTISLERP: input 0 is the base
     int dtypes[MERGE_MAX_INPUTS];    // TftfDtype of each input: F64, F32, F16 or BF16
     int round[MERGE_MAX_INPUTS];     // TftfDtype each input is rounded to first, or DT_NONE
     u64 offsets[MERGE_MAX_INPUTS];   // byte offset of each input in the joined buffer
@@ -55,6 +56,13 @@ TFTF_HD double merge_load_f32(const MergeParams& p, const u8* in, int k, u64 i) 
     return (double)v;
 }
 
+// Stores a surveyed merge's f32 result as p.dst (a NaN as the one positive quiet NaN).
+TFTF_HD void merge_store_f32(const MergeParams& p, u8* out, u64 i, float f) {
+    if (f != f) f = u2f(TFTF_NAN_F32);
+    if (p.dst == DT_F64) TFTF_STORE(u64, out, i, d2u((double)f));
+    else store_as(p.dst, out, i, f);
+}
+
 // Element i of a surveyed slerp/nuslerp chunk, stored as p.dst.
 TFTF_HD void merge_blend(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                          u64 i) {
@@ -69,10 +77,42 @@ TFTF_HD void merge_blend(const MergeParams& p, const u8* in, const double* coefs
         double b = merge_load_f32(p, in, first + 1, i) - back;
         o = back + ca * a + cb * b;
     }
-    float f = f64_to_f32_rne(o);
-    if (f != f) f = u2f(TFTF_NAN_F32);
-    if (p.dst == DT_F64) TFTF_STORE(u64, out, i, d2u((double)f));
-    else store_as(p.dst, out, i, f);
+    merge_store_f32(p, out, i, f64_to_f32_rne(o));
+}
+
+// The surveyed multislerp of element i (methods/slerp.rs `MultislerpSurvey::merge`): `coefs`
+// holds each model's mean factor, weight, norm + eps and dot product, then the mean's length,
+// cos and sinc factors, and whether two models average linearly. Sums start from their first
+// term, as Rust's float sums (from −0.0) do.
+TFTF_HD void merge_multislerp(const MergeParams& p, const u8* in, const double* coefs, u8* out,
+                              u64 i) {
+    int first = p.has_base ? 1 : 0, nm = p.n - first;
+    const double* scale = coefs;
+    const double* w = coefs + nm;
+    const double* norm_eps = coefs + 2 * nm;
+    const double* dots = coefs + 3 * nm;
+    double mean_norm = coefs[4 * nm], cos_f = coefs[4 * nm + 1], sinc = coefs[4 * nm + 2];
+    double back = p.has_base ? merge_load_f32(p, in, 0, i) : 0.0;
+    double o;
+    if (coefs[4 * nm + 3] != 0.0) {
+        double a = merge_load_f32(p, in, first, i) - back;
+        double b = merge_load_f32(p, in, first + 1, i) - back;
+        o = w[0] * a + w[1] * b + back;
+    } else {
+        double mean = 0.0, tangent = 0.0;
+        for (int m = 0; m < nm; m++) {
+            double t = scale[m] * (merge_load_f32(p, in, first + m, i) - back);
+            mean = m == 0 ? t : mean + t;
+        }
+        double mk = mean / mean_norm;
+        for (int m = 0; m < nm; m++) {
+            double unit = (merge_load_f32(p, in, first + m, i) - back) / norm_eps[m];
+            double t = w[m] * (unit - dots[m] * mk);
+            tangent = m == 0 ? t : tangent + t;
+        }
+        o = mean / mean_norm * cos_f + tangent * sinc + back;
+    }
+    merge_store_f32(p, out, i, f64_to_f32_rne(o));
 }
 
 // Element i of the merged chunk, stored as p.dst.
@@ -80,6 +120,10 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
                            u64 i) {
     if (p.method == MERGE_SLERP || p.method == MERGE_NUSLERP) {
         merge_blend(p, in, coefs, out, i);
+        return;
+    }
+    if (p.method == MERGE_MULTISLERP) {
+        merge_multislerp(p, in, coefs, out, i);
         return;
     }
     double o = 0.0;

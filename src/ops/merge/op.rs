@@ -15,14 +15,14 @@ use super::resolve::{Inputs, Resolved};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::methods::survey::{observe_split, Blend, Chunk, Setting, Survey, SurveyFn};
+use super::methods::survey::{observe_split, Blend, BlendKind, Chunk, Setting, Survey, SurveyFn};
 use super::spec::{Arithmetic, MethodSpec, WholeTensorFn};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
 use crate::plan::kernel::merge::{MergeLaunch, MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS};
-use crate::plan::kernel::merge::{MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
+use crate::plan::kernel::merge::{MERGE_MULTISLERP, MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
 use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
@@ -593,10 +593,10 @@ impl Op for MergeOp {
             }
             Formula::Whole(w) => {
                 let blend = self.surveyed_blend(w, units)?;
-                p.method = if blend.task_vectors {
-                    MERGE_NUSLERP
-                } else {
-                    MERGE_SLERP
+                p.method = match blend.kind {
+                    BlendKind::Slerp => MERGE_SLERP,
+                    BlendKind::Nuslerp => MERGE_NUSLERP,
+                    BlendKind::Multislerp => MERGE_MULTISLERP,
                 };
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;

@@ -11,6 +11,8 @@ pub const MERGE_TASK: i32 = 1;
 pub const MERGE_SLERP: i32 = 2;
 /// `MERGE_NUSLERP`: a surveyed nuslerp's blend `back + ca (a − back) + cb (b − back)`.
 pub const MERGE_NUSLERP: i32 = 3;
+/// `MERGE_MULTISLERP`: a surveyed multislerp's exponential map, per element.
+pub const MERGE_MULTISLERP: i32 = 4;
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
 /// byte `offsets[k]`.
@@ -22,7 +24,7 @@ pub struct MergeParams {
     pub n: i32,
     /// `TftfDtype` of the output.
     pub dst: i32,
-    /// `MERGE_NUSLERP`: input 0 is the base.
+    /// `MERGE_NUSLERP`, `MERGE_MULTISLERP`: input 0 is the base.
     pub has_base: i32,
     /// `TftfDtype` of each input.
     pub dtypes: [i32; MERGE_MAX_INPUTS],

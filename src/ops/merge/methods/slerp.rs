@@ -12,7 +12,7 @@ use super::support::{
     base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
     split_axis, weights, BlockSum, BLOCK_TERMS,
 };
-use super::survey::{fork_of, merge_whole, Blend, Chunk, Setting, Survey};
+use super::survey::{fork_of, merge_whole, Blend, BlendKind, Chunk, Setting, Survey};
 use super::{optional_base, Inputs, Params};
 
 /// mergekit's slerp: `t` (required) interpolates from `base` (`t = 0`) to the one other model
@@ -100,7 +100,7 @@ impl Survey for SlerpSurvey {
     fn blend(&self) -> Option<Blend> {
         let (ca, cb) = self.sums.coefficients(self.t);
         Some(Blend {
-            task_vectors: false,
+            kind: BlendKind::Slerp,
             coefs: vec![ca, cb],
         })
     }
@@ -275,7 +275,7 @@ impl Survey for NuslerpSurvey {
     /// last axis) find theirs chunk by chunk, on the CPU.
     fn blend(&self) -> Option<Blend> {
         (self.slab == 0).then(|| Blend {
-            task_vectors: true,
+            kind: BlendKind::Nuslerp,
             coefs: (self.sums.coefficients(self.t).into_iter())
                 .flat_map(|(ca, cb)| [ca, cb])
                 .collect(),
@@ -455,6 +455,26 @@ impl Survey for MultislerpSurvey {
             }
         }
         Ok(())
+    }
+    fn blend(&self) -> Option<Blend> {
+        if self.w.len() == 1 {
+            return None;
+        }
+        let mut coefs = Vec::with_capacity(4 * self.w.len() + 4);
+        coefs.extend(&self.scale);
+        coefs.extend(&self.w);
+        coefs.extend(self.norms.iter().map(|n| n + self.eps));
+        coefs.extend(&self.dots);
+        coefs.extend([
+            self.mean_norm,
+            self.cos,
+            self.sinc,
+            f64::from(u8::from(self.linear)),
+        ]);
+        Some(Blend {
+            kind: BlendKind::Multislerp,
+            coefs,
+        })
     }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         if self.w.len() == 1 {

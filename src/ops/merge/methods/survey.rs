@@ -75,12 +75,23 @@ pub trait Survey: AsAny + Sync + Debug {
 /// the blend in f64, rounded to f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Blend {
-    /// nuslerp's `back + ca (a − back) + cb (b − back)` (`back` the base, or 0); else slerp's
-    /// `ca · base + cb · model`.
-    pub task_vectors: bool,
-    /// `(ca, cb)` of each column, flattened: element `i` of the tensor takes pair
-    /// `i mod (len / 2)`.
+    pub kind: BlendKind,
+    /// slerp, nuslerp: `(ca, cb)` of each column, flattened: element `i` of the tensor takes
+    /// pair `i mod (len / 2)`. multislerp: each model's mean factor, weight, norm + eps and
+    /// dot product with the mean, then the mean's length, the exponential map's two factors,
+    /// and 1 when two models average linearly (else 0).
     pub coefs: Vec<f64>,
+}
+
+/// The formula of a [`Blend`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlendKind {
+    /// slerp's `ca · base + cb · model`.
+    Slerp,
+    /// nuslerp's `back + ca (a − back) + cb (b − back)` (`back` the base, or 0).
+    Nuslerp,
+    /// multislerp's exponential map of the weighted tangent at the models' mean.
+    Multislerp,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
