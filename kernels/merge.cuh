@@ -15,6 +15,8 @@ enum MergeMethod {
     MERGE_SLERP = 2,    // ca · x_0 + cb · x_1
     MERGE_NUSLERP = 3,  // back + ca · (a − back) + cb · (b − back), back the base or 0
     MERGE_MULTISLERP = 4,  // the exponential map of the weighted tangent at the models' mean
+    MERGE_MODEL_STOCK = 5,  // t · mean(models) + (1 − t) · base
+    MERGE_KARCHER = 6,      // Σ c_j · model_j over the kept models
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -29,7 +31,8 @@ struct MergeParams {
     double weights[MERGE_MAX_INPUTS];  // linear: input k's; task arithmetic: model k's at k
     double denominator;
     double scale;
-    u64 inner;  // MERGE_SLERP/NUSLERP: (ca, cb) pairs in `coefs`, element i taking i mod inner
+    u64 inner;  // MERGE_SLERP/NUSLERP: (ca, cb) pairs in `coefs`, element i taking i mod inner;
+                // MERGE_KARCHER: (model, coefficient) pairs
 };
 
 // x rounded to `dtype` and widened back, as a cast there and back would (op.rs `round_to`).
@@ -115,6 +118,31 @@ TFTF_HD void merge_multislerp(const MergeParams& p, const u8* in, const double* 
     merge_store_f32(p, out, i, f64_to_f32_rne(o));
 }
 
+// model_stock (`coefs[0]` = t) and karcher (`inner` (model, c) pairs) of element i
+// (methods/model_stock.rs `blend`, methods/karcher.rs): sums from their first term.
+TFTF_HD void merge_stock_or_karcher(const MergeParams& p, const u8* in, const double* coefs,
+                                    u8* out, u64 i) {
+    int first = p.has_base ? 1 : 0;
+    double o = 0.0;
+    if (p.method == MERGE_MODEL_STOCK) {
+        int nm = p.n - first;
+        double mean = 0.0;
+        for (int m = 0; m < nm; m++) {
+            double v = merge_load_f32(p, in, first + m, i);
+            mean = m == 0 ? v : mean + v;
+        }
+        mean = mean / (double)nm;
+        double t = coefs[0];
+        o = t * mean + (1.0 - t) * merge_load_f32(p, in, 0, i);
+    } else {
+        for (u64 j = 0; j < p.inner; j++) {
+            double t = coefs[2 * j + 1] * merge_load_f32(p, in, first + (int)coefs[2 * j], i);
+            o = j == 0 ? t : o + t;
+        }
+    }
+    merge_store_f32(p, out, i, f64_to_f32_rne(o));
+}
+
 // Element i of the merged chunk, stored as p.dst.
 TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                            u64 i) {
@@ -124,6 +152,10 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
     }
     if (p.method == MERGE_MULTISLERP) {
         merge_multislerp(p, in, coefs, out, i);
+        return;
+    }
+    if (p.method == MERGE_MODEL_STOCK || p.method == MERGE_KARCHER) {
+        merge_stock_or_karcher(p, in, coefs, out, i);
         return;
     }
     double o = 0.0;

@@ -227,12 +227,12 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
     }
 }
 
-/// slerp, nuslerp (flattened, down columns, with and without a base) and multislerp of weights
-/// several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
+/// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock
+/// and karcher of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
 /// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
 /// too.
 #[test]
-fn surveyed_slerp_family_blends_are_byte_identical_on_the_gpu_path() {
+fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
     let dir = tempfile::tempdir().unwrap();
     let model = |name: &str, seed: u64| {
         let mut rng = common::Rng(seed);
@@ -254,6 +254,8 @@ fn surveyed_slerp_family_blends_are_byte_identical_on_the_gpu_path() {
         ("nuslerp", format!("merge_method: nuslerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.4}}\n  - model: {b}\n    parameters: {{weight: 0.9}}\n")),
         ("nuslerp-columns", format!("merge_method: nuslerp\nbase_model: {c}\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 0.5}}\nparameters:\n  nuslerp_flatten: false\n  nuslerp_row_wise: true\n")),
         ("multislerp", format!("merge_method: multislerp\nbase_model: {c}\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n  - model: {b}\n    parameters: {{weight: 0.2}}\n  - model: {c}\n    parameters: {{weight: 0.3}}\n")),
+        ("model_stock", format!("merge_method: model_stock\nbase_model: {c}\nmodels:\n  - model: {a}\n  - model: {b}\n")),
+        ("karcher", format!("merge_method: karcher\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),
     ];
     for (name, text) in configs {

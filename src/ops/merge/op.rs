@@ -22,7 +22,8 @@ use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
 use crate::plan::kernel::merge::{MergeLaunch, MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS};
-use crate::plan::kernel::merge::{MERGE_MULTISLERP, MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
+use crate::plan::kernel::merge::{MERGE_KARCHER, MERGE_MODEL_STOCK, MERGE_MULTISLERP};
+use crate::plan::kernel::merge::{MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
 use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
@@ -597,6 +598,8 @@ impl Op for MergeOp {
                     BlendKind::Slerp => MERGE_SLERP,
                     BlendKind::Nuslerp => MERGE_NUSLERP,
                     BlendKind::Multislerp => MERGE_MULTISLERP,
+                    BlendKind::ModelStock => MERGE_MODEL_STOCK,
+                    BlendKind::Karcher => MERGE_KARCHER,
                 };
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;

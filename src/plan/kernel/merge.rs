@@ -13,6 +13,10 @@ pub const MERGE_SLERP: i32 = 2;
 pub const MERGE_NUSLERP: i32 = 3;
 /// `MERGE_MULTISLERP`: a surveyed multislerp's exponential map, per element.
 pub const MERGE_MULTISLERP: i32 = 4;
+/// `MERGE_MODEL_STOCK`: `t · mean(models) + (1 − t) · base`.
+pub const MERGE_MODEL_STOCK: i32 = 5;
+/// `MERGE_KARCHER`: `Σ c_i · model_i` over the kept models.
+pub const MERGE_KARCHER: i32 = 6;
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
 /// byte `offsets[k]`.
@@ -38,6 +42,7 @@ pub struct MergeParams {
     pub scale: f64,
     /// `MERGE_SLERP`/`MERGE_NUSLERP`: the `(ca, cb)` pairs of [`MergeLaunch::coefs`]; element
     /// `i` of a chunk takes pair `i mod inner` (chunks start at multiples of it).
+    /// `MERGE_KARCHER`: the `(model, coefficient)` pairs.
     pub inner: u64,
 }
 

@@ -9,7 +9,7 @@
 //! run — what issue #27 asks of karcher's memory.
 
 use super::support::{count_param, optional, same_lengths, BlockSum};
-use super::survey::{merge_whole, Chunk, Setting, Survey};
+use super::survey::{merge_whole, Blend, BlendKind, Chunk, Setting, Survey};
 use super::Inputs;
 
 /// mergekit's karcher: every input (the base too, when the config names one), in mergekit's
@@ -109,6 +109,16 @@ impl Survey for KarcherSurvey {
             .collect();
         Ok(())
     }
+    /// One model is copied, and no kept model sums zeros, on the CPU.
+    fn blend(&self) -> Option<Blend> {
+        (self.n > 1 && !self.kept.is_empty()).then(|| Blend {
+            kind: BlendKind::Karcher,
+            coefs: (self.kept.iter().zip(&self.coef))
+                .flat_map(|(&i, &c)| [i as f64, c])
+                .collect(),
+        })
+    }
+
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let models = chunk.models;
         if self.n == 1 {

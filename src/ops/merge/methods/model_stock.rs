@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use super::support::{model_count, same_lengths, shape_holds, split_axis, BlockSum};
-use super::survey::{Chunk, Setting, Survey};
+use super::survey::{Blend, BlendKind, Chunk, Setting, Survey};
 use super::{Inputs, Params};
 
 /// mergekit's model_stock: `base` and N ≥ 2 fine-tunes. Over the whole tensor (or each row,
@@ -223,6 +223,14 @@ impl Survey for ModelStockSurvey {
     fn end_pass(&mut self, _pass: usize) -> Result<(), String> {
         self.t = self.gram.interpolation();
         Ok(())
+    }
+
+    /// Row by row (`filter_wise`) each row finds its own `t`, on the CPU.
+    fn blend(&self) -> Option<Blend> {
+        (!self.filter_wise).then(|| Blend {
+            kind: BlendKind::ModelStock,
+            coefs: vec![self.t],
+        })
     }
 
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {

@@ -92,6 +92,10 @@ pub enum BlendKind {
     Nuslerp,
     /// multislerp's exponential map of the weighted tangent at the models' mean.
     Multislerp,
+    /// model_stock's `t · mean(models) + (1 − t) · base`, `coefs` = `[t]`.
+    ModelStock,
+    /// karcher's `Σ c_i · model_i` over the kept models, `coefs` = `[i, c_i]` pairs.
+    Karcher,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
