@@ -17,6 +17,8 @@ enum MergeMethod {
     MERGE_MULTISLERP = 4,  // the exponential map of the weighted tangent at the models' mean
     MERGE_MODEL_STOCK = 5,  // t · mean(models) + (1 − t) · base
     MERGE_KARCHER = 6,      // Σ c_j · model_j over the kept models
+    MERGE_NEARSWAP = 7,     // w · model + (1 − w) · base, w = clamp(t / max(|base − model|, 1e-6))
+    MERGE_RAM = 8,          // base + Σ each model's task vector, rescaled by how many change
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -143,6 +145,38 @@ TFTF_HD void merge_stock_or_karcher(const MergeParams& p, const u8* in, const do
     merge_store_f32(p, out, i, f64_to_f32_rne(o));
 }
 
+TFTF_HD double merge_abs(double x) { return u2d(d2u(x) & 0x7FFFFFFFFFFFFFFFull); }
+
+// nearswap (`coefs[0]` = t; methods/misc.rs `nearswap`) and ram (`coefs` = epsilon, whether
+// the scales follow, the scales; misc.rs `rescaled_ram`) of element i.
+TFTF_HD void merge_nearswap_or_ram(const MergeParams& p, const u8* in, const double* coefs,
+                                   u8* out, u64 i) {
+    double b = merge_load_f32(p, in, 0, i), o;
+    if (p.method == MERGE_NEARSWAP) {
+        double m = merge_load_f32(p, in, 1, i);
+        double d = merge_abs(b - m);
+        double w = coefs[0] / (d < 1e-6 ? 1e-6 : d);
+        w = w < 0.0 ? 0.0 : w > 1.0 ? 1.0 : w;  // Rust's clamp: NaN stays NaN
+        o = w * m + (1.0 - w) * b;
+    } else {
+        double eps = coefs[0];
+        int count = 0;
+        for (int k = 1; k < p.n; k++)
+            if (merge_abs(merge_load_f32(p, in, k, i) - b) > eps) count++;
+        double merged = 0.0;
+        for (int k = 1; k < p.n; k++) {
+            double tv = merge_load_f32(p, in, k, i) - b;
+            double keep = merge_abs(tv) > eps ? 1.0 : 0.0;
+            double scale = count == 0   ? 0.0
+                           : count == 1 ? (coefs[1] != 0.0 ? coefs[1 + k] : 1.0)
+                                        : 1.0 / (double)count;
+            merged += tv * keep * scale;
+        }
+        o = b + merged;
+    }
+    merge_store_f32(p, out, i, f64_to_f32_rne(o));
+}
+
 // Element i of the merged chunk, stored as p.dst.
 TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                            u64 i) {
@@ -156,6 +190,10 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
     }
     if (p.method == MERGE_MODEL_STOCK || p.method == MERGE_KARCHER) {
         merge_stock_or_karcher(p, in, coefs, out, i);
+        return;
+    }
+    if (p.method == MERGE_NEARSWAP || p.method == MERGE_RAM) {
+        merge_nearswap_or_ram(p, in, coefs, out, i);
         return;
     }
     double o = 0.0;

@@ -227,8 +227,8 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
     }
 }
 
-/// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock
-/// and karcher of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
+/// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock,
+/// karcher, nearswap, ram and ramplus_tl of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
 /// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
 /// too.
 #[test]
@@ -256,6 +256,9 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ("multislerp", format!("merge_method: multislerp\nbase_model: {c}\nmodels:\n  - model: {a}\n    parameters: {{weight: 0.5}}\n  - model: {b}\n    parameters: {{weight: 0.2}}\n  - model: {c}\n    parameters: {{weight: 0.3}}\n")),
         ("model_stock", format!("merge_method: model_stock\nbase_model: {c}\nmodels:\n  - model: {a}\n  - model: {b}\n")),
         ("karcher", format!("merge_method: karcher\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\n")),
+        ("nearswap", format!("merge_method: nearswap\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {c}\nparameters:\n  t: 0.001\n")),
+        ("ram", format!("merge_method: ram\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\nparameters:\n  epsilon: 0.01\n")),
+        ("ramplus_tl", format!("merge_method: ramplus_tl\nbase_model: {c}\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\nparameters:\n  epsilon: 0.001\n  r: 0.3\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),
     ];
     for (name, text) in configs {

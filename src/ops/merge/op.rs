@@ -21,9 +21,10 @@ use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
+use crate::plan::kernel::merge::MERGE_TASK;
 use crate::plan::kernel::merge::{MergeLaunch, MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS};
 use crate::plan::kernel::merge::{MERGE_KARCHER, MERGE_MODEL_STOCK, MERGE_MULTISLERP};
-use crate::plan::kernel::merge::{MERGE_NUSLERP, MERGE_SLERP, MERGE_TASK};
+use crate::plan::kernel::merge::{MERGE_NEARSWAP, MERGE_NUSLERP, MERGE_RAM, MERGE_SLERP};
 use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
@@ -401,12 +402,22 @@ impl MergeOp {
         if *units == (0..self.elements) {
             return None;
         }
-        let blend = self.surveyed.done.lock().unwrap().as_ref()?.blend()?;
+        let blend = self.finished_survey().ok()??.blend()?;
         let n = units.end - units.start;
         if self.surveyed.merged.fetch_add(n, Ordering::Relaxed) + n >= self.elements {
             *self.surveyed.done.lock().unwrap() = None;
         }
         Some(blend)
+    }
+
+    /// The tensor's finished survey (one without passes is started here); `None` while its
+    /// passes are under way.
+    fn finished_survey(&self) -> Result<Option<Arc<dyn Survey>>, String> {
+        let mut done = self.surveyed.done.lock().unwrap();
+        if done.is_none() && self.survey_passes() == 0 {
+            *done = Some(Arc::from(self.start_survey()?));
+        }
+        Ok(done.clone())
     }
 
     /// Merges chunk `units` from the finished survey.
@@ -416,14 +427,7 @@ impl MergeOp {
         inputs: &[&[u8]],
         out: &mut [u8],
     ) -> Result<(), String> {
-        let survey = {
-            let mut done = self.surveyed.done.lock().unwrap();
-            if done.is_none() && self.survey_passes() == 0 {
-                *done = Some(Arc::from(self.start_survey()?));
-            }
-            done.clone()
-        };
-        let Some(survey) = survey else {
+        let Some(survey) = self.finished_survey()? else {
             return Err(format!(
                 "internal error: a chunk of `{}` was merged before the tensor's survey ended",
                 self.method
@@ -600,6 +604,8 @@ impl Op for MergeOp {
                     BlendKind::Multislerp => MERGE_MULTISLERP,
                     BlendKind::ModelStock => MERGE_MODEL_STOCK,
                     BlendKind::Karcher => MERGE_KARCHER,
+                    BlendKind::Nearswap => MERGE_NEARSWAP,
+                    BlendKind::Ram => MERGE_RAM,
                 };
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;

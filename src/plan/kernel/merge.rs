@@ -17,6 +17,10 @@ pub const MERGE_MULTISLERP: i32 = 4;
 pub const MERGE_MODEL_STOCK: i32 = 5;
 /// `MERGE_KARCHER`: `Σ c_i · model_i` over the kept models.
 pub const MERGE_KARCHER: i32 = 6;
+/// `MERGE_NEARSWAP`: nearswap's per-element interpolation towards the model.
+pub const MERGE_NEARSWAP: i32 = 7;
+/// `MERGE_RAM`: ram's (ramplus_tl's) rescaled task vectors.
+pub const MERGE_RAM: i32 = 8;
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
 /// byte `offsets[k]`.

@@ -9,7 +9,7 @@ use super::support::{
     base_model_and_t, clamp_min, model_count, optional, required, same_lengths, shape_holds,
     split_axis, torch_clamp, BlockSum,
 };
-use super::survey::{fork_of, merge_whole, Chunk, Setting, Survey};
+use super::survey::{fork_of, merge_whole, Blend, BlendKind, Chunk, Setting, Survey};
 use super::{uniform, unparameterised, Inputs, ModelTensor, Params};
 
 /// mergekit's nearswap: `base` and one model; each element moves from the base towards the
@@ -362,6 +362,15 @@ impl Survey for RamSurvey {
         }
         Ok(())
     }
+    fn blend(&self) -> Option<Blend> {
+        let plus = f64::from(u8::from(self.plus.is_some()));
+        let mut coefs = vec![self.epsilon, plus];
+        coefs.extend(&self.lambda);
+        Some(Blend {
+            kind: BlendKind::Ram,
+            coefs,
+        })
+    }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (_, base, models) = (chunk.start, chunk.base, chunk.models);
         let none = Params::default();
@@ -400,6 +409,12 @@ impl Survey for NearswapSurvey {
         let none = Params::default();
         let models = unparameterised(models, &none);
         nearswap(&Inputs::new(base, &models, &self.global, &[]), out)
+    }
+    fn blend(&self) -> Option<Blend> {
+        Some(Blend {
+            kind: BlendKind::Nearswap,
+            coefs: vec![required(&self.global, "t").ok()?],
+        })
     }
 }
 

@@ -96,6 +96,11 @@ pub enum BlendKind {
     ModelStock,
     /// karcher's `Σ c_i · model_i` over the kept models, `coefs` = `[i, c_i]` pairs.
     Karcher,
+    /// nearswap's per-element interpolation, `coefs` = `[t]`.
+    Nearswap,
+    /// ram's (and ramplus_tl's) rescaled task vectors, `coefs` = `[epsilon, 1 when each
+    /// model's unique changes are scaled (ramplus_tl) else 0, the scales…]`.
+    Ram,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
