@@ -21,10 +21,7 @@ use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::ops::cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, f64_to_f32_odd};
 use crate::ops::cast::{decode_into, store_f32, write_as};
-use crate::plan::kernel::merge::MERGE_TASK;
-use crate::plan::kernel::merge::{MergeLaunch, MergeParams, MERGE_LINEAR, MERGE_MAX_INPUTS};
-use crate::plan::kernel::merge::{MERGE_KARCHER, MERGE_MODEL_STOCK, MERGE_MULTISLERP};
-use crate::plan::kernel::merge::{MERGE_NEARSWAP, MERGE_NUSLERP, MERGE_RAM, MERGE_SLERP};
+use crate::plan::kernel::merge::{MergeLaunch, MergeMethod, MergeParams, MERGE_MAX_INPUTS};
 use crate::plan::kernel::{kernel_dtype, Kernel, KERNEL_DTYPE_NONE};
 use crate::plan::Op;
 
@@ -587,26 +584,26 @@ impl Op for MergeOp {
                 weights,
                 denominator,
             } => {
-                p.method = MERGE_LINEAR;
+                p.method = MergeMethod::Linear as i32;
                 p.weights[..n].copy_from_slice(weights);
                 p.denominator = *denominator;
             }
             Formula::TaskArithmetic { weights, scale } => {
-                p.method = MERGE_TASK;
+                p.method = MergeMethod::Task as i32;
                 p.weights[1..n].copy_from_slice(weights);
                 p.scale = *scale;
             }
             Formula::Whole(w) => {
                 let blend = self.surveyed_blend(w, units)?;
                 p.method = match blend.kind {
-                    BlendKind::Slerp => MERGE_SLERP,
-                    BlendKind::Nuslerp => MERGE_NUSLERP,
-                    BlendKind::Multislerp => MERGE_MULTISLERP,
-                    BlendKind::ModelStock => MERGE_MODEL_STOCK,
-                    BlendKind::Karcher => MERGE_KARCHER,
-                    BlendKind::Nearswap => MERGE_NEARSWAP,
-                    BlendKind::Ram => MERGE_RAM,
-                };
+                    BlendKind::Slerp => MergeMethod::Slerp,
+                    BlendKind::Nuslerp => MergeMethod::Nuslerp,
+                    BlendKind::Multislerp => MergeMethod::Multislerp,
+                    BlendKind::ModelStock => MergeMethod::ModelStock,
+                    BlendKind::Karcher => MergeMethod::Karcher,
+                    BlendKind::Nearswap => MergeMethod::Nearswap,
+                    BlendKind::Ram => MergeMethod::Ram,
+                } as i32;
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;
                 coefs = blend.coefs;
