@@ -19,6 +19,7 @@ enum MergeMethod {
     MERGE_KARCHER = 6,      // Σ c_j · model_j over the kept models
     MERGE_NEARSWAP = 7,     // w · model + (1 − w) · base, w = clamp(t / max(|base − model|, 1e-6))
     MERGE_RAM = 8,          // base + Σ each model's task vector, rescaled by how many change
+    MERGE_FUSION = 9,       // the model's element where its importance reaches the threshold
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -147,12 +148,19 @@ TFTF_HD void merge_stock_or_karcher(const MergeParams& p, const u8* in, const do
 
 TFTF_HD double merge_abs(double x) { return u2d(d2u(x) & 0x7FFFFFFFFFFFFFFFull); }
 
-// nearswap (`coefs[0]` = t; methods/misc.rs `nearswap`) and ram (`coefs` = epsilon, whether
-// the scales follow, the scales; misc.rs `rescaled_ram`) of element i.
+// nearswap (`coefs[0]` = t; methods/misc.rs `nearswap`), ram (`coefs` = epsilon, whether the
+// scales follow, the scales; misc.rs `rescaled_ram`) and arcee_fusion (misc.rs
+// `FusionSurvey::merge`) of element i.
 TFTF_HD void merge_nearswap_or_ram(const MergeParams& p, const u8* in, const double* coefs,
                                    u8* out, u64 i) {
     double b = merge_load_f32(p, in, 0, i), o;
-    if (p.method == MERGE_NEARSWAP) {
+    if (p.method == MERGE_FUSION) {
+        // coefs: the threshold, the row length, the divergence of each of the chunk's rows.
+        double m = merge_load_f32(p, in, 1, i);
+        double importance = merge_abs(m - b) * coefs[2 + i / (u64)coefs[1]];
+        double keep = importance >= coefs[0] ? 1.0 : 0.0;
+        o = b + (m - b) * keep;
+    } else if (p.method == MERGE_NEARSWAP) {
         double m = merge_load_f32(p, in, 1, i);
         double d = merge_abs(b - m);
         double w = coefs[0] / (d < 1e-6 ? 1e-6 : d);
@@ -192,7 +200,7 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
         merge_stock_or_karcher(p, in, coefs, out, i);
         return;
     }
-    if (p.method == MERGE_NEARSWAP || p.method == MERGE_RAM) {
+    if (p.method == MERGE_NEARSWAP || p.method == MERGE_RAM || p.method == MERGE_FUSION) {
         merge_nearswap_or_ram(p, in, coefs, out, i);
         return;
     }

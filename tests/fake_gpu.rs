@@ -228,7 +228,7 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
 }
 
 /// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock,
-/// karcher, nearswap, ram and ramplus_tl of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
+/// karcher, nearswap, ram, ramplus_tl and arcee_fusion of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
 /// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
 /// too.
 #[test]
@@ -259,6 +259,7 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ("nearswap", format!("merge_method: nearswap\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {c}\nparameters:\n  t: 0.001\n")),
         ("ram", format!("merge_method: ram\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\nparameters:\n  epsilon: 0.01\n")),
         ("ramplus_tl", format!("merge_method: ramplus_tl\nbase_model: {c}\nmodels:\n  - model: {a}\n  - model: {b}\n  - model: {c}\nparameters:\n  epsilon: 0.001\n  r: 0.3\n")),
+        ("arcee_fusion", format!("merge_method: arcee_fusion\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {b}\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),
     ];
     for (name, text) in configs {

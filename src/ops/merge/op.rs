@@ -603,10 +603,19 @@ impl Op for MergeOp {
                     BlendKind::Karcher => MergeMethod::Karcher,
                     BlendKind::Nearswap => MergeMethod::Nearswap,
                     BlendKind::Ram => MergeMethod::Ram,
+                    BlendKind::Fusion => MergeMethod::Fusion,
                 } as i32;
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;
                 coefs = blend.coefs;
+                if blend.kind == BlendKind::Fusion && !units.is_empty() {
+                    // The divergences of the chunk's rows only (chunks hold whole rows).
+                    let row = (coefs[1] as u64).max(1);
+                    let rows = units.start / row..units.end.div_ceil(row);
+                    let kl = coefs[2 + rows.start as usize..2 + rows.end as usize].to_vec();
+                    coefs.truncate(2);
+                    coefs.extend(kl);
+                }
             }
         }
         Some(Kernel::Merge(Box::new(MergeLaunch { params: p, coefs })))

@@ -25,6 +25,8 @@ pub enum MergeMethod {
     Nearswap = 7,
     /// ram's (ramplus_tl's) rescaled task vectors.
     Ram = 8,
+    /// arcee_fusion's choice of the model's or the base's element.
+    Fusion = 9,
 }
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at

@@ -152,6 +152,14 @@ impl Survey for FusionSurvey {
         self.drawn = None;
         Ok(())
     }
+    fn blend(&self) -> Option<Blend> {
+        let mut coefs = vec![self.threshold, self.row as f64];
+        coefs.extend(&self.kl);
+        Some(Blend {
+            kind: BlendKind::Fusion,
+            coefs,
+        })
+    }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (start, base, model) = (chunk.start, chunk.base, chunk.models[0]);
         for (j, o) in out.iter_mut().enumerate() {

@@ -101,6 +101,9 @@ pub enum BlendKind {
     /// ram's (and ramplus_tl's) rescaled task vectors, `coefs` = `[epsilon, 1 when each
     /// model's unique changes are scaled (ramplus_tl) else 0, the scales…]`.
     Ram,
+    /// arcee_fusion's choice between the model's and the base's element by importance,
+    /// `coefs` = `[threshold, row length, each row's divergence…]`.
+    Fusion,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
