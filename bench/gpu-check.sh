@@ -15,6 +15,7 @@
 #        SKIP_TESTS=1 bench/gpu-check.sh   (no cargo tests: prebuilt binaries, no toolchain)
 #        OPS="cast dequant" bench/gpu-check.sh 4   (a subset of: cast dequant repack lora quantize gguf merge)
 #        DEVICES="cpu" bench/gpu-check.sh 1   (the script's own check on a machine without a GPU)
+#        GGUF_TYPES="q4_k_m" OPS=gguf bench/gpu-check.sh 4   (the gguf types to time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-8}
@@ -79,7 +80,8 @@ run() {
     env ${envs[@]+"${envs[@]}"} "$BIN" "$@" ${extra[@]+"${extra[@]}"} -o "$D/out" -q \
         --device "$dev" --report "$D/r.json"
     e=$(date +%s.%N)
-    if [ -d "$D/ref" ]; then
+    # The output is a folder, or a file (gguf).
+    if [ -e "$D/ref" ]; then
         if diff -rq "$D/ref" "$D/out" >/dev/null; then same=same; else same=DIFFERENT; FAILED=1; fi
     fi
     ROWS+=("$(python3 - "$op" "$variant" "$dev" "$bytes" "$s" "$e" "$D/r.json" "$same" <<'PY'
@@ -96,7 +98,7 @@ print(f"{op:<20} {variant:<7} {dev:<5} {size/2**30:7.2f} GiB {wall:8.2f} s {size
       + (f" (not registered: {g['host_register_failed']})" if g.get("host_register_failed") else ""))
 PY
 )")
-    if [ -d "$D/ref" ]; then rm -rf "$D/out"; else mv "$D/out" "$D/ref"; fi
+    if [ -e "$D/ref" ]; then rm -rf "$D/out"; else mv "$D/out" "$D/ref"; fi
 }
 # each OP BYTES -- tftf arguments: every device once, then (with cuda) the comparison variants.
 each() {
@@ -163,7 +165,7 @@ if want gguf; then
     echo "== gguf Q4_K_M, IQ4_XS, Q5_0 ($LAYERS-layer Qwen3-shaped BF16 model)"
     if python3 bench/gguf_model.py "$D/gguf" "$LAYERS" >/dev/null; then
         N=$(bytes_of "$D/gguf" "")
-        for t in q4_k_m iq4_xs q5_0; do
+        for t in ${GGUF_TYPES:-q4_k_m iq4_xs q5_0}; do
             VARIANTS=0 each "gguf-$t" "$N" -- gguf -i "$D/gguf" --outtype $t --vocab-pre qwen2
         done
     else
