@@ -20,6 +20,7 @@ enum MergeMethod {
     MERGE_NEARSWAP = 7,     // w · model + (1 − w) · base, w = clamp(t / max(|base − model|, 1e-6))
     MERGE_RAM = 8,          // base + Σ each model's task vector, rescaled by how many change
     MERGE_FUSION = 9,       // the model's element where its importance reaches the threshold
+    MERGE_SPARSE = 10,      // TIES, breadcrumbs, DARE: survivors rescaled, weighted, elected
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -35,7 +36,8 @@ struct MergeParams {
     double denominator;
     double scale;
     u64 inner;  // MERGE_SLERP/NUSLERP: (ca, cb) pairs in `coefs`, element i taking i mod inner;
-                // MERGE_KARCHER: (model, coefficient) pairs
+                // MERGE_KARCHER: (model, coefficient) pairs; MERGE_SPARSE: the chunk's first
+                // element
 };
 
 // x rounded to `dtype` and widened back, as a cast there and back would (op.rs `round_to`).
@@ -185,6 +187,63 @@ TFTF_HD void merge_nearswap_or_ram(const MergeParams& p, const u8* in, const dou
     merge_store_f32(p, out, i, f64_to_f32_rne(o));
 }
 
+// methods/mod.rs `uniform`: a draw in [0, 1) from the seed, the model and the position.
+TFTF_HD double merge_uniform(u64 seed, u64 model, u64 index) {
+    u64 z = seed ^ (model * 0xD1B54A32D192ED03ull) ^ (index * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// The generalized task arithmetic of element i (methods/sparse_stream.rs `survivors`,
+// methods/sparse.rs `Setup::combine`): `coefs` as `BlendKind::Sparse` lays them out.
+TFTF_HD void merge_sparse(const MergeParams& p, const u8* in, const double* coefs, u8* out,
+                          u64 i) {
+    u64 pos = p.inner + i;
+    u64 seed = (u64)coefs[0] | ((u64)coefs[1] << 32);
+    int nm = p.n - 1;
+    double base = merge_load_f32(p, in, 0, i);
+    double terms[MERGE_MAX_INPUTS];
+    for (int m = 0; m < nm; m++) {
+        const double* c = coefs + 6 + 7 * m;
+        double tv = merge_load_f32(p, in, 1 + m, i) - base;
+        bool kept;
+        if (c[0] == 0.0) {
+            kept = true;
+        } else if (c[0] == 1.0) {
+            kept = false;
+        } else if (c[0] == 2.0) {
+            u32 key = f2u(f64_to_f32_rne(merge_abs(tv)));
+            u32 low = (u32)c[1], high = (u32)c[3];
+            bool below_low = key < low || (key == low && (double)pos < c[2]);
+            bool below_high = key < high || (key == high && (double)pos < c[4]);
+            kept = !below_low && below_high;
+        } else {
+            kept = merge_uniform(seed, (u64)m, pos) < c[2];
+        }
+        terms[m] = kept ? tv * c[5] * c[6] : 0.0;
+    }
+    double merged = 0.0, divisor = coefs[5];
+    if (coefs[2] != 0.0) {
+        double total = 0.0;
+        for (int m = 0; m < nm; m++) total = m == 0 ? terms[0] : total + terms[m];
+        bool positive = total >= 0.0;
+        divisor = 0.0;
+        for (int m = 0; m < nm; m++)
+            if (terms[m] != 0.0 && (terms[m] > 0.0) == positive) {
+                merged += terms[m];
+                divisor += coefs[6 + 7 * m + 6];
+            }
+        if (divisor == 0.0) divisor = 1.0;
+    } else {
+        for (int m = 0; m < nm; m++) merged = m == 0 ? terms[0] : merged + terms[m];
+    }
+    if (coefs[3] != 0.0) merged /= divisor;
+    if (coefs[4] != 1.0) merged *= coefs[4];
+    merge_store_f32(p, out, i, f64_to_f32_rne(base + merged));
+}
+
 // Element i of the merged chunk, stored as p.dst.
 TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                            u64 i) {
@@ -198,6 +257,10 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
     }
     if (p.method == MERGE_MODEL_STOCK || p.method == MERGE_KARCHER) {
         merge_stock_or_karcher(p, in, coefs, out, i);
+        return;
+    }
+    if (p.method == MERGE_SPARSE) {
+        merge_sparse(p, in, coefs, out, i);
         return;
     }
     if (p.method == MERGE_NEARSWAP || p.method == MERGE_RAM || p.method == MERGE_FUSION) {

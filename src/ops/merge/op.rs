@@ -595,6 +595,9 @@ impl Op for MergeOp {
             }
             Formula::Whole(w) => {
                 let blend = self.surveyed_blend(w, units)?;
+                if blend.kind == BlendKind::Sparse && !w.has_base {
+                    return None;
+                }
                 p.method = match blend.kind {
                     BlendKind::Slerp => MergeMethod::Slerp,
                     BlendKind::Nuslerp => MergeMethod::Nuslerp,
@@ -604,10 +607,14 @@ impl Op for MergeOp {
                     BlendKind::Nearswap => MergeMethod::Nearswap,
                     BlendKind::Ram => MergeMethod::Ram,
                     BlendKind::Fusion => MergeMethod::Fusion,
+                    BlendKind::Sparse => MergeMethod::Sparse,
                 } as i32;
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;
                 coefs = blend.coefs;
+                if blend.kind == BlendKind::Sparse {
+                    p.inner = units.start;
+                }
                 if blend.kind == BlendKind::Fusion && !units.is_empty() {
                     // The divergences of the chunk's rows only (chunks hold whole rows).
                     let row = (coefs[1] as u64).max(1);

@@ -27,6 +27,8 @@ pub enum MergeMethod {
     Ram = 8,
     /// arcee_fusion's choice of the model's or the base's element.
     Fusion = 9,
+    /// TIES, breadcrumbs, DARE: survivors, rescaled, weighted, sign-elected or summed.
+    Sparse = 10,
 }
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
@@ -54,7 +56,8 @@ pub struct MergeParams {
     pub scale: f64,
     /// Slerp, nuslerp: the `(ca, cb)` pairs of [`MergeLaunch::coefs`]; element `i` of a chunk
     /// takes pair `i mod inner` (chunks start at multiples of it). Karcher: the `(model,
-    /// coefficient)` pairs.
+    /// coefficient)` pairs. Sparse: the chunk's first element (draws and rank ties go by
+    /// position in the tensor).
     pub inner: u64,
 }
 

@@ -7,7 +7,7 @@ use super::sparse::{Generalized, Setup, FAMILY};
 use super::sparsify::{
     della, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors, TaskVector,
 };
-use super::survey::{check_finite, Chunk, Setting, Survey};
+use super::survey::{check_finite, Blend, BlendKind, Chunk, Setting, Survey};
 use super::uniform;
 
 /// Method `FAMILY[K]`'s [`Survey`] of one tensor, for tensors merged a chunk at a time.
@@ -161,6 +161,46 @@ impl Survey for SparseSurvey {
             }
         }
         Ok(())
+    }
+
+    /// Without passes the merge itself refuses non-finite values, on the CPU; DELLA's
+    /// survivors come from per-row ranks, on the CPU too.
+    fn blend(&self) -> Option<Blend> {
+        if self.stages.is_empty() {
+            return None;
+        }
+        let setup = &self.setup;
+        let total: f64 = setup.weights.iter().sum();
+        let linear_divisor = if total.abs() < 1e-8 { 1.0 } else { total };
+        let flag = |b: bool| f64::from(u8::from(b));
+        let mut coefs = vec![
+            (self.seed & 0xFFFF_FFFF) as f64,
+            (self.seed >> 32) as f64,
+            flag(setup.consensus),
+            flag(setup.normalize),
+            setup.lambda,
+            linear_divisor,
+        ];
+        // Positions stay below 2^53: a limit past them compares the same clamped there.
+        let position = |limit: usize| limit.min(1 << 53) as f64;
+        for (i, keep) in self.keep.iter().enumerate() {
+            let how = match keep {
+                Keep::All => [0.0; 5],
+                Keep::Nothing => [1.0, 0.0, 0.0, 0.0, 0.0],
+                Keep::Ranked { low, high } => {
+                    let ((lk, ll), (hk, hl)) = (low.cut(), high.cut());
+                    [2.0, lk as f64, position(ll), hk as f64, position(hl)]
+                }
+                Keep::Random => [3.0, 0.0, setup.sparsify[i].density, 0.0, 0.0],
+                Keep::Della => return None,
+            };
+            coefs.extend(how);
+            coefs.extend([self.scales[i], setup.weights[i]]);
+        }
+        Some(Blend {
+            kind: BlendKind::Sparse,
+            coefs,
+        })
     }
 
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {

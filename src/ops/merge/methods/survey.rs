@@ -104,6 +104,12 @@ pub enum BlendKind {
     /// arcee_fusion's choice between the model's and the base's element by importance,
     /// `coefs` = `[threshold, row length, each row's divergence…]`.
     Fusion,
+    /// The generalized task arithmetic (TIES, breadcrumbs, DARE): each model's survivors,
+    /// rescaled, weighted, sign-elected or summed. `coefs` = `[seed's low 32 bits, high 32
+    /// bits, consensus, normalize, lambda, linear divisor]`, then per model `[keep (0 all,
+    /// 1 nothing, 2 ranked, 3 drawn), low key, low limit or density, high key, high limit,
+    /// scale, weight]`.
+    Sparse,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
