@@ -250,6 +250,24 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
     // c holds a NaN, which the sparsifying methods refuse: they merge d.
     let [a, b, c, d] = [model("a", 1), model("b", 2), model("c", 3), model("d", 4)];
     let (a, b, c, d) = (s(&a), s(&b), s(&c), s(&d));
+    // Quarters in [-2, 2): every task vector's magnitudes tie in large groups, so the
+    // magnitude cuts fall inside a tie and the position limit decides.
+    let quarters = |name: &str, seed: u64| {
+        let mut rng = common::Rng(seed);
+        let mut tensor = |name: &str, n: u64| {
+            let values: Vec<f32> = (0..n)
+                .map(|_| (rng.next_u32() % 16) as f32 / 4.0 - 2.0)
+                .collect();
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            common::t(name, DType::F32, &[n / 512, 512], bytes)
+        };
+        let tensors = [tensor("w.weight", 1 << 20), tensor("v.weight", 1 << 18)];
+        common::Model::new()
+            .tensors(tensors)
+            .write(&dir.path().join(name))
+    };
+    let [e, f, g] = [quarters("e", 5), quarters("f", 6), quarters("g", 7)];
+    let (e, f, g) = (s(&e), s(&f), s(&g));
     let configs = [
         ("slerp", format!("merge_method: slerp\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {b}\nparameters:\n  t: 0.3\n")),
         ("slerp-nan", format!("merge_method: slerp\nbase_model: {a}\nmodels:\n  - model: {a}\n  - model: {c}\nparameters:\n  t: 0.6\ndtype: float16\n")),
@@ -266,6 +284,8 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ("breadcrumbs_ties", format!("merge_method: breadcrumbs_ties\nbase_model: {d}\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0, density: 0.5, gamma: 0.1}}\n  - model: {b}\n    parameters: {{weight: 0.3, density: 0.8, gamma: 0.05}}\nparameters:\n  normalize: false\n")),
         ("dare_ties", format!("merge_method: dare_ties\nbase_model: {a}\nmodels:\n  - model: {b}\n    parameters: {{weight: 0.6, density: 0.4}}\n  - model: {d}\n    parameters: {{weight: 0.5, density: 0.6}}\n")),
         ("dare_linear", format!("merge_method: dare_linear\nbase_model: {a}\nmodels:\n  - model: {b}\n    parameters: {{weight: 0.6, density: 0.4}}\n  - model: {d}\n    parameters: {{weight: -0.5, density: 0.9}}\n")),
+        ("ties-ties", format!("merge_method: ties\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 0.6, density: 0.3}}\n  - model: {f}\n    parameters: {{weight: 0.5, density: 0.55}}\n")),
+        ("breadcrumbs-ties", format!("merge_method: breadcrumbs\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 1.0, density: 0.4, gamma: 0.2}}\n  - model: {f}\n    parameters: {{weight: 0.7, density: 0.5, gamma: 0.15}}\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),
     ];
     for (name, text) in configs {
