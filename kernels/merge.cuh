@@ -247,25 +247,14 @@ TFTF_HD void merge_sparse(const MergeParams& p, const u8* in, const double* coef
 // Element i of the merged chunk, stored as p.dst.
 TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                            u64 i) {
-    if (p.method == MERGE_SLERP || p.method == MERGE_NUSLERP) {
-        merge_blend(p, in, coefs, out, i);
-        return;
-    }
-    if (p.method == MERGE_MULTISLERP) {
-        merge_multislerp(p, in, coefs, out, i);
-        return;
-    }
-    if (p.method == MERGE_MODEL_STOCK || p.method == MERGE_KARCHER) {
-        merge_stock_or_karcher(p, in, coefs, out, i);
-        return;
-    }
-    if (p.method == MERGE_SPARSE) {
-        merge_sparse(p, in, coefs, out, i);
-        return;
-    }
-    if (p.method == MERGE_NEARSWAP || p.method == MERGE_RAM || p.method == MERGE_FUSION) {
-        merge_nearswap_or_ram(p, in, coefs, out, i);
-        return;
+    switch (p.method) {
+        case MERGE_LINEAR: case MERGE_TASK: break;
+        case MERGE_SLERP: case MERGE_NUSLERP: return merge_blend(p, in, coefs, out, i);
+        case MERGE_MULTISLERP: return merge_multislerp(p, in, coefs, out, i);
+        case MERGE_MODEL_STOCK: case MERGE_KARCHER:
+            return merge_stock_or_karcher(p, in, coefs, out, i);
+        case MERGE_SPARSE: return merge_sparse(p, in, coefs, out, i);
+        default: return merge_nearswap_or_ram(p, in, coefs, out, i);
     }
     double o = 0.0;
     if (p.method == MERGE_LINEAR) {
