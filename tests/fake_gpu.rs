@@ -301,6 +301,24 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ];
         assert_identical(name, &cpu_vs_gpu(name, &args, &["tftf_merge"]));
     }
+    // `--device auto` takes the GPU for a karcher merge, whose kept models only its survey
+    // knows.
+    let (out, report) = (dir.path().join("auto"), dir.path().join("auto.json"));
+    let cfg = dir.path().join("karcher.yml");
+    let args = [
+        "merge",
+        s(&cfg),
+        s(&out),
+        "-q",
+        "--device",
+        "auto",
+        "--report",
+        s(&report),
+    ];
+    ok(&tftf_logged(Some(fake_libs()), false, None, &args));
+    let rep: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_starts(rep["device"].as_str().unwrap(), "cuda:0");
 }
 
 #[test]

@@ -389,12 +389,16 @@ impl MergeOp {
 
     /// The [`Blend`] chunk `units` of a surveyed tensor merges by on the GPU (counted as
     /// merged, as [`Self::compute_surveyed`] counts its chunks); `None` for a tensor merged
-    /// whole and for a method that is no blend. With no units: whether the method's chunks
-    /// are blends (a fresh survey tells).
+    /// whole and for a method that is no blend. With no units: a stand-in when the method's
+    /// chunks can be blends (a fresh survey tells), for [`Op::has_kernel`].
     fn surveyed_blend(&self, w: &Whole, units: &Range<u64>) -> Option<Blend> {
         if units.is_empty() {
             let make = w.survey?.0;
-            return make(&w.setting()).ok()?.blend();
+            let fresh = make(&w.setting()).ok()?;
+            return fresh.may_blend().then(|| Blend {
+                kind: BlendKind::Slerp,
+                coefs: Vec::new(),
+            });
         }
         if *units == (0..self.elements) {
             return None;

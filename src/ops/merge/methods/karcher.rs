@@ -109,6 +109,11 @@ impl Survey for KarcherSurvey {
             .collect();
         Ok(())
     }
+    /// Which models are kept is known only once surveyed.
+    fn may_blend(&self) -> bool {
+        self.n > 1
+    }
+
     /// One model is copied, and no kept model sums zeros, on the CPU.
     fn blend(&self) -> Option<Blend> {
         (self.n > 1 && !self.kept.is_empty()).then(|| Blend {

@@ -68,6 +68,11 @@ pub trait Survey: AsAny + Sync + Debug {
     fn blend(&self) -> Option<Blend> {
         None
     }
+    /// Whether this tensor's chunks can be blends once surveyed, asked of a fresh survey
+    /// (whether a run has GPU work at all).
+    fn may_blend(&self) -> bool {
+        self.blend().is_some()
+    }
 }
 
 /// A surveyed merge that blends two inputs per element with coefficients its survey fixed, as
