@@ -21,6 +21,7 @@ enum MergeMethod {
     MERGE_RAM = 8,          // base + Σ each model's task vector, rescaled by how many change
     MERGE_FUSION = 9,       // the model's element where its importance reaches the threshold
     MERGE_SPARSE = 10,      // TIES, breadcrumbs, DARE: survivors rescaled, weighted, elected
+    MERGE_SCE = 11,         // the elements of largest variance, sign-elected, weighted
 };
 
 // `MergeParams` of src/plan/kernel/merge.rs.
@@ -36,8 +37,8 @@ struct MergeParams {
     double denominator;
     double scale;
     u64 inner;  // MERGE_SLERP/NUSLERP: (ca, cb) pairs in `coefs`, element i taking i mod inner;
-                // MERGE_KARCHER: (model, coefficient) pairs; MERGE_SPARSE: the chunk's first
-                // element
+                // MERGE_KARCHER: (model, coefficient) pairs; MERGE_SPARSE, MERGE_SCE: the
+                // chunk's first element
 };
 
 // x rounded to `dtype` and widened back, as a cast there and back would (op.rs `round_to`).
@@ -244,6 +245,43 @@ TFTF_HD void merge_sparse(const MergeParams& p, const u8* in, const double* coef
     merge_store_f32(p, out, i, f64_to_f32_rne(base + merged));
 }
 
+// SCE of element i (methods/sce.rs `selected`, `erase`): `coefs` = whether a variance cut
+// selects, the cut's key and position limit, each model's weight. Sums from their first term.
+TFTF_HD void merge_sce(const MergeParams& p, const u8* in, const double* coefs, u8* out, u64 i) {
+    int nm = p.n - 1;
+    double b = merge_load_f32(p, in, 0, i);
+    double tv[MERGE_MAX_INPUTS];
+    for (int m = 0; m < nm; m++) tv[m] = merge_load_f32(p, in, 1 + m, i) - b;
+    bool kept = true;
+    if (coefs[0] != 0.0) {
+        double mean = 0.0, var = 0.0;
+        for (int m = 0; m < nm; m++) mean = m == 0 ? tv[0] : mean + tv[m];
+        mean = mean / (double)nm;
+        for (int m = 0; m < nm; m++) {
+            double d = (tv[m] - mean) * (tv[m] - mean);
+            var = m == 0 ? d : var + d;
+        }
+        var = var / (double)nm;
+        u32 key = f2u(f64_to_f32_rne(var)), cut = (u32)coefs[1];
+        kept = !(key < cut || (key == cut && (double)(p.inner + i) < coefs[2]));
+    }
+    double total = 0.0;
+    for (int m = 0; m < nm; m++) {
+        double term = kept ? tv[m] : 0.0;
+        total = m == 0 ? term : total + term;
+    }
+    bool positive = total >= 0.0;
+    double merged = 0.0, divisor = 0.0;
+    for (int m = 0; m < nm; m++) {
+        double term = kept ? tv[m] : 0.0;
+        if (term != 0.0 && (term > 0.0) == positive) {
+            merged += term * coefs[3 + m];
+            divisor += coefs[3 + m];
+        }
+    }
+    merge_store_f32(p, out, i, f64_to_f32_rne(b + merged / (divisor < 1e-6 ? 1e-6 : divisor)));
+}
+
 // Element i of the merged chunk, stored as p.dst.
 TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coefs, u8* out,
                            u64 i) {
@@ -254,6 +292,7 @@ TFTF_HD void merge_element(const MergeParams& p, const u8* in, const double* coe
         case MERGE_MODEL_STOCK: case MERGE_KARCHER:
             return merge_stock_or_karcher(p, in, coefs, out, i);
         case MERGE_SPARSE: return merge_sparse(p, in, coefs, out, i);
+        case MERGE_SCE: return merge_sce(p, in, coefs, out, i);
         default: return merge_nearswap_or_ram(p, in, coefs, out, i);
     }
     double o = 0.0;

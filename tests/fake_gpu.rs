@@ -228,7 +228,7 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
 }
 
 /// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock,
-/// karcher, nearswap, ram, ramplus_tl, arcee_fusion, TIES, breadcrumbs and DARE of weights
+/// karcher, nearswap, ram, ramplus_tl, arcee_fusion, TIES, breadcrumbs, DARE and SCE of weights
 /// several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
 /// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
 /// too.
@@ -286,6 +286,8 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ("dare_linear", format!("merge_method: dare_linear\nbase_model: {a}\nmodels:\n  - model: {b}\n    parameters: {{weight: 0.6, density: 0.4}}\n  - model: {d}\n    parameters: {{weight: -0.5, density: 0.9}}\n")),
         ("ties-ties", format!("merge_method: ties\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 0.6, density: 0.3}}\n  - model: {f}\n    parameters: {{weight: 0.5, density: 0.55}}\n")),
         ("breadcrumbs-ties", format!("merge_method: breadcrumbs\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 1.0, density: 0.4, gamma: 0.2}}\n  - model: {f}\n    parameters: {{weight: 0.7, density: 0.5, gamma: 0.15}}\n")),
+        ("sce", format!("merge_method: sce\nbase_model: {a}\nmodels:\n  - model: {b}\n  - model: {d}\nparameters:\n  select_topk: 0.4\n")),
+        ("sce-ties", format!("merge_method: sce\nbase_model: {g}\nmodels:\n  - model: {e}\n  - model: {f}\nparameters:\n  select_topk: 0.5\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),
     ];
     for (name, text) in configs {

@@ -599,7 +599,8 @@ impl Op for MergeOp {
             }
             Formula::Whole(w) => {
                 let blend = self.surveyed_blend(w, units)?;
-                if blend.kind == BlendKind::Sparse && !w.has_base {
+                let by_position = matches!(blend.kind, BlendKind::Sparse | BlendKind::Sce);
+                if by_position && !w.has_base {
                     return None;
                 }
                 p.method = match blend.kind {
@@ -612,11 +613,12 @@ impl Op for MergeOp {
                     BlendKind::Ram => MergeMethod::Ram,
                     BlendKind::Fusion => MergeMethod::Fusion,
                     BlendKind::Sparse => MergeMethod::Sparse,
+                    BlendKind::Sce => MergeMethod::Sce,
                 } as i32;
                 p.has_base = i32::from(w.has_base);
                 p.inner = (blend.coefs.len() / 2) as u64;
                 coefs = blend.coefs;
-                if blend.kind == BlendKind::Sparse {
+                if by_position {
                     p.inner = units.start;
                 }
                 if blend.kind == BlendKind::Fusion && !units.is_empty() {

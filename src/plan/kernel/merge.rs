@@ -29,6 +29,8 @@ pub enum MergeMethod {
     Fusion = 9,
     /// TIES, breadcrumbs, DARE: survivors, rescaled, weighted, sign-elected or summed.
     Sparse = 10,
+    /// SCE: the elements of largest variance, sign-elected, weighted.
+    Sce = 11,
 }
 
 /// `MergeParams` of kernels/merge.cuh. The inputs are joined into one buffer, input `k` at
@@ -56,7 +58,7 @@ pub struct MergeParams {
     pub scale: f64,
     /// Slerp, nuslerp: the `(ca, cb)` pairs of [`MergeLaunch::coefs`]; element `i` of a chunk
     /// takes pair `i mod inner` (chunks start at multiples of it). Karcher: the `(model,
-    /// coefficient)` pairs. Sparse: the chunk's first element (draws and rank ties go by
+    /// coefficient)` pairs. Sparse, SCE: the chunk's first element (draws and rank ties go by
     /// position in the tensor).
     pub inner: u64,
 }

@@ -372,12 +372,7 @@ impl Survey for RamSurvey {
     }
     fn blend(&self) -> Option<Blend> {
         let plus = f64::from(u8::from(self.plus.is_some()));
-        let mut coefs = vec![self.epsilon, plus];
-        coefs.extend(&self.lambda);
-        Some(Blend {
-            kind: BlendKind::Ram,
-            coefs,
-        })
+        Blend::of(BlendKind::Ram, &[self.epsilon, plus], &self.lambda)
     }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (_, base, models) = (chunk.start, chunk.base, chunk.models);

@@ -17,7 +17,7 @@
 
 use super::sparse::{check_inputs, finite};
 use super::sparsify::{rank_key, rank_range, Compensated, CutPass, RadixCut, Survivors};
-use super::survey::{check_finite, Chunk, Setting, Survey};
+use super::survey::{check_finite, Blend, BlendKind, Chunk, Setting, Survey};
 use super::Inputs;
 
 /// The parameters mergekit accepts for `sce`: all global (it has no per-model ones).
@@ -214,6 +214,17 @@ impl Survey for SceSurvey {
             _ => self.weights = weights(&self.squares, self.len),
         }
         Ok(())
+    }
+
+    /// Without models the base is copied (and checked), on the CPU.
+    fn blend(&self) -> Option<Blend> {
+        if self.models == 0 {
+            return None;
+        }
+        let (key, limit) = self.cut.as_ref().map_or((0, 0), RadixCut::cut);
+        let selects = f64::from(u8::from(self.cut.is_some()));
+        let cut = [selects, f64::from(key), limit.min(1 << 53) as f64];
+        Blend::of(BlendKind::Sce, &cut, &self.weights)
     }
 
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {

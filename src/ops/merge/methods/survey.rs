@@ -88,6 +88,16 @@ pub struct Blend {
     pub coefs: Vec<f64>,
 }
 
+impl Blend {
+    /// A blend of `kind` whose coefficients are `head` then `tail`.
+    pub fn of(kind: BlendKind, head: &[f64], tail: &[f64]) -> Option<Blend> {
+        Some(Blend {
+            kind,
+            coefs: [head, tail].concat(),
+        })
+    }
+}
+
 /// The formula of a [`Blend`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlendKind {
@@ -115,6 +125,9 @@ pub enum BlendKind {
     /// 1 nothing, 2 ranked, 3 drawn), low key, low limit or density, high key, high limit,
     /// scale, weight]`.
     Sparse,
+    /// SCE's erase over the selected elements, `coefs` = `[1 when a variance cut selects (else
+    /// 0), the cut's key, its position limit, each model's weight…]`.
+    Sce,
 }
 
 /// Elements `start..` of a tensor: of the base (empty when the tensor has none) and of each
