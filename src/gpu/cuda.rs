@@ -552,6 +552,15 @@ impl Lane {
         Ok(at)
     }
 
+    /// [`Self::upload`] of `data`, or a null device address when it is empty (an optional
+    /// kernel argument: a unit map, importance weights, blend coefficients).
+    fn upload_or_null(&mut self, slot: usize, data: &[u8]) -> Result<CUdeviceptr, String> {
+        match data.is_empty() {
+            true => Ok(0),
+            false => self.upload(slot, data),
+        }
+    }
+
     /// Stages `parts`, one after the other, into slot `slot` and queues their copy as one
     /// buffer; returns its device address.
     fn upload_joined(&mut self, slot: usize, parts: &[&[u8]]) -> Result<CUdeviceptr, String> {
@@ -675,10 +684,7 @@ impl Lane {
                 let mut p = l.params;
                 p.offsets[..offsets.len()].copy_from_slice(&offsets);
                 let coefs: Vec<u8> = l.coefs.iter().flat_map(|c| c.to_le_bytes()).collect();
-                let c = match coefs.is_empty() {
-                    true => 0,
-                    false => self.upload(IN + 1, &coefs)?,
-                };
+                let c = self.upload_or_null(IN + 1, &coefs)?;
                 let o = self.device(OUT, outs[0].len())?;
                 let mut b = self.stream.launch_builder(&k.merge);
                 b.arg(&i).arg(&c).arg(&o).arg(&nunits).arg(&p);
@@ -887,10 +893,7 @@ impl Lane {
             parts => self.upload_joined(IN, parts)?,
         };
         let map: Vec<u8> = l.map.iter().flat_map(|u| u.to_le_bytes()).collect();
-        let m = match map.is_empty() {
-            true => 0,
-            false => self.upload(IN + 1, &map)?,
-        };
+        let m = self.upload_or_null(IN + 1, &map)?;
         let o = self.device(OUT, out_len)?;
         let n = l.items;
         if !l.blocks {
@@ -902,10 +905,7 @@ impl Lane {
             return Ok(());
         }
         let weights: Vec<u8> = l.weights.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let w = match weights.is_empty() {
-            true => 0,
-            false => self.upload(IN + 2, &weights)?,
-        };
+        let w = self.upload_or_null(IN + 2, &weights)?;
         let mut b = self.stream.launch_builder(&k.gguf_blocks);
         b.arg(&i).arg(&m).arg(&w).arg(&o).arg(&n).arg(&l.params);
         // SAFETY: argument types match tftf_gguf_blocks; the joined input holds every element

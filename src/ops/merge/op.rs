@@ -387,20 +387,32 @@ impl MergeOp {
         super::adapt::name_models(&msg, self.names())
     }
 
+    /// The kernel's parameters every formula shares (inputs, their rounding, the output), or
+    /// `None` when the merge has no kernel: more than [`MERGE_MAX_INPUTS`] inputs, or a
+    /// dtype the kernel does not read or write.
+    fn kernel_params(&self) -> Option<MergeParams> {
+        let float = |d: DType| matches!(d, DType::F64 | DType::F32 | DType::BF16 | DType::F16);
+        let n = self.in_dtypes.len();
+        if n > MERGE_MAX_INPUTS || !float(self.dst) || !self.in_dtypes.iter().all(|&d| float(d)) {
+            return None;
+        }
+        let mut p = MergeParams {
+            n: n as i32,
+            dst: kernel_dtype(self.dst),
+            ..MergeParams::default()
+        };
+        for (k, &d) in self.in_dtypes.iter().enumerate() {
+            p.dtypes[k] = kernel_dtype(d);
+            p.round[k] = self.rounding(d).map_or(KERNEL_DTYPE_NONE, kernel_dtype);
+        }
+        Some(p)
+    }
+
     /// The [`Blend`] chunk `units` of a surveyed tensor merges by on the GPU (counted as
     /// merged, as [`Self::compute_surveyed`] counts its chunks); `None` for a tensor merged
-    /// whole and for a method that is no blend. With no units: a stand-in when the method's
-    /// chunks can be blends (a fresh survey tells), for [`Op::has_kernel`].
-    fn surveyed_blend(&self, w: &Whole, units: &Range<u64>) -> Option<Blend> {
-        if units.is_empty() {
-            let make = w.survey?.0;
-            let fresh = make(&w.setting()).ok()?;
-            return fresh.may_blend().then(|| Blend {
-                kind: BlendKind::Slerp,
-                coefs: Vec::new(),
-            });
-        }
-        if *units == (0..self.elements) {
+    /// whole, for no units and for a method that is no blend.
+    fn surveyed_blend(&self, units: &Range<u64>) -> Option<Blend> {
+        if units.is_empty() || *units == (0..self.elements) {
             return None;
         }
         let blend = self.finished_survey().ok()??.blend()?;
@@ -568,20 +580,8 @@ impl Op for MergeOp {
         self.method
     }
     fn kernel(&self, units: &Range<u64>) -> Option<Kernel> {
-        let float = |d: DType| matches!(d, DType::F64 | DType::F32 | DType::BF16 | DType::F16);
+        let mut p = self.kernel_params()?;
         let n = self.in_dtypes.len();
-        if n > MERGE_MAX_INPUTS || !float(self.dst) || !self.in_dtypes.iter().all(|&d| float(d)) {
-            return None;
-        }
-        let mut p = MergeParams {
-            n: n as i32,
-            dst: kernel_dtype(self.dst),
-            ..MergeParams::default()
-        };
-        for (k, &d) in self.in_dtypes.iter().enumerate() {
-            p.dtypes[k] = kernel_dtype(d);
-            p.round[k] = self.rounding(d).map_or(KERNEL_DTYPE_NONE, kernel_dtype);
-        }
         let mut coefs = Vec::new();
         match &self.formula {
             Formula::Linear {
@@ -598,7 +598,7 @@ impl Op for MergeOp {
                 p.scale = *scale;
             }
             Formula::Whole(w) => {
-                let blend = self.surveyed_blend(w, units)?;
+                let blend = self.surveyed_blend(units)?;
                 let by_position = matches!(blend.kind, BlendKind::Sparse | BlendKind::Sce);
                 if by_position && !w.has_base {
                     return None;
@@ -621,7 +621,7 @@ impl Op for MergeOp {
                 if by_position {
                     p.inner = units.start;
                 }
-                if blend.kind == BlendKind::Fusion && !units.is_empty() {
+                if blend.kind == BlendKind::Fusion {
                     // The divergences of the chunk's rows only (chunks hold whole rows).
                     let row = (coefs[1] as u64).max(1);
                     let rows = units.start / row..units.end.div_ceil(row);
@@ -632,6 +632,16 @@ impl Op for MergeOp {
             }
         }
         Some(Kernel::Merge(Box::new(MergeLaunch { params: p, coefs })))
+    }
+    /// A whole-tensor method has GPU work when a fresh survey says its chunks can be blends.
+    fn has_kernel(&self) -> bool {
+        self.kernel_params().is_some()
+            && match &self.formula {
+                Formula::Whole(w) => (w.survey)
+                    .and_then(|(make, ..)| make(&w.setting()).ok())
+                    .is_some_and(|fresh| fresh.may_blend()),
+                _ => true,
+            }
     }
     fn units(&self) -> u64 {
         self.elements

@@ -153,12 +153,8 @@ impl Survey for FusionSurvey {
         Ok(())
     }
     fn blend(&self) -> Option<Blend> {
-        let mut coefs = vec![self.threshold, self.row as f64];
-        coefs.extend(&self.kl);
-        Some(Blend {
-            kind: BlendKind::Fusion,
-            coefs,
-        })
+        let head = [self.threshold, self.row as f64];
+        Some(Blend::of(BlendKind::Fusion, &head, &self.kl))
     }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (start, base, model) = (chunk.start, chunk.base, chunk.models[0]);
@@ -372,7 +368,11 @@ impl Survey for RamSurvey {
     }
     fn blend(&self) -> Option<Blend> {
         let plus = f64::from(u8::from(self.plus.is_some()));
-        Blend::of(BlendKind::Ram, &[self.epsilon, plus], &self.lambda)
+        Some(Blend::of(
+            BlendKind::Ram,
+            &[self.epsilon, plus],
+            &self.lambda,
+        ))
     }
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {
         let (_, base, models) = (chunk.start, chunk.base, chunk.models);

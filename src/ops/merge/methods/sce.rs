@@ -224,7 +224,7 @@ impl Survey for SceSurvey {
         let (key, limit) = self.cut.as_ref().map_or((0, 0), RadixCut::cut);
         let selects = f64::from(u8::from(self.cut.is_some()));
         let cut = [selects, f64::from(key), limit.min(1 << 53) as f64];
-        Blend::of(BlendKind::Sce, &cut, &self.weights)
+        Some(Blend::of(BlendKind::Sce, &cut, &self.weights))
     }
 
     fn merge(&self, chunk: &Chunk, out: &mut [f32]) -> Result<(), String> {

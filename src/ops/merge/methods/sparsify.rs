@@ -443,12 +443,12 @@ impl RadixCut {
         }
     }
 
-    /// Whether the element at `position` with `key` ranks below the cut.
     /// The cut's key and position limit, as [`RadixCut::below`] compares with them.
     pub fn cut(&self) -> (u32, usize) {
         (self.key, self.limit)
     }
 
+    /// Whether the element at `position` with `key` ranks below the cut.
     pub fn below(&self, key: u32, position: usize) -> bool {
         key < self.key || (key == self.key && position < self.limit)
     }

@@ -75,37 +75,37 @@ pub trait Survey: AsAny + Sync + Debug {
     }
 }
 
-/// A surveyed merge that blends two inputs per element with coefficients its survey fixed, as
+/// A surveyed merge whose chunks merge element by element from what its survey fixed, as
 /// `tftf_merge` computes it (kernels/merge.cuh) and [`Survey::merge`] does: each input an f32,
-/// the blend in f64, rounded to f32.
+/// the formula in f64, rounded to f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Blend {
     pub kind: BlendKind,
-    /// slerp, nuslerp: `(ca, cb)` of each column, flattened: element `i` of the tensor takes
-    /// pair `i mod (len / 2)`. multislerp: each model's mean factor, weight, norm + eps and
-    /// dot product with the mean, then the mean's length, the exponential map's two factors,
-    /// and 1 when two models average linearly (else 0).
+    /// What the survey fixed, laid out as [`BlendKind`] says for each formula.
     pub coefs: Vec<f64>,
 }
 
 impl Blend {
     /// A blend of `kind` whose coefficients are `head` then `tail`.
-    pub fn of(kind: BlendKind, head: &[f64], tail: &[f64]) -> Option<Blend> {
-        Some(Blend {
+    pub fn of(kind: BlendKind, head: &[f64], tail: &[f64]) -> Blend {
+        Blend {
             kind,
             coefs: [head, tail].concat(),
-        })
+        }
     }
 }
 
 /// The formula of a [`Blend`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlendKind {
-    /// slerp's `ca · base + cb · model`.
+    /// slerp's `ca · base + cb · model`, `coefs` = `[ca, cb]`.
     Slerp,
-    /// nuslerp's `back + ca (a − back) + cb (b − back)` (`back` the base, or 0).
+    /// nuslerp's `back + ca (a − back) + cb (b − back)` (`back` the base, or 0), `coefs` =
+    /// `(ca, cb)` of each column, flattened: element `i` takes pair `i mod (len / 2)`.
     Nuslerp,
-    /// multislerp's exponential map of the weighted tangent at the models' mean.
+    /// multislerp's exponential map of the weighted tangent at the models' mean, `coefs` =
+    /// each model's mean factor, weight, norm + eps and dot product with the mean, then the
+    /// mean's length, the map's two factors, and 1 when two models average linearly (else 0).
     Multislerp,
     /// model_stock's `t · mean(models) + (1 − t) · base`, `coefs` = `[t]`.
     ModelStock,
