@@ -213,7 +213,12 @@ from transformers import AutoConfig  # noqa: E402
 
 cfg_dir = OUT / "configs"
 cfg_dir.mkdir(exist_ok=True)
-for src in sorted(cfg_dir.glob("*.config.json")):
+# The configs checked here, as tests/gguf.rs's ARCHS names them (the other architectures' configs
+# are checked by their own goldens).
+CHECKED = ["llama3", "mistral", "mixtral", "qwen2", "qwen3", "qwen3moe", "gptoss", "deepseekv3", "bitnet",
+           "bitnet1bitllm"]
+checked = [cfg_dir / f"{name}.config.json" for name in CHECKED]
+for src in checked:
     tmp = pathlib.Path("/tmp/gguf-cfg") / src.name.removesuffix(".config.json")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(src.read_text())
@@ -230,13 +235,14 @@ if len(sys.argv) > 1:
     sys.path.insert(0, sys.argv[1])
     sys.modules.setdefault("torch", mock.MagicMock())  # after transformers saw no torch
     from conversion.base import ModelBase  # noqa: E402
-    from conversion import llama, qwen, deepseek, gpt_oss  # noqa: E402
+    from conversion import llama, qwen, deepseek, gpt_oss, bitnet  # noqa: E402
 
     classes = {"LlamaForCausalLM": llama.LlamaModel, "MistralForCausalLM": llama.LlamaModel,
                "MixtralForCausalLM": llama.LlamaModel, "Qwen2ForCausalLM": qwen.Qwen2Model,
                "Qwen3ForCausalLM": qwen.Qwen3Model, "Qwen3MoeForCausalLM": qwen.Qwen3MoeModel,
-               "GptOssForCausalLM": gpt_oss.GptOssModel, "DeepseekV3ForCausalLM": deepseek.DeepseekV2Model}
-    for src in sorted(cfg_dir.glob("*.config.json")):
+               "GptOssForCausalLM": gpt_oss.GptOssModel, "DeepseekV3ForCausalLM": deepseek.DeepseekV2Model,
+               "BitNetForCausalLM": bitnet.BitnetModel, "BitnetForCausalLM": bitnet.BitnetModel}
+    for src in checked:
         d = pathlib.Path("/tmp/gguf-cfg") / src.name.removesuffix(".config.json")
         hp = ModelBase.load_hparams(d, False)
         cls = classes[hp["architectures"][0]]
@@ -277,9 +283,11 @@ if len(sys.argv) > 1:
                                   "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm",
                                   "self_attn.o_proj", "mlp.gate", "mlp.shared_experts.gate_proj",
                                   "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"] + dense,
+        "BitNetForCausalLM": attn + dense + ["self_attn.inner_attn_ln", "mlp.ffn_layernorm"],
+        "BitnetForCausalLM": attn + dense + ["self_attn.inner_attn_ln", "mlp.ffn_layernorm"],
     }
     names = {}
-    for src in sorted(cfg_dir.glob("*.config.json")):
+    for src in checked:
         hp = json.loads(src.read_text())
         tm = gguf.get_tensor_name_map(classes[hp["architectures"][0]].model_arch, hp["num_hidden_layers"])
         pairs = []

@@ -16,7 +16,7 @@ sdist's vendored tree) applied to `convert_hf_to_gguf.py --outtype f32` of small
 3. `llama256/`: a 2-layer Llama with whole 256-blocks (hidden 256, 4 heads, 2 kv heads, ffn
    512), so the k-quant, i-quant and ternary mixes write their own types. Its weights are not
    committed (2.4 MB): [`det_bf16`] makes them from each tensor's name, and the test makes the
-   same bytes (tests/gguf_quant.rs `det_bf16`). `e2e_k.json` is `e2e.json`'s record per mix.
+   same bytes (llamacpp_goldens.py's and tests/common/gguf.rs's `det_bf16`). `e2e_k.json` is `e2e.json`'s record per mix.
 
 Usage: gen-gguf-quant-goldens.py LLAMA_CPP_DIR LLAMA_QUANTIZE OUT_DIR WORK_DIR
 (python with torch, transformers, safetensors, numpy, sentencepiece)"""
@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 LCP, LQ, OUT, WORK = sys.argv[1:5]
 sys.path.insert(0, os.path.join(LCP, "gguf-py"))
 from gguf import GGUFReader  # noqa: E402
-from llamacpp_goldens import converter, record  # noqa: E402
+from llamacpp_goldens import converter, det_bf16, record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOK = os.path.join(HERE, "..", "tests", "fixtures", "gguf", "tokenizer")
@@ -79,27 +79,6 @@ def model(d, cfg, experts=0):
             for n, o, i in (("gate_proj", ff, h), ("up_proj", ff, h), ("down_proj", h, ff)):
                 sd[p + f"mlp.{n}.weight"] = w(o, i)
     return save_and_convert(d, cfg, sd)
-
-
-def fnv1a(name):
-    h = 0x811C9DC5
-    for c in name.encode():
-        h = ((h ^ c) * 0x01000193) & 0xFFFFFFFF
-    return h
-
-
-def det_bf16(name, n, offset=0.0):
-    """BF16 bits of element i: a 32-bit hash of (i, the name's FNV-1a), its low 24 bits as a
-    uniform value in [-0.1, 0.1) (+ offset) in f32, truncated to BF16."""
-    i = np.arange(n, dtype=np.uint64)
-    u = (i * np.uint64(0x9E3779B1) + np.uint64(fnv1a(name)) * np.uint64(0x85EBCA77)) & np.uint64(0xFFFFFFFF)
-    u ^= u >> np.uint64(15)
-    u = (u * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
-    u ^= u >> np.uint64(12)
-    x = ((u & np.uint64(0xFFFFFF)).astype(np.float32) / np.float32(16777216.0) - np.float32(0.5)) * np.float32(0.2)
-    x = x + np.float32(offset)
-    bits = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
 def det_model(d, cfg):

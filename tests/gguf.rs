@@ -390,7 +390,7 @@ fn llama3_rope_freqs_match_a_float32_port() {
 }
 
 /// The architectures with config fixtures (`configs/{name}.*.json`).
-const ARCHS: [&str; 8] = [
+const ARCHS: [&str; 10] = [
     "llama3",
     "mistral",
     "mixtral",
@@ -399,6 +399,8 @@ const ARCHS: [&str; 8] = [
     "qwen3moe",
     "gptoss",
     "deepseekv3",
+    "bitnet",
+    "bitnet1bitllm",
 ];
 
 fn config(name: &str) -> Config {

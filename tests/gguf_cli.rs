@@ -899,14 +899,6 @@ fn formula(k: usize, name: &str, dtype: DType, n: u64) -> Vec<u8> {
     out
 }
 
-fn sha256_hex(b: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(b)
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
-}
-
 /// The BPE tokenizer fixture with a reference case's added tokens and `tokenizer_config`
 /// entries.
 fn write_bpe_tokenizer(model: &Path, spec: &Json) {

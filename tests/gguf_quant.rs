@@ -10,19 +10,10 @@ use common::fake_cuda::{fake_libs, tftf_logged};
 use common::gguf::*;
 use common::*;
 use serde_json::Value as Json;
-use tftf::format::dtype::DType;
 use tftf::sink::gguf::quant_mix::{
     check_imatrix, choose_types, quantize_order, Mix, MixOptions, MixTensor, ModelFacts,
 };
 use tftf::sink::gguf::GgmlType;
-
-fn sha256_hex(b: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(b)
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
-}
 
 fn golden(name: &str) -> Json {
     read_json(&fixture(&format!("gguf_quant/{name}")))
@@ -40,14 +31,6 @@ fn llama_model(dir: &Path) -> std::path::PathBuf {
     }
     model
 }
-
-const NAMING: [&str; 5] = [
-    "general.name",
-    "general.basename",
-    "general.finetune",
-    "general.version",
-    "general.quantized_by",
-];
 
 /// Every case of e2e.json (each legacy and k-quant mix, and the options --pure, --tensor-type,
 /// --output-tensor-type, --token-embedding-type, --leave-output-tensor): the same KVs in the
@@ -73,65 +56,9 @@ fn llama256_model(dir: &Path) -> std::path::PathBuf {
         std::fs::copy(gguf_fixture(&format!("tokenizer/{f}")), model.join(f)).unwrap();
     }
     let cfg = read_json(&cfg_path);
-    let get = |k: &str| cfg[k].as_u64().unwrap();
-    let (h, ff, vocab) = (
-        get("hidden_size"),
-        get("intermediate_size"),
-        get("vocab_size"),
-    );
-    let kv = get("num_key_value_heads") * h / get("num_attention_heads");
-    let mut shapes: Vec<(String, Vec<u64>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![vocab, h]),
-        ("model.norm.weight".into(), vec![h]),
-        ("lm_head.weight".into(), vec![vocab, h]),
-    ];
-    for l in 0..get("num_hidden_layers") {
-        let p = format!("model.layers.{l}.");
-        for (n, s) in [
-            ("input_layernorm", vec![h]),
-            ("post_attention_layernorm", vec![h]),
-            ("self_attn.q_proj", vec![h, h]),
-            ("self_attn.k_proj", vec![kv, h]),
-            ("self_attn.v_proj", vec![kv, h]),
-            ("self_attn.o_proj", vec![h, h]),
-            ("mlp.gate_proj", vec![ff, h]),
-            ("mlp.up_proj", vec![ff, h]),
-            ("mlp.down_proj", vec![h, ff]),
-        ] {
-            shapes.push((format!("{p}{n}.weight"), s));
-        }
-    }
-    shapes.sort();
-    let tensors: Vec<T> = shapes
-        .iter()
-        .map(|(n, s)| {
-            let offset = if s.len() == 1 { 1.0 } else { 0.0 };
-            t(n, DType::BF16, s, det_bf16(n, s.iter().product(), offset))
-        })
-        .collect();
+    let tensors = det_bf16_tensors(&llama_shapes(&cfg, true, &[]));
     write_file(&model.join("model.safetensors"), &tensors);
     model
-}
-
-/// scripts/gen-gguf-quant-goldens.py's `det_bf16`: element `i` of tensor `name` is a 32-bit
-/// hash of `i` and the name's FNV-1a, its low 24 bits a uniform f32 in [-0.1, 0.1) (+ offset),
-/// truncated to BF16 (little-endian bytes).
-fn det_bf16(name: &str, n: u64, offset: f32) -> Vec<u8> {
-    let seed = name.bytes().fold(0x811C_9DC5u32, |h, c| {
-        (h ^ c as u32).wrapping_mul(0x0100_0193)
-    });
-    (0..n)
-        .flat_map(|i| {
-            let mut u = (i as u32)
-                .wrapping_mul(0x9E37_79B1)
-                .wrapping_add(seed.wrapping_mul(0x85EB_CA77));
-            u ^= u >> 15;
-            u = u.wrapping_mul(0x2C1B_3C6D);
-            u ^= u >> 12;
-            let x = ((u & 0xFF_FFFF) as f32 / 16_777_216.0 - 0.5) * 0.2 + offset;
-            ((x.to_bits() >> 16) as u16).to_le_bytes()
-        })
-        .collect()
 }
 
 /// The `mix` of each golden case, in order.
@@ -227,47 +154,6 @@ fn block_types_encoded_on_the_gpu_equal_llama_quantize_byte_for_byte() {
     let model = llama_model(d.path());
     check_cases(&model, d.path(), &golden("e2e.json"), &gpu);
     check_imatrix_cases(&model, d.path(), &golden("imatrix.json"), &gpu);
-}
-
-/// `g` has the KVs (sha256 of type and value bytes, in order, naming fields left out) and the
-/// tensors (name, type, shape, sha256 of the bytes, in order) of the golden `case`; `kv_values`
-/// replaces a golden KV's hash by that of the value given here.
-fn assert_equals_golden(g: &Gguf, case: &Json, what: &str, kv_values: &[(&str, Vec<u8>)]) {
-    let kvs: Vec<(String, String)> = g
-        .kvs
-        .iter()
-        .filter(|(k, _)| !NAMING.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), sha256_hex(v)))
-        .collect();
-    let want: Vec<(String, String)> = case["kvs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let k = e[0].as_str().unwrap();
-            let v = match kv_values.iter().find(|(key, _)| *key == k) {
-                Some((_, v)) => sha256_hex(v),
-                None => e[1].as_str().unwrap().into(),
-            };
-            (k.to_string(), v)
-        })
-        .collect();
-    assert_eq!(kvs, want, "{what}: KVs");
-    let want = case["tensors"].as_array().unwrap();
-    let names: Vec<&str> = want.iter().map(|t| t[0].as_str().unwrap()).collect();
-    assert_eq!(g.order, names, "{what}: tensor order");
-    for t in want {
-        let name = t[0].as_str().unwrap();
-        let (shape, ty, data) = g.tensor(name);
-        let mut wshape: Vec<u64> = serde_json::from_value(t[2].clone()).unwrap();
-        wshape.reverse();
-        assert_eq!(
-            (*ty as u64, shape),
-            (t[1].as_u64().unwrap(), &wshape),
-            "{what}: {name} type/shape"
-        );
-        assert_eq!(sha256_hex(data), t[3].as_str().unwrap(), "{what}: {name}");
-    }
 }
 
 /// imatrix.json: `llama-quantize --imatrix` for each legacy type, with the GGUF imatrix and the

@@ -55,7 +55,7 @@ fn dequant_fp8_without_fp8_tensors_is_refused_unless_allow_empty() {
     let err = fails(&args);
     assert_eq!(
         err,
-        format!("error: {}: dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
+        format!("error: {}: dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int, GPTQ or BitNet weight), so there is nothing to dequantise; pass --allow-empty to write the output anyway\n", src.display())
     );
     assert!(!out.exists());
     tftf_ok(&[&args[..], &["--allow-empty"]].concat());

@@ -22,6 +22,8 @@
 //! - ModelOpt MXFP8 (`quant_algo: MXFP8`): as compressed-tensors `mxfp8-quantized`;
 //! - ModelOpt INT4 (`quant_algo: W4A16_AWQ`): `X.weight` `U8 [out/2, in]` (two rows a byte),
 //!   `X.weight_scale` `F32 [out, in/G]` ([`crate::ops::int::modelopt`]);
+//! - BitNet b1.58 (`quant_method: bitnet`): `X.weight` `U8 [out/4, in]` (four rows a byte),
+//!   `X.weight_scale` one float, the divisor ([`crate::ops::int::bitnet`]);
 //! - FP8 with float scales: [`DequantFp8Step`], unchanged (`dequant-fp8`).
 //!
 //! A tensor whose layout the config does not name (NVFP4 codes in a checkpoint whose config
@@ -155,6 +157,7 @@ impl Declared {
             Scheme::ModeloptInt4 => self.method == "modelopt" && self.formats.contains("w4a16_awq"),
             Scheme::GptOssMxfp4 => self.method == "mxfp4",
             Scheme::Gptq => self.method == "gptq",
+            Scheme::Bitnet => self.method == "bitnet",
         }
     }
 
@@ -243,6 +246,7 @@ enum Scheme {
     GptOssMxfp4,
     CtInt,
     Gptq,
+    Bitnet,
 }
 
 impl Scheme {
@@ -257,6 +261,7 @@ impl Scheme {
             Scheme::GptOssMxfp4 => "gpt-oss MXFP4",
             Scheme::CtInt => "compressed-tensors int (pack-quantized)",
             Scheme::Gptq => "GPTQ",
+            Scheme::Bitnet => "BitNet ternary (bitnet)",
         }
     }
 }
@@ -300,6 +305,59 @@ fn read_shape(ckpt: &Checkpoint, e: &Entry) -> std::result::Result<(u64, u64), S
         [r, c] if r > 0 && c > 0 => Ok((r as u64, c as u64)),
         _ => Err(format!("holds {v:?}, not a weight shape")),
     }
+}
+
+/// A weight's decoding and its decoded shape.
+type Decoding = (Arc<dyn Derive>, Vec<u64>);
+
+/// A BitNet weight's decoding: its `[out/4, in]` codes and its one scale, read here (a scale
+/// that is not one finite, non-zero float is refused before any output exists).
+fn bitnet_derive<'a>(
+    ckpt: &Checkpoint,
+    w: &'a Entry,
+    s: &'a Entry,
+) -> std::result::Result<Decoding, (&'a Entry, String)> {
+    let [packed_rows, cols] = w.shape[..] else {
+        return Err((
+            w,
+            format!("BitNet codes must be U8 [out/4, in], not {:?}", w.shape),
+        ));
+    };
+    let n: u64 = s.shape.iter().product();
+    let size = match s.dtype {
+        DType::F32 => 4,
+        DType::BF16 | DType::F16 => 2,
+        d => return Err((s, format!("a BitNet weight scale must be a float, not {d}"))),
+    };
+    if n != 1 {
+        return Err((
+            s,
+            format!("a BitNet weight scale must be one value, not {:?}", s.shape),
+        ));
+    }
+    let t = &ckpt.tensors[s.source];
+    let mut buf = vec![0u8; size];
+    ckpt.read_tensor_at(t, 0, &mut buf)
+        .map_err(|err| (s, err.to_string()))?;
+    let scale = crate::ops::cast::to_f32(s.dtype, &buf)[0];
+    if !scale.is_finite() || scale == 0.0 {
+        return Err((
+            s,
+            format!("the scale of `{}` is {scale}: it divides the codes, so it must be finite and not zero", w.name),
+        ));
+    }
+    let d = DeferredDst {
+        inputs: vec![w.source; crate::ops::int::bitnet::ROWS_PER_BYTE as usize],
+        op: crate::ops::int::bitnet::DequantBitnet {
+            packed_rows,
+            cols,
+            scale,
+            // set by `build`
+            dst: DType::F32,
+        },
+    };
+    let rows = packed_rows * crate::ops::int::bitnet::ROWS_PER_BYTE;
+    Ok((Arc::new(d), vec![rows, cols]))
 }
 
 fn is_activation_scale(name: &str) -> bool {
@@ -381,6 +439,13 @@ impl PlanStep for DequantStep {
             } else if let (Some(_), DType::U8) = (n.strip_suffix(".weight"), e.dtype) {
                 let s2 = format!("{n}_scale_2");
                 match (get(&format!("{n}_scale")), get(&s2)) {
+                    // BitNet's packed ternary codes and their one divisor.
+                    (Some(si), None) if declared.method == "bitnet" => {
+                        Some((Scheme::Bitnet, si, None, n.to_string()))
+                    }
+                    (None, _) if declared.method == "bitnet" => {
+                        return Err(missing(e, &[format!("{n}_scale")]));
+                    }
                     (Some(si), Some(gi)) if entries[si].dtype == DType::F8_E4M3 => {
                         Some((Scheme::ModeloptNvfp4, si, Some(gi), n.to_string()))
                     }
@@ -649,6 +714,13 @@ impl PlanStep for DequantStep {
                     };
                     (Arc::new(d), vec![e, g * 32, out])
                 }
+                Scheme::Bitnet => {
+                    bitnet_derive(ckpt, w, s).map_err(|(t, msg)| Error::TensorData {
+                        path: t.path(ckpt),
+                        tensor: t.name.clone(),
+                        msg,
+                    })?
+                }
                 Scheme::CtNvfp4
                 | Scheme::CtMxfp4
                 | Scheme::ModeloptNvfp4
@@ -777,7 +849,7 @@ impl PlanStep for DequantStep {
     }
 
     fn nothing_done(&self) -> String {
-        "dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int or GPTQ weight), so there is nothing to dequantise".into()
+        "dequant found no quantised weight (no FP8, NVFP4, MXFP4, MXFP8, pack-quantized int, GPTQ or BitNet weight), so there is nothing to dequantise".into()
     }
 
     fn edit_config(&self, cfg: &mut Map<String, Value>) -> Vec<String> {

@@ -548,3 +548,137 @@ pub fn deepseek_config(c: &mut Json) {
         m.insert(k.into(), v.into());
     }
 }
+
+/// The sha256 of `b`, in hex.
+pub fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// The converter's naming KVs, which goldens leave out.
+pub const NAMING: [&str; 5] = [
+    "general.name",
+    "general.basename",
+    "general.finetune",
+    "general.version",
+    "general.quantized_by",
+];
+
+/// scripts/gen-gguf-quant-goldens.py's `det_bf16`: element `i` of tensor `name` is a 32-bit
+/// hash of `i` and the name's FNV-1a, its low 24 bits a uniform f32 in [-0.1, 0.1) (+ offset),
+/// truncated to BF16 (little-endian bytes).
+pub fn det_bf16(name: &str, n: u64, offset: f32) -> Vec<u8> {
+    let seed = name.bytes().fold(0x811C_9DC5u32, |h, c| {
+        (h ^ c as u32).wrapping_mul(0x0100_0193)
+    });
+    (0..n)
+        .flat_map(|i| {
+            let mut u = (i as u32)
+                .wrapping_mul(0x9E37_79B1)
+                .wrapping_add(seed.wrapping_mul(0x85EB_CA77));
+            u ^= u >> 15;
+            u = u.wrapping_mul(0x2C1B_3C6D);
+            u ^= u >> 12;
+            let x = ((u & 0xFF_FFFF) as f32 / 16_777_216.0 - 0.5) * 0.2 + offset;
+            ((x.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// `g` has the KVs (sha256 of type and value bytes, in order, naming fields left out) and the
+/// tensors (name, type, shape, sha256 of the bytes, in order) of the golden `case`; `kv_values`
+/// replaces a golden KV's hash by that of the value given here.
+pub fn assert_equals_golden(g: &Gguf, case: &Json, what: &str, kv_values: &[(&str, Vec<u8>)]) {
+    let kvs: Vec<(String, String)> = g
+        .kvs
+        .iter()
+        .filter(|(k, _)| !NAMING.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), sha256_hex(v)))
+        .collect();
+    let want: Vec<(String, String)> = case["kvs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let k = e[0].as_str().unwrap();
+            let v = match kv_values.iter().find(|(key, _)| *key == k) {
+                Some((_, v)) => sha256_hex(v),
+                None => e[1].as_str().unwrap().into(),
+            };
+            (k.to_string(), v)
+        })
+        .collect();
+    assert_eq!(kvs, want, "{what}: KVs");
+    let want = case["tensors"].as_array().unwrap();
+    let names: Vec<&str> = want.iter().map(|t| t[0].as_str().unwrap()).collect();
+    assert_eq!(g.order, names, "{what}: tensor order");
+    for t in want {
+        let name = t[0].as_str().unwrap();
+        let (shape, ty, data) = g.tensor(name);
+        let mut wshape: Vec<u64> = serde_json::from_value(t[2].clone()).unwrap();
+        wshape.reverse();
+        assert_eq!(
+            (*ty as u64, shape),
+            (t[1].as_u64().unwrap(), &wshape),
+            "{what}: {name} type/shape"
+        );
+        assert_eq!(sha256_hex(data), t[3].as_str().unwrap(), "{what}: {name}");
+    }
+}
+
+/// HF names and shapes of a Llama-layout model of `cfg`, sorted: the embeddings, the final norm,
+/// `lm_head` when asked, and per layer the two norms, the seven projections and the 1-D `extra`
+/// tensors (`(name, wide)`: `intermediate_size` long when wide, else `hidden_size`).
+pub fn llama_shapes(cfg: &Json, lm_head: bool, extra: &[(&str, bool)]) -> Vec<(String, Vec<u64>)> {
+    let get = |k: &str| cfg[k].as_u64().unwrap();
+    let (h, ff, vocab) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("vocab_size"),
+    );
+    let kv = get("num_key_value_heads") * h / get("num_attention_heads");
+    let mut shapes: Vec<(String, Vec<u64>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, h]),
+        ("model.norm.weight".into(), vec![h]),
+    ];
+    if lm_head {
+        shapes.push(("lm_head.weight".into(), vec![vocab, h]));
+    }
+    let extra = extra
+        .iter()
+        .map(|&(n, wide)| (n, vec![if wide { ff } else { h }]));
+    for l in 0..get("num_hidden_layers") {
+        for (n, s) in [
+            ("input_layernorm", vec![h]),
+            ("post_attention_layernorm", vec![h]),
+            ("self_attn.q_proj", vec![h, h]),
+            ("self_attn.k_proj", vec![kv, h]),
+            ("self_attn.v_proj", vec![kv, h]),
+            ("self_attn.o_proj", vec![h, h]),
+            ("mlp.gate_proj", vec![ff, h]),
+            ("mlp.up_proj", vec![ff, h]),
+            ("mlp.down_proj", vec![h, ff]),
+        ]
+        .into_iter()
+        .chain(extra.clone())
+        {
+            shapes.push((format!("model.layers.{l}.{n}.weight"), s));
+        }
+    }
+    shapes.sort();
+    shapes
+}
+
+/// BF16 tensors of `shapes` made by [`det_bf16`] (the 1-D ones, norms, around 1).
+pub fn det_bf16_tensors(shapes: &[(String, Vec<u64>)]) -> Vec<T> {
+    shapes
+        .iter()
+        .map(|(n, s)| {
+            let offset = if s.len() == 1 { 1.0 } else { 0.0 };
+            t(n, DType::BF16, s, det_bf16(n, s.iter().product(), offset))
+        })
+        .collect()
+}

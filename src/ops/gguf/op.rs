@@ -10,7 +10,7 @@
 //! writes it (and as llama.cpp's converter does before it converts), a chunk at a time.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::produce::{self, Window};
 use super::quant::{MXFP4_BLOCK_ELEMS, MXFP4_SRC_BLOCK_BYTES};
@@ -60,7 +60,8 @@ pub fn source_names(t: &OutputTensor) -> Vec<&str> {
         | Recipe::Rows { src, .. }
         | Recipe::KvBK { src, .. }
         | Recipe::ExpertColumns { src, .. }
-        | Recipe::Shifted { src, .. } => {
+        | Recipe::Shifted { src, .. }
+        | Recipe::Ternary { src } => {
             vec![src.as_str()]
         }
         Recipe::Stack { srcs } => srcs.iter().map(String::as_str).collect(),
@@ -69,10 +70,17 @@ pub fn source_names(t: &OutputTensor) -> Vec<&str> {
     }
 }
 
+/// A slot's decoded elements ([`GgufTensorOp::decode`]): the byte offset of the first decoded
+/// unit and the f32 bytes; `None` for a source read as stored.
+type DecodedSlot = Option<(u64, Vec<u8>)>;
+
 #[derive(Debug)]
 pub struct GgufTensorOp {
     tensor: OutputTensor,
     slots: Vec<Slot>,
+    /// [`Recipe::Ternary`]'s survey: the magnitudes summed so far (f64, in element order) and
+    /// the units they cover.
+    ternary: Mutex<(f64, u64)>,
 }
 
 impl GgufTensorOp {
@@ -82,7 +90,11 @@ impl GgufTensorOp {
             source_names(&tensor),
             slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>()
         );
-        GgufTensorOp { tensor, slots }
+        GgufTensorOp {
+            tensor,
+            slots,
+            ternary: Mutex::new((0.0, 0)),
+        }
     }
 
     pub fn tensor(&self) -> &OutputTensor {
@@ -113,7 +125,7 @@ impl GgufTensorOp {
             lo * unit..hi * unit
         };
         match &t.recipe {
-            Recipe::Direct { .. } | Recipe::Shifted { .. } => {
+            Recipe::Direct { .. } | Recipe::Shifted { .. } | Recipe::Ternary { .. } => {
                 vec![rows.start * row..rows.end * row]
             }
             Recipe::Rows { map, row_elems, .. } => {
@@ -165,6 +177,101 @@ impl GgufTensorOp {
             }
             Recipe::Values(_) => Vec::new(),
         }
+    }
+
+    /// Each slot's decoded elements for the byte spans `spans` (where its source is quantised):
+    /// the byte offset of the first decoded unit and the f32 bytes.
+    fn decode(&self, spans: &[Range<u64>], inputs: &[&[u8]]) -> Result<Vec<DecodedSlot>, String> {
+        let mut decoded = Vec::with_capacity(self.slots.len());
+        let mut k = 0;
+        for (span, slot) in spans.iter().zip(&self.slots) {
+            decoded.push(match &slot.decode {
+                Some(d) => {
+                    let units = Self::decoded_units(d, span);
+                    let unit = d.op.out_unit_bytes();
+                    let mut f32s = vec![0u8; ((units.end - units.start) * unit) as usize];
+                    d.op.compute(units.clone(), &inputs[k..k + d.inputs], &mut f32s)?;
+                    Some((units.start * unit, f32s))
+                }
+                None => None,
+            });
+            k += slot.inputs();
+        }
+        Ok(decoded)
+    }
+
+    /// The one source's elements of rows `units` (a recipe that reads its rows in order), as
+    /// f32, decoded first where it is quantised.
+    fn row_elements(&self, units: &Range<u64>, inputs: &[&[u8]]) -> Result<Vec<f32>, String> {
+        let spans = self.spans(units);
+        let decoded = self.decode(&spans, inputs)?;
+        let bytes = match &decoded[0] {
+            Some((base, f32s)) => {
+                let at = (spans[0].start - base) as usize;
+                &f32s[at..at + (spans[0].end - spans[0].start) as usize]
+            }
+            None => inputs[0],
+        };
+        let dtype = self.tensor.src_dtype.unwrap_or(DType::F32);
+        Ok(crate::ops::cast::to_f32(dtype, bytes))
+    }
+
+    /// The sum of the magnitudes of rows `units`, in f64 in element order; a non-finite element
+    /// is an error (the mean it would poison decides every element's value).
+    fn magnitudes(&self, units: &Range<u64>, inputs: &[&[u8]]) -> Result<f64, String> {
+        let x = self.row_elements(units, inputs)?;
+        let inner = produce::row_geometry(&self.tensor).0.max(1) as usize;
+        let mut sum = 0f64;
+        for (k, v) in x.iter().enumerate() {
+            if !v.is_finite() {
+                let (r, c) = (units.start + (k / inner) as u64, k % inner);
+                return Err(format!(
+                    "{v} at row {r}, column {c}: BitNet's ternarisation scales by the mean magnitude of the whole tensor, which needs finite values"
+                ));
+            }
+            sum += v.abs() as f64;
+        }
+        Ok(sum)
+    }
+
+    /// [`Recipe::Ternary`]: rows `units` ternarised with the tensor's mean magnitude (surveyed,
+    /// or summed here when the chunk is the whole tensor), then converted as a direct f32
+    /// source.
+    fn ternarise(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        let total = self.units();
+        let sum = if units.start == 0 && units.end == total {
+            self.magnitudes(&units, inputs)?
+        } else {
+            let s = *self.ternary.lock().unwrap_or_else(|e| e.into_inner());
+            if s.1 != total {
+                return Err(format!(
+                    "rows {}..{} of a ternarised tensor computed before its survey",
+                    units.start, units.end
+                ));
+            }
+            s.0
+        };
+        let elems: u64 = self.tensor.shape.iter().product();
+        let iscale = transform::bitnet_iscale(sum, elems);
+        let y: Vec<u8> = self
+            .row_elements(&units, inputs)?
+            .into_iter()
+            .flat_map(|x| transform::bitnet_ternarise(x, iscale).to_le_bytes())
+            .collect();
+        let Recipe::Ternary { src } = &self.tensor.recipe else {
+            unreachable!("ternarise is Ternary's")
+        };
+        let mut direct = self.tensor.clone();
+        direct.recipe = Recipe::Direct { src: src.clone() };
+        direct.src_dtype = Some(DType::F32);
+        let row = produce::row_geometry(&direct).0 * 4;
+        let window = Window {
+            base: units.start * row,
+            bytes: &y,
+        };
+        let lookup = |name: &str| (name == src).then_some(window);
+        produce::write_rows(&direct, &lookup, units.start, units.end - units.start, out)
+            .map_err(op_message)
     }
 
     /// Units of `d`'s op (rows, row pairs, experts …, widened to its granularity) whose f32
@@ -252,6 +359,8 @@ impl Op for GgufTensorOp {
         let gathered = match self.tensor.recipe {
             Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => 0,
             Recipe::Values(_) => 4,
+            // The ternarised f32 elements, besides the gather.
+            Recipe::Ternary { .. } => self.elem_bytes() + 4,
             _ => self.elem_bytes(),
         };
         // Block types other than Q8_0 widen the chunk to f32 rows for their row encoder.
@@ -330,23 +439,32 @@ impl Op for GgufTensorOp {
         out
     }
 
-    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
-        let spans = self.spans(&units);
-        let mut decoded: Vec<Option<(u64, Vec<u8>)>> = Vec::with_capacity(self.slots.len());
-        let mut k = 0;
-        for (span, slot) in spans.iter().zip(&self.slots) {
-            decoded.push(match &slot.decode {
-                Some(d) => {
-                    let units = Self::decoded_units(d, span);
-                    let unit = d.op.out_unit_bytes();
-                    let mut f32s = vec![0u8; ((units.end - units.start) * unit) as usize];
-                    d.op.compute(units.clone(), &inputs[k..k + d.inputs], &mut f32s)?;
-                    Some((units.start * unit, f32s))
-                }
-                None => None,
-            });
-            k += slot.inputs();
+    fn survey_passes(&self) -> usize {
+        matches!(self.tensor.recipe, Recipe::Ternary { .. }) as usize
+    }
+
+    fn survey(&self, _pass: usize, units: Range<u64>, inputs: &[&[u8]]) -> Result<(), String> {
+        let sum = self.magnitudes(&units, inputs)?;
+        let mut s = self.ternary.lock().unwrap_or_else(|e| e.into_inner());
+        if units.start == 0 {
+            *s = (0.0, 0);
         }
+        if s.1 != units.start {
+            return Err(format!(
+                "surveyed rows {}..{} after rows 0..{}",
+                units.start, units.end, s.1
+            ));
+        }
+        *s = (s.0 + sum, units.end);
+        Ok(())
+    }
+
+    fn compute(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
+        if let Recipe::Ternary { .. } = self.tensor.recipe {
+            return self.ternarise(units, inputs, out);
+        }
+        let spans = self.spans(&units);
+        let decoded = self.decode(&spans, inputs)?;
         let mut windows: Vec<(&str, Window)> = Vec::with_capacity(self.slots.len());
         let mut k = 0;
         for ((span, slot), dec) in spans.iter().zip(&self.slots).zip(&decoded) {
@@ -368,10 +486,15 @@ impl Op for GgufTensorOp {
             units.end - units.start,
             out,
         )
-        .map_err(|e| match e {
-            crate::error::Error::GgufTensor { msg, .. } => msg,
-            e => e.to_string(),
-        })
+        .map_err(op_message)
+    }
+}
+
+/// An op's error message: the pipeline names the file and tensor itself.
+fn op_message(e: crate::error::Error) -> String {
+    match e {
+        crate::error::Error::GgufTensor { msg, .. } => msg,
+        e => e.to_string(),
     }
 }
 
@@ -429,6 +552,124 @@ mod tests {
             }
             assert_eq!(got, want, "chunks of {per} granules of {g}");
         }
+    }
+
+    /// As [`check_chunkings`] for an op with survey passes: each chunking surveys the chunks
+    /// in order first, as the pipeline does for a tensor of several chunks.
+    fn check_surveyed_chunkings(op: &GgufTensorOp, inputs: &[Vec<u8>], want: &[u8]) {
+        let units = op.units();
+        let row = op.out_unit_bytes() as usize;
+        let pieces = |u: u64, end: u64| -> Vec<&[u8]> {
+            op.input_ranges(u..end)
+                .iter()
+                .zip(inputs)
+                .map(|(r, b)| &b[r.start as usize..r.end as usize])
+                .collect()
+        };
+        for per in 1..=units {
+            let chunks: Vec<(u64, u64)> = (0..units.div_ceil(per))
+                .map(|k| (k * per, ((k + 1) * per).min(units)))
+                .collect();
+            if chunks.len() > 1 {
+                for pass in 0..op.survey_passes() {
+                    for &(u, end) in &chunks {
+                        op.survey(pass, u..end, &pieces(u, end)).unwrap();
+                    }
+                }
+            }
+            let mut got = vec![0u8; want.len()];
+            for &(u, end) in &chunks {
+                let out = &mut got[u as usize * row..end as usize * row];
+                op.compute(u..end, &pieces(u, end), out).unwrap();
+            }
+            assert_eq!(got, want, "chunks of {per} rows");
+        }
+    }
+
+    #[test]
+    fn bitnet_weights_are_ternarised_by_the_whole_tensors_mean_in_any_chunks() {
+        use crate::ops::int::bitnet::DequantBitnet;
+        // A latent BF16 weight: 8 rows of 256, written as F32 and TQ1_0.
+        let (rows, cols) = (8u64, 256u64);
+        let w = bytes((rows * cols * 2) as usize, 11);
+        let x = crate::ops::cast::to_f32(DType::BF16, &w);
+        let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
+        let iscale = transform::bitnet_iscale(sum, rows * cols);
+        let tern: Vec<f32> = (x.iter())
+            .map(|&v| transform::bitnet_ternarise(v, iscale))
+            .collect();
+        // Every value is 0 or ± the mean magnitude.
+        let m = 1.0 / iscale;
+        assert!(tern.iter().all(|v| v.abs() == 0.0 || v.abs() == m));
+        assert!(tern.iter().any(|v| v.abs() == 0.0) && tern.iter().any(|v| v.abs() == m));
+        let tern_bytes: Vec<u8> = tern.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for ty in [GgmlType::F32, GgmlType::TQ1_0] {
+            let direct = tensor(
+                &[rows, cols],
+                ty,
+                Recipe::Direct { src: "w".into() },
+                Some(DType::F32),
+            );
+            let want = whole(&direct, &[("w", &tern_bytes)]);
+            let t = tensor(
+                &[rows, cols],
+                ty,
+                Recipe::Ternary { src: "w".into() },
+                Some(DType::BF16),
+            );
+            let op = GgufTensorOp::new(t, vec![Slot::plain("w")]);
+            assert_eq!(op.survey_passes(), 1);
+            check_surveyed_chunkings(&op, std::slice::from_ref(&w), &want);
+        }
+        // Packed codes decoded first (2 packed rows: 8 weight rows), to TQ1_0.
+        let codes: Vec<u8> = bytes((2 * cols) as usize, 12)
+            .into_iter()
+            .map(|b| b & 0b1001_0110) // every 2-bit field 0, 1 or 2
+            .collect();
+        let bitnet = DequantBitnet {
+            packed_rows: 2,
+            cols,
+            scale: 1.75,
+            dst: DType::F32,
+        };
+        let ranges = bitnet.input_ranges(0..8);
+        let whole_in: Vec<&[u8]> = ranges
+            .iter()
+            .map(|r| &codes[r.start as usize..r.end as usize])
+            .collect();
+        let mut f32s = vec![0u8; (rows * cols * 4) as usize];
+        bitnet.compute(0..8, &whole_in, &mut f32s).unwrap();
+        let x = crate::ops::cast::to_f32(DType::F32, &f32s);
+        let sum: f64 = x.iter().map(|v| v.abs() as f64).sum();
+        let iscale = transform::bitnet_iscale(sum, rows * cols);
+        let tern_bytes: Vec<u8> = (x.iter())
+            .flat_map(|&v| transform::bitnet_ternarise(v, iscale).to_le_bytes())
+            .collect();
+        let direct = tensor(
+            &[rows, cols],
+            GgmlType::TQ1_0,
+            Recipe::Direct { src: "w".into() },
+            Some(DType::F32),
+        );
+        let want = whole(&direct, &[("w", &tern_bytes)]);
+        let t = tensor(
+            &[rows, cols],
+            GgmlType::TQ1_0,
+            Recipe::Ternary { src: "w".into() },
+            Some(DType::F32),
+        );
+        let decode = Some(Decoder {
+            op: Arc::new(bitnet),
+            inputs: 4,
+        });
+        let op = GgufTensorOp::new(
+            t,
+            vec![Slot {
+                name: "w".into(),
+                decode,
+            }],
+        );
+        check_surveyed_chunkings(&op, &vec![codes; 4], &want);
     }
 
     /// The oracle: every row at once from whole sources.

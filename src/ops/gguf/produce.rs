@@ -278,6 +278,12 @@ fn gather(src: &Sources, first: u64, esize: usize, elems: &mut [u8]) -> Result<(
         Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => {
             unreachable!("converted without a gather")
         }
+        Recipe::Ternary { .. } => {
+            return Err(src_err(
+                t,
+                "ternarised by its op, which knows the tensor's mean magnitude".into(),
+            ))
+        }
     }
     Ok(())
 }

@@ -85,6 +85,10 @@ pub enum Recipe {
     /// widening BF16 (an F16 source's sum is rounded to F16 first, as torch adds in F16):
     /// Gemma's norm weights, stored as `w` for `x · (1 + w)`.
     Shifted { src: String, add: f32 },
+    /// BitNet's `weight_quant`: the source's elements rounded to `-1, 0, 1` times the mean of
+    /// their magnitudes (over the whole tensor, gathered before any row is written), in f32
+    /// ([`transform::bitnet_ternarise`]).
+    Ternary { src: String },
 }
 
 /// One GGUF tensor to write.

@@ -151,6 +151,22 @@ pub fn llama3_rope_freqs(
         .collect()
 }
 
+/// BitNet's `weight_quant` divisor (`1 / mean|w|`, the mean clamped to at least `1e-5`) of a
+/// tensor of `n` elements whose magnitudes sum to `sum_abs`. The reference takes torch's f32
+/// mean; this one is summed in f64 in element order and rounded once, so it is the same for
+/// any chunking and thread count (the two can differ in the mean's last bit).
+pub fn bitnet_iscale(sum_abs: f64, n: u64) -> f32 {
+    let mean = (sum_abs / n.max(1) as f64) as f32;
+    1.0 / mean.max(1e-5)
+}
+
+/// `weight_quant` of `x` with divisor `iscale`: `round(x · iscale)` clamped to `[-1, 1]`, over
+/// `iscale`, in f32 (ties to even, as `torch.round`). The reference widens BF16/F16 sources to
+/// f32 before, so the result stays f32 until the output type rounds it.
+pub fn bitnet_ternarise(x: f32, iscale: f32) -> f32 {
+    (x * iscale).round_ties_even().clamp(-1.0, 1.0) / iscale
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

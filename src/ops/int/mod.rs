@@ -13,6 +13,7 @@
 //! A unit is one row; with zero points chunks start at multiples of 32 rows, where the packed
 //! zero-point rows (b words per 32 weight rows) start too, so a chunk reads whole words.
 
+pub mod bitnet;
 pub mod gptq;
 pub use crate::plan::kernel::int as kernel;
 pub mod modelopt;

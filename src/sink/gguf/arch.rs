@@ -52,6 +52,10 @@ pub enum Family {
     /// Llama 4 text: Llama's KVs and `rope_freqs` without the Q/K permutation, dense and MoE
     /// layers interleaved, fused transposed experts split per column (`ExpertColumns`).
     Llama4,
+    /// BitNet b1.58: Llama's layout without the Q/K permutation, sub-norms inside attention
+    /// and feed-forward, the projections re-ternarised (`Recipe::Ternary`), linear rope
+    /// scaling of 1 written.
+    Bitnet,
 }
 
 /// A config default: a number, or derived from other keys.
@@ -163,6 +167,15 @@ const LLAMA4_LAYER: LayerTable = &[
     ("feed_forward.shared_expert.gate_proj", "ffn_gate_shexp"),
     ("feed_forward.shared_expert.up_proj", "ffn_up_shexp"),
     ("feed_forward.shared_expert.down_proj", "ffn_down_shexp"),
+];
+
+/// BitNet's sub-norms: the 1bitLLM names the reference's tensor map knows, and the names
+/// transformers' BitNet (`microsoft/bitnet-b1.58-2B-4T`) uses, which it does not.
+const BITNET_LAYER: LayerTable = &[
+    ("self_attn.inner_attn_ln", "attn_sub_norm"),
+    ("mlp.ffn_layernorm", "ffn_sub_norm"),
+    ("self_attn.attn_sub_norm", "attn_sub_norm"),
+    ("mlp.ffn_sub_norm", "ffn_sub_norm"),
 ];
 
 /// `model_type`s transformers does not know (their checkpoints ship remote code): the
@@ -308,6 +321,15 @@ pub static ARCHS: &[ArchSpec] = &[
         ("head_dim", HiddenPerHeadOr(128)), ("vocab_size", Int(202048)), ("intermediate_size", Int(8192)),
         ("intermediate_size_mlp", Int(16384)), ("num_experts_per_tok", Int(1)), ("num_local_experts", Int(16)),
         ("interleave_moe_layer_step", Int(1)),
+    ]),
+    // 1bitLLM's checkpoints say `model_type: llama`: LlamaConfig's defaults.
+    spec(&["BitnetForCausalLM"], "bitnet", Family::Bitnet, 10000.0, &[BITNET_LAYER], &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-6)),
+        ("num_key_value_heads", SameAsHeads), ("head_dim", HiddenPerHead),
+    ]),
+    // transformers' BitNetConfig (`model_type: bitnet`).
+    spec(&["BitNetForCausalLM"], "bitnet", Family::Bitnet, 500000.0, &[BITNET_LAYER], &[
+        ("max_position_embeddings", Int(2048)), ("rms_norm_eps", Float(1e-5)), ("num_key_value_heads", Int(5)),
     ]),
 ];
 
@@ -726,6 +748,11 @@ pub fn model_kvs(cfg: &Config, file_type: FileType, name: &str) -> Result<Metada
             }
         }
         Family::Qwen2 | Family::Qwen3 | Family::Olmo2 | Family::Gemma2 | Family::Phi3 => {}
+        // BitnetModel.set_gguf_parameters, after TextModel's.
+        Family::Bitnet => {
+            m.set(k("rope.scaling.type"), Value::String("linear".into()));
+            m.set(k("rope.scaling.factor"), Value::F32(1.0));
+        }
         Family::Gemma3 => super::arch_gemma::gemma3_kvs(cfg, &mut m, &k)?,
         Family::Qwen3Moe => {
             if let Some(v) = cfg.u64(&["moe_intermediate_size"])? {

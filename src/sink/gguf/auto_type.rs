@@ -14,12 +14,13 @@
 //! | packed int of 5–8 bits (pack-quantized, GPTQ) | Q8_0 |
 //! | packed int of 1–4 bits (pack-quantized, GPTQ, ModelOpt INT4) | Q4_1 (its offset keeps asymmetric grids) |
 //! | NVFP4, MXFP4 (compressed-tensors, ModelOpt) | Q8_0 (Q4_1 would re-round their uneven grid) |
+//! | BitNet packed ternary (`quant_method: bitnet`) | TQ1_0 (after the converter's re-ternarisation) |
 //! | gpt-oss MXFP4 experts | MXFP4, repacked losslessly |
 //! | unquantised BF16 / F16 / F32 weights beside them | unchanged |
 //!
-//! Q8_0 and Q4_1 need rows of a multiple of 32; other rows become BF16. Norms, biases, routers
-//! and 1-D tensors stay F32 as in every converter output. `general.file_type` names the type
-//! of the first quantised weight (BF16 32, Q8_0 7, Q4_1 3).
+//! Q8_0 and Q4_1 need rows of a multiple of 32, TQ1_0 of 256; other rows become BF16. Norms,
+//! biases, routers and 1-D tensors stay F32 as in every converter output. `general.file_type`
+//! names the type of the first quantised weight (BF16 32, Q8_0 7, Q4_1 3, TQ1_0 36).
 
 use super::arch::{self, OutputTensor};
 use super::quantised::{DequantView, Stored};
@@ -49,6 +50,7 @@ pub fn ggml_type(stored: Stored) -> GgmlType {
         Stored::Fp4 => GgmlType::Q8_0,
         Stored::Int(bits) if bits > 4 => GgmlType::Q8_0,
         Stored::Int(_) => GgmlType::Q4_1,
+        Stored::Ternary => GgmlType::TQ1_0,
     }
 }
 

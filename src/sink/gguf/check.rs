@@ -236,6 +236,7 @@ fn source_of(o: &OutputTensor) -> Option<&str> {
         Recipe::Direct { src }
         | Recipe::Rows { src, .. }
         | Recipe::Shifted { src, .. }
+        | Recipe::Ternary { src }
         | Recipe::ExpertColumns { src, .. } => Some(src),
         Recipe::Stack { srcs } => srcs.first().map(String::as_str),
         _ => None,

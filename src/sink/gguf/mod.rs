@@ -68,6 +68,7 @@ impl FileType {
             FileType::Unchanged(GgmlType::Q8_0) => 7,
             FileType::Unchanged(GgmlType::Q4_1) => 3,
             FileType::Unchanged(GgmlType::F16) => 1,
+            FileType::Unchanged(GgmlType::TQ1_0) => 36,
             FileType::Unchanged(_) => 0,
         }
     }

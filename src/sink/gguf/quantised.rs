@@ -4,7 +4,7 @@
 //! ([`DequantStep`]), so one `tftf gguf` pass writes the bytes `tftf dequant --dtype f32` then
 //! `tftf gguf` would, for every scheme it reads: FP8 (block, channel, tensor scales; MXFP8),
 //! NVFP4 and MXFP4 (compressed-tensors, ModelOpt), packed int (compressed-tensors
-//! pack-quantized, GPTQ, ModelOpt INT4).
+//! pack-quantized, GPTQ, ModelOpt INT4), BitNet's packed ternary codes.
 //!
 //! gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`) are left as stored: the GGUF keeps them
 //! MXFP4 (a lossless repack) for f32/f16/bf16/q8_0 and `auto`, as the converter does.
@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value as Json};
 
-use super::arch::InputTensor;
+use super::arch::{InputTensor, OutputTensor, Recipe};
 use crate::error::Result;
 use crate::format::checkpoint::Checkpoint;
 use crate::format::dtype::DType;
@@ -35,6 +35,8 @@ pub enum Stored {
     Fp4,
     /// Packed integers of this many bits (compressed-tensors, GPTQ, ModelOpt INT4).
     Int(u32),
+    /// BitNet's packed ternary codes.
+    Ternary,
 }
 
 /// A dequantised weight: its decoding op and the checkpoint tensors the op reads.
@@ -173,6 +175,21 @@ impl DequantView {
         Some(Stored::Float(t.dtype))
     }
 
+    /// Writes BitNet weights stored as packed ternary codes as they decode, where the
+    /// architecture's plan re-ternarises them ([`Recipe::Ternary`]): they are ternary already,
+    /// with their exact scale. llama.cpp 0c1e570's converter re-ternarises them by their mean
+    /// magnitude, which multiplies each by its share of non-zero codes (later converters skip
+    /// packed weights); a latent (unpacked) checkpoint's weights are still ternarised.
+    pub fn keep_stored_ternary(&self, outputs: &mut [OutputTensor]) {
+        for o in outputs.iter_mut() {
+            if let Recipe::Ternary { src } = &o.recipe {
+                if self.decoded.get(src).map(|d| d.stored) == Some(Stored::Ternary) {
+                    o.recipe = Recipe::Direct { src: src.clone() };
+                }
+            }
+        }
+    }
+
     /// Whether any weight is dequantised.
     pub fn is_quantised(&self) -> bool {
         !self.decoded.is_empty()
@@ -186,6 +203,7 @@ fn stored_as(ckpt: &Checkpoint, op: &str, inputs: &[usize], shape: &[u64]) -> St
     let cols = shape.last().copied().unwrap_or(1).max(1);
     match op {
         "dequant-fp4" => Stored::Fp4,
+        "dequant-bitnet" => Stored::Ternary,
         "dequant-int4-modelopt" => Stored::Int(4),
         // `[out, words]` of 32-bit words: the one width whose rows fill exactly those words.
         "dequant-int" => {

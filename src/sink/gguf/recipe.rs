@@ -39,6 +39,17 @@ const SKIPPED_SUFFIXES: [&str; 3] = [
 /// shard's tensors by name, as the reference reads them; a block's stacked experts where its
 /// last expert appears, `rope_freqs`, Phi-3's rope factors and gpt-oss's MXFP4 experts first, as
 /// the reference emits them).
+/// The GGUF tensors `BitnetModel.modify_tensors` passes through `weight_quant`.
+const BITNET_TERNARISED: [&str; 7] = [
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate",
+];
+
 pub fn plan_tensors(
     cfg: &Config,
     inputs: &[InputTensor],
@@ -243,6 +254,10 @@ pub fn plan_tensors(
                     map: RowMap::QkPermute { rows, n_head },
                     row_elems,
                 }
+            }
+            // BitnetModel.modify_tensors: the projections' weights re-ternarised.
+            (Family::Bitnet, _) if suffix == ".weight" && BITNET_TERNARISED.contains(&g) => {
+                Recipe::Ternary { src: src.into() }
             }
             _ => super::arch_gemma::norm_recipe(fam, &name, src)
                 .unwrap_or(Recipe::Direct { src: src.into() }),

@@ -191,6 +191,7 @@ fn plan_model(
         super::arch_glm::special_tokens(dir.path(), &mut metadata).map_err(|e| dir.explain(e))?;
     }
     let mut outputs = arch::plan_tensors(&cfg, in_tensors, file_type)?;
+    view.keep_stored_ternary(&mut outputs);
     if auto {
         auto_type::retype(&view, &mut outputs);
     }
@@ -498,5 +499,6 @@ pub fn recipe_kind(t: &OutputTensor) -> &'static str {
         Recipe::Mxfp4 { .. } => "mxfp4 repack",
         Recipe::Values(_) => "computed",
         Recipe::Shifted { .. } => "norm + 1",
+        Recipe::Ternary { .. } => "ternarise",
     }
 }

@@ -41,6 +41,10 @@ pub fn vocab_kvs_for(cfg: &Config, dir: &Path, pre_override: Option<&str>) -> Re
             m.set("tokenizer.ggml.add_space_prefix", Value::Bool(false));
             spm_vocab_kvs(dir, vocab_size, SpmRules::Converter)?
         }
+        // BitnetModel.set_vocab: SentencePiece (the reference has no other; a BPE
+        // `tokenizer.json` alone, as BitNet b1.58 2B4T ships, takes the GPT-2 writer below, as
+        // later releases of the converter do).
+        Family::Bitnet if spm => spm_vocab_kvs(dir, vocab_size, SpmRules::Converter)?,
         // Phi3MiniModel.set_vocab: GPT-2 BPE for Phi-4, else Phi-3's SentencePiece reader.
         Family::Phi3 if !super::arch_phi::gpt2_vocab(dir)? => {
             spm_vocab_kvs(dir, vocab_size, SpmRules::Phi3)?
