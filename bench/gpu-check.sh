@@ -162,10 +162,10 @@ fi
 if want gguf; then
     # A Qwen3-shaped BF16 model of about GIB GiB (1.2 GiB of embeddings, ~100 MB a layer).
     LAYERS=$(( (GIB * 1073741824 - 1244000000) / 100000000 )); [ "$LAYERS" -ge 1 ] || LAYERS=1
-    echo "== gguf Q4_K_M, IQ4_XS, Q5_0 ($LAYERS-layer Qwen3-shaped BF16 model)"
+    echo "== gguf Q4_K_M, IQ4_XS, Q5_0, IQ3_S ($LAYERS-layer Qwen3-shaped BF16 model)"
     if python3 bench/gguf_model.py "$D/gguf" "$LAYERS" >/dev/null; then
         N=$(bytes_of "$D/gguf" "")
-        for t in ${GGUF_TYPES:-q4_k_m iq4_xs q5_0}; do
+        for t in ${GGUF_TYPES:-q4_k_m iq4_xs q5_0 iq3_s}; do
             VARIANTS=0 each "gguf-$t" "$N" -- gguf -i "$D/gguf" --outtype $t --vocab-pre qwen2
         done
     else

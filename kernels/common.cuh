@@ -18,6 +18,8 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
+typedef signed char i8;
+typedef int i32;
 
 // Bit casts, a leading-zero count and correctly rounded square roots: intrinsics on the device, memcpy (which compilers turn
 // into register moves) on the host.

@@ -3,6 +3,7 @@
 // (the row permutations and splits of llama.cpp's converter), each rounded once.
 #pragma once
 #include "cast.cuh"
+#include "iq_encode.cuh"
 #include "kquant.cuh"
 
 // ggml type ids (GgmlType::id), the output types these kernels write.
@@ -67,7 +68,7 @@ TFTF_HD void gguf_q8_0_block(const GgufParams& p, const u8* in, const u32* map, 
 // Block `b` of a block type: its values, its columns' importance weights (the weight row of its
 // output row's expert, as llama-quantize picks it), and for the legacy types Σx²/n of its row.
 TFTF_HD void gguf_quant_block(const GgufParams& p, const u8* in, const u32* map,
-                              const float* weights, u8* out, u64 b) {
+                              const float* weights, const u8* tables, u8* out, u64 b) {
     float x[KQ_QK_K];
     u64 be = (u64)kq_block_elems(p.ty);
     u64 e0 = b * be;
@@ -86,7 +87,8 @@ TFTF_HD void gguf_quant_block(const GgufParams& p, const u8* in, const u32* map,
             row_sigma2 = s / (float)p.inner;
         }
     }
-    kq_encode_block(p.ty, x, qw, row_sigma2, out + b * (u64)kq_block_bytes(p.ty));
+    u8* y = out + b * (u64)kq_block_bytes(p.ty);
+    if (!iq_encode_block(p.ty, x, qw, tables, y)) kq_encode_block(p.ty, x, qw, row_sigma2, y);
 }
 
 // Work item `i` of a chunk: a Q8_0 block, or one F32/F16/BF16 element.

@@ -13,10 +13,10 @@ void tftf_host_cast(const u8* in, u8* out, u64 n, int src, int dst) {
     for (u64 i = 0; i < n; i++) cast_element(src, dst, in, out, i);
 }
 
-void tftf_host_gguf(const u8* in, const u32* map, const float* weights, u8* out, u64 n,
-                    const GgufParams* p) {
+void tftf_host_gguf(const u8* in, const u32* map, const float* weights, const u8* tables, u8* out,
+                    u64 n, const GgufParams* p) {
     for (u64 i = 0; i < n; i++) {
-        if (kq_block_elems(p->ty) != 0) gguf_quant_block(*p, in, map, weights, out, i);
+        if (kq_block_elems(p->ty) != 0) gguf_quant_block(*p, in, map, weights, tables, out, i);
         else gguf_item(*p, in, map, out, i);
     }
 }

@@ -28,21 +28,31 @@ enum KqTypeId {
     KQ_Q4_K = 12,
     KQ_Q5_K = 13,
     KQ_Q6_K = 14,
+    KQ_IQ2_XXS = 16,
+    KQ_IQ2_XS = 17,
+    KQ_IQ3_XXS = 18,
+    KQ_IQ1_S = 19,
     KQ_IQ4_NL = 20,
+    KQ_IQ3_S = 21,
+    KQ_IQ2_S = 22,
     KQ_IQ4_XS = 23,
+    KQ_IQ1_M = 29,
     KQ_TQ1_0 = 34,
     KQ_TQ2_0 = 35,
 };
 
-// (ggml type id, elements, bytes) of each block type encoded here.
-#define KQ_TYPES 13
+// (ggml type id, elements, bytes) of each block type encoded here and in the IQ1/IQ2/IQ3
+// headers (iq_encode.cuh).
+#define KQ_TYPES 20
 TFTF_HD int kq_block(int ty, int what) {
     const int table[KQ_TYPES][3] = {
         {KQ_Q4_0, 32, 18},        {KQ_Q4_1, 32, 20},        {KQ_Q5_0, 32, 22},
         {KQ_Q5_1, 32, 24},        {KQ_IQ4_NL, 32, 18},      {KQ_Q2_K, KQ_QK_K, 84},
         {KQ_Q3_K, KQ_QK_K, 110},  {KQ_Q4_K, KQ_QK_K, 144},  {KQ_Q5_K, KQ_QK_K, 176},
         {KQ_Q6_K, KQ_QK_K, 210},  {KQ_IQ4_XS, KQ_QK_K, 136}, {KQ_TQ1_0, KQ_QK_K, 54},
-        {KQ_TQ2_0, KQ_QK_K, 66},
+        {KQ_TQ2_0, KQ_QK_K, 66},  {KQ_IQ2_XXS, KQ_QK_K, 66}, {KQ_IQ2_XS, KQ_QK_K, 74},
+        {KQ_IQ2_S, KQ_QK_K, 82},  {KQ_IQ3_XXS, KQ_QK_K, 98}, {KQ_IQ3_S, KQ_QK_K, 110},
+        {KQ_IQ1_S, KQ_QK_K, 50},  {KQ_IQ1_M, KQ_QK_K, 56},
     };
     for (int k = 0; k < KQ_TYPES; k++)
         if (table[k][0] == ty) return table[k][what];

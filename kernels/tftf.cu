@@ -26,8 +26,8 @@ extern "C" __global__ void tftf_gguf(const u8* in, const u32* map, u8* out, u64 
 // GGUF block types of kquant.cuh: one thread per block. A kernel of its own, so that the
 // encoders' registers and stack do not weigh on the element kernel's occupancy.
 extern "C" __global__ void tftf_gguf_blocks(const u8* in, const u32* map, const float* weights,
-                                            u8* out, u64 n, GgufParams p) {
-    GRID_STRIDE(b, n) { gguf_quant_block(p, in, map, weights, out, b); }
+                                            const u8* tables, u8* out, u64 n, GgufParams p) {
+    GRID_STRIDE(b, n) { gguf_quant_block(p, in, map, weights, tables, out, b); }
 }
 
 extern "C" __global__ void tftf_dequant_fp8(const u8* codes, const u8* scales, u8* out, u64 n,

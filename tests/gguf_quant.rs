@@ -123,8 +123,10 @@ fn convert_golden(model: &Path, out: &Path, opts: &[&str], case: &Json) -> Gguf 
         &gguf_args(model, out, &args),
     ));
     let launched = std::fs::read_to_string(&log).unwrap_or_default();
-    // F32, F16, Q8_0, BF16 and the IQ1/IQ2/IQ3 types are not block-kernel types.
-    let kernel_types = [2, 3, 6, 7, 10, 11, 12, 13, 14, 20, 23, 34, 35];
+    // Every type but F32, F16, Q8_0 and BF16 is a block-kernel type.
+    let kernel_types = [
+        2, 3, 6, 7, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35,
+    ];
     let blocks = case["tensors"]
         .as_array()
         .unwrap()
@@ -138,17 +140,21 @@ fn convert_golden(model: &Path, out: &Path, opts: &[&str], case: &Json) -> Gguf 
     parse(out)
 }
 
-/// The k-quant, i-quant and ternary goldens, the legacy types' and the imatrix ones, with the
-/// blocks encoded by the GPU kernels (kernels/kquant.cuh) on the fake CUDA driver: still
-/// llama-quantize's files, byte for byte.
+/// The k-quant, i-quant and ternary goldens, the legacy types' and the imatrix ones (IQ2 and
+/// IQ1 mixes included), with the blocks encoded by the GPU kernels (kernels/kquant.cuh,
+/// kernels/iq_encode.cuh) on the fake CUDA driver: still llama-quantize's files, byte for
+/// byte.
 #[test]
 fn block_types_encoded_on_the_gpu_equal_llama_quantize_byte_for_byte() {
     let d = tmp();
     let gpu = ["--device", "cuda"];
-    check_cases(
-        &llama256_model(d.path()),
+    let model256 = llama256_model(d.path());
+    check_cases(&model256, d.path(), &golden("e2e_k.json"), &gpu);
+    // The IQ2 and IQ1 mixes, their lattice tables uploaded with each launch.
+    check_imatrix_cases(
+        &model256,
         d.path(),
-        &golden("e2e_k.json"),
+        &golden("imatrix_iq.json")["cases"],
         &gpu,
     );
     let model = llama_model(d.path());

@@ -1232,7 +1232,7 @@ fn host_gguf(l: &GgufLaunch, inputs: &[&[u8]], out_len: usize) -> Vec<u8> {
     let mut out = vec![0u8; out_len];
     let f = host_fn!(
         "tftf_host_gguf",
-        fn(*const u8, *const u32, *const f32, *mut u8, u64, *const GgufParams) -> ()
+        fn(*const u8, *const u32, *const f32, *const u8, *mut u8, u64, *const GgufParams) -> ()
     );
     let map = if l.map.is_empty() {
         std::ptr::null()
@@ -1244,8 +1244,9 @@ fn host_gguf(l: &GgufLaunch, inputs: &[&[u8]], out_len: usize) -> Vec<u8> {
     } else {
         l.weights.as_ptr()
     };
+    let tables = l.tables.as_deref().map_or(std::ptr::null(), <[u8]>::as_ptr);
     let (input, output) = (joined.as_ptr(), out.as_mut_ptr());
-    unsafe { f(input, map, weights, output, l.items, &l.params) };
+    unsafe { f(input, map, weights, tables, output, l.items, &l.params) };
     out
 }
 
@@ -1264,6 +1265,7 @@ fn gguf_q8_0_kernel_equals_gguf_py() {
         },
         map: Vec::new(),
         weights: Vec::new(),
+        tables: None,
         blocks: false,
         items: input.len() as u64 / 4 / 32,
     };

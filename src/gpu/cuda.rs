@@ -906,11 +906,18 @@ impl Lane {
         }
         let weights: Vec<u8> = l.weights.iter().flat_map(|w| w.to_le_bytes()).collect();
         let w = self.upload_or_null(IN + 2, &weights)?;
+        let t = self.upload_or_null(IN + 3, l.tables.as_deref().unwrap_or(&[]))?;
         let mut b = self.stream.launch_builder(&k.gguf_blocks);
-        b.arg(&i).arg(&m).arg(&w).arg(&o).arg(&n).arg(&l.params);
+        b.arg(&i)
+            .arg(&m)
+            .arg(&w)
+            .arg(&t)
+            .arg(&o)
+            .arg(&n)
+            .arg(&l.params);
         // SAFETY: argument types match tftf_gguf_blocks; the joined input holds every element
-        // the map names, the weights a row for each expert the chunk's rows belong to, and `o`
-        // holds n blocks of the output type.
+        // the map names, the weights a row for each expert the chunk's rows belong to, the
+        // tables the lattice of an IQ type, and `o` holds n blocks of the output type.
         unsafe { b.launch(launch_config(n)) }.map_err(|e| driver_err("tftf_gguf_blocks", e))?;
         Ok(())
     }

@@ -349,7 +349,7 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
     else if (n == "tftf_gguf_blocks")
         walk(gx, bx, [&] {
             tftf_gguf_blocks(arg<in>(p, 0), arg<const u32*>(p, 1), arg<const float*>(p, 2),
-                             arg<u8*>(p, 3), arg<u64>(p, 4), arg<GgufParams>(p, 5));
+                             arg<in>(p, 3), arg<u8*>(p, 4), arg<u64>(p, 5), arg<GgufParams>(p, 6));
         });
     else if (n == "tftf_quantize_fp8_codes")
         walk(gx, bx, [&] {

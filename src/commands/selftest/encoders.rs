@@ -363,12 +363,22 @@ pub fn gguf_block_cases(rng: &mut Lcg, out: &mut Vec<Case>) {
         GgmlType::IQ4_XS,
         GgmlType::TQ1_0,
         GgmlType::TQ2_0,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
     ];
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         for (name, recipe, shape) in &gguf_recipes(rows, cols, 2) {
             let sources = gguf_sources(recipe);
             for ty in types {
                 for weighted in [false, true] {
+                    if !weighted && crate::ops::gguf::encode::needs_quant_weights(ty) {
+                        continue;
+                    }
                     let weights = weighted.then(|| gguf_importance(sources, cols, rng));
                     let inputs = (0..sources)
                         .map(|_| f32_bytes_as(dtype, &gguf_block_weight(rows, cols, rng)))

@@ -52,8 +52,8 @@ pub fn row_encoder(ty: GgmlType) -> Option<RowEncoder> {
     ENCODERS.iter().find(|(t, _)| *t == ty).map(|(_, f)| *f)
 }
 
-/// Whether the GPU encodes `ty` (kernels/kquant.cuh): every block type but Q8_0 (which
-/// kernels/gguf.cuh encodes) and the IQ1/IQ2/IQ3 types, whose grid searches run on the CPU.
+/// Whether the GPU encodes `ty` (kernels/kquant.cuh, kernels/iq_encode.cuh): every block type
+/// but Q8_0, which kernels/gguf.cuh encodes.
 pub fn has_kernel(ty: GgmlType) -> bool {
     matches!(
         ty,
@@ -70,6 +70,13 @@ pub fn has_kernel(ty: GgmlType) -> bool {
             | GgmlType::IQ4_XS
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::IQ1_M
     )
 }
 

@@ -423,6 +423,7 @@ impl Op for GgufTensorOp {
             },
             map,
             weights,
+            tables: super::kquants::tables::device_tables(t.ty),
             items: (units.end - units.start) * inner / block,
             blocks: encode::has_kernel(t.ty),
         }))

@@ -28,6 +28,8 @@ pub struct GgufLaunch {
     /// The importance weights of the experts the chunk's rows belong to, one row of `inner`
     /// each, from the expert of the chunk's first row; empty without weights.
     pub weights: Vec<f32>,
+    /// The lattice tables of an IQ1/IQ2/IQ3 type (kernels/iq_grid.cuh), else `None`.
+    pub tables: Option<std::sync::Arc<[u8]>>,
     /// Work items of the chunk: output elements, or blocks.
     pub items: u64,
     /// Whether the type is a block type of kernels/kquant.cuh (`tftf_gguf_blocks`, one thread

@@ -57,13 +57,20 @@ pub(super) fn grid(lattice: Lattice) -> &'static Grid {
         OnceLock::new(),
         OnceLock::new(),
     ];
-    let (slot, kgrid, nwant): (usize, &[u16], usize) = match lattice {
-        Lattice::Iq2Xxs => (0, &KGRID_2BIT_256, 2),
-        Lattice::Iq2Xs => (1, &KGRID_2BIT_512, 2),
-        Lattice::Iq2S => (2, &KGRID_2BIT_1024, 1),
-        Lattice::Iq1 => (3, &KGRID_1BIT_2048, 3),
-    };
+    let (slot, kgrid, nwant) = lattice.table();
     GRIDS[slot].get_or_init(|| Grid::build(kgrid, nwant))
+}
+
+impl Lattice {
+    /// Its slot among the lattices, its grid and how many distances of neighbours it lists.
+    pub(super) fn table(self) -> (usize, &'static [u16], usize) {
+        match self {
+            Lattice::Iq2Xxs => (0, &KGRID_2BIT_256, 2),
+            Lattice::Iq2Xs => (1, &KGRID_2BIT_512, 2),
+            Lattice::Iq2S => (2, &KGRID_2BIT_1024, 1),
+            Lattice::Iq1 => (3, &KGRID_1BIT_2048, 3),
+        }
+    }
 }
 
 impl Grid {
@@ -119,6 +126,17 @@ impl Grid {
             map,
             neighbours,
         }
+    }
+
+    /// Per code: the grid index, or the grid's neighbour list (as kernels/iq_grid.cuh's blob
+    /// lays the map out).
+    pub(super) fn lists(&self) -> impl Iterator<Item = Result<u16, &[u16]>> {
+        self.map.iter().map(|e| match *e {
+            Entry::OnGrid(k) => Ok(k),
+            Entry::Off { start, len } => {
+                Err(&self.neighbours[start as usize..(start + len) as usize])
+            }
+        })
     }
 
     /// The coordinates (`2 l + 1`) of grid point `index`.

@@ -189,6 +189,22 @@ const IQ3_S: Variant = Variant {
     resnap_all: true,
 };
 
+/// Per code of IQ3_XXS's (`large` false) or IQ3_S's grid: the grid index, or the neighbour
+/// list (as kernels/iq_grid.cuh's blob lays the map out); and the grid.
+pub(super) fn lists(large: bool) -> (Vec<Result<u16, &'static [u16]>>, &'static [u16]) {
+    let (g, kgrid): (&'static Grid, &'static [u16]) = match large {
+        false => (grid_256(), &KGRID_3BIT_256),
+        true => (grid_512(), &KGRID_3BIT_512),
+    };
+    let lists = (g.map.iter().zip(&g.spans))
+        .map(|(m, &(start, len))| match m {
+            Some(k) => Ok(*k),
+            None => Err(&g.neighbours[start as usize..(start + len) as usize]),
+        })
+        .collect();
+    (lists, kgrid)
+}
+
 fn grid_256() -> &'static Grid {
     static GRID: OnceLock<Grid> = OnceLock::new();
     GRID.get_or_init(|| Grid::build(&KGRID_3BIT_256, 2))

@@ -35,6 +35,7 @@ mod q3_k;
 mod q45_k;
 mod q6_k;
 mod search;
+pub mod tables;
 mod ternary;
 
 pub use iq1::{quantize_row_iq1_m, quantize_row_iq1_s};
