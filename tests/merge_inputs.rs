@@ -308,7 +308,7 @@ fn run_merge_then_quantize_equals_merge_then_quantize() {
         ("model_stock", vec![&plain, &other, &third]),
     ] {
         let models: Vec<&Path> = models.iter().map(|p| p.as_path()).collect();
-        for scheme in ["FP8_BLOCK", "FP8_DYNAMIC", "MXFP4A16"] {
+        for scheme in ["FP8_BLOCK", "FP8_DYNAMIC", "MXFP4A16", "NVFP4A16"] {
             let tag = format!("{method}-{scheme}");
             let text = config(method, &models, "");
             assert_run_equals_merge_then_quantize(dir.path(), &tag, &text, &["--scheme", scheme]);
@@ -324,6 +324,14 @@ fn run_merge_then_quantize_equals_merge_then_quantize() {
     );
     let text = config("linear", &[&plain, &other], "out_dtype: float16\n");
     assert_run_equals_merge_then_quantize(dir.path(), "f16", &text, &["--scheme", "FP8_BLOCK"]);
+    // NVFP4's tensor scale from the merged weights' amax, ModelOpt's too.
+    let text = config("task_arithmetic", &[&plain, &other], "");
+    assert_run_equals_merge_then_quantize(
+        dir.path(),
+        "modelopt-nvfp4",
+        &text,
+        &["--scheme", "NVFP4A16", "--format", "modelopt"],
+    );
 }
 
 /// A quantised input, merged, quantised again: three ops in one pass, the bytes of the three
@@ -402,23 +410,6 @@ fn run_merge_is_refused_where_it_cannot_stand() {
     assert_refused(&err, &["--merge", "drop -i"], &out);
     let err = usage_error(&["run", "-o", s(&out), "--merge"]);
     assert_refused(&err, &["--merge", "CONFIG"], &out);
-    // NVFP4's tensor scale needs a whole merged weight's amax before its first block.
-    let err = fails(&[
-        "run",
-        "-o",
-        s(&out),
-        "-q",
-        "--merge",
-        s(&cfg),
-        "--quantize",
-        "--scheme",
-        "NVFP4A16",
-    ]);
-    assert_refused(
-        &err,
-        &["model.layers.0.", "computed by an earlier step", "NVFP4"],
-        &out,
-    );
 }
 
 /// A Llama layer whose MLP weights (1M elements each, 2 MiB in BF16) take several chunks under
@@ -575,6 +566,35 @@ fn a_non_finite_value_in_a_streamed_weight_is_refused_before_any_output() {
     }
 }
 
+/// NVFP4 after a merge whose weights take several chunks and survey passes (TIES' magnitude
+/// cuts): the tensor scale comes from the merged weights as the pipeline computes them, so one
+/// pass under a 16 MiB budget, or the default one, equals `merge` then `quantize`.
+#[test]
+fn nvfp4_after_a_surveyed_merge_equals_the_two_commands() {
+    let dir = tmp();
+    let [a, b, c] = wide_models(dir.path(), [4, 5, 6]);
+    let text = config("ties", &[&a, &b, &c], "parameters:\n  density: 0.4\n");
+    let cfg = write_config(dir.path(), "ties.yml", &text);
+    let m = dir.path().join("merged");
+    ok(&tftf(&["merge", s(&cfg), s(&m), "-q"]));
+    let two = dir.path().join("two");
+    let scheme = ["--scheme", "NVFP4A16"];
+    ok(&tftf(
+        &[&["quantize", "-i", s(&m), "-o", s(&two), "-q"][..], &scheme].concat(),
+    ));
+    let want = load_all(&two);
+    assert!(want.contains_key("model.layers.0.mlp.up_proj.weight_global_scale"));
+    let args = [&["run", "--merge", s(&cfg), "--quantize"][..], &scheme].concat();
+    for got in outputs(
+        dir.path(),
+        "ties-nvfp4",
+        &args,
+        [&SMALL, &["--threads", "3"]],
+    ) {
+        assert!(got == want, "run ties then NVFP4");
+    }
+}
+
 /// Feeding decoded rows into the merge, and merged rows into the quantiser, chunk by chunk:
 /// the bytes do not depend on where the chunks fall (one thread and a 16 MiB budget, several
 /// chunks a weight; or the default budget) and equal the commands' one after another.
@@ -655,27 +675,28 @@ fn run_quantize_takes_the_weights_an_earlier_section_computes() {
     let got = load_all(&one);
     assert!(got == load_all(&two));
     assert_eq!(got["model.layers.0.mlp.up_proj.weight"].0, "F8_E4M3");
-    let out = dir.path().join("nvfp4");
-    let err = fails(&[
+    // NVFP4, whose tensor scale is the amax of the cast weights (q/k/v and gate/up shared).
+    let (two, one) = (dir.path().join("two-nvfp4"), dir.path().join("one-nvfp4"));
+    let nvfp4 = ["--quantize", "--scheme", "NVFP4A16"];
+    ok(&tftf(
+        &[
+            &["quantize", "-i", s(&cast), "-o", s(&two), "-q"][..],
+            &nvfp4[1..],
+        ]
+        .concat(),
+    ));
+    let run = [
         "run",
         "-i",
         s(&plain),
         "-o",
-        s(&out),
+        s(&one),
         "-q",
         "--dtype-cast",
         "f16",
-        "--quantize",
-        "--scheme",
-        "NVFP4A16",
-    ]);
-    assert_refused(
-        &err,
-        &[
-            "model.layers.0.",
-            "computed by an earlier step",
-            "then quantise it",
-        ],
-        &out,
-    );
+    ];
+    ok(&tftf(&[&run[..], &nvfp4].concat()));
+    let got = load_all(&one);
+    assert!(got == load_all(&two));
+    assert_eq!(got["model.layers.0.mlp.up_proj.weight_packed"].0, "U8");
 }

@@ -359,8 +359,8 @@ impl Op for GgufTensorOp {
         let gathered = match self.tensor.recipe {
             Recipe::Direct { .. } | Recipe::Stack { .. } | Recipe::Mxfp4 { .. } => 0,
             Recipe::Values(_) => 4,
-            // The ternarised f32 elements, besides the gather.
-            Recipe::Ternary { .. } => self.elem_bytes() + 4,
+            // The elements widened to f32 and their ternarised f32 bytes.
+            Recipe::Ternary { .. } => 8,
             _ => self.elem_bytes(),
         };
         // Block types other than Q8_0 widen the chunk to f32 rows for their row encoder.

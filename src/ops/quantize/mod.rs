@@ -46,7 +46,7 @@ use crate::plan::{Derive, Entry, ExtraOutput, FixedOp, PlanStep, Planning};
 use crate::transform::Glob;
 use encode::WeightType;
 use ops::{BlockMath, QuantizeRows};
-use tensor_scale::{GlobalScaleTensor, Nvfp4Rows, Piece, ScaleKind, TensorScale};
+use tensor_scale::{GlobalScaleTensor, Member, Nvfp4Rows, Piece, ScaleKind, TensorScale};
 
 /// The compressed-tensors version whose output this matches (`quantization_config.version`).
 pub const COMPRESSED_TENSORS_VERSION: &str = "0.20.1";
@@ -477,7 +477,6 @@ pub(super) fn settle_chosen(
     left_alone.sort_by_cached_key(|m| module_order(m));
     refuse_partial_groups(ckpt, entries, chosen, step.scheme, group, tool)?;
     if step.scheme == Scheme::Nvfp4A16 {
-        refuse_computed_nvfp4(ckpt, entries, chosen)?;
         nvfp4_globals(ckpt, entries, chosen, kind)
     } else {
         Ok(HashMap::new())
@@ -540,23 +539,45 @@ pub(super) fn quantised_rows(
     })
 }
 
-/// Refuses chosen weights computed by an earlier step (or retyped by a cast) under NVFP4, whose
-/// tensor scale needs a whole weight's amax before its first block is encoded (a second pass
-/// over the merge).
-fn refuse_computed_nvfp4(
+/// Whether entry `e` is computed by an earlier step (a merge, a LoRA merge, a dequantisation)
+/// or retyped by a cast, rather than stored as it is.
+fn computed(ckpt: &Checkpoint, e: &Entry) -> bool {
+    e.derive.is_some() || ckpt.tensors[e.source].info.dtype != e.dtype
+}
+
+/// Where tensor `t`'s bytes lie, piece by piece in order (`None` for a strided tensor, whose
+/// elements are not runs of bytes), its files opened once in `files`.
+fn pieces_of(
     ckpt: &Checkpoint,
-    entries: &[Entry],
-    chosen: &[(usize, String, WeightType)],
-) -> Result<()> {
-    let computed = |e: &Entry| e.derive.is_some() || ckpt.tensors[e.source].info.dtype != e.dtype;
-    match chosen.iter().find(|(i, _, _)| computed(&entries[*i])) {
-        Some((i, _, _)) => Err(refuse_weight(
-            ckpt,
-            &entries[*i],
-            "is computed by an earlier step (a merge, a cast, a dequantisation, a LoRA merge), and NVFP4's tensor scale needs the whole computed weight's amax before its first block: write that step's output, then quantise it".into(),
-        )),
-        None => Ok(()),
+    t: usize,
+    files: &mut HashMap<usize, Arc<std::fs::File>>,
+) -> Result<Option<Vec<Piece>>> {
+    let Some(pieces) = ckpt.tensors[t].pieces() else {
+        return Ok(None);
+    };
+    let mut ps = Vec::new();
+    for (shard, offset, len) in pieces {
+        let file = match files.get(&shard) {
+            Some(f) => f.clone(),
+            None => {
+                let f = Arc::new(ckpt.shards[shard].file.try_clone().map_err(|e| {
+                    Error::Other(format!(
+                        "{}: {e}",
+                        crate::escape::path(&ckpt.shards[shard].path)
+                    ))
+                })?);
+                files.insert(shard, f.clone());
+                f
+            }
+        };
+        ps.push(Piece {
+            file,
+            path: ckpt.shards[shard].path.clone(),
+            offset,
+            len,
+        });
     }
+    Ok(Some(ps))
 }
 
 /// Refuses a chosen weight whose column count `group` does not divide (`tool` refuses such
@@ -898,38 +919,52 @@ fn nvfp4_globals(
         let mut members = Vec::new();
         let mut lazy = true;
         for &j in &key.0 {
-            let t = &ckpt.tensors[entries[j].source];
+            let e = &entries[j];
             let member_wt = by_module
                 .values()
                 .find(|&&(k, _)| k == j)
                 .map_or(wt, |&(_, w)| w);
-            let Some(pieces) = t.pieces() else {
-                lazy = false;
-                break;
-            };
-            let mut ps = Vec::new();
-            for (shard, offset, len) in pieces {
-                let file = match files.get(&shard) {
-                    Some(f) => f.clone(),
-                    None => {
-                        let f = Arc::new(ckpt.shards[shard].file.try_clone().map_err(|e| {
-                            Error::Other(format!(
-                                "{}: {e}",
-                                crate::escape::path(&ckpt.shards[shard].path)
-                            ))
-                        })?);
-                        files.insert(shard, f.clone());
-                        f
-                    }
+            let source = if computed(ckpt, e) {
+                // The rows the earlier step computes, evaluated once more for the amax.
+                let derive = match &e.derive {
+                    Some(d) => d.clone(),
+                    None => crate::ops::cast::Cast::of_entry(ckpt, e),
                 };
-                ps.push(Piece {
-                    file,
-                    path: ckpt.shards[shard].path.clone(),
-                    offset,
-                    len,
-                });
+                let inputs: Option<Vec<Vec<Piece>>> = (derive.inputs().iter())
+                    .map(|&t| pieces_of(ckpt, t, &mut files))
+                    .collect::<Result<Vec<_>>>()?
+                    .into_iter()
+                    .collect();
+                let Some(inputs) = inputs else {
+                    return Err(refuse_weight(
+                        ckpt,
+                        e,
+                        "is computed by an earlier step from tensors that cannot be read piecewise, and NVFP4's tensor scale needs the whole computed weight's amax before its first block: write that step's output, then quantise it".into(),
+                    ));
+                };
+                Member::Computed {
+                    op: derive.build(e.dtype),
+                    inputs,
+                }
+            } else {
+                match pieces_of(ckpt, e.source, &mut files)? {
+                    Some(ps) => Member::Stored(ps),
+                    None => {
+                        lazy = false;
+                        break;
+                    }
+                }
+            };
+            members.push((e.name.clone(), member_wt, source));
+        }
+        if !lazy {
+            if let Some(&j) = key.0.iter().find(|&&j| computed(ckpt, &entries[j])) {
+                return Err(refuse_weight(
+                    ckpt,
+                    &entries[j],
+                    "is computed by an earlier step, in an NVFP4 tensor-scale group with a weight that cannot be read piecewise: write that step's output, then quantise it".into(),
+                ));
             }
-            members.push((t.info.name.clone(), member_wt, ps));
         }
         let scale = if lazy {
             TensorScale::lazy(wt, kind, members)

@@ -36,6 +36,24 @@ pub struct Piece {
     pub len: u64,
 }
 
+/// Where a member weight's values come from.
+#[derive(Debug)]
+pub enum Member {
+    /// Its stored bytes, in order.
+    Stored(Vec<Piece>),
+    /// The rows an earlier step's op computes (a merge, a cast, a LoRA merge) from stored
+    /// tensors, each given by its pieces: evaluated once more, chunk by chunk, for the amax.
+    Computed {
+        op: Arc<dyn Op>,
+        inputs: Vec<Vec<Piece>>,
+    },
+}
+
+/// Bytes of inputs (and, apart, of outputs) a computed member's amax pass holds per chunk:
+/// outside the pool, as the read buffer is, at most twice at a time (the encoder's group and
+/// the one read ahead).
+const COMPUTED_CHUNK_BYTES: u64 = 8 << 20;
+
 /// Whose tensor scale a group's amax makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScaleKind {
@@ -69,8 +87,8 @@ impl ScaleKind {
 pub struct TensorScale {
     wt: WeightType,
     kind: ScaleKind,
-    /// Each member weight's name, dtype and where its bytes are.
-    members: Vec<(String, WeightType, Vec<Piece>)>,
+    /// Each member weight's name, dtype and where its values come from.
+    members: Vec<(String, WeightType, Member)>,
     value: OnceLock<Result<f32, String>>,
     /// The next group in the output's order: the first chunk that needs this scale starts
     /// reading that one in the background, so its bytes come off the disk while this group is
@@ -90,7 +108,7 @@ impl TensorScale {
     pub fn lazy(
         wt: WeightType,
         kind: ScaleKind,
-        members: Vec<(String, WeightType, Vec<Piece>)>,
+        members: Vec<(String, WeightType, Member)>,
     ) -> TensorScale {
         TensorScale {
             wt,
@@ -141,30 +159,36 @@ impl TensorScale {
             .get_or_init(|| {
                 // The whole group at once: the disk gets many requests in flight instead of
                 // one 1 MiB read after another.
-                for (_, _, pieces) in &self.members {
+                for (_, _, source) in &self.members {
+                    let pieces: Vec<&Piece> = match source {
+                        Member::Stored(pieces) => pieces.iter().collect(),
+                        Member::Computed { inputs, .. } => inputs.iter().flatten().collect(),
+                    };
                     for p in pieces {
                         crate::sys::prefetch(&p.file, p.offset, p.len);
                     }
                 }
                 let mut m = 0f32;
-                for (name, member_wt, pieces) in &self.members {
-                    let mut member = 0f32;
-                    for p in pieces {
-                        let read = |at: u64, buf: &mut [u8]| {
-                            p.file.read_exact_at(buf, p.offset + at).map_err(|e| {
-                                format!(
-                                    "reading `{name}` for the NVFP4 tensor scale from {}: {e}",
-                                    crate::escape::path(&p.path)
-                                )
-                            })
-                        };
-                        let v = lanes::amax_read(*member_wt, p.len, READ_BYTES, read, |v| {
-                            format!(
-                                "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
-                            )
-                        })?;
-                        member = member.max(v);
-                    }
+                for (name, member_wt, source) in &self.members {
+                    let nonfinite = |v: f32| {
+                        format!(
+                            "`{name}`, in this weight's NVFP4 tensor-scale group, holds {v}: a non-finite weight cannot be quantised"
+                        )
+                    };
+                    let member = match source {
+                        Member::Stored(pieces) => {
+                            let mut member = 0f32;
+                            for p in pieces {
+                                let read = |at: u64, buf: &mut [u8]| read_piece(name, p, at, buf);
+                                let v = lanes::amax_read(*member_wt, p.len, READ_BYTES, read, nonfinite)?;
+                                member = member.max(v);
+                            }
+                            member
+                        }
+                        Member::Computed { op, inputs } => {
+                            computed_amax(name, &**op, inputs, *member_wt, nonfinite)?
+                        }
+                    };
                     if let Some(why) = self.kind.refuse(name, member) {
                         return Err(why);
                     }
@@ -174,6 +198,78 @@ impl TensorScale {
             })
             .clone()
     }
+}
+
+/// Reads `buf.len()` bytes of member `name`'s piece `p` from byte `at` of the piece.
+fn read_piece(name: &str, p: &Piece, at: u64, buf: &mut [u8]) -> Result<(), String> {
+    p.file.read_exact_at(buf, p.offset + at).map_err(|e| {
+        format!(
+            "reading `{name}` for the NVFP4 tensor scale from {}: {e}",
+            crate::escape::path(&p.path)
+        )
+    })
+}
+
+/// Bytes `range` of a tensor stored as `pieces` (in order).
+fn read_range(name: &str, pieces: &[Piece], range: &Range<u64>) -> Result<Vec<u8>, String> {
+    let mut out = vec![0u8; (range.end - range.start) as usize];
+    let mut start = 0u64;
+    for p in pieces {
+        let (a, b) = (range.start.max(start), range.end.min(start + p.len));
+        if a < b {
+            let o = (a - range.start) as usize;
+            read_piece(name, p, a - start, &mut out[o..o + (b - a) as usize])?;
+        }
+        start += p.len;
+    }
+    Ok(out)
+}
+
+/// The amax of the rows `op` computes from `inputs` (elements of `wt`), chunk by chunk as the
+/// pipeline would cut them, its survey passes first when there is more than one chunk: the
+/// rows the quantiser will encode, bit for bit.
+fn computed_amax(
+    name: &str,
+    op: &dyn Op,
+    inputs: &[Vec<Piece>],
+    wt: WeightType,
+    nonfinite: impl Fn(f32) -> String,
+) -> Result<f32, String> {
+    let units = op.units();
+    let g = op.granularity().max(1);
+    let per_unit = op.out_unit_bytes().max(op.in_unit_bytes()).max(1);
+    let per = ((COMPUTED_CHUNK_BYTES / per_unit).max(1).div_ceil(g) * g).min(units.max(1));
+    let chunks: Vec<Range<u64>> = (0..units.div_ceil(per))
+        .map(|k| k * per..((k + 1) * per).min(units))
+        .collect();
+    let read = |units: &Range<u64>| -> Result<Vec<Vec<u8>>, String> {
+        (op.input_ranges(units.clone()).iter().zip(inputs))
+            .map(|(r, pieces)| read_range(name, pieces, r))
+            .collect()
+    };
+    let fail = |e: String| format!("computing `{name}` for the NVFP4 tensor scale: {e}");
+    if chunks.len() > 1 {
+        for pass in 0..op.survey_passes() {
+            for c in &chunks {
+                let bufs = read(c)?;
+                let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                op.survey(pass, c.clone(), &views).map_err(fail)?;
+            }
+        }
+    }
+    let mut m = 0f32;
+    for c in &chunks {
+        let bufs = read(c)?;
+        let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+        let mut out = vec![0u8; ((c.end - c.start) * op.out_unit_bytes()) as usize];
+        op.compute(c.clone(), &views, &mut out).map_err(fail)?;
+        let v = lanes::tensor_amax(wt, &out);
+        if !v.is_finite() {
+            return Err(nonfinite(v));
+        }
+        m = m.max(v);
+    }
+    Ok(m)
 }
 
 /// An NVFP4 encoder whose tensor scale is set per chunk.

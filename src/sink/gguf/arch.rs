@@ -53,8 +53,8 @@ pub enum Family {
     /// layers interleaved, fused transposed experts split per column (`ExpertColumns`).
     Llama4,
     /// BitNet b1.58: Llama's layout without the Q/K permutation, sub-norms inside attention
-    /// and feed-forward, the projections re-ternarised (`Recipe::Ternary`), linear rope
-    /// scaling of 1 written.
+    /// and feed-forward, latent projections ternarised (`Recipe::Ternary`; packed ones are
+    /// written as they decode), linear rope scaling of 1 written.
     Bitnet,
 }
 

@@ -14,7 +14,7 @@
 //! | packed int of 5–8 bits (pack-quantized, GPTQ) | Q8_0 |
 //! | packed int of 1–4 bits (pack-quantized, GPTQ, ModelOpt INT4) | Q4_1 (its offset keeps asymmetric grids) |
 //! | NVFP4, MXFP4 (compressed-tensors, ModelOpt) | Q8_0 (Q4_1 would re-round their uneven grid) |
-//! | BitNet packed ternary (`quant_method: bitnet`) | TQ1_0 (after the converter's re-ternarisation) |
+//! | BitNet packed ternary (`quant_method: bitnet`) | TQ1_0 (of the decoded `±1/weight_scale`, 0) |
 //! | gpt-oss MXFP4 experts | MXFP4, repacked losslessly |
 //! | unquantised BF16 / F16 / F32 weights beside them | unchanged |
 //!
