@@ -8,7 +8,9 @@ import json, os, shutil, struct, sys
 import numpy as np
 
 out = sys.argv[1]
-layers, hidden, inter, heads, kv, vocab = (int(x) for x in (sys.argv[2:8] or [30, 2560, 6912, 20, 5, 128256]))
+defaults = [30, 2560, 6912, 20, 5, 128256]
+given = [int(x) for x in sys.argv[2:8]]
+layers, hidden, inter, heads, kv, vocab = given + defaults[len(given):]
 kvd = kv * hidden // heads
 os.makedirs(out, exist_ok=True)
 fx = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "gguf", "spm-llama2")
