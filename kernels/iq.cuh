@@ -9,6 +9,8 @@
 
 #define IQ_MAX_N 32
 #define IQ_MAX_G 4
+// Grid groups a sub-block holds at most: IQ2's of 8 (IQ_MAX_G), IQ3's 8 of 4.
+#define IQ_MAX_GROUPS 8
 
 // The signs of xb[0..n] (masks of 8; with even_signs the flips made even by turning the
 // cheapest element, 7 bits kept) into signs[0..n/8], the magnitudes they leave into xval.
@@ -92,15 +94,16 @@ struct IqBest {
     float scale;
     float score;
     i8 levels[IQ_MAX_N];
-    bool on_grid[IQ_MAX_G];
+    bool on_grid[IQ_MAX_GROUPS];
 };
 
-// No fit yet: `scale` and every group on the grid stand until a candidate beats a score of 0.
-TFTF_HD void iq_best_init(IqBest* b, float scale, int n, int g) {
+// No fit yet: `scale` and each of the g groups' `on_grid` stand until a candidate beats a
+// score of 0.
+TFTF_HD void iq_best_init(IqBest* b, float scale, int n, int g, bool on_grid) {
     b->scale = scale;
     b->score = 0.0f;
     for (int i = 0; i < n; i++) b->levels[i] = 0;
-    for (int k = 0; k < g; k++) b->on_grid[k] = true;
+    for (int k = 0; k < g; k++) b->on_grid[k] = on_grid;
 }
 
 // Keeps the candidate (levels, on_grid) when its fit explains more than the best so far.

@@ -50,7 +50,7 @@ KQ_FN bool iq2_fit_sub_block(const Iq2Variant& v, const IqGrid& g, const float* 
         eff_max = max;
     }
     IqBest best;
-    iq_best_init(&best, scale, n, groups);
+    iq_best_init(&best, scale, n, groups, true);
     for (int is = -v.nscale; is <= v.nscale; is++) {
         float id = ((float)(2 * IQ2_K_MAX_Q - 1) + (float)is * 0.1f) / eff_max;
         float this_scale = 1.0f / id;

@@ -22,28 +22,6 @@ TFTF_HD u8 iq3_scale_level(float id, float scale) {
     return (u8)kq_clamp(kq_nearest_int(0.5f * (id * scale - 1.0f)), 0, 15);
 }
 
-// The best fit of the candidate-scale search (IqBest with 8 groups of 4: IqBest's on_grid holds
-// IQ_MAX_G = 4 groups of 8).
-struct Iq3Best {
-    float scale;
-    float score;
-    i8 levels[32];
-    bool on_grid[8];
-};
-
-// Keeps the candidate (levels, on_grid) when its fit explains more than the best so far.
-TFTF_HD void iq3_best_consider(Iq3Best* b, const float* weight, const float* xval,
-                               const i8* levels, const bool* on_grid) {
-    float sumqx, sumq2;
-    iq_fit(weight, xval, levels, 32, &sumqx, &sumq2);
-    if (sumq2 > 0.0f && sumqx * sumqx > b->score * sumq2) {
-        b->scale = sumqx / sumq2;
-        b->score = b->scale * sumqx;
-        for (int i = 0; i < 32; i++) b->levels[i] = levels[i];
-        for (int k = 0; k < 8; k++) b->on_grid[k] = on_grid[k];
-    }
-}
-
 // One 32-element sub-block xb with weights `weight`: the signs, then the candidate scales
 // (15 + 0.2·is) / max, each snapping the 8 groups of 4 to the grid, the best least-squares fit
 // kept; then groups re-snapped at the winner's scale and the scale refitted. `xxs` picks
@@ -60,11 +38,8 @@ KQ_FN bool iq3_fit_sub_block(const IqGrid& g, bool xxs, const float* xb, const f
     if (xxs ? max < 1e-8f : max == 0.0f) return false;
     const bool resnap_all = !xxs;
     const int nscale = xxs ? 15 : 9;
-    Iq3Best best;
-    best.scale = max / (float)(2 * IQ3_KMAXQ - 1);
-    best.score = 0.0f;
-    for (int i = 0; i < 32; i++) best.levels[i] = 0;
-    for (int k = 0; k < 8; k++) best.on_grid[k] = !resnap_all;
+    IqBest best;
+    iq_best_init(&best, max / (float)(2 * IQ3_KMAXQ - 1), 32, 8, !resnap_all);
     for (int is = -nscale; is <= nscale; is++) {
         float id = ((float)(2 * IQ3_KMAXQ - 1) + (float)is * 0.2f) / max;
         float this_scale = 1.0f / id;
@@ -75,7 +50,7 @@ KQ_FN bool iq3_fit_sub_block(const IqGrid& g, bool xxs, const float* xb, const f
             iq_to_grid(g, aux + 4 * k, xval + 4 * k, waux + 4 * k, this_scale,
                          &aux_on_grid[k]);
         }
-        iq3_best_consider(&best, weight, xval, aux, aux_on_grid);
+        iq_best_consider(&best, weight, xval, aux, aux_on_grid, 32, 8);
     }
     float scale = best.scale;
     bool any_off = false;

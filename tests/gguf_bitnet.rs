@@ -369,13 +369,7 @@ fn packed_bitnet_takes_llama_quantizes_types_for_every_tensor() {
 fn edited_packed(dir: &Path, edit: impl FnOnce(&mut Vec<T>)) -> PathBuf {
     let model = fixture_model(dir, "bitnet_packed");
     let file = model.join("model.safetensors");
-    let mut tensors: Vec<T> = load_all(&file)
-        .into_iter()
-        .map(|(n, (dtype, shape, data))| {
-            let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
-            t(&n, dtype.parse().unwrap(), &shape, data)
-        })
-        .collect();
+    let mut tensors = load_ts(&file);
     edit(&mut tensors);
     write_file(&file, &tensors);
     model

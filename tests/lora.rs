@@ -520,13 +520,7 @@ fn unmergeable_dora_and_grouped_factors_fail_before_output() {
     let dora = d.path().join("gpt2-dora");
     copy_dir(&case.join("adapter"), &dora);
     let file = dora.join("adapter_model.safetensors");
-    let mut tensors: Vec<T> = load_all(&file)
-        .into_iter()
-        .map(|(name, (dt, shape, bytes))| {
-            let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
-            t(&name, dt.parse().unwrap(), &shape, bytes)
-        })
-        .collect();
+    let mut tensors = load_ts(&file);
     let mag = "base_model.model.transformer.h.0.attn.c_attn.lora_magnitude_vector";
     tensors.push(t(mag, DType::F32, &[192], vec![0; 192 * 4]));
     write_file(&file, &tensors);

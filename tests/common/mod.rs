@@ -267,6 +267,17 @@ pub fn usage_error(args: &[&str]) -> String {
     exits_with(2, "a usage error", args)
 }
 
+/// The tensors of a file or folder as [`load_all`] reads them, as [`T`]s to edit and write back
+/// with [`write_file`].
+pub fn load_ts(path: &Path) -> Vec<T> {
+    (load_all(path).into_iter())
+        .map(|(name, (dtype, shape, bytes))| {
+            let shape: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+            t(&name, dtype.parse().unwrap(), &shape, bytes)
+        })
+        .collect()
+}
+
 /// All tensors of an output, read through the `safetensors` crate's strict loader; every file
 /// must carry `format=pt` metadata.
 pub fn load_all(path: &Path) -> Tensors {

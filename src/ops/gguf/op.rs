@@ -216,15 +216,15 @@ impl GgufTensorOp {
         Ok(crate::ops::cast::to_f32(dtype, bytes))
     }
 
-    /// The sum of the magnitudes of rows `units`, in f64 in element order; a non-finite element
-    /// is an error (the mean it would poison decides every element's value).
-    fn magnitudes(&self, units: &Range<u64>, inputs: &[&[u8]]) -> Result<f64, String> {
-        let x = self.row_elements(units, inputs)?;
+    /// The sum of the magnitudes of `x`, the elements of rows from `first`, in f64 in element
+    /// order; a non-finite element is an error (the mean it would poison decides every
+    /// element's value).
+    fn magnitudes(&self, first: u64, x: &[f32]) -> Result<f64, String> {
         let inner = produce::row_geometry(&self.tensor).0.max(1) as usize;
         let mut sum = 0f64;
         for (k, v) in x.iter().enumerate() {
             if !v.is_finite() {
-                let (r, c) = (units.start + (k / inner) as u64, k % inner);
+                let (r, c) = (first + (k / inner) as u64, k % inner);
                 return Err(format!(
                     "{v} at row {r}, column {c}: BitNet's ternarisation scales by the mean magnitude of the whole tensor, which needs finite values"
                 ));
@@ -239,8 +239,9 @@ impl GgufTensorOp {
     /// source.
     fn ternarise(&self, units: Range<u64>, inputs: &[&[u8]], out: &mut [u8]) -> Result<(), String> {
         let total = self.units();
+        let x = self.row_elements(&units, inputs)?;
         let sum = if units.start == 0 && units.end == total {
-            self.magnitudes(&units, inputs)?
+            self.magnitudes(units.start, &x)?
         } else {
             let s = *self.ternary.lock().unwrap_or_else(|e| e.into_inner());
             if s.1 != total {
@@ -253,9 +254,7 @@ impl GgufTensorOp {
         };
         let elems: u64 = self.tensor.shape.iter().product();
         let iscale = transform::bitnet_iscale(sum, elems);
-        let y: Vec<u8> = self
-            .row_elements(&units, inputs)?
-            .into_iter()
+        let y: Vec<u8> = (x.into_iter())
             .flat_map(|x| transform::bitnet_ternarise(x, iscale).to_le_bytes())
             .collect();
         let Recipe::Ternary { src } = &self.tensor.recipe else {
@@ -445,7 +444,7 @@ impl Op for GgufTensorOp {
     }
 
     fn survey(&self, _pass: usize, units: Range<u64>, inputs: &[&[u8]]) -> Result<(), String> {
-        let sum = self.magnitudes(&units, inputs)?;
+        let sum = self.magnitudes(units.start, &self.row_elements(&units, inputs)?)?;
         let mut s = self.ternary.lock().unwrap_or_else(|e| e.into_inner());
         if units.start == 0 {
             *s = (0.0, 0);
@@ -526,64 +525,36 @@ mod tests {
     }
 
     /// Runs `op` over every chunking into runs of `g` granules (as the reader cuts), each chunk
-    /// fed only the input ranges it asks for, and checks the bytes equal `want`.
+    /// fed only the input ranges it asks for, its survey passes first over the chunks in order
+    /// when there are several (as the pipeline does), and checks the bytes equal `want`.
     fn check_chunkings(op: &GgufTensorOp, inputs: &[Vec<u8>], want: &[u8]) {
         let units = op.units();
         let g = op.granularity();
         let row = op.out_unit_bytes() as usize;
-        for per in 1..=units.div_ceil(g) {
-            let mut got = vec![0u8; want.len()];
-            let mut u = 0;
-            while u < units {
-                let end = (u + per * g).min(units);
-                let ranges = op.input_ranges(u..end);
-                assert_eq!(ranges.len(), inputs.len());
-                let pieces: Vec<&[u8]> = ranges
-                    .iter()
-                    .zip(inputs)
-                    .map(|(r, b)| &b[r.start as usize..r.end as usize])
-                    .collect();
-                op.compute(
-                    u..end,
-                    &pieces,
-                    &mut got[u as usize * row..end as usize * row],
-                )
-                .unwrap();
-                u = end;
-            }
-            assert_eq!(got, want, "chunks of {per} granules of {g}");
-        }
-    }
-
-    /// As [`check_chunkings`] for an op with survey passes: each chunking surveys the chunks
-    /// in order first, as the pipeline does for a tensor of several chunks.
-    fn check_surveyed_chunkings(op: &GgufTensorOp, inputs: &[Vec<u8>], want: &[u8]) {
-        let units = op.units();
-        let row = op.out_unit_bytes() as usize;
-        let pieces = |u: u64, end: u64| -> Vec<&[u8]> {
-            op.input_ranges(u..end)
-                .iter()
-                .zip(inputs)
+        let pieces = |chunk: &Range<u64>| -> Vec<&[u8]> {
+            let ranges = op.input_ranges(chunk.clone());
+            assert_eq!(ranges.len(), inputs.len());
+            (ranges.iter().zip(inputs))
                 .map(|(r, b)| &b[r.start as usize..r.end as usize])
                 .collect()
         };
-        for per in 1..=units {
-            let chunks: Vec<(u64, u64)> = (0..units.div_ceil(per))
-                .map(|k| (k * per, ((k + 1) * per).min(units)))
+        for per in 1..=units.div_ceil(g) {
+            let chunks: Vec<Range<u64>> = (0..units.div_ceil(per * g))
+                .map(|k| k * per * g..((k + 1) * per * g).min(units))
                 .collect();
             if chunks.len() > 1 {
                 for pass in 0..op.survey_passes() {
-                    for &(u, end) in &chunks {
-                        op.survey(pass, u..end, &pieces(u, end)).unwrap();
+                    for c in &chunks {
+                        op.survey(pass, c.clone(), &pieces(c)).unwrap();
                     }
                 }
             }
             let mut got = vec![0u8; want.len()];
-            for &(u, end) in &chunks {
-                let out = &mut got[u as usize * row..end as usize * row];
-                op.compute(u..end, &pieces(u, end), out).unwrap();
+            for c in &chunks {
+                let out = &mut got[c.start as usize * row..c.end as usize * row];
+                op.compute(c.clone(), &pieces(c), out).unwrap();
             }
-            assert_eq!(got, want, "chunks of {per} rows");
+            assert_eq!(got, want, "chunks of {per} granules of {g}");
         }
     }
 
@@ -620,7 +591,7 @@ mod tests {
             );
             let op = GgufTensorOp::new(t, vec![Slot::plain("w")]);
             assert_eq!(op.survey_passes(), 1);
-            check_surveyed_chunkings(&op, std::slice::from_ref(&w), &want);
+            check_chunkings(&op, std::slice::from_ref(&w), &want);
         }
         // Packed codes decoded first (2 packed rows: 8 weight rows), to TQ1_0.
         let codes: Vec<u8> = bytes((2 * cols) as usize, 12)
@@ -670,7 +641,7 @@ mod tests {
                 decode,
             }],
         );
-        check_surveyed_chunkings(&op, &vec![codes; 4], &want);
+        check_chunkings(&op, &vec![codes; 4], &want);
     }
 
     /// The oracle: every row at once from whole sources.
