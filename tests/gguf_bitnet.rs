@@ -424,3 +424,33 @@ fn packed_bitnet_with_a_bad_code_or_scale_is_refused_by_name() {
         assert!(!out.exists(), "{what}");
     }
 }
+
+/// A latent weight holding a NaN: its mean magnitude, which scales every element, is undefined,
+/// so the conversion is refused naming the file, the tensor, the row and the column, and no
+/// output is left.
+#[test]
+fn a_latent_weight_with_a_nan_is_refused_by_name() {
+    let d = tmp();
+    let model = latent_model(d.path(), |_| {});
+    let file = model.join("model.safetensors");
+    let weight = "model.layers.1.mlp.gate_proj.weight";
+    let mut tensors = load_ts(&file);
+    let w = tensors.iter_mut().find(|t| t.0 == weight).unwrap();
+    // Row 3, column 17 of [512, 256] BF16.
+    let at = 2 * (3 * 256 + 17);
+    w.3[at..at + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
+    write_file(&file, &tensors);
+    let out = d.path().join("out.gguf");
+    let err = fails(&gguf_args(&model, &out, &["--outtype", "bf16"]));
+    assert_mentions(
+        &err,
+        &[
+            "model.safetensors",
+            weight,
+            "NaN at row 3, column 17",
+            "needs finite values",
+        ],
+    );
+    assert!(!out.exists());
+    assert_eq!(listing(d.path()), ["bitnet_latent"]);
+}

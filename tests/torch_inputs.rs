@@ -446,12 +446,20 @@ fn every_command_gives_the_same_tensors_from_torch_and_safetensors_inputs() {
 /// A torch.save zip holding `w`, a `[rows, cols]` F32 view with strides `[1, rows]` (a
 /// transpose) of a storage whose element `i` is `i as f32`.
 fn transposed_zip(rows: u16, cols: u16) -> Vec<u8> {
+    transposed_zip_named("w", rows, cols)
+}
+
+/// [`transposed_zip`] with the tensor named `name`.
+fn transposed_zip_named(name: &str, rows: u16, cols: u16) -> Vec<u8> {
     use std::io::Write;
     let bin2 = |p: &mut Vec<u8>, v: u16| {
         p.push(b'M');
         p.extend(v.to_le_bytes());
     };
-    let mut p = b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n(".to_vec();
+    let mut p = b"\x80\x02}X".to_vec();
+    p.extend((name.len() as u32).to_le_bytes());
+    p.extend(name.as_bytes());
+    p.extend(b"ctorch._utils\n_rebuild_tensor_v2\n(");
     p.extend(
         b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuJ",
     );
@@ -507,6 +515,37 @@ fn a_large_strided_view_is_gathered_in_chunks() {
             "w[{i}][{j}]"
         );
     }
+}
+
+/// NVFP4 of a weight an earlier section computes from a strided view (not runs of bytes, so its
+/// amax cannot be evaluated piecewise before its first block): refused naming the file and the
+/// weight, before any output exists.
+#[test]
+fn nvfp4_of_a_weight_computed_from_a_strided_view_is_refused_before_output() {
+    let dir = tmp();
+    let input = dir.path().join("t.pt");
+    let name = "model.layers.0.mlp.up_proj.weight";
+    std::fs::write(&input, transposed_zip_named(name, 64, 32)).unwrap();
+    let out = dir.path().join("out");
+    let err = fails(&[
+        "run",
+        "-i",
+        s(&input),
+        "-o",
+        s(&out),
+        "-q",
+        "--dtype-cast",
+        "bf16",
+        "--quantize",
+        "--scheme",
+        "NVFP4A16",
+    ]);
+    assert_refused(
+        &err,
+        &["t.pt", name, "cannot be read piecewise", "then quantise it"],
+        &out,
+    );
+    assert_eq!(listing(dir.path()), ["t.pt"]);
 }
 
 #[test]
