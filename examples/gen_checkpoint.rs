@@ -323,7 +323,9 @@ fn v4_layout(out: &Path, gib: u64) {
 fn finish(out: &Path, shards: Vec<Vec<(String, DType, Vec<u64>)>>, total: u64, config: &str) {
     let n = shards.len();
     let mut map = serde_json::Map::new();
-    let mut gen = Gen::new(12345);
+    // GEN_SEED makes a second model of the same layout with other values (for merges).
+    let seed = std::env::var("GEN_SEED").map_or(12345, |s| s.parse().expect("GEN_SEED: a number"));
+    let mut gen = Gen::new(seed);
     for (i, s) in shards.iter().enumerate() {
         let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
         write_shard(&out.join(&name), s, &mut gen);

@@ -20,7 +20,7 @@ enum MergeMethod {
     MERGE_NEARSWAP = 7,     // w · model + (1 − w) · base, w = clamp(t / max(|base − model|, 1e-6))
     MERGE_RAM = 8,          // base + Σ each model's task vector, rescaled by how many change
     MERGE_FUSION = 9,       // the model's element where its importance reaches the threshold
-    MERGE_SPARSE = 10,      // TIES, breadcrumbs, DARE: survivors rescaled, weighted, elected
+    MERGE_SPARSE = 10,      // TIES, breadcrumbs, DARE, DELLA: survivors rescaled, weighted, elected
     MERGE_SCE = 11,         // the elements of largest variance, sign-elected, weighted
 };
 
@@ -197,6 +197,27 @@ TFTF_HD double merge_uniform(u64 seed, u64 model, u64 index) {
     return (double)(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
+// DELLA's keep probability of element i (at `pos` in the tensor) of model m, task vector `tv`
+// (methods/sparsify.rs `della`): `c` = [4, epsilon, density, row length, row stride]. Its rank
+// in its row (the f32 magnitude ascending, ties by position) is the count of the row's elements
+// below it; chunks hold whole slabs of the first axis, so the row lies in the chunk.
+TFTF_HD double merge_della(const MergeParams& p, const u8* in, const double* c, int m, u64 i,
+                           u64 pos, double tv) {
+    u64 row = (u64)c[3], inner = (u64)c[4];
+    u64 at = pos / inner % row;
+    u64 first = i - at * inner;
+    u32 key = f2u(f64_to_f32_rne(merge_abs(tv)));
+    u64 rank = 0;
+    for (u64 l = 0; l < row; l++) {
+        u64 e = first + l * inner;
+        double t = merge_load_f32(p, in, 1 + m, e) - merge_load_f32(p, in, 0, e);
+        u32 k = f2u(f64_to_f32_rne(merge_abs(t)));
+        if (k < key || (k == key && l < at)) rank++;
+    }
+    double spread = row > 1 ? (double)rank / (double)(row - 1) : 0.5;
+    return (c[2] - c[1]) + spread * 2.0 * c[1];
+}
+
 // The generalized task arithmetic of element i (methods/sparse_stream.rs `survivors`,
 // methods/sparse.rs `Setup::combine`): `coefs` as `BlendKind::Sparse` lays them out.
 TFTF_HD void merge_sparse(const MergeParams& p, const u8* in, const double* coefs, u8* out,
@@ -220,8 +241,10 @@ TFTF_HD void merge_sparse(const MergeParams& p, const u8* in, const double* coef
             bool below_low = key < low || (key == low && (double)pos < c[2]);
             bool below_high = key < high || (key == high && (double)pos < c[4]);
             kept = !below_low && below_high;
-        } else {
+        } else if (c[0] == 3.0) {
             kept = merge_uniform(seed, (u64)m, pos) < c[2];
+        } else {
+            kept = merge_uniform(seed, (u64)m, pos) < merge_della(p, in, c, m, i, pos, tv);
         }
         terms[m] = kept ? tv * c[5] * c[6] : 0.0;
     }

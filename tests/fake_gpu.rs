@@ -228,8 +228,8 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
 }
 
 /// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock,
-/// karcher, nearswap, ram, ramplus_tl, arcee_fusion, TIES, breadcrumbs, DARE and SCE of weights
-/// several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
+/// karcher, nearswap, ram, ramplus_tl, arcee_fusion, TIES, breadcrumbs, DARE, DELLA (rows of a
+/// matrix, and rows strided through a 3-D tensor) and SCE of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
 /// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
 /// too.
 #[test]
@@ -261,7 +261,13 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
             let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             common::t(name, DType::F32, &[n / 512, 512], bytes)
         };
-        let tensors = [tensor("w.weight", 1 << 20), tensor("v.weight", 1 << 18)];
+        let mut slabs = tensor("x.weight", 1 << 20);
+        slabs.2 = vec![16, 256, 256]; // DELLA ranks down axis 1: rows strided by 256
+        let tensors = [
+            tensor("w.weight", 1 << 20),
+            tensor("v.weight", 1 << 18),
+            slabs,
+        ];
         common::Model::new()
             .tensors(tensors)
             .write(&dir.path().join(name))
@@ -286,6 +292,8 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
         ("dare_linear", format!("merge_method: dare_linear\nbase_model: {a}\nmodels:\n  - model: {b}\n    parameters: {{weight: 0.6, density: 0.4}}\n  - model: {d}\n    parameters: {{weight: -0.5, density: 0.9}}\n")),
         ("ties-ties", format!("merge_method: ties\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 0.6, density: 0.3}}\n  - model: {f}\n    parameters: {{weight: 0.5, density: 0.55}}\n")),
         ("breadcrumbs-ties", format!("merge_method: breadcrumbs\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 1.0, density: 0.4, gamma: 0.2}}\n  - model: {f}\n    parameters: {{weight: 0.7, density: 0.5, gamma: 0.15}}\n")),
+        ("della", format!("merge_method: della\nbase_model: {g}\nmodels:\n  - model: {e}\n    parameters: {{weight: 0.6, density: 0.4, epsilon: 0.1}}\n  - model: {f}\n    parameters: {{weight: 0.5, density: 0.7, epsilon: 0.2}}\n")),
+        ("della_linear", format!("merge_method: della_linear\nbase_model: {a}\nmodels:\n  - model: {b}\n    parameters: {{weight: 0.6, density: 0.5, epsilon: 0.05}}\n  - model: {d}\n    parameters: {{weight: 0.4, density: 0.3, epsilon: 0.1}}\nparameters:\n  lambda: 0.8\n")),
         ("sce", format!("merge_method: sce\nbase_model: {a}\nmodels:\n  - model: {b}\n  - model: {d}\nparameters:\n  select_topk: 0.4\n")),
         ("sce-ties", format!("merge_method: sce\nbase_model: {g}\nmodels:\n  - model: {e}\n  - model: {f}\nparameters:\n  select_topk: 0.5\n")),
         ("multislerp-two", format!("merge_method: multislerp\nmodels:\n  - model: {a}\n    parameters: {{weight: 1.0}}\n  - model: {b}\n    parameters: {{weight: 3.0}}\ndtype: bfloat16\n")),

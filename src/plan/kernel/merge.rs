@@ -27,7 +27,7 @@ pub enum MergeMethod {
     Ram = 8,
     /// arcee_fusion's choice of the model's or the base's element.
     Fusion = 9,
-    /// TIES, breadcrumbs, DARE: survivors, rescaled, weighted, sign-elected or summed.
+    /// TIES, breadcrumbs, DARE, DELLA: survivors, rescaled, weighted, sign-elected or summed.
     Sparse = 10,
     /// SCE: the elements of largest variance, sign-elected, weighted.
     Sce = 11,

@@ -5,7 +5,8 @@
 
 use super::sparse::{Generalized, Setup, FAMILY};
 use super::sparsify::{
-    della, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors, TaskVector,
+    della, della_rows, rank_key, CutPass, L1Norms, RadixCut, Selection, Sparsify, Survivors,
+    TaskVector,
 };
 use super::survey::{check_finite, Blend, BlendKind, Chunk, Setting, Survey};
 use super::uniform;
@@ -14,6 +15,10 @@ use super::uniform;
 pub fn survey<const K: usize>(s: &Setting) -> Result<Box<dyn Survey>, String> {
     Ok(Box::new(SparseSurvey::new(&FAMILY[K], s)?))
 }
+
+/// The longest row whose DELLA draws a GPU blend makes: each element there finds its rank by
+/// counting its row (work of the row's length per element), where the CPU sorts the row once.
+pub const DELLA_GPU_ROW: usize = 1 << 16;
 
 /// What one model keeps, as a chunk can decide it.
 #[derive(Clone, Debug)]
@@ -163,8 +168,8 @@ impl Survey for SparseSurvey {
         Ok(())
     }
 
-    /// Without passes the merge itself refuses non-finite values, on the CPU; DELLA's
-    /// survivors come from per-row ranks, on the CPU too.
+    /// Without passes the merge itself refuses non-finite values, on the CPU; so does DELLA
+    /// with rows longer than [`DELLA_GPU_ROW`].
     fn blend(&self) -> Option<Blend> {
         if self.stages.is_empty() {
             return None;
@@ -192,7 +197,15 @@ impl Survey for SparseSurvey {
                     [2.0, lk as f64, position(ll), hk as f64, position(hl)]
                 }
                 Keep::Random => [3.0, 0.0, setup.sparsify[i].density, 0.0, 0.0],
-                Keep::Della => return None,
+                Keep::Della => {
+                    // Each element counts the elements ranking below it in its row.
+                    let (row, inner) = della_rows(&self.shape);
+                    if row > DELLA_GPU_ROW {
+                        return None;
+                    }
+                    let how = &setup.sparsify[i];
+                    [4.0, how.epsilon, how.density, row as f64, inner as f64]
+                }
             };
             coefs.extend(how);
             coefs.extend([self.scales[i], setup.weights[i]]);

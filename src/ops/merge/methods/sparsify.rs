@@ -231,23 +231,25 @@ pub(crate) fn della(
     how.check()?;
     let (density, epsilon) = (how.density, how.epsilon);
     let len = tv.base.len();
-    // mergekit ranks along dim 1 of the tensor (a 1-D tensor is unsqueezed to one row).
-    let (row, inner) = match shape {
-        [_, row, rest @ ..] => (*row, rest.iter().product::<usize>()),
-        _ => (len, 1),
-    };
+    let (row, inner) = della_rows(shape);
+    if u32::try_from(row).is_err() {
+        return Err(format!(
+            "DELLA cannot rank rows of {row} elements (at most 2^32)"
+        ));
+    }
     let mut bits = vec![0u64; len.div_ceil(64)];
-    let mut line: Vec<(u32, usize)> = Vec::with_capacity(row);
+    // Each element as its key above its place in the row: one u64 sort orders by key, then
+    // position.
+    let mut line: Vec<u64> = Vec::with_capacity(row);
     let outer = len.checked_div(row * inner).unwrap_or(0);
     for a in 0..outer {
         for b in 0..inner {
+            let at = |l: usize| (a * row + l) * inner + b;
             line.clear();
-            line.extend((0..row).map(|l| {
-                let j = (a * row + l) * inner + b;
-                (rank_key(tv.at(j).abs()), j)
-            }));
+            line.extend((0..row).map(|l| u64::from(rank_key(tv.at(at(l)).abs())) << 32 | l as u64));
             line.sort_unstable();
-            for (rank, &(_, j)) in line.iter().enumerate() {
+            for (rank, &packed) in line.iter().enumerate() {
+                let j = at((packed & 0xFFFF_FFFF) as usize);
                 // A row of one element has no rank spread (mergekit divides 0 by 0 and fails
                 // in `torch.bernoulli`); it is kept with the mean probability, `density`.
                 let spread = if row > 1 {
@@ -266,6 +268,15 @@ pub(crate) fn della(
         keep: Some(bits),
         scale: 1.0,
     })
+}
+
+/// The rows DELLA ranks within, as (elements in a row, the stride between them): mergekit
+/// ranks along dim 1 of the tensor; a tensor of fewer dimensions is unsqueezed to one row.
+pub(crate) fn della_rows(shape: &[usize]) -> (usize, usize) {
+    match shape {
+        [_, row, rest @ ..] => (*row, rest.iter().product()),
+        _ => (shape.iter().product(), 1),
+    }
 }
 
 /// The ranking key of a non-negative value: its `f32` rounding's bits, which order like it.

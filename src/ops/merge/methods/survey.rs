@@ -119,11 +119,11 @@ pub enum BlendKind {
     /// arcee_fusion's choice between the model's and the base's element by importance,
     /// `coefs` = `[threshold, row length, each row's divergence…]`.
     Fusion,
-    /// The generalized task arithmetic (TIES, breadcrumbs, DARE): each model's survivors,
+    /// The generalized task arithmetic (TIES, breadcrumbs, DARE, DELLA): each model's survivors,
     /// rescaled, weighted, sign-elected or summed. `coefs` = `[seed's low 32 bits, high 32
     /// bits, consensus, normalize, lambda, linear divisor]`, then per model `[keep (0 all,
-    /// 1 nothing, 2 ranked, 3 drawn), low key, low limit or density, high key, high limit,
-    /// scale, weight]`.
+    /// 1 nothing, 2 ranked, 3 drawn, 4 DELLA), low key or epsilon, low limit or density, high
+    /// key or row length, high limit or row stride, scale, weight]`.
     Sparse,
     /// SCE's erase over the selected elements, `coefs` = `[1 when a variance cut selects (else
     /// 0), the cut's key, its position limit, each model's weight…]`.
