@@ -18,6 +18,7 @@ pub mod int;
 pub mod lora;
 pub mod merge;
 pub mod quantize;
+pub(crate) mod simd;
 
 pub use crate::plan::kernel;
 pub use crate::plan::Op;

@@ -234,12 +234,14 @@ pub fn f16_to_f32(b: u16) -> f32 {
 }
 
 /// Any castable dtype as f32, rounding as `cast` does for an F32 target.
+#[inline(always)]
 pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    let from_f32 = |bytes: &[u8], out: &mut [f32]| {
+        (out.iter_mut().zip(bytes.chunks_exact(4)))
+            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap()))
+    };
     match dtype {
-        DType::F32 => out
-            .iter_mut()
-            .zip(bytes.chunks_exact(4))
-            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap())),
+        DType::F32 => from_f32(bytes, out),
         DType::BF16 => out
             .iter_mut()
             .zip(bytes.chunks_exact(2))
@@ -253,7 +255,7 @@ pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         _ => {
             let mut f32_bytes = vec![0u8; out.len() * 4];
             cast_slice(dtype, DType::F32, bytes, &mut f32_bytes);
-            decode_into(DType::F32, &f32_bytes, out);
+            from_f32(&f32_bytes, out);
         }
     }
 }

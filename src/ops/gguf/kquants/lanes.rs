@@ -175,19 +175,7 @@ impl Vm {
 
 /// Runs `f` compiled for AVX2 where the CPU has it (`f` and what it inlines: the searches
 /// here are `#[inline(always)]` for that), otherwise as built. Same results either way.
-#[inline(always)]
-pub(super) fn simd<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        #[target_feature(enable = "avx2")]
-        fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        // SAFETY: the CPU has AVX2, checked just above.
-        return unsafe { avx2(f) };
-    }
-    f()
-}
+pub(super) use crate::ops::simd::with_avx2 as simd;
 
 /// Sub-blocks `first .. first + LANES` of `S` elements of `x`, lane `k` holding sub-block
 /// `first + k`.

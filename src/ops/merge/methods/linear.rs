@@ -4,6 +4,7 @@
 //! order from the weights as written and rounds once to the output dtype.
 
 /// `out[j] = Σ_i weights[i] · inputs[i][j] / denominator`, each term in f64, in input order.
+#[inline(always)]
 pub fn linear(inputs: &[&[f64]], weights: &[f64], denominator: f64, out: &mut [f64]) {
     // Input by input over the block (which vectorises), each element's sum still taking its
     // terms in input order from 0.0.

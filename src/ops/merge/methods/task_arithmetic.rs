@@ -5,6 +5,7 @@
 //! in input order and rounds once.
 
 /// `out[j] = base[j] + lambda · Σ_i weights[i] · (models[i][j] − base[j]) / divisor`.
+#[inline(always)]
 pub fn task_arithmetic(
     base: &[f64],
     models: &[&[f64]],
