@@ -56,6 +56,10 @@ merge_configs() {
     merge_config karcher '' m0 m1 m2
     merge_config arcee_fusion m0 m0 m1
     merge_config model_stock m0 m1 m2
+    merge_config della m0 'm1=weight: 0.5, density: 0.5, epsilon: 0.1' \
+        'm2=weight: 0.5, density: 0.5, epsilon: 0.1'
+    merge_config della_linear m0 'm1=weight: 0.5, density: 0.5, epsilon: 0.1' \
+        'm2=weight: 0.5, density: 0.5, epsilon: 0.1'
 }
 
 # `runs NAME COMMAND...`: RUNS cold runs of COMMAND under GNU time, its output folder $D/out

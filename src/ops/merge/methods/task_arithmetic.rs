@@ -4,11 +4,12 @@
 //! dtype (a bf16 model's differences rounded to bf16, its weights too); tftf computes in f64
 //! in input order and rounds once.
 
-/// `out[j] = base[j] + lambda · Σ_i weights[i] · (models[i][j] − base[j]) / divisor`.
+/// `out[j] = base[j] + lambda · Σ_i weights[i] · (models[i][j] − base[j]) / divisor` (inputs as
+/// f64, or as f32 that widen exactly).
 #[inline(always)]
-pub fn task_arithmetic(
-    base: &[f64],
-    models: &[&[f64]],
+pub fn task_arithmetic<T: Copy + Into<f64>>(
+    base: &[T],
+    models: &[&[T]],
     weights: &[f64],
     scale: f64,
     out: &mut [f64],
@@ -18,11 +19,11 @@ pub fn task_arithmetic(
     out.iter_mut().for_each(|o| *o = 0.0);
     for (x, w) in models.iter().zip(weights) {
         for ((o, &v), &b) in out.iter_mut().zip(x.iter()).zip(base) {
-            *o += w * (v - b);
+            *o += w * (v.into() - b.into());
         }
     }
     for (o, &b) in out.iter_mut().zip(base) {
-        *o = b + scale * *o;
+        *o = b.into() + scale * *o;
     }
 }
 
