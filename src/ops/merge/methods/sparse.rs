@@ -178,11 +178,8 @@ impl Setup {
             let base = f64::from(base[j]);
             for (i, term) in terms.iter_mut().enumerate() {
                 let survivor = &kept[i];
-                *term = if survivor.kept(j) {
-                    (f64::from(models[i][j]) - base) * survivor.scale * self.weights[i]
-                } else {
-                    0.0
-                };
+                let value = (f64::from(models[i][j]) - base) * survivor.scale * self.weights[i];
+                *term = survivor.masked(j, value);
             }
             let (mut merged, divisor) = if self.consensus {
                 elect(&terms, &self.weights)
@@ -206,11 +203,13 @@ impl Setup {
 fn elect(terms: &[f64], weights: &[f64]) -> (f64, f64) {
     let positive = terms.iter().sum::<f64>() >= 0.0;
     let (mut merged, mut divisor) = (0.0, 0.0);
-    for (term, weight) in terms.iter().zip(weights) {
-        if *term != 0.0 && (*term > 0.0) == positive {
-            merged += term;
-            divisor += weight;
-        }
+    // Without branches on the terms' signs: a term that does not agree adds +0.0, which leaves
+    // either sum as it was (neither is ever -0.0).
+    for (&term, &weight) in terms.iter().zip(weights) {
+        let agrees = u64::from(term != 0.0 && (term > 0.0) == positive);
+        let mask = 0u64.wrapping_sub(agrees);
+        merged += f64::from_bits(term.to_bits() & mask);
+        divisor += f64::from_bits(weight.to_bits() & mask);
     }
     (merged, if divisor == 0.0 { 1.0 } else { divisor })
 }

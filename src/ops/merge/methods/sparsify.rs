@@ -66,6 +66,18 @@ impl Survivors {
             .is_none_or(|bits| bits[index / 64] >> (index % 64) & 1 == 1)
     }
 
+    /// `value` where element `index` survives, else `+0.0`, without a branch (survival is a
+    /// coin toss the branch predictor would lose). `value` must not be `-0.0`-sensitive: the
+    /// callers add the result to sums that a `+0.0` leaves unchanged.
+    #[inline(always)]
+    pub fn masked(&self, index: usize, value: f64) -> f64 {
+        let bit = self
+            .keep
+            .as_ref()
+            .map_or(1, |bits| bits[index / 64] >> (index % 64) & 1);
+        f64::from_bits(value.to_bits() & 0u64.wrapping_sub(bit))
+    }
+
     pub fn from_predicate(len: usize, mut keep: impl FnMut(usize) -> bool) -> Self {
         let mut bits = vec![0u64; len.div_ceil(64)];
         for index in 0..len {
@@ -202,7 +214,7 @@ impl L1Norms {
         for j in 0..tv.base.len() {
             let magnitude = tv.at(j).abs();
             self.before.add(magnitude);
-            self.after.add(if kept.kept(j) { magnitude } else { 0.0 });
+            self.after.add(kept.masked(j, magnitude));
         }
     }
 
@@ -238,6 +250,19 @@ pub(crate) fn della(
         ));
     }
     let mut bits = vec![0u64; len.div_ceil(64)];
+    // The keep probability of each rank, the same in every row.
+    let probability: Vec<f64> = (0..row)
+        .map(|rank| {
+            // A row of one element has no rank spread (mergekit divides 0 by 0 and fails in
+            // `torch.bernoulli`); it is kept with the mean probability, `density`.
+            let spread = if row > 1 {
+                rank as f64 / (row - 1) as f64
+            } else {
+                0.5
+            };
+            (density - epsilon) + spread * 2.0 * epsilon
+        })
+        .collect();
     // Each element as its key above its place in the row: one u64 sort orders by key, then
     // position.
     let mut line: Vec<u64> = Vec::with_capacity(row);
@@ -248,19 +273,10 @@ pub(crate) fn della(
             line.clear();
             line.extend((0..row).map(|l| u64::from(rank_key(tv.at(at(l)).abs())) << 32 | l as u64));
             line.sort_unstable();
-            for (rank, &packed) in line.iter().enumerate() {
+            for (&packed, &p) in line.iter().zip(&probability) {
                 let j = at((packed & 0xFFFF_FFFF) as usize);
-                // A row of one element has no rank spread (mergekit divides 0 by 0 and fails
-                // in `torch.bernoulli`); it is kept with the mean probability, `density`.
-                let spread = if row > 1 {
-                    rank as f64 / (row - 1) as f64
-                } else {
-                    0.5
-                };
-                let probability = (density - epsilon) + spread * 2.0 * epsilon;
-                if uniform(seed, model, (start + j) as u64) < probability {
-                    bits[j / 64] |= 1 << (j % 64);
-                }
+                let kept = uniform(seed, model, (start + j) as u64) < p;
+                bits[j / 64] |= u64::from(kept) << (j % 64);
             }
         }
     }
