@@ -21,7 +21,8 @@
 #            python3 -m venv /tmp/mkvenv && /tmp/mkvenv/bin/pip install mergekit==0.1.5)
 #   BUDGET   tftf's --memory-budget (default 512MiB)
 # METHODS (environment): the methods to run, of linear task_arithmetic ties model_stock
-# (the default: all four) multislerp karcher arcee_fusion della della_linear.
+# (the default: all four) multislerp karcher arcee_fusion della della_linear dare_ties
+# breadcrumbs_ties sce slerp nearswap ram.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh

@@ -31,7 +31,8 @@ merge_inputs() {
 
 # `merge_config METHOD BASE MODEL...`: $D/METHOD.yml, mergekit's config (which tftf reads too)
 # of a bfloat16 merge by METHOD of the models MODEL (m0, m1 or m2; `mK=PARAMETERS` gives the
-# model the inline parameters `{PARAMETERS}`), with the base model BASE unless it is empty.
+# model the inline parameters `{PARAMETERS}`), with the base model BASE unless it is empty, and
+# the global parameter GLOBAL (`name: value`) where it is set.
 merge_config() {
     local method=$1 base=$2 m
     shift 2
@@ -39,6 +40,7 @@ merge_config() {
         echo "merge_method: $method"
         [ -z "$base" ] || echo "base_model: $D/$base"
         echo "dtype: bfloat16"
+        [ -z "${GLOBAL:-}" ] || printf 'parameters:\n  %s\n' "$GLOBAL"
         echo "models:"
         for m; do
             echo "  - model: $D/${m%%=*}"
@@ -60,6 +62,13 @@ merge_configs() {
         'm2=weight: 0.5, density: 0.5, epsilon: 0.1'
     merge_config della_linear m0 'm1=weight: 0.5, density: 0.5, epsilon: 0.1' \
         'm2=weight: 0.5, density: 0.5, epsilon: 0.1'
+    merge_config dare_ties m0 'm1=weight: 0.5, density: 0.5' 'm2=weight: 0.5, density: 0.5'
+    merge_config breadcrumbs_ties m0 'm1=weight: 0.5, density: 0.5, gamma: 0.01' \
+        'm2=weight: 0.5, density: 0.5, gamma: 0.01'
+    GLOBAL='select_topk: 0.5' merge_config sce m0 m1 m2
+    GLOBAL='t: 0.5' merge_config slerp m0 m0 m1
+    GLOBAL='t: 0.001' merge_config nearswap m0 m0 m1
+    merge_config ram m0 m0 m1 m2
 }
 
 # `runs NAME COMMAND...`: RUNS cold runs of COMMAND under GNU time, its output folder $D/out

@@ -170,48 +170,82 @@ impl Setup {
     /// The per-element combination of the sparsified, weighted task vectors: `models[i][j]`
     /// against `base[j]`, element `j` of model `i` kept where `kept[i]` says (indices relative
     /// to these slices).
+    ///
+    /// Block by block, model by model, so each step is one loop over the block's elements that
+    /// vectorises; each element still sees its terms in model order, and a term that is
+    /// dropped or does not agree adds `+0.0`, which leaves a sum as it was (none of the sums
+    /// below is ever `-0.0` once it has a term). The total of the terms starts from `-0.0`,
+    /// as Rust's float sums do: it is the first term.
     pub fn combine(&self, base: &[f32], models: &[&[f32]], kept: &[Survivors], out: &mut [f32]) {
-        let total: f64 = self.weights.iter().sum();
-        let linear_divisor = if total.abs() < 1e-8 { 1.0 } else { total };
-        let mut terms = vec![0f64; models.len()];
-        for (j, slot) in out.iter_mut().enumerate() {
-            let base = f64::from(base[j]);
+        crate::ops::simd::with_avx2(
+            #[inline(always)]
+            || self.combine_blocks(base, models, kept, out),
+        )
+    }
+
+    #[inline(always)]
+    fn combine_blocks(&self, base: &[f32], models: &[&[f32]], kept: &[Survivors], out: &mut [f32]) {
+        const B: usize = 512;
+        let total_weight: f64 = self.weights.iter().sum();
+        let linear_divisor = if total_weight.abs() < 1e-8 {
+            1.0
+        } else {
+            total_weight
+        };
+        let mut terms = vec![[0f64; B]; models.len()];
+        let (mut total, mut merged, mut divisor) = ([0f64; B], [0f64; B], [0f64; B]);
+        for at in (0..out.len()).step_by(B) {
+            let n = B.min(out.len() - at);
+            let base = &base[at..at + n];
             for (i, term) in terms.iter_mut().enumerate() {
-                let survivor = &kept[i];
-                let value = (f64::from(models[i][j]) - base) * survivor.scale * self.weights[i];
-                *term = survivor.masked(j, value);
+                let (survivor, weight) = (&kept[i], self.weights[i]);
+                for (k, (t, (&m, &b))) in term
+                    .iter_mut()
+                    .zip(models[i][at..].iter().zip(base))
+                    .enumerate()
+                {
+                    let value = (f64::from(m) - f64::from(b)) * survivor.scale * weight;
+                    *t = survivor.masked(at + k, value);
+                }
             }
-            let (mut merged, divisor) = if self.consensus {
-                elect(&terms, &self.weights)
+            total[..n].fill(-0.0);
+            for term in &terms {
+                total.iter_mut().zip(&term[..n]).for_each(|(s, &t)| *s += t);
+            }
+            if self.consensus {
+                // mergekit's `get_mask(method="sum")`: the terms whose sign is that of their
+                // total (`≥ 0` elects `+`; zero terms never agree), and their weights (1 when
+                // none agrees).
+                merged[..n].fill(0.0);
+                divisor[..n].fill(0.0);
+                for (term, &weight) in terms.iter().zip(&self.weights) {
+                    let sums = merged.iter_mut().zip(divisor.iter_mut());
+                    for ((m, d), (&t, &all)) in sums.zip(term[..n].iter().zip(&total[..n])) {
+                        let agrees = (t != 0.0) & ((t > 0.0) == (all >= 0.0));
+                        let mask = 0u64.wrapping_sub(u64::from(agrees));
+                        *m += f64::from_bits(t.to_bits() & mask);
+                        *d += f64::from_bits(weight.to_bits() & mask);
+                    }
+                }
+                divisor[..n]
+                    .iter_mut()
+                    .for_each(|d| *d = if *d == 0.0 { 1.0 } else { *d });
             } else {
-                (terms.iter().sum(), linear_divisor)
-            };
-            if self.normalize {
-                merged /= divisor;
+                merged[..n].copy_from_slice(&total[..n]);
+                divisor[..n].fill(linear_divisor);
             }
-            if self.lambda != 1.0 {
-                merged *= self.lambda;
+            for (k, (slot, &b)) in out[at..at + n].iter_mut().zip(base).enumerate() {
+                let mut x = merged[k];
+                if self.normalize {
+                    x /= divisor[k];
+                }
+                if self.lambda != 1.0 {
+                    x *= self.lambda;
+                }
+                *slot = (f64::from(b) + x) as f32;
             }
-            *slot = (base + merged) as f32;
         }
     }
-}
-
-/// mergekit's `get_mask(method="sum")` applied: the sum of the terms whose sign is that of
-/// their total (`≥ 0` elects `+`; zero terms never agree), and the sum of their weights (1
-/// when 0).
-fn elect(terms: &[f64], weights: &[f64]) -> (f64, f64) {
-    let positive = terms.iter().sum::<f64>() >= 0.0;
-    let (mut merged, mut divisor) = (0.0, 0.0);
-    // Without branches on the terms' signs: a term that does not agree adds +0.0, which leaves
-    // either sum as it was (neither is ever -0.0).
-    for (&term, &weight) in terms.iter().zip(weights) {
-        let agrees = u64::from(term != 0.0 && (term > 0.0) == positive);
-        let mask = 0u64.wrapping_sub(agrees);
-        merged += f64::from_bits(term.to_bits() & mask);
-        divisor += f64::from_bits(weight.to_bits() & mask);
-    }
-    (merged, if divisor == 0.0 { 1.0 } else { divisor })
 }
 
 fn sparsify_params(

@@ -80,9 +80,10 @@ impl Survivors {
 
     pub fn from_predicate(len: usize, mut keep: impl FnMut(usize) -> bool) -> Self {
         let mut bits = vec![0u64; len.div_ceil(64)];
-        for index in 0..len {
-            if keep(index) {
-                bits[index / 64] |= 1 << (index % 64);
+        // A word at a time, without a branch on the (often random) answer.
+        for (w, word) in bits.iter_mut().enumerate() {
+            for index in 64 * w..(64 * w + 64).min(len) {
+                *word |= u64::from(keep(index)) << (index % 64);
             }
         }
         Survivors {
