@@ -321,7 +321,7 @@ pub(crate) fn check_inputs(t: &Inputs, out: &[f32]) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ModelTensor;
+    use super::super::{uniform, ModelTensor};
     use super::*;
 
     fn merge(
@@ -496,5 +496,93 @@ mod tests {
             della_err.starts_with("models[0]: `epsilon` must leave"),
             "{della_err}"
         );
+    }
+
+    /// The combination element by element, as mergekit's formula reads: the reference the
+    /// block-wise, branch-free [`Setup::combine`] must equal bit for bit.
+    fn combine_one_by_one(
+        setup: &Setup,
+        base: &[f32],
+        models: &[&[f32]],
+        kept: &[Survivors],
+    ) -> Vec<f32> {
+        let total: f64 = setup.weights.iter().sum();
+        let linear_divisor = if total.abs() < 1e-8 { 1.0 } else { total };
+        (0..base.len())
+            .map(|j| {
+                let b = f64::from(base[j]);
+                let terms: Vec<f64> = (0..models.len())
+                    .map(|i| match kept[i].kept(j) {
+                        true => (f64::from(models[i][j]) - b) * kept[i].scale * setup.weights[i],
+                        false => 0.0,
+                    })
+                    .collect();
+                let (mut merged, divisor) = if setup.consensus {
+                    let positive = terms.iter().sum::<f64>() >= 0.0;
+                    let (mut merged, mut divisor) = (0.0, 0.0);
+                    for (t, w) in terms.iter().zip(&setup.weights) {
+                        if *t != 0.0 && (*t > 0.0) == positive {
+                            merged += t;
+                            divisor += w;
+                        }
+                    }
+                    (merged, if divisor == 0.0 { 1.0 } else { divisor })
+                } else {
+                    (terms.iter().sum(), linear_divisor)
+                };
+                if setup.normalize {
+                    merged /= divisor;
+                }
+                if setup.lambda != 1.0 {
+                    merged *= setup.lambda;
+                }
+                (b + merged) as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_block_wise_combination_is_the_element_wise_one_bit_for_bit() {
+        // Signed zeros, equal values (zero task vectors), ties in sign, negative and zero
+        // weights, across block boundaries (1,300 elements), every flag.
+        let pick = [0.0f32, -0.0, 1.0, -1.0, 0.5, -0.25, 3.0e-8, -7.5];
+        let value = |trial: u64, model: u64, j: usize| {
+            pick[(uniform(trial, model, j as u64) * pick.len() as f64) as usize]
+        };
+        for trial in 0..48u64 {
+            let len = 1300;
+            let count = 1 + trial as usize % 3;
+            let base: Vec<f32> = (0..len).map(|j| value(trial, 99, j)).collect();
+            let models: Vec<Vec<f32>> = (0..count)
+                .map(|m| (0..len).map(|j| value(trial, m as u64, j)).collect())
+                .collect();
+            let views: Vec<&[f32]> = models.iter().map(Vec::as_slice).collect();
+            let kept: Vec<Survivors> = (0..count)
+                .map(|m| {
+                    let mut s = match trial % 4 {
+                        0 => Survivors::all(),
+                        _ => Survivors::from_predicate(len, |j| {
+                            uniform(trial, 50 + m as u64, j as u64) < 0.6
+                        }),
+                    };
+                    s.scale = [1.0, 1.5, 0.75][m % 3];
+                    s
+                })
+                .collect();
+            let setup = Setup {
+                consensus: trial % 2 == 0,
+                normalize: trial / 2 % 2 == 0,
+                lambda: if trial % 3 == 0 { 0.9 } else { 1.0 },
+                weights: (0..count)
+                    .map(|m| [0.5, -0.3, 0.0, 1.0][(m + trial as usize) % 4])
+                    .collect(),
+                sparsify: Vec::new(),
+            };
+            let mut got = vec![f32::NAN; len];
+            setup.combine(&base, &views, &kept, &mut got);
+            let want = combine_one_by_one(&setup, &base, &views, &kept);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "trial {trial}");
+        }
     }
 }
