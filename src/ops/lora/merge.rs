@@ -438,21 +438,13 @@ fn gather_operands<'a>(
 /// the order of kernels/lora.cuh, so the CPU and the GPU give the same bytes (a library GEMM
 /// would sum in its own order). Columns go in blocks of 128 kept in registers while k runs (measured: as fast as
 /// the `gemm` crate on r=16, 49 GFLOP/s on 2 threads; 64 gave 40).
+///
+/// With 8-lane vectors where the CPU has AVX2 (the arithmetic unchanged: see `ops::simd`).
 pub fn delta_rows(coef: &[f32], vecs: &[f32], r: usize, cols: usize, delta: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { delta_rows_avx2(coef, vecs, r, cols, delta) };
-    }
-    delta_rows_body(coef, vecs, r, cols, delta)
-}
-
-/// The same code with 8-lane vectors. No FMA is enabled, and Rust never contracts a multiply
-/// and an add, so the arithmetic is unchanged.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn delta_rows_avx2(coef: &[f32], vecs: &[f32], r: usize, cols: usize, delta: &mut [f32]) {
-    delta_rows_body(coef, vecs, r, cols, delta)
+    crate::ops::simd::with_avx2(
+        #[inline(always)]
+        || delta_rows_body(coef, vecs, r, cols, delta),
+    )
 }
 
 #[inline(always)]

@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::encode::{WeightType, E2M1_MAX, E4M3_MAX};
 use crate::ops::cast::{bf16_to_f32, f32_to_bf16};
+use crate::ops::simd::with_avx2;
 use crate::plan::Outs;
 
 /// A weight dtype, as a type, so that each loop is compiled for one of them.
@@ -261,16 +262,10 @@ pub fn encode<T: LaneEncoder>(
     outs: Outs,
 ) -> Result<(), String> {
     fn dispatch<T: LaneEncoder, E: Elem>(enc: &T, c: RowChunk) -> Result<(), String> {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            fn avx2<T: LaneEncoder, E: Elem>(enc: &T, c: RowChunk) -> Result<(), String> {
-                enc.encode_lanes::<E>(c)
-            }
-            // SAFETY: the CPU has AVX2, checked just above.
-            return unsafe { avx2::<T, E>(enc, c) };
-        }
-        enc.encode_lanes::<E>(c)
+        with_avx2(
+            #[inline(always)]
+            || enc.encode_lanes::<E>(c),
+        )
     }
     let c = RowChunk::new(enc, units, inputs, outs);
     match enc.weight_type() {
@@ -347,16 +342,10 @@ pub fn max_mag<E: Elem>(bytes: &[u8]) -> u32 {
 /// before any block is encoded, read straight from the stored bits.
 pub fn tensor_amax(wt: WeightType, bytes: &[u8]) -> f32 {
     fn value<E: Elem>(bytes: &[u8]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            fn avx2<E: Elem>(bytes: &[u8]) -> u32 {
-                max_mag::<E>(bytes)
-            }
-            // SAFETY: the CPU has AVX2, checked just above.
-            return E::from_mag(unsafe { avx2::<E>(bytes) });
-        }
-        E::from_mag(max_mag::<E>(bytes))
+        E::from_mag(with_avx2(
+            #[inline(always)]
+            || max_mag::<E>(bytes),
+        ))
     }
     match wt {
         WeightType::BF16 => value::<Bf16>(bytes),
