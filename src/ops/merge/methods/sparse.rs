@@ -227,17 +227,15 @@ impl Setup {
                         *d += f64::from_bits(weight.to_bits() & mask);
                     }
                 }
-                divisor[..n]
-                    .iter_mut()
-                    .for_each(|d| *d = if *d == 0.0 { 1.0 } else { *d });
-            } else {
-                merged[..n].copy_from_slice(&total[..n]);
-                divisor[..n].fill(linear_divisor);
             }
             for (k, (slot, &b)) in out[at..at + n].iter_mut().zip(base).enumerate() {
-                let mut x = merged[k];
+                let (mut x, d) = match self.consensus {
+                    true if divisor[k] == 0.0 => (merged[k], 1.0),
+                    true => (merged[k], divisor[k]),
+                    false => (total[k], linear_divisor),
+                };
                 if self.normalize {
-                    x /= divisor[k];
+                    x /= d;
                 }
                 if self.lambda != 1.0 {
                     x *= self.lambda;
