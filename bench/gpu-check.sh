@@ -188,12 +188,13 @@ if want merge; then
     echo "== merge ties and della_linear (a base and two other $GIB GiB BF16 models)"
     GEN_SEED=1 $GEN "$D/m1" fp8-as-bf16 "$GIB" >/dev/null
     GEN_SEED=2 $GEN "$D/m2" fp8-as-bf16 "$GIB" >/dev/null
-    for method in ties della_linear; do
+    # `method:extra`: DELLA also takes an epsilon, TIES none.
+    for spec in ties: della_linear:', epsilon: 0.1'; do
+        method=${spec%%:*} extra=${spec#*:}
         printf 'merge_method: %s\nbase_model: %s\nmodels:\n' $method "$D/m" >"$D/$method.yml"
-        printf '  - model: %s\n    parameters: {weight: 0.6, density: 0.4, epsilon: 0.1}\n  - model: %s\n    parameters: {weight: 0.5, density: 0.7, epsilon: 0.2}\n' \
-            "$D/m1" "$D/m2" >>"$D/$method.yml"
+        printf '  - model: %s\n    parameters: {weight: 0.6, density: 0.4%s}\n  - model: %s\n    parameters: {weight: 0.5, density: 0.7%s}\n' \
+            "$D/m1" "$extra" "$D/m2" "$extra" >>"$D/$method.yml"
     done
-    sed -i 's/, epsilon: [0-9.]*//' "$D/ties.yml"  # TIES takes no epsilon
     VARIANTS=0 each merge-ties $((3 * B)) -- merge "$D/ties.yml"
     VARIANTS=0 each merge-della $((3 * B)) -- merge "$D/della_linear.yml"
     rm -rf "$D/m" "$D/m1" "$D/m2"

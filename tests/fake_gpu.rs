@@ -229,9 +229,9 @@ fn elementwise_model_merges_are_byte_identical_on_the_gpu_path() {
 
 /// slerp, nuslerp (flattened, down columns, with and without a base), multislerp, model_stock,
 /// karcher, nearswap, ram, ramplus_tl, arcee_fusion, TIES, breadcrumbs, DARE, DELLA (rows of a
-/// matrix, and rows strided through a 3-D tensor) and SCE of weights several chunks long under `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's
-/// blend as `tftf_merge`, byte-identical to the CPU; a NaN in an input gives the CPU's bytes
-/// too.
+/// matrix, and rows strided through a 3-D tensor) and SCE of weights several chunks long under
+/// `--memory-budget 16MiB`: the survey runs on the CPU, each chunk's blend as `tftf_merge`,
+/// byte-identical to the CPU; a NaN in an input gives the CPU's bytes too.
 #[test]
 fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
     let dir = tempfile::tempdir().unwrap();
@@ -254,19 +254,18 @@ fn surveyed_blends_are_byte_identical_on_the_gpu_path() {
     // magnitude cuts fall inside a tie and the position limit decides.
     let quarters = |name: &str, seed: u64| {
         let mut rng = common::Rng(seed);
-        let mut tensor = |name: &str, n: u64| {
-            let values: Vec<f32> = (0..n)
+        let mut tensor = |name: &str, shape: &[u64]| {
+            let values: Vec<f32> = (0..shape.iter().product())
                 .map(|_| (rng.next_u32() % 16) as f32 / 4.0 - 2.0)
                 .collect();
             let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            common::t(name, DType::F32, &[n / 512, 512], bytes)
+            common::t(name, DType::F32, shape, bytes)
         };
-        let mut slabs = tensor("x.weight", 1 << 20);
-        slabs.2 = vec![16, 256, 256]; // DELLA ranks down axis 1: rows strided by 256
         let tensors = [
-            tensor("w.weight", 1 << 20),
-            tensor("v.weight", 1 << 18),
-            slabs,
+            tensor("w.weight", &[2048, 512]),
+            tensor("v.weight", &[512, 512]),
+            // DELLA ranks down axis 1: rows strided by 256.
+            tensor("x.weight", &[16, 256, 256]),
         ];
         common::Model::new()
             .tensors(tensors)
